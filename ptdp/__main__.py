@@ -1,0 +1,5 @@
+import sys
+
+from ptdp.cli import main
+
+sys.exit(main())

@@ -1,0 +1,188 @@
+"""`ptdp` command line.
+
+Flags are generated from the config dataclasses (ptdp/config.py). A config
+file (YAML or TOML, `--config FILE`) may set any of them, either in sections
+named like the dataclasses (model, parallel, train, data) or flat; keys are
+flag names with or without the leading dashes, or field names. Flags given on
+the command line override the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from ptdp.config import SECTION_TYPES, Config, ConfigError, flag_fields, validate
+
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def _field_type(annotation: str) -> type:
+    return _TYPES[annotation.split("|")[0].strip()]
+
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    groups = {name: parser.add_argument_group(f"{name} settings") for name in SECTION_TYPES}
+    for section, f in flag_fields():
+        meta = f.metadata
+        names = [meta["flag"]] + ([meta["short"]] if "short" in meta else [])
+        kwargs: dict[str, Any] = {"dest": f"{section}.{f.name}", "default": argparse.SUPPRESS}
+        kind = _field_type(f.type)
+        if kind is bool:
+            kwargs["action"] = "store_false" if meta.get("negate") else "store_true"
+            kwargs["help"] = meta["help"]
+        else:
+            kwargs["type"] = kind
+            kwargs["metavar"] = f.name.split("_")[-1].upper() if kind is not str else "VALUE"
+            if "choices" in meta:
+                kwargs["choices"] = meta["choices"]
+            kwargs["help"] = f"{meta['help']} (default: {f.default})"
+        groups[section].add_argument(*names, **kwargs)
+
+
+def _load_file(path: str) -> dict[str, Any]:
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError([f"--config {path}: no such file"])
+    text = file.read_text(encoding="utf-8")
+    try:
+        if file.suffix.lower() == ".toml":
+            try:
+                import tomllib
+            except ImportError:  # Python 3.10
+                import tomli as tomllib  # type: ignore[no-redef]
+            data = tomllib.loads(text)
+        elif file.suffix.lower() in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        else:
+            raise ConfigError([f"--config {path}: use a .yaml, .yml or .toml file"])
+    except ConfigError:
+        raise
+    except Exception as error:  # parser errors carry line and column
+        raise ConfigError([f"--config {path}: cannot parse: {error}"]) from None
+    if not isinstance(data, dict):
+        raise ConfigError([f"--config {path}: expected a mapping of settings at the top level"])
+    return data
+
+
+def _file_settings(data: dict[str, Any], path: str) -> dict[str, Any]:
+    """Map a parsed config file to {"section.field": value}, checking names and types."""
+    by_key: dict[str, tuple[str, Any]] = {}
+    for section, f in flag_fields():
+        for key in (f.name, f.metadata["flag"].lstrip("-").replace("-", "_")):
+            by_key[key] = (section, f)
+    flat: list[tuple[str, Any]] = []
+    for key, value in data.items():
+        if key in SECTION_TYPES and isinstance(value, dict):
+            flat.extend(value.items())
+        else:
+            flat.append((key, value))
+    settings: dict[str, Any] = {}
+    problems = []
+    for key, value in flat:
+        normal = str(key).lstrip("-").replace("-", "_")
+        if normal not in by_key:
+            close = difflib.get_close_matches(normal, list(by_key), n=3)
+            problems.append(f"--config {path}: unknown setting {key!r}"
+                            + (f"; did you mean {', '.join(close)}?" if close else ""))
+            continue
+        section, f = by_key[normal]
+        kind = _field_type(f.type)
+        if normal != f.name and f.metadata.get("negate"):  # a "no-..." flag name: invert
+            value = not value if isinstance(value, bool) else value
+        optional = "None" in f.type
+        ok = (value is None and optional) or (
+            isinstance(value, bool) if kind is bool else
+            (isinstance(value, (int, float)) and not isinstance(value, bool)) if kind is float else
+            (isinstance(value, int) and not isinstance(value, bool)) if kind is int else
+            isinstance(value, str))
+        if not ok:
+            problems.append(f"--config {path}: {key} = {value!r} should be of type {kind.__name__}")
+            continue
+        if "choices" in f.metadata and value not in f.metadata["choices"]:
+            problems.append(f"--config {path}: {key} = {value!r} is not one of {f.metadata['choices']}")
+            continue
+        settings[f"{section}.{f.name}"] = float(value) if kind is float and value is not None else value
+    if problems:
+        raise ConfigError(problems)
+    return settings
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    sections: dict[str, dict[str, Any]] = {name: {} for name in SECTION_TYPES}
+    settings = _file_settings(_load_file(args.config), args.config) if args.config else {}
+    settings.update({k: v for k, v in vars(args).items() if "." in k})  # flags win
+    for key, value in settings.items():
+        section, name = key.split(".", 1)
+        sections[section][name] = value
+    return Config.from_dict(sections)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ptdp", description="PTD-P training of GPT models.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    train = commands.add_parser(
+        "train", help="train a GPT",
+        description="Train a GPT with tensor, pipeline and data parallelism. Run directly, it "
+                    "starts t·p·d local processes; under torchrun or SLURM it joins their job.")
+    train.add_argument("--config", metavar="FILE", help="YAML or TOML file of settings; flags override it")
+    _add_config_flags(train)
+    return parser
+
+
+def run_train(config: Config) -> int:
+    from ptdp.launch import LocalJobFailed, detect_env, launch_local
+    from ptdp.train.loop import worker
+
+    not_yet = []
+    if config.parallel.pipeline_model_parallel_size > 1:
+        not_yet.append("--pipeline-model-parallel-size > 1: the pipeline executor is not available "
+                       "yet; use --pipeline-model-parallel-size 1")
+    if not config.data.mock_data:
+        not_yet.append("only generated data is available yet: add --mock-data")
+    if not_yet:
+        raise ConfigError(not_yet)
+    env = detect_env()
+    if env is not None:
+        validate(config, world_size=env.world_size)
+        worker(env, config)
+        return 0
+    validate(config)
+    world = config.parallel.world_size
+    if world == 1:
+        from ptdp.launch import DistEnv
+
+        worker(DistEnv(0, 1, 0, 1, "127.0.0.1", 0, "local"), config)
+        return 0
+    try:
+        launch_local(world, worker, config)
+    except LocalJobFailed as failure:
+        print(f"ptdp: error: {failure}", file=sys.stderr)
+        print(f"ptdp: stopped the other {world - 1} ranks", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "train":
+            return run_train(config_from_args(args))
+    except ConfigError as error:
+        print(f"ptdp: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("ptdp: interrupted", file=sys.stderr)
+        return 130
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

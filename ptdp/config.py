@@ -1,0 +1,302 @@
+"""Typed configuration: model, parallel layout, training and data settings.
+
+Every field that is a command-line flag carries its flag name (Megatron-LM's
+where one exists) in its metadata; the CLI is generated from these dataclasses,
+so a field, its flag, its config-file key and its help text live in one place.
+
+`validate` checks every constraint before any process starts. It never adjusts
+a value: each problem becomes a message naming the flag, the values and a
+valid alternative, and all problems are reported together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def flag(default: Any, name: str, help: str, **extra: Any) -> Any:
+    """A dataclass field that is also the command-line flag `name`."""
+    return field(default=default, metadata={"flag": name, "help": help, **extra})
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = flag(4, "--num-layers", "transformer layers")
+    hidden_size: int = flag(128, "--hidden-size", "hidden size h")
+    num_attention_heads: int = flag(4, "--num-attention-heads", "attention heads a")
+    ffn_hidden_size: int | None = flag(None, "--ffn-hidden-size", "MLP hidden size (default 4·h)")
+    seq_length: int = flag(64, "--seq-length", "sequence length s")
+    max_position_embeddings: int | None = flag(
+        None, "--max-position-embeddings", "learned positions (default --seq-length)")
+    vocab_size: int = flag(50257, "--vocab-size", "vocabulary size before padding (GPT-2: 50257)")
+    make_vocab_size_divisible_by: int = flag(
+        128, "--make-vocab-size-divisible-by",
+        "pad the vocabulary to a multiple of this × tensor-parallel size; padded entries never "
+        "enter the loss")
+    hidden_dropout: float = flag(0.1, "--hidden-dropout", "dropout on residual-branch outputs and embeddings")
+    attention_dropout: float = flag(0.1, "--attention-dropout", "dropout on attention probabilities")
+    init_method_std: float = flag(0.02, "--init-method-std", "std of the normal weight initialisation")
+    layernorm_epsilon: float = flag(1e-5, "--layernorm-epsilon", "LayerNorm epsilon")
+    bias_gelu_fusion: bool = flag(True, "--no-bias-gelu-fusion", "do not fuse bias + GeLU",
+                                  negate=True)
+    bias_dropout_fusion: bool = flag(True, "--no-bias-dropout-fusion",
+                                     "do not fuse bias + dropout + residual add", negate=True)
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.hidden_size
+
+    @property
+    def max_positions(self) -> int:
+        return self.max_position_embeddings or self.seq_length
+
+    def padded_vocab_size(self, tensor_parallel_size: int) -> int:
+        multiple = self.make_vocab_size_divisible_by * tensor_parallel_size
+        return math.ceil(self.vocab_size / multiple) * multiple
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = flag(1, "--tensor-model-parallel-size", "tensor-parallel size t",
+                                           short="-t")
+    pipeline_model_parallel_size: int = flag(1, "--pipeline-model-parallel-size",
+                                             "pipeline-parallel size p", short="-p")
+    data_parallel_size: int | None = flag(
+        None, "--data-parallel-size",
+        "data-parallel size d for local launches (under torchrun/SLURM: world size / (t·p))",
+        short="-d")
+    num_layers_per_virtual_pipeline_stage: int | None = flag(
+        None, "--num-layers-per-virtual-pipeline-stage",
+        "layers per model chunk; enables the interleaved 1F1B schedule")
+    device: str = flag("auto", "--device", "auto | cpu | cuda (auto: cuda with NCCL when there are "
+                       "enough GPUs, else cpu with gloo)", choices=("auto", "cpu", "cuda"))
+    distributed_timeout_minutes: float = flag(
+        10.0, "--distributed-timeout-minutes",
+        "a collective that waits longer than this fails instead of hanging")
+
+    @property
+    def dp(self) -> int:
+        return self.data_parallel_size or 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.dp
+
+    def virtual_stages(self, num_layers: int) -> int:
+        """Model chunks per pipeline rank (v); 1 without interleaving."""
+        k = self.num_layers_per_virtual_pipeline_stage
+        if k is None:
+            return 1
+        return num_layers // (self.pipeline_model_parallel_size * k)
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = flag(2, "--micro-batch-size", "sequences per microbatch b")
+    global_batch_size: int | None = flag(
+        None, "--global-batch-size", "sequences per iteration B (default b·d: one microbatch)")
+    train_iters: int = flag(20, "--train-iters", "optimizer steps")
+    lr: float = flag(1e-3, "--lr", "learning rate")
+    weight_decay: float = flag(0.01, "--weight-decay", "AdamW weight decay")
+    adam_beta1: float = flag(0.9, "--adam-beta1", "AdamW beta1")
+    adam_beta2: float = flag(0.999, "--adam-beta2", "AdamW beta2")
+    adam_eps: float = flag(1e-8, "--adam-eps", "AdamW epsilon")
+    clip_grad: float = flag(1.0, "--clip-grad", "clip the global gradient norm to this (0: off)")
+    seed: int = flag(1234, "--seed", "seed of initialisation, data order and dropout")
+    log_interval: int = flag(1, "--log-interval", "print a line every N iterations")
+    metrics_file: str | None = flag(None, "--metrics-file", "write one JSON line per iteration here")
+
+    def batch_size(self, data_parallel_size: int) -> int:
+        return self.global_batch_size or self.micro_batch_size * data_parallel_size
+
+    def num_microbatches(self, data_parallel_size: int) -> int:
+        """m = B / (b·d): microbatches per pipeline per iteration."""
+        return self.batch_size(data_parallel_size) // (self.micro_batch_size * data_parallel_size)
+
+
+@dataclass
+class DataConfig:
+    mock_data: bool = flag(False, "--mock-data", "train on generated, learnable sequences")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, sections: dict[str, dict[str, Any]]) -> "Config":
+        return cls(**{name: section_type(**sections.get(name, {}))
+                      for name, section_type in SECTION_TYPES.items()})
+
+
+SECTION_TYPES: dict[str, type] = {
+    "model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig}
+
+
+def flag_fields() -> list[tuple[str, dataclasses.Field]]:
+    """(section, field) for every field that is a flag, in declaration order."""
+    return [(section, f) for section, cls in SECTION_TYPES.items()
+            for f in dataclasses.fields(cls) if "flag" in f.metadata]
+
+
+def flag_of(section: str, name: str) -> str:
+    for f in dataclasses.fields(SECTION_TYPES[section]):
+        if f.name == name:
+            return f.metadata["flag"]
+    raise KeyError(f"{section}.{name}")
+
+
+class ConfigError(ValueError):
+    """One or more invalid settings; the message lists each with a fix."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _nearest_multiple(value: int, multiple: int) -> int:
+    """The multiple of `multiple` closest to `value` (at least `multiple`)."""
+    return max(multiple, round(value / multiple) * multiple)
+
+
+def validate(config: Config, world_size: int | None = None) -> None:
+    """Check every constraint; raise ConfigError listing all problems.
+
+    `world_size` is the number of processes the job actually has (under
+    torchrun or SLURM); for a local launch it is None and t·p·d processes will
+    be started.
+    """
+    m, par, tr = config.model, config.parallel, config.train
+    problems: list[str] = []
+
+    def positive(section: str, name: str, value: Any, allow_none: bool = False) -> bool:
+        if value is None and allow_none:
+            return True
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            problems.append(f"{flag_of(section, name)}={value!r} must be a positive integer")
+            return False
+        return True
+
+    ok = all([
+        positive("model", "num_layers", m.num_layers),
+        positive("model", "hidden_size", m.hidden_size),
+        positive("model", "num_attention_heads", m.num_attention_heads),
+        positive("model", "ffn_hidden_size", m.ffn_hidden_size, allow_none=True),
+        positive("model", "seq_length", m.seq_length),
+        positive("model", "max_position_embeddings", m.max_position_embeddings, allow_none=True),
+        positive("model", "vocab_size", m.vocab_size),
+        positive("model", "make_vocab_size_divisible_by", m.make_vocab_size_divisible_by),
+        positive("parallel", "tensor_model_parallel_size", par.tensor_model_parallel_size),
+        positive("parallel", "pipeline_model_parallel_size", par.pipeline_model_parallel_size),
+        positive("parallel", "data_parallel_size", par.data_parallel_size, allow_none=True),
+        positive("parallel", "num_layers_per_virtual_pipeline_stage",
+                 par.num_layers_per_virtual_pipeline_stage, allow_none=True),
+        positive("train", "micro_batch_size", tr.micro_batch_size),
+        positive("train", "global_batch_size", tr.global_batch_size, allow_none=True),
+        positive("train", "train_iters", tr.train_iters),
+        positive("train", "log_interval", tr.log_interval),
+    ])
+    for name in ("hidden_dropout", "attention_dropout"):
+        p = getattr(m, name)
+        if not 0.0 <= p < 1.0:
+            problems.append(f"{flag_of('model', name)}={p} must be in [0, 1)")
+    if par.distributed_timeout_minutes <= 0:
+        problems.append(f"--distributed-timeout-minutes={par.distributed_timeout_minutes} must be > 0")
+    if tr.clip_grad < 0:
+        problems.append(f"--clip-grad={tr.clip_grad} must be >= 0 (0 turns clipping off)")
+    if not ok:  # the structural checks below would only repeat these problems
+        raise ConfigError(problems)
+
+    t, p, h, a = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+                  m.hidden_size, m.num_attention_heads)
+
+    # World size and the data-parallel size.
+    if world_size is not None:
+        if world_size % (t * p):
+            problems.append(
+                f"the job has {world_size} processes, not a multiple of --tensor-model-parallel-size "
+                f"{t} × --pipeline-model-parallel-size {p} = {t * p}: choose t and p with t·p in "
+                f"{_divisors(world_size)}")
+        elif par.data_parallel_size is not None and t * p * par.data_parallel_size != world_size:
+            problems.append(
+                f"the job has {world_size} processes but --tensor-model-parallel-size {t} × "
+                f"--pipeline-model-parallel-size {p} × --data-parallel-size {par.data_parallel_size} "
+                f"= {t * p * par.data_parallel_size}: use --data-parallel-size {world_size // (t * p)} "
+                f"or leave it out")
+    d = par.data_parallel_size or (world_size // (t * p) if world_size and world_size % (t * p) == 0
+                                   else 1)
+
+    # Attention heads, hidden size, MLP size.
+    if h % a:
+        problems.append(
+            f"--hidden-size {h} is not divisible by --num-attention-heads {a}: use --hidden-size "
+            f"{_nearest_multiple(h, a)} or --num-attention-heads in "
+            f"{[k for k in _divisors(h) if k <= 4 * a][-6:]}")
+    if a % t:
+        problems.append(
+            f"--num-attention-heads {a} is not divisible by --tensor-model-parallel-size {t}: use "
+            f"--tensor-model-parallel-size in {_divisors(a)} or --num-attention-heads "
+            f"{_nearest_multiple(a, t)}")
+    if m.ffn_size % t:
+        problems.append(
+            f"--ffn-hidden-size {m.ffn_size} is not divisible by --tensor-model-parallel-size {t}: "
+            f"use --ffn-hidden-size {_nearest_multiple(m.ffn_size, t)}")
+    if m.seq_length > m.max_positions:
+        problems.append(
+            f"--seq-length {m.seq_length} exceeds --max-position-embeddings {m.max_positions}: "
+            f"use --max-position-embeddings {m.seq_length} or a shorter --seq-length")
+
+    # Layers over pipeline stages and model chunks.
+    l, k = m.num_layers, par.num_layers_per_virtual_pipeline_stage
+    if l % p:
+        problems.append(
+            f"--num-layers {l} is not divisible by --pipeline-model-parallel-size {p}: use "
+            f"--pipeline-model-parallel-size in {_divisors(l)} or --num-layers "
+            f"{_nearest_multiple(l, p)} (layers are never dropped or added silently)")
+    elif k is not None:
+        if p < 2:
+            problems.append(
+                f"--num-layers-per-virtual-pipeline-stage {k} needs --pipeline-model-parallel-size "
+                f">= 2 (interleaving splits each pipeline rank's layers into chunks); remove it or "
+                f"raise p")
+        elif (l // p) % k:
+            problems.append(
+                f"--num-layers {l} is not divisible by --pipeline-model-parallel-size {p} × "
+                f"--num-layers-per-virtual-pipeline-stage {k} = {p * k}: use "
+                f"--num-layers-per-virtual-pipeline-stage in {_divisors(l // p)} or --num-layers "
+                f"{_nearest_multiple(l, p * k)}")
+
+    # Batch sizes.
+    b, B = tr.micro_batch_size, tr.batch_size(d)
+    if B % (b * d):
+        problems.append(
+            f"--global-batch-size {B} is not divisible by --micro-batch-size {b} × data-parallel "
+            f"size {d} = {b * d}: use --global-batch-size {_nearest_multiple(B, b * d)} or a "
+            f"--micro-batch-size in {[x for x in _divisors(B // d) if B % (x * d) == 0]}"
+            if B % d == 0 else
+            f"--global-batch-size {B} is not divisible by --micro-batch-size {b} × data-parallel "
+            f"size {d} = {b * d}: use --global-batch-size {_nearest_multiple(B, b * d)}")
+    elif k is not None and p >= 2 and l % p == 0 and (l // p) % k == 0:
+        num_micro = B // (b * d)
+        if num_micro % p:
+            problems.append(
+                f"the interleaved schedule needs the number of microbatches (--global-batch-size "
+                f"{B} / (--micro-batch-size {b} × d {d}) = {num_micro}) to be a multiple of "
+                f"--pipeline-model-parallel-size {p}: use --global-batch-size "
+                f"{_nearest_multiple(num_micro, p) * b * d}")
+
+    if problems:
+        raise ConfigError(problems)

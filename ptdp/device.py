@@ -1,0 +1,86 @@
+"""The one place that knows about CUDA versus CPU.
+
+Everything else asks this module for the device, the collective backend, the
+random-number state of the device and whether fused kernels can be compiled.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def cuda_device_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_kind(requested: str, local_world_size: int) -> str:
+    """'cpu' or 'cuda' for a job with `local_world_size` processes on this host."""
+    if requested == "cpu":
+        return "cpu"
+    count = cuda_device_count()
+    if requested == "cuda":
+        if count < local_world_size:
+            raise RuntimeError(
+                f"--device cuda needs one GPU per local process: {local_world_size} processes, "
+                f"{count} GPUs visible; use --device cpu or fewer processes")
+        return "cuda"
+    return "cuda" if count >= local_world_size > 0 else "cpu"
+
+
+def backend_for(kind: str) -> str:
+    return "nccl" if kind == "cuda" else "gloo"
+
+
+def device_for(kind: str, local_rank: int) -> torch.device:
+    if kind == "cuda":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def configure_threads(kind: str, local_world_size: int) -> None:
+    """Share the host's cores among the local processes (CPU mode); more
+    threads than cores makes every rank slower on a small machine."""
+    if kind == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world_size)))
+
+
+def get_rng_state(device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return torch.get_rng_state()
+
+
+def set_rng_state(state: torch.Tensor, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+def manual_seed(seed: int, device: torch.device) -> None:
+    """Seed the generator that dropout on `device` draws from."""
+    if device.type == "cuda":
+        torch.cuda.manual_seed(seed)
+    else:
+        torch.manual_seed(seed)
+
+
+def can_compile_kernels(device: torch.device) -> bool:
+    """torch.compile fuses element-wise kernels well on GPUs (Triton). On CPU
+    its C++ compile time dominates the short runs this project makes there,
+    so the fused operators run as single eager autograd nodes instead."""
+    if device.type != "cuda" or not hasattr(torch, "compile"):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

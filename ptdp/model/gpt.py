@@ -1,0 +1,193 @@
+"""GPT-2 built from the tensor-parallel layers.
+
+Pre-LayerNorm blocks, learned position embeddings, tanh-GeLU MLP, word
+embeddings tied to the output layer, dropout. Activations are laid out
+[s, b, h] (sequence first) as in the paper, so no transposes are needed
+between layers.
+
+A GPT can be one pipeline piece: `layer_ids` picks the transformer layers it
+holds (global indices, kept as module names so that parameter names are the
+same logical names under every layout), `pre_process` adds the embeddings
+(first stage) and `post_process` the final LayerNorm, output layer and loss
+(last stage).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ptdp.config import ModelConfig
+from ptdp.model.fused import bias_dropout_add, bias_gelu
+from ptdp.parallel.sharding import initialize_parameters, set_init
+from ptdp.parallel.tensor import (
+    ColumnParallelLinear,
+    RNGStreams,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    copy_to_tensor_region,
+    scaled_init_std,
+    vocab_parallel_cross_entropy,
+)
+from ptdp.parallel.topology import ParallelContext
+
+
+def layer_norm(config: ModelConfig) -> nn.LayerNorm:
+    norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+    set_init(norm.weight, "ones")
+    set_init(norm.bias, "zeros")
+    return norm
+
+
+class Embedding(nn.Module):
+    def __init__(self, config: ModelConfig, ctx: ParallelContext):
+        super().__init__()
+        self.word_embeddings = VocabParallelEmbedding(
+            config.vocab_size, config.padded_vocab_size(ctx.tp_size), config.hidden_size, ctx,
+            init_std=config.init_method_std)
+        self.position_embeddings = nn.Embedding(config.max_positions, config.hidden_size)
+        set_init(self.position_embeddings.weight, "normal", config.init_method_std)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [b, s] -> hidden [s, b, h]."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.word_embeddings(tokens) + self.position_embeddings(positions)
+        # Replicated activation: the default stream drops the same elements on
+        # every tensor rank.
+        return self.dropout(x.transpose(0, 1).contiguous())
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, rng: RNGStreams):
+        super().__init__()
+        self.rng = rng
+        self.local_heads = config.num_attention_heads // ctx.tp_size
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.dropout = config.attention_dropout
+        h = config.hidden_size
+        self.query_key_value = ColumnParallelLinear(h, 3 * h, ctx, blocks=3,
+                                                    init_std=config.init_method_std)
+        self.dense = RowParallelLinear(h, h, ctx, skip_bias_add=True, init_std=scaled_init_std(
+            config.init_method_std, config.num_layers))
+
+    def forward(self, x: torch.Tensor):
+        s, b, _ = x.shape
+        qkv = self.query_key_value(x).view(s, b, 3, self.local_heads, self.head_dim)
+        q, k, v = (qkv[:, :, i].permute(1, 2, 0, 3) for i in range(3))  # [b, heads, s, d]
+        dropout = self.dropout if self.training else 0.0
+        if dropout > 0.0:
+            # Each tensor rank holds other heads: its own stream.
+            with self.rng.fork("tensor"):
+                out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
+        return self.dense(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, ctx: ParallelContext):
+        super().__init__()
+        self.fused = config.bias_gelu_fusion
+        h, ffn = config.hidden_size, config.ffn_size
+        # The first bias is applied in bias_gelu, fused with the activation.
+        self.dense_h_to_4h = ColumnParallelLinear(h, ffn, ctx, skip_bias_add=True,
+                                                  init_std=config.init_method_std)
+        self.dense_4h_to_h = RowParallelLinear(ffn, h, ctx, skip_bias_add=True, init_std=scaled_init_std(
+            config.init_method_std, config.num_layers))
+
+    def forward(self, x: torch.Tensor):
+        y, bias = self.dense_h_to_4h(x)
+        return self.dense_4h_to_h(bias_gelu(y, bias, self.fused))
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, rng: RNGStreams):
+        super().__init__()
+        self.hidden_dropout = config.hidden_dropout
+        self.fused = config.bias_dropout_fusion
+        self.input_layernorm = layer_norm(config)
+        self.attention = Attention(config, ctx, rng)
+        self.post_attention_layernorm = layer_norm(config)
+        self.mlp = MLP(config, ctx)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, bias = self.attention(self.input_layernorm(x))
+        x = bias_dropout_add(out, bias, x, self.hidden_dropout, self.training, self.fused)
+        out, bias = self.mlp(self.post_attention_layernorm(x))
+        return bias_dropout_add(out, bias, x, self.hidden_dropout, self.training, self.fused)
+
+
+class GPT(nn.Module):
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, rng: RNGStreams, *,
+                 layer_ids: Sequence[int] | None = None, pre_process: bool = True,
+                 post_process: bool = True):
+        super().__init__()
+        self.config, self.ctx = config, ctx
+        self.pre_process, self.post_process = pre_process, post_process
+        self.layer_ids = list(range(config.num_layers) if layer_ids is None else layer_ids)
+        if pre_process:
+            self.embedding = Embedding(config, ctx)
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, ctx, rng)
+                                     for i in self.layer_ids})
+        if post_process:
+            self.final_layernorm = layer_norm(config)
+            if not pre_process:
+                # A later pipeline stage keeps its own copy of the tied word
+                # embedding, under the same logical name, so it starts equal.
+                self.embedding = nn.Module()
+                self.embedding.word_embeddings = VocabParallelEmbedding(
+                    config.vocab_size, config.padded_vocab_size(ctx.tp_size), config.hidden_size,
+                    ctx, init_std=config.init_method_std)
+
+    def initialize(self, seed: int) -> "GPT":
+        initialize_parameters(self, seed)
+        return self
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
+                loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """First stage: x is tokens [b, s]; otherwise hidden [s, b, h].
+
+        Returns hidden [s, b, h] unless this is the last stage; there it
+        returns the mean loss over unmasked tokens when `labels` [b, s] are
+        given, else this rank's logits [s, b, V'/t].
+        """
+        if self.pre_process:
+            x = self.embedding(x)
+        for layer in self.layers.values():
+            x = layer(x)
+        if not self.post_process:
+            return x
+        logits = self.logits(self.final_layernorm(x))
+        if labels is None:
+            return logits
+        return self.loss(logits, labels, loss_mask)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Output layer tied to the word embedding; logits stay split by vocabulary."""
+        embedding = self.embedding.word_embeddings
+        logits = F.linear(copy_to_tensor_region(hidden, self.ctx.tp_group), embedding.weight)
+        return embedding.mask_padding(logits)
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor,
+             loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+        embedding = self.embedding.word_embeddings
+        losses = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1),
+                                              embedding.vocab_start, self.ctx.tp_group)
+        if loss_mask is None:
+            return losses.mean()
+        mask = loss_mask.transpose(0, 1).to(losses.dtype)
+        return (losses * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def build_gpt(config: ModelConfig, ctx: ParallelContext, device: torch.device, seed: int) -> GPT:
+    """The whole model (one pipeline stage) on `device`, initialised from `seed`
+    and with its dropout streams seeded for this rank."""
+    rng = RNGStreams(device)
+    rng.seed(seed, ctx)
+    model = GPT(config, ctx, rng).initialize(seed)
+    return model.to(device)

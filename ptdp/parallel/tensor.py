@@ -1,0 +1,321 @@
+"""Tensor (intra-layer) parallelism: the paper's f and g operators, column-,
+row- and vocabulary-parallel layers, the vocabulary-parallel cross entropy and
+the per-rank random streams for dropout.
+
+A process group of None means the tensor group has one rank: every
+communication below is then skipped (torch.distributed reads group=None as
+the whole world, so the check is explicit).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ptdp import device as devices
+from ptdp.parallel.sharding import SHARD_ATTR, TensorShard, name_seed, set_init
+from ptdp.parallel.topology import ParallelContext
+
+
+def _all_reduce(x: torch.Tensor, group: Any, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+def _gather_last_dim(x: torch.Tensor, group: Any) -> torch.Tensor:
+    if group is None:
+        return x
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def _split_last_dim(x: torch.Tensor, group: Any) -> torch.Tensor:
+    if group is None:
+        return x
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    return x.chunk(size, dim=-1)[rank].contiguous()
+
+
+class _CopyToTensorRegion(torch.autograd.Function):
+    """f: identity forward, all-reduce of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad.contiguous(), ctx.group), None
+
+
+class _ReduceFromTensorRegion(torch.autograd.Function):
+    """g: all-reduce forward, identity backward.
+
+    Reduces in place: its inputs (outputs of a matmul or a masked lookup) are
+    not saved by any other autograd node, so no copy is needed."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        if not x.is_contiguous():
+            return _all_reduce(x.contiguous(), group)
+        ctx.mark_dirty(x)
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromTensorRegion(torch.autograd.Function):
+    """All-gather along the last dimension forward, keep own slice backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_last_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_last_dim(grad, ctx.group), None
+
+
+class _ScatterToTensorRegion(torch.autograd.Function):
+    """Keep own slice of the last dimension forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_last_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_last_dim(grad, ctx.group), None
+
+
+def copy_to_tensor_region(x: torch.Tensor, group: Any) -> torch.Tensor:
+    return x if group is None else _CopyToTensorRegion.apply(x, group)
+
+
+def reduce_from_tensor_region(x: torch.Tensor, group: Any) -> torch.Tensor:
+    return x if group is None else _ReduceFromTensorRegion.apply(x, group)
+
+
+def gather_from_tensor_region(x: torch.Tensor, group: Any) -> torch.Tensor:
+    return x if group is None else _GatherFromTensorRegion.apply(x, group)
+
+
+def scatter_to_tensor_region(x: torch.Tensor, group: Any) -> torch.Tensor:
+    return x if group is None else _ScatterToTensorRegion.apply(x, group)
+
+
+def _divide(n: int, parts: int, what: str) -> int:
+    if n % parts:
+        raise ValueError(f"{what} {n} is not divisible by the tensor-parallel size {parts}")
+    return n // parts
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A + b with A split by columns: rank i holds A_i and computes X A_i.
+
+    `blocks` > 1 treats the output dimension as that many equal blocks split
+    separately (q, k and v for attention), so each rank gets whole heads of
+    each. The input passes through f; the output stays split unless
+    `gather_output`. With `skip_bias_add` the bias is returned instead of
+    added, so the caller can fuse it into the next element-wise operation.
+    """
+
+    def __init__(self, in_features: int, out_features: int, ctx: ParallelContext, *,
+                 bias: bool = True, gather_output: bool = False, blocks: int = 1,
+                 skip_bias_add: bool = False, init_std: float = 0.02):
+        super().__init__()
+        if gather_output and skip_bias_add:
+            raise ValueError("gather_output with skip_bias_add would return a split bias")
+        self.group, self.gather_output, self.skip_bias_add = ctx.tp_group, gather_output, skip_bias_add
+        t = ctx.tp_size
+        _divide(out_features // blocks, t, "output features per block")
+        local_out = out_features // t
+        spec = TensorShard(dim=0, parts=t, index=ctx.tp_rank, blocks=blocks)
+        self.weight = set_init(nn.Parameter(torch.empty(local_out, in_features)), "normal", init_std)
+        setattr(self.weight, SHARD_ATTR, spec)
+        if bias:
+            self.bias = set_init(nn.Parameter(torch.empty(local_out)), "zeros")
+            setattr(self.bias, SHARD_ATTR, spec)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor):
+        x = copy_to_tensor_region(x, self.group)
+        if self.skip_bias_add:
+            return F.linear(x, self.weight), self.bias
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_tensor_region(y, self.group) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A + b with A split by rows: rank i computes X_i A_i, then g sums.
+
+    The bias is replicated and added after the reduction. With
+    `skip_bias_add` the bias is returned instead, so the caller can fuse it
+    into the next element-wise operation.
+    """
+
+    def __init__(self, in_features: int, out_features: int, ctx: ParallelContext, *,
+                 bias: bool = True, input_is_parallel: bool = True, skip_bias_add: bool = False,
+                 init_std: float = 0.02):
+        super().__init__()
+        self.group, self.input_is_parallel, self.skip_bias_add = (
+            ctx.tp_group, input_is_parallel, skip_bias_add)
+        local_in = _divide(in_features, ctx.tp_size, "input features")
+        self.weight = set_init(nn.Parameter(torch.empty(out_features, local_in)), "normal", init_std)
+        setattr(self.weight, SHARD_ATTR, TensorShard(dim=1, parts=ctx.tp_size, index=ctx.tp_rank))
+        if bias:
+            self.bias = set_init(nn.Parameter(torch.empty(out_features)), "zeros")
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor):
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_region(x, self.group)
+        y = reduce_from_tensor_region(F.linear(x, self.weight), self.group)
+        if self.skip_bias_add:
+            return y, self.bias
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding split along the vocabulary: rank i holds rows
+    [i·V'/t, (i+1)·V'/t) of the table padded to V' rows. Tokens outside a
+    rank's range contribute zero there; g sums the parts. Padding rows are
+    zero and never looked up."""
+
+    def __init__(self, vocab_size: int, padded_vocab_size: int, embedding_dim: int,
+                 ctx: ParallelContext, *, init_std: float = 0.02):
+        super().__init__()
+        self.group = ctx.tp_group
+        self.vocab_size = vocab_size
+        local = _divide(padded_vocab_size, ctx.tp_size, "padded vocabulary size")
+        self.vocab_start = ctx.tp_rank * local
+        self.vocab_end = self.vocab_start + local
+        self.weight = set_init(nn.Parameter(torch.empty(local, embedding_dim)), "normal", init_std)
+        setattr(self.weight, SHARD_ATTR, TensorShard(
+            dim=0, parts=ctx.tp_size, index=ctx.tp_rank, logical_size=vocab_size,
+            padded_size=padded_vocab_size))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return F.embedding(tokens, self.weight)
+        outside = (tokens < self.vocab_start) | (tokens >= self.vocab_end)
+        local_tokens = (tokens - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local_tokens, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_region(out, self.group)
+
+    def mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
+        """Set the logits of padding entries to -inf, so the padding never
+        changes the loss, its gradient or a sampled token."""
+        first_pad = self.vocab_size - self.vocab_start
+        if first_pad >= logits.shape[-1]:
+            return logits
+        pad = torch.arange(logits.shape[-1], device=logits.device) >= first_pad
+        return logits.masked_fill(pad, float("-inf"))
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross entropy over logits split along the vocabulary, without gathering
+    them: the max, the target's logit and the sum of exponentials are each
+    reduced across the tensor group (3 all-reduces of [s, b] scalars)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, vocab_start, group):
+        logits = logits.float()
+        logits_max = logits.max(dim=-1).values
+        _all_reduce(logits_max, group, dist.ReduceOp.MAX)
+        shifted = logits - logits_max.unsqueeze(-1)
+
+        local_size = logits.shape[-1]
+        outside = (target < vocab_start) | (target >= vocab_start + local_size)
+        local_target = (target - vocab_start).masked_fill(outside, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+        target_logit = target_logit.masked_fill(outside, 0.0)
+        _all_reduce(target_logit, group)
+
+        exp = shifted.exp_()
+        sum_exp = exp.sum(dim=-1)
+        _all_reduce(sum_exp, group)
+        loss = torch.log(sum_exp) - target_logit
+
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_target, outside)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_target, outside = ctx.saved_tensors
+        grad = softmax  # d loss / d logits = softmax - one_hot(target), in place
+        grad.scatter_add_(-1, local_target.unsqueeze(-1),
+                          (outside.to(grad.dtype) - 1.0).unsqueeze(-1))
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
+                                 vocab_start: int, group: Any) -> torch.Tensor:
+    """Per-token loss [...] from this rank's logits [..., V'/t] whose first
+    column is vocabulary entry `vocab_start`."""
+    return _VocabParallelCrossEntropy.apply(logits, target, vocab_start, group)
+
+
+class RNGStreams:
+    """Named random streams for dropout.
+
+    The device's default generator is the *replicated* stream: seeded the
+    same on every tensor rank, so dropout on activations that every tensor
+    rank holds in full (embeddings, residual branches) drops the same
+    elements everywhere. The *tensor* stream is seeded per tensor rank, for
+    dropout inside a tensor-parallel region (attention probabilities of each
+    rank's own heads), where equal masks would correlate the shards.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.states: dict[str, torch.Tensor] = {}
+
+    def seed(self, seed: int, ctx: ParallelContext) -> None:
+        c = ctx.coord
+        devices.manual_seed(name_seed(seed, f"replicated/pp{c.pp}/dp{c.dp}"), self.device)
+        saved = devices.get_rng_state(self.device)
+        devices.manual_seed(name_seed(seed, f"tensor/pp{c.pp}/dp{c.dp}/tp{c.tp}"), self.device)
+        self.states["tensor"] = devices.get_rng_state(self.device)
+        devices.set_rng_state(saved, self.device)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "tensor") -> Iterator[None]:
+        """Draw from stream `name` inside the block, then return to the default."""
+        saved = devices.get_rng_state(self.device)
+        devices.set_rng_state(self.states[name], self.device)
+        try:
+            yield
+        finally:
+            self.states[name] = devices.get_rng_state(self.device)
+            devices.set_rng_state(saved, self.device)
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return {"default": devices.get_rng_state(self.device),
+                **{k: v.clone() for k, v in self.states.items()}}
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        devices.set_rng_state(states["default"], self.device)
+        self.states = {k: v.clone() for k, v in states.items() if k != "default"}
+
+
+def scaled_init_std(std: float, num_layers: int) -> float:
+    """GPT-2's init for projections that feed the residual stream."""
+    return std / math.sqrt(2.0 * num_layers)

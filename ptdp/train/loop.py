@@ -1,0 +1,131 @@
+"""The training loop of one rank, and the worker entry every launch path runs."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from datetime import timedelta
+from typing import Any, TextIO
+
+import torch
+import torch.distributed as dist
+
+from ptdp import device as devices
+from ptdp.config import Config
+from ptdp.data.mock import MockGPTDataset
+from ptdp.data.sampler import collate, microbatch_indices
+from ptdp.launch import DistEnv, init_process_group
+from ptdp.model.gpt import build_gpt
+from ptdp.parallel.data import average_gradients
+from ptdp.parallel.sharding import logical_shape
+from ptdp.parallel.topology import ParallelContext, RankGrid
+from ptdp.train.optim import EMBEDDING_COPY_ATTR, build_optimizer, clip_gradients, global_grad_norm
+
+
+def worker(env: DistEnv, config: Config) -> list[dict[str, Any]]:
+    """Join the job, build this rank's context and train. Same for local,
+    torchrun and SLURM launches."""
+    par = config.parallel
+    kind = devices.resolve_kind(par.device, env.local_world_size)
+    devices.configure_threads(kind, env.local_world_size)
+    device = devices.device_for(kind, env.local_rank)
+    init_process_group(env, devices.backend_for(kind),
+                       timedelta(minutes=par.distributed_timeout_minutes))
+    try:
+        t, p = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+        grid = RankGrid(tp=t, dp=env.world_size // (t * p), pp=p)
+        ctx = ParallelContext.build(grid)
+        return train(config, ctx, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Logical (unsharded, unpadded) parameters of this pipeline stage."""
+    return sum(math.prod(logical_shape(p)) for p in model.parameters()
+               if not getattr(p, EMBEDDING_COPY_ATTR, False))
+
+
+def _log_line(record: dict[str, Any], train_iters: int) -> str:
+    return (f"iteration {record['iteration']:>5}/{train_iters} | consumed samples "
+            f"{record['consumed_samples']:>7} | loss {record['loss']:.4f} | lr {record['lr']:.3e} | "
+            f"grad norm {record['grad_norm']:.4f} | {record['iteration_ms']:.1f} ms/iter | "
+            f"{record['tokens_per_s']:.0f} tokens/s")
+
+
+def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[dict[str, Any]]:
+    """Train on this rank; returns the per-iteration metrics (on every rank)."""
+    model_cfg, tr = config.model, config.train
+    if ctx.pp_size > 1:
+        raise NotImplementedError("pipeline parallelism (--pipeline-model-parallel-size > 1) is not "
+                                  "available yet; use --pipeline-model-parallel-size 1")
+    if not config.data.mock_data:
+        raise NotImplementedError("only --mock-data is available yet; add --mock-data")
+
+    model = build_gpt(model_cfg, ctx, device, tr.seed)
+    optimizer = build_optimizer(model, tr)
+    dataset = MockGPTDataset(model_cfg.vocab_size, model_cfg.seq_length, tr.seed)
+    d, b = ctx.dp_size, tr.micro_batch_size
+    global_batch, num_micro = tr.batch_size(d), tr.num_microbatches(d)
+    is_logger = ctx.is_last_stage and ctx.tp_rank == 0 and ctx.dp_rank == 0
+    metrics_out: TextIO | None = (open(tr.metrics_file, "w", encoding="utf-8")
+                                  if is_logger and tr.metrics_file else None)
+    if is_logger:
+        print(f"ptdp: {ctx.grid.world_size} processes (t={ctx.tp_size}, p={ctx.pp_size}, d={d}) on "
+              f"{device.type}; {count_parameters(model):,} parameters; vocabulary {model_cfg.vocab_size} padded to "
+              f"{model_cfg.padded_vocab_size(ctx.tp_size)} (padding is masked out of the loss); "
+              f"{num_micro} microbatch(es) of {b} per rank per iteration", flush=True)
+
+    history: list[dict[str, Any]] = []
+    try:
+        for iteration in range(tr.train_iters):
+            start = time.perf_counter()
+            model.train()
+            loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+            for micro in range(num_micro):
+                tokens = collate(dataset, microbatch_indices(
+                    iteration, micro, ctx.dp_rank, micro_batch_size=b,
+                    global_batch_size=global_batch, data_parallel_size=d)).to(device)
+                loss = model(tokens[:, :-1], tokens[:, 1:])
+                (loss / num_micro).backward()
+                loss_sum += loss.detach().float()
+            devices.synchronize(device)
+            forward_backward_done = time.perf_counter()
+
+            average_gradients(model, ctx)
+            if ctx.dp_group is not None:
+                dist.all_reduce(loss_sum, group=ctx.dp_group)
+            devices.synchronize(device)
+            reduce_done = time.perf_counter()
+
+            grad_norm = global_grad_norm(model, ctx)
+            clip_gradients(model, grad_norm, tr.clip_grad)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            devices.synchronize(device)
+            end = time.perf_counter()
+
+            elapsed = end - start
+            record = {
+                "iteration": iteration + 1,
+                "consumed_samples": (iteration + 1) * global_batch,
+                "loss": loss_sum.item() / (num_micro * d),
+                "lr": optimizer.param_groups[0]["lr"],
+                "grad_norm": grad_norm.item(),
+                "iteration_ms": elapsed * 1e3,
+                "forward_backward_ms": (forward_backward_done - start) * 1e3,
+                "grad_reduce_ms": (reduce_done - forward_backward_done) * 1e3,
+                "optimizer_ms": (end - reduce_done) * 1e3,
+                "tokens_per_s": global_batch * model_cfg.seq_length / elapsed,
+            }
+            history.append(record)
+            if metrics_out is not None:
+                metrics_out.write(json.dumps(record) + "\n")
+                metrics_out.flush()
+            if is_logger and ((iteration + 1) % tr.log_interval == 0 or iteration + 1 == tr.train_iters):
+                print(_log_line(record, tr.train_iters), flush=True)
+    finally:
+        if metrics_out is not None:
+            metrics_out.close()
+    return history
