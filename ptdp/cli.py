@@ -135,6 +135,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_output_paths(config: Config) -> None:
+    """Fail before launching, not after the first iteration, on an unwritable path."""
+    metrics = config.train.metrics_file
+    if metrics:
+        parent = Path(metrics).resolve().parent
+        if not parent.is_dir():
+            raise ConfigError([f"--metrics-file {metrics}: directory {parent} does not exist; "
+                               f"create it or choose another path"])
+        if Path(metrics).is_dir():
+            raise ConfigError([f"--metrics-file {metrics} is a directory; give a file path"])
+
+
 def run_train(config: Config) -> int:
     from ptdp.launch import LocalJobFailed, detect_env, launch_local
     from ptdp.train.loop import worker
@@ -147,6 +159,7 @@ def run_train(config: Config) -> int:
         not_yet.append("only generated data is available yet: add --mock-data")
     if not_yet:
         raise ConfigError(not_yet)
+    _check_output_paths(config)
     env = detect_env()
     if env is not None:
         validate(config, world_size=env.world_size)

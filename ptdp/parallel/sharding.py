@@ -109,3 +109,14 @@ def initialize_parameters(module: torch.nn.Module, seed: int) -> None:
         spec = getattr(param, SHARD_ATTR, None)
         local = shard(full, spec) if spec is not None else full
         param.copy_(local.to(param.dtype))
+
+
+def gather_logical(local: torch.Tensor, spec: TensorShard | None, group) -> torch.Tensor:
+    """The logical tensor from this rank's shard and its tensor group's."""
+    if spec is None or group is None:
+        return local if spec is None else unshard([local], spec)
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(local) for _ in range(spec.parts)]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return unshard(parts, spec)

@@ -88,7 +88,9 @@ class ParallelContext:
 
     grid: RankGrid
     rank: int
-    groups: dict[str, Any] = field(default_factory=dict)  # kind -> ProcessGroup (None if size 1)
+    # kind -> ProcessGroup, None for a group of one rank; a middle pipeline
+    # stage has no "embedding" entry (it holds no copy of the word embedding).
+    groups: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def single(cls) -> "ParallelContext":
@@ -170,6 +172,10 @@ class ParallelContext:
     @property
     def embedding_group(self) -> Any:
         return self.groups.get("embedding")
+
+    @property
+    def holds_word_embedding(self) -> bool:
+        return "embedding" in self.groups
 
     # Pipeline neighbours.
     @property

@@ -1,0 +1,129 @@
+"""Run a function on N local gloo processes and collect each rank's result.
+
+Process start-up (importing torch) dominates on a small machine, so a pool of
+N processes is started once and reused by every test that needs N ranks. A
+test function must be importable (defined at module level); it receives its
+rank first, then the arguments given to `run`. If any rank raises or the call
+times out, the pool is torn down (its collectives may be out of step) and the
+next `run` starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+import traceback
+from multiprocessing.connection import wait
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+CALL_TIMEOUT_SECONDS = 300.0
+COLLECTIVE_TIMEOUT = timedelta(seconds=120)
+
+
+def _serve(rank: int, world_size: int, port: int, conn) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                          timeout=COLLECTIVE_TIMEOUT)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                            timeout=COLLECTIVE_TIMEOUT)
+    while True:
+        message = conn.recv()
+        if message is None:
+            break
+        fn, args, kwargs = message
+        try:
+            conn.send(("ok", fn(rank, *args, **kwargs)))
+        except BaseException as error:  # noqa: BLE001 - reported to the test
+            conn.send(("error", "".join(traceback.format_exception(
+                type(error), error, error.__traceback__))))
+    dist.destroy_process_group()
+
+
+class RankFailure(AssertionError):
+    pass
+
+
+class ProcessPool:
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
+                                   wait_for_workers=False)
+        context = mp.get_context("spawn")
+        self.conns, self.processes = [], []
+        for rank in range(world_size):
+            parent, child = context.Pipe()
+            process = context.Process(target=_serve, args=(rank, world_size, self.store.port, child),
+                                      daemon=True)
+            process.start()
+            self.conns.append(parent)
+            self.processes.append(process)
+
+    def run(self, fn: Callable, *args: Any, timeout: float = CALL_TIMEOUT_SECONDS,
+            **kwargs: Any) -> list[Any]:
+        for conn in self.conns:
+            conn.send((fn, args, kwargs))
+        results: list[Any] = [None] * self.world_size
+        errors: list[str] = []
+        pending = {conn: rank for rank, conn in enumerate(self.conns)}
+        deadline = time.monotonic() + timeout
+        while pending and not errors:
+            ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                errors.extend(f"rank {rank}: no answer within {timeout} s" for rank in pending.values())
+                break
+            for conn in ready:
+                rank = pending.pop(conn)
+                try:
+                    status, value = conn.recv()
+                except EOFError:
+                    status, value = "error", "the process died"
+                if status == "error":
+                    # The other ranks may be stuck in a collective with this one:
+                    # stop waiting for them.
+                    errors.append(f"rank {rank}:\n{value}")
+                results[rank] = value
+        if errors:
+            self.close()
+            raise RankFailure("\n".join(errors))
+        return results
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.processes)
+
+    def close(self) -> None:
+        for conn, process in zip(self.conns, self.processes):
+            try:
+                if process.is_alive():
+                    conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for process in self.processes:
+            process.join(2)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        self.processes = []
+
+
+class Pools:
+    """One live pool per world size, created on first use."""
+
+    def __init__(self):
+        self.pools: dict[int, ProcessPool] = {}
+
+    def __call__(self, world_size: int) -> ProcessPool:
+        pool = self.pools.get(world_size)
+        if pool is None or not pool.processes or not pool.alive:
+            pool = self.pools[world_size] = ProcessPool(world_size)
+        return pool
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()

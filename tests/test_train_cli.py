@@ -1,0 +1,96 @@
+"""`ptdp train` end to end, as a user runs it: every layout prints and records
+the same losses as one process (dropout off, fp32 on CPU).
+
+Tolerance: the layouts reorder floating-point sums (tensor all-reduces,
+data-parallel averaging), so after a few AdamW steps losses agree to
+rtol 1e-5 rather than bitwise; the printed 4-decimal losses are equal.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+COMMON = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+          "--seq-length", "32", "--vocab-size", "500", "--make-vocab-size-divisible-by", "16",
+          "--hidden-dropout", "0", "--attention-dropout", "0", "--micro-batch-size", "2",
+          "--global-batch-size", "8", "--train-iters", "4", "--lr", "3e-3", "--seed", "5"]
+
+
+def _ptdp(args, tmp_path: Path, name: str, launcher=None):
+    metrics = tmp_path / f"{name}.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+        env.pop(var, None)
+    command = (launcher or [sys.executable, "-m", "ptdp"]) + ["train", *COMMON, *args,
+                                                             "--metrics-file", str(metrics)]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    printed = re.findall(r"loss (\d+\.\d{4})", result.stdout)
+    return records, printed, result.stdout
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return _ptdp([], tmp_path_factory.mktemp("serial"), "serial")
+
+
+def _assert_same_run(run, reference):
+    records, printed, _ = run
+    ref_records, ref_printed, _ = reference
+    assert printed == ref_printed
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4]
+    for got, want in zip(records, ref_records):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+        assert got["consumed_samples"] == want["consumed_samples"]
+
+
+def test_one_process_run_learns_and_writes_metrics(reference):
+    records, printed, stdout = reference
+    assert len(records) == 4 and len(printed) == 4
+    for record in records:
+        for field in ("iteration", "consumed_samples", "loss", "lr", "grad_norm", "iteration_ms",
+                      "forward_backward_ms", "grad_reduce_ms", "optimizer_ms", "tokens_per_s"):
+            assert field in record
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert "vocabulary 500 padded to 512" in stdout
+
+
+@pytest.mark.parametrize("layout", [["-t", "2"], ["-t", "2", "-d", "2"], ["-d", "2"]],
+                         ids=["t2", "t2d2", "d2"])
+def test_parallel_layouts_print_the_same_losses(tmp_path, reference, layout):
+    _assert_same_run(_ptdp(layout, tmp_path, "parallel"), reference)
+
+
+def test_torchrun_launch_takes_the_same_path(tmp_path, reference):
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    if torchrun is None:
+        pytest.skip("torchrun is not installed next to this Python")
+    run = _ptdp(["-t", "2"], tmp_path, "torchrun",
+                launcher=[torchrun, "--standalone", "--nproc-per-node", "2", "-m", "ptdp"])
+    _assert_same_run(run, reference)
+
+
+def test_config_file_with_flag_override(tmp_path, reference):
+    config = tmp_path / "run.yaml"
+    config.write_text("parallel:\n  tensor-model-parallel-size: 2\ntrain:\n  lr: 0.5\n")
+    # The file's lr is overridden by the --lr in COMMON; its t = 2 is used.
+    records, _, stdout = _ptdp(["--config", str(config)], tmp_path, "file")
+    assert "t=2" in stdout
+    assert records[0]["lr"] == pytest.approx(3e-3)
+    _assert_same_run((records, re.findall(r"loss (\d+\.\d{4})", stdout), stdout), reference)
+
+
+def test_invalid_layout_is_refused_before_launch(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "ptdp", "train", *COMMON, "-t", "3"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3" in result.stderr
+    assert "ptdp: 3 processes" not in result.stdout
