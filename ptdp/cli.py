@@ -36,10 +36,11 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
             kwargs["help"] = meta["help"]
         else:
             kwargs["type"] = kind
-            kwargs["metavar"] = f.name.split("_")[-1].upper() if kind is not str else "VALUE"
+            kwargs["metavar"] = meta.get("metavar", {int: "N", float: "X", str: "VALUE"}[kind])
             if "choices" in meta:
                 kwargs["choices"] = meta["choices"]
-            kwargs["help"] = f"{meta['help']} (default: {f.default})"
+                kwargs["metavar"] = "{" + ",".join(meta["choices"]) + "}"
+            kwargs["help"] = meta["help"] + ("" if f.default is None else f" (default: {f.default})")
         groups[section].add_argument(*names, **kwargs)
 
 
@@ -88,6 +89,8 @@ def _file_settings(data: dict[str, Any], path: str) -> dict[str, Any]:
         normal = str(key).lstrip("-").replace("-", "_")
         if normal not in by_key:
             close = difflib.get_close_matches(normal, list(by_key), n=3)
+            if "-" in str(key):
+                close = [c.replace("_", "-") for c in close]
             problems.append(f"--config {path}: unknown setting {key!r}"
                             + (f"; did you mean {', '.join(close)}?" if close else ""))
             continue
@@ -95,6 +98,12 @@ def _file_settings(data: dict[str, Any], path: str) -> dict[str, Any]:
         kind = _field_type(f.type)
         if normal != f.name and f.metadata.get("negate"):  # a "no-..." flag name: invert
             value = not value if isinstance(value, bool) else value
+        if kind is float and isinstance(value, str):
+            # YAML 1.1 reads exponent notation without a dot (1e-3) as text.
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         optional = "None" in f.type
         ok = (value is None and optional) or (
             isinstance(value, bool) if kind is bool else
@@ -148,9 +157,12 @@ def _check_output_paths(config: Config) -> None:
 
 
 def run_train(config: Config) -> int:
-    from ptdp.launch import LocalJobFailed, detect_env, launch_local
+    from ptdp.device import resolve_kind
+    from ptdp.launch import DistEnv, LocalJobFailed, detect_env, launch_local
     from ptdp.train.loop import worker
 
+    env = detect_env()
+    validate(config, world_size=env.world_size if env is not None else None)
     not_yet = []
     if config.parallel.pipeline_model_parallel_size > 1:
         not_yet.append("--pipeline-model-parallel-size > 1: the pipeline executor is not available "
@@ -160,16 +172,15 @@ def run_train(config: Config) -> int:
     if not_yet:
         raise ConfigError(not_yet)
     _check_output_paths(config)
-    env = detect_env()
     if env is not None:
-        validate(config, world_size=env.world_size)
         worker(env, config)
         return 0
-    validate(config)
     world = config.parallel.world_size
+    try:
+        resolve_kind(config.parallel.device, world)
+    except RuntimeError as error:
+        raise ConfigError([str(error)]) from None
     if world == 1:
-        from ptdp.launch import DistEnv
-
         worker(DistEnv(0, 1, 0, 1, "127.0.0.1", 0, "local"), config)
         return 0
     try:

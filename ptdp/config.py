@@ -107,7 +107,8 @@ class TrainConfig:
     clip_grad: float = flag(1.0, "--clip-grad", "clip the global gradient norm to this (0: off)")
     seed: int = flag(1234, "--seed", "seed of initialisation, data order and dropout")
     log_interval: int = flag(1, "--log-interval", "print a line every N iterations")
-    metrics_file: str | None = flag(None, "--metrics-file", "write one JSON line per iteration here")
+    metrics_file: str | None = flag(None, "--metrics-file", "write one JSON line per iteration here",
+                                    metavar="PATH")
 
     def batch_size(self, data_parallel_size: int) -> int:
         return self.global_batch_size or self.micro_batch_size * data_parallel_size
@@ -220,36 +221,54 @@ def validate(config: Config, world_size: int | None = None) -> None:
     if not ok:  # the structural checks below would only repeat these problems
         raise ConfigError(problems)
 
-    t, p, h, a = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-                  m.hidden_size, m.num_attention_heads)
+    t, p, h, a, l, k = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+                        m.hidden_size, m.num_attention_heads, m.num_layers,
+                        par.num_layers_per_virtual_pipeline_stage)
+    interleaved = k is not None
 
-    # World size and the data-parallel size.
+    # World size and the data-parallel size. Later checks use the d the job
+    # will really have, so every problem shows up in this one report.
     if world_size is not None:
         if world_size % (t * p):
             problems.append(
                 f"the job has {world_size} processes, not a multiple of --tensor-model-parallel-size "
                 f"{t} × --pipeline-model-parallel-size {p} = {t * p}: choose t and p with t·p in "
                 f"{_divisors(world_size)}")
-        elif par.data_parallel_size is not None and t * p * par.data_parallel_size != world_size:
-            problems.append(
-                f"the job has {world_size} processes but --tensor-model-parallel-size {t} × "
-                f"--pipeline-model-parallel-size {p} × --data-parallel-size {par.data_parallel_size} "
-                f"= {t * p * par.data_parallel_size}: use --data-parallel-size {world_size // (t * p)} "
-                f"or leave it out")
-    d = par.data_parallel_size or (world_size // (t * p) if world_size and world_size % (t * p) == 0
-                                   else 1)
+            d = par.dp
+        else:
+            d = world_size // (t * p)
+            if par.data_parallel_size is not None and par.data_parallel_size != d:
+                problems.append(
+                    f"the job has {world_size} processes but --tensor-model-parallel-size {t} × "
+                    f"--pipeline-model-parallel-size {p} × --data-parallel-size "
+                    f"{par.data_parallel_size} = {t * p * par.data_parallel_size}: use "
+                    f"--data-parallel-size {d} or leave it out")
+    else:
+        d = par.dp
+
+    def tp_fits_world(tp: int) -> bool:
+        return world_size is None or world_size % (tp * p) == 0
+
+    def heads_ok(heads: int) -> bool:
+        return h % heads == 0 and heads % t == 0
+
+    def nearest(candidates: list[int], target: int, count: int = 6) -> list[int]:
+        return sorted(sorted(candidates, key=lambda c: (abs(c - target), c))[:count])
 
     # Attention heads, hidden size, MLP size.
+    if h % a or a % t:
+        head_options = nearest([x for x in range(t, 4 * a + t, t) if heads_ok(x)], a)
+        head_hint = (f"--num-attention-heads in {head_options}" if head_options else
+                     f"--hidden-size {_nearest_multiple(h, math.lcm(a, t))}")
     if h % a:
         problems.append(
             f"--hidden-size {h} is not divisible by --num-attention-heads {a}: use --hidden-size "
-            f"{_nearest_multiple(h, a)} or --num-attention-heads in "
-            f"{[k for k in _divisors(h) if k <= 4 * a][-6:]}")
+            f"{_nearest_multiple(h, a)} or {head_hint}")
     if a % t:
+        tp_options = [x for x in _divisors(a) if tp_fits_world(x) and m.ffn_size % x == 0]
         problems.append(
             f"--num-attention-heads {a} is not divisible by --tensor-model-parallel-size {t}: use "
-            f"--tensor-model-parallel-size in {_divisors(a)} or --num-attention-heads "
-            f"{_nearest_multiple(a, t)}")
+            + (f"--tensor-model-parallel-size in {tp_options} or " if tp_options else "") + head_hint)
     if m.ffn_size % t:
         problems.append(
             f"--ffn-hidden-size {m.ffn_size} is not divisible by --tensor-model-parallel-size {t}: "
@@ -259,44 +278,51 @@ def validate(config: Config, world_size: int | None = None) -> None:
             f"--seq-length {m.seq_length} exceeds --max-position-embeddings {m.max_positions}: "
             f"use --max-position-embeddings {m.seq_length} or a shorter --seq-length")
 
-    # Layers over pipeline stages and model chunks.
-    l, k = m.num_layers, par.num_layers_per_virtual_pipeline_stage
-    if l % p:
+    # Layers over pipeline stages and model chunks (k layers per chunk).
+    chunk = k or 1
+    if interleaved and p < 2:
+        stage_options = [x for x in _divisors(l) if x >= 2 and (l // x) % chunk == 0][:6]
         problems.append(
-            f"--num-layers {l} is not divisible by --pipeline-model-parallel-size {p}: use "
-            f"--pipeline-model-parallel-size in {_divisors(l)} or --num-layers "
-            f"{_nearest_multiple(l, p)} (layers are never dropped or added silently)")
-    elif k is not None:
-        if p < 2:
+            f"--num-layers-per-virtual-pipeline-stage {k} needs --pipeline-model-parallel-size "
+            f">= 2 (interleaving splits each pipeline rank's layers into chunks): remove it"
+            + (f" or use --pipeline-model-parallel-size in {stage_options}" if stage_options else ""))
+    elif l % (p * chunk):
+        stage_options = [x for x in _divisors(l) if (l // x) % chunk == 0 and x >= (2 if interleaved else 1)]
+        if l % p:
             problems.append(
-                f"--num-layers-per-virtual-pipeline-stage {k} needs --pipeline-model-parallel-size "
-                f">= 2 (interleaving splits each pipeline rank's layers into chunks); remove it or "
-                f"raise p")
-        elif (l // p) % k:
+                f"--num-layers {l} is not divisible by --pipeline-model-parallel-size {p}: use "
+                + (f"--pipeline-model-parallel-size in {stage_options} or " if stage_options else "")
+                + f"--num-layers {_nearest_multiple(l, p * chunk)} (layers are never dropped or "
+                f"added silently)")
+        else:
             problems.append(
                 f"--num-layers {l} is not divisible by --pipeline-model-parallel-size {p} × "
                 f"--num-layers-per-virtual-pipeline-stage {k} = {p * k}: use "
                 f"--num-layers-per-virtual-pipeline-stage in {_divisors(l // p)} or --num-layers "
                 f"{_nearest_multiple(l, p * k)}")
 
-    # Batch sizes.
+    # Batch sizes. The interleaved schedule also needs m, the microbatches per
+    # pipeline, to be a multiple of p.
     b, B = tr.micro_batch_size, tr.batch_size(d)
-    if B % (b * d):
-        problems.append(
-            f"--global-batch-size {B} is not divisible by --micro-batch-size {b} × data-parallel "
-            f"size {d} = {b * d}: use --global-batch-size {_nearest_multiple(B, b * d)} or a "
-            f"--micro-batch-size in {[x for x in _divisors(B // d) if B % (x * d) == 0]}"
-            if B % d == 0 else
-            f"--global-batch-size {B} is not divisible by --micro-batch-size {b} × data-parallel "
-            f"size {d} = {b * d}: use --global-batch-size {_nearest_multiple(B, b * d)}")
-    elif k is not None and p >= 2 and l % p == 0 and (l // p) % k == 0:
-        num_micro = B // (b * d)
-        if num_micro % p:
+    group = p if interleaved and p >= 2 else 1
+
+    def micro_ok(micro: int) -> bool:
+        return B % (micro * d) == 0 and (B // (micro * d)) % group == 0
+
+    if not micro_ok(b):
+        micro_options = [x for x in _divisors(B) if micro_ok(x)]
+        alternative = (f" or --micro-batch-size in {micro_options}" if micro_options else "")
+        valid_batch = _nearest_multiple(B, b * d * group)
+        if B % (b * d):
+            problems.append(
+                f"--global-batch-size {B} is not divisible by --micro-batch-size {b} × data-parallel "
+                f"size {d} = {b * d}: use --global-batch-size {valid_batch}{alternative}")
+        else:
             problems.append(
                 f"the interleaved schedule needs the number of microbatches (--global-batch-size "
-                f"{B} / (--micro-batch-size {b} × d {d}) = {num_micro}) to be a multiple of "
-                f"--pipeline-model-parallel-size {p}: use --global-batch-size "
-                f"{_nearest_multiple(num_micro, p) * b * d}")
+                f"{B} / (--micro-batch-size {b} × d {d}) = {B // (b * d)}) to be a multiple of "
+                f"--pipeline-model-parallel-size {p}: use --global-batch-size {valid_batch}"
+                f"{alternative}")
 
     if problems:
         raise ConfigError(problems)

@@ -196,9 +196,6 @@ class ParallelContext:
         c = self.coord
         return None if self.is_first_stage else self.grid.rank(c.tp, c.dp, c.pp - 1)
 
-    def describe(self) -> str:
-        c = self.coord
-        return f"rank {self.rank} (tp {c.tp}/{self.tp_size}, dp {c.dp}/{self.dp_size}, pp {c.pp}/{self.pp_size})"
 
 
 def group_table(grid: RankGrid) -> str:
