@@ -187,3 +187,27 @@ def test_model_pieces_hold_only_their_layers():
     assert not hasattr(first, "final_layernorm") and not hasattr(last.embedding, "position_embeddings")
     tokens, labels = _batch(config)
     assert_close(last(first(tokens), labels), full(tokens, labels), rtol=1e-6, atol=1e-6)
+
+
+def test_compiled_fused_kernels_match_plain(monkeypatch):
+    """The torch.compile path (taken on GPUs with Triton) computes the same as
+    the plain ops; compiled here for the CPU so that CI runs it too."""
+    from ptdp import device as devices
+    from ptdp.model import fused as fused_module
+
+    monkeypatch.setattr(devices, "can_compile_kernels", lambda device: True)
+    monkeypatch.setattr(fused_module, "_compiled", {})
+    torch.manual_seed(4)
+    x = torch.randn(5, 2, 24, requires_grad=True)
+    bias = torch.randn(24, requires_grad=True)
+    residual = torch.randn(5, 2, 24)
+    grad = torch.randn(5, 2, 24)
+    results = []
+    for fused in (True, False):
+        x.grad = bias.grad = None
+        y = bias_dropout_add(bias_gelu(x, bias, fused), bias, residual, 0.0, True, fused)
+        y.backward(grad)
+        results.append((y.detach(), x.grad.clone(), bias.grad.clone()))
+    assert set(fused_module._compiled) == {"bias_gelu_fwd", "bias_gelu_bwd", "bias_dropout_add"}
+    for a, b in zip(*results):
+        assert_close(a, b, rtol=1e-5, atol=1e-6)
