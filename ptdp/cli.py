@@ -158,7 +158,7 @@ def _check_output_paths(config: Config) -> None:
 
 def run_train(config: Config) -> int:
     from ptdp.device import resolve_kind
-    from ptdp.launch import DistEnv, LocalJobFailed, detect_env, launch_local
+    from ptdp.launch import LOOPBACK, DistEnv, LocalJobFailed, detect_env, launch_local
     from ptdp.train.loop import worker
 
     env = detect_env()
@@ -181,7 +181,8 @@ def run_train(config: Config) -> int:
     except RuntimeError as error:
         raise ConfigError([str(error)]) from None
     if world == 1:
-        worker(DistEnv(0, 1, 0, 1, "127.0.0.1", 0, "local"), config)
+        worker(DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1,
+                       master_addr=LOOPBACK, master_port=0, source="local"), config)
         return 0
     try:
         launch_local(world, worker, config)

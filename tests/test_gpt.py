@@ -17,7 +17,7 @@ from torch.testing import assert_close
 from ptdp.config import ModelConfig
 from ptdp.model.fused import bias_dropout_add, bias_gelu
 from ptdp.model.gpt import GPT
-from ptdp.parallel.sharding import SHARD_ATTR, gather_logical, logical_shape
+from ptdp.parallel.sharding import COPY_ATTR, SHARD_ATTR, gather_logical, logical_shape
 from ptdp.parallel.tensor import RNGStreams
 from ptdp.parallel.topology import ParallelContext, RankGrid
 
@@ -184,6 +184,9 @@ def test_model_pieces_hold_only_their_layers():
         for name, param in piece.named_parameters():
             assert torch.equal(param, full_params[name]), name
     assert not any(n.startswith("layers.2") for n, _ in first.named_parameters())
+    # The last piece's tied embedding is a marked copy: counted once in norms.
+    assert getattr(last.embedding.word_embeddings.weight, COPY_ATTR)
+    assert not getattr(first.embedding.word_embeddings.weight, COPY_ATTR, False)
     assert not hasattr(first, "final_layernorm") and not hasattr(last.embedding, "position_embeddings")
     tokens, labels = _batch(config)
     assert_close(last(first(tokens), labels), full(tokens, labels), rtol=1e-6, atol=1e-6)

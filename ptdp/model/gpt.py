@@ -22,7 +22,7 @@ from torch import nn
 
 from ptdp.config import ModelConfig
 from ptdp.model.fused import bias_dropout_add, bias_gelu
-from ptdp.parallel.sharding import initialize_parameters, set_init
+from ptdp.parallel.sharding import COPY_ATTR, initialize_parameters, set_init
 from ptdp.parallel.tensor import (
     ColumnParallelLinear,
     RNGStreams,
@@ -143,6 +143,7 @@ class GPT(nn.Module):
                 self.embedding.word_embeddings = VocabParallelEmbedding(
                     config.vocab_size, config.padded_vocab_size(ctx.tp_size), config.hidden_size,
                     ctx, init_std=config.init_method_std)
+                setattr(self.embedding.word_embeddings.weight, COPY_ATTR, True)
 
     def initialize(self, seed: int) -> "GPT":
         initialize_parameters(self, seed)

@@ -17,6 +17,9 @@ import torch
 
 SHARD_ATTR = "tensor_shard"
 INIT_ATTR = "init_rule"
+# Marks a second copy of a logical tensor (the last pipeline stage's tied word
+# embedding): it is kept equal to the first, so norms and checkpoints skip it.
+COPY_ATTR = "is_logical_copy"
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,9 @@ from ptdp.data.sampler import collate, microbatch_indices
 from ptdp.launch import DistEnv, init_process_group
 from ptdp.model.gpt import build_gpt
 from ptdp.parallel.data import average_gradients
-from ptdp.parallel.sharding import logical_shape
+from ptdp.parallel.sharding import COPY_ATTR, logical_shape
 from ptdp.parallel.topology import ParallelContext, RankGrid
-from ptdp.train.optim import EMBEDDING_COPY_ATTR, build_optimizer, clip_gradients, global_grad_norm
+from ptdp.train.optim import build_optimizer, clip_gradients, global_grad_norm
 
 
 def worker(env: DistEnv, config: Config) -> list[dict[str, Any]]:
@@ -44,7 +44,7 @@ def worker(env: DistEnv, config: Config) -> list[dict[str, Any]]:
 def count_parameters(model: torch.nn.Module) -> int:
     """Logical (unsharded, unpadded) parameters of this pipeline stage."""
     return sum(math.prod(logical_shape(p)) for p in model.parameters()
-               if not getattr(p, EMBEDDING_COPY_ATTR, False))
+               if not getattr(p, COPY_ATTR, False))
 
 
 def _log_line(record: dict[str, Any], train_iters: int) -> str:

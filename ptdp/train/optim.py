@@ -12,10 +12,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ptdp.config import TrainConfig
-from ptdp.parallel.sharding import SHARD_ATTR
+from ptdp.parallel.sharding import COPY_ATTR, SHARD_ATTR
 from ptdp.parallel.topology import ParallelContext
-
-EMBEDDING_COPY_ATTR = "is_embedding_copy"
 
 
 def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
@@ -29,7 +27,7 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
 
 
 def counts_in_norm(param: nn.Parameter, ctx: ParallelContext) -> bool:
-    if getattr(param, EMBEDDING_COPY_ATTR, False):
+    if getattr(param, COPY_ATTR, False):
         return False
     return hasattr(param, SHARD_ATTR) or ctx.tp_rank == 0
 
