@@ -188,7 +188,8 @@ def run_train(config: Config) -> int:
         launch_local(world, worker, config)
     except LocalJobFailed as failure:
         print(f"ptdp: error: {failure}", file=sys.stderr)
-        print(f"ptdp: stopped the other {world - 1} ranks", file=sys.stderr)
+        others = world - 1
+        print(f"ptdp: stopped the {others} other rank{'s' if others > 1 else ''}", file=sys.stderr)
         return 1
     return 0
 

@@ -86,7 +86,7 @@ def test_cli_reports_the_failing_rank_and_exits_non_zero(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert code == 1
     assert "ptdp: error: rank 1 failed" in err and "boom from rank 1: via cli" in err
-    assert "stopped the other 1 ranks" in err
+    assert "stopped the 1 other rank\n" in err
 
 
 @pytest.mark.parametrize("environ,expected", [

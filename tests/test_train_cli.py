@@ -94,3 +94,51 @@ def test_invalid_layout_is_refused_before_launch(tmp_path):
     assert result.returncode == 2
     assert "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3" in result.stderr
     assert "ptdp: 3 processes" not in result.stdout
+
+
+def _spawned_children(parent_pid: int) -> list[int]:
+    """PIDs of the rank processes `parent_pid` spawned (Linux /proc)."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == parent_pid and b"spawn_main" in cmdline:
+            children.append(int(entry.name))
+    return sorted(children)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_killing_a_rank_ends_the_job_with_its_name(tmp_path):
+    """A rank that dies mid-run: the others are stopped and `ptdp train` exits 1
+    naming the dead rank, instead of waiting in a collective for ever."""
+    import signal
+    import time
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = list(COMMON)
+    args[args.index("--train-iters") + 1] = "100000"  # run until killed
+    process = subprocess.Popen([sys.executable, "-m", "ptdp", "train", *args, "-t", "2",
+                                "--distributed-timeout-minutes", "10"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert "ptdp: 2 processes" in process.stdout.readline()
+        assert "iteration" in process.stdout.readline()  # training is under way
+        ranks = _spawned_children(process.pid)
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[1], signal.SIGKILL)
+        killed_at = time.monotonic()
+        _, stderr = process.communicate(timeout=120)
+        assert time.monotonic() - killed_at < 60  # far below the 10-minute collective timeout
+    finally:
+        process.kill()
+    assert process.returncode == 1
+    assert re.search(r"ptdp: error: rank [01] failed", stderr), stderr
+    assert "killed by SIGKILL" in stderr or "exit code 1" in stderr
+    for pid in ranks:  # no rank is left behind
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
