@@ -20,16 +20,15 @@ class MockGPTDataset:
         self.vocab_size, self.seq_length, self.seed = vocab_size, seq_length, seed
         self.jump_probability = jump_probability
         generator = torch.Generator().manual_seed(name_seed(seed, "mock/successor"))
-        self.successor = torch.randperm(vocab_size, generator=generator)
+        self.successor = torch.randperm(vocab_size, generator=generator).tolist()
 
     def __getitem__(self, index: int) -> torch.Tensor:
         """Tokens [seq_length + 1]: inputs are [:-1], labels [1:]."""
         generator = torch.Generator().manual_seed(name_seed(self.seed, f"mock/{index}"))
         length = self.seq_length + 1
-        jumps = torch.rand(length, generator=generator) < self.jump_probability
-        random_tokens = torch.randint(0, self.vocab_size, (length,), generator=generator)
-        tokens = torch.empty(length, dtype=torch.long)
-        tokens[0] = random_tokens[0]
-        for k in range(1, length):
-            tokens[k] = random_tokens[k] if jumps[k] else self.successor[tokens[k - 1]]
-        return tokens
+        jumps = (torch.rand(length, generator=generator) < self.jump_probability).tolist()
+        random_tokens = torch.randint(0, self.vocab_size, (length,), generator=generator).tolist()
+        tokens = random_tokens[:1]
+        for k in range(1, length):  # plain ints: a Python loop over tensors would cost ms
+            tokens.append(random_tokens[k] if jumps[k] else self.successor[tokens[-1]])
+        return torch.tensor(tokens, dtype=torch.long)
