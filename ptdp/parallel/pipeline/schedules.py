@@ -1,0 +1,242 @@
+"""Pipeline schedules as data.
+
+A schedule is a pure function (kind, p, m, v) -> one list of actions per
+pipeline rank. The executor runs these lists, the simulator (simulate.py)
+prices and checks them, the plotter draws them; nothing here touches torch.
+
+Vocabulary. Rank r holds v model chunks; chunk c of rank r is *virtual
+stage* c·p + r of the p·v stages the model is cut into (so with 4 ranks,
+16 layers and v = 2, rank 0 holds layers 0-1 and 8-9, as in the paper).
+`Compute(F|B, microbatch, chunk)` is a forward or backward pass of one
+microbatch through one chunk. Between two computes a rank performs one
+`Exchange`: the send that the previous compute produced and the receive the
+next compute needs, posted together as one batch so that two neighbours
+sending to each other at the same time cannot deadlock. A tensor crossing
+the boundary between virtual stages k and k+1 is an activation (forward,
+k -> k+1) or a gradient (backward, k+1 -> k).
+
+All three kinds are one loop (`_one_forward_one_backward`) with a different
+number of warm-up forwards:
+- GPipe: all m forwards first, then all m backwards.
+- 1F1B (PipeDream-Flush): rank r warms up with min(p - r - 1, m) forwards,
+  then alternates one forward and one backward, then drains the backwards.
+- Interleaved 1F1B: forwards visit microbatches in groups of p, each group
+  through chunk 0, then chunk 1, ...; backwards the same with the chunks
+  reversed; rank r warms up with (p - r - 1)·2 + (v - 1)·p chunk-forwards
+  (all of them if that reaches m·v, or when m = p). p = 2 is supported
+  (Megatron-LM refuses it). m must be a multiple of p: with a partial last
+  group these warm-up counts deadlock (the simulator finds it), so such m is
+  rejected with the nearest valid values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+KINDS = ("gpipe", "1f1b", "interleaved")
+
+
+@dataclass(frozen=True)
+class Compute:
+    op: str          # "F" or "B"
+    microbatch: int
+    chunk: int
+
+    def __str__(self) -> str:
+        return f"{self.op}{self.microbatch}.{self.chunk}"
+
+
+@dataclass(frozen=True)
+class Transfer:
+    op: str          # "send" or "recv"
+    kind: str        # "activation" or "grad"
+    microbatch: int
+    boundary: int    # between virtual stages `boundary` and `boundary + 1`
+    peer: int        # pipeline rank on the other side
+
+    def matches(self, other: "Transfer") -> bool:
+        """`other` is the other end of this transfer."""
+        return (self.op != other.op and self.kind == other.kind
+                and self.microbatch == other.microbatch and self.boundary == other.boundary)
+
+    @property
+    def tag(self) -> tuple[str, int, int]:
+        return (self.kind, self.microbatch, self.boundary)
+
+    def __str__(self) -> str:
+        arrow = "->" if self.op == "send" else "<-"
+        return f"{self.op} {self.kind[0]}{self.microbatch}|{self.boundary} {arrow} {self.peer}"
+
+
+@dataclass(frozen=True)
+class Exchange:
+    transfers: tuple[Transfer, ...]
+
+    def __str__(self) -> str:
+        return "[" + ", ".join(map(str, self.transfers)) + "]"
+
+
+Action = Union[Compute, Exchange]
+
+
+class ScheduleError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Schedule:
+    kind: str
+    p: int
+    m: int
+    v: int
+    ranks: tuple[tuple[Action, ...], ...]
+
+    @property
+    def num_stages(self) -> int:
+        return self.p * self.v
+
+    def virtual_stage(self, rank: int, chunk: int) -> int:
+        return chunk * self.p + rank
+
+    def warmup(self, rank: int) -> int:
+        return warmup_forwards(self.kind, self.p, self.m, self.v, rank)
+
+    def in_flight_bound(self, rank: int) -> int:
+        """Most (microbatch, chunk) activations rank holds at once: the warm-up
+        forwards plus the one of the first steady-state forward."""
+        return min(self.warmup(rank) + 1, self.m * self.v)
+
+    def computes(self, rank: int) -> list[Compute]:
+        return [a for a in self.ranks[rank] if isinstance(a, Compute)]
+
+
+def check_arguments(kind: str, p: int, m: int, v: int) -> None:
+    if kind not in KINDS:
+        raise ScheduleError(f"unknown schedule kind {kind!r}: use one of {', '.join(KINDS)}")
+    for name, value in (("p", p), ("m", m), ("v", v)):
+        if not isinstance(value, int) or value < 1:
+            raise ScheduleError(f"{name} = {value!r} must be a positive integer")
+    if v > 1 and p < 2:
+        raise ScheduleError(f"v = {v} chunks per rank need p >= 2 ranks: with one rank the chunks "
+                            f"would pass activations to themselves")
+    if kind != "interleaved" and v != 1:
+        raise ScheduleError(f"the {kind} schedule has one chunk per rank (v = 1), not v = {v}; "
+                            f"use kind 'interleaved' for v > 1")
+    if kind == "interleaved" and m % p:
+        lower, upper = (m // p) * p, (m // p + 1) * p
+        raise ScheduleError(
+            f"the interleaved schedule runs microbatches in groups of p = {p}, so m = {m} must be "
+            f"a multiple of {p}: use m = " + (f"{lower} or {upper}" if lower else f"{upper}"))
+
+
+def warmup_forwards(kind: str, p: int, m: int, v: int, rank: int) -> int:
+    if kind in ("gpipe", "forward-only"):
+        return m * v
+    if kind == "1f1b":
+        return min(p - rank - 1, m)
+    if m == p:
+        # One group of p microbatches: the steady phase would stall on every
+        # chunk change, so (as Megatron-LM does) run all forwards first.
+        return m * v
+    return min((p - rank - 1) * 2 + (v - 1) * p, m * v)
+
+
+def forward_order(kind: str, p: int, m: int, v: int) -> list[tuple[int, int]]:
+    """(microbatch, chunk) in the order every rank runs its forwards."""
+    if kind != "interleaved":
+        return [(i, 0) for i in range(m)]
+    order = []
+    for first in range(0, m, p):  # microbatches in groups of p, the last may be smaller
+        group = range(first, min(first + p, m))
+        order.extend((i, c) for c in range(v) for i in group)
+    return order
+
+
+def backward_order(kind: str, p: int, m: int, v: int) -> list[tuple[int, int]]:
+    return [(i, v - 1 - c) for i, c in forward_order(kind, p, m, v)]
+
+
+def _one_forward_one_backward(forwards: list, backwards: list, warmup: int) -> list[list[Compute]]:
+    """The computes in steps: warm-up forwards one by one, then (forward,
+    backward) pairs, then the remaining backwards one by one."""
+    steps = [[Compute("F", i, c)] for i, c in forwards[:warmup]]
+    steady = len(forwards) - warmup
+    for k in range(steady):
+        steps.append([Compute("F", *forwards[warmup + k]), Compute("B", *backwards[k])])
+    steps.extend([Compute("B", i, c)] for i, c in backwards[steady:])
+    return steps
+
+
+def _transfers(compute: Compute, rank: int, p: int, v: int) -> tuple[Transfer | None, Transfer | None]:
+    """(the receive this compute needs, the send it produces), either may be None."""
+    stage = compute.chunk * p + rank
+    last = p * v - 1
+    mb = compute.microbatch
+    if compute.op == "F":
+        recv = Transfer("recv", "activation", mb, stage - 1, (rank - 1) % p) if stage > 0 else None
+        send = Transfer("send", "activation", mb, stage, (rank + 1) % p) if stage < last else None
+    else:
+        recv = Transfer("recv", "grad", mb, stage, (rank + 1) % p) if stage < last else None
+        send = Transfer("send", "grad", mb, stage - 1, (rank - 1) % p) if stage > 0 else None
+    return recv, send
+
+
+def with_exchanges(steps: list[list[Compute]], rank: int, p: int, v: int) -> tuple[Action, ...]:
+    """Insert one Exchange between consecutive steps, holding the sends the
+    previous step produced and the receives the next step needs.
+
+    GPipe and 1F1B use single computes as steps (Megatron-LM's non-interleaved
+    pairing: send_forward_recv_backward, send_backward_recv_forward). The
+    interleaved schedule uses (forward, backward) pairs as steady-state steps,
+    with all four transfers of a step boundary in one batch, as Megatron-LM
+    does; its doubled warm-up covers the receive posted one step early.
+    """
+    actions: list[Action] = []
+    pending_sends: list[Transfer] = []
+    for step in steps:
+        receives = []
+        for compute in step:
+            recv, send = _transfers(compute, rank, p, v)
+            if recv is not None:
+                receives.append(recv)
+        batch = tuple(pending_sends + receives)
+        if batch:
+            actions.append(Exchange(batch))
+        actions.extend(step)
+        pending_sends = [send for c in step for send in [_transfers(c, rank, p, v)[1]] if send]
+    if pending_sends:
+        actions.append(Exchange(tuple(pending_sends)))
+    return tuple(actions)
+
+
+def build_schedule(kind: str, p: int, m: int, v: int = 1) -> Schedule:
+    """Every pipeline rank's action list for one iteration (one flush)."""
+    check_arguments(kind, p, m, v)
+    forwards, backwards = forward_order(kind, p, m, v), backward_order(kind, p, m, v)
+    ranks = []
+    for rank in range(p):
+        steps = _one_forward_one_backward(forwards, backwards, warmup_forwards(kind, p, m, v, rank))
+        if kind != "interleaved":
+            steps = [[compute] for step in steps for compute in step]
+        ranks.append(with_exchanges(steps, rank, p, v))
+    return Schedule(kind, p, m, v, tuple(ranks))
+
+
+def build_forward_only(p: int, m: int, v: int = 1) -> Schedule:
+    """Evaluation: every forward, no backward (same microbatch order as training)."""
+    kind = "interleaved" if v > 1 else "gpipe"
+    check_arguments(kind, p, m, v)
+    forwards = forward_order(kind, p, m, v)
+    ranks = tuple(with_exchanges([[Compute("F", i, c)] for i, c in forwards], r, p, v)
+                  for r in range(p))
+    return Schedule("forward-only", p, m, v, ranks)
+
+
+def layers_of(rank: int, chunk: int, p: int, v: int, num_layers: int) -> list[int]:
+    """Global indices of the layers of (rank, chunk): offset c·(l/v) + r·(l/(p·v))."""
+    if num_layers % (p * v):
+        raise ScheduleError(f"{num_layers} layers do not split into p·v = {p * v} equal chunks")
+    per_chunk = num_layers // (p * v)
+    first = chunk * (num_layers // v) + rank * per_chunk
+    return list(range(first, first + per_chunk))
