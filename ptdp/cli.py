@@ -146,14 +146,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_output_paths(config: Config) -> None:
     """Fail before launching, not after the first iteration, on an unwritable path."""
-    metrics = config.train.metrics_file
-    if metrics:
-        parent = Path(metrics).resolve().parent
+    problems = []
+    for flag_name, path in (("--metrics-file", config.train.metrics_file),
+                            ("--timeline", config.train.timeline)):
+        if not path:
+            continue
+        parent = Path(path).resolve().parent
         if not parent.is_dir():
-            raise ConfigError([f"--metrics-file {metrics}: directory {parent} does not exist; "
-                               f"create it or choose another path"])
-        if Path(metrics).is_dir():
-            raise ConfigError([f"--metrics-file {metrics} is a directory; give a file path"])
+            problems.append(f"{flag_name} {path}: directory {parent} does not exist; create it or "
+                            f"choose another path")
+        elif Path(path).is_dir():
+            problems.append(f"{flag_name} {path} is a directory; give a file path")
+    if config.train.timeline and not config.train.timeline.lower().endswith(".png"):
+        problems.append(f"--timeline {config.train.timeline}: the picture is a PNG; use a .png path")
+    if problems:
+        raise ConfigError(problems)
 
 
 def run_train(config: Config) -> int:
@@ -163,14 +170,8 @@ def run_train(config: Config) -> int:
 
     env = detect_env()
     validate(config, world_size=env.world_size if env is not None else None)
-    not_yet = []
-    if config.parallel.pipeline_model_parallel_size > 1:
-        not_yet.append("--pipeline-model-parallel-size > 1: the pipeline executor is not available "
-                       "yet; use --pipeline-model-parallel-size 1")
     if not config.data.mock_data:
-        not_yet.append("only generated data is available yet: add --mock-data")
-    if not_yet:
-        raise ConfigError(not_yet)
+        raise ConfigError(["only generated data is available yet: add --mock-data"])
     _check_output_paths(config)
     if env is not None:
         worker(env, config)

@@ -71,6 +71,15 @@ class ParallelConfig:
     num_layers_per_virtual_pipeline_stage: int | None = flag(
         None, "--num-layers-per-virtual-pipeline-stage",
         "layers per model chunk; enables the interleaved 1F1B schedule")
+    pipeline_schedule: str = flag(
+        "1f1b", "--pipeline-schedule",
+        "schedule without interleaving: gpipe (all forwards, then all backwards) or 1f1b; "
+        "--num-layers-per-virtual-pipeline-stage selects the interleaved 1F1B schedule",
+        choices=("gpipe", "1f1b"))
+    scatter_gather_tensors_in_pipeline: bool = flag(
+        True, "--no-scatter-gather-tensors-in-pipeline",
+        "send whole boundary tensors between stages instead of 1/t slices all-gathered by the "
+        "receiving tensor group", negate=True)
     device: str = flag("auto", "--device", "auto | cpu | cuda (auto: cuda with NCCL when there are "
                        "enough GPUs, else cpu with gloo)", choices=("auto", "cpu", "cuda"))
     distributed_timeout_minutes: float = flag(
@@ -84,6 +93,12 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.dp
+
+    @property
+    def schedule_kind(self) -> str:
+        if self.num_layers_per_virtual_pipeline_stage is not None:
+            return "interleaved"
+        return self.pipeline_schedule
 
     def virtual_stages(self, num_layers: int) -> int:
         """Model chunks per pipeline rank (v); 1 without interleaving."""
@@ -109,6 +124,9 @@ class TrainConfig:
     log_interval: int = flag(1, "--log-interval", "print a line every N iterations")
     metrics_file: str | None = flag(None, "--metrics-file", "write one JSON line per iteration here",
                                     metavar="PATH")
+    timeline: str | None = flag(None, "--timeline",
+                                "draw the measured pipeline timeline of the last iteration to this "
+                                "PNG file", metavar="PATH")
 
     def batch_size(self, data_parallel_size: int) -> int:
         return self.global_batch_size or self.micro_batch_size * data_parallel_size
@@ -214,6 +232,11 @@ def validate(config: Config, world_size: int | None = None) -> None:
         p = getattr(m, name)
         if not 0.0 <= p < 1.0:
             problems.append(f"{flag_of('model', name)}={p} must be in [0, 1)")
+    for section, f in flag_fields():
+        choices = f.metadata.get("choices")
+        value = getattr(getattr(config, section), f.name)
+        if choices and value not in choices:
+            problems.append(f"{f.metadata['flag']}={value!r} is not one of {', '.join(choices)}")
     if par.distributed_timeout_minutes <= 0:
         problems.append(f"--distributed-timeout-minutes={par.distributed_timeout_minutes} must be > 0")
     if tr.clip_grad < 0:
@@ -300,6 +323,11 @@ def validate(config: Config, world_size: int | None = None) -> None:
                 f"--num-layers-per-virtual-pipeline-stage {k} = {p * k}: use "
                 f"--num-layers-per-virtual-pipeline-stage in {_divisors(l // p)} or --num-layers "
                 f"{_nearest_multiple(l, p * k)}")
+
+    if interleaved and par.pipeline_schedule == "gpipe":
+        problems.append(
+            "--pipeline-schedule gpipe cannot be combined with --num-layers-per-virtual-pipeline-"
+            "stage (interleaving uses the interleaved 1F1B schedule): drop one of them")
 
     # Batch sizes. The interleaved schedule also needs m, the microbatches per
     # pipeline, to be a multiple of p.

@@ -22,6 +22,7 @@ from torch import nn
 
 from ptdp.config import ModelConfig
 from ptdp.model.fused import bias_dropout_add, bias_gelu
+from ptdp.parallel.pipeline.schedules import layers_of
 from ptdp.parallel.sharding import COPY_ATTR, initialize_parameters, set_init
 from ptdp.parallel.tensor import (
     ColumnParallelLinear,
@@ -185,10 +186,20 @@ class GPT(nn.Module):
         return (losses * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def build_gpt(config: ModelConfig, ctx: ParallelContext, device: torch.device, seed: int) -> GPT:
-    """The whole model (one pipeline stage) on `device`, initialised from `seed`
-    and with its dropout streams seeded for this rank."""
+def build_chunks(config: ModelConfig, ctx: ParallelContext, device: torch.device, seed: int,
+                 num_chunks: int = 1) -> list[GPT]:
+    """This rank's model chunks, initialised from `seed`, with its dropout
+    streams seeded. Chunk c of pipeline rank r is virtual stage c·p + r and
+    holds layers c·(l/v) + r·(l/(p·v)) onwards (the paper's interleaving);
+    the first virtual stage has the embeddings, the last the output layer."""
     rng = RNGStreams(device)
     rng.seed(seed, ctx)
-    model = GPT(config, ctx, rng).initialize(seed)
-    return model.to(device)
+    p, last = ctx.pp_size, ctx.pp_size * num_chunks - 1
+    chunks = []
+    for chunk in range(num_chunks):
+        stage = chunk * p + ctx.pp_rank
+        model = GPT(config, ctx, rng, layer_ids=layers_of(ctx.pp_rank, chunk, p, num_chunks,
+                                                          config.num_layers),
+                    pre_process=stage == 0, post_process=stage == last)
+        chunks.append(model.initialize(seed).to(device))
+    return chunks

@@ -16,8 +16,10 @@ from ptdp.config import Config
 from ptdp.data.mock import MockGPTDataset
 from ptdp.data.sampler import collate, microbatch_indices
 from ptdp.launch import DistEnv, init_process_group
-from ptdp.model.gpt import build_gpt
+from ptdp.model.gpt import build_chunks
 from ptdp.parallel.data import average_gradients
+from ptdp.parallel.pipeline.executor import PipelineExecutor, all_reduce_tied_embedding_grads
+from ptdp.parallel.pipeline.schedules import build_schedule
 from ptdp.parallel.sharding import COPY_ATTR, logical_shape
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.train.optim import build_optimizer, clip_gradients, global_grad_norm
@@ -55,47 +57,67 @@ def _log_line(record: dict[str, Any], train_iters: int) -> str:
 
 
 def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[dict[str, Any]]:
-    """Train on this rank; returns the per-iteration metrics (on every rank)."""
-    model_cfg, tr = config.model, config.train
-    if ctx.pp_size > 1:
-        raise NotImplementedError("pipeline parallelism (--pipeline-model-parallel-size > 1) is not "
-                                  "available yet; use --pipeline-model-parallel-size 1")
+    """Train on this rank; returns the per-iteration metrics (the loss only
+    on the last pipeline stage, where it is computed)."""
+    model_cfg, par, tr = config.model, config.parallel, config.train
     if not config.data.mock_data:
         raise NotImplementedError("only --mock-data is available yet; add --mock-data")
 
-    model = build_gpt(model_cfg, ctx, device, tr.seed)
-    optimizer = build_optimizer(model, tr)
-    dataset = MockGPTDataset(model_cfg.vocab_size, model_cfg.seq_length, tr.seed)
-    d, b = ctx.dp_size, tr.micro_batch_size
+    p, d, b = ctx.pp_size, ctx.dp_size, tr.micro_batch_size
+    v = par.virtual_stages(model_cfg.num_layers)
     global_batch, num_micro = tr.batch_size(d), tr.num_microbatches(d)
+    chunks = build_chunks(model_cfg, ctx, device, tr.seed, v)
+    model = torch.nn.ModuleList(chunks)
+    optimizer = build_optimizer(model, tr)
+    schedule = build_schedule(par.schedule_kind, p, num_micro, v)
+    executor = PipelineExecutor(chunks, ctx, activation_shape=(model_cfg.seq_length, b,
+                                                               model_cfg.hidden_size),
+                                dtype=torch.float32, device=device,
+                                scatter_gather=par.scatter_gather_tensors_in_pipeline)
+    dataset = MockGPTDataset(model_cfg.vocab_size, model_cfg.seq_length, tr.seed)
     is_logger = ctx.is_last_stage and ctx.tp_rank == 0 and ctx.dp_rank == 0
     metrics_out: TextIO | None = (open(tr.metrics_file, "w", encoding="utf-8")
                                   if is_logger and tr.metrics_file else None)
+    parameters = count_parameters(model)
+    if ctx.pp_group is not None:
+        total = torch.tensor([float(parameters)], device=device)
+        dist.all_reduce(total, group=ctx.pp_group)
+        parameters = int(total.item())
     if is_logger:
-        print(f"ptdp: {ctx.grid.world_size} processes (t={ctx.tp_size}, p={ctx.pp_size}, d={d}) on "
-              f"{device.type}; {count_parameters(model):,} parameters; vocabulary {model_cfg.vocab_size} padded to "
-              f"{model_cfg.padded_vocab_size(ctx.tp_size)} (padding is masked out of the loss); "
-              f"{num_micro} microbatch(es) of {b} per rank per iteration", flush=True)
+        print(f"ptdp: {ctx.grid.world_size} processes (t={ctx.tp_size}, p={p}, d={d}) on "
+              f"{device.type}; {parameters:,} parameters; vocabulary {model_cfg.vocab_size} "
+              f"padded to {model_cfg.padded_vocab_size(ctx.tp_size)} (padding is masked out of "
+              f"the loss); {num_micro} microbatch(es) of {b} per pipeline per iteration; "
+              f"{schedule.kind} schedule" + (f" with {v} chunks per rank" if v > 1 else ""),
+              flush=True)
 
     history: list[dict[str, Any]] = []
     try:
         for iteration in range(tr.train_iters):
+            record_timeline = bool(tr.timeline) and iteration + 1 == tr.train_iters
+            if record_timeline:
+                dist.barrier()  # align the ranks' clocks for the picture
             start = time.perf_counter()
             model.train()
-            loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-            for micro in range(num_micro):
+
+            def microbatch(i: int, iteration: int = iteration) -> tuple[torch.Tensor, torch.Tensor]:
                 tokens = collate(dataset, microbatch_indices(
-                    iteration, micro, ctx.dp_rank, micro_batch_size=b,
-                    global_batch_size=global_batch, data_parallel_size=d)).to(device)
-                loss = model(tokens[:, :-1], tokens[:, 1:])
-                (loss / num_micro).backward()
-                loss_sum += loss.detach().float()
+                    iteration, i, ctx.dp_rank, micro_batch_size=b, global_batch_size=global_batch,
+                    data_parallel_size=d)).to(device)
+                return tokens[:, :-1], tokens[:, 1:]
+
+            stats = executor.run(schedule, microbatch, record_timeline=record_timeline)
             devices.synchronize(device)
             forward_backward_done = time.perf_counter()
 
+            all_reduce_tied_embedding_grads(chunks, ctx)
             average_gradients(model, ctx)
-            if ctx.dp_group is not None:
-                dist.all_reduce(loss_sum, group=ctx.dp_group)
+            loss = None
+            if ctx.is_last_stage:
+                loss_sum = torch.stack(stats.losses).sum().float()
+                if ctx.dp_group is not None:
+                    dist.all_reduce(loss_sum, group=ctx.dp_group)
+                loss = loss_sum.item() / (num_micro * d)
             devices.synchronize(device)
             reduce_done = time.perf_counter()
 
@@ -110,14 +132,16 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
             record = {
                 "iteration": iteration + 1,
                 "consumed_samples": (iteration + 1) * global_batch,
-                "loss": loss_sum.item() / (num_micro * d),
+                "loss": loss,
                 "lr": optimizer.param_groups[0]["lr"],
                 "grad_norm": grad_norm.item(),
                 "iteration_ms": elapsed * 1e3,
                 "forward_backward_ms": (forward_backward_done - start) * 1e3,
+                "pipeline_transfer_ms": stats.transfer_seconds * 1e3,
                 "grad_reduce_ms": (reduce_done - forward_backward_done) * 1e3,
                 "optimizer_ms": (end - reduce_done) * 1e3,
                 "tokens_per_s": global_batch * model_cfg.seq_length / elapsed,
+                "peak_stored_activations": stats.peak_stored,
             }
             history.append(record)
             if metrics_out is not None:
@@ -125,7 +149,29 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
                 metrics_out.flush()
             if is_logger and ((iteration + 1) % tr.log_interval == 0 or iteration + 1 == tr.train_iters):
                 print(_log_line(record, tr.train_iters), flush=True)
+            if record_timeline:
+                _draw_measured_timeline(stats.timeline, ctx, schedule, tr.timeline, is_logger)
     finally:
         if metrics_out is not None:
             metrics_out.close()
     return history
+
+
+def _draw_measured_timeline(boxes: list, ctx: ParallelContext, schedule, path: str,
+                            is_logger: bool) -> None:
+    """Collect every pipeline rank's boxes (tensor rank 0, data rank 0) and draw them."""
+    everyone: list = [None] * ctx.grid.world_size
+    dist.all_gather_object(everyone, (ctx.coord, boxes))
+    if not is_logger:
+        return
+    from ptdp.perf.timeline import draw_timeline
+
+    rows = [[] for _ in range(ctx.pp_size)]
+    for coord, rank_boxes in everyone:
+        if coord.tp == 0 and coord.dp == 0:
+            rows[coord.pp] = [(op, mb, chunk, start * 1e3, end * 1e3)
+                              for op, mb, chunk, start, end in rank_boxes]
+    draw_timeline(rows, path, v=schedule.v, time_unit="ms",
+                  title=f"measured {schedule.kind} timeline, p={schedule.p}, m={schedule.m}"
+                        + (f", v={schedule.v}" if schedule.v > 1 else ""))
+    print(f"ptdp: wrote the timeline of the last iteration to {path}", flush=True)

@@ -1,0 +1,186 @@
+"""Runs one pipeline rank's action list (see schedules.py).
+
+- Compute F: take the microbatch's tokens (first virtual stage) or the
+  received activation, run the chunk, keep (input, output) for the backward.
+  The last virtual stage computes the loss, scaled by 1/m so that the
+  gradients are those of the mean over microbatches.
+- Compute B: backpropagate the received output gradient (or the loss) through
+  the chunk; the input's gradient is what goes to the previous stage.
+- Exchange: all its sends and receives are posted as one batch
+  (batch_isend_irecv) and waited for together, so two neighbours that send to
+  each other at the same moment cannot deadlock.
+
+Scatter/gather (the paper's optimisation): the activation or gradient that
+crosses a stage boundary is the same on every tensor rank, so each tensor
+rank sends only its 1/t slice and the receiving tensor group all-gathers the
+slices over its fast links. It falls back to whole tensors when the size
+does not divide by t.
+
+Memory: a sent activation's storage is released once the send completes;
+autograd needs only its shape to backpropagate into it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from ptdp.parallel.pipeline.schedules import Compute, Exchange, Schedule, Transfer
+from ptdp.parallel.topology import ParallelContext
+
+# (op, microbatch, chunk, start, end): op is "F", "B" or "comm"; seconds from
+# the start of the run on this rank.
+Box = tuple[str, int, int, float, float]
+
+
+@dataclass
+class PipelineStats:
+    losses: list[torch.Tensor] = field(default_factory=list)   # last stage: one per microbatch
+    peak_stored: int = 0                 # most (microbatch, chunk) activations held at once
+    sent_elements: list[int] = field(default_factory=list)     # elements per point-to-point send
+    timeline: list[Box] = field(default_factory=list)
+    transfer_seconds: float = 0.0        # time in exchanges (transfers and waiting for peers)
+    released_bytes: int = 0              # storage of sent activations freed before their backward
+
+
+MicrobatchFn = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+
+
+class PipelineExecutor:
+    def __init__(self, chunks: list[torch.nn.Module], ctx: ParallelContext, *,
+                 activation_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                 scatter_gather: bool = True):
+        self.chunks, self.ctx = chunks, ctx
+        self.activation_shape, self.dtype, self.device = activation_shape, dtype, device
+        numel = 1
+        for size in activation_shape:
+            numel *= size
+        self.split = (scatter_gather and ctx.tp_size > 1 and numel % ctx.tp_size == 0)
+        self.slice_numel = numel // ctx.tp_size if self.split else numel
+
+    def _global_rank(self, pipeline_rank: int) -> int:
+        c = self.ctx.coord
+        return self.ctx.grid.rank(c.tp, c.dp, pipeline_rank)
+
+    def run(self, schedule: Schedule, microbatch: MicrobatchFn, *, forward_only: bool = False,
+            record_timeline: bool = False) -> PipelineStats:
+        """Execute this rank's actions of `schedule`. `microbatch(i)` gives the
+        tokens and labels [b, s] of microbatch i (used on the first and last
+        virtual stage only)."""
+        ctx, p, m = self.ctx, schedule.p, schedule.m
+        last_stage = schedule.num_stages - 1
+        stats = PipelineStats()
+        stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        outgoing: dict[tuple, torch.Tensor] = {}
+        received: dict[tuple, torch.Tensor] = {}
+        start_time = time.perf_counter()
+
+        def record(op: str, mb: int, chunk: int, began: float) -> None:
+            if record_timeline:
+                stats.timeline.append((op, mb, chunk, began - start_time,
+                                       time.perf_counter() - start_time))
+
+        for action in schedule.ranks[ctx.pp_rank]:
+            began = time.perf_counter()
+            if isinstance(action, Exchange):
+                self._exchange(action, outgoing, received, stats)
+                stats.transfer_seconds += time.perf_counter() - began
+                record("comm", -1, -1, began)
+                continue
+            i, c = action.microbatch, action.chunk
+            stage = schedule.virtual_stage(ctx.pp_rank, c)
+            if action.op == "F":
+                if stage == 0:
+                    x = microbatch(i)[0]
+                else:
+                    x = received.pop(("activation", i, stage - 1))
+                    x.requires_grad_(not forward_only)
+                with torch.set_grad_enabled(not forward_only):
+                    if stage == last_stage:
+                        loss = self.chunks[c](x, microbatch(i)[1])
+                        stats.losses.append(loss.detach())
+                        out = loss / m
+                    else:
+                        out = self.chunks[c](x)
+                        outgoing[("activation", i, stage)] = out
+                if not forward_only:
+                    stash[(i, c)] = (x if stage > 0 else None, out)
+                    stats.peak_stored = max(stats.peak_stored, len(stash))
+            else:
+                x, out = stash.pop((i, c))
+                if stage == last_stage:
+                    out.backward()
+                else:
+                    out.backward(received.pop(("grad", i, stage)))
+                if stage > 0:
+                    outgoing[("grad", i, stage - 1)] = x.grad
+            record(action.op, i, c, began)
+
+        if stash or outgoing or received:
+            raise RuntimeError(f"pipeline rank {ctx.pp_rank}: the schedule left work undone "
+                               f"(stashed {list(stash)}, unsent {list(outgoing)}, unused "
+                               f"{list(received)})")
+        return stats
+
+    # Point-to-point -------------------------------------------------------------
+
+    def _tag(self, t: Transfer) -> int:
+        # gloo matches messages by tag; unique per (kind, microbatch, boundary).
+        return (t.microbatch * 2 + (t.kind == "grad")) * 4096 + t.boundary
+
+    def _exchange(self, exchange: Exchange, outgoing: dict, received: dict,
+                  stats: PipelineStats) -> None:
+        ops: list = []
+        sent_outputs: list[torch.Tensor] = []
+        buffers: list[tuple[Transfer, torch.Tensor]] = []
+        for t in exchange.transfers:
+            peer = self._global_rank(t.peer)
+            if t.op == "send":
+                tensor = outgoing.pop(t.tag)
+                payload = self._my_slice(tensor) if self.split else tensor.detach().contiguous()
+                if t.kind == "activation":
+                    sent_outputs.append(tensor)
+                stats.sent_elements.append(payload.numel())
+                ops.append(dist.P2POp(dist.isend, payload, peer, tag=self._tag(t)))
+            else:
+                shape = (self.slice_numel,) if self.split else self.activation_shape
+                buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
+                buffers.append((t, buffer))
+                ops.append(dist.P2POp(dist.irecv, buffer, peer, tag=self._tag(t)))
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        for output in sent_outputs:
+            # Autograd keeps only the shape of a chunk's output (its last op is
+            # an addition, which saves no tensors): its data can go now.
+            storage = output.untyped_storage()
+            stats.released_bytes += storage.nbytes()
+            storage.resize_(0)
+        for t, buffer in buffers:
+            received[t.tag] = self._gather(buffer) if self.split else buffer
+
+    def _my_slice(self, tensor: torch.Tensor) -> torch.Tensor:
+        flat = tensor.detach().reshape(-1)
+        return flat.narrow(0, self.ctx.tp_rank * self.slice_numel, self.slice_numel).clone()
+
+    def _gather(self, piece: torch.Tensor) -> torch.Tensor:
+        full = torch.empty(self.slice_numel * self.ctx.tp_size, dtype=piece.dtype, device=piece.device)
+        dist.all_gather_into_tensor(full, piece, group=self.ctx.tp_group)
+        return full.view(self.activation_shape)
+
+
+def all_reduce_tied_embedding_grads(chunks: list[torch.nn.Module], ctx: ParallelContext) -> None:
+    """Sum the word-embedding gradients of the first and last pipeline stage,
+    so the two copies of the tied embedding take the same step."""
+    group = ctx.embedding_group
+    if group is None:
+        return
+    for chunk in chunks:
+        embedding = getattr(chunk, "embedding", None)
+        if embedding is not None and hasattr(embedding, "word_embeddings"):
+            grad = embedding.word_embeddings.weight.grad
+            if grad is not None:
+                dist.all_reduce(grad, group=group)
