@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-COMMON = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+COMMON = ["--mock-data", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
           "--seq-length", "32", "--vocab-size", "500", "--make-vocab-size-divisible-by", "16",
           "--hidden-dropout", "0", "--attention-dropout", "0", "--micro-batch-size", "2",
           "--global-batch-size", "8", "--train-iters", "4", "--lr", "3e-3", "--seed", "5"]
@@ -63,8 +63,19 @@ def test_one_process_run_learns_and_writes_metrics(reference):
     assert "vocabulary 500 padded to 512" in stdout
 
 
-@pytest.mark.parametrize("layout", [["-t", "2"], ["-t", "2", "-d", "2"], ["-d", "2"]],
-                         ids=["t2", "t2d2", "d2"])
+LAYOUTS = {
+    "t2": ["-t", "2"],
+    "t2d2": ["-t", "2", "-d", "2"],
+    "d2": ["-d", "2"],
+    "p2-1f1b": ["-p", "2"],
+    "p2-gpipe": ["-p", "2", "--pipeline-schedule", "gpipe"],
+    "p2-interleaved-t2": ["-p", "2", "-t", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+    "t2p2d2-interleaved": ["-t", "2", "-p", "2", "-d", "2",
+                           "--num-layers-per-virtual-pipeline-stage", "1"],
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
 def test_parallel_layouts_print_the_same_losses(tmp_path, reference, layout):
     _assert_same_run(_ptdp(layout, tmp_path, "parallel"), reference)
 
