@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ptdp.config import SECTION_TYPES, Config, ConfigError, flag_fields, validate
+from ptdp.perf.timeline import add_schedule_parser, run_schedule_command
 
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 
@@ -141,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "starts t·p·d local processes; under torchrun or SLURM it joins their job.")
     train.add_argument("--config", metavar="FILE", help="YAML or TOML file of settings; flags override it")
     _add_config_flags(train)
+    add_schedule_parser(commands)
     return parser
 
 
@@ -201,6 +203,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "train":
             return run_train(config_from_args(args))
+        if args.command == "schedule":
+            return run_schedule_command(args)
     except ConfigError as error:
         print(f"ptdp: error: {error}", file=sys.stderr)
         return 2

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set-up, then the main job: a short tensor- and data-parallel training run
-# (t = 2, d = 2: four local processes) on generated data. Extra arguments are
+# Set-up, then the main job: a short training run with tensor, pipeline
+# (interleaved) and data parallelism (t = p = d = 2: eight local processes) on
+# generated data. Extra arguments are
 # passed to `ptdp train` and override the config file.
 set -euo pipefail
 cd "$(dirname "$0")/.."

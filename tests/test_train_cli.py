@@ -153,3 +153,22 @@ def test_killing_a_rank_ends_the_job_with_its_name(tmp_path):
     assert "killed by SIGKILL" in stderr or "exit code 1" in stderr
     for pid in ranks:  # no rank is left behind
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+
+
+def test_timeline_picture_of_the_last_iteration(tmp_path, reference):
+    picture = tmp_path / "timeline.png"
+    run = _ptdp(["-p", "2", "--num-layers-per-virtual-pipeline-stage", "1", "--timeline",
+                 str(picture)], tmp_path, "timeline")
+    _assert_same_run(run, reference)  # the timing barrier changes no number
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote the timeline of the last iteration to {picture}" in run[2]
+    # Interleaved 1F1B: the stored activations peak at the schedule's bound
+    # (rank 1, the last stage, logs: warm-up (v-1)·p = 2, plus one).
+    assert all(r["peak_stored_activations"] == 3 for r in run[0])
+
+
+def test_timeline_path_is_checked_before_launch(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "ptdp", "train", *COMMON, "-p", "2",
+                             "--timeline", str(tmp_path / "missing" / "t.png")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "--timeline" in result.stderr and "does not exist" in result.stderr

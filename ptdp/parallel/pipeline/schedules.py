@@ -115,7 +115,7 @@ def check_arguments(kind: str, p: int, m: int, v: int) -> None:
     if kind not in KINDS:
         raise ScheduleError(f"unknown schedule kind {kind!r}: use one of {', '.join(KINDS)}")
     for name, value in (("p", p), ("m", m), ("v", v)):
-        if not isinstance(value, int) or value < 1:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ScheduleError(f"{name} = {value!r} must be a positive integer")
     if v > 1 and p < 2:
         raise ScheduleError(f"v = {v} chunks per rank need p >= 2 ranks: with one rank the chunks "
@@ -147,9 +147,8 @@ def forward_order(kind: str, p: int, m: int, v: int) -> list[tuple[int, int]]:
     if kind != "interleaved":
         return [(i, 0) for i in range(m)]
     order = []
-    for first in range(0, m, p):  # microbatches in groups of p, the last may be smaller
-        group = range(first, min(first + p, m))
-        order.extend((i, c) for c in range(v) for i in group)
+    for first in range(0, m, p):  # microbatches in groups of p (m is a multiple of p)
+        order.extend((i, c) for c in range(v) for i in range(first, first + p))
     return order
 
 

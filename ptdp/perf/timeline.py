@@ -1,0 +1,367 @@
+"""Timeline pictures of pipeline schedules, in the style of the paper's Figures 3 and 4.
+
+A timeline is one list of boxes per pipeline rank (`list[list[Box]]`); a box
+is `(op, microbatch, chunk, start, end)` with op "F" (forward) or "B"
+(backward) of one microbatch through one model chunk, or "comm" / "wait"
+(drawn as thin grey hatched bars). Microbatches and chunks are 0-based in the
+boxes, as everywhere in ptdp; the picture numbers microbatches from 1 like
+the paper (see `draw_timeline(first_microbatch=...)`).
+
+`boxes_from_simulation` turns a `SimulationResult` into boxes,
+`draw_timeline` draws boxes to a PNG (rank 0 on top, time to the right;
+forwards blue, backwards green, one shade per chunk, dark for chunk 0; idle
+time blank: the bubble). `add_schedule_parser` / `run_schedule_command` are
+the `ptdp schedule` subcommand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from fractions import Fraction
+from pathlib import Path
+from typing import NamedTuple, Sequence
+
+from ptdp.parallel.pipeline.schedules import KINDS, Compute, Exchange, ScheduleError, build_schedule
+from ptdp.parallel.pipeline.simulate import SimulationResult, simulate
+
+
+class Box(NamedTuple):
+    op: str            # "F", "B", "comm" or "wait"
+    microbatch: int    # 0-based; -1 for comm/wait boxes
+    chunk: int         # 0-based; -1 for comm/wait boxes
+    start: float
+    end: float
+
+
+COMPUTE_OPS = ("F", "B")
+OTHER_OPS = ("comm", "wait")
+
+# Chunk 0 dark, the last chunk light (the paper's Figure 4 with v = 2).
+_SHADES = {"F": ("#1f4fa0", "#a9c9f2"), "B": ("#1c7a34", "#aee4a9")}
+_OTHER_STYLE = {"comm": ("#8c8c8c", "////", "communication"),
+                "wait": ("#cfcfcf", "....", "waiting")}
+
+KIND_TITLES = {"gpipe": "GPipe", "1f1b": "1F1B (PipeDream-Flush)", "interleaved": "Interleaved 1F1B"}
+
+
+def _mix(dark: str, light: str, t: float) -> str:
+    a = [int(dark[i:i + 2], 16) for i in (1, 3, 5)]
+    b = [int(light[i:i + 2], 16) for i in (1, 3, 5)]
+    return "#" + "".join(f"{round(x + (y - x) * t):02x}" for x, y in zip(a, b))
+
+
+def colour(op: str, chunk: int, v: int) -> str:
+    """Fill colour of a forward ("F") or backward ("B") box of `chunk` when
+    ranks hold `v` chunks: chunk 0 dark, chunk v-1 light, evenly in between."""
+    dark, light = _SHADES[op]
+    return dark if v == 1 else _mix(dark, light, chunk / (v - 1))
+
+
+def _text_colour(fill: str) -> str:
+    r, g, b = (int(fill[i:i + 2], 16) / 255 for i in (1, 3, 5))
+    return "white" if 0.299 * r + 0.587 * g + 0.114 * b < 0.55 else "black"
+
+
+def boxes_from_simulation(result: SimulationResult, *, transfer_cost: float | Fraction = 0
+                          ) -> list[list[Box]]:
+    """One box per compute of the simulation, with its simulated times.
+
+    With `transfer_cost` > 0 (the value given to `simulate`), every exchange
+    that precedes a compute also gets a "comm" box: the last `transfer_cost`
+    of time before that compute (the simulator completes an exchange
+    `transfer_cost` after both sides posted it). An exchange after a rank's
+    last compute is not drawn: the simulation result does not record when it
+    ended.
+    """
+    transfer_cost = Fraction(transfer_cost)
+    rows: list[list[Box]] = []
+    for rank, intervals in enumerate(result.timelines):
+        row: list[Box] = []
+        computes = iter(intervals)
+        previous_end = Fraction(0)
+        exchange_pending = False
+        for action in result.schedule.ranks[rank]:
+            if isinstance(action, Exchange):
+                exchange_pending = True
+                continue
+            interval = next(computes)
+            assert isinstance(action, Compute) and interval.action == action
+            if exchange_pending and transfer_cost > 0:
+                start = max(previous_end, interval.start - transfer_cost)
+                if interval.start > start:
+                    row.append(Box("comm", -1, -1, float(start), float(interval.start)))
+            exchange_pending = False
+            row.append(Box(action.op, action.microbatch, action.chunk,
+                           float(interval.start), float(interval.end)))
+            previous_end = interval.end
+        rows.append(row)
+    return rows
+
+
+def format_fraction(x: Fraction | float) -> str:
+    """3/16 -> '3/16 = 0.1875 (18.75%)'; a float -> '0.1875 (18.75%)'."""
+    exact = f"{x.numerator}/{x.denominator} = " if isinstance(x, Fraction) and x.denominator > 1 else ""
+    return f"{exact}{float(x):.6g} ({float(x) * 100:.4g}%)"
+
+
+def figure_size(p: int, time_span: float) -> tuple[float, float]:
+    """(width, height) in inches of the picture of p ranks over `time_span` units."""
+    width = min(22.0, max(8.0, 3.0 + 0.3 * float(time_span)))
+    height = max(3.0, 1.9 + 0.5 * p)
+    return width, height
+
+
+def draw_timeline(rows: Sequence[Sequence[Box]], path: str | Path, *, v: int, title: str,
+                  time_unit: str = "unit time", bubble_fraction: Fraction | float | None = None,
+                  xmax: float | None = None, first_microbatch: int = 1, dpi: int = 120) -> None:
+    """Draw `rows` (one list of boxes per pipeline rank, rank 0 on top) to `path`.
+
+    Box labels are microbatch numbers starting at `first_microbatch` (1 like
+    the paper; 0 for ptdp's own numbering); labels too wide for their box are
+    left out and fonts shrink for narrow boxes. `bubble_fraction`, when given,
+    is added to the title. `xmax` fixes the right end of the time axis, to draw
+    several schedules to the same scale. The format follows the file suffix
+    (PNG, SVG, PDF). Uses matplotlib's Agg canvas directly: no global state.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.collections import PatchCollection
+    from matplotlib.patches import Patch, Rectangle
+    from matplotlib.ticker import MaxNLocator
+
+    p = len(rows)
+    if p == 0:
+        raise ValueError("draw_timeline needs at least one rank")
+    if v < 1:
+        raise ValueError(f"v = {v} must be at least 1")
+    for rank, row in enumerate(rows):
+        for box in row:
+            if box[0] not in COMPUTE_OPS + OTHER_OPS:
+                raise ValueError(f"rank {rank}: unknown box op {box[0]!r}; use F, B, comm or wait")
+            if box[0] in COMPUTE_OPS and not 0 <= box[2] < v:
+                raise ValueError(f"rank {rank}: box {tuple(box)} has chunk {box[2]}, not in 0..{v - 1}")
+            if box[4] < box[3]:
+                raise ValueError(f"rank {rank}: box {tuple(box)} ends before it starts")
+
+    boxes = [Box(*box) for row in rows for box in row]
+    end = max((b.end for b in boxes), default=1.0)
+    span = float(xmax) if xmax is not None else end
+    span = max(span, end, 1e-9)
+    width, height = figure_size(p, span)
+
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+
+    # Geometry of the axes, estimated before layout, to size the labels.
+    axes_width_pt = (width - 1.1) * 72
+    axes_height_pt = (height - 1.7) * 72
+    row_height_pt = 0.8 * axes_height_pt / p
+    points_per_unit = axes_width_pt / span
+
+    computes = [b for b in boxes if b.op in COMPUTE_OPS]
+    digits = max((len(str(b.microbatch + first_microbatch)) for b in computes), default=1)
+    char_width = 0.65  # digit width over font size, DejaVu Sans, with a margin
+    narrowest = min((b.end - b.start for b in computes), default=1.0) * points_per_unit
+    fontsize = min(10.0, 0.55 * row_height_pt, max(6.0, (narrowest - 3) / (char_width * digits)))
+    # Label all boxes of a width or none: the fit test uses the widest label.
+    label_width_pt = char_width * fontsize * digits + 2
+
+    # One collection per style: thousands of single patches draw slowly.
+    rectangles, fills, line_widths = [], [], []
+    others: dict[str, list] = {op: [] for op in OTHER_OPS}
+    for rank, row in enumerate(rows):
+        for box in map(lambda b: Box(*b), row):
+            if box.op in OTHER_OPS:
+                others[box.op].append(Rectangle((box.start, rank - 0.1), box.end - box.start, 0.2))
+                continue
+            fill = colour(box.op, box.chunk, v)
+            box_width_pt = (box.end - box.start) * points_per_unit
+            rectangles.append(Rectangle((box.start, rank - 0.4), box.end - box.start, 0.8))
+            fills.append(fill)
+            line_widths.append(0.6 if box_width_pt >= 6 else 0.25)
+            if label_width_pt <= box_width_pt:
+                ax.text((box.start + box.end) / 2, rank, str(box.microbatch + first_microbatch),
+                        ha="center", va="center", fontsize=fontsize, color=_text_colour(fill),
+                        zorder=4)
+    ax.add_collection(PatchCollection(rectangles, facecolors=fills, edgecolors="black",
+                                      linewidths=line_widths, zorder=3))
+    for op, patches in others.items():
+        if patches:
+            edge, hatch, _ = _OTHER_STYLE[op]
+            ax.add_collection(PatchCollection(patches, facecolors="white", edgecolors=edge,
+                                              hatch=hatch, linewidths=0.5, zorder=2))
+
+    if computes:
+        ax.axvline(end, color="#555555", linestyle=(0, (4, 3)), linewidth=0.8, zorder=1)
+    ax.set_xlim(0, span)
+    ax.set_ylim(p - 0.5, -0.5)  # rank 0 on top
+    ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
+    ax.tick_params(axis="y", length=0)
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=max(5, int(axes_width_pt / 72 * 2.2)),
+                                           steps=[1, 2, 5, 10]))
+    ax.grid(axis="x", color="#e8e8e8", linewidth=0.6)
+    ax.set_axisbelow(True)
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+    ax.set_xlabel(f"time ({time_unit}); dashed line: end of the iteration (pipeline flush)")
+
+    heading = title
+    if bubble_fraction is not None:
+        heading += f" · bubble fraction {format_fraction(bubble_fraction)}"
+    ax.set_title(heading, fontsize=12)
+
+    handles, labels = [], []
+    for chunk in range(v):
+        for op, name in (("F", "forward"), ("B", "backward")):
+            handles.append(Patch(facecolor=colour(op, chunk, v), edgecolor="black", linewidth=0.6))
+            labels.append(name if v == 1 else f"{name}, chunk {chunk}")
+    present = [op for op in OTHER_OPS if any(b.op == op for b in boxes)]
+    for op in present:
+        fill, hatch, name = _OTHER_STYLE[op]
+        handles.append(Patch(facecolor="white", edgecolor=fill, hatch=hatch, linewidth=0.5))
+        labels.append(name)
+    numbering = ("numbered from 1, as in the paper" if first_microbatch == 1
+                 else f"numbered from {first_microbatch}")
+    what = ("a forward or backward of one microbatch" if v == 1
+            else "a forward or backward of one microbatch through one chunk")
+    # v = 1: one row; v > 1: forwards in the first row, backwards in the second.
+    ncols = len(handles) if v == 1 else v + (len(present) + 1) // 2
+    fig.legend(handles, labels, loc="outside lower center", ncols=ncols, fontsize=9,
+               title=f"box = {what} (microbatches {numbering}); blank = idle (the bubble)",
+               title_fontsize=9, frameon=False)
+    fig.savefig(path, dpi=dpi)
+
+
+# --------------------------------------------------------------------------------------------
+# `ptdp schedule`
+
+def _cost(text: str) -> Fraction:
+    try:
+        return Fraction(text)
+    except (ValueError, ZeroDivisionError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (e.g. 1, 0.5, 1/3)") from None
+
+
+def add_schedule_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the `schedule` subcommand to an argparse subparsers object."""
+    parser = subparsers.add_parser(
+        "schedule", help="print and draw a pipeline schedule (GPipe, 1F1B, interleaved 1F1B)",
+        description="Build one iteration of a pipeline schedule, simulate it in unit time and "
+                    "print its makespan, bubble fraction, peak in-flight microbatches and the "
+                    "order of computes on every rank; --out draws it like the paper's "
+                    "Figures 3 and 4. Time is in units of one stage's forward pass by default "
+                    "(forward 1, backward 2; a chunk costs 1/v of that).")
+    parser.add_argument("--kind", required=True, choices=KINDS, help="schedule kind")
+    parser.add_argument("-p", "--pipeline-model-parallel-size", dest="p", type=int, required=True,
+                        metavar="P", help="pipeline ranks p")
+    parser.add_argument("-m", "--num-microbatches", dest="m", type=int, required=True, metavar="M",
+                        help="microbatches per iteration m")
+    parser.add_argument("-v", "--num-model-chunks", dest="v", type=int, default=None, metavar="V",
+                        help="model chunks per rank (default: 2 for interleaved, else 1)")
+    parser.add_argument("--out", metavar="FILE.png",
+                        help="draw the timeline to this file (.png; .svg and .pdf also work)")
+    parser.add_argument("--forward-cost", type=_cost, default=Fraction(1), metavar="X",
+                        help="time of a forward through one rank's layers (default: 1)")
+    parser.add_argument("--backward-cost", type=_cost, default=Fraction(2), metavar="X",
+                        help="time of a backward through one rank's layers (default: 2)")
+    parser.add_argument("--transfer-cost", type=_cost, default=Fraction(0), metavar="X",
+                        help="time of one batched point-to-point exchange (default: 0)")
+    parser.add_argument("--xmax", type=float, default=None, metavar="T",
+                        help="right end of the picture's time axis, to draw several schedules "
+                             "to the same scale (default: the makespan)")
+    parser.add_argument("--json", action="store_true", help="print a JSON object instead of text")
+    return parser
+
+
+def paper_bubble_fraction(kind: str, p: int, m: int, v: int) -> Fraction:
+    """(p-1)/m for GPipe and 1F1B, (p-1)/(m·v) for interleaved 1F1B."""
+    return Fraction(p - 1, m * (v if kind == "interleaved" else 1))
+
+
+def _number(x: Fraction) -> float | int:
+    return int(x) if x.denominator == 1 else float(x)
+
+
+def _error(message: str) -> int:
+    print(f"ptdp: error: {message}", file=sys.stderr)
+    return 2
+
+
+def run_schedule_command(args: argparse.Namespace) -> int:
+    kind, p, m = args.kind, args.p, args.m
+    v = args.v if args.v is not None else (2 if kind == "interleaved" else 1)
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        if out.suffix.lower() not in (".png", ".svg", ".pdf"):
+            return _error(f"--out {args.out}: give a .png (or .svg, .pdf) file name")
+        if not out.resolve().parent.is_dir():
+            return _error(f"--out {args.out}: directory {out.resolve().parent} does not exist; "
+                          f"create it or choose another path")
+        if out.is_dir():
+            return _error(f"--out {args.out} is a directory; give a file name")
+    for name, value, least in (("--forward-cost", args.forward_cost, 0),
+                               ("--backward-cost", args.backward_cost, 0),
+                               ("--transfer-cost", args.transfer_cost, None)):
+        if (value <= 0) if least is not None else (value < 0):
+            return _error(f"{name} {value} must be {'positive' if least is not None else '0 or more'}")
+    if args.xmax is not None and args.xmax <= 0:
+        return _error(f"--xmax {args.xmax} must be positive")
+    try:
+        schedule = build_schedule(kind, p, m, v)
+        result = simulate(schedule, args.forward_cost, args.backward_cost, args.transfer_cost)
+    except ScheduleError as error:
+        return _error(str(error))
+
+    paper = paper_bubble_fraction(kind, p, m, v)
+    actions = [[str(c) for c in schedule.computes(rank)] for rank in range(p)]
+    if out is not None:
+        title = f"{KIND_TITLES[kind]}: p = {p}, m = {m}" + (f", v = {v}" if v > 1 else "")
+        title += f" · makespan {float(result.makespan):g}"
+        try:
+            draw_timeline(boxes_from_simulation(result, transfer_cost=args.transfer_cost), out,
+                          v=v, title=title, bubble_fraction=result.bubble_fraction, xmax=args.xmax)
+        except OSError as error:
+            print(f"ptdp: error: cannot write {out}: {error}", file=sys.stderr)
+            return 1
+
+    if args.json:
+        print(json.dumps({
+            "kind": kind, "p": p, "m": m, "v": v,
+            "forward_cost": _number(args.forward_cost), "backward_cost": _number(args.backward_cost),
+            "transfer_cost": _number(args.transfer_cost),
+            "makespan": _number(result.makespan), "ideal": _number(result.ideal),
+            "bubble_fraction": float(result.bubble_fraction),
+            "bubble_fraction_exact": str(result.bubble_fraction),
+            "paper_bubble_fraction": float(paper),
+            "peak_in_flight": list(result.peak_in_flight),
+            "actions": actions,
+            "timeline": [[[str(i.action), float(i.start), float(i.end)] for i in row]
+                         for row in result.timelines],
+            "out": str(out) if out is not None else None,
+        }))
+        return 0
+
+    formula = "(p-1)/(m·v)" if kind == "interleaved" else "(p-1)/m"
+    lines = [
+        f"{KIND_TITLES[kind]} schedule: p = {p} rank{'s' * (p > 1)}, m = {m} "
+        f"microbatch{'es' * (m > 1)}, v = {v} chunk{'s' * (v > 1)} per rank",
+        f"costs per rank: forward {args.forward_cost}, backward {args.backward_cost}, "
+        f"transfer {args.transfer_cost}" + (" (one chunk: 1/v of these)" if v > 1 else ""),
+        f"makespan {float(result.makespan):g} (ideal m·(forward + backward) = "
+        f"{float(result.ideal):g})",
+        f"bubble fraction {format_fraction(result.bubble_fraction)}; "
+        f"paper {formula} = {format_fraction(paper)}",
+        "peak in flight per rank: " + " ".join(map(str, result.peak_in_flight))
+        + (" (microbatch-chunk activations)" if v > 1 else " (microbatches)"),
+        "computes per rank (Fi.c / Bi.c: forward / backward of microbatch i through chunk c, "
+        "0-based):",
+    ]
+    width = len(f"rank {p - 1}")
+    lines += [f"  {f'rank {rank}':>{width}}: " + " ".join(acts) for rank, acts in enumerate(actions)]
+    if out is not None:
+        lines.append(f"wrote {out}")
+    print("\n".join(lines))
+    return 0
