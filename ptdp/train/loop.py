@@ -78,6 +78,9 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
     is_logger = ctx.is_last_stage and ctx.tp_rank == 0 and ctx.dp_rank == 0
     metrics_out: TextIO | None = (open(tr.metrics_file, "w", encoding="utf-8")
                                   if is_logger and tr.metrics_file else None)
+    # One collective over every rank before any point-to-point transfer: NCCL
+    # wants the world's communicator created by all ranks together.
+    dist.barrier()
     parameters = count_parameters(model)
     if ctx.pp_group is not None:
         total = torch.tensor([float(parameters)], device=device)
