@@ -187,3 +187,38 @@ def test_tied_embedding_copies_stay_identical(pools):
     equal (their gradients are summed over the embedding group)."""
     for identical, moved in pools(2).run(_tied_copies_stay_equal):
         assert identical and moved
+
+
+class _ToyStage(torch.nn.Module):
+    """A two-stage toy whose boundary tensor [3, 1, 3] (9 elements) does not
+    split over t = 2: the executor must send whole tensors."""
+
+    def __init__(self, first: bool):
+        super().__init__()
+        self.first = first
+        generator = torch.Generator().manual_seed(1 if first else 2)
+        self.weight = torch.nn.Parameter(torch.randn(3, 3, generator=generator))
+
+    def forward(self, x, labels=None):
+        if self.first:
+            x = x.float().unsqueeze(-1).expand(3, 1, 3)  # tokens [3, 1] -> [3, 1, 3]
+        y = torch.tanh(x @ self.weight) + 0.0
+        return y if labels is None else (y.sum(-1) * labels).mean()
+
+
+def _indivisible_boundary(rank, scatter_gather):
+    ctx = ParallelContext.build(RankGrid(tp=2, dp=1, pp=2))
+    chunk = _ToyStage(first=ctx.is_first_stage)
+    executor = PipelineExecutor([chunk], ctx, activation_shape=(3, 1, 3), dtype=torch.float32,
+                                device=torch.device("cpu"), scatter_gather=scatter_gather)
+    tokens = torch.arange(6.0).reshape(2, 3, 1)
+    stats = executor.run(build_schedule("1f1b", 2, 2), lambda i: (tokens[i], tokens[i] + 1))
+    return stats.sent_elements, chunk.weight.grad.clone(), [l.item() for l in stats.losses]
+
+
+def test_scatter_gather_falls_back_when_the_size_does_not_divide(pools):
+    split = pools(4).run(_indivisible_boundary, True)
+    whole = pools(4).run(_indivisible_boundary, False)
+    for (sent, grad, losses), (sent_ref, grad_ref, losses_ref) in zip(split, whole):
+        assert sent == sent_ref == [9, 9]
+        assert torch.equal(grad, grad_ref) and losses == losses_ref
