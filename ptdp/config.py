@@ -44,6 +44,19 @@ class ModelConfig:
                                   negate=True)
     bias_dropout_fusion: bool = flag(True, "--no-bias-dropout-fusion",
                                      "do not fuse bias + dropout + residual add", negate=True)
+    recompute_granularity: str | None = flag(
+        None, "--recompute-granularity",
+        "activation recomputation: full (store only layer inputs, recompute the layers in "
+        "backward) or selective (recompute only the attention core)",
+        choices=("full", "selective"))
+    recompute_method: str = flag(
+        "uniform", "--recompute-method",
+        "with full recomputation: uniform (checkpoint groups of --recompute-num-layers layers) or "
+        "block (checkpoint only the first --recompute-num-layers layers of each chunk)",
+        choices=("uniform", "block"))
+    recompute_num_layers: int = flag(1, "--recompute-num-layers",
+                                     "layers per checkpointed group (uniform) or checkpointed "
+                                     "layers per chunk (block)")
 
     @property
     def ffn_size(self) -> int:
@@ -114,12 +127,39 @@ class TrainConfig:
     global_batch_size: int | None = flag(
         None, "--global-batch-size", "sequences per iteration B (default b·d: one microbatch)")
     train_iters: int = flag(20, "--train-iters", "optimizer steps")
-    lr: float = flag(1e-3, "--lr", "learning rate")
+    lr: float = flag(1e-3, "--lr", "peak learning rate")
+    min_lr: float = flag(0.0, "--min-lr", "learning rate at the end of the decay")
+    lr_warmup_iters: int = flag(0, "--lr-warmup-iters", "iterations of linear warm-up to --lr")
+    lr_decay_iters: int | None = flag(None, "--lr-decay-iters",
+                                      "iteration at which the decay reaches --min-lr (default "
+                                      "--train-iters)")
+    lr_decay_style: str = flag("linear", "--lr-decay-style", "decay after the warm-up",
+                               choices=("constant", "linear", "cosine"))
     weight_decay: float = flag(0.01, "--weight-decay", "AdamW weight decay")
     adam_beta1: float = flag(0.9, "--adam-beta1", "AdamW beta1")
     adam_beta2: float = flag(0.999, "--adam-beta2", "AdamW beta2")
     adam_eps: float = flag(1e-8, "--adam-eps", "AdamW epsilon")
     clip_grad: float = flag(1.0, "--clip-grad", "clip the global gradient norm to this (0: off)")
+    use_distributed_optimizer: bool = flag(
+        False, "--use-distributed-optimizer",
+        "shard fp32 main weights and Adam states over the data-parallel ranks (ZeRO stage 1)")
+    ddp_bucket_size: int = flag(
+        40_000_000, "--ddp-bucket-size",
+        "elements per gradient bucket; a bucket's data-parallel reduction starts as soon as its "
+        "gradients are final, overlapping the rest of the backward")
+    bf16: bool = flag(False, "--bf16", "bf16 weights and activations, fp32 main weights and "
+                      "gradient accumulation")
+    fp16: bool = flag(False, "--fp16", "fp16 weights and activations with dynamic loss scaling, "
+                      "fp32 main weights and gradient accumulation")
+    loss_scale: float | None = flag(None, "--loss-scale", "fp16: a fixed loss scale instead of "
+                                    "dynamic scaling")
+    initial_loss_scale: float = flag(2.0 ** 32, "--initial-loss-scale",
+                                     "fp16: initial dynamic loss scale")
+    min_loss_scale: float = flag(1.0, "--min-loss-scale", "fp16: the dynamic scale never falls "
+                                 "below this")
+    loss_scale_window: int = flag(1000, "--loss-scale-window",
+                                  "fp16: double the scale after this many steps without overflow")
+    hysteresis: int = flag(2, "--hysteresis", "fp16: overflows tolerated before the scale halves")
     seed: int = flag(1234, "--seed", "seed of initialisation, data order and dropout")
     log_interval: int = flag(1, "--log-interval", "print a line every N iterations")
     metrics_file: str | None = flag(None, "--metrics-file", "write one JSON line per iteration here",
@@ -235,10 +275,30 @@ def validate(config: Config, world_size: int | None = None) -> None:
     for section, f in flag_fields():
         choices = f.metadata.get("choices")
         value = getattr(getattr(config, section), f.name)
-        if choices and value not in choices:
+        if choices and value not in choices and not (value is None and "None" in f.type):
             problems.append(f"{f.metadata['flag']}={value!r} is not one of {', '.join(choices)}")
     if par.distributed_timeout_minutes <= 0:
         problems.append(f"--distributed-timeout-minutes={par.distributed_timeout_minutes} must be > 0")
+    if tr.bf16 and tr.fp16:
+        problems.append("--bf16 and --fp16 exclude each other: choose one")
+    if tr.loss_scale is not None and tr.loss_scale <= 0:
+        problems.append(f"--loss-scale={tr.loss_scale} must be > 0")
+    if tr.min_loss_scale <= 0 or tr.initial_loss_scale < tr.min_loss_scale:
+        problems.append(f"--initial-loss-scale {tr.initial_loss_scale} and --min-loss-scale "
+                        f"{tr.min_loss_scale} must satisfy 0 < min <= initial")
+    for name in ("loss_scale_window", "hysteresis", "ddp_bucket_size"):
+        if not isinstance(getattr(tr, name), int) or getattr(tr, name) < 1:
+            problems.append(f"{flag_of('train', name)}={getattr(tr, name)!r} must be a positive integer")
+    if tr.lr < 0 or tr.min_lr < 0 or tr.min_lr > tr.lr:
+        problems.append(f"--min-lr {tr.min_lr} and --lr {tr.lr} must satisfy 0 <= min-lr <= lr")
+    if tr.lr_warmup_iters < 0:
+        problems.append(f"--lr-warmup-iters={tr.lr_warmup_iters} must be >= 0")
+    if tr.lr_decay_iters is not None and tr.lr_decay_iters <= tr.lr_warmup_iters:
+        problems.append(f"--lr-decay-iters {tr.lr_decay_iters} must exceed --lr-warmup-iters "
+                        f"{tr.lr_warmup_iters}")
+    if not isinstance(m.recompute_num_layers, int) or m.recompute_num_layers < 1:
+        problems.append(f"--recompute-num-layers={m.recompute_num_layers!r} must be a positive "
+                        f"integer")
     if tr.clip_grad < 0:
         problems.append(f"--clip-grad={tr.clip_grad} must be >= 0 (0 turns clipping off)")
     if not ok:  # the structural checks below would only repeat these problems
