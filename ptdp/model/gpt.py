@@ -10,6 +10,11 @@ holds (global indices, kept as module names so that parameter names are the
 same logical names under every layout), `pre_process` adds the embeddings
 (first stage) and `post_process` the final LayerNorm, output layer and loss
 (last stage).
+
+Activation recomputation (ModelConfig.recompute_*) is wired here with
+ptdp.model.recompute.checkpoint: `GPT._run_layers` checkpoints groups of
+layers (full, uniform), or the first layers of the chunk one by one (full,
+block); `Attention._core` checkpoints the attention core (selective).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from torch import nn
 
 from ptdp.config import ModelConfig
 from ptdp.model.fused import bias_dropout_add, bias_gelu
+from ptdp.model.recompute import checkpoint, recompute_active
 from ptdp.parallel.pipeline.schedules import layers_of
 from ptdp.parallel.sharding import COPY_ATTR, initialize_parameters, set_init
 from ptdp.parallel.tensor import (
@@ -69,6 +75,7 @@ class Attention(nn.Module):
         self.local_heads = config.num_attention_heads // ctx.tp_size
         self.head_dim = config.hidden_size // config.num_attention_heads
         self.dropout = config.attention_dropout
+        self.selective_recompute = config.recompute_granularity == "selective"
         h = config.hidden_size
         self.query_key_value = ColumnParallelLinear(h, 3 * h, ctx, blocks=3,
                                                     init_std=config.init_method_std)
@@ -79,15 +86,23 @@ class Attention(nn.Module):
         s, b, _ = x.shape
         qkv = self.query_key_value(x).view(s, b, 3, self.local_heads, self.head_dim)
         q, k, v = (qkv[:, :, i].permute(1, 2, 0, 3) for i in range(3))  # [b, heads, s, d]
+        if self.selective_recompute and recompute_active(self):
+            # Selective recomputation: keep q, k, v; rebuild the s×s scores,
+            # softmax and dropout mask in backward.
+            out = checkpoint(self._core, self.rng, q, k, v)
+        else:
+            out = self._core(q, k, v)
+        out = out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
+        return self.dense(out)
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q kᵀ/√d, causal) with dropout, times v: [b, heads, s, d]."""
         dropout = self.dropout if self.training else 0.0
         if dropout > 0.0:
             # Each tensor rank holds other heads: its own stream.
             with self.rng.fork("tensor"):
-                out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        out = out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
-        return self.dense(out)
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class MLP(nn.Module):
@@ -128,7 +143,7 @@ class GPT(nn.Module):
                  layer_ids: Sequence[int] | None = None, pre_process: bool = True,
                  post_process: bool = True):
         super().__init__()
-        self.config, self.ctx = config, ctx
+        self.config, self.ctx, self.rng = config, ctx, rng
         self.pre_process, self.post_process = pre_process, post_process
         self.layer_ids = list(range(config.num_layers) if layer_ids is None else layer_ids)
         if pre_process:
@@ -160,14 +175,36 @@ class GPT(nn.Module):
         """
         if self.pre_process:
             x = self.embedding(x)
-        for layer in self.layers.values():
-            x = layer(x)
+        x = self._run_layers(x)
         if not self.post_process:
             return x
         logits = self.logits(self.final_layernorm(x))
         if labels is None:
             return logits
         return self.loss(logits, labels, loss_mask)
+
+    def _run_layers(self, x: torch.Tensor) -> torch.Tensor:
+        """This chunk's transformer layers, with full recomputation if
+        configured: uniform checkpoints consecutive groups of
+        `recompute_num_layers` layers (the last may be shorter), block
+        checkpoints each of the chunk's first `recompute_num_layers` layers."""
+        layers = list(self.layers.values())
+        config = self.config
+        if config.recompute_granularity != "full" or not recompute_active(self):
+            for layer in layers:
+                x = layer(x)
+            return x
+        n = config.recompute_num_layers
+        if config.recompute_method == "uniform":
+            for start in range(0, len(layers), n):
+                x = checkpoint(_run_group, self.rng, layers[start:start + n], x)
+            return x
+        if config.recompute_method == "block":
+            for i, layer in enumerate(layers):
+                x = checkpoint(layer, self.rng, x) if i < n else layer(x)
+            return x
+        raise ValueError(f"unknown recompute_method {config.recompute_method!r}: "
+                         f"use 'uniform' or 'block'")
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Output layer tied to the word embedding; logits stay split by vocabulary."""
@@ -184,6 +221,12 @@ class GPT(nn.Module):
             return losses.mean()
         mask = loss_mask.transpose(0, 1).to(losses.dtype)
         return (losses * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _run_group(layers: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    for layer in layers:
+        x = layer(x)
+    return x
 
 
 def build_chunks(config: ModelConfig, ctx: ParallelContext, device: torch.device, seed: int,

@@ -1,11 +1,28 @@
-"""Data parallelism: averaging gradients over the d model replicas.
+"""Data parallelism: contiguous gradient buckets reduced while backward runs.
 
-One reduction per iteration, after all microbatches (gradient accumulation
-happens locally). The gradients are flattened into one buffer per dtype so
-that d replicas exchange a few large messages instead of one per parameter.
+All parameters of a rank live in one flat buffer (`param_data`, the model's
+dtype) and their gradients in another (`grad_data`, fp32, so microbatch
+gradients accumulate in fp32 whatever the model's precision). The buffers
+are cut into buckets of about `bucket_size` elements, in reverse parameter
+order (roughly the order backward finishes them). A parameter's gradient is
+final once it has been accumulated for every microbatch of the iteration;
+when all of a bucket's gradients are final its reduction over the d replicas
+starts at once (asynchronously), overlapping the rest of the backward pass.
+Gradients are averaged over d.
+
+With the distributed optimizer each bucket is padded to a multiple of d and
+reduce-scattered: data-parallel rank r receives the summed r-th 1/d of every
+bucket (`grad_shard`), the part whose fp32 weights and Adam states it owns.
+
+The tied word embedding of the first and last pipeline stage has a bucket of
+its own: its gradient is first summed over the embedding group, then reduced
+over the replicas, when the iteration's backward has finished.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -14,18 +31,188 @@ from torch import nn
 from ptdp.parallel.topology import ParallelContext
 
 
-def average_gradients(model: nn.Module, ctx: ParallelContext) -> None:
-    if ctx.dp_group is None:
-        return
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for param in model.parameters():
-        if param.grad is not None:
-            by_dtype.setdefault(param.grad.dtype, []).append(param.grad)
-    for grads in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        flat.div_(ctx.dp_size)
-        dist.all_reduce(flat, group=ctx.dp_group)
+@dataclass
+class Bucket:
+    start: int                      # range in the flat buffers; length divisible by d when sharded
+    end: int
+    params: list[nn.Parameter]
+    tied: bool = False              # the tied word embedding: summed over the embedding group first
+    pending: int = 0                # parameters whose gradient is not final yet this iteration
+    launched: bool = False
+    handles: list[Any] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Where one parameter sits in the flat buffers."""
+    param: nn.Parameter
+    start: int
+    end: int
+
+
+def _reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group: Any, async_op: bool):
+    try:
+        return dist.reduce_scatter_tensor(output, tensor, group=group, async_op=async_op)
+    except (RuntimeError, NotImplementedError, ValueError):
+        # Older gloo builds lack reduce-scatter: all-reduce, keep own part.
+        dist.all_reduce(tensor, group=group)
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        output.copy_(tensor.view(size, -1)[rank])
+        return None
+
+
+class GradBuffer:
+    def __init__(self, params: list[nn.Parameter], ctx: ParallelContext, *, param_dtype: torch.dtype,
+                 bucket_size: int, shard: bool, tied: set[nn.Parameter] = frozenset()):
+        self.ctx, self.shard = ctx, shard
+        d = ctx.dp_size
+        device = params[0].device
+        ordered = list(reversed(params))  # backward finishes the last layers first
+
+        # Cut into buckets; tied parameters each in a bucket of their own.
+        groups: list[tuple[list[nn.Parameter], bool]] = []
+        current: list[nn.Parameter] = []
+        for param in ordered:
+            if param in tied:
+                groups.append(([param], True))
+                continue
+            current.append(param)
+            if sum(p.numel() for p in current) >= bucket_size:
+                groups.append((current, False))
+                current = []
+        if current:
+            groups.append((current, False))
+
+        self.buckets: list[Bucket] = []
+        self.segments: list[Segment] = []
         offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        for group_params, is_tied in groups:
+            start = offset
+            for param in group_params:
+                self.segments.append(Segment(param, offset, offset + param.numel()))
+                offset += param.numel()
+            if shard:
+                offset += (-(offset - start)) % d  # pad the bucket to a multiple of d
+            self.buckets.append(Bucket(start, offset, group_params, tied=is_tied))
+        self.numel = offset
+
+        # Move the parameters into the flat buffer (their fp32 values are kept
+        # for the optimizer's main weights) and give each its main_grad view.
+        self.initial_fp32 = torch.zeros(self.numel, dtype=torch.float32, device=device)
+        self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=device)
+        self.grad_data = torch.zeros(self.numel, dtype=torch.float32, device=device)
+        self.alias_grads = param_dtype == torch.float32
+        self._bucket_of: dict[nn.Parameter, Bucket] = {}
+        for bucket in self.buckets:
+            for param in bucket.params:
+                self._bucket_of[param] = bucket
+        for segment in self.segments:
+            param = segment.param
+            with torch.no_grad():
+                self.initial_fp32[segment.start:segment.end].copy_(param.detach().reshape(-1))
+                view = self.param_data[segment.start:segment.end].view_as(param)
+                view.copy_(param.detach())
+            param.data = view
+            param.main_grad = self.grad_data[segment.start:segment.end].view_as(param)
+            if self.alias_grads:
+                # fp32: autograd accumulates straight into the buffer.
+                param.grad = param.main_grad
+            param.register_post_accumulate_grad_hook(self._on_grad)
+        self.grad_shard = (torch.zeros(self.numel // d, dtype=torch.float32, device=device)
+                           if shard else None)
+        self._counts: dict[nn.Parameter, int] = {}
+        self._microbatches = 0
+
+    # One iteration ----------------------------------------------------------------
+
+    def start_iteration(self, num_microbatches: int) -> None:
+        self.grad_data.zero_()
+        self._microbatches = num_microbatches
+        self._counts = {segment.param: 0 for segment in self.segments}
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.params)
+            bucket.handles = []
+            bucket.launched = False
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        if not self.alias_grads:
+            param.main_grad.add_(param.grad)
+            param.grad = None
+        count = self._counts[param] = self._counts[param] + 1
+        if count == self._microbatches:
+            bucket = self._bucket_of[param]
+            bucket.pending -= 1
+            if bucket.pending == 0:
+                self._launch(bucket)
+
+    def _shard_view(self, bucket: Bucket) -> torch.Tensor:
+        d = self.ctx.dp_size
+        return self.grad_shard[bucket.start // d:bucket.end // d]
+
+    def _launch(self, bucket: Bucket) -> None:
+        """Start this bucket's reduction (asynchronously)."""
+        bucket.launched = True
+        view = self.grad_data[bucket.start:bucket.end]
+        if bucket.tied and self.ctx.embedding_group is not None:
+            # Sum the two copies first; the replica reduction follows in finish().
+            bucket.handles.append(dist.all_reduce(view, group=self.ctx.embedding_group,
+                                                  async_op=True))
+            return
+        self._reduce_over_replicas(bucket, async_op=True)
+
+    def _reduce_over_replicas(self, bucket: Bucket, async_op: bool) -> None:
+        view = self.grad_data[bucket.start:bucket.end]
+        group = self.ctx.dp_group
+        if group is None:
+            if self.shard:
+                self._shard_view(bucket).copy_(view)
+            return
+        view.div_(self.ctx.dp_size)
+        if self.shard:
+            handle = _reduce_scatter(self._shard_view(bucket), view, group, async_op)
+        else:
+            handle = dist.all_reduce(view, group=group, async_op=async_op)
+        if handle is not None and async_op:
+            bucket.handles.append(handle)
+
+    def finish(self) -> None:
+        """Wait for every reduction of the iteration (launching any bucket whose
+        parameters got fewer gradients than microbatches, in bucket order on
+        every rank so the collectives match)."""
+        for bucket in self.buckets:
+            if not bucket.launched:
+                self._launch(bucket)
+        for bucket in self.buckets:
+            for handle in bucket.handles:
+                handle.wait()
+            bucket.handles = []
+            if bucket.tied and self.ctx.embedding_group is not None:
+                self._reduce_over_replicas(bucket, async_op=False)
+
+    @property
+    def reduced_grads(self) -> torch.Tensor:
+        """The gradients this rank's optimizer steps: all of them, or its shard."""
+        return self.grad_shard if self.shard else self.grad_data
+
+    def owned_range(self, bucket: Bucket) -> tuple[int, int]:
+        """The part of `bucket` (flat-buffer offsets) whose weights this rank steps."""
+        if not self.shard:
+            return bucket.start, bucket.end
+        d, r = self.ctx.dp_size, self.ctx.dp_rank
+        part = bucket.size // d
+        return bucket.start + r * part, bucket.start + (r + 1) * part
+
+    def gather_params(self, updated_shard: torch.Tensor) -> None:
+        """Distributed optimizer: every replica gets every updated weight."""
+        d = self.ctx.dp_size
+        for bucket in self.buckets:
+            part = self.param_data[bucket.start:bucket.end]
+            mine = updated_shard[bucket.start // d:bucket.end // d].to(part.dtype)
+            if self.ctx.dp_group is None:
+                part.copy_(mine)
+            else:
+                dist.all_gather_into_tensor(part, mine, group=self.ctx.dp_group)

@@ -174,6 +174,15 @@ class ParallelContext:
         return self.groups.get("embedding")
 
     @property
+    def world_group(self) -> Any:
+        """Every rank of the layout (None for one process)."""
+        if self.grid.world_size == 1:
+            return None
+        import torch.distributed as dist
+
+        return dist.group.WORLD
+
+    @property
     def holds_word_embedding(self) -> bool:
         return "embedding" in self.groups
 

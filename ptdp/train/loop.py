@@ -17,12 +17,12 @@ from ptdp.data.mock import MockGPTDataset
 from ptdp.data.sampler import collate, microbatch_indices
 from ptdp.launch import DistEnv, init_process_group
 from ptdp.model.gpt import build_chunks
-from ptdp.parallel.data import average_gradients
-from ptdp.parallel.pipeline.executor import PipelineExecutor, all_reduce_tied_embedding_grads
+from ptdp.parallel.data import GradBuffer
+from ptdp.parallel.pipeline.executor import PipelineExecutor
 from ptdp.parallel.pipeline.schedules import build_schedule
 from ptdp.parallel.sharding import COPY_ATTR, logical_shape
 from ptdp.parallel.topology import ParallelContext, RankGrid
-from ptdp.train.optim import build_optimizer, clip_gradients, global_grad_norm
+from ptdp.train.optimizer import Optimizer, learning_rate
 
 
 def worker(env: DistEnv, config: Config) -> list[dict[str, Any]]:
@@ -52,47 +52,123 @@ def count_parameters(model: torch.nn.Module) -> int:
 def _log_line(record: dict[str, Any], train_iters: int) -> str:
     return (f"iteration {record['iteration']:>5}/{train_iters} | consumed samples "
             f"{record['consumed_samples']:>7} | loss {record['loss']:.4f} | lr {record['lr']:.3e} | "
-            f"grad norm {record['grad_norm']:.4f} | {record['iteration_ms']:.1f} ms/iter | "
-            f"{record['tokens_per_s']:.0f} tokens/s")
+            f"grad norm {record['grad_norm']:.4f} | "
+            + (f"loss scale {record['loss_scale']:.0f} | " if record["loss_scale"] != 1.0 else "")
+            + ("skipped (inf/nan gradient) | " if record["skipped"] else "")
+            + f"{record['iteration_ms']:.1f} ms/iter | {record['tokens_per_s']:.0f} tokens/s")
+
+
+class Trainer:
+    """One rank's share of training: its model chunks, gradient buffer,
+    optimizer, schedule and data. `step` runs one iteration."""
+
+    def __init__(self, config: Config, ctx: ParallelContext, device: torch.device):
+        model_cfg, par, tr = config.model, config.parallel, config.train
+        self.config, self.ctx, self.device = config, ctx, device
+        p, d, b = ctx.pp_size, ctx.dp_size, tr.micro_batch_size
+        self.num_chunks = par.virtual_stages(model_cfg.num_layers)
+        self.global_batch, self.num_micro = tr.batch_size(d), tr.num_microbatches(d)
+        self.dtype = torch.bfloat16 if tr.bf16 else torch.float16 if tr.fp16 else torch.float32
+
+        self.chunks = build_chunks(model_cfg, ctx, device, tr.seed, self.num_chunks)
+        self.model = torch.nn.ModuleList(self.chunks)
+        params = list(self.model.parameters())
+        tied = {chunk.embedding.word_embeddings.weight for chunk in self.chunks
+                if hasattr(chunk, "embedding") and ctx.embedding_group is not None}
+        self.buffer = GradBuffer(params, ctx, param_dtype=self.dtype, bucket_size=tr.ddp_bucket_size,
+                                 shard=tr.use_distributed_optimizer, tied=tied)
+        self.optimizer = Optimizer(self.buffer, ctx, tr)
+        self.schedule = build_schedule(par.schedule_kind, p, self.num_micro, self.num_chunks)
+        self.executor = PipelineExecutor(
+            self.chunks, ctx, activation_shape=(model_cfg.seq_length, b, model_cfg.hidden_size),
+            dtype=self.dtype, device=device, scatter_gather=par.scatter_gather_tensors_in_pipeline)
+        self.dataset = MockGPTDataset(model_cfg.vocab_size, model_cfg.seq_length, tr.seed)
+
+    def microbatch_fn(self, iteration: int):
+        tr, ctx = self.config.train, self.ctx
+
+        def microbatch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            tokens = collate(self.dataset, microbatch_indices(
+                iteration, i, ctx.dp_rank, micro_batch_size=tr.micro_batch_size,
+                global_batch_size=self.global_batch, data_parallel_size=ctx.dp_size)).to(self.device)
+            return tokens[:, :-1], tokens[:, 1:]
+        return microbatch
+
+    def step(self, iteration: int, record_timeline: bool = False) -> tuple[dict[str, Any], Any]:
+        """Iteration `iteration` (0-based): forward and backward of every
+        microbatch through the pipeline, gradient reduction, optimizer step."""
+        ctx, tr = self.ctx, self.config.train
+        start = time.perf_counter()
+        self.model.train()
+        self.buffer.start_iteration(self.num_micro)
+        stats = self.executor.run(self.schedule, self.microbatch_fn(iteration),
+                                  record_timeline=record_timeline,
+                                  loss_scale=self.optimizer.scaler.scale)
+        devices.synchronize(self.device)
+        forward_backward_done = time.perf_counter()
+
+        self.buffer.finish()
+        loss = None
+        if ctx.is_last_stage:
+            loss_sum = torch.stack(stats.losses).sum().float()
+            if ctx.dp_group is not None:
+                dist.all_reduce(loss_sum, group=ctx.dp_group)
+            loss = loss_sum.item() / (self.num_micro * ctx.dp_size)
+        devices.synchronize(self.device)
+        reduce_done = time.perf_counter()
+
+        lr = learning_rate(iteration + 1, tr)
+        result = self.optimizer.step(lr)
+        devices.synchronize(self.device)
+        end = time.perf_counter()
+
+        elapsed = end - start
+        record = {
+            "iteration": iteration + 1,
+            "consumed_samples": (iteration + 1) * self.global_batch,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": result.grad_norm,
+            "loss_scale": result.loss_scale,
+            "skipped": result.skipped,
+            "iteration_ms": elapsed * 1e3,
+            "forward_backward_ms": (forward_backward_done - start) * 1e3,
+            "pipeline_transfer_ms": stats.transfer_seconds * 1e3,
+            "grad_reduce_ms": (reduce_done - forward_backward_done) * 1e3,
+            "optimizer_ms": (end - reduce_done) * 1e3,
+            "tokens_per_s": self.global_batch * self.config.model.seq_length / elapsed,
+            "peak_stored_activations": stats.peak_stored,
+            "optimizer_state_bytes": self.optimizer.state_bytes,
+        }
+        return record, stats
 
 
 def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[dict[str, Any]]:
     """Train on this rank; returns the per-iteration metrics (the loss only
     on the last pipeline stage, where it is computed)."""
-    model_cfg, par, tr = config.model, config.parallel, config.train
+    model_cfg, tr = config.model, config.train
     if not config.data.mock_data:
         raise NotImplementedError("only --mock-data is available yet; add --mock-data")
-
-    p, d, b = ctx.pp_size, ctx.dp_size, tr.micro_batch_size
-    v = par.virtual_stages(model_cfg.num_layers)
-    global_batch, num_micro = tr.batch_size(d), tr.num_microbatches(d)
-    chunks = build_chunks(model_cfg, ctx, device, tr.seed, v)
-    model = torch.nn.ModuleList(chunks)
-    optimizer = build_optimizer(model, tr)
-    schedule = build_schedule(par.schedule_kind, p, num_micro, v)
-    executor = PipelineExecutor(chunks, ctx, activation_shape=(model_cfg.seq_length, b,
-                                                               model_cfg.hidden_size),
-                                dtype=torch.float32, device=device,
-                                scatter_gather=par.scatter_gather_tensors_in_pipeline)
-    dataset = MockGPTDataset(model_cfg.vocab_size, model_cfg.seq_length, tr.seed)
-    is_logger = ctx.is_last_stage and ctx.tp_rank == 0 and ctx.dp_rank == 0
-    metrics_out: TextIO | None = (open(tr.metrics_file, "w", encoding="utf-8")
-                                  if is_logger and tr.metrics_file else None)
     # One collective over every rank before any point-to-point transfer: NCCL
     # wants the world's communicator created by all ranks together.
     dist.barrier()
-    parameters = count_parameters(model)
+    trainer = Trainer(config, ctx, device)
+    is_logger = ctx.is_last_stage and ctx.tp_rank == 0 and ctx.dp_rank == 0
+    metrics_out: TextIO | None = (open(tr.metrics_file, "w", encoding="utf-8")
+                                  if is_logger and tr.metrics_file else None)
+    parameters = count_parameters(trainer.model)
     if ctx.pp_group is not None:
         total = torch.tensor([float(parameters)], device=device)
         dist.all_reduce(total, group=ctx.pp_group)
         parameters = int(total.item())
     if is_logger:
-        print(f"ptdp: {ctx.grid.world_size} processes (t={ctx.tp_size}, p={p}, d={d}) on "
-              f"{device.type}; {parameters:,} parameters; vocabulary {model_cfg.vocab_size} "
-              f"padded to {model_cfg.padded_vocab_size(ctx.tp_size)} (padding is masked out of "
-              f"the loss); {num_micro} microbatch(es) of {b} per pipeline per iteration; "
-              f"{schedule.kind} schedule" + (f" with {v} chunks per rank" if v > 1 else ""),
-              flush=True)
+        schedule = trainer.schedule
+        print(f"ptdp: {ctx.grid.world_size} processes (t={ctx.tp_size}, p={ctx.pp_size}, "
+              f"d={ctx.dp_size}) on {device.type}; {parameters:,} parameters; vocabulary "
+              f"{model_cfg.vocab_size} padded to {model_cfg.padded_vocab_size(ctx.tp_size)} (padding "
+              f"is masked out of the loss); {trainer.num_micro} microbatch(es) of "
+              f"{tr.micro_batch_size} per pipeline per iteration; {schedule.kind} schedule"
+              + (f" with {schedule.v} chunks per rank" if schedule.v > 1 else ""), flush=True)
 
     history: list[dict[str, Any]] = []
     try:
@@ -100,52 +176,7 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
             record_timeline = bool(tr.timeline) and iteration + 1 == tr.train_iters
             if record_timeline:
                 dist.barrier()  # align the ranks' clocks for the picture
-            start = time.perf_counter()
-            model.train()
-
-            def microbatch(i: int, iteration: int = iteration) -> tuple[torch.Tensor, torch.Tensor]:
-                tokens = collate(dataset, microbatch_indices(
-                    iteration, i, ctx.dp_rank, micro_batch_size=b, global_batch_size=global_batch,
-                    data_parallel_size=d)).to(device)
-                return tokens[:, :-1], tokens[:, 1:]
-
-            stats = executor.run(schedule, microbatch, record_timeline=record_timeline)
-            devices.synchronize(device)
-            forward_backward_done = time.perf_counter()
-
-            all_reduce_tied_embedding_grads(chunks, ctx)
-            average_gradients(model, ctx)
-            loss = None
-            if ctx.is_last_stage:
-                loss_sum = torch.stack(stats.losses).sum().float()
-                if ctx.dp_group is not None:
-                    dist.all_reduce(loss_sum, group=ctx.dp_group)
-                loss = loss_sum.item() / (num_micro * d)
-            devices.synchronize(device)
-            reduce_done = time.perf_counter()
-
-            grad_norm = global_grad_norm(model, ctx)
-            clip_gradients(model, grad_norm, tr.clip_grad)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            devices.synchronize(device)
-            end = time.perf_counter()
-
-            elapsed = end - start
-            record = {
-                "iteration": iteration + 1,
-                "consumed_samples": (iteration + 1) * global_batch,
-                "loss": loss,
-                "lr": optimizer.param_groups[0]["lr"],
-                "grad_norm": grad_norm.item(),
-                "iteration_ms": elapsed * 1e3,
-                "forward_backward_ms": (forward_backward_done - start) * 1e3,
-                "pipeline_transfer_ms": stats.transfer_seconds * 1e3,
-                "grad_reduce_ms": (reduce_done - forward_backward_done) * 1e3,
-                "optimizer_ms": (end - reduce_done) * 1e3,
-                "tokens_per_s": global_batch * model_cfg.seq_length / elapsed,
-                "peak_stored_activations": stats.peak_stored,
-            }
+            record, stats = trainer.step(iteration, record_timeline)
             history.append(record)
             if metrics_out is not None:
                 metrics_out.write(json.dumps(record) + "\n")
@@ -153,7 +184,7 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
             if is_logger and ((iteration + 1) % tr.log_interval == 0 or iteration + 1 == tr.train_iters):
                 print(_log_line(record, tr.train_iters), flush=True)
             if record_timeline:
-                _draw_measured_timeline(stats.timeline, ctx, schedule, tr.timeline, is_logger)
+                _draw_measured_timeline(stats.timeline, ctx, trainer.schedule, tr.timeline, is_logger)
     finally:
         if metrics_out is not None:
             metrics_out.close()

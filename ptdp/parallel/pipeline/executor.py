@@ -67,10 +67,10 @@ class PipelineExecutor:
         return self.ctx.grid.rank(c.tp, c.dp, pipeline_rank)
 
     def run(self, schedule: Schedule, microbatch: MicrobatchFn, *, forward_only: bool = False,
-            record_timeline: bool = False) -> PipelineStats:
+            record_timeline: bool = False, loss_scale: float = 1.0) -> PipelineStats:
         """Execute this rank's actions of `schedule`. `microbatch(i)` gives the
         tokens and labels [b, s] of microbatch i (used on the first and last
-        virtual stage only)."""
+        virtual stage only). Backward starts from loss · loss_scale / m."""
         ctx, p, m = self.ctx, schedule.p, schedule.m
         last_stage = schedule.num_stages - 1
         stats = PipelineStats()
@@ -103,7 +103,7 @@ class PipelineExecutor:
                     if stage == last_stage:
                         loss = self.chunks[c](x, microbatch(i)[1])
                         stats.losses.append(loss.detach())
-                        out = loss / m
+                        out = loss * (loss_scale / m)
                     else:
                         out = self.chunks[c](x)
                         outgoing[("activation", i, stage)] = out

@@ -1,0 +1,207 @@
+"""AdamW over the flat gradient buffer: mixed precision, loss scaling,
+clipping by the global norm, and the distributed optimizer (ZeRO stage 1).
+
+The optimizer steps fp32 *main* weights. Without sharding they cover the
+whole flat buffer (for an fp32 model they are the model's weights
+themselves); with `--use-distributed-optimizer` each data-parallel rank keeps
+main weights and Adam moments only for its 1/d of every bucket, steps them
+from the reduce-scattered gradients, and all-gathers the updated weights.
+AdamW is element-wise, so sharding changes no number: the same arithmetic
+runs on every element, only on another rank.
+
+Per-parameter rules become index ranges of the flat buffer: weight decay on
+matrices only (not biases or norms), and the global gradient norm counting a
+parameter replicated over the tensor group once (tensor rank 0) and the
+last stage's copy of the tied embedding not at all.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ptdp.config import TrainConfig
+from ptdp.parallel.data import GradBuffer
+from ptdp.parallel.sharding import COPY_ATTR, SHARD_ATTR
+from ptdp.parallel.topology import ParallelContext
+
+
+def counts_in_norm(param: torch.nn.Parameter, ctx: ParallelContext) -> bool:
+    if getattr(param, COPY_ATTR, False):
+        return False
+    return hasattr(param, SHARD_ATTR) or ctx.tp_rank == 0
+
+
+class LossScaler:
+    """fp16 loss scaling (Megatron-LM's dynamic scaler). After `hysteresis`
+    overflows the scale halves (not below the minimum); after `window` steps
+    without one it doubles. A static scaler keeps its value (1 for bf16 and
+    fp32)."""
+
+    def __init__(self, scale: float, *, dynamic: bool, min_scale: float = 1.0, window: int = 1000,
+                 hysteresis: int = 2):
+        self.scale, self.dynamic = float(scale), dynamic
+        self.min_scale, self.window, self.hysteresis = min_scale, window, hysteresis
+        self.growth_tracker, self.hysteresis_left = 0, hysteresis
+
+    @classmethod
+    def from_config(cls, config: TrainConfig) -> "LossScaler":
+        if not config.fp16:
+            return cls(1.0, dynamic=False)
+        if config.loss_scale is not None:
+            return cls(config.loss_scale, dynamic=False)
+        return cls(config.initial_loss_scale, dynamic=True, min_scale=config.min_loss_scale,
+                   window=config.loss_scale_window, hysteresis=config.hysteresis)
+
+    def update(self, overflow: bool) -> None:
+        if not self.dynamic:
+            return
+        if overflow:
+            self.hysteresis_left -= 1
+            if self.hysteresis_left <= 0:
+                self.scale = max(self.scale / 2.0, self.min_scale)
+            self.growth_tracker = 0
+        else:
+            self.growth_tracker += 1
+            if self.growth_tracker == self.window:
+                self.growth_tracker, self.hysteresis_left = 0, self.hysteresis
+                self.scale *= 2.0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "growth_tracker": self.growth_tracker,
+                "hysteresis_left": self.hysteresis_left}
+
+
+@dataclass
+class StepResult:
+    grad_norm: float      # before clipping; nan when the step was skipped
+    skipped: bool         # an inf/nan gradient somewhere: no weight changed
+    loss_scale: float     # the scale the iteration's loss was multiplied by
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(ranges):
+        if merged and merged[-1][1] == start:
+            merged[-1] = (merged[-1][0], end)
+        elif end > start:
+            merged.append((start, end))
+    return merged
+
+
+class Optimizer:
+    def __init__(self, buffer: GradBuffer, ctx: ParallelContext, config: TrainConfig):
+        self.buffer, self.ctx, self.config = buffer, ctx, config
+        self.scaler = LossScaler.from_config(config)
+        d = ctx.dp_size if buffer.shard else 1
+
+        # Where each rule applies, in the coordinates of buffer.reduced_grads.
+        decay, counted = [], []
+        for segment in buffer.segments:
+            bucket = buffer._bucket_of[segment.param]
+            own_start, own_end = buffer.owned_range(bucket)
+            start, end = max(segment.start, own_start), min(segment.end, own_end)
+            if start >= end:
+                continue
+            local = (bucket.start // d + (start - own_start), bucket.start // d + (end - own_start))
+            if segment.param.ndim >= 2:
+                decay.append(local)
+            if counts_in_norm(segment.param, ctx):
+                counted.append(local)
+        self.decay_ranges, self.norm_ranges = _merge(decay), _merge(counted)
+
+        if buffer.shard:
+            self.main = torch.cat([buffer.initial_fp32[slice(*buffer.owned_range(b))]
+                                   for b in buffer.buckets])
+        elif buffer.param_data.dtype == torch.float32:
+            self.main = buffer.param_data      # the model's own weights
+        else:
+            self.main = buffer.initial_fp32.clone()
+        del buffer.initial_fp32
+        self.exp_avg = torch.zeros_like(self.main)
+        self.exp_avg_sq = torch.zeros_like(self.main)
+        self.steps = 0
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state on this rank: Adam moments, plus the fp32
+        main weights where they are a copy of the model's."""
+        total = self.exp_avg.nbytes + self.exp_avg_sq.nbytes
+        if self.main.data_ptr() != self.buffer.param_data.data_ptr():
+            total += self.main.nbytes
+        return total
+
+    def _norm_group(self):
+        # Sharded gradients differ over data-parallel ranks too: reduce over all.
+        return self.ctx.world_group if self.buffer.shard else self.ctx.mp_group
+
+    def step(self, lr: float) -> StepResult:
+        grads = self.buffer.reduced_grads
+        scale = self.scaler.scale
+        if scale != 1.0:
+            grads.mul_(1.0 / scale)
+
+        # An inf or nan anywhere skips the step everywhere.
+        found_inf = (~torch.isfinite(grads)).any().float().reshape(1)
+        if self.ctx.world_group is not None:
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.ctx.world_group)
+        if found_inf.item() > 0:
+            self.scaler.update(True)
+            return StepResult(grad_norm=float("nan"), skipped=True, loss_scale=scale)
+
+        norm_sq = torch.zeros(1, dtype=torch.float32, device=grads.device)
+        for start, end in self.norm_ranges:
+            norm_sq += grads[start:end].pow(2).sum()
+        group = self._norm_group()
+        if group is not None:
+            dist.all_reduce(norm_sq, group=group)
+        grad_norm = norm_sq.sqrt().item()
+        if self.config.clip_grad > 0:
+            coefficient = self.config.clip_grad / (grad_norm + 1e-6)
+            if coefficient < 1.0:
+                grads.mul_(coefficient)
+
+        self._adamw(grads, lr)
+        if self.buffer.shard:
+            self.buffer.gather_params(self.main)
+        elif self.main is not self.buffer.param_data:
+            self.buffer.param_data.copy_(self.main)
+        self.scaler.update(False)
+        return StepResult(grad_norm=grad_norm, skipped=False, loss_scale=scale)
+
+    @torch.no_grad()
+    def _adamw(self, grads: torch.Tensor, lr: float) -> None:
+        """torch.optim.AdamW's arithmetic, element-wise on flat tensors."""
+        c = self.config
+        self.steps += 1
+        if c.weight_decay:
+            for start, end in self.decay_ranges:
+                self.main[start:end].mul_(1.0 - lr * c.weight_decay)
+        self.exp_avg.lerp_(grads, 1.0 - c.adam_beta1)
+        self.exp_avg_sq.mul_(c.adam_beta2).addcmul_(grads, grads, value=1.0 - c.adam_beta2)
+        bias_correction1 = 1.0 - c.adam_beta1 ** self.steps
+        bias_correction2 = 1.0 - c.adam_beta2 ** self.steps
+        denom = (self.exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(c.adam_eps)
+        self.main.addcdiv_(self.exp_avg, denom, value=-lr / bias_correction1)
+
+
+def learning_rate(iteration: int, config: TrainConfig) -> float:
+    """LR for `iteration` (1-based): linear warm-up to --lr over
+    --lr-warmup-iters, then constant, linear or cosine decay to --min-lr at
+    --lr-decay-iters (default --train-iters), then --min-lr."""
+    peak, floor = config.lr, config.min_lr
+    warmup = config.lr_warmup_iters
+    if iteration <= warmup:
+        return peak * iteration / warmup
+    if config.lr_decay_style == "constant":
+        return peak
+    decay_end = config.lr_decay_iters or config.train_iters
+    if iteration >= decay_end:
+        return floor
+    progress = (iteration - warmup) / (decay_end - warmup)
+    if config.lr_decay_style == "linear":
+        return peak - (peak - floor) * progress
+    return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
