@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ptdp.parallel.collectives import all_gather_flat, reduce_scatter_flat
 from ptdp.parallel.topology import ParallelContext
 
 
@@ -52,17 +53,6 @@ class Segment:
     param: nn.Parameter
     start: int
     end: int
-
-
-def _reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group: Any, async_op: bool):
-    try:
-        return dist.reduce_scatter_tensor(output, tensor, group=group, async_op=async_op)
-    except (RuntimeError, NotImplementedError, ValueError):
-        # Older gloo builds lack reduce-scatter: all-reduce, keep own part.
-        dist.all_reduce(tensor, group=group)
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
-        output.copy_(tensor.view(size, -1)[rank])
-        return None
 
 
 class GradBuffer:
@@ -173,7 +163,7 @@ class GradBuffer:
             return
         view.div_(self.ctx.dp_size)
         if self.shard:
-            handle = _reduce_scatter(self._shard_view(bucket), view, group, async_op)
+            handle = reduce_scatter_flat(self._shard_view(bucket), view, group, async_op)
         else:
             handle = dist.all_reduce(view, group=group, async_op=async_op)
         if handle is not None and async_op:
@@ -215,4 +205,4 @@ class GradBuffer:
             if self.ctx.dp_group is None:
                 part.copy_(mine)
             else:
-                dist.all_gather_into_tensor(part, mine, group=self.ctx.dp_group)
+                all_gather_flat(part, mine, self.ctx.dp_group)

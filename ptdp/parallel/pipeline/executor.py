@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ptdp.parallel.collectives import all_gather_flat
 from ptdp.parallel.pipeline.schedules import Compute, Exchange, Schedule, Transfer
 from ptdp.parallel.topology import ParallelContext
 
@@ -168,7 +169,7 @@ class PipelineExecutor:
 
     def _gather(self, piece: torch.Tensor) -> torch.Tensor:
         full = torch.empty(self.slice_numel * self.ctx.tp_size, dtype=piece.dtype, device=piece.device)
-        dist.all_gather_into_tensor(full, piece, group=self.ctx.tp_group)
+        all_gather_flat(full, piece, self.ctx.tp_group)
         return full.view(self.activation_shape)
 
 

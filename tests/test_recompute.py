@@ -1,0 +1,322 @@
+"""Activation recomputation changes memory, never numbers.
+
+With dropout on (hidden 0.1, attention 0.1), every granularity and method
+gives BITWISE the same loss and gradients as recomputation off from the same
+seed, over two consecutive steps (so the random streams must also advance
+identically), on one process and under tensor parallelism (t = 2, where each
+rank's attention dropout draws from its own "tensor" stream, which the
+recomputation must replay). Bitwise, not within a tolerance: the recomputed
+forward runs the same CPU kernels on the same inputs with the same masks.
+
+Memory is checked two ways:
+* bytes held for backward, counted with saved-tensor hooks installed around
+  the model call. Non-reentrant checkpoint packs what is saved inside a
+  checkpointed region with its own (inner) hooks and keeps only a small
+  handle, so the outer hooks see exactly what stays stored: tensors saved
+  outside checkpointed regions plus each checkpoint's inputs. Counted once
+  per storage (q, k and v are views of one buffer), parameters excluded.
+  This is exact, so the tests check exact relations between the layouts.
+* peak resident memory of fresh processes running one forward + backward of
+  a model whose activations dominate. glibc is told to serve every
+  allocation above 64 KiB by mmap (MALLOC_MMAP_THRESHOLD_), so that freed
+  tensors leave the resident set at once and the peak follows live tensors
+  rather than heap fragmentation; without it the recomputed runs, which
+  free and reallocate more, keep freed memory in the heap and the
+  comparison turns noisy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ptdp.config import ModelConfig
+from ptdp.model import gpt as gpt_module
+from ptdp.model import recompute as recompute_module
+from ptdp.model.gpt import GPT
+from ptdp.parallel.tensor import RNGStreams
+from ptdp.parallel.topology import ParallelContext, RankGrid
+
+SEED = 7
+LAYERS = 4
+CONFIG = ModelConfig(num_layers=LAYERS, hidden_size=32, num_attention_heads=4, seq_length=16,
+                     vocab_size=100, make_vocab_size_divisible_by=8, hidden_dropout=0.1,
+                     attention_dropout=0.1)
+
+
+def _full(method: str, n: int) -> dict:
+    return dict(recompute_granularity="full", recompute_method=method, recompute_num_layers=n)
+
+
+# Uniform groups of 1, 2 (divides 4) and 3 (does not: groups of 3 and 1);
+# block on the first 1 and 2 layers; selective.
+LAYOUTS = {
+    "full-uniform-1": _full("uniform", 1),
+    "full-uniform-2": _full("uniform", 2),
+    "full-uniform-3": _full("uniform", 3),
+    "full-block-1": _full("block", 1),
+    "full-block-2": _full("block", 2),
+    "selective": dict(recompute_granularity="selective"),
+}
+
+
+def _build(config: ModelConfig, ctx: ParallelContext, **kwargs) -> GPT:
+    rng = RNGStreams(torch.device("cpu"))
+    rng.seed(SEED, ctx)
+    return GPT(config, ctx, rng, **kwargs).initialize(SEED).train()
+
+
+def _batch(config: ModelConfig, batch: int = 3, seed: int = 11):
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, config.vocab_size, (batch, config.seq_length + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _train(config: ModelConfig, ctx: ParallelContext, steps: int = 2) -> list[dict]:
+    """`steps` forward + backward passes (new batch each, no optimizer):
+    per step the loss, every gradient and the random streams afterwards."""
+    model = _build(config, ctx)
+    results = []
+    for step in range(steps):
+        model.zero_grad(set_to_none=True)
+        tokens, labels = _batch(config, seed=11 + step)
+        loss = model(tokens, labels)
+        loss.backward()
+        results.append(dict(loss=loss.detach(),
+                            grads={n: p.grad.clone() for n, p in model.named_parameters()},
+                            rng=model.rng.get_states()))
+    return results
+
+
+def _assert_bitwise(results: list[dict], reference: list[dict], what: str) -> None:
+    for step, (got, want) in enumerate(zip(results, reference)):
+        assert torch.equal(got["loss"], want["loss"]), f"{what} step {step}: loss"
+        assert got["grads"].keys() == want["grads"].keys()
+        for name, grad in want["grads"].items():
+            assert torch.equal(got["grads"][name], grad), f"{what} step {step}: grad of {name}"
+        assert got["rng"].keys() == want["rng"].keys()
+        for stream, state in want["rng"].items():
+            assert torch.equal(got["rng"][stream], state), f"{what} step {step}: {stream} stream"
+
+
+def _check_all_layouts(ctx: ParallelContext, what: str) -> list[float]:
+    reference = _train(CONFIG, ctx)
+    # Attention dropout really draws from the tensor stream.
+    assert reference[0]["rng"]["tensor"].ne(_build(CONFIG, ctx).rng.states["tensor"]).any()
+    for name, layout in LAYOUTS.items():
+        _assert_bitwise(_train(dataclasses.replace(CONFIG, **layout), ctx), reference,
+                        f"{what} {name}")
+    return [r["loss"].item() for r in reference]
+
+
+def test_every_layout_is_bitwise_equal_to_no_recomputation_one_process():
+    losses = _check_all_layouts(ParallelContext.single(), "t=1")
+    assert losses[0] != losses[1]
+
+
+def _tensor_parallel_layouts(rank: int) -> tuple[list[float], torch.Tensor]:
+    ctx = ParallelContext.build(RankGrid(tp=2, dp=1, pp=1))
+    losses = _check_all_layouts(ctx, f"t=2 rank {rank}")
+    return losses, _build(CONFIG, ctx).rng.states["tensor"]
+
+
+def test_every_layout_is_bitwise_equal_to_no_recomputation_tensor_parallel(pools):
+    (losses0, tensor0), (losses1, tensor1) = pools(2).run(_tensor_parallel_layouts)
+    assert losses0 == losses1  # the loss is replicated over the tensor group
+    assert not torch.equal(tensor0, tensor1)  # each rank replayed its own stream
+
+
+def test_tensor_stream_replay_is_what_makes_it_exact(monkeypatch):
+    """Without swapping the saved "tensor" stream in, the recomputed
+    attention dropout draws other masks: the gradients (and the live stream)
+    differ. So the equality above really tests the replay."""
+    class NoReplay:
+        def __init__(self, rng, saved):
+            pass
+
+        def __enter__(self):
+            pass
+
+        def __exit__(self, *exc_info):
+            pass
+
+    ctx = ParallelContext.single()
+    reference = _train(CONFIG, ctx, steps=1)[0]
+    monkeypatch.setattr(recompute_module, "_ReplayedStreams", NoReplay)
+    for name in ("full-uniform-1", "selective"):
+        result = _train(dataclasses.replace(CONFIG, **LAYOUTS[name]), ctx, steps=1)[0]
+        assert torch.equal(result["loss"], reference["loss"])  # the forward is unchanged
+        assert not torch.equal(result["grads"]["layers.0.attention.query_key_value.weight"],
+                               reference["grads"]["layers.0.attention.query_key_value.weight"])
+        assert not torch.equal(result["rng"]["tensor"], reference["rng"]["tensor"])
+
+
+def test_backward_twice_with_retained_graph_recomputes_the_same():
+    """A retained graph is recomputed on each backward, each time with the
+    streams of the original forward."""
+    results = []
+    for layout in ({}, LAYOUTS["full-uniform-2"], LAYOUTS["selective"]):
+        # The layers only: the cross entropy's backward works in place on
+        # what it saved, so the whole model cannot run backward twice.
+        model = _build(dataclasses.replace(CONFIG, **layout), ParallelContext.single(),
+                       post_process=False)
+        hidden = model(_batch(CONFIG)[0])
+        loss = (hidden * torch.linspace(-1.0, 1.0, hidden.numel()).view_as(hidden)).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        results.append(({n: p.grad for n, p in model.named_parameters()}, model.rng.get_states()))
+    for grads, states in results[1:]:
+        assert all(torch.equal(grads[n], g) for n, g in results[0][0].items())
+        assert all(torch.equal(states[k], s) for k, s in results[0][1].items())
+
+
+def test_no_recomputation_in_eval_or_without_grad(monkeypatch):
+    def refuse(*args):
+        raise AssertionError("checkpoint called outside training with grad")
+
+    monkeypatch.setattr(gpt_module, "checkpoint", refuse)
+    tokens, labels = _batch(CONFIG)
+    for layout in (LAYOUTS["full-uniform-1"], LAYOUTS["full-block-2"], LAYOUTS["selective"]):
+        model = _build(dataclasses.replace(CONFIG, **layout), ParallelContext.single())
+        model.eval()(tokens, labels).backward()
+        with torch.no_grad():
+            model.train()(tokens, labels)
+
+
+def _layer_entries(model: GPT, run) -> dict[int, int]:
+    """How often each transformer layer's forward is entered during `run`."""
+    counts = {i: 0 for i in model.layer_ids}
+    handles = [layer.register_forward_pre_hook(lambda *_, i=int(i): counts.__setitem__(i, counts[i] + 1))
+               for i, layer in model.layers.items()]
+    try:
+        run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return counts
+
+
+def test_which_layers_are_recomputed_in_a_pipeline_piece():
+    """A checkpointed layer runs twice (forward, then recomputed in backward).
+    Block recomputes the first n layers of the piece; uniform every layer."""
+    config = dataclasses.replace(CONFIG, num_layers=6)
+    ctx = ParallelContext.single()
+    hidden = torch.randn(config.seq_length, 3, config.hidden_size, requires_grad=True)
+    _, labels = _batch(config)
+    expected = {
+        "full-block-2": {2: 2, 3: 2, 4: 1},
+        "full-uniform-2": {2: 2, 3: 2, 4: 2},
+        "selective": {2: 1, 3: 1, 4: 1},
+        "off": {2: 1, 3: 1, 4: 1},
+    }
+    for name, counts in expected.items():
+        layout = LAYOUTS.get(name, {})
+        piece = _build(dataclasses.replace(config, **layout), ctx, layer_ids=[2, 3, 4],
+                       pre_process=False)
+        assert _layer_entries(piece, lambda: piece(hidden, labels).backward()) == counts, name
+
+
+def _saved_activation_bytes(config: ModelConfig, batch: int = 2) -> int:
+    """Bytes of distinct storages held for backward after one forward,
+    parameters excluded (see the module docstring)."""
+    model = _build(config, ParallelContext.single())
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    tokens, labels = _batch(config, batch=batch)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = model(tokens, labels)
+    loss.backward()
+    return sum(storages.values())
+
+
+def test_saved_activation_bytes():
+    config = dataclasses.replace(CONFIG, seq_length=64)
+    layer_input = config.seq_length * 2 * config.hidden_size * 4  # [s, b, h] fp32
+    saved = {name: _saved_activation_bytes(dataclasses.replace(config, **layout))
+             for name, layout in [("off", {}), *LAYOUTS.items(),
+                                  ("full-uniform-4", _full("uniform", LAYERS)),
+                                  ("full-block-4", _full("block", LAYERS))]}
+    # Uniform keeps one layer input per group of n layers, nothing else inside
+    # the layers: ceil(l/n) inputs.
+    for n in (1, 2, 3):
+        groups = math.ceil(LAYERS / n)
+        assert saved[f"full-uniform-{n}"] - saved["full-uniform-4"] == (groups - 1) * layer_input
+    # Block over every layer is uniform with groups of one; fewer checkpointed
+    # layers keep more, and block 0 would be "off".
+    assert saved["full-block-4"] == saved["full-uniform-1"]
+    assert saved["full-uniform-1"] < saved["full-block-2"] < saved["full-block-1"] < saved["off"]
+    # Selective drops the attention internals (s×s scores, softmax, mask) but
+    # keeps the rest of each layer.
+    assert saved["full-block-4"] < saved["selective"] < saved["off"]
+    per_layer_off = (saved["off"] - saved["full-uniform-1"]) / LAYERS
+    per_layer_selective = (saved["selective"] - saved["full-uniform-1"]) / LAYERS
+    assert per_layer_selective < 0.6 * per_layer_off
+
+
+_PEAK_RSS_SCRIPT = """
+import gc, json, os, resource, sys
+import torch
+from ptdp.config import ModelConfig
+from ptdp.model.gpt import GPT
+from ptdp.parallel.tensor import RNGStreams
+from ptdp.parallel.topology import ParallelContext
+torch.set_num_threads(1)
+spec = json.loads(sys.argv[1])
+batch = spec.pop("batch")
+config = ModelConfig(**spec)
+rng = RNGStreams(torch.device("cpu"))
+rng.seed(7, ParallelContext.single())
+model = GPT(config, ParallelContext.single(), rng).initialize(7).train()
+tokens = torch.randint(0, config.vocab_size, (batch, config.seq_length + 1),
+                       generator=torch.Generator().manual_seed(0))
+gc.collect()
+baseline = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+model(tokens[:, :-1], tokens[:, 1:]).backward()
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps(dict(baseline=baseline, before=before, peak=peak)))
+"""
+
+
+def test_peak_resident_memory_of_fresh_processes():
+    """One forward + backward in a fresh process per layout (run side by
+    side, one thread each): full recomputation clearly lowers the peak,
+    selective lowers it too. Sizes: attention (s = 512) dominates."""
+    base = dict(num_layers=8, hidden_size=128, num_attention_heads=4, seq_length=512,
+                vocab_size=1000, hidden_dropout=0.1, attention_dropout=0.1, batch=2)
+    layouts = {"off": {}, "full-uniform-1": LAYOUTS["full-uniform-1"],
+               "selective": LAYOUTS["selective"]}
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    root = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    processes = {name: subprocess.Popen([sys.executable, "-c", _PEAK_RSS_SCRIPT,
+                                         json.dumps({**base, **layout})],
+                                        cwd=root, env=env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True)
+                 for name, layout in layouts.items()}
+    peaks = {}
+    for name, process in processes.items():
+        out, err = process.communicate(timeout=120)
+        assert process.returncode == 0, f"{name}:\n{err}"
+        result = json.loads(out.strip().splitlines()[-1])
+        # The peak was reached in forward + backward, not while building.
+        assert result["peak"] > result["before"], name
+        peaks[name] = result["peak"] - result["baseline"]
+    report = {name: f"{peak / 2**20:.0f} MiB" for name, peak in peaks.items()}
+    assert peaks["full-uniform-1"] < 0.75 * peaks["off"], report
+    assert peaks["selective"] < peaks["off"], report
