@@ -52,6 +52,16 @@ CONFIG = ModelConfig(num_layers=LAYERS, hidden_size=32, num_attention_heads=4, s
                      attention_dropout=0.1)
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """These models are tiny: extra threads only wait for each other (and
+    stall when the machine is busy)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _full(method: str, n: int) -> dict:
     return dict(recompute_granularity="full", recompute_method=method, recompute_num_layers=n)
 
