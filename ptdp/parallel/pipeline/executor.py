@@ -172,16 +172,3 @@ class PipelineExecutor:
         all_gather_flat(full, piece, self.ctx.tp_group)
         return full.view(self.activation_shape)
 
-
-def all_reduce_tied_embedding_grads(chunks: list[torch.nn.Module], ctx: ParallelContext) -> None:
-    """Sum the word-embedding gradients of the first and last pipeline stage,
-    so the two copies of the tied embedding take the same step."""
-    group = ctx.embedding_group
-    if group is None:
-        return
-    for chunk in chunks:
-        embedding = getattr(chunk, "embedding", None)
-        if embedding is not None and hasattr(embedding, "word_embeddings"):
-            grad = embedding.word_embeddings.weight.grad
-            if grad is not None:
-                dist.all_reduce(grad, group=group)
