@@ -17,6 +17,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch.testing import assert_close
 
 from ptdp.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
@@ -169,3 +170,44 @@ def test_bucket_reductions_start_during_backward_once_per_iteration(pools):
         # last microbatch's backward was still running, and exactly once.
         assert all(launched)
         assert in_backward == total == buckets
+
+
+def _recompute_vs_off(rank, recompute):
+    """The same 8-process interleaved layout, with dropout on, trained with and
+    without recomputation: the recomputed forwards replay every dropout mask
+    (tensor-replicated and per-rank streams), so the runs are bitwise equal."""
+    ctx = ParallelContext.build(RankGrid(tp=2, dp=2, pp=2))
+    model = dataclasses.replace(MODEL, hidden_dropout=0.1, attention_dropout=0.1)
+    runs = []
+    for layout in ({}, recompute):
+        config = _config(2, 2, 2, 1, train_iters=3)
+        config = dataclasses.replace(config, model=dataclasses.replace(model, **layout))
+        trainer = Trainer(config, ctx, torch.device("cpu"))
+        calls = []
+        original = torch.utils.checkpoint.checkpoint
+
+        def counting_checkpoint(*args, **kwargs):
+            calls.append(1)
+            return original(*args, **kwargs)
+
+        torch.utils.checkpoint.checkpoint = counting_checkpoint
+        try:
+            losses = [trainer.step(i)[0]["loss"] for i in range(3)]
+        finally:
+            torch.utils.checkpoint.checkpoint = original
+        runs.append((losses, trainer.buffer.param_data.clone(), len(calls)))
+    (losses_off, weights_off, calls_off), (losses_on, weights_on, calls_on) = runs
+    assert calls_off == 0 and calls_on > 0  # the flags reached the model
+    return losses_off == losses_on, torch.equal(weights_off, weights_on), losses_on
+
+
+@pytest.mark.parametrize("recompute", [
+    dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
+    dict(recompute_granularity="selective"),
+], ids=["full-uniform", "full-block", "selective"])
+def test_recomputation_in_the_full_step_changes_nothing(pools, recompute):
+    results = pools(8).run(_recompute_vs_off, recompute)
+    for same_losses, same_weights, losses in results:
+        assert same_losses and same_weights
+    assert all(math.isfinite(x) for x in results[-1][2])
