@@ -31,7 +31,6 @@ import datetime
 import gc
 import json
 import os
-import platform
 import re
 import resource
 import shlex
@@ -40,8 +39,9 @@ import sys
 import time
 from pathlib import Path
 
+from results import cpu_name, publish  # bench/results.py: the script folder is on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "RESULTS.md"
 HEADING = "## Activation memory (CPU, peak RSS)"
 
 
@@ -140,16 +140,6 @@ def run_layout(model: dict, layout: dict, args: argparse.Namespace) -> dict:
     return json.loads(process.stdout.strip().splitlines()[-1])
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def report(args: argparse.Namespace, model: dict, results: dict[str, dict], command: str) -> str:
     mib = 2 ** 20
     off = results["off"]["peak"] - results["off"]["baseline"]
@@ -176,20 +166,6 @@ def report(args: argparse.Namespace, model: dict, results: dict[str, dict], comm
     return "\n".join(lines) + "\n"
 
 
-def write_results(block: str) -> None:
-    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    if HEADING not in text:
-        text = text.rstrip("\n") + f"\n\n{HEADING}\n\n{block}"
-    else:
-        start = text.index(HEADING) + len(HEADING)
-        following = text.find("\n## ", start)
-        end = len(text) if following < 0 else following + 1
-        section = text[:end].rstrip("\n") + f"\n\n{block}"
-        text = section + ("\n" + text[end:] if following >= 0 else "")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(text)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=12)
@@ -205,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--glibc-default-malloc", action="store_true",
                         help="do not set MALLOC_MMAP_THRESHOLD_ (peaks then include heap "
                              "fragmentation)")
-    parser.add_argument("--write", action="store_true", help=f"append the table to {RESULTS}")
+    parser.add_argument("--write", action="store_true", help="append the table to bench/RESULTS.md")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker is not None:
@@ -222,10 +198,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name} ...", file=sys.stderr, flush=True)
         results[name] = run_layout(model, layout, args)
     block = report(args, model, results, command)
-    print(block)
-    if args.write:
-        write_results(block)
-        print(f"appended to {RESULTS.relative_to(ROOT)}", file=sys.stderr)
+    publish(HEADING, block, write=args.write)
 
 
 if __name__ == "__main__":

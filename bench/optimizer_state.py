@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from results import publish  # bench/results.py: the script folder is on sys.path
+
 from ptdp.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from ptdp.launch import init_process_group, launch_local
 from ptdp.parallel.topology import ParallelContext, RankGrid
@@ -55,7 +57,7 @@ def main() -> None:
                 ranks = [json.loads(Path(out, f"{r}.json").read_text()) for r in range(d)]
             rows.append((d, distributed, max(r["state_bytes"] for r in ranks), ranks[0]["params"]))
     plain_d1 = rows[0][2]
-    lines = [f"### Optimizer state per rank ({datetime.date.today()})", "",
+    lines = [f"### {datetime.date.today()}", "",
              f"`{' '.join([Path(sys.argv[0]).as_posix()] + sys.argv[1:])}` — GPT 6 × 512, vocab 50257 "
              f"({rows[0][3] / 1e6:.1f} M parameters), bf16 model, fp32 main weights + Adam moments",
              "", "| d | optimizer | state bytes per rank | vs plain d = 1 |", "|---|---|---|---|"]
@@ -63,11 +65,7 @@ def main() -> None:
         kind = "distributed" if distributed else "plain"
         lines.append(f"| {d} | {kind} | {state / 2**20:.1f} MiB | {state / plain_d1:.3f} |")
     table = "\n".join(lines) + "\n"
-    print(table)
-    if args.write:
-        results = Path(__file__).with_name("RESULTS.md")
-        existing = results.read_text() if results.exists() else "# Benchmark results\n"
-        results.write_text(existing.rstrip() + "\n\n" + table)
+    publish("## Optimizer state per rank", table, write=args.write)
 
 
 if __name__ == "__main__":

@@ -16,13 +16,16 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ptdp.config import SECTION_TYPES, Config, ConfigError, flag_fields, validate
+from ptdp.data.preprocess import add_preprocess_parser, run_preprocess
+from ptdp.data.tokenizer import TokenizerError, add_tokenizer_parser, run_tokenizer_command
 from ptdp.perf.timeline import add_schedule_parser, run_schedule_command
 
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 
 
 def _field_type(annotation: str) -> type:
-    return _TYPES[annotation.split("|")[0].strip()]
+    kind = annotation.split("|")[0].strip()
+    return list if kind.startswith("list[") else _TYPES[kind]
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -35,6 +38,8 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
         if kind is bool:
             kwargs["action"] = "store_false" if meta.get("negate") else "store_true"
             kwargs["help"] = meta["help"]
+        elif kind is list:
+            kwargs.update(nargs="+", metavar=meta.get("metavar", "VALUE"), help=meta["help"])
         else:
             kwargs["type"] = kind
             kwargs["metavar"] = meta.get("metavar", {int: "N", float: "X", str: "VALUE"}[kind])
@@ -105,8 +110,13 @@ def _file_settings(data: dict[str, Any], path: str) -> dict[str, Any]:
                 value = float(value)
             except ValueError:
                 pass
+        if kind is list and isinstance(value, str):  # "0.7 A 0.3 B" as one string
+            value = value.split()
+        if kind is list and isinstance(value, list):
+            value = [str(item) for item in value]  # YAML reads weights as numbers
         optional = "None" in f.type
         ok = (value is None and optional) or (
+            isinstance(value, list) if kind is list else
             isinstance(value, bool) if kind is bool else
             (isinstance(value, (int, float)) and not isinstance(value, bool)) if kind is float else
             (isinstance(value, int) and not isinstance(value, bool)) if kind is int else
@@ -123,14 +133,24 @@ def _file_settings(data: dict[str, Any], path: str) -> dict[str, Any]:
     return settings
 
 
-def config_from_args(args: argparse.Namespace) -> Config:
-    sections: dict[str, dict[str, Any]] = {name: {} for name in SECTION_TYPES}
+def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """{"section.field": value} of every setting the user gave, in the
+    config file or as a flag (flags win); defaults are not included."""
     settings = _file_settings(_load_file(args.config), args.config) if args.config else {}
-    settings.update({k: v for k, v in vars(args).items() if "." in k})  # flags win
+    settings.update({k: v for k, v in vars(args).items() if "." in k})
+    return settings
+
+
+def config_from_settings(settings: dict[str, Any]) -> Config:
+    sections: dict[str, dict[str, Any]] = {name: {} for name in SECTION_TYPES}
     for key, value in settings.items():
         section, name = key.split(".", 1)
         sections[section][name] = value
     return Config.from_dict(sections)
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    return config_from_settings(settings_from_args(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", metavar="FILE", help="YAML or TOML file of settings; flags override it")
     _add_config_flags(train)
     add_schedule_parser(commands)
+    add_tokenizer_parser(commands)
+    add_preprocess_parser(commands)
     return parser
 
 
@@ -165,15 +187,27 @@ def _check_output_paths(config: Config) -> None:
         raise ConfigError(problems)
 
 
-def run_train(config: Config) -> int:
+def run_train(config: Config, explicit: Sequence[str] = ()) -> int:
+    """`explicit`: the settings the user gave ("section.field"); a vocabulary
+    size not among them is taken from the tokenizer."""
+    from ptdp.data.loader import (DataSettingsError, check_data_settings, check_datasets,
+                                  resolve_vocab_size)
     from ptdp.device import resolve_kind
     from ptdp.launch import LOOPBACK, DistEnv, LocalJobFailed, detect_env, launch_local
     from ptdp.train.loop import worker
 
     env = detect_env()
+    problems = check_data_settings(config)
+    if problems:
+        raise ConfigError(problems)
+    try:
+        config = resolve_vocab_size(config, explicit="model.vocab_size" in explicit)
+    except DataSettingsError as error:
+        raise ConfigError([str(error)]) from None
     validate(config, world_size=env.world_size if env is not None else None)
-    if not config.data.mock_data:
-        raise ConfigError(["only generated data is available yet: add --mock-data"])
+    problems = check_datasets(config)
+    if problems:
+        raise ConfigError(problems)
     _check_output_paths(config)
     if env is not None:
         worker(env, config)
@@ -202,10 +236,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "train":
-            return run_train(config_from_args(args))
+            settings = settings_from_args(args)
+            return run_train(config_from_settings(settings), explicit=list(settings))
         if args.command == "schedule":
             return run_schedule_command(args)
-    except ConfigError as error:
+        if args.command == "tokenizer":
+            return run_tokenizer_command(args)
+        if args.command == "preprocess":
+            return run_preprocess(args)
+    except (ConfigError, TokenizerError) as error:
         print(f"ptdp: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

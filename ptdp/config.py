@@ -178,7 +178,33 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
+    """Where tokens come from. With neither --data-path nor --mock-data the
+    model trains on the shipped demo corpus (Shakespeare)."""
     mock_data: bool = flag(False, "--mock-data", "train on generated, learnable sequences")
+    data_path: list[str] | None = flag(
+        None, "--data-path",
+        "indexed dataset prefix(es) (PREFIX.bin/.idx, as `ptdp preprocess` or Megatron-LM write "
+        "them), optionally weighted for blending: A, or 0.7 A 0.3 B", metavar="PATH")
+    split: str = flag("949,50,1", "--split",
+                      "train,valid,test proportions, taken as contiguous ranges of documents")
+    tokenizer_type: str = flag("GPT2BPETokenizer", "--tokenizer-type", "tokenizer",
+                               choices=("GPT2BPETokenizer", "HuggingFaceTokenizer",
+                                        "ByteLevelTokenizer"))
+    vocab_file: str | None = flag(None, "--vocab-file", "GPT-2 style vocab.json (with --merge-file; "
+                                  "default: GPT-2's own ranks, shipped)", metavar="PATH")
+    merge_file: str | None = flag(None, "--merge-file", "GPT-2 style merges.txt", metavar="PATH")
+    tokenizer_model: str | None = flag(None, "--tokenizer-model",
+                                       "tokenizer.json for HuggingFaceTokenizer", metavar="PATH")
+    data_cache_path: str | None = flag(
+        None, "--data-cache-path",
+        "directory for dataset indices and the tokenized demo corpus (default: index-cache/ "
+        "next to the data; the demo corpus under $PTDP_CACHE or the user cache)", metavar="DIR")
+    eod_mask_loss: bool = flag(False, "--eod-mask-loss",
+                               "leave positions whose input is the end-of-document token out of the loss")
+
+    @property
+    def uses_demo_corpus(self) -> bool:
+        return not self.mock_data and not self.data_path
 
 
 @dataclass

@@ -84,6 +84,8 @@ def test_every_config_field_has_a_working_flag():
             argv, value = [f.metadata["flag"], "7"], 7
         elif kind == "float":
             argv, value = [f.metadata["flag"], "0.375"], 0.375
+        elif kind.startswith("list["):
+            argv, value = [f.metadata["flag"], "0.25", "a", "0.75", "b"], ["0.25", "a", "0.75", "b"]
         else:
             argv, value = [f.metadata["flag"], "some-value"], "some-value"
         assert getattr(getattr(parse(*argv), section), f.name) == value, f.metadata["flag"]
@@ -423,3 +425,13 @@ def test_main_needs_a_command(capsys):
     with pytest.raises(SystemExit) as caught:
         main([])
     assert caught.value.code == 2
+
+
+@pytest.mark.parametrize("text", ["data-path: [0.3, a, 0.7, b]\n", "data-path: 0.3 a 0.7 b\n",
+                                  "data:\n  data_path:\n    - 0.3\n    - a\n    - 0.7\n    - b\n"])
+def test_data_path_in_a_config_file(tmp_path, text):
+    """Weights written as YAML numbers still arrive as Megatron-style strings."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    config = config_from_args(build_parser().parse_args(["train", "--config", str(path)]))
+    assert config.data.data_path == ["0.3", "a", "0.7", "b"]

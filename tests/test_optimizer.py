@@ -2,14 +2,13 @@
 torch.optim.AdamW, the LR schedule, the loss scaler, weight-decay and norm
 ranges."""
 
-import dataclasses
 import math
 
 import pytest
 import torch
 from torch.testing import assert_close
 
-from ptdp.config import Config, ModelConfig, TrainConfig
+from ptdp.config import Config, DataConfig, ModelConfig, TrainConfig
 from ptdp.parallel.topology import ParallelContext
 from ptdp.train.loop import Trainer
 from ptdp.train.optimizer import LossScaler, learning_rate
@@ -23,7 +22,7 @@ def _config(**train):
     base = dict(micro_batch_size=2, global_batch_size=4, train_iters=4, lr=1e-2, seed=9,
                 clip_grad=0.0, weight_decay=0.1, lr_decay_style="constant")
     base.update(train)
-    return Config(model=MODEL, train=TrainConfig(**base))
+    return Config(model=MODEL, train=TrainConfig(**base), data=DataConfig(mock_data=True))
 
 
 def test_flat_adamw_equals_torch_adamw():

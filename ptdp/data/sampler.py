@@ -8,15 +8,9 @@ is what lets a parallel run be compared with one process.
 
 from __future__ import annotations
 
-import torch
-
 
 def microbatch_indices(iteration: int, microbatch: int, dp_rank: int, *, micro_batch_size: int,
                        global_batch_size: int, data_parallel_size: int) -> range:
     per_rank = global_batch_size // data_parallel_size
     start = iteration * global_batch_size + dp_rank * per_rank + microbatch * micro_batch_size
     return range(start, start + micro_batch_size)
-
-
-def collate(dataset, indices: range) -> torch.Tensor:
-    return torch.stack([dataset[i] for i in indices])

@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from ptdp import device as devices
 from ptdp.config import Config
-from ptdp.data.mock import MockGPTDataset
-from ptdp.data.sampler import collate, microbatch_indices
+from ptdp.data.loader import TrainingData, build_training_data, collate, split_microbatch
+from ptdp.data.sampler import microbatch_indices
 from ptdp.launch import DistEnv, init_process_group
 from ptdp.model.gpt import build_chunks
 from ptdp.parallel.data import GradBuffer
@@ -62,7 +62,8 @@ class Trainer:
     """One rank's share of training: its model chunks, gradient buffer,
     optimizer, schedule and data. `step` runs one iteration."""
 
-    def __init__(self, config: Config, ctx: ParallelContext, device: torch.device):
+    def __init__(self, config: Config, ctx: ParallelContext, device: torch.device,
+                 data: TrainingData | None = None):
         model_cfg, par, tr = config.model, config.parallel, config.train
         self.config, self.ctx, self.device = config, ctx, device
         p, d, b = ctx.pp_size, ctx.dp_size, tr.micro_batch_size
@@ -82,16 +83,21 @@ class Trainer:
         self.executor = PipelineExecutor(
             self.chunks, ctx, activation_shape=(model_cfg.seq_length, b, model_cfg.hidden_size),
             dtype=self.dtype, device=device, scatter_gather=par.scatter_gather_tensors_in_pipeline)
-        self.dataset = MockGPTDataset(model_cfg.vocab_size, model_cfg.seq_length, tr.seed)
+        self.data = data if data is not None else build_training_data(
+            config, num_samples=(tr.train_iters * self.global_batch, 0, 0),
+            is_builder=ctx.rank == 0, reads_tokens=ctx.is_first_stage or ctx.is_last_stage,
+            barrier=dist.barrier if dist.is_initialized() else None)
 
     def microbatch_fn(self, iteration: int):
         tr, ctx = self.config.train, self.ctx
 
-        def microbatch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-            tokens = collate(self.dataset, microbatch_indices(
+        def microbatch(i: int) -> tuple[torch.Tensor, ...]:
+            tokens = collate(self.data.train, microbatch_indices(
                 iteration, i, ctx.dp_rank, micro_batch_size=tr.micro_batch_size,
-                global_batch_size=self.global_batch, data_parallel_size=ctx.dp_size)).to(self.device)
-            return tokens[:, :-1], tokens[:, 1:]
+                global_batch_size=self.global_batch, data_parallel_size=ctx.dp_size),
+                self.config.model.vocab_size)
+            return tuple(t.to(self.device) for t in split_microbatch(
+                tokens, self.data.eod, self.config.data.eod_mask_loss))
         return microbatch
 
     def step(self, iteration: int, record_timeline: bool = False) -> tuple[dict[str, Any], Any]:
@@ -147,8 +153,6 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
     """Train on this rank; returns the per-iteration metrics (the loss only
     on the last pipeline stage, where it is computed)."""
     model_cfg, tr = config.model, config.train
-    if not config.data.mock_data:
-        raise NotImplementedError("only --mock-data is available yet; add --mock-data")
     # One collective over every rank before any point-to-point transfer: NCCL
     # wants the world's communicator created by all ranks together.
     dist.barrier()
@@ -168,7 +172,8 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
               f"{model_cfg.vocab_size} padded to {model_cfg.padded_vocab_size(ctx.tp_size)} (padding "
               f"is masked out of the loss); {trainer.num_micro} microbatch(es) of "
               f"{tr.micro_batch_size} per pipeline per iteration; {schedule.kind} schedule"
-              + (f" with {schedule.v} chunks per rank" if schedule.v > 1 else ""), flush=True)
+              + (f" with {schedule.v} chunks per rank" if schedule.v > 1 else "")
+              + f"; data: {trainer.data.description}", flush=True)
 
     history: list[dict[str, Any]] = []
     try:

@@ -70,8 +70,8 @@ class PipelineExecutor:
     def run(self, schedule: Schedule, microbatch: MicrobatchFn, *, forward_only: bool = False,
             record_timeline: bool = False, loss_scale: float = 1.0) -> PipelineStats:
         """Execute this rank's actions of `schedule`. `microbatch(i)` gives the
-        tokens and labels [b, s] of microbatch i (used on the first and last
-        virtual stage only). Backward starts from loss · loss_scale / m."""
+        tokens and labels [b, s] of microbatch i, and optionally its loss mask
+        (used on the first and last virtual stage only). Backward starts from loss · loss_scale / m."""
         ctx, p, m = self.ctx, schedule.p, schedule.m
         last_stage = schedule.num_stages - 1
         stats = PipelineStats()
@@ -102,7 +102,7 @@ class PipelineExecutor:
                     x.requires_grad_(not forward_only)
                 with torch.set_grad_enabled(not forward_only):
                     if stage == last_stage:
-                        loss = self.chunks[c](x, microbatch(i)[1])
+                        loss = self.chunks[c](x, *microbatch(i)[1:])
                         stats.losses.append(loss.detach())
                         out = loss * (loss_scale / m)
                     else:

