@@ -187,6 +187,27 @@ def _check_output_paths(config: Config) -> None:
         raise ConfigError(problems)
 
 
+def _checkpoint_problems(config: Config) -> list[str]:
+    """--save/--load/--save-interval/--keep-last, checked before launching."""
+    from ptdp.train.checkpoint import CheckpointError, check_model_fits, read_metadata, resolve
+
+    tr, problems = config.train, []
+    for flag_name, value in (("--save-interval", tr.save_interval), ("--keep-last", tr.keep_last)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            problems.append(f"{flag_name}={value!r} must be a positive integer")
+        elif value is not None and not tr.save:
+            problems.append(f"{flag_name} needs --save DIR")
+    if tr.save and Path(tr.save).exists() and not Path(tr.save).is_dir():
+        problems.append(f"--save {tr.save} is a file; give a directory")
+    if tr.load:
+        try:
+            directory = resolve(tr.load)
+            check_model_fits(read_metadata(directory), config.model, directory)
+        except CheckpointError as error:
+            problems.append(str(error))
+    return problems
+
+
 def run_train(config: Config, explicit: Sequence[str] = ()) -> int:
     """`explicit`: the settings the user gave ("section.field"); a vocabulary
     size not among them is taken from the tokenizer."""
@@ -205,7 +226,7 @@ def run_train(config: Config, explicit: Sequence[str] = ()) -> int:
     except DataSettingsError as error:
         raise ConfigError([str(error)]) from None
     validate(config, world_size=env.world_size if env is not None else None)
-    problems = check_datasets(config)
+    problems = check_datasets(config) + _checkpoint_problems(config)
     if problems:
         raise ConfigError(problems)
     _check_output_paths(config)

@@ -167,6 +167,13 @@ class TrainConfig:
     timeline: str | None = flag(None, "--timeline",
                                 "draw the measured pipeline timeline of the last iteration to this "
                                 "PNG file", metavar="PATH")
+    save: str | None = flag(None, "--save", "write checkpoints to this directory", metavar="DIR")
+    save_interval: int | None = flag(None, "--save-interval",
+                                     "save every N iterations (and always at the end with --save)")
+    load: str | None = flag(None, "--load",
+                            "resume from the checkpoint in this directory (its `latest`, or one "
+                            "iter_* directory), under any layout", metavar="DIR")
+    keep_last: int | None = flag(None, "--keep-last", "keep only the newest N checkpoints")
 
     def batch_size(self, data_parallel_size: int) -> int:
         return self.global_batch_size or self.micro_batch_size * data_parallel_size

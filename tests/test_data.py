@@ -24,6 +24,6 @@ def test_every_layout_trains_on_the_same_samples(d, b):
     B = 8
     for iteration in range(3):
         seen = [i for rank in range(d) for micro in range(B // (b * d))
-                for i in microbatch_indices(iteration, micro, rank, micro_batch_size=b,
+                for i in microbatch_indices(iteration * B, micro, rank, micro_batch_size=b,
                                             global_batch_size=B, data_parallel_size=d)]
         assert sorted(seen) == list(range(iteration * B, (iteration + 1) * B))

@@ -65,7 +65,7 @@ def _global_batches(dataset, d: int, iterations: int, b: int = 2, B: int = 8) ->
     them, put back in global order."""
     batches = []
     for iteration in range(iterations):
-        parts = [collate(dataset, microbatch_indices(iteration, i, rank, micro_batch_size=b,
+        parts = [collate(dataset, microbatch_indices(iteration * B, i, rank, micro_batch_size=b,
                                                      global_batch_size=B, data_parallel_size=d), 257)
                  for rank in range(d) for i in range(B // (b * d))]
         batches.append(torch.cat(parts))

@@ -22,6 +22,7 @@ from ptdp.parallel.pipeline.executor import PipelineExecutor
 from ptdp.parallel.pipeline.schedules import build_schedule
 from ptdp.parallel.sharding import COPY_ATTR, logical_shape
 from ptdp.parallel.topology import ParallelContext, RankGrid
+from ptdp.train.checkpoint import load_checkpoint, read_metadata, resolve, save_checkpoint
 from ptdp.train.optimizer import Optimizer, learning_rate
 
 
@@ -63,8 +64,11 @@ class Trainer:
     optimizer, schedule and data. `step` runs one iteration."""
 
     def __init__(self, config: Config, ctx: ParallelContext, device: torch.device,
-                 data: TrainingData | None = None):
+                 data: TrainingData | None = None, *, start: tuple[int, int] = (0, 0)):
+        """`start`: (iteration, consumed samples) this run begins after (a
+        resumed run's checkpoint); the data is read from there on."""
         model_cfg, par, tr = config.model, config.parallel, config.train
+        self.start_iteration, self.start_consumed = start
         self.config, self.ctx, self.device = config, ctx, device
         p, d, b = ctx.pp_size, ctx.dp_size, tr.micro_batch_size
         self.num_chunks = par.virtual_stages(model_cfg.num_layers)
@@ -84,16 +88,31 @@ class Trainer:
             self.chunks, ctx, activation_shape=(model_cfg.seq_length, b, model_cfg.hidden_size),
             dtype=self.dtype, device=device, scatter_gather=par.scatter_gather_tensors_in_pipeline)
         self.data = data if data is not None else build_training_data(
-            config, num_samples=(tr.train_iters * self.global_batch, 0, 0),
+            config, num_samples=(self.consumed_before(tr.train_iters), 0, 0),
             is_builder=ctx.rank == 0, reads_tokens=ctx.is_first_stage or ctx.is_last_stage,
             barrier=dist.barrier if dist.is_initialized() else None)
+
+    def consumed_before(self, iteration: int) -> int:
+        """Samples consumed before 0-based `iteration` runs."""
+        return self.start_consumed + (iteration - self.start_iteration) * self.global_batch
+
+    def save(self, directory: str, iteration: int) -> None:
+        """Checkpoint after `iteration` iterations (every rank calls it)."""
+        save_checkpoint(self, directory, iteration=iteration,
+                        consumed_samples=self.consumed_before(iteration),
+                        keep_last=self.config.train.keep_last)
+
+    def load(self, directory: str) -> dict[str, Any]:
+        """Weights, optimizer state and random streams from a checkpoint,
+        resharded for this layout (every rank calls it)."""
+        return load_checkpoint(self, directory)
 
     def microbatch_fn(self, iteration: int):
         tr, ctx = self.config.train, self.ctx
 
         def microbatch(i: int) -> tuple[torch.Tensor, ...]:
             tokens = collate(self.data.train, microbatch_indices(
-                iteration, i, ctx.dp_rank, micro_batch_size=tr.micro_batch_size,
+                self.consumed_before(iteration), i, ctx.dp_rank, micro_batch_size=tr.micro_batch_size,
                 global_batch_size=self.global_batch, data_parallel_size=ctx.dp_size),
                 self.config.model.vocab_size)
             return tuple(t.to(self.device) for t in split_microbatch(
@@ -131,7 +150,7 @@ class Trainer:
         elapsed = end - start
         record = {
             "iteration": iteration + 1,
-            "consumed_samples": (iteration + 1) * self.global_batch,
+            "consumed_samples": self.consumed_before(iteration + 1),
             "loss": loss,
             "lr": lr,
             "grad_norm": result.grad_norm,
@@ -156,7 +175,13 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
     # One collective over every rank before any point-to-point transfer: NCCL
     # wants the world's communicator created by all ranks together.
     dist.barrier()
-    trainer = Trainer(config, ctx, device)
+    start = (0, 0)
+    if tr.load:
+        metadata = read_metadata(resolve(tr.load))
+        start = (int(metadata["iteration"]), int(metadata["consumed_samples"]))
+    trainer = Trainer(config, ctx, device, start=start)
+    if tr.load:
+        trainer.load(tr.load)
     is_logger = ctx.is_last_stage and ctx.tp_rank == 0 and ctx.dp_rank == 0
     metrics_out: TextIO | None = (open(tr.metrics_file, "w", encoding="utf-8")
                                   if is_logger and tr.metrics_file else None)
@@ -177,7 +202,10 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
 
     history: list[dict[str, Any]] = []
     try:
-        for iteration in range(tr.train_iters):
+        if is_logger and tr.load:
+            print(f"ptdp: resumed from {resolve(tr.load)} after iteration {start[0]} "
+                  f"({start[1]:,} samples consumed)", flush=True)
+        for iteration in range(trainer.start_iteration, tr.train_iters):
             record_timeline = bool(tr.timeline) and iteration + 1 == tr.train_iters
             if record_timeline:
                 dist.barrier()  # align the ranks' clocks for the picture
@@ -190,6 +218,11 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
                 print(_log_line(record, tr.train_iters), flush=True)
             if record_timeline:
                 _draw_measured_timeline(stats.timeline, ctx, trainer.schedule, tr.timeline, is_logger)
+            done = iteration + 1
+            if tr.save and (done == tr.train_iters or (tr.save_interval and done % tr.save_interval == 0)):
+                trainer.save(tr.save, done)
+                if is_logger:
+                    print(f"ptdp: saved checkpoint {tr.save}/iter_{done:07d}", flush=True)
     finally:
         if metrics_out is not None:
             metrics_out.close()

@@ -74,6 +74,14 @@ class LossScaler:
         return {"scale": self.scale, "growth_tracker": self.growth_tracker,
                 "hysteresis_left": self.hysteresis_left}
 
+    def load_state_dict(self, state: dict) -> None:
+        """A dynamic scaler resumes where it was; a static one keeps its
+        configured value (the run's settings decide, e.g. bf16 after fp16)."""
+        if self.dynamic and state:
+            self.scale = float(state["scale"])
+            self.growth_tracker = int(state["growth_tracker"])
+            self.hysteresis_left = int(state["hysteresis_left"])
+
 
 @dataclass
 class StepResult:
