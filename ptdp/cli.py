@@ -18,6 +18,8 @@ from typing import Any, Sequence
 from ptdp.config import SECTION_TYPES, Config, ConfigError, flag_fields, validate
 from ptdp.data.preprocess import add_preprocess_parser, run_preprocess
 from ptdp.data.tokenizer import TokenizerError, add_tokenizer_parser, run_tokenizer_command
+from ptdp.inference import add_generate_parser, run_generate_command
+from ptdp.interop.convert import add_convert_parser, run_convert_command
 from ptdp.perf.timeline import add_schedule_parser, run_schedule_command
 
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool}
@@ -164,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(train)
     add_schedule_parser(commands)
     add_tokenizer_parser(commands)
+    add_generate_parser(commands)
+    add_convert_parser(commands)
     add_preprocess_parser(commands)
     return parser
 
@@ -265,6 +269,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_tokenizer_command(args)
         if args.command == "preprocess":
             return run_preprocess(args)
+        if args.command == "generate":
+            return run_generate_command(args)
+        if args.command == "convert":
+            return run_convert_command(args)
     except (ConfigError, TokenizerError) as error:
         print(f"ptdp: error: {error}", file=sys.stderr)
         return 2

@@ -1,0 +1,200 @@
+"""`ptdp generate`: text from a checkpoint, on one process or under a
+tensor/pipeline layout.
+
+Every rank builds its model pieces for the layout (as training does) and
+loads its shards of the checkpoint's logical weights. Each step runs the
+context through the virtual stages in order: stage k = c·p + r is chunk c
+of pipeline rank r, hidden states go from one stage's ranks to the next's
+by point-to-point sends, and the tensor ranks of a stage compute together.
+The last stage's vocabulary-parallel logits are gathered and broadcast to
+every rank, and every rank draws the same token from them with the same
+seeded generator, so all ranks extend the same context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ptdp import device as devices
+from ptdp.config import Config, ConfigError
+from ptdp.generate import SamplingSettings, generate
+from ptdp.model.gpt import build_chunks
+from ptdp.parallel.sharding import SHARD_ATTR, shard
+from ptdp.parallel.topology import ParallelContext, RankGrid
+
+
+@dataclass
+class GenerateRequest:
+    load: str
+    prompt: str
+    settings: SamplingSettings
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    chunks: int = 1
+    device: str = "auto"
+
+
+class PipelinedModel:
+    """next_logits(tokens [1, s]) -> logits [V] of the last position, the
+    same on every rank of the layout."""
+
+    def __init__(self, config: Config, ctx: ParallelContext, device: torch.device,
+                 weights: dict[str, torch.Tensor], num_chunks: int = 1):
+        self.config, self.ctx, self.device = config, ctx, device
+        self.chunks = build_chunks(config.model, ctx, device, config.train.seed, num_chunks)
+        with torch.no_grad():
+            for chunk in self.chunks:
+                for name, param in chunk.named_parameters():
+                    spec = getattr(param, SHARD_ATTR, None)
+                    logical = weights[name]
+                    param.copy_((shard(logical, spec) if spec is not None else logical).to(param.dtype))
+                chunk.eval()
+        self.num_stages = ctx.pp_size * num_chunks
+
+    def _rank_of_stage(self, stage: int) -> int:
+        c = self.ctx.coord
+        return self.ctx.grid.rank(c.tp, c.dp, stage % self.ctx.pp_size)
+
+    @torch.no_grad()
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        ctx, model = self.ctx, self.config.model
+        tokens = tokens.to(self.device)
+        s = tokens.shape[1]
+        x = None
+        for stage in range(self.num_stages):
+            owner = stage % ctx.pp_size
+            if owner != ctx.pp_rank:
+                continue
+            chunk = self.chunks[stage // ctx.pp_size]
+            if stage == 0:
+                x = tokens
+            elif (stage - 1) % ctx.pp_size != ctx.pp_rank:
+                x = torch.empty(s, 1, model.hidden_size, device=self.device)
+                dist.recv(x, src=self._rank_of_stage(stage - 1))
+            x = chunk(x)
+            if stage < self.num_stages - 1 and (stage + 1) % ctx.pp_size != ctx.pp_rank:
+                dist.send(x.contiguous(), dst=self._rank_of_stage(stage + 1))
+        logits = torch.empty(model.padded_vocab_size(ctx.tp_size), device=self.device)
+        if ctx.is_last_stage:
+            local = x[-1, 0].float()
+            if ctx.tp_group is not None:
+                parts = [torch.empty_like(local) for _ in range(ctx.tp_size)]
+                dist.all_gather(parts, local.contiguous(), group=ctx.tp_group)
+                local = torch.cat(parts)
+            logits.copy_(local)
+        if ctx.pp_size > 1:
+            c = ctx.coord
+            dist.broadcast(logits, src=ctx.grid.rank(c.tp, c.dp, ctx.pp_size - 1),
+                           group=ctx.pp_group)
+        return logits[:model.vocab_size].cpu()
+
+
+def generate_text(request: GenerateRequest, ctx: ParallelContext, device: torch.device) -> str:
+    from ptdp.data.loader import tokenizer_for
+    from ptdp.train.checkpoint import load_logical_model
+
+    config, weights, _ = load_logical_model(request.load)
+    tokenizer = tokenizer_for(config.data) if not config.data.mock_data else None
+    model = PipelinedModel(config, ctx, device, weights, request.chunks)
+    if tokenizer is None:  # a model trained on generated data: the prompt is token ids
+        prompt = [int(t) for t in request.prompt.split()]
+    else:
+        prompt = tokenizer.encode(request.prompt)
+    max_context = config.model.max_position_embeddings or config.model.seq_length
+    new = generate(model, prompt, request.settings, max_context=max_context,
+                   eod=tokenizer.eod if tokenizer is not None else None)
+    return tokenizer.decode(new) if tokenizer is not None else " ".join(map(str, new))
+
+
+def _generate_worker(env, request: GenerateRequest) -> None:
+    from ptdp.launch import init_process_group
+
+    kind = devices.resolve_kind(request.device, env.local_world_size)
+    devices.configure_threads(kind, env.local_world_size)
+    device = devices.device_for(kind, env.local_rank)
+    init_process_group(env, devices.backend_for(kind), timedelta(minutes=10))
+    try:
+        grid = RankGrid(tp=request.tensor_parallel, dp=1, pp=request.pipeline_parallel)
+        ctx = ParallelContext.build(grid)
+        text = generate_text(request, ctx, device)
+        if ctx.rank == 0:
+            print(text, flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def add_generate_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "generate", help="generate text from a checkpoint",
+        description="Continue a prompt with a trained model, on one process or under a tensor / "
+                    "pipeline layout (any layout: checkpoints reshard on load).")
+    parser.add_argument("--load", required=True, metavar="DIR", help="checkpoint directory")
+    parser.add_argument("--prompt", required=True, help="text to continue")
+    defaults = SamplingSettings()
+    parser.add_argument("--temperature", type=float, default=defaults.temperature,
+                        help=f"0: greedy (default: {defaults.temperature})")
+    parser.add_argument("--top-k", type=int, default=defaults.top_k,
+                        help="sample among the k most likely tokens (0: all)")
+    parser.add_argument("--top-p", type=float, default=defaults.top_p,
+                        help="sample from the nucleus of this probability (1: all)")
+    parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens,
+                        help=f"tokens to generate (default: {defaults.max_new_tokens})")
+    parser.add_argument("--seed", type=int, default=defaults.seed, help="sampling seed")
+    parser.add_argument("--tensor-model-parallel-size", "-t", type=int, default=1, metavar="N")
+    parser.add_argument("--pipeline-model-parallel-size", "-p", type=int, default=1, metavar="N")
+    parser.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                        metavar="N")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+
+
+def run_generate_command(args: argparse.Namespace) -> int:
+    from ptdp.config import ParallelConfig, validate
+    from ptdp.launch import LocalJobFailed, launch_local
+    from ptdp.train.checkpoint import CheckpointError, read_metadata, resolve
+
+    settings = SamplingSettings(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                max_new_tokens=args.max_new_tokens, seed=args.seed)
+    try:
+        settings.validate()
+    except ValueError as error:
+        raise ConfigError([line.strip().removeprefix("- ")
+                           for line in str(error).splitlines()[1:]]) from None
+    try:
+        config = Config.from_dict(read_metadata(resolve(args.load))["config"])
+    except CheckpointError as error:
+        raise ConfigError([str(error)]) from None
+    layout = ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
+                            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                            data_parallel_size=1,
+                            num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
+                            device=args.device)
+    # The layout's constraints (heads, layers, vocabulary) as for training;
+    # batch settings are not used here.
+    validate(Config(model=config.model, parallel=layout, train=config.train.__class__(
+        micro_batch_size=1, global_batch_size=layout.pipeline_model_parallel_size),
+        data=config.data))
+    if config.data.mock_data and not all(part.isdigit() for part in args.prompt.split()):
+        raise ConfigError([f"--prompt {args.prompt!r}: this model was trained on generated data "
+                           "(--mock-data) and has no tokenizer; give token ids, e.g. --prompt "
+                           "'1 2 3'"])
+    request = GenerateRequest(args.load, args.prompt, settings, layout.tensor_model_parallel_size,
+                              layout.pipeline_model_parallel_size,
+                              layout.virtual_stages(config.model.num_layers), args.device)
+    world = layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size
+    if world == 1:
+        kind = devices.resolve_kind(args.device, 1)
+        print(generate_text(request, ParallelContext.single(), devices.device_for(kind, 0)),
+              flush=True)
+        return 0
+    try:
+        launch_local(world, _generate_worker, request)
+    except LocalJobFailed as failure:
+        print(f"ptdp: error: {failure}", file=sys.stderr)
+        return 1
+    return 0
