@@ -191,6 +191,29 @@ def _check_output_paths(config: Config) -> None:
         raise ConfigError(problems)
 
 
+def _reporting_problems(config: Config) -> list[str]:
+    """--eval-*, --peak-tflops, --tensorboard-dir, --loss-curve, before launching."""
+    tr, problems = config.train, []
+    if not isinstance(tr.eval_interval, int) or tr.eval_interval < 0:
+        problems.append(f"--eval-interval={tr.eval_interval!r} must be 0 (never) or a positive integer")
+    if not isinstance(tr.eval_iters, int) or tr.eval_iters < 1:
+        problems.append(f"--eval-iters={tr.eval_iters!r} must be a positive integer")
+    if tr.peak_tflops is not None and not tr.peak_tflops > 0:
+        problems.append(f"--peak-tflops={tr.peak_tflops!r} must be positive")
+    if tr.tensorboard_dir:
+        import importlib.util
+
+        if importlib.util.find_spec("tensorboard") is None:
+            problems.append("--tensorboard-dir needs the tensorboard package: pip install tensorboard")
+    if tr.loss_curve:
+        parent = Path(tr.loss_curve).resolve().parent
+        if not tr.loss_curve.lower().endswith(".png"):
+            problems.append(f"--loss-curve {tr.loss_curve}: the picture is a PNG; use a .png path")
+        elif not parent.is_dir():
+            problems.append(f"--loss-curve {tr.loss_curve}: directory {parent} does not exist")
+    return problems
+
+
 def _checkpoint_problems(config: Config) -> list[str]:
     """--save/--load/--save-interval/--keep-last, checked before launching."""
     from ptdp.train.checkpoint import CheckpointError, check_model_fits, read_metadata, resolve
@@ -230,7 +253,7 @@ def run_train(config: Config, explicit: Sequence[str] = ()) -> int:
     except DataSettingsError as error:
         raise ConfigError([str(error)]) from None
     validate(config, world_size=env.world_size if env is not None else None)
-    problems = check_datasets(config) + _checkpoint_problems(config)
+    problems = check_datasets(config) + _checkpoint_problems(config) + _reporting_problems(config)
     if problems:
         raise ConfigError(problems)
     _check_output_paths(config)

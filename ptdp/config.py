@@ -174,6 +174,18 @@ class TrainConfig:
                             "resume from the checkpoint in this directory (its `latest`, or one "
                             "iter_* directory), under any layout", metavar="DIR")
     keep_last: int | None = flag(None, "--keep-last", "keep only the newest N checkpoints")
+    eval_interval: int = flag(0, "--eval-interval",
+                              "evaluate on the validation set every N iterations and after the "
+                              "last (0: never)")
+    eval_iters: int = flag(10, "--eval-iters", "global batches of validation samples per evaluation")
+    tensorboard_dir: str | None = flag(None, "--tensorboard-dir", "write TensorBoard logs here",
+                                       metavar="DIR")
+    peak_tflops: float | None = flag(None, "--peak-tflops",
+                                     "peak TFLOP/s of one device, for the % of peak (default: by "
+                                     "GPU model; none on CPU)")
+    loss_curve: str | None = flag(None, "--loss-curve",
+                                  "draw the training and validation loss to this PNG at the end",
+                                  metavar="PATH")
 
     def batch_size(self, data_parallel_size: int) -> int:
         return self.global_batch_size or self.micro_batch_size * data_parallel_size

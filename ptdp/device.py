@@ -84,3 +84,10 @@ def can_compile_kernels(device: torch.device) -> bool:
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def device_name(device: torch.device) -> str:
+    """The accelerator's model name (to look up its peak), or "cpu"."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type

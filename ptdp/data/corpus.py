@@ -82,3 +82,25 @@ def demo_data_prefix(tokenizer, tokenizer_key: str, cache_dir: Path, *, build: b
         for _, text in read_works():
             writer.add_document(np.asarray(tokenizer.encode(text) + [tokenizer.eod], dtype=dtype))
     return str(prefix)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m ptdp.data.corpus OUT.jsonl`: the demo corpus as JSON lines
+    (one work per line, {"title": ..., "text": ...}), e.g. to try
+    `ptdp preprocess` on it."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m ptdp.data.corpus", description=main.__doc__)
+    parser.add_argument("output", help="JSON-lines file to write")
+    args = parser.parse_args(argv)
+    works = read_works()
+    with open(args.output, "w", encoding="utf-8") as out:
+        for name, text in works:
+            title = name.removesuffix("_gut.txt").replace("_", " ")
+            out.write(json.dumps({"title": title, "text": text}) + "\n")
+    print(f"wrote {len(works)} works to {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -74,12 +74,17 @@ def check_datasets(config: Config) -> list[str]:
     data, train = config.data, config.train
     if data.mock_data or not data.data_path:
         return []
-    samples = train.train_iters * train.batch_size(config.parallel.data_parallel_size)
+    batch = train.batch_size(config.parallel.data_parallel_size)
+    samples = (train.train_iters * batch, train.eval_iters * batch if train.eval_interval else 0, 0)
     try:
-        check_gpt_datasets(data.data_path, data.split, (samples, 0, 0),
-                           seq_length=config.model.seq_length, warn=False)
+        _, _, _, wanted = check_gpt_datasets(data.data_path, data.split, samples,
+                                             seq_length=config.model.seq_length, warn=False)
     except DataError as error:
         return [str(error)]
+    if train.eval_interval and 1 not in wanted:
+        return [f"--eval-interval {train.eval_interval} needs validation data, but --split "
+                f"{data.split} gives the validation split no documents; give it a share (e.g. "
+                "--split 949,50,1) or drop --eval-interval"]
     return []
 
 
@@ -117,7 +122,9 @@ def build_training_data(config: Config, *, num_samples: tuple[int, int, int], is
     model, data, seed = config.model, config.data, config.train.seed
     if data.mock_data:
         mock = MockGPTDataset(model.vocab_size, model.seq_length, seed)
-        return TrainingData(train=mock, valid=mock, test=mock, description="generated sequences")
+        # Validation: other sequences of the same generator (same successor table).
+        return TrainingData(train=mock, valid=_Offset(mock, MOCK_VALID_OFFSET),
+                            test=_Offset(mock, 2 * MOCK_VALID_OFFSET), description="generated sequences")
     from ptdp.data.corpus import default_cache_dir, demo_data_prefix
     from ptdp.data.gpt_dataset import build_gpt_datasets
 
@@ -142,6 +149,19 @@ def build_training_data(config: Config, *, num_samples: tuple[int, int, int], is
     if not reads_tokens:  # middle pipeline stages: indices built, nothing to read
         train = valid = test = None
     return TrainingData(train, valid, test, eod=tokenizer.eod, description=description)
+
+
+MOCK_VALID_OFFSET = 10 ** 9  # far beyond any training run's sample count
+
+
+@dataclass
+class _Offset:
+    """Samples [offset, ...) of a dataset, seen from 0."""
+    dataset: Any
+    offset: int
+
+    def __getitem__(self, i: int):
+        return self.dataset[self.offset + i]
 
 
 def collate(dataset, indices: range, vocab_size: int) -> torch.Tensor:

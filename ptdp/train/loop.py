@@ -23,7 +23,10 @@ from ptdp.parallel.pipeline.schedules import build_schedule
 from ptdp.parallel.sharding import COPY_ATTR, logical_shape
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.train.checkpoint import load_checkpoint, read_metadata, resolve, save_checkpoint
+from ptdp.train.evaluate import evaluate
 from ptdp.train.optimizer import Optimizer, learning_rate
+from ptdp.train.report import (Progress, TensorBoardLogger, configured_flops_per_iteration,
+                               format_log_line, peak_tflops, plot_loss_curve, throughput)
 
 
 def worker(env: DistEnv, config: Config) -> list[dict[str, Any]]:
@@ -48,15 +51,6 @@ def count_parameters(model: torch.nn.Module) -> int:
     """Logical (unsharded, unpadded) parameters of this pipeline stage."""
     return sum(math.prod(logical_shape(p)) for p in model.parameters()
                if not getattr(p, COPY_ATTR, False))
-
-
-def _log_line(record: dict[str, Any], train_iters: int) -> str:
-    return (f"iteration {record['iteration']:>5}/{train_iters} | consumed samples "
-            f"{record['consumed_samples']:>7} | loss {record['loss']:.4f} | lr {record['lr']:.3e} | "
-            f"grad norm {record['grad_norm']:.4f} | "
-            + (f"loss scale {record['loss_scale']:.0f} | " if record["loss_scale"] != 1.0 else "")
-            + ("skipped (inf/nan gradient) | " if record["skipped"] else "")
-            + f"{record['iteration_ms']:.1f} ms/iter | {record['tokens_per_s']:.0f} tokens/s")
 
 
 class Trainer:
@@ -88,7 +82,8 @@ class Trainer:
             self.chunks, ctx, activation_shape=(model_cfg.seq_length, b, model_cfg.hidden_size),
             dtype=self.dtype, device=device, scatter_gather=par.scatter_gather_tensors_in_pipeline)
         self.data = data if data is not None else build_training_data(
-            config, num_samples=(self.consumed_before(tr.train_iters), 0, 0),
+            config, num_samples=(self.consumed_before(tr.train_iters),
+                                 tr.eval_iters * self.global_batch if tr.eval_interval else 0, 0),
             is_builder=ctx.rank == 0, reads_tokens=ctx.is_first_stage or ctx.is_last_stage,
             barrier=dist.barrier if dist.is_initialized() else None)
 
@@ -158,6 +153,8 @@ class Trainer:
             "skipped": result.skipped,
             "iteration_ms": elapsed * 1e3,
             "forward_backward_ms": (forward_backward_done - start) * 1e3,
+            "forward_ms": stats.forward_seconds * 1e3,
+            "backward_ms": stats.backward_seconds * 1e3,
             "pipeline_transfer_ms": stats.transfer_seconds * 1e3,
             "grad_reduce_ms": (reduce_done - forward_backward_done) * 1e3,
             "optimizer_ms": (end - reduce_done) * 1e3,
@@ -200,32 +197,57 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
               + (f" with {schedule.v} chunks per rank" if schedule.v > 1 else "")
               + f"; data: {trainer.data.description}", flush=True)
 
+    flops = configured_flops_per_iteration(model_cfg, trainer.global_batch,
+                                           ctx.pp_size * trainer.num_chunks)
+    peak = peak_tflops(device, trainer.dtype, tr.peak_tflops)
+    tensorboard = TensorBoardLogger(tr.tensorboard_dir) if is_logger and tr.tensorboard_dir else None
+    progress = Progress(tr.train_iters, start=trainer.start_iteration,
+                        enabled=None if is_logger else False)
     history: list[dict[str, Any]] = []
+    skipped = 0
     try:
         if is_logger and tr.load:
             print(f"ptdp: resumed from {resolve(tr.load)} after iteration {start[0]} "
                   f"({start[1]:,} samples consumed)", flush=True)
         for iteration in range(trainer.start_iteration, tr.train_iters):
-            record_timeline = bool(tr.timeline) and iteration + 1 == tr.train_iters
+            done = iteration + 1
+            record_timeline = bool(tr.timeline) and done == tr.train_iters
             if record_timeline:
                 dist.barrier()  # align the ranks' clocks for the picture
             record, stats = trainer.step(iteration, record_timeline)
+            skipped += record["skipped"]
+            record["skipped_iterations"] = skipped
+            record.update(throughput(flops, record["iteration_ms"] / 1e3, ctx.grid.world_size, peak))
+            # Every rank evaluates (the pipeline needs them all), decided by
+            # the settings alone.
+            if tr.eval_interval and (done % tr.eval_interval == 0 or done == tr.train_iters):
+                result = evaluate(trainer, trainer.data.valid, tr.eval_iters)
+                record["val_loss"], record["val_perplexity"] = result["loss"], result["perplexity"]
             history.append(record)
             if metrics_out is not None:
                 metrics_out.write(json.dumps(record) + "\n")
                 metrics_out.flush()
-            if is_logger and ((iteration + 1) % tr.log_interval == 0 or iteration + 1 == tr.train_iters):
-                print(_log_line(record, tr.train_iters), flush=True)
+            if tensorboard is not None:
+                tensorboard.log(record)
+            progress.update(done, record["loss"])
+            if is_logger and (done % tr.log_interval == 0 or done == tr.train_iters
+                              or "val_loss" in record):
+                print(format_log_line(record, tr.train_iters), flush=True)
             if record_timeline:
                 _draw_measured_timeline(stats.timeline, ctx, trainer.schedule, tr.timeline, is_logger)
-            done = iteration + 1
             if tr.save and (done == tr.train_iters or (tr.save_interval and done % tr.save_interval == 0)):
                 trainer.save(tr.save, done)
                 if is_logger:
                     print(f"ptdp: saved checkpoint {tr.save}/iter_{done:07d}", flush=True)
     finally:
+        progress.close()
         if metrics_out is not None:
             metrics_out.close()
+        if tensorboard is not None:
+            tensorboard.close()
+    if is_logger and tr.loss_curve and history:
+        plot_loss_curve(history, tr.loss_curve)
+        print(f"ptdp: drew the loss curve to {tr.loss_curve}", flush=True)
     return history
 
 

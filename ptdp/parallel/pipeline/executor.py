@@ -45,6 +45,8 @@ class PipelineStats:
     sent_elements: list[int] = field(default_factory=list)     # elements per point-to-point send
     timeline: list[Box] = field(default_factory=list)
     transfer_seconds: float = 0.0        # time in exchanges (transfers and waiting for peers)
+    forward_seconds: float = 0.0         # time in forward computations
+    backward_seconds: float = 0.0        # time in backward computations
     released_bytes: int = 0              # storage of sent activations freed before their backward
 
 
@@ -119,6 +121,13 @@ class PipelineExecutor:
                     out.backward(received.pop(("grad", i, stage)))
                 if stage > 0:
                     outgoing[("grad", i, stage - 1)] = x.grad
+            # Host time: exact on CPU; on GPUs it measures kernel launches
+            # unless the device is synchronised (as for a timeline).
+            elapsed = time.perf_counter() - began
+            if action.op == "F":
+                stats.forward_seconds += elapsed
+            else:
+                stats.backward_seconds += elapsed
             record(action.op, i, c, began)
 
         if stash or outgoing or received:

@@ -1,0 +1,376 @@
+"""What the user sees of a training run: FLOPs and TFLOP/s, the log line,
+the progress bar, per-phase times, TensorBoard scalars and the loss curve.
+
+FLOPs follow the paper (GEMMs only, a lower bound of the work done). Per
+transformer layer and iteration, the forward pass is
+
+    24·B·s·h² + 4·B·s²·h        (QKV 6·B·s·h², attention output 2·B·s·h²,
+                                 MLP 16·B·s·h², scores Q·Kᵀ and scores·V 4·B·s²·h)
+
+and the output layer's forward is 2·B·s·h·V. A backward pass costs twice its
+forward. So:
+
+- no recomputation:   3 × forward      F = 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))
+- full recomputation: 4 × forward of the layers (the output layer is not
+  recomputed)          F = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))   (the paper's)
+- selective recomputation (only the attention core is rebuilt in backward):
+  no-recomputation F plus one more 4·B·s²·h per layer,
+                       F = 72·B·s·l·h²·(1 + 2s/(9h) + V/(12·l·h)).
+
+The attention FLOPs count the whole s×s score matrix (the causal mask does
+not halve them), as the paper does. V is `ModelConfig.vocab_size`, the
+unpadded vocabulary: the paper writes V (its 51,200 is GPT-2's 50,257 padded;
+the padded columns are computed but are not model work). With
+`--ffn-hidden-size` f ≠ 4h the MLP term 16·B·s·h² becomes 4·B·s·h·f.
+
+With full recomputation the formula counts every recomputed GEMM, as
+Megatron-LM's re-entrant checkpoint executes them. PyTorch's non-re-entrant
+checkpoint (ptdp.model.recompute) stops recomputing once every tensor the
+backward needs is rebuilt, so the last GEMM of each checkpointed group (the
+MLP's 4h→h projection, 2·B·s·h·f) is not re-run: the hardware executes that
+much less than F. TFLOP/s here is the paper's F over the measured time.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from ptdp import device as devices
+from ptdp.config import ModelConfig
+
+# ------------------------------------------------------------------------------------------
+# FLOPs
+
+
+def model_flops_per_iteration(config: ModelConfig, global_batch: int, *, recompute: str | None,
+                              recomputed_layers: int | None = None) -> float:
+    """The paper's FLOPs of one iteration (forward and backward of
+    `global_batch` sequences over all devices together).
+
+    `recompute` is None, "full" or "selective". With "full", every layer is
+    recomputed unless `recomputed_layers` says how many are (the block
+    method recomputes only the first --recompute-num-layers of each chunk;
+    see `recomputed_layer_count`)."""
+    B, s, h, l = global_batch, config.seq_length, config.hidden_size, config.num_layers
+    V, f = config.vocab_size, config.ffn_size
+    layer_dense = 2 * B * s * (3 * h * h + h * h + 2 * h * f)  # 24·B·s·h² when f = 4h
+    layer_attention = 4 * B * s * s * h
+    layer = layer_dense + layer_attention
+    output_layer = 2 * B * s * h * V
+    total = 3 * l * layer + 3 * output_layer
+    if recompute is None:
+        return float(total)
+    if recompute == "selective":
+        return float(total + l * layer_attention)
+    if recompute == "full":
+        recomputed = l if recomputed_layers is None else recomputed_layers
+        if not 0 <= recomputed <= l:
+            raise ValueError(f"recomputed_layers = {recomputed} is not in 0..{l}")
+        return float(total + recomputed * layer)
+    raise ValueError(f"unknown recompute {recompute!r}: use None, 'full' or 'selective'")
+
+
+def recomputed_layer_count(config: ModelConfig, num_model_chunks: int) -> int:
+    """Layers whose forward is recomputed under `config`'s full
+    recomputation; `num_model_chunks` is p·v, the model chunks of one
+    pipeline. Uniform checkpoints every layer; block the first
+    --recompute-num-layers layers of each chunk."""
+    if config.recompute_granularity != "full":
+        return 0
+    if config.recompute_method == "block":
+        per_chunk = config.num_layers // num_model_chunks
+        return min(config.recompute_num_layers, per_chunk) * num_model_chunks
+    return config.num_layers
+
+
+def configured_flops_per_iteration(config: ModelConfig, global_batch: int,
+                                   num_model_chunks: int) -> float:
+    """`model_flops_per_iteration` with the recomputation `config` asks for."""
+    return model_flops_per_iteration(
+        config, global_batch, recompute=config.recompute_granularity,
+        recomputed_layers=recomputed_layer_count(config, num_model_chunks))
+
+
+# ------------------------------------------------------------------------------------------
+# Peak throughput
+
+# Dense (no sparsity) tensor-core peaks in TFLOP/s from NVIDIA's data sheets,
+# by a substring of torch's device name; the first match wins, so more
+# specific names come first ("H100 PCIe" before "H100", "A100" before
+# "A10", "L40S" before "L40" before "L4"). "tf32" applies to fp32 training when
+# torch.get_float32_matmul_precision() is "high" or "medium" (TF32 matmuls),
+# "fp32" when it is "highest" (PyTorch's default). A dtype a GPU has no
+# tensor cores for (bf16 on V100 and T4) is missing, and an empty entry is a
+# known name without a known peak: not reported (give --peak-tflops).
+DEFAULT_PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0},
+    "H100 NVL": {"bf16": 835.0, "fp16": 835.0, "tf32": 418.0, "fp32": 60.0},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},   # SXM
+    "H200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},   # SXM (and GH200)
+    "H800": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},
+    "B200": {"bf16": 2250.0, "fp16": 2250.0},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "A800": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "L40S": {"bf16": 362.0, "fp16": 362.0, "tf32": 183.0, "fp32": 91.6},
+    "L40": {"bf16": 181.0, "fp16": 181.0, "tf32": 90.5, "fp32": 90.5},
+    "L4": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
+    "A10G": {},   # AWS's A10 variant: no published peak here; give --peak-tflops
+    "A10": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2},
+    "V100": {"fp16": 125.0, "fp32": 15.7},
+    "T4": {"fp16": 65.0, "fp32": 8.1},
+}
+
+
+def _precision_key(dtype: torch.dtype) -> str | None:
+    if dtype == torch.bfloat16:
+        return "bf16"
+    if dtype == torch.float16:
+        return "fp16"
+    if dtype == torch.float32:
+        return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    return None
+
+
+def lookup_peak_tflops(device_name: str, dtype: torch.dtype) -> float | None:
+    """The table's peak for a device called `device_name` computing in `dtype`."""
+    key = _precision_key(dtype)
+    for name, peaks in DEFAULT_PEAK_TFLOPS.items():
+        if name.lower() in device_name.lower():
+            return peaks.get(key) if key else None
+    return None
+
+
+def peak_tflops(device: torch.device, dtype: torch.dtype, override: float | None) -> float | None:
+    """Peak TFLOP/s of one device: `override` (--peak-tflops) when given,
+    else the table's value for a known GPU; None (not reported) on CPU and
+    on unknown GPUs."""
+    if override is not None:
+        if not override > 0:
+            raise ValueError(f"--peak-tflops must be positive, not {override}")
+        return float(override)
+    if device.type != "cuda":
+        return None
+    return lookup_peak_tflops(devices.device_name(device), dtype)
+
+
+def throughput(flops_per_iteration: float, iteration_seconds: float, world_size: int,
+               peak: float | None) -> dict[str, float | None]:
+    """Model TFLOP/s per device (the paper's F over n devices and the time of
+    one iteration), and its fraction of `peak` (None when no peak is known)."""
+    tflops = flops_per_iteration / (iteration_seconds * world_size) / 1e12
+    return {"tflops_per_device": tflops, "peak_fraction": tflops / peak if peak else None}
+
+
+# ------------------------------------------------------------------------------------------
+# The log line
+
+
+def format_log_line(record: dict[str, Any], train_iters: int) -> str:
+    """One line per logged iteration. Uses the record's keys (see
+    Trainer.step) and, when present: `val_loss` / `val_perplexity` (the last
+    evaluation), `skipped_iterations` (cumulative count of skipped steps),
+    `tflops_per_device` and `peak_fraction`."""
+    def number(key: str, fmt: str) -> str:
+        value = record.get(key)
+        return "n/a" if value is None else format(value, fmt)
+
+    parts = [f"iteration {record['iteration']:>5}/{train_iters}",
+             f"consumed samples {record['consumed_samples']:>7}",
+             f"loss {number('loss', '.4f')}"]
+    if record.get("val_loss") is not None:
+        text = f"val loss {record['val_loss']:.4f}"
+        if record.get("val_perplexity") is not None:
+            text += f" (ppl {record['val_perplexity']:.4g})"
+        parts.append(text)
+    parts += [f"lr {number('lr', '.3e')}", f"grad norm {number('grad_norm', '.4f')}"]
+    if record.get("loss_scale", 1.0) != 1.0:
+        parts.append(f"loss scale {record['loss_scale']:.0f}")
+    skipped_total = record.get("skipped_iterations", int(bool(record.get("skipped"))))
+    if skipped_total or record.get("skipped"):
+        parts.append(f"skipped steps {skipped_total}"
+                     + (" (this one: inf/nan gradient)" if record.get("skipped") else ""))
+    parts += [f"{record['iteration_ms']:.1f} ms/iter", f"{record['tokens_per_s']:.0f} tokens/s"]
+    if record.get("tflops_per_device") is not None:
+        text = f"{_tflops(record['tflops_per_device'])} TFLOP/s/device"
+        if record.get("peak_fraction") is not None:
+            text += f" ({100 * record['peak_fraction']:.1f}% of peak)"
+        parts.append(text)
+    return " | ".join(parts)
+
+
+def _tflops(value: float) -> str:
+    # CPU runs reach well under 1 TFLOP/s: keep three significant digits there.
+    return f"{value:.1f}" if value >= 10 else f"{value:.3g}"
+
+
+# ------------------------------------------------------------------------------------------
+# Progress bar
+
+
+class Progress:
+    """A progress bar with ETA over the training iterations, on stderr.
+
+    Shown only when stderr is a terminal (`enabled=None`); otherwise it does
+    nothing and the plain log lines are the whole output. When stdout is a
+    terminal too, prints to stdout appear above the bar; when stdout goes to
+    a file they stay there."""
+
+    def __init__(self, total: int, *, start: int = 0, description: str = "training",
+                 enabled: bool | None = None, console: Any = None):
+        self.total = total
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self._progress = None
+        if not self.enabled:
+            return
+        from rich.console import Console
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress as RichProgress,
+                                   TextColumn, TimeElapsedColumn, TimeRemainingColumn)
+
+        console = console if console is not None else Console(file=sys.stderr)
+        self._progress = RichProgress(
+            TextColumn("[progress.description]{task.description}"), BarColumn(),
+            MofNCompleteColumn(), TextColumn("iterations"), TimeElapsedColumn(),
+            TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[status]}"),
+            console=console, redirect_stdout=sys.stdout.isatty(), redirect_stderr=False)
+        self._task = self._progress.add_task(description, total=total, completed=start, status="")
+        self._progress.start()
+
+    def update(self, iteration: int, loss: float | None = None) -> None:
+        """`iteration` iterations are done (1-based count)."""
+        if self._progress is None:
+            return
+        status = f"loss {loss:.4f}" if loss is not None else ""
+        self._progress.update(self._task, completed=iteration, status=status)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
+# ------------------------------------------------------------------------------------------
+# Per-phase times
+
+
+def phase_times(timeline_boxes: Iterable[Sequence]) -> dict[str, float]:
+    """Seconds one rank spent in forward (F), backward (B) and pipeline
+    exchanges (comm: transfers and waiting for peers) during one executor
+    run, from its boxes `(op, microbatch, chunk, start, end)`; `other` is the
+    rest of the run's span (between actions: Python overhead, reading data
+    outside a box)."""
+    totals = {"F": 0.0, "B": 0.0, "comm": 0.0}
+    span = 0.0
+    for op, _mb, _chunk, start, end in timeline_boxes:
+        if op not in totals:
+            raise ValueError(f"unknown timeline op {op!r}; expected F, B or comm")
+        totals[op] += end - start
+        span = max(span, end)
+    busy = sum(totals.values())
+    return {"forward_seconds": totals["F"], "backward_seconds": totals["B"],
+            "comm_seconds": totals["comm"], "span_seconds": span,
+            "other_seconds": max(0.0, span - busy)}
+
+
+# ------------------------------------------------------------------------------------------
+# TensorBoard
+
+# record key -> TensorBoard tag (only the keys present and not None are written)
+TENSORBOARD_TAGS: dict[str, str] = {
+    "loss": "train/loss",
+    "val_loss": "valid/loss",
+    "val_perplexity": "valid/perplexity",
+    "lr": "train/learning_rate",
+    "grad_norm": "train/grad_norm",
+    "loss_scale": "train/loss_scale",
+    "skipped_iterations": "train/skipped_iterations",
+    "tokens_per_s": "throughput/tokens_per_s",
+    "tflops_per_device": "throughput/tflops_per_device",
+    "peak_fraction": "throughput/peak_fraction",
+    "iteration_ms": "time/iteration_ms",
+    "forward_backward_ms": "time/forward_backward_ms",
+    "forward_ms": "time/forward_ms",
+    "backward_ms": "time/backward_ms",
+    "pipeline_transfer_ms": "time/pipeline_transfer_ms",
+    "grad_reduce_ms": "time/grad_reduce_ms",
+    "optimizer_ms": "time/optimizer_ms",
+}
+
+
+class TensorBoardLogger:
+    """Writes a record's scalars per iteration to TensorBoard event files in
+    `directory` (view with `tensorboard --logdir DIRECTORY`). Needs the
+    `tensorboard` package; without it, construction fails with the fix."""
+
+    def __init__(self, directory: str | Path):
+        try:
+            import tensorboard  # noqa: F401 - torch's writer needs it
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise RuntimeError(
+                f"--tensorboard-dir {directory} needs the tensorboard package: "
+                "pip install tensorboard (into the environment ptdp runs in)") from None
+        self.directory = Path(directory)
+        self.writer = SummaryWriter(log_dir=str(self.directory))
+
+    def log(self, record: dict[str, Any], step: int | None = None) -> None:
+        step = record["iteration"] if step is None else step
+        for key, tag in TENSORBOARD_TAGS.items():
+            value = record.get(key)
+            if isinstance(value, bool):
+                value = int(value)
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                self.writer.add_scalar(tag, value, step)
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+    def __enter__(self) -> "TensorBoardLogger":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
+# ------------------------------------------------------------------------------------------
+# Loss curve
+
+
+def plot_loss_curve(records: list[dict[str, Any]], path: str | Path) -> Path:
+    """Training loss per iteration (line) and validation loss (points) to an
+    image (format from the suffix, e.g. PNG); linear axes. Uses matplotlib's
+    Agg canvas directly: no global backend state."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    train = [(r["iteration"], r["loss"]) for r in records if r.get("loss") is not None]
+    valid = [(r["iteration"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+    if not train and not valid:
+        raise ValueError("no losses to plot (records hold the loss on the last pipeline stage only)")
+    fig = Figure(figsize=(7, 4), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    if train:
+        ax.plot(*zip(*train), color="tab:blue", linewidth=1.2, label="training loss")
+    if valid:
+        ax.plot(*zip(*valid), "o", color="tab:orange", markersize=5, label="validation loss")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("loss (cross entropy, nats per token)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    return path

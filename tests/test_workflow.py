@@ -1,0 +1,39 @@
+"""The README's workflow, run command by command exactly as written:
+preprocess -> train -> resume under another layout -> generate -> export."""
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _workflow_commands() -> list[str]:
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"<!-- workflow -->\n```bash\n(.*?)```", readme, re.S)
+    assert block, "README.md lost its workflow block"
+    return [line for line in block.group(1).splitlines() if line and not line.startswith("#")]
+
+
+def test_the_readme_workflow_works_as_written(tmp_path):
+    (tmp_path / ".venv").symlink_to(ROOT / ".venv")
+    shutil.copytree(ROOT / "examples", tmp_path / "examples")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    outputs = []
+    for command in _workflow_commands():
+        result = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True,
+                                text=True, timeout=600)
+        assert result.returncode == 0, f"{command}\n{result.stderr[-3000:]}"
+        outputs.append(result.stdout)
+    train, resume, sample = outputs[3], outputs[4], outputs[5]
+    # evaluation ran and the validation loss fell
+    val = [float(v) for v in re.findall(r"val loss (\d+\.\d+)", train + resume)]
+    assert len(val) == 3 and val[-1] < val[0]
+    assert "ptdp: saved checkpoint checkpoints/iter_0000020" in train
+    assert "resumed from" in resume and "after iteration 20" in resume
+    assert "(t=1, p=2, d=4)" in resume and "iteration    30/30" in resume
+    assert sample.strip()  # some text
+    assert (tmp_path / "gpt2-shakespeare" / "model.safetensors").is_file()
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "iter_0000030"
