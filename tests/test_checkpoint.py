@@ -34,25 +34,25 @@ def _losses(records):
 
 
 def _resume_same_layout(rank, save, dtype_flags):
-    """6 iterations straight vs 3, save, a new trainer loads, 3 more: the
-    last three losses and the final weights are bitwise the same (dropout on,
+    """10 iterations straight vs 5, save, a new trainer loads, 5 more: the
+    last five losses and the final weights are bitwise the same (dropout on,
     so the random streams must be restored too)."""
     ctx = ParallelContext.build(RankGrid(tp=2, dp=2, pp=2))
     model = dataclasses.replace(MODEL, hidden_dropout=0.1, attention_dropout=0.1)
-    config = _config(2, 2, 2, 1, model=model, train_iters=6, **dtype_flags)
+    config = _config(2, 2, 2, 1, model=model, train_iters=10, **dtype_flags)
     straight = Trainer(config, ctx, CPU)
-    expected = [straight.step(i)[0] for i in range(6)]
+    expected = [straight.step(i)[0] for i in range(10)]
 
     first = Trainer(config, ctx, CPU)
-    for i in range(3):
+    for i in range(5):
         first.step(i)
-    first.save(save, 3)
+    first.save(save, 5)
     metadata = read_metadata(resolve(save))
     resumed = Trainer(config, ctx, CPU, start=(metadata["iteration"], metadata["consumed_samples"]))
     resumed.load(save)
-    got = [resumed.step(i)[0] for i in range(3, 6)]
+    got = [resumed.step(i)[0] for i in range(5, 10)]
     same_weights = torch.equal(resumed.buffer.param_data, straight.buffer.param_data)
-    return _losses(got), _losses(expected[3:]), same_weights, [r["consumed_samples"] for r in got]
+    return _losses(got), _losses(expected[5:]), same_weights, [r["consumed_samples"] for r in got]
 
 
 @pytest.mark.parametrize("flags", [{}, {"bf16": True, "use_distributed_optimizer": True}],
@@ -62,7 +62,7 @@ def test_resume_is_bitwise_exact_on_the_same_layout(pools, tmp_path, flags):
                                                              flags):
         assert got == expected  # bitwise: == on Python floats (None off the last stage)
         assert same_weights
-        assert consumed == [8 * i for i in range(4, 7)]
+        assert consumed == [8 * i for i in range(6, 11)]
 
 
 LAYOUTS = [  # (t, p, d, k, distributed optimizer): t, p and d each change at every hop

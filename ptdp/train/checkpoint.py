@@ -160,7 +160,8 @@ def _finish(trainer, partial: Path, final: Path, iteration: int, consumed_sample
         "config": config.to_dict(),
         "layout": _layout(trainer),
         "optimizer": {"steps": trainer.optimizer.steps,
-                      "loss_scaler": trainer.optimizer.scaler.state_dict()},
+                      "loss_scaler": trainer.optimizer.scaler.state_dict(),
+                      "skipped_iterations": trainer.skipped_iterations},
         "tensors": tensors,
         "files": files,
     }
@@ -311,6 +312,7 @@ def load_checkpoint(trainer, load: str | Path) -> dict[str, Any]:
     if has_optimizer:
         optimizer.steps = int(metadata["optimizer"]["steps"])
         optimizer.scaler.load_state_dict(metadata["optimizer"]["loss_scaler"])
+        trainer.skipped_iterations = int(metadata["optimizer"].get("skipped_iterations", 0))
     _restore_rng(trainer, directory, metadata)
     _barrier(ctx)
     return metadata

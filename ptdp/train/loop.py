@@ -63,6 +63,7 @@ class Trainer:
         resumed run's checkpoint); the data is read from there on."""
         model_cfg, par, tr = config.model, config.parallel, config.train
         self.start_iteration, self.start_consumed = start
+        self.skipped_iterations = 0  # steps skipped for an inf/nan gradient, over the whole run
         self.config, self.ctx, self.device = config, ctx, device
         p, d, b = ctx.pp_size, ctx.dp_size, tr.micro_batch_size
         self.num_chunks = par.virtual_stages(model_cfg.num_layers)
@@ -139,6 +140,7 @@ class Trainer:
 
         lr = learning_rate(iteration + 1, tr)
         result = self.optimizer.step(lr)
+        self.skipped_iterations += result.skipped
         devices.synchronize(self.device)
         end = time.perf_counter()
 
@@ -151,6 +153,7 @@ class Trainer:
             "grad_norm": result.grad_norm,
             "loss_scale": result.loss_scale,
             "skipped": result.skipped,
+            "skipped_iterations": self.skipped_iterations,
             "iteration_ms": elapsed * 1e3,
             "forward_backward_ms": (forward_backward_done - start) * 1e3,
             "forward_ms": stats.forward_seconds * 1e3,
@@ -204,7 +207,6 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
     progress = Progress(tr.train_iters, start=trainer.start_iteration,
                         enabled=None if is_logger else False)
     history: list[dict[str, Any]] = []
-    skipped = 0
     try:
         if is_logger and tr.load:
             print(f"ptdp: resumed from {resolve(tr.load)} after iteration {start[0]} "
@@ -215,8 +217,6 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
             if record_timeline:
                 dist.barrier()  # align the ranks' clocks for the picture
             record, stats = trainer.step(iteration, record_timeline)
-            skipped += record["skipped"]
-            record["skipped_iterations"] = skipped
             record.update(throughput(flops, record["iteration_ms"] / 1e3, ctx.grid.world_size, peak))
             # Every rank evaluates (the pipeline needs them all), decided by
             # the settings alone.
