@@ -32,6 +32,21 @@ def _serve(rank: int, world_size: int, port: int, conn) -> None:
                           timeout=COLLECTIVE_TIMEOUT)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=COLLECTIVE_TIMEOUT)
+    # Each call builds its layout's process groups; they are released after
+    # it, or their communicator threads would pile up in these long-lived
+    # workers and keep waking (hundreds of threads by the end of a session).
+    from ptdp.parallel.topology import ParallelContext
+
+    built: list = []
+    build = ParallelContext.build.__func__
+
+    def build_and_remember(cls, *args, **kwargs):
+        ctx = build(cls, *args, **kwargs)
+        if ctx is not None:
+            built.append(ctx)
+        return ctx
+
+    ParallelContext.build = classmethod(build_and_remember)
     while True:
         message = conn.recv()
         if message is None:
@@ -42,6 +57,10 @@ def _serve(rank: int, world_size: int, port: int, conn) -> None:
         except BaseException as error:  # noqa: BLE001 - reported to the test
             conn.send(("error", "".join(traceback.format_exception(
                 type(error), error, error.__traceback__))))
+        finally:
+            dist.barrier()  # every rank is done with the groups before any releases them
+            while built:
+                built.pop().destroy()
     dist.destroy_process_group()
 
 

@@ -124,6 +124,18 @@ class ParallelContext:
             return None
         return cls(grid=grid, rank=rank, groups=groups)
 
+    def destroy(self) -> None:
+        """Release this context's process groups (each holds communicator
+        threads): for a process that builds one layout after another."""
+        import torch.distributed as dist
+
+        released = set()
+        for group in self.groups.values():
+            if group is not None and id(group) not in released:
+                released.add(id(group))
+                dist.destroy_process_group(group)
+        self.groups = {kind: None for kind in self.groups}
+
     @property
     def coord(self) -> Coord:
         return self.grid.coord(self.rank)
