@@ -129,6 +129,10 @@ class PipelineExecutor:
             else:
                 stats.backward_seconds += elapsed
             record(action.op, i, c, began)
+            # Drop this action's references now: through its autograd graph a
+            # finished microbatch's output would otherwise keep its stage
+            # input alive until the next action reassigns the names.
+            x = out = loss = None
 
         if stash or outgoing or received:
             raise RuntimeError(f"pipeline rank {ctx.pp_rank}: the schedule left work undone "

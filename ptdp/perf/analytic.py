@@ -1,0 +1,495 @@
+"""The paper's performance analysis as pure functions: parameters, FLOPs,
+pipeline bubble, microbatches in flight, communication volume and memory
+per device, for one `Workload` under one `Layout` (ptdp.perf.layout).
+
+Nothing here starts a process or allocates a tensor. Where PAPER.md gives a
+formula it is used as written (and tests reproduce it); the rest is derived
+from what ptdp's code actually allocates, sends and saves, and tests compare
+it with measurements of real CPU runs (tests/test_analytic.py).
+
+Notation as in PAPER.md: l layers, h hidden, a heads, s sequence, V
+vocabulary (unpadded; V' padded to a multiple of 128·t), f MLP width (4h by
+default), b microbatch, m = B/(b·d) microbatches per pipeline, t, p, d, v.
+e is the bytes per element of the model's dtype (2 for bf16/fp16, 4 for
+fp32); "sbh" is s·b·h elements.
+
+Parameters (exact for ptdp's GPT: pre-LN, biases everywhere, learned
+positions, word embedding tied to the output layer):
+
+    P = V·h + P_pos·h + l·(4h + 3h² + 3h + h² + h + 2·h·f + f + h) + 2h
+      = 12·l·h² + 13·l·h + (V + s)·h + 2h          when f = 4h and P_pos = s
+
+PAPER.md's P = 12·l·h²·(1 + 13/(12h) + (V+s)/(12·l·h)) is the same sum
+without the final LayerNorm (2h): the paper counts l layers of 12h² + 13h
+weights (4h of them the two LayerNorms) and the two embeddings, not the
+LayerNorm after the last layer. `parameter_count` is exact (tests compare
+it with a built model); `paper_parameter_count` is the paper's formula.
+
+Per device (a tensor rank of pipeline rank r): each layer holds its
+column- and row-parallel weights and column-parallel biases divided by t and
+its LayerNorms (4h) and row-parallel biases (2h) whole; the first stage
+adds V'·h/t word embedding and P_pos·h positions, the last stage the final
+LayerNorm (2h) and, when p > 1, its own copy of the tied word embedding
+(V'·h/t), which is memory like any other weight.
+
+Memory (bytes on one device; GradBuffer and Optimizer in ptdp):
+    weights     N·e                  the flat parameter buffer (N: its
+                                     elements, parameters plus bucket padding)
+    gradients   4·N (+ 4·N/d)        fp32 gradient buffer, whatever the
+                                     dtype (+ the fp32 reduce-scattered shard
+                                     with the distributed optimizer)
+    optimizer   12·N/d               distributed: fp32 main + 2 Adam moments
+                12·N                 plain, bf16/fp16: fp32 main + moments
+                 8·N                 plain, fp32: the model's weights are main
+    activations see `activation_bytes` and `memory_per_rank`.
+The distributed optimizer pads every bucket to a multiple of d (less than
+d elements per bucket); it is counted exactly, from the same bucket cutting
+GradBuffer does.
+
+Activations: bytes saved for backward per microbatch, per layer and device
+(`activation_bytes`), for ptdp's own layer with t-way tensor parallelism
+and dropout on. Two kernel sets:
+
+  kernels="cpu" (eager PyTorch, as tests measure them; exact for torch 2.13):
+    replicated [s,b,h]: LN1 input, LN1 output (QKV input), LN2 input, LN2
+        output (MLP input): 4·sbh·e; hidden-dropout masks, 2 of them, in the
+        activation dtype: 2·sbh·e; LayerNorm mean and rstd: 4·s·b·e
+    split over t: attention output (dense input) sbh/t·e, MLP's first
+        output (GeLU input) and GeLU output 2·s·b·f/t·e
+    attention core with attention dropout: the math kernel, which computes
+        in fp32 even for 16-bit inputs: q·scale, kᵀ, v copies 3·sbh/t·4 and
+        softmax, dropout mask, dropped probabilities 3·a·s²·b/t·4
+    attention core without attention dropout: the flash kernel: q, k, v
+        (one buffer) 3·sbh/t·e and logsumexp 4·a·s·b/t; its output is laid
+        out like q, [s, b, heads, d], so it is the dense layer's input
+        itself (no copy)
+  kernels="cuda" (derived from the kernels' saved tensors, not measured
+    here): flash / memory-efficient attention also with dropout (so no s×s
+    tensor at all): 3·sbh/t·e + 4·a·s·b/t, output taken to be laid out
+    like q as on the CPU (if a kernel returns another layout, the reshape
+    for the dense layer copies: one more sbh/t·e, 2/34 of a bf16 layer);
+    dropout masks bool (1 byte); LayerNorm statistics fp32 (4·s·b·4).
+
+  selective recomputation keeps q, k, v (3·sbh/t·e) instead of the
+    attention core's tensors; full recomputation (uniform, 1 layer per
+    group) keeps the layer input only, sbh·e.
+
+  So, cpu, f = 4h, t = 1, dropout on: no recomputation
+  s·b·h·(15·e + 12 + 12·a·s/h) + 4·s·b·e (fp32: 72 + 12as/h; bf16: 42 +
+  12as/h, per s·b·h), selective 18·e·sbh, full e·sbh. For reference,
+  Korthikanti et al. (2022) count s·b·h·(34 + 5·a·s/h) for Megatron's
+  fp16 layer with its fused softmax (2-byte probabilities, 1-byte masks);
+  ptdp's cuda estimate for bf16 is the same tensors, s·b·h·34, without the
+  s² term (flash attention keeps none) plus the logsumexp (4·a·s·b) and
+  fp32 LayerNorm statistics (16·s·b). The cpu figure exceeds 34 by fp32
+  copies of q, k, v (+6) and 2-byte masks (+2), and its s² term is 12as/h
+  (three fp32 s×s tensors) instead of 5as/h.
+
+  Stage extras per microbatch: the first stage keeps the token ids (int64;
+  with t = 1 the [b, s+1] sample they are a view of), the position ids and
+  the embedding-dropout mask sbh·e; the last stage keeps the final
+  LayerNorm's input, output and statistics, the fp32 softmax of the
+  cross entropy [s, b, V'/t] (4·s·b·V'/t, whatever the dtype), the local
+  targets (int64) and their out-of-range mask (bool).
+
+  A rank holds these for every (microbatch, chunk) it has run forward and
+  not yet backward. `memory_per_rank` walks the rank's compute order of the
+  schedule (the generators' order) and takes the peak of the sum, so the
+  embedding and output extras count only for the chunks that have them.
+  Transient memory (a forward's or backward's working tensors, received
+  buffers not yet used, 16-bit .grad before it is added to the fp32 buffer)
+  is not counted. Neither is what the executor keeps a little too long:
+  its local variables hold the graph of the last backwarded microbatch
+  (`out`, and on the last stage `loss`) until the next forward ends, and
+  with it that microbatch's stage input, up to 2·sbh·e more than counted
+  here (measured in the tests).
+
+Communication: see `communication_per_rank`.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Iterator
+
+from ptdp.config import ModelConfig, TrainConfig
+from ptdp.parallel.pipeline.schedules import (
+    backward_order,
+    check_arguments,
+    forward_order,
+    warmup_forwards,
+)
+from ptdp.perf.layout import Layout, Workload
+from ptdp.train.report import model_flops_per_iteration
+
+KERNELS = ("cuda", "cpu")
+FP32 = 4
+INT64 = 8
+
+
+# ------------------------------------------------------------------------------------------
+# Parameters
+
+
+def _layer_parameters(model: ModelConfig, t: int = 1) -> list[int]:
+    """One transformer layer's parameters on one tensor rank, in module order:
+    LN1 (w, b), QKV (w, b), dense (w, b), LN2 (w, b), h→f (w, b), f→h (w, b)."""
+    h, f = model.hidden_size, model.ffn_size
+    return [h, h, 3 * h * h // t, 3 * h // t, h * h // t, h,
+            h, h, f * h // t, f // t, h * f // t, h]
+
+
+def parameter_count(model: ModelConfig) -> int:
+    """Exact logical parameters of ptdp's GPT (tied embedding counted once,
+    vocabulary unpadded, positions = --max-position-embeddings or s)."""
+    h = model.hidden_size
+    return (model.vocab_size * h + model.max_positions * h
+            + model.num_layers * sum(_layer_parameters(model)) + 2 * h)
+
+
+def paper_parameter_count(model: ModelConfig) -> int:
+    """PAPER.md: P = 12·l·h²·(1 + 13/(12h) + (V+s)/(12·l·h)), multiplied out
+    (12·l·h² + 13·l·h + (V+s)·h), so it stays an exact integer."""
+    l, h = model.num_layers, model.hidden_size
+    return 12 * l * h * h + 13 * l * h + (model.vocab_size + model.seq_length) * h
+
+
+def _rank_parameters(model: ModelConfig, layout: Layout, rank: int) -> list[tuple[int, bool]]:
+    """(elements, tied) of every parameter of pipeline rank `rank` on one
+    tensor rank, in the order the Trainer lists them (chunk by chunk; in a
+    chunk: embeddings, layers, final LayerNorm, the tied copy). `tied`
+    marks a word embedding that GradBuffer keeps in a bucket of its own
+    (p > 1: the copies of the first and last stage)."""
+    t, p, v = layout.t, layout.p, layout.v
+    h = model.hidden_size
+    word = model.padded_vocab_size(t) * h // t
+    per_chunk = model.num_layers // (p * v)
+    params: list[tuple[int, bool]] = []
+    for chunk in range(v):
+        stage = chunk * p + rank
+        first, last = stage == 0, stage == p * v - 1
+        if first:
+            params += [(word, p > 1), (model.max_positions * h, False)]
+        params += [(n, False) for _ in range(per_chunk) for n in _layer_parameters(model, t)]
+        if last:
+            params += [(h, False), (h, False)]
+            if not first:
+                params.append((word, True))
+    return params
+
+
+def parameters_per_rank(model: ModelConfig, layout: Layout) -> list[int]:
+    """Parameters one device of each pipeline rank holds (every tensor and
+    data rank of a pipeline rank holds as many); includes the last stage's
+    copy of the tied word embedding and the vocabulary padding."""
+    return [sum(n for n, _ in _rank_parameters(model, layout, r)) for r in range(layout.p)]
+
+
+def parameters_per_device(model: ModelConfig, layout: Layout) -> int:
+    """Parameters of the most loaded device."""
+    return max(parameters_per_rank(model, layout))
+
+
+def _buckets(model: ModelConfig, layout: Layout, rank: int, bucket_size: int) -> list[int]:
+    """Sizes of GradBuffer's buckets on pipeline rank `rank` before padding:
+    parameters in reverse order, a bucket closed once it reaches
+    `bucket_size` elements, each tied word embedding a bucket of its own."""
+    sizes, current = [], 0
+    for numel, tied in reversed(_rank_parameters(model, layout, rank)):
+        if tied:
+            sizes.append(numel)
+            continue
+        current += numel
+        if current >= bucket_size:
+            sizes.append(current)
+            current = 0
+    if current:
+        sizes.append(current)
+    return sizes
+
+
+def buffer_elements(model: ModelConfig, layout: Layout, rank: int,
+                    bucket_size: int | None = None) -> int:
+    """Elements of the flat parameter and gradient buffers of a device of
+    pipeline rank `rank`: its parameters, plus with the distributed
+    optimizer each bucket padded to a multiple of d."""
+    bucket_size = bucket_size or TrainConfig().ddp_bucket_size
+    sizes = _buckets(model, layout, rank, bucket_size)
+    if not layout.distributed_optimizer:
+        return sum(sizes)
+    d = layout.d
+    return sum(-(-size // d) * d for size in sizes)
+
+
+# ------------------------------------------------------------------------------------------
+# FLOPs
+
+
+def flops_per_iteration(workload: Workload, layout: Layout) -> float:
+    """The paper's model FLOPs of one iteration, all devices together
+    (ptdp.train.report: 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)) without
+    recomputation, 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) with full)."""
+    return model_flops_per_iteration(workload.model, workload.global_batch,
+                                     recompute=layout.recompute)
+
+
+# ------------------------------------------------------------------------------------------
+# Pipeline: bubble and microbatches in flight
+
+
+def bubble_fraction(layout: Layout, m: int) -> float:
+    """Bubble time over ideal time: (p−1)/m, interleaved (p−1)/(m·v)."""
+    return (layout.p - 1) / (m * layout.v)
+
+
+def _compute_order(kind: str, p: int, m: int, v: int, rank: int) -> Iterator[tuple[str, int]]:
+    """(op, chunk) of rank `rank`'s computes in schedule order, from the
+    generators in schedules.py: the warm-up forwards, then one forward and
+    one backward per step, then the remaining backwards (build_schedule's
+    computes without its exchanges, which are slow to build for large m)."""
+    forwards, backwards = forward_order(kind, p, m, v), backward_order(kind, p, m, v)
+    warmup = warmup_forwards(kind, p, m, v, rank)
+    for _, chunk in forwards[:warmup]:
+        yield "F", chunk
+    for k in range(len(forwards) - warmup):
+        yield "F", forwards[warmup + k][1]
+        yield "B", backwards[k][1]
+    for _, chunk in backwards[len(forwards) - warmup:]:
+        yield "B", chunk
+
+
+@lru_cache(maxsize=4096)
+def _stash_peaks(kind: str, p: int, m: int, v: int, rank: int,
+                 chunk_weights: tuple[int, ...]) -> tuple[int, int]:
+    """(most (microbatch, chunk) activations held at once, largest sum of
+    their `chunk_weights`) on pipeline rank `rank`."""
+    check_arguments(kind, p, m, v)
+    count = weight = peak_count = peak_weight = 0
+    for op, chunk in _compute_order(kind, p, m, v, rank):
+        sign = 1 if op == "F" else -1
+        count += sign
+        weight += sign * chunk_weights[chunk]
+        peak_count, peak_weight = max(peak_count, count), max(peak_weight, weight)
+    return peak_count, peak_weight
+
+
+def peak_in_flight_per_rank(layout: Layout, m: int) -> list[int]:
+    """For each pipeline rank, the most (microbatch, chunk) activations it
+    stores at once under the layout's schedule (what the executor measures
+    as peak_stored)."""
+    kind, ones = layout.schedule_kind, (1,) * layout.v
+    return [_stash_peaks(kind, layout.p, m, layout.v, r, ones)[0] for r in range(layout.p)]
+
+
+def peak_in_flight(layout: Layout, m: int) -> int:
+    """Most (microbatch, chunk) activations stored at once on the most
+    loaded rank (rank 0): GPipe m; 1F1B min(p, m); interleaved
+    min(2·(p−1) + (v−1)·p + 1, m·v), and m·v when m = p. Each is 1/v of a
+    stage's layers."""
+    return max(peak_in_flight_per_rank(layout, m))
+
+
+# ------------------------------------------------------------------------------------------
+# Communication
+
+
+def _ring(n: int, elements: float) -> float:
+    """Elements each device sends in a bandwidth-optimal (ring) all-reduce
+    of `elements` over n devices: a reduce-scatter and an all-gather, each
+    (n−1)/n of the tensor. It receives as many."""
+    return 2 * (n - 1) / n * elements
+
+
+def tensor_all_reduces_per_layer(workload: Workload, layout: Layout) -> int:
+    """All-reduces of [s, b, h] per layer and microbatch: g after attention
+    and after the MLP in forward, f's before QKV and before the MLP in
+    backward (4); full recomputation repeats the forward's g's in backward:
+    both when hidden dropout is on, only the attention's when it is off
+    (the non-reentrant checkpoint stops once every saved tensor is rebuilt;
+    the MLP's second GEMM and its all-reduce only feed the hidden-dropout
+    mask). Selective recomputation rebuilds only the attention core, which
+    has no communication."""
+    extra = 0
+    if layout.recompute == "full":
+        extra = 2 if workload.model.hidden_dropout > 0 else 1
+    return 4 + extra
+
+
+def tensor_traffic_per_layer(workload: Workload, layout: Layout) -> float:
+    """Bytes one device sends for the tensor-parallel all-reduces of one
+    layer and one microbatch: 4 ring all-reduces of b·s·h elements,
+    4·2·(t−1)/t·b·s·h = PAPER.md's 8·b·s·h·(t−1)/t elements, times e
+    (×6/4 with full recomputation and hidden dropout)."""
+    model = workload.model
+    sbh = model.seq_length * layout.b * model.hidden_size
+    return (tensor_all_reduces_per_layer(workload, layout) * _ring(layout.t, sbh)
+            * workload.bytes_per_element)
+
+
+def communication_per_rank(workload: Workload, layout: Layout, *,
+                           bucket_size: int | None = None) -> list[dict[str, float]]:
+    """Bytes one device of each pipeline rank sends per iteration (a ring
+    collective receives as much as it sends), by kind:
+
+    tensor     all-reduces in the tensor group: per layer and microbatch
+               `tensor_traffic_per_layer`; the first stage adds the
+               vocabulary-parallel embedding's g (one of s·b·h), the last
+               stage the output layer's f (one of s·b·h, backward) and the
+               cross entropy's three of s·b fp32 (max, target logit, sum of
+               exponentials).
+    pipeline   point-to-point sends: per microbatch and chunk, the output
+               activation (unless last virtual stage) and the input gradient
+               (unless first): b·s·h·e each, b·s·h·e/t with scatter/gather.
+    pipeline_all_gather
+               scatter/gather's all-gather of every received tensor in the
+               tensor group: (t−1)/t·b·s·h·e sent per received tensor.
+    data       the gradient reduction over d replicas, once per iteration,
+               fp32: ring all-reduce 2·(d−1)/d·N·4; distributed optimizer:
+               reduce-scatter (d−1)/d·N·4 plus the all-gather of updated
+               weights in the model dtype (d−1)/d·N·e (N: buffer elements).
+    embedding  p > 1: the tied word embedding's gradient summed over its two
+               copies (first and last stage), fp32: V'·h/t·4.
+    total      their sum.
+    Scalar collectives (gradient norm, inf check) are left out.
+    """
+    model, e = workload.model, workload.bytes_per_element
+    t, p, d, v, b = layout.t, layout.p, layout.d, layout.v, layout.b
+    m = layout.microbatches(workload.global_batch)
+    s, h = model.seq_length, model.hidden_size
+    sbh, sb = s * b * h, s * b
+    per_chunk = model.num_layers // (p * v)
+    split = layout.scatter_gather and t > 1
+    layer = tensor_traffic_per_layer(workload, layout)
+    word = model.padded_vocab_size(t) * h // t
+    results = []
+    for rank in range(p):
+        tensor = pipeline = gathered = 0.0
+        holds_word = False
+        for chunk in range(v):
+            stage = chunk * p + rank
+            first, last = stage == 0, stage == p * v - 1
+            holds_word |= first or last
+            tensor += m * per_chunk * layer
+            if first:
+                tensor += m * _ring(t, sbh) * e
+            if last:
+                tensor += m * (_ring(t, sbh) * e + 3 * _ring(t, sb) * FP32)
+            transfers = (not last) + (not first)   # sends; receives are as many
+            pipeline += m * transfers * (sbh / t if split else sbh) * e
+            if split:
+                gathered += m * transfers * (t - 1) / t * sbh * e
+        n = buffer_elements(model, layout, rank, bucket_size)
+        if d == 1:
+            data = 0.0
+        elif layout.distributed_optimizer:
+            data = (d - 1) / d * n * (FP32 + e)
+        else:
+            data = _ring(d, n) * FP32
+        embedding = 0.0
+        if p > 1 and holds_word:
+            padded = -(-word // d) * d if layout.distributed_optimizer else word
+            embedding = _ring(2, padded) * FP32
+        volume = {"tensor": tensor, "pipeline": pipeline, "pipeline_all_gather": gathered,
+                  "data": data, "embedding": embedding}
+        volume["total"] = sum(volume.values())
+        results.append(volume)
+    return results
+
+
+def communication_volume(workload: Workload, layout: Layout, *,
+                         bucket_size: int | None = None) -> dict[str, float]:
+    """`communication_per_rank` of the device that sends the most in all."""
+    return max(communication_per_rank(workload, layout, bucket_size=bucket_size),
+               key=lambda volume: volume["total"])
+
+
+# ------------------------------------------------------------------------------------------
+# Memory
+
+
+def activation_bytes(workload: Workload, layout: Layout, *,
+                     kernels: str = "cuda") -> dict[str, int]:
+    """Bytes saved for backward per microbatch on one device: "layer" (one
+    transformer layer, with the layout's recomputation), "embedding" (the
+    first stage's extra) and "output" (the last stage's extra). See the
+    module docstring for each term."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels={kernels!r}: use one of {', '.join(KERNELS)}")
+    model, e = workload.model, workload.bytes_per_element
+    t, b = layout.t, layout.b
+    s, h, a, f = model.seq_length, model.hidden_size, model.num_attention_heads, model.ffn_size
+    sbh, sb = s * b * h, s * b
+    cpu = kernels == "cpu"
+    mask = (e if cpu else 1) if model.hidden_dropout > 0 else 0   # bytes per masked element
+    stats = e if cpu else FP32                                   # LayerNorm mean and rstd
+
+    if layout.recompute == "full":
+        layer = sbh * e
+    else:
+        layer = (4 * sbh * e + 2 * sbh * mask + 2 * 2 * sb * stats
+                 + sbh // t * e + 2 * s * b * f // t * e)
+        if layout.recompute == "selective":
+            layer += 3 * sbh // t * e
+        elif cpu and model.attention_dropout > 0:
+            layer += 3 * sbh // t * FP32 + 3 * (a // t) * s * s * b * FP32
+        else:
+            layer += 3 * sbh // t * e + (a // t) * s * b * FP32
+
+    tokens = INT64 * b * (s + 1) if t == 1 else INT64 * sb + sb
+    embedding = tokens + INT64 * s + sbh * mask
+    padded = model.padded_vocab_size(t)
+    output = (2 * sbh * e + 2 * sb * stats + FP32 * sb * padded // t + INT64 * sb + sb
+              + (padded // t if padded > model.vocab_size else 0))
+    return {"layer": layer, "embedding": embedding, "output": output}
+
+
+def korthikanti_activation_bytes_per_layer(model: ModelConfig, b: int, t: int = 1) -> float:
+    """Reference (Korthikanti et al. 2022, Megatron's fp16 layer, no
+    sequence parallelism): s·b·h·(10 + 24/t + 5·a·s/(h·t)); 34 + 5as/h at t = 1."""
+    s, h, a = model.seq_length, model.hidden_size, model.num_attention_heads
+    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+def memory_per_rank(workload: Workload, layout: Layout, *, kernels: str = "cuda",
+                    bucket_size: int | None = None) -> list[dict[str, int]]:
+    """Bytes on one device of each pipeline rank: weights, gradients,
+    optimizer, activations (peak over the iteration) and total. `kernels`:
+    "cuda" for GPUs, "cpu" for eager CPU runs (see the module docstring);
+    `bucket_size`: --ddp-bucket-size (default TrainConfig's)."""
+    model, e = workload.model, workload.bytes_per_element
+    p, d, v = layout.p, layout.d, layout.v
+    m = layout.microbatches(workload.global_batch)
+    acts = activation_bytes(workload, layout, kernels=kernels)
+    per_chunk = model.num_layers // (p * v)
+    sharded = layout.distributed_optimizer
+    results = []
+    for rank in range(p):
+        n = buffer_elements(model, layout, rank, bucket_size)
+        weights = n * e
+        gradients = n * FP32 + (n // d * FP32 if sharded else 0)
+        if sharded:
+            optimizer = 3 * (n // d) * FP32
+        elif workload.precision == "fp32":
+            optimizer = 2 * n * FP32
+        else:
+            optimizer = 3 * n * FP32
+        chunk_bytes = []
+        for chunk in range(v):
+            stage = chunk * p + rank
+            chunk_bytes.append(per_chunk * acts["layer"]
+                               + (acts["embedding"] if stage == 0 else 0)
+                               + (acts["output"] if stage == p * v - 1 else 0))
+        activations = _stash_peaks(layout.schedule_kind, p, m, v, rank, tuple(chunk_bytes))[1]
+        memory = {"weights": weights, "gradients": gradients, "optimizer": optimizer,
+                  "activations": activations}
+        memory["total"] = sum(memory.values())
+        results.append(memory)
+    return results
+
+
+def memory_per_device(workload: Workload, layout: Layout, *, kernels: str = "cuda",
+                      bucket_size: int | None = None) -> dict[str, int]:
+    """`memory_per_rank` of the device that needs the most memory."""
+    return max(memory_per_rank(workload, layout, kernels=kernels, bucket_size=bucket_size),
+               key=lambda memory: memory["total"])
+
