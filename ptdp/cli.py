@@ -20,6 +20,8 @@ from ptdp.data.preprocess import add_preprocess_parser, run_preprocess
 from ptdp.data.tokenizer import TokenizerError, add_tokenizer_parser, run_tokenizer_command
 from ptdp.inference import add_generate_parser, run_generate_command
 from ptdp.interop.convert import add_convert_parser, run_convert_command
+from ptdp.perf.calibrate import add_calibrate_parser, run_calibrate_command
+from ptdp.perf.plan import add_plan_parser, run_plan_command
 from ptdp.perf.timeline import add_schedule_parser, run_schedule_command
 
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool}
@@ -168,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_tokenizer_parser(commands)
     add_generate_parser(commands)
     add_convert_parser(commands)
+    add_plan_parser(commands)
+    add_calibrate_parser(commands)
     add_preprocess_parser(commands)
     return parser
 
@@ -296,6 +300,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_generate_command(args)
         if args.command == "convert":
             return run_convert_command(args)
+        if args.command == "plan":
+            return run_plan_command(args)
+        if args.command == "calibrate":
+            return run_calibrate_command(args)
     except (ConfigError, TokenizerError) as error:
         print(f"ptdp: error: {error}", file=sys.stderr)
         return 2

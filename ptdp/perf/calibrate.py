@@ -1,0 +1,546 @@
+"""`ptdp calibrate`: measure this machine and write a `local` hardware profile.
+
+What is measured (fp32, CPU, each rate per process with the thread counts
+`ptdp train` uses, see ptdp.device.configure_threads):
+
+- GEMM time for a few shapes like the ones a small GPT runs, with 1 thread,
+  fitted (least squares on relative error) by time = W / peak + ramp: the
+  profile's `peak_tflops_fp32` (gemm_efficiency 1) and `gemm_ramp_seconds`;
+- `thread_speedup`: a mid-sized GEMM on all cores over 1 thread, measured
+  alternately, the fastest of each (and `op_thread_speedup`, the same for
+  each memory-bound class below); at least 1;
+- memory-bound operator throughput by class, forward + backward of ptdp's own
+  operators at a small GPT's sizes (REFERENCE), inputs cycled through 64 MB
+  so they come from memory: LayerNorm, bias+GeLU, bias+dropout+add
+  (residual), a permute copy (elementwise), the attention core (SDPA with
+  dropout, less its GEMMs as the fitted GEMM model prices them), the
+  vocabulary-parallel cross entropy, and ptdp's AdamW passes (optimizer);
+  bytes as cost.py counts them over the time -> `op_bandwidth`
+  (`memory_bandwidth` = the elementwise rate);
+- the fixed cost of one eager operator with autograd (forward and backward
+  of a chain of tiny operators) -> `launch_overhead`;
+- gloo between two local processes started by `ptdp.launch.launch_local`
+  (1 thread each): all-reduce time for message sizes from 4 B to 4 MB, each
+  call right after the forward and backward of a small MLP block, as in
+  training (so it includes waking the waiting process, caches the
+  computation filled and waiting for the later rank; the mean over many
+  calls, as training pays the sum of a heavy-tailed distribution), and the
+  pipeline executor's batched send + receive likewise ->
+  `collective_seconds` (the simulator interpolates these tables), and
+  their fit as latency + bytes / bandwidth -> `intra_*` (and `inter_*`, the
+  same: one machine).
+
+`cores` is os.cpu_count() (what configure_threads divides);
+`available_cores` how much of them two processes computing at once really
+get (each times the same work alone and together: on a machine others
+load too, less than the cores). Every local
+process is on one "server" (`devices_per_server` = LOCAL_DEVICES), and
+`memory_bytes` is the machine's RAM, which its processes share. Every
+measured number is also kept under `measurements`. On a machine others are
+using too, all of these move with their load: calibrate right before the
+runs you want to predict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+LOCAL_DEVICES = 256     # local processes all share one machine: every link is loopback
+
+GEMM_SHAPES = [(64, 64, 64), (128, 128, 128), (256, 256, 256), (256, 768, 256),
+               (256, 1024, 256), (256, 256, 1024), (512, 512, 512), (1024, 1024, 256)]
+GEMM_SHAPES_QUICK = [(128, 128, 128), (256, 768, 256), (512, 512, 512)]
+# Operator sizes measured: a small GPT's microbatch (b, s, h, heads, MLP, vocabulary).
+REFERENCE = {"b": 2, "s": 128, "h": 256, "a": 8, "f": 1024, "V": 1024}
+COLD_BYTES = 64 << 20    # cycle through this much input so operators run from memory
+
+
+def default_profile_path() -> Path:
+    """Where `ptdp calibrate` writes without --out and `load_profile("local")` reads."""
+    from ptdp.data.corpus import default_cache_dir
+
+    return default_cache_dir() / "local-profile.json"
+
+
+def _median_seconds(fn: Callable[[], Any], *, budget: float, min_runs: int = 3,
+                    max_runs: int = 200) -> float:
+    fn()  # warm up
+    times: list[float] = []
+    deadline = time.perf_counter() + budget
+    while len(times) < min_runs or (time.perf_counter() < deadline and len(times) < max_runs):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """(slope, intercept) of y = slope·x + intercept, minimising relative
+    error (weights 1/y²); the intercept is kept non-negative."""
+    w = [1.0 / (y * y) for y in ys]
+    sw = sum(w)
+    sx = sum(wi * x for wi, x in zip(w, xs))
+    sy = sum(wi * y for wi, y in zip(w, ys))
+    sxx = sum(wi * x * x for wi, x in zip(w, xs))
+    sxy = sum(wi * x * y for wi, x, y in zip(w, xs, ys))
+    det = sw * sxx - sx * sx
+    slope = (sw * sxy - sx * sy) / det if det else sy / sx
+    intercept = (sy - slope * sx) / sw
+    if intercept < 0 or slope <= 0:
+        slope, intercept = sxy / sxx, 0.0
+    return slope, intercept
+
+
+def _rotation(make: Callable[[], Any], set_bytes: int, cold_bytes: int = COLD_BYTES) -> list[Any]:
+    """Enough independent copies of an operator's inputs that cycling through
+    them streams `cold_bytes` through the caches (training's working set
+    does not fit them either)."""
+    return [make() for _ in range(max(2, min(64, -(-cold_bytes // max(1, set_bytes)))))]
+
+
+def _cycle(sets: list[Any], fn: Callable[[Any], Any]) -> Callable[[], Any]:
+    state = {"i": 0}
+
+    def run():
+        state["i"] = (state["i"] + 1) % len(sets)
+        return fn(sets[state["i"]])
+    return run
+
+
+def measure_gemms(shapes: list[tuple[int, int, int]], threads: int, budget: float,
+                  cold_bytes: int = COLD_BYTES) -> list[dict]:
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rows = []
+        for m, n, k in shapes:
+            sets = _rotation(lambda: (torch.randn(m, k), torch.randn(k, n)), 4 * (m * k + k * n),
+                             cold_bytes)
+            seconds = _median_seconds(_cycle(sets, lambda ab: torch.mm(*ab)), budget=budget)
+            rows.append({"m": m, "n": n, "k": k, "threads": threads, "seconds": seconds,
+                         "gflops": 2 * m * n * k / seconds / 1e9})
+        return rows
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _operators(gemm_seconds: Callable[..., float], cold_bytes: int = COLD_BYTES,
+               optimizer_elements: int = 1 << 22
+               ) -> dict[str, tuple[Callable[[], Any], float, float]]:
+    """class -> (forward + backward of ptdp's operator on REFERENCE-sized
+    inputs, bytes cost.py counts for it, seconds of GEMMs inside it)."""
+    import torch
+    import torch.nn.functional as F
+
+    from ptdp.model.fused import bias_dropout_add, bias_gelu
+    from ptdp.parallel.tensor import vocab_parallel_cross_entropy
+    from ptdp.perf import cost
+
+    b, s, h, a, f, V = (REFERENCE[k] for k in ("b", "s", "h", "a", "f", "V"))
+    n, ffn, scores = b * s * h, b * s * f, b * a * s * s
+    E = 4
+
+    def leaf(*shape):
+        return torch.randn(*shape, requires_grad=True)
+
+    def backward(y, grad):
+        y.backward(grad)
+
+    weight, bias_h, bias_f = torch.ones(h), torch.zeros(h), torch.zeros(f)
+    g_n, g_f = torch.randn(s, b, h), torch.randn(s, b, f)
+    ops: dict[str, tuple[Callable[[], Any], float, float]] = {}
+
+    sets = _rotation(lambda: leaf(s, b, h), 3 * n * E)
+    ops["layer_norm"] = (_cycle(sets, lambda x: backward(F.layer_norm(x, (h,), weight, bias_h), g_n)),
+                         sum(cost.layer_norm_bytes(n, E)), 0.0)
+    sets = _rotation(lambda: leaf(s, b, f), 3 * ffn * E)
+    ops["gelu"] = (_cycle(sets, lambda x: backward(bias_gelu(x, bias_f, True), g_f)),
+                   sum(cost.gelu_bytes(ffn, E)), 0.0)
+    sets = _rotation(lambda: (leaf(s, b, h), leaf(s, b, h)), 5 * n * E)
+    ops["residual"] = (_cycle(sets, lambda xr: backward(
+        bias_dropout_add(xr[0], bias_h, xr[1], 0.1, True, True), g_n)),
+        sum(cost.residual_bytes(n, E, True)), 0.0)
+    sets = _rotation(lambda: leaf(b, a, s, h // a), 3 * n * E)
+    ops["elementwise"] = (_cycle(sets, lambda x: backward(
+        x.permute(2, 0, 1, 3).reshape(s, b, h), g_n)), sum(cost.copy_bytes(n, E)), 0.0)
+    g_ctx = torch.randn(b, a, s, h // a)
+    sets = _rotation(lambda: (leaf(b, a, s, h // a), leaf(b, a, s, h // a), leaf(b, a, s, h // a)),
+                     (3 * n + 3 * scores) * E)
+    attention_gemms = 3 * gemm_seconds(s, s, h // a, batch=b * a)     # QKᵀ, PV; 4 more backward
+    attention_gemms += 3 * gemm_seconds(s, h // a, s, batch=b * a)
+    ops["attention_core"] = (_cycle(sets, lambda qkv: backward(F.scaled_dot_product_attention(
+        *qkv, dropout_p=0.1, is_causal=True), g_ctx)),
+        sum(cost.attention_core_bytes(scores, E, True)), attention_gemms)
+    labels = torch.randint(0, V, (s, b))
+    grad_loss = torch.ones(s, b)
+    sets = _rotation(lambda: leaf(s, b, V), 3 * b * s * V * E)
+    ops["cross_entropy"] = (_cycle(sets, lambda x: backward(
+        vocab_parallel_cross_entropy(x, labels, 0, None), grad_loss)),
+        sum(cost.cross_entropy_bytes(b * s * V)), 0.0)
+
+    elements = optimizer_elements
+    main, grad = torch.randn(elements), torch.randn(elements)
+    exp_avg, exp_avg_sq = torch.zeros(elements), torch.zeros(elements)
+
+    def adamw():  # ptdp.train.optimizer: inf check, norm, clip, AdamW
+        (~torch.isfinite(grad)).any()
+        grad.pow(2).sum()
+        grad.mul_(1.0)
+        main.mul_(0.999)
+        exp_avg.lerp_(grad, 0.1)
+        exp_avg_sq.mul_(0.999).addcmul_(grad, grad, value=0.001)
+        denom = (exp_avg_sq.sqrt() / 0.9).add_(1e-8)
+        main.addcdiv_(exp_avg, denom, value=-1e-3)
+
+    ops["optimizer"] = (adamw, cost.OPTIMIZER_BYTES_PER_PARAMETER * elements, 0.0)
+    return ops
+
+
+def measure_memory_ops(budget: float, gemm_seconds: Callable[..., float], threads: int = 1, *,
+                       rounds: int = 3, cold_bytes: int = COLD_BYTES,
+                       optimizer_elements: int = 1 << 22) -> list[dict]:
+    """Bytes per second of each class of memory-bound operator (1 thread):
+    the bytes cost.py counts for it over the time its forward + backward
+    takes (less the time of the GEMMs inside, for the attention core). With
+    `threads` > 1 also its speed-up on that many threads ("speedup"), the two
+    measured in alternation so that both see the same background load."""
+    import torch
+
+    previous = torch.get_num_threads()
+    try:
+        rows = []
+        operators = _operators(gemm_seconds, cold_bytes, optimizer_elements)
+        for name, (fn, nbytes, gemms) in operators.items():
+            single, multi = [], []
+            for _ in range(rounds if threads > 1 else 1):
+                torch.set_num_threads(1)
+                single.append(_median_seconds(fn, budget=budget / rounds))
+                if threads > 1:
+                    torch.set_num_threads(threads)
+                    multi.append(_median_seconds(fn, budget=budget / rounds))
+            seconds = statistics.median(single)
+            rest = max(seconds - gemms, 0.1 * seconds)
+            row = {"op": name, "seconds": seconds, "gemm_seconds": gemms, "bytes": nbytes,
+                   "gbytes_per_s": nbytes / rest / 1e9}
+            if multi:   # the least disturbed runs: others' load is available_cores' business
+                row["speedup"] = min(single) / min(multi)
+            rows.append(row)
+        return rows
+    finally:
+        torch.set_num_threads(previous)
+
+
+def measure_gemm_speedup(threads: int, budget: float, cold_bytes: int = COLD_BYTES) -> dict:
+    """A mid-sized GEMM ([b·s, h]×[h, 4h] of REFERENCE) on `threads` threads
+    over 1 thread, measured alternately."""
+    import torch
+
+    m, k, n = REFERENCE["b"] * REFERENCE["s"], REFERENCE["h"], REFERENCE["f"]
+    sets = _rotation(lambda: (torch.randn(m, k), torch.randn(k, n)), 4 * (m * k + k * n), cold_bytes)
+    fn = _cycle(sets, lambda ab: torch.mm(*ab))
+    previous = torch.get_num_threads()
+    single, multi = [], []
+    try:
+        for _ in range(3):
+            torch.set_num_threads(1)
+            single.append(_median_seconds(fn, budget=budget / 6))
+            torch.set_num_threads(threads)
+            multi.append(_median_seconds(fn, budget=budget / 6))
+    finally:
+        torch.set_num_threads(previous)
+    one, many = min(single), min(multi)
+    return {"m": m, "n": n, "k": k, "threads": threads, "one_thread_seconds": one,
+            "seconds": many, "speedup": one / many}
+
+
+def measure_launch_overhead(budget: float, ops: int = 100) -> dict:
+    """Seconds per tiny eager operator: forward and backward of `ops`
+    multiplications on a 16-element tensor, over 3·ops (one forward and
+    about two backward operators each)."""
+    import torch
+
+    x = torch.randn(16, requires_grad=True)
+
+    def chain():
+        y = x
+        for _ in range(ops):
+            y = y * 1.0001
+        y.sum().backward()
+
+    seconds = _median_seconds(chain, budget=budget)
+    return {"ops": ops, "seconds": seconds, "per_op": seconds / (3 * ops)}
+
+
+# ---- gloo between two local processes ------------------------------------------------------
+
+def _mlp_block() -> Callable[[], None]:
+    """Forward + backward of a small MLP block (REFERENCE's activations, an
+    h -> h MLP: a few ms), as a closure."""
+    import torch
+    import torch.nn.functional as F
+
+    from ptdp.model.fused import bias_gelu
+
+    b, s, h = (REFERENCE[k] for k in ("b", "s", "h"))
+    f = h
+    x = torch.randn(s, b, h, requires_grad=True)
+    w1 = (torch.randn(f, h) * 0.02).requires_grad_()
+    w2 = (torch.randn(h, f) * 0.02).requires_grad_()
+    bias, ln_w, ln_b = torch.zeros(f), torch.ones(h), torch.zeros(h)
+
+    def block() -> None:
+        y = bias_gelu(F.linear(F.layer_norm(x, (h,), ln_w, ln_b), w1), bias, True)
+        F.dropout(F.linear(y, w2), 0.1).sum().backward()
+    return block
+
+
+def _parallel_capacity(block: Callable[[], None], rank: int, rounds: int = 3,
+                       blocks: int = 8) -> dict[str, float]:
+    """How much of two cores two computing processes get: each rank times
+    `blocks` runs of `block` alone (the other waiting in a barrier) and with
+    the other computing too; the sum over the ranks of alone / together is
+    2 on two free cores and 1 when they share one (other load)."""
+    import torch
+    import torch.distributed as dist
+
+    def timed() -> float:
+        start = time.perf_counter()
+        for _ in range(blocks):
+            block()
+        return time.perf_counter() - start
+
+    alone, together = [], []
+    for _ in range(rounds):
+        for turn in (0, 1):
+            dist.barrier()
+            if rank == turn:
+                alone.append(timed())
+            dist.barrier()
+        dist.barrier()
+        together.append(timed())
+    share = torch.tensor([min(alone) / statistics.median(together)])
+    dist.all_reduce(share)
+    return {"alone_seconds": min(alone), "together_seconds": statistics.median(together),
+            "two_processes": float(share.item())}
+
+
+def _comm_worker(env, payload) -> None:
+    import torch
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    from ptdp.launch import init_process_group
+
+    out, sizes, repeats = payload
+    torch.set_num_threads(1)
+    init_process_group(env, "gloo", timedelta(minutes=2))
+    try:
+        rank, peer = env.rank, 1 - env.rank
+        # Training computes between its collectives; so does this loop: the
+        # forward and backward of a small MLP block (LayerNorm, Linear,
+        # bias+GeLU, Linear, dropout), a few ms. The times then include
+        # what a collective costs there: waking the waiting process, caches the
+        # computation has filled, waiting for the later of the two ranks.
+        between = _mlp_block()
+        results: dict[str, dict[str, float]] = {"allreduce": {}, "exchange": {},
+                                                "cores": _parallel_capacity(between, rank)}
+        for numel in sizes:
+            source = torch.randn(numel)
+            receive = torch.empty(numel)
+
+            def allreduce():
+                tensor = source.clone()
+                begin = time.perf_counter()
+                dist.all_reduce(tensor)
+                return time.perf_counter() - begin
+
+            def exchange():  # the pipeline executor's batched send + receive
+                tensor = source.clone()
+                begin = time.perf_counter()
+                ops = [dist.P2POp(dist.isend, tensor, peer, tag=1),
+                       dist.P2POp(dist.irecv, receive, peer, tag=1)]
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+                return time.perf_counter() - begin
+
+            for name, fn in (("allreduce", allreduce), ("exchange", exchange)):
+                dist.barrier()
+                times = []
+                for _ in range(repeats):
+                    between()
+                    times.append(fn())
+                # The mean: training pays the sum of many calls, and these
+                # times are heavy-tailed (a woken process may wait for a core).
+                results[name][str(numel * 4)] = statistics.fmean(times)
+        if rank == 0:
+            Path(out).write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_gloo(sizes: list[int], repeats: int) -> dict:
+    from ptdp.launch import launch_local
+
+    with tempfile.TemporaryDirectory(prefix="ptdp-calibrate-") as folder:
+        out = Path(folder) / "comm.json"
+        launch_local(2, _comm_worker, (str(out), sizes, repeats))
+        return json.loads(out.read_text())
+
+
+def _latency_bandwidth(timings: dict[str, float]) -> tuple[float, float]:
+    """(latency, bytes/s) of seconds = latency + bytes / bandwidth fitted to {bytes: seconds}."""
+    sizes = sorted(timings, key=int)
+    slope, intercept = _fit_line([float(size) for size in sizes], [timings[size] for size in sizes])
+    return intercept, 1.0 / slope
+
+
+# ---- the profile ---------------------------------------------------------------------------
+
+def calibrate(*, quick: bool = False, name: str = "local", log: Callable[[str], None] = print):
+    """Measure this machine; returns a HardwareProfile."""
+    import torch
+
+    from ptdp.perf.profiles import HardwareProfile
+
+    cores = os.cpu_count() or 1
+    # --quick: shorter timings, a smaller cold working set, fewer messages.
+    budget = 0.1 if quick else 0.4
+    cold_bytes = COLD_BYTES // 4 if quick else COLD_BYTES
+    started = time.perf_counter()
+
+    shapes = GEMM_SHAPES_QUICK if quick else GEMM_SHAPES
+    gemms = measure_gemms(shapes, 1, budget, cold_bytes)
+    slope, ramp = _fit_line([2.0 * g["m"] * g["n"] * g["k"] for g in gemms],
+                            [g["seconds"] for g in gemms])
+    peak = 1.0 / slope
+    rates = ", ".join("{m}x{n}x{k} {gflops:.1f}".format(**g) for g in gemms)
+    log(f"GEMM, 1 thread: {rates} GFLOP/s -> peak {peak / 1e9:.1f} GFLOP/s, "
+        f"{ramp * 1e6:.1f} us per GEMM")
+    gemm_profile = HardwareProfile(name="gemm", kind="cpu", peak_tflops=peak / 1e12,
+                                   peak_tflops_fp32=peak / 1e12, gemm_efficiency=1.0,
+                                   gemm_ramp_seconds=ramp, memory_bandwidth=float("inf"))
+
+    threads = measure_gemm_speedup(cores, budget, cold_bytes) if cores > 1 else None
+    speedup = max(1.0, min(float(cores), threads["speedup"])) if threads else 1.0
+    log(f"GEMM {threads['m']}x{threads['n']}x{threads['k']} on {cores} threads: {speedup:.2f}x "
+        f"one thread" if threads else "one core: no thread speed-up")
+
+    memory_ops = measure_memory_ops(budget, lambda *shape, **kw: gemm_profile.gemm_seconds(
+        *shape, precision="fp32", bytes_per_element=4, **kw), threads=cores,
+        rounds=1 if quick else 3, cold_bytes=cold_bytes,
+        optimizer_elements=1 << (20 if quick else 22))
+    op_bandwidth = {row["op"]: row["gbytes_per_s"] * 1e9 for row in memory_ops}
+    op_speedup = {row["op"]: max(1.0, min(float(cores), row["speedup"]))
+                  for row in memory_ops if "speedup" in row}
+    rates = ", ".join("{op} {gbytes_per_s:.1f}".format(**r) for r in memory_ops)
+    log(f"memory-bound operators (forward + backward, 1 thread): {rates} GB/s")
+    if op_speedup:
+        log(f"... on {cores} threads: " + ", ".join(f"{op} {x:.2f}x" for op, x in op_speedup.items()))
+
+    launch = measure_launch_overhead(budget)
+    log(f"eager operator overhead: {launch['per_op'] * 1e6:.1f} us")
+
+    sizes = [1, 1 << 16, 1 << 18] if quick else [1, 1 << 14, 1 << 16, 1 << 18, 1 << 20]
+    comm = measure_gloo(sizes, 10 if quick else 40)
+    capacity = comm.pop("cores")
+    # Two processes measure two cores; cores they did not get count as taken on a bigger machine.
+    available = min(float(cores), max(1.0, cores - (min(2, cores) - capacity["two_processes"])))
+    log(f"two computing processes get {capacity['two_processes']:.2f} cores' worth -> "
+        f"{available:.2f} of {cores} cores available")
+    ar_latency, ar_bandwidth = _latency_bandwidth(comm["allreduce"])
+    p2p_latency, p2p_bandwidth = _latency_bandwidth(comm["exchange"])
+    # A 2-rank all-reduce in the ring formula is bytes / bandwidth + 2 latency steps.
+    latency, link_bandwidth = ar_latency / 2, ar_bandwidth
+    log(f"gloo, 2 processes: all-reduce {ar_latency * 1e6:.0f} us + bytes / {ar_bandwidth / 1e9:.2f} "
+        f"GB/s; batched send+receive {p2p_latency * 1e6:.0f} us + bytes / "
+        f"{p2p_bandwidth / 1e9:.2f} GB/s")
+
+    try:
+        memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        memory_bytes = 0
+    profile = HardwareProfile(
+        name=name, kind="cpu", devices_per_server=LOCAL_DEVICES,
+        peak_tflops=peak / 1e12, peak_tflops_fp32=peak / 1e12,
+        gemm_efficiency=1.0, gemm_ramp_seconds=ramp,
+        memory_bandwidth=op_bandwidth["elementwise"], op_bandwidth=op_bandwidth,
+        intra_bandwidth=link_bandwidth, intra_latency=latency,
+        inter_bandwidth=link_bandwidth, inter_latency=latency,
+        memory_bytes=float(memory_bytes), launch_overhead=launch["per_op"],
+        collective_seconds={"allreduce": comm["allreduce"], "exchange": comm["exchange"]},
+        cores=cores, available_cores=available, thread_speedup=speedup,
+        op_thread_speedup=op_speedup,
+        notes=f"measured by ptdp calibrate{' --quick' if quick else ''} on {_cpu_name()} with "
+              f"torch {torch.__version__}; fp32, per process at 1 thread; 16-bit peak not measured "
+              f"(= fp32)",
+        measurements={"gemm": gemms, "threads": threads, "memory_ops": memory_ops,
+                      "parallel": capacity,
+                      "launch": launch, "exchange_latency": p2p_latency,
+                      "exchange_bandwidth": p2p_bandwidth,
+                      "seconds": time.perf_counter() - started})
+    log(f"calibrated in {time.perf_counter() - started:.1f} s")
+    return profile
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine() or "this CPU"
+
+
+# ---- `ptdp calibrate` ----------------------------------------------------------------------
+
+def add_calibrate_parser(commands) -> argparse.ArgumentParser:
+    parser = commands.add_parser(
+        "calibrate", help="measure this machine and write a hardware profile for the simulator",
+        description="Measure matrix-multiply rates, memory-bound operator throughput, eager "
+                    "operator overhead and gloo communication between two local processes, and "
+                    "write them as a hardware profile (JSON) that `ptdp plan --gpu` and "
+                    "ptdp.perf.cost.simulate read. Takes under a minute (--quick: under 20 s).")
+    parser.add_argument("--out", metavar="FILE.json", default=None,
+                        help=f"where to write the profile (default: {default_profile_path()}, "
+                             f"which the profile name 'local' loads)")
+    parser.add_argument("--quick", action="store_true", help="fewer, shorter measurements")
+    parser.add_argument("--name", default="local", help="the profile's name (default: local)")
+    return parser
+
+
+def run_calibrate_command(args: argparse.Namespace) -> int:
+    from ptdp.perf.profiles import save_profile
+
+    out = Path(args.out) if args.out else default_profile_path()
+    if out.is_dir():
+        print(f"ptdp: error: --out {out} is a directory; give a file name", file=sys.stderr)
+        return 2
+    if args.out and not out.resolve().parent.is_dir():
+        print(f"ptdp: error: --out {out}: directory {out.resolve().parent} does not exist",
+              file=sys.stderr)
+        return 2
+    profile = calibrate(quick=args.quick, name=args.name,
+                        log=lambda line: print(f"ptdp: {line}", flush=True))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_profile(profile, out)
+    print(f"ptdp: wrote the {profile.name} profile to {out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="ptdp")
+    run_command = add_calibrate_parser(parser.add_subparsers(dest="command", required=True))
+    sys.exit(run_calibrate_command(parser.parse_args()))

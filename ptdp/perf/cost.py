@@ -1,0 +1,821 @@
+"""Price a training iteration: the schedule-pricing simulator.
+
+`simulate(workload, layout, profile)` builds the pipeline schedule with the
+same generator the executor runs (`build_schedule`), gives every action a
+cost in seconds from an operator model of ptdp's GPT, and plays the action
+lists against each other in an event simulation that respects every send /
+receive dependency (an Exchange completes only once the peers have posted
+its other ends, as in `ptdp.parallel.pipeline.simulate`). After the pipeline
+flush come the gradient reductions and the optimizer step.
+
+Operator model of one transformer layer, one microbatch, one tensor rank
+(b microbatch, s sequence, h hidden, a heads, f = 4h MLP, t tensor size,
+E bytes per element of the workload's precision):
+
+  GEMMs, priced by `HardwareProfile.gemm_seconds` (roofline with a saturating
+  efficiency): QKV [b·s, h]×[h, 3h/t]; scores b·a/t × [s, h/a]×[h/a, s];
+  context b·a/t × [s, s]×[s, h/a]; projection [b·s, h/t]×[h/t, h]; MLP
+  [b·s, h]×[h, f/t] and [b·s, f/t]×[f/t, h]. Backward: for each GEMM the
+  input gradient and the weight gradient, each as much work as the forward.
+  Memory-bound operators, priced as the bytes they read and write over the
+  bandwidth of their class (`HardwareProfile.memory_seconds`: one HBM
+  bandwidth on GPUs; measured per class by `ptdp calibrate` on CPUs, where
+  eager PyTorch makes e.g. bias+GeLU far slower than a copy): the two
+  LayerNorms ("layer_norm"), scale+mask+softmax and dropout over the
+  b·(a/t)·s² scores ("attention_core"), the q/k/v and context reshapes
+  ("elementwise"), bias+GeLU ("gelu"), two bias+dropout+add ("residual");
+  the byte counts are the functions below (calibrate.py uses the same), and
+  the weight gradients' accumulation into the fp32 buffer. A fixed
+  `launch_overhead` per operator (40 forward, 80 backward per layer, counted
+  on ptdp's eager layer). Tensor parallelism: two all-reduces of b·s·h·E
+  bytes in forward and two in backward (ring: 2(t−1)/t of the bytes over
+  the slowest link of the group and 2(t−1) latency steps, or, where the
+  profile has measured times of a 2-process all-reduce T(bytes), (t−1)·T(2·bytes/t)).
+  Embedding (first virtual stage): gather, position add, dropout, the
+  vocabulary-parallel all-reduce. Output (last virtual stage): final
+  LayerNorm, logits GEMM [b·s, h]×[h, V'/t], the cross entropy's passes
+  over the b·s·V'/t logits and its three small all-reduces.
+  Recomputation: full = the layers' forward again in backward, except the
+  last GEMM of each layer (PyTorch's non-re-entrant checkpoint stops once
+  every saved tensor is rebuilt, see ptdp.train.report) and its
+  all-reduce; selective = the attention core again.
+
+Communication between pipeline stages: an activation or gradient of
+b·s·h·E bytes; with scatter/gather each tensor rank sends 1/t of it and the
+receiving tensor group all-gathers it. The link is inter-server when the two
+stages' ranks sit on different servers (rank = tp + t·(dp + d·pp), so for
+t·d ≥ devices_per_server every pipeline neighbour is on another server),
+intra-server otherwise. A batched Exchange costs the slowest of its
+transfers (links are full duplex) plus the all-gathers of what it receives.
+
+After its last action a pipeline rank reduces its gradients (fp32, as ptdp
+keeps them): the tied embedding over the embedding group (the first and the
+last stage, once both have finished), then all gradients over the d replicas with a hierarchical ring (reduce-scatter
+inside the server, all-reduce between servers, all-gather inside), not
+overlapped with the backward pass; a reduce-scatter only with the
+distributed optimizer. Then every rank meets in the gradient-norm
+all-reduces and steps its optimizer: ptdp's element-wise AdamW, about 112
+bytes moved per parameter it owns (1/d of them with the distributed
+optimizer, followed by the all-gather of the updated weights).
+
+CPU profiles (from `ptdp calibrate`): a local job runs t·p·d processes with
+`threads_per_process` threads each; while k pipeline ranks compute at once,
+k·t·d processes compete for the cores and each computes at
+min(1, cores / (k·t·d·threads)) of its speed (processor sharing, simulated
+exactly: a rank's remaining work drains at the current share). The
+optimizer runs on all processes at once. Communication is not slowed by
+sharing: its measured times (collective_seconds) already include waking
+the waiting process. With `threads` > 1 (one process alone) each operator
+class runs at its measured multi-thread speed-up. GPU profiles have no
+contention.
+
+Bubble fraction (from the priced timeline): the time from the start of the
+iteration to the pipeline flush, minus the compute time of the busiest
+pipeline rank, over that compute time: the paper's bubble time over ideal
+time. With uniform costs and free transfers it is exactly (p−1)/m, or
+(p−1)/(m·v) interleaved (tested); exposed point-to-point time counts as
+bubble. `seconds_by_category` breaks the iteration down on that busiest
+rank and sums to `iteration_seconds`.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+from typing import Callable
+
+from ptdp.parallel.pipeline.schedules import Compute, Exchange, Schedule, ScheduleError, build_schedule
+from ptdp.perf.layout import Layout, Workload
+from ptdp.perf.profiles import HardwareProfile
+from ptdp.perf.timeline import Box, draw_timeline
+from ptdp.train.report import model_flops_per_iteration
+
+CATEGORIES = ("forward compute", "backward compute", "recompute", "tensor all-reduce",
+              "pipeline transfer", "data-parallel reduction", "optimizer", "bubble/idle")
+
+FORWARD_OPS_PER_LAYER = 40        # operators one layer's forward launches (ptdp.model.gpt, eager)
+BACKWARD_OPS_PER_LAYER = 80
+OPTIMIZER_BYTES_PER_PARAMETER = 112   # ptdp's eager AdamW + inf check + norm + clip (fp32 state)
+GRAD_BYTES = 4                    # ptdp keeps and reduces gradients in fp32
+
+
+# ------------------------------------------------------------------------------------------
+# Bytes of the memory-bound operators (shared with calibrate.py, which measures each class)
+
+
+def attention_core_bytes(scores: int, E: int, dropout: bool) -> tuple[float, float]:
+    """(forward, backward) bytes of scale+mask+softmax (and dropout) over
+    `scores` = b·(a/t)·s² elements."""
+    forward, backward = 2 * scores * E, 3 * scores * E
+    if dropout:
+        forward += 2 * scores * E + scores      # read, write, 1-byte mask
+        backward += 2 * scores * E + scores
+    return forward, backward
+
+
+def layer_norm_bytes(n: int, E: int) -> tuple[float, float]:
+    return 2 * n * E, 3 * n * E
+
+
+def gelu_bytes(ffn: int, E: int) -> tuple[float, float]:
+    """bias + GeLU over `ffn` = b·s·f/t elements; backward recomputes it."""
+    return 2 * ffn * E, 3 * ffn * E
+
+
+def residual_bytes(n: int, E: int, dropout: bool) -> tuple[float, float]:
+    """bias + dropout + residual add over `n` = b·s·h elements."""
+    return 3 * n * E + (n if dropout else 0), 2 * n * E + (n if dropout else 0)
+
+
+def copy_bytes(elements: int, E: int) -> tuple[float, float]:
+    """A layout change (permute + contiguous) forward, and its gradient's."""
+    return 2 * elements * E, 2 * elements * E
+
+
+def layer_memory_ops(n: int, n_local: int, ffn: int, scores: int, E: int, *,
+                     hidden_dropout: bool, attention_dropout: bool) -> list[tuple[str, float, float]]:
+    """(class, forward bytes, backward bytes) of one transformer layer's
+    memory-bound operators: n = b·s·h, n_local = n/t, ffn = b·s·f/t,
+    scores = b·(a/t)·s²."""
+    return [("layer_norm", *layer_norm_bytes(n, E)),
+            ("elementwise", *copy_bytes(4 * n_local, E)),        # q/k/v to heads, context back
+            ("attention_core", *attention_core_bytes(scores, E, attention_dropout)),
+            ("layer_norm", *layer_norm_bytes(n, E)),
+            ("gelu", *gelu_bytes(ffn, E)),
+            ("residual", *residual_bytes(n, E, hidden_dropout)),
+            ("residual", *residual_bytes(n, E, hidden_dropout))]
+
+
+def cross_entropy_bytes(logits: int) -> tuple[float, float]:
+    """The vocabulary-parallel cross entropy over `logits` fp32 elements:
+    about six passes forward (max, subtract, exp, sum, log, gather) and three
+    backward (softmax, minus the one-hot, scale)."""
+    return 6 * logits * 4, 3 * logits * 4
+
+
+# ------------------------------------------------------------------------------------------
+# Costs: seconds of work, by category
+
+
+@dataclass
+class Cost:
+    """Seconds of one piece of work. `work` is processor work (GEMMs, memory
+    operators, launches) by category; `comm` is collective time."""
+    work: dict[str, float] = field(default_factory=dict)
+    comm: float = 0.0
+
+    def add(self, category: str, seconds: float) -> "Cost":
+        self.work[category] = self.work.get(category, 0.0) + seconds
+        return self
+
+    def __iadd__(self, other: "Cost") -> "Cost":
+        for category, seconds in other.work.items():
+            self.add(category, seconds)
+        self.comm += other.comm
+        return self
+
+    @property
+    def total_work(self) -> float:
+        return sum(self.work.values())
+
+
+def ring_allreduce_seconds(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency
+
+
+def ring_gather_seconds(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+    """All-gather (or reduce-scatter) of `nbytes` in total over n ranks."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return (n - 1) / n * nbytes / bandwidth + (n - 1) * latency
+
+
+class Machine:
+    """Where the ranks of a layout sit, and what their links cost."""
+
+    def __init__(self, layout: Layout, profile: HardwareProfile):
+        self.layout, self.profile = layout, profile
+        self.per_server = max(1, profile.devices_per_server)
+
+    def rank(self, tp: int, dp: int, pp: int) -> int:
+        lay = self.layout
+        return tp + lay.t * (dp + lay.d * pp)
+
+    def server(self, rank: int) -> int:
+        return rank // self.per_server
+
+    def link(self, ranks: list[int]) -> tuple[float, float]:
+        """(bandwidth, latency) of the slowest link among `ranks`."""
+        prof = self.profile
+        if self.spans_servers(ranks):
+            return prof.inter_bandwidth, prof.inter_latency
+        return prof.intra_bandwidth, prof.intra_latency
+
+    def spans_servers(self, ranks: list[int]) -> bool:
+        return len({self.server(r) for r in ranks}) > 1
+
+    def allreduce(self, nbytes: float, ranks: list[int]) -> float:
+        """Ring all-reduce over `ranks`: 2(n−1) steps of bytes/n each. Inside
+        a server with measured times T(bytes) of a 2-process all-reduce (two
+        steps of bytes/2), that is (n−1)·T(2·bytes/n)."""
+        n = len(ranks)
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        if not self.spans_servers(ranks):
+            measured = self.profile.measured_seconds("allreduce", 2 * nbytes / n)
+            if measured is not None:
+                return (n - 1) * measured
+        return ring_allreduce_seconds(nbytes, n, *self.link(ranks))
+
+    def gather(self, nbytes: float, ranks: list[int]) -> float:
+        """All-gather (or reduce-scatter) of `nbytes` in total: half an all-reduce."""
+        n = len(ranks)
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        if not self.spans_servers(ranks):
+            measured = self.profile.measured_seconds("allreduce", 2 * nbytes / n)
+            if measured is not None:
+                return (n - 1) * measured / 2
+        return ring_gather_seconds(nbytes, n, *self.link(ranks))
+
+    def tensor_group(self, dp: int = 0, pp: int = 0) -> list[int]:
+        return [self.rank(tp, dp, pp) for tp in range(self.layout.t)]
+
+    def tensor_allreduce(self, nbytes: float) -> float:
+        return self.allreduce(nbytes, self.tensor_group())
+
+    def tensor_allgather(self, nbytes: float) -> float:
+        return self.gather(nbytes, self.tensor_group())
+
+    def p2p(self, nbytes: float, pp_a: int, pp_b: int) -> float:
+        """One point-to-point message between two pipeline ranks (tensor 0, data 0)."""
+        ranks = [self.rank(0, 0, pp_a), self.rank(0, 0, pp_b)]
+        if not self.spans_servers(ranks):
+            measured = self.profile.measured_seconds("exchange", nbytes)
+            if measured is not None:
+                return measured
+        bandwidth, latency = self.link(ranks)
+        return nbytes / bandwidth + latency
+
+    def data_parallel(self, nbytes: float, pp: int, *, reduce_scatter_only: bool = False) -> float:
+        """Hierarchical ring over the d replicas of (tp 0, pp): inside each
+        server first, then between servers on 1/g of the bytes, then inside
+        again. `reduce_scatter_only`: half of it (distributed optimizer)."""
+        group = [self.rank(0, dp, pp) for dp in range(self.layout.d)]
+        servers: dict[int, list[int]] = {}
+        for r in group:
+            servers.setdefault(self.server(r), []).append(r)
+        if len(servers) == 1:
+            total = self.allreduce(nbytes, group)
+        else:
+            local = max(servers.values(), key=len)
+            leaders = [members[0] for members in servers.values()]
+            total = (2 * self.gather(nbytes, local)
+                     + self.allreduce(nbytes / len(local), leaders))
+        return total / 2 if reduce_scatter_only else total
+
+    def world_latency(self) -> float:
+        """A tiny all-reduce over every rank (a tree: log2(n) rounds of a
+        2-process all-reduce)."""
+        n = self.layout.devices
+        if n <= 1:
+            return 0.0
+        return math.ceil(math.log2(n)) * self.allreduce(4, [0, n - 1])
+
+
+class OperatorModel:
+    """Seconds of the pieces of one microbatch on one tensor rank (see the module docstring)."""
+
+    def __init__(self, workload: Workload, layout: Layout, profile: HardwareProfile,
+                 machine: Machine, threads: int = 1):
+        self.w, self.lay, self.prof, self.machine = workload, layout, profile, machine
+        self.threads = threads
+        model = workload.model
+        self.h, self.a, self.s = model.hidden_size, model.num_attention_heads, model.seq_length
+        self.f, self.l = model.ffn_size, model.num_layers
+        self.V = model.padded_vocab_size(layout.t)
+        self.E = workload.bytes_per_element
+        self.prec = workload.precision
+        self.b, self.t = layout.b, layout.t
+        self.attention_dropout = model.attention_dropout > 0
+        self.hidden_dropout = model.hidden_dropout > 0
+
+    # -- building blocks ------------------------------------------------------------------
+    def gemm(self, m: int, n: int, k: int, batch: int = 1) -> float:
+        return self.prof.gemm_seconds(m, n, k, batch=batch, precision=self.prec,
+                                      bytes_per_element=self.E) / self.prof.thread_factor(self.threads)
+
+    def gemm_backward(self, m: int, n: int, k: int, batch: int = 1) -> float:
+        """Input gradient [m, n]×[n, k] and weight gradient [k, m]×[m, n]."""
+        return self.gemm(m, k, n, batch) + self.gemm(k, n, m, batch)
+
+    def memory(self, nbytes: float, op: str = "elementwise") -> float:
+        return self.prof.memory_seconds(nbytes, op) / self.prof.thread_factor(self.threads, op)
+
+    def launches(self, count: float) -> float:
+        return count * self.prof.launch_overhead
+
+    # -- one transformer layer ------------------------------------------------------------
+    def layer_gemms(self) -> dict[str, tuple[int, int, int, int]]:
+        b, s, h, a, t, f = self.b, self.s, self.h, self.a, self.t, self.f
+        d = h // a
+        return {"qkv": (b * s, 3 * h // t, h, 1),
+                "scores": (s, s, d, b * a // t),
+                "context": (s, d, s, b * a // t),
+                "proj": (b * s, h, h // t, 1),
+                "mlp_up": (b * s, f // t, h, 1),
+                "mlp_down": (b * s, h, f // t, 1)}
+
+    def attention_core_ops(self) -> list[tuple[str, float, float]]:
+        S = self.b * (self.a // self.t) * self.s * self.s
+        return [("attention_core", *attention_core_bytes(S, self.E, self.attention_dropout))]
+
+    def layer_memory(self) -> list[tuple[str, float, float]]:
+        """(class, forward bytes, backward bytes) of a layer's memory-bound operators."""
+        n, E, t = self.b * self.s * self.h, self.E, self.t
+        return layer_memory_ops(n, n // t, self.b * self.s * self.f // t,
+                                self.b * (self.a // t) * self.s * self.s, E,
+                                hidden_dropout=self.hidden_dropout,
+                                attention_dropout=self.attention_dropout)
+
+    def memory_ops_seconds(self, ops: list[tuple[str, float, float]], backward: bool) -> float:
+        return sum(self.memory(bwd if backward else fwd, op) for op, fwd, bwd in ops)
+
+    def layer_parameters(self) -> int:
+        h, f, t = self.h, self.f, self.t
+        return (3 * h * h + 3 * h) // t + h * h // t + h + (h * f + f) // t + f * h // t + h + 4 * h
+
+    def layer_forward(self, category: str = "forward compute") -> Cost:
+        gemms = sum(self.gemm(*shape[:3], shape[3]) for shape in self.layer_gemms().values())
+        cost = Cost().add(category, gemms + self.memory_ops_seconds(self.layer_memory(), False)
+                          + self.launches(FORWARD_OPS_PER_LAYER))
+        cost.comm = 2 * self.machine.tensor_allreduce(self.b * self.s * self.h * self.E)
+        return cost
+
+    def layer_backward(self) -> Cost:
+        gemms = sum(self.gemm_backward(*shape[:3], shape[3])
+                    for shape in self.layer_gemms().values())
+        # Accumulating into the fp32 buffer: read it and the new gradient, write it.
+        grad_accumulation = self.layer_parameters() * (2 * GRAD_BYTES + (GRAD_BYTES if self.E == 4
+                                                                          else self.E))
+        cost = Cost().add("backward compute",
+                          gemms + self.memory_ops_seconds(self.layer_memory(), True)
+                          + self.memory(grad_accumulation)
+                          + self.launches(BACKWARD_OPS_PER_LAYER))
+        cost.comm = 2 * self.machine.tensor_allreduce(self.b * self.s * self.h * self.E)
+        return cost
+
+    def layer_recompute(self, kind: str | None) -> Cost:
+        if kind is None:
+            return Cost()
+        if kind == "selective":
+            shapes = self.layer_gemms()
+            seconds = (self.gemm(*shapes["scores"][:3], shapes["scores"][3])
+                       + self.gemm(*shapes["context"][:3], shapes["context"][3])
+                       + self.memory_ops_seconds(self.attention_core_ops(), False) + self.launches(8))
+            return Cost().add("recompute", seconds)
+        if kind == "full":
+            # The whole forward but its last GEMM (MLP 4h->h), whose all-reduce
+            # and bias+dropout+add also do not run again.
+            forward = self.layer_forward("recompute")
+            shape = self.layer_gemms()["mlp_down"]
+            n = self.b * self.s * self.h
+            skipped = (self.gemm(*shape[:3], shape[3])
+                       + self.memory(residual_bytes(n, self.E, self.hidden_dropout)[0], "residual")
+                       + self.launches(6))
+            forward.work["recompute"] -= skipped
+            forward.comm /= 2
+            return forward
+        raise ValueError(f"unknown recomputation {kind!r}: use None, 'selective' or 'full'")
+
+    # -- first and last stage ----------------------------------------------------------------
+    def embedding_forward(self) -> Cost:
+        n = self.b * self.s * self.h
+        seconds = (self.memory(3 * n * self.E) + self.memory(copy_bytes(n, self.E)[0])  # gather, add
+                   + self.memory(residual_bytes(n, self.E, self.hidden_dropout)[0], "residual")
+                   + self.launches(8))
+        cost = Cost().add("forward compute", seconds)
+        cost.comm = self.machine.tensor_allreduce(n * self.E)
+        return cost
+
+    def embedding_backward(self) -> Cost:
+        n = self.b * self.s * self.h
+        table = self.V // self.t * self.h
+        return Cost().add("backward compute",
+                          self.memory(4 * n * self.E + table * (self.E + 2 * GRAD_BYTES))
+                          + self.launches(8))
+
+    def _logit_elements(self) -> int:
+        return self.b * self.s * self.V // self.t
+
+    def head_forward(self) -> Cost:
+        """Final LayerNorm, logits, cross entropy (about six passes over the logits)."""
+        n = self.b * self.s * self.h
+        logits = self._logit_elements()
+        seconds = (self.gemm(self.b * self.s, self.V // self.t, self.h)
+                   + self.memory(layer_norm_bytes(n, self.E)[0], "layer_norm")
+                   + self.memory(cross_entropy_bytes(logits)[0], "cross_entropy")
+                   + self.launches(20))
+        cost = Cost().add("forward compute", seconds)
+        cost.comm = 3 * self.machine.tensor_allreduce(self.b * self.s * 4)
+        return cost
+
+    def head_backward(self) -> Cost:
+        n = self.b * self.s * self.h
+        logits = self._logit_elements()
+        table = self.V // self.t * self.h
+        seconds = (self.gemm_backward(self.b * self.s, self.V // self.t, self.h)
+                   + self.memory(layer_norm_bytes(n, self.E)[1], "layer_norm")
+                   + self.memory(cross_entropy_bytes(logits)[1], "cross_entropy")
+                   + self.memory(table * 2 * GRAD_BYTES)
+                   + self.launches(24))
+        cost = Cost().add("backward compute", seconds)
+        cost.comm = self.machine.tensor_allreduce(n * self.E)   # f before the logits
+        return cost
+
+    # -- parameters --------------------------------------------------------------------------
+    def stage_parameters(self, first: bool, last: bool, layers: int) -> int:
+        count = layers * self.layer_parameters()
+        if first:
+            count += self.V // self.t * self.h + self.w.model.max_positions * self.h
+        if last:
+            count += 2 * self.h + (0 if first else self.V // self.t * self.h)
+        return count
+
+
+@dataclass
+class ChunkCosts:
+    forward: Cost
+    backward: Cost          # includes recomputation
+    parameters: int
+
+
+def chunk_costs(ops: OperatorModel, layout: Layout, rank: int, chunk: int) -> ChunkCosts:
+    p, v = layout.p, layout.v
+    stage = chunk * p + rank
+    first, last = stage == 0, stage == p * v - 1
+    layers = ops.l // (p * v)
+    forward, backward = Cost(), Cost()
+    if first:
+        forward += ops.embedding_forward()
+    for _ in range(layers):
+        forward += ops.layer_forward()
+        backward += ops.layer_recompute(layout.recompute)
+        backward += ops.layer_backward()
+    if last:
+        forward += ops.head_forward()
+        backward += ops.head_backward()
+    if first:
+        backward += ops.embedding_backward()
+    return ChunkCosts(forward, backward, ops.stage_parameters(first, last, layers))
+
+
+# ------------------------------------------------------------------------------------------
+# The event simulation
+
+
+@dataclass(slots=True)
+class Record:
+    """One action of a rank as simulated. Computes: start, work_end (the
+    processor part, stretched by contention), end (after collectives).
+    Exchanges: start (posted), ready (every other end posted), end."""
+    action: Compute | Exchange
+    start: float
+    end: float = 0.0
+    work_end: float = 0.0
+    ready: float = 0.0
+    cost: Cost | None = None
+
+
+def play(schedule: Schedule, compute: Callable[[int, Compute], tuple[float, float]],
+         exchange: Callable[[int, Exchange], float],
+         speed: Callable[[int], float] | None = None) -> list[list[Record]]:
+    """Run every rank's action list in simulated time.
+
+    `compute(rank, action)` -> (processor work, collective seconds) of a
+    Compute; `exchange(rank, action)` -> seconds an Exchange takes once every
+    other end is posted (the rule of ptdp.parallel.pipeline.simulate);
+    `speed(k)`, when given, -> the rate at which each of k ranks computing at
+    once does its processor work (processor sharing; None: every rank at full
+    speed). Exact numbers (ints, Fractions) stay exact without `speed`.
+    Raises ScheduleError on a deadlock.
+    """
+    p = schedule.p
+    position: dict[tuple[str, tuple], tuple[int, int]] = {}
+    for rank, actions in enumerate(schedule.ranks):
+        for index, action in enumerate(actions):
+            if isinstance(action, Exchange):
+                for t in action.transfers:
+                    position[(t.op, t.tag)] = (rank, index)
+    # For every Exchange, where its other ends are; None for a Compute.
+    ends_of: list[list[list[tuple[int, int]] | None]] = []
+    for rank, actions in enumerate(schedule.ranks):
+        row: list[list[tuple[int, int]] | None] = []
+        for action in actions:
+            if isinstance(action, Exchange):
+                ends = []
+                for t in action.transfers:
+                    end = position.get(("recv" if t.op == "send" else "send", t.tag))
+                    if end is None:
+                        raise ScheduleError(f"rank {rank}: {t} has no other end in the schedule")
+                    ends.append(end)
+                row.append(ends)
+            else:
+                row.append(None)
+        ends_of.append(row)
+
+    now = 0
+    index = [0] * p
+    mode = ["start"] * p           # start | work | delay | wait | done
+    remaining: list = [0] * p      # processor work left (work mode, with `speed`)
+    delay: list = [0] * p          # collective seconds after the work
+    until: list = [0] * p          # end of the delay
+    posted: list[list] = [[None] * len(actions) for actions in schedule.ranks]
+    records: list[list[Record]] = [[] for _ in range(p)]
+    current: list[Record | None] = [None] * p
+    timers: list = []              # (until, rank) of delays, without `speed`
+    pending = deque(range(p))
+    finished = 0
+
+    def enter_delay(r: int, end) -> None:
+        until[r] = end
+        mode[r] = "delay"
+        if speed is None and end > now:
+            heapq.heappush(timers, (end, r))
+
+    def advance(r: int) -> None:
+        """Move rank r on as far as it can at the current time."""
+        nonlocal finished
+        actions, ends_row, posted_row = schedule.ranks[r], ends_of[r], posted[r]
+        while True:
+            state = mode[r]
+            if state == "start":
+                i = index[r]
+                if i >= len(actions):
+                    mode[r] = "done"
+                    finished += 1
+                    return
+                action = actions[i]
+                current[r] = Record(action, now)
+                ends = ends_row[i]
+                if ends is None:
+                    work, collective = compute(r, action)
+                    if speed is None:
+                        current[r].work_end = now + work
+                        enter_delay(r, now + work + collective)
+                    else:
+                        remaining[r], delay[r] = work, collective
+                        mode[r] = "work"
+                else:
+                    posted_row[i] = now
+                    mode[r] = "wait"
+                    pending.extend(peer for peer, _ in ends)
+            elif state == "wait":
+                i = index[r]
+                ready = posted_row[i]
+                for peer, j in ends_row[i]:
+                    when = posted[peer][j]
+                    if when is None:
+                        return
+                    if when > ready:
+                        ready = when
+                current[r].ready = ready
+                enter_delay(r, ready + exchange(r, actions[i]))
+            elif state == "work":
+                if remaining[r] > 0:
+                    return
+                current[r].work_end = now
+                enter_delay(r, now + delay[r])
+            elif state == "delay":
+                if until[r] > now:
+                    return
+                current[r].end = now
+                records[r].append(current[r])
+                index[r] += 1
+                mode[r] = "start"
+            else:
+                return
+
+    while True:
+        while pending:
+            advance(pending.popleft())
+        if finished == p:
+            return records
+        if speed is None:
+            if timers:
+                now, r = heapq.heappop(timers)
+                pending.append(r)
+                continue
+        else:
+            working = [r for r in range(p) if mode[r] == "work"]
+            rate = speed(len(working)) if working else 1.0
+            steps = [(remaining[r] / rate, r) for r in working]
+            steps += [(until[r] - now, r) for r in range(p) if mode[r] == "delay"]
+            if steps:
+                dt = min(step for step, _ in steps)
+                for step, r in steps:
+                    if mode[r] == "work":
+                        remaining[r] = 0 if step == dt else remaining[r] - dt * rate
+                    if step == dt:
+                        pending.append(r)
+                now = now + dt
+                continue
+        waiting = [f"rank {r} at {schedule.ranks[r][index[r]]}" for r in range(p)
+                   if mode[r] == "wait"]
+        raise ScheduleError(f"{schedule.kind} p={p} m={schedule.m} v={schedule.v} deadlocks: "
+                            + "; ".join(waiting))
+
+
+# ------------------------------------------------------------------------------------------
+# The prediction
+
+# Schedules are immutable data; a planner prices many layouts sharing (kind, p, m, v).
+_schedule = functools.lru_cache(maxsize=32)(build_schedule)
+
+
+@dataclass
+class Prediction:
+    workload: Workload
+    layout: Layout
+    profile: HardwareProfile
+    iteration_seconds: float
+    tflops_per_device: float
+    bubble_fraction: float
+    seconds_by_category: dict[str, float]     # on the busiest pipeline rank; sums to the iteration
+    categories_by_rank: list[dict[str, float]]   # the same for every pipeline rank
+    timelines: list[list[Box]]                # per pipeline rank (tensor 0, data 0), seconds
+    pipeline_seconds: float                   # start of the iteration to the flush
+    microbatches: int
+    critical_rank: int                        # the busiest pipeline rank
+    flops_per_iteration: float
+
+    def rank_categories(self, rank: int) -> dict[str, float]:
+        """`seconds_by_category` of pipeline rank `rank` (sums to the iteration)."""
+        return self.categories_by_rank[rank]
+
+    def draw(self, path: str | Path, *, time_unit: str = "ms") -> Path:
+        """The priced timeline as a picture (ptdp.perf.timeline.draw_timeline)."""
+        scale = {"s": 1.0, "ms": 1e3, "us": 1e6}[time_unit]
+        rows = [[Box(b.op, b.microbatch, b.chunk, b.start * scale, b.end * scale) for b in row]
+                for row in self.timelines]
+        lay = self.layout
+        title = (f"predicted {lay.schedule_kind} on {self.profile.name}: t={lay.t} p={lay.p} "
+                 f"d={lay.d} b={lay.b} m={self.microbatches}" + (f" v={lay.v}" if lay.v > 1 else "")
+                 + f", {self.iteration_seconds * scale:.4g} {time_unit}/iteration")
+        draw_timeline(rows, path, v=lay.v, title=title, time_unit=time_unit,
+                      bubble_fraction=self.bubble_fraction, first_microbatch=1)
+        return Path(path)
+
+    def summary(self) -> str:
+        lines = [f"{self.iteration_seconds * 1e3:.4g} ms/iteration, "
+                 f"{self.tflops_per_device:.4g} TFLOP/s per device, bubble {self.bubble_fraction:.3f}"]
+        for category, seconds in self.seconds_by_category.items():
+            lines.append(f"  {category:<24} {seconds * 1e3:10.4g} ms")
+        return "\n".join(lines)
+
+
+def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Prediction:
+    """Predict one training iteration of `workload` under `layout` on `profile`."""
+    problems = layout.valid_for(workload.model, workload.global_batch)
+    if problems:
+        raise ValueError("invalid layout: " + "; ".join(problems))
+    p, v, t, d = layout.p, layout.v, layout.t, layout.d
+    m = layout.microbatches(workload.global_batch)
+    schedule = _schedule(layout.schedule_kind, p, m, v)
+    machine = Machine(layout, profile)
+    threads = profile.threads_per_process(layout.devices)
+    ops = OperatorModel(workload, layout, profile, machine, threads)
+    chunks = {(r, c): chunk_costs(ops, layout, r, c) for r in range(p) for c in range(v)}
+
+    # Contention (CPU profiles): t·d processes per computing pipeline rank.
+    contended = profile.kind == "cpu" and profile.cores > 0
+
+    def speed(working: int) -> float:
+        return profile.share(working * t * d, threads)
+
+    priced = {(r, c, op): (cost.total_work, cost.comm) for (r, c), costs in chunks.items()
+              for op, cost in (("F", costs.forward), ("B", costs.backward))}
+
+    def compute(rank: int, action: Compute) -> tuple[float, float]:
+        return priced[(rank, action.chunk, action.op)]
+
+    activation = layout.b * ops.s * ops.h * ops.E
+    split = layout.scatter_gather and t > 1 and activation % t == 0
+
+    exchange_costs: dict[tuple, float] = {}
+
+    def exchange(rank: int, action: Exchange) -> float:
+        key = (rank, *[(t.op, t.peer) for t in action.transfers])
+        if key not in exchange_costs:
+            slowest, gathers = 0.0, 0.0
+            for transfer in action.transfers:
+                nbytes = activation / t if split else activation
+                slowest = max(slowest, machine.p2p(nbytes, rank, transfer.peer))
+                if transfer.op == "recv" and split:
+                    gathers += machine.tensor_allgather(activation)
+            exchange_costs[key] = slowest + gathers + profile.launch_overhead * len(action.transfers)
+        return exchange_costs[key]
+
+    records = play(schedule, compute, exchange, speed if contended else None)
+
+    # After the flush: gradient reductions, then the optimizer (all ranks together).
+    pipeline_end = [max((rec.end for rec in row), default=0.0) for row in records]
+    flush = max(pipeline_end)
+    reductions, optimizer_seconds = [], []
+    reduction_start = list(pipeline_end)
+    embedding = 0.0
+    if p > 1:   # the tied embedding's gradient: the first and the last stage sum it together
+        reduction_start[0] = reduction_start[p - 1] = max(pipeline_end[0], pipeline_end[p - 1])
+        embedding = machine.allreduce(ops.V // t * ops.h * GRAD_BYTES,
+                                      [machine.rank(0, 0, 0), machine.rank(0, 0, p - 1)])
+    for r in range(p):
+        params = sum(chunks[(r, c)].parameters for c in range(v))
+        seconds = machine.data_parallel(params * GRAD_BYTES, r,
+                                        reduce_scatter_only=layout.distributed_optimizer)
+        reductions.append(seconds + (embedding if p > 1 and r in (0, p - 1) else 0.0))
+        owned = params / d if layout.distributed_optimizer else params
+        step_bytes = params * GRAD_BYTES + owned * OPTIMIZER_BYTES_PER_PARAMETER  # zero + step
+        if ops.E != 4:
+            step_bytes += owned * (4 + ops.E)                 # main weights -> model weights
+        work = ops.memory(step_bytes, "optimizer") + profile.launch_overhead * 30
+        work /= profile.share(layout.devices, threads) if contended else 1
+        comm = 2 * machine.world_latency()                     # inf check, gradient norm
+        if layout.distributed_optimizer:
+            comm += machine.data_parallel(params * ops.E, r, reduce_scatter_only=True)
+        optimizer_seconds.append(work + comm)
+    sync = max(reduction_start[r] + reductions[r] for r in range(p))
+    iteration = sync + max(optimizer_seconds)
+
+    # The busiest rank (most compute) and the timeline boxes.
+    busy = []
+    for row in records:
+        busy.append(sum(rec.end - rec.start for rec in row if isinstance(rec.action, Compute)))
+    critical = max(range(p), key=lambda r: busy[r])
+    bubble = (flush - busy[critical]) / busy[critical] if busy[critical] else 0.0
+
+    timelines: list[list[Box]] = []
+    by_rank: list[dict[str, float]] = []
+    for r, row in enumerate(records):
+        boxes: list[Box] = []
+        categories = {name: 0.0 for name in CATEGORIES}
+        for rec in row:
+            action = rec.action
+            if isinstance(action, Compute):
+                boxes.append(Box(action.op, action.microbatch, action.chunk,
+                                 float(rec.start), float(rec.end)))
+                cost = chunks[(r, action.chunk)].forward if action.op == "F" else \
+                    chunks[(r, action.chunk)].backward
+                stretched = float(rec.work_end - rec.start)
+                total = priced[(r, action.chunk, action.op)][0] or 1.0
+                for category, seconds in cost.work.items():
+                    categories[category] += stretched * seconds / total
+                categories["tensor all-reduce"] += float(rec.end - rec.work_end)
+            else:
+                if rec.ready > rec.start:
+                    boxes.append(Box("wait", -1, -1, float(rec.start), float(rec.ready)))
+                if rec.end > rec.ready:
+                    boxes.append(Box("comm", -1, -1, float(rec.ready), float(rec.end)))
+                categories["bubble/idle"] += float(rec.ready - rec.start)
+                categories["pipeline transfer"] += float(rec.end - rec.ready)
+        if reductions[r] > 0:
+            boxes.append(Box("comm", -1, -1, float(reduction_start[r]),
+                             float(reduction_start[r] + reductions[r])))
+        timelines.append(boxes)
+        categories["data-parallel reduction"] = reductions[r]
+        categories["optimizer"] = optimizer_seconds[r]
+        categories["bubble/idle"] += float(iteration) - sum(categories.values())
+        by_rank.append(categories)
+
+    flops = model_flops_per_iteration(
+        workload.model, workload.global_batch, recompute=layout.recompute,
+        recomputed_layers=workload.model.num_layers if layout.recompute == "full" else None)
+    iteration = float(iteration)
+    return Prediction(
+        workload=workload, layout=layout, profile=profile, iteration_seconds=iteration,
+        tflops_per_device=flops / (layout.devices * iteration) / 1e12,
+        bubble_fraction=float(bubble), seconds_by_category=by_rank[critical],
+        categories_by_rank=by_rank, timelines=timelines,
+        pipeline_seconds=float(flush), microbatches=m, critical_rank=critical,
+        flops_per_iteration=flops)
+
+
+def simulate_uniform(kind: str, p: int, m: int, v: int = 1, *, forward: Fraction | int = 1,
+                     backward: Fraction | int = 2) -> tuple[Fraction, Fraction]:
+    """(makespan, bubble fraction) of a schedule with uniform costs: a
+    forward through one rank's layers costs `forward`, a backward `backward`,
+    a chunk 1/v of that, transfers are free. The paper's assumption; the
+    bubble is (p-1)/m, or (p-1)/(m·v) interleaved."""
+    schedule = build_schedule(kind, p, m, v)
+    costs = {"F": Fraction(forward) / v, "B": Fraction(backward) / v}
+    records = play(schedule, lambda r, a: (costs[a.op], 0), lambda r, a: 0)
+    makespan = max(rec.end for row in records for rec in row)
+    busy = max(sum(rec.end - rec.start for rec in row if isinstance(rec.action, Compute))
+               for row in records)
+    return makespan, (makespan - busy) / busy

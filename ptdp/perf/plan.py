@@ -1,0 +1,312 @@
+"""`ptdp plan`: choose t, p, d, b, v, recomputation and the optimizer's
+sharding for a model on N devices, and predict what the run will cost.
+
+The search enumerates every valid layout (the rules `ptdp train` enforces),
+keeps those whose memory per device (analytic.py) fits the profile's device
+memory, prices each with the schedule simulator (cost.py: the same action
+lists the executor runs, costed with a hardware profile) and ranks them by
+predicted throughput. Given layout flags it evaluates that one layout.
+
+The explanation compares the winner with the best layout that differs from
+it in one respect (a different t, p, b, v, recomputation or optimizer), and
+names the time categories that make the difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable
+
+from ptdp.config import ConfigError, ModelConfig
+from ptdp.perf.layout import Layout, Workload
+
+MEMORY_HEADROOM = 0.9      # leave 10 % of device memory to the allocator and workspaces
+MAX_MICROBATCH = 32        # larger microbatches only add memory at these sizes
+MAX_CHUNKS = 8             # interleaving beyond this only adds transfers
+
+
+@dataclass
+class Evaluation:
+    layout: Layout
+    memory: dict[str, float]       # bytes per device by kind, and "total"
+    prediction: Any                # cost.Prediction
+    fits: bool
+
+    @property
+    def tflops(self) -> float:
+        return self.prediction.tflops_per_device
+
+    @property
+    def seconds(self) -> float:
+        return self.prediction.iteration_seconds
+
+    def summary(self) -> dict[str, Any]:
+        return {"layout": asdict(self.layout),
+                "iteration_seconds": self.seconds,
+                "tflops_per_device": self.tflops,
+                "bubble_fraction": self.prediction.bubble_fraction,
+                "memory_per_device_bytes": self.memory["total"],
+                "memory_breakdown_bytes": {k: v for k, v in self.memory.items() if k != "total"},
+                "seconds_by_category": dict(self.prediction.seconds_by_category),
+                "fits": self.fits}
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def candidate_layouts(workload: Workload, devices: int, *, microbatch_sizes=None,
+                      chunk_counts=None, recompute=(None, "selective", "full"),
+                      distributed_optimizer=(False, True)) -> Iterable[Layout]:
+    """Every layout `ptdp train` would accept for this workload on
+    `devices` (optionally only some microbatch sizes, chunk counts,
+    recomputation kinds or optimizer choices)."""
+    model, batch = workload.model, workload.global_batch
+    for t in _divisors(devices):
+        for p in _divisors(devices // t):
+            d = devices // (t * p)
+            if batch % d:
+                continue
+            sizes = [k for k in _divisors(batch // d) if k <= MAX_MICROBATCH]
+            if microbatch_sizes is not None:
+                sizes = [k for k in sizes if k in microbatch_sizes]
+            chunks = [1] + (list(range(2, MAX_CHUNKS + 1)) if p > 1 else [])
+            if chunk_counts is not None:
+                chunks = [v for v in chunks if v in chunk_counts]
+            for b in sizes:
+                for v in chunks:
+                    for kind in recompute:
+                        for sharded in (distributed_optimizer if d > 1 else (False,)):
+                            layout = Layout(t=t, p=p, d=d, b=b, v=v, recompute=kind,
+                                            distributed_optimizer=sharded)
+                            if not layout.valid_for(model, batch):
+                                yield layout
+
+
+def evaluate_layout(workload: Workload, layout: Layout, profile) -> Evaluation:
+    from ptdp.perf.analytic import memory_per_device
+    from ptdp.perf.cost import simulate
+
+    memory = memory_per_device(workload, layout, kernels=_kernels(profile))
+    fits = memory["total"] <= MEMORY_HEADROOM * profile.memory_bytes
+    return Evaluation(layout, memory, simulate(workload, layout, profile), fits)
+
+
+def _kernels(profile) -> str:
+    """Which attention/LayerNorm kernels the memory model assumes."""
+    return "cpu" if profile.kind == "cpu" else "cuda"
+
+
+def search(workload: Workload, devices: int, profile, *, top: int | None = None,
+           **restrictions) -> list[Evaluation]:
+    """Layouts that fit, best predicted throughput first (`restrictions`:
+    see candidate_layouts)."""
+    from ptdp.perf.analytic import memory_per_device
+
+    fitting = [layout for layout in candidate_layouts(workload, devices, **restrictions)
+               if memory_per_device(workload, layout, kernels=_kernels(profile))["total"]
+               <= MEMORY_HEADROOM * profile.memory_bytes]
+    results = sorted((evaluate_layout(workload, layout, profile) for layout in fitting),
+                     key=lambda e: (e.seconds, e.memory["total"]))
+    return results[:top] if top else results
+
+
+ASPECTS = {  # what differs, and how to say it
+    "t": "tensor-parallel size", "p": "pipeline-parallel size", "b": "microbatch size",
+    "v": "chunks per rank", "recompute": "recomputation",
+    "distributed_optimizer": "optimizer sharding",
+}
+
+
+def explain(results: list[Evaluation], profile) -> list[str]:
+    """Why the winner wins: for each aspect, the best layout that differs in
+    it, how much slower it is, and the categories that account for it."""
+    if not results:
+        return []
+    best = results[0]
+    lines = [f"best: {describe(best.layout)}: {best.seconds:.3f} s per iteration, "
+             f"{best.tflops:.1f} TFLOP/s per device, "
+             f"{best.memory['total'] / 2**30:.1f} GiB per device"]
+    if best.layout.t <= profile.devices_per_server and best.layout.t > 1:
+        lines.append(f"  tensor parallelism stays inside a server (t = {best.layout.t} <= "
+                     f"{profile.devices_per_server} devices per server), where its all-reduces "
+                     "use the fast links")
+    for field, words in ASPECTS.items():
+        # The best layout that differs in this respect alone (d follows from
+        # t and p on a fixed number of devices).
+        free = {field, "d"}
+        rival = next((e for e in results[1:]
+                      if getattr(e.layout, field) != getattr(best.layout, field)
+                      and all(getattr(e.layout, f) == getattr(best.layout, f)
+                              for f in ("t", "p", "b", "v", "recompute", "distributed_optimizer")
+                              if f not in free)), None)
+        if rival is None:
+            continue
+        slower = rival.seconds / best.seconds - 1
+        deltas = {k: rival.prediction.seconds_by_category.get(k, 0.0)
+                  - best.prediction.seconds_by_category.get(k, 0.0)
+                  for k in set(rival.prediction.seconds_by_category)
+                  | set(best.prediction.seconds_by_category)}
+        worst = sorted(deltas.items(), key=lambda kv: -kv[1])[:2]
+        reasons = ", ".join(f"{name} +{delta:.3f} s" for name, delta in worst if delta > 0)
+        lines.append(f"  vs {words} {getattr(rival.layout, field)!s:>5}: {slower:+.1%} time"
+                     + (f" ({reasons})" if reasons else ""))
+    return lines
+
+
+def describe(layout: Layout) -> str:
+    text = f"t={layout.t} p={layout.p} d={layout.d} b={layout.b}"
+    if layout.v > 1:
+        text += f" v={layout.v}"
+    if layout.recompute:
+        text += f" recompute={layout.recompute}"
+    if layout.distributed_optimizer:
+        text += " distributed-optimizer"
+    return text
+
+
+def table(results: list[Evaluation], rows: int) -> str:
+    header = ("| rank | t | p | d | b | v | recompute | dist. opt. | s/iter | TFLOP/s/device | "
+              "bubble | memory GiB |")
+    lines = [header, "|" + "---|" * 12]
+    for i, e in enumerate(results[:rows], 1):
+        layout = e.layout
+        lines.append(f"| {i} | {layout.t} | {layout.p} | {layout.d} | {layout.b} | {layout.v} | "
+                     f"{layout.recompute or '-'} | {'yes' if layout.distributed_optimizer else '-'} | "
+                     f"{e.seconds:.3f} | {e.tflops:.1f} | {e.prediction.bubble_fraction:.3f} | "
+                     f"{e.memory['total'] / 2**30:.1f} |")
+    return "\n".join(lines)
+
+
+def plot(results: list[Evaluation], path: str, rows: int = 30) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    shown = results[:rows]
+    figure = Figure(figsize=(max(6, 0.35 * len(shown)), 4))
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    axes.bar(range(len(shown)), [e.tflops for e in shown], color="#4477aa")
+    axes.set_xticks(range(len(shown)))
+    axes.set_xticklabels([describe(e.layout).replace(" ", "\n") for e in shown], fontsize=6)
+    axes.set_ylabel("predicted TFLOP/s per device")
+    axes.set_title("layouts that fit, best first")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+# ------------------------------------------------------------------ command line
+
+def add_plan_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "plan", help="choose and predict a layout (t, p, d, b, v, recomputation)",
+        description="Search the layouts of a GPT on N devices, or evaluate one given by layout "
+                    "flags, and predict iteration time, TFLOP/s per device and memory.")
+    model = parser.add_argument_group("model")
+    for flag, default in (("--num-layers", None), ("--hidden-size", None),
+                          ("--num-attention-heads", None), ("--seq-length", 2048),
+                          ("--vocab-size", 51200), ("--ffn-hidden-size", None)):
+        model.add_argument(flag, type=int, default=default, required=default is None
+                           and flag != "--ffn-hidden-size", metavar="N")
+    parser.add_argument("--gpus", type=int, required=True, metavar="N", help="devices in all")
+    parser.add_argument("--gpu", default="a100", help="a100, h100, h200, local (the profile "
+                        "`ptdp calibrate` wrote) or a profile JSON path (default: a100)")
+    parser.add_argument("--global-batch-size", type=int, required=True, metavar="B")
+    parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
+    layout = parser.add_argument_group("one layout (evaluate instead of searching)")
+    layout.add_argument("--tensor-model-parallel-size", "-t", type=int, metavar="N")
+    layout.add_argument("--pipeline-model-parallel-size", "-p", type=int, metavar="N")
+    layout.add_argument("--micro-batch-size", type=int, metavar="N")
+    layout.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, metavar="N")
+    layout.add_argument("--recompute-granularity", choices=("full", "selective"))
+    layout.add_argument("--use-distributed-optimizer", action="store_true")
+    parser.add_argument("--top", type=int, default=10, metavar="N", help="rows in the table")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--plot", metavar="PNG", help="draw throughput across layouts")
+    parser.add_argument("--print-flags", action="store_true",
+                        help="print the winner as `ptdp train` flags")
+
+
+def _layout_from_args(args: argparse.Namespace, model: ModelConfig, devices: int) -> Layout | None:
+    given = [args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+             args.micro_batch_size, args.num_layers_per_virtual_pipeline_stage,
+             args.recompute_granularity]
+    if all(value is None for value in given) and not args.use_distributed_optimizer:
+        return None
+    t = args.tensor_model_parallel_size or 1
+    p = args.pipeline_model_parallel_size or 1
+    if devices % (t * p):
+        raise ConfigError([f"--gpus {devices} is not a multiple of t·p = {t * p}"])
+    v = 1
+    if args.num_layers_per_virtual_pipeline_stage:
+        per = p * args.num_layers_per_virtual_pipeline_stage
+        if model.num_layers % per:
+            raise ConfigError([f"--num-layers {model.num_layers} is not a multiple of p × "
+                               f"--num-layers-per-virtual-pipeline-stage = {per}"])
+        v = model.num_layers // per
+    return Layout(t=t, p=p, d=devices // (t * p), b=args.micro_batch_size or 1, v=v,
+                  recompute=args.recompute_granularity,
+                  distributed_optimizer=args.use_distributed_optimizer)
+
+
+def run_plan_command(args: argparse.Namespace) -> int:
+    from ptdp.perf.profiles import load_profile
+
+    model = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                        num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
+                        vocab_size=args.vocab_size, ffn_hidden_size=args.ffn_hidden_size)
+    problems = [f"{flag} must be positive" for flag, value in
+                (("--gpus", args.gpus), ("--global-batch-size", args.global_batch_size),
+                 ("--num-layers", args.num_layers), ("--hidden-size", args.hidden_size))
+                if value < 1]
+    if args.hidden_size % args.num_attention_heads:
+        problems.append(f"--hidden-size {args.hidden_size} is not divisible by "
+                        f"--num-attention-heads {args.num_attention_heads}")
+    if problems:
+        raise ConfigError(problems)
+    try:
+        profile = load_profile(args.gpu)
+    except (OSError, ValueError) as error:
+        raise ConfigError([f"--gpu {args.gpu}: {error}"]) from None
+    workload = Workload(model, args.global_batch_size, args.precision)
+    layout = _layout_from_args(args, model, args.gpus)
+    if layout is not None:
+        problems = layout.valid_for(model, args.global_batch_size)
+        if problems:
+            raise ConfigError(problems)
+        results = [evaluate_layout(workload, layout, profile)]
+    else:
+        results = search(workload, args.gpus, profile)
+        if not results:
+            raise ConfigError([f"no layout of this model fits {args.gpus} × "
+                               f"{profile.memory_bytes / 2**30:.0f} GiB ({profile.name}); add "
+                               "devices or shrink the model or batch"])
+    if args.json:
+        print(json.dumps({"profile": profile.name, "devices": args.gpus,
+                          "global_batch_size": args.global_batch_size,
+                          "results": [e.summary() for e in results[:max(args.top, 1)]]}, indent=1))
+    else:
+        print(table(results, args.top))
+        print()
+        if layout is not None:
+            e = results[0]
+            print(f"{describe(e.layout)}: {e.seconds:.3f} s per iteration, {e.tflops:.1f} TFLOP/s "
+                  f"per device, {e.memory['total'] / 2**30:.1f} GiB per device"
+                  + ("" if e.fits else f" (does NOT fit {profile.memory_bytes / 2**30:.0f} GiB)"))
+            for name, seconds in sorted(e.prediction.seconds_by_category.items(),
+                                        key=lambda kv: -kv[1]):
+                print(f"  {name:<24} {seconds:.4f} s")
+        else:
+            print("\n".join(explain(results, profile)))
+    if args.print_flags:
+        flags = results[0].layout.train_flags(model, args.global_batch_size)
+        print(("" if args.json else "\n") + "ptdp train " + " ".join(flags), file=sys.stdout)
+    if args.plot:
+        plot(results, args.plot)
+        if not args.json:
+            print(f"drew {args.plot}")
+    return 0
+

@@ -1,0 +1,297 @@
+"""Hardware profiles: what the simulator (cost.py) needs to know about a machine.
+
+A `HardwareProfile` describes one kind of server and its devices: peak
+matrix-multiply rate, how close real GEMMs come to it, memory bandwidth for
+the memory-bound operators, the two kinds of links (inside a server:
+NVLink/NVSwitch or local loopback; between servers: InfiniBand), device
+memory, the fixed cost of launching one operator, and for CPU profiles the
+cores the local processes share. Profiles are plain JSON (`save_profile`,
+`load_profile`); nothing is pickled.
+
+GEMM time (`gemm_seconds`) is a roofline with a saturating efficiency:
+
+    work  W = 2·m·n·k·batch                         (FLOPs)
+    efficiency(m, n, k) = e_max · W / (W + W0),     W0 = peak · gemm_ramp_seconds
+    time  = max(W / (peak · efficiency), bytes(m, n, k) / memory_bandwidth)
+
+so a large GEMM runs at e_max of peak, one of W0 FLOPs at half of that, and
+one that moves more bytes than the device can compute on (small k, the
+attention scores) is bandwidth-bound. Algebraically the efficiency term is
+the same as `W / (e_max · peak) + gemm_ramp_seconds / e_max`: a fixed fill
+time per GEMM on top of the ideal time.
+
+Built-in GPU profiles (`a100`, `h100`, `h200`) take every number from the
+vendors' data sheets except e_max, which is fitted to exactly one point of
+the paper: the 1.7B-parameter GPT (h = 2304, a = 24, l = 24, s = 2048,
+V = 51200) with t = p = 1 on 32 A100s, B = 512, b = 16 at 137 TFLOP/s per
+GPU (44% of peak), end to end. The fit assumes 16-bit training with full
+recomputation, whose FLOPs the paper's 96·B·s·l·h²·(...) counts.
+`fit_to_calibration_point()` redoes it (bisection on e_max until
+`cost.simulate` predicts 137 TFLOP/s for that run): e_max = 0.5573
+(`CALIBRATED_GEMM_EFFICIENCY`), i.e. large GEMMs at 56% of the 312 TFLOP/s
+peak, the rest of the gap to 44% being memory-bound operators, the
+gradient all-reduce and the optimizer as cost.py prices them; h100 and h200
+use the same e_max against their own peaks. Nothing else from the paper is
+fitted. The `gemm_ramp_seconds` of the GPU profiles (4 µs, a few waves of
+thread blocks) is an assumption, not a fit; it matters only for small GEMMs.
+
+CPU profiles come from `ptdp calibrate` (calibrate.py), which measures this
+machine: besides the fields above, memory-bound throughput per operator
+class (`op_bandwidth`), the speed-up of each class on all cores
+(`thread_speedup`, `op_thread_speedup`) and tables of measured gloo times
+(`collective_seconds`). Their contention model: a local job runs `world`
+processes with `threads_per_process(world)` threads each (as `ptdp train`
+sets them); while k processes compute at once, each gets
+min(1, available_cores / (k · threads)) of its uncontended speed (processor
+sharing; `available_cores`, measured, is what of the `cores` other load
+leaves).
+GPU profiles have `cores = 0`: no contention.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+GB = 1e9
+GIB = 2 ** 30
+
+# e_max of the built-in GPU profiles: fit_to_calibration_point() returns 0.55734 (bisection
+# on e_max until cost.simulate predicts 137 TFLOP/s per GPU for the paper's 1.7B run on
+# a100); rounded here. tests/test_cost_model.py recomputes the fit and checks it. It changes
+# whenever the operator model in cost.py does: refit and update it then.
+CALIBRATED_GEMM_EFFICIENCY = 0.5573
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    kind: str = "gpu"                    # "gpu" or "cpu"
+    devices_per_server: int = 8          # devices (or local processes) sharing the intra links
+    peak_tflops: float = 312.0           # 16-bit (bf16/fp16) dense matrix peak per device
+    peak_tflops_fp32: float = 19.5       # fp32 peak per device (CPU: per process at 1 thread)
+    gemm_efficiency: float = 0.7         # e_max: fraction of peak a large GEMM reaches
+    gemm_ramp_seconds: float = 4e-6      # W0 = peak · this: GEMM work at half of e_max
+    memory_bandwidth: float = 2039 * GB  # bytes/s for memory-bound operators
+    op_bandwidth: dict[str, float] = field(default_factory=dict)  # bytes/s by operator class
+    intra_bandwidth: float = 300 * GB    # bytes/s per device per direction inside a server
+    intra_latency: float = 5e-6          # seconds per message step inside a server
+    inter_bandwidth: float = 25 * GB     # bytes/s per device per direction between servers
+    inter_latency: float = 10e-6         # seconds per message step between servers
+    memory_bytes: float = 80 * GIB       # device memory
+    launch_overhead: float = 4e-6        # seconds per operator launched (kernel / eager op)
+    # Measured seconds by message bytes between 2 processes of one server (calibrate: the
+    # "allreduce" and the pipeline's batched send + receive, "exchange"); when present they
+    # price intra-server communication instead of intra_latency / intra_bandwidth.
+    collective_seconds: dict[str, dict[str, float]] = field(default_factory=dict)
+    cores: int = 0                       # CPU: cores the local processes share (0: no contention)
+    available_cores: float = 0.0         # CPU: of them, what computing processes get (0: all)
+    thread_speedup: float = 1.0          # CPU: GEMM speed with `cores` threads over 1 thread
+    op_thread_speedup: dict[str, float] = field(default_factory=dict)  # CPU: the same by op class
+    notes: str = ""                      # where the numbers come from
+    measurements: dict[str, Any] = field(default_factory=dict)  # calibrate's raw data
+
+    # ---- rates -------------------------------------------------------------------------
+
+    def peak_flops(self, precision: str) -> float:
+        """Peak FLOP/s of one device (one process on CPU, 1 thread) in `precision`."""
+        return (self.peak_tflops_fp32 if precision == "fp32" else self.peak_tflops) * 1e12
+
+    def threads_per_process(self, local_processes: int) -> int:
+        """Threads `ptdp train` gives each of `local_processes` processes
+        (ptdp.device.configure_threads): cores // processes, at least 1."""
+        if self.kind != "cpu" or self.cores <= 0:
+            return 1
+        return max(1, self.cores // max(1, local_processes))
+
+    def thread_factor(self, threads: int, op: str = "gemm") -> float:
+        """Speed of one process's operators of class `op` ("gemm" or a memory
+        class) with `threads` threads over 1 thread, no other process
+        running: linear between 1 (1 thread) and the measured speed-up on all
+        cores (`thread_speedup` for GEMMs, `op_thread_speedup[op]` for the
+        others; 1 when not measured)."""
+        if self.kind != "cpu" or self.cores <= 1 or threads <= 1:
+            return 1.0
+        speedup = self.thread_speedup if op == "gemm" else self.op_thread_speedup.get(op, 1.0)
+        threads = min(threads, self.cores)
+        return 1.0 + (speedup - 1.0) * (threads - 1) / (self.cores - 1)
+
+    def share(self, busy_processes: float, threads: int) -> float:
+        """Fraction of its uncontended speed a computing process gets while
+        `busy_processes` processes (itself included) compute at once."""
+        if self.kind != "cpu" or self.cores <= 0 or busy_processes <= 0:
+            return 1.0
+        cores = self.available_cores if self.available_cores > 0 else self.cores
+        return min(1.0, cores / (busy_processes * threads))
+
+    def gemm_efficiency_at(self, work: float, precision: str) -> float:
+        """e_max · W / (W + W0) for a GEMM of `work` FLOPs."""
+        w0 = self.peak_flops(precision) * self.gemm_ramp_seconds
+        return self.gemm_efficiency * work / (work + w0)
+
+    def gemm_seconds(self, m: int, n: int, k: int, *, batch: int = 1, precision: str = "bf16",
+                     bytes_per_element: int = 2) -> float:
+        """Time of `batch` GEMMs [m, k] × [k, n] (one kernel), without launch overhead."""
+        work = 2.0 * m * n * k * batch
+        if work <= 0:
+            return 0.0
+        compute = work / (self.peak_flops(precision) * self.gemm_efficiency_at(work, precision))
+        traffic = batch * (m * k + k * n + m * n) * bytes_per_element / self.memory_bandwidth
+        return max(compute, traffic)
+
+    def memory_seconds(self, nbytes: float, op: str = "elementwise") -> float:
+        """Time of a memory-bound operator of class `op` moving `nbytes` (read
+        + written): at `op_bandwidth[op]` when measured (CPU profiles:
+        elementwise, layer_norm, softmax, gelu, dropout, optimizer), else at
+        `memory_bandwidth`."""
+        return nbytes / self.op_bandwidth.get(op, self.memory_bandwidth)
+
+    def measured_seconds(self, kind: str, nbytes: float) -> float | None:
+        """`collective_seconds[kind]` at `nbytes`: piecewise linear between the
+        measured sizes, the smallest size's time below them, the last two
+        sizes' slope above them; None when not measured."""
+        table = self.collective_seconds.get(kind)
+        if not table:
+            return None
+        points = sorted((float(size), seconds) for size, seconds in table.items())
+        if nbytes <= points[0][0] or len(points) == 1:
+            return points[0][1]
+        for (x0, y0), (x1, y1) in zip(points, points[1:]):
+            if nbytes <= x1:
+                return y0 + (y1 - y0) * (nbytes - x0) / (x1 - x0)
+        (x0, y0), (x1, y1) = points[-2], points[-1]
+        return y1 + max(0.0, (y1 - y0) / (x1 - x0)) * (nbytes - x1)
+
+    # ---- JSON ----------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "HardwareProfile":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown hardware-profile fields {unknown}; known: {sorted(known)}")
+        if "name" not in data:
+            raise ValueError("a hardware profile needs a 'name'")
+        return cls(**data)
+
+
+# ---- built-in profiles ---------------------------------------------------------------------
+
+def _a100(e_max: float) -> HardwareProfile:
+    return HardwareProfile(
+        name="a100", kind="gpu", devices_per_server=8,
+        peak_tflops=312.0, peak_tflops_fp32=19.5,
+        gemm_efficiency=e_max, gemm_ramp_seconds=4e-6,
+        memory_bandwidth=2039 * GB,          # A100 80 GB SXM HBM2e
+        intra_bandwidth=300 * GB,            # NVSwitch: 600 GB/s per GPU, both directions together
+        intra_latency=5e-6,
+        inter_bandwidth=200e9 / 8,           # 8 × 200 Gb/s HDR per server: one 25 GB/s NIC per GPU
+        inter_latency=10e-6,
+        memory_bytes=80 * GIB, launch_overhead=4e-6,
+        notes="DGX A100 80 GB (data sheet); gemm_efficiency fitted to the paper's 1.7B run "
+              "(fit_to_calibration_point)")
+
+
+def _h100(e_max: float) -> HardwareProfile:
+    return replace(
+        _a100(e_max), name="h100", peak_tflops=989.0, peak_tflops_fp32=67.0,
+        memory_bandwidth=3350 * GB,          # H100 SXM HBM3
+        intra_bandwidth=450 * GB,            # NVLink 4: 900 GB/s per GPU, both directions
+        inter_bandwidth=400e9 / 8,           # 8 × 400 Gb/s NDR per server: one 50 GB/s NIC per GPU
+        notes="DGX H100 (data sheet); gemm_efficiency = the a100 fit")
+
+
+def _h200(e_max: float) -> HardwareProfile:
+    return replace(_h100(e_max), name="h200", memory_bandwidth=4800 * GB, memory_bytes=141 * GB,
+                   notes="DGX H200 (data sheet): H100 with 141 GB at 4.8 TB/s; "
+                         "gemm_efficiency = the a100 fit")
+
+
+BUILTIN = {"a100": _a100, "h100": _h100, "h200": _h200}
+
+
+def builtin_profile(name: str, gemm_efficiency: float | None = None) -> HardwareProfile:
+    e_max = CALIBRATED_GEMM_EFFICIENCY if gemm_efficiency is None else gemm_efficiency
+    return BUILTIN[name](e_max)
+
+
+def load_profile(name_or_path: str | Path) -> HardwareProfile:
+    """A built-in profile by name (a100, h100, h200), "local" (the profile
+    `ptdp calibrate` wrote to its default path), or a JSON file's."""
+    text = str(name_or_path)
+    if text in BUILTIN:
+        return builtin_profile(text)
+    path = Path(text)
+    if text == "local" and not path.exists():
+        from ptdp.perf.calibrate import default_profile_path
+
+        path = default_profile_path()
+        if not path.is_file():
+            raise FileNotFoundError(f"no local hardware profile at {path}: run `ptdp calibrate` "
+                                    f"first (it writes one there)")
+    if not path.is_file():
+        raise FileNotFoundError(f"no hardware profile {text!r}: give one of "
+                                f"{', '.join(BUILTIN)}, local, or a JSON file "
+                                f"(ptdp calibrate --out FILE)")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not a JSON hardware profile: {error}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return HardwareProfile.from_dict(data)
+
+
+def save_profile(profile: HardwareProfile, path: str | Path) -> Path:
+    path = Path(path)
+    path.write_text(json.dumps(profile.to_dict(), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return path
+
+
+# ---- the one calibration point -------------------------------------------------------------
+
+CALIBRATION_TFLOPS = 137.0
+
+
+def calibration_point():
+    """(workload, layout) of the paper's 1.7B run: h = 2304, a = 24, l = 24,
+    s = 2048, V = 51200, t = p = 1, d = 32, B = 512, b = 16, 16-bit
+    precision, full activation recomputation (the paper's FLOP count, 96·B·s·l·h²·(...),
+    counts the recomputed forward)."""
+    from ptdp.config import ModelConfig
+    from ptdp.perf.layout import Layout, Workload
+
+    model = ModelConfig(num_layers=24, hidden_size=2304, num_attention_heads=24, seq_length=2048,
+                        vocab_size=51200, recompute_granularity="full")
+    return (Workload(model, global_batch=512, precision="fp16"),
+            Layout(t=1, p=1, d=32, b=16, recompute="full"))
+
+
+def fit_to_calibration_point(target_tflops: float = CALIBRATION_TFLOPS, *,
+                             tolerance: float = 1e-6) -> float:
+    """The e_max for which `cost.simulate` predicts `target_tflops` per GPU
+    for the paper's 1.7B run on `a100` (bisection; predicted TFLOP/s rises
+    monotonically with e_max)."""
+    from ptdp.perf.cost import simulate
+
+    workload, layout = calibration_point()
+
+    def predicted(e_max: float) -> float:
+        return simulate(workload, layout, _a100(e_max)).tflops_per_device
+
+    low, high = 0.01, 1.0
+    if predicted(high) < target_tflops:
+        raise ValueError(f"even at 100% GEMM efficiency the model predicts "
+                         f"{predicted(high):.1f} < {target_tflops} TFLOP/s")
+    while high - low > tolerance:
+        mid = (low + high) / 2
+        if predicted(mid) < target_tflops:
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2

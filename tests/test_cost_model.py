@@ -1,0 +1,295 @@
+"""The schedule-pricing simulator (ptdp/perf/cost.py), hardware profiles
+(ptdp/perf/profiles.py) and `ptdp calibrate` (ptdp/perf/calibrate.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+from ptdp.config import ModelConfig
+from ptdp.parallel.pipeline import simulate as unit
+from ptdp.parallel.pipeline.schedules import build_schedule
+from ptdp.perf import cost
+from ptdp.perf.cost import Machine, OperatorModel, simulate, simulate_uniform
+from ptdp.perf.layout import Layout, Workload
+from ptdp.perf.profiles import (CALIBRATED_GEMM_EFFICIENCY, CALIBRATION_TFLOPS, HardwareProfile,
+                                calibration_point, fit_to_calibration_point, load_profile,
+                                save_profile)
+from ptdp.train.report import model_flops_per_iteration
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A GPT large enough that every GEMM runs near e_max on the GPU profiles.
+BIG = ModelConfig(num_layers=16, hidden_size=4096, num_attention_heads=32, seq_length=2048,
+                  vocab_size=51200, hidden_dropout=0.1, attention_dropout=0.1)
+
+
+def _cpu_profile(cores: int) -> HardwareProfile:
+    return HardwareProfile(name="cpu-test", kind="cpu", devices_per_server=256, peak_tflops=0.1,
+                           peak_tflops_fp32=0.1, gemm_efficiency=1.0, gemm_ramp_seconds=2e-6,
+                           memory_bandwidth=10e9, intra_bandwidth=1e9, intra_latency=1e-4,
+                           inter_bandwidth=1e9, inter_latency=1e-4, launch_overhead=3e-6,
+                           cores=cores)
+
+
+# ------------------------------------------------------------------ bubbles with uniform costs
+
+@pytest.mark.parametrize("kind,p,m,v", [
+    ("gpipe", 2, 4, 1), ("gpipe", 4, 8, 1), ("gpipe", 8, 3, 1),
+    ("1f1b", 2, 2, 1), ("1f1b", 4, 8, 1), ("1f1b", 8, 16, 1), ("1f1b", 4, 1, 1),
+    ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2), ("interleaved", 4, 12, 3),
+    ("interleaved", 8, 16, 4),
+])
+def test_uniform_costs_reproduce_the_paper_bubble(kind, p, m, v):
+    makespan, bubble = simulate_uniform(kind, p, m, v, forward=1, backward=2)
+    assert bubble == Fraction(p - 1, m * (v if kind == "interleaved" else 1))
+    # ... and the same makespan as the unit-time simulator of the executor's schedules.
+    assert makespan == unit.simulate(build_schedule(kind, p, m, v)).makespan
+
+
+def test_uniform_bubble_does_not_depend_on_the_cost_ratio():
+    _, bubble = simulate_uniform("1f1b", 4, 8, forward=Fraction(1, 3), backward=Fraction(5, 7))
+    assert bubble == Fraction(3, 8)
+
+
+def test_play_reports_a_deadlock():
+    schedule = build_schedule("1f1b", 2, 2)
+    # Rank 1 never receives: drop its exchanges, so rank 0's first send has no other end.
+    broken = dataclasses.replace(schedule, ranks=(schedule.ranks[0],
+                                                  tuple(a for a in schedule.ranks[1]
+                                                        if not isinstance(a, cost.Exchange))))
+    with pytest.raises(cost.ScheduleError):
+        cost.play(broken, lambda r, a: (1, 0), lambda r, a: 0)
+
+
+# ------------------------------------------------------------------ the calibration point
+
+def test_a100_predicts_the_calibration_point_and_the_fit_is_reproducible():
+    workload, layout = calibration_point()
+    prediction = simulate(workload, layout, load_profile("a100"))
+    assert prediction.tflops_per_device == pytest.approx(CALIBRATION_TFLOPS, rel=0.01)
+    assert prediction.tflops_per_device / 312.0 == pytest.approx(0.44, abs=0.005)
+    fitted = fit_to_calibration_point()
+    assert fitted == pytest.approx(CALIBRATED_GEMM_EFFICIENCY, abs=1e-3)
+    assert 0 < fitted <= 1
+    # The paper's F over n devices and the predicted time.
+    flops = model_flops_per_iteration(workload.model, workload.global_batch, recompute="full")
+    assert prediction.tflops_per_device == pytest.approx(
+        flops / (32 * prediction.iteration_seconds) / 1e12, rel=1e-9)
+
+
+def test_h100_and_h200_share_the_fitted_efficiency_and_run_faster():
+    workload, layout = calibration_point()
+    a100 = simulate(workload, layout, load_profile("a100"))
+    for name in ("h100", "h200"):
+        profile = load_profile(name)
+        assert profile.gemm_efficiency == CALIBRATED_GEMM_EFFICIENCY
+        assert simulate(workload, layout, profile).iteration_seconds < a100.iteration_seconds
+    assert load_profile("h200").memory_bytes > load_profile("h100").memory_bytes
+
+
+# ------------------------------------------------------------------ placement of the ranks
+
+def test_tensor_parallelism_across_servers_costs_more_than_within_one():
+    workload = Workload(BIG, global_batch=64, precision="bf16")
+    layout = Layout(t=16, p=1, d=1, b=1)
+    across = simulate(workload, layout, load_profile("a100"))          # 8 GPUs per server
+    within = simulate(workload, layout, dataclasses.replace(load_profile("a100"),
+                                                            devices_per_server=16))
+    assert (across.seconds_by_category["tensor all-reduce"]
+            > 3 * within.seconds_by_category["tensor all-reduce"])
+    assert across.iteration_seconds > within.iteration_seconds
+    # t = 8 within a server vs t = 16 across two: the 16-way all-reduces take longer
+    # although each moves the same b·s·h bytes.
+    inside = simulate(workload, Layout(t=8, p=1, d=2, b=1), load_profile("a100"))
+    assert (across.seconds_by_category["tensor all-reduce"]
+            > inside.seconds_by_category["tensor all-reduce"])
+
+
+def test_scatter_gather_cuts_pipeline_transfers_between_servers():
+    workload = Workload(BIG, global_batch=64, precision="bf16")
+    a100 = load_profile("a100")
+
+    def transfer(scatter_gather: bool, profile: HardwareProfile) -> float:
+        layout = Layout(t=8, p=4, d=1, b=1, scatter_gather=scatter_gather)
+        prediction = simulate(workload, layout, profile)
+        return sum(c["pipeline transfer"] for c in prediction.categories_by_rank)
+
+    # t·d = 8 = devices per server: every pipeline neighbour is on another server.
+    with_sg, without_sg = transfer(True, a100), transfer(False, a100)
+    assert with_sg < 0.5 * without_sg
+    # Neighbours on one server (NVSwitch) move their bytes much faster either way.
+    one_server = dataclasses.replace(a100, devices_per_server=32)
+    assert transfer(False, one_server) < 0.2 * without_sg
+
+
+# ------------------------------------------------------------------ recomputation
+
+def test_full_recomputation_adds_the_layers_forward_once_more():
+    workload = Workload(BIG, global_batch=32, precision="bf16")
+    a100 = load_profile("a100")
+    base = simulate(workload, Layout(b=2), a100)
+    full = simulate(workload, Layout(b=2, recompute="full"), a100)
+    added = full.iteration_seconds - base.iteration_seconds
+    assert added == pytest.approx(full.seconds_by_category["recompute"], rel=1e-9)
+    assert base.seconds_by_category["recompute"] == 0
+    # The layers' forward again, less the MLP's last GEMM (non-re-entrant checkpoint
+    # stops once every saved tensor is rebuilt) and what follows it.
+    layout = Layout(b=2)
+    ops = OperatorModel(workload, layout, a100, Machine(layout, a100))
+    m, l = layout.microbatches(32), BIG.num_layers
+    layers_forward = m * l * ops.layer_forward().total_work
+    mlp_down = m * l * ops.gemm(*ops.layer_gemms()["mlp_down"][:3])
+    assert added == pytest.approx(layers_forward - mlp_down, rel=0.05)
+    assert added < layers_forward < base.seconds_by_category["forward compute"]
+    # The paper's FLOPs count the recomputed forward: F_full / F_none = 4/3 without logits.
+    assert full.flops_per_iteration > base.flops_per_iteration
+
+
+def test_selective_recomputation_adds_the_attention_core_only():
+    workload = Workload(BIG, global_batch=32, precision="bf16")
+    a100 = load_profile("a100")
+    layout = Layout(b=2, recompute="selective")
+    selective = simulate(workload, layout, a100)
+    base = simulate(workload, Layout(b=2), a100)
+    ops = OperatorModel(workload, layout, a100, Machine(layout, a100))
+    shapes = ops.layer_gemms()
+    core = (ops.gemm(*shapes["scores"][:3], shapes["scores"][3])
+            + ops.gemm(*shapes["context"][:3], shapes["context"][3])
+            + ops.memory_ops_seconds(ops.attention_core_ops(), False) + ops.launches(8))
+    m = layout.microbatches(32)
+    assert selective.seconds_by_category["recompute"] == pytest.approx(m * BIG.num_layers * core)
+    assert (selective.iteration_seconds - base.iteration_seconds
+            == pytest.approx(m * BIG.num_layers * core))
+
+
+def test_full_recomputation_repeats_one_tensor_all_reduce_per_layer():
+    workload = Workload(BIG, global_batch=8, precision="bf16")
+    a100 = load_profile("a100")
+    base = simulate(workload, Layout(t=4, b=1), a100)
+    full = simulate(workload, Layout(t=4, b=1, recompute="full"), a100)
+    layout = Layout(t=4, b=1)
+    one = Machine(layout, a100).tensor_allreduce(1 * BIG.seq_length * BIG.hidden_size * 2)
+    extra = full.seconds_by_category["tensor all-reduce"] - base.seconds_by_category["tensor all-reduce"]
+    assert extra == pytest.approx(8 * BIG.num_layers * one)
+
+
+# ------------------------------------------------------------------ the rest of the iteration
+
+def test_iteration_breakdown_sums_to_the_iteration_on_every_rank():
+    workload = Workload(BIG, global_batch=64, precision="bf16")
+    prediction = simulate(workload, Layout(t=2, p=4, d=2, b=2, v=2), load_profile("a100"))
+    for categories in prediction.categories_by_rank:
+        assert set(categories) == set(cost.CATEGORIES)
+        assert sum(categories.values()) == pytest.approx(prediction.iteration_seconds)
+        assert all(seconds >= -1e-12 for seconds in categories.values())
+    assert prediction.seconds_by_category is prediction.categories_by_rank[prediction.critical_rank]
+    assert 0 < prediction.bubble_fraction < 0.5
+    assert len(prediction.timelines) == 4
+
+
+def test_interleaving_shrinks_the_bubble_and_data_parallelism_adds_a_reduction():
+    workload = Workload(BIG, global_batch=32, precision="bf16")
+    a100 = load_profile("a100")
+    plain = simulate(workload, Layout(p=4, d=1, b=1), a100)
+    interleaved = simulate(workload, Layout(p=4, d=1, b=1, v=2), a100)
+    assert interleaved.bubble_fraction < plain.bubble_fraction
+    assert plain.bubble_fraction == pytest.approx(3 / 32, rel=0.25)
+    replicated = simulate(workload, Layout(p=4, d=2, b=1), a100)
+    assert replicated.seconds_by_category["data-parallel reduction"] > 0
+    sharded = simulate(workload, Layout(p=4, d=2, b=1, distributed_optimizer=True), a100)
+    assert (sharded.seconds_by_category["optimizer"]
+            < replicated.seconds_by_category["optimizer"])
+
+
+def test_cpu_contention_shares_the_cores():
+    model = ModelConfig(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=64,
+                        vocab_size=512)
+    workload = Workload(model, global_batch=8, precision="fp32")
+    layout = Layout(d=4, b=1)           # 4 processes computing at once, 1 thread each
+    roomy = simulate(workload, layout, _cpu_profile(cores=4))
+    crowded = simulate(workload, layout, _cpu_profile(cores=2))
+    for category in ("forward compute", "backward compute"):
+        assert crowded.seconds_by_category[category] == pytest.approx(
+            2 * roomy.seconds_by_category[category], rel=1e-9)
+    # A pipeline's ranks only compete while they compute at the same time: 2 ranks on
+    # 2 cores never slow each other; 4 ranks on 2 cores do, but by less than 2x overall.
+    pipeline = Layout(p=4, b=1)
+    alone = simulate(workload, pipeline, _cpu_profile(cores=4))
+    shared = simulate(workload, pipeline, _cpu_profile(cores=2))
+    assert alone.pipeline_seconds < shared.pipeline_seconds < 2 * alone.pipeline_seconds
+
+
+def test_draw_writes_a_png(tmp_path):
+    model = ModelConfig(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=64,
+                        vocab_size=512)
+    prediction = simulate(Workload(model, 8, "fp32"), Layout(p=2, b=1, v=2), _cpu_profile(2))
+    path = prediction.draw(tmp_path / "timeline.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_invalid_layouts_are_refused():
+    workload = Workload(BIG, global_batch=32)
+    with pytest.raises(ValueError, match="p·v"):
+        simulate(workload, Layout(p=3), load_profile("a100"))
+
+
+# ------------------------------------------------------------------ profiles as JSON
+
+def test_profile_json_round_trip(tmp_path):
+    profile = dataclasses.replace(
+        load_profile("h200"), op_bandwidth={"gelu": 1e9}, op_thread_speedup={"gelu": 1.5},
+        collective_seconds={"allreduce": {"4": 1e-4, "1024": 2e-4}}, measurements={"x": [1, 2]})
+    path = save_profile(profile, tmp_path / "h200.json")
+    assert json.loads(path.read_text())["name"] == "h200"
+    assert load_profile(path) == profile
+    for name in ("a100", "h100", "h200"):
+        builtin = load_profile(name)
+        assert load_profile(save_profile(builtin, tmp_path / f"{name}.json")) == builtin
+
+
+def test_profile_json_rejects_unknown_fields(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"name": "x", "peak_tflopz": 3}))
+    with pytest.raises(ValueError, match="peak_tflopz"):
+        load_profile(path)
+    with pytest.raises(FileNotFoundError):
+        load_profile(tmp_path / "missing.json")
+
+
+def test_measured_collective_tables_interpolate():
+    profile = dataclasses.replace(_cpu_profile(2), collective_seconds={
+        "allreduce": {"4": 1e-3, "1000004": 3e-3, "2000004": 4e-3}})
+    assert profile.measured_seconds("allreduce", 1) == 1e-3
+    assert profile.measured_seconds("allreduce", 500004) == pytest.approx(2e-3)
+    assert profile.measured_seconds("allreduce", 3000004) == pytest.approx(5e-3)
+    assert profile.measured_seconds("exchange", 10) is None
+    machine = Machine(Layout(t=2), profile)
+    assert machine.tensor_allreduce(500004) == pytest.approx(2e-3)
+
+
+# ------------------------------------------------------------------ ptdp calibrate
+
+def test_calibrate_quick_writes_a_loadable_profile(tmp_path):
+    out = tmp_path / "local.json"
+    result = subprocess.run([sys.executable, "-m", "ptdp.perf.calibrate", "calibrate", "--quick",
+                             "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    profile = load_profile(out)
+    assert profile.kind == "cpu" and profile.cores >= 1
+    assert profile.peak_tflops_fp32 > 0 and profile.memory_bandwidth > 0
+    assert set(profile.op_bandwidth) >= {"layer_norm", "gelu", "residual", "attention_core",
+                                         "elementwise", "cross_entropy", "optimizer"}
+    assert set(profile.collective_seconds) == {"allreduce", "exchange"}
+    assert profile.measurements["seconds"] < 20
+    model = ModelConfig(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=64,
+                        vocab_size=512)
+    prediction = simulate(Workload(model, 8, "fp32"), Layout(t=2, p=2, b=1), profile)
+    assert 0 < prediction.iteration_seconds < 60
