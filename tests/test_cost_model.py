@@ -288,7 +288,7 @@ def test_calibrate_quick_writes_a_loadable_profile(tmp_path):
     assert set(profile.op_bandwidth) >= {"layer_norm", "gelu", "residual", "attention_core",
                                          "elementwise", "cross_entropy", "optimizer"}
     assert set(profile.collective_seconds) == {"allreduce", "exchange"}
-    assert profile.measurements["seconds"] < 20
+    assert profile.measurements["seconds"] < 60      # --quick: about 10 s on 2 idle cores
     model = ModelConfig(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=64,
                         vocab_size=512)
     prediction = simulate(Workload(model, 8, "fp32"), Layout(t=2, p=2, b=1), profile)

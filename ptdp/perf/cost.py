@@ -712,7 +712,7 @@ def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Pr
     exchange_costs: dict[tuple, float] = {}
 
     def exchange(rank: int, action: Exchange) -> float:
-        key = (rank, *[(t.op, t.peer) for t in action.transfers])
+        key = (rank, *[(transfer.op, transfer.peer) for transfer in action.transfers])
         if key not in exchange_costs:
             slowest, gathers = 0.0, 0.0
             for transfer in action.transfers:
