@@ -165,6 +165,11 @@ def _finish(trainer, partial: Path, final: Path, iteration: int, consumed_sample
         "tensors": tensors,
         "files": files,
     }
+    _publish(partial, final, metadata)
+
+
+def _publish(partial: Path, final: Path, metadata: dict) -> None:
+    """Metadata last, everything fsynced, then one rename makes it visible."""
     _write_json(partial / METADATA, metadata)
     for path in [*partial.rglob("*"), partial]:
         _fsync(path)
@@ -368,12 +373,7 @@ def save_logical_model(save: str | Path, config: Config, weights: dict[str, torc
                 "consumed_samples": 0, "config": config.to_dict(), "layout": None,
                 "optimizer": None, "tensors": {name: "part-pp0-tp0.safetensors" for name in tensors},
                 "files": {"part-pp0-tp0.safetensors": _sha256(partial / "part-pp0-tp0.safetensors")}}
-    _write_json(partial / METADATA, metadata)
-    for path in [*partial.rglob("*"), partial]:
-        _fsync(path)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(partial, final)
+    _publish(partial, final, metadata)
     _point_latest(Path(save), final.name)
     return final
 
