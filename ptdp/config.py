@@ -181,7 +181,7 @@ class TrainConfig:
     tensorboard_dir: str | None = flag(None, "--tensorboard-dir", "write TensorBoard logs here",
                                        metavar="DIR")
     peak_tflops: float | None = flag(None, "--peak-tflops",
-                                     "peak TFLOP/s of one device, for the % of peak (default: by "
+                                     "peak TFLOP/s of one device, for the %% of peak (default: by "
                                      "GPU model; none on CPU)")
     loss_curve: str | None = flag(None, "--loss-curve",
                                   "draw the training and validation loss to this PNG at the end",

@@ -435,3 +435,13 @@ def test_data_path_in_a_config_file(tmp_path, text):
     path.write_text(text)
     config = config_from_args(build_parser().parse_args(["train", "--config", str(path)]))
     assert config.data.data_path == ["0.3", "a", "0.7", "b"]
+
+
+@pytest.mark.parametrize("command", [["train"], ["schedule"], ["plan"], ["calibrate"], ["generate"],
+                                     ["convert"], ["preprocess"], ["tokenizer", "train"]])
+def test_every_command_prints_its_help(command, capsys):
+    # argparse formats help strings with %: a bare % in a flag's help crashes --help.
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "--help"])
+    assert exit_info.value.code == 0
+    assert "usage: ptdp" in capsys.readouterr().out
