@@ -152,21 +152,27 @@ class Optimizer:
         if scale != 1.0:
             grads.mul_(1.0 / scale)
 
-        # An inf or nan anywhere skips the step everywhere.
-        found_inf = (~torch.isfinite(grads)).any().float().reshape(1)
-        if self.ctx.world_group is not None:
-            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.ctx.world_group)
-        if found_inf.item() > 0:
-            self.scaler.update(True)
-            return StepResult(grad_norm=float("nan"), skipped=True, loss_scale=scale)
-
-        norm_sq = torch.zeros(1, dtype=torch.float32, device=grads.device)
+        # The global norm doubles as the overflow check: an inf or nan in any
+        # gradient makes it non-finite on every rank of the norm's group, and
+        # every element left out of the norm (a replicated or tied copy) is
+        # equal to one counted elsewhere. One pass and one reduction instead
+        # of two of each.
+        norm_sq = torch.zeros((), dtype=torch.float32, device=grads.device)
         for start, end in self.norm_ranges:
-            norm_sq += grads[start:end].pow(2).sum()
+            segment = grads[start:end]
+            norm_sq += torch.dot(segment, segment)
         group = self._norm_group()
         if group is not None:
             dist.all_reduce(norm_sq, group=group)
-        grad_norm = norm_sq.sqrt().item()
+        if not self.buffer.shard and self.ctx.dp_group is not None:
+            # Replicas hold equal gradients, so MAX changes nothing, unless one
+            # of them went wrong: then every replica skips with it.
+            dist.all_reduce(norm_sq, op=dist.ReduceOp.MAX, group=self.ctx.dp_group)
+        norm_sq_value = norm_sq.item()
+        if not math.isfinite(norm_sq_value):
+            self.scaler.update(True)
+            return StepResult(grad_norm=float("nan"), skipped=True, loss_scale=scale)
+        grad_norm = math.sqrt(norm_sq_value)
         if self.config.clip_grad > 0:
             coefficient = self.config.clip_grad / (grad_norm + 1e-6)
             if coefficient < 1.0:
@@ -188,12 +194,33 @@ class Optimizer:
         if c.weight_decay:
             for start, end in self.decay_ranges:
                 self.main[start:end].mul_(1.0 - lr * c.weight_decay)
+        if _fused_adamw(self.main, grads, self.exp_avg, self.exp_avg_sq, self.steps, lr, c):
+            return
         self.exp_avg.lerp_(grads, 1.0 - c.adam_beta1)
         self.exp_avg_sq.mul_(c.adam_beta2).addcmul_(grads, grads, value=1.0 - c.adam_beta2)
         bias_correction1 = 1.0 - c.adam_beta1 ** self.steps
         bias_correction2 = 1.0 - c.adam_beta2 ** self.steps
         denom = (self.exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(c.adam_eps)
         self.main.addcdiv_(self.exp_avg, denom, value=-lr / bias_correction1)
+
+
+def _fused_adamw(main: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor,
+                 exp_avg_sq: torch.Tensor, step: int, lr: float, c: TrainConfig) -> bool:
+    """The Adam update (weight decay already applied) in PyTorch's fused
+    kernel, the one behind torch.optim.AdamW(fused=True): one pass over the
+    buffers instead of seven. False where this PyTorch has no such kernel
+    for the device; the caller then runs the same arithmetic op by op."""
+    kernel = getattr(torch, "_fused_adamw_", None)
+    if kernel is None:
+        return False
+    try:
+        kernel([main], [grads], [exp_avg], [exp_avg_sq], [],
+               [torch.tensor(float(step), device=main.device)], lr=lr, beta1=c.adam_beta1,
+               beta2=c.adam_beta2, weight_decay=0.0, eps=c.adam_eps, amsgrad=False,
+               maximize=False)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 def learning_rate(iteration: int, config: TrainConfig) -> float:

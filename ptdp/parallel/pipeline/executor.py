@@ -7,8 +7,9 @@
 - Compute B: backpropagate the received output gradient (or the loss) through
   the chunk; the input's gradient is what goes to the previous stage.
 - Exchange: all its sends and receives are posted as one batch
-  (batch_isend_irecv) and waited for together, so two neighbours that send to
-  each other at the same moment cannot deadlock.
+  (batch_isend_irecv), so two neighbours that send to each other at the same
+  moment cannot deadlock. The receives are waited for; the sends are waited
+  for at the next exchange, so they travel while this rank computes.
 
 Scatter/gather (the paper's optimisation): the activation or gradient that
 crosses a stage boundary is the same on every tensor rank, so each tensor
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ptdp.parallel.collectives import all_gather_flat
-from ptdp.parallel.pipeline.schedules import Compute, Exchange, Schedule, Transfer
+from ptdp.parallel.pipeline.schedules import Exchange, Schedule, Transfer
 from ptdp.parallel.topology import ParallelContext
 
 # (op, microbatch, chunk, start, end): op is "F", "B" or "comm"; seconds from
@@ -64,6 +65,8 @@ class PipelineExecutor:
             numel *= size
         self.split = (scatter_gather and ctx.tp_size > 1 and numel % ctx.tp_size == 0)
         self.slice_numel = numel // ctx.tp_size if self.split else numel
+        # (send requests with their payloads, outputs to free once they are sent)
+        self._pending_sends: list[tuple[list, list[torch.Tensor]]] = []
 
     def _global_rank(self, pipeline_rank: int) -> int:
         c = self.ctx.coord
@@ -74,7 +77,7 @@ class PipelineExecutor:
         """Execute this rank's actions of `schedule`. `microbatch(i)` gives the
         tokens and labels [b, s] of microbatch i, and optionally its loss mask
         (used on the first and last virtual stage only). Backward starts from loss · loss_scale / m."""
-        ctx, p, m = self.ctx, schedule.p, schedule.m
+        ctx, m = self.ctx, schedule.m
         last_stage = schedule.num_stages - 1
         stats = PipelineStats()
         stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
@@ -97,14 +100,16 @@ class PipelineExecutor:
             i, c = action.microbatch, action.chunk
             stage = schedule.virtual_stage(ctx.pp_rank, c)
             if action.op == "F":
+                # Read once: a stage that is first and last needs tokens and labels.
+                batch = microbatch(i) if stage in (0, last_stage) else None
                 if stage == 0:
-                    x = microbatch(i)[0]
+                    x = batch[0]
                 else:
                     x = received.pop(("activation", i, stage - 1))
                     x.requires_grad_(not forward_only)
                 with torch.set_grad_enabled(not forward_only):
                     if stage == last_stage:
-                        loss = self.chunks[c](x, *microbatch(i)[1:])
+                        loss = self.chunks[c](x, *batch[1:])
                         stats.losses.append(loss.detach())
                         out = loss * (loss_scale / m)
                     else:
@@ -132,8 +137,9 @@ class PipelineExecutor:
             # Drop this action's references now: through its autograd graph a
             # finished microbatch's output would otherwise keep its stage
             # input alive until the next action reassigns the names.
-            x = out = loss = None
+            x = out = loss = batch = None
 
+        self._finish_sends(stats)
         if stash or outgoing or received:
             raise RuntimeError(f"pipeline rank {ctx.pp_rank}: the schedule left work undone "
                                f"(stashed {list(stash)}, unsent {list(outgoing)}, unused "
@@ -148,6 +154,7 @@ class PipelineExecutor:
 
     def _exchange(self, exchange: Exchange, outgoing: dict, received: dict,
                   stats: PipelineStats) -> None:
+        self._finish_sends(stats)   # the previous exchange's sends: long done, as a rule
         ops: list = []
         sent_outputs: list[torch.Tensor] = []
         buffers: list[tuple[Transfer, torch.Tensor]] = []
@@ -165,16 +172,39 @@ class PipelineExecutor:
                 buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
                 buffers.append((t, buffer))
                 ops.append(dist.P2POp(dist.irecv, buffer, peer, tag=self._tag(t)))
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        for output in sent_outputs:
-            # Autograd keeps only the shape of a chunk's output (its last op is
-            # an addition, which saves no tensors): its data can go now.
-            storage = output.untyped_storage()
-            stats.released_bytes += storage.nbytes()
-            storage.resize_(0)
+        works = dist.batch_isend_irecv(ops)
+        sends: list = []
+        if len(works) == len(ops):
+            # One request per operation (gloo): wait for the receives only; the
+            # sends complete while this rank computes its next action.
+            for op, work in zip(ops, works):
+                if op.op is dist.isend:
+                    sends.append((work, op.tensor))
+                else:
+                    work.wait()
+        else:
+            # One request for the batch (NCCL): waiting only orders the device
+            # streams, the host goes on at once.
+            for work in works:
+                work.wait()
+        self._pending_sends.append((sends, sent_outputs))
+        if not sends:
+            self._finish_sends(stats)
         for t, buffer in buffers:
             received[t.tag] = self._gather(buffer) if self.split else buffer
+
+    def _finish_sends(self, stats: PipelineStats) -> None:
+        """Wait for the sends still in flight and free the sent activations."""
+        for sends, sent_outputs in self._pending_sends:
+            for work, _payload in sends:
+                work.wait()
+            for output in sent_outputs:
+                # Autograd keeps only the shape of a chunk's output (its last op
+                # is an addition, which saves no tensors): its data can go now.
+                storage = output.untyped_storage()
+                stats.released_bytes += storage.nbytes()
+                storage.resize_(0)
+        self._pending_sends.clear()
 
     def _my_slice(self, tensor: torch.Tensor) -> torch.Tensor:
         flat = tensor.detach().reshape(-1)

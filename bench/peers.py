@@ -1,0 +1,507 @@
+"""ptdp against PyTorch's own parallelism, side by side in the same processes.
+
+Each row starts one local gloo job (world = the layout's process count).
+Every process builds both sides from the same logical weights:
+
+- ours: ptdp's Trainer (the code `ptdp train` runs: pipeline executor,
+  tensor-parallel layers, gradient buffer, optimizer);
+- theirs: the same GPT written with plain PyTorch modules
+  (bench/torch_reference.py), parallelised with PyTorch's own tools:
+  `torch.distributed.pipelining` (ScheduleGPipe, Schedule1F1B,
+  ScheduleInterleaved1F1B), DTensor `ColwiseParallel`/`RowwiseParallel` with
+  `loss_parallel`, FSDP2 `fully_shard` on a DeviceMesh, torch.optim.AdamW.
+
+Both train on the same batches with the same optimizer settings (AdamW,
+weight decay on matrices only, constant learning rate, no clipping, dropout
+off). Iterations alternate between the two sides (ABBA order, a barrier
+around each), so machine noise hits both alike; the median iteration time
+of each side gives tokens/s and the ratio ours/theirs. Before any time
+counts, the losses of every iteration must agree (relative 1e-4; the row
+reports the largest difference) — a row whose losses differ fails.
+
+Utilisation is the model FLOP/s (the paper's formula) of the whole job over
+this machine's matmul peak, measured at the start of the run (fp32 GEMMs on
+all cores). Scaling compares ours in each layout with the one-process model
+on the same global batch, measured in the same run.
+
+    python bench/peers.py                      # every section
+    python bench/peers.py pipeline --iters 6   # one section
+    python bench/peers.py --write              # append the tables to bench/RESULTS.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from results import cpu_name, publish  # noqa: E402
+from torch_reference import TorchGPT, cross_entropy, load_logical  # noqa: E402
+
+from ptdp.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
+from ptdp.train.report import configured_flops_per_iteration  # noqa: E402
+
+HEADING = "## Peer benchmarks: ptdp against PyTorch's own parallelism"
+LOSS_RTOL = 1e-4
+# hidden >= 256 so that compute, not message latency, decides; V a multiple
+# of 128·t so that neither side pads the vocabulary.
+MODEL = ModelConfig(num_layers=8, hidden_size=256, num_attention_heads=8, seq_length=128,
+                    vocab_size=8192, hidden_dropout=0.0, attention_dropout=0.0)
+
+# For checking the harness in seconds (tests): its figures are not results.
+TINY_MODEL = replace(MODEL, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=512)
+
+
+@dataclass(frozen=True)
+class Row:
+    section: str
+    t: int = 1
+    p: int = 1
+    d: int = 1
+    v: int = 1
+    schedule: str = "1f1b"          # gpipe | 1f1b (v > 1: interleaved)
+    micro_batch: int = 2
+    global_batch: int = 16
+    distributed_optimizer: bool = False
+    peer: bool = True               # also run PyTorch's side
+
+    @property
+    def world(self) -> int:
+        return self.t * self.p * self.d
+
+    @property
+    def microbatches(self) -> int:
+        return self.global_batch // (self.micro_batch * self.d)
+
+    def describe(self) -> str:
+        parts = [f"{k}={getattr(self, k)}" for k in ("t", "p", "d") if getattr(self, k) > 1]
+        if self.p > 1:
+            parts.append(f"interleaved v={self.v}" if self.v > 1 else self.schedule)
+        if self.distributed_optimizer:
+            parts.append("dist-opt")
+        return " ".join(parts) or "one process"
+
+    def peer_name(self) -> str:
+        names = []
+        if self.p > 1:
+            names.append({"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}[self.schedule]
+                         if self.v == 1 else "ScheduleInterleaved1F1B")
+        if self.t > 1:
+            names.append("DTensor Colwise/Rowwise")
+        if self.d > 1:
+            names.append("FSDP2")
+        return " + ".join(names) or "plain module"
+
+
+SECTIONS = {
+    "pipeline": [Row("pipeline", p=p, schedule=schedule, v=v)
+                 for p in (2, 4) for schedule, v in (("gpipe", 1), ("1f1b", 1), ("1f1b", 2))],
+    "tensor": [Row("tensor", t=t) for t in (2, 4)],
+    "3d": [Row("3d", t=2, p=2, d=2), Row("3d", t=2, p=2, d=2, distributed_optimizer=True)],
+}
+SCALING = [Row("scaling", **layout, peer=False) for layout in (
+    dict(t=2), dict(p=2), dict(d=2), dict(t=2, p=2), dict(t=2, d=2), dict(p=2, d=2),
+    dict(t=2, p=2, d=2))]
+
+
+def config_for(row: Row, model: ModelConfig) -> Config:
+    return Config(
+        model=model,
+        parallel=ParallelConfig(
+            tensor_model_parallel_size=row.t, pipeline_model_parallel_size=row.p,
+            pipeline_schedule=row.schedule, device="cpu",
+            num_layers_per_virtual_pipeline_stage=(model.num_layers // (row.p * row.v)
+                                                   if row.v > 1 else None)),
+        train=TrainConfig(micro_batch_size=row.micro_batch, global_batch_size=row.global_batch,
+                          lr=1e-4, lr_decay_style="constant", weight_decay=0.01, clip_grad=0.0,
+                          use_distributed_optimizer=row.distributed_optimizer, seed=1234),
+        data=DataConfig(mock_data=True))
+
+
+# ------------------------------------------------------------------------------------------
+# PyTorch's side
+
+
+class TorchSide:
+    """One rank's share of the reference GPT under PyTorch's parallelism."""
+
+    def __init__(self, row: Row, model: ModelConfig, logical: dict, ctx, microbatch_fn):
+        from torch.distributed.device_mesh import init_device_mesh
+        from ptdp.parallel.pipeline.schedules import layers_of
+
+        self.row, self.ctx, self.microbatch_fn = row, ctx, microbatch_fn
+        mesh = init_device_mesh("cpu", (row.p, row.d, row.t), mesh_dim_names=("pp", "dp", "tp"))
+        self.tp_mesh, self.dp_mesh, self.pp_mesh = mesh["tp"], mesh["dp"], mesh["pp"]
+        stages = row.p * row.v
+        self.modules = []
+        for chunk in range(row.v):
+            stage = chunk * row.p + ctx.pp_rank
+            module = load_logical(TorchGPT(model, layers_of(ctx.pp_rank, chunk, row.p, row.v,
+                                                            model.num_layers),
+                                           pre_process=stage == 0, post_process=stage == stages - 1),
+                                  logical)
+            if row.t > 1:
+                parallelize_tensor(module, self.tp_mesh)
+            if row.d > 1:
+                from torch.distributed.fsdp import fully_shard
+                # Pipelining: keep parameters gathered between a microbatch's
+                # forward and backward (as torchtitan does with pipelining).
+                for layer in module.layers.values():
+                    fully_shard(layer, mesh=self.dp_mesh, reshard_after_forward=False)
+                fully_shard(module, mesh=self.dp_mesh, reshard_after_forward=False)
+            self.modules.append((stage, module))
+        self.has_first = any(stage == 0 for stage, _ in self.modules)
+        self.has_last = any(stage == stages - 1 for stage, _ in self.modules)
+        params = [p for _, m in self.modules for p in m.parameters()]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.01},
+             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+            lr=1e-4, betas=(0.9, 0.999), eps=1e-8)
+        self.schedule = None
+        if row.p > 1:
+            from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                                      ScheduleInterleaved1F1B)
+            group = self.pp_mesh.get_group()
+            pipeline_stages = [PipelineStage(m, stage, stages, torch.device("cpu"), group=group)
+                               for stage, m in self.modules]
+            m = row.microbatches
+            if row.v > 1:
+                self.schedule = ScheduleInterleaved1F1B(pipeline_stages, m, loss_fn=cross_entropy)
+            else:
+                kind = ScheduleGPipe if row.schedule == "gpipe" else Schedule1F1B
+                self.schedule = kind(pipeline_stages[0], m, loss_fn=cross_entropy)
+
+    def step(self, iteration: int) -> float | None:
+        """One training iteration; the mean loss on a rank with the last stage."""
+        row = self.row
+        self.optimizer.zero_grad(set_to_none=True)
+        batches = ([self.microbatch_fn(iteration)(i) for i in range(row.microbatches)]
+                   if self.has_first or self.has_last else [])
+        losses: list[torch.Tensor] = []
+        parallel_loss = _loss_parallel() if row.t > 1 else contextlib.nullcontext()
+        with parallel_loss:
+            if self.schedule is None:
+                _, module = self.modules[0]
+                for tokens, labels in batches:
+                    loss = cross_entropy(module(tokens), labels)
+                    (loss / row.microbatches).backward()
+                    losses.append(loss.detach())
+            else:
+                args = (torch.cat([b[0] for b in batches]),) if self.has_first else ()
+                target = torch.cat([b[1] for b in batches]) if self.has_last else None
+                self.schedule.step(*args, target=target, losses=losses if self.has_last else None)
+        self._sum_tied_gradients()
+        self.optimizer.step()
+        if not self.has_last:
+            return None
+        return sum(_full(loss).item() for loss in losses) / len(losses)
+
+    def _sum_tied_gradients(self) -> None:
+        """The word embedding of the first stage and its copy on the last
+        stage learn from both uses: sum their gradients (what a PyTorch user
+        of a pipelined tied model has to add by hand)."""
+        if self.row.p == 1:
+            return
+        tied = [w for _, m in self.modules for w in m.tied_weights()]
+        if tied:
+            dist.all_reduce(_local(tied[0].grad), group=self.ctx.embedding_group)
+
+
+def parallelize_tensor(module: TorchGPT, tp_mesh) -> None:
+    """Megatron's split with DTensor: query/key/value and the first MLP
+    matrix by columns, the projections after them by rows, the embedding by
+    vocabulary rows, the tied output layer by the same rows (logits split by
+    vocabulary, for loss_parallel)."""
+    from torch import nn
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    plan = {}
+    if module.pre_process:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate())
+    for i in module.layers:
+        for name in ("attn.query", "attn.key", "attn.value", "fc"):
+            plan[f"layers.{i}.{name}"] = ColwiseParallel()
+        for name in ("attn.proj", "out"):
+            plan[f"layers.{i}.{name}"] = RowwiseParallel()
+    parallelize_module(module, tp_mesh, plan)
+    if module.post_process:
+        weight = (module.tok_embeddings.weight if module.pre_process else
+                  nn.Parameter(distribute_tensor(module.output.weight.data, tp_mesh, [Shard(0)])))
+        module.output.weight = weight
+        module.output.register_forward_pre_hook(_replicated_input)
+
+
+def _replicated_input(output_module, inputs):
+    from torch.distributed.tensor import DTensor, Replicate
+
+    (x,) = inputs
+    return (DTensor.from_local(x, output_module.weight.device_mesh, [Replicate()]),)
+
+
+def _loss_parallel():
+    from torch.distributed.tensor.parallel import loss_parallel
+    return loss_parallel()
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+# ------------------------------------------------------------------------------------------
+# One row: a local gloo job
+
+
+def _logical_weights(model: ModelConfig, seed: int) -> dict:
+    from ptdp.model.gpt import build_chunks
+    from ptdp.parallel.topology import ParallelContext
+
+    [full] = build_chunks(model, ParallelContext.single(), torch.device("cpu"), seed)
+    return {name: tensor.detach() for name, tensor in full.state_dict().items()}
+
+
+def _worker(rank: int, world: int, port: int, row: Row, model: ModelConfig, iters: int,
+            warmup: int, threads: int, out: str) -> None:
+    from ptdp.parallel.topology import ParallelContext, RankGrid
+    from ptdp.train.loop import Trainer
+
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        ctx = ParallelContext.build(RankGrid(tp=row.t, dp=row.d, pp=row.p))
+        config = config_for(row, model)
+        ours = Trainer(config, ctx, torch.device("cpu"))
+        theirs = None
+        if row.peer:
+            theirs = TorchSide(row, model, _logical_weights(model, config.train.seed), ctx,
+                               ours.microbatch_fn)
+        times: dict[str, list[float]] = {"ours": [], "theirs": []}
+        losses: dict[str, list[float | None]] = {"ours": [], "theirs": []}
+
+        def timed(side: str, iteration: int) -> None:
+            dist.barrier()
+            start = time.perf_counter()
+            if side == "ours":
+                loss = ours.step(iteration)[0]["loss"]
+            else:
+                loss = theirs.step(iteration)
+            dist.barrier()
+            elapsed = time.perf_counter() - start
+            if iteration >= warmup:
+                times[side].append(elapsed)
+            losses[side].append(loss)
+
+        sides = ["ours", "theirs"] if theirs is not None else ["ours"]
+        for iteration in range(warmup + iters):
+            for side in (sides if iteration % 2 == 0 else sides[::-1]):  # ABBA
+                timed(side, iteration)
+        if theirs is not None and row.d > 1:
+            # theirs reports its dp shard's loss: average over data-parallel ranks
+            for i, value in enumerate(losses["theirs"]):
+                if value is not None:
+                    mean = torch.tensor([value], dtype=torch.float64)
+                    dist.all_reduce(mean, group=ctx.dp_group)
+                    losses["theirs"][i] = mean.item() / row.d
+        gathered = [None] * world
+        dist.all_gather_object(gathered, {"times": times, "losses": losses,
+                                          "last": ctx.is_last_stage})
+        if rank == 0:
+            Path(out).write_text(json.dumps(gathered))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_row(row: Row, model: ModelConfig, iters: int, warmup: int) -> dict:
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // row.world)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        mp.start_processes(_worker, args=(row.world, _free_port(), row, model, iters, warmup,
+                                          threads, out),
+                           nprocs=row.world, join=True, start_method="spawn")
+        ranks = json.loads(Path(out).read_text())
+    times = ranks[0]["times"]
+    [last] = [r for r in ranks if r["last"]][:1]
+    result = {"row": asdict(row), "layout": row.describe(), "peer": row.peer_name() if row.peer else None,
+              "ours_s": statistics.median(times["ours"])}
+    tokens = row.global_batch * model.seq_length
+    flops = configured_flops_per_iteration(model, row.global_batch, row.p * row.v)
+    result["ours_tokens_per_s"] = tokens / result["ours_s"]
+    result["ours_gflops"] = flops / result["ours_s"] / 1e9
+    result["ours_losses"] = last["losses"]["ours"]
+    if row.peer:
+        result["theirs_s"] = statistics.median(times["theirs"])
+        result["theirs_tokens_per_s"] = tokens / result["theirs_s"]
+        result["theirs_gflops"] = flops / result["theirs_s"] / 1e9
+        result["ratio"] = result["theirs_s"] / result["ours_s"]
+        result["theirs_losses"] = last["losses"]["theirs"]
+        result["loss_max_rel_diff"] = loss_difference(result["ours_losses"], result["theirs_losses"])
+        result["same_loss"] = result["loss_max_rel_diff"] <= LOSS_RTOL
+    return result
+
+
+def loss_difference(ours: list[float], theirs: list[float]) -> float:
+    """Largest relative difference between the two sides' losses, iteration
+    by iteration; inf when a loss is missing or not finite."""
+    if not ours or len(ours) != len(theirs):
+        return float("inf")
+    worst = 0.0
+    for a, b in zip(ours, theirs):
+        if a is None or b is None or not (abs(a) < float("inf") and abs(b) < float("inf")):
+            return float("inf")
+        worst = max(worst, abs(a - b) / abs(b))
+    return worst
+
+
+# ------------------------------------------------------------------------------------------
+# This machine's matmul peak
+
+
+def matmul_peak_gflops(size: int = 2048, repeats: int = 5) -> float:
+    """fp32 GEMM rate on every core: the best of a few n³ products."""
+    torch.set_num_threads(os.cpu_count() or 1)
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size ** 3 / best / 1e9
+
+
+# ------------------------------------------------------------------------------------------
+# Report
+
+
+def _fmt_rate(x: float) -> str:
+    return f"{x:,.0f}"
+
+
+def peer_table(results: list[dict], peak: float) -> str:
+    lines = ["| section | layout | PyTorch side | ours tokens/s | PyTorch tokens/s | ours / PyTorch "
+             "| losses agree (max rel. diff) | ours utilisation | PyTorch utilisation |",
+             "|---|---|---|---:|---:|---:|---|---:|---:|"]
+    for r in results:
+        agree = ("yes" if r["same_loss"] else "**NO**") + f" ({r['loss_max_rel_diff']:.1e})"
+        ratio = f"{r['ratio']:.2f}" if r["same_loss"] else "not counted"
+        lines.append(f"| {r['row']['section']} | {r['layout']} | {r['peer']} | "
+                     f"{_fmt_rate(r['ours_tokens_per_s'])} | {_fmt_rate(r['theirs_tokens_per_s'])} | "
+                     f"{ratio} | {agree} | {r['ours_gflops'] / peak:.1%} | "
+                     f"{r['theirs_gflops'] / peak:.1%} |")
+    return "\n".join(lines)
+
+
+def scaling_table(results: list[dict], baseline_s: float, peak: float) -> str:
+    lines = ["| layout | processes | ours tokens/s | vs one process | utilisation |",
+             "|---|---:|---:|---:|---:|"]
+    for r in results:
+        lines.append(f"| {r['layout']} | {Row(**r['row']).world} | {_fmt_rate(r['ours_tokens_per_s'])} | "
+                     f"{baseline_s / r['ours_s']:.2f} | {r['ours_gflops'] / peak:.1%} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("sections", nargs="*", default=["pipeline", "tensor", "3d", "scaling"],
+                        choices=["pipeline", "tensor", "3d", "scaling"], metavar="SECTION",
+                        help="pipeline, tensor, 3d, scaling (default: all)")
+    parser.add_argument("--iters", type=int, default=6, help="timed iterations per side and row")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed iterations first")
+    parser.add_argument("--tiny", action="store_true",
+                        help="a small model (seconds per row) for checking the harness")
+    parser.add_argument("--json", metavar="PATH", help="also write every figure as JSON")
+    parser.add_argument("--write", action="store_true", help="append the tables to bench/RESULTS.md")
+    args = parser.parse_args(argv)
+
+    model = TINY_MODEL if args.tiny else MODEL
+    started = time.time()
+    peak = matmul_peak_gflops()
+    print(f"matmul peak of this machine: {peak:.1f} GFLOP/s (fp32, {os.cpu_count()} cores)",
+          file=sys.stderr)
+    peer_results, scaling_results, baseline = [], [], []
+    for section in ("pipeline", "tensor", "3d"):
+        if section not in args.sections:
+            continue
+        for row in SECTIONS[section]:
+            result = run_row(row, model, args.iters, args.warmup)
+            peer_results.append(result)
+            print(f"{section}: {result['layout']}: ours {result['ours_s']:.3f} s, PyTorch "
+                  f"{result['theirs_s']:.3f} s, ratio {result['ratio']:.2f}, losses agree "
+                  f"{result['same_loss']}", file=sys.stderr)
+    if "scaling" in args.sections:
+        one = Row("scaling", peer=False)
+        baseline.append(run_row(one, model, args.iters, args.warmup))
+        for row in SCALING:
+            scaling_results.append(run_row(row, model, args.iters, args.warmup))
+            print(f"scaling: {scaling_results[-1]['layout']}: {scaling_results[-1]['ours_s']:.3f} s",
+                  file=sys.stderr)
+        baseline.append(run_row(one, model, args.iters, args.warmup))  # again: drift check
+
+    date = datetime.date.today().isoformat()
+    command = "python bench/peers.py" + ("" if args.sections == parser.get_default("sections")
+                                         else " " + " ".join(args.sections))
+    if args.tiny:
+        command += " --tiny"
+    header = (f"### {date}: GPT l={model.num_layers}, h={model.hidden_size}, a={model.num_attention_heads}, "
+              f"s={model.seq_length}, V={model.vocab_size}, fp32, global batch 16, micro batch 2\n\n"
+              f"Command: `{command} --iters {args.iters} --warmup {args.warmup}`  \n"
+              f"torch {torch.__version__}, gloo, {cpu_name()}, {os.cpu_count()} cores shared by "
+              f"the processes; matmul peak {peak:.1f} GFLOP/s (fp32). Median of {args.iters} "
+              f"iterations per side, alternating; ratio = PyTorch's time / ours (> 1: ours faster); "
+              f"utilisation = model FLOP/s of the job / the machine's matmul peak.\n")
+    blocks = [header]
+    failed = [r for r in peer_results if not r["same_loss"]]
+    if peer_results:
+        blocks.append(peer_table(peer_results, peak))
+    if scaling_results:
+        baseline_s = statistics.mean(b["ours_s"] for b in baseline)
+        blocks.append(f"Scaling: one process {_fmt_rate(16 * model.seq_length / baseline_s)} tokens/s "
+                      f"(median {baseline[0]['ours_s']:.3f} s before the layouts, "
+                      f"{baseline[1]['ours_s']:.3f} s after), utilisation "
+                      f"{statistics.mean(b['ours_gflops'] for b in baseline) / peak:.1%}.\n\n"
+                      + scaling_table(scaling_results, baseline_s, peak))
+    blocks.append(f"Run time {time.time() - started:.0f} s.")
+    publish(HEADING, "\n\n".join(blocks) + "\n", write=args.write)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"peak_gflops": peak, "peers": peer_results,
+                                               "scaling": scaling_results, "baseline": baseline},
+                                              indent=1))
+    if failed:
+        print(f"losses differ in {len(failed)} row(s): {[r['layout'] for r in failed]}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

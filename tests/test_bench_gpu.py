@@ -1,0 +1,134 @@
+"""bench/gpu.py, the GPU benchmark, in its tiny CPU configuration: it runs,
+its correctness checks pass, its figures are consistent with the model
+(exact parameter count, the paper's FLOPs), and a check can fail."""
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ptdp.config import ModelConfig
+from ptdp.perf.analytic import parameter_count
+from ptdp.train.report import model_flops_per_iteration
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "gpu.py"
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    """bench/gpu.py as a module (it imports bench/results.py as a script
+    does, from its own folder)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_gpu", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up while it loads
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench-gpu") / "figures.json"
+    result = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--device", "cpu", "--json", str(out)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return json.loads(out.read_text()), result.stdout
+
+
+def test_tiny_run_passes_its_checks(tiny_run):
+    report, stdout = tiny_run
+    assert report["checks_passed"] is True
+    names = [c["name"] for c in report["checks"]]
+    assert names == ["fused vs unfused, fp32", "fused vs unfused, bf16", "bf16 vs fp32 reference"]
+    for check in report["checks"]:
+        assert check["passed"]
+        assert 0 <= check["loss_difference"] <= check["tolerance"]["loss"]
+        assert 0 <= check["gradient_difference"] <= check["tolerance"]["gradient"]
+    assert "| config | parameters |" in stdout  # the table is printed
+
+
+def test_tiny_run_figures_are_sane(tiny_run):
+    report, _ = tiny_run
+    assert report["tiny"] and report["device"] == "cpu"
+    assert report["matmul_peak_tflops"] > 0
+    runs = report["runs"]
+    assert [r["recompute"] for r in runs] == [None, None, "selective", "full", "full"]
+    for run in runs:
+        assert "skipped" not in run  # no memory limit on a CPU, and the budget is ample
+        model = ModelConfig(num_layers=run["num_layers"], hidden_size=run["hidden_size"],
+                            num_attention_heads=run["num_attention_heads"],
+                            seq_length=run["seq_length"], vocab_size=run["vocab_size"],
+                            recompute_granularity=run["recompute"])
+        assert run["parameters"] == parameter_count(model)  # the built model's own count
+        assert run["measured_iterations"] >= 1
+        assert run["tokens_per_s"] > 0 and run["model_tflops"] > 0
+        assert 0 < run["peak_fraction"] < 1.5
+        seconds = run["iteration_ms"] / 1e3
+        assert run["tokens_per_s"] == pytest.approx(run["global_batch"] * run["seq_length"] / seconds)
+        flops = model_flops_per_iteration(model, run["global_batch"], recompute=run["recompute"])
+        assert run["flops_per_iteration"] == pytest.approx(flops)
+        assert run["model_tflops"] == pytest.approx(flops / seconds / 1e12)
+        assert run["peak_fraction"] == pytest.approx(run["model_tflops"] / report["matmul_peak_tflops"])
+        assert all(math.isfinite(loss) for loss in run["losses"])
+        assert run["peak_memory_bytes"] is None  # not separable per run on a CPU
+    assert report["process_peak_rss_bytes"] > 0
+
+
+def _observed(gpu, losses, gradient):
+    gradient = torch.tensor(gradient, dtype=torch.float32)
+    return gpu.Observed(losses=losses, gradient=gradient,
+                        parameters=[("first", 0, 2), ("second", 2, len(gradient))])
+
+
+def test_a_check_fails_on_different_runs(gpu):
+    tolerance = gpu.Tolerance(loss=1e-5, gradient=1e-4)
+    reference = _observed(gpu, [2.0, 1.5], [1.0, -1.0, 0.5, 0.25])
+
+    same = gpu.compare("same", _observed(gpu, [2.0, 1.5], [1.0, -1.0, 0.5, 0.25]), reference, tolerance)
+    assert same.passed and same.loss_difference == 0 and same.gradient_difference == 0
+
+    other_loss = gpu.compare("loss", _observed(gpu, [2.0, 1.6], [1.0, -1.0, 0.5, 0.25]), reference,
+                             tolerance)
+    assert not other_loss.passed and other_loss.loss_difference == pytest.approx(0.1 / 1.5)
+
+    other_gradient = gpu.compare("gradient", _observed(gpu, [2.0, 1.5], [1.0, -1.0, 0.5, 0.35]),
+                                 reference, tolerance)
+    assert not other_gradient.passed and other_gradient.loss_difference == 0
+    assert other_gradient.worst_parameters[0][0] == "second"
+    assert "FAILED" in other_gradient.describe() and "second" in other_gradient.describe()
+
+    diverged = gpu.compare("nan", _observed(gpu, [float("nan"), 1.5], [1.0, -1.0, 0.5, 0.25]),
+                           reference, tolerance)
+    assert not diverged.passed and diverged.loss_difference == math.inf
+
+
+def test_cpu_without_tiny_is_refused(gpu, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        gpu.parse_args(["--device", "cpu"])
+    assert exit_info.value.code == 2
+    assert "--tiny" in capsys.readouterr().err
+
+
+def test_gpu_plan_on_an_h200_sized_card(gpu):
+    """The real configuration, planned without a GPU: the 1.3 B GPT fits
+    without recomputation at its micro batch; the 2.7 B GPT at micro batch 24
+    fits only with full recomputation; a smaller card shrinks the micro batch
+    of the runs allowed to shrink, keeping the global batch."""
+    h200 = 139 * 2 ** 30
+    plans = [gpu.fit_micro_batch(run, h200) for run in gpu.GPU_SUITE.runs]
+    assert [(run.name, run.recompute, run.micro_batch, problem is None) for run, _, problem in plans] == [
+        ("GPT 1.3B", None, 8, True), ("GPT 2.7B", None, 24, False),
+        ("GPT 2.7B", "selective", 24, False), ("GPT 2.7B", "full", 24, True),
+        ("GPT 1.3B", "full", 8, True)]
+    assert 1.25e9 < parameter_count(gpu.GPT_1_3B) < 1.35e9
+    run, _, problem = gpu.fit_micro_batch(gpu.GPU_SUITE.runs[3], 80 * 2 ** 30)
+    assert problem is None and run.micro_batch == 12 and run.global_batch == 48

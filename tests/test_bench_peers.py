@@ -1,0 +1,40 @@
+"""bench/peers.py: the harness that times ptdp against PyTorch's own
+parallelism must first see both sides compute the same losses. Run here on a
+tiny GPT, one row of each kind (a few seconds each); the figures in
+bench/RESULTS.md come from the full script."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import peers  # noqa: E402  bench/peers.py
+
+
+@pytest.mark.parametrize("row", [
+    peers.Row("pipeline", p=2, v=2),                      # ScheduleInterleaved1F1B
+    peers.Row("pipeline", p=2, schedule="gpipe"),          # ScheduleGPipe
+    peers.Row("tensor", t=2),                              # DTensor + loss_parallel
+    peers.Row("3d", t=2, p=2, d=2, distributed_optimizer=True),  # pipelining + DTensor + FSDP2
+], ids=lambda row: row.describe().replace(" ", "-"))
+def test_both_sides_compute_the_same_losses(row):
+    result = peers.run_row(row, peers.TINY_MODEL, iters=2, warmup=1)
+    ours, theirs = result["ours_losses"], result["theirs_losses"]
+    assert len(ours) == len(theirs) == 3
+    assert result["same_loss"], (ours, theirs)
+    assert ours[-1] < ours[0]                    # training moves: the losses compared are not a constant
+    assert result["ours_tokens_per_s"] > 0 and result["theirs_tokens_per_s"] > 0
+    assert result["ratio"] == pytest.approx(result["theirs_s"] / result["ours_s"])
+
+
+def test_a_loss_difference_is_caught():
+    assert peers.loss_difference([2.0, 1.5], [2.0, 1.5]) == 0.0
+    assert peers.loss_difference([2.0, 1.5], [2.0, 1.5 * (1 + 1e-3)]) > peers.LOSS_RTOL
+    assert math.isinf(peers.loss_difference([2.0, float("nan")], [2.0, 1.5]))
+    assert math.isinf(peers.loss_difference([2.0], [2.0, 1.5]))
+    assert math.isinf(peers.loss_difference([], []))
