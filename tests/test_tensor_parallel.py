@@ -128,7 +128,11 @@ def _row_parallel(rank, t, input_is_parallel, skip_bias_add):
     y_ref = reference(x_ref)
     y_ref.backward(grad_out)
     out = layer(x_par)
-    y_par = out[0] + out[1] if skip_bias_add else out
+    if skip_bias_add:
+        y_par, bias = out   # bias None: already added (no kernel fusion on this device)
+        y_par = y_par + bias if bias is not None else y_par
+    else:
+        y_par = out
     assert_close(y_par, y_ref, **TOL)
     y_par.backward(grad_out)
     expected_x_grad = _split_last(x_ref.grad, ctx) if input_is_parallel else x_ref.grad

@@ -4,10 +4,13 @@ Each has a plain path (separate PyTorch ops, one autograd node each) and a
 fused path. The fused bias + GeLU is one autograd node that saves only its
 input and bias and recomputes the tanh in backward (as Megatron-LM's fused
 kernel does), so it stores one activation instead of three. On a GPU with
-Triton the fused bodies are compiled with torch.compile into single kernels;
-elsewhere the fused GeLU node calls ATen's own GeLU kernels (forward and
-backward, one pass each: faster on CPU than the formula's eight eager ops).
-The GeLU is GPT-2's tanh approximation throughout.
+Triton the fused bodies are compiled with torch.compile into single kernels.
+Elsewhere nothing would fuse them, so the linear layers add their biases in
+the matrix product instead (addmm, free; see tensor.defers_bias) and hand
+over None: the GeLU is then ATen's own kernel (one pass each way, saving
+only its input, as the fused node does) and the residual add one pass. The
+fused GeLU node given a bias on such a device calls ATen's kernels too. The
+GeLU is GPT-2's tanh approximation throughout.
 """
 
 from __future__ import annotations
@@ -79,7 +82,10 @@ class _BiasGeLU(torch.autograd.Function):
         return grad_x, grad_x.reshape(-1, grad_x.shape[-1]).sum(dim=0)
 
 
-def bias_gelu(x: torch.Tensor, bias: torch.Tensor, fused: bool) -> torch.Tensor:
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, fused: bool) -> torch.Tensor:
+    """GeLU(x + bias); a bias of None was already added (by the linear layer)."""
+    if bias is None:
+        return F.gelu(x, approximate="tanh")
     if fused:
         return _BiasGeLU.apply(x, bias)
     return F.gelu(x + bias, approximate="tanh")

@@ -117,6 +117,14 @@ def scatter_to_tensor_region(x: torch.Tensor, group: Any) -> torch.Tensor:
     return x if group is None else _ScatterToTensorRegion.apply(x, group)
 
 
+def defers_bias(device: torch.device) -> bool:
+    """Whether a layer asked to skip its bias add leaves it to the caller:
+    where element-wise kernels are fused (compiled), adding the bias there
+    costs nothing; in eager mode it is one more pass over the output, while
+    in the matrix product (addmm) it is free."""
+    return devices.can_compile_kernels(device)
+
+
 def _divide(n: int, parts: int, what: str) -> int:
     if n % parts:
         raise ValueError(f"{what} {n} is not divisible by the tensor-parallel size {parts}")
@@ -129,8 +137,10 @@ class ColumnParallelLinear(nn.Module):
     `blocks` > 1 treats the output dimension as that many equal blocks split
     separately (q, k and v for attention), so each rank gets whole heads of
     each. The input passes through f; the output stays split unless
-    `gather_output`. With `skip_bias_add` the bias is returned instead of
-    added, so the caller can fuse it into the next element-wise operation.
+    `gather_output`. With `skip_bias_add` the layer returns (output, bias)
+    and leaves the bias for the caller to fuse into its next element-wise
+    kernel where kernels are fused (see `defers_bias`); elsewhere the bias
+    rides in the matrix product (addmm) and None is returned in its place.
     """
 
     def __init__(self, in_features: int, out_features: int, ctx: ParallelContext, *,
@@ -155,7 +165,9 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor):
         x = copy_to_tensor_region(x, self.group)
         if self.skip_bias_add:
-            return F.linear(x, self.weight), self.bias
+            if defers_bias(x.device):
+                return F.linear(x, self.weight), self.bias
+            return F.linear(x, self.weight, self.bias), None
         y = F.linear(x, self.weight, self.bias)
         return gather_from_tensor_region(y, self.group) if self.gather_output else y
 
@@ -163,9 +175,9 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """Y = X A + b with A split by rows: rank i computes X_i A_i, then g sums.
 
-    The bias is replicated and added after the reduction. With
-    `skip_bias_add` the bias is returned instead, so the caller can fuse it
-    into the next element-wise operation.
+    The bias is replicated and added after the reduction (in the matrix
+    product when there is no reduction, t = 1). `skip_bias_add` works as in
+    ColumnParallelLinear.
     """
 
     def __init__(self, in_features: int, out_features: int, ctx: ParallelContext, *,
@@ -185,10 +197,15 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor):
         if not self.input_is_parallel:
             x = scatter_to_tensor_region(x, self.group)
-        y = reduce_from_tensor_region(F.linear(x, self.weight), self.group)
-        if self.skip_bias_add:
-            return y, self.bias
-        return y + self.bias if self.bias is not None else y
+        if self.skip_bias_add and defers_bias(x.device):
+            return reduce_from_tensor_region(F.linear(x, self.weight), self.group), self.bias
+        if self.group is None:
+            y = F.linear(x, self.weight, self.bias)
+        else:
+            y = reduce_from_tensor_region(F.linear(x, self.weight), self.group)
+            if self.bias is not None:
+                y = y + self.bias
+        return (y, None) if self.skip_bias_add else y
 
 
 class VocabParallelEmbedding(nn.Module):

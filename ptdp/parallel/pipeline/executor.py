@@ -67,6 +67,8 @@ class PipelineExecutor:
         self.slice_numel = numel // ctx.tp_size if self.split else numel
         # (send requests with their payloads, outputs to free once they are sent)
         self._pending_sends: list[tuple[list, list[torch.Tensor]]] = []
+        # Off: wait for sends at once, as before (bench/hot_path.py measures the difference).
+        self.overlap_sends = True
 
     def _global_rank(self, pipeline_rank: int) -> int:
         c = self.ctx.coord
@@ -174,7 +176,7 @@ class PipelineExecutor:
                 ops.append(dist.P2POp(dist.irecv, buffer, peer, tag=self._tag(t)))
         works = dist.batch_isend_irecv(ops)
         sends: list = []
-        if len(works) == len(ops):
+        if len(works) == len(ops) and self.overlap_sends:
             # One request per operation (gloo): wait for the receives only; the
             # sends complete while this rank computes its next action.
             for op, work in zip(ops, works):
