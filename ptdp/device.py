@@ -6,6 +6,7 @@ random-number state of the device and whether fused kernels can be compiled.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -71,9 +72,14 @@ def manual_seed(seed: int, device: torch.device) -> None:
 def can_compile_kernels(device: torch.device) -> bool:
     """torch.compile fuses element-wise kernels well on GPUs (Triton). On CPU
     its C++ compile time dominates the short runs this project makes there,
-    so the fused operators run as single eager autograd nodes instead."""
-    if device.type != "cuda" or not hasattr(torch, "compile"):
-        return False
+    so nothing is compiled: the layers add their biases in the matrix
+    products instead (see ptdp.parallel.tensor.defers_bias). Asked per layer
+    call, so the answer about Triton is cached."""
+    return device.type == "cuda" and hasattr(torch, "compile") and _triton_available()
+
+
+@functools.cache
+def _triton_available() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:
