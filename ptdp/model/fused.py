@@ -50,10 +50,6 @@ def _bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torc
 _compiled: dict[str, Callable] = {}
 
 
-def _compiles(device: torch.device) -> bool:
-    return devices.can_compile_kernels(device)
-
-
 def _kernel(name: str, fn: Callable, device: torch.device) -> Callable:
     """`fn` compiled into one kernel where the platform supports it."""
     if not devices.can_compile_kernels(device):
@@ -67,7 +63,7 @@ class _BiasGeLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias):
         ctx.save_for_backward(x, bias)
-        if _compiles(x.device):
+        if devices.can_compile_kernels(x.device):
             return _kernel("bias_gelu_fwd", _bias_gelu_forward, x.device)(x, bias)
         # Eager: ATen's own GeLU kernel is one pass, the formula above is eight.
         return F.gelu(x + bias, approximate="tanh")
@@ -75,7 +71,7 @@ class _BiasGeLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, bias = ctx.saved_tensors
-        if _compiles(x.device):
+        if devices.can_compile_kernels(x.device):
             grad_x = _kernel("bias_gelu_bwd", _bias_gelu_backward, x.device)(grad, x, bias)
         else:
             grad_x = torch.ops.aten.gelu_backward(grad, x + bias, approximate="tanh")
