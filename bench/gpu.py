@@ -157,7 +157,9 @@ _TINY_A = _gpt(2, 64, 4, 32, vocab=500)      # vocabulary padded to 512: padding
 _TINY_B = _gpt(4, 64, 4, 64, vocab=500)
 TINY_SUITE = Suite(
     check_model=_gpt(2, 64, 4, 32, vocab=500, hidden_dropout=0.0, attention_dropout=0.0),
-    check_micro_batch=2, check_microbatches=2, matmul_size=1024,
+    # A small product: a CPU without bf16 instructions runs 1024³ in bf16 at
+    # about 1 GFLOP/s, which made the smoke test last minutes.
+    check_micro_batch=2, check_microbatches=2, matmul_size=256,
     runs=(
         Run("tiny A", _TINY_A, micro_batch=2, microbatches=2, recompute=None, warmup=1, iterations=2),
         Run("tiny B", _TINY_B, micro_batch=4, microbatches=2, recompute=None, warmup=1, iterations=2,

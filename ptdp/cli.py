@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -52,50 +54,105 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
                 kwargs["metavar"] = "{" + ",".join(meta["choices"]) + "}"
             kwargs["help"] = meta["help"] + ("" if f.default is None else f" (default: {f.default})")
         groups[section].add_argument(*names, **kwargs)
+        if "off_flag" in meta:  # a setting on by default: its flag is accepted, the off flag turns it off
+            groups[section].add_argument(meta["off_flag"], dest=kwargs["dest"], action="store_false",
+                                         default=argparse.SUPPRESS, help=f"turn {meta['flag']} off")
 
 
 def _load_file(path: str) -> dict[str, Any]:
     file = Path(path)
     if not file.is_file():
         raise ConfigError([f"--config {path}: no such file"])
-    text = file.read_text(encoding="utf-8")
+    suffix = file.suffix.lower()
+    if suffix not in (".toml", ".yaml", ".yml"):
+        raise ConfigError([f"--config {path}: use a .yaml, .yml or .toml file"])
+    text = _read_config_text(file, path)
     try:
-        if file.suffix.lower() == ".toml":
-            try:
-                import tomllib
-            except ImportError:  # Python 3.10
-                import tomli as tomllib  # type: ignore[no-redef]
-            data = tomllib.loads(text)
-        elif file.suffix.lower() in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text) or {}
-        else:
-            raise ConfigError([f"--config {path}: use a .yaml, .yml or .toml file"])
-    except ConfigError:
-        raise
+        data = _parse_toml(text) if suffix == ".toml" else _parse_yaml(text)
+    except _DuplicateKey as duplicate:
+        raise ConfigError([f"--config {path}: {duplicate}"]) from None
     except Exception as error:  # parser errors carry line and column
-        raise ConfigError([f"--config {path}: cannot parse: {error}"]) from None
+        message = str(error)
+        if suffix == ".toml" and ("overwrite a value" in message or "twice" in message):
+            message += ": a key or table is given twice; keep one"  # tomllib's words for it
+        raise ConfigError([f"--config {path}: cannot parse: {message}"]) from None
     if not isinstance(data, dict):
         raise ConfigError([f"--config {path}: expected a mapping of settings at the top level"])
     return data
+
+
+def _read_config_text(file: Path, path: str) -> str:
+    """The file's text; a ConfigError that points at the first byte that is
+    not UTF-8 (a file saved in Latin-1 or UTF-16, say)."""
+    try:
+        data = file.read_bytes()
+    except OSError as error:
+        raise ConfigError([f"--config {path}: cannot read it ({error.strerror or error})"]) from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise ConfigError([f"--config {path}: not UTF-8 text (byte 0x{data[error.start]:02x} at "
+                           f"offset {error.start}, line {line}); save the file as UTF-8"]) from None
+    return text.removeprefix("\ufeff")  # a byte-order mark some editors write
+
+
+def _parse_toml(text: str) -> Any:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+    return tomllib.loads(text)  # refuses a repeated key itself
+
+
+class _DuplicateKey(ValueError):
+    """A YAML mapping that sets one key twice."""
+
+
+def _parse_yaml(text: str) -> Any:
+    """safe_load, except that a key repeated in one mapping is an error:
+    PyYAML silently keeps the last value, so the first would be ignored."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            if isinstance(node, yaml.MappingNode):
+                first_line: dict[Any, int] = {}
+                for key_node, _ in node.value:
+                    if key_node.tag == "tag:yaml.org,2002:merge":  # `<<:` merges are overridable
+                        continue
+                    key = self.construct_object(key_node, deep=True)
+                    line = key_node.start_mark.line + 1
+                    try:
+                        earlier = first_line.setdefault(key, line)
+                    except TypeError:  # an unhashable key: the base class reports it
+                        continue
+                    if earlier != line:
+                        raise _DuplicateKey(f"{key!r} is set twice (lines {earlier} and {line}); "
+                                            f"keep one")
+            return super().construct_mapping(node, deep=deep)
+
+    return yaml.load(text, Loader=UniqueKeyLoader) or {}
 
 
 def _file_settings(data: dict[str, Any], path: str) -> dict[str, Any]:
     """Map a parsed config file to {"section.field": value}, checking names and types."""
     by_key: dict[str, tuple[str, Any]] = {}
     for section, f in flag_fields():
-        for key in (f.name, f.metadata["flag"].lstrip("-").replace("-", "_")):
-            by_key[key] = (section, f)
-    flat: list[tuple[str, Any]] = []
+        for key in (f.name, f.metadata["flag"].lstrip("-").replace("-", "_"),
+                    f.metadata.get("off_flag", "").lstrip("-").replace("-", "_")):
+            if key:
+                by_key[key] = (section, f)
+    flat: list[tuple[str, Any, str]] = []  # (key, value, the key as the file spells it)
     for key, value in data.items():
         if key in SECTION_TYPES and isinstance(value, dict):
-            flat.extend(value.items())
+            flat.extend((inner, item, f"{key}.{inner}") for inner, item in value.items())
         else:
-            flat.append((key, value))
+            flat.append((key, value, str(key)))
     settings: dict[str, Any] = {}
+    set_by: dict[str, str] = {}  # "section.field" -> the key that set it
     problems = []
-    for key, value in flat:
+    for key, value, spelled in flat:
         normal = str(key).lstrip("-").replace("-", "_")
         if normal not in by_key:
             close = difflib.get_close_matches(normal, list(by_key), n=3)
@@ -105,8 +162,16 @@ def _file_settings(data: dict[str, Any], path: str) -> dict[str, Any]:
                             + (f"; did you mean {', '.join(close)}?" if close else ""))
             continue
         section, f = by_key[normal]
+        target = f"{section}.{f.name}"
+        if target in set_by:  # e.g. hidden-size and hidden_size, or flat and under model:
+            problems.append(f"--config {path}: {set_by[target]} and {spelled} both set "
+                            f"{f.metadata['flag']}; keep one")
+            continue
+        set_by[target] = spelled
         kind = _field_type(f.type)
-        if normal != f.name and f.metadata.get("negate"):  # a "no-..." flag name: invert
+        inverted = (normal != f.name and f.metadata.get("negate")) or (
+            normal == f.metadata.get("off_flag", "").lstrip("-").replace("-", "_"))
+        if inverted:  # a "no-..." flag name: invert
             value = not value if isinstance(value, bool) else value
         if kind is float and isinstance(value, str):
             # YAML 1.1 reads exponent notation without a dot (1e-3) as text.
@@ -228,8 +293,8 @@ def _checkpoint_problems(config: Config) -> list[str]:
             problems.append(f"{flag_name}={value!r} must be a positive integer")
         elif value is not None and not tr.save:
             problems.append(f"{flag_name} needs --save DIR")
-    if tr.save and Path(tr.save).exists() and not Path(tr.save).is_dir():
-        problems.append(f"--save {tr.save} is a file; give a directory")
+    if tr.save:
+        problems.extend(_save_directory_problems(tr.save))
     if tr.load:
         try:
             directory = resolve(tr.load)
@@ -237,6 +302,69 @@ def _checkpoint_problems(config: Config) -> list[str]:
         except CheckpointError as error:
             problems.append(str(error))
     return problems
+
+
+def _save_directory_problems(save: str) -> list[str]:
+    """--save must be a directory this user can create or write into."""
+    path = Path(save).absolute()
+    if path.exists() and not path.is_dir():
+        return [f"--save {save} is a file; give a directory"]
+    existing = path
+    while not existing.exists():  # the nearest ancestor that exists
+        existing = existing.parent
+    if not existing.is_dir():
+        return [f"--save {save}: {existing} is a file, so the directory cannot be created under it; "
+                f"choose another path"]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not writable" if existing == path else f"cannot be created ({existing} is not writable)"
+        return [f"--save {save} {what} by this user; choose a directory you can write to"]
+    return []
+
+
+def checkpoint_bytes(config: Config) -> int:
+    """What one checkpoint takes on disk: every logical weight in its
+    training precision, the two Adam moments in fp32 and, with --bf16 or
+    --fp16, the fp32 main weights."""
+    from ptdp.perf.analytic import parameter_count
+
+    tr = config.train
+    mixed = tr.bf16 or tr.fp16
+    return parameter_count(config.model) * ((2 if mixed else 4) + 8 + (4 if mixed else 0))
+
+
+def _warn_about_free_space(config: Config) -> None:
+    """A checkpoint that cannot fit fails hours later; say so now (a warning:
+    other files may be removed by then, and the estimate is approximate)."""
+    if not config.train.save:
+        return
+    existing = Path(config.train.save).absolute()
+    while not existing.exists():
+        existing = existing.parent
+    needed, free = checkpoint_bytes(config), shutil.disk_usage(existing).free
+    if free < needed:
+        print(f"ptdp: warning: --save {config.train.save} has {_size(free)} free, but one "
+              f"checkpoint of this model takes about {_size(needed)}; free space or choose "
+              f"another --save before the first save", file=sys.stderr, flush=True)
+
+
+def _size(count: float) -> str:
+    """Bytes for people: 4.9 KiB, 3.0 GiB."""
+    units, index = ("bytes", "KiB", "MiB", "GiB"), 0
+    while count >= 1024 and index < len(units) - 1:
+        count, index = count / 1024, index + 1
+    return f"{count:.0f} bytes" if index == 0 else f"{count:.1f} {units[index]}"
+
+
+def _forwarded_signals(config: Config) -> tuple[int, ...]:
+    """The signals `ptdp train` passes on to its ranks: those that ask them to
+    save and stop (with the handler off, the supervisor's default applies)."""
+    from ptdp.config import signal_from_name
+    from ptdp.train.stopping import GRACEFUL_SIGNALS
+
+    if not config.train.exit_signal_handler:
+        return ()
+    names = (*GRACEFUL_SIGNALS, config.train.exit_signal)
+    return tuple(sorted({int(signal_from_name(name)) for name in names}))
 
 
 def run_train(config: Config, explicit: Sequence[str] = ()) -> int:
@@ -261,6 +389,8 @@ def run_train(config: Config, explicit: Sequence[str] = ()) -> int:
     if problems:
         raise ConfigError(problems)
     _check_output_paths(config)
+    if env is None or env.rank == 0:
+        _warn_about_free_space(config)
     if env is not None:
         worker(env, config)
         return 0
@@ -274,18 +404,21 @@ def run_train(config: Config, explicit: Sequence[str] = ()) -> int:
                        master_addr=LOOPBACK, master_port=0, source="local"), config)
         return 0
     try:
-        launch_local(world, worker, config)
+        launch_local(world, worker, config, forward_signals=_forwarded_signals(config))
     except LocalJobFailed as failure:
-        print(f"ptdp: error: {failure}", file=sys.stderr)
         others = world - 1
         print(f"ptdp: stopped the {others} other rank{'s' if others > 1 else ''}", file=sys.stderr)
+        failure.report()  # the cause on the last line
         return 1
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from ptdp.errors import RankFailure, print_user_error, process_rank, set_process_rank
+
     parser = build_parser()
     args = parser.parse_args(argv)
+    set_process_rank(None)  # set when this process joins a job as one of its ranks
     try:
         if args.command == "train":
             settings = settings_from_args(args)
@@ -304,12 +437,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_plan_command(args)
         if args.command == "calibrate":
             return run_calibrate_command(args)
-    except (ConfigError, TokenizerError) as error:
-        print(f"ptdp: error: {error}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("ptdp: interrupted", file=sys.stderr)
         return 130
+    except Exception as error:
+        rank = process_rank()
+        if rank is not None:  # raised on a rank of a running job (torchrun, SLURM, one process)
+            failure = RankFailure.from_exception(rank, error)
+            if not failure.user_error:
+                raise  # a bug: its traceback
+            print_user_error(rank, failure.message, failure.traceback)
+            return 1
+        if isinstance(error, (ConfigError, TokenizerError)):  # found before launching
+            print(f"ptdp: error: {error}", file=sys.stderr)
+            return 2
+        raise
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -173,7 +173,10 @@ class TrainConfig:
     load: str | None = flag(None, "--load",
                             "resume from the checkpoint in this directory (its `latest`, or one "
                             "iter_* directory), under any layout", metavar="DIR")
-    keep_last: int | None = flag(None, "--keep-last", "keep only the newest N checkpoints")
+    keep_last: int | None = flag(None, "--keep-last",
+                                  "keep only the newest N checkpoints of this run's lineage (the "
+                                  "checkpoints it was resumed from and wrote); others are moved "
+                                  "to SAVE/abandoned/, never deleted")
     eval_interval: int = flag(0, "--eval-interval",
                               "evaluate on the validation set every N iterations and after the "
                               "last (0: never)")
@@ -186,6 +189,30 @@ class TrainConfig:
     loss_curve: str | None = flag(None, "--loss-curve",
                                   "draw the training and validation loss to this PNG at the end",
                                   metavar="PATH")
+    exit_signal_handler: bool = flag(
+        True, "--exit-signal-handler",
+        "on SIGTERM, SIGHUP, SIGUSR1 or --exit-signal, to any rank or to the launcher, every rank "
+        "stops at the next iteration boundary, saves a checkpoint if --save is set and exits 0; a "
+        "second signal stops at once (on by default; --no-exit-signal-handler: signals end the "
+        "job at once)", off_flag="--no-exit-signal-handler")
+    exit_signal: str = flag("SIGTERM", "--exit-signal",
+                            "the scheduler's warning signal, handled like SIGTERM (e.g. SIGUSR2 "
+                            "for SLURM's --signal=USR2@120)", metavar="NAME")
+    exit_interval: int | None = flag(None, "--exit-interval",
+                                     "stop (saving, with --save) after an iteration that is a "
+                                     "multiple of N")
+    exit_duration_in_mins: float | None = flag(
+        None, "--exit-duration-in-mins",
+        "stop (saving, with --save) before this many minutes of wall time have passed, allowing "
+        "for one more iteration and the save")
+    check_for_nan_in_loss_and_grad: bool = flag(
+        True, "--no-check-for-nan-in-loss-and-grad",
+        "run on through a non-finite loss or gradient norm in fp32/bf16 (by default the run stops "
+        "with an error, saving nothing)", negate=True)
+    max_consecutive_skipped_iterations: int = flag(
+        100, "--max-consecutive-skipped-iterations",
+        "fp16: stop with an error, saving nothing, after this many steps in a row skipped for an "
+        "inf/nan gradient (the loss scale cannot recover; 0: never stop)")
 
     def batch_size(self, data_parallel_size: int) -> int:
         return self.global_batch_size or self.micro_batch_size * data_parallel_size
@@ -313,28 +340,44 @@ def validate(config: Config, world_size: int | None = None) -> None:
         positive("train", "train_iters", tr.train_iters),
         positive("train", "log_interval", tr.log_interval),
     ])
+    # Every float setting must be a finite number (argparse's float() and
+    # YAML both read nan and inf). Each range check below looks only at the
+    # settings that pass, so a nan is reported once, as a nan.
+    problems.extend(_float_problems(config))
+
+    def finite(*values: Any) -> bool:
+        return all(value is None or _is_finite_number(value) for value in values)
+
     for name in ("hidden_dropout", "attention_dropout"):
         p = getattr(m, name)
-        if not 0.0 <= p < 1.0:
+        if finite(p) and not 0.0 <= p < 1.0:
             problems.append(f"{flag_of('model', name)}={p} must be in [0, 1)")
     for section, f in flag_fields():
         choices = f.metadata.get("choices")
         value = getattr(getattr(config, section), f.name)
         if choices and value not in choices and not (value is None and "None" in f.type):
             problems.append(f"{f.metadata['flag']}={value!r} is not one of {', '.join(choices)}")
-    if par.distributed_timeout_minutes <= 0:
+    if finite(par.distributed_timeout_minutes) and par.distributed_timeout_minutes <= 0:
         problems.append(f"--distributed-timeout-minutes={par.distributed_timeout_minutes} must be > 0")
+    if finite(m.init_method_std) and m.init_method_std <= 0:
+        problems.append(f"--init-method-std={m.init_method_std} must be > 0 (weights all equal at "
+                        f"initialisation cannot learn different features; GPT-2 uses 0.02)")
+    if finite(m.layernorm_epsilon) and m.layernorm_epsilon <= 0:
+        problems.append(f"--layernorm-epsilon={m.layernorm_epsilon} must be > 0 (it keeps LayerNorm "
+                        f"finite on a constant input; GPT-2 uses 1e-05)")
     if tr.bf16 and tr.fp16:
         problems.append("--bf16 and --fp16 exclude each other: choose one")
-    if tr.loss_scale is not None and tr.loss_scale <= 0:
+    if finite(tr.loss_scale) and tr.loss_scale is not None and tr.loss_scale <= 0:
         problems.append(f"--loss-scale={tr.loss_scale} must be > 0")
-    if tr.min_loss_scale <= 0 or tr.initial_loss_scale < tr.min_loss_scale:
+    if finite(tr.min_loss_scale, tr.initial_loss_scale) and (
+            tr.min_loss_scale <= 0 or tr.initial_loss_scale < tr.min_loss_scale):
         problems.append(f"--initial-loss-scale {tr.initial_loss_scale} and --min-loss-scale "
                         f"{tr.min_loss_scale} must satisfy 0 < min <= initial")
     for name in ("loss_scale_window", "hysteresis", "ddp_bucket_size"):
         if not isinstance(getattr(tr, name), int) or getattr(tr, name) < 1:
             problems.append(f"{flag_of('train', name)}={getattr(tr, name)!r} must be a positive integer")
-    if tr.lr < 0 or tr.min_lr < 0 or tr.min_lr > tr.lr:
+    # lr 0 is allowed: a run that must not change the weights (checking a setup).
+    if finite(tr.lr, tr.min_lr) and (tr.lr < 0 or tr.min_lr < 0 or tr.min_lr > tr.lr):
         problems.append(f"--min-lr {tr.min_lr} and --lr {tr.lr} must satisfy 0 <= min-lr <= lr")
     if tr.lr_warmup_iters < 0:
         problems.append(f"--lr-warmup-iters={tr.lr_warmup_iters} must be >= 0")
@@ -344,8 +387,19 @@ def validate(config: Config, world_size: int | None = None) -> None:
     if not isinstance(m.recompute_num_layers, int) or m.recompute_num_layers < 1:
         problems.append(f"--recompute-num-layers={m.recompute_num_layers!r} must be a positive "
                         f"integer")
-    if tr.clip_grad < 0:
+    if finite(tr.clip_grad) and tr.clip_grad < 0:
         problems.append(f"--clip-grad={tr.clip_grad} must be >= 0 (0 turns clipping off)")
+    for name, default in (("adam_beta1", 0.9), ("adam_beta2", 0.999)):
+        beta = getattr(tr, name)
+        if finite(beta) and not 0.0 <= beta < 1.0:
+            problems.append(f"{flag_of('train', name)}={beta} must be in [0, 1) (a moment's decay "
+                            f"rate; the default is {default})")
+    if finite(tr.adam_eps) and tr.adam_eps <= 0:
+        problems.append(f"--adam-eps={tr.adam_eps} must be > 0 (it keeps Adam's update finite where "
+                        f"the second moment is 0; the default is 1e-08)")
+    if finite(tr.weight_decay) and tr.weight_decay < 0:
+        problems.append(f"--weight-decay={tr.weight_decay} must be >= 0 (0 turns weight decay off)")
+    problems.extend(_stopping_problems(tr))
     if not ok:  # the structural checks below would only repeat these problems
         raise ConfigError(problems)
 
@@ -459,3 +513,92 @@ def validate(config: Config, world_size: int | None = None) -> None:
 
     if problems:
         raise ConfigError(problems)
+
+
+# ---------------------------------------------------------------- helpers of validate
+
+def _is_finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _float_problems(config: Config) -> list[str]:
+    """A problem for each float setting that is not a finite number."""
+    problems = []
+    for section, f in flag_fields():
+        if f.type.split("|")[0].strip() != "float":
+            continue
+        value = getattr(getattr(config, section), f.name)
+        if (value is None and "None" in f.type) or _is_finite_number(value):
+            continue
+        what = "is not a finite number" if isinstance(value, float) else "is not a number"
+        instead = (f"give a finite number or leave {f.metadata['flag']} out" if f.default is None
+                   else f"give a finite number (the default is {f.default:g})")
+        problems.append(f"{f.metadata['flag']}={value!r} {what}: {instead}")
+    return problems
+
+
+def _stopping_problems(tr: TrainConfig) -> list[str]:
+    """--exit-interval, --exit-duration-in-mins, --max-consecutive-skipped-iterations, --exit-signal."""
+    problems = []
+    interval = tr.exit_interval
+    if interval is not None and (not isinstance(interval, int) or isinstance(interval, bool)
+                                 or interval < 1):
+        problems.append(f"--exit-interval={interval!r} must be a positive integer (or leave it out: "
+                        f"no stop by iteration count)")
+    minutes = tr.exit_duration_in_mins
+    if _is_finite_number(minutes) and minutes <= 0:
+        problems.append(f"--exit-duration-in-mins={minutes} must be > 0 (or leave it out: no time "
+                        f"limit)")
+    skipped = tr.max_consecutive_skipped_iterations
+    if not isinstance(skipped, int) or isinstance(skipped, bool) or skipped < 0:
+        problems.append(f"--max-consecutive-skipped-iterations={skipped!r} must be an integer >= 0 "
+                        f"(0: never stop)")
+    signal_problem = _exit_signal_problem(tr.exit_signal)
+    if signal_problem:
+        problems.append(signal_problem)
+    return problems
+
+
+# Signals a run cannot use as its graceful-exit signal, and why.
+def signal_from_name(name: str):
+    """SIGUSR2, USR2 or usr2 -> signal.SIGUSR2 (KeyError if this platform has none)."""
+    import signal
+
+    upper = name.strip().upper()
+    return signal.Signals[upper if upper.startswith("SIG") else "SIG" + upper]
+
+
+_UNUSABLE_EXIT_SIGNALS = {
+    "SIGKILL": "no process can catch SIGKILL",
+    "SIGSTOP": "no process can catch SIGSTOP",
+    "SIGINT": "Ctrl-C (SIGINT) stops a run at once by design, without saving",
+    "SIGCHLD": "SIGCHLD arrives whenever a child process ends, so every rank's exit would stop the run",
+    "SIGSEGV": "SIGSEGV reports a crash of the process itself, not a request to stop",
+    "SIGBUS": "SIGBUS reports a crash of the process itself, not a request to stop",
+    "SIGFPE": "SIGFPE reports a crash of the process itself, not a request to stop",
+    "SIGILL": "SIGILL reports a crash of the process itself, not a request to stop",
+    "SIGABRT": "SIGABRT reports a crash of the process itself, not a request to stop",
+}
+
+
+def _exit_signal_problem(name: Any) -> str | None:
+    """None if --exit-signal names a signal that this platform has and a run
+    can handle (SIGUSR2, USR2 or usr2 alike), else what is wrong."""
+    import difflib
+    import signal
+
+    advice = "use e.g. SIGUSR2 (SLURM: --signal=USR2@120) or SIGTERM"
+    if not isinstance(name, str) or not name.strip():
+        return f"--exit-signal={name!r} must name a signal: {advice}"
+    try:
+        canonical = signal_from_name(name).name  # aliases: SIGCLD is SIGCHLD, SIGIOT is SIGABRT
+    except KeyError:
+        upper = name.strip().upper()
+        close = difflib.get_close_matches(upper if upper.startswith("SIG") else "SIG" + upper,
+                                          list(signal.Signals.__members__), n=3)
+        hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+        return f"--exit-signal={name!r} is not a signal of this platform{hint}: {advice}"
+    if canonical in _UNUSABLE_EXIT_SIGNALS:
+        return (f"--exit-signal={name!r} cannot be the exit signal: "
+                f"{_UNUSABLE_EXIT_SIGNALS[canonical]}; {advice}")
+    return None

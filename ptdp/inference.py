@@ -95,19 +95,48 @@ class PipelinedModel:
         return logits[:model.vocab_size].cpu()
 
 
+def prompt_tokens(prompt: str, tokenizer, config: Config) -> list[int]:
+    """The prompt's token ids for a model with `tokenizer`, or, for a model
+    trained on generated data (no tokenizer), the ids the prompt lists.
+    ConfigError, naming --prompt, if there is nothing to continue, if the
+    ids are not the model's, or if the prompt does not fit the model's
+    context (the model would silently see only its end)."""
+    vocab, context = config.model.vocab_size, config.model.max_positions
+    if tokenizer is None:
+        ids_example = "give token ids of its vocabulary, e.g. --prompt '1 2 3'"
+        parts = prompt.split()
+        if not parts:
+            raise ConfigError([f"--prompt is empty: this model was trained on generated data "
+                               f"(--mock-data) and has no tokenizer; {ids_example}"])
+        if not all(part.isdecimal() for part in parts):
+            raise ConfigError([f"--prompt {prompt!r}: this model was trained on generated data "
+                               f"(--mock-data) and has no tokenizer; {ids_example}"])
+        tokens = [int(part) for part in parts]
+        outside = [t for t in tokens if t >= vocab]
+        if outside:
+            raise ConfigError([f"--prompt {prompt!r}: token id {outside[0]} is outside this model's "
+                               f"vocabulary of {vocab} (ids 0 to {vocab - 1}); {ids_example}"])
+    else:
+        tokens = tokenizer.encode(prompt)
+        if not tokens:
+            what = "is empty" if not prompt else f"{prompt!r} encodes to no tokens"
+            raise ConfigError([f"--prompt {what}: give the text to continue, e.g. --prompt "
+                               f"'Once upon a time'"])
+    if len(tokens) > context:
+        raise ConfigError([f"--prompt is {len(tokens)} tokens long, more than this model's context "
+                           f"of {context} tokens (its --seq-length/--max-position-embeddings); "
+                           f"give a prompt of at most {context} tokens"])
+    return tokens
+
+
 def generate_text(request: GenerateRequest, ctx: ParallelContext, device: torch.device) -> str:
-    from ptdp.data.loader import tokenizer_for
     from ptdp.train.checkpoint import load_logical_model
 
     config, weights, _ = load_logical_model(request.load)
-    tokenizer = tokenizer_for(config.data) if not config.data.mock_data else None
+    tokenizer = _tokenizer_of(config)
     model = PipelinedModel(config, ctx, device, weights, request.chunks)
-    if tokenizer is None:  # a model trained on generated data: the prompt is token ids
-        prompt = [int(t) for t in request.prompt.split()]
-    else:
-        prompt = tokenizer.encode(request.prompt)
-    max_context = config.model.max_position_embeddings or config.model.seq_length
-    new = generate(model, prompt, request.settings, max_context=max_context,
+    prompt = prompt_tokens(request.prompt, tokenizer, config)
+    new = generate(model, prompt, request.settings, max_context=config.model.max_positions,
                    eod=tokenizer.eod if tokenizer is not None else None)
     return tokenizer.decode(new) if tokenizer is not None else " ".join(map(str, new))
 
@@ -118,10 +147,11 @@ def _generate_worker(env, request: GenerateRequest) -> None:
     kind = devices.resolve_kind(request.device, env.local_world_size)
     devices.configure_threads(kind, env.local_world_size)
     device = devices.device_for(kind, env.local_rank)
-    init_process_group(env, devices.backend_for(kind), timedelta(minutes=10))
+    timeout = timedelta(minutes=10)
+    init_process_group(env, devices.backend_for(kind), timeout)
     try:
         grid = RankGrid(tp=request.tensor_parallel, dp=1, pp=request.pipeline_parallel)
-        ctx = ParallelContext.build(grid)
+        ctx = ParallelContext.build(grid, timeout=timeout)
         text = generate_text(request, ctx, device)
         if ctx.rank == 0:
             print(text, flush=True)
@@ -153,6 +183,13 @@ def add_generate_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
 
 
+def _tokenizer_of(config: Config):
+    """The checkpoint's tokenizer; None for a model trained on generated data."""
+    from ptdp.data.loader import tokenizer_for
+
+    return None if config.data.mock_data else tokenizer_for(config.data)
+
+
 def run_generate_command(args: argparse.Namespace) -> int:
     from ptdp.config import ParallelConfig, validate
     from ptdp.launch import LocalJobFailed, launch_local
@@ -179,10 +216,8 @@ def run_generate_command(args: argparse.Namespace) -> int:
     validate(Config(model=config.model, parallel=layout, train=config.train.__class__(
         micro_batch_size=1, global_batch_size=layout.pipeline_model_parallel_size),
         data=config.data))
-    if config.data.mock_data and not all(part.isdigit() for part in args.prompt.split()):
-        raise ConfigError([f"--prompt {args.prompt!r}: this model was trained on generated data "
-                           "(--mock-data) and has no tokenizer; give token ids, e.g. --prompt "
-                           "'1 2 3'"])
+    # Checked here, before any rank starts: in a rank it would be a traceback.
+    prompt_tokens(args.prompt, _tokenizer_of(config), config)
     request = GenerateRequest(args.load, args.prompt, settings, layout.tensor_model_parallel_size,
                               layout.pipeline_model_parallel_size,
                               layout.virtual_stages(config.model.num_layers), args.device)

@@ -1,32 +1,43 @@
 """Starting the processes of a job and keeping watch over them.
 
-Three ways in, one code path inside (`run_worker`):
+Three ways in, one code path inside (the entry function, `ptdp.train.loop.worker`):
 - torchrun: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT are set;
 - SLURM (srun with more than one task): SLURM_PROCID, SLURM_NTASKS,
   SLURM_LOCALID; the master address is MASTER_ADDR or the launch node;
 - neither: `launch_local` starts the processes on this machine itself and
   supervises them. If one fails, all others are stopped within seconds and
-  the failing rank's error is printed; a collective timeout bounds any wait,
-  so a lost peer never hangs a job for ever.
+  the error of the rank where the failure began is reported (not the echoes
+  in its peers, which lose their connection to it); a collective timeout
+  bounds any wait, so a lost or stopped peer never hangs a job for ever.
+  A local job listens on the loopback interface only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing as mp
 import multiprocessing.connection
 import os
 import signal
+import socket
 import sys
-import traceback
+import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
 
+from ptdp.errors import RankFailure, print_user_error, set_process_rank
+
 LOOPBACK = "127.0.0.1"
+# A rank with a graceful-exit handler outlives SIGTERM: SIGKILL after this.
 STOP_GRACE_SECONDS = 3.0
+# After the first failure, how long to wait for the other ranks' reports: the
+# rank where it began often reports after the peers that lost it.
+COLLECT_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -75,6 +86,9 @@ def detect_env(environ: dict | None = None) -> DistEnv | None:
 
 def init_process_group(env: DistEnv, backend: str, timeout: timedelta) -> None:
     """Join the job's default process group; every collective fails after `timeout`."""
+    set_process_rank(env.rank)
+    if env.source == "local":
+        _collectives_over_loopback()
     if env.world_size == 1:
         store = dist.HashStore()
     else:
@@ -85,9 +99,56 @@ def init_process_group(env: DistEnv, backend: str, timeout: timedelta) -> None:
                             timeout=timeout)
 
 
+# ------------------------------------------------------------------ loopback only
+
+def _loopback_interface() -> str | None:
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except (OSError, AttributeError):
+        return None
+    for name in ("lo", "lo0"):  # Linux, BSD and macOS
+        if name in names:
+            return name
+    return None
+
+
+def _collectives_over_loopback() -> None:
+    """gloo and NCCL bind their sockets to the address the host name resolves
+    to (or the first interface that is up), which is reachable from the
+    network; every rank of a local job is on this machine, so loopback will do.
+    Set for the life of the rank: each new process group reads it again."""
+    name = _loopback_interface()
+    if name is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+        os.environ["NCCL_SOCKET_IFNAME"] = name
+
+
+def _loopback_store(world_size: int) -> dist.TCPStore:
+    """The rendezvous store of a local job, listening on loopback only.
+
+    Given a host name, TCPStore still listens on every interface (it binds
+    the wildcard address); given a listening socket, it serves on that one
+    (`master_listen_fd`, in every torch this project supports). A free port
+    picked by the kernel keeps concurrent jobs on one machine apart."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind((LOOPBACK, 0))
+        listener.listen(max(128, world_size))
+        store = dist.TCPStore(LOOPBACK, listener.getsockname()[1], world_size, is_master=True,
+                              wait_for_workers=False, master_listen_fd=listener.fileno())
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store owns the socket now and closes it
+    return store
+
+
+# ------------------------------------------------------------------ the rank process
+
 def _die_with_parent() -> None:
-    """Linux: have the kernel stop this process if its supervisor dies, so
-    that killing `ptdp train` never leaves ranks behind."""
+    """Linux: have the kernel send SIGTERM to this process if its supervisor
+    dies, so that killing `ptdp train` never leaves ranks behind; a rank with
+    a graceful-exit handler saves first."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -96,20 +157,23 @@ def _die_with_parent() -> None:
 
 
 def _local_worker(env: DistEnv, entry: Callable[[DistEnv, Any], Any], payload: Any,
-                  errors: multiprocessing.connection.Connection) -> None:
+                  reports: multiprocessing.connection.Connection) -> None:
     _die_with_parent()
     try:
         entry(env, payload)
     except BaseException as error:  # noqa: BLE001 - reported to the supervisor, then exit 1
-        text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        if isinstance(error, SystemExit) and error.code in (None, 0):
+            return
         try:
-            errors.send(text)
+            reports.send(RankFailure.from_exception(env.rank, error))
         finally:
             sys.stderr.flush()
             os._exit(1)
     finally:
-        errors.close()
+        reports.close()
 
+
+# ------------------------------------------------------------------ the report
 
 def _describe_exit(code: int | None) -> str:
     if code is None:
@@ -119,75 +183,220 @@ def _describe_exit(code: int | None) -> str:
             return f"killed by {signal.Signals(-code).name}"
         except ValueError:
             return f"killed by signal {-code}"
+    if 128 < code < 128 + signal.NSIG:  # how a process that stops itself on a signal exits
+        with contextlib.suppress(ValueError):
+            return f"exit code {code} = 128 + {signal.Signals(code - 128).name}"
     return f"exit code {code}"
 
 
 class LocalJobFailed(RuntimeError):
-    def __init__(self, rank: int, exit_code: int | None, error: str | None):
+    """A local job failed; `rank` is where the failure began.
+
+    `error`: that rank's traceback (None when it died without one: killed by
+    a signal); `message`: its cause in a sentence; `user_error`: a problem the
+    user can fix, shown without the traceback; `unresponsive`: the rank
+    stopped responding and the others gave up waiting for it."""
+
+    def __init__(self, rank: int, exit_code: int | None, error: str | None, *,
+                 message: str | None = None, user_error: bool = False,
+                 unresponsive: str | None = None):
         self.rank, self.exit_code, self.error = rank, exit_code, error
-        super().__init__(f"rank {rank} failed ({_describe_exit(exit_code)})"
-                         + (f":\n{error.rstrip()}" if error else ""))
+        self.message, self.user_error = message, user_error
+        self.unresponsive = unresponsive is not None
+        if user_error:
+            text = f"rank {rank}: {message}"
+        elif unresponsive is not None:
+            text = unresponsive
+        else:
+            text = (f"rank {rank} failed ({_describe_exit(exit_code)})"
+                    + (f":\n{error.rstrip()}" if error else ""))
+        super().__init__(text)
+
+    @classmethod
+    def from_report(cls, report: RankFailure, exit_code: int | None) -> LocalJobFailed:
+        return cls(report.rank, 1 if exit_code is None else exit_code, report.traceback,
+                   message=report.message, user_error=report.user_error)
+
+    def report(self, stream=None) -> None:
+        """Print it for the user: a user error as one paragraph (its traceback
+        to a file), anything else with the traceback; the cause comes last."""
+        stream = stream if stream is not None else sys.stderr
+        if self.user_error:
+            print_user_error(self.rank, self.message or "", self.error or "", stream)
+        else:
+            print(f"ptdp: error: {self}", file=stream, flush=True)
 
 
-def launch_local(world_size: int, entry: Callable[[DistEnv, Any], Any], payload: Any) -> None:
+# ------------------------------------------------------------------ launching
+
+def launch_local(world_size: int, entry: Callable[[DistEnv, Any], Any], payload: Any, *,
+                 forward_signals: tuple[int, ...] = ()) -> None:
     """Run `entry(env, payload)` in `world_size` new local processes and wait.
 
-    Raises LocalJobFailed for the first rank that fails, after every other
-    rank has been stopped (SIGTERM, then SIGKILL after a grace period).
+    Raises LocalJobFailed for the rank where a failure began, after every
+    other rank has been stopped (SIGTERM, then SIGKILL after a grace period).
+    Each of `forward_signals` that this process receives meanwhile is sent
+    on to every rank (the ranks' graceful-exit signals): ranks that then
+    exit 0 make a normal return. Call from the main thread when forwarding.
     """
-    import torch.distributed as dist
-
-    # The supervisor hosts the rendezvous store on a free port it picks
-    # itself, so concurrent jobs on one machine never collide on a port.
-    store = dist.TCPStore(LOOPBACK, 0, world_size, is_master=True, wait_for_workers=False)
+    store = _loopback_store(world_size)
     context = mp.get_context("spawn")
-    processes, error_pipes = [], []
+    processes: list = []
+    report_pipes: list = []
+    ended: set[int] = set()
     try:
-        for rank in range(world_size):
-            env = DistEnv(rank=rank, world_size=world_size, local_rank=rank,
-                          local_world_size=world_size, master_addr=LOOPBACK,
-                          master_port=store.port, source="local")
-            receiver, sender = context.Pipe(duplex=False)
-            process = context.Process(target=_local_worker, args=(env, entry, payload, sender),
-                                      name=f"ptdp-rank{rank}")
-            process.start()
-            sender.close()
-            processes.append(process)
-            error_pipes.append(receiver)
-        _supervise(processes, error_pipes)
+        with _forwarding(forward_signals, processes, ended):
+            for rank in range(world_size):
+                env = DistEnv(rank=rank, world_size=world_size, local_rank=rank,
+                              local_world_size=world_size, master_addr=LOOPBACK,
+                              master_port=store.port, source="local")
+                receiver, sender = context.Pipe(duplex=False)
+                process = context.Process(target=_local_worker,
+                                          args=(env, entry, payload, sender),
+                                          name=f"ptdp-rank{rank}")
+                process.start()
+                sender.close()
+                processes.append(process)
+                report_pipes.append(receiver)
+            _supervise(_Ranks(processes, report_pipes, ended))
     finally:
         _stop_all(processes)
+        for pipe in report_pipes:
+            pipe.close()
         del store
 
 
-def _read_error(pipe: multiprocessing.connection.Connection) -> str | None:
+@contextlib.contextmanager
+def _forwarding(signals: tuple[int, ...], processes: list, ended: set[int]) -> Iterator[None]:
+    """While inside, each of `signals` is sent on to every rank not `ended`.
+
+    The handler only sends signals: it must not reap processes (is_alive
+    would), which the supervising loop does."""
+    def forward(signum, frame) -> None:
+        for rank, process in enumerate(list(processes)):
+            if rank not in ended and process.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signum)
+
+    previous = {signum: signal.signal(signum, forward) for signum in signals}
     try:
-        return pipe.recv() if pipe.poll(0.5) else None
-    except (EOFError, OSError):
-        return None
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
 
-def _supervise(processes: list, error_pipes: list) -> None:
-    running = {p.sentinel: rank for rank, p in enumerate(processes)}
-    while running:
-        for sentinel in multiprocessing.connection.wait(list(running)):
-            rank = running.pop(sentinel)
-            process = processes[rank]
-            process.join()
-            if process.exitcode != 0:
-                error = _read_error(error_pipes[rank])
-                _stop_all(processes)
-                raise LocalJobFailed(rank, process.exitcode, error)
+# ------------------------------------------------------------------ supervising
+
+class _Ranks:
+    """What the supervisor knows of its ranks: exits and failure reports, as
+    they arrive."""
+
+    def __init__(self, processes: list, report_pipes: list, ended: set[int]):
+        self.processes = processes
+        self.running = {p.sentinel: rank for rank, p in enumerate(processes)}
+        self.open_pipes = {pipe: rank for rank, pipe in enumerate(report_pipes)}
+        self.ended = ended                            # shared with the signal forwarder
+        self.exits: dict[int, tuple[int, float]] = {}  # rank: (exit code, when seen)
+        self.reports: dict[int, RankFailure] = {}
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.reports) or any(code != 0 for code, _ in self.exits.values())
+
+    def wait(self, timeout: float | None) -> None:
+        """Take in whatever arrives within `timeout` seconds (None: until something does)."""
+        ready = multiprocessing.connection.wait([*self.running, *self.open_pipes], timeout)
+        for item in ready:
+            if item in self.open_pipes:
+                self._read(item)
+        for item in ready:
+            if item in self.running:
+                self._ended(self.running.pop(item))
+
+    def _read(self, pipe) -> None:
+        rank = self.open_pipes[pipe]
+        try:
+            self.reports[rank] = pipe.recv()
+        except Exception:  # noqa: BLE001 - closed (the rank ended) or a garbled report
+            del self.open_pipes[pipe]
+
+    def _ended(self, rank: int) -> None:
+        self.ended.add(rank)  # before reaping: the pid stays the rank's until then
+        process = self.processes[rank]
+        process.join()
+        self.exits[rank] = (process.exitcode, time.time())
+        pipe = next((p for p, r in self.open_pipes.items() if r == rank), None)
+        if process.exitcode != 0 and rank not in self.reports and pipe is not None \
+                and pipe.poll(0.5):  # sent just before it exited
+            self._read(pipe)
+
+    def verdict(self) -> LocalJobFailed:
+        """The failure that is not a consequence of another: the earliest
+        root cause; failing that, the rank the others gave up waiting for."""
+        causes = [(report.time, LocalJobFailed.from_report(report, self._exit_code(rank)))
+                  for rank, report in self.reports.items() if not report.lost_peer]
+        causes += [(seen, LocalJobFailed(rank, code, None))  # killed: no report
+                   for rank, (code, seen) in self.exits.items()
+                   if code != 0 and rank not in self.reports]
+        if causes:
+            return min(causes, key=lambda cause: cause[0])[1]
+        silent = sorted(rank for rank in self.running.values() if rank not in self.reports)
+        first = min(self.reports.values(), key=lambda report: report.time)
+        if silent:
+            return self._unresponsive(silent, first)
+        return LocalJobFailed.from_report(first, self._exit_code(first.rank))
+
+    def _exit_code(self, rank: int) -> int | None:
+        return self.exits[rank][0] if rank in self.exits else None
+
+    def _unresponsive(self, silent: list[int], witness: RankFailure) -> LocalJobFailed:
+        stopped = [rank for rank in silent if _is_stopped(self.processes[rank].pid)]
+        suspects = stopped or silent
+        who = (f"rank {suspects[0]}" if len(suspects) == 1
+               else "ranks " + ", ".join(map(str, suspects)))
+        state = (": its process is stopped (state T: SIGSTOP, or a debugger)" if len(stopped) == 1
+                 else ": their processes are stopped (state T: SIGSTOP, or a debugger)" if stopped
+                 else "")
+        text = (f"{who} stopped responding{state}; the other ranks gave up waiting "
+                f"(rank {witness.rank}: {witness.message})")
+        return LocalJobFailed(suspects[0], None, witness.traceback, unresponsive=text)
+
+
+def _is_stopped(pid: int | None) -> bool:
+    """Linux: whether the process is stopped (SIGSTOP, or held by a debugger)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    fields = stat.rsplit(")", 1)[-1].split()  # the name in parentheses may hold spaces
+    return bool(fields) and fields[0] in ("T", "t")
+
+
+def _supervise(ranks: _Ranks) -> None:
+    """Return when every rank exited 0; raise LocalJobFailed on a failure."""
+    while ranks.running and not ranks.failed:
+        ranks.wait(None)
+    if not ranks.failed:
+        return
+    deadline = time.monotonic() + COLLECT_SECONDS
+    while ranks.running and (left := deadline - time.monotonic()) > 0:
+        ranks.wait(left)
+    raise ranks.verdict()
 
 
 def _stop_all(processes: list) -> None:
+    """SIGTERM, then SIGKILL for whatever outlives the grace period: a rank
+    whose graceful-exit handler takes SIGTERM as "save at the next
+    iteration", which a broken job never reaches."""
     alive = [p for p in processes if p.is_alive()]
     for p in alive:
         p.terminate()
-    deadline_each = STOP_GRACE_SECONDS
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.pid, signal.SIGCONT)  # a stopped process acts on SIGTERM once continued
+    deadline = time.monotonic() + STOP_GRACE_SECONDS
     for p in alive:
-        p.join(deadline_each)
+        p.join(max(0.0, deadline - time.monotonic()))
         if p.is_alive():
             p.kill()
             p.join()
-        deadline_each = 0.1

@@ -21,8 +21,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-CALL_TIMEOUT_SECONDS = 300.0
-COLLECTIVE_TIMEOUT = timedelta(seconds=120)
+# Hang guards only, generous for a loaded 2-core machine: a call takes
+# seconds, and a rank waits in a collective for a slower peer at most that long.
+CALL_TIMEOUT_SECONDS = 900.0
+COLLECTIVE_TIMEOUT = timedelta(seconds=600)
 
 
 def _serve(rank: int, world_size: int, port: int, conn) -> None:

@@ -38,8 +38,12 @@ def gpu():
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-gpu") / "figures.json"
-    result = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--device", "cpu", "--json", str(out)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    # A time budget no machine reaches: on a loaded one the default budget
+    # could skip runs, and which runs ran must not depend on speed. The
+    # timeout only catches a hang (the run takes well under a minute).
+    result = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--device", "cpu", "--json", str(out),
+                             "--time-budget", "86400"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stdout + result.stderr
     return json.loads(out.read_text()), result.stdout
 
@@ -56,22 +60,30 @@ def test_tiny_run_passes_its_checks(tiny_run):
     assert "| config | parameters |" in stdout  # the table is printed
 
 
+def _positive_and_finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
 def test_tiny_run_figures_are_sane(tiny_run):
+    """The figures are consistent with each other and with the model. None is
+    compared with a speed: they are timings of a shared machine (the tiny
+    model over a matmul can exceed 1 when the matmul was timed while another
+    process ran)."""
     report, _ = tiny_run
     assert report["tiny"] and report["device"] == "cpu"
-    assert report["matmul_peak_tflops"] > 0
+    assert _positive_and_finite(report["matmul_peak_tflops"])
     runs = report["runs"]
     assert [r["recompute"] for r in runs] == [None, None, "selective", "full", "full"]
     for run in runs:
-        assert "skipped" not in run  # no memory limit on a CPU, and the budget is ample
+        assert "skipped" not in run  # no memory limit on a CPU, and the time budget is unbounded
         model = ModelConfig(num_layers=run["num_layers"], hidden_size=run["hidden_size"],
                             num_attention_heads=run["num_attention_heads"],
                             seq_length=run["seq_length"], vocab_size=run["vocab_size"],
                             recompute_granularity=run["recompute"])
         assert run["parameters"] == parameter_count(model)  # the built model's own count
         assert run["measured_iterations"] >= 1
-        assert run["tokens_per_s"] > 0 and run["model_tflops"] > 0
-        assert 0 < run["peak_fraction"] < 1.5
+        for figure in ("tokens_per_s", "model_tflops", "peak_fraction", "iteration_ms"):
+            assert _positive_and_finite(run[figure]), (figure, run[figure])
         seconds = run["iteration_ms"] / 1e3
         assert run["tokens_per_s"] == pytest.approx(run["global_batch"] * run["seq_length"] / seconds)
         flops = model_flops_per_iteration(model, run["global_batch"], recompute=run["recompute"])

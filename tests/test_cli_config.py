@@ -75,7 +75,10 @@ def test_every_config_field_has_a_working_flag():
     """Each flag of the dataclasses reaches its own field, with the field's type."""
     for section, f in flag_fields():
         kind = f.type.split("|")[0].strip()
-        if kind == "bool":
+        if kind == "bool" and "off_flag" in f.metadata:  # on by default: the off flag turns it off
+            assert getattr(getattr(parse(f.metadata["flag"]), section), f.name) is True
+            argv, value = [f.metadata["off_flag"]], False
+        elif kind == "bool":
             argv, value = [f.metadata["flag"]], not f.default
         elif "choices" in f.metadata:
             value = [c for c in f.metadata["choices"] if c != f.default][0]

@@ -168,7 +168,7 @@ def test_parallel_training_on_real_data_matches_one_process(pools, tmp_path, p, 
 
 def _run(*argv, cwd=ROOT):
     return subprocess.run([sys.executable, "-m", "ptdp", *argv], cwd=cwd, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=900)
 
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length",

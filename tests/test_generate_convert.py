@@ -42,7 +42,7 @@ def checkpoint(tmp_path_factory):
 def _generate(checkpoint, *flags):
     result = subprocess.run([sys.executable, "-m", "ptdp", "generate", "--load", str(checkpoint),
                              "--prompt", "5 6 7", "--max-new-tokens", "10", *flags], cwd=ROOT,
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr
     return result.stdout.split()
 

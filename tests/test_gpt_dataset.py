@@ -261,7 +261,7 @@ def test_non_builder_waits_at_the_barrier_then_loads(corpus, tmp_path, monkeypat
     prefix, _ = corpus
     cache = str(tmp_path / "shared")
     builds = counting_builds(monkeypatch)
-    barrier = threading.Barrier(2, timeout=60)
+    barrier = threading.Barrier(2, timeout=600)  # a hang guard: the build takes a second
     results, errors = {}, []
 
     def rank(is_builder: bool):

@@ -227,7 +227,7 @@ def test_command_line_in_a_fresh_process_with_spawned_workers(tmp_path):
     process = subprocess.run(
         [sys.executable, "-m", "ptdp", "preprocess", "--input", str(source), "--output-prefix",
          str(tmp_path / "out"), "--tokenizer-type", BYTES, "--workers", "2"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert process.returncode == 0, process.stderr
     assert "300 documents" in process.stdout and "2 workers" in process.stdout
     assert _documents(tmp_path / "out_text_document") == [list(r["text"].encode()) for r in records]

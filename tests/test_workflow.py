@@ -24,7 +24,7 @@ def test_the_readme_workflow_works_as_written(tmp_path):
     outputs = []
     for command in _workflow_commands():
         result = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True,
-                                text=True, timeout=600)
+                                text=True, timeout=1800)  # hang guard: ~70 s idle
         assert result.returncode == 0, f"{command}\n{result.stderr[-3000:]}"
         outputs.append(result.stdout)
     train, resume, sample = outputs[3], outputs[4], outputs[5]

@@ -6,7 +6,8 @@ Inputs are plain-text files (each file is one document) or JSON lines
 `PREFIX_{key}_document.bin/.idx` (Megatron-LM's names), one sequence per
 document, in input order. As in Megatron-LM's preprocess_data.py, a
 document whose text encodes to no tokens is written as a document without
-sequences and gets no end-of-document token.
+sequences and gets no end-of-document token; but inputs that hold no text
+at all (for some key) are refused, and nothing is written.
 
 The work is done in two passes over chunks of the inputs (byte ranges that
 end at line breaks): a check pass that parses every line, so a bad input
@@ -355,8 +356,8 @@ def preprocess(inputs: Sequence[str | Path], output_prefix: str | Path,
     """Tokenize `inputs` into `{output_prefix}_{key}_document.bin/.idx` per key.
 
     `tokenizer` is a TokenizerSpec or a tokenizer type name. Raises
-    PreprocessError (or TokenizerError) before writing anything on bad
-    inputs or settings. Returns documents, tokens (all keys),
+    PreprocessError (or TokenizerError) and writes nothing on bad inputs or
+    settings, or on inputs with no text under some key. Returns documents, tokens (all keys),
     tokens_per_key, input_bytes, seconds, workers (used), dtype and files
     (the paths written)."""
     started = time.perf_counter()
@@ -383,8 +384,10 @@ def preprocess(inputs: Sequence[str | Path], output_prefix: str | Path,
         advance = stack.enter_context(_progress(progress, total_bytes))
         try:
             documents = _check_all(chunks, keys, imap, advance)
+            if documents == 0:  # nothing to encode: say so before creating any file
+                raise PreprocessError(_empty_input_problem(inputs, keys, documents))
             token_counts = _encode_all(chunks, keys, spec, built, append_eod, dtype, output_prefix,
-                                       documents, imap if workers > 1 else None, advance)
+                                       documents, imap if workers > 1 else None, advance, inputs)
         except BrokenProcessPool:
             raise PreprocessError(f"a worker process died (out of memory, or killed?); nothing was "
                                   f"written; run again, with fewer --workers than {workers}") from None
@@ -438,10 +441,28 @@ def _check_all(chunks, keys, imap, advance) -> int:
     return documents
 
 
+def _empty_input_problem(inputs: Sequence[str], empty_keys: Sequence[str], documents: int) -> str:
+    """Why there is nothing to write. A dataset without tokens would only
+    fail later, when training cannot draw a single sample from it."""
+    names = " ".join(inputs)
+    advice = "give input with text"
+    if documents == 0:
+        what = "no documents (the input is empty, or has only blank lines)"
+    elif not any(is_json_lines(path) for path in inputs):
+        what = "no text (every input file is empty)"
+    else:
+        many = documents > 1
+        what = (f"no text under --json-keys {' '.join(empty_keys)}: the {documents:,} "
+                f"document{'s' if many else ''} {'have' if many else 'has'} only empty text there")
+        advice += ", or name the key that holds it with --json-keys"
+    return f"--input {names}: {what}; nothing was written; {advice}"
+
+
 def _encode_all(chunks, keys, spec, tokenizer, append_eod, dtype, output_prefix, expected_documents,
-                pool_imap, advance) -> list[int]:
+                pool_imap, advance, inputs) -> list[int]:
     """The encode pass: in this process (pool_imap None) or in the pool's
-    workers, chunk datasets merged in order. Commits the outputs last."""
+    workers, chunk datasets merged in order. Commits the outputs last, and
+    only if every key's dataset holds tokens."""
     token_counts = [0] * len(keys)
     writers: list[IndexedDatasetWriter] = []
     scratch = None
@@ -474,6 +495,9 @@ def _encode_all(chunks, keys, spec, tokenizer, append_eod, dtype, output_prefix,
             raise PreprocessError(f"the inputs held {expected_documents:,} documents when checked but "
                                   f"{documents:,} when encoded: did a file change during "
                                   f"preprocessing? nothing was written; run again")
+        empty_keys = [key for key, count in zip(keys, token_counts) if count == 0]
+        if empty_keys:
+            raise PreprocessError(_empty_input_problem(inputs, empty_keys, documents))
         for writer in writers:
             writer.finalize()
         return token_counts

@@ -15,6 +15,7 @@ belongs to. There are no module-level globals for parallel state.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 
@@ -98,12 +99,15 @@ class ParallelContext:
         return cls(grid=RankGrid(1, 1, 1), rank=0, groups={k: None for k in GROUP_KINDS})
 
     @classmethod
-    def build(cls, grid: RankGrid, rank: int | None = None) -> "ParallelContext | None":
+    def build(cls, grid: RankGrid, rank: int | None = None,
+              timeout: timedelta | None = None) -> "ParallelContext | None":
         """Create the process groups of `grid` on the default process group.
 
         Every rank of the default group must call this in the same order, as
         torch.distributed.new_group requires; ranks outside the grid (world
-        larger than the grid, as in the test pool) get no context.
+        larger than the grid, as in the test pool) get no context. `timeout`
+        bounds every collective of the groups (give the job's: without it
+        torch's default, 30 minutes, applies to them).
         """
         import torch.distributed as dist
 
@@ -117,7 +121,7 @@ class ParallelContext:
             for ranks in grid.groups_of(kind):
                 # new_group is collective over the whole default group, so it is
                 # called for every group, also those this rank is not part of.
-                group = dist.new_group(ranks) if len(ranks) > 1 else None
+                group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
                 if rank in ranks:
                     groups[kind] = group
         if rank >= grid.world_size:

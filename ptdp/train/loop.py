@@ -15,6 +15,7 @@ from ptdp import device as devices
 from ptdp.config import Config
 from ptdp.data.loader import TrainingData, build_training_data, collate, split_microbatch
 from ptdp.data.sampler import microbatch_indices
+from ptdp.errors import DivergenceError
 from ptdp.launch import DistEnv, init_process_group
 from ptdp.model.gpt import build_chunks
 from ptdp.parallel.data import GradBuffer
@@ -27,6 +28,7 @@ from ptdp.train.evaluate import evaluate
 from ptdp.train.optimizer import Optimizer, learning_rate
 from ptdp.train.report import (Progress, TensorBoardLogger, configured_flops_per_iteration,
                                format_log_line, peak_tflops, plot_loss_curve, throughput)
+from ptdp.train.stopping import StopConditions
 
 
 def worker(env: DistEnv, config: Config) -> list[dict[str, Any]]:
@@ -36,12 +38,12 @@ def worker(env: DistEnv, config: Config) -> list[dict[str, Any]]:
     kind = devices.resolve_kind(par.device, env.local_world_size)
     devices.configure_threads(kind, env.local_world_size)
     device = devices.device_for(kind, env.local_rank)
-    init_process_group(env, devices.backend_for(kind),
-                       timedelta(minutes=par.distributed_timeout_minutes))
+    timeout = timedelta(minutes=par.distributed_timeout_minutes)
+    init_process_group(env, devices.backend_for(kind), timeout)
     try:
         t, p = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
         grid = RankGrid(tp=t, dp=env.world_size // (t * p), pp=p)
-        ctx = ParallelContext.build(grid)
+        ctx = ParallelContext.build(grid, timeout=timeout)
         return train(config, ctx, device)
     finally:
         dist.destroy_process_group()
@@ -92,9 +94,9 @@ class Trainer:
         """Samples consumed before 0-based `iteration` runs."""
         return self.start_consumed + (iteration - self.start_iteration) * self.global_batch
 
-    def save(self, directory: str, iteration: int) -> None:
-        """Checkpoint after `iteration` iterations (every rank calls it)."""
-        save_checkpoint(self, directory, iteration=iteration,
+    def save(self, directory: str, iteration: int):
+        """Checkpoint after `iteration` iterations (every rank calls it); returns its directory."""
+        return save_checkpoint(self, directory, iteration=iteration,
                         consumed_samples=self.consumed_before(iteration),
                         keep_last=self.config.train.keep_last)
 
@@ -207,39 +209,58 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
     progress = Progress(tr.train_iters, start=trainer.start_iteration,
                         enabled=None if is_logger else False)
     history: list[dict[str, Any]] = []
+    stopping = StopConditions(tr, device, uses_loss_scaling=tr.fp16, rank=ctx.rank,
+                              is_logger=is_logger)
+    newest_checkpoint = str(resolve(tr.load)) if tr.load else None
     try:
         if is_logger and tr.load:
-            print(f"ptdp: resumed from {resolve(tr.load)} after iteration {start[0]} "
+            print(f"ptdp: resumed from {newest_checkpoint} after iteration {start[0]} "
                   f"({start[1]:,} samples consumed)", flush=True)
         for iteration in range(trainer.start_iteration, tr.train_iters):
             done = iteration + 1
+            began = time.monotonic()
             record_timeline = bool(tr.timeline) and done == tr.train_iters
             if record_timeline:
                 dist.barrier()  # align the ranks' clocks for the picture
             record, stats = trainer.step(iteration, record_timeline)
             record.update(throughput(flops, record["iteration_ms"] / 1e3, ctx.grid.world_size, peak))
+            verdict = stopping.agree(record)  # the same on every rank
+            try:
+                stopping.check_divergence(record, verdict, newest_checkpoint)
+            except DivergenceError:
+                _report(record, metrics_out, tensorboard, is_logger, tr.train_iters, force=True)
+                raise
+            exit_reason = stopping.exit_reason(done, verdict) if done < tr.train_iters else None
             # Every rank evaluates (the pipeline needs them all), decided by
-            # the settings alone.
-            if tr.eval_interval and (done % tr.eval_interval == 0 or done == tr.train_iters):
+            # the settings alone; not when a signal gives little time left.
+            if tr.eval_interval and (done % tr.eval_interval == 0 or done == tr.train_iters) \
+                    and not verdict.signal:
                 result = evaluate(trainer, trainer.data.valid, tr.eval_iters)
                 record["val_loss"], record["val_perplexity"] = result["loss"], result["perplexity"]
             history.append(record)
-            if metrics_out is not None:
-                metrics_out.write(json.dumps(record) + "\n")
-                metrics_out.flush()
-            if tensorboard is not None:
-                tensorboard.log(record)
             progress.update(done, record["loss"])
-            if is_logger and (done % tr.log_interval == 0 or done == tr.train_iters
-                              or "val_loss" in record):
-                print(format_log_line(record, tr.train_iters), flush=True)
+            _report(record, metrics_out, tensorboard, is_logger, tr.train_iters,
+                    force=done % tr.log_interval == 0 or exit_reason is not None)
             if record_timeline:
                 _draw_measured_timeline(stats.timeline, ctx, trainer.schedule, tr.timeline, is_logger)
-            if tr.save and (done == tr.train_iters or (tr.save_interval and done % tr.save_interval == 0)):
+            stopping.longest_iteration = max(stopping.longest_iteration, time.monotonic() - began)
+            if tr.save and (done == tr.train_iters or exit_reason is not None
+                            or (tr.save_interval and done % tr.save_interval == 0)):
+                saving = time.monotonic()
                 trainer.save(tr.save, done)
+                stopping.longest_save = max(stopping.longest_save, time.monotonic() - saving)
+                newest_checkpoint = f"{tr.save}/iter_{done:07d}"
                 if is_logger:
-                    print(f"ptdp: saved checkpoint {tr.save}/iter_{done:07d}", flush=True)
+                    print(f"ptdp: saved checkpoint {newest_checkpoint}", flush=True)
+            if exit_reason is not None:
+                if is_logger:
+                    saved = (f"saved {newest_checkpoint}; resume with --load {tr.save}" if tr.save
+                             else "no --save given, so nothing was saved")
+                    print(f"ptdp: stopped after iteration {done} of {tr.train_iters}: {exit_reason}; "
+                          f"{saved}", flush=True)
+                break
     finally:
+        stopping.close()
         progress.close()
         if metrics_out is not None:
             metrics_out.close()
@@ -249,6 +270,19 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
         plot_loss_curve(history, tr.loss_curve)
         print(f"ptdp: drew the loss curve to {tr.loss_curve}", flush=True)
     return history
+
+
+def _report(record: dict, metrics_out: TextIO | None, tensorboard, is_logger: bool,
+            train_iters: int, *, force: bool) -> None:
+    """One iteration's record to the metrics file, TensorBoard and (on log
+    iterations, the last, evaluations and forced ones) the log line."""
+    if metrics_out is not None:
+        metrics_out.write(json.dumps(record) + "\n")
+        metrics_out.flush()
+    if tensorboard is not None:
+        tensorboard.log(record)
+    if is_logger and (force or record["iteration"] == train_iters or "val_loss" in record):
+        print(format_log_line(record, train_iters), flush=True)
 
 
 def _draw_measured_timeline(boxes: list, ctx: ParallelContext, schedule, path: str,

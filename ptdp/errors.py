@@ -1,0 +1,213 @@
+"""Errors the user can fix, and telling a rank's own failure from the echo of
+another rank's.
+
+When one rank of a job fails, its peers fail too: their next collective finds
+the connection closed, or waits until the collective timeout. Those second
+failures say nothing about the cause, and they often come first (the failing
+rank tears down its process group while unwinding). `RankFailure` is what a
+failed rank reports; `lost_peer` marks the echoes, so that a launcher can show
+the failure that started it all.
+
+User errors (a full disk, a damaged checkpoint, a setting that cannot work)
+are shown as one paragraph, `ptdp: error: rank R: <message>`, without a Python
+traceback; the traceback is kept in a file for bug reports, and printed when
+PTDP_TRACEBACK=1. Everything else is a bug and keeps its traceback.
+
+This module imports nothing of ptdp or torch: the command line, the launcher
+and every rank use it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence, TextIO
+
+
+class UserError(Exception):
+    """A problem the user can fix; printed as one paragraph without a traceback."""
+
+
+class DivergenceError(UserError):
+    """Training can no longer make progress (non-finite loss or gradients)."""
+
+
+# ptdp's error types that predate UserError, named rather than imported: their
+# modules import torch and one another, and this module must stay importable
+# from anywhere. tests/test_launch.py checks that each one still exists.
+USER_ERROR_TYPES = frozenset({
+    "ptdp.config.ConfigError",
+    "ptdp.train.checkpoint.CheckpointError",
+    "ptdp.data.loader.DataSettingsError",
+    "ptdp.data.gpt_dataset.DataError",
+    "ptdp.data.tokenizer.TokenizerError",
+    "ptdp.data.indexed.IndexedDatasetError",
+})
+
+# Disk and permission problems: the user frees space, fixes a path or its
+# permissions. (ENOENT is left out: a path ptdp computed wrongly is a bug.)
+USER_ERRNOS = frozenset(code for code in (
+    errno.ENOSPC, getattr(errno, "EDQUOT", None), errno.EFBIG, errno.EIO, errno.EACCES,
+    errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG) if code is not None)
+
+# Libraries written in Rust (safetensors) report an OSError's code in the text.
+_OS_ERROR_CODE = re.compile(r"\(os error (\d+)\)")
+
+# torch.distributed's error types: the classes, or gloo's plain RuntimeError
+# whose text starts with the source location inside gloo.
+_DISTRIBUTED_TYPES = frozenset({"DistError", "DistBackendError", "DistNetworkError",
+                                "DistStoreError"})
+_COLLECTIVE_LIBRARY = re.compile(r"gloo|nccl|c10d|ProcessGroup", re.IGNORECASE)
+# What a rank sees when a peer died, hung or tore down its process group.
+_LOST_PEER = re.compile(
+    r"connection (closed|reset) by peer|broken pipe|connection refused|timed out|timeout"
+    r"|got 0 bytes|connection was likely closed|remote (process|worker)|communicator was aborted"
+    r"|clients joined|ncclRemoteError", re.IGNORECASE)
+# "[/path/to/third_party/gloo/gloo/transport/tcp/pair.cc:553] " before a gloo message.
+_SOURCE_LOCATION = re.compile(r"^\[[^\]\s]+:\d+\]\s*")
+
+TRACEBACK_VARIABLE = "PTDP_TRACEBACK"
+
+
+# ------------------------------------------------------------------ classification
+
+def is_lost_peer_text(type_names: Sequence[str], message: str) -> bool:
+    """Whether an exception of these classes (its type's MRO names) with this
+    text reports a peer that vanished, hung or closed its connection."""
+    from_collectives = bool(_DISTRIBUTED_TYPES.intersection(type_names)) or (
+        "RuntimeError" in type_names and bool(_COLLECTIVE_LIBRARY.search(message)))
+    return from_collectives and bool(_LOST_PEER.search(message))
+
+
+def is_lost_peer(error: BaseException) -> bool:
+    return is_lost_peer_text([cls.__name__ for cls in type(error).__mro__], str(error))
+
+
+def exception_chain(error: BaseException) -> list[BaseException]:
+    """`error`, then what it was raised from or while handling, and so on:
+    the last one is the first exception this process raised."""
+    chain: list[BaseException] = []
+    current: BaseException | None = error
+    while current is not None and not any(current is seen for seen in chain):
+        chain.append(current)
+        current = current.__cause__ or (None if current.__suppress_context__
+                                        else current.__context__)
+    return chain
+
+
+def followed_a_lost_peer(error: BaseException) -> bool:
+    """Whether this process's failure began with losing a peer (so it is a
+    consequence of another rank's failure), judged by the first exception."""
+    return is_lost_peer(exception_chain(error)[-1])
+
+
+def cause_to_report(error: BaseException) -> BaseException:
+    """The exception that says what went wrong: the outermost one that is not
+    an echo of a lost peer (a rank that hit a full disk and then lost its
+    connection while cleaning up reports the full disk)."""
+    return next((e for e in exception_chain(error) if not is_lost_peer(e)), error)
+
+
+def _os_error_code(error: BaseException) -> int | None:
+    if isinstance(error, OSError):
+        return error.errno
+    match = _OS_ERROR_CODE.search(str(error))
+    return int(match.group(1)) if match else None
+
+
+def is_user_error(error: BaseException) -> bool:
+    """A problem the user can fix: ptdp's own error types and disk or
+    permission problems. Anything else is a bug and keeps its traceback."""
+    if isinstance(error, UserError):
+        return True
+    if any(f"{cls.__module__}.{cls.__qualname__}" in USER_ERROR_TYPES for cls in type(error).__mro__):
+        return True
+    return _os_error_code(error) in USER_ERRNOS
+
+
+def describe(error: BaseException) -> str:
+    """The message shown for `error`: a user error's text, an OSError's file
+    and reason, a lost peer's text without gloo's source location, or a
+    bug's `Type: text`."""
+    if isinstance(error, OSError) and error.strerror:
+        where = "" if error.filename is None else str(error.filename)
+        if error.filename2 is not None:
+            where += f" -> {error.filename2}"
+        return f"{where}: {error.strerror}" if where else error.strerror
+    if is_user_error(error):
+        return str(error) or type(error).__name__
+    if is_lost_peer(error):  # gloo's RuntimeError says nothing the text does not
+        return _SOURCE_LOCATION.sub("", str(error))
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
+# ------------------------------------------------------------------ a rank's report
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What a failed rank tells whoever launched it."""
+    rank: int
+    time: float        # time.time() when the rank caught the exception
+    lost_peer: bool    # a consequence of another rank's failure
+    user_error: bool   # shown without a traceback
+    message: str       # the cause, for the user
+    traceback: str     # the full traceback, for bug reports
+
+    @classmethod
+    def from_exception(cls, rank: int, error: BaseException) -> RankFailure:
+        cause = cause_to_report(error)
+        return cls(rank=rank, time=time.time(), lost_peer=followed_a_lost_peer(error),
+                   user_error=is_user_error(cause), message=describe(cause),
+                   traceback="".join(traceback.format_exception(type(error), error,
+                                                                error.__traceback__)))
+
+
+# Set when this process joins a job as a rank: an error after that happened
+# on that rank (ptdp.launch.init_process_group sets it).
+_process_rank: int | None = None
+
+
+def set_process_rank(rank: int | None) -> None:
+    global _process_rank
+    _process_rank = rank
+
+
+def process_rank() -> int | None:
+    """The rank this process joined a job as, or None before it did."""
+    return _process_rank
+
+
+# ------------------------------------------------------------------ showing a user error
+
+def traceback_path(rank: int) -> Path:
+    return Path(tempfile.gettempdir()) / f"ptdp-error-{os.getpid()}-rank{rank}.txt"
+
+
+def _wants_traceback() -> bool:
+    return os.environ.get(TRACEBACK_VARIABLE, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def print_user_error(rank: int, message: str, traceback_text: str,
+                     stream: TextIO | None = None) -> None:
+    """Where the traceback went (with PTDP_TRACEBACK=1: the traceback itself),
+    then the message as one paragraph, last, where the eye lands."""
+    stream = stream if stream is not None else sys.stderr
+    if _wants_traceback():
+        print(traceback_text.rstrip(), file=stream)
+    else:
+        path = traceback_path(rank)
+        try:
+            path.write_text(traceback_text, encoding="utf-8")
+        except OSError:  # the full disk may hold the temporary directory too
+            print(f"ptdp: set {TRACEBACK_VARIABLE}=1 to print the traceback", file=stream)
+        else:
+            print(f"ptdp: the traceback of rank {rank} is in {path} ({TRACEBACK_VARIABLE}=1 "
+                  f"prints it instead)", file=stream)
+    print(f"ptdp: error: rank {rank}: {message}", file=stream, flush=True)
