@@ -14,7 +14,6 @@ seeded generator, so all ranks extend the same context.
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -230,6 +229,6 @@ def run_generate_command(args: argparse.Namespace) -> int:
     try:
         launch_local(world, _generate_worker, request)
     except LocalJobFailed as failure:
-        print(f"ptdp: error: {failure}", file=sys.stderr)
+        failure.report()  # a user error as one paragraph, the cause on the last line
         return 1
     return 0

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import signal
 import subprocess
 import sys
 import textwrap

@@ -13,7 +13,7 @@ import torch
 
 from ptdp.config import Config, DataConfig, ModelConfig, TrainConfig
 from ptdp.parallel.topology import ParallelContext
-from ptdp.train import checkpoint
+from ptdp.train import checkpoint, retention
 from ptdp.train.checkpoint import (CheckpointError, read_metadata, resolve, save_logical_model,
                                    verify_file)
 from ptdp.train.loop import Trainer
@@ -166,7 +166,7 @@ def test_a_killed_save_of_a_fresh_run_never_leaves_latest_on_a_moved_checkpoint(
 def test_publish_never_overwrites_another_lineage(tmp_path, monkeypatch):
     _train_and_save(_trainer(), tmp_path, [0])
     before = _weights_file(tmp_path / "iter_0000001")
-    monkeypatch.setattr(checkpoint, "_set_aside_other_lineages", lambda *args: None)
+    monkeypatch.setattr(checkpoint, "set_aside_other_lineages", lambda *args: None)
     with pytest.raises(CheckpointError, match="not of this run's lineage"):
         _train_and_save(_trainer(seed=9), tmp_path, [0])
     assert _weights_file(tmp_path / "iter_0000001") == before
@@ -177,7 +177,7 @@ def test_keep_last_never_removes_latests_target(tmp_path):
     _train_and_save(trainer, tmp_path, range(4))
     (tmp_path / "latest").write_text("iter_0000002\n")  # e.g. pointed back by hand
     lineage = trainer.checkpoint_lineage.at(4)
-    checkpoint._prune(tmp_path, 1, lineage)
+    retention.prune(tmp_path, 1, lineage)
     assert _names(tmp_path) == ["iter_0000002", "iter_0000004", "latest"]
 
 

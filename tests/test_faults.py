@@ -99,7 +99,7 @@ KILL_WHILE_SAVING = textwrap.dedent("""
     if stage == "rename":
         checkpoint._finish = die
     else:
-        checkpoint._point_latest = die
+        checkpoint.point_latest = die
     trainer.save(save, 2)
 """)
 

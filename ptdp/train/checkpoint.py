@@ -21,20 +21,9 @@ killed while saving leaves `latest` on the previous complete checkpoint. The
 next save removes every `iter_*.partial` left behind. Files and directories
 get the modes the process's umask gives (0644 and 0755 under umask 022).
 
-Lineage: `metadata.json`'s `"lineage"` lists `[run id, last iteration]` pairs
-from the origin to this checkpoint (run B loaded run A's iteration 5 and
-saved iteration 8: `[[A, 5], [B, 8]]`). A trainer gets a new run id (uuid4
-hex) at its first save and at every load; a load inherits the checkpoint's
-pairs. A checkpoint of run r at iteration i is on a lineage when one of the
-lineage's pairs (r, upto) has i <= upto; one without the key (written before
-lineages existed) is a lineage of its own, named by its metadata.json's
-sha256. Before a save publishes its checkpoint, every complete checkpoint in
-SAVE not on its lineage that is newer than the iteration the run started from
-(the loaded one; 0 for a fresh run), or that sits at the name being written,
-is renamed into `SAVE/abandoned/<its run id, or legacy>-<UTC time>/iter_*`,
-never deleted (`latest` is first moved off it). `--keep-last N` then removes
-all but the N newest complete checkpoints of the lineage, never `latest`'s
-target and never another lineage's.
+`metadata.json` also records the checkpoint's lineage, so that a save never
+deletes or overwrites a checkpoint it should keep (`--keep-last`, rollbacks,
+another run's checkpoints in the same directory): see retention.py.
 
 Loading cuts each logical tensor into this rank's shard (padding the
 vocabulary for this t), so a checkpoint written under one (t, p, d, v,
@@ -52,10 +41,7 @@ import dataclasses
 import hashlib
 import json
 import os
-import re
 import shutil
-import uuid
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -65,14 +51,12 @@ import torch.distributed as dist
 from ptdp.config import Config, ModelConfig
 from ptdp.parallel.collectives import all_gather_flat
 from ptdp.parallel.sharding import COPY_ATTR, SHARD_ATTR, gather_logical, shard
+from ptdp.train.retention import (LATEST, LINEAGE, METADATA, Lineage, fsync_path, on_lineage,
+                                  point_latest, prune, remove_leftovers, set_aside_other_lineages,
+                                  stored_checkpoints, trainer_lineage)
 
 FORMAT = "ptdp-checkpoint"
 FORMAT_VERSION = 1
-LATEST = "latest"
-METADATA = "metadata.json"
-LINEAGE = "lineage"
-ABANDONED = "abandoned"
-CHECKPOINT_NAME = re.compile(r"iter_\d{7}")
 # Model settings that decide the tensors' shapes: a checkpoint must agree on them.
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                 "vocab_size", "max_position_embeddings")
@@ -87,87 +71,6 @@ def iteration_dir(save: str | Path, iteration: int) -> Path:
     return Path(save) / f"iter_{iteration:07d}"
 
 
-# ------------------------------------------------------------------ lineage
-
-@dataclasses.dataclass
-class Lineage:
-    """Where a trainer stands in the history of checkpoints, so that a save
-    can tell the checkpoints it descends from from an abandoned branch."""
-
-    run_id: str
-    inherited: list[list]  # [run id, last iteration taken from it], origin first
-    forked_at: int  # the iteration this run started from: the loaded one, 0 for a fresh run
-
-    @classmethod
-    def fresh(cls) -> "Lineage":
-        return cls(uuid.uuid4().hex, [], 0)
-
-    @classmethod
-    def loaded(cls, directory: Path, metadata: dict) -> "Lineage":
-        """A new run continuing the checkpoint `directory` (whose lineage ends
-        at its own iteration)."""
-        return cls(uuid.uuid4().hex, _recorded_lineage(directory, metadata),
-                   int(metadata["iteration"]))
-
-    def at(self, iteration: int) -> list[list]:
-        """The lineage a checkpoint of this run at `iteration` records."""
-        return self.inherited + [[self.run_id, iteration]]
-
-
-def _trainer_lineage(trainer) -> Lineage:
-    lineage = getattr(trainer, "checkpoint_lineage", None)
-    if lineage is None:
-        lineage = trainer.checkpoint_lineage = Lineage.fresh()
-    return lineage
-
-
-def _recorded_lineage(directory: Path, metadata: dict) -> list[list]:
-    """The checkpoint's lineage; one written before lineages existed (or with
-    a malformed one) is a lineage of its own, named by its metadata's hash."""
-    pairs = metadata.get(LINEAGE)
-    well_formed = (isinstance(pairs, list) and pairs
-                   and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
-                           and isinstance(p[1], int) for p in pairs))
-    if well_formed:
-        return pairs
-    return [[f"legacy-{_sha256(directory / METADATA)[:32]}", int(metadata["iteration"])]]
-
-
-def _on_lineage(identity: tuple[str, int], lineage: list[list]) -> bool:
-    """Whether the checkpoint (run, iteration) is one the lineage descends from."""
-    run, iteration = identity
-    return any(r == run and iteration <= upto for r, upto in lineage)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Stored:
-    """A complete checkpoint found in a save directory."""
-
-    path: Path
-    run_id: str
-    iteration: int
-
-    @property
-    def identity(self) -> tuple[str, int]:
-        return self.run_id, self.iteration
-
-
-def _stored_checkpoints(save: Path) -> list[_Stored]:
-    """The complete checkpoints in `save`, oldest first. A directory without
-    readable metadata is not one: left alone unless it blocks a save's name."""
-    found = []
-    for path in save.glob("iter_*"):
-        if not (CHECKPOINT_NAME.fullmatch(path.name) and path.is_dir()):
-            continue
-        try:
-            metadata = read_metadata(path)
-            run_id, iteration = _recorded_lineage(path, metadata)[-1]
-        except (CheckpointError, KeyError, TypeError, ValueError):
-            continue
-        found.append(_Stored(path, run_id, int(iteration)))
-    return sorted(found, key=lambda stored: stored.iteration)
-
-
 # ------------------------------------------------------------------ saving
 
 def save_checkpoint(trainer, save: str | Path, *, iteration: int, consumed_samples: int,
@@ -176,10 +79,10 @@ def save_checkpoint(trainer, save: str | Path, *, iteration: int, consumed_sampl
     ctx = trainer.ctx
     final = iteration_dir(save, iteration)
     partial = final.with_name(final.name + ".partial")
-    lineage = _trainer_lineage(trainer)
+    lineage = trainer_lineage(trainer)
     if ctx.rank == 0:
         Path(save).mkdir(parents=True, exist_ok=True)
-        _remove_partials(Path(save))
+        remove_leftovers(Path(save))
         (partial / "rng").mkdir(parents=True)
     _barrier(ctx)
 
@@ -194,27 +97,11 @@ def save_checkpoint(trainer, save: str | Path, *, iteration: int, consumed_sampl
 
     if ctx.rank == 0:
         _finish(trainer, partial, final, iteration, consumed_samples)
-        _point_latest(Path(save), final.name)
+        point_latest(Path(save), final.name)
         if keep_last:
-            _prune(Path(save), keep_last, lineage.at(iteration))
+            prune(Path(save), keep_last, lineage.at(iteration))
     _barrier(ctx)
     return final
-
-
-def _remove_partials(save: Path) -> None:
-    """Every `iter_*.partial` is left by a job killed while saving (one save
-    at a time writes into a directory): never complete, never named by
-    `latest`."""
-    for leftover in save.glob("iter_*.partial"):
-        shutil.rmtree(leftover, ignore_errors=True)
-    # A re-save killed between its two renames (_publish): the complete old
-    # checkpoint goes back where `latest` expects it.
-    for replaced in save.glob("iter_*.replaced"):
-        final = replaced.with_suffix("")
-        if final.exists():
-            shutil.rmtree(replaced, ignore_errors=True)
-        else:
-            os.replace(replaced, final)
 
 
 def _logical_tensors(trainer) -> dict[str, torch.Tensor]:
@@ -263,7 +150,7 @@ def _finish(trainer, partial: Path, final: Path, iteration: int, consumed_sample
     """Rank 0, once every rank has written: metadata with checksums, fsync,
     rename into place."""
     config = trainer.config
-    lineage = _trainer_lineage(trainer)
+    lineage = trainer_lineage(trainer)
     tensors: dict[str, str] = {}
     files: dict[str, str] = {}
     for listing in sorted(partial.glob("part-*.json")):
@@ -286,7 +173,7 @@ def _finish(trainer, partial: Path, final: Path, iteration: int, consumed_sample
         "files": files,
         LINEAGE: lineage.at(iteration),
     }
-    _set_aside_other_lineages(final.parent, metadata[LINEAGE], lineage.forked_at, final)
+    set_aside_other_lineages(final.parent, metadata[LINEAGE], lineage.forked_at, final)
     _publish(partial, final, metadata)
 
 
@@ -294,7 +181,7 @@ def _publish(partial: Path, final: Path, metadata: dict) -> None:
     """Metadata last, everything fsynced, then one rename makes it visible."""
     _write_json(partial / METADATA, metadata)
     for path in [*partial.rglob("*"), partial]:
-        _fsync(path)
+        fsync_path(path)
     replaced = None
     if final.exists():  # the same checkpoint of this lineage, saved again
         _check_replaceable(final, metadata[LINEAGE])
@@ -304,104 +191,18 @@ def _publish(partial: Path, final: Path, metadata: dict) -> None:
         shutil.rmtree(replaced, ignore_errors=True)
         os.replace(final, replaced)
     os.replace(partial, final)
-    _fsync(final.parent)
+    fsync_path(final.parent)
     if replaced is not None:
         shutil.rmtree(replaced, ignore_errors=True)
 
 
 def _check_replaceable(final: Path, lineage: list[list]) -> None:
     """Only a checkpoint of the lineage being saved may be overwritten
-    (_set_aside_other_lineages moved any other one away)."""
-    stored = next((s for s in _stored_checkpoints(final.parent) if s.path == final), None)
-    if stored is None or not _on_lineage(stored.identity, lineage):
+    (set_aside_other_lineages moved any other one away)."""
+    stored = next((s for s in stored_checkpoints(final.parent) if s.path == final), None)
+    if stored is None or not on_lineage(stored.identity, lineage):
         raise CheckpointError(f"{final} appeared while saving and is not of this run's lineage; "
                               "refusing to overwrite it (is another job saving here?)")
-
-
-def _point_latest(save: Path, name: str) -> None:
-    temporary = save / f"{LATEST}.tmp"
-    temporary.write_text(name + "\n")
-    _fsync(temporary)
-    os.replace(temporary, save / LATEST)
-    _fsync(save)
-
-
-def _latest_name(save: Path) -> str | None:
-    try:
-        return (save / LATEST).read_text().strip()
-    except OSError:
-        return None
-
-
-def _prune(save: Path, keep_last: int, lineage: list[list]) -> None:
-    """All but the `keep_last` newest complete checkpoints of `lineage` (the
-    one just saved among them); never `latest`'s target, never another
-    lineage's checkpoints."""
-    ours = [s for s in _stored_checkpoints(save) if _on_lineage(s.identity, lineage)]
-    protected = _latest_name(save)
-    for old in ours[:-keep_last]:
-        if old.path.name != protected:
-            shutil.rmtree(old.path, ignore_errors=True)
-
-
-def _set_aside_other_lineages(save: Path, lineage: list[list], forked_at: int,
-                              final: Path) -> None:
-    """Rename into SAVE/abandoned/ every checkpoint not on `lineage` that is
-    newer than the iteration this run started from (a rolled-back branch, or
-    another run's checkpoints the new ones would mix with), and whatever
-    else occupies the name about to be written. Nothing is deleted."""
-    stored = _stored_checkpoints(save)
-    strays = [s for s in stored if not _on_lineage(s.identity, lineage)
-              and (s.iteration > forked_at or s.path == final)]
-    if final.exists() and not any(s.path == final for s in stored):
-        strays.append(_Stored(final, "unreadable", -1))  # not a complete checkpoint
-    if not strays:
-        return
-    _move_latest_off(save, strays, [s for s in stored if _on_lineage(s.identity, lineage)])
-    moved = _move_into_abandoned(save, strays)
-    print("ptdp: moved checkpoints that are not on this run's lineage out of the way, nothing "
-          "deleted: " + "; ".join(f"{', '.join(names)} -> {group}"
-                                  for group, names in moved.items()), flush=True)
-
-
-def _move_latest_off(save: Path, strays: list[_Stored], ours: list[_Stored]) -> None:
-    """`latest` must never name a directory that is about to move: point it
-    at this lineage's newest checkpoint here, or remove it when there is none
-    (until the new checkpoint is published)."""
-    if _latest_name(save) not in {s.path.name for s in strays}:
-        return
-    if ours:
-        _point_latest(save, ours[-1].path.name)
-    else:
-        (save / LATEST).unlink()
-        _fsync(save)
-
-
-def _move_into_abandoned(save: Path, strays: list[_Stored]) -> dict[Path, list[str]]:
-    """One directory per run: SAVE/abandoned/<run id or legacy>-<UTC time>/."""
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    groups: dict[str, Path] = {}
-    moved: dict[Path, list[str]] = {}
-    for stray in strays:
-        label = "legacy" if stray.run_id.startswith("legacy-") else stray.run_id
-        if label not in groups:
-            groups[label] = _unused(save / ABANDONED / f"{label}-{stamp}")
-            groups[label].mkdir(parents=True)
-        group = groups[label]
-        os.rename(stray.path, group / stray.path.name)  # same filesystem: atomic
-        moved.setdefault(group, []).append(stray.path.name)
-    for group in moved:
-        _fsync(group)
-    _fsync(save)
-    return moved
-
-
-def _unused(path: Path) -> Path:
-    candidate, n = path, 1
-    while candidate.exists():
-        n += 1
-        candidate = path.with_name(f"{path.name}-{n}")
-    return candidate
 
 
 # ------------------------------------------------------------------ loading
@@ -579,7 +380,7 @@ def save_logical_model(save: str | Path, config: Config, weights: dict[str, torc
     partial = final.with_name(final.name + ".partial")
     lineage = Lineage.fresh()
     Path(save).mkdir(parents=True, exist_ok=True)
-    _remove_partials(Path(save))
+    remove_leftovers(Path(save))
     partial.mkdir(parents=True)
     tensors = {f"model/{name}": tensor.detach().contiguous().cpu() for name, tensor in weights.items()}
     _write_safetensors(partial / "part-pp0-tp0.safetensors", tensors)
@@ -588,9 +389,9 @@ def save_logical_model(save: str | Path, config: Config, weights: dict[str, torc
                 "optimizer": None, "tensors": {name: "part-pp0-tp0.safetensors" for name in tensors},
                 "files": {"part-pp0-tp0.safetensors": _sha256(partial / "part-pp0-tp0.safetensors")},
                 LINEAGE: lineage.at(iteration)}
-    _set_aside_other_lineages(Path(save), metadata[LINEAGE], lineage.forked_at, final)
+    set_aside_other_lineages(Path(save), metadata[LINEAGE], lineage.forked_at, final)
     _publish(partial, final, metadata)
-    _point_latest(Path(save), final.name)
+    point_latest(Path(save), final.name)
     return final
 
 
@@ -668,21 +469,6 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: file.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def _fsync(path: Path) -> None:
-    """Durable before the rename that publishes it (directories too, where
-    the platform allows opening them)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _barrier(ctx) -> None:

@@ -85,7 +85,7 @@ class GracefulExit:
             self.requested, self._first_at = signum, now
             if self._announce:
                 print(f"ptdp: {name} received: saving and stopping after the current iteration "
-                      f"(send it again to stop at once)", flush=True)
+                      f"(send it again, 3 s or more later, to stop at once)", flush=True)
         elif now - self._first_at > REPEAT_WINDOW_SECONDS:
             print(f"ptdp: second {name}: stopping at once, without saving", file=sys.stderr,
                   flush=True)
