@@ -28,3 +28,21 @@ def pools():
     registry = Pools()
     yield registry
     registry.close()
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """`main` as a local launch whose process start fails the test if reached
+    (for checks that must refuse a configuration before launching)."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID",
+                 "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+
+    def tripwire(*args, **kwargs):
+        raise AssertionError("a training process was started")
+
+    import ptdp.launch
+    import ptdp.train.loop
+    monkeypatch.setattr(ptdp.launch, "launch_local", tripwire)
+    monkeypatch.setattr(ptdp.train.loop, "worker", tripwire)
+    return tripwire

@@ -367,27 +367,6 @@ def test_config_directory_is_not_a_file(tmp_path):
 
 # --------------------------------------------------------------------------- main
 
-@pytest.fixture
-def no_launch(monkeypatch):
-    """Run `main` as a local launch whose process start fails the test if reached."""
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID",
-                 "SLURM_NTASKS"):
-        monkeypatch.delenv(name, raising=False)
-
-    def tripwire(*args, **kwargs):
-        raise AssertionError("a training process was started")
-
-    import ptdp.launch
-    monkeypatch.setattr(ptdp.launch, "launch_local", tripwire)
-    try:
-        import ptdp.train.loop
-    except ImportError:  # run_train imports it too, and would fail the same way
-        pass
-    else:
-        monkeypatch.setattr(ptdp.train.loop, "worker", tripwire)
-    return tripwire
-
-
 def test_main_invalid_config_exits_2(no_launch, capsys):
     code = main(["train", "--mock-data", "--num-attention-heads", "3", "-t", "2"])
     assert code == 2

@@ -97,8 +97,8 @@ class Trainer:
     def save(self, directory: str, iteration: int):
         """Checkpoint after `iteration` iterations (every rank calls it); returns its directory."""
         return save_checkpoint(self, directory, iteration=iteration,
-                        consumed_samples=self.consumed_before(iteration),
-                        keep_last=self.config.train.keep_last)
+                               consumed_samples=self.consumed_before(iteration),
+                               keep_last=self.config.train.keep_last)
 
     def load(self, directory: str) -> dict[str, Any]:
         """Weights, optimizer state and random streams from a checkpoint,
@@ -247,9 +247,8 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
             if tr.save and (done == tr.train_iters or exit_reason is not None
                             or (tr.save_interval and done % tr.save_interval == 0)):
                 saving = time.monotonic()
-                trainer.save(tr.save, done)
+                newest_checkpoint = str(trainer.save(tr.save, done))
                 stopping.longest_save = max(stopping.longest_save, time.monotonic() - saving)
-                newest_checkpoint = f"{tr.save}/iter_{done:07d}"
                 if is_logger:
                     print(f"ptdp: saved checkpoint {newest_checkpoint}", flush=True)
             if exit_reason is not None:

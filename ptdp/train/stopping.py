@@ -139,10 +139,12 @@ class StopConditions:
             (loss is not None and not math.isfinite(loss))
             or (norm is not None and not math.isfinite(norm)))
         out_of_time = False
-        self.longest_iteration = max(self.longest_iteration, record["iteration_ms"] / 1e3)
         if self.tr.exit_duration_in_mins:
-            # Stop while one more iteration and a save still fit in the limit.
-            needed = time.monotonic() - self.started + self.longest_iteration + self.longest_save
+            # Stop while one more iteration and a save still fit in the limit
+            # (the loop records whole iterations, evaluation included; this
+            # one's step is all that is known after the first).
+            iteration = max(self.longest_iteration, record["iteration_ms"] / 1e3)
+            needed = time.monotonic() - self.started + iteration + self.longest_save
             out_of_time = needed > self.tr.exit_duration_in_mins * 60
         signum = self.handler.requested if self.handler is not None else 0
         view = torch.tensor([float(signum), float(non_finite), float(out_of_time)],
