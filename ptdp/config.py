@@ -57,10 +57,74 @@ class ModelConfig:
     recompute_num_layers: int = flag(1, "--recompute-num-layers",
                                      "layers per checkpointed group (uniform) or checkpointed "
                                      "layers per chunk (block)")
+    # The Llama family's options (Megatron-LM's flags). Their defaults are GPT-2.
+    normalization: str = flag("LayerNorm", "--normalization",
+                              "normalization layers: LayerNorm, or RMSNorm (no mean, no bias)",
+                              choices=("LayerNorm", "RMSNorm"))
+    norm_epsilon: float | None = flag(
+        None, "--norm-epsilon",
+        "epsilon of the normalization layers (Megatron-LM's newer name for --layernorm-epsilon; "
+        "default: --layernorm-epsilon)")
+    swiglu: bool = flag(False, "--swiglu",
+                        "gated MLP: silu(x·W_gate) ⊙ (x·W_up), then W_down; --ffn-hidden-size is "
+                        "the gated width (default as Megatron-LM: 4·h·2/3 rounded down to a "
+                        "multiple of 64)")
+    position_embedding_type: str = flag(
+        "learned_absolute", "--position-embedding-type",
+        "learned_absolute (a learned table added to the word embeddings) or rope (rotary "
+        "embeddings applied to each head's queries and keys)", choices=("learned_absolute", "rope"))
+    rotary_base: float = flag(10000.0, "--rotary-base",
+                              "with rope: the base θ of the rotary frequencies")
+    group_query_attention: bool = flag(
+        False, "--group-query-attention",
+        "grouped-query attention: --num-query-groups key/value heads, each shared by "
+        "heads/groups query heads")
+    num_query_groups: int | None = flag(None, "--num-query-groups",
+                                        "with --group-query-attention: key/value heads G")
+    untie_embeddings_and_output_weights: bool = flag(
+        False, "--untie-embeddings-and-output-weights",
+        "an output layer of its own instead of the word embedding's transpose")
+    disable_bias_linear: bool = flag(False, "--disable-bias-linear",
+                                     "no biases in the linear layers (normalization biases stay)")
 
     @property
     def ffn_size(self) -> int:
-        return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.hidden_size
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        if self.swiglu:
+            # Megatron-LM's default: the gated MLP's three matrices hold about
+            # as many parameters as GPT's two at 4·h, kept a multiple of 64.
+            return int(4 * self.hidden_size * 2 / 3 / 64) * 64
+        return 4 * self.hidden_size
+
+    @property
+    def epsilon(self) -> float:
+        """The normalization layers' epsilon."""
+        return self.layernorm_epsilon if self.norm_epsilon is None else self.norm_epsilon
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads: --num-query-groups under grouped-query attention, else one per head."""
+        if self.group_query_attention and self.num_query_groups is not None:
+            return self.num_query_groups
+        return self.num_attention_heads
+
+    @property
+    def rope(self) -> bool:
+        return self.position_embedding_type == "rope"
+
+    @property
+    def tied_output(self) -> bool:
+        return not self.untie_embeddings_and_output_weights
+
+    @property
+    def bias(self) -> bool:
+        """Whether the linear layers have biases."""
+        return not self.disable_bias_linear
 
     @property
     def max_positions(self) -> int:
@@ -329,6 +393,7 @@ def validate(config: Config, world_size: int | None = None) -> None:
         positive("model", "seq_length", m.seq_length),
         positive("model", "max_position_embeddings", m.max_position_embeddings, allow_none=True),
         positive("model", "vocab_size", m.vocab_size),
+        positive("model", "num_query_groups", m.num_query_groups, allow_none=True),
         positive("model", "make_vocab_size_divisible_by", m.make_vocab_size_divisible_by),
         positive("parallel", "tensor_model_parallel_size", par.tensor_model_parallel_size),
         positive("parallel", "pipeline_model_parallel_size", par.pipeline_model_parallel_size),
@@ -365,6 +430,7 @@ def validate(config: Config, world_size: int | None = None) -> None:
     if finite(m.layernorm_epsilon) and m.layernorm_epsilon <= 0:
         problems.append(f"--layernorm-epsilon={m.layernorm_epsilon} must be > 0 (it keeps LayerNorm "
                         f"finite on a constant input; GPT-2 uses 1e-05)")
+    problems.extend(_architecture_problems(m))
     if tr.bf16 and tr.fp16:
         problems.append("--bf16 and --fp16 exclude each other: choose one")
     if finite(tr.loss_scale) and tr.loss_scale is not None and tr.loss_scale <= 0:
@@ -451,6 +517,16 @@ def validate(config: Config, world_size: int | None = None) -> None:
         problems.append(
             f"--num-attention-heads {a} is not divisible by --tensor-model-parallel-size {t}: use "
             + (f"--tensor-model-parallel-size in {tp_options} or " if tp_options else "") + head_hint)
+    g = m.query_groups
+    # (heads not divisible by the groups or by t: reported above)
+    if g != a and not (a % g or a % t) and g % t:
+        tp_options = [x for x in _divisors(g) if tp_fits_world(x) and m.ffn_size % x == 0]
+        group_options = [x for x in _divisors(a) if x % t == 0]
+        problems.append(
+            f"--num-query-groups {g} is not divisible by --tensor-model-parallel-size {t} (each "
+            f"tensor rank holds whole key/value groups and the query heads that use them): use "
+            f"--tensor-model-parallel-size in {tp_options}"
+            + (f" or --num-query-groups in {group_options}" if group_options else ""))
     if m.ffn_size % t:
         problems.append(
             f"--ffn-hidden-size {m.ffn_size} is not divisible by --tensor-model-parallel-size {t}: "
@@ -519,6 +595,49 @@ def validate(config: Config, world_size: int | None = None) -> None:
 
 def _is_finite_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _architecture_problems(m: ModelConfig) -> list[str]:
+    """The Llama-family options: each alone and against the shape."""
+    problems = []
+    if _is_finite_number(m.norm_epsilon) and m.norm_epsilon <= 0:
+        problems.append(f"--norm-epsilon={m.norm_epsilon} must be > 0 (it keeps the normalization "
+                        f"finite on a constant input; Llama uses 1e-05 or 1e-06)")
+    default_epsilon = ModelConfig.layernorm_epsilon
+    if (m.norm_epsilon is not None and m.layernorm_epsilon != default_epsilon
+            and m.norm_epsilon != m.layernorm_epsilon):
+        problems.append(f"--norm-epsilon {m.norm_epsilon} and --layernorm-epsilon "
+                        f"{m.layernorm_epsilon} disagree (they are one setting): give one of them")
+    if _is_finite_number(m.rotary_base) and m.rotary_base <= 0:
+        problems.append(f"--rotary-base={m.rotary_base} must be > 0 (Llama 2 uses 10000, Llama 3 "
+                        f"500000)")
+    if m.rope and isinstance(m.hidden_size, int) and isinstance(m.num_attention_heads, int) \
+            and m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads == 0 \
+            and m.head_dim % 2:
+        problems.append(f"--position-embedding-type rope needs an even head dimension, but "
+                        f"--hidden-size {m.hidden_size} / --num-attention-heads "
+                        f"{m.num_attention_heads} = {m.head_dim}: choose heads that give an even "
+                        f"quotient")
+    groups = m.num_query_groups
+    if groups is not None and (not isinstance(groups, int) or isinstance(groups, bool) or groups < 1):
+        pass  # reported with the other positive integers
+    elif groups is not None and not m.group_query_attention:
+        problems.append(f"--num-query-groups {groups} is only used with --group-query-attention: "
+                        f"add --group-query-attention or drop --num-query-groups")
+    elif m.group_query_attention and groups is None:
+        problems.append("--group-query-attention needs --num-query-groups G (the key/value heads; "
+                        "G must divide --num-attention-heads)")
+    elif groups is not None and isinstance(m.num_attention_heads, int) \
+            and m.num_attention_heads % groups:
+        heads = m.num_attention_heads
+        problems.append(f"--num-query-groups {groups} does not divide --num-attention-heads {heads} "
+                        f"(each key/value group serves the same number of query heads): use "
+                        f"--num-query-groups in {_divisors(heads)}")
+    if m.swiglu and m.ffn_hidden_size is None and isinstance(m.hidden_size, int) and m.ffn_size < 1:
+        problems.append(f"--swiglu with --hidden-size {m.hidden_size} gives a default "
+                        f"--ffn-hidden-size of 0 (4·h·2/3 rounded down to a multiple of 64): give "
+                        f"--ffn-hidden-size, e.g. {max(1, round(8 * m.hidden_size / 3))}")
+    return problems
 
 
 def _float_problems(config: Config) -> list[str]:
