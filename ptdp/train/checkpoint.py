@@ -58,8 +58,22 @@ from ptdp.train.retention import (LATEST, LINEAGE, METADATA, Lineage, fsync_path
 FORMAT = "ptdp-checkpoint"
 FORMAT_VERSION = 1
 # Model settings that decide the tensors' shapes: a checkpoint must agree on them.
-SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                "vocab_size", "max_position_embeddings")
+# The settings that decide which tensors a model has and their shapes, with
+# defaults resolved (ffn 4·h or SwiGLU's, positions = sequence length).
+SHAPE_SETTINGS = (
+    ("--num-layers", lambda m: m.num_layers),
+    ("--hidden-size", lambda m: m.hidden_size),
+    ("--num-attention-heads", lambda m: m.num_attention_heads),
+    ("--num-query-groups", lambda m: m.query_groups),
+    ("--ffn-hidden-size", lambda m: m.ffn_size),
+    ("--vocab-size", lambda m: m.vocab_size),
+    ("--max-position-embeddings", lambda m: None if m.rope else m.max_positions),  # rope: no table
+    ("--normalization", lambda m: m.normalization),
+    ("--swiglu", lambda m: m.swiglu),
+    ("--position-embedding-type", lambda m: m.position_embedding_type),
+    ("--untie-embeddings-and-output-weights", lambda m: m.untie_embeddings_and_output_weights),
+    ("--disable-bias-linear", lambda m: m.disable_bias_linear),
+)
 OPTIMIZER_KINDS = ("exp_avg", "exp_avg_sq", "main")
 
 
@@ -238,25 +252,20 @@ def read_metadata(directory: Path) -> dict[str, Any]:
 
 
 def check_model_fits(metadata: dict, model: ModelConfig, directory: Path) -> None:
-    saved = metadata["config"]["model"]
-    ours = dataclasses.asdict(model)
-    differences = [f"--{name.replace('_', '-')}: checkpoint {_effective(saved, name)}, "
-                   f"requested {_effective(ours, name)}"
-                   for name in SHAPE_FIELDS if _effective(saved, name) != _effective(ours, name)]
+    saved = saved_model_config(metadata)
+    differences = [f"{flag}: checkpoint {value(saved)}, requested {value(model)}"
+                   for flag, value in SHAPE_SETTINGS if value(saved) != value(model)]
     if differences:
-        raise CheckpointError(f"--load {directory} holds another model size:\n    "
+        raise CheckpointError(f"--load {directory} holds another model:\n    "
                               + "\n    ".join(differences)
                               + "\n  use the checkpoint's settings or another checkpoint")
 
 
-def _effective(model: dict, name: str):
-    """Defaults resolved: ffn 4h, positions = sequence length."""
-    value = model.get(name)
-    if value is None and name == "ffn_hidden_size":
-        return 4 * model["hidden_size"]
-    if value is None and name == "max_position_embeddings":
-        return model["seq_length"]
-    return value
+def saved_model_config(metadata: dict) -> ModelConfig:
+    """The checkpoint's model settings; those it predates take their defaults
+    (a checkpoint without `swiglu` is GPT-2's MLP)."""
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in metadata["config"]["model"].items() if k in known})
 
 
 class _Reader:
