@@ -1,4 +1,5 @@
-"""Fused element-wise operators: bias + GeLU and bias + dropout + residual add.
+"""Fused element-wise operators: bias + GeLU, bias + dropout + residual add, and
+SwiGLU.
 
 Each has a plain path (separate PyTorch ops, one autograd node each) and a
 fused path. The fused bias + GeLU is one autograd node that saves only its
@@ -92,3 +93,37 @@ def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch
     if fused:
         return _kernel("bias_dropout_add", _bias_dropout_add, x.device)(x, bias, residual, p, training)
     return _bias_dropout_add(x, bias, residual, p, training)
+
+
+def _swiglu_forward(y: torch.Tensor) -> torch.Tensor:
+    gate, up = y.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _swiglu_backward(grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    gate, up = y.chunk(2, dim=-1)
+    sigmoid = torch.sigmoid(gate)
+    silu = gate * sigmoid
+    return torch.cat([grad * up * sigmoid * (1.0 + gate * (1.0 - sigmoid)), grad * silu], dim=-1)
+
+
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) ⊙ up from [gate | up] as one node that saves only its
+    input and recomputes the sigmoid in backward (autograd's own graph would
+    keep gate, silu(gate) and up: three activations instead of two)."""
+
+    @staticmethod
+    def forward(ctx, y):
+        ctx.save_for_backward(y)
+        return _kernel("swiglu_fwd", _swiglu_forward, y.device)(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return _kernel("swiglu_bwd", _swiglu_backward, y.device)(grad, y)
+
+
+def swiglu(y: torch.Tensor) -> torch.Tensor:
+    """The gated MLP's activation: y = [gate | up] along the last dimension
+    (each tensor rank holds matching halves of both) -> silu(gate) ⊙ up."""
+    return _SwiGLU.apply(y)

@@ -1,9 +1,15 @@
-"""GPT-2 built from the tensor-parallel layers.
+"""GPT-2 and the Llama family, built from the tensor-parallel layers.
 
-Pre-LayerNorm blocks, learned position embeddings, tanh-GeLU MLP, word
-embeddings tied to the output layer, dropout. Activations are laid out
-[s, b, h] (sequence first) as in the paper, so no transposes are needed
-between layers.
+By default GPT-2: pre-LayerNorm blocks, learned position embeddings,
+tanh-GeLU MLP, word embeddings tied to the output layer, biases, dropout.
+The Llama family's options replace parts of it, each on its own (any
+combination works): RMSNorm, a SwiGLU MLP (gate and up in one column-parallel
+matrix, so each tensor rank holds matching parts of both), rotary position
+embeddings, grouped-query attention (G key/value heads; each tensor rank holds
+G/t whole groups and the query heads that use them), an untied output layer
+(vocabulary-parallel like the embedding) and no linear biases. Activations
+are laid out [s, b, h] (sequence first) as in the paper, so no transposes are
+needed between layers.
 
 A GPT can be one pipeline piece: `layer_ids` picks the transformer layers it
 holds (global indices, kept as module names so that parameter names are the
@@ -26,8 +32,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ptdp.config import ModelConfig
-from ptdp.model.fused import bias_dropout_add, bias_gelu
+from ptdp.model.fused import bias_dropout_add, bias_gelu, swiglu
 from ptdp.model.recompute import checkpoint, recompute_active
+from ptdp.model.rotary import Rotary
 from ptdp.parallel.pipeline.schedules import layers_of
 from ptdp.parallel.sharding import COPY_ATTR, initialize_parameters, set_init
 from ptdp.parallel.tensor import (
@@ -42,27 +49,38 @@ from ptdp.parallel.tensor import (
 from ptdp.parallel.topology import ParallelContext
 
 
-def layer_norm(config: ModelConfig) -> nn.LayerNorm:
-    norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+def layer_norm(config: ModelConfig) -> nn.Module:
+    """LayerNorm or RMSNorm (--normalization): weight 1, LayerNorm's bias 0."""
+    if config.normalization == "RMSNorm":
+        norm = nn.RMSNorm(config.hidden_size, eps=config.epsilon)
+    else:
+        norm = nn.LayerNorm(config.hidden_size, eps=config.epsilon)
+        set_init(norm.bias, "zeros")
     set_init(norm.weight, "ones")
-    set_init(norm.bias, "zeros")
     return norm
+
+
+def vocab_parallel_matrix(config: ModelConfig, ctx: ParallelContext) -> VocabParallelEmbedding:
+    """A [V, h] matrix split by vocabulary rows: the word embedding, or the
+    untied output layer (which has the same shape and split)."""
+    return VocabParallelEmbedding(config.vocab_size, config.padded_vocab_size(ctx.tp_size),
+                                  config.hidden_size, ctx, init_std=config.init_method_std)
 
 
 class Embedding(nn.Module):
     def __init__(self, config: ModelConfig, ctx: ParallelContext):
         super().__init__()
-        self.word_embeddings = VocabParallelEmbedding(
-            config.vocab_size, config.padded_vocab_size(ctx.tp_size), config.hidden_size, ctx,
-            init_std=config.init_method_std)
-        self.position_embeddings = nn.Embedding(config.max_positions, config.hidden_size)
-        set_init(self.position_embeddings.weight, "normal", config.init_method_std)
+        self.word_embeddings = vocab_parallel_matrix(config, ctx)
+        if not config.rope:  # rotary positions act in attention instead
+            self.position_embeddings = nn.Embedding(config.max_positions, config.hidden_size)
+            set_init(self.position_embeddings.weight, "normal", config.init_method_std)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [b, s] -> hidden [s, b, h]."""
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.word_embeddings(tokens) + self.position_embeddings(positions)
+        x = self.word_embeddings(tokens)
+        if hasattr(self, "position_embeddings"):
+            x = x + self.position_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
         # Replicated activation: the default stream drops the same elements on
         # every tensor rank.
         return self.dropout(x.transpose(0, 1).contiguous())
@@ -72,20 +90,31 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, ctx: ParallelContext, rng: RNGStreams):
         super().__init__()
         self.rng = rng
-        self.local_heads = config.num_attention_heads // ctx.tp_size
-        self.head_dim = config.hidden_size // config.num_attention_heads
+        t, d = ctx.tp_size, config.head_dim
+        self.local_heads = config.num_attention_heads // t
+        self.local_groups = config.query_groups // t  # key/value heads on this rank
+        self.head_dim = d
         self.dropout = config.attention_dropout
         self.selective_recompute = config.recompute_granularity == "selective"
-        h = config.hidden_size
-        self.query_key_value = ColumnParallelLinear(h, 3 * h, ctx, blocks=3,
-                                                    init_std=config.init_method_std)
-        self.dense = RowParallelLinear(h, h, ctx, skip_bias_add=True, init_std=scaled_init_std(
-            config.init_method_std, config.num_layers))
+        self.rotary = Rotary(d, config.rotary_base) if config.rope else None
+        h, a, g = config.hidden_size, config.num_attention_heads, config.query_groups
+        # Rows: the queries of all heads, then the keys and values of the groups.
+        blocks = 3 if g == a else (a * d, g * d, g * d)
+        self.query_key_value = ColumnParallelLinear(h, (a + 2 * g) * d, ctx, blocks=blocks,
+                                                    bias=config.bias, init_std=config.init_method_std)
+        self.dense = RowParallelLinear(a * d, h, ctx, skip_bias_add=True, bias=config.bias,
+                                       init_std=scaled_init_std(config.init_method_std,
+                                                                config.num_layers))
 
     def forward(self, x: torch.Tensor):
         s, b, _ = x.shape
-        qkv = self.query_key_value(x).view(s, b, 3, self.local_heads, self.head_dim)
-        q, k, v = (qkv[:, :, i].permute(1, 2, 0, 3) for i in range(3))  # [b, heads, s, d]
+        heads, groups, d = self.local_heads, self.local_groups, self.head_dim
+        q, k, v = self.query_key_value(x).split([heads * d, groups * d, groups * d], dim=-1)
+        q = q.view(s, b, heads, d).permute(1, 2, 0, 3)  # [b, heads, s, d]
+        k = k.view(s, b, groups, d).permute(1, 2, 0, 3)
+        v = v.view(s, b, groups, d).permute(1, 2, 0, 3)
+        if self.rotary is not None:
+            q, k = self.rotary(q), self.rotary(k)
         if self.selective_recompute and recompute_active(self):
             # Selective recomputation: keep q, k, v; rebuild the s×s scores,
             # softmax and dropout mask in backward.
@@ -96,27 +125,40 @@ class Attention(nn.Module):
         return self.dense(out)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(q kᵀ/√d, causal) with dropout, times v: [b, heads, s, d]."""
+        """softmax(q kᵀ/√d, causal) with dropout, times v: [b, heads, s, d].
+        Under grouped-query attention k and v have fewer heads; query head j
+        uses group j // (heads/groups)."""
         dropout = self.dropout if self.training else 0.0
+        # Passed only when needed: the flag exists from torch 2.5.
+        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
         if dropout > 0.0:
             # Each tensor rank holds other heads: its own stream.
             with self.rng.fork("tensor"):
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
+                                                      **gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
 
 
 class MLP(nn.Module):
+    """GeLU MLP, or with --swiglu the gated one: the first matrix holds the
+    gate's and the up projection's rows ([2·ffn, h]), split as two blocks so
+    that each tensor rank's half of the gate meets the same half of up."""
+
     def __init__(self, config: ModelConfig, ctx: ParallelContext):
         super().__init__()
-        self.fused = config.bias_gelu_fusion
+        self.fused, self.gated = config.bias_gelu_fusion, config.swiglu
         h, ffn = config.hidden_size, config.ffn_size
-        # The first bias is applied in bias_gelu, fused with the activation.
-        self.dense_h_to_4h = ColumnParallelLinear(h, ffn, ctx, skip_bias_add=True,
-                                                  init_std=config.init_method_std)
-        self.dense_4h_to_h = RowParallelLinear(ffn, h, ctx, skip_bias_add=True, init_std=scaled_init_std(
-            config.init_method_std, config.num_layers))
+        # GeLU: the first bias is applied in bias_gelu, fused with the activation.
+        self.dense_h_to_4h = ColumnParallelLinear(
+            h, 2 * ffn if self.gated else ffn, ctx, blocks=2 if self.gated else 1,
+            bias=config.bias, skip_bias_add=not self.gated, init_std=config.init_method_std)
+        self.dense_4h_to_h = RowParallelLinear(ffn, h, ctx, skip_bias_add=True, bias=config.bias,
+                                               init_std=scaled_init_std(config.init_method_std,
+                                                                        config.num_layers))
 
     def forward(self, x: torch.Tensor):
+        if self.gated:
+            return self.dense_4h_to_h(swiglu(self.dense_h_to_4h(x)))
         y, bias = self.dense_h_to_4h(x)
         return self.dense_4h_to_h(bias_gelu(y, bias, self.fused))
 
@@ -152,13 +194,13 @@ class GPT(nn.Module):
                                      for i in self.layer_ids})
         if post_process:
             self.final_layernorm = layer_norm(config)
-            if not pre_process:
+            if not config.tied_output:
+                self.output_layer = vocab_parallel_matrix(config, ctx)
+            elif not pre_process:
                 # A later pipeline stage keeps its own copy of the tied word
                 # embedding, under the same logical name, so it starts equal.
                 self.embedding = nn.Module()
-                self.embedding.word_embeddings = VocabParallelEmbedding(
-                    config.vocab_size, config.padded_vocab_size(ctx.tp_size), config.hidden_size,
-                    ctx, init_std=config.init_method_std)
+                self.embedding.word_embeddings = vocab_parallel_matrix(config, ctx)
                 setattr(self.embedding.word_embeddings.weight, COPY_ATTR, True)
 
     def initialize(self, seed: int) -> "GPT":
@@ -206,17 +248,21 @@ class GPT(nn.Module):
         raise ValueError(f"unknown recompute_method {config.recompute_method!r}: "
                          f"use 'uniform' or 'block'")
 
+    @property
+    def output_matrix(self) -> VocabParallelEmbedding:
+        """The output layer: the word embedding when tied, else its own."""
+        return self.embedding.word_embeddings if self.config.tied_output else self.output_layer
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Output layer tied to the word embedding; logits stay split by vocabulary."""
-        embedding = self.embedding.word_embeddings
-        logits = F.linear(copy_to_tensor_region(hidden, self.ctx.tp_group), embedding.weight)
-        return embedding.mask_padding(logits)
+        """hidden · Wᵀ with W the output matrix; logits stay split by vocabulary."""
+        output = self.output_matrix
+        logits = F.linear(copy_to_tensor_region(hidden, self.ctx.tp_group), output.weight)
+        return output.mask_padding(logits)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor,
              loss_mask: torch.Tensor | None = None) -> torch.Tensor:
-        embedding = self.embedding.word_embeddings
         losses = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1),
-                                              embedding.vocab_start, self.ctx.tp_group)
+                                              self.output_matrix.vocab_start, self.ctx.tp_group)
         if loss_mask is None:
             return losses.mean()
         mask = loss_mask.transpose(0, 1).to(losses.dtype)

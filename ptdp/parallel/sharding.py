@@ -27,7 +27,9 @@ class TensorShard:
     dim: int                 # dimension that is split
     parts: int               # tensor-parallel size t
     index: int               # this rank's part
-    blocks: int = 1          # the dimension holds `blocks` equal blocks (q, k, v), each split
+    # The dimension holds `blocks` equal blocks (q, k, v), each split; or, as a
+    # tuple, blocks of these logical sizes (grouped-query attention's q, k, v).
+    blocks: int | tuple[int, ...] = 1
     # The vocabulary dimension is padded with zeros from logical_size to
     # padded_size before splitting; the padding is not part of the logical tensor.
     logical_size: int | None = None
@@ -49,18 +51,26 @@ def shard(full: torch.Tensor, spec: TensorShard) -> torch.Tensor:
         pad_shape = list(full.shape)
         pad_shape[spec.dim] = pad
         full = torch.cat([full, full.new_zeros(pad_shape)], dim=spec.dim)
-    blocks = full.chunk(spec.blocks, dim=spec.dim)
+    blocks = _blocks(full, spec, 1)
     return torch.cat([b.chunk(spec.parts, dim=spec.dim)[spec.index] for b in blocks], dim=spec.dim)
 
 
 def unshard(parts: list[torch.Tensor], spec: TensorShard) -> torch.Tensor:
     """The logical tensor from all ranks' parts (in tensor-rank order)."""
-    per_rank = [p.chunk(spec.blocks, dim=spec.dim) for p in parts]
-    full = torch.cat([torch.cat([r[b] for r in per_rank], dim=spec.dim) for b in range(spec.blocks)],
-                     dim=spec.dim)
+    per_rank = [_blocks(p, spec, spec.parts) for p in parts]
+    full = torch.cat([torch.cat([r[b] for r in per_rank], dim=spec.dim)
+                      for b in range(len(per_rank[0]))], dim=spec.dim)
     if spec.logical_size is not None:
         full = full.narrow(spec.dim, 0, spec.logical_size)
     return full
+
+
+def _blocks(tensor: torch.Tensor, spec: TensorShard, parts: int) -> tuple[torch.Tensor, ...]:
+    """`tensor`'s blocks along the split dimension; `parts` is how many ranks
+    share each block (1 for the logical tensor, t for one rank's shard)."""
+    if isinstance(spec.blocks, int):
+        return tensor.chunk(spec.blocks, dim=spec.dim)
+    return tensor.split([size // parts for size in spec.blocks], dim=spec.dim)
 
 
 def name_seed(seed: int, name: str) -> int:

@@ -135,8 +135,9 @@ class ColumnParallelLinear(nn.Module):
     """Y = X A + b with A split by columns: rank i holds A_i and computes X A_i.
 
     `blocks` > 1 treats the output dimension as that many equal blocks split
-    separately (q, k and v for attention), so each rank gets whole heads of
-    each. The input passes through f; the output stays split unless
+    separately (q, k and v for attention; SwiGLU's gate and up), so each rank
+    gets matching parts of each; a tuple gives blocks of those sizes
+    (grouped-query attention's q, k and v). The input passes through f; the output stays split unless
     `gather_output`. With `skip_bias_add` the layer returns (output, bias)
     and leaves the bias for the caller to fuse into its next element-wise
     kernel where kernels are fused (see `defers_bias`); elsewhere the bias
@@ -144,15 +145,18 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, ctx: ParallelContext, *,
-                 bias: bool = True, gather_output: bool = False, blocks: int = 1,
+                 bias: bool = True, gather_output: bool = False,
+                 blocks: int | tuple[int, ...] = 1,
                  skip_bias_add: bool = False, init_std: float = 0.02):
         super().__init__()
         if gather_output and skip_bias_add:
             raise ValueError("gather_output with skip_bias_add would return a split bias")
         self.group, self.gather_output, self.skip_bias_add = ctx.tp_group, gather_output, skip_bias_add
         t = ctx.tp_size
-        _divide(out_features // blocks, t, "output features per block")
-        local_out = out_features // t
+        sizes = (out_features // blocks,) * blocks if isinstance(blocks, int) else blocks
+        if sum(sizes) != out_features:
+            raise ValueError(f"blocks {sizes} do not add up to {out_features} output features")
+        local_out = sum(_divide(size, t, "output features per block") for size in sizes)
         spec = TensorShard(dim=0, parts=t, index=ctx.tp_rank, blocks=blocks)
         self.weight = set_init(nn.Parameter(torch.empty(local_out, in_features)), "normal", init_std)
         setattr(self.weight, SHARD_ATTR, spec)

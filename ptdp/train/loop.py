@@ -75,8 +75,11 @@ class Trainer:
         self.chunks = build_chunks(model_cfg, ctx, device, tr.seed, self.num_chunks)
         self.model = torch.nn.ModuleList(self.chunks)
         params = list(self.model.parameters())
+        # The first and last stage's copies of a tied word embedding, whose
+        # gradients are summed over the embedding group.
         tied = {chunk.embedding.word_embeddings.weight for chunk in self.chunks
-                if hasattr(chunk, "embedding") and ctx.embedding_group is not None}
+                if hasattr(chunk, "embedding") and ctx.embedding_group is not None
+                and model_cfg.tied_output}
         self.buffer = GradBuffer(params, ctx, param_dtype=self.dtype, bucket_size=tr.ddp_bucket_size,
                                  shard=tr.use_distributed_optimizer, tied=tied)
         self.optimizer = Optimizer(self.buffer, ctx, tr)

@@ -1,0 +1,42 @@
+"""Rotary position embeddings (RoPE; Su et al., 2021), as Llama uses them.
+
+Each head's query and key vectors are rotated by an angle that grows with the
+position, pair of dimensions by pair of dimensions, so that q·k depends only
+on the two positions' distance. Pairs are (i, i + d/2), Hugging Face's
+"rotate half" convention (Megatron-LM's default too), so Llama checkpoints
+load without permuting rows. Pair i turns by position · base^(-2i/d).
+
+There are no parameters: a tensor rank rotates its own heads, and every
+layout computes the same rotations. The cos/sin tables are kept per
+(length, device, dtype), computed in fp32 and then cast, as Hugging Face does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Rotary:
+    def __init__(self, head_dim: int, base: float):
+        if head_dim % 2:
+            raise ValueError(f"rotary embeddings need an even head dimension, not {head_dim}")
+        self.head_dim, self.base = head_dim, base
+        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def tables(self, length: int, device: torch.device, dtype: torch.dtype):
+        """cos and sin, each [length, d]."""
+        key = (length, device, dtype)
+        if key not in self._tables:
+            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device)
+            inverse_frequencies = 1.0 / (self.base ** (exponents / self.head_dim))
+            positions = torch.arange(length, dtype=torch.float32, device=device)
+            angles = torch.outer(positions, inverse_frequencies)
+            angles = torch.cat([angles, angles], dim=-1)
+            self._tables[key] = (angles.cos().to(dtype), angles.sin().to(dtype))
+        return self._tables[key]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [b, heads, s, d], rotated by position."""
+        cos, sin = self.tables(x.shape[-2], x.device, x.dtype)
+        first, second = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-second, first], dim=-1) * sin
