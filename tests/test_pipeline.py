@@ -39,7 +39,7 @@ GRAD_TOL = dict(rtol=1e-5, atol=2e-7)
 def all_reduce_tied_embedding_grads(chunks, ctx):
     """Sum the tied word embedding's gradients of the first and last stage
     (in training, GradBuffer does this for its tied bucket)."""
-    if ctx.embedding_group is None:
+    if ctx.embedding_group is None or not chunks[0].config.tied_output:
         return
     for chunk in chunks:
         embedding = getattr(chunk, "embedding", None)
@@ -47,9 +47,9 @@ def all_reduce_tied_embedding_grads(chunks, ctx):
             dist.all_reduce(embedding.word_embeddings.weight.grad, group=ctx.embedding_group)
 
 
-def _tokens(m):
+def _tokens(m, config=CONFIG):
     generator = torch.Generator().manual_seed(21)
-    return torch.randint(0, CONFIG.vocab_size, (m * B_MICRO, CONFIG.seq_length + 1),
+    return torch.randint(0, config.vocab_size, (m * B_MICRO, config.seq_length + 1),
                          generator=generator)
 
 
@@ -60,30 +60,33 @@ def _microbatch_fn(tokens):
     return microbatch
 
 
-def _serial_reference(m):
+def _serial_reference(m, config=CONFIG):
+    """The one-process model's mean loss over m microbatches, after backward
+    (without recomputation: the reference for every layout)."""
     ctx = ParallelContext.single()
     rng = RNGStreams(torch.device("cpu"))
     rng.seed(SEED, ctx)
-    model = GPT(CONFIG, ctx, rng).initialize(SEED)
-    microbatch = _microbatch_fn(_tokens(m))
+    config = dataclasses.replace(config, recompute_granularity=None)
+    model = GPT(config, ctx, rng).initialize(SEED)
+    microbatch = _microbatch_fn(_tokens(m, config))
     losses = [model(*microbatch(i)) for i in range(m)]
     loss = torch.stack(losses).mean()
     loss.backward()
     return model, loss
 
 
-def _pipeline_vs_serial(rank, t, p, kind, v, m, scatter_gather):
+def _pipeline_vs_serial(rank, t, p, kind, v, m, scatter_gather, config=CONFIG):
     ctx = ParallelContext.build(RankGrid(tp=t, dp=1, pp=p))
-    chunks = build_chunks(CONFIG, ctx, torch.device("cpu"), SEED, v)
+    chunks = build_chunks(config, ctx, torch.device("cpu"), SEED, v)
     schedule = build_schedule(kind, p, m, v)
-    executor = PipelineExecutor(chunks, ctx, activation_shape=(CONFIG.seq_length, B_MICRO,
-                                                               CONFIG.hidden_size),
+    executor = PipelineExecutor(chunks, ctx, activation_shape=(config.seq_length, B_MICRO,
+                                                               config.hidden_size),
                                 dtype=torch.float32, device=torch.device("cpu"),
                                 scatter_gather=scatter_gather)
-    stats = executor.run(schedule, _microbatch_fn(_tokens(m)))
+    stats = executor.run(schedule, _microbatch_fn(_tokens(m, config)))
     all_reduce_tied_embedding_grads(chunks, ctx)
 
-    serial, serial_loss = _serial_reference(m)
+    serial, serial_loss = _serial_reference(m, config)
     if ctx.is_last_stage:
         assert len(stats.losses) == m
         assert_close(torch.stack(stats.losses).mean(), serial_loss.detach(), **LOSS_TOL)
@@ -102,7 +105,7 @@ def _pipeline_vs_serial(rank, t, p, kind, v, m, scatter_gather):
 
     # Measured, not assumed.
     assert stats.peak_stored == schedule.in_flight_bound(ctx.pp_rank)
-    activation = B_MICRO * CONFIG.seq_length * CONFIG.hidden_size
+    activation = B_MICRO * config.seq_length * config.hidden_size
     expected = activation // t if (scatter_gather and t > 1) else activation
     sends = [tr for a in schedule.ranks[ctx.pp_rank] if isinstance(a, Exchange)
              for tr in a.transfers if tr.op == "send"]

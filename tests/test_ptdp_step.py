@@ -35,8 +35,8 @@ LOSS_TOL = dict(rel=1e-5)
 WEIGHT_TOL = dict(rtol=0.0, atol=1e-5)
 
 
-def _config(t=1, p=1, d=1, k=None, **train):
-    return Config(model=MODEL,
+def _config(t=1, p=1, d=1, k=None, model=MODEL, **train):
+    return Config(model=model,
                   parallel=ParallelConfig(tensor_model_parallel_size=t, pipeline_model_parallel_size=p,
                                           data_parallel_size=d, num_layers_per_virtual_pipeline_stage=k),
                   train=dataclasses.replace(TRAIN, **train), data=DataConfig(mock_data=True))
@@ -51,13 +51,13 @@ def _logical_weights(trainer, ctx):
     return weights
 
 
-def _ptdp_vs_serial(rank, k, distributed):
+def _ptdp_vs_serial(rank, k, distributed, model=MODEL, weight_tol=WEIGHT_TOL):
     ctx = ParallelContext.build(RankGrid(tp=2, dp=2, pp=2))
-    trainer = Trainer(_config(2, 2, 2, k, use_distributed_optimizer=distributed), ctx,
+    trainer = Trainer(_config(2, 2, 2, k, model, use_distributed_optimizer=distributed), ctx,
                       torch.device("cpu"))
     records = [trainer.step(i)[0] for i in range(5)]
-    serial = Trainer(_config(use_distributed_optimizer=distributed), ParallelContext.single(),
-                     torch.device("cpu"))
+    serial = Trainer(_config(model=model, use_distributed_optimizer=distributed),
+                     ParallelContext.single(), torch.device("cpu"))
     serial_records = [serial.step(i)[0] for i in range(5)]
 
     for got, want in zip(records, serial_records):
@@ -68,11 +68,11 @@ def _ptdp_vs_serial(rank, k, distributed):
     assert any(r["grad_norm"] > 0.5 for r in serial_records)  # clipping was active
 
     serial_weights = _logical_weights(serial, ParallelContext.single())
-    initial = Trainer(_config(), ParallelContext.single(), torch.device("cpu"))
+    initial = Trainer(_config(model=model), ParallelContext.single(), torch.device("cpu"))
     initial_weights = _logical_weights(initial, ParallelContext.single())
     worst = 0.0
     for name, weight in _logical_weights(trainer, ctx).items():
-        assert_close(weight, serial_weights[name], **WEIGHT_TOL,
+        assert_close(weight, serial_weights[name], **weight_tol,
                      msg=lambda m, name=name: f"{name}: {m}")
         worst = max(worst, (weight - serial_weights[name]).abs().max().item())
         assert not torch.equal(weight, initial_weights[name]), f"{name} never moved"
