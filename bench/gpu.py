@@ -16,6 +16,8 @@ one-process layout (t = p = d = 1):
 3. Training throughput (bf16, AdamW, mock data) of
    - a GPT of 1.3 B parameters (l = 24, h = 2048, a = 16, s = 2048), no
      recomputation;
+   - a Llama-style model of the same width and depth (RMSNorm, SwiGLU,
+     rope, 4 key/value groups, untied output, no biases), no recomputation;
    - a GPT of 2.7 B parameters (l = 32, h = 2560, a = 32, s = 2048) at micro
      batch 24, which needs recomputation: without it (or with selective
      recomputation only) the memory model (ptdp.perf.analytic) predicts more
@@ -131,12 +133,29 @@ def _gpt(layers: int, hidden: int, heads: int, seq: int, vocab: int = 50257, **e
 GPT_1_3B = _gpt(24, 2048, 16, 2048)
 GPT_2_7B = _gpt(32, 2560, 32, 2048)
 
+
+def _llama_style(model: ModelConfig, groups: int) -> ModelConfig:
+    """`model` with the Llama family's options: RMSNorm, SwiGLU (Megatron-LM's
+    default width), rotary embeddings, `groups` key/value heads, untied output
+    layer, no linear biases."""
+    return dataclasses.replace(model, normalization="RMSNorm", swiglu=True,
+                               position_embedding_type="rope", group_query_attention=True,
+                               num_query_groups=groups, untie_embeddings_and_output_weights=True,
+                               disable_bias_linear=True)
+
+
+LLAMA_1_3B = _llama_style(GPT_1_3B, groups=4)
+
 GPU_SUITE = Suite(
     check_model=_gpt(4, 1024, 16, 1024, hidden_dropout=0.0, attention_dropout=0.0),
     check_micro_batch=4, check_microbatches=2, matmul_size=8192,
     runs=(
         # About 1.3 s per iteration on an H200 (65,536 tokens).
         Run("GPT 1.3B", GPT_1_3B, micro_batch=8, microbatches=4, recompute=None,
+            warmup=3, iterations=10),
+        # The same width and depth with the Llama family's options (grouped-
+        # query attention through scaled_dot_product_attention's enable_gqa).
+        Run("Llama-style 1.3B", LLAMA_1_3B, micro_batch=8, microbatches=4, recompute=None,
             warmup=3, iterations=10),
         # Micro batch 24: without recomputation, or with selective
         # recomputation only, the memory model predicts 200 GiB, far beyond
@@ -162,6 +181,8 @@ TINY_SUITE = Suite(
     check_micro_batch=2, check_microbatches=2, matmul_size=256,
     runs=(
         Run("tiny A", _TINY_A, micro_batch=2, microbatches=2, recompute=None, warmup=1, iterations=2),
+        Run("tiny Llama-style A", _llama_style(_TINY_A, groups=2), micro_batch=2, microbatches=2,
+            recompute=None, warmup=1, iterations=2),
         Run("tiny B", _TINY_B, micro_batch=4, microbatches=2, recompute=None, warmup=1, iterations=2,
             shrink_to_fit=False),
         Run("tiny B", _TINY_B, micro_batch=4, microbatches=2, recompute="selective", warmup=1,
@@ -515,7 +536,9 @@ def run_description(run: Run) -> dict[str, Any]:
             "hidden_size": m.hidden_size, "num_attention_heads": m.num_attention_heads,
             "seq_length": m.seq_length, "vocab_size": m.vocab_size,
             "micro_batch": run.micro_batch, "microbatches": run.microbatches,
-            "global_batch": run.global_batch, "warmup": run.warmup}
+            "global_batch": run.global_batch, "warmup": run.warmup,
+            "model": {f.name: getattr(m, f.name) for f in dataclasses.fields(m)
+                      if f.name not in ("recompute_granularity",)}}
 
 
 # ------------------------------------------------------------------------------------------

@@ -73,13 +73,11 @@ def test_tiny_run_figures_are_sane(tiny_run):
     assert report["tiny"] and report["device"] == "cpu"
     assert _positive_and_finite(report["matmul_peak_tflops"])
     runs = report["runs"]
-    assert [r["recompute"] for r in runs] == [None, None, "selective", "full", "full"]
+    assert [r["recompute"] for r in runs] == [None, None, None, "selective", "full", "full"]
+    assert runs[1]["model"]["swiglu"] and runs[1]["model"]["num_query_groups"] == 2
     for run in runs:
         assert "skipped" not in run  # no memory limit on a CPU, and the time budget is unbounded
-        model = ModelConfig(num_layers=run["num_layers"], hidden_size=run["hidden_size"],
-                            num_attention_heads=run["num_attention_heads"],
-                            seq_length=run["seq_length"], vocab_size=run["vocab_size"],
-                            recompute_granularity=run["recompute"])
+        model = ModelConfig(**run["model"], recompute_granularity=run["recompute"])
         assert run["parameters"] == parameter_count(model)  # the built model's own count
         assert run["measured_iterations"] >= 1
         for figure in ("tokens_per_s", "model_tflops", "peak_fraction", "iteration_ms"):
@@ -138,9 +136,10 @@ def test_gpu_plan_on_an_h200_sized_card(gpu):
     h200 = 139 * 2 ** 30
     plans = [gpu.fit_micro_batch(run, h200) for run in gpu.GPU_SUITE.runs]
     assert [(run.name, run.recompute, run.micro_batch, problem is None) for run, _, problem in plans] == [
-        ("GPT 1.3B", None, 8, True), ("GPT 2.7B", None, 24, False),
+        ("GPT 1.3B", None, 8, True), ("Llama-style 1.3B", None, 8, True),
+        ("GPT 2.7B", None, 24, False),
         ("GPT 2.7B", "selective", 24, False), ("GPT 2.7B", "full", 24, True),
         ("GPT 1.3B", "full", 8, True)]
     assert 1.25e9 < parameter_count(gpu.GPT_1_3B) < 1.35e9
-    run, _, problem = gpu.fit_micro_batch(gpu.GPU_SUITE.runs[3], 80 * 2 ** 30)
+    run, _, problem = gpu.fit_micro_batch(gpu.GPU_SUITE.runs[4], 80 * 2 ** 30)
     assert problem is None and run.micro_batch == 12 and run.global_batch == 48
