@@ -257,3 +257,32 @@ def test_load_reports_the_directory_on_a_mismatch(tmp_path):
     (directory / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConversionError, match=r"missing: h\.2\.attn\.c_attn\.bias"):
         load_hf_directory(directory)
+
+
+def test_convert_carries_the_directory_tokenizer(tmp_path):
+    """A tokenizer.json beside the weights goes into the checkpoint and out
+    again, with a tokenizer_config.json and bos/eos from its vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from ptdp.cli import main
+    from ptdp.train.checkpoint import checkpoint_tokenizer, load_logical_model
+
+    directory, save, export = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "back"
+    _hf_model().save_pretrained(str(directory))
+    vocab = {"<|endoftext|>": 0, **{f"w{i}": i + 1 for i in range(CONFIG.vocab_size - 1)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens(["<|endoftext|>"])
+    tokenizer.save(str(directory / "tokenizer.json"))
+
+    assert main(["convert", "--from-hf", str(directory), "--save", str(save)]) == 0
+    carried = checkpoint_tokenizer(save)
+    assert carried.read_bytes() == (directory / "tokenizer.json").read_bytes()
+    assert load_logical_model(save)[0].data.tokenizer_type == "HuggingFaceTokenizer"
+    assert main(["convert", "--load", str(save), "--to-hf", str(export)]) == 0
+    assert (export / "tokenizer.json").read_bytes() == carried.read_bytes()
+    config = json.loads((export / "config.json").read_text())
+    assert config["bos_token_id"] == config["eos_token_id"] == 0
+    auto = transformers.AutoTokenizer.from_pretrained(str(export), local_files_only=True)
+    assert auto.encode("w3 w7", add_special_tokens=False) == [4, 8]
+    assert auto.eos_token == auto.bos_token == "<|endoftext|>"

@@ -1,29 +1,46 @@
-"""`ptdp convert`: checkpoints to and from Hugging Face GPT-2 directories.
+"""`ptdp convert`: checkpoints to and from Hugging Face GPT-2 and Llama directories.
 
     ptdp convert --load CKPT --to-hf DIR      # config.json + model.safetensors
     ptdp convert --from-hf DIR --save CKPT    # a model-only ptdp checkpoint
 
 Both directions work on logical tensors, so the checkpoint's training layout
 does not matter; an imported model trains or generates under any layout.
+Import reads the architecture from config.json; export picks it from the
+checkpoint's settings (GPT-2 for the defaults, Llama for RMSNorm + SwiGLU
++ rotary embeddings). A tokenizer.json travels both ways.
 """
 
 from __future__ import annotations
 
 import argparse
+from types import ModuleType
+from typing import Any
 
 from ptdp.config import Config, ConfigError, DataConfig, TrainConfig
-from ptdp.interop.hf_gpt2 import ConversionError, load_hf_directory, save_hf_directory
+from ptdp.interop import hf_gpt2, hf_llama
+from ptdp.interop.hf_files import ConversionError, hf_tokenizer_file, read_hf_config
+from ptdp.interop.hf_tokenizer import SpecialTokens, special_tokens
+
+# Hugging Face class and model_type of each architecture ptdp converts. The
+# bare models (GPT2Model, LlamaModel) are read too: their keys lack the prefix.
+ARCHITECTURES: dict[str, tuple[ModuleType, tuple[str, ...], str]] = {
+    "GPT-2": (hf_gpt2, ("GPT2LMHeadModel", "GPT2Model"), "gpt2"),
+    "Llama": (hf_llama, ("LlamaForCausalLM", "LlamaModel"), "llama"),
+}
+_OBSTACLES = {"GPT-2": hf_gpt2.gpt2_obstacles, "Llama": hf_llama.llama_obstacles}
 
 
 def add_convert_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
-        "convert", help="convert checkpoints to or from Hugging Face GPT-2",
-        description="Export a checkpoint as a Hugging Face GPT2LMHeadModel directory "
-                    "(--load CKPT --to-hf DIR), or import one (--from-hf DIR --save CKPT).")
+        "convert", help="convert checkpoints to or from Hugging Face GPT-2 and Llama",
+        description="Export a checkpoint as a Hugging Face directory (--load CKPT --to-hf DIR): "
+                    "GPT2LMHeadModel for a GPT-2 style model, LlamaForCausalLM for a Llama "
+                    "style one (RMSNorm, SwiGLU, rotary embeddings). Or import one (--from-hf "
+                    "DIR --save CKPT). A tokenizer.json travels with the model both ways.")
     parser.add_argument("--load", metavar="CKPT", help="ptdp checkpoint to export")
     parser.add_argument("--to-hf", metavar="DIR", help="new Hugging Face directory to write")
-    parser.add_argument("--from-hf", metavar="DIR", help="Hugging Face GPT-2 directory to import "
-                        "(config.json + model.safetensors)")
+    parser.add_argument("--from-hf", metavar="DIR", help="Hugging Face GPT-2 or Llama directory "
+                        "to import (config.json + model.safetensors or sharded safetensors)")
     parser.add_argument("--save", metavar="CKPT", help="where to write the imported checkpoint")
 
 
@@ -41,33 +58,113 @@ def run_convert_command(args: argparse.Namespace) -> int:
         raise ConfigError([str(error)]) from None
 
 
+# ------------------------------------------------------------------ which architecture
+
+def architecture_of_hf_config(hf_config: dict[str, Any], source: str) -> str:
+    """"GPT-2" or "Llama", from config.json's `architectures` and
+    `model_type`; a config with neither is GPT-2's oldest form."""
+    classes = hf_config.get("architectures") or []
+    model_type = hf_config.get("model_type")
+    if not isinstance(classes, list):
+        classes = [classes]
+    if not classes and model_type is None:
+        return "GPT-2"  # the oldest GPT-2 config.json names neither
+    for name, (_, known_classes, known_type) in ARCHITECTURES.items():
+        if all(c in known_classes for c in classes) and model_type in (known_type, None):
+            return name
+    supported = "; ".join(f"{' or '.join(classes_)} (model_type {type_!r})"
+                          for _, classes_, type_ in ARCHITECTURES.values())
+    raise ConversionError(f"{source}: architectures {classes} with model_type {model_type!r} is "
+                          f"not an architecture ptdp converts; supported: {supported}")
+
+
+def architecture_of_model(model) -> str:
+    """"GPT-2" or "Llama" for a ModelConfig; refuses a mixture of both,
+    listing what keeps it from each."""
+    obstacles = {name: find(model) for name, find in _OBSTACLES.items()}
+    fitting = [name for name, found in obstacles.items() if not found]
+    if fitting:
+        return fitting[0]
+    raise ConversionError(
+        "this checkpoint's model is neither a GPT-2 nor a Llama, so Hugging Face has no class for "
+        "it:\n" + "\n".join(f"  - not {name}: {'; '.join(found)}"
+                             for name, found in obstacles.items()))
+
+
+# ------------------------------------------------------------------ directions
+
 def _export(load: str, directory: str) -> int:
-    from ptdp.data.loader import tokenizer_for
+    from ptdp.data.tokenizer import TokenizerError
     from ptdp.train.checkpoint import CheckpointError, load_logical_model
 
     try:
         config, weights, metadata = load_logical_model(load)
-    except CheckpointError as error:
+        model = config.model
+        architecture = architecture_of_model(model)
+        tokenizer_file, specials = _tokenizer_of_checkpoint(load, config)
+    except (CheckpointError, TokenizerError) as error:
         raise ConfigError([str(error)]) from None
-    eod = None if config.data.mock_data else tokenizer_for(config.data).eod
-    save_hf_directory(directory, weights, config.model, eod_token_id=eod)
-    print(f"wrote {directory}: GPT2LMHeadModel ({config.model.num_layers} layers, hidden "
-          f"{config.model.hidden_size}) from iteration {metadata['iteration']}")
+    tokenizer_config = (specials.tokenizer_config(model.max_positions)
+                        if tokenizer_file is not None else None)
+    if architecture == "Llama":
+        hf_llama.save_hf_directory(directory, weights, model, bos_token_id=specials.bos_id,
+                                   eos_token_id=specials.eos_id, tokenizer_file=tokenizer_file,
+                                   tokenizer_config=tokenizer_config)
+    else:
+        hf_gpt2.save_hf_directory(directory, weights, model, eod_token_id=specials.eos_id,
+                                  tokenizer_file=tokenizer_file, tokenizer_config=tokenizer_config)
+    hf_class = ARCHITECTURES[architecture][1][0]
+    print(f"wrote {directory}: {hf_class} ({model.num_layers} layers, hidden "
+          f"{model.hidden_size}) from iteration {metadata['iteration']}"
+          + (", with its tokenizer.json" if tokenizer_file is not None else ""))
     return 0
+
+
+def _tokenizer_of_checkpoint(load: str, config: Config):
+    """(the tokenizer.json the checkpoint carries or None, its bos/eos).
+    Without a carried file the end-of-document token of the checkpoint's
+    tokenizer settings is both bos and eos; a model of generated data has
+    neither."""
+    from ptdp.train.checkpoint import checkpoint_tokenizer
+
+    carried = checkpoint_tokenizer(load)
+    if carried is not None:
+        return carried, special_tokens(carried)
+    if config.data.mock_data:
+        return None, SpecialTokens()
+    from ptdp.data.loader import model_tokenizer
+
+    eod = model_tokenizer(config, load).eod
+    return None, SpecialTokens(bos_id=eod, eos_id=eod)
 
 
 def _import(directory: str, save: str) -> int:
-    from ptdp.train.checkpoint import save_logical_model
+    from ptdp.train.checkpoint import CheckpointError, save_logical_model
 
-    model, weights = load_hf_directory(directory)
-    # Training settings are the run's business; the data settings default to
-    # GPT-2's tokenizer, which a GPT-2 vocabulary implies.
-    data = DataConfig() if model.vocab_size == 50257 else DataConfig(mock_data=True)
+    architecture = architecture_of_hf_config(read_hf_config(directory), directory)
+    module = ARCHITECTURES[architecture][0]
+    model, weights = module.load_hf_directory(directory)
+    tokenizer_file = hf_tokenizer_file(directory)
+    if tokenizer_file is not None:
+        # The checkpoint carries the file; its metadata names it, and
+        # training and generation take it from there.
+        data = DataConfig(tokenizer_type="HuggingFaceTokenizer")
+    elif architecture == "GPT-2" and model.vocab_size == hf_gpt2.GPT2_VOCAB:
+        data = DataConfig()  # GPT-2's vocabulary implies GPT-2's tokenizer, which ptdp ships
+    else:
+        data = DataConfig(mock_data=True)
+    # Training settings are the run's business.
     config = Config(model=model, train=TrainConfig(), data=data)
-    path = save_logical_model(save, config, weights)
-    print(f"wrote {path}: {model.num_layers} layers, hidden {model.hidden_size}, vocabulary "
-          f"{model.vocab_size}; train or generate with --load {save}"
-          + ("" if model.vocab_size == 50257 else " (not GPT-2's vocabulary: give the data and "
-             "tokenizer flags when training)"))
+    try:
+        path = save_logical_model(save, config, weights, tokenizer_file=tokenizer_file)
+    except CheckpointError as error:
+        raise ConfigError([str(error)]) from None
+    note = ""
+    if tokenizer_file is not None:
+        note = " (with its tokenizer.json)"
+    elif data.mock_data:
+        note = (" (no tokenizer.json in the directory: give the data and tokenizer flags when "
+                "training, and token ids to generate, e.g. --prompt-ids 1,2,3)")
+    print(f"wrote {path}: {architecture}, {model.num_layers} layers, hidden {model.hidden_size}, "
+          f"vocabulary {model.vocab_size}; train or generate with --load {save}{note}")
     return 0
-

@@ -1,6 +1,6 @@
 """Hugging Face GPT-2 checkpoints <-> ptdp logical weights.
 
-ptdp's GPT is GPT-2's architecture (pre-LayerNorm, learned positions, the
+ptdp's GPT with its default settings is GPT-2's architecture (pre-LayerNorm, learned positions, the
 tanh GeLU that Hugging Face calls `gelu_new`, tied output layer, 1/√d
 attention scaling), so conversion is renaming plus transposing: Hugging Face
 keeps GPT-2's `Conv1D` layers, whose weights are [in, out], where ours are
@@ -8,10 +8,11 @@ keeps GPT-2's `Conv1D` layers, whose weights are [in, out], where ours are
 both ([q of all heads; k; v], head-major inside each), so it transposes
 as a whole.
 
-A *logical state* is what ptdp's layout-independent checkpoints hold: the
-one-process model's parameter names with unsharded, unpadded shapes (the word
-embedding is [vocab_size, h]; ptdp pads it per layout when loading).
+The logical state (ptdp.interop.logical) is the one-process model's
+unsharded, unpadded tensors, as checkpoints hold them.
 
+* `gpt2_obstacles`: the settings of a ModelConfig that GPT-2 cannot express
+  (the Llama family's options); export refuses them.
 * `hf_config_from_model_config` / `model_config_from_hf_config`: the model
   settings as a `config.json` dict (GPT2Config's fields) and back; anything
   ptdp cannot represent is refused with a ConversionError, never adjusted.
@@ -26,21 +27,26 @@ embedding is [vocab_size, h]; ptdp pads it per layout when loading).
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ptdp.config import ModelConfig
+from ptdp.interop.hf_files import (
+    ConversionError,
+    check_state,
+    read_hf_config,
+    read_hf_weights,
+    write_hf_directory,
+)
+from ptdp.interop.logical import logical_shapes
 
-WEIGHTS_NAME = "model.safetensors"
-WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
-CONFIG_NAME = "config.json"
+__all__ = ["ConversionError", "from_hf_state", "gpt2_obstacles", "hf_config_from_model_config",
+           "load_hf_directory", "logical_shapes", "model_config_from_hf_config",
+           "save_hf_directory", "to_hf_state"]
+
 # Hugging Face's names for the tanh approximation of GeLU that ptdp computes.
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
 # GPT-2's <|endoftext|>, the bos/eos token of a model with GPT-2's vocabulary.
@@ -72,10 +78,6 @@ _GLOBAL_MAP = (
 _IGNORED = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")
 
 
-class ConversionError(ValueError):
-    """A model or checkpoint that cannot be converted; says why and what to do."""
-
-
 def _name_map(config: ModelConfig) -> list[tuple[str, str, bool]]:
     """(ptdp name, bare Hugging Face name, transposed) for every tensor."""
     names = list(_GLOBAL_MAP)
@@ -84,29 +86,32 @@ def _name_map(config: ModelConfig) -> list[tuple[str, str, bool]]:
     return names
 
 
-def logical_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every logical tensor's name and shape for `config`."""
-    h, ffn = config.hidden_size, config.ffn_size
-    shapes: dict[str, tuple[int, ...]] = {
-        "embedding.word_embeddings.weight": (config.vocab_size, h),
-        "embedding.position_embeddings.weight": (config.max_positions, h),
-        "final_layernorm.weight": (h,),
-        "final_layernorm.bias": (h,),
-    }
-    per_layer = {
-        "input_layernorm.weight": (h,), "input_layernorm.bias": (h,),
-        "attention.query_key_value.weight": (3 * h, h), "attention.query_key_value.bias": (3 * h,),
-        "attention.dense.weight": (h, h), "attention.dense.bias": (h,),
-        "post_attention_layernorm.weight": (h,), "post_attention_layernorm.bias": (h,),
-        "mlp.dense_h_to_4h.weight": (ffn, h), "mlp.dense_h_to_4h.bias": (ffn,),
-        "mlp.dense_4h_to_h.weight": (h, ffn), "mlp.dense_4h_to_h.bias": (h,),
-    }
-    for i in range(config.num_layers):
-        shapes.update({f"layers.{i}.{name}": shape for name, shape in per_layer.items()})
-    return shapes
-
-
 # ------------------------------------------------------------------ configs
+
+def gpt2_obstacles(config: ModelConfig) -> list[str]:
+    """The settings of `config` that keep it from being a GPT-2 (empty: it is one)."""
+    obstacles = []
+    if config.normalization != "LayerNorm":
+        obstacles.append(f"--normalization {config.normalization} (GPT-2 has LayerNorm)")
+    if config.swiglu:
+        obstacles.append("--swiglu (GPT-2's MLP is GeLU)")
+    if config.rope:
+        obstacles.append("--position-embedding-type rope (GPT-2 learns absolute positions)")
+    if config.query_groups != config.num_attention_heads:
+        obstacles.append(f"--num-query-groups {config.query_groups} (GPT-2 has a key/value head "
+                         f"per attention head)")
+    if not config.tied_output:
+        obstacles.append("--untie-embeddings-and-output-weights (GPT-2 ties them)")
+    if not config.bias:
+        obstacles.append("--disable-bias-linear (GPT-2's linear layers have biases)")
+    return obstacles
+
+
+def _require_gpt2(config: ModelConfig) -> None:
+    obstacles = gpt2_obstacles(config)
+    if obstacles:
+        raise ConversionError("this model is not a GPT-2: " + "; ".join(obstacles))
+
 
 def hf_config_from_model_config(config: ModelConfig, *, eod_token_id: int | None = None) -> dict:
     """GPT2Config's fields for `config` (what `config.json` holds).
@@ -114,6 +119,7 @@ def hf_config_from_model_config(config: ModelConfig, *, eod_token_id: int | None
     `eod_token_id` becomes bos/eos_token_id; by default GPT-2's 50256 when the
     vocabulary is GPT-2's (50257 tokens), else none.
     """
+    _require_gpt2(config)
     if eod_token_id is None and config.vocab_size == GPT2_VOCAB:
         eod_token_id = GPT2_EOD
     if eod_token_id is not None and not 0 <= eod_token_id < config.vocab_size:
@@ -133,7 +139,7 @@ def hf_config_from_model_config(config: ModelConfig, *, eod_token_id: int | None
         "resid_pdrop": config.hidden_dropout,
         "embd_pdrop": config.hidden_dropout,
         "attn_pdrop": config.attention_dropout,
-        "layer_norm_epsilon": config.layernorm_epsilon,
+        "layer_norm_epsilon": config.epsilon,
         "initializer_range": config.init_method_std,
         "scale_attn_weights": True,
         "scale_attn_by_inverse_layer_idx": False,
@@ -212,8 +218,9 @@ def to_hf_state(logical: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
     """GPT2LMHeadModel's state dict for a logical state. Every tensor is a new
     contiguous tensor; `lm_head.weight` is a copy of the word embedding (tied),
     so the result can go to `load_state_dict` or to safetensors as it is."""
-    _check(logical, logical_shapes(config), "ptdp logical state",
-           padded_hint=config.vocab_size)
+    _require_gpt2(config)
+    check_state(logical, logical_shapes(config), "ptdp logical state",
+                padded_hint=config.vocab_size)
     state = {}
     for ours, theirs, transposed in _name_map(config):
         tensor = logical[ours].detach()
@@ -227,6 +234,7 @@ def from_hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
     `transformer.`-prefixed keys or GPT2Model's bare keys). The causal-mask
     buffers of older checkpoints are ignored; an `lm_head.weight` must equal
     the word embedding (ptdp ties them)."""
+    _require_gpt2(config)
     bare: dict[str, torch.Tensor] = {}
     lm_head = None
     for key, tensor in state.items():
@@ -244,7 +252,7 @@ def from_hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
     for ours, theirs, transposed in _name_map(config):
         shape = shapes[ours]
         expected[theirs] = (shape[1], shape[0]) if transposed else shape
-    _check(bare, expected, "GPT-2 state")
+    check_state(bare, expected, "GPT-2 state")
     if lm_head is not None:
         wte = bare["wte.weight"]
         if lm_head.shape != wte.shape or not torch.equal(lm_head, wte):
@@ -258,67 +266,21 @@ def from_hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
     return logical
 
 
-def _check(state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], what: str,
-           padded_hint: int | None = None) -> None:
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    wrong = [f"{name}: {tuple(state[name].shape)}, expected {shape}"
-             for name, shape in expected.items()
-             if name in state and tuple(state[name].shape) != tuple(shape)]
-    problems = []
-    if missing:
-        problems.append(f"missing: {', '.join(_abbreviate(missing))}")
-    if unexpected:
-        problems.append(f"unexpected: {', '.join(_abbreviate(unexpected))}")
-    if wrong:
-        problems.append("wrong shape: " + "; ".join(_abbreviate(wrong)))
-    if problems:
-        message = f"{what} does not match the model config:\n" + "\n".join(
-            f"  - {p}" for p in problems)
-        if padded_hint is not None and any(w.startswith("embedding.word_embeddings") for w in wrong):
-            message += (f"\n  (the word embedding must be the logical, unpadded tensor with "
-                        f"{padded_hint} rows)")
-        raise ConversionError(message)
-
-
-def _abbreviate(items: list[str], limit: int = 8) -> list[str]:
-    return items if len(items) <= limit else items[:limit] + [f"... ({len(items) - limit} more)"]
-
-
 # ------------------------------------------------------------------ directories
 
 def save_hf_directory(directory: str | Path, logical: dict[str, torch.Tensor],
-                      config: ModelConfig, *, eod_token_id: int | None = None) -> None:
-    """Write `config.json` and `model.safetensors` that
-    `GPT2LMHeadModel.from_pretrained(directory)` loads. The tied
-    `lm_head.weight` is left out, as Hugging Face does. Written into a
-    temporary sibling directory and renamed into place; refuses an existing
-    non-empty directory."""
-    from safetensors.torch import save_file
-
-    directory = Path(directory)
-    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
-        raise ConversionError(f"{directory} exists and is not an empty directory: choose a new one")
+                      config: ModelConfig, *, eod_token_id: int | None = None,
+                      tokenizer_file: str | Path | None = None,
+                      tokenizer_config: dict[str, Any] | None = None) -> None:
+    """Write `config.json` and `model.safetensors` (and the tokenizer files
+    when given) that `GPT2LMHeadModel.from_pretrained(directory)` loads.
+    The tied `lm_head.weight` is left out, as Hugging Face does. Refuses an
+    existing non-empty directory."""
     hf_config = hf_config_from_model_config(config, eod_token_id=eod_token_id)
     state = to_hf_state(logical, config)
     del state["lm_head.weight"]
-    dtypes = {t.dtype for t in state.values()}
-    if len(dtypes) == 1:
-        hf_config["torch_dtype"] = str(dtypes.pop()).removeprefix("torch.")
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkdtemp(prefix=f".{directory.name}.partial-", dir=directory.parent))
-    try:
-        save_file({k: v.cpu() for k, v in state.items()}, str(partial / WEIGHTS_NAME),
-                  metadata={"format": "pt"})
-        with open(partial / CONFIG_NAME, "w") as f:
-            json.dump(hf_config, f, indent=2, sort_keys=True)
-            f.write("\n")
-        if directory.exists():
-            directory.rmdir()  # empty, checked above
-        os.rename(partial, directory)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
+    write_hf_directory(directory, hf_config, state, tokenizer_file=tokenizer_file,
+                       tokenizer_config=tokenizer_config)
 
 
 def load_hf_directory(directory: str | Path, **overrides: Any
@@ -327,63 +289,9 @@ def load_hf_directory(directory: str | Path, **overrides: Any
     `config.json` plus `model.safetensors` or sharded safetensors with
     `model.safetensors.index.json`. `overrides` go to
     model_config_from_hf_config."""
-    from safetensors.torch import load_file
-
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise ConversionError(f"{directory} is not a directory")
-    config_path = directory / CONFIG_NAME
-    if not config_path.is_file():
-        raise ConversionError(f"{directory} has no {CONFIG_NAME}")
-    try:
-        hf_config = json.loads(config_path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConversionError(f"{config_path} is not valid JSON: {e}") from None
-    if not isinstance(hf_config, dict):
-        raise ConversionError(f"{config_path} does not hold a JSON object")
-    config = model_config_from_hf_config(hf_config, **overrides)
-
-    files = _weight_files(directory)
-    state: dict[str, torch.Tensor] = {}
-    for path in files:
-        try:
-            part = load_file(str(path))
-        except Exception as e:  # safetensors raises its own error types
-            raise ConversionError(f"cannot read {path}: {e}") from None
-        for key in part.keys() & state.keys():
-            raise ConversionError(f"{key!r} is in more than one weight file ({path.name})")
-        state.update(part)
+    config = model_config_from_hf_config(read_hf_config(directory), **overrides)
+    state = read_hf_weights(directory, "GPT2LMHeadModel")
     try:
         return config, from_hf_state(state, config)
     except ConversionError as e:
         raise ConversionError(f"{directory}: {e}") from None
-
-
-def _weight_files(directory: Path) -> list[Path]:
-    single, index = directory / WEIGHTS_NAME, directory / WEIGHTS_INDEX_NAME
-    if single.is_file():
-        return [single]
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise ConversionError(f"{index} is not a valid safetensors index: {e!r}") from None
-        paths = []
-        for name in names:
-            path = directory / name
-            if Path(name).name != name or not name.endswith(".safetensors"):
-                raise ConversionError(f"{index} names {name!r}, not a .safetensors file in "
-                                      f"{directory}")
-            if not path.is_file():
-                raise ConversionError(f"{index} names {name}, which is missing from {directory}")
-            paths.append(path)
-        return paths
-    pickled = [p.name for p in sorted(directory.glob("pytorch_model*.bin"))]
-    if pickled:
-        raise ConversionError(
-            f"{directory} holds only {', '.join(pickled)} (pickle, which can run code when "
-            f"loaded): ptdp reads safetensors only. Convert it where you trust the file, e.g. "
-            f"GPT2LMHeadModel.from_pretrained(dir).save_pretrained(new_dir) "
-            f"(safe_serialization is the default), then use new_dir")
-    raise ConversionError(f"{directory} has neither {WEIGHTS_NAME} nor {WEIGHTS_INDEX_NAME}")
