@@ -369,21 +369,18 @@ def _forwarded_signals(config: Config) -> tuple[int, ...]:
 
 def run_train(config: Config, explicit: Sequence[str] = ()) -> int:
     """`explicit`: the settings the user gave ("section.field"); a vocabulary
-    size not among them is taken from the tokenizer."""
-    from ptdp.data.loader import (DataSettingsError, check_data_settings, check_datasets,
-                                  resolve_vocab_size)
+    size not among them is taken from the tokenizer, and without tokenizer
+    settings among them, --load's checkpoint's tokenizer (if it carries one)
+    is the run's."""
+    from ptdp.data.loader import check_datasets, resolve_data
     from ptdp.device import resolve_kind
     from ptdp.launch import LOOPBACK, DistEnv, LocalJobFailed, detect_env, launch_local
     from ptdp.train.loop import worker
 
     env = detect_env()
-    problems = check_data_settings(config)
-    if problems:
-        raise ConfigError(problems)
-    try:
-        config = resolve_vocab_size(config, explicit="model.vocab_size" in explicit)
-    except DataSettingsError as error:
-        raise ConfigError([str(error)]) from None
+    # The tokenizer (the flags', else the one --load's checkpoint carries) and
+    # the vocabulary it gives, resolved once here: every rank gets the result.
+    config = resolve_data(config, explicit)
     validate(config, world_size=env.world_size if env is not None else None)
     problems = check_datasets(config) + _checkpoint_problems(config) + _reporting_problems(config)
     if problems:

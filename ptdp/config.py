@@ -297,9 +297,13 @@ class DataConfig:
         "them), optionally weighted for blending: A, or 0.7 A 0.3 B", metavar="PATH")
     split: str = flag("949,50,1", "--split",
                       "train,valid,test proportions, taken as contiguous ranges of documents")
-    tokenizer_type: str = flag("GPT2BPETokenizer", "--tokenizer-type", "tokenizer",
-                               choices=("GPT2BPETokenizer", "HuggingFaceTokenizer",
-                                        "ByteLevelTokenizer"))
+    tokenizer_type: str = flag(
+        "GPT2BPETokenizer", "--tokenizer-type",
+        "tokenizer; NullTokenizer (Megatron-LM's) is for --data-path files that are token ids "
+        "already and needs --vocab-size N: the data's ids are 0..N-1, N is the end-of-document "
+        "id, so the model's vocabulary is N + 1 (then padded); with --load and no tokenizer "
+        "flags, the tokenizer the checkpoint carries",
+        choices=("GPT2BPETokenizer", "HuggingFaceTokenizer", "ByteLevelTokenizer", "NullTokenizer"))
     vocab_file: str | None = flag(None, "--vocab-file", "GPT-2 style vocab.json (with --merge-file; "
                                   "default: GPT-2's own ranks, shipped)", metavar="PATH")
     merge_file: str | None = flag(None, "--merge-file", "GPT-2 style merges.txt", metavar="PATH")

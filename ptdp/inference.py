@@ -9,6 +9,12 @@ by point-to-point sends, and the tensor ranks of a stage compute together.
 The last stage's vocabulary-parallel logits are gathered and broadcast to
 every rank, and every rank draws the same token from them with the same
 seeded generator, so all ranks extend the same context.
+
+The prompt is text (`--prompt`, encoded by the checkpoint's tokenizer: the
+tokenizer.json it carries, else the one its data settings name) or token
+ids (`--prompt-ids`, for any model, and the only way for a NullTokenizer
+model); it is turned into ids and checked before any rank starts. The
+output is text, or ids with `--output-ids`.
 """
 
 from __future__ import annotations
@@ -30,13 +36,16 @@ from ptdp.parallel.topology import ParallelContext, RankGrid
 
 @dataclass
 class GenerateRequest:
+    """What every rank needs: the prompt as token ids (checked before any
+    rank starts) and whether to print ids or text."""
     load: str
-    prompt: str
+    prompt_ids: list[int]
     settings: SamplingSettings
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     chunks: int = 1
     device: str = "auto"
+    output_ids: bool = False
 
 
 class PipelinedModel:
@@ -95,12 +104,12 @@ class PipelinedModel:
 
 
 def prompt_tokens(prompt: str, tokenizer, config: Config) -> list[int]:
-    """The prompt's token ids for a model with `tokenizer`, or, for a model
-    trained on generated data (no tokenizer), the ids the prompt lists.
-    ConfigError, naming --prompt, if there is nothing to continue, if the
+    """The prompt's token ids for a model with a text tokenizer, or, for a
+    model trained on generated data (no tokenizer), the ids the prompt lists
+    separated by spaces. ConfigError, naming --prompt, if there is nothing
+    to continue, if the model has no text tokenizer (NullTokenizer), if the
     ids are not the model's, or if the prompt does not fit the model's
     context (the model would silently see only its end)."""
-    vocab, context = config.model.vocab_size, config.model.max_positions
     if tokenizer is None:
         ids_example = "give token ids of its vocabulary, e.g. --prompt '1 2 3'"
         parts = prompt.split()
@@ -110,33 +119,67 @@ def prompt_tokens(prompt: str, tokenizer, config: Config) -> list[int]:
         if not all(part.isdecimal() for part in parts):
             raise ConfigError([f"--prompt {prompt!r}: this model was trained on generated data "
                                f"(--mock-data) and has no tokenizer; {ids_example}"])
-        tokens = [int(part) for part in parts]
-        outside = [t for t in tokens if t >= vocab]
-        if outside:
-            raise ConfigError([f"--prompt {prompt!r}: token id {outside[0]} is outside this model's "
-                               f"vocabulary of {vocab} (ids 0 to {vocab - 1}); {ids_example}"])
-    else:
-        tokens = tokenizer.encode(prompt)
-        if not tokens:
-            what = "is empty" if not prompt else f"{prompt!r} encodes to no tokens"
-            raise ConfigError([f"--prompt {what}: give the text to continue, e.g. --prompt "
-                               f"'Once upon a time'"])
+        return check_prompt_ids([int(part) for part in parts], config, f"--prompt {prompt!r}",
+                                ids_example)
+    if tokenizer.name == "NullTokenizer":
+        raise ConfigError(["--prompt needs a text tokenizer, and this model was trained with "
+                           "NullTokenizer on data that was token ids already; give the prompt as "
+                           "token ids, e.g. --prompt-ids 1,2,3 (and --output-ids to print ids)"])
+    tokens = tokenizer.encode(prompt)
+    if not tokens:
+        what = "is empty" if not prompt else f"{prompt!r} encodes to no tokens"
+        raise ConfigError([f"--prompt {what}: give the text to continue, e.g. --prompt "
+                           f"'Once upon a time'"])
+    return check_prompt_ids(tokens, config, "--prompt",
+                            f"the {tokenizer.name} does not fit this model")
+
+
+def parse_prompt_ids(text: str, config: Config) -> list[int]:
+    """--prompt-ids "5,17,923": token ids, checked against the model's
+    vocabulary and context."""
+    example = "e.g. --prompt-ids 5,17,923"
+    parts = [part.strip() for part in text.split(",")]
+    if not any(parts):
+        raise ConfigError([f"--prompt-ids is empty: give the token ids to continue, comma-separated, "
+                           f"{example}"])
+    bad = next((part for part in parts if not part.isdecimal()), None)
+    if bad is not None:
+        raise ConfigError([f"--prompt-ids {text!r}: {bad!r} is not a token id; give non-negative "
+                           f"integers separated by commas, {example}"])
+    return check_prompt_ids([int(part) for part in parts], config, f"--prompt-ids {text!r}",
+                            "give ids of its vocabulary")
+
+
+def check_prompt_ids(tokens: list[int], config: Config, what: str, hint: str) -> list[int]:
+    """`tokens`, if they are ids of the model's vocabulary and fit its
+    context; else a ConfigError that starts with `what` and ends with `hint`."""
+    vocab, context = config.model.vocab_size, config.model.max_positions
+    outside = [t for t in tokens if not 0 <= t < vocab]
+    if outside:
+        raise ConfigError([f"{what}: token id {outside[0]} is outside this model's vocabulary of "
+                           f"{vocab} (ids 0 to {vocab - 1}); {hint}"])
     if len(tokens) > context:
-        raise ConfigError([f"--prompt is {len(tokens)} tokens long, more than this model's context "
+        flag = what.split()[0]
+        raise ConfigError([f"{flag} is {len(tokens)} tokens long, more than this model's context "
                            f"of {context} tokens (its --seq-length/--max-position-embeddings); "
                            f"give a prompt of at most {context} tokens"])
     return tokens
 
 
 def generate_text(request: GenerateRequest, ctx: ParallelContext, device: torch.device) -> str:
+    """The continuation of the request's prompt: text, or with `output_ids`
+    the new token ids, comma-separated. Every rank of the layout calls it."""
+    from ptdp.data.loader import model_tokenizer
     from ptdp.train.checkpoint import load_logical_model
 
     config, weights, _ = load_logical_model(request.load)
-    tokenizer = _tokenizer_of(config)
+    tokenizer = model_tokenizer(config, request.load)
     model = PipelinedModel(config, ctx, device, weights, request.chunks)
-    prompt = prompt_tokens(request.prompt, tokenizer, config)
-    new = generate(model, prompt, request.settings, max_context=config.model.max_positions,
+    new = generate(model, request.prompt_ids, request.settings,
+                   max_context=config.model.max_positions,
                    eod=tokenizer.eod if tokenizer is not None else None)
+    if request.output_ids:
+        return ",".join(map(str, new))
     return tokenizer.decode(new) if tokenizer is not None else " ".join(map(str, new))
 
 
@@ -164,7 +207,14 @@ def add_generate_parser(commands: argparse._SubParsersAction) -> None:
         description="Continue a prompt with a trained model, on one process or under a tensor / "
                     "pipeline layout (any layout: checkpoints reshard on load).")
     parser.add_argument("--load", required=True, metavar="DIR", help="checkpoint directory")
-    parser.add_argument("--prompt", required=True, help="text to continue")
+    parser.add_argument("--prompt", help="text to continue (with the checkpoint's tokenizer; for a "
+                        "--mock-data model, token ids separated by spaces)")
+    parser.add_argument("--prompt-ids", metavar="IDS",
+                        help="the prompt as token ids, comma-separated (e.g. 5,17,923), instead of "
+                             "--prompt; for any model, also one trained with NullTokenizer")
+    parser.add_argument("--output-ids", action="store_true",
+                        help="print the generated token ids, comma-separated on one line, "
+                             "instead of text")
     defaults = SamplingSettings()
     parser.add_argument("--temperature", type=float, default=defaults.temperature,
                         help=f"0: greedy (default: {defaults.temperature})")
@@ -182,18 +232,17 @@ def add_generate_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
 
 
-def _tokenizer_of(config: Config):
-    """The checkpoint's tokenizer; None for a model trained on generated data."""
-    from ptdp.data.loader import tokenizer_for
-
-    return None if config.data.mock_data else tokenizer_for(config.data)
-
-
 def run_generate_command(args: argparse.Namespace) -> int:
     from ptdp.config import ParallelConfig, validate
+    from ptdp.data.loader import model_tokenizer
+    from ptdp.data.tokenizer import TokenizerError
     from ptdp.launch import LocalJobFailed, launch_local
     from ptdp.train.checkpoint import CheckpointError, read_metadata, resolve
 
+    if (args.prompt is None) == (args.prompt_ids is None):
+        raise ConfigError(["give the prompt either as text, --prompt TEXT, or as token ids, "
+                           "--prompt-ids 5,17,923" + (", not both" if args.prompt is not None
+                                                      else "")])
     settings = SamplingSettings(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                 max_new_tokens=args.max_new_tokens, seed=args.seed)
     try:
@@ -216,10 +265,16 @@ def run_generate_command(args: argparse.Namespace) -> int:
         micro_batch_size=1, global_batch_size=layout.pipeline_model_parallel_size),
         data=config.data))
     # Checked here, before any rank starts: in a rank it would be a traceback.
-    prompt_tokens(args.prompt, _tokenizer_of(config), config)
-    request = GenerateRequest(args.load, args.prompt, settings, layout.tensor_model_parallel_size,
+    try:
+        tokenizer = model_tokenizer(config, args.load)  # the ranks need its end of document
+    except (CheckpointError, TokenizerError) as error:
+        raise ConfigError([str(error)]) from None
+    prompt = (parse_prompt_ids(args.prompt_ids, config) if args.prompt_ids is not None
+              else prompt_tokens(args.prompt, tokenizer, config))
+    request = GenerateRequest(args.load, prompt, settings, layout.tensor_model_parallel_size,
                               layout.pipeline_model_parallel_size,
-                              layout.virtual_stages(config.model.num_layers), args.device)
+                              layout.virtual_stages(config.model.num_layers), args.device,
+                              output_ids=args.output_ids)
     world = layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size
     if world == 1:
         kind = devices.resolve_kind(args.device, 1)

@@ -1,7 +1,10 @@
 """From the data settings to the tensors a microbatch trains on.
 
-`check_data_settings` runs before any process starts (files exist, the
-split parses, the tokenizer's flags fit together). `build_training_data`
+`resolve_data` runs before any process starts, the one place that decides
+the run's tokenizer (its flags, else the one --load's checkpoint carries)
+and vocabulary, and checks the data flags (`check_data_settings`: files
+exist, the split parses, the tokenizer's flags fit together); the ranks
+build the resolved tokenizer with `tokenizer_for`. `build_training_data`
 runs on every rank: the global rank 0 tokenizes the demo corpus (first use
 only) and builds the dataset indices while the others wait at a barrier,
 then the ranks that read tokens (first and last pipeline stage) open them.
@@ -16,12 +19,12 @@ import dataclasses
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
-from ptdp.config import Config, DataConfig
+from ptdp.config import Config, ConfigError, DataConfig
 from ptdp.data.mock import MockGPTDataset
 from ptdp.data.tokenizer import TokenizerError, build_tokenizer, check_tokenizer_settings
 
@@ -30,9 +33,93 @@ class DataSettingsError(ValueError):
     pass
 
 
-def tokenizer_for(data: DataConfig):
+# The settings that name a tokenizer: given any of them, the run's flags decide
+# the tokenizer, not the checkpoint it loads.
+TOKENIZER_SETTINGS = ("data.tokenizer_type", "data.vocab_file", "data.merge_file",
+                      "data.tokenizer_model")
+
+
+def tokenizer_for(data: DataConfig, model_vocab_size: int | None = None):
+    """The tokenizer of resolved data settings (see `resolve_tokenizer` and
+    `resolve_vocab_size`). NullTokenizer has no files: its size is the
+    model's vocabulary, `model_vocab_size` = N + 1."""
     return build_tokenizer(data.tokenizer_type, vocab_file=data.vocab_file,
-                           merge_file=data.merge_file, tokenizer_model=data.tokenizer_model)
+                           merge_file=data.merge_file, tokenizer_model=data.tokenizer_model,
+                           vocab_size=None if model_vocab_size is None else model_vocab_size - 1)
+
+
+def carried_tokenizer_data(data: DataConfig, tokenizer_file: str | Path) -> DataConfig:
+    """`data` with a checkpoint's tokenizer.json as its tokenizer."""
+    return dataclasses.replace(data, tokenizer_type="HuggingFaceTokenizer",
+                               tokenizer_model=str(tokenizer_file), vocab_file=None, merge_file=None)
+
+
+def resolve_data(config: Config, explicit: Sequence[str]) -> Config:
+    """The one path from a training run's data settings to the resolved
+    ones, before launching: the tokenizer (`resolve_tokenizer`), its flags
+    checked, and the vocabulary it gives (`resolve_vocab_size`).
+    `explicit`: the settings the user gave ("section.field")."""
+    config, carried = resolve_tokenizer(config, explicit)
+    problems = check_data_settings(config)
+    if problems:
+        raise ConfigError(problems)
+    try:
+        return resolve_vocab_size(config, "model.vocab_size" in explicit,
+                                  checkpoint=_loaded_settings(config), carried=carried)
+    except DataSettingsError as error:
+        raise ConfigError([str(error)]) from None
+
+
+def resolve_tokenizer(config: Config, explicit: Sequence[str]) -> tuple[Config, bool]:
+    """The training run's tokenizer: the one its flags (or config file) name
+    where they name any; otherwise the tokenizer --load's checkpoint
+    carries; otherwise the default. Generated data (--mock-data) has none.
+    Returns the config and whether the checkpoint's tokenizer was taken."""
+    from ptdp.train.checkpoint import CheckpointError, checkpoint_tokenizer
+
+    if config.data.mock_data or any(k in explicit for k in TOKENIZER_SETTINGS) \
+            or _loaded_settings(config) is None:
+        return config, False
+    try:
+        carried = checkpoint_tokenizer(config.train.load)
+    except CheckpointError as error:
+        raise ConfigError([f"{error}; or name a tokenizer (--tokenizer-type and its files), which "
+                           "takes the place of the checkpoint's"]) from None
+    if carried is None:
+        return config, False
+    data = carried_tokenizer_data(config.data, carried.absolute())
+    return dataclasses.replace(config, data=data), True
+
+
+def _loaded_settings(config: Config) -> Config | None:
+    """--load's checkpoint's model and data settings (the rest default);
+    None without --load, or for a checkpoint that cannot be read (the
+    checkpoint checks report why)."""
+    from ptdp.train.checkpoint import CheckpointError, read_metadata, resolve, saved_model_config
+
+    if not config.train.load:
+        return None
+    try:
+        saved = read_metadata(resolve(config.train.load))
+        known = {f.name for f in dataclasses.fields(DataConfig)}
+        data = DataConfig(**{k: v for k, v in saved["config"].get("data", {}).items() if k in known})
+        return Config(model=saved_model_config(saved), data=data)
+    except (CheckpointError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def model_tokenizer(config: Config, load: str | Path | None = None):
+    """The tokenizer of a saved model (`config` from its metadata): the file
+    the checkpoint `load` carries, else the one its data settings name; None
+    for a model of generated data without one."""
+    from ptdp.train.checkpoint import checkpoint_tokenizer
+
+    carried = checkpoint_tokenizer(load) if load is not None else None
+    if carried is not None:
+        return tokenizer_for(carried_tokenizer_data(config.data, carried))
+    if config.data.mock_data:
+        return None
+    return tokenizer_for(config.data, config.model.vocab_size)
 
 
 def tokenizer_key(data: DataConfig) -> str:
@@ -56,6 +143,10 @@ def check_data_settings(config: Config) -> list[str]:
         return []
     problems = check_tokenizer_settings(data.tokenizer_type, data.vocab_file, data.merge_file,
                                         data.tokenizer_model)
+    if data.tokenizer_type == "NullTokenizer" and data.uses_demo_corpus:
+        problems.append("--tokenizer-type NullTokenizer is for data that is token ids already, and "
+                        "the demo corpus is text: give --data-path PREFIX (.bin/.idx) or another "
+                        "--tokenizer-type")
     for check, value in ((parse_split, data.split), (parse_data_path, data.data_path)):
         if value is None:
             continue
@@ -88,21 +179,80 @@ def check_datasets(config: Config) -> list[str]:
     return []
 
 
-def resolve_vocab_size(config: Config, explicit: bool) -> Config:
+def resolve_vocab_size(config: Config, explicit: bool, *, checkpoint: Config | None = None,
+                       carried: bool = False) -> Config:
     """With real data the tokenizer decides the vocabulary. An explicit
-    --vocab-size that disagrees is an error, not silently replaced."""
-    if config.data.mock_data:
+    --vocab-size that disagrees is an error, not silently replaced.
+    NullTokenizer's --vocab-size N (Megatron-LM's meaning) gives the
+    vocabulary N + 1, its end-of-document id being N.
+
+    `checkpoint`: the settings of --load's checkpoint, whose model's
+    vocabulary the tokenizer must fit: equal it, or, for the tokenizer the
+    checkpoint carries (`carried`), not exceed it (an imported model's
+    embedding often has rows no token uses); the model keeps its size."""
+    data = config.data
+    if data.mock_data:
         return config
+    null = data.tokenizer_type == "NullTokenizer"
+    if null and not explicit:
+        raise DataSettingsError("--tokenizer-type NullTokenizer needs --vocab-size N: the data's "
+                                "token ids are 0..N-1 and N is the end-of-document id (the "
+                                "vocabulary is N + 1)")
     try:
-        tokenizer = tokenizer_for(config.data)
+        tokenizer = build_tokenizer("NullTokenizer", vocab_size=config.model.vocab_size) if null \
+            else tokenizer_for(data)
     except TokenizerError as error:
         raise DataSettingsError(str(error)) from None
-    if explicit and config.model.vocab_size != tokenizer.vocab_size:
+    if explicit and not null and not carried and config.model.vocab_size != tokenizer.vocab_size:
         raise DataSettingsError(
             f"--vocab-size={config.model.vocab_size} disagrees with the {tokenizer.name}'s "
             f"{tokenizer.vocab_size} tokens; drop --vocab-size (it comes from the tokenizer)")
-    return dataclasses.replace(config, model=dataclasses.replace(config.model,
-                                                                 vocab_size=tokenizer.vocab_size))
+    vocab = tokenizer.vocab_size
+    if checkpoint is not None:
+        model_vocab = checkpoint.model.vocab_size
+        _check_tokenizer_fits(config, tokenizer, checkpoint, carried)
+        if carried:
+            if explicit and config.model.vocab_size != model_vocab:
+                raise DataSettingsError(
+                    f"--vocab-size={config.model.vocab_size} disagrees with the vocabulary of "
+                    f"--load {config.train.load}'s model, {model_vocab}; drop --vocab-size (it "
+                    "comes from the checkpoint)")
+            vocab = model_vocab
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=vocab))
+
+
+def _check_tokenizer_fits(config: Config, tokenizer, checkpoint: Config, carried: bool) -> None:
+    model_vocab = checkpoint.model.vocab_size
+    if tokenizer.vocab_size == model_vocab or (carried and tokenizer.vocab_size < model_vocab):
+        return
+    load = config.train.load
+    if carried:
+        raise DataSettingsError(
+            f"--load {load}: the tokenizer the checkpoint carries has {tokenizer.vocab_size} "
+            f"tokens, more than its model's vocabulary of {model_vocab}; name the model's "
+            "tokenizer with --tokenizer-type and its files")
+    given = (f"--tokenizer-type NullTokenizer --vocab-size {tokenizer.eod} gives "
+             f"{tokenizer.vocab_size} (ids 0..{tokenizer.eod - 1} and the end-of-document id "
+             f"{tokenizer.eod})" if tokenizer.name == "NullTokenizer" else
+             f"the {tokenizer.name} (--tokenizer-type and its files) has {tokenizer.vocab_size}")
+    raise DataSettingsError(f"--load {load}: its model has a vocabulary of {model_vocab} tokens, "
+                            f"but {given}; {_saved_tokenizer_hint(checkpoint)}")
+
+
+def _saved_tokenizer_hint(checkpoint: Config) -> str:
+    """What to give to train on with the tokenizer a checkpoint was trained with."""
+    data, vocab = checkpoint.data, checkpoint.model.vocab_size
+    if data.mock_data:
+        return "the model was trained on generated data: give --mock-data"
+    if data.tokenizer_type == "NullTokenizer":
+        return f"it was trained with --tokenizer-type NullTokenizer --vocab-size {vocab - 1}"
+    if data.tokenizer_type == "HuggingFaceTokenizer" and not data.tokenizer_model:
+        return "the checkpoint carries its tokenizer: drop the tokenizer flags to train with it"
+    files = [f"{flag} {path}" for flag, path in (("--vocab-file", data.vocab_file),
+                                                 ("--merge-file", data.merge_file),
+                                                 ("--tokenizer-model", data.tokenizer_model)) if path]
+    return ("give the tokenizer it was trained with (its settings say --tokenizer-type "
+            f"{' '.join([data.tokenizer_type, *files])})")
 
 
 @dataclass
@@ -128,7 +278,7 @@ def build_training_data(config: Config, *, num_samples: tuple[int, int, int], is
     from ptdp.data.corpus import default_cache_dir, demo_data_prefix
     from ptdp.data.gpt_dataset import build_gpt_datasets
 
-    tokenizer = tokenizer_for(data)
+    tokenizer = tokenizer_for(data, model.vocab_size)
     if tokenizer.vocab_size > model.vocab_size:
         raise DataSettingsError(f"the {tokenizer.name} has {tokenizer.vocab_size} tokens but "
                                 f"--vocab-size is {model.vocab_size}; raise --vocab-size")
@@ -172,7 +322,8 @@ def collate(dataset, indices: range, vocab_size: int) -> torch.Tensor:
         raise DataSettingsError(
             f"token id {bad} in samples {indices.start}..{indices.stop - 1} is outside the "
             f"vocabulary of {vocab_size}: the data was tokenized with another tokenizer than "
-            "--tokenizer-type (and its files) say")
+            "--tokenizer-type (and its files) say (with NullTokenizer: --vocab-size N must be "
+            "above every id but the end-of-document id N)")
     return tokens
 
 

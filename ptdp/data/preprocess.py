@@ -38,7 +38,7 @@ from typing import Callable, Iterator, Sequence
 
 from ptdp.data.indexed import (IndexedDatasetError, IndexedDatasetWriter, best_fitting_dtype,
                                data_file_path, index_file_path)
-from ptdp.data.tokenizer import TOKENIZER_TYPES, TokenizerError, build_tokenizer
+from ptdp.data.tokenizer import TEXT_TOKENIZER_TYPES, TokenizerError, build_tokenizer
 
 JSON_SUFFIXES = (".jsonl", ".json")
 MAX_CHUNK_BYTES = 4 << 20   # a few seconds of GPT-2 encoding per chunk
@@ -369,6 +369,9 @@ def preprocess(inputs: Sequence[str | Path], output_prefix: str | Path,
         raise TypeError(f"preprocess() takes the tokenizer's settings, TokenizerSpec(...) or a type "
                         f"name, not {type(tokenizer).__name__}: workers build their own tokenizer")
     problems = _check_settings(inputs, output_prefix, keys, workers)
+    if spec.tokenizer_type == "NullTokenizer":
+        problems.append("--tokenizer-type NullTokenizer has no text to tokenize (it is for data that "
+                        f"is token ids already); use one of {', '.join(TEXT_TOKENIZER_TYPES)}")
     if problems:
         raise PreprocessError("; ".join(problems))
     built = spec.build()  # a bad tokenizer setting fails here, before any work
@@ -521,7 +524,7 @@ def add_preprocess_parser(subparsers) -> argparse.ArgumentParser:
                         help="plain-text files, or JSON lines (.jsonl, .json)")
     parser.add_argument("--output-prefix", required=True, metavar="P",
                         help="writes P_{key}_document.bin and .idx")
-    parser.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=TOKENIZER_TYPES,
+    parser.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=TEXT_TOKENIZER_TYPES,
                         help="(default: GPT2BPETokenizer)")
     parser.add_argument("--vocab-file", metavar="FILE", help="GPT-2 style vocab.json")
     parser.add_argument("--merge-file", metavar="FILE", help="GPT-2 style merges.txt")

@@ -12,6 +12,9 @@ Megatron-LM's (`--tokenizer-type`):
   made by `ptdp tokenizer train`.
 * ``ByteLevelTokenizer``: the 256 byte values plus an end-of-document token;
   no files, for tests and for text in any script.
+* ``NullTokenizer``: no text at all, for data that is already token ids
+  (Megatron-LM's meaning): `--vocab-size N` says the data's ids are 0..N-1,
+  N is the end-of-document id, and the vocabulary is N + 1 tokens.
 
 Every tokenizer has `vocab_size`, `eod` (the end-of-document id that
 preprocessing appends), `encode(text) -> list[int]` and `decode(ids)`.
@@ -29,7 +32,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Protocol, Sequence
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "ByteLevelTokenizer")
+# Tokenizers that turn text into ids (what `ptdp preprocess` can use) ...
+TEXT_TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "ByteLevelTokenizer")
+# ... and every --tokenizer-type training accepts.
+TOKENIZER_TYPES = (*TEXT_TOKENIZER_TYPES, "NullTokenizer")
 
 GPT2_RANKS_FILE = Path(__file__).parent / "assets" / "gpt2.tiktoken"
 # sha256 of whisper/assets/gpt2.tiktoken in the openai-whisper==20250625 sdist.
@@ -39,7 +45,7 @@ GPT2_EOD_TEXT = "<|endoftext|>"
 # each with an optional leading space; runs of whitespace.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 # End-of-document tokens to look for in a user's vocabulary, in this order.
-EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|eos|>", "[EOS]", "<eod>")
+EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "[EOS]", "<eod>")
 
 
 class TokenizerError(ValueError):
@@ -196,9 +202,47 @@ class ByteTokenizer:
         return bytes(i for i in (int(x) for x in ids) if i < 256).decode("utf-8", errors="replace")
 
 
+class NullTokenizer:
+    """Megatron-LM's NullTokenizer: the data is token ids already, and there
+    is no text to encode or decode. `data_vocab_size` (its --vocab-size N)
+    counts the data's ids 0..N-1; N is the end-of-document id, so the
+    vocabulary holds N + 1 tokens."""
+
+    name = "NullTokenizer"
+
+    def __init__(self, data_vocab_size: int):
+        if isinstance(data_vocab_size, bool) or not isinstance(data_vocab_size, int) \
+                or data_vocab_size < 1:
+            raise TokenizerError(f"--tokenizer-type NullTokenizer needs --vocab-size N >= 1 (the "
+                                 f"data's token ids are 0..N-1), got {data_vocab_size!r}")
+        self.eod = data_vocab_size
+        self.vocab_size = data_vocab_size + 1
+
+    def encode(self, text: str) -> list[int]:
+        raise TokenizerError("NullTokenizer has no text: this model was trained on token ids; give "
+                             "token ids (ptdp generate --prompt-ids 1,2,3) or use a text tokenizer")
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)  # the ids themselves, as Megatron-LM's
+
+
 def build_tokenizer(tokenizer_type: str = "GPT2BPETokenizer", *, vocab_file: str | None = None,
-                    merge_file: str | None = None, tokenizer_model: str | None = None) -> Tokenizer:
-    """The tokenizer that `--tokenizer-type` and its file flags describe."""
+                    merge_file: str | None = None, tokenizer_model: str | None = None,
+                    vocab_size: int | None = None) -> Tokenizer:
+    """The tokenizer that `--tokenizer-type` and its file flags describe.
+    `vocab_size` is NullTokenizer's --vocab-size N (ids 0..N-1; N is the end
+    of document); the other tokenizers ignore it."""
+    if tokenizer_type == "NullTokenizer":
+        problems = check_tokenizer_settings(tokenizer_type, vocab_file, merge_file, tokenizer_model)
+        if problems:
+            raise TokenizerError("; ".join(problems))
+        if vocab_size is None:
+            raise TokenizerError("--tokenizer-type NullTokenizer needs --vocab-size N: the data's "
+                                 "token ids are 0..N-1 and N is the end-of-document id")
+        return NullTokenizer(vocab_size)
     return _build(tokenizer_type, vocab_file and str(vocab_file), merge_file and str(merge_file),
                   tokenizer_model and str(tokenizer_model))
 
@@ -236,7 +280,7 @@ def check_tokenizer_settings(tokenizer_type: str, vocab_file, merge_file, tokeni
         if vocab_file or merge_file:
             problems.append("--vocab-file/--merge-file are for --tokenizer-type GPT2BPETokenizer")
     elif vocab_file or merge_file or tokenizer_model:
-        problems.append("--tokenizer-type ByteLevelTokenizer takes no tokenizer files")
+        problems.append(f"--tokenizer-type {tokenizer_type} takes no tokenizer files")
     for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file),
                        ("--tokenizer-model", tokenizer_model)):
         if path and not Path(path).is_file():

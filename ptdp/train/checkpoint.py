@@ -13,6 +13,9 @@ A checkpoint is a directory `SAVE/iter_0000005/` holding
 * `metadata.json`: the configuration, iteration, consumed samples, layout,
   optimizer step count, loss scaler, where each tensor is, and every file's
   sha256 (checked on load).
+* `tokenizer.json`, where the model has a Hugging Face tokenizer (a run
+  with HuggingFaceTokenizer, or an imported model): `metadata["tokenizer"]`
+  names it, and `checkpoint_tokenizer` returns it, checked.
 
 `SAVE/latest` names the newest complete checkpoint. A checkpoint is written
 into `iter_0000005.partial/`, every file fsynced, renamed into place, and only
@@ -75,6 +78,10 @@ SHAPE_SETTINGS = (
     ("--disable-bias-linear", lambda m: m.disable_bias_linear),
 )
 OPTIMIZER_KINDS = ("exp_avg", "exp_avg_sq", "main")
+# A checkpoint may carry the Hugging Face tokenizer.json its model was trained
+# with, so that generation, export and resumed training need no tokenizer flags.
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_KEY = "tokenizer"  # metadata key naming the carried file
 
 
 class CheckpointError(ValueError):
@@ -172,6 +179,9 @@ def _finish(trainer, partial: Path, final: Path, iteration: int, consumed_sample
         for name in json.loads(listing.read_text()):
             tensors[name] = data_file
         listing.unlink()
+    tokenizer = _tokenizer_to_carry(trainer)
+    if tokenizer is not None:
+        (partial / TOKENIZER_FILE).write_bytes(tokenizer)
     for path in sorted(partial.rglob("*")):
         if path.is_file():
             files[path.relative_to(partial).as_posix()] = _sha256(path)
@@ -187,6 +197,11 @@ def _finish(trainer, partial: Path, final: Path, iteration: int, consumed_sample
         "files": files,
         LINEAGE: lineage.at(iteration),
     }
+    if tokenizer is not None:
+        metadata[TOKENIZER_KEY] = TOKENIZER_FILE
+        # The run's path to it may be a resumed checkpoint's copy, soon pruned:
+        # the carried file is the tokenizer (as in an imported checkpoint).
+        metadata["config"]["data"]["tokenizer_model"] = None
     set_aside_other_lineages(final.parent, metadata[LINEAGE], lineage.forked_at, final)
     _publish(partial, final, metadata)
 
@@ -341,6 +356,8 @@ def load_checkpoint(trainer, load: str | Path) -> dict[str, Any]:
         trainer.skipped_iterations = int(metadata["optimizer"].get("skipped_iterations", 0))
     _restore_rng(trainer, directory, metadata)
     trainer.checkpoint_lineage = Lineage.loaded(directory, metadata)
+    if ctx.rank == 0:
+        _tokenizer_to_carry(trainer)  # read now: --keep-last may prune the loaded checkpoint
     _barrier(ctx)
     return metadata
 
@@ -381,10 +398,11 @@ def load_logical_model(load: str | Path) -> tuple[Config, dict[str, torch.Tensor
 
 
 def save_logical_model(save: str | Path, config: Config, weights: dict[str, torch.Tensor], *,
-                       iteration: int = 0) -> Path:
+                       iteration: int = 0, tokenizer_file: Path | str | None = None) -> Path:
     """A model-only checkpoint from logical weights (one process; e.g. an
     imported GPT-2), the start of a lineage of its own. Training from it
-    starts a fresh optimizer."""
+    starts a fresh optimizer. `tokenizer_file` (a Hugging Face
+    tokenizer.json) travels with it as TOKENIZER_FILE."""
     final = iteration_dir(save, iteration)
     partial = final.with_name(final.name + ".partial")
     lineage = Lineage.fresh()
@@ -393,15 +411,61 @@ def save_logical_model(save: str | Path, config: Config, weights: dict[str, torc
     partial.mkdir(parents=True)
     tensors = {f"model/{name}": tensor.detach().contiguous().cpu() for name, tensor in weights.items()}
     _write_safetensors(partial / "part-pp0-tp0.safetensors", tensors)
+    carried = copy_tokenizer(tokenizer_file, partial)
+    files = {"part-pp0-tp0.safetensors": _sha256(partial / "part-pp0-tp0.safetensors")}
+    if carried:
+        files[carried] = _sha256(partial / carried)
     metadata = {"format": FORMAT, "format_version": FORMAT_VERSION, "iteration": iteration,
                 "consumed_samples": 0, "config": config.to_dict(), "layout": None,
                 "optimizer": None, "tensors": {name: "part-pp0-tp0.safetensors" for name in tensors},
-                "files": {"part-pp0-tp0.safetensors": _sha256(partial / "part-pp0-tp0.safetensors")},
-                LINEAGE: lineage.at(iteration)}
+                "files": files, LINEAGE: lineage.at(iteration)}
+    if carried:
+        metadata[TOKENIZER_KEY] = carried
     set_aside_other_lineages(Path(save), metadata[LINEAGE], lineage.forked_at, final)
     _publish(partial, final, metadata)
     point_latest(Path(save), final.name)
     return final
+
+
+# ------------------------------------------------------------------ the tokenizer
+
+def copy_tokenizer(tokenizer_file: Path | str | None, directory: Path) -> str | None:
+    """Copy a tokenizer file into a checkpoint being written; returns its name
+    there (None without one). Its sha256 goes into metadata["files"] with
+    the tensors' files, so a damaged copy is refused on load."""
+    if tokenizer_file is None:
+        return None
+    source = Path(tokenizer_file)
+    if not source.is_file():
+        raise CheckpointError(f"tokenizer file {source}: no such file; give the tokenizer.json "
+                              "the model was trained with (or none)")
+    shutil.copyfile(source, directory / TOKENIZER_FILE)
+    return TOKENIZER_FILE
+
+
+def _tokenizer_to_carry(trainer) -> bytes | None:
+    """The tokenizer.json a training run's checkpoints carry: the run's own
+    (HuggingFaceTokenizer), which may be the copy in the checkpoint it
+    resumed from, so a chain of resumes keeps it. Read once, at --load or at
+    the first save: a later save may find the loaded checkpoint pruned."""
+    data = trainer.config.data
+    if data.mock_data or data.tokenizer_type != "HuggingFaceTokenizer" or not data.tokenizer_model:
+        return None
+    if getattr(trainer, "carried_tokenizer", None) is None:
+        trainer.carried_tokenizer = Path(data.tokenizer_model).read_bytes()
+    return trainer.carried_tokenizer
+
+
+def checkpoint_tokenizer(load: str | Path) -> Path | None:
+    """The tokenizer file a checkpoint carries (`--load` SAVE or an iter_*
+    directory), checked against its sha256; None if it carries none."""
+    directory = resolve(load)
+    metadata = read_metadata(directory)
+    name = metadata.get(TOKENIZER_KEY)
+    if not name:
+        return None
+    verify_file(directory, name, metadata)
+    return directory / name
 
 
 # ------------------------------------------------------------------ random states
