@@ -25,12 +25,26 @@ weights (4h of them the two LayerNorms) and the two embeddings, not the
 LayerNorm after the last layer. `parameter_count` is exact (tests compare
 it with a built model); `paper_parameter_count` is the paper's formula.
 
+The Llama family's options (d = h/a, g key/value heads, g = a without
+grouped-query attention; k = 2 with SwiGLU, else 1; n = 2h per LayerNorm,
+h per RMSNorm; β = 1 with linear biases, 0 with --disable-bias-linear):
+
+    P_layer = 2n + (a + 2g)·d·h + a·d·h + k·f·h + f·h
+              + β·((a + 2g)·d + h + k·f + h)
+    P = V·h + P_pos·h + l·P_layer + n + V·h (untied output layer only)
+
+with P_pos = 0 under rotary embeddings. Llama 2 7B (l 32, h 4096, a = g =
+32, f 11008, V 32000, RMSNorm, SwiGLU, rope, untied, no biases) gives
+6,738,415,616; Llama 3 8B (g 8, f 14336, V 128256) 8,030,261,248.
+
 Per device (a tensor rank of pipeline rank r): each layer holds its
-column- and row-parallel weights and column-parallel biases divided by t and
-its LayerNorms (4h) and row-parallel biases (2h) whole; the first stage
-adds V'·h/t word embedding and P_pos·h positions, the last stage the final
-LayerNorm (2h) and, when p > 1, its own copy of the tied word embedding
-(V'·h/t), which is memory like any other weight.
+column- and row-parallel weights and column-parallel biases divided by t
+(QKV: a/t query heads and g/t key/value groups; the MLP's f/t, of the gate
+and of up alike) and its norms and row-parallel biases whole; the first
+stage adds V'·h/t word embedding and P_pos·h positions, the last stage the
+final norm and, when p > 1, its own copy of the tied word embedding
+(V'·h/t), which is memory like any other weight; an untied output layer is
+V'·h/t on the last stage whatever p is.
 
 Memory (bytes on one device; GradBuffer and Optimizer in ptdp):
     weights     N·e                  the flat parameter buffer (N: its
@@ -85,10 +99,36 @@ and dropout on. Two kernel sets:
   copies of q, k, v (+6) and 2-byte masks (+2), and its s² term is 12as/h
   (three fp32 s×s tensors) instead of 5as/h.
 
+  The Llama family's options change these terms (measured on CPU like the
+  rest; the cuda figures are derived):
+    RMSNorm: each norm keeps rstd (one value per position) instead of mean
+      and rstd. On the CPU torch.rms_norm is decomposed into fp32
+      element-wise ops, which keep the fp32 input and the fp32 normalized
+      input instead of the input: 2·sbh·4 + s·b·4 per norm; on GPUs the
+      fused kernel keeps the input and an fp32 rstd: sbh·e + s·b·4.
+    SwiGLU: the MLP's first output [gate | up] (2·s·b·f/t) and the gated
+      product (s·b·f/t, the second matrix's input) — ptdp's SwiGLU node
+      recomputes the sigmoid — so 3·s·b·f/t·e instead of GeLU's 2.
+    grouped-query attention: the QKV output is (a + 2g)·d·s·b/t elements
+      (k and v have g heads); flash attention and selective recomputation
+      keep it, so 3·sbh/t·e becomes (a + 2g)·d·s·b/t·e. The CPU math
+      kernel (attention dropout) repeats k and v to a heads, so its fp32
+      copies stay 3·sbh/t·4.
+    rotary embeddings: the rotated q and k are new tensors that flash
+      attention (or the selective checkpoint) keeps besides the QKV output
+      that v is a view of: (a + g)·d·s·b/t·e more; the math kernel copies
+      them, so it keeps no more. Each layer's cos and sin tables
+      (2·s·d·e) are made once and shared by every microbatch: counted once
+      per layer held, not per microbatch. The first stage keeps no
+      position ids.
+    no linear biases: nothing saved changes (biases are added in the
+      matrix product or fused where they exist).
+    an untied output layer saves the same as the tied one.
+
   Stage extras per microbatch: the first stage keeps the token ids (int64;
-  with t = 1 the [b, s+1] sample they are a view of), the position ids and
-  the embedding-dropout mask sbh·e; the last stage keeps the final
-  LayerNorm's input, output and statistics, the fp32 softmax of the
+  with t = 1 the [b, s+1] sample they are a view of), the position ids
+  (learned positions only) and the embedding-dropout mask sbh·e; the last
+  stage keeps what the final norm saves and its output, the fp32 softmax of the
   cross entropy [s, b, V'/t] (4·s·b·V'/t, whatever the dtype), the local
   targets (int64) and their out-of-range mask (bool).
 
@@ -131,57 +171,106 @@ INT64 = 8
 # Parameters
 
 
+def _norm_parameters(model: ModelConfig) -> list[int]:
+    """A normalization layer's parameters: LayerNorm's weight and bias, or
+    RMSNorm's weight alone."""
+    h = model.hidden_size
+    return [h, h] if model.normalization == "LayerNorm" else [h]
+
+
+def _linear_parameters(weight: int, bias: int, model: ModelConfig) -> list[int]:
+    """A linear layer's weight and, unless --disable-bias-linear, its bias."""
+    return [weight, bias] if model.bias else [weight]
+
+
 def _layer_parameters(model: ModelConfig, t: int = 1) -> list[int]:
     """One transformer layer's parameters on one tensor rank, in module order:
-    LN1 (w, b), QKV (w, b), dense (w, b), LN2 (w, b), h→f (w, b), f→h (w, b)."""
-    h, f = model.hidden_size, model.ffn_size
-    return [h, h, 3 * h * h // t, 3 * h // t, h * h // t, h,
-            h, h, f * h // t, f // t, h * f // t, h]
+    norm 1, QKV, dense, norm 2, h→f, f→h (each linear layer's weight, then
+    its bias). Column-parallel weights and biases (QKV, h→f) and row-parallel
+    weights are split over t; norms and row-parallel biases are whole."""
+    h, f, d = model.hidden_size, model.ffn_size, model.head_dim
+    qkv = (model.num_attention_heads + 2 * model.query_groups) * d   # queries, keys, values
+    context = model.num_attention_heads * d                          # the dense layer's input
+    up = (2 if model.swiglu else 1) * f                              # SwiGLU: gate and up
+    return (_norm_parameters(model)
+            + _linear_parameters(qkv * h // t, qkv // t, model)
+            + _linear_parameters(h * context // t, h, model)
+            + _norm_parameters(model)
+            + _linear_parameters(up * h // t, up // t, model)
+            + _linear_parameters(h * f // t, h, model))
+
+
+def _position_parameters(model: ModelConfig) -> int:
+    """The learned position table (none with rotary embeddings)."""
+    return 0 if model.rope else model.max_positions * model.hidden_size
 
 
 def parameter_count(model: ModelConfig) -> int:
-    """Exact logical parameters of ptdp's GPT (tied embedding counted once,
-    vocabulary unpadded, positions = --max-position-embeddings or s)."""
+    """Exact logical parameters of ptdp's GPT under its options: the word
+    embedding, the position table, l layers, the final norm and the untied
+    output layer (a tied output layer is the word embedding, counted once);
+    vocabulary unpadded, positions = --max-position-embeddings or s."""
     h = model.hidden_size
-    return (model.vocab_size * h + model.max_positions * h
-            + model.num_layers * sum(_layer_parameters(model)) + 2 * h)
+    output = 0 if model.tied_output else model.vocab_size * h
+    return (model.vocab_size * h + _position_parameters(model)
+            + model.num_layers * sum(_layer_parameters(model)) + sum(_norm_parameters(model))
+            + output)
 
 
 def paper_parameter_count(model: ModelConfig) -> int:
     """PAPER.md: P = 12·l·h²·(1 + 13/(12h) + (V+s)/(12·l·h)), multiplied out
-    (12·l·h² + 13·l·h + (V+s)·h), so it stays an exact integer."""
+    (12·l·h² + 13·l·h + (V+s)·h), so it stays an exact integer. GPT-2's
+    options only (f = 4h whatever --ffn-hidden-size says)."""
     l, h = model.num_layers, model.hidden_size
     return 12 * l * h * h + 13 * l * h + (model.vocab_size + model.seq_length) * h
+
+
+def _stage_parameters(model: ModelConfig, t: int, layers: int, first: bool, last: bool,
+                      shared_word: bool) -> list[tuple[int, bool]]:
+    """(elements, tied) of every parameter of one virtual stage on one tensor
+    rank, in the order the model lists them: embeddings (first stage),
+    layers, final norm, then (last stage) the untied output layer or a later
+    stage's copy of the tied word embedding. `shared_word`: the word
+    embedding is shared with another stage (tied, p > 1), so GradBuffer
+    keeps it in a bucket of its own."""
+    word = model.padded_vocab_size(t) * model.hidden_size // t
+    params: list[tuple[int, bool]] = []
+    if first:
+        params.append((word, shared_word))
+        if not model.rope:
+            params.append((_position_parameters(model), False))
+    params += [(n, False) for _ in range(layers) for n in _layer_parameters(model, t)]
+    if last:
+        params += [(n, False) for n in _norm_parameters(model)]
+        if not model.tied_output:
+            params.append((word, False))          # output_layer, vocabulary-parallel
+        elif not first:
+            params.append((word, True))           # the tied copy
+    return params
 
 
 def _rank_parameters(model: ModelConfig, layout: Layout, rank: int) -> list[tuple[int, bool]]:
     """(elements, tied) of every parameter of pipeline rank `rank` on one
     tensor rank, in the order the Trainer lists them (chunk by chunk; in a
-    chunk: embeddings, layers, final LayerNorm, the tied copy). `tied`
-    marks a word embedding that GradBuffer keeps in a bucket of its own
-    (p > 1: the copies of the first and last stage)."""
+    chunk: embeddings, layers, final norm, the output layer or the tied
+    copy). `tied` marks a word embedding that GradBuffer keeps in a bucket
+    of its own (tied output layer and p > 1: the copies of the first and last
+    stage)."""
     t, p, v = layout.t, layout.p, layout.v
-    h = model.hidden_size
-    word = model.padded_vocab_size(t) * h // t
     per_chunk = model.num_layers // (p * v)
+    shared = model.tied_output and p > 1
     params: list[tuple[int, bool]] = []
     for chunk in range(v):
         stage = chunk * p + rank
-        first, last = stage == 0, stage == p * v - 1
-        if first:
-            params += [(word, p > 1), (model.max_positions * h, False)]
-        params += [(n, False) for _ in range(per_chunk) for n in _layer_parameters(model, t)]
-        if last:
-            params += [(h, False), (h, False)]
-            if not first:
-                params.append((word, True))
+        params += _stage_parameters(model, t, per_chunk, stage == 0, stage == p * v - 1, shared)
     return params
 
 
 def parameters_per_rank(model: ModelConfig, layout: Layout) -> list[int]:
     """Parameters one device of each pipeline rank holds (every tensor and
     data rank of a pipeline rank holds as many); includes the last stage's
-    copy of the tied word embedding and the vocabulary padding."""
+    copy of the tied word embedding (or its untied output layer) and the
+    vocabulary padding."""
     return [sum(n for n, _ in _rank_parameters(model, layout, r)) for r in range(layout.p)]
 
 
@@ -228,7 +317,9 @@ def buffer_elements(model: ModelConfig, layout: Layout, rank: int,
 def flops_per_iteration(workload: Workload, layout: Layout) -> float:
     """The paper's model FLOPs of one iteration, all devices together
     (ptdp.train.report: 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)) without
-    recomputation, 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) with full)."""
+    recomputation, 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) with full; under
+    the Llama family's options 6·B·s·h·(l·((a + 2g)·d + h + (k + 1)·f + 2s)
+    + V) and 8·B·s·h·(l·(…) + 3V/4), k = 2 with SwiGLU)."""
     return model_flops_per_iteration(workload.model, workload.global_batch,
                                      recompute=layout.recompute)
 
@@ -348,7 +439,8 @@ def communication_per_rank(workload: Workload, layout: Layout, *,
                reduce-scatter (d−1)/d·N·4 plus the all-gather of updated
                weights in the model dtype (d−1)/d·N·e (N: buffer elements).
     embedding  p > 1: the tied word embedding's gradient summed over its two
-               copies (first and last stage), fp32: V'·h/t·4.
+               copies (first and last stage), fp32: V'·h/t·4. None with an
+               untied output layer (each stage's matrix is its own).
     total      their sum.
     Scalar collectives (gradient norm, inf check) are left out.
     """
@@ -386,7 +478,7 @@ def communication_per_rank(workload: Workload, layout: Layout, *,
         else:
             data = _ring(d, n) * FP32
         embedding = 0.0
-        if p > 1 and holds_word:
+        if p > 1 and holds_word and model.tied_output:
             padded = -(-word // d) * d if layout.distributed_optimizer else word
             embedding = _ring(2, padded) * FP32
         volume = {"tensor": tensor, "pipeline": pipeline, "pipeline_all_gather": gathered,
@@ -407,40 +499,71 @@ def communication_volume(workload: Workload, layout: Layout, *,
 # Memory
 
 
+def _norm_saved_bytes(model: ModelConfig, tokens: int, e: int, cpu: bool) -> int:
+    """Bytes a normalization layer saves for backward over `tokens` = s·b
+    positions, besides its output (which the next layer saves as its
+    input). LayerNorm: its input and the mean and rstd per position
+    (statistics in the activation dtype on the CPU, fp32 on GPUs). RMSNorm on
+    the CPU (torch.rms_norm decomposed into element-wise ops, which compute in
+    fp32): the fp32 input, the fp32 normalized input and rstd; on GPUs (the
+    fused kernel): the input and rstd in fp32."""
+    h = model.hidden_size
+    if model.normalization == "LayerNorm":
+        return tokens * h * e + 2 * tokens * (e if cpu else FP32)
+    if cpu:
+        return 2 * tokens * h * FP32 + tokens * FP32
+    return tokens * h * e + tokens * FP32
+
+
 def activation_bytes(workload: Workload, layout: Layout, *,
                      kernels: str = "cuda") -> dict[str, int]:
     """Bytes saved for backward per microbatch on one device: "layer" (one
     transformer layer, with the layout's recomputation), "embedding" (the
-    first stage's extra) and "output" (the last stage's extra). See the
-    module docstring for each term."""
+    first stage's extra) and "output" (the last stage's extra); and
+    "rotary_tables", the cos and sin tables one layer keeps with rotary
+    embeddings (2·s·d·e, once per layer, shared by every microbatch). See
+    the module docstring for each term."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels={kernels!r}: use one of {', '.join(KERNELS)}")
     model, e = workload.model, workload.bytes_per_element
     t, b = layout.t, layout.b
     s, h, a, f = model.seq_length, model.hidden_size, model.num_attention_heads, model.ffn_size
+    g, d = model.query_groups, model.head_dim
     sbh, sb = s * b * h, s * b
     cpu = kernels == "cpu"
     mask = (e if cpu else 1) if model.hidden_dropout > 0 else 0   # bytes per masked element
-    stats = e if cpu else FP32                                   # LayerNorm mean and rstd
+    norm = _norm_saved_bytes(model, sb, e, cpu)
+    # What the attention core keeps of q, k and v: the QKV output (q, k and
+    # v are views of it; grouped queries shrink k and v to g heads) and,
+    # with rotary embeddings, the rotated q and k (new tensors; v stays a
+    # view, so the whole QKV output stays alive).
+    qkv = (a + 2 * g) * d * sb // t * e
+    if model.rope:
+        qkv += (a + g) * d * sb // t * e
+    mlp_saved = 3 if model.swiglu else 2   # GeLU: its input, output; SwiGLU: [gate | up], output
 
     if layout.recompute == "full":
         layer = sbh * e
     else:
-        layer = (4 * sbh * e + 2 * sbh * mask + 2 * 2 * sb * stats
-                 + sbh // t * e + 2 * s * b * f // t * e)
+        layer = (2 * sbh * e + 2 * norm + 2 * sbh * mask
+                 + a * d * sb // t * e + mlp_saved * s * b * f // t * e)
         if layout.recompute == "selective":
-            layer += 3 * sbh // t * e
+            layer += qkv
         elif cpu and model.attention_dropout > 0:
-            layer += 3 * sbh // t * FP32 + 3 * (a // t) * s * s * b * FP32
+            # The math kernel's fp32 q·scale, kᵀ and v (k and v repeated to
+            # all a heads under grouped queries) and its three s×s tensors.
+            layer += 3 * a * d * sb // t * FP32 + 3 * (a // t) * s * s * b * FP32
         else:
-            layer += 3 * sbh // t * e + (a // t) * s * b * FP32
+            layer += qkv + (a // t) * s * b * FP32
 
     tokens = INT64 * b * (s + 1) if t == 1 else INT64 * sb + sb
-    embedding = tokens + INT64 * s + sbh * mask
+    positions = 0 if model.rope else INT64 * s
+    embedding = tokens + positions + sbh * mask
     padded = model.padded_vocab_size(t)
-    output = (2 * sbh * e + 2 * sb * stats + FP32 * sb * padded // t + INT64 * sb + sb
+    output = (norm + sbh * e + FP32 * sb * padded // t + INT64 * sb + sb
               + (padded // t if padded > model.vocab_size else 0))
-    return {"layer": layer, "embedding": embedding, "output": output}
+    tables = 2 * s * d * e if model.rope else 0
+    return {"layer": layer, "embedding": embedding, "output": output, "rotary_tables": tables}
 
 
 def korthikanti_activation_bytes_per_layer(model: ModelConfig, b: int, t: int = 1) -> float:
@@ -474,12 +597,15 @@ def memory_per_rank(workload: Workload, layout: Layout, *, kernels: str = "cuda"
         else:
             optimizer = 3 * n * FP32
         chunk_bytes = []
+        # Rotary tables: made once per layer, kept for every microbatch.
+        tables = per_chunk * v * acts["rotary_tables"]
         for chunk in range(v):
             stage = chunk * p + rank
             chunk_bytes.append(per_chunk * acts["layer"]
                                + (acts["embedding"] if stage == 0 else 0)
                                + (acts["output"] if stage == p * v - 1 else 0))
-        activations = _stash_peaks(layout.schedule_kind, p, m, v, rank, tuple(chunk_bytes))[1]
+        activations = (_stash_peaks(layout.schedule_kind, p, m, v, rank, tuple(chunk_bytes))[1]
+                       + tables)
         memory = {"weights": weights, "gradients": gradients, "optimizer": optimizer,
                   "activations": activations}
         memory["total"] = sum(memory.values())

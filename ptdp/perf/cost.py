@@ -9,8 +9,8 @@ its other ends, as in `ptdp.parallel.pipeline.simulate`). After the pipeline
 flush come the gradient reductions and the optimizer step.
 
 Operator model of one transformer layer, one microbatch, one tensor rank
-(b microbatch, s sequence, h hidden, a heads, f = 4h MLP, t tensor size,
-E bytes per element of the workload's precision):
+(b microbatch, s sequence, h hidden, a heads, f MLP width (4h by default),
+t tensor size, E bytes per element of the workload's precision):
 
   GEMMs, priced by `HardwareProfile.gemm_seconds` (roofline with a saturating
   efficiency): QKV [b·s, h]×[h, 3h/t]; scores b·a/t × [s, h/a]×[h/a, s];
@@ -40,6 +40,17 @@ E bytes per element of the workload's precision):
   every saved tensor is rebuilt, see ptdp.train.report) and its
   all-reduce; selective = the attention core again.
 
+  The Llama family's options (g key/value heads, d = h/a): QKV is
+  [b·s, h]×[h, (a+2g)·d/t] and the q/k/v reshapes move (a+2g)·d/t + a·d/t
+  elements per token; the score and context GEMMs still run for a/t query
+  heads. SwiGLU: the first MLP GEMM is [b·s, h]×[h, 2f/t] (gate and up) and
+  the activation reads two inputs ("gelu" class, `swiglu_bytes`). Rotary
+  embeddings: an element-wise pass over q and k (`rotary_bytes`), and no
+  position add in the embedding. RMSNorm is priced as LayerNorm; dropping
+  the biases changes no pass. An untied output layer costs what the tied
+  one does, except that no embedding gradient is summed between the first
+  and the last stage.
+
 Communication between pipeline stages: an activation or gradient of
 b·s·h·E bytes; with scatter/gather each tensor rank sends 1/t of it and the
 receiving tensor group all-gathers it. The link is inter-server when the two
@@ -50,7 +61,8 @@ transfers (links are full duplex) plus the all-gathers of what it receives.
 
 After its last action a pipeline rank reduces its gradients (fp32, as ptdp
 keeps them): the tied embedding over the embedding group (the first and the
-last stage, once both have finished), then all gradients over the d replicas with a hierarchical ring (reduce-scatter
+last stage, once both have finished; not with an untied output layer), then
+all gradients over the d replicas with a hierarchical ring (reduce-scatter
 inside the server, all-reduce between servers, all-gather inside), not
 overlapped with the backward pass; a reduce-scatter only with the
 distributed optimizer. Then every rank meets in the gradient-norm
@@ -90,6 +102,7 @@ from pathlib import Path
 from typing import Callable
 
 from ptdp.parallel.pipeline.schedules import Compute, Exchange, Schedule, ScheduleError, build_schedule
+from ptdp.perf import analytic
 from ptdp.perf.layout import Layout, Workload
 from ptdp.perf.profiles import HardwareProfile
 from ptdp.perf.timeline import Box, draw_timeline
@@ -100,6 +113,7 @@ CATEGORIES = ("forward compute", "backward compute", "recompute", "tensor all-re
 
 FORWARD_OPS_PER_LAYER = 40        # operators one layer's forward launches (ptdp.model.gpt, eager)
 BACKWARD_OPS_PER_LAYER = 80
+ROTARY_FORWARD_OPS = 12           # rotating q and k: chunk, neg, cat, two muls, add, each
 OPTIMIZER_BYTES_PER_PARAMETER = 112   # ptdp's eager AdamW + inf check + norm + clip (fp32 state)
 GRAD_BYTES = 4                    # ptdp keeps and reduces gradients in fp32
 
@@ -127,6 +141,20 @@ def gelu_bytes(ffn: int, E: int) -> tuple[float, float]:
     return 2 * ffn * E, 3 * ffn * E
 
 
+def swiglu_bytes(ffn: int, E: int) -> tuple[float, float]:
+    """silu(gate) ⊙ up over `ffn` = b·s·f/t outputs: forward reads gate and
+    up and writes the product; backward reads the gradient, gate and up and
+    writes both their gradients (the sigmoid recomputed)."""
+    return 3 * ffn * E, 5 * ffn * E
+
+
+def rotary_bytes(elements: int, E: int) -> tuple[float, float]:
+    """Rotating `elements` of q and k (x·cos + rotate_half(x)·sin): read x
+    twice and the half-rotated copy, write the copy and the result; backward
+    the same passes over the gradient."""
+    return 5 * elements * E, 5 * elements * E
+
+
 def residual_bytes(n: int, E: int, dropout: bool) -> tuple[float, float]:
     """bias + dropout + residual add over `n` = b·s·h elements."""
     return 3 * n * E + (n if dropout else 0), 2 * n * E + (n if dropout else 0)
@@ -138,17 +166,27 @@ def copy_bytes(elements: int, E: int) -> tuple[float, float]:
 
 
 def layer_memory_ops(n: int, n_local: int, ffn: int, scores: int, E: int, *,
-                     hidden_dropout: bool, attention_dropout: bool) -> list[tuple[str, float, float]]:
+                     hidden_dropout: bool, attention_dropout: bool, heads_local: int | None = None,
+                     swiglu: bool = False, rotated: int = 0) -> list[tuple[str, float, float]]:
     """(class, forward bytes, backward bytes) of one transformer layer's
     memory-bound operators: n = b·s·h, n_local = n/t, ffn = b·s·f/t,
-    scores = b·(a/t)·s²."""
-    return [("layer_norm", *layer_norm_bytes(n, E)),
-            ("elementwise", *copy_bytes(4 * n_local, E)),        # q/k/v to heads, context back
-            ("attention_core", *attention_core_bytes(scores, E, attention_dropout)),
-            ("layer_norm", *layer_norm_bytes(n, E)),
-            ("gelu", *gelu_bytes(ffn, E)),
-            ("residual", *residual_bytes(n, E, hidden_dropout)),
-            ("residual", *residual_bytes(n, E, hidden_dropout))]
+    scores = b·(a/t)·s². The Llama options: `heads_local` = b·s·(a + 2g)·d/t
+    + b·s·a·d/t, the q/k/v and context elements reshaped (4·n_local without
+    grouped queries); `swiglu` prices the gated activation instead of GeLU
+    (in the "gelu" class, the element-wise activation); `rotated` =
+    b·s·(a + g)·d/t, the q and k elements rotary embeddings rotate. RMSNorm
+    is priced as LayerNorm (one read and one write forward, as fused
+    kernels do; its statistics are 1/h of that)."""
+    reshaped = 4 * n_local if heads_local is None else heads_local
+    ops = [("layer_norm", *layer_norm_bytes(n, E)),
+           ("elementwise", *copy_bytes(reshaped, E))]           # q/k/v to heads, context back
+    if rotated:
+        ops.append(("elementwise", *rotary_bytes(rotated, E)))
+    return ops + [("attention_core", *attention_core_bytes(scores, E, attention_dropout)),
+                  ("layer_norm", *layer_norm_bytes(n, E)),
+                  ("gelu", *(swiglu_bytes if swiglu else gelu_bytes)(ffn, E)),
+                  ("residual", *residual_bytes(n, E, hidden_dropout)),
+                  ("residual", *residual_bytes(n, E, hidden_dropout))]
 
 
 def cross_entropy_bytes(logits: int) -> tuple[float, float]:
@@ -300,6 +338,7 @@ class OperatorModel:
         model = workload.model
         self.h, self.a, self.s = model.hidden_size, model.num_attention_heads, model.seq_length
         self.f, self.l = model.ffn_size, model.num_layers
+        self.g, self.d = model.query_groups, model.head_dim     # key/value heads, head size
         self.V = model.padded_vocab_size(layout.t)
         self.E = workload.bytes_per_element
         self.prec = workload.precision
@@ -324,13 +363,17 @@ class OperatorModel:
 
     # -- one transformer layer ------------------------------------------------------------
     def layer_gemms(self) -> dict[str, tuple[int, int, int, int]]:
-        b, s, h, a, t, f = self.b, self.s, self.h, self.a, self.t, self.f
-        d = h // a
-        return {"qkv": (b * s, 3 * h // t, h, 1),
+        """(m, n, k, batch) of each GEMM of a layer's forward. Grouped
+        queries narrow QKV to (a + 2g)·d columns; the score and context
+        products run for all a query heads; SwiGLU's first matrix has the
+        gate's and up's f/t columns each."""
+        b, s, h, a, t, f, g, d = self.b, self.s, self.h, self.a, self.t, self.f, self.g, self.d
+        up = 2 * f if self.w.model.swiglu else f
+        return {"qkv": (b * s, (a + 2 * g) * d // t, h, 1),
                 "scores": (s, s, d, b * a // t),
                 "context": (s, d, s, b * a // t),
-                "proj": (b * s, h, h // t, 1),
-                "mlp_up": (b * s, f // t, h, 1),
+                "proj": (b * s, h, a * d // t, 1),
+                "mlp_up": (b * s, up // t, h, 1),
                 "mlp_down": (b * s, h, f // t, 1)}
 
     def attention_core_ops(self) -> list[tuple[str, float, float]]:
@@ -340,22 +383,29 @@ class OperatorModel:
     def layer_memory(self) -> list[tuple[str, float, float]]:
         """(class, forward bytes, backward bytes) of a layer's memory-bound operators."""
         n, E, t = self.b * self.s * self.h, self.E, self.t
+        tokens, a, g, d = self.b * self.s, self.a, self.g, self.d
+        model = self.w.model
         return layer_memory_ops(n, n // t, self.b * self.s * self.f // t,
                                 self.b * (self.a // t) * self.s * self.s, E,
                                 hidden_dropout=self.hidden_dropout,
-                                attention_dropout=self.attention_dropout)
+                                attention_dropout=self.attention_dropout,
+                                heads_local=tokens * ((a + 2 * g) * d + a * d) // t,
+                                swiglu=model.swiglu,
+                                rotated=tokens * (a + g) * d // t if model.rope else 0)
 
     def memory_ops_seconds(self, ops: list[tuple[str, float, float]], backward: bool) -> float:
         return sum(self.memory(bwd if backward else fwd, op) for op, fwd, bwd in ops)
 
+    def _rotary_ops(self) -> int:
+        return ROTARY_FORWARD_OPS if self.w.model.rope else 0
+
     def layer_parameters(self) -> int:
-        h, f, t = self.h, self.f, self.t
-        return (3 * h * h + 3 * h) // t + h * h // t + h + (h * f + f) // t + f * h // t + h + 4 * h
+        return sum(analytic._layer_parameters(self.w.model, self.t))
 
     def layer_forward(self, category: str = "forward compute") -> Cost:
         gemms = sum(self.gemm(*shape[:3], shape[3]) for shape in self.layer_gemms().values())
         cost = Cost().add(category, gemms + self.memory_ops_seconds(self.layer_memory(), False)
-                          + self.launches(FORWARD_OPS_PER_LAYER))
+                          + self.launches(FORWARD_OPS_PER_LAYER + self._rotary_ops()))
         cost.comm = 2 * self.machine.tensor_allreduce(self.b * self.s * self.h * self.E)
         return cost
 
@@ -368,7 +418,7 @@ class OperatorModel:
         cost = Cost().add("backward compute",
                           gemms + self.memory_ops_seconds(self.layer_memory(), True)
                           + self.memory(grad_accumulation)
-                          + self.launches(BACKWARD_OPS_PER_LAYER))
+                          + self.launches(BACKWARD_OPS_PER_LAYER + 2 * self._rotary_ops()))
         cost.comm = 2 * self.machine.tensor_allreduce(self.b * self.s * self.h * self.E)
         return cost
 
@@ -398,7 +448,8 @@ class OperatorModel:
     # -- first and last stage ----------------------------------------------------------------
     def embedding_forward(self) -> Cost:
         n = self.b * self.s * self.h
-        seconds = (self.memory(3 * n * self.E) + self.memory(copy_bytes(n, self.E)[0])  # gather, add
+        positions = 0.0 if self.w.model.rope else self.memory(copy_bytes(n, self.E)[0])  # the add
+        seconds = (self.memory(3 * n * self.E) + positions                             # gather
                    + self.memory(residual_bytes(n, self.E, self.hidden_dropout)[0], "residual")
                    + self.launches(8))
         cost = Cost().add("forward compute", seconds)
@@ -442,12 +493,10 @@ class OperatorModel:
 
     # -- parameters --------------------------------------------------------------------------
     def stage_parameters(self, first: bool, last: bool, layers: int) -> int:
-        count = layers * self.layer_parameters()
-        if first:
-            count += self.V // self.t * self.h + self.w.model.max_positions * self.h
-        if last:
-            count += 2 * self.h + (0 if first else self.V // self.t * self.h)
-        return count
+        """Parameters of one virtual stage on one tensor rank (analytic.py's count)."""
+        shared = self.w.model.tied_output and self.lay.p > 1
+        return sum(n for n, _ in analytic._stage_parameters(self.w.model, self.t, layers, first,
+                                                             last, shared))
 
 
 @dataclass
@@ -731,7 +780,8 @@ def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Pr
     reductions, optimizer_seconds = [], []
     reduction_start = list(pipeline_end)
     embedding = 0.0
-    if p > 1:   # the tied embedding's gradient: the first and the last stage sum it together
+    if p > 1 and workload.model.tied_output:
+        # The tied embedding's gradient: the first and the last stage sum it together.
         reduction_start[0] = reduction_start[p - 1] = max(pipeline_end[0], pipeline_end[p - 1])
         embedding = machine.allreduce(ops.V // t * ops.h * GRAD_BYTES,
                                       [machine.rank(0, 0, 0), machine.rank(0, 0, p - 1)])
@@ -739,7 +789,7 @@ def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Pr
         params = sum(chunks[(r, c)].parameters for c in range(v))
         seconds = machine.data_parallel(params * GRAD_BYTES, r,
                                         reduce_scatter_only=layout.distributed_optimizer)
-        reductions.append(seconds + (embedding if p > 1 and r in (0, p - 1) else 0.0))
+        reductions.append(seconds + (embedding if r in (0, p - 1) else 0.0))
         owned = params / d if layout.distributed_optimizer else params
         step_bytes = params * GRAD_BYTES + owned * OPTIMIZER_BYTES_PER_PARAMETER  # zero + step
         if ops.E != 4:

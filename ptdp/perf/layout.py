@@ -44,10 +44,13 @@ class Layout:
         """Why this layout cannot run `model` (empty when it can): the same
         divisibility rules `ptdp train` enforces."""
         problems = []
-        ffn = model.ffn_hidden_size or 4 * model.hidden_size
+        ffn = model.ffn_size
         if model.num_attention_heads % self.t or ffn % self.t:
             problems.append(f"t={self.t} does not divide the heads ({model.num_attention_heads}) "
                             f"and the MLP ({ffn})")
+        elif model.query_groups % self.t:
+            problems.append(f"t={self.t} does not divide the key/value groups "
+                            f"({model.query_groups})")
         if model.num_layers % (self.p * self.v):
             problems.append(f"p·v={self.p * self.v} does not divide the {model.num_layers} layers")
         if global_batch % (self.b * self.d):

@@ -15,12 +15,13 @@ names the time categories that make the difference.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable
 
-from ptdp.config import ConfigError, ModelConfig
+from ptdp.config import Config, ConfigError, ModelConfig, validate
 from ptdp.perf.layout import Layout, Workload
 
 MEMORY_HEADROOM = 0.9      # leave 10 % of device memory to the allocator and workspaces
@@ -44,9 +45,14 @@ class Evaluation:
         return self.prediction.iteration_seconds
 
     def summary(self) -> dict[str, Any]:
+        from ptdp.perf.analytic import parameters_per_device
+
         return {"layout": asdict(self.layout),
                 "iteration_seconds": self.seconds,
                 "tflops_per_device": self.tflops,
+                "flops_per_iteration": self.prediction.flops_per_iteration,
+                "parameters_per_device": parameters_per_device(self.prediction.workload.model,
+                                                               self.layout),
                 "bubble_fraction": self.prediction.bubble_fraction,
                 "memory_per_device_bytes": self.memory["total"],
                 "memory_breakdown_bytes": {k: v for k, v in self.memory.items() if k != "total"},
@@ -200,17 +206,49 @@ def plot(results: list[Evaluation], path: str, rows: int = 30) -> None:
 
 # ------------------------------------------------------------------ command line
 
+# The ModelConfig settings `plan` takes besides the shape, with `ptdp train`'s
+# flags, defaults and help (from the dataclass): what decides the model's
+# parameters, FLOPs and memory (the Llama family's options among them). The
+# epsilon and the rotary base change none of it; they are accepted so that a
+# run's model flags can be pasted as they are.
+MODEL_SETTINGS = ("max_position_embeddings", "make_vocab_size_divisible_by", "hidden_dropout",
+                  "attention_dropout", "normalization", "norm_epsilon", "swiglu",
+                  "position_embedding_type", "rotary_base", "group_query_attention",
+                  "num_query_groups", "untie_embeddings_and_output_weights", "disable_bias_linear")
+_TYPES = {"int": int, "float": float, "str": str}
+
+
+def _add_model_settings(group: argparse._ArgumentGroup) -> None:
+    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    for name in MODEL_SETTINGS:
+        f = fields[name]
+        meta = f.metadata
+        if f.type == "bool":
+            group.add_argument(meta["flag"], dest=name, action="store_true", help=meta["help"])
+            continue
+        kind = _TYPES[f.type.split("|")[0].strip()]
+        group.add_argument(meta["flag"], dest=name, type=kind, default=f.default,
+                           choices=meta.get("choices"),
+                           metavar=None if "choices" in meta else {int: "N", float: "X"}[kind],
+                           help=meta["help"] + ("" if f.default is None
+                                                else f" (default: {f.default})"))
+
+
 def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "plan", help="choose and predict a layout (t, p, d, b, v, recomputation)",
-        description="Search the layouts of a GPT on N devices, or evaluate one given by layout "
-                    "flags, and predict iteration time, TFLOP/s per device and memory.")
+        description="Search the layouts of a GPT (or a Llama-style model: --normalization "
+                    "RMSNorm --swiglu --position-embedding-type rope --group-query-attention "
+                    "--untie-embeddings-and-output-weights --disable-bias-linear) on N devices, or "
+                    "evaluate one given by layout flags, and predict iteration time, TFLOP/s per "
+                    "device and memory.")
     model = parser.add_argument_group("model")
     for flag, default in (("--num-layers", None), ("--hidden-size", None),
                           ("--num-attention-heads", None), ("--seq-length", 2048),
                           ("--vocab-size", 51200), ("--ffn-hidden-size", None)):
         model.add_argument(flag, type=int, default=default, required=default is None
                            and flag != "--ffn-hidden-size", metavar="N")
+    _add_model_settings(model)
     parser.add_argument("--gpus", type=int, required=True, metavar="N", help="devices in all")
     parser.add_argument("--gpu", default="a100", help="a100, h100, h200, local (the profile "
                         "`ptdp calibrate` wrote) or a profile JSON path (default: a100)")
@@ -252,19 +290,26 @@ def _layout_from_args(args: argparse.Namespace, model: ModelConfig, devices: int
                   distributed_optimizer=args.use_distributed_optimizer)
 
 
+def model_from_args(args: argparse.Namespace) -> ModelConfig:
+    """The ModelConfig `plan`'s flags describe."""
+    return ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                       num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
+                       vocab_size=args.vocab_size, ffn_hidden_size=args.ffn_hidden_size,
+                       **{name: getattr(args, name) for name in MODEL_SETTINGS})
+
+
 def run_plan_command(args: argparse.Namespace) -> int:
+    from ptdp.perf.analytic import parameter_count
     from ptdp.perf.profiles import load_profile
 
-    model = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                        num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
-                        vocab_size=args.vocab_size, ffn_hidden_size=args.ffn_hidden_size)
+    model = model_from_args(args)
     problems = [f"{flag} must be positive" for flag, value in
-                (("--gpus", args.gpus), ("--global-batch-size", args.global_batch_size),
-                 ("--num-layers", args.num_layers), ("--hidden-size", args.hidden_size))
+                (("--gpus", args.gpus), ("--global-batch-size", args.global_batch_size))
                 if value < 1]
-    if args.hidden_size % args.num_attention_heads:
-        problems.append(f"--hidden-size {args.hidden_size} is not divisible by "
-                        f"--num-attention-heads {args.num_attention_heads}")
+    try:   # the model's own rules, as `ptdp train` checks them (with t = p = d = 1)
+        validate(Config(model=model))
+    except ConfigError as error:
+        problems += error.problems
     if problems:
         raise ConfigError(problems)
     try:
@@ -287,8 +332,10 @@ def run_plan_command(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"profile": profile.name, "devices": args.gpus,
                           "global_batch_size": args.global_batch_size,
+                          "parameters": parameter_count(model),
                           "results": [e.summary() for e in results[:max(args.top, 1)]]}, indent=1))
     else:
+        print(f"model: {parameter_count(model) / 1e9:.3g} B parameters")
         print(table(results, args.top))
         print()
         if layout is not None:

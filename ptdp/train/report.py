@@ -20,8 +20,29 @@ forward. So:
 The attention FLOPs count the whole s×s score matrix (the causal mask does
 not halve them), as the paper does. V is `ModelConfig.vocab_size`, the
 unpadded vocabulary: the paper writes V (its 51,200 is GPT-2's 50,257 padded;
-the padded columns are computed but are not model work). With
-`--ffn-hidden-size` f ≠ 4h the MLP term 16·B·s·h² becomes 4·B·s·h·f.
+the padded columns are computed but are not model work).
+
+The same count for the Llama family's options (d = h/a the head size, g the
+key/value heads, g = a without grouped-query attention; f the MLP width,
+--ffn-hidden-size, 4h by default; k = 2 with SwiGLU, whose first matrix
+holds the gate's and the up projection's f rows each, else 1). A layer's
+forward is
+
+    2·B·s·h·((a + 2g)·d + a·d + (k + 1)·f) + 4·B·s²·a·d
+
+(QKV: the queries a·d and the keys and values 2·g·d features, so grouped
+queries shrink the key/value projections by g/a; the score and context
+products still run for all a query heads; the MLP has k + 1 matrices of f×h).
+With a·d = h, g = a, k = 1 and f = 4h this is the paper's 24·B·s·h² + 4·B·s²·h.
+In closed form, without recomputation
+
+    F = 6·B·s·h·(l·((a + 2g)·d + h + (k + 1)·f + 2s) + V)
+
+and with full recomputation 8·B·s·h·(l·((a + 2g)·d + h + (k + 1)·f + 2s) + 3V/4).
+RMSNorm, rotary embeddings, SwiGLU's element-wise gate and the biases are
+element-wise work, not GEMMs, and are not counted, as the paper leaves out
+LayerNorm, GeLU and softmax. An untied output layer has its own [V, h]
+matrix but does the same 2·B·s·h·V forward as the tied one.
 
 With full recomputation the formula counts every recomputed GEMM, as
 Megatron-LM's re-entrant checkpoint executes them. PyTorch's non-re-entrant
@@ -58,8 +79,11 @@ def model_flops_per_iteration(config: ModelConfig, global_batch: int, *, recompu
     see `recomputed_layer_count`)."""
     B, s, h, l = global_batch, config.seq_length, config.hidden_size, config.num_layers
     V, f = config.vocab_size, config.ffn_size
-    layer_dense = 2 * B * s * (3 * h * h + h * h + 2 * h * f)  # 24·B·s·h² when f = 4h
-    layer_attention = 4 * B * s * s * h
+    a, g, d = config.num_attention_heads, config.query_groups, config.head_dim
+    up = 2 if config.swiglu else 1   # k above: the first MLP matrix is [k·f, h]
+    # 24·B·s·h² for GPT-2's options (g = a, a·d = h, up = 1, f = 4h)
+    layer_dense = 2 * B * s * h * ((a + 2 * g) * d + a * d + (up + 1) * f)
+    layer_attention = 4 * B * s * s * a * d
     layer = layer_dense + layer_attention
     output_layer = 2 * B * s * h * V
     total = 3 * l * layer + 3 * output_layer
