@@ -31,7 +31,9 @@ class ModelConfig:
     seq_length: int = flag(64, "--seq-length", "sequence length s")
     max_position_embeddings: int | None = flag(
         None, "--max-position-embeddings", "learned positions (default --seq-length)")
-    vocab_size: int = flag(50257, "--vocab-size", "vocabulary size before padding (GPT-2: 50257)")
+    vocab_size: int = flag(50257, "--vocab-size",
+                           "vocabulary size before padding (GPT-2: 50257; with --tokenizer-type "
+                           "NullTokenizer the data's ids are 0..N-1 and the model gets N + 1)")
     make_vocab_size_divisible_by: int = flag(
         128, "--make-vocab-size-divisible-by",
         "pad the vocabulary to a multiple of this × tensor-parallel size; padded entries never "
