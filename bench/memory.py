@@ -84,6 +84,7 @@ def worker(spec: dict) -> dict:
     from ptdp.model.gpt import GPT
     from ptdp.parallel.tensor import RNGStreams
     from ptdp.parallel.topology import ParallelContext
+    from ptdp.perf.saved import SavedTensorBytes
 
     torch.set_num_threads(spec.pop("threads"))
     batch = spec.pop("micro_batch")
@@ -98,24 +99,15 @@ def worker(spec: dict) -> dict:
     model.zero_grad(set_to_none=True)
     gc.collect()
 
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
     reset = _reset_peak()
     baseline = _status_bytes("VmRSS") if reset else None
     if baseline is None:  # no /proc: ru_maxrss, which cannot be reset
         reset = False
         baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     start = time.perf_counter()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with SavedTensorBytes(model.parameters()) as counted:
         loss = model(tokens[:, :-1], tokens[:, 1:])
-    saved = sum(storages.values())
+    saved = counted.bytes
     loss.backward()
     seconds = time.perf_counter() - start
     peak = _status_bytes("VmHWM") if reset else None

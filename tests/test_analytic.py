@@ -38,6 +38,7 @@ from ptdp.parallel.tensor import RNGStreams
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.perf import analytic
 from ptdp.perf.layout import Layout, Workload
+from ptdp.perf.saved import SavedTensorBytes
 from ptdp.train.loop import Trainer, count_parameters
 from ptdp.train.report import model_flops_per_iteration
 
@@ -201,20 +202,11 @@ def _saved_bytes_of_one_layer(model: ModelConfig, b: int, dtype: torch.dtype) ->
     rng.seed(5, ctx)
     layer = GPT(model, ctx, rng, pre_process=False, post_process=False).initialize(5)
     layer = layer.to(dtype).train()
-    parameters = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
     hidden = torch.randn(model.seq_length, b, model.hidden_size, dtype=dtype, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with SavedTensorBytes(layer.parameters()) as saved:
         out = layer(hidden)
     out.float().sum().backward()
-    return sum(storages.values())
+    return saved.bytes
 
 
 SHAPES = [dict(hidden_size=128, num_attention_heads=4, seq_length=256, b=2),

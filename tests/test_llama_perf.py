@@ -38,6 +38,7 @@ from ptdp.perf import analytic
 from ptdp.perf.cost import Machine, OperatorModel, simulate
 from ptdp.perf.layout import Layout, Workload
 from ptdp.perf.plan import model_from_args
+from ptdp.perf.saved import SavedTensorBytes
 from ptdp.perf.profiles import load_profile
 from ptdp.train.loop import count_parameters
 from ptdp.train.report import configured_flops_per_iteration, model_flops_per_iteration
@@ -296,21 +297,12 @@ def _saved_bytes_of_a_model(model: ModelConfig, b: int, dtype: torch.dtype) -> i
     model (embedding, layers, final norm, output layer and loss), parameters
     excluded."""
     gpt = build_chunks(model, ParallelContext.single(), torch.device("cpu"), SEED)[0].to(dtype)
-    parameters = {p.untyped_storage().data_ptr() for p in gpt.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
     generator = torch.Generator().manual_seed(0)
     sample = torch.randint(0, model.vocab_size, (b, model.seq_length + 1), generator=generator)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with SavedTensorBytes(gpt.parameters()) as saved:
         loss = gpt(sample[:, :-1], sample[:, 1:])
     loss.backward()
-    return sum(storages.values())
+    return saved.bytes
 
 
 @pytest.mark.parametrize("options", ["llama-gqa", "untied", "rope"])

@@ -50,6 +50,7 @@ from ptdp.model import recompute as recompute_module
 from ptdp.model.gpt import GPT
 from ptdp.parallel.tensor import RNGStreams
 from ptdp.parallel.topology import ParallelContext, RankGrid
+from ptdp.perf.saved import SavedTensorBytes
 
 SEED = 7
 LAYERS = 4
@@ -272,20 +273,11 @@ def _saved_activation_bytes(config: ModelConfig, batch: int = 2) -> int:
     """Bytes of distinct storages held for backward after one forward,
     parameters excluded (see the module docstring)."""
     model = _build(config, ParallelContext.single())
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
     tokens, labels = _batch(config, batch=batch)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with SavedTensorBytes(model.parameters()) as saved:
         loss = model(tokens, labels)
     loss.backward()
-    return sum(storages.values())
+    return saved.bytes
 
 
 def test_saved_activation_bytes():

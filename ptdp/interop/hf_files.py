@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -175,3 +176,23 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     with open(path, "w") as f:
         json.dump(data, f, indent=2, sort_keys=True)
         f.write("\n")
+
+
+def split_state(state: dict[str, torch.Tensor], prefix: str,
+                ignored: re.Pattern) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """A causal LM's state dict as (the base model's tensors under their bare
+    names, `lm_head.weight` or None): keys lose `prefix` (the LM class's) or
+    come bare (the base class's); buffers matching `ignored` are dropped."""
+    bare: dict[str, torch.Tensor] = {}
+    lm_head = None
+    for key, tensor in state.items():
+        if key == "lm_head.weight":
+            lm_head = tensor
+            continue
+        name = key[len(prefix):] if key.startswith(prefix) else key
+        if ignored.match(name):
+            continue
+        if name in bare:
+            raise ConversionError(f"{name!r} appears twice (with and without {prefix!r})")
+        bare[name] = tensor
+    return bare, lm_head

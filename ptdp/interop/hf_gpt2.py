@@ -39,6 +39,7 @@ from ptdp.interop.hf_files import (
     check_state,
     read_hf_config,
     read_hf_weights,
+    split_state,
     write_hf_directory,
 )
 from ptdp.interop.logical import logical_shapes
@@ -235,18 +236,7 @@ def from_hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
     buffers of older checkpoints are ignored; an `lm_head.weight` must equal
     the word embedding (ptdp ties them)."""
     _require_gpt2(config)
-    bare: dict[str, torch.Tensor] = {}
-    lm_head = None
-    for key, tensor in state.items():
-        if key == "lm_head.weight":
-            lm_head = tensor
-            continue
-        name = key[len("transformer."):] if key.startswith("transformer.") else key
-        if _IGNORED.match(name):
-            continue
-        if name in bare:
-            raise ConversionError(f"{name!r} appears twice (with and without 'transformer.')")
-        bare[name] = tensor
+    bare, lm_head = split_state(state, "transformer.", _IGNORED)
     shapes = logical_shapes(config)
     expected = {}
     for ours, theirs, transposed in _name_map(config):

@@ -37,6 +37,7 @@ from ptdp.interop.hf_files import (
     check_state,
     read_hf_config,
     read_hf_weights,
+    split_state,
     write_hf_directory,
 )
 from ptdp.interop.logical import logical_shapes
@@ -296,18 +297,7 @@ def from_hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
     checkpoints are ignored; with tied embeddings an `lm_head.weight` must
     equal the word embedding."""
     _require_llama(config)
-    bare: dict[str, torch.Tensor] = {}
-    lm_head = None
-    for key, tensor in state.items():
-        if key == "lm_head.weight":
-            lm_head = tensor
-            continue
-        name = key[len("model."):] if key.startswith("model.") else key
-        if _IGNORED.match(name):
-            continue
-        if name in bare:
-            raise ConversionError(f"{name!r} appears twice (with and without 'model.')")
-        bare[name] = tensor
+    bare, lm_head = split_state(state, "model.", _IGNORED)
     shapes = logical_shapes(config)
     expected = {name: (rows, *shapes[ours][1:])
                 for ours, theirs in _name_map(config) for name, rows in theirs}
