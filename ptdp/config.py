@@ -155,6 +155,12 @@ class ParallelConfig:
         "schedule without interleaving: gpipe (all forwards, then all backwards) or 1f1b; "
         "--num-layers-per-virtual-pipeline-stage selects the interleaved 1F1B schedule",
         choices=("gpipe", "1f1b"))
+    sequence_parallel: bool = flag(
+        False, "--sequence-parallel",
+        "split the activations outside the tensor-parallel regions (norms, dropout, residual "
+        "adds) along the sequence over the t tensor ranks: s/t positions each, the same "
+        "communication volume (all-gather and reduce-scatter instead of all-reduce); needs t > 1 "
+        "and s divisible by t")
     scatter_gather_tensors_in_pipeline: bool = flag(
         True, "--no-scatter-gather-tensors-in-pipeline",
         "send whole boundary tensors between stages instead of 1/t slices all-gathered by the "
@@ -537,6 +543,17 @@ def validate(config: Config, world_size: int | None = None) -> None:
         problems.append(
             f"--ffn-hidden-size {m.ffn_size} is not divisible by --tensor-model-parallel-size {t}: "
             f"use --ffn-hidden-size {_nearest_multiple(m.ffn_size, t)}")
+    if par.sequence_parallel and t == 1:
+        problems.append("--sequence-parallel splits the sequence over the tensor-parallel ranks and "
+                        "needs --tensor-model-parallel-size > 1: drop --sequence-parallel or raise t")
+    elif par.sequence_parallel and m.seq_length % t:
+        tp_options = [x for x in _divisors(m.seq_length)
+                      if x > 1 and m.query_groups % x == 0 and tp_fits_world(x)][:6]
+        problems.append(
+            f"--sequence-parallel needs --seq-length {m.seq_length} divisible by "
+            f"--tensor-model-parallel-size {t} (each tensor rank holds s/t positions): use "
+            f"--seq-length {_nearest_multiple(m.seq_length, t)}"
+            + (f" or --tensor-model-parallel-size in {tp_options}" if tp_options else ""))
     if m.seq_length > m.max_positions:
         problems.append(
             f"--seq-length {m.seq_length} exceeds --max-position-embeddings {m.max_positions}: "

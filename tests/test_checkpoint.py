@@ -22,10 +22,11 @@ TRAIN = TrainConfig(micro_batch_size=1, global_batch_size=8, train_iters=8, lr=1
 CPU = torch.device("cpu")
 
 
-def _config(t=1, p=1, d=1, k=None, model=MODEL, **train):
+def _config(t=1, p=1, d=1, k=None, model=MODEL, sequence_parallel=False, **train):
     return Config(model=model,
                   parallel=ParallelConfig(tensor_model_parallel_size=t, pipeline_model_parallel_size=p,
-                                          data_parallel_size=d, num_layers_per_virtual_pipeline_stage=k),
+                                          data_parallel_size=d, num_layers_per_virtual_pipeline_stage=k,
+                                          sequence_parallel=sequence_parallel),
                   train=dataclasses.replace(TRAIN, **train), data=DataConfig(mock_data=True))
 
 
@@ -33,13 +34,14 @@ def _losses(records):
     return [r["loss"] for r in records]
 
 
-def _resume_same_layout(rank, save, dtype_flags):
+def _resume_same_layout(rank, save, dtype_flags, sequence_parallel=False):
     """10 iterations straight vs 5, save, a new trainer loads, 5 more: the
     last five losses and the final weights are bitwise the same (dropout on,
     so the random streams must be restored too)."""
     ctx = ParallelContext.build(RankGrid(tp=2, dp=2, pp=2))
     model = dataclasses.replace(MODEL, hidden_dropout=0.1, attention_dropout=0.1)
-    config = _config(2, 2, 2, 1, model=model, train_iters=10, **dtype_flags)
+    config = _config(2, 2, 2, 1, model=model, sequence_parallel=sequence_parallel, train_iters=10,
+                     **dtype_flags)
     straight = Trainer(config, ctx, CPU)
     expected = [straight.step(i)[0] for i in range(10)]
 

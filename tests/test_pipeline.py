@@ -23,8 +23,8 @@ from ptdp.config import ModelConfig
 from ptdp.model.gpt import GPT, build_chunks
 from ptdp.parallel.pipeline.executor import PipelineExecutor
 from ptdp.parallel.pipeline.schedules import Exchange, build_forward_only, build_schedule
-from ptdp.parallel.sharding import SHARD_ATTR, gather_logical
-from ptdp.parallel.tensor import RNGStreams
+from ptdp.parallel.sharding import PARTIAL_GRAD_ATTR, SHARD_ATTR, gather_logical
+from ptdp.parallel.tensor import RNGStreams, sum_partial_grads
 from ptdp.parallel.topology import ParallelContext, RankGrid
 
 SEED = 3
@@ -75,16 +75,24 @@ def _serial_reference(m, config=CONFIG):
     return model, loss
 
 
-def _pipeline_vs_serial(rank, t, p, kind, v, m, scatter_gather, config=CONFIG):
+def _pipeline_vs_serial(rank, t, p, kind, v, m, scatter_gather, config=CONFIG,
+                        sequence_parallel=False):
+    """With `sequence_parallel` each tensor rank holds and sends s/t positions
+    (the executor then sends whole local tensors) and the norms' partial
+    gradients are summed over the tensor group, as GradBuffer does."""
     ctx = ParallelContext.build(RankGrid(tp=t, dp=1, pp=p))
-    chunks = build_chunks(config, ctx, torch.device("cpu"), SEED, v)
+    chunks = build_chunks(config, ctx, torch.device("cpu"), SEED, v,
+                          sequence_parallel=sequence_parallel)
     schedule = build_schedule(kind, p, m, v)
-    executor = PipelineExecutor(chunks, ctx, activation_shape=(config.seq_length, B_MICRO,
+    positions = config.seq_length // t if sequence_parallel else config.seq_length
+    executor = PipelineExecutor(chunks, ctx, activation_shape=(positions, B_MICRO,
                                                                config.hidden_size),
                                 dtype=torch.float32, device=torch.device("cpu"),
-                                scatter_gather=scatter_gather)
+                                scatter_gather=scatter_gather and not sequence_parallel)
     stats = executor.run(schedule, _microbatch_fn(_tokens(m, config)))
     all_reduce_tied_embedding_grads(chunks, ctx)
+    sum_partial_grads([param.grad for chunk in chunks for param in chunk.parameters()
+                       if getattr(param, PARTIAL_GRAD_ATTR, False)], ctx.tp_group)
 
     serial, serial_loss = _serial_reference(m, config)
     if ctx.is_last_stage:
@@ -106,12 +114,14 @@ def _pipeline_vs_serial(rank, t, p, kind, v, m, scatter_gather, config=CONFIG):
     # Measured, not assumed.
     assert stats.peak_stored == schedule.in_flight_bound(ctx.pp_rank)
     activation = B_MICRO * config.seq_length * config.hidden_size
-    expected = activation // t if (scatter_gather and t > 1) else activation
+    split = (scatter_gather or sequence_parallel) and t > 1
+    expected = activation // t if split else activation
     sends = [tr for a in schedule.ranks[ctx.pp_rank] if isinstance(a, Exchange)
              for tr in a.transfers if tr.op == "send"]
     assert stats.sent_elements == [expected] * len(sends)
     activation_sends = sum(tr.kind == "activation" for tr in sends)
-    assert stats.released_bytes == activation_sends * activation * 4
+    held = activation // t if sequence_parallel else activation  # what each rank's output holds
+    assert stats.released_bytes == activation_sends * held * 4
     return checked
 
 

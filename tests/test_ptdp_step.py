@@ -35,10 +35,11 @@ LOSS_TOL = dict(rel=1e-5)
 WEIGHT_TOL = dict(rtol=0.0, atol=1e-5)
 
 
-def _config(t=1, p=1, d=1, k=None, model=MODEL, **train):
+def _config(t=1, p=1, d=1, k=None, model=MODEL, sequence_parallel=False, **train):
     return Config(model=model,
                   parallel=ParallelConfig(tensor_model_parallel_size=t, pipeline_model_parallel_size=p,
-                                          data_parallel_size=d, num_layers_per_virtual_pipeline_stage=k),
+                                          data_parallel_size=d, num_layers_per_virtual_pipeline_stage=k,
+                                          sequence_parallel=sequence_parallel),
                   train=dataclasses.replace(TRAIN, **train), data=DataConfig(mock_data=True))
 
 
@@ -51,10 +52,11 @@ def _logical_weights(trainer, ctx):
     return weights
 
 
-def _ptdp_vs_serial(rank, k, distributed, model=MODEL, weight_tol=WEIGHT_TOL):
+def _ptdp_vs_serial(rank, k, distributed, model=MODEL, weight_tol=WEIGHT_TOL,
+                    sequence_parallel=False):
     ctx = ParallelContext.build(RankGrid(tp=2, dp=2, pp=2))
-    trainer = Trainer(_config(2, 2, 2, k, model, use_distributed_optimizer=distributed), ctx,
-                      torch.device("cpu"))
+    trainer = Trainer(_config(2, 2, 2, k, model, sequence_parallel,
+                              use_distributed_optimizer=distributed), ctx, torch.device("cpu"))
     records = [trainer.step(i)[0] for i in range(5)]
     serial = Trainer(_config(model=model, use_distributed_optimizer=distributed),
                      ParallelContext.single(), torch.device("cpu"))
@@ -172,7 +174,7 @@ def test_bucket_reductions_start_during_backward_once_per_iteration(pools):
         assert in_backward == total == buckets
 
 
-def _recompute_vs_off(rank, recompute):
+def _recompute_vs_off(rank, recompute, sequence_parallel=False):
     """The same 8-process interleaved layout, with dropout on, trained with and
     without recomputation: the recomputed forwards replay every dropout mask
     (tensor-replicated and per-rank streams), so the runs are bitwise equal."""
@@ -180,7 +182,7 @@ def _recompute_vs_off(rank, recompute):
     model = dataclasses.replace(MODEL, hidden_dropout=0.1, attention_dropout=0.1)
     runs = []
     for layout in ({}, recompute):
-        config = _config(2, 2, 2, 1, train_iters=3)
+        config = _config(2, 2, 2, 1, sequence_parallel=sequence_parallel, train_iters=3)
         config = dataclasses.replace(config, model=dataclasses.replace(model, **layout))
         trainer = Trainer(config, ctx, torch.device("cpu"))
         calls = []

@@ -11,6 +11,15 @@ G/t whole groups and the query heads that use them), an untied output layer
 are laid out [s, b, h] (sequence first) as in the paper, so no transposes are
 needed between layers.
 
+With `sequence_parallel` (t > 1) the activations outside the tensor-parallel
+regions are [s/t, b, h] on each tensor rank: the embedding output is cut
+along the sequence, the column-parallel layers gather it and the
+row-parallel ones reduce-scatter back to it (ptdp.parallel.tensor), the
+final norm runs on s/t positions and the output layer gathers them. Dropout
+there draws from the per-rank stream (each rank holds other positions), and
+the norms' weights (and row-parallel biases) are marked: each rank's
+gradient covers its own positions and is summed over the tensor group.
+
 A GPT can be one pipeline piece: `layer_ids` picks the transformer layers it
 holds (global indices, kept as module names so that parameter names are the
 same logical names under every layout), `pre_process` adds the embeddings
@@ -43,13 +52,16 @@ from ptdp.parallel.tensor import (
     RowParallelLinear,
     VocabParallelEmbedding,
     copy_to_tensor_region,
+    mark_partial_grad,
     scaled_init_std,
+    scatter_to_sequence_region,
+    sequence_parallel_linear,
     vocab_parallel_cross_entropy,
 )
 from ptdp.parallel.topology import ParallelContext
 
 
-def layer_norm(config: ModelConfig) -> nn.Module:
+def layer_norm(config: ModelConfig, sequence_parallel: bool = False) -> nn.Module:
     """LayerNorm or RMSNorm (--normalization): weight 1, LayerNorm's bias 0."""
     if config.normalization == "RMSNorm":
         norm = nn.RMSNorm(config.hidden_size, eps=config.epsilon)
@@ -57,6 +69,9 @@ def layer_norm(config: ModelConfig) -> nn.Module:
         norm = nn.LayerNorm(config.hidden_size, eps=config.epsilon)
         set_init(norm.bias, "zeros")
     set_init(norm.weight, "ones")
+    if sequence_parallel:
+        for param in norm.parameters():
+            mark_partial_grad(param)
     return norm
 
 
@@ -68,8 +83,10 @@ def vocab_parallel_matrix(config: ModelConfig, ctx: ParallelContext) -> VocabPar
 
 
 class Embedding(nn.Module):
-    def __init__(self, config: ModelConfig, ctx: ParallelContext):
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, rng: RNGStreams,
+                 sequence_parallel: bool = False):
         super().__init__()
+        self.ctx, self.rng, self.sequence_parallel = ctx, rng, sequence_parallel
         self.word_embeddings = vocab_parallel_matrix(config, ctx)
         if not config.rope:  # rotary positions act in attention instead
             self.position_embeddings = nn.Embedding(config.max_positions, config.hidden_size)
@@ -81,13 +98,20 @@ class Embedding(nn.Module):
         x = self.word_embeddings(tokens)
         if hasattr(self, "position_embeddings"):
             x = x + self.position_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
+        x = x.transpose(0, 1).contiguous()
+        if self.sequence_parallel:
+            # Each tensor rank keeps its own positions and drops from its own stream.
+            x = scatter_to_sequence_region(x, self.ctx.tp_group)
+            with self.rng.fork("tensor"):
+                return self.dropout(x)
         # Replicated activation: the default stream drops the same elements on
         # every tensor rank.
-        return self.dropout(x.transpose(0, 1).contiguous())
+        return self.dropout(x)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, ctx: ParallelContext, rng: RNGStreams):
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, rng: RNGStreams,
+                 sequence_parallel: bool = False):
         super().__init__()
         self.rng = rng
         t, d = ctx.tp_size, config.head_dim
@@ -101,15 +125,18 @@ class Attention(nn.Module):
         # Rows: the queries of all heads, then the keys and values of the groups.
         blocks = 3 if g == a else (a * d, g * d, g * d)
         self.query_key_value = ColumnParallelLinear(h, (a + 2 * g) * d, ctx, blocks=blocks,
-                                                    bias=config.bias, init_std=config.init_method_std)
+                                                    bias=config.bias, init_std=config.init_method_std,
+                                                    sequence_parallel=sequence_parallel)
         self.dense = RowParallelLinear(a * d, h, ctx, skip_bias_add=True, bias=config.bias,
                                        init_std=scaled_init_std(config.init_method_std,
-                                                                config.num_layers))
+                                                                config.num_layers),
+                                       sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor):
-        s, b, _ = x.shape
         heads, groups, d = self.local_heads, self.local_groups, self.head_dim
-        q, k, v = self.query_key_value(x).split([heads * d, groups * d, groups * d], dim=-1)
+        qkv = self.query_key_value(x)  # the whole sequence, also under sequence parallelism
+        s, b = qkv.shape[:2]
+        q, k, v = qkv.split([heads * d, groups * d, groups * d], dim=-1)
         q = q.view(s, b, heads, d).permute(1, 2, 0, 3)  # [b, heads, s, d]
         k = k.view(s, b, groups, d).permute(1, 2, 0, 3)
         v = v.view(s, b, groups, d).permute(1, 2, 0, 3)
@@ -144,17 +171,19 @@ class MLP(nn.Module):
     gate's and the up projection's rows ([2·ffn, h]), split as two blocks so
     that each tensor rank's half of the gate meets the same half of up."""
 
-    def __init__(self, config: ModelConfig, ctx: ParallelContext):
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, sequence_parallel: bool = False):
         super().__init__()
         self.fused, self.gated = config.bias_gelu_fusion, config.swiglu
         h, ffn = config.hidden_size, config.ffn_size
         # GeLU: the first bias is applied in bias_gelu, fused with the activation.
         self.dense_h_to_4h = ColumnParallelLinear(
             h, 2 * ffn if self.gated else ffn, ctx, blocks=2 if self.gated else 1,
-            bias=config.bias, skip_bias_add=not self.gated, init_std=config.init_method_std)
+            bias=config.bias, skip_bias_add=not self.gated, init_std=config.init_method_std,
+            sequence_parallel=sequence_parallel)
         self.dense_4h_to_h = RowParallelLinear(ffn, h, ctx, skip_bias_add=True, bias=config.bias,
                                                init_std=scaled_init_std(config.init_method_std,
-                                                                        config.num_layers))
+                                                                        config.num_layers),
+                                               sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor):
         if self.gated:
@@ -164,36 +193,47 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, config: ModelConfig, ctx: ParallelContext, rng: RNGStreams):
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, rng: RNGStreams,
+                 sequence_parallel: bool = False):
         super().__init__()
+        self.rng, self.sequence_parallel = rng, sequence_parallel
         self.hidden_dropout = config.hidden_dropout
         self.fused = config.bias_dropout_fusion
-        self.input_layernorm = layer_norm(config)
-        self.attention = Attention(config, ctx, rng)
-        self.post_attention_layernorm = layer_norm(config)
-        self.mlp = MLP(config, ctx)
+        self.input_layernorm = layer_norm(config, sequence_parallel)
+        self.attention = Attention(config, ctx, rng, sequence_parallel)
+        self.post_attention_layernorm = layer_norm(config, sequence_parallel)
+        self.mlp = MLP(config, ctx, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out, bias = self.attention(self.input_layernorm(x))
-        x = bias_dropout_add(out, bias, x, self.hidden_dropout, self.training, self.fused)
+        x = self._residual(out, bias, x)
         out, bias = self.mlp(self.post_attention_layernorm(x))
+        return self._residual(out, bias, x)
+
+    def _residual(self, out, bias, x):
+        """x + dropout(out + bias). Under sequence parallelism each tensor rank
+        holds other positions: its own dropout stream."""
+        if self.sequence_parallel and self.training and self.hidden_dropout > 0.0:
+            with self.rng.fork("tensor"):
+                return bias_dropout_add(out, bias, x, self.hidden_dropout, True, self.fused)
         return bias_dropout_add(out, bias, x, self.hidden_dropout, self.training, self.fused)
 
 
 class GPT(nn.Module):
     def __init__(self, config: ModelConfig, ctx: ParallelContext, rng: RNGStreams, *,
                  layer_ids: Sequence[int] | None = None, pre_process: bool = True,
-                 post_process: bool = True):
+                 post_process: bool = True, sequence_parallel: bool = False):
         super().__init__()
         self.config, self.ctx, self.rng = config, ctx, rng
         self.pre_process, self.post_process = pre_process, post_process
+        self.sequence_parallel = sp = sequence_parallel and ctx.tp_size > 1
         self.layer_ids = list(range(config.num_layers) if layer_ids is None else layer_ids)
         if pre_process:
-            self.embedding = Embedding(config, ctx)
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, ctx, rng)
+            self.embedding = Embedding(config, ctx, rng, sp)
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, ctx, rng, sp)
                                      for i in self.layer_ids})
         if post_process:
-            self.final_layernorm = layer_norm(config)
+            self.final_layernorm = layer_norm(config, sp)
             if not config.tied_output:
                 self.output_layer = vocab_parallel_matrix(config, ctx)
             elif not pre_process:
@@ -209,7 +249,8 @@ class GPT(nn.Module):
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
                 loss_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """First stage: x is tokens [b, s]; otherwise hidden [s, b, h].
+        """First stage: x is tokens [b, s]; otherwise hidden [s, b, h]
+        ([s/t, b, h] under sequence parallelism, also as returned).
 
         Returns hidden [s, b, h] unless this is the last stage; there it
         returns the mean loss over unmasked tokens when `labels` [b, s] are
@@ -256,7 +297,10 @@ class GPT(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden · Wᵀ with W the output matrix; logits stay split by vocabulary."""
         output = self.output_matrix
-        logits = F.linear(copy_to_tensor_region(hidden, self.ctx.tp_group), output.weight)
+        if self.sequence_parallel:  # gather the positions into the vocabulary-parallel product
+            logits = sequence_parallel_linear(hidden, output.weight, None, self.ctx.tp_group)
+        else:
+            logits = F.linear(copy_to_tensor_region(hidden, self.ctx.tp_group), output.weight)
         return output.mask_padding(logits)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor,
@@ -276,7 +320,7 @@ def _run_group(layers: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
 
 
 def build_chunks(config: ModelConfig, ctx: ParallelContext, device: torch.device, seed: int,
-                 num_chunks: int = 1) -> list[GPT]:
+                 num_chunks: int = 1, *, sequence_parallel: bool = False) -> list[GPT]:
     """This rank's model chunks, initialised from `seed`, with its dropout
     streams seeded. Chunk c of pipeline rank r is virtual stage c·p + r and
     holds layers c·(l/v) + r·(l/(p·v)) onwards (the paper's interleaving);
@@ -289,6 +333,7 @@ def build_chunks(config: ModelConfig, ctx: ParallelContext, device: torch.device
         stage = chunk * p + ctx.pp_rank
         model = GPT(config, ctx, rng, layer_ids=layers_of(ctx.pp_rank, chunk, p, num_chunks,
                                                           config.num_layers),
-                    pre_process=stage == 0, post_process=stage == last)
+                    pre_process=stage == 0, post_process=stage == last,
+                    sequence_parallel=sequence_parallel)
         chunks.append(model.initialize(seed).to(device))
     return chunks

@@ -17,6 +17,11 @@ bucket (`grad_shard`), the part whose fp32 weights and Adam states it owns.
 The tied word embedding of the first and last pipeline stage has a bucket of
 its own: its gradient is first summed over the embedding group, then reduced
 over the replicas, when the iteration's backward has finished.
+
+Under sequence parallelism the norms' weights and the row-parallel biases see
+only s/t positions on each tensor rank: when their bucket is ready, their
+gradients are first summed over the tensor group (one all-reduce of the
+bucket's such gradients, once per iteration), then reduced like the rest.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ptdp.parallel.collectives import all_gather_flat, reduce_scatter_flat
+from ptdp.parallel.sharding import PARTIAL_GRAD_ATTR
+from ptdp.parallel.tensor import sum_partial_grads
 from ptdp.parallel.topology import ParallelContext
 
 
@@ -38,6 +45,8 @@ class Bucket:
     end: int
     params: list[nn.Parameter]
     tied: bool = False              # the tied word embedding: summed over the embedding group first
+    # Gradients computed from s/t positions per tensor rank: summed over the tensor group first.
+    partial: list[nn.Parameter] = field(default_factory=list)
     pending: int = 0                # parameters whose gradient is not final yet this iteration
     launched: bool = False
     handles: list[Any] = field(default_factory=list)
@@ -87,7 +96,8 @@ class GradBuffer:
                 offset += param.numel()
             if shard:
                 offset += (-(offset - start)) % d  # pad the bucket to a multiple of d
-            self.buckets.append(Bucket(start, offset, group_params, tied=is_tied))
+            partial = [p for p in group_params if getattr(p, PARTIAL_GRAD_ATTR, False)]
+            self.buckets.append(Bucket(start, offset, group_params, tied=is_tied, partial=partial))
         self.numel = offset
 
         # Move the parameters into the flat buffer (their fp32 values are kept
@@ -146,6 +156,7 @@ class GradBuffer:
     def _launch(self, bucket: Bucket) -> None:
         """Start this bucket's reduction (asynchronously)."""
         bucket.launched = True
+        sum_partial_grads([p.main_grad for p in bucket.partial], self.ctx.tp_group)
         view = self.grad_data[bucket.start:bucket.end]
         if bucket.tied and self.ctx.embedding_group is not None:
             # Sum the two copies first; the replica reduction follows in finish().

@@ -20,6 +20,10 @@ INIT_ATTR = "init_rule"
 # Marks a second copy of a logical tensor (the last pipeline stage's tied word
 # embedding): it is kept equal to the first, so norms and checkpoints skip it.
 COPY_ATTR = "is_logical_copy"
+# Marks a replicated parameter whose gradient each tensor rank computes from
+# its own s/t positions only (sequence parallelism): summed over the tensor
+# group before use.
+PARTIAL_GRAD_ATTR = "grad_is_partial_over_tensor_ranks"
 
 
 @dataclass(frozen=True)

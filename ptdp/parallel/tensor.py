@@ -2,6 +2,16 @@
 row- and vocabulary-parallel layers, the vocabulary-parallel cross entropy and
 the per-rank random streams for dropout.
 
+Sequence parallelism (Korthikanti et al., 2022) splits the activations
+between the tensor-parallel regions (norms, dropout, residual adds) along the
+sequence, s/t positions per tensor rank. Its conjugate operators replace f
+and g at the regions' edges: an all-gather of the sequence where f copied
+(its backward a reduce-scatter where f's all-reduced), a reduce-scatter where
+g all-reduced (its backward an all-gather). The same bytes move; nothing
+outside the regions is held or computed t times. A column-parallel layer
+keeps only its s/t input slice for the weight gradient and gathers it again
+in backward, so its input is stored split too.
+
 A process group of None means the tensor group has one rank: every
 communication below is then skipped (torch.distributed reads group=None as
 the whole world, so the check is explicit).
@@ -19,7 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ptdp import device as devices
-from ptdp.parallel.sharding import SHARD_ATTR, TensorShard, name_seed, set_init
+from ptdp.parallel.collectives import all_gather_flat, reduce_scatter_flat
+from ptdp.parallel.sharding import PARTIAL_GRAD_ATTR, SHARD_ATTR, TensorShard, name_seed, set_init
 from ptdp.parallel.topology import ParallelContext
 
 
@@ -101,6 +112,138 @@ class _ScatterToTensorRegion(torch.autograd.Function):
         return _gather_last_dim(grad, ctx.group), None
 
 
+def _gather_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """[s/t, ...] on each rank -> [s, ...], in rank order."""
+    x = x.contiguous()
+    out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
+    all_gather_flat(out, x, group)
+    return out
+
+
+def _reduce_scatter_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """[s, ...] partial sums on each rank -> this rank's [s/t, ...] of the sum."""
+    size = dist.get_world_size(group)
+    if x.shape[0] % size:
+        raise ValueError(f"sequence length {x.shape[0]} is not divisible by the tensor-parallel "
+                         f"size {size}")
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
+    reduce_scatter_flat(out, x, group)
+    return out
+
+
+def _split_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if x.shape[0] % size:
+        raise ValueError(f"sequence length {x.shape[0]} is not divisible by the tensor-parallel "
+                         f"size {size}")
+    return x.chunk(size, dim=0)[rank].contiguous()
+
+
+class _ScatterToSequenceRegion(torch.autograd.Function):
+    """Keep own s/t positions forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_sequence(grad, ctx.group), None
+
+
+class _GatherFromSequenceRegion(torch.autograd.Function):
+    """All-gather the sequence forward; reduce-scatter backward (the region
+    it feeds is tensor-parallel: each rank's gradient is a partial sum)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_sequence(grad, ctx.group), None
+
+
+class _ReduceScatterToSequenceRegion(torch.autograd.Function):
+    """Sum over the tensor group and keep own s/t positions forward; all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_sequence(grad, ctx.group), None
+
+
+class _SequenceParallelLinear(torch.autograd.Function):
+    """y = gather(x) Wᵀ + b for a column-parallel W under sequence parallelism.
+
+    Saves x, this rank's [s/t, b, h] slice, not the gathered [s, b, h]
+    (autograd's own graph would keep the gathered copy), and all-gathers it
+    again in backward for the weight gradient. The input gradient, partial
+    over the tensor ranks, is reduce-scattered back to s/t positions."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(_gather_sequence(x, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_input = _reduce_scatter_sequence(grad.matmul(weight), ctx.group)
+        gathered = _gather_sequence(x, ctx.group)
+        grad_2d = grad.reshape(-1, grad.shape[-1])
+        grad_weight = grad_2d.t().matmul(gathered.reshape(-1, gathered.shape[-1]))
+        grad_bias = grad_2d.sum(dim=0) if ctx.has_bias else None
+        return grad_input, grad_weight.to(weight.dtype), grad_bias, None
+
+
+def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             group: Any) -> torch.Tensor:
+    """[s/t, b, h] -> [s, b, out/t]: the sequence gathered into a column-parallel product."""
+    return _SequenceParallelLinear.apply(x, weight, bias, group)
+
+
+def scatter_to_sequence_region(x: torch.Tensor, group: Any) -> torch.Tensor:
+    return x if group is None else _ScatterToSequenceRegion.apply(x, group)
+
+
+def gather_from_sequence_region(x: torch.Tensor, group: Any) -> torch.Tensor:
+    return x if group is None else _GatherFromSequenceRegion.apply(x, group)
+
+
+def reduce_scatter_to_sequence_region(x: torch.Tensor, group: Any) -> torch.Tensor:
+    return x if group is None else _ReduceScatterToSequenceRegion.apply(x, group)
+
+
+def mark_partial_grad(param: nn.Parameter) -> nn.Parameter:
+    """A replicated parameter used on s/t positions per tensor rank (norm
+    weights and biases, row-parallel biases under sequence parallelism): each
+    rank's gradient is a partial sum, completed by `sum_partial_grads`."""
+    setattr(param, PARTIAL_GRAD_ATTR, True)
+    return param
+
+
+def sum_partial_grads(grads: list[torch.Tensor], group: Any) -> None:
+    """Sum these gradients over the tensor group, in place, in one all-reduce."""
+    if group is None or not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
 def copy_to_tensor_region(x: torch.Tensor, group: Any) -> torch.Tensor:
     return x if group is None else _CopyToTensorRegion.apply(x, group)
 
@@ -147,11 +290,13 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, ctx: ParallelContext, *,
                  bias: bool = True, gather_output: bool = False,
                  blocks: int | tuple[int, ...] = 1,
-                 skip_bias_add: bool = False, init_std: float = 0.02):
+                 skip_bias_add: bool = False, init_std: float = 0.02,
+                 sequence_parallel: bool = False):
         super().__init__()
         if gather_output and skip_bias_add:
             raise ValueError("gather_output with skip_bias_add would return a split bias")
         self.group, self.gather_output, self.skip_bias_add = ctx.tp_group, gather_output, skip_bias_add
+        self.sequence_parallel = sequence_parallel and ctx.tp_group is not None
         t = ctx.tp_size
         sizes = (out_features // blocks,) * blocks if isinstance(blocks, int) else blocks
         if sum(sizes) != out_features:
@@ -167,12 +312,21 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor):
+        if self.sequence_parallel:  # x: this rank's s/t positions
+            return self._sequence_parallel_forward(x)
         x = copy_to_tensor_region(x, self.group)
         if self.skip_bias_add:
             if defers_bias(x.device):
                 return F.linear(x, self.weight), self.bias
             return F.linear(x, self.weight, self.bias), None
         y = F.linear(x, self.weight, self.bias)
+        return gather_from_tensor_region(y, self.group) if self.gather_output else y
+
+    def _sequence_parallel_forward(self, x: torch.Tensor):
+        deferred = self.skip_bias_add and defers_bias(x.device)
+        y = sequence_parallel_linear(x, self.weight, None if deferred else self.bias, self.group)
+        if self.skip_bias_add:
+            return (y, self.bias) if deferred else (y, None)
         return gather_from_tensor_region(y, self.group) if self.gather_output else y
 
 
@@ -186,27 +340,38 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, ctx: ParallelContext, *,
                  bias: bool = True, input_is_parallel: bool = True, skip_bias_add: bool = False,
-                 init_std: float = 0.02):
+                 init_std: float = 0.02, sequence_parallel: bool = False):
         super().__init__()
         self.group, self.input_is_parallel, self.skip_bias_add = (
             ctx.tp_group, input_is_parallel, skip_bias_add)
+        # The output is reduce-scattered to s/t positions instead of all-reduced.
+        self.sequence_parallel = sequence_parallel and ctx.tp_group is not None
+        if self.sequence_parallel and not input_is_parallel:
+            raise ValueError("sequence parallelism needs a row-parallel input already split")
         local_in = _divide(in_features, ctx.tp_size, "input features")
         self.weight = set_init(nn.Parameter(torch.empty(out_features, local_in)), "normal", init_std)
         setattr(self.weight, SHARD_ATTR, TensorShard(dim=1, parts=ctx.tp_size, index=ctx.tp_rank))
         if bias:
             self.bias = set_init(nn.Parameter(torch.empty(out_features)), "zeros")
+            if self.sequence_parallel:
+                mark_partial_grad(self.bias)
         else:
             self.register_parameter("bias", None)
+
+    def _reduce(self, y: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_region(y, self.group)
+        return reduce_from_tensor_region(y, self.group)
 
     def forward(self, x: torch.Tensor):
         if not self.input_is_parallel:
             x = scatter_to_tensor_region(x, self.group)
         if self.skip_bias_add and defers_bias(x.device):
-            return reduce_from_tensor_region(F.linear(x, self.weight), self.group), self.bias
+            return self._reduce(F.linear(x, self.weight)), self.bias
         if self.group is None:
             y = F.linear(x, self.weight, self.bias)
         else:
-            y = reduce_from_tensor_region(F.linear(x, self.weight), self.group)
+            y = self._reduce(F.linear(x, self.weight))
             if self.bias is not None:
                 y = y + self.bias
         return (y, None) if self.skip_bias_add else y

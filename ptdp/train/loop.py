@@ -72,7 +72,9 @@ class Trainer:
         self.global_batch, self.num_micro = tr.batch_size(d), tr.num_microbatches(d)
         self.dtype = torch.bfloat16 if tr.bf16 else torch.float16 if tr.fp16 else torch.float32
 
-        self.chunks = build_chunks(model_cfg, ctx, device, tr.seed, self.num_chunks)
+        sequence_parallel = par.sequence_parallel and ctx.tp_size > 1
+        self.chunks = build_chunks(model_cfg, ctx, device, tr.seed, self.num_chunks,
+                                   sequence_parallel=sequence_parallel)
         self.model = torch.nn.ModuleList(self.chunks)
         params = list(self.model.parameters())
         # The first and last stage's copies of a tied word embedding, whose
@@ -84,9 +86,13 @@ class Trainer:
                                  shard=tr.use_distributed_optimizer, tied=tied)
         self.optimizer = Optimizer(self.buffer, ctx, tr)
         self.schedule = build_schedule(par.schedule_kind, p, self.num_micro, self.num_chunks)
+        # Under sequence parallelism each tensor rank sends its own s/t
+        # positions: the paper's scatter/gather without the gather.
+        positions = model_cfg.seq_length // ctx.tp_size if sequence_parallel else model_cfg.seq_length
         self.executor = PipelineExecutor(
-            self.chunks, ctx, activation_shape=(model_cfg.seq_length, b, model_cfg.hidden_size),
-            dtype=self.dtype, device=device, scatter_gather=par.scatter_gather_tensors_in_pipeline)
+            self.chunks, ctx, activation_shape=(positions, b, model_cfg.hidden_size),
+            dtype=self.dtype, device=device,
+            scatter_gather=par.scatter_gather_tensors_in_pipeline and not sequence_parallel)
         self.data = data if data is not None else build_training_data(
             config, num_samples=(self.consumed_before(tr.train_iters),
                                  tr.eval_iters * self.global_batch if tr.eval_interval else 0, 0),
