@@ -14,6 +14,10 @@ are reordered: the sequence is split and gathered, norms' gradients summed).
 """
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -24,6 +28,8 @@ from ptdp.parallel.sharding import PARTIAL_GRAD_ATTR, SHARD_ATTR, gather_logical
 from ptdp.parallel.tensor import RNGStreams, sum_partial_grads
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from tests import test_checkpoint, test_gpt, test_pipeline, test_ptdp_step
+from ptdp.train.checkpoint import read_metadata, resolve
+from ptdp.train.loop import Trainer
 from tests.test_llama import LLAMA
 
 SEED = 7
@@ -90,8 +96,8 @@ def test_sequence_parallel_with_recomputation_equals_one_process(pools, model, r
     pools(4).run(test_pipeline._pipeline_vs_serial, 2, 2, "interleaved", 2, 4, True, config, True)
 
 
-@pytest.mark.parametrize("k", [None, 1], ids=["1f1b", "interleaved"])
-@pytest.mark.parametrize("distributed", [False, True], ids=["adamw", "distributed-optimizer"])
+@pytest.mark.parametrize("k,distributed", [(None, False), (1, True)],
+                         ids=["1f1b-adamw", "interleaved-distributed-optimizer"])
 def test_sequence_parallel_full_step_trains_like_one_process(pools, k, distributed):
     """t = p = d = 2 with GradBuffer summing the norms' gradients over the
     tensor group before the data-parallel reduction: five AdamW steps,
@@ -133,3 +139,99 @@ def test_resume_is_bitwise_exact(pools, tmp_path):
     for got, expected, same_weights, _ in pools(8).run(test_checkpoint._resume_same_layout,
                                                        str(tmp_path), {}, True):
         assert got == expected and same_weights
+
+
+def _leg(rank, save, t, p, d, sequence_parallel, start, extra):
+    ctx = ParallelContext.build(RankGrid(tp=t, dp=d, pp=p))
+    config = test_ptdp_step._config(t, p, d, None, MODELS["llama"], sequence_parallel,
+                                    train_iters=6, **extra)
+    trainer = Trainer(config, ctx, torch.device("cpu"), start=start)
+    if start[0]:
+        trainer.load(save)
+    losses = [trainer.step(i)[0]["loss"] for i in range(start[0], start[0] + 2)]
+    trainer.save(save, start[0] + 2)
+    return losses
+
+
+def test_checkpoints_reshard_with_and_without_sequence_parallelism(pools, tmp_path):
+    """A Llama-style model, two steps in each of three layouts: d = 2 without
+    sequence parallelism, t = 4 with it, t = p = 2 with it and the distributed
+    optimizer: the losses continue one process's."""
+    serial = Trainer(test_ptdp_step._config(model=MODELS["llama"], train_iters=6),
+                     ParallelContext.single(), torch.device("cpu"))
+    expected = [serial.step(i)[0]["loss"] for i in range(6)]
+    got, start = [], (0, 0)
+    for t, p, d, sequence_parallel, extra in ((1, 1, 2, False, {}), (4, 1, 1, True, {}),
+                                              (2, 2, 1, True, {})):
+        results = pools(t * p * d).run(_leg, str(tmp_path), t, p, d, sequence_parallel, start, extra)
+        got += [r for r in results if r[0] is not None][-1]
+        metadata = read_metadata(resolve(tmp_path))
+        start = (metadata["iteration"], metadata["consumed_samples"])
+    assert got == pytest.approx(expected, rel=1e-5)
+
+
+def _low_precision(rank, flags):
+    ctx = ParallelContext.build(RankGrid(tp=2, dp=1, pp=1))
+    losses = []
+    for sequence_parallel in (False, True):
+        config = test_ptdp_step._config(2, 1, 1, None, test_ptdp_step.MODEL, sequence_parallel,
+                                        train_iters=4, **flags)
+        trainer = Trainer(config, ctx, torch.device("cpu"))
+        losses.append([trainer.step(i)[0]["loss"] for i in range(4)])
+    return losses
+
+
+@pytest.mark.parametrize("flags", [dict(bf16=True), dict(fp16=True, initial_loss_scale=2.0 ** 12)],
+                         ids=["bf16", "fp16"])
+def test_sequence_parallel_in_bf16_and_fp16(pools, flags):
+    """t = 2, four steps: with and without sequence parallelism the losses
+    agree to the precision's rounding (the sums are split differently)."""
+    without, with_sp = pools(2).run(_low_precision, flags)[0]
+    assert with_sp == pytest.approx(without, rel=1e-2)
+    assert with_sp[-1] < with_sp[0]
+
+
+COMMON = ["--mock-data", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+          "--seq-length", "32", "--vocab-size", "500", "--make-vocab-size-divisible-by", "16",
+          "--hidden-dropout", "0", "--attention-dropout", "0", "--micro-batch-size", "2",
+          "--global-batch-size", "8", "--train-iters", "4", "--lr", "3e-3", "--seed", "5",
+          "--eval-interval", "2", "--eval-iters", "1"]
+
+
+def _run(*args):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "ptdp", *args], capture_output=True, text=True,
+                            env=env, timeout=900)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def test_train_evaluate_save_and_generate_from_the_command_line(tmp_path):
+    """`ptdp train --sequence-parallel` at t = p = 2: the training and
+    validation losses of one process; its checkpoint generates what the
+    one-process checkpoint generates, on one process and at t = 2."""
+    outputs = {}
+    for name, layout in (("serial", []), ("sp", ["-t", "2", "-p", "2", "--sequence-parallel"])):
+        metrics = tmp_path / f"{name}.jsonl"
+        _run("train", *COMMON, *layout, "--metrics-file", str(metrics),
+             "--save", str(tmp_path / name))
+        outputs[name] = [json.loads(line) for line in metrics.read_text().splitlines()]
+    for got, want in zip(outputs["sp"], outputs["serial"]):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+        assert ("val_loss" in got) == ("val_loss" in want)
+        if "val_loss" in want:
+            assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5)
+    assert sum("val_loss" in r for r in outputs["sp"]) == 2
+    generate = ["generate", "--prompt", "1 2 3", "--max-new-tokens", "6", "--temperature", "0"]
+    expected = _run(*generate, "--load", str(tmp_path / "serial"))
+    assert _run(*generate, "--load", str(tmp_path / "sp")) == expected
+    assert _run(*generate, "--load", str(tmp_path / "sp"), "-t", "2") == expected
+
+
+def test_invalid_layouts_are_refused_before_launch(tmp_path):
+    for layout, message in ((["--sequence-parallel"], "needs --tensor-model-parallel-size > 1"),
+                            (["-t", "2", "--sequence-parallel", "--seq-length", "33"],
+                             "--seq-length 33 divisible by --tensor-model-parallel-size 2")):
+        result = subprocess.run([sys.executable, "-m", "ptdp", "train", *COMMON, *layout],
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode != 0 and message in result.stderr, result.stderr
