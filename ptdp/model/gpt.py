@@ -53,8 +53,8 @@ from ptdp.parallel.tensor import (
     VocabParallelEmbedding,
     copy_to_tensor_region,
     mark_partial_grad,
+    reduce_scatter_to_sequence_region,
     scaled_init_std,
-    scatter_to_sequence_region,
     sequence_parallel_linear,
     vocab_parallel_cross_entropy,
 )
@@ -91,22 +91,33 @@ class Embedding(nn.Module):
         if not config.rope:  # rotary positions act in attention instead
             self.position_embeddings = nn.Embedding(config.max_positions, config.hidden_size)
             set_init(self.position_embeddings.weight, "normal", config.init_method_std)
+            if sequence_parallel:  # each rank looks up its own positions' rows
+                mark_partial_grad(self.position_embeddings.weight)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [b, s] -> hidden [s, b, h]."""
+        """tokens [b, s] -> hidden [s, b, h] ([s/t, b, h] under sequence parallelism)."""
+        if self.sequence_parallel:
+            return self._sequence_parallel_forward(tokens)
         x = self.word_embeddings(tokens)
         if hasattr(self, "position_embeddings"):
             x = x + self.position_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
-        x = x.transpose(0, 1).contiguous()
-        if self.sequence_parallel:
-            # Each tensor rank keeps its own positions and drops from its own stream.
-            x = scatter_to_sequence_region(x, self.ctx.tp_group)
-            with self.rng.fork("tensor"):
-                return self.dropout(x)
         # Replicated activation: the default stream drops the same elements on
         # every tensor rank.
-        return self.dropout(x)
+        return self.dropout(x.transpose(0, 1).contiguous())
+
+    def _sequence_parallel_forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The vocabulary-parallel lookup's parts reduce-scattered straight to
+        s/t positions (half an all-reduce's traffic), then this rank's
+        positions added and dropped from its own stream."""
+        partial = self.word_embeddings.partial(tokens).transpose(0, 1).contiguous()
+        x = reduce_scatter_to_sequence_region(partial, self.ctx.tp_group)
+        if hasattr(self, "position_embeddings"):
+            first = self.ctx.tp_rank * x.shape[0]
+            positions = torch.arange(first, first + x.shape[0], device=tokens.device)
+            x = x + self.position_embeddings(positions).unsqueeze(1)
+        with self.rng.fork("tensor"):
+            return self.dropout(x)
 
 
 class Attention(nn.Module):

@@ -132,27 +132,6 @@ def _reduce_scatter_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
     return out
 
 
-def _split_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    if x.shape[0] % size:
-        raise ValueError(f"sequence length {x.shape[0]} is not divisible by the tensor-parallel "
-                         f"size {size}")
-    return x.chunk(size, dim=0)[rank].contiguous()
-
-
-class _ScatterToSequenceRegion(torch.autograd.Function):
-    """Keep own s/t positions forward, all-gather backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_sequence(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_sequence(grad, ctx.group), None
-
-
 class _GatherFromSequenceRegion(torch.autograd.Function):
     """All-gather the sequence forward; reduce-scatter backward (the region
     it feeds is tensor-parallel: each rank's gradient is a partial sum)."""
@@ -210,10 +189,6 @@ def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.
                              group: Any) -> torch.Tensor:
     """[s/t, b, h] -> [s, b, out/t]: the sequence gathered into a column-parallel product."""
     return _SequenceParallelLinear.apply(x, weight, bias, group)
-
-
-def scatter_to_sequence_region(x: torch.Tensor, group: Any) -> torch.Tensor:
-    return x if group is None else _ScatterToSequenceRegion.apply(x, group)
 
 
 def gather_from_sequence_region(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -397,12 +372,16 @@ class VocabParallelEmbedding(nn.Module):
             padded_size=padded_vocab_size))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return reduce_from_tensor_region(self.partial(tokens), self.group)
+
+    def partial(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the lookup: the rows it holds, zeros elsewhere
+        (the tensor group's parts sum to the embedding)."""
         if self.group is None:
             return F.embedding(tokens, self.weight)
         outside = (tokens < self.vocab_start) | (tokens >= self.vocab_end)
         local_tokens = (tokens - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local_tokens, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tensor_region(out, self.group)
+        return F.embedding(local_tokens, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
 
     def mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
         """Set the logits of padding entries to -inf, so the padding never

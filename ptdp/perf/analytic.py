@@ -150,7 +150,7 @@ Communication: see `communication_per_rank`.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Iterator
+from typing import Any, Iterator, NamedTuple
 
 from ptdp.config import ModelConfig, TrainConfig
 from ptdp.parallel.pipeline.schedules import (
@@ -159,7 +159,7 @@ from ptdp.parallel.pipeline.schedules import (
     forward_order,
     warmup_forwards,
 )
-from ptdp.perf.layout import Layout, Workload
+from ptdp.perf.layout import BYTES_PER_ELEMENT, Layout, Workload
 from ptdp.train.report import model_flops_per_iteration
 
 KERNELS = ("cuda", "cpu")
@@ -183,21 +183,44 @@ def _linear_parameters(weight: int, bias: int, model: ModelConfig) -> list[int]:
     return [weight, bias] if model.bias else [weight]
 
 
-def _layer_parameters(model: ModelConfig, t: int = 1) -> list[int]:
+class Param(NamedTuple):
+    """One parameter of one tensor rank as the gradient buffer sees it."""
+    numel: int
+    tied: bool = False      # a tied word embedding: GradBuffer gives it a bucket of its own
+    partial: bool = False   # sequence parallelism: its gradient is summed over the tensor group
+
+
+def _layer_parameter_list(model: ModelConfig, t: int = 1,
+                          sequence_parallel: bool = False) -> list[Param]:
     """One transformer layer's parameters on one tensor rank, in module order:
     norm 1, QKV, dense, norm 2, h→f, f→h (each linear layer's weight, then
     its bias). Column-parallel weights and biases (QKV, h→f) and row-parallel
-    weights are split over t; norms and row-parallel biases are whole."""
+    weights are split over t; norms and row-parallel biases are whole, and
+    under sequence parallelism they see s/t positions per rank, so their
+    gradients are partial (summed over the tensor group once per iteration)."""
     h, f, d = model.hidden_size, model.ffn_size, model.head_dim
     qkv = (model.num_attention_heads + 2 * model.query_groups) * d   # queries, keys, values
     context = model.num_attention_heads * d                          # the dense layer's input
     up = (2 if model.swiglu else 1) * f                              # SwiGLU: gate and up
-    return (_norm_parameters(model)
-            + _linear_parameters(qkv * h // t, qkv // t, model)
-            + _linear_parameters(h * context // t, h, model)
-            + _norm_parameters(model)
-            + _linear_parameters(up * h // t, up // t, model)
-            + _linear_parameters(h * f // t, h, model))
+    sp = sequence_parallel
+
+    def norm() -> list[Param]:
+        return [Param(n, partial=sp) for n in _norm_parameters(model)]
+
+    def linear(weight: int, bias: int, replicated_bias: bool) -> list[Param]:
+        weight_and_bias = _linear_parameters(weight, bias, model)
+        return [Param(weight)] + [Param(bias, partial=sp and replicated_bias)
+                                  for bias in weight_and_bias[1:]]
+
+    return (norm() + linear(qkv * h // t, qkv // t, False)
+            + linear(h * context // t, h, True)
+            + norm() + linear(up * h // t, up // t, False)
+            + linear(h * f // t, h, True))
+
+
+def _layer_parameters(model: ModelConfig, t: int = 1) -> list[int]:
+    """The elements of `_layer_parameter_list`, in module order."""
+    return [param.numel for param in _layer_parameter_list(model, t)]
 
 
 def _position_parameters(model: ModelConfig) -> int:
@@ -226,43 +249,45 @@ def paper_parameter_count(model: ModelConfig) -> int:
 
 
 def _stage_parameters(model: ModelConfig, t: int, layers: int, first: bool, last: bool,
-                      shared_word: bool) -> list[tuple[int, bool]]:
-    """(elements, tied) of every parameter of one virtual stage on one tensor
-    rank, in the order the model lists them: embeddings (first stage),
-    layers, final norm, then (last stage) the untied output layer or a later
-    stage's copy of the tied word embedding. `shared_word`: the word
-    embedding is shared with another stage (tied, p > 1), so GradBuffer
-    keeps it in a bucket of its own."""
+                      shared_word: bool, sequence_parallel: bool = False) -> list[Param]:
+    """Every parameter of one virtual stage on one tensor rank, in the order
+    the model lists them: embeddings (first stage), layers, final norm, then
+    (last stage) the untied output layer or a later stage's copy of the tied
+    word embedding. `shared_word`: the word embedding is shared with another
+    stage (tied, p > 1), so GradBuffer keeps it in a bucket of its own.
+    Under sequence parallelism the position table (each rank looks up its
+    own positions), the norms and the row-parallel biases are partial."""
     word = model.padded_vocab_size(t) * model.hidden_size // t
-    params: list[tuple[int, bool]] = []
+    sp = sequence_parallel
+    params: list[Param] = []
     if first:
-        params.append((word, shared_word))
+        params.append(Param(word, tied=shared_word))
         if not model.rope:
-            params.append((_position_parameters(model), False))
-    params += [(n, False) for _ in range(layers) for n in _layer_parameters(model, t)]
+            params.append(Param(_position_parameters(model), partial=sp))
+    params += [param for _ in range(layers) for param in _layer_parameter_list(model, t, sp)]
     if last:
-        params += [(n, False) for n in _norm_parameters(model)]
+        params += [Param(n, partial=sp) for n in _norm_parameters(model)]
         if not model.tied_output:
-            params.append((word, False))          # output_layer, vocabulary-parallel
+            params.append(Param(word))                    # output_layer, vocabulary-parallel
         elif not first:
-            params.append((word, True))           # the tied copy
+            params.append(Param(word, tied=True))         # the tied copy
     return params
 
 
-def _rank_parameters(model: ModelConfig, layout: Layout, rank: int) -> list[tuple[int, bool]]:
-    """(elements, tied) of every parameter of pipeline rank `rank` on one
-    tensor rank, in the order the Trainer lists them (chunk by chunk; in a
-    chunk: embeddings, layers, final norm, the output layer or the tied
-    copy). `tied` marks a word embedding that GradBuffer keeps in a bucket
-    of its own (tied output layer and p > 1: the copies of the first and last
-    stage)."""
+def _rank_parameters(model: ModelConfig, layout: Layout, rank: int) -> list[Param]:
+    """Every parameter of pipeline rank `rank` on one tensor rank, in the
+    order the Trainer lists them (chunk by chunk; in a chunk: embeddings,
+    layers, final norm, the output layer or the tied copy). `tied` marks a
+    word embedding that GradBuffer keeps in a bucket of its own (tied output
+    layer and p > 1: the copies of the first and last stage)."""
     t, p, v = layout.t, layout.p, layout.v
     per_chunk = model.num_layers // (p * v)
     shared = model.tied_output and p > 1
-    params: list[tuple[int, bool]] = []
+    params: list[Param] = []
     for chunk in range(v):
         stage = chunk * p + rank
-        params += _stage_parameters(model, t, per_chunk, stage == 0, stage == p * v - 1, shared)
+        params += _stage_parameters(model, t, per_chunk, stage == 0, stage == p * v - 1, shared,
+                                    layout.splits_sequence)
     return params
 
 
@@ -271,7 +296,8 @@ def parameters_per_rank(model: ModelConfig, layout: Layout) -> list[int]:
     data rank of a pipeline rank holds as many); includes the last stage's
     copy of the tied word embedding (or its untied output layer) and the
     vocabulary padding."""
-    return [sum(n for n, _ in _rank_parameters(model, layout, r)) for r in range(layout.p)]
+    return [sum(param.numel for param in _rank_parameters(model, layout, r))
+            for r in range(layout.p)]
 
 
 def parameters_per_device(model: ModelConfig, layout: Layout) -> int:
@@ -279,22 +305,41 @@ def parameters_per_device(model: ModelConfig, layout: Layout) -> int:
     return max(parameters_per_rank(model, layout))
 
 
-def _buckets(model: ModelConfig, layout: Layout, rank: int, bucket_size: int) -> list[int]:
-    """Sizes of GradBuffer's buckets on pipeline rank `rank` before padding:
-    parameters in reverse order, a bucket closed once it reaches
-    `bucket_size` elements, each tied word embedding a bucket of its own."""
-    sizes, current = [], 0
-    for numel, tied in reversed(_rank_parameters(model, layout, rank)):
-        if tied:
-            sizes.append(numel)
+def _cut_buckets(model: ModelConfig, layout: Layout, rank: int,
+                 bucket_size: int) -> list[tuple[int, int]]:
+    """(elements, partial elements) of GradBuffer's buckets on pipeline rank
+    `rank` before padding: parameters in reverse order, a bucket closed once
+    it reaches `bucket_size` elements, each tied word embedding a bucket of
+    its own. Partial elements: the gradients a bucket sums over the tensor
+    group first (sequence parallelism)."""
+    cut, size, partial = [], 0, 0
+    for param in reversed(_rank_parameters(model, layout, rank)):
+        if param.tied:
+            cut.append((param.numel, 0))
             continue
-        current += numel
-        if current >= bucket_size:
-            sizes.append(current)
-            current = 0
-    if current:
-        sizes.append(current)
-    return sizes
+        size += param.numel
+        partial += param.numel if param.partial else 0
+        if size >= bucket_size:
+            cut.append((size, partial))
+            size = partial = 0
+    if size:
+        cut.append((size, partial))
+    return cut
+
+
+def _buckets(model: ModelConfig, layout: Layout, rank: int, bucket_size: int) -> list[int]:
+    """Sizes of GradBuffer's buckets on pipeline rank `rank` before padding."""
+    return [size for size, _ in _cut_buckets(model, layout, rank, bucket_size)]
+
+
+def partial_gradient_buckets(model: ModelConfig, layout: Layout, rank: int,
+                             bucket_size: int | None = None) -> list[int]:
+    """Under sequence parallelism, the elements each bucket of pipeline rank
+    `rank` all-reduces over the tensor group before its data-parallel
+    reduction (one fp32 all-reduce per bucket that holds partial gradients:
+    norms, row-parallel biases, the position table); empty otherwise."""
+    bucket_size = bucket_size or TrainConfig().ddp_bucket_size
+    return [partial for _, partial in _cut_buckets(model, layout, rank, bucket_size) if partial]
 
 
 def buffer_elements(model: ModelConfig, layout: Layout, rank: int,
@@ -391,30 +436,67 @@ def _ring(n: int, elements: float) -> float:
     return 2 * (n - 1) / n * elements
 
 
+def tensor_collectives_per_layer(workload: Workload, layout: Layout) -> dict[str, int]:
+    """Collectives of b·s·h elements in the tensor group per layer and
+    microbatch, by kind ("all_reduce", "all_gather", "reduce_scatter").
+
+    Without sequence parallelism, all-reduces: g after attention and after
+    the MLP in forward, f's before QKV and before the MLP in backward (4);
+    full recomputation repeats the forward's g's in backward: both when
+    hidden dropout is on, only the attention's when it is off (the
+    non-reentrant checkpoint stops once every saved tensor is rebuilt; the
+    MLP's second GEMM and its all-reduce only feed the hidden-dropout mask).
+
+    With sequence parallelism, forward: an all-gather of the sequence into
+    QKV and into the MLP, a reduce-scatter out of the attention's dense layer
+    and out of the MLP (2 + 2, the volume of the 2 all-reduces). Backward:
+    the column-parallel layers' input gradients reduce-scattered (2), the
+    row-parallel layers' output gradients all-gathered (2), and the two
+    column-parallel layers' saved s/t input slices all-gathered again for
+    their weight gradients (2 more): 4 all-gathers and 2 reduce-scatters.
+    Full recomputation adds the recomputed forward's two all-gathers and
+    its reduce-scatters: both with hidden dropout, the attention's alone
+    without (the same early stop).
+
+    Selective recomputation rebuilds only the attention core, which has no
+    communication."""
+    dropout = workload.model.hidden_dropout > 0
+    full = layout.recompute == "full"
+    if not layout.splits_sequence:
+        return {"all_reduce": 4 + ((2 if dropout else 1) if full else 0),
+                "all_gather": 0, "reduce_scatter": 0}
+    return {"all_reduce": 0,
+            "all_gather": 2 + 4 + (2 if full else 0),
+            "reduce_scatter": 2 + 2 + ((2 if dropout else 1) if full else 0)}
+
+
 def tensor_all_reduces_per_layer(workload: Workload, layout: Layout) -> int:
-    """All-reduces of [s, b, h] per layer and microbatch: g after attention
-    and after the MLP in forward, f's before QKV and before the MLP in
-    backward (4); full recomputation repeats the forward's g's in backward:
-    both when hidden dropout is on, only the attention's when it is off
-    (the non-reentrant checkpoint stops once every saved tensor is rebuilt;
-    the MLP's second GEMM and its all-reduce only feed the hidden-dropout
-    mask). Selective recomputation rebuilds only the attention core, which
-    has no communication."""
-    extra = 0
-    if layout.recompute == "full":
-        extra = 2 if workload.model.hidden_dropout > 0 else 1
-    return 4 + extra
+    """All-reduces of [s, b, h] per layer and microbatch (none under
+    sequence parallelism): see `tensor_collectives_per_layer`."""
+    return tensor_collectives_per_layer(workload, layout)["all_reduce"]
+
+
+def _tensor_bytes_sent(t: int, elements: float, collectives: dict[str, int], e: int) -> float:
+    """Bytes one rank sends for these ring collectives of `elements` each:
+    2·(t−1)/t of them per all-reduce, (t−1)/t per all-gather or
+    reduce-scatter."""
+    halves = 2 * collectives["all_reduce"] + collectives["all_gather"] + collectives["reduce_scatter"]
+    return halves * (t - 1) / t * elements * e
 
 
 def tensor_traffic_per_layer(workload: Workload, layout: Layout) -> float:
-    """Bytes one device sends for the tensor-parallel all-reduces of one
+    """Bytes one device sends for the tensor-parallel collectives of one
     layer and one microbatch: 4 ring all-reduces of b·s·h elements,
     4·2·(t−1)/t·b·s·h = PAPER.md's 8·b·s·h·(t−1)/t elements, times e
-    (×6/4 with full recomputation and hidden dropout)."""
+    (×6/4 with full recomputation and hidden dropout). Under sequence
+    parallelism the forward's 4 all-gathers and reduce-scatters move what
+    its 2 all-reduces did, and the backward's 2 re-gathers add 2 halves:
+    10·b·s·h·(t−1)/t elements (14 with full recomputation and hidden
+    dropout, 13 without)."""
     model = workload.model
     sbh = model.seq_length * layout.b * model.hidden_size
-    return (tensor_all_reduces_per_layer(workload, layout) * _ring(layout.t, sbh)
-            * workload.bytes_per_element)
+    return _tensor_bytes_sent(layout.t, sbh, tensor_collectives_per_layer(workload, layout),
+                              workload.bytes_per_element)
 
 
 def communication_per_rank(workload: Workload, layout: Layout, *,
@@ -422,18 +504,30 @@ def communication_per_rank(workload: Workload, layout: Layout, *,
     """Bytes one device of each pipeline rank sends per iteration (a ring
     collective receives as much as it sends), by kind:
 
-    tensor     all-reduces in the tensor group: per layer and microbatch
+    tensor     collectives in the tensor group: per layer and microbatch
                `tensor_traffic_per_layer`; the first stage adds the
-               vocabulary-parallel embedding's g (one of s·b·h), the last
-               stage the output layer's f (one of s·b·h, backward) and the
-               cross entropy's three of s·b fp32 (max, target logit, sum of
-               exponentials).
+               vocabulary-parallel embedding's g (one all-reduce of s·b·h;
+               under sequence parallelism a reduce-scatter forward and its
+               all-gather backward, the same volume), the last stage the
+               output layer's f (one all-reduce of s·b·h, backward; under
+               sequence parallelism an all-gather forward, a reduce-scatter
+               and the re-gather of the saved slice backward: 3 halves) and
+               the cross entropy's three all-reduces of s·b fp32 (max,
+               target logit, sum of exponentials).
+    tensor_gradients
+               sequence parallelism only: the partial gradients (norms,
+               row-parallel biases, the position table) summed over the
+               tensor group once per iteration, fp32, one all-reduce per
+               bucket that holds them: 2·(t−1)/t·4 bytes per element.
     pipeline   point-to-point sends: per microbatch and chunk, the output
                activation (unless last virtual stage) and the input gradient
-               (unless first): b·s·h·e each, b·s·h·e/t with scatter/gather.
+               (unless first): b·s·h·e each, b·s·h·e/t with scatter/gather
+               or sequence parallelism (each rank's own s/t positions).
     pipeline_all_gather
                scatter/gather's all-gather of every received tensor in the
-               tensor group: (t−1)/t·b·s·h·e sent per received tensor.
+               tensor group: (t−1)/t·b·s·h·e sent per received tensor. None
+               under sequence parallelism: the slice is what the next stage
+               computes on.
     data       the gradient reduction over d replicas, once per iteration,
                fp32: ring all-reduce 2·(d−1)/d·N·4; distributed optimizer:
                reduce-scatter (d−1)/d·N·4 plus the all-gather of updated
@@ -450,8 +544,11 @@ def communication_per_rank(workload: Workload, layout: Layout, *,
     s, h = model.seq_length, model.hidden_size
     sbh, sb = s * b * h, s * b
     per_chunk = model.num_layers // (p * v)
-    split = layout.scatter_gather and t > 1
     layer = tensor_traffic_per_layer(workload, layout)
+    sent = sbh / t if layout.sends_slices else sbh
+    output_layer = ({"all_reduce": 0, "all_gather": 2, "reduce_scatter": 1}
+                    if layout.splits_sequence else {"all_reduce": 1, "all_gather": 0,
+                                                    "reduce_scatter": 0})
     word = model.padded_vocab_size(t) * h // t
     results = []
     for rank in range(p):
@@ -465,11 +562,13 @@ def communication_per_rank(workload: Workload, layout: Layout, *,
             if first:
                 tensor += m * _ring(t, sbh) * e
             if last:
-                tensor += m * (_ring(t, sbh) * e + 3 * _ring(t, sb) * FP32)
+                tensor += m * (_tensor_bytes_sent(t, sbh, output_layer, e)
+                               + 3 * _ring(t, sb) * FP32)
             transfers = (not last) + (not first)   # sends; receives are as many
-            pipeline += m * transfers * (sbh / t if split else sbh) * e
-            if split:
+            pipeline += m * transfers * sent * e
+            if layout.gathers_received:
                 gathered += m * transfers * (t - 1) / t * sbh * e
+        partial = sum(partial_gradient_buckets(model, layout, rank, bucket_size))
         n = buffer_elements(model, layout, rank, bucket_size)
         if d == 1:
             data = 0.0
@@ -481,7 +580,8 @@ def communication_per_rank(workload: Workload, layout: Layout, *,
         if p > 1 and holds_word and model.tied_output:
             padded = -(-word // d) * d if layout.distributed_optimizer else word
             embedding = _ring(2, padded) * FP32
-        volume = {"tensor": tensor, "pipeline": pipeline, "pipeline_all_gather": gathered,
+        volume = {"tensor": tensor, "tensor_gradients": _ring(t, partial) * FP32,
+                  "pipeline": pipeline, "pipeline_all_gather": gathered,
                   "data": data, "embedding": embedding}
         volume["total"] = sum(volume.values())
         results.append(volume)
@@ -530,9 +630,14 @@ def activation_bytes(workload: Workload, layout: Layout, *,
     s, h, a, f = model.seq_length, model.hidden_size, model.num_attention_heads, model.ffn_size
     g, d = model.query_groups, model.head_dim
     sbh, sb = s * b * h, s * b
+    # Positions a rank holds outside the tensor-parallel regions (norms,
+    # dropout, residual adds, the column-parallel layers' saved inputs):
+    # all s, or its own s/t under sequence parallelism.
+    rows = sb // t if layout.splits_sequence else sb
+    outside = rows * h
     cpu = kernels == "cpu"
     mask = (e if cpu else 1) if model.hidden_dropout > 0 else 0   # bytes per masked element
-    norm = _norm_saved_bytes(model, sb, e, cpu)
+    norm = _norm_saved_bytes(model, rows, e, cpu)
     # What the attention core keeps of q, k and v: the QKV output (q, k and
     # v are views of it; grouped queries shrink k and v to g heads) and,
     # with rotary embeddings, the rotated q and k (new tensors; v stays a
@@ -543,9 +648,9 @@ def activation_bytes(workload: Workload, layout: Layout, *,
     mlp_saved = 3 if model.swiglu else 2   # GeLU: its input, output; SwiGLU: [gate | up], output
 
     if layout.recompute == "full":
-        layer = sbh * e
+        layer = outside * e
     else:
-        layer = (2 * sbh * e + 2 * norm + 2 * sbh * mask
+        layer = (2 * outside * e + 2 * norm + 2 * outside * mask
                  + a * d * sb // t * e + mlp_saved * s * b * f // t * e)
         if layout.recompute == "selective":
             layer += qkv
@@ -557,20 +662,55 @@ def activation_bytes(workload: Workload, layout: Layout, *,
             layer += qkv + (a // t) * s * b * FP32
 
     tokens = INT64 * b * (s + 1) if t == 1 else INT64 * sb + sb
-    positions = 0 if model.rope else INT64 * s
-    embedding = tokens + positions + sbh * mask
+    positions = 0 if model.rope else INT64 * (s // t if layout.splits_sequence else s)
+    embedding = tokens + positions + outside * mask
     padded = model.padded_vocab_size(t)
-    output = (norm + sbh * e + FP32 * sb * padded // t + INT64 * sb + sb
+    output = (norm + outside * e + FP32 * sb * padded // t + INT64 * sb + sb
               + (padded // t if padded > model.vocab_size else 0))
     tables = 2 * s * d * e if model.rope else 0
     return {"layer": layer, "embedding": embedding, "output": output, "rotary_tables": tables}
 
 
-def korthikanti_activation_bytes_per_layer(model: ModelConfig, b: int, t: int = 1) -> float:
-    """Reference (Korthikanti et al. 2022, Megatron's fp16 layer, no
-    sequence parallelism): s·b·h·(10 + 24/t + 5·a·s/(h·t)); 34 + 5as/h at t = 1."""
+def korthikanti_activation_bytes_per_layer(model: ModelConfig, b: int, t: int = 1, *,
+                                           sequence_parallel: bool = False) -> float:
+    """Reference (Korthikanti et al. 2022, Megatron's fp16 layer):
+    s·b·h·(10 + 24/t + 5·a·s/(h·t)), 34 + 5as/h at t = 1; with sequence
+    parallelism the replicated 10 is split too: s·b·h·(34/t + 5·a·s/(h·t))."""
     s, h, a = model.seq_length, model.hidden_size, model.num_attention_heads
-    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+    replicated = 10 / t if sequence_parallel else 10
+    return s * b * h * (replicated + 24 / t + 5 * a * s / (h * t))
+
+
+def _precision(dtype: Any) -> str:
+    """"fp32", "bf16" or "fp16" from those names, torch's dtype names
+    ("float32", "bfloat16", "float16") or a torch.dtype."""
+    name = str(dtype).removeprefix("torch.")
+    name = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16",
+            "half": "fp16"}.get(name, name)
+    if name not in BYTES_PER_ELEMENT:
+        raise ValueError(f"dtype {dtype!r}: use fp32, bf16 or fp16")
+    return name
+
+
+def layer_activation_bytes(model: ModelConfig, b: int, t: int = 1, *,
+                           sequence_parallel: bool = False, recompute: str | None = None,
+                           dtype: Any = "bf16", kernels: str = "cpu") -> int:
+    """Bytes one transformer layer's forward saves for its backward on one
+    tensor rank, per microbatch of `b` sequences of `model.seq_length`: what
+    saved-tensor hooks (ptdp.perf.saved.SavedTensorBytes) measure around one
+    layer built with `GPT(..., pre_process=False, post_process=False,
+    sequence_parallel=...)`. `recompute`: None, "selective" or "full";
+    `dtype`: "fp32", "bf16", "fp16" or a torch.dtype; `kernels`: "cpu"
+    (eager PyTorch, exact on torch 2.13) or "cuda" (derived). With rotary
+    embeddings it includes the layer's cos and sin tables (2·s·d·e) unless
+    the layer is fully recomputed (the checkpoint keeps only its input);
+    `memory_per_rank` counts those once per layer, not per microbatch."""
+    layout = Layout(t=t, b=b, recompute=recompute, sequence_parallel=sequence_parallel)
+    problems = layout.valid_for(model, global_batch=b)
+    if problems:
+        raise ValueError("; ".join(problems))
+    figures = activation_bytes(Workload(model, b, _precision(dtype)), layout, kernels=kernels)
+    return figures["layer"] + (figures["rotary_tables"] if recompute != "full" else 0)
 
 
 def memory_per_rank(workload: Workload, layout: Layout, *, kernels: str = "cuda",

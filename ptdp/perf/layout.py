@@ -27,6 +27,9 @@ class Layout:
     distributed_optimizer: bool = False
     scatter_gather: bool = True
     schedule: str = "1f1b"          # "gpipe" or "1f1b" when v == 1; interleaved when v > 1
+    # --sequence-parallel: the activations outside the tensor-parallel
+    # regions split over the t ranks along the sequence (t > 1, s % t == 0).
+    sequence_parallel: bool = False
 
     @property
     def devices(self) -> int:
@@ -35,6 +38,25 @@ class Layout:
     @property
     def schedule_kind(self) -> str:
         return "interleaved" if self.v > 1 else self.schedule
+
+    @property
+    def splits_sequence(self) -> bool:
+        """Sequence parallelism in effect (it means nothing with t = 1)."""
+        return self.sequence_parallel and self.t > 1
+
+    @property
+    def sends_slices(self) -> bool:
+        """Whether each tensor rank sends only 1/t of a stage boundary's
+        activation: scatter/gather, or sequence parallelism (its own s/t
+        positions, whatever scatter_gather says)."""
+        return self.t > 1 and (self.scatter_gather or self.sequence_parallel)
+
+    @property
+    def gathers_received(self) -> bool:
+        """Whether the receiving tensor group all-gathers what arrives:
+        scatter/gather only; under sequence parallelism the slice is what the
+        next stage computes on."""
+        return self.t > 1 and self.scatter_gather and not self.sequence_parallel
 
     def microbatches(self, global_batch: int) -> int:
         """m = B / (b·d) microbatches per pipeline per iteration."""
@@ -58,6 +80,11 @@ class Layout:
         elif self.v > 1 and self.microbatches(global_batch) % self.p:
             problems.append(f"interleaving needs m={self.microbatches(global_batch)} to be a "
                             f"multiple of p={self.p}")
+        if self.sequence_parallel and self.t == 1:
+            problems.append("sequence parallelism needs t > 1")
+        elif self.sequence_parallel and model.seq_length % self.t:
+            problems.append(f"sequence parallelism needs t={self.t} to divide the sequence "
+                            f"length {model.seq_length}")
         if self.recompute not in RECOMPUTE_KINDS:
             problems.append(f"unknown recomputation {self.recompute!r}")
         return problems
@@ -79,6 +106,8 @@ class Layout:
                       "--recompute-num-layers", "1"]
         elif self.recompute == "selective":
             flags += ["--recompute-granularity", "selective"]
+        if self.sequence_parallel:
+            flags.append("--sequence-parallel")
         if self.distributed_optimizer:
             flags.append("--use-distributed-optimizer")
         if not self.scatter_gather:
