@@ -16,9 +16,11 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def all_gather_flat(output: torch.Tensor, tensor: torch.Tensor, group: Any) -> None:
-    """output (size·n) <- every rank's tensor (n), in rank order."""
-    _all_gather(output, tensor, group=group)
+def all_gather_flat(output: torch.Tensor, tensor: torch.Tensor, group: Any,
+                    async_op: bool = False):
+    """output (size·n) <- every rank's tensor (n), in rank order (a handle to
+    wait on with `async_op`)."""
+    return _all_gather(output, tensor, group=group, async_op=async_op)
 
 
 def reduce_scatter_flat(output: torch.Tensor, tensor: torch.Tensor, group: Any,

@@ -112,38 +112,26 @@ class _ScatterToTensorRegion(torch.autograd.Function):
         return _gather_last_dim(grad, ctx.group), None
 
 
-def _gather_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """[s/t, ...] on each rank -> [s, ...], in rank order."""
+def _gather_sequence(x: torch.Tensor, group: Any, async_op: bool = False):
+    """[s/t, ...] on each rank -> [s, ...], in rank order; with `async_op`
+    (the output, a handle to wait on before reading it)."""
     x = x.contiguous()
     out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
-    all_gather_flat(out, x, group)
-    return out
+    handle = all_gather_flat(out, x, group, async_op=async_op)
+    return (out, handle) if async_op else out
 
 
-def _reduce_scatter_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """[s, ...] partial sums on each rank -> this rank's [s/t, ...] of the sum."""
+def _reduce_scatter_sequence(x: torch.Tensor, group: Any, async_op: bool = False):
+    """[s, ...] partial sums on each rank -> this rank's [s/t, ...] of the
+    sum; with `async_op` (the output, a handle or None when already done)."""
     size = dist.get_world_size(group)
     if x.shape[0] % size:
         raise ValueError(f"sequence length {x.shape[0]} is not divisible by the tensor-parallel "
                          f"size {size}")
     x = x.contiguous()
     out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
-    reduce_scatter_flat(out, x, group)
-    return out
-
-
-class _GatherFromSequenceRegion(torch.autograd.Function):
-    """All-gather the sequence forward; reduce-scatter backward (the region
-    it feeds is tensor-parallel: each rank's gradient is a partial sum)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_sequence(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_sequence(grad, ctx.group), None
+    handle = reduce_scatter_flat(out, x, group, async_op=async_op)
+    return (out, handle) if async_op else out
 
 
 class _ReduceScatterToSequenceRegion(torch.autograd.Function):
@@ -165,7 +153,10 @@ class _SequenceParallelLinear(torch.autograd.Function):
     Saves x, this rank's [s/t, b, h] slice, not the gathered [s, b, h]
     (autograd's own graph would keep the gathered copy), and all-gathers it
     again in backward for the weight gradient. The input gradient, partial
-    over the tensor ranks, is reduce-scattered back to s/t positions."""
+    over the tensor ranks, is reduce-scattered back to s/t positions. In
+    backward each collective overlaps a matrix product, as in Megatron-LM:
+    the re-gather runs under the input gradient's product, the
+    reduce-scatter under the weight gradient's."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, group):
@@ -177,11 +168,15 @@ class _SequenceParallelLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         grad = grad.contiguous()
-        grad_input = _reduce_scatter_sequence(grad.matmul(weight), ctx.group)
-        gathered = _gather_sequence(x, ctx.group)
+        gathered, gathering = _gather_sequence(x, ctx.group, async_op=True)
+        partial_input = grad.matmul(weight)
+        gathering.wait()
+        grad_input, scattering = _reduce_scatter_sequence(partial_input, ctx.group, async_op=True)
         grad_2d = grad.reshape(-1, grad.shape[-1])
         grad_weight = grad_2d.t().matmul(gathered.reshape(-1, gathered.shape[-1]))
         grad_bias = grad_2d.sum(dim=0) if ctx.has_bias else None
+        if scattering is not None:
+            scattering.wait()
         return grad_input, grad_weight.to(weight.dtype), grad_bias, None
 
 
@@ -189,10 +184,6 @@ def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.
                              group: Any) -> torch.Tensor:
     """[s/t, b, h] -> [s, b, out/t]: the sequence gathered into a column-parallel product."""
     return _SequenceParallelLinear.apply(x, weight, bias, group)
-
-
-def gather_from_sequence_region(x: torch.Tensor, group: Any) -> torch.Tensor:
-    return x if group is None else _GatherFromSequenceRegion.apply(x, group)
 
 
 def reduce_scatter_to_sequence_region(x: torch.Tensor, group: Any) -> torch.Tensor:

@@ -40,6 +40,21 @@ t tensor size, E bytes per element of the workload's precision):
   every saved tensor is rebuilt, see ptdp.train.report) and its
   all-reduce; selective = the attention core again.
 
+  Sequence parallelism (Layout.sequence_parallel, t > 1): the LayerNorms
+  and the two bias+dropout+adds run on b·s·h/t elements per rank, and so do
+  the embedding's position add and dropout and the final LayerNorm. The
+  tensor-group collectives are all-gathers and reduce-scatters (each half an
+  all-reduce: (t−1)/t of the bytes, t−1 latency steps): forward 2 + 2 per
+  layer (the volume of the 2 all-reduces), backward 2 reduce-scatters, 2
+  all-gathers and the 2 re-gathers of the saved s/t input slices; full
+  recomputation 2 all-gathers and the attention's reduce-scatter. The
+  embedding reduce-scatters its lookup (all-gather backward); the output
+  layer all-gathers its input (reduce-scatter and re-gather backward).
+  After the flush each gradient bucket holding partial gradients (norms,
+  row-parallel biases, the position table) all-reduces them over the tensor
+  group (fp32) before the data-parallel reduction; that time is counted as
+  "tensor all-reduce" (the category of every tensor-group collective).
+
   The Llama family's options (g key/value heads, d = h/a): QKV is
   [b·s, h]×[h, (a+2g)·d/t] and the q/k/v reshapes move (a+2g)·d/t + a·d/t
   elements per token; the score and context GEMMs still run for a/t query
@@ -53,7 +68,8 @@ t tensor size, E bytes per element of the workload's precision):
 
 Communication between pipeline stages: an activation or gradient of
 b·s·h·E bytes; with scatter/gather each tensor rank sends 1/t of it and the
-receiving tensor group all-gathers it. The link is inter-server when the two
+receiving tensor group all-gathers it; under sequence parallelism each rank
+sends its own 1/t and nothing is gathered. The link is inter-server when the two
 stages' ranks sit on different servers (rank = tp + t·(dp + d·pp), so for
 t·d ≥ devices_per_server every pipeline neighbour is on another server),
 intra-server otherwise. A batched Exchange costs the slowest of its
@@ -167,10 +183,13 @@ def copy_bytes(elements: int, E: int) -> tuple[float, float]:
 
 def layer_memory_ops(n: int, n_local: int, ffn: int, scores: int, E: int, *,
                      hidden_dropout: bool, attention_dropout: bool, heads_local: int | None = None,
-                     swiglu: bool = False, rotated: int = 0) -> list[tuple[str, float, float]]:
+                     swiglu: bool = False, rotated: int = 0,
+                     outside: int | None = None) -> list[tuple[str, float, float]]:
     """(class, forward bytes, backward bytes) of one transformer layer's
     memory-bound operators: n = b·s·h, n_local = n/t, ffn = b·s·f/t,
-    scores = b·(a/t)·s². The Llama options: `heads_local` = b·s·(a + 2g)·d/t
+    scores = b·(a/t)·s². `outside`: the elements each rank's norms and
+    bias+dropout+adds run on, n (the default), or n/t under sequence
+    parallelism. The Llama options: `heads_local` = b·s·(a + 2g)·d/t
     + b·s·a·d/t, the q/k/v and context elements reshaped (4·n_local without
     grouped queries); `swiglu` prices the gated activation instead of GeLU
     (in the "gelu" class, the element-wise activation); `rotated` =
@@ -178,15 +197,16 @@ def layer_memory_ops(n: int, n_local: int, ffn: int, scores: int, E: int, *,
     is priced as LayerNorm (one read and one write forward, as fused
     kernels do; its statistics are 1/h of that)."""
     reshaped = 4 * n_local if heads_local is None else heads_local
-    ops = [("layer_norm", *layer_norm_bytes(n, E)),
+    outside = n if outside is None else outside
+    ops = [("layer_norm", *layer_norm_bytes(outside, E)),
            ("elementwise", *copy_bytes(reshaped, E))]           # q/k/v to heads, context back
     if rotated:
         ops.append(("elementwise", *rotary_bytes(rotated, E)))
     return ops + [("attention_core", *attention_core_bytes(scores, E, attention_dropout)),
-                  ("layer_norm", *layer_norm_bytes(n, E)),
+                  ("layer_norm", *layer_norm_bytes(outside, E)),
                   ("gelu", *(swiglu_bytes if swiglu else gelu_bytes)(ffn, E)),
-                  ("residual", *residual_bytes(n, E, hidden_dropout)),
-                  ("residual", *residual_bytes(n, E, hidden_dropout))]
+                  ("residual", *residual_bytes(outside, E, hidden_dropout)),
+                  ("residual", *residual_bytes(outside, E, hidden_dropout))]
 
 
 def cross_entropy_bytes(logits: int) -> tuple[float, float]:
@@ -343,6 +363,10 @@ class OperatorModel:
         self.E = workload.bytes_per_element
         self.prec = workload.precision
         self.b, self.t = layout.b, layout.t
+        # Sequence parallelism: a rank's norms, dropout and residual adds see
+        # n/t of the b·s·h elements, and its tensor-group collectives are
+        # all-gathers and reduce-scatters.
+        self.sp = layout.splits_sequence
         self.attention_dropout = model.attention_dropout > 0
         self.hidden_dropout = model.hidden_dropout > 0
 
@@ -360,6 +384,19 @@ class OperatorModel:
 
     def launches(self, count: float) -> float:
         return count * self.prof.launch_overhead
+
+    def outside(self) -> int:
+        """Elements of the [s, b, h] activations one rank holds between the
+        tensor-parallel regions: b·s·h, or b·s·h/t under sequence parallelism."""
+        n = self.b * self.s * self.h
+        return n // self.t if self.sp else n
+
+    def tensor_collectives(self, all_reduces: int = 0, gathers: int = 0) -> float:
+        """Seconds of `all_reduces` ring all-reduces and `gathers` all-gathers
+        or reduce-scatters of b·s·h elements in the tensor group."""
+        nbytes = self.b * self.s * self.h * self.E
+        return (all_reduces * self.machine.tensor_allreduce(nbytes)
+                + gathers * self.machine.tensor_allgather(nbytes))
 
     # -- one transformer layer ------------------------------------------------------------
     def layer_gemms(self) -> dict[str, tuple[int, int, int, int]]:
@@ -391,7 +428,8 @@ class OperatorModel:
                                 attention_dropout=self.attention_dropout,
                                 heads_local=tokens * ((a + 2 * g) * d + a * d) // t,
                                 swiglu=model.swiglu,
-                                rotated=tokens * (a + g) * d // t if model.rope else 0)
+                                rotated=tokens * (a + g) * d // t if model.rope else 0,
+                                outside=self.outside())
 
     def memory_ops_seconds(self, ops: list[tuple[str, float, float]], backward: bool) -> float:
         return sum(self.memory(bwd if backward else fwd, op) for op, fwd, bwd in ops)
@@ -406,7 +444,9 @@ class OperatorModel:
         gemms = sum(self.gemm(*shape[:3], shape[3]) for shape in self.layer_gemms().values())
         cost = Cost().add(category, gemms + self.memory_ops_seconds(self.layer_memory(), False)
                           + self.launches(FORWARD_OPS_PER_LAYER + self._rotary_ops()))
-        cost.comm = 2 * self.machine.tensor_allreduce(self.b * self.s * self.h * self.E)
+        # g after attention and after the MLP; under sequence parallelism an
+        # all-gather into each region and a reduce-scatter out of it.
+        cost.comm = self.tensor_collectives(gathers=4) if self.sp else self.tensor_collectives(2)
         return cost
 
     def layer_backward(self) -> Cost:
@@ -419,7 +459,10 @@ class OperatorModel:
                           gemms + self.memory_ops_seconds(self.layer_memory(), True)
                           + self.memory(grad_accumulation)
                           + self.launches(BACKWARD_OPS_PER_LAYER + 2 * self._rotary_ops()))
-        cost.comm = 2 * self.machine.tensor_allreduce(self.b * self.s * self.h * self.E)
+        # f's before QKV and the MLP; under sequence parallelism their
+        # reduce-scatters, the row-parallel layers' all-gathers and the
+        # re-gathers of the two saved s/t input slices.
+        cost.comm = self.tensor_collectives(gathers=6) if self.sp else self.tensor_collectives(2)
         return cost
 
     def layer_recompute(self, kind: str | None) -> Cost:
@@ -433,70 +476,81 @@ class OperatorModel:
             return Cost().add("recompute", seconds)
         if kind == "full":
             # The whole forward but its last GEMM (MLP 4h->h), whose all-reduce
-            # and bias+dropout+add also do not run again.
+            # (reduce-scatter) and bias+dropout+add also do not run again.
             forward = self.layer_forward("recompute")
             shape = self.layer_gemms()["mlp_down"]
-            n = self.b * self.s * self.h
             skipped = (self.gemm(*shape[:3], shape[3])
-                       + self.memory(residual_bytes(n, self.E, self.hidden_dropout)[0], "residual")
+                       + self.memory(residual_bytes(self.outside(), self.E,
+                                                    self.hidden_dropout)[0], "residual")
                        + self.launches(6))
             forward.work["recompute"] -= skipped
-            forward.comm /= 2
+            forward.comm = self.tensor_collectives(gathers=3) if self.sp else self.tensor_collectives(1)
             return forward
         raise ValueError(f"unknown recomputation {kind!r}: use None, 'selective' or 'full'")
 
     # -- first and last stage ----------------------------------------------------------------
     def embedding_forward(self) -> Cost:
-        n = self.b * self.s * self.h
-        positions = 0.0 if self.w.model.rope else self.memory(copy_bytes(n, self.E)[0])  # the add
+        """The vocabulary-parallel lookup of all b·s tokens, the position add
+        and dropout on the positions a rank keeps (s/t of them under sequence
+        parallelism, where the lookup's parts are reduce-scattered straight
+        to them instead of all-reduced)."""
+        n, kept = self.b * self.s * self.h, self.outside()
+        positions = 0.0 if self.w.model.rope else self.memory(copy_bytes(kept, self.E)[0])
         seconds = (self.memory(3 * n * self.E) + positions                             # gather
-                   + self.memory(residual_bytes(n, self.E, self.hidden_dropout)[0], "residual")
+                   + self.memory(residual_bytes(kept, self.E, self.hidden_dropout)[0], "residual")
                    + self.launches(8))
         cost = Cost().add("forward compute", seconds)
-        cost.comm = self.machine.tensor_allreduce(n * self.E)
+        cost.comm = self.tensor_collectives(gathers=1) if self.sp else self.tensor_collectives(1)
         return cost
 
     def embedding_backward(self) -> Cost:
         n = self.b * self.s * self.h
         table = self.V // self.t * self.h
-        return Cost().add("backward compute",
+        cost = Cost().add("backward compute",
                           self.memory(4 * n * self.E + table * (self.E + 2 * GRAD_BYTES))
                           + self.launches(8))
+        if self.sp:   # the reduce-scatter's gradient: all-gather the positions' gradients
+            cost.comm = self.tensor_collectives(gathers=1)
+        return cost
 
     def _logit_elements(self) -> int:
         return self.b * self.s * self.V // self.t
 
     def head_forward(self) -> Cost:
-        """Final LayerNorm, logits, cross entropy (about six passes over the logits)."""
-        n = self.b * self.s * self.h
+        """Final LayerNorm, logits, cross entropy (about six passes over the
+        logits). Under sequence parallelism the norm runs on s/t positions
+        and the logits GEMM gathers the sequence first."""
         logits = self._logit_elements()
         seconds = (self.gemm(self.b * self.s, self.V // self.t, self.h)
-                   + self.memory(layer_norm_bytes(n, self.E)[0], "layer_norm")
+                   + self.memory(layer_norm_bytes(self.outside(), self.E)[0], "layer_norm")
                    + self.memory(cross_entropy_bytes(logits)[0], "cross_entropy")
                    + self.launches(20))
         cost = Cost().add("forward compute", seconds)
         cost.comm = 3 * self.machine.tensor_allreduce(self.b * self.s * 4)
+        if self.sp:
+            cost.comm += self.tensor_collectives(gathers=1)
         return cost
 
     def head_backward(self) -> Cost:
-        n = self.b * self.s * self.h
         logits = self._logit_elements()
         table = self.V // self.t * self.h
         seconds = (self.gemm_backward(self.b * self.s, self.V // self.t, self.h)
-                   + self.memory(layer_norm_bytes(n, self.E)[1], "layer_norm")
+                   + self.memory(layer_norm_bytes(self.outside(), self.E)[1], "layer_norm")
                    + self.memory(cross_entropy_bytes(logits)[1], "cross_entropy")
                    + self.memory(table * 2 * GRAD_BYTES)
                    + self.launches(24))
         cost = Cost().add("backward compute", seconds)
-        cost.comm = self.machine.tensor_allreduce(n * self.E)   # f before the logits
+        # f before the logits; under sequence parallelism the input
+        # gradient's reduce-scatter and the re-gather of the saved slice.
+        cost.comm = self.tensor_collectives(gathers=2) if self.sp else self.tensor_collectives(1)
         return cost
 
     # -- parameters --------------------------------------------------------------------------
     def stage_parameters(self, first: bool, last: bool, layers: int) -> int:
         """Parameters of one virtual stage on one tensor rank (analytic.py's count)."""
         shared = self.w.model.tied_output and self.lay.p > 1
-        return sum(n for n, _ in analytic._stage_parameters(self.w.model, self.t, layers, first,
-                                                             last, shared))
+        return sum(param.numel for param in analytic._stage_parameters(
+            self.w.model, self.t, layers, first, last, shared))
 
 
 @dataclass
@@ -756,7 +810,10 @@ def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Pr
         return priced[(rank, action.chunk, action.op)]
 
     activation = layout.b * ops.s * ops.h * ops.E
-    split = layout.scatter_gather and t > 1 and activation % t == 0
+    # Each tensor rank sends 1/t: scatter/gather (then the receivers
+    # all-gather it) or sequence parallelism (its own s/t positions, kept).
+    split = layout.sends_slices and activation % t == 0
+    gather = split and layout.gathers_received
 
     exchange_costs: dict[tuple, float] = {}
 
@@ -767,7 +824,7 @@ def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Pr
             for transfer in action.transfers:
                 nbytes = activation / t if split else activation
                 slowest = max(slowest, machine.p2p(nbytes, rank, transfer.peer))
-                if transfer.op == "recv" and split:
+                if transfer.op == "recv" and gather:
                     gathers += machine.tensor_allgather(activation)
             exchange_costs[key] = slowest + gathers + profile.launch_overhead * len(action.transfers)
         return exchange_costs[key]
@@ -785,11 +842,16 @@ def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Pr
         reduction_start[0] = reduction_start[p - 1] = max(pipeline_end[0], pipeline_end[p - 1])
         embedding = machine.allreduce(ops.V // t * ops.h * GRAD_BYTES,
                                       [machine.rank(0, 0, 0), machine.rank(0, 0, p - 1)])
+    # Sequence parallelism: each bucket holding partial gradients (norms,
+    # row-parallel biases, positions) all-reduces them over the tensor group first.
+    partial_sums = [sum(machine.tensor_allreduce(n * GRAD_BYTES)
+                        for n in analytic.partial_gradient_buckets(workload.model, layout, r))
+                    for r in range(p)]
     for r in range(p):
         params = sum(chunks[(r, c)].parameters for c in range(v))
         seconds = machine.data_parallel(params * GRAD_BYTES, r,
                                         reduce_scatter_only=layout.distributed_optimizer)
-        reductions.append(seconds + (embedding if r in (0, p - 1) else 0.0))
+        reductions.append(seconds + (embedding if r in (0, p - 1) else 0.0) + partial_sums[r])
         owned = params / d if layout.distributed_optimizer else params
         step_bytes = params * GRAD_BYTES + owned * OPTIMIZER_BYTES_PER_PARAMETER  # zero + step
         if ops.E != 4:
@@ -838,7 +900,8 @@ def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Pr
             boxes.append(Box("comm", -1, -1, float(reduction_start[r]),
                              float(reduction_start[r] + reductions[r])))
         timelines.append(boxes)
-        categories["data-parallel reduction"] = reductions[r]
+        categories["data-parallel reduction"] = reductions[r] - partial_sums[r]
+        categories["tensor all-reduce"] += partial_sums[r]
         categories["optimizer"] = optimizer_seconds[r]
         categories["bubble/idle"] += float(iteration) - sum(categories.values())
         by_rank.append(categories)

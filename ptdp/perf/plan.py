@@ -1,5 +1,6 @@
-"""`ptdp plan`: choose t, p, d, b, v, recomputation and the optimizer's
-sharding for a model on N devices, and predict what the run will cost.
+"""`ptdp plan`: choose t, p, d, b, v, recomputation, sequence parallelism
+and the optimizer's sharding for a model on N devices, and predict what the
+run will cost.
 
 The search enumerates every valid layout (the rules `ptdp train` enforces),
 keeps those whose memory per device (analytic.py) fits the profile's device
@@ -7,9 +8,15 @@ memory, prices each with the schedule simulator (cost.py: the same action
 lists the executor runs, costed with a hardware profile) and ranks them by
 predicted throughput. Given layout flags it evaluates that one layout.
 
+Sequence parallelism is searched on and off wherever it is valid (t > 1 and
+t dividing s): it divides the activations between the tensor-parallel
+regions and their element-wise work by t for the same tensor traffic plus
+the re-gathers of the saved inputs, so it mostly decides what fits.
+
 The explanation compares the winner with the best layout that differs from
-it in one respect (a different t, p, b, v, recomputation or optimizer), and
-names the time categories that make the difference.
+it in one respect (a different t, p, b, v, recomputation, sequence
+parallelism or optimizer), and names the time categories that make the
+difference.
 """
 
 from __future__ import annotations
@@ -66,10 +73,12 @@ def _divisors(n: int) -> list[int]:
 
 def candidate_layouts(workload: Workload, devices: int, *, microbatch_sizes=None,
                       chunk_counts=None, recompute=(None, "selective", "full"),
-                      distributed_optimizer=(False, True)) -> Iterable[Layout]:
+                      distributed_optimizer=(False, True),
+                      sequence_parallel=(False, True)) -> Iterable[Layout]:
     """Every layout `ptdp train` would accept for this workload on
     `devices` (optionally only some microbatch sizes, chunk counts,
-    recomputation kinds or optimizer choices)."""
+    recomputation kinds, optimizer or sequence-parallelism choices; sequence
+    parallelism only where t > 1 divides s)."""
     model, batch = workload.model, workload.global_batch
     for t in _divisors(devices):
         for p in _divisors(devices // t):
@@ -86,10 +95,12 @@ def candidate_layouts(workload: Workload, devices: int, *, microbatch_sizes=None
                 for v in chunks:
                     for kind in recompute:
                         for sharded in (distributed_optimizer if d > 1 else (False,)):
-                            layout = Layout(t=t, p=p, d=d, b=b, v=v, recompute=kind,
-                                            distributed_optimizer=sharded)
-                            if not layout.valid_for(model, batch):
-                                yield layout
+                            for split in sequence_parallel:
+                                layout = Layout(t=t, p=p, d=d, b=b, v=v, recompute=kind,
+                                                distributed_optimizer=sharded,
+                                                sequence_parallel=split)
+                                if not layout.valid_for(model, batch):
+                                    yield layout
 
 
 def evaluate_layout(workload: Workload, layout: Layout, profile) -> Evaluation:
@@ -123,8 +134,11 @@ def search(workload: Workload, devices: int, profile, *, top: int | None = None,
 ASPECTS = {  # what differs, and how to say it
     "t": "tensor-parallel size", "p": "pipeline-parallel size", "b": "microbatch size",
     "v": "chunks per rank", "recompute": "recomputation",
+    "sequence_parallel": "sequence parallelism",
     "distributed_optimizer": "optimizer sharding",
 }
+# Sequence parallelism exists only with t > 1: a rival of another t may differ in it too.
+COUPLED = {"t": {"sequence_parallel"}}
 
 
 def explain(results: list[Evaluation], profile) -> list[str]:
@@ -143,12 +157,11 @@ def explain(results: list[Evaluation], profile) -> list[str]:
     for field, words in ASPECTS.items():
         # The best layout that differs in this respect alone (d follows from
         # t and p on a fixed number of devices).
-        free = {field, "d"}
+        free = {field, "d"} | COUPLED.get(field, set())
         rival = next((e for e in results[1:]
                       if getattr(e.layout, field) != getattr(best.layout, field)
                       and all(getattr(e.layout, f) == getattr(best.layout, f)
-                              for f in ("t", "p", "b", "v", "recompute", "distributed_optimizer")
-                              if f not in free)), None)
+                              for f in ASPECTS if f not in free)), None)
         if rival is None:
             continue
         slower = rival.seconds / best.seconds - 1
@@ -158,7 +171,10 @@ def explain(results: list[Evaluation], profile) -> list[str]:
                   | set(best.prediction.seconds_by_category)}
         worst = sorted(deltas.items(), key=lambda kv: -kv[1])[:2]
         reasons = ", ".join(f"{name} +{delta:.3f} s" for name, delta in worst if delta > 0)
-        lines.append(f"  vs {words} {getattr(rival.layout, field)!s:>5}: {slower:+.1%} time"
+        value = getattr(rival.layout, field)
+        if field == "sequence_parallel":
+            value = "on" if value else "off"
+        lines.append(f"  vs {words} {value!s:>5}: {slower:+.1%} time"
                      + (f" ({reasons})" if reasons else ""))
     return lines
 
@@ -169,19 +185,22 @@ def describe(layout: Layout) -> str:
         text += f" v={layout.v}"
     if layout.recompute:
         text += f" recompute={layout.recompute}"
+    if layout.sequence_parallel:
+        text += " sequence-parallel"
     if layout.distributed_optimizer:
         text += " distributed-optimizer"
     return text
 
 
 def table(results: list[Evaluation], rows: int) -> str:
-    header = ("| rank | t | p | d | b | v | recompute | dist. opt. | s/iter | TFLOP/s/device | "
-              "bubble | memory GiB |")
-    lines = [header, "|" + "---|" * 12]
+    header = ("| rank | t | p | d | b | v | recompute | seq. par. | dist. opt. | s/iter | "
+              "TFLOP/s/device | bubble | memory GiB |")
+    lines = [header, "|" + "---|" * 13]
     for i, e in enumerate(results[:rows], 1):
         layout = e.layout
         lines.append(f"| {i} | {layout.t} | {layout.p} | {layout.d} | {layout.b} | {layout.v} | "
-                     f"{layout.recompute or '-'} | {'yes' if layout.distributed_optimizer else '-'} | "
+                     f"{layout.recompute or '-'} | {'yes' if layout.sequence_parallel else '-'} | "
+                     f"{'yes' if layout.distributed_optimizer else '-'} | "
                      f"{e.seconds:.3f} | {e.tflops:.1f} | {e.prediction.bubble_fraction:.3f} | "
                      f"{e.memory['total'] / 2**30:.1f} |")
     return "\n".join(lines)
@@ -236,7 +255,8 @@ def _add_model_settings(group: argparse._ArgumentGroup) -> None:
 
 def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
-        "plan", help="choose and predict a layout (t, p, d, b, v, recomputation)",
+        "plan", help="choose and predict a layout (t, p, d, b, v, recomputation, sequence "
+                     "parallelism)",
         description="Search the layouts of a GPT (or a Llama-style model: --normalization "
                     "RMSNorm --swiglu --position-embedding-type rope --group-query-attention "
                     "--untie-embeddings-and-output-weights --disable-bias-linear) on N devices, or "
@@ -260,6 +280,9 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     layout.add_argument("--micro-batch-size", type=int, metavar="N")
     layout.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, metavar="N")
     layout.add_argument("--recompute-granularity", choices=("full", "selective"))
+    layout.add_argument("--sequence-parallel", action="store_true",
+                        help="split the activations between the tensor-parallel regions along "
+                             "the sequence (needs t > 1 dividing --seq-length)")
     layout.add_argument("--use-distributed-optimizer", action="store_true")
     parser.add_argument("--top", type=int, default=10, metavar="N", help="rows in the table")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -272,7 +295,8 @@ def _layout_from_args(args: argparse.Namespace, model: ModelConfig, devices: int
     given = [args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
              args.micro_batch_size, args.num_layers_per_virtual_pipeline_stage,
              args.recompute_granularity]
-    if all(value is None for value in given) and not args.use_distributed_optimizer:
+    if (all(value is None for value in given) and not args.use_distributed_optimizer
+            and not args.sequence_parallel):
         return None
     t = args.tensor_model_parallel_size or 1
     p = args.pipeline_model_parallel_size or 1
@@ -287,7 +311,8 @@ def _layout_from_args(args: argparse.Namespace, model: ModelConfig, devices: int
         v = model.num_layers // per
     return Layout(t=t, p=p, d=devices // (t * p), b=args.micro_batch_size or 1, v=v,
                   recompute=args.recompute_granularity,
-                  distributed_optimizer=args.use_distributed_optimizer)
+                  distributed_optimizer=args.use_distributed_optimizer,
+                  sequence_parallel=args.sequence_parallel)
 
 
 def model_from_args(args: argparse.Namespace) -> ModelConfig:
