@@ -132,6 +132,24 @@ and dropout on. Two kernel sets:
   cross entropy [s, b, V'/t] (4·s·b·V'/t, whatever the dtype), the local
   targets (int64) and their out-of-range mask (bool).
 
+  Sequence parallelism (Layout.sequence_parallel, t > 1; Korthikanti et
+  al. 2022): every replicated [s, b, h] term above is held for the rank's
+  own s/t positions, i.e. divided by t — the norms' inputs, outputs and
+  statistics, the hidden-dropout masks, and the QKV and MLP inputs, which
+  the column-parallel layers save as the s/t slice and all-gather again in
+  backward; the split terms are unchanged (the tensor-parallel regions see
+  the whole sequence). So a layer keeps (cuda, bf16) s·b·h·34/t + 4·a·s·b/t
+  + 16·s·b/t, Korthikanti's s·b·h·(34/t + 5·a·s/(h·t)) without the s² term
+  plus the logsumexp and fp32 statistics; full recomputation keeps sbh·e/t
+  (the layer input's slice), selective the split q, k, v plus the
+  replicated terms over t. Stage extras: the embedding keeps its position
+  ids (s/t) and dropout mask (sbh·e/t) for its own positions, the last
+  stage its final norm's tensors and the output layer's s/t input; the
+  token ids, the logits' softmax and the targets stay whole. Checked
+  exactly against one layer and a whole model on every rank of t = 2 and
+  t = 4 tensor groups (tests/test_sequence_parallel_perf.py).
+  `layer_activation_bytes` gives one layer's figure for any of these.
+
   A rank holds these for every (microbatch, chunk) it has run forward and
   not yet backward. `memory_per_rank` walks the rank's compute order of the
   schedule (the generators' order) and takes the peak of the sum, so the
@@ -480,7 +498,8 @@ def _tensor_bytes_sent(t: int, elements: float, collectives: dict[str, int], e: 
     """Bytes one rank sends for these ring collectives of `elements` each:
     2·(t−1)/t of them per all-reduce, (t−1)/t per all-gather or
     reduce-scatter."""
-    halves = 2 * collectives["all_reduce"] + collectives["all_gather"] + collectives["reduce_scatter"]
+    halves = (2 * collectives["all_reduce"] + collectives["all_gather"]
+              + collectives["reduce_scatter"])
     return halves * (t - 1) / t * elements * e
 
 
@@ -629,7 +648,7 @@ def activation_bytes(workload: Workload, layout: Layout, *,
     t, b = layout.t, layout.b
     s, h, a, f = model.seq_length, model.hidden_size, model.num_attention_heads, model.ffn_size
     g, d = model.query_groups, model.head_dim
-    sbh, sb = s * b * h, s * b
+    sb = s * b
     # Positions a rank holds outside the tensor-parallel regions (norms,
     # dropout, residual adds, the column-parallel layers' saved inputs):
     # all s, or its own s/t under sequence parallelism.
@@ -692,19 +711,28 @@ def _precision(dtype: Any) -> str:
     return name
 
 
+AS_CONFIGURED = "as configured"
+
+
 def layer_activation_bytes(model: ModelConfig, b: int, t: int = 1, *,
-                           sequence_parallel: bool = False, recompute: str | None = None,
+                           sequence_parallel: bool = False,
+                           recompute: str | None = AS_CONFIGURED,
                            dtype: Any = "bf16", kernels: str = "cpu") -> int:
     """Bytes one transformer layer's forward saves for its backward on one
     tensor rank, per microbatch of `b` sequences of `model.seq_length`: what
     saved-tensor hooks (ptdp.perf.saved.SavedTensorBytes) measure around one
     layer built with `GPT(..., pre_process=False, post_process=False,
-    sequence_parallel=...)`. `recompute`: None, "selective" or "full";
-    `dtype`: "fp32", "bf16", "fp16" or a torch.dtype; `kernels`: "cpu"
-    (eager PyTorch, exact on torch 2.13) or "cuda" (derived). With rotary
-    embeddings it includes the layer's cos and sin tables (2·s·d·e) unless
-    the layer is fully recomputed (the checkpoint keeps only its input);
-    `memory_per_rank` counts those once per layer, not per microbatch."""
+    sequence_parallel=...)`. `recompute`: None, "selective" or "full"
+    (a layer is its own checkpoint group); by default the model's
+    recompute_granularity. `dtype`: "fp32", "bf16", "fp16" or a
+    torch.dtype; `kernels`: "cpu" (eager PyTorch, exact on torch 2.13) or
+    "cuda" (derived). With rotary embeddings it includes the layer's cos
+    and sin tables (2·s·d·e) unless the layer is fully recomputed (the
+    checkpoint keeps only its input); `memory_per_rank` counts those once
+    per layer, not per microbatch. Raises ValueError for a t the model
+    cannot take, or sequence parallelism with t = 1 or t not dividing s."""
+    if recompute == AS_CONFIGURED:
+        recompute = model.recompute_granularity
     layout = Layout(t=t, b=b, recompute=recompute, sequence_parallel=sequence_parallel)
     problems = layout.valid_for(model, global_batch=b)
     if problems:

@@ -45,11 +45,15 @@ t tensor size, E bytes per element of the workload's precision):
   the embedding's position add and dropout and the final LayerNorm. The
   tensor-group collectives are all-gathers and reduce-scatters (each half an
   all-reduce: (t−1)/t of the bytes, t−1 latency steps): forward 2 + 2 per
-  layer (the volume of the 2 all-reduces), backward 2 reduce-scatters, 2
-  all-gathers and the 2 re-gathers of the saved s/t input slices; full
-  recomputation 2 all-gathers and the attention's reduce-scatter. The
-  embedding reduce-scatters its lookup (all-gather backward); the output
-  layer all-gathers its input (reduce-scatter and re-gather backward).
+  layer (the volume of the 2 all-reduces); backward the row-parallel
+  layers' 2 all-gathers, and for QKV and the MLP's first GEMM the re-gather
+  of the saved s/t input and the input gradient's reduce-scatter, which run
+  under that layer's input-gradient and weight-gradient GEMMs (as ptdp's
+  sequence-parallel linear layer overlaps them): only what outlasts its
+  GEMM is priced; full recomputation 2 all-gathers and the attention's
+  reduce-scatter. The embedding reduce-scatters its lookup (all-gather
+  backward); the output layer all-gathers its input (backward: the
+  re-gather and the reduce-scatter, overlapped the same way).
   After the flush each gradient bucket holding partial gradients (norms,
   row-parallel biases, the position table) all-reduces them over the tensor
   group (fp32) before the data-parallel reduction; that time is counted as
@@ -459,11 +463,29 @@ class OperatorModel:
                           gemms + self.memory_ops_seconds(self.layer_memory(), True)
                           + self.memory(grad_accumulation)
                           + self.launches(BACKWARD_OPS_PER_LAYER + 2 * self._rotary_ops()))
-        # f's before QKV and the MLP; under sequence parallelism their
-        # reduce-scatters, the row-parallel layers' all-gathers and the
-        # re-gathers of the two saved s/t input slices.
-        cost.comm = self.tensor_collectives(gathers=6) if self.sp else self.tensor_collectives(2)
+        if not self.sp:   # f's all-reduces before QKV and the MLP
+            cost.comm = self.tensor_collectives(2)
+            return cost
+        # The row-parallel layers' all-gathers of their output gradients,
+        # then for QKV and the MLP's first GEMM the overlapped pair (see
+        # `sequence_parallel_linear_backward_exposed`).
+        shapes = self.layer_gemms()
+        cost.comm = (self.tensor_collectives(gathers=2)
+                     + self.sequence_parallel_linear_backward_exposed(shapes["qkv"])
+                     + self.sequence_parallel_linear_backward_exposed(shapes["mlp_up"]))
         return cost
+
+    def sequence_parallel_linear_backward_exposed(self, shape: tuple[int, int, int, int]) -> float:
+        """Collective seconds a column-parallel layer's backward adds under
+        sequence parallelism beyond its GEMMs: the re-gather of its saved
+        s/t input runs under the input gradient's product and the
+        reduce-scatter of that gradient under the weight gradient's
+        (ptdp.parallel.tensor._SequenceParallelLinear); only what outlasts
+        its GEMM is exposed."""
+        m, n, k, batch = shape
+        gather = self.tensor_collectives(gathers=1)
+        return (max(0.0, gather - self.gemm(m, k, n, batch))
+                + max(0.0, gather - self.gemm(k, n, m, batch)))
 
     def layer_recompute(self, kind: str | None) -> Cost:
         if kind is None:
@@ -484,7 +506,8 @@ class OperatorModel:
                                                     self.hidden_dropout)[0], "residual")
                        + self.launches(6))
             forward.work["recompute"] -= skipped
-            forward.comm = self.tensor_collectives(gathers=3) if self.sp else self.tensor_collectives(1)
+            forward.comm = (self.tensor_collectives(gathers=3) if self.sp
+                            else self.tensor_collectives(1))
             return forward
         raise ValueError(f"unknown recomputation {kind!r}: use None, 'selective' or 'full'")
 
@@ -540,9 +563,12 @@ class OperatorModel:
                    + self.memory(table * 2 * GRAD_BYTES)
                    + self.launches(24))
         cost = Cost().add("backward compute", seconds)
-        # f before the logits; under sequence parallelism the input
-        # gradient's reduce-scatter and the re-gather of the saved slice.
-        cost.comm = self.tensor_collectives(gathers=2) if self.sp else self.tensor_collectives(1)
+        # f before the logits; under sequence parallelism the re-gather of
+        # the saved slice and the input gradient's reduce-scatter, each under
+        # one of the logits' backward GEMMs.
+        cost.comm = (self.sequence_parallel_linear_backward_exposed(
+            (self.b * self.s, self.V // self.t, self.h, 1)) if self.sp
+            else self.tensor_collectives(1))
         return cost
 
     # -- parameters --------------------------------------------------------------------------

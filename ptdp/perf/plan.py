@@ -163,6 +163,8 @@ def explain(results: list[Evaluation], profile) -> list[str]:
                       and all(getattr(e.layout, f) == getattr(best.layout, f)
                               for f in ASPECTS if f not in free)), None)
         if rival is None:
+            if field == "sequence_parallel" and best.layout.sequence_parallel:
+                lines.append(_unsplit_memory(best, profile))
             continue
         slower = rival.seconds / best.seconds - 1
         deltas = {k: rival.prediction.seconds_by_category.get(k, 0.0)
@@ -177,6 +179,20 @@ def explain(results: list[Evaluation], profile) -> list[str]:
         lines.append(f"  vs {words} {value!s:>5}: {slower:+.1%} time"
                      + (f" ({reasons})" if reasons else ""))
     return lines
+
+
+def _unsplit_memory(best: Evaluation, profile) -> str:
+    """What the winner would need without sequence parallelism, when no
+    such layout is among the results (it did not fit)."""
+    from ptdp.perf.analytic import memory_per_device
+
+    unsplit = dataclasses.replace(best.layout, sequence_parallel=False)
+    memory = memory_per_device(best.prediction.workload, unsplit, kernels=_kernels(profile))
+    fits = memory["total"] <= MEMORY_HEADROOM * profile.memory_bytes
+    return (f"  vs sequence parallelism   off: {memory['total'] / 2**30:.1f} GiB per device "
+            f"(activations {memory['activations'] / 2**30:.1f} GiB instead of "
+            f"{best.memory['activations'] / 2**30:.1f})"
+            + ("" if fits else f", does not fit {profile.memory_bytes / 2**30:.0f} GiB"))
 
 
 def describe(layout: Layout) -> str:
