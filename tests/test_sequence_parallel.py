@@ -73,7 +73,8 @@ def test_sequence_parallel_equals_one_process(pools, t, model):
     assert len(set(losses)) == 1
 
 
-PIPELINES = [(2, "gpipe", 1), (2, "1f1b", 1), (2, "interleaved", 2), (4, "1f1b", 1)]
+PIPELINES = [(t, kind, v) for t in (2, 4)
+             for kind, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))]
 RECOMPUTE = {
     "none": {},
     "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
@@ -141,10 +142,10 @@ def test_resume_is_bitwise_exact(pools, tmp_path):
         assert got == expected and same_weights
 
 
-def _leg(rank, save, t, p, d, sequence_parallel, start, extra):
+def _leg(rank, save, t, p, d, sequence_parallel, start):
     ctx = ParallelContext.build(RankGrid(tp=t, dp=d, pp=p))
     config = test_ptdp_step._config(t, p, d, None, MODELS["llama"], sequence_parallel,
-                                    train_iters=6, **extra)
+                                    train_iters=6, use_distributed_optimizer=d > 1)
     trainer = Trainer(config, ctx, torch.device("cpu"), start=start)
     if start[0]:
         trainer.load(save)
@@ -155,15 +156,14 @@ def _leg(rank, save, t, p, d, sequence_parallel, start, extra):
 
 def test_checkpoints_reshard_with_and_without_sequence_parallelism(pools, tmp_path):
     """A Llama-style model, two steps in each of three layouts: d = 2 without
-    sequence parallelism, t = 4 with it, t = p = 2 with it and the distributed
-    optimizer: the losses continue one process's."""
+    sequence parallelism, t = 4 and d = 2 with it and the distributed
+    optimizer, t = p = 2 with it: the losses continue one process's."""
     serial = Trainer(test_ptdp_step._config(model=MODELS["llama"], train_iters=6),
                      ParallelContext.single(), torch.device("cpu"))
     expected = [serial.step(i)[0]["loss"] for i in range(6)]
     got, start = [], (0, 0)
-    for t, p, d, sequence_parallel, extra in ((1, 1, 2, False, {}), (4, 1, 1, True, {}),
-                                              (2, 2, 1, True, {})):
-        results = pools(t * p * d).run(_leg, str(tmp_path), t, p, d, sequence_parallel, start, extra)
+    for t, p, d, sequence_parallel in ((1, 1, 2, False), (4, 1, 2, True), (2, 2, 1, True)):
+        results = pools(t * p * d).run(_leg, str(tmp_path), t, p, d, sequence_parallel, start)
         got += [r for r in results if r[0] is not None][-1]
         metadata = read_metadata(resolve(tmp_path))
         start = (metadata["iteration"], metadata["consumed_samples"])
