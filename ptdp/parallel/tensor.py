@@ -32,6 +32,7 @@ from ptdp import device as devices
 from ptdp.parallel.collectives import all_gather_flat, reduce_scatter_flat
 from ptdp.parallel.sharding import PARTIAL_GRAD_ATTR, SHARD_ATTR, TensorShard, name_seed, set_init
 from ptdp.parallel.topology import ParallelContext
+from ptdp.parallel.weight_grad import deferrable_linear
 
 
 def _all_reduce(x: torch.Tensor, group: Any, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
@@ -263,6 +264,9 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError("gather_output with skip_bias_add would return a split bias")
         self.group, self.gather_output, self.skip_bias_add = ctx.tp_group, gather_output, skip_bias_add
         self.sequence_parallel = sequence_parallel and ctx.tp_group is not None
+        # A DeferredWeightGrads store (zero-bubble schedules) or None: weight
+        # gradients computed in the same backward.
+        self.weight_grads = None
         t = ctx.tp_size
         sizes = (out_features // blocks,) * blocks if isinstance(blocks, int) else blocks
         if sum(sizes) != out_features:
@@ -283,9 +287,9 @@ class ColumnParallelLinear(nn.Module):
         x = copy_to_tensor_region(x, self.group)
         if self.skip_bias_add:
             if defers_bias(x.device):
-                return F.linear(x, self.weight), self.bias
-            return F.linear(x, self.weight, self.bias), None
-        y = F.linear(x, self.weight, self.bias)
+                return deferrable_linear(x, self.weight, None, self.weight_grads), self.bias
+            return deferrable_linear(x, self.weight, self.bias, self.weight_grads), None
+        y = deferrable_linear(x, self.weight, self.bias, self.weight_grads)
         return gather_from_tensor_region(y, self.group) if self.gather_output else y
 
     def _sequence_parallel_forward(self, x: torch.Tensor):
@@ -314,6 +318,7 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel and ctx.tp_group is not None
         if self.sequence_parallel and not input_is_parallel:
             raise ValueError("sequence parallelism needs a row-parallel input already split")
+        self.weight_grads = None  # as in ColumnParallelLinear
         local_in = _divide(in_features, ctx.tp_size, "input features")
         self.weight = set_init(nn.Parameter(torch.empty(out_features, local_in)), "normal", init_std)
         setattr(self.weight, SHARD_ATTR, TensorShard(dim=1, parts=ctx.tp_size, index=ctx.tp_rank))
@@ -333,11 +338,11 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_tensor_region(x, self.group)
         if self.skip_bias_add and defers_bias(x.device):
-            return self._reduce(F.linear(x, self.weight)), self.bias
+            return self._reduce(deferrable_linear(x, self.weight, None, self.weight_grads)), self.bias
         if self.group is None:
-            y = F.linear(x, self.weight, self.bias)
+            y = deferrable_linear(x, self.weight, self.bias, self.weight_grads)
         else:
-            y = self._reduce(F.linear(x, self.weight))
+            y = self._reduce(deferrable_linear(x, self.weight, None, self.weight_grads))
             if self.bias is not None:
                 y = y + self.bias
         return (y, None) if self.skip_bias_add else y

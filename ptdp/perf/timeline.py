@@ -1,15 +1,17 @@
 """Timeline pictures of pipeline schedules, in the style of the paper's Figures 3 and 4.
 
 A timeline is one list of boxes per pipeline rank (`list[list[Box]]`); a box
-is `(op, microbatch, chunk, start, end)` with op "F" (forward) or "B"
-(backward) of one microbatch through one model chunk, or "comm" / "wait"
+is `(op, microbatch, chunk, start, end)` with op "F" (forward), "B"
+(backward; under a zero-bubble schedule only its input-gradient half) or "W"
+(weight-gradient half, zero-bubble schedules) of one microbatch through one
+model chunk, or "comm" / "wait"
 (drawn as thin grey hatched bars). Microbatches and chunks are 0-based in the
 boxes, as everywhere in ptdp; the picture numbers microbatches from 1 like
 the paper (see `draw_timeline(first_microbatch=...)`).
 
 `boxes_from_simulation` turns a `SimulationResult` into boxes,
 `draw_timeline` draws boxes to a PNG (rank 0 on top, time to the right;
-forwards blue, backwards green, one shade per chunk, dark for chunk 0; idle
+forwards blue, backwards green, weight gradients orange, one shade per chunk, dark for chunk 0; idle
 time blank: the bubble). `add_schedule_parser` / `run_schedule_command` are
 the `ptdp schedule` subcommand.
 """
@@ -35,15 +37,17 @@ class Box(NamedTuple):
     end: float
 
 
-COMPUTE_OPS = ("F", "B")
+COMPUTE_OPS = ("F", "B", "W")
 OTHER_OPS = ("comm", "wait")
 
 # Chunk 0 dark, the last chunk light (the paper's Figure 4 with v = 2).
-_SHADES = {"F": ("#1f4fa0", "#a9c9f2"), "B": ("#1c7a34", "#aee4a9")}
+_SHADES = {"F": ("#1f4fa0", "#a9c9f2"), "B": ("#1c7a34", "#aee4a9"),
+           "W": ("#b35806", "#fdc48a")}
 _OTHER_STYLE = {"comm": ("#8c8c8c", "////", "communication"),
                 "wait": ("#cfcfcf", "....", "waiting")}
 
-KIND_TITLES = {"gpipe": "GPipe", "1f1b": "1F1B (PipeDream-Flush)", "interleaved": "Interleaved 1F1B"}
+KIND_TITLES = {"gpipe": "GPipe", "1f1b": "1F1B (PipeDream-Flush)", "interleaved": "Interleaved 1F1B",
+               "zb-h1": "ZB-H1 (zero bubble)", "zbv": "ZB-V (zero bubble, V placement)"}
 
 
 def _mix(dark: str, light: str, t: float) -> str:
@@ -53,7 +57,7 @@ def _mix(dark: str, light: str, t: float) -> str:
 
 
 def colour(op: str, chunk: int, v: int) -> str:
-    """Fill colour of a forward ("F") or backward ("B") box of `chunk` when
+    """Fill colour of a forward ("F"), backward ("B") or weight-gradient ("W") box of `chunk` when
     ranks hold `v` chunks: chunk 0 dark, chunk v-1 light, evenly in between."""
     dark, light = _SHADES[op]
     return dark if v == 1 else _mix(dark, light, chunk / (v - 1))
@@ -139,7 +143,7 @@ def draw_timeline(rows: Sequence[Sequence[Box]], path: str | Path, *, v: int, ti
     for rank, row in enumerate(rows):
         for box in row:
             if box[0] not in COMPUTE_OPS + OTHER_OPS:
-                raise ValueError(f"rank {rank}: unknown box op {box[0]!r}; use F, B, comm or wait")
+                raise ValueError(f"rank {rank}: unknown box op {box[0]!r}; use F, B, W, comm or wait")
             if box[0] in COMPUTE_OPS and not 0 <= box[2] < v:
                 raise ValueError(f"rank {rank}: box {tuple(box)} has chunk {box[2]}, not in 0..{v - 1}")
             if box[4] < box[3]:
@@ -214,8 +218,11 @@ def draw_timeline(rows: Sequence[Sequence[Box]], path: str | Path, *, v: int, ti
     ax.set_title(heading, fontsize=12)
 
     handles, labels = [], []
+    has_w = any(b.op == "W" for b in boxes)
+    names = ((("F", "forward"), ("B", "input gradient (B)"), ("W", "weight gradient (W)")) if has_w
+             else (("F", "forward"), ("B", "backward")))
     for chunk in range(v):
-        for op, name in (("F", "forward"), ("B", "backward")):
+        for op, name in names:
             handles.append(Patch(facecolor=colour(op, chunk, v), edgecolor="black", linewidth=0.6))
             labels.append(name if v == 1 else f"{name}, chunk {chunk}")
     present = [op for op in OTHER_OPS if any(b.op == op for b in boxes)]
@@ -225,9 +232,9 @@ def draw_timeline(rows: Sequence[Sequence[Box]], path: str | Path, *, v: int, ti
         labels.append(name)
     numbering = ("numbered from 1, as in the paper" if first_microbatch == 1
                  else f"numbered from {first_microbatch}")
-    what = ("a forward or backward of one microbatch" if v == 1
-            else "a forward or backward of one microbatch through one chunk")
-    # v = 1: one row; v > 1: forwards in the first row, backwards in the second.
+    what = "a forward or backward" + (" half" if has_w else "") + " of one microbatch"
+    what += "" if v == 1 else " through one chunk"
+    # v = 1: one row; v > 1: one row per op (forwards, backwards, weight gradients).
     ncols = len(handles) if v == 1 else v + (len(present) + 1) // 2
     fig.legend(handles, labels, loc="outside lower center", ncols=ncols, fontsize=9,
                title=f"box = {what} (microbatches {numbering}); blank = idle (the bubble)",
@@ -248,25 +255,31 @@ def _cost(text: str) -> Fraction:
 def add_schedule_parser(subparsers) -> argparse.ArgumentParser:
     """Add the `schedule` subcommand to an argparse subparsers object."""
     parser = subparsers.add_parser(
-        "schedule", help="print and draw a pipeline schedule (GPipe, 1F1B, interleaved 1F1B)",
+        "schedule", help="print and draw a pipeline schedule (GPipe, 1F1B, interleaved 1F1B, "
+                         "zero bubble)",
         description="Build one iteration of a pipeline schedule, simulate it in unit time and "
                     "print its makespan, bubble fraction, peak in-flight microbatches and the "
                     "order of computes on every rank; --out draws it like the paper's "
                     "Figures 3 and 4. Time is in units of one stage's forward pass by default "
-                    "(forward 1, backward 2; a chunk costs 1/v of that).")
+                    "(forward 1, backward 2; a chunk costs 1/v of that). Under zb-h1 and zbv "
+                    "the backward is split into B (input gradient) and W (weight gradients), "
+                    "by default 1 each.")
     parser.add_argument("--kind", required=True, choices=KINDS, help="schedule kind")
     parser.add_argument("-p", "--pipeline-model-parallel-size", dest="p", type=int, required=True,
                         metavar="P", help="pipeline ranks p")
     parser.add_argument("-m", "--num-microbatches", dest="m", type=int, required=True, metavar="M",
                         help="microbatches per iteration m")
     parser.add_argument("-v", "--num-model-chunks", dest="v", type=int, default=None, metavar="V",
-                        help="model chunks per rank (default: 2 for interleaved, else 1)")
+                        help="model chunks per rank (default: 2 for interleaved and zbv, else 1)")
     parser.add_argument("--out", metavar="FILE.png",
                         help="draw the timeline to this file (.png; .svg and .pdf also work)")
     parser.add_argument("--forward-cost", type=_cost, default=Fraction(1), metavar="X",
                         help="time of a forward through one rank's layers (default: 1)")
     parser.add_argument("--backward-cost", type=_cost, default=Fraction(2), metavar="X",
                         help="time of a backward through one rank's layers (default: 2)")
+    parser.add_argument("--weight-cost", type=_cost, default=None, metavar="X",
+                        help="zb-h1 and zbv only: the weight-gradient (W) share of the backward "
+                             "cost; B costs the rest (default: half the backward cost)")
     parser.add_argument("--transfer-cost", type=_cost, default=Fraction(0), metavar="X",
                         help="time of one batched point-to-point exchange (default: 0)")
     parser.add_argument("--xmax", type=float, default=None, metavar="T",
@@ -277,8 +290,17 @@ def add_schedule_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def paper_bubble_fraction(kind: str, p: int, m: int, v: int) -> Fraction:
-    """(p-1)/m for GPipe and 1F1B, (p-1)/(m·v) for interleaved 1F1B."""
+    """(p-1)/m for GPipe and 1F1B, (p-1)/(m·v) for interleaved 1F1B; under
+    F = B = W, (p-1)/(3m) for zb-h1 and (p-1)/(6m) for zbv (zero_bubble.py)."""
+    if kind == "zb-h1":
+        return Fraction(p - 1, 3 * m)
+    if kind == "zbv":
+        return Fraction(p - 1, 6 * m)
     return Fraction(p - 1, m * (v if kind == "interleaved" else 1))
+
+
+BUBBLE_FORMULAS = {"interleaved": "(p-1)/(m·v)", "zb-h1": "(p-1)/(3m) at F = B = W",
+                   "zbv": "(p-1)/(6m) at F = B = W"}
 
 
 def _number(x: Fraction) -> float | int:
@@ -292,7 +314,7 @@ def _error(message: str) -> int:
 
 def run_schedule_command(args: argparse.Namespace) -> int:
     kind, p, m = args.kind, args.p, args.m
-    v = args.v if args.v is not None else (2 if kind == "interleaved" else 1)
+    v = args.v if args.v is not None else (2 if kind in ("interleaved", "zbv") else 1)
     out = Path(args.out) if args.out else None
     if out is not None:
         if out.suffix.lower() not in (".png", ".svg", ".pdf"):
@@ -307,11 +329,19 @@ def run_schedule_command(args: argparse.Namespace) -> int:
                                ("--transfer-cost", args.transfer_cost, None)):
         if (value <= 0) if least is not None else (value < 0):
             return _error(f"{name} {value} must be {'positive' if least is not None else '0 or more'}")
+    weight_cost = getattr(args, "weight_cost", None)
+    if weight_cost is not None and kind not in ("zb-h1", "zbv"):
+        return _error(f"--weight-cost applies only to --kind zb-h1 or zbv, whose backward is split "
+                      f"into B and W; {kind}'s backward is one compute")
+    if weight_cost is not None and not 0 < weight_cost < args.backward_cost:
+        return _error(f"--weight-cost {weight_cost} must lie strictly between 0 and the backward "
+                      f"cost {args.backward_cost}")
     if args.xmax is not None and args.xmax <= 0:
         return _error(f"--xmax {args.xmax} must be positive")
     try:
         schedule = build_schedule(kind, p, m, v)
-        result = simulate(schedule, args.forward_cost, args.backward_cost, args.transfer_cost)
+        result = simulate(schedule, args.forward_cost, args.backward_cost, args.transfer_cost,
+                          weight_cost)
     except ScheduleError as error:
         return _error(str(error))
 
@@ -332,6 +362,10 @@ def run_schedule_command(args: argparse.Namespace) -> int:
             "kind": kind, "p": p, "m": m, "v": v,
             "forward_cost": _number(args.forward_cost), "backward_cost": _number(args.backward_cost),
             "transfer_cost": _number(args.transfer_cost),
+            **({"weight_cost": _number(weight_cost if weight_cost is not None
+                                       else args.backward_cost / 2),
+                "peak_before_backward": list(result.peak_before_backward)}
+               if schedule.zero_bubble else {}),
             "makespan": _number(result.makespan), "ideal": _number(result.ideal),
             "bubble_fraction": float(result.bubble_fraction),
             "bubble_fraction_exact": str(result.bubble_fraction),
@@ -344,20 +378,30 @@ def run_schedule_command(args: argparse.Namespace) -> int:
         }))
         return 0
 
-    formula = "(p-1)/(m·v)" if kind == "interleaved" else "(p-1)/m"
+    formula = BUBBLE_FORMULAS.get(kind, "(p-1)/m")
+    if schedule.zero_bubble:
+        w = weight_cost if weight_cost is not None else args.backward_cost / 2
+        costs = (f"costs per rank: forward {args.forward_cost}, backward {args.backward_cost} = "
+                 f"B {args.backward_cost - w} + W {w}, transfer {args.transfer_cost}")
+    else:
+        costs = (f"costs per rank: forward {args.forward_cost}, backward {args.backward_cost}, "
+                 f"transfer {args.transfer_cost}")
     lines = [
         f"{KIND_TITLES[kind]} schedule: p = {p} rank{'s' * (p > 1)}, m = {m} "
         f"microbatch{'es' * (m > 1)}, v = {v} chunk{'s' * (v > 1)} per rank",
-        f"costs per rank: forward {args.forward_cost}, backward {args.backward_cost}, "
-        f"transfer {args.transfer_cost}" + (" (one chunk: 1/v of these)" if v > 1 else ""),
+        costs + (" (one chunk: 1/v of these)" if v > 1 else ""),
         f"makespan {float(result.makespan):g} (ideal m·(forward + backward) = "
         f"{float(result.ideal):g})",
         f"bubble fraction {format_fraction(result.bubble_fraction)}; "
         f"paper {formula} = {format_fraction(paper)}",
         "peak in flight per rank: " + " ".join(map(str, result.peak_in_flight))
-        + (" (microbatch-chunk activations)" if v > 1 else " (microbatches)"),
-        "computes per rank (Fi.c / Bi.c: forward / backward of microbatch i through chunk c, "
-        "0-based):",
+        + (" (microbatch-chunk activations)" if v > 1 else " (microbatches)")
+        + (" stored from F until W; until B: " + " ".join(map(str, result.peak_before_backward))
+           if schedule.zero_bubble else ""),
+        ("computes per rank (Fi.c / Bi.c / Wi.c: forward / input gradient / weight gradients of "
+         "microbatch i through chunk c, 0-based):" if schedule.zero_bubble else
+         "computes per rank (Fi.c / Bi.c: forward / backward of microbatch i through chunk c, "
+         "0-based):"),
     ]
     width = len(f"rank {p - 1}")
     lines += [f"  {f'rank {rank}':>{width}}: " + " ".join(acts) for rank, acts in enumerate(actions)]

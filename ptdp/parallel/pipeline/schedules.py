@@ -27,6 +27,13 @@ number of warm-up forwards:
   (Megatron-LM refuses it). m must be a multiple of p: with a partial last
   group these warm-up counts deadlock (the simulator finds it), so such m is
   rejected with the nearest valid values.
+
+The zero-bubble kinds (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR
+2024) split each backward in two: "B" computes only the gradient with respect
+to the chunk's input (what the previous stage waits for) and "W" the weight
+gradients (what nobody waits for), so W can fill what would be bubbles. Under
+the other kinds "B" is the whole backward and there is no "W". Their orders
+come from zero_bubble.py; see there for zb-h1 and zbv and the V placement.
 """
 
 from __future__ import annotations
@@ -34,12 +41,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
-KINDS = ("gpipe", "1f1b", "interleaved")
+KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+# Kinds whose "B" is the input-gradient half of a backward and that have "W" computes.
+ZERO_BUBBLE_KINDS = ("zb-h1", "zbv")
 
 
 @dataclass(frozen=True)
 class Compute:
-    op: str          # "F" or "B"
+    op: str          # "F", "B" or "W" (W only under ZERO_BUBBLE_KINDS)
     microbatch: int
     chunk: int
 
@@ -53,7 +62,7 @@ class Transfer:
     kind: str        # "activation" or "grad"
     microbatch: int
     boundary: int    # between virtual stages `boundary` and `boundary + 1`
-    peer: int        # pipeline rank on the other side
+    peer: int        # pipeline rank on the other side (never this rank: see is_local_boundary)
 
     def matches(self, other: "Transfer") -> bool:
         """`other` is the other end of this transfer."""
@@ -96,19 +105,69 @@ class Schedule:
     def num_stages(self) -> int:
         return self.p * self.v
 
+    @property
+    def zero_bubble(self) -> bool:
+        """B is the input-gradient half of a backward and W computes exist."""
+        return self.kind in ZERO_BUBBLE_KINDS
+
     def virtual_stage(self, rank: int, chunk: int) -> int:
-        return chunk * self.p + rank
+        return virtual_stage_of(self.kind, self.p, self.v, rank, chunk)
+
+    def location(self, stage: int) -> tuple[int, int]:
+        """(rank, chunk) that holds virtual stage `stage`."""
+        return location_of(self.kind, self.p, self.v, stage)
+
+    def is_local_boundary(self, boundary: int) -> bool:
+        """Stages `boundary` and `boundary + 1` are on the same rank (the
+        bottom of zbv's V): the tensor crossing it never leaves the rank, so
+        the schedule has no Transfer for it; the consumer takes the producer's
+        output (or input gradient) directly."""
+        return self.location(boundary)[0] == self.location(boundary + 1)[0]
 
     def warmup(self, rank: int) -> int:
+        if self.zero_bubble:  # read off the data: the orders are not closed-form
+            computes = self.computes(rank)
+            return next((k for k, c in enumerate(computes) if c.op != "F"), len(computes))
         return warmup_forwards(self.kind, self.p, self.m, self.v, rank)
 
     def in_flight_bound(self, rank: int) -> int:
         """Most (microbatch, chunk) activations rank holds at once: the warm-up
-        forwards plus the one of the first steady-state forward."""
+        forwards plus the one of the first steady-state forward. Under a
+        zero-bubble kind an activation is held from its F until its W (W
+        needs the stored inputs) and the bound is counted off the data."""
+        if self.zero_bubble:
+            return peak_stored(self.computes(rank), release_op="W")
         return min(self.warmup(rank) + 1, self.m * self.v)
 
     def computes(self, rank: int) -> list[Compute]:
         return [a for a in self.ranks[rank] if isinstance(a, Compute)]
+
+
+def peak_stored(computes: list[Compute], release_op: str) -> int:
+    """Most (microbatch, chunk) activations held at once when each is stored
+    from its F until its `release_op` ("B" or "W")."""
+    held = peak = 0
+    for c in computes:
+        held += (c.op == "F") - (c.op == release_op)
+        peak = max(peak, held)
+    return peak
+
+
+def virtual_stage_of(kind: str, p: int, v: int, rank: int, chunk: int) -> int:
+    """Virtual stage of (rank, chunk). zbv places its two chunks in a V: rank
+    r holds stages r and 2p - 1 - r, so a microbatch goes down the ranks on
+    chunk 0 and back up on chunk 1 (rank 0 holds the first and last stage).
+    Every other kind loops: chunk c of rank r is stage c·p + r."""
+    if kind == "zbv":
+        return rank if chunk == 0 else 2 * p - 1 - rank
+    return chunk * p + rank
+
+
+def location_of(kind: str, p: int, v: int, stage: int) -> tuple[int, int]:
+    """(rank, chunk) holding virtual stage `stage`: the inverse of virtual_stage_of."""
+    if kind == "zbv":
+        return (stage, 0) if stage < p else (2 * p - 1 - stage, 1)
+    return stage % p, stage // p
 
 
 def check_arguments(kind: str, p: int, m: int, v: int) -> None:
@@ -120,7 +179,15 @@ def check_arguments(kind: str, p: int, m: int, v: int) -> None:
     if v > 1 and p < 2:
         raise ScheduleError(f"v = {v} chunks per rank need p >= 2 ranks: with one rank the chunks "
                             f"would pass activations to themselves")
-    if kind != "interleaved" and v != 1:
+    if kind == "zbv" and v != 2:
+        raise ScheduleError(f"the zbv schedule has two chunks per rank in a V (v = 2), not v = {v}")
+    if kind == "zb-h1" and m < p:
+        raise ScheduleError(f"the zb-h1 schedule needs at least p = {p} microbatches, not m = {m}: "
+                            f"use m = {p} (or any m >= {p})")
+    if kind == "zbv" and m < 2 * p:
+        raise ScheduleError(f"the zbv schedule needs at least 2p = {2 * p} microbatches, not "
+                            f"m = {m}: use m = {2 * p} (or any m >= {2 * p})")
+    if kind not in ("interleaved", "zbv") and v != 1:
         raise ScheduleError(f"the {kind} schedule has one chunk per rank (v = 1), not v = {v}; "
                             f"use kind 'interleaved' for v > 1")
     if kind == "interleaved" and m % p:
@@ -167,17 +234,32 @@ def _one_forward_one_backward(forwards: list, backwards: list, warmup: int) -> l
     return steps
 
 
-def _transfers(compute: Compute, rank: int, p: int, v: int) -> tuple[Transfer | None, Transfer | None]:
-    """(the receive this compute needs, the send it produces), either may be None."""
-    stage = compute.chunk * p + rank
+def _transfers(compute: Compute, rank: int, p: int, v: int,
+               kind: str = "interleaved") -> tuple[Transfer | None, Transfer | None]:
+    """(the receive this compute needs, the send it produces), either may be
+    None: at the ends of the model, for W (it sends nothing), and across a
+    boundary whose two stages share a rank."""
+    if compute.op == "W":
+        return None, None
+    stage = virtual_stage_of(kind, p, v, rank, compute.chunk)
     last = p * v - 1
     mb = compute.microbatch
+
+    def peer(other_stage: int) -> int | None:
+        other = location_of(kind, p, v, other_stage)[0]
+        return None if other == rank else other
+
+    recv = send = None
     if compute.op == "F":
-        recv = Transfer("recv", "activation", mb, stage - 1, (rank - 1) % p) if stage > 0 else None
-        send = Transfer("send", "activation", mb, stage, (rank + 1) % p) if stage < last else None
+        if stage > 0 and peer(stage - 1) is not None:
+            recv = Transfer("recv", "activation", mb, stage - 1, peer(stage - 1))
+        if stage < last and peer(stage + 1) is not None:
+            send = Transfer("send", "activation", mb, stage, peer(stage + 1))
     else:
-        recv = Transfer("recv", "grad", mb, stage, (rank + 1) % p) if stage < last else None
-        send = Transfer("send", "grad", mb, stage - 1, (rank - 1) % p) if stage > 0 else None
+        if stage < last and peer(stage + 1) is not None:
+            recv = Transfer("recv", "grad", mb, stage, peer(stage + 1))
+        if stage > 0 and peer(stage - 1) is not None:
+            send = Transfer("send", "grad", mb, stage - 1, peer(stage - 1))
     return recv, send
 
 
@@ -212,6 +294,9 @@ def with_exchanges(steps: list[list[Compute]], rank: int, p: int, v: int) -> tup
 def build_schedule(kind: str, p: int, m: int, v: int = 1) -> Schedule:
     """Every pipeline rank's action list for one iteration (one flush)."""
     check_arguments(kind, p, m, v)
+    if kind in ZERO_BUBBLE_KINDS:
+        from ptdp.parallel.pipeline.zero_bubble import build_zero_bubble
+        return build_zero_bubble(kind, p, m)
     forwards, backwards = forward_order(kind, p, m, v), backward_order(kind, p, m, v)
     ranks = []
     for rank in range(p):
@@ -232,10 +317,13 @@ def build_forward_only(p: int, m: int, v: int = 1) -> Schedule:
     return Schedule("forward-only", p, m, v, ranks)
 
 
-def layers_of(rank: int, chunk: int, p: int, v: int, num_layers: int) -> list[int]:
-    """Global indices of the layers of (rank, chunk): offset c·(l/v) + r·(l/(p·v))."""
+def layers_of(rank: int, chunk: int, p: int, v: int, num_layers: int,
+              kind: str = "interleaved") -> list[int]:
+    """Global indices of the layers of (rank, chunk): those of its virtual
+    stage k = virtual_stage_of(kind, ...), offset k·(l/(p·v)); for the looped
+    kinds c·(l/v) + r·(l/(p·v)). Pass kind="zbv" for the V placement."""
     if num_layers % (p * v):
         raise ScheduleError(f"{num_layers} layers do not split into p·v = {p * v} equal chunks")
     per_chunk = num_layers // (p * v)
-    first = chunk * (num_layers // v) + rank * per_chunk
+    first = virtual_stage_of(kind, p, v, rank, chunk) * per_chunk
     return list(range(first, first + per_chunk))

@@ -16,6 +16,15 @@ Costs are per pipeline stage: by default a forward through all of a rank's
 layers costs 1 and a backward 2; a chunk holds 1/v of the rank's layers, so
 one chunk-forward costs 1/v (the paper's assumption). Exact fractions keep
 the bubble figures exact.
+
+Zero-bubble kinds (schedules.ZERO_BUBBLE_KINDS) split the backward into B
+(input gradient) and W (weight gradients): `weight_cost` is W's share of
+`backward_cost` (default: half of it, so F = B = W = 1 by default), B costs
+the rest. Their extra rules: W after its own B on the same rank and chunk;
+B of stage k after B of stage k + 1 (as every backward); an activation is
+stored from its F until its W, and `peak_in_flight` counts it so. Across
+the bottom of zbv's V (two stages on one rank) no tensor is transferred:
+the consumer reads what the producer left on the rank.
 """
 
 from __future__ import annotations
@@ -40,7 +49,8 @@ class SimulationResult:
     timelines: list[list[Interval]]
     makespan: Fraction
     ideal: Fraction                      # m·(t_f + t_b): one rank's compute time
-    peak_in_flight: list[int] = field(default_factory=list)
+    peak_in_flight: list[int] = field(default_factory=list)      # F until W (fused kinds: B)
+    peak_before_backward: list[int] = field(default_factory=list)  # F until B
 
     @property
     def bubble_fraction(self) -> Fraction:
@@ -73,7 +83,8 @@ def check_transfer_order(schedule: Schedule) -> None:
 
 def check_complete(schedule: Schedule) -> None:
     """Every (op, microbatch, chunk) exactly once on every rank."""
-    expected = sorted((op, i, c) for op in "FB" for i in range(schedule.m) for c in range(schedule.v))
+    ops = "FBW" if schedule.zero_bubble else "FB"
+    expected = sorted((op, i, c) for op in ops for i in range(schedule.m) for c in range(schedule.v))
     if schedule.kind == "forward-only":
         expected = [e for e in expected if e[0] == "F"]
     for rank in range(schedule.p):
@@ -84,12 +95,30 @@ def check_complete(schedule: Schedule) -> None:
             raise ScheduleError(f"rank {rank}: missing {missing[:5]}, repeated {repeated[:5]}")
 
 
+def compute_costs(schedule: Schedule, forward_cost, backward_cost,
+                  weight_cost=None) -> dict[str, Fraction]:
+    """Cost of one chunk's F, B (and W) under `schedule`'s kind."""
+    v = schedule.v
+    forward_cost, backward_cost = Fraction(forward_cost), Fraction(backward_cost)
+    if not schedule.zero_bubble:
+        if weight_cost is not None:
+            raise ScheduleError(f"a weight cost applies only to the zero-bubble schedules "
+                                f"(zb-h1, zbv), not to {schedule.kind}, whose backward is one compute")
+        return {"F": forward_cost / v, "B": backward_cost / v}
+    weight = backward_cost / 2 if weight_cost is None else Fraction(weight_cost)
+    if not 0 < weight < backward_cost:
+        raise ScheduleError(f"weight cost {weight} must lie strictly between 0 and the backward cost "
+                            f"{backward_cost}: it is the weight-gradient share of the backward")
+    return {"F": forward_cost / v, "B": (backward_cost - weight) / v, "W": weight / v}
+
+
 def simulate(schedule: Schedule, forward_cost: Fraction | int = 1, backward_cost: Fraction | int = 2,
-             transfer_cost: Fraction | int = 0) -> SimulationResult:
+             transfer_cost: Fraction | int = 0, weight_cost: Fraction | int | None = None
+             ) -> SimulationResult:
     check_complete(schedule)
     check_transfer_order(schedule)
     p, v = schedule.p, schedule.v
-    cost = {"F": Fraction(forward_cost) / v, "B": Fraction(backward_cost) / v}
+    cost = compute_costs(schedule, forward_cost, backward_cost, weight_cost)
     transfer_cost = Fraction(transfer_cost)
     last_stage = schedule.num_stages - 1
 
@@ -106,7 +135,9 @@ def simulate(schedule: Schedule, forward_cost: Fraction | int = 1, backward_cost
     arrived: dict[tuple[int, int], Fraction] = {}       # (rank, index) -> when the rank posted it
     have: list[set] = [set() for _ in range(p)]          # tensors a rank holds: (kind, mb, boundary)
     forwarded: list[set] = [set() for _ in range(p)]     # (mb, chunk) forwards done, not yet backward
-    peak = [0] * p
+    awaiting_w: list[set] = [set() for _ in range(p)]    # (mb, chunk) B done, W not yet (zero-bubble)
+    peak = [0] * p                                       # stored: F until W (fused: until B)
+    peak_before_backward = [0] * p                       # stored: F until B
     timelines: list[list[Interval]] = [[] for _ in range(p)]
 
     def fail(rank: int, message: str) -> None:
@@ -121,21 +152,35 @@ def simulate(schedule: Schedule, forward_cost: Fraction | int = 1, backward_cost
                 if isinstance(action, Compute):
                     stage = schedule.virtual_stage(rank, action.chunk)
                     key = (action.microbatch, action.chunk)
+                    mb = action.microbatch
                     if action.op == "F":
-                        if stage > 0 and ("activation", action.microbatch, stage - 1) not in have[rank]:
+                        # Across a boundary inside the rank the input is the producer's output.
+                        arrived_as = "output" if stage > 0 and schedule.is_local_boundary(stage - 1) \
+                            else "activation"
+                        if stage > 0 and (arrived_as, mb, stage - 1) not in have[rank]:
                             fail(rank, f"{action} runs before its input activation arrived")
                         forwarded[rank].add(key)
-                        peak[rank] = max(peak[rank], len(forwarded[rank]))
+                        peak_before_backward[rank] = max(peak_before_backward[rank],
+                                                         len(forwarded[rank]))
+                        peak[rank] = max(peak[rank], len(forwarded[rank]) + len(awaiting_w[rank]))
                         if stage < last_stage:
-                            have[rank].add(("output", action.microbatch, stage))
-                    else:
+                            have[rank].add(("output", mb, stage))
+                    elif action.op == "B":
                         if key not in forwarded[rank]:
                             fail(rank, f"{action} runs before its forward")
-                        if stage < last_stage and ("grad", action.microbatch, stage) not in have[rank]:
+                        arrived_as = ("input-grad" if stage < last_stage
+                                      and schedule.is_local_boundary(stage) else "grad")
+                        if stage < last_stage and (arrived_as, mb, stage) not in have[rank]:
                             fail(rank, f"{action} runs before its output gradient arrived")
                         forwarded[rank].discard(key)
+                        if schedule.zero_bubble:
+                            awaiting_w[rank].add(key)
                         if stage > 0:
-                            have[rank].add(("input-grad", action.microbatch, stage - 1))
+                            have[rank].add(("input-grad", mb, stage - 1))
+                    else:
+                        if key not in awaiting_w[rank]:
+                            fail(rank, f"{action} runs before its B")
+                        awaiting_w[rank].discard(key)
                     start = clock[rank]
                     clock[rank] = start + cost[action.op]
                     timelines[rank].append(Interval(action, start, clock[rank]))
@@ -170,4 +215,5 @@ def simulate(schedule: Schedule, forward_cost: Fraction | int = 1, backward_cost
     makespan = max(clock)
     per_stage = Fraction(forward_cost) + (Fraction(backward_cost)
                                           if schedule.kind != "forward-only" else 0)
-    return SimulationResult(schedule, timelines, makespan, schedule.m * per_stage, peak)
+    return SimulationResult(schedule, timelines, makespan, schedule.m * per_stage, peak,
+                            peak_before_backward)
