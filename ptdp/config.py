@@ -152,9 +152,12 @@ class ParallelConfig:
         "layers per model chunk; enables the interleaved 1F1B schedule")
     pipeline_schedule: str = flag(
         "1f1b", "--pipeline-schedule",
-        "schedule without interleaving: gpipe (all forwards, then all backwards) or 1f1b; "
-        "--num-layers-per-virtual-pipeline-stage selects the interleaved 1F1B schedule",
-        choices=("gpipe", "1f1b"))
+        "gpipe (all forwards, then all backwards), 1f1b, or a zero-bubble schedule (backward "
+        "split into input and weight gradients, the weight gradients filling the bubbles): zb-h1 "
+        "(one chunk per rank, 1F1B's memory, needs m >= p microbatches) or zbv (two chunks per "
+        "rank in a V, needs m >= 2p); --num-layers-per-virtual-pipeline-stage with 1f1b selects "
+        "the interleaved 1F1B schedule",
+        choices=("gpipe", "1f1b", "zb-h1", "zbv"))
     sequence_parallel: bool = flag(
         False, "--sequence-parallel",
         "split the activations outside the tensor-parallel regions (norms, dropout, residual "
@@ -181,12 +184,16 @@ class ParallelConfig:
 
     @property
     def schedule_kind(self) -> str:
+        if self.pipeline_schedule in ("zb-h1", "zbv"):
+            return self.pipeline_schedule
         if self.num_layers_per_virtual_pipeline_stage is not None:
             return "interleaved"
         return self.pipeline_schedule
 
     def virtual_stages(self, num_layers: int) -> int:
-        """Model chunks per pipeline rank (v); 1 without interleaving."""
+        """Model chunks per pipeline rank (v); 1 without interleaving, 2 under zbv."""
+        if self.pipeline_schedule in ("zb-h1", "zbv"):
+            return 2 if self.pipeline_schedule == "zbv" else 1
         k = self.num_layers_per_virtual_pipeline_stage
         if k is None:
             return 1
@@ -484,7 +491,8 @@ def validate(config: Config, world_size: int | None = None) -> None:
     t, p, h, a, l, k = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                         m.hidden_size, m.num_attention_heads, m.num_layers,
                         par.num_layers_per_virtual_pipeline_stage)
-    interleaved = k is not None
+    schedule = par.pipeline_schedule
+    interleaved = k is not None and schedule in ("gpipe", "1f1b")
 
     # World size and the data-parallel size. Later checks use the d the job
     # will really have, so every problem shows up in this one report.
@@ -560,8 +568,15 @@ def validate(config: Config, world_size: int | None = None) -> None:
             f"use --max-position-embeddings {m.seq_length} or a shorter --seq-length")
 
     # Layers over pipeline stages and model chunks (k layers per chunk).
-    chunk = k or 1
-    if interleaved and p < 2:
+    chunk = k if interleaved else 1
+    if schedule == "zb-h1" and k is not None:
+        problems.append(
+            f"--pipeline-schedule zb-h1 has one model chunk per rank, so "
+            f"--num-layers-per-virtual-pipeline-stage {k} does not apply: drop it, or use "
+            f"--pipeline-schedule zbv (two chunks per rank in a V)")
+    if schedule == "zbv":
+        problems.extend(_zbv_layer_problems(l, p, k))
+    elif interleaved and p < 2:
         stage_options = [x for x in _divisors(l) if x >= 2 and (l // x) % chunk == 0][:6]
         problems.append(
             f"--num-layers-per-virtual-pipeline-stage {k} needs --pipeline-model-parallel-size "
@@ -591,6 +606,15 @@ def validate(config: Config, world_size: int | None = None) -> None:
     # pipeline, to be a multiple of p.
     b, B = tr.micro_batch_size, tr.batch_size(d)
     group = p if interleaved and p >= 2 else 1
+    fewest = {"zb-h1": p, "zbv": 2 * p}.get(schedule, 1)  # zero-bubble: m >= p or 2p
+    if fewest > 1 and B % (b * d) == 0 and B // (b * d) < fewest:
+        problems.append(
+            f"--pipeline-schedule {schedule} needs at least {fewest} microbatches per iteration "
+            f"({'p' if schedule == 'zb-h1' else '2p'} with --pipeline-model-parallel-size {p}), "
+            f"not --global-batch-size {B} / (--micro-batch-size {b} × d {d}) = {B // (b * d)}: use "
+            f"--global-batch-size {fewest * b * d} or more"
+            + (" or --pipeline-schedule 1f1b" if schedule == "zb-h1" else
+               " or --pipeline-schedule zb-h1 (needs p)" if B // (b * d) >= p else ""))
 
     def micro_ok(micro: int) -> bool:
         return B % (micro * d) == 0 and (B // (micro * d)) % group == 0
@@ -615,6 +639,25 @@ def validate(config: Config, world_size: int | None = None) -> None:
 
 
 # ---------------------------------------------------------------- helpers of validate
+
+def _zbv_layer_problems(l: int, p: int, k: int | None) -> list[str]:
+    """zbv: two chunks per rank in a V, so p >= 2 and 2p equal chunks of layers."""
+    if p < 2:
+        return [f"--pipeline-schedule zbv places two model chunks per rank in a V across the "
+                f"pipeline, so it needs --pipeline-model-parallel-size >= 2, not {p}: use "
+                f"--pipeline-schedule zb-h1 (one chunk per rank) or a larger p"]
+    if l % (2 * p):
+        options = [x for x in _divisors(l) if x >= 2 and l % (2 * x) == 0]
+        return [f"--pipeline-schedule zbv splits --num-layers {l} into 2p = {2 * p} equal chunks "
+                f"(two per rank): use --num-layers {_nearest_multiple(l, 2 * p)}"
+                + (f" or --pipeline-model-parallel-size in {options}" if options else "")]
+    if k is not None and k * 2 * p != l:
+        return [f"--pipeline-schedule zbv has two chunks per rank, {l // (2 * p)} layers each with "
+                f"--num-layers {l} and --pipeline-model-parallel-size {p}, so "
+                f"--num-layers-per-virtual-pipeline-stage {k} disagrees: drop it or use "
+                f"{l // (2 * p)}"]
+    return []
+
 
 def _is_finite_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -44,7 +44,7 @@ from ptdp.config import ModelConfig
 from ptdp.model.fused import bias_dropout_add, bias_gelu, swiglu
 from ptdp.model.recompute import checkpoint, recompute_active
 from ptdp.model.rotary import Rotary
-from ptdp.parallel.pipeline.schedules import layers_of
+from ptdp.parallel.pipeline.schedules import layers_of, virtual_stage_of
 from ptdp.parallel.sharding import COPY_ATTR, initialize_parameters, set_init
 from ptdp.parallel.tensor import (
     ColumnParallelLinear,
@@ -58,6 +58,7 @@ from ptdp.parallel.tensor import (
     sequence_parallel_linear,
     vocab_parallel_cross_entropy,
 )
+from ptdp.parallel.weight_grad import DeferredWeightGrads, deferrable_linear
 from ptdp.parallel.topology import ParallelContext
 
 
@@ -239,6 +240,8 @@ class GPT(nn.Module):
         self.pre_process, self.post_process = pre_process, post_process
         self.sequence_parallel = sp = sequence_parallel and ctx.tp_size > 1
         self.layer_ids = list(range(config.num_layers) if layer_ids is None else layer_ids)
+        # A DeferredWeightGrads store for the output layer (see defer_weight_grads).
+        self.weight_grads = None
         if pre_process:
             self.embedding = Embedding(config, ctx, rng, sp)
         self.layers = nn.ModuleDict({str(i): TransformerLayer(config, ctx, rng, sp)
@@ -257,6 +260,17 @@ class GPT(nn.Module):
     def initialize(self, seed: int) -> "GPT":
         initialize_parameters(self, seed)
         return self
+
+    def defer_weight_grads(self, store: DeferredWeightGrads | None) -> None:
+        """Zero-bubble schedules: every matrix product of this chunk (the
+        column- and row-parallel layers and the output layer, tied or not)
+        leaves its weight gradients to `store` (ptdp.parallel.weight_grad);
+        the embedding lookups and the norms, cheap, keep theirs in the
+        backward. None: one fused backward again."""
+        self.weight_grads = store
+        for module in self.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                module.weight_grads = store
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
                 loss_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -309,9 +323,11 @@ class GPT(nn.Module):
         """hidden · Wᵀ with W the output matrix; logits stay split by vocabulary."""
         output = self.output_matrix
         if self.sequence_parallel:  # gather the positions into the vocabulary-parallel product
-            logits = sequence_parallel_linear(hidden, output.weight, None, self.ctx.tp_group)
+            logits = sequence_parallel_linear(hidden, output.weight, None, self.ctx.tp_group,
+                                              self.weight_grads)
         else:
-            logits = F.linear(copy_to_tensor_region(hidden, self.ctx.tp_group), output.weight)
+            logits = deferrable_linear(copy_to_tensor_region(hidden, self.ctx.tp_group),
+                                       output.weight, None, self.weight_grads)
         return output.mask_padding(logits)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor,
@@ -331,20 +347,28 @@ def _run_group(layers: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
 
 
 def build_chunks(config: ModelConfig, ctx: ParallelContext, device: torch.device, seed: int,
-                 num_chunks: int = 1, *, sequence_parallel: bool = False) -> list[GPT]:
+                 num_chunks: int = 1, *, sequence_parallel: bool = False,
+                 kind: str = "interleaved") -> list[GPT]:
     """This rank's model chunks, initialised from `seed`, with its dropout
     streams seeded. Chunk c of pipeline rank r is virtual stage c·p + r and
-    holds layers c·(l/v) + r·(l/(p·v)) onwards (the paper's interleaving);
-    the first virtual stage has the embeddings, the last the output layer."""
+    holds layers c·(l/v) + r·(l/(p·v)) onwards (the paper's interleaving),
+    or with kind="zbv" the V placement (stages r and 2p - 1 - r); the first
+    virtual stage has the embeddings, the last the output layer. Under zbv
+    rank 0 holds both, and a tied output layer is the same parameter as the
+    embedding (no copy to keep in step)."""
     rng = RNGStreams(device)
     rng.seed(seed, ctx)
     p, last = ctx.pp_size, ctx.pp_size * num_chunks - 1
     chunks = []
     for chunk in range(num_chunks):
-        stage = chunk * p + ctx.pp_rank
+        stage = virtual_stage_of(kind, p, num_chunks, ctx.pp_rank, chunk)
         model = GPT(config, ctx, rng, layer_ids=layers_of(ctx.pp_rank, chunk, p, num_chunks,
-                                                          config.num_layers),
+                                                          config.num_layers, kind),
                     pre_process=stage == 0, post_process=stage == last,
                     sequence_parallel=sequence_parallel)
-        chunks.append(model.initialize(seed).to(device))
+        model.initialize(seed)
+        first = next((c for c in chunks if c.pre_process), None)
+        if model.post_process and config.tied_output and first is not None:
+            model.embedding.word_embeddings = first.embedding.word_embeddings
+        chunks.append(model.to(device))
     return chunks

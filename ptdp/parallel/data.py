@@ -5,7 +5,8 @@ dtype) and their gradients in another (`grad_data`, fp32, so microbatch
 gradients accumulate in fp32 whatever the model's precision). The buffers
 are cut into buckets of about `bucket_size` elements, in reverse parameter
 order (roughly the order backward finishes them). A parameter's gradient is
-final once it has been accumulated for every microbatch of the iteration;
+final once it has been accumulated for every microbatch of the iteration
+(under the zero-bubble schedules, by the microbatch's W: ptdp.parallel.weight_grad);
 when all of a bucket's gradients are final its reduction over the d replicas
 starts at once (asynchronously), overlapping the rest of the backward pass.
 Gradients are averaged over d.
@@ -66,8 +67,14 @@ class Segment:
 
 class GradBuffer:
     def __init__(self, params: list[nn.Parameter], ctx: ParallelContext, *, param_dtype: torch.dtype,
-                 bucket_size: int, shard: bool, tied: set[nn.Parameter] = frozenset()):
+                 bucket_size: int, shard: bool, tied: set[nn.Parameter] = frozenset(),
+                 accumulations: dict[nn.Parameter, int] | None = None):
+        """`accumulations`: for a parameter that autograd accumulates into
+        more than once per microbatch (separate backward passes, e.g. zbv's
+        shared word embedding: the lookup's gradient in one chunk's backward,
+        the output layer's in another's), how many times; 1 otherwise."""
         self.ctx, self.shard = ctx, shard
+        self._accumulations = dict(accumulations or {})
         d = ctx.dp_size
         device = params[0].device
         ordered = list(reversed(params))  # backward finishes the last layers first
@@ -125,13 +132,14 @@ class GradBuffer:
         self.grad_shard = (torch.zeros(self.numel // d, dtype=torch.float32, device=device)
                            if shard else None)
         self._counts: dict[nn.Parameter, int] = {}
-        self._microbatches = 0
+        self._expected: dict[nn.Parameter, int] = {}
 
     # One iteration ----------------------------------------------------------------
 
     def start_iteration(self, num_microbatches: int) -> None:
         self.grad_data.zero_()
-        self._microbatches = num_microbatches
+        self._expected = {segment.param: num_microbatches * self._accumulations.get(segment.param, 1)
+                          for segment in self.segments}
         self._counts = {segment.param: 0 for segment in self.segments}
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
@@ -143,7 +151,7 @@ class GradBuffer:
             param.main_grad.add_(param.grad)
             param.grad = None
         count = self._counts[param] = self._counts[param] + 1
-        if count == self._microbatches:
+        if count == self._expected[param]:
             bucket = self._bucket_of[param]
             bucket.pending -= 1
             if bucket.pending == 0:

@@ -32,7 +32,7 @@ from ptdp import device as devices
 from ptdp.parallel.collectives import all_gather_flat, reduce_scatter_flat
 from ptdp.parallel.sharding import PARTIAL_GRAD_ATTR, SHARD_ATTR, TensorShard, name_seed, set_init
 from ptdp.parallel.topology import ParallelContext
-from ptdp.parallel.weight_grad import deferrable_linear
+from ptdp.parallel.weight_grad import DeferredWeightGrads, deferrable_linear, accumulate_weight_grads
 
 
 def _all_reduce(x: torch.Tensor, group: Any, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
@@ -157,11 +157,17 @@ class _SequenceParallelLinear(torch.autograd.Function):
     over the tensor ranks, is reduce-scattered back to s/t positions. In
     backward each collective overlaps a matrix product, as in Megatron-LM:
     the re-gather runs under the input gradient's product, the
-    reduce-scatter under the weight gradient's."""
+    reduce-scatter under the weight gradient's.
+
+    With a DeferredWeightGrads store (zero-bubble schedules) the backward
+    gives only the input gradient, and W gathers the slice again itself: W
+    keeps s/t positions, not s, between B and W. Every tensor rank runs the
+    same W's in the same order, so W's all-gather matches across them."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group):
+    def forward(ctx, x, weight, bias, group, store, params):
         ctx.group, ctx.has_bias = group, bias is not None
+        ctx.store, ctx.params = store, params
         ctx.save_for_backward(x, weight)
         return F.linear(_gather_sequence(x, group), weight, bias)
 
@@ -169,6 +175,11 @@ class _SequenceParallelLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         grad = grad.contiguous()
+        if ctx.store is not None:
+            group, (real_weight, real_bias) = ctx.group, ctx.params
+            ctx.store.add(lambda: accumulate_weight_grads(_gather_sequence(x, group), grad, real_weight,
+                                               real_bias))
+            return _reduce_scatter_sequence(grad.matmul(weight), group), None, None, None, None, None
         gathered, gathering = _gather_sequence(x, ctx.group, async_op=True)
         partial_input = grad.matmul(weight)
         gathering.wait()
@@ -178,13 +189,17 @@ class _SequenceParallelLinear(torch.autograd.Function):
         grad_bias = grad_2d.sum(dim=0) if ctx.has_bias else None
         if scattering is not None:
             scattering.wait()
-        return grad_input, grad_weight.to(weight.dtype), grad_bias, None
+        return grad_input, grad_weight.to(weight.dtype), grad_bias, None, None, None
 
 
 def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                             group: Any) -> torch.Tensor:
-    """[s/t, b, h] -> [s, b, out/t]: the sequence gathered into a column-parallel product."""
-    return _SequenceParallelLinear.apply(x, weight, bias, group)
+                             group: Any, store: DeferredWeightGrads | None = None) -> torch.Tensor:
+    """[s/t, b, h] -> [s, b, out/t]: the sequence gathered into a column-parallel
+    product; with `store`, its weight gradients wait for the store's W."""
+    if store is None:
+        return _SequenceParallelLinear.apply(x, weight, bias, group, None, None)
+    return _SequenceParallelLinear.apply(x, weight.detach(), None if bias is None else bias.detach(),
+                                         group, store, (weight, bias))
 
 
 def reduce_scatter_to_sequence_region(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -294,7 +309,8 @@ class ColumnParallelLinear(nn.Module):
 
     def _sequence_parallel_forward(self, x: torch.Tensor):
         deferred = self.skip_bias_add and defers_bias(x.device)
-        y = sequence_parallel_linear(x, self.weight, None if deferred else self.bias, self.group)
+        y = sequence_parallel_linear(x, self.weight, None if deferred else self.bias, self.group,
+                                     self.weight_grads)
         if self.skip_bias_add:
             return (y, self.bias) if deferred else (y, None)
         return gather_from_tensor_region(y, self.group) if self.gather_output else y

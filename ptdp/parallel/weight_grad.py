@@ -42,12 +42,22 @@ class DeferredWeightGrads:
     def run(self) -> None:
         """Compute every deferred weight gradient, oldest first."""
         pending, self._pending = self._pending, []
-        for work in pending:
-            work()
+        with torch.no_grad():  # plain products: nothing here is differentiated again
+            for work in pending:
+                work()
+
+    def take(self) -> "DeferredWeightGrads":
+        """Move the pending work into a new store (one microbatch's W, to run
+        later) and leave this one empty for the next backward."""
+        taken = DeferredWeightGrads()
+        taken._pending, self._pending = self._pending, []
+        return taken
 
 
-def _weight_grads(x: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor,
-                  bias: torch.Tensor | None) -> None:
+def accumulate_weight_grads(x: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> None:
+    """Accumulate W's and b's gradients of y = x Wᵀ + b through autograd on
+    the parameters (so their post-accumulate hooks fire)."""
     grad_2d = grad.reshape(-1, grad.shape[-1])
     grad_weight = grad_2d.t().matmul(x.reshape(-1, x.shape[-1])).to(weight.dtype)
     params, grads = [weight], [grad_weight]
@@ -71,7 +81,7 @@ class _DeferredLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         real_weight, real_bias = ctx.params
-        ctx.store.add(lambda: _weight_grads(x, grad, real_weight, real_bias))
+        ctx.store.add(lambda: accumulate_weight_grads(x, grad, real_weight, real_bias))
         return grad.matmul(weight), None, None, None, None
 
 

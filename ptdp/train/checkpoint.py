@@ -506,8 +506,14 @@ def _restore_rng(trainer, directory: Path, metadata: dict) -> None:
 # ------------------------------------------------------------------ helpers
 
 def _named_parameters(trainer):
+    """(logical name, parameter) of every parameter of this rank, once each
+    (under zbv rank 0's two chunks share the tied word embedding)."""
+    seen: set[int] = set()
     for chunk in trainer.chunks:
-        yield from chunk.named_parameters()
+        for name, param in chunk.named_parameters():
+            if id(param) not in seen:
+                seen.add(id(param))
+                yield name, param
 
 
 def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:

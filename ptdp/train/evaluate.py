@@ -65,10 +65,11 @@ def evaluate(trainer, dataset, num_iters: int, start_sample: int = 0) -> dict[st
     ctx = trainer.ctx
     if num_iters < 1:
         raise ValueError(f"evaluation needs at least one iteration, not {num_iters}")
-    if dataset is None and (ctx.is_first_stage or ctx.is_last_stage):
+    if dataset is None and (ctx.is_first_stage or trainer.holds_loss):
         raise ValueError("no validation dataset on a stage that reads tokens: the split gives the "
                          "validation set no samples (see --split)")
-    schedule = build_forward_only(ctx.pp_size, trainer.num_micro, trainer.num_chunks)
+    schedule = build_forward_only(ctx.pp_size, trainer.num_micro, trainer.num_chunks,
+                                  placement=trainer.schedule.kind)
     was_training = trainer.model.training
     trainer.model.eval()
     losses: list[torch.Tensor] = []
@@ -82,7 +83,7 @@ def evaluate(trainer, dataset, num_iters: int, start_sample: int = 0) -> dict[st
     finally:
         trainer.model.train(was_training)
 
-    if not ctx.is_last_stage:
+    if not trainer.holds_loss:
         return {"loss": None, "perplexity": None}
     loss_sum = torch.stack(losses).float().sum()
     if ctx.dp_group is not None:

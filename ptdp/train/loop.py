@@ -49,6 +49,18 @@ def worker(env: DistEnv, config: Config) -> list[dict[str, Any]]:
         dist.destroy_process_group()
 
 
+def _tied_accumulations(chunks: list, schedule, tied_output: bool) -> dict:
+    """The word embedding, when this rank's lookup and tied output layer
+    accumulate its gradient in separate backward passes (zbv's two chunks
+    on rank 0; a zero-bubble schedule's W on one stage): twice per
+    microbatch (see GradBuffer)."""
+    first = [c for c in chunks if c.pre_process]
+    last = [c for c in chunks if c.post_process]
+    if tied_output and first and last and (first[0] is not last[0] or schedule.zero_bubble):
+        return {first[0].embedding.word_embeddings.weight: 2}
+    return {}
+
+
 def count_parameters(model: torch.nn.Module) -> int:
     """Logical (unsharded, unpadded) parameters of this pipeline stage."""
     return sum(math.prod(logical_shape(p)) for p in model.parameters()
@@ -73,19 +85,26 @@ class Trainer:
         self.dtype = torch.bfloat16 if tr.bf16 else torch.float16 if tr.fp16 else torch.float32
 
         sequence_parallel = par.sequence_parallel and ctx.tp_size > 1
+        self.schedule = build_schedule(par.schedule_kind, p, self.num_micro, self.num_chunks)
         self.chunks = build_chunks(model_cfg, ctx, device, tr.seed, self.num_chunks,
-                                   sequence_parallel=sequence_parallel)
+                                   sequence_parallel=sequence_parallel, kind=par.schedule_kind)
         self.model = torch.nn.ModuleList(self.chunks)
+        # The rank of the last virtual stage, which computes the loss (rank 0 under zbv).
+        loss_rank = self.schedule.location(self.schedule.num_stages - 1)[0]
+        self.holds_loss = loss_rank == ctx.pp_rank
         params = list(self.model.parameters())
         # The first and last stage's copies of a tied word embedding, whose
-        # gradients are summed over the embedding group.
-        tied = {chunk.embedding.word_embeddings.weight for chunk in self.chunks
-                if hasattr(chunk, "embedding") and ctx.embedding_group is not None
-                and model_cfg.tied_output}
+        # gradients are summed over the embedding group; none where one rank
+        # holds both ends (under zbv rank 0's chunks share one parameter).
+        tied = ({chunk.embedding.word_embeddings.weight for chunk in self.chunks
+                 if hasattr(chunk, "embedding")}
+                if ctx.embedding_group is not None and model_cfg.tied_output and loss_rank != 0
+                else set())
         self.buffer = GradBuffer(params, ctx, param_dtype=self.dtype, bucket_size=tr.ddp_bucket_size,
-                                 shard=tr.use_distributed_optimizer, tied=tied)
+                                 shard=tr.use_distributed_optimizer, tied=tied,
+                                 accumulations=_tied_accumulations(self.chunks, self.schedule,
+                                                                   model_cfg.tied_output))
         self.optimizer = Optimizer(self.buffer, ctx, tr)
-        self.schedule = build_schedule(par.schedule_kind, p, self.num_micro, self.num_chunks)
         # Under sequence parallelism each tensor rank sends its own s/t
         # positions: the paper's scatter/gather without the gather.
         positions = model_cfg.seq_length // ctx.tp_size if sequence_parallel else model_cfg.seq_length
@@ -96,7 +115,7 @@ class Trainer:
         self.data = data if data is not None else build_training_data(
             config, num_samples=(self.consumed_before(tr.train_iters),
                                  tr.eval_iters * self.global_batch if tr.eval_interval else 0, 0),
-            is_builder=ctx.rank == 0, reads_tokens=ctx.is_first_stage or ctx.is_last_stage,
+            is_builder=ctx.rank == 0, reads_tokens=ctx.is_first_stage or self.holds_loss,
             barrier=dist.barrier if dist.is_initialized() else None)
 
     def consumed_before(self, iteration: int) -> int:
@@ -141,7 +160,7 @@ class Trainer:
 
         self.buffer.finish()
         loss = None
-        if ctx.is_last_stage:
+        if self.holds_loss:
             loss_sum = torch.stack(stats.losses).sum().float()
             if ctx.dp_group is not None:
                 dist.all_reduce(loss_sum, group=ctx.dp_group)
@@ -176,6 +195,11 @@ class Trainer:
             "peak_stored_activations": stats.peak_stored,
             "optimizer_state_bytes": self.optimizer.state_bytes,
         }
+        if self.schedule.zero_bubble:
+            # backward_ms includes W; what W took, and the activations held
+            # until W (their inputs stay for the weight gradients).
+            record["weight_grad_ms"] = stats.weight_grad_seconds * 1e3
+            record["peak_awaiting_weight_grads"] = stats.peak_awaiting_weight_grads
         return record, stats
 
 
@@ -193,7 +217,7 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
     trainer = Trainer(config, ctx, device, start=start)
     if tr.load:
         trainer.load(tr.load)
-    is_logger = ctx.is_last_stage and ctx.tp_rank == 0 and ctx.dp_rank == 0
+    is_logger = trainer.holds_loss and ctx.tp_rank == 0 and ctx.dp_rank == 0
     metrics_out: TextIO | None = (open(tr.metrics_file, "w", encoding="utf-8")
                                   if is_logger and tr.metrics_file else None)
     parameters = count_parameters(trainer.model)

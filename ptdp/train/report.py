@@ -325,6 +325,7 @@ TENSORBOARD_TAGS: dict[str, str] = {
     "forward_backward_ms": "time/forward_backward_ms",
     "forward_ms": "time/forward_ms",
     "backward_ms": "time/backward_ms",
+    "weight_grad_ms": "time/weight_grad_ms",
     "pipeline_transfer_ms": "time/pipeline_transfer_ms",
     "grad_reduce_ms": "time/grad_reduce_ms",
     "optimizer_ms": "time/optimizer_ms",

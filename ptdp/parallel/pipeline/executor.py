@@ -6,6 +6,13 @@
   gradients are those of the mean over microbatches.
 - Compute B: backpropagate the received output gradient (or the loss) through
   the chunk; the input's gradient is what goes to the previous stage.
+- Compute W (zero-bubble schedules only): the chunk's weight gradients of
+  that microbatch, deferred by its B (ptdp.parallel.weight_grad): under
+  these schedules every chunk's matrix products leave their weight gradients
+  to a per-chunk store, and after each B the executor moves what the store
+  holds into that microbatch's W.
+- A boundary inside the rank (zbv's bottom of the V, stages p-1 and p on
+  rank p-1) passes its activation and gradient locally, with no transfer.
 - Exchange: all its sends and receives are posted as one batch
   (batch_isend_irecv), so two neighbours that send to each other at the same
   moment cannot deadlock. The receives are waited for; the sends are waited
@@ -33,8 +40,9 @@ import torch.distributed as dist
 from ptdp.parallel.collectives import all_gather_flat
 from ptdp.parallel.pipeline.schedules import Exchange, Schedule, Transfer
 from ptdp.parallel.topology import ParallelContext
+from ptdp.parallel.weight_grad import DeferredWeightGrads
 
-# (op, microbatch, chunk, start, end): op is "F", "B" or "comm"; seconds from
+# (op, microbatch, chunk, start, end): op is "F", "B", "W" or "comm"; seconds from
 # the start of the run on this rank.
 Box = tuple[str, int, int, float, float]
 
@@ -42,12 +50,17 @@ Box = tuple[str, int, int, float, float]
 @dataclass
 class PipelineStats:
     losses: list[torch.Tensor] = field(default_factory=list)   # last stage: one per microbatch
-    peak_stored: int = 0                 # most (microbatch, chunk) activations held at once
+    peak_stored: int = 0                 # most (microbatch, chunk) activations held at once, F to B
+    # Most (microbatch, chunk) whose W has not run, F to W: a zero-bubble
+    # schedule's deferred weight gradients keep their inputs until W. Equal
+    # to peak_stored under the other schedules.
+    peak_awaiting_weight_grads: int = 0
     sent_elements: list[int] = field(default_factory=list)     # elements per point-to-point send
     timeline: list[Box] = field(default_factory=list)
     transfer_seconds: float = 0.0        # time in exchanges (transfers and waiting for peers)
     forward_seconds: float = 0.0         # time in forward computations
-    backward_seconds: float = 0.0        # time in backward computations
+    backward_seconds: float = 0.0        # time in backward computations (B and W)
+    weight_grad_seconds: float = 0.0     # of which in W (zero-bubble schedules)
     released_bytes: int = 0              # storage of sent activations freed before their backward
 
 
@@ -69,6 +82,20 @@ class PipelineExecutor:
         self._pending_sends: list[tuple[list, list[torch.Tensor]]] = []
         # Off: wait for sends at once, as before (bench/hot_path.py measures the difference).
         self.overlap_sends = True
+        # Per chunk, the store its layers defer weight gradients to (zero-bubble
+        # schedules), or None: weight gradients in the backward.
+        self._stores: list[DeferredWeightGrads | None] = [None] * len(chunks)
+
+    def _defer_weight_grads(self, defer: bool) -> None:
+        """Give every chunk its own store of deferred weight gradients, or take them away."""
+        if defer == (self._stores[0] is not None):
+            return
+        for c, chunk in enumerate(self.chunks):
+            if not hasattr(chunk, "defer_weight_grads"):
+                raise TypeError(f"a zero-bubble schedule needs chunks that can defer their weight "
+                                f"gradients; {type(chunk).__name__} has no defer_weight_grads")
+            self._stores[c] = DeferredWeightGrads() if defer else None
+            chunk.defer_weight_grads(self._stores[c])
 
     def _global_rank(self, pipeline_rank: int) -> int:
         c = self.ctx.coord
@@ -85,12 +112,22 @@ class PipelineExecutor:
         stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         outgoing: dict[tuple, torch.Tensor] = {}
         received: dict[tuple, torch.Tensor] = {}
+        # (microbatch, chunk) -> its weight gradients, from its B until its W.
+        deferred: dict[tuple[int, int], DeferredWeightGrads] = {}
+        if not forward_only:
+            self._defer_weight_grads(schedule.zero_bubble)
         start_time = time.perf_counter()
 
         def record(op: str, mb: int, chunk: int, began: float) -> None:
             if record_timeline:
                 stats.timeline.append((op, mb, chunk, began - start_time,
                                        time.perf_counter() - start_time))
+
+        def incoming(kind: str, mb: int, boundary: int) -> torch.Tensor:
+            # Across a boundary inside this rank the producer's tensor is at hand.
+            if schedule.is_local_boundary(boundary):
+                return outgoing.pop((kind, mb, boundary))
+            return received.pop((kind, mb, boundary))
 
         for action in schedule.ranks[ctx.pp_rank]:
             began = time.perf_counter()
@@ -107,7 +144,8 @@ class PipelineExecutor:
                 if stage == 0:
                     x = batch[0]
                 else:
-                    x = received.pop(("activation", i, stage - 1))
+                    # detach: a local hand-off keeps each stage's backward its own.
+                    x = incoming("activation", i, stage - 1).detach()
                     x.requires_grad_(not forward_only)
                 with torch.set_grad_enabled(not forward_only):
                     if stage == last_stage:
@@ -120,14 +158,20 @@ class PipelineExecutor:
                 if not forward_only:
                     stash[(i, c)] = (x if stage > 0 else None, out)
                     stats.peak_stored = max(stats.peak_stored, len(stash))
-            else:
+                    stats.peak_awaiting_weight_grads = max(stats.peak_awaiting_weight_grads,
+                                                           len(stash) + len(deferred))
+            elif action.op == "B":
                 x, out = stash.pop((i, c))
                 if stage == last_stage:
                     out.backward()
                 else:
-                    out.backward(received.pop(("grad", i, stage)))
+                    out.backward(incoming("grad", i, stage))
                 if stage > 0:
                     outgoing[("grad", i, stage - 1)] = x.grad
+                if schedule.zero_bubble:
+                    deferred[(i, c)] = self._stores[c].take()
+            else:  # W
+                deferred.pop((i, c)).run()
             # Host time: exact on CPU; on GPUs it measures kernel launches
             # unless the device is synchronised (as for a timeline).
             elapsed = time.perf_counter() - began
@@ -135,6 +179,8 @@ class PipelineExecutor:
                 stats.forward_seconds += elapsed
             else:
                 stats.backward_seconds += elapsed
+                if action.op == "W":
+                    stats.weight_grad_seconds += elapsed
             record(action.op, i, c, began)
             # Drop this action's references now: through its autograd graph a
             # finished microbatch's output would otherwise keep its stage
@@ -142,10 +188,10 @@ class PipelineExecutor:
             x = out = loss = batch = None
 
         self._finish_sends(stats)
-        if stash or outgoing or received:
+        if stash or outgoing or received or deferred:
             raise RuntimeError(f"pipeline rank {ctx.pp_rank}: the schedule left work undone "
                                f"(stashed {list(stash)}, unsent {list(outgoing)}, unused "
-                               f"{list(received)})")
+                               f"{list(received)}, weight gradients {list(deferred)})")
         return stats
 
     # Point-to-point -------------------------------------------------------------

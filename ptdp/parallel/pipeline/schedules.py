@@ -100,6 +100,10 @@ class Schedule:
     m: int
     v: int
     ranks: tuple[tuple[Action, ...], ...]
+    # Which kind's placement of virtual stages on ranks (virtual_stage_of);
+    # None: this schedule's own kind. Evaluation under zbv is "forward-only"
+    # with the V placement.
+    placement: str | None = None
 
     @property
     def num_stages(self) -> int:
@@ -111,11 +115,11 @@ class Schedule:
         return self.kind in ZERO_BUBBLE_KINDS
 
     def virtual_stage(self, rank: int, chunk: int) -> int:
-        return virtual_stage_of(self.kind, self.p, self.v, rank, chunk)
+        return virtual_stage_of(self.placement or self.kind, self.p, self.v, rank, chunk)
 
     def location(self, stage: int) -> tuple[int, int]:
         """(rank, chunk) that holds virtual stage `stage`."""
-        return location_of(self.kind, self.p, self.v, stage)
+        return location_of(self.placement or self.kind, self.p, self.v, stage)
 
     def is_local_boundary(self, boundary: int) -> bool:
         """Stages `boundary` and `boundary + 1` are on the same rank (the
@@ -307,8 +311,13 @@ def build_schedule(kind: str, p: int, m: int, v: int = 1) -> Schedule:
     return Schedule(kind, p, m, v, tuple(ranks))
 
 
-def build_forward_only(p: int, m: int, v: int = 1) -> Schedule:
-    """Evaluation: every forward, no backward (same microbatch order as training)."""
+def build_forward_only(p: int, m: int, v: int = 1, placement: str = "interleaved") -> Schedule:
+    """Evaluation: every forward, no backward (same microbatch order as
+    training). `placement`: the training schedule's kind, for zbv's V."""
+    if placement == "zbv":
+        check_arguments("zbv", p, max(m, 2 * p), v)  # any m: no backward to overlap
+        from ptdp.parallel.pipeline.zero_bubble import build_zbv_forward_only
+        return build_zbv_forward_only(p, m)
     kind = "interleaved" if v > 1 else "gpipe"
     check_arguments(kind, p, m, v)
     forwards = forward_order(kind, p, m, v)

@@ -99,12 +99,15 @@ def zbv_order(p: int, m: int, rank: int) -> list[Compute]:
     return order
 
 
-def plan_unit_time(kind: str, p: int, m: int) -> list[list[tuple[Compute, int]]]:
+def plan_unit_time(kind: str, p: int, m: int,
+                   orders: list[list[Compute]] | None = None) -> list[list[tuple[Compute, int]]]:
     """Per rank, (compute, start step) in order: every compute one step, as
-    early as its rank and its inputs allow."""
+    early as its rank and its inputs allow. `orders`: each rank's computes
+    (default: the kind's training orders)."""
     v = 2 if kind == "zbv" else 1
     last = p * v - 1
-    orders = [(zbv_order if kind == "zbv" else zb_h1_order)(p, m, rank) for rank in range(p)]
+    if orders is None:
+        orders = [(zbv_order if kind == "zbv" else zb_h1_order)(p, m, rank) for rank in range(p)]
     end: dict[tuple[str, int, int], int] = {}   # (op, microbatch, stage) -> end step
     plan: list[list[tuple[Compute, int]]] = [[] for _ in range(p)]
     free = [0] * p
@@ -156,6 +159,15 @@ def _with_timed_exchanges(kind: str, p: int, v: int,
                 actions.append(row[k][0])
         ranks.append(tuple(actions))
     return tuple(ranks)
+
+
+def build_zbv_forward_only(p: int, m: int) -> Schedule:
+    """Evaluation under the V placement: every rank runs its chunk-0
+    forwards, then its chunk-1 forwards, microbatches in order."""
+    orders = [[Compute("F", i, c) for c in (0, 1) for i in range(m)] for _ in range(p)]
+    plan = plan_unit_time("zbv", p, m, orders)
+    return Schedule("forward-only", p, m, 2, _with_timed_exchanges("zbv", p, 2, plan),
+                    placement="zbv")
 
 
 def build_zero_bubble(kind: str, p: int, m: int) -> Schedule:
