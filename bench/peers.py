@@ -76,7 +76,7 @@ class Row:
     p: int = 1
     d: int = 1
     v: int = 1
-    schedule: str = "1f1b"          # gpipe | 1f1b (v > 1: interleaved)
+    schedule: str = "1f1b"          # gpipe | 1f1b (v > 1: interleaved) | zb-h1 | zbv (v = 2)
     micro_batch: int = 2
     global_batch: int = 16
     distributed_optimizer: bool = False
@@ -93,7 +93,8 @@ class Row:
     def describe(self) -> str:
         parts = [f"{k}={getattr(self, k)}" for k in ("t", "p", "d") if getattr(self, k) > 1]
         if self.p > 1:
-            parts.append(f"interleaved v={self.v}" if self.v > 1 else self.schedule)
+            parts.append(f"interleaved v={self.v}" if self.v > 1 and self.schedule == "1f1b"
+                         else self.schedule)
         if self.distributed_optimizer:
             parts.append("dist-opt")
         return " ".join(parts) or "one process"
@@ -101,8 +102,7 @@ class Row:
     def peer_name(self) -> str:
         names = []
         if self.p > 1:
-            names.append({"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}[self.schedule]
-                         if self.v == 1 else "ScheduleInterleaved1F1B")
+            names.append(torch_schedule_name(self))
         if self.t > 1:
             names.append("DTensor Colwise/Rowwise")
         if self.d > 1:
@@ -120,6 +120,17 @@ ALL_SECTIONS = ("pipeline", "tensor", "3d", "scaling")
 SCALING = [Row("scaling", **layout, peer=False) for layout in (
     dict(t=2), dict(p=2), dict(d=2), dict(t=2, p=2), dict(t=2, d=2), dict(p=2, d=2),
     dict(t=2, p=2, d=2))]
+
+
+def torch_schedule_name(row: Row) -> str:
+    """The torch.distributed.pipelining schedule that runs `row`'s pipeline:
+    zb-h1's peer is ScheduleInterleavedZeroBubble on one stage per rank (its
+    ZB1P order, which is ZB-H1 there), zbv's is ScheduleZBVZeroBubble on the
+    same V placement."""
+    if row.schedule == "1f1b" and row.v > 1:
+        return "ScheduleInterleaved1F1B"
+    return {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zb-h1": "ScheduleInterleavedZeroBubble",
+            "zbv": "ScheduleZBVZeroBubble"}[row.schedule]
 
 
 def config_for(row: Row, model: ModelConfig) -> Config:
@@ -145,17 +156,18 @@ class TorchSide:
 
     def __init__(self, row: Row, model: ModelConfig, logical: dict, ctx, microbatch_fn):
         from torch.distributed.device_mesh import init_device_mesh
-        from ptdp.parallel.pipeline.schedules import layers_of
+        from ptdp.parallel.pipeline.schedules import layers_of, virtual_stage_of
 
         self.row, self.ctx, self.microbatch_fn = row, ctx, microbatch_fn
         mesh = init_device_mesh("cpu", (row.p, row.d, row.t), mesh_dim_names=("pp", "dp", "tp"))
         self.tp_mesh, self.dp_mesh, self.pp_mesh = mesh["tp"], mesh["dp"], mesh["pp"]
         stages = row.p * row.v
+        placement = "zbv" if row.schedule == "zbv" else "interleaved"  # V, or looped
         self.modules = []
         for chunk in range(row.v):
-            stage = chunk * row.p + ctx.pp_rank
+            stage = virtual_stage_of(placement, row.p, row.v, ctx.pp_rank, chunk)
             module = load_logical(TorchGPT(model, layers_of(ctx.pp_rank, chunk, row.p, row.v,
-                                                            model.num_layers),
+                                                            model.num_layers, kind=placement),
                                            pre_process=stage == 0, post_process=stage == stages - 1),
                                   logical)
             if row.t > 1:
@@ -177,17 +189,15 @@ class TorchSide:
             lr=1e-4, betas=(0.9, 0.999), eps=1e-8)
         self.schedule = None
         if row.p > 1:
-            from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                                      ScheduleInterleaved1F1B)
+            import torch.distributed.pipelining as pipelining
             group = self.pp_mesh.get_group()
-            pipeline_stages = [PipelineStage(m, stage, stages, torch.device("cpu"), group=group)
+            pipeline_stages = [pipelining.PipelineStage(m, stage, stages, torch.device("cpu"),
+                                                        group=group)
                                for stage, m in self.modules]
-            m = row.microbatches
-            if row.v > 1:
-                self.schedule = ScheduleInterleaved1F1B(pipeline_stages, m, loss_fn=cross_entropy)
-            else:
-                kind = ScheduleGPipe if row.schedule == "gpipe" else Schedule1F1B
-                self.schedule = kind(pipeline_stages[0], m, loss_fn=cross_entropy)
+            kind = getattr(pipelining, torch_schedule_name(row))
+            multi = issubclass(kind, pipelining.schedules.PipelineScheduleMulti)
+            self.schedule = kind(pipeline_stages if multi else pipeline_stages[0], row.microbatches,
+                                 loss_fn=cross_entropy)
 
     def step(self, iteration: int) -> float | None:
         """One training iteration; the mean loss on a rank with the last stage."""
@@ -221,7 +231,11 @@ class TorchSide:
         if self.row.p == 1:
             return
         tied = [w for _, m in self.modules for w in m.tied_weights()]
-        if tied:
+        if len(tied) == 2:  # both copies on this rank (the V placement's rank 0)
+            total = _local(tied[0].grad) + _local(tied[1].grad)
+            for w in tied:
+                _local(w.grad).copy_(total)
+        elif tied:
             dist.all_reduce(_local(tied[0].grad), group=self.ctx.embedding_group)
 
 

@@ -153,6 +153,14 @@ def _trainer_vs_serial(rank, kind, distributed):
     for name, weight in _logical_weights(trainer, ctx).items():
         assert_close(weight, serial_weights[name], **WEIGHT_TOL,
                      msg=lambda msg, name=name: f"{name}: {msg}")
+    # After the second iteration the exchanges were placed for the measured
+    # times: the same table on every rank, the same computes in the same order.
+    assert trainer.measured_costs is not None
+    unit = build_schedule(kind, 2, trainer.num_micro, trainer.num_chunks)
+    assert all(trainer.schedule.computes(r) == unit.computes(r) for r in range(2))
+    everyone = [None] * 8
+    torch.distributed.all_gather_object(everyone, trainer.measured_costs)
+    assert all(costs == everyone[0] for costs in everyone)
     return trainer.holds_loss, records[-1]["loss"]
 
 

@@ -188,3 +188,27 @@ def test_schedule_command_prints_and_draws_zero_bubble(tmp_path, capsys):
     assert run_schedule_command(parser.parse_args(
         ["schedule", "--kind", "zbv", "-p", "4", "-m", "6"])) == 2
     assert "use m = 8" in capsys.readouterr().err
+
+
+# Exchanges placed for the costs the computes really take --------------------------------
+
+from ptdp.parallel.pipeline.schedules import uniform_costs  # noqa: E402
+from ptdp.parallel.pipeline.simulate import compute_costs  # noqa: E402
+from ptdp.parallel.pipeline.zero_bubble import costs_from_table, plan_timed  # noqa: E402
+
+
+@pytest.mark.parametrize("kind,p,m", [("zb-h1", 4, 16), ("zbv", 4, 16), ("zb-h1", 2, 6), ("zbv", 3, 9)])
+@pytest.mark.parametrize("backward,weight", [(Fraction(18, 10), Fraction(7, 10)),
+                                             (Fraction(3), Fraction(1, 2))])
+def test_exchanges_placed_for_unequal_costs_wait_for_nothing(kind, p, m, backward, weight):
+    """F = 1, B + W = `backward`: the schedule built for these costs plays in
+    the makespan its plan promises (nobody waits at an exchange), which is
+    no more than the one placed for F = B = W played with the same costs."""
+    v = 2 if kind == "zbv" else 1
+    per_op = compute_costs(build_schedule(kind, p, m, v), 1, backward, weight)
+    costs = uniform_costs(p, v, per_op)
+    placed = simulate(build_schedule(kind, p, m, v, costs), 1, backward, 0, weight)
+    plan = plan_timed(kind, p, m, cost=costs_from_table(dict(costs)))
+    assert placed.makespan == max(end for row in plan for _, _, end in row)
+    unit_placed = simulate(build_schedule(kind, p, m, v), 1, backward, 0, weight)
+    assert placed.makespan <= unit_placed.makespan

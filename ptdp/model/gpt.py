@@ -58,7 +58,7 @@ from ptdp.parallel.tensor import (
     sequence_parallel_linear,
     vocab_parallel_cross_entropy,
 )
-from ptdp.parallel.weight_grad import DeferredWeightGrads, deferrable_linear
+from ptdp.parallel.weight_grad import DeferredWeightGrads
 from ptdp.parallel.topology import ParallelContext
 
 
@@ -240,8 +240,6 @@ class GPT(nn.Module):
         self.pre_process, self.post_process = pre_process, post_process
         self.sequence_parallel = sp = sequence_parallel and ctx.tp_size > 1
         self.layer_ids = list(range(config.num_layers) if layer_ids is None else layer_ids)
-        # A DeferredWeightGrads store for the output layer (see defer_weight_grads).
-        self.weight_grads = None
         if pre_process:
             self.embedding = Embedding(config, ctx, rng, sp)
         self.layers = nn.ModuleDict({str(i): TransformerLayer(config, ctx, rng, sp)
@@ -262,12 +260,14 @@ class GPT(nn.Module):
         return self
 
     def defer_weight_grads(self, store: DeferredWeightGrads | None) -> None:
-        """Zero-bubble schedules: every matrix product of this chunk (the
-        column- and row-parallel layers and the output layer, tied or not)
-        leaves its weight gradients to `store` (ptdp.parallel.weight_grad);
-        the embedding lookups and the norms, cheap, keep theirs in the
-        backward. None: one fused backward again."""
-        self.weight_grads = store
+        """Zero-bubble schedules: the column- and row-parallel layers of this
+        chunk leave their weight gradients to `store`
+        (ptdp.parallel.weight_grad); None: one fused backward again. The
+        embedding lookups and the norms (cheap) keep theirs in the backward,
+        and so does the output layer: deferring it would hold its [s, b, V/t]
+        logits gradient until W, and zb-h1's last rank holds p - 1 pending
+        W's (measured: +12 % peak RSS over 1F1B at p = 4 on bench/peers.py's
+        GPT; +6 % with the output layer in B, bench/zero_bubble.py)."""
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.weight_grads = store
@@ -323,11 +323,9 @@ class GPT(nn.Module):
         """hidden · Wᵀ with W the output matrix; logits stay split by vocabulary."""
         output = self.output_matrix
         if self.sequence_parallel:  # gather the positions into the vocabulary-parallel product
-            logits = sequence_parallel_linear(hidden, output.weight, None, self.ctx.tp_group,
-                                              self.weight_grads)
+            logits = sequence_parallel_linear(hidden, output.weight, None, self.ctx.tp_group)
         else:
-            logits = deferrable_linear(copy_to_tensor_region(hidden, self.ctx.tp_group),
-                                       output.weight, None, self.weight_grads)
+            logits = F.linear(copy_to_tensor_region(hidden, self.ctx.tp_group), output.weight)
         return output.mask_padding(logits)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor,

@@ -154,6 +154,30 @@ and dropout on. Two kernel sets:
   not yet backward. `memory_per_rank` walks the rank's compute order of the
   schedule (the generators' order) and takes the peak of the sum, so the
   embedding and output extras count only for the chunks that have them.
+
+  Zero-bubble schedules (zb-h1, zbv): B frees what the forward saved except
+  what the deferred weight gradients hold (ptdp.parallel.weight_grad's
+  closures keep each linear layer's input and output gradient; autograd
+  frees the rest as B runs), so a (microbatch, chunk) weighs the figures
+  above from its F until its B and "weight_grad_layer" per layer from its B
+  until its W (the output layer computes its weight gradient in B):
+    inputs   the first and second norm outputs (QKV's and the MLP's inputs;
+             s/t of the positions under sequence parallelism, the saved
+             slice W re-gathers) 2·sbh·e, the context a·d·s·b/t·e, the MLP
+             activation's output s·b·f/t·e;
+    gradients QKV's output (a + 2g)·d·s·b/t·e, the projection's and the
+             second MLP GEMM's [s, b, h] (whole, also under sequence
+             parallelism) 2·sbh·e, the first MLP GEMM's s·b·f/t·e (2f with
+             SwiGLU);
+    output   the final norm's output (s/t under sequence parallelism) and
+             the logits' gradient s·b·V'/t·e.
+  With full recomputation B rebuilds these inputs, so they are held from B
+  to W although F kept only the layer input. The walk follows
+  zero_bubble.py's per-rank orders; the count of activations held at once
+  (F until W) is Schedule.in_flight_bound. Under zbv rank 0 holds the first
+  and the last stage (the embedding and the output extras) and one word
+  embedding (a tied output layer is the same parameter), and no activation
+  or gradient crosses between stages p−1 and p (both on rank p−1).
   Transient memory (a forward's or backward's working tensors, received
   buffers not yet used, 16-bit .grad before it is added to the fp32 buffer)
   is not counted. Neither is what the executor keeps a little too long:
@@ -172,11 +196,15 @@ from typing import Any, Iterator, NamedTuple
 
 from ptdp.config import ModelConfig, TrainConfig
 from ptdp.parallel.pipeline.schedules import (
+    ZERO_BUBBLE_KINDS,
     backward_order,
     check_arguments,
     forward_order,
+    location_of,
+    virtual_stage_of,
     warmup_forwards,
 )
+from ptdp.parallel.pipeline.zero_bubble import zb_h1_order, zbv_order
 from ptdp.perf.layout import BYTES_PER_ELEMENT, Layout, Workload
 from ptdp.train.report import model_flops_per_iteration
 
@@ -292,20 +320,43 @@ def _stage_parameters(model: ModelConfig, t: int, layers: int, first: bool, last
     return params
 
 
+def _ends_share_a_rank(layout: Layout) -> bool:
+    """The first and the last virtual stage are on one pipeline rank: p = 1,
+    or zbv's V (rank 0 holds both; a tied output layer is then the
+    embedding's own parameter, not a copy)."""
+    return layout.p == 1 or layout.schedule_kind == "zbv"
+
+
+def _chunk_stage(layout: Layout, rank: int, chunk: int) -> tuple[bool, bool]:
+    """(first, last): whether (rank, chunk) is the first or the last virtual
+    stage under the layout's schedule."""
+    stage = virtual_stage_of(layout.schedule_kind, layout.p, layout.v, rank, chunk)
+    return stage == 0, stage == layout.p * layout.v - 1
+
+
+def _chunk_parameters(model: ModelConfig, layout: Layout, rank: int, chunk: int) -> list[Param]:
+    """The parameters of (rank, chunk) on one tensor rank (`_stage_parameters`
+    of its virtual stage). Under zbv rank 0's last-stage chunk uses the
+    first chunk's word embedding as its tied output layer: no copy."""
+    first, last = _chunk_stage(layout, rank, chunk)
+    shared = model.tied_output and not _ends_share_a_rank(layout)
+    params = _stage_parameters(model, layout.t, model.num_layers // (layout.p * layout.v),
+                               first, last, shared, layout.splits_sequence)
+    if last and not first and model.tied_output and not shared:
+        params = params[:-1]    # the tied copy: the same parameter as the embedding's
+    return params
+
+
 def _rank_parameters(model: ModelConfig, layout: Layout, rank: int) -> list[Param]:
     """Every parameter of pipeline rank `rank` on one tensor rank, in the
     order the Trainer lists them (chunk by chunk; in a chunk: embeddings,
     layers, final norm, the output layer or the tied copy). `tied` marks a
     word embedding that GradBuffer keeps in a bucket of its own (tied output
-    layer and p > 1: the copies of the first and last stage)."""
-    t, p, v = layout.t, layout.p, layout.v
-    per_chunk = model.num_layers // (p * v)
-    shared = model.tied_output and p > 1
+    layer with the first and last stage on different ranks: the copies of
+    the first and last stage)."""
     params: list[Param] = []
-    for chunk in range(v):
-        stage = chunk * p + rank
-        params += _stage_parameters(model, t, per_chunk, stage == 0, stage == p * v - 1, shared,
-                                    layout.splits_sequence)
+    for chunk in range(layout.v):
+        params += _chunk_parameters(model, layout, rank, chunk)
     return params
 
 
@@ -412,17 +463,37 @@ def _compute_order(kind: str, p: int, m: int, v: int, rank: int) -> Iterator[tup
         yield "B", chunk
 
 
+def _zero_bubble_order(kind: str, p: int, m: int, rank: int) -> Iterator[tuple[str, int]]:
+    """(op, chunk) of rank `rank`'s computes under zb-h1 or zbv, in the
+    order build_schedule gives them (zero_bubble.py's orders)."""
+    order = zbv_order(p, m, rank) if kind == "zbv" else zb_h1_order(p, m, rank)
+    return ((c.op, c.chunk) for c in order)
+
+
 @lru_cache(maxsize=4096)
-def _stash_peaks(kind: str, p: int, m: int, v: int, rank: int,
-                 chunk_weights: tuple[int, ...]) -> tuple[int, int]:
+def _stash_peaks(kind: str, p: int, m: int, v: int, rank: int, chunk_weights: tuple[int, ...],
+                 deferred_weights: tuple[int, ...] | None = None) -> tuple[int, int]:
     """(most (microbatch, chunk) activations held at once, largest sum of
-    their `chunk_weights`) on pipeline rank `rank`."""
+    their `chunk_weights`) on pipeline rank `rank`. Zero-bubble kinds: an
+    activation counts from its F until its W; it weighs `chunk_weights`
+    from F until B and `deferred_weights` (what W needs; default the same)
+    from B until W."""
     check_arguments(kind, p, m, v)
+    zero_bubble = kind in ZERO_BUBBLE_KINDS
+    deferred = chunk_weights if deferred_weights is None else deferred_weights
+    order = _zero_bubble_order(kind, p, m, rank) if zero_bubble else \
+        _compute_order(kind, p, m, v, rank)
     count = weight = peak_count = peak_weight = 0
-    for op, chunk in _compute_order(kind, p, m, v, rank):
-        sign = 1 if op == "F" else -1
-        count += sign
-        weight += sign * chunk_weights[chunk]
+    for op, chunk in order:
+        if op == "F":
+            count += 1
+            weight += chunk_weights[chunk]
+        elif op == "B":
+            weight += (deferred[chunk] if zero_bubble else 0) - chunk_weights[chunk]
+            count -= not zero_bubble
+        else:
+            count -= 1
+            weight -= deferred[chunk]
         peak_count, peak_weight = max(peak_count, count), max(peak_weight, weight)
     return peak_count, peak_weight
 
@@ -430,7 +501,8 @@ def _stash_peaks(kind: str, p: int, m: int, v: int, rank: int,
 def peak_in_flight_per_rank(layout: Layout, m: int) -> list[int]:
     """For each pipeline rank, the most (microbatch, chunk) activations it
     stores at once under the layout's schedule (what the executor measures
-    as peak_stored)."""
+    as peak_stored; under zb-h1 and zbv counted from F until W, as
+    Schedule.in_flight_bound and the executor's peak_awaiting_weight_grads)."""
     kind, ones = layout.schedule_kind, (1,) * layout.v
     return [_stash_peaks(kind, layout.p, m, layout.v, r, ones)[0] for r in range(layout.p)]
 
@@ -542,6 +614,7 @@ def communication_per_rank(workload: Workload, layout: Layout, *,
                activation (unless last virtual stage) and the input gradient
                (unless first): b·s·h·e each, b·s·h·e/t with scatter/gather
                or sequence parallelism (each rank's own s/t positions).
+               None across zbv's stages p−1 and p, which rank p−1 both holds.
     pipeline_all_gather
                scatter/gather's all-gather of every received tensor in the
                tensor group: (t−1)/t·b·s·h·e sent per received tensor. None
@@ -553,7 +626,8 @@ def communication_per_rank(workload: Workload, layout: Layout, *,
                weights in the model dtype (d−1)/d·N·e (N: buffer elements).
     embedding  p > 1: the tied word embedding's gradient summed over its two
                copies (first and last stage), fp32: V'·h/t·4. None with an
-               untied output layer (each stage's matrix is its own).
+               untied output layer (each stage's matrix is its own), nor
+               under zbv (rank 0 holds both ends and one matrix).
     total      their sum.
     Scalar collectives (gradient norm, inf check) are left out.
     """
@@ -569,12 +643,17 @@ def communication_per_rank(workload: Workload, layout: Layout, *,
                     if layout.splits_sequence else {"all_reduce": 1, "all_gather": 0,
                                                     "reduce_scatter": 0})
     word = model.padded_vocab_size(t) * h // t
+    kind = layout.schedule_kind
+
+    def local(boundary: int) -> bool:   # stages boundary and boundary + 1 on one rank
+        return location_of(kind, p, v, boundary)[0] == location_of(kind, p, v, boundary + 1)[0]
+
     results = []
     for rank in range(p):
         tensor = pipeline = gathered = 0.0
         holds_word = False
         for chunk in range(v):
-            stage = chunk * p + rank
+            stage = virtual_stage_of(kind, p, v, rank, chunk)
             first, last = stage == 0, stage == p * v - 1
             holds_word |= first or last
             tensor += m * per_chunk * layer
@@ -583,7 +662,8 @@ def communication_per_rank(workload: Workload, layout: Layout, *,
             if last:
                 tensor += m * (_tensor_bytes_sent(t, sbh, output_layer, e)
                                + 3 * _ring(t, sb) * FP32)
-            transfers = (not last) + (not first)   # sends; receives are as many
+            # Sends (receives are as many); none across zbv's boundary inside a rank.
+            transfers = ((not last and not local(stage)) + (not first and not local(stage - 1)))
             pipeline += m * transfers * sent * e
             if layout.gathers_received:
                 gathered += m * transfers * (t - 1) / t * sbh * e
@@ -596,7 +676,7 @@ def communication_per_rank(workload: Workload, layout: Layout, *,
         else:
             data = _ring(d, n) * FP32
         embedding = 0.0
-        if p > 1 and holds_word and model.tied_output:
+        if not _ends_share_a_rank(layout) and holds_word and model.tied_output:
             padded = -(-word // d) * d if layout.distributed_optimizer else word
             embedding = _ring(2, padded) * FP32
         volume = {"tensor": tensor, "tensor_gradients": _ring(t, partial) * FP32,
@@ -687,7 +767,19 @@ def activation_bytes(workload: Workload, layout: Layout, *,
     output = (norm + outside * e + FP32 * sb * padded // t + INT64 * sb + sb
               + (padded // t if padded > model.vocab_size else 0))
     tables = 2 * s * d * e if model.rope else 0
-    return {"layer": layer, "embedding": embedding, "output": output, "rotary_tables": tables}
+    # Zero-bubble schedules: what a microbatch keeps from its B until its W
+    # (ptdp.parallel.weight_grad): each deferred linear layer's input (the
+    # first norm's output, or its s/t slice under sequence parallelism; the
+    # context; the second norm's output; the MLP activation's output) and
+    # output gradient (QKV's; the projection's and the second MLP GEMM's
+    # whole [s, b, h], all-gathered under sequence parallelism; the first
+    # MLP GEMM's, SwiGLU's gate and up). The output layer keeps its weight
+    # gradient in B: nothing of it waits for W.
+    up = (2 if model.swiglu else 1) * f
+    weight_grad_layer = (2 * outside + a * d * sb // t + sb * f // t
+                         + (a + 2 * g) * d * sb // t + 2 * sb * h + sb * up // t) * e
+    return {"layer": layer, "embedding": embedding, "output": output, "rotary_tables": tables,
+            "weight_grad_layer": weight_grad_layer}
 
 
 def korthikanti_activation_bytes_per_layer(model: ModelConfig, b: int, t: int = 1, *,
@@ -764,16 +856,18 @@ def memory_per_rank(workload: Workload, layout: Layout, *, kernels: str = "cuda"
             optimizer = 2 * n * FP32
         else:
             optimizer = 3 * n * FP32
-        chunk_bytes = []
+        chunk_bytes, deferred_bytes = [], []
         # Rotary tables: made once per layer, kept for every microbatch.
         tables = per_chunk * v * acts["rotary_tables"]
         for chunk in range(v):
-            stage = chunk * p + rank
+            first, last = _chunk_stage(layout, rank, chunk)
             chunk_bytes.append(per_chunk * acts["layer"]
-                               + (acts["embedding"] if stage == 0 else 0)
-                               + (acts["output"] if stage == p * v - 1 else 0))
-        activations = (_stash_peaks(layout.schedule_kind, p, m, v, rank, tuple(chunk_bytes))[1]
-                       + tables)
+                               + (acts["embedding"] if first else 0)
+                               + (acts["output"] if last else 0))
+            deferred_bytes.append(per_chunk * acts["weight_grad_layer"])
+        deferred = tuple(deferred_bytes) if layout.zero_bubble else None
+        activations = (_stash_peaks(layout.schedule_kind, p, m, v, rank, tuple(chunk_bytes),
+                                    deferred)[1] + tables)
         memory = {"weights": weights, "gradients": gradients, "optimizer": optimizer,
                   "activations": activations}
         memory["total"] = sum(memory.values())

@@ -70,6 +70,34 @@ t tensor size, E bytes per element of the workload's precision):
   one does, except that no embedding gradient is summed between the first
   and the last stage.
 
+Zero-bubble schedules (zb-h1, zbv; Layout.zero_bubble): the backward is
+two computes, priced so that B + W is the fused backward's work exactly
+(the model FLOPs do not change). W (`layer_backward_parts`): the
+weight-gradient GEMMs of QKV, the projection and the two MLP GEMMs
+(SwiGLU's first one [h, 2f/t]), the accumulation of those matrices'
+gradients into the fp32 buffer (the biases' stay in B), and a few launches
+(WEIGHT_GRAD_OPS_PER_LAYER). B: everything else, i.e. the input-gradient
+GEMMs, both halves of the score and context GEMMs' backward (two
+activations, no weight), the memory-bound operators, the norms' and
+embedding's gradients, the whole output layer's backward (ptdp keeps its
+weight gradient in B: deferring it would hold the logits' gradient until
+W), the cross entropy, recomputation and the collectives. Collectives without sequence parallelism are unchanged (f's
+all-reduces, in B). Under sequence parallelism ptdp's deferred linear
+layers overlap nothing: B all-gathers the row-parallel output gradients and
+reduce-scatters the column-parallel input gradients, W re-gathers the saved
+s/t inputs, each priced whole (the fused backward hides what fits under a
+GEMM), so B + W carries more collective time than the fused backward.
+Costs are keyed by (rank, chunk); whether a chunk has the embedding or the
+output layer follows its virtual stage (`virtual_stage_of`: under zbv rank
+0 holds stage 0 and stage 2p−1). The schedule has no transfer across zbv's
+bottom (stages p−1 and p, both on rank p−1), so none is priced, and with
+both ends of the model on rank 0 the tied embedding needs no sum over an
+embedding group. The schedule is built with its exchanges placed for these
+predicted F, B and W costs (build_schedule's `costs`), as the trainer places
+them for the costs it measures, and sends do not wait for their receivers
+(the executor's rule under these schedules; only the receiver pays for the
+transfer), so ranks wait only where the data dependencies make them.
+
 Communication between pipeline stages: an activation or gradient of
 b·s·h·E bytes; with scatter/gather each tensor rank sends 1/t of it and the
 receiving tensor group all-gathers it; under sequence parallelism each rank
@@ -105,7 +133,8 @@ Bubble fraction (from the priced timeline): the time from the start of the
 iteration to the pipeline flush, minus the compute time of the busiest
 pipeline rank, over that compute time: the paper's bubble time over ideal
 time. With uniform costs and free transfers it is exactly (p−1)/m, or
-(p−1)/(m·v) interleaved (tested); exposed point-to-point time counts as
+(p−1)/(m·v) interleaved, (p−1)/(3m) zb-h1 and (p−1)/(6m) zbv under
+F = B = W (tested); exposed point-to-point time counts as
 bubble. `seconds_by_category` breaks the iteration down on that busiest
 rank and sums to `iteration_seconds`.
 """
@@ -121,7 +150,15 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Callable
 
-from ptdp.parallel.pipeline.schedules import Compute, Exchange, Schedule, ScheduleError, build_schedule
+from ptdp.parallel.pipeline.schedules import (
+    Compute,
+    Exchange,
+    Schedule,
+    ScheduleError,
+    build_schedule,
+    virtual_stage_of,
+)
+from ptdp.parallel.pipeline.simulate import compute_costs
 from ptdp.perf import analytic
 from ptdp.perf.layout import Layout, Workload
 from ptdp.perf.profiles import HardwareProfile
@@ -133,6 +170,13 @@ CATEGORIES = ("forward compute", "backward compute", "recompute", "tensor all-re
 
 FORWARD_OPS_PER_LAYER = 40        # operators one layer's forward launches (ptdp.model.gpt, eager)
 BACKWARD_OPS_PER_LAYER = 80
+# Of those, a zero-bubble W's (ptdp.parallel.weight_grad): per linear layer
+# its weight-gradient product, the cast and the accumulation into .grad.
+WEIGHT_GRAD_OPS_PER_LAYER = 12
+HEAD_BACKWARD_OPS = 24
+# The GEMMs of a layer with weights (layer_gemms' names); scores and context
+# multiply two activations, so both halves of their backward are input gradients.
+LINEAR_GEMMS = ("qkv", "proj", "mlp_up", "mlp_down")
 ROTARY_FORWARD_OPS = 12           # rotating q and k: chunk, neg, cat, two muls, add, each
 OPTIMIZER_BYTES_PER_PARAMETER = 112   # ptdp's eager AdamW + inf check + norm + clip (fp32 state)
 GRAD_BYTES = 4                    # ptdp keeps and reduces gradients in fp32
@@ -475,6 +519,47 @@ class OperatorModel:
                      + self.sequence_parallel_linear_backward_exposed(shapes["mlp_up"]))
         return cost
 
+    def layer_backward_parts(self) -> tuple[Cost, Cost]:
+        """(B, W) of a layer under a zero-bubble schedule: `layer_backward`
+        split in two with the same work. W: the weight-gradient GEMMs of QKV,
+        the projection and the two MLP GEMMs (SwiGLU's first one twice as
+        wide), the accumulation of those four matrices' gradients into the
+        fp32 buffer and WEIGHT_GRAD_OPS_PER_LAYER launches. B: all the rest
+        (input-gradient GEMMs, both halves of the score and context GEMMs'
+        backward, the memory-bound operators, the norms' and biases' gradient
+        accumulation (ptdp adds the biases outside the products, in its fused
+        bias operators), the remaining launches, the collectives).
+        Collectives: without sequence parallelism f's two all-reduces, in B.
+        Under it nothing overlaps any more (ptdp's deferred
+        _SequenceParallelLinear): B all-gathers the row-parallel layers'
+        output gradients and reduce-scatters the column-parallel layers'
+        input gradients, W re-gathers their saved s/t inputs, each exposed."""
+        shapes = self.layer_gemms()
+        input_grads = sum(self.gemm(m, k, n, batch) for m, n, k, batch in shapes.values())
+        weight_grads = 0.0
+        for name, (m, n, k, batch) in shapes.items():
+            if name in LINEAR_GEMMS:
+                weight_grads += self.gemm(k, n, m, batch)
+            else:
+                input_grads += self.gemm(k, n, m, batch)
+        per_element = 2 * GRAD_BYTES + (GRAD_BYTES if self.E == 4 else self.E)
+        # The four weight matrices: their [out, in] elements are the GEMMs' n·k.
+        weights = sum(n * k for name, (_, n, k, _) in shapes.items() if name in LINEAR_GEMMS)
+        others = self.layer_parameters() - weights      # norms and biases
+        launches = BACKWARD_OPS_PER_LAYER + 2 * self._rotary_ops()
+        b = Cost().add("backward compute",
+                       input_grads + self.memory_ops_seconds(self.layer_memory(), True)
+                       + self.memory(others * per_element)
+                       + self.launches(launches - WEIGHT_GRAD_OPS_PER_LAYER))
+        w = Cost().add("backward compute", weight_grads + self.memory(weights * per_element)
+                       + self.launches(WEIGHT_GRAD_OPS_PER_LAYER))
+        if self.sp:
+            b.comm = self.tensor_collectives(gathers=4)
+            w.comm = self.tensor_collectives(gathers=2)
+        else:
+            b.comm = self.tensor_collectives(2)
+        return b, w
+
     def sequence_parallel_linear_backward_exposed(self, shape: tuple[int, int, int, int]) -> float:
         """Collective seconds a column-parallel layer's backward adds under
         sequence parallelism beyond its GEMMs: the re-gather of its saved
@@ -561,7 +646,7 @@ class OperatorModel:
                    + self.memory(layer_norm_bytes(self.outside(), self.E)[1], "layer_norm")
                    + self.memory(cross_entropy_bytes(logits)[1], "cross_entropy")
                    + self.memory(table * 2 * GRAD_BYTES)
-                   + self.launches(24))
+                   + self.launches(HEAD_BACKWARD_OPS))
         cost = Cost().add("backward compute", seconds)
         # f before the logits; under sequence parallelism the re-gather of
         # the saved slice and the input gradient's reduce-scatter, each under
@@ -582,28 +667,49 @@ class OperatorModel:
 @dataclass
 class ChunkCosts:
     forward: Cost
-    backward: Cost          # includes recomputation
+    backward: Cost          # includes recomputation; zero-bubble kinds: B only
     parameters: int
+    weight: Cost | None = None   # zero-bubble kinds: W (the weight gradients)
+
+    def of(self, op: str) -> Cost:
+        """The cost of a Compute's op: "F", "B" or "W"."""
+        cost = {"F": self.forward, "B": self.backward, "W": self.weight}[op]
+        if cost is None:
+            raise ScheduleError("a W compute under a schedule whose backward is not split")
+        return cost
 
 
 def chunk_costs(ops: OperatorModel, layout: Layout, rank: int, chunk: int) -> ChunkCosts:
+    """The costs of (rank, chunk): its virtual stage under the layout's
+    schedule (zbv's V places rank 0's chunk 1 at the last stage) decides
+    whether it has the embedding or the output layer. Zero-bubble kinds
+    split the backward into B and W (OperatorModel.layer_backward_parts)."""
     p, v = layout.p, layout.v
-    stage = chunk * p + rank
+    stage = virtual_stage_of(layout.schedule_kind, p, v, rank, chunk)
     first, last = stage == 0, stage == p * v - 1
     layers = ops.l // (p * v)
+    split = layout.zero_bubble
     forward, backward = Cost(), Cost()
+    weight = Cost() if split else None
     if first:
         forward += ops.embedding_forward()
     for _ in range(layers):
         forward += ops.layer_forward()
         backward += ops.layer_recompute(layout.recompute)
-        backward += ops.layer_backward()
+        if split:
+            b, w = ops.layer_backward_parts()
+            backward += b
+            weight += w
+        else:
+            backward += ops.layer_backward()
     if last:
         forward += ops.head_forward()
-        backward += ops.head_backward()
+        backward += ops.head_backward()  # also under zero-bubble: see the module docstring
     if first:
         backward += ops.embedding_backward()
-    return ChunkCosts(forward, backward, ops.stage_parameters(first, last, layers))
+    parameters = sum(param.numel for param in analytic._chunk_parameters(ops.w.model, layout,
+                                                                          rank, chunk))
+    return ChunkCosts(forward, backward, parameters, weight)
 
 
 # ------------------------------------------------------------------------------------------
@@ -654,7 +760,9 @@ def play(schedule: Schedule, compute: Callable[[int, Compute], tuple[float, floa
                     end = position.get(("recv" if t.op == "send" else "send", t.tag))
                     if end is None:
                         raise ScheduleError(f"rank {rank}: {t} has no other end in the schedule")
-                    ends.append(end)
+                    # Zero-bubble: a send does not wait for its receiver (the executor's rule).
+                    if t.op == "recv" or not schedule.zero_bubble:
+                        ends.append(end)
                 row.append(ends)
             else:
                 row.append(None)
@@ -705,7 +813,8 @@ def play(schedule: Schedule, compute: Callable[[int, Compute], tuple[float, floa
                 else:
                     posted_row[i] = now
                     mode[r] = "wait"
-                    pending.extend(peer for peer, _ in ends)
+                    # Wake every peer: also those whose receive waits for a send posted here.
+                    pending.extend(t.peer for t in action.transfers)
             elif state == "wait":
                 i = index[r]
                 ready = posted_row[i]
@@ -810,6 +919,28 @@ class Prediction:
         return "\n".join(lines)
 
 
+def compute_lower_bound(workload: Workload, layout: Layout, profile: HardwareProfile) -> float:
+    """Seconds no iteration of this layout can beat, without building its
+    schedule: the compute (work and collectives) of its busiest pipeline
+    rank, m times each of its chunks' F and B (and W). `simulate` plays
+    those computes one after another on that rank, contention only
+    stretches them and the flush, reductions and optimizer come after, so
+    its iteration time is at least this. The planner uses it to skip
+    layouts that cannot reach its top rows."""
+    p, v = layout.p, layout.v
+    m = layout.microbatches(workload.global_batch)
+    machine = Machine(layout, profile)
+    threads = profile.threads_per_process(layout.devices)
+    ops = OperatorModel(workload, layout, profile, machine, threads)
+    names = ("F", "B", "W") if layout.zero_bubble else ("F", "B")
+    busiest = 0.0
+    for r in range(p):
+        costs = [chunk_costs(ops, layout, r, c) for c in range(v)]
+        busiest = max(busiest, m * sum(cost.of(op).total_work + cost.of(op).comm
+                                       for cost in costs for op in names))
+    return busiest
+
+
 def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Prediction:
     """Predict one training iteration of `workload` under `layout` on `profile`."""
     problems = layout.valid_for(workload.model, workload.global_batch)
@@ -817,11 +948,16 @@ def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Pr
         raise ValueError("invalid layout: " + "; ".join(problems))
     p, v, t, d = layout.p, layout.v, layout.t, layout.d
     m = layout.microbatches(workload.global_batch)
-    schedule = _schedule(layout.schedule_kind, p, m, v)
     machine = Machine(layout, profile)
     threads = profile.threads_per_process(layout.devices)
     ops = OperatorModel(workload, layout, profile, machine, threads)
     chunks = {(r, c): chunk_costs(ops, layout, r, c) for r in range(p) for c in range(v)}
+    # Zero-bubble: the exchanges placed for these costs, as the trainer
+    # places them for the costs it measures.
+    costs = (tuple(((r, c, op), chunks[(r, c)].of(op).total_work + chunks[(r, c)].of(op).comm)
+                   for r in range(p) for c in range(v) for op in "FBW")
+             if layout.zero_bubble else None)
+    schedule = _schedule(layout.schedule_kind, p, m, v, costs)
 
     # Contention (CPU profiles): t·d processes per computing pipeline rank.
     contended = profile.kind == "cpu" and profile.cores > 0
@@ -829,8 +965,9 @@ def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Pr
     def speed(working: int) -> float:
         return profile.share(working * t * d, threads)
 
-    priced = {(r, c, op): (cost.total_work, cost.comm) for (r, c), costs in chunks.items()
-              for op, cost in (("F", costs.forward), ("B", costs.backward))}
+    ops_priced = ("F", "B", "W") if layout.zero_bubble else ("F", "B")
+    priced = {(r, c, op): (costs.of(op).total_work, costs.of(op).comm)
+              for (r, c), costs in chunks.items() for op in ops_priced}
 
     def compute(rank: int, action: Compute) -> tuple[float, float]:
         return priced[(rank, action.chunk, action.op)]
@@ -848,6 +985,8 @@ def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Pr
         if key not in exchange_costs:
             slowest, gathers = 0.0, 0.0
             for transfer in action.transfers:
+                if transfer.op == "send" and layout.zero_bubble:
+                    continue  # travels while the sender goes on; its receiver pays for it
                 nbytes = activation / t if split else activation
                 slowest = max(slowest, machine.p2p(nbytes, rank, transfer.peer))
                 if transfer.op == "recv" and gather:
@@ -863,11 +1002,14 @@ def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Pr
     reductions, optimizer_seconds = [], []
     reduction_start = list(pipeline_end)
     embedding = 0.0
-    if p > 1 and workload.model.tied_output:
+    # The ranks of the first and the last stage (both rank 0 under zbv).
+    ends = (schedule.location(0)[0], schedule.location(schedule.num_stages - 1)[0])
+    if ends[0] != ends[1] and workload.model.tied_output:
         # The tied embedding's gradient: the first and the last stage sum it together.
-        reduction_start[0] = reduction_start[p - 1] = max(pipeline_end[0], pipeline_end[p - 1])
+        reduction_start[ends[0]] = reduction_start[ends[1]] = max(pipeline_end[ends[0]],
+                                                                  pipeline_end[ends[1]])
         embedding = machine.allreduce(ops.V // t * ops.h * GRAD_BYTES,
-                                      [machine.rank(0, 0, 0), machine.rank(0, 0, p - 1)])
+                                      [machine.rank(0, 0, ends[0]), machine.rank(0, 0, ends[1])])
     # Sequence parallelism: each bucket holding partial gradients (norms,
     # row-parallel biases, positions) all-reduces them over the tensor group first.
     partial_sums = [sum(machine.tensor_allreduce(n * GRAD_BYTES)
@@ -877,7 +1019,7 @@ def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Pr
         params = sum(chunks[(r, c)].parameters for c in range(v))
         seconds = machine.data_parallel(params * GRAD_BYTES, r,
                                         reduce_scatter_only=layout.distributed_optimizer)
-        reductions.append(seconds + (embedding if r in (0, p - 1) else 0.0) + partial_sums[r])
+        reductions.append(seconds + (embedding if r in ends else 0.0) + partial_sums[r])
         owned = params / d if layout.distributed_optimizer else params
         step_bytes = params * GRAD_BYTES + owned * OPTIMIZER_BYTES_PER_PARAMETER  # zero + step
         if ops.E != 4:
@@ -908,8 +1050,7 @@ def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Pr
             if isinstance(action, Compute):
                 boxes.append(Box(action.op, action.microbatch, action.chunk,
                                  float(rec.start), float(rec.end)))
-                cost = chunks[(r, action.chunk)].forward if action.op == "F" else \
-                    chunks[(r, action.chunk)].backward
+                cost = chunks[(r, action.chunk)].of(action.op)
                 stretched = float(rec.work_end - rec.start)
                 total = priced[(r, action.chunk, action.op)][0] or 1.0
                 for category, seconds in cost.work.items():
@@ -946,13 +1087,17 @@ def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Pr
 
 
 def simulate_uniform(kind: str, p: int, m: int, v: int = 1, *, forward: Fraction | int = 1,
-                     backward: Fraction | int = 2) -> tuple[Fraction, Fraction]:
+                     backward: Fraction | int = 2, weight: Fraction | int | None = None
+                     ) -> tuple[Fraction, Fraction]:
     """(makespan, bubble fraction) of a schedule with uniform costs: a
     forward through one rank's layers costs `forward`, a backward `backward`,
     a chunk 1/v of that, transfers are free. The paper's assumption; the
-    bubble is (p-1)/m, or (p-1)/(m·v) interleaved."""
+    bubble is (p-1)/m, or (p-1)/(m·v) interleaved. Zero-bubble kinds: W
+    costs `weight` of the backward (default half) and B the rest, as in
+    ptdp.parallel.pipeline.simulate (bubble (p-1)/(3m) for zb-h1 and
+    (p-1)/(6m) for zbv under F = B = W)."""
     schedule = build_schedule(kind, p, m, v)
-    costs = {"F": Fraction(forward) / v, "B": Fraction(backward) / v}
+    costs = compute_costs(schedule, forward, backward, weight)
     records = play(schedule, lambda r, a: (costs[a.op], 0), lambda r, a: 0)
     makespan = max(rec.end for row in records for rec in row)
     busy = max(sum(rec.end - rec.start for rec in row if isinstance(rec.action, Compute))

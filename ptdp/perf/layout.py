@@ -11,8 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ptdp.config import ModelConfig
+from ptdp.parallel.pipeline.schedules import ZERO_BUBBLE_KINDS
 
 RECOMPUTE_KINDS = (None, "selective", "full")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zbv")   # Layout.schedule (v > 1 without zbv: interleaved)
 BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -22,11 +24,14 @@ class Layout:
     p: int = 1                      # pipeline-parallel size
     d: int = 1                      # data-parallel size
     b: int = 1                      # microbatch size
-    v: int = 1                      # model chunks per pipeline rank (v > 1: interleaved 1F1B)
+    v: int = 1                      # chunks per pipeline rank (v > 1: interleaved 1F1B or zbv)
     recompute: str | None = None    # None, "selective" or "full" (uniform, 1 layer per group)
     distributed_optimizer: bool = False
     scatter_gather: bool = True
-    schedule: str = "1f1b"          # "gpipe" or "1f1b" when v == 1; interleaved when v > 1
+    # "gpipe", "1f1b" or "zb-h1" when v == 1; interleaved 1F1B when v > 1,
+    # or "zbv" (v = 2, the V placement; zero-bubble kinds split the backward
+    # into B and W, see ptdp.parallel.pipeline.zero_bubble).
+    schedule: str = "1f1b"
     # --sequence-parallel: the activations outside the tensor-parallel
     # regions split over the t ranks along the sequence (t > 1, s % t == 0).
     sequence_parallel: bool = False
@@ -37,7 +42,16 @@ class Layout:
 
     @property
     def schedule_kind(self) -> str:
+        """The kind build_schedule takes: "zbv" as it is; "interleaved" for
+        any other schedule with v > 1."""
+        if self.schedule == "zbv":
+            return "zbv"
         return "interleaved" if self.v > 1 else self.schedule
+
+    @property
+    def zero_bubble(self) -> bool:
+        """The backward is split into B (input gradient) and W (weight gradients)."""
+        return self.schedule_kind in ZERO_BUBBLE_KINDS
 
     @property
     def splits_sequence(self) -> bool:
@@ -73,13 +87,29 @@ class Layout:
         elif model.query_groups % self.t:
             problems.append(f"t={self.t} does not divide the key/value groups "
                             f"({model.query_groups})")
-        if model.num_layers % (self.p * self.v):
+        m = self.microbatches(global_batch)
+        if self.schedule not in SCHEDULES:
+            problems.append(f"unknown schedule {self.schedule!r}: use one of "
+                            f"{', '.join(SCHEDULES)}")
+        elif self.schedule == "zbv" and self.v != 2:
+            problems.append(f"zbv has v=2 chunks per rank in a V, not v={self.v}")
+        elif self.schedule == "zbv" and self.p < 2:
+            problems.append(f"zbv needs p >= 2 (it places two chunks per rank in a V), not "
+                            f"p={self.p}")
+        elif self.schedule == "zbv" and model.num_layers % (2 * self.p):
+            problems.append(f"zbv needs 2p={2 * self.p} to divide the {model.num_layers} layers")
+        elif self.schedule in ("gpipe", "zb-h1") and self.v != 1:
+            problems.append(f"{self.schedule} has one chunk per rank, not v={self.v}")
+        elif model.num_layers % (self.p * self.v):
             problems.append(f"p·v={self.p * self.v} does not divide the {model.num_layers} layers")
         if global_batch % (self.b * self.d):
             problems.append(f"b·d={self.b * self.d} does not divide the global batch {global_batch}")
-        elif self.v > 1 and self.microbatches(global_batch) % self.p:
-            problems.append(f"interleaving needs m={self.microbatches(global_batch)} to be a "
-                            f"multiple of p={self.p}")
+        elif self.schedule == "zb-h1" and m < self.p:
+            problems.append(f"zb-h1 needs m={m} to be at least p={self.p}")
+        elif self.schedule == "zbv" and m < 2 * self.p:
+            problems.append(f"zbv needs m={m} to be at least 2p={2 * self.p}")
+        elif self.schedule_kind == "interleaved" and m % self.p:
+            problems.append(f"interleaving needs m={m} to be a multiple of p={self.p}")
         if self.sequence_parallel and self.t == 1:
             problems.append("sequence parallelism needs t > 1")
         elif self.sequence_parallel and model.seq_length % self.t:
@@ -96,11 +126,11 @@ class Layout:
                  "--data-parallel-size", str(self.d),
                  "--micro-batch-size", str(self.b),
                  "--global-batch-size", str(global_batch)]
-        if self.v > 1:
+        if self.schedule in ("gpipe", "zb-h1", "zbv"):   # zbv: two chunks per rank, implied
+            flags += ["--pipeline-schedule", self.schedule]
+        elif self.v > 1:
             flags += ["--num-layers-per-virtual-pipeline-stage",
                       str(model.num_layers // (self.p * self.v))]
-        elif self.schedule == "gpipe":
-            flags += ["--pipeline-schedule", "gpipe"]
         if self.recompute == "full":
             flags += ["--recompute-granularity", "full", "--recompute-method", "uniform",
                       "--recompute-num-layers", "1"]

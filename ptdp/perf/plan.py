@@ -1,6 +1,6 @@
-"""`ptdp plan`: choose t, p, d, b, v, recomputation, sequence parallelism
-and the optimizer's sharding for a model on N devices, and predict what the
-run will cost.
+"""`ptdp plan`: choose t, p, d, b, v, the pipeline schedule, recomputation,
+sequence parallelism and the optimizer's sharding for a model on N devices,
+and predict what the run will cost.
 
 The search enumerates every valid layout (the rules `ptdp train` enforces),
 keeps those whose memory per device (analytic.py) fits the profile's device
@@ -8,20 +8,30 @@ memory, prices each with the schedule simulator (cost.py: the same action
 lists the executor runs, costed with a hardware profile) and ranks them by
 predicted throughput. Given layout flags it evaluates that one layout.
 
+Schedules: 1F1B, interleaved 1F1B (v = 2 ... MAX_CHUNKS) and the
+zero-bubble zb-h1 (v = 1, m >= p) and zbv (v = 2, m >= 2p, l divisible by
+2p), priced by the same simulator with the backward split into B and W
+(cost.py) and their memory counted from F to B to W (analytic.py). Their
+schedules are slower to build and play, so they are priced only where a
+lower bound says they can reach the top rows (see `search`). `--print-flags`
+prints `--pipeline-schedule zb-h1` or `--pipeline-schedule zbv` for them
+(zbv's two chunks per rank are implied).
+
 Sequence parallelism is searched on and off wherever it is valid (t > 1 and
 t dividing s): it divides the activations between the tensor-parallel
 regions and their element-wise work by t for the same tensor traffic plus
 the re-gathers of the saved inputs, so it mostly decides what fits.
 
 The explanation compares the winner with the best layout that differs from
-it in one respect (a different t, p, b, v, recomputation, sequence
-parallelism or optimizer), and names the time categories that make the
-difference.
+it in one respect (a different t, p, b, v, schedule, recomputation,
+sequence parallelism or optimizer), and names the time categories that
+make the difference.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import json
 import sys
@@ -34,6 +44,10 @@ from ptdp.perf.layout import Layout, Workload
 MEMORY_HEADROOM = 0.9      # leave 10 % of device memory to the allocator and workspaces
 MAX_MICROBATCH = 32        # larger microbatches only add memory at these sizes
 MAX_CHUNKS = 8             # interleaving beyond this only adds transfers
+# The schedules searched: 1F1B (interleaved with v > 1) and the two zero-bubble
+# ones. GPipe is never better than 1F1B here (same bubble, more memory).
+SCHEDULES = ("1f1b", "zb-h1", "zbv")
+EXACT_ROWS = 30            # search's first rows are exact (see search); plot draws as many
 
 
 @dataclass
@@ -74,11 +88,13 @@ def _divisors(n: int) -> list[int]:
 def candidate_layouts(workload: Workload, devices: int, *, microbatch_sizes=None,
                       chunk_counts=None, recompute=(None, "selective", "full"),
                       distributed_optimizer=(False, True),
-                      sequence_parallel=(False, True)) -> Iterable[Layout]:
+                      sequence_parallel=(False, True), schedules=SCHEDULES) -> Iterable[Layout]:
     """Every layout `ptdp train` would accept for this workload on
     `devices` (optionally only some microbatch sizes, chunk counts,
-    recomputation kinds, optimizer or sequence-parallelism choices; sequence
-    parallelism only where t > 1 divides s)."""
+    recomputation kinds, optimizer or sequence-parallelism choices, or
+    schedules among SCHEDULES; sequence parallelism only where t > 1
+    divides s). "1f1b" with v > 1 is the interleaved schedule; zb-h1 has
+    v = 1 and zbv v = 2, each only where its microbatch and layer rules hold."""
     model, batch = workload.model, workload.global_batch
     for t in _divisors(devices):
         for p in _divisors(devices // t):
@@ -91,14 +107,17 @@ def candidate_layouts(workload: Workload, devices: int, *, microbatch_sizes=None
             chunks = [1] + (list(range(2, MAX_CHUNKS + 1)) if p > 1 else [])
             if chunk_counts is not None:
                 chunks = [v for v in chunks if v in chunk_counts]
+            pipelines = [(schedule, v) for v in chunks for schedule in schedules
+                         if (schedule, v) in (("1f1b", v), ("zb-h1", 1), ("zbv", 2))
+                         and (p > 1 or schedule == "1f1b")]   # with p = 1 all are one schedule
             for b in sizes:
-                for v in chunks:
+                for schedule, v in pipelines:
                     for kind in recompute:
                         for sharded in (distributed_optimizer if d > 1 else (False,)):
                             for split in sequence_parallel:
                                 layout = Layout(t=t, p=p, d=d, b=b, v=v, recompute=kind,
                                                 distributed_optimizer=sharded,
-                                                sequence_parallel=split)
+                                                sequence_parallel=split, schedule=schedule)
                                 if not layout.valid_for(model, batch):
                                     yield layout
 
@@ -120,25 +139,44 @@ def _kernels(profile) -> str:
 def search(workload: Workload, devices: int, profile, *, top: int | None = None,
            **restrictions) -> list[Evaluation]:
     """Layouts that fit, best predicted throughput first (`restrictions`:
-    see candidate_layouts)."""
+    see candidate_layouts).
+
+    The zero-bubble layouts are priced last, and only those whose lower
+    bound (cost.compute_lower_bound: their busiest rank's compute, which
+    no schedule removes) beats the EXACT_ROWS-th best time so far: the
+    first EXACT_ROWS results are what pricing every layout would give; a
+    zero-bubble layout that could not reach them is left out of the rest."""
     from ptdp.perf.analytic import memory_per_device
+    from ptdp.perf.cost import compute_lower_bound
 
     fitting = [layout for layout in candidate_layouts(workload, devices, **restrictions)
                if memory_per_device(workload, layout, kernels=_kernels(profile))["total"]
                <= MEMORY_HEADROOM * profile.memory_bytes]
-    results = sorted((evaluate_layout(workload, layout, profile) for layout in fitting),
-                     key=lambda e: (e.seconds, e.memory["total"]))
+    results = [evaluate_layout(workload, layout, profile) for layout in fitting
+               if not layout.zero_bubble]
+    times = sorted(e.seconds for e in results)
+    for layout in fitting:
+        if not layout.zero_bubble:
+            continue
+        if len(times) >= EXACT_ROWS and compute_lower_bound(workload, layout, profile) \
+                >= times[EXACT_ROWS - 1]:
+            continue
+        evaluation = evaluate_layout(workload, layout, profile)
+        results.append(evaluation)
+        bisect.insort(times, evaluation.seconds)
+    results.sort(key=lambda e: (e.seconds, e.memory["total"]))
     return results[:top] if top else results
 
 
 ASPECTS = {  # what differs, and how to say it
     "t": "tensor-parallel size", "p": "pipeline-parallel size", "b": "microbatch size",
-    "v": "chunks per rank", "recompute": "recomputation",
+    "v": "chunks per rank", "schedule": "schedule", "recompute": "recomputation",
     "sequence_parallel": "sequence parallelism",
     "distributed_optimizer": "optimizer sharding",
 }
 # Sequence parallelism exists only with t > 1: a rival of another t may differ in it too.
-COUPLED = {"t": {"sequence_parallel"}}
+# zbv fixes v = 2: a rival of another schedule may differ in v too.
+COUPLED = {"t": {"sequence_parallel"}, "schedule": {"v"}}
 
 
 def explain(results: list[Evaluation], profile) -> list[str]:
@@ -176,6 +214,8 @@ def explain(results: list[Evaluation], profile) -> list[str]:
         value = getattr(rival.layout, field)
         if field == "sequence_parallel":
             value = "on" if value else "off"
+        elif field == "schedule":
+            value = rival.layout.schedule_kind
         lines.append(f"  vs {words} {value!s:>5}: {slower:+.1%} time"
                      + (f" ({reasons})" if reasons else ""))
     return lines
@@ -199,6 +239,8 @@ def describe(layout: Layout) -> str:
     text = f"t={layout.t} p={layout.p} d={layout.d} b={layout.b}"
     if layout.v > 1:
         text += f" v={layout.v}"
+    if layout.schedule != "1f1b":
+        text += f" {layout.schedule}"
     if layout.recompute:
         text += f" recompute={layout.recompute}"
     if layout.sequence_parallel:
@@ -209,12 +251,13 @@ def describe(layout: Layout) -> str:
 
 
 def table(results: list[Evaluation], rows: int) -> str:
-    header = ("| rank | t | p | d | b | v | recompute | seq. par. | dist. opt. | s/iter | "
-              "TFLOP/s/device | bubble | memory GiB |")
-    lines = [header, "|" + "---|" * 13]
+    header = ("| rank | t | p | d | b | v | schedule | recompute | seq. par. | dist. opt. | "
+              "s/iter | TFLOP/s/device | bubble | memory GiB |")
+    lines = [header, "|" + "---|" * 14]
     for i, e in enumerate(results[:rows], 1):
         layout = e.layout
         lines.append(f"| {i} | {layout.t} | {layout.p} | {layout.d} | {layout.b} | {layout.v} | "
+                     f"{layout.schedule_kind} | "
                      f"{layout.recompute or '-'} | {'yes' if layout.sequence_parallel else '-'} | "
                      f"{'yes' if layout.distributed_optimizer else '-'} | "
                      f"{e.seconds:.3f} | {e.tflops:.1f} | {e.prediction.bubble_fraction:.3f} | "
@@ -222,7 +265,7 @@ def table(results: list[Evaluation], rows: int) -> str:
     return "\n".join(lines)
 
 
-def plot(results: list[Evaluation], path: str, rows: int = 30) -> None:
+def plot(results: list[Evaluation], path: str, rows: int = EXACT_ROWS) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -271,8 +314,8 @@ def _add_model_settings(group: argparse._ArgumentGroup) -> None:
 
 def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
-        "plan", help="choose and predict a layout (t, p, d, b, v, recomputation, sequence "
-                     "parallelism)",
+        "plan", help="choose and predict a layout (t, p, d, b, v, schedule, recomputation, "
+                     "sequence parallelism)",
         description="Search the layouts of a GPT (or a Llama-style model: --normalization "
                     "RMSNorm --swiglu --position-embedding-type rope --group-query-attention "
                     "--untie-embeddings-and-output-weights --disable-bias-linear) on N devices, or "
@@ -295,6 +338,9 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     layout.add_argument("--pipeline-model-parallel-size", "-p", type=int, metavar="N")
     layout.add_argument("--micro-batch-size", type=int, metavar="N")
     layout.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, metavar="N")
+    layout.add_argument("--pipeline-schedule", choices=("1f1b", "gpipe", "zb-h1", "zbv"),
+                        help="as for `ptdp train` (zbv: two chunks per rank; default 1f1b, "
+                             "interleaved with --num-layers-per-virtual-pipeline-stage)")
     layout.add_argument("--recompute-granularity", choices=("full", "selective"))
     layout.add_argument("--sequence-parallel", action="store_true",
                         help="split the activations between the tensor-parallel regions along "
@@ -310,7 +356,7 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
 def _layout_from_args(args: argparse.Namespace, model: ModelConfig, devices: int) -> Layout | None:
     given = [args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
              args.micro_batch_size, args.num_layers_per_virtual_pipeline_stage,
-             args.recompute_granularity]
+             args.recompute_granularity, args.pipeline_schedule]
     if (all(value is None for value in given) and not args.use_distributed_optimizer
             and not args.sequence_parallel):
         return None
@@ -318,15 +364,24 @@ def _layout_from_args(args: argparse.Namespace, model: ModelConfig, devices: int
     p = args.pipeline_model_parallel_size or 1
     if devices % (t * p):
         raise ConfigError([f"--gpus {devices} is not a multiple of t·p = {t * p}"])
-    v = 1
-    if args.num_layers_per_virtual_pipeline_stage:
+    schedule = args.pipeline_schedule or "1f1b"
+    v = 2 if schedule == "zbv" else 1
+    k = args.num_layers_per_virtual_pipeline_stage
+    if k and schedule == "zbv" and k * 2 * p != model.num_layers:
+        raise ConfigError([f"--pipeline-schedule zbv has two chunks per rank, so "
+                           f"--num-layers-per-virtual-pipeline-stage {k} must be --num-layers / 2p "
+                           f"= {model.num_layers / (2 * p):g}: drop it"])
+    if k and schedule in ("gpipe", "zb-h1"):
+        raise ConfigError([f"--pipeline-schedule {schedule} has one chunk per rank: drop "
+                           f"--num-layers-per-virtual-pipeline-stage"])
+    if k and schedule != "zbv":
         per = p * args.num_layers_per_virtual_pipeline_stage
         if model.num_layers % per:
             raise ConfigError([f"--num-layers {model.num_layers} is not a multiple of p × "
                                f"--num-layers-per-virtual-pipeline-stage = {per}"])
         v = model.num_layers // per
     return Layout(t=t, p=p, d=devices // (t * p), b=args.micro_batch_size or 1, v=v,
-                  recompute=args.recompute_granularity,
+                  schedule=schedule, recompute=args.recompute_granularity,
                   distributed_optimizer=args.use_distributed_optimizer,
                   sequence_parallel=args.sequence_parallel)
 

@@ -25,8 +25,9 @@ from fractions import Fraction
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
-from ptdp.parallel.pipeline.schedules import KINDS, Compute, Exchange, ScheduleError, build_schedule
-from ptdp.parallel.pipeline.simulate import SimulationResult, simulate
+from ptdp.parallel.pipeline.schedules import (KINDS, Compute, Exchange, ScheduleError, build_schedule,
+                                              uniform_costs)
+from ptdp.parallel.pipeline.simulate import SimulationResult, compute_costs, simulate
 
 
 class Box(NamedTuple):
@@ -340,6 +341,9 @@ def run_schedule_command(args: argparse.Namespace) -> int:
         return _error(f"--xmax {args.xmax} must be positive")
     try:
         schedule = build_schedule(kind, p, m, v)
+        if schedule.zero_bubble:  # exchanges placed for these costs, as the trainer does
+            per_op = compute_costs(schedule, args.forward_cost, args.backward_cost, weight_cost)
+            schedule = build_schedule(kind, p, m, v, uniform_costs(p, v, per_op))
         result = simulate(schedule, args.forward_cost, args.backward_cost, args.transfer_cost,
                           weight_cost)
     except ScheduleError as error:

@@ -49,14 +49,13 @@ def worker(env: DistEnv, config: Config) -> list[dict[str, Any]]:
         dist.destroy_process_group()
 
 
-def _tied_accumulations(chunks: list, schedule, tied_output: bool) -> dict:
+def _tied_accumulations(chunks: list, tied_output: bool) -> dict:
     """The word embedding, when this rank's lookup and tied output layer
     accumulate its gradient in separate backward passes (zbv's two chunks
-    on rank 0; a zero-bubble schedule's W on one stage): twice per
-    microbatch (see GradBuffer)."""
+    on rank 0): twice per microbatch (see GradBuffer)."""
     first = [c for c in chunks if c.pre_process]
     last = [c for c in chunks if c.post_process]
-    if tied_output and first and last and (first[0] is not last[0] or schedule.zero_bubble):
+    if tied_output and first and last and first[0] is not last[0]:
         return {first[0].embedding.word_embeddings.weight: 2}
     return {}
 
@@ -86,6 +85,7 @@ class Trainer:
 
         sequence_parallel = par.sequence_parallel and ctx.tp_size > 1
         self.schedule = build_schedule(par.schedule_kind, p, self.num_micro, self.num_chunks)
+        self.measured_costs = None  # zero-bubble: what place_exchanges measured
         self.chunks = build_chunks(model_cfg, ctx, device, tr.seed, self.num_chunks,
                                    sequence_parallel=sequence_parallel, kind=par.schedule_kind)
         self.model = torch.nn.ModuleList(self.chunks)
@@ -102,8 +102,7 @@ class Trainer:
                 else set())
         self.buffer = GradBuffer(params, ctx, param_dtype=self.dtype, bucket_size=tr.ddp_bucket_size,
                                  shard=tr.use_distributed_optimizer, tied=tied,
-                                 accumulations=_tied_accumulations(self.chunks, self.schedule,
-                                                                   model_cfg.tied_output))
+                                 accumulations=_tied_accumulations(self.chunks, model_cfg.tied_output))
         self.optimizer = Optimizer(self.buffer, ctx, tr)
         # Under sequence parallelism each tensor rank sends its own s/t
         # positions: the paper's scatter/gather without the gather.
@@ -117,6 +116,25 @@ class Trainer:
                                  tr.eval_iters * self.global_batch if tr.eval_interval else 0, 0),
             is_builder=ctx.rank == 0, reads_tokens=ctx.is_first_stage or self.holds_loss,
             barrier=dist.barrier if dist.is_initialized() else None)
+
+    def place_exchanges(self, stats) -> None:
+        """Rebuild the zero-bubble schedule with its exchanges placed for the
+        F, B and W times `stats` measured per chunk (the slowest tensor and
+        data-parallel replica of each pipeline rank; every rank gets the same
+        table, so every rank builds the same schedule). The order of the
+        computes, and so every number computed, does not change; only where
+        ranks wait for transfers does (see ptdp.parallel.pipeline.zero_bubble)."""
+        ctx, schedule = self.ctx, self.schedule
+        table = torch.zeros(ctx.pp_size, self.num_chunks, 3, dtype=torch.float64, device=self.device)
+        for (op, chunk), seconds in stats.compute_seconds.items():
+            table[ctx.pp_rank, chunk, "FBW".index(op)] = seconds / self.num_micro
+        if ctx.world_group is not None:
+            dist.all_reduce(table, op=dist.ReduceOp.MAX, group=ctx.world_group)
+        measured = table.cpu().tolist()
+        costs = tuple(((rank, chunk, op), measured[rank][chunk][k]) for rank in range(ctx.pp_size)
+                      for chunk in range(self.num_chunks) for k, op in enumerate("FBW"))
+        self.schedule = build_schedule(schedule.kind, schedule.p, schedule.m, schedule.v, costs)
+        self.measured_costs = costs
 
     def consumed_before(self, iteration: int) -> int:
         """Samples consumed before 0-based `iteration` runs."""
@@ -152,10 +170,17 @@ class Trainer:
         start = time.perf_counter()
         self.model.train()
         self.buffer.start_iteration(self.num_micro)
+        # Zero-bubble: the run's second iteration (the first warms up) measures
+        # what F, B and W take, and the exchanges are placed for that after it.
+        measure = self.schedule.zero_bubble and iteration == self.start_iteration + 1
         stats = self.executor.run(self.schedule, self.microbatch_fn(iteration),
                                   record_timeline=record_timeline,
-                                  loss_scale=self.optimizer.scaler.scale)
+                                  loss_scale=self.optimizer.scaler.scale,
+                                  synchronize=(lambda: devices.synchronize(self.device))
+                                  if measure else None)
         devices.synchronize(self.device)
+        if measure:
+            self.place_exchanges(stats)
         forward_backward_done = time.perf_counter()
 
         self.buffer.finish()
@@ -256,6 +281,8 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
             if record_timeline:
                 dist.barrier()  # align the ranks' clocks for the picture
             record, stats = trainer.step(iteration, record_timeline)
+            if is_logger and trainer.measured_costs is not None and iteration == trainer.start_iteration + 1:
+                _report_placement(trainer)
             record.update(throughput(flops, record["iteration_ms"] / 1e3, ctx.grid.world_size, peak))
             verdict = stopping.agree(record)  # the same on every rank
             try:
@@ -302,6 +329,15 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
         plot_loss_curve(history, tr.loss_curve)
         print(f"ptdp: drew the loss curve to {tr.loss_curve}", flush=True)
     return history
+
+
+def _report_placement(trainer: Trainer) -> None:
+    costs = dict(trainer.measured_costs)
+    per_op = {op: max(seconds for (_, _, o), seconds in costs.items() if o == op) * 1e3
+              for op in "FBW"}
+    print(f"ptdp: {trainer.schedule.kind}: exchanges placed for the measured times per microbatch "
+          f"and chunk (slowest: F {per_op['F']:.3g} ms, B {per_op['B']:.3g} ms, W {per_op['W']:.3g} "
+          f"ms)", flush=True)
 
 
 def _report(record: dict, metrics_out: TextIO | None, tensorboard, is_logger: bool,

@@ -16,7 +16,12 @@
 - Exchange: all its sends and receives are posted as one batch
   (batch_isend_irecv), so two neighbours that send to each other at the same
   moment cannot deadlock. The receives are waited for; the sends are waited
-  for at the next exchange, so they travel while this rank computes.
+  for at the next exchange, so they travel while this rank computes. Under
+  a zero-bubble schedule a send never holds its rank up (with gloo, one
+  request per operation): it is waited for at the end of the run, and what
+  it carried is freed as soon as it is seen complete. Two busy ranks that
+  fill their gaps with W's rarely reach an exchange at the same moment, so
+  waiting for sends would add idle time at every transfer.
 
 Scatter/gather (the paper's optimisation): the activation or gradient that
 crosses a stage boundary is the same on every tensor rank, so each tensor
@@ -61,6 +66,7 @@ class PipelineStats:
     forward_seconds: float = 0.0         # time in forward computations
     backward_seconds: float = 0.0        # time in backward computations (B and W)
     weight_grad_seconds: float = 0.0     # of which in W (zero-bubble schedules)
+    compute_seconds: dict[tuple[str, int], float] = field(default_factory=dict)  # (op, chunk) -> s
     released_bytes: int = 0              # storage of sent activations freed before their backward
 
 
@@ -102,10 +108,13 @@ class PipelineExecutor:
         return self.ctx.grid.rank(c.tp, c.dp, pipeline_rank)
 
     def run(self, schedule: Schedule, microbatch: MicrobatchFn, *, forward_only: bool = False,
-            record_timeline: bool = False, loss_scale: float = 1.0) -> PipelineStats:
+            record_timeline: bool = False, loss_scale: float = 1.0,
+            synchronize: Callable[[], None] | None = None) -> PipelineStats:
         """Execute this rank's actions of `schedule`. `microbatch(i)` gives the
         tokens and labels [b, s] of microbatch i, and optionally its loss mask
-        (used on the first and last virtual stage only). Backward starts from loss · loss_scale / m."""
+        (used on the first and last virtual stage only). Backward starts from loss · loss_scale / m.
+        `synchronize`, called after every compute, makes the measured times
+        those of the device's work (on a GPU, not only of the launches)."""
         ctx, m = self.ctx, schedule.m
         last_stage = schedule.num_stages - 1
         stats = PipelineStats()
@@ -132,7 +141,7 @@ class PipelineExecutor:
         for action in schedule.ranks[ctx.pp_rank]:
             began = time.perf_counter()
             if isinstance(action, Exchange):
-                self._exchange(action, outgoing, received, stats)
+                self._exchange(action, outgoing, received, stats, lazy_sends=schedule.zero_bubble)
                 stats.transfer_seconds += time.perf_counter() - began
                 record("comm", -1, -1, began)
                 continue
@@ -173,8 +182,11 @@ class PipelineExecutor:
             else:  # W
                 deferred.pop((i, c)).run()
             # Host time: exact on CPU; on GPUs it measures kernel launches
-            # unless the device is synchronised (as for a timeline).
+            # unless the device is synchronised.
+            if synchronize is not None:
+                synchronize()
             elapsed = time.perf_counter() - began
+            stats.compute_seconds[(action.op, c)] = stats.compute_seconds.get((action.op, c), 0.0) + elapsed
             if action.op == "F":
                 stats.forward_seconds += elapsed
             else:
@@ -201,8 +213,11 @@ class PipelineExecutor:
         return (t.microbatch * 2 + (t.kind == "grad")) * 4096 + t.boundary
 
     def _exchange(self, exchange: Exchange, outgoing: dict, received: dict,
-                  stats: PipelineStats) -> None:
-        self._finish_sends(stats)   # the previous exchange's sends: long done, as a rule
+                  stats: PipelineStats, lazy_sends: bool = False) -> None:
+        if lazy_sends:
+            self._release_finished_sends(stats)
+        else:
+            self._finish_sends(stats)   # the previous exchange's sends: long done, as a rule
         ops: list = []
         sent_outputs: list[torch.Tensor] = []
         buffers: list[tuple[Transfer, torch.Tensor]] = []
@@ -235,9 +250,10 @@ class PipelineExecutor:
             # streams, the host goes on at once.
             for work in works:
                 work.wait()
-        self._pending_sends.append((sends, sent_outputs))
-        if not sends:
-            self._finish_sends(stats)
+        if sends:
+            self._pending_sends.append((sends, sent_outputs))
+        else:  # nothing in flight (NCCL's batch was waited for): free at once
+            self._release(sent_outputs, stats)
         for t, buffer in buffers:
             received[t.tag] = self._gather(buffer) if self.split else buffer
 
@@ -246,13 +262,31 @@ class PipelineExecutor:
         for sends, sent_outputs in self._pending_sends:
             for work, _payload in sends:
                 work.wait()
-            for output in sent_outputs:
-                # Autograd keeps only the shape of a chunk's output (its last op
-                # is an addition, which saves no tensors): its data can go now.
-                storage = output.untyped_storage()
-                stats.released_bytes += storage.nbytes()
-                storage.resize_(0)
+            self._release(sent_outputs, stats)
         self._pending_sends.clear()
+
+    def _release_finished_sends(self, stats: PipelineStats) -> None:
+        """Free what completed sends carried, waiting for none (zero-bubble
+        schedules: a send never holds its rank up; what is still in flight
+        is waited for at the end of the run)."""
+        still = []
+        for sends, sent_outputs in self._pending_sends:
+            if all(work.is_completed() for work, _payload in sends):
+                for work, _payload in sends:
+                    work.wait()  # completed: returns at once, and surfaces an error
+                self._release(sent_outputs, stats)
+            else:
+                still.append((sends, sent_outputs))
+        self._pending_sends = still
+
+    @staticmethod
+    def _release(sent_outputs: list[torch.Tensor], stats: PipelineStats) -> None:
+        for output in sent_outputs:
+            # Autograd keeps only the shape of a chunk's output (its last op
+            # is an addition, which saves no tensors): its data can go now.
+            storage = output.untyped_storage()
+            stats.released_bytes += storage.nbytes()
+            storage.resize_(0)
 
     def _my_slice(self, tensor: torch.Tensor) -> torch.Tensor:
         flat = tensor.detach().reshape(-1)

@@ -295,12 +295,17 @@ def with_exchanges(steps: list[list[Compute]], rank: int, p: int, v: int) -> tup
     return tuple(actions)
 
 
-def build_schedule(kind: str, p: int, m: int, v: int = 1) -> Schedule:
-    """Every pipeline rank's action list for one iteration (one flush)."""
+def build_schedule(kind: str, p: int, m: int, v: int = 1,
+                   costs: tuple[tuple[tuple[int, int, str], float], ...] | None = None) -> Schedule:
+    """Every pipeline rank's action list for one iteration (one flush).
+    `costs` ((rank, chunk, op), duration) pairs: under the zero-bubble kinds
+    the exchanges are placed for computes of those durations (default: all
+    equal); the order of the computes never depends on them. A tuple, so
+    that schedules can be cached by their arguments."""
     check_arguments(kind, p, m, v)
     if kind in ZERO_BUBBLE_KINDS:
-        from ptdp.parallel.pipeline.zero_bubble import build_zero_bubble
-        return build_zero_bubble(kind, p, m)
+        from ptdp.parallel.pipeline.zero_bubble import build_zero_bubble, costs_from_table, unit_cost
+        return build_zero_bubble(kind, p, m, costs_from_table(dict(costs)) if costs else unit_cost)
     forwards, backwards = forward_order(kind, p, m, v), backward_order(kind, p, m, v)
     ranks = []
     for rank in range(p):
@@ -309,6 +314,12 @@ def build_schedule(kind: str, p: int, m: int, v: int = 1) -> Schedule:
             steps = [[compute] for step in steps for compute in step]
         ranks.append(with_exchanges(steps, rank, p, v))
     return Schedule(kind, p, m, v, tuple(ranks))
+
+
+def uniform_costs(p: int, v: int, per_op: dict) -> tuple:
+    """build_schedule's `costs` when every rank's chunk takes the same time per op."""
+    return tuple(((rank, chunk, op), cost) for rank in range(p) for chunk in range(v)
+                 for op, cost in per_op.items())
 
 
 def build_forward_only(p: int, m: int, v: int = 1, placement: str = "interleaved") -> Schedule:

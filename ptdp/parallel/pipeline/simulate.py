@@ -24,7 +24,12 @@ the rest. Their extra rules: W after its own B on the same rank and chunk;
 B of stage k after B of stage k + 1 (as every backward); an activation is
 stored from its F until its W, and `peak_in_flight` counts it so. Across
 the bottom of zbv's V (two stages on one rank) no tensor is transferred:
-the consumer reads what the producer left on the rank.
+the consumer reads what the producer left on the rank. Their sends do not
+wait for the receiver (the executor waits for them at the end of the run):
+an Exchange waits only for its receives' sends to be posted. With blocking
+sends a schedule whose W's fill the gaps could not avoid waiting once the
+computes take unequal times: two busy ranks rarely reach an exchange at the
+same moment.
 """
 
 from __future__ import annotations
@@ -196,10 +201,13 @@ def simulate(schedule: Schedule, forward_cost: Fraction | int = 1, backward_cost
                             for t in action.transfers]
                     if any(e is None for e in ends):
                         fail(rank, f"{action}: a transfer has no other end in the schedule")
+                    if schedule.zero_bubble:  # sends do not wait for their receiver
+                        ends = [e for e, t in zip(ends, action.transfers) if t.op == "recv"]
                     if not all(pointer[peer] >= index for peer, index in ends):
                         break  # a peer has not posted the other end yet
-                    done = max([clock[rank]] + [arrived.get((peer, index), clock[peer])
-                                                for peer, index in ends]) + transfer_cost
+                    done = (max([clock[rank]] + [arrived.get((peer, index), clock[peer])
+                                                 for peer, index in ends]) + transfer_cost
+                            if ends else clock[rank])
                     for t in action.transfers:
                         if t.op == "recv":
                             have[rank].add((t.kind, t.microbatch, t.boundary))

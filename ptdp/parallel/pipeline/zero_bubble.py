@@ -24,19 +24,26 @@ Orders (per rank r, microbatches in order within each chunk):
   than r half-units and is never idle after, so the makespan is
   (6m + p - 1)/2 units and the bubble (p - 1)/(6m): half of zb-h1's.
 
-The plan (plan_unit_time) times every compute as soon as its rank and its
-inputs allow, every compute one step (F = B = W, transfers free).
+The plan (plan_timed) times every compute as soon as its rank and its
+inputs allow, each taking cost(rank, compute): by default one step (F = B
+= W, transfers free); given measured or predicted costs, those.
 
 Transfers. The plan's times also place the exchanges: a tensor produced at
 time T is sent in the exchange right after its producer and received in the
 receiver's exchange that is open at T (the one before its first compute that
 starts at or after T). Both ends are then posted by T and neither side waits
-under equal costs, so the simulator reproduces the plan; with other costs the
-order is unchanged and only the waiting differs. Transfers in one exchange
-are sorted by (T, tag), the same order on both sides of every pair of ranks.
+when the computes take the costs the plan assumed, so the simulator
+reproduces the plan; with other costs the order is unchanged and only the
+waiting differs, which is why the trainer re-places the exchanges for the
+costs it measures (ptdp.train.loop) and the planner for the costs it
+predicts (ptdp.perf.cost). Transfers in one exchange are sorted by (T, tag),
+the same order on both sides of every pair of ranks.
 """
 
 from __future__ import annotations
+
+from bisect import bisect_left
+from typing import Callable, Mapping
 
 from ptdp.parallel.pipeline.schedules import (
     Action,
@@ -99,17 +106,30 @@ def zbv_order(p: int, m: int, rank: int) -> list[Compute]:
     return order
 
 
-def plan_unit_time(kind: str, p: int, m: int,
-                   orders: list[list[Compute]] | None = None) -> list[list[tuple[Compute, int]]]:
-    """Per rank, (compute, start step) in order: every compute one step, as
-    early as its rank and its inputs allow. `orders`: each rank's computes
-    (default: the kind's training orders)."""
+# Seconds (or units) of one compute on a rank: cost(rank, compute).
+ComputeCost = Callable[[int, Compute], float]
+
+
+def unit_cost(rank: int, compute: Compute) -> float:
+    return 1
+
+
+def costs_from_table(table: Mapping[tuple[int, int, str], float]) -> ComputeCost:
+    """cost(rank, compute) from {(rank, chunk, op): duration}."""
+    return lambda rank, compute: table[(rank, compute.chunk, compute.op)]
+
+
+def plan_timed(kind: str, p: int, m: int, orders: list[list[Compute]] | None = None,
+               cost: ComputeCost = unit_cost) -> list[list[tuple[Compute, float, float]]]:
+    """Per rank, (compute, start, end) in order: every compute as early as
+    its rank and its inputs allow, taking cost(rank, compute). `orders`:
+    each rank's computes (default: the kind's training orders)."""
     v = 2 if kind == "zbv" else 1
     last = p * v - 1
     if orders is None:
         orders = [(zbv_order if kind == "zbv" else zb_h1_order)(p, m, rank) for rank in range(p)]
-    end: dict[tuple[str, int, int], int] = {}   # (op, microbatch, stage) -> end step
-    plan: list[list[tuple[Compute, int]]] = [[] for _ in range(p)]
+    end: dict[tuple[str, int, int], float] = {}   # (op, microbatch, stage) -> end time
+    plan: list[list[tuple[Compute, float, float]]] = [[] for _ in range(p)]
     free = [0] * p
     while any(len(plan[r]) < len(orders[r]) for r in range(p)):
         moved = False
@@ -123,8 +143,8 @@ def plan_unit_time(kind: str, p: int, m: int,
                 if any(n not in end for n in needs):
                     break
                 start = max([free[rank]] + [end[n] for n in needs])
-                end[(compute.op, i, stage)] = free[rank] = start + 1
-                plan[rank].append((compute, start))
+                end[(compute.op, i, stage)] = free[rank] = start + cost(rank, compute)
+                plan[rank].append((compute, start, free[rank]))
                 moved = True
         if not moved:
             raise ScheduleError(f"{kind} p={p} m={m}: the orders deadlock")
@@ -132,19 +152,20 @@ def plan_unit_time(kind: str, p: int, m: int,
 
 
 def _with_timed_exchanges(kind: str, p: int, v: int,
-                          plan: list[list[tuple[Compute, int]]]) -> tuple[tuple[Action, ...], ...]:
+                          plan: list[list[tuple[Compute, float, float]]]
+                          ) -> tuple[tuple[Action, ...], ...]:
     # slots[rank][k]: transfers of the exchange before compute k (k = len: after the last).
-    slots: list[list[list[tuple[int, Transfer]]]] = [[[] for _ in range(len(row) + 1)] for row in plan]
+    slots: list[list[list[tuple[float, Transfer]]]] = [[[] for _ in range(len(row) + 1)]
+                                                      for row in plan]
+    starts = [[start for _, start, _ in row] for row in plan]
     for rank, row in enumerate(plan):
-        for k, (compute, start) in enumerate(row):
+        for k, (compute, _, produced) in enumerate(row):
             _, send = _transfers(compute, rank, p, v, kind)
             if send is None:
                 continue
-            produced = start + 1
             slots[rank][k + 1].append((produced, send))
-            receiver_starts = [s for _, s in plan[send.peer]]
-            slot = next((j for j, s in enumerate(receiver_starts) if s >= produced),
-                        len(receiver_starts))
+            # The receiver's exchange before its first compute starting at or after `produced`.
+            slot = bisect_left(starts[send.peer], produced)
             recv = Transfer("recv", send.kind, send.microbatch, send.boundary, rank)
             slots[send.peer][slot].append((produced, recv))
     ranks = []
@@ -165,14 +186,15 @@ def build_zbv_forward_only(p: int, m: int) -> Schedule:
     """Evaluation under the V placement: every rank runs its chunk-0
     forwards, then its chunk-1 forwards, microbatches in order."""
     orders = [[Compute("F", i, c) for c in (0, 1) for i in range(m)] for _ in range(p)]
-    plan = plan_unit_time("zbv", p, m, orders)
+    plan = plan_timed("zbv", p, m, orders)
     return Schedule("forward-only", p, m, 2, _with_timed_exchanges("zbv", p, 2, plan),
                     placement="zbv")
 
 
-def build_zero_bubble(kind: str, p: int, m: int) -> Schedule:
+def build_zero_bubble(kind: str, p: int, m: int, cost: ComputeCost = unit_cost) -> Schedule:
     """Every rank's actions for one iteration of zb-h1 or zbv (arguments
-    already checked by schedules.check_arguments)."""
+    already checked by schedules.check_arguments), the exchanges placed for
+    computes that take cost(rank, compute)."""
     v = 2 if kind == "zbv" else 1
-    plan = plan_unit_time(kind, p, m)
+    plan = plan_timed(kind, p, m, cost=cost)
     return Schedule(kind, p, m, v, _with_timed_exchanges(kind, p, v, plan))
