@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ptdp.parallel.pipeline.split import LayerSplit, split_problems
+
 
 def flag(default: Any, name: str, help: str, **extra: Any) -> Any:
     """A dataclass field that is also the command-line flag `name`."""
@@ -158,6 +160,22 @@ class ParallelConfig:
         "rank in a V, needs m >= 2p); --num-layers-per-virtual-pipeline-stage with 1f1b selects "
         "the interleaved 1F1B schedule",
         choices=("gpipe", "1f1b", "zb-h1", "zbv"))
+    decoder_first_pipeline_num_layers: int | None = flag(
+        None, "--decoder-first-pipeline-num-layers",
+        "transformer layers on the first pipeline rank (it also computes the embedding); the "
+        "other ranks split the rest evenly")
+    decoder_last_pipeline_num_layers: int | None = flag(
+        None, "--decoder-last-pipeline-num-layers",
+        "transformer layers on the last pipeline rank (it also computes the output layer and "
+        "the loss); the other ranks split the rest evenly")
+    account_for_embedding_in_pipeline_split: bool = flag(
+        False, "--account-for-embedding-in-pipeline-split",
+        "count the embedding as one layer when splitting layers over the pipeline stages: the "
+        "first stage builds one transformer layer fewer")
+    account_for_loss_in_pipeline_split: bool = flag(
+        False, "--account-for-loss-in-pipeline-split",
+        "count the output layer with the loss as one layer when splitting layers over the "
+        "pipeline stages: the last stage builds one transformer layer fewer")
     sequence_parallel: bool = flag(
         False, "--sequence-parallel",
         "split the activations outside the tensor-parallel regions (norms, dropout, residual "
@@ -189,6 +207,14 @@ class ParallelConfig:
         if self.num_layers_per_virtual_pipeline_stage is not None:
             return "interleaved"
         return self.pipeline_schedule
+
+    @property
+    def layer_split(self) -> LayerSplit:
+        """How the layers are split over the stages (ptdp.parallel.pipeline.split)."""
+        return LayerSplit(self.decoder_first_pipeline_num_layers,
+                          self.decoder_last_pipeline_num_layers,
+                          self.account_for_embedding_in_pipeline_split,
+                          self.account_for_loss_in_pipeline_split)
 
     def virtual_stages(self, num_layers: int) -> int:
         """Model chunks per pipeline rank (v); 1 without interleaving, 2 under zbv."""
@@ -574,7 +600,23 @@ def validate(config: Config, world_size: int | None = None) -> None:
             f"--pipeline-schedule zb-h1 has one model chunk per rank, so "
             f"--num-layers-per-virtual-pipeline-stage {k} does not apply: drop it, or use "
             f"--pipeline-schedule zbv (two chunks per rank in a V)")
-    if schedule == "zbv":
+    split = par.layer_split
+    if not split.even and interleaved:
+        problems.append(
+            "an uneven split (--decoder-first/last-pipeline-num-layers, --account-for-embedding/"
+            "loss-in-pipeline-split) is not supported with the interleaved schedule "
+            "(--num-layers-per-virtual-pipeline-stage fixes every chunk's size): drop one of them, "
+            "or use --pipeline-schedule 1f1b, zb-h1 or zbv")
+    elif not split.even:
+        if k is not None:
+            problems.append(
+                f"--num-layers-per-virtual-pipeline-stage {k} fixes every chunk's size, which an "
+                f"uneven split changes: drop it")
+        if schedule == "zbv" and p < 2:
+            problems.extend(_zbv_layer_problems(l, p, k))
+        else:
+            problems.extend(split_problems(l, p, 2 if schedule == "zbv" else 1, schedule, split))
+    elif schedule == "zbv":
         problems.extend(_zbv_layer_problems(l, p, k))
     elif interleaved and p < 2:
         stage_options = [x for x in _divisors(l) if x >= 2 and (l // x) % chunk == 0][:6]

@@ -346,14 +346,15 @@ def _run_group(layers: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
 
 def build_chunks(config: ModelConfig, ctx: ParallelContext, device: torch.device, seed: int,
                  num_chunks: int = 1, *, sequence_parallel: bool = False,
-                 kind: str = "interleaved") -> list[GPT]:
+                 kind: str = "interleaved", split=None) -> list[GPT]:
     """This rank's model chunks, initialised from `seed`, with its dropout
     streams seeded. Chunk c of pipeline rank r is virtual stage c·p + r and
     holds layers c·(l/v) + r·(l/(p·v)) onwards (the paper's interleaving),
     or with kind="zbv" the V placement (stages r and 2p - 1 - r); the first
     virtual stage has the embeddings, the last the output layer. Under zbv
     rank 0 holds both, and a tied output layer is the same parameter as the
-    embedding (no copy to keep in step)."""
+    embedding (no copy to keep in step). `split`: a LayerSplit
+    (ptdp.parallel.pipeline.split) for stages of unequal layer counts."""
     rng = RNGStreams(device)
     rng.seed(seed, ctx)
     p, last = ctx.pp_size, ctx.pp_size * num_chunks - 1
@@ -361,7 +362,7 @@ def build_chunks(config: ModelConfig, ctx: ParallelContext, device: torch.device
     for chunk in range(num_chunks):
         stage = virtual_stage_of(kind, p, num_chunks, ctx.pp_rank, chunk)
         model = GPT(config, ctx, rng, layer_ids=layers_of(ctx.pp_rank, chunk, p, num_chunks,
-                                                          config.num_layers, kind),
+                                                          config.num_layers, kind, split),
                     pre_process=stage == 0, post_process=stage == last,
                     sequence_parallel=sequence_parallel)
         model.initialize(seed)

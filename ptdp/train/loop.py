@@ -21,6 +21,7 @@ from ptdp.model.gpt import build_chunks
 from ptdp.parallel.data import GradBuffer
 from ptdp.parallel.pipeline.executor import PipelineExecutor
 from ptdp.parallel.pipeline.schedules import build_schedule
+from ptdp.parallel.pipeline.split import stage_layer_counts
 from ptdp.parallel.sharding import COPY_ATTR, logical_shape
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.train.checkpoint import load_checkpoint, read_metadata, resolve, save_checkpoint
@@ -87,7 +88,8 @@ class Trainer:
         self.schedule = build_schedule(par.schedule_kind, p, self.num_micro, self.num_chunks)
         self.measured_costs = None  # zero-bubble: what place_exchanges measured
         self.chunks = build_chunks(model_cfg, ctx, device, tr.seed, self.num_chunks,
-                                   sequence_parallel=sequence_parallel, kind=par.schedule_kind)
+                                   sequence_parallel=sequence_parallel, kind=par.schedule_kind,
+                                   split=par.layer_split)
         self.model = torch.nn.ModuleList(self.chunks)
         # The rank of the last virtual stage, which computes the loss (rank 0 under zbv).
         loss_rank = self.schedule.location(self.schedule.num_stages - 1)[0]
@@ -258,6 +260,7 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
               f"is masked out of the loss); {trainer.num_micro} microbatch(es) of "
               f"{tr.micro_batch_size} per pipeline per iteration; {schedule.kind} schedule"
               + (f" with {schedule.v} chunks per rank" if schedule.v > 1 else "")
+              + _split_note(config, ctx.pp_size, schedule)
               + f"; data: {trainer.data.description}", flush=True)
 
     flops = configured_flops_per_iteration(model_cfg, trainer.global_batch,
@@ -329,6 +332,14 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
         plot_loss_curve(history, tr.loss_curve)
         print(f"ptdp: drew the loss curve to {tr.loss_curve}", flush=True)
     return history
+
+
+def _split_note(config: Config, p: int, schedule) -> str:
+    split = config.parallel.layer_split
+    if split.even:
+        return ""
+    counts = stage_layer_counts(config.model.num_layers, p, schedule.v, schedule.kind, split)
+    return f"; layers per virtual stage {', '.join(map(str, counts))}"
 
 
 def _report_placement(trainer: Trainer) -> None:

@@ -338,12 +338,21 @@ def build_forward_only(p: int, m: int, v: int = 1, placement: str = "interleaved
 
 
 def layers_of(rank: int, chunk: int, p: int, v: int, num_layers: int,
-              kind: str = "interleaved") -> list[int]:
+              kind: str = "interleaved", split=None) -> list[int]:
     """Global indices of the layers of (rank, chunk): those of its virtual
-    stage k = virtual_stage_of(kind, ...), offset k·(l/(p·v)); for the looped
-    kinds c·(l/v) + r·(l/(p·v)). Pass kind="zbv" for the V placement."""
-    if num_layers % (p * v):
+    stage k = virtual_stage_of(kind, ...). Evenly split, stage k holds
+    l/(p·v) layers from k·(l/(p·v)); for the looped kinds c·(l/v) +
+    r·(l/(p·v)). Pass kind="zbv" for the V placement, and a LayerSplit
+    (ptdp.parallel.pipeline.split) for an uneven one."""
+    from ptdp.parallel.pipeline.split import EVEN, split_problems, stage_layer_counts
+
+    split = EVEN if split is None else split
+    if split.even and num_layers % (p * v):
         raise ScheduleError(f"{num_layers} layers do not split into p·v = {p * v} equal chunks")
-    per_chunk = num_layers // (p * v)
-    first = virtual_stage_of(kind, p, v, rank, chunk) * per_chunk
-    return list(range(first, first + per_chunk))
+    problems = split_problems(num_layers, p, v, kind, split)
+    if problems:
+        raise ScheduleError("; ".join(problems))
+    counts = stage_layer_counts(num_layers, p, v, kind, split)
+    stage = virtual_stage_of(kind, p, v, rank, chunk)
+    first = sum(counts[:stage])
+    return list(range(first, first + counts[stage]))
