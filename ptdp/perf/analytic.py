@@ -340,8 +340,9 @@ def _chunk_parameters(model: ModelConfig, layout: Layout, rank: int, chunk: int)
     first chunk's word embedding as its tied output layer: no copy."""
     first, last = _chunk_stage(layout, rank, chunk)
     shared = model.tied_output and not _ends_share_a_rank(layout)
-    params = _stage_parameters(model, layout.t, model.num_layers // (layout.p * layout.v),
-                               first, last, shared, layout.splits_sequence)
+    layers = layout.chunk_layers(model.num_layers, rank, chunk)
+    params = _stage_parameters(model, layout.t, layers, first, last, shared,
+                               layout.splits_sequence)
     if last and not first and model.tied_output and not shared:
         params = params[:-1]    # the tied copy: the same parameter as the embedding's
     return params
@@ -636,7 +637,7 @@ def communication_per_rank(workload: Workload, layout: Layout, *,
     m = layout.microbatches(workload.global_batch)
     s, h = model.seq_length, model.hidden_size
     sbh, sb = s * b * h, s * b
-    per_chunk = model.num_layers // (p * v)
+    stage_layers = layout.stage_layers(model.num_layers)
     layer = tensor_traffic_per_layer(workload, layout)
     sent = sbh / t if layout.sends_slices else sbh
     output_layer = ({"all_reduce": 0, "all_gather": 2, "reduce_scatter": 1}
@@ -656,7 +657,7 @@ def communication_per_rank(workload: Workload, layout: Layout, *,
             stage = virtual_stage_of(kind, p, v, rank, chunk)
             first, last = stage == 0, stage == p * v - 1
             holds_word |= first or last
-            tensor += m * per_chunk * layer
+            tensor += m * stage_layers[stage] * layer
             if first:
                 tensor += m * _ring(t, sbh) * e
             if last:
@@ -843,7 +844,6 @@ def memory_per_rank(workload: Workload, layout: Layout, *, kernels: str = "cuda"
     p, d, v = layout.p, layout.d, layout.v
     m = layout.microbatches(workload.global_batch)
     acts = activation_bytes(workload, layout, kernels=kernels)
-    per_chunk = model.num_layers // (p * v)
     sharded = layout.distributed_optimizer
     results = []
     for rank in range(p):
@@ -858,8 +858,9 @@ def memory_per_rank(workload: Workload, layout: Layout, *, kernels: str = "cuda"
             optimizer = 3 * n * FP32
         chunk_bytes, deferred_bytes = [], []
         # Rotary tables: made once per layer, kept for every microbatch.
-        tables = per_chunk * v * acts["rotary_tables"]
-        for chunk in range(v):
+        layers = [layout.chunk_layers(model.num_layers, rank, chunk) for chunk in range(v)]
+        tables = sum(layers) * acts["rotary_tables"]
+        for chunk, per_chunk in enumerate(layers):
             first, last = _chunk_stage(layout, rank, chunk)
             chunk_bytes.append(per_chunk * acts["layer"]
                                + (acts["embedding"] if first else 0)

@@ -687,7 +687,7 @@ def chunk_costs(ops: OperatorModel, layout: Layout, rank: int, chunk: int) -> Ch
     p, v = layout.p, layout.v
     stage = virtual_stage_of(layout.schedule_kind, p, v, rank, chunk)
     first, last = stage == 0, stage == p * v - 1
-    layers = ops.l // (p * v)
+    layers = layout.stage_layers(ops.l)[stage]
     split = layout.zero_bubble
     forward, backward = Cost(), Cost()
     weight = Cost() if split else None

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ptdp.config import ModelConfig
-from ptdp.parallel.pipeline.schedules import ZERO_BUBBLE_KINDS
+from ptdp.parallel.pipeline.schedules import ZERO_BUBBLE_KINDS, virtual_stage_of
+from ptdp.parallel.pipeline.split import LayerSplit, split_problems, stage_layer_counts
 
 RECOMPUTE_KINDS = (None, "selective", "full")
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zbv")   # Layout.schedule (v > 1 without zbv: interleaved)
@@ -35,6 +36,10 @@ class Layout:
     # --sequence-parallel: the activations outside the tensor-parallel
     # regions split over the t ranks along the sequence (t > 1, s % t == 0).
     sequence_parallel: bool = False
+    # How the layers are cut over the virtual stages (even by default; see
+    # ptdp.parallel.pipeline.split): Megatron-LM's first/last-rank layer
+    # counts (v = 1 schedules) or the embedding/loss accounting flags.
+    split: LayerSplit = LayerSplit()
 
     @property
     def devices(self) -> int:
@@ -72,6 +77,15 @@ class Layout:
         next stage computes on."""
         return self.t > 1 and self.scatter_gather and not self.sequence_parallel
 
+    def stage_layers(self, num_layers: int) -> list[int]:
+        """Transformer layers of each virtual stage, in stage order."""
+        return stage_layer_counts(num_layers, self.p, self.v, self.schedule_kind, self.split)
+
+    def chunk_layers(self, num_layers: int, rank: int, chunk: int) -> int:
+        """Transformer layers of (rank, chunk): those of its virtual stage."""
+        stage = virtual_stage_of(self.schedule_kind, self.p, self.v, rank, chunk)
+        return self.stage_layers(num_layers)[stage]
+
     def microbatches(self, global_batch: int) -> int:
         """m = B / (b·d) microbatches per pipeline per iteration."""
         return global_batch // (self.b * self.d)
@@ -96,10 +110,18 @@ class Layout:
         elif self.schedule == "zbv" and self.p < 2:
             problems.append(f"zbv needs p >= 2 (it places two chunks per rank in a V), not "
                             f"p={self.p}")
-        elif self.schedule == "zbv" and model.num_layers % (2 * self.p):
-            problems.append(f"zbv needs 2p={2 * self.p} to divide the {model.num_layers} layers")
         elif self.schedule in ("gpipe", "zb-h1") and self.v != 1:
             problems.append(f"{self.schedule} has one chunk per rank, not v={self.v}")
+        elif not self.split.even:
+            if self.schedule_kind == "interleaved":
+                problems.append("an uneven layer split (" + " ".join(self.split.flags())
+                                + ") is not supported with the interleaved schedule: use v=1 "
+                                "(1f1b, gpipe, zb-h1) or zbv")
+            else:
+                problems += split_problems(model.num_layers, self.p, self.v,
+                                           self.schedule_kind, self.split)
+        elif self.schedule == "zbv" and model.num_layers % (2 * self.p):
+            problems.append(f"zbv needs 2p={2 * self.p} to divide the {model.num_layers} layers")
         elif model.num_layers % (self.p * self.v):
             problems.append(f"p·v={self.p * self.v} does not divide the {model.num_layers} layers")
         if global_batch % (self.b * self.d):
@@ -142,7 +164,7 @@ class Layout:
             flags.append("--use-distributed-optimizer")
         if not self.scatter_gather:
             flags.append("--no-scatter-gather-tensors-in-pipeline")
-        return flags
+        return flags + self.split.flags()
 
 
 @dataclass(frozen=True)

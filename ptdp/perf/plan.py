@@ -22,6 +22,14 @@ t dividing s): it divides the activations between the tensor-parallel
 regions and their element-wise work by t for the same tensor traffic plus
 the re-gathers of the saved inputs, so it mostly decides what fits.
 
+Uneven layer splits (ptdp.parallel.pipeline.split): for each pipeline
+layout with p >= 2 under 1f1b (v = 1), zb-h1 or zbv the search also tries
+the embedding/loss accounting flags and, for v = 1, first/last-rank layer
+counts that move one or two layers off the first and/or the last rank (the
+output layer of a large-vocabulary model can cost several layers). Like the
+zero-bubble layouts they are priced only where the lower bound says they can
+reach the top rows; `--print-flags` appends their flags.
+
 The explanation compares the winner with the best layout that differs from
 it in one respect (a different t, p, b, v, schedule, recomputation,
 sequence parallelism or optimizer), and names the time categories that
@@ -39,6 +47,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Iterable
 
 from ptdp.config import Config, ConfigError, ModelConfig, validate
+from ptdp.parallel.pipeline.split import LayerSplit
 from ptdp.perf.layout import Layout, Workload
 
 MEMORY_HEADROOM = 0.9      # leave 10 % of device memory to the allocator and workspaces
@@ -88,13 +97,15 @@ def _divisors(n: int) -> list[int]:
 def candidate_layouts(workload: Workload, devices: int, *, microbatch_sizes=None,
                       chunk_counts=None, recompute=(None, "selective", "full"),
                       distributed_optimizer=(False, True),
-                      sequence_parallel=(False, True), schedules=SCHEDULES) -> Iterable[Layout]:
+                      sequence_parallel=(False, True), schedules=SCHEDULES,
+                      layer_splits: bool = True) -> Iterable[Layout]:
     """Every layout `ptdp train` would accept for this workload on
     `devices` (optionally only some microbatch sizes, chunk counts,
     recomputation kinds, optimizer or sequence-parallelism choices, or
     schedules among SCHEDULES; sequence parallelism only where t > 1
     divides s). "1f1b" with v > 1 is the interleaved schedule; zb-h1 has
-    v = 1 and zbv v = 2, each only where its microbatch and layer rules hold."""
+    v = 1 and zbv v = 2, each only where its microbatch and layer rules hold.
+    `layer_splits`: also the uneven splits of `split_candidates`."""
     model, batch = workload.model, workload.global_batch
     for t in _divisors(devices):
         for p in _divisors(devices // t):
@@ -120,6 +131,42 @@ def candidate_layouts(workload: Workload, devices: int, *, microbatch_sizes=None
                                                 sequence_parallel=split, schedule=schedule)
                                 if not layout.valid_for(model, batch):
                                     yield layout
+                                if layer_splits:
+                                    yield from _uneven(layout, model, batch)
+
+
+def _uneven(layout: Layout, model: ModelConfig, batch: int) -> Iterable[Layout]:
+    """The valid uneven variants of `layout`, one per distinct cut (a split
+    that cuts as the even one does, or as an earlier one, is left out)."""
+    seen = set()
+    if not layout.valid_for(model, batch):
+        seen.add(tuple(layout.stage_layers(model.num_layers)))
+    for split in split_candidates(layout, model.num_layers):
+        candidate = dataclasses.replace(layout, split=split)
+        if candidate.valid_for(model, batch):
+            continue
+        counts = tuple(candidate.stage_layers(model.num_layers))
+        if counts not in seen:
+            seen.add(counts)
+            yield candidate
+
+
+def split_candidates(layout: Layout, num_layers: int) -> list[LayerSplit]:
+    """The uneven splits the search tries for `layout` (not checked: the
+    caller keeps the valid ones). Only p >= 2 under 1f1b with v = 1, zb-h1
+    or zbv: the three nontrivial combinations of the accounting flags, and
+    for v = 1 first/last-rank layer counts one or two below the even share
+    (ceil(l/p)) on the first and/or the last rank."""
+    if layout.p < 2 or layout.schedule_kind not in ("1f1b", "zb-h1", "zbv"):
+        return []
+    splits = [LayerSplit(embedding=True), LayerSplit(loss=True),
+              LayerSplit(embedding=True, loss=True)]
+    if layout.v == 1:
+        share = -(-num_layers // layout.p)
+        counts = [None] + [share - k for k in (1, 2) if share - k >= 1]
+        splits += [LayerSplit(first=first, last=last) for first in counts for last in counts
+                   if (first, last) != (None, None)]
+    return splits
 
 
 def evaluate_layout(workload: Workload, layout: Layout, profile) -> Evaluation:
@@ -141,26 +188,44 @@ def search(workload: Workload, devices: int, profile, *, top: int | None = None,
     """Layouts that fit, best predicted throughput first (`restrictions`:
     see candidate_layouts).
 
-    The zero-bubble layouts are priced last, and only those whose lower
-    bound (cost.compute_lower_bound: their busiest rank's compute, which
-    no schedule removes) beats the EXACT_ROWS-th best time so far: the
-    first EXACT_ROWS results are what pricing every layout would give; a
-    zero-bubble layout that could not reach them is left out of the rest."""
+    The zero-bubble layouts and the uneven layer splits are priced last,
+    and only those whose lower bound (cost.compute_lower_bound: their
+    busiest rank's compute, which no schedule removes) beats the
+    EXACT_ROWS-th best time so far: the first EXACT_ROWS results are what
+    pricing every layout would give; a layout that could not reach them is
+    left out of the rest. An uneven split that does not lower its busiest
+    rank's compute below the even split's is not priced at all."""
     from ptdp.perf.analytic import memory_per_device
     from ptdp.perf.cost import compute_lower_bound
 
     fitting = [layout for layout in candidate_layouts(workload, devices, **restrictions)
                if memory_per_device(workload, layout, kernels=_kernels(profile))["total"]
                <= MEMORY_HEADROOM * profile.memory_bytes]
+    def later(layout: Layout) -> bool:
+        return layout.zero_bubble or not layout.split.even
+
     results = [evaluate_layout(workload, layout, profile) for layout in fitting
-               if not layout.zero_bubble]
+               if not later(layout)]
     times = sorted(e.seconds for e in results)
-    for layout in fitting:
-        if not layout.zero_bubble:
-            continue
-        if len(times) >= EXACT_ROWS and compute_lower_bound(workload, layout, profile) \
-                >= times[EXACT_ROWS - 1]:
-            continue
+    bounds = {layout: compute_lower_bound(workload, layout, profile)
+              for layout in fitting if later(layout)}
+
+    def relieves(layout: Layout) -> bool:
+        """An uneven split is worth pricing only if it lowers the busiest
+        rank's compute below the even split's (where that one is valid)."""
+        even = dataclasses.replace(layout, split=LayerSplit())
+        if layout.split.even or even.valid_for(workload.model, workload.global_batch):
+            return True
+        if even not in bounds:
+            bounds[even] = compute_lower_bound(workload, even, profile)
+        return bounds[layout] < bounds[even]
+
+    # Cheapest bound first: once one cannot reach the top rows, none after it can.
+    bounded = sorted(((bounds[layout], i, layout) for i, layout in enumerate(fitting)
+                      if later(layout) and relieves(layout)), key=lambda row: row[:2])
+    for bound, _, layout in bounded:
+        if len(times) >= EXACT_ROWS and bound >= times[EXACT_ROWS - 1]:
+            break
         evaluation = evaluate_layout(workload, layout, profile)
         results.append(evaluation)
         bisect.insort(times, evaluation.seconds)
@@ -172,11 +237,13 @@ ASPECTS = {  # what differs, and how to say it
     "t": "tensor-parallel size", "p": "pipeline-parallel size", "b": "microbatch size",
     "v": "chunks per rank", "schedule": "schedule", "recompute": "recomputation",
     "sequence_parallel": "sequence parallelism",
-    "distributed_optimizer": "optimizer sharding",
+    "distributed_optimizer": "optimizer sharding", "split": "layer split",
 }
 # Sequence parallelism exists only with t > 1: a rival of another t may differ in it too.
 # zbv fixes v = 2: a rival of another schedule may differ in v too.
-COUPLED = {"t": {"sequence_parallel"}, "schedule": {"v"}}
+# An uneven split is valid for some p, v and schedules only: their rivals may differ in it too.
+COUPLED = {"t": {"sequence_parallel"}, "schedule": {"v", "split"}, "p": {"split"},
+           "v": {"split"}}
 
 
 def explain(results: list[Evaluation], profile) -> list[str]:
@@ -185,7 +252,8 @@ def explain(results: list[Evaluation], profile) -> list[str]:
     if not results:
         return []
     best = results[0]
-    lines = [f"best: {describe(best.layout)}: {best.seconds:.3f} s per iteration, "
+    model = best.prediction.workload.model
+    lines = [f"best: {describe(best.layout, model)}: {best.seconds:.3f} s per iteration, "
              f"{best.tflops:.1f} TFLOP/s per device, "
              f"{best.memory['total'] / 2**30:.1f} GiB per device"]
     if best.layout.t <= profile.devices_per_server and best.layout.t > 1:
@@ -216,6 +284,8 @@ def explain(results: list[Evaluation], profile) -> list[str]:
             value = "on" if value else "off"
         elif field == "schedule":
             value = rival.layout.schedule_kind
+        elif field == "split":
+            value = split_text(rival.layout, model)
         lines.append(f"  vs {words} {value!s:>5}: {slower:+.1%} time"
                      + (f" ({reasons})" if reasons else ""))
     return lines
@@ -235,7 +305,17 @@ def _unsplit_memory(best: Evaluation, profile) -> str:
             + ("" if fits else f", does not fit {profile.memory_bytes / 2**30:.0f} GiB"))
 
 
-def describe(layout: Layout) -> str:
+def split_text(layout: Layout, model: ModelConfig | None = None) -> str:
+    """How the layers are split: "even", or "layers per stage 3,4,4,3"
+    (the flags without the model)."""
+    if layout.split.even:
+        return "even"
+    if model is None:
+        return " ".join(layout.split.flags())
+    return "layers per stage " + ",".join(map(str, layout.stage_layers(model.num_layers)))
+
+
+def describe(layout: Layout, model: ModelConfig | None = None) -> str:
     text = f"t={layout.t} p={layout.p} d={layout.d} b={layout.b}"
     if layout.v > 1:
         text += f" v={layout.v}"
@@ -247,17 +327,21 @@ def describe(layout: Layout) -> str:
         text += " sequence-parallel"
     if layout.distributed_optimizer:
         text += " distributed-optimizer"
+    if not layout.split.even:
+        text += " " + split_text(layout, model)
     return text
 
 
 def table(results: list[Evaluation], rows: int) -> str:
-    header = ("| rank | t | p | d | b | v | schedule | recompute | seq. par. | dist. opt. | "
-              "s/iter | TFLOP/s/device | bubble | memory GiB |")
-    lines = [header, "|" + "---|" * 14]
+    header = ("| rank | t | p | d | b | v | schedule | layers per stage | recompute | seq. par. | "
+              "dist. opt. | s/iter | TFLOP/s/device | bubble | memory GiB |")
+    lines = [header, "|" + "---|" * 15]
     for i, e in enumerate(results[:rows], 1):
         layout = e.layout
+        layers = ("even" if layout.split.even else
+                  split_text(layout, e.prediction.workload.model).removeprefix("layers per stage "))
         lines.append(f"| {i} | {layout.t} | {layout.p} | {layout.d} | {layout.b} | {layout.v} | "
-                     f"{layout.schedule_kind} | "
+                     f"{layout.schedule_kind} | {layers} | "
                      f"{layout.recompute or '-'} | {'yes' if layout.sequence_parallel else '-'} | "
                      f"{'yes' if layout.distributed_optimizer else '-'} | "
                      f"{e.seconds:.3f} | {e.tflops:.1f} | {e.prediction.bubble_fraction:.3f} | "
@@ -346,6 +430,12 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
                         help="split the activations between the tensor-parallel regions along "
                              "the sequence (needs t > 1 dividing --seq-length)")
     layout.add_argument("--use-distributed-optimizer", action="store_true")
+    layout.add_argument("--decoder-first-pipeline-num-layers", type=int, metavar="N",
+                        help="as for `ptdp train`: layers on the first pipeline rank")
+    layout.add_argument("--decoder-last-pipeline-num-layers", type=int, metavar="N",
+                        help="as for `ptdp train`: layers on the last pipeline rank")
+    layout.add_argument("--account-for-embedding-in-pipeline-split", action="store_true")
+    layout.add_argument("--account-for-loss-in-pipeline-split", action="store_true")
     parser.add_argument("--top", type=int, default=10, metavar="N", help="rows in the table")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--plot", metavar="PNG", help="draw throughput across layouts")
@@ -356,9 +446,14 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
 def _layout_from_args(args: argparse.Namespace, model: ModelConfig, devices: int) -> Layout | None:
     given = [args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
              args.micro_batch_size, args.num_layers_per_virtual_pipeline_stage,
-             args.recompute_granularity, args.pipeline_schedule]
+             args.recompute_granularity, args.pipeline_schedule,
+             args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers]
+    split = LayerSplit(first=args.decoder_first_pipeline_num_layers,
+                       last=args.decoder_last_pipeline_num_layers,
+                       embedding=args.account_for_embedding_in_pipeline_split,
+                       loss=args.account_for_loss_in_pipeline_split)
     if (all(value is None for value in given) and not args.use_distributed_optimizer
-            and not args.sequence_parallel):
+            and not args.sequence_parallel and split.even):
         return None
     t = args.tensor_model_parallel_size or 1
     p = args.pipeline_model_parallel_size or 1
@@ -383,7 +478,7 @@ def _layout_from_args(args: argparse.Namespace, model: ModelConfig, devices: int
     return Layout(t=t, p=p, d=devices // (t * p), b=args.micro_batch_size or 1, v=v,
                   schedule=schedule, recompute=args.recompute_granularity,
                   distributed_optimizer=args.use_distributed_optimizer,
-                  sequence_parallel=args.sequence_parallel)
+                  sequence_parallel=args.sequence_parallel, split=split)
 
 
 def model_from_args(args: argparse.Namespace) -> ModelConfig:
@@ -436,8 +531,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
         print()
         if layout is not None:
             e = results[0]
-            print(f"{describe(e.layout)}: {e.seconds:.3f} s per iteration, {e.tflops:.1f} TFLOP/s "
-                  f"per device, {e.memory['total'] / 2**30:.1f} GiB per device"
+            print(f"{describe(e.layout, model)}: {e.seconds:.3f} s per iteration, "
+                  f"{e.tflops:.1f} TFLOP/s per device, {e.memory['total'] / 2**30:.1f} GiB per device"
                   + ("" if e.fits else f" (does NOT fit {profile.memory_bytes / 2**30:.0f} GiB)"))
             for name, seconds in sorted(e.prediction.seconds_by_category.items(),
                                         key=lambda kv: -kv[1]):
