@@ -75,9 +75,10 @@ from ptdp.data.loader import TrainingData
 from ptdp.data.mock import MockGPTDataset
 from ptdp.parallel.topology import ParallelContext
 from ptdp.perf.analytic import memory_per_device, parameter_count
+from ptdp.perf.flops import configured_flops_per_iteration
 from ptdp.perf.layout import Layout, Workload
 from ptdp.train.loop import Trainer, count_parameters
-from ptdp.train.report import configured_flops_per_iteration, peak_tflops
+from ptdp.train.report import peak_tflops
 
 HEADING = "## GPU benchmark (one GPU, bf16)"
 SEED = 1234

@@ -56,7 +56,7 @@ from results import cpu_name, publish  # noqa: E402
 from torch_reference import TorchGPT, cross_entropy, load_logical  # noqa: E402
 
 from ptdp.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
-from ptdp.train.report import configured_flops_per_iteration  # noqa: E402
+from ptdp.perf.flops import configured_flops_per_iteration  # noqa: E402
 
 HEADING = "## Peer benchmarks: ptdp against PyTorch's own parallelism"
 LOSS_RTOL = 1e-4

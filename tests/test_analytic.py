@@ -40,7 +40,7 @@ from ptdp.perf import analytic
 from ptdp.perf.layout import Layout, Workload
 from ptdp.perf.saved import SavedTensorBytes
 from ptdp.train.loop import Trainer, count_parameters
-from ptdp.train.report import model_flops_per_iteration
+from ptdp.perf.flops import model_flops_per_iteration
 
 ACTIVATION_TOLERANCE = 0.01   # relative; the brief allows 20 %; the model is exact on torch 2.13
 

@@ -14,7 +14,7 @@ import torch
 
 from ptdp.config import ModelConfig
 from ptdp.perf.analytic import parameter_count
-from ptdp.train.report import model_flops_per_iteration
+from ptdp.perf.flops import model_flops_per_iteration
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu.py"

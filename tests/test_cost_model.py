@@ -17,12 +17,11 @@ from ptdp.config import ModelConfig
 from ptdp.parallel.pipeline import simulate as unit
 from ptdp.parallel.pipeline.schedules import build_schedule
 from ptdp.perf import cost
-from ptdp.perf.cost import Machine, OperatorModel, simulate, simulate_uniform
+from ptdp.perf.cost import (CALIBRATION_TFLOPS, Machine, OperatorModel, calibration_point,
+                            fit_to_calibration_point, simulate, simulate_uniform)
 from ptdp.perf.layout import Layout, Workload
-from ptdp.perf.profiles import (CALIBRATED_GEMM_EFFICIENCY, CALIBRATION_TFLOPS, HardwareProfile,
-                                calibration_point, fit_to_calibration_point, load_profile,
-                                save_profile)
-from ptdp.train.report import model_flops_per_iteration
+from ptdp.perf.profiles import CALIBRATED_GEMM_EFFICIENCY, HardwareProfile, load_profile, save_profile
+from ptdp.perf.flops import model_flops_per_iteration
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,14 +14,13 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 from ptdp.config import ModelConfig
 from ptdp.model.gpt import build_chunks
 from ptdp.parallel.topology import ParallelContext
+from ptdp.perf.flops import configured_flops_per_iteration, model_flops_per_iteration
 from ptdp.train.report import (
     DEFAULT_PEAK_TFLOPS,
     Progress,
     TensorBoardLogger,
-    configured_flops_per_iteration,
     format_log_line,
     lookup_peak_tflops,
-    model_flops_per_iteration,
     peak_tflops,
     phase_times,
     plot_loss_curve,

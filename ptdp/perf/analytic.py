@@ -206,7 +206,7 @@ from ptdp.parallel.pipeline.schedules import (
 )
 from ptdp.parallel.pipeline.zero_bubble import zb_h1_order, zbv_order
 from ptdp.perf.layout import BYTES_PER_ELEMENT, Layout, Workload
-from ptdp.train.report import model_flops_per_iteration
+from ptdp.perf.flops import model_flops_per_iteration
 
 KERNELS = ("cuda", "cpu")
 FP32 = 4
@@ -431,7 +431,7 @@ def buffer_elements(model: ModelConfig, layout: Layout, rank: int,
 
 def flops_per_iteration(workload: Workload, layout: Layout) -> float:
     """The paper's model FLOPs of one iteration, all devices together
-    (ptdp.train.report: 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)) without
+    (ptdp.perf.flops: 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)) without
     recomputation, 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) with full; under
     the Llama family's options 6·B·s·h·(l·((a + 2g)·d + h + (k + 1)·f + 2s)
     + V) and 8·B·s·h·(l·(…) + 3V/4), k = 2 with SwiGLU)."""

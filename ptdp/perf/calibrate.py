@@ -53,6 +53,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from ptdp.perf.profiles import default_profile_path
+
 LOCAL_DEVICES = 256     # local processes all share one machine: every link is loopback
 
 GEMM_SHAPES = [(64, 64, 64), (128, 128, 128), (256, 256, 256), (256, 768, 256),
@@ -61,13 +63,6 @@ GEMM_SHAPES_QUICK = [(128, 128, 128), (256, 768, 256), (512, 512, 512)]
 # Operator sizes measured: a small GPT's microbatch (b, s, h, heads, MLP, vocabulary).
 REFERENCE = {"b": 2, "s": 128, "h": 256, "a": 8, "f": 1024, "V": 1024}
 COLD_BYTES = 64 << 20    # cycle through this much input so operators run from memory
-
-
-def default_profile_path() -> Path:
-    """Where `ptdp calibrate` writes without --out and `load_profile("local")` reads."""
-    from ptdp.data.corpus import default_cache_dir
-
-    return default_cache_dir() / "local-profile.json"
 
 
 def _median_seconds(fn: Callable[[], Any], *, budget: float, min_runs: int = 3,

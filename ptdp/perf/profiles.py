@@ -26,7 +26,7 @@ the paper: the 1.7B-parameter GPT (h = 2304, a = 24, l = 24, s = 2048,
 V = 51200) with t = p = 1 on 32 A100s, B = 512, b = 16 at 137 TFLOP/s per
 GPU (44% of peak), end to end. The fit assumes 16-bit training with full
 recomputation, whose FLOPs the paper's 96·B·s·l·h²·(...) counts.
-`fit_to_calibration_point()` redoes it (bisection on e_max until
+`ptdp.perf.cost.fit_to_calibration_point()` redoes it (bisection on e_max until
 `cost.simulate` predicts 137 TFLOP/s for that run): e_max = 0.5573
 (`CALIBRATED_GEMM_EFFICIENCY`), i.e. large GEMMs at 56% of the 312 TFLOP/s
 peak, the rest of the gap to 44% being memory-bound operators, the
@@ -58,7 +58,7 @@ from typing import Any
 GB = 1e9
 GIB = 2 ** 30
 
-# e_max of the built-in GPU profiles: fit_to_calibration_point() returns 0.55734 (bisection
+# e_max of the built-in GPU profiles: cost.fit_to_calibration_point() returns 0.55734 (bisection
 # on e_max until cost.simulate predicts 137 TFLOP/s per GPU for the paper's 1.7B run on
 # a100); rounded here. tests/test_cost_model.py recomputes the fit and checks it. It changes
 # whenever the operator model in cost.py does: refit and update it then.
@@ -194,7 +194,7 @@ def _a100(e_max: float) -> HardwareProfile:
         inter_latency=10e-6,
         memory_bytes=80 * GIB, launch_overhead=4e-6,
         notes="DGX A100 80 GB (data sheet); gemm_efficiency fitted to the paper's 1.7B run "
-              "(fit_to_calibration_point)")
+              "(ptdp.perf.cost.fit_to_calibration_point)")
 
 
 def _h100(e_max: float) -> HardwareProfile:
@@ -220,6 +220,13 @@ def builtin_profile(name: str, gemm_efficiency: float | None = None) -> Hardware
     return BUILTIN[name](e_max)
 
 
+def default_profile_path() -> Path:
+    """Where `ptdp calibrate` writes without --out and `load_profile("local")` reads."""
+    from ptdp.data.corpus import default_cache_dir
+
+    return default_cache_dir() / "local-profile.json"
+
+
 def load_profile(name_or_path: str | Path) -> HardwareProfile:
     """A built-in profile by name (a100, h100, h200), "local" (the profile
     `ptdp calibrate` wrote to its default path), or a JSON file's."""
@@ -228,8 +235,6 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
         return builtin_profile(text)
     path = Path(text)
     if text == "local" and not path.exists():
-        from ptdp.perf.calibrate import default_profile_path
-
         path = default_profile_path()
         if not path.is_file():
             raise FileNotFoundError(f"no local hardware profile at {path}: run `ptdp calibrate` "
@@ -251,47 +256,3 @@ def save_profile(profile: HardwareProfile, path: str | Path) -> Path:
     path = Path(path)
     path.write_text(json.dumps(profile.to_dict(), indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return path
-
-
-# ---- the one calibration point -------------------------------------------------------------
-
-CALIBRATION_TFLOPS = 137.0
-
-
-def calibration_point():
-    """(workload, layout) of the paper's 1.7B run: h = 2304, a = 24, l = 24,
-    s = 2048, V = 51200, t = p = 1, d = 32, B = 512, b = 16, 16-bit
-    precision, full activation recomputation (the paper's FLOP count, 96·B·s·l·h²·(...),
-    counts the recomputed forward)."""
-    from ptdp.config import ModelConfig
-    from ptdp.perf.layout import Layout, Workload
-
-    model = ModelConfig(num_layers=24, hidden_size=2304, num_attention_heads=24, seq_length=2048,
-                        vocab_size=51200, recompute_granularity="full")
-    return (Workload(model, global_batch=512, precision="fp16"),
-            Layout(t=1, p=1, d=32, b=16, recompute="full"))
-
-
-def fit_to_calibration_point(target_tflops: float = CALIBRATION_TFLOPS, *,
-                             tolerance: float = 1e-6) -> float:
-    """The e_max for which `cost.simulate` predicts `target_tflops` per GPU
-    for the paper's 1.7B run on `a100` (bisection; predicted TFLOP/s rises
-    monotonically with e_max)."""
-    from ptdp.perf.cost import simulate
-
-    workload, layout = calibration_point()
-
-    def predicted(e_max: float) -> float:
-        return simulate(workload, layout, _a100(e_max)).tflops_per_device
-
-    low, high = 0.01, 1.0
-    if predicted(high) < target_tflops:
-        raise ValueError(f"even at 100% GEMM efficiency the model predicts "
-                         f"{predicted(high):.1f} < {target_tflops} TFLOP/s")
-    while high - low > tolerance:
-        mid = (low + high) / 2
-        if predicted(mid) < target_tflops:
-            low = mid
-        else:
-            high = mid
-    return (low + high) / 2

@@ -24,11 +24,12 @@ from ptdp.parallel.pipeline.schedules import build_schedule
 from ptdp.parallel.pipeline.split import stage_layer_counts
 from ptdp.parallel.sharding import COPY_ATTR, logical_shape
 from ptdp.parallel.topology import ParallelContext, RankGrid
+from ptdp.perf.flops import configured_flops_per_iteration
 from ptdp.train.checkpoint import load_checkpoint, read_metadata, resolve, save_checkpoint
 from ptdp.train.evaluate import evaluate
 from ptdp.train.optimizer import Optimizer, learning_rate
-from ptdp.train.report import (Progress, TensorBoardLogger, configured_flops_per_iteration,
-                               format_log_line, peak_tflops, plot_loss_curve, throughput)
+from ptdp.train.report import (Progress, TensorBoardLogger, format_log_line, peak_tflops,
+                               plot_loss_curve, throughput)
 from ptdp.train.stopping import StopConditions
 
 

@@ -65,62 +65,6 @@ from ptdp import device as devices
 from ptdp.config import ModelConfig
 
 # ------------------------------------------------------------------------------------------
-# FLOPs
-
-
-def model_flops_per_iteration(config: ModelConfig, global_batch: int, *, recompute: str | None,
-                              recomputed_layers: int | None = None) -> float:
-    """The paper's FLOPs of one iteration (forward and backward of
-    `global_batch` sequences over all devices together).
-
-    `recompute` is None, "full" or "selective". With "full", every layer is
-    recomputed unless `recomputed_layers` says how many are (the block
-    method recomputes only the first --recompute-num-layers of each chunk;
-    see `recomputed_layer_count`)."""
-    B, s, h, l = global_batch, config.seq_length, config.hidden_size, config.num_layers
-    V, f = config.vocab_size, config.ffn_size
-    a, g, d = config.num_attention_heads, config.query_groups, config.head_dim
-    up = 2 if config.swiglu else 1   # k above: the first MLP matrix is [k·f, h]
-    # 24·B·s·h² for GPT-2's options (g = a, a·d = h, up = 1, f = 4h)
-    layer_dense = 2 * B * s * h * ((a + 2 * g) * d + a * d + (up + 1) * f)
-    layer_attention = 4 * B * s * s * a * d
-    layer = layer_dense + layer_attention
-    output_layer = 2 * B * s * h * V
-    total = 3 * l * layer + 3 * output_layer
-    if recompute is None:
-        return float(total)
-    if recompute == "selective":
-        return float(total + l * layer_attention)
-    if recompute == "full":
-        recomputed = l if recomputed_layers is None else recomputed_layers
-        if not 0 <= recomputed <= l:
-            raise ValueError(f"recomputed_layers = {recomputed} is not in 0..{l}")
-        return float(total + recomputed * layer)
-    raise ValueError(f"unknown recompute {recompute!r}: use None, 'full' or 'selective'")
-
-
-def recomputed_layer_count(config: ModelConfig, num_model_chunks: int) -> int:
-    """Layers whose forward is recomputed under `config`'s full
-    recomputation; `num_model_chunks` is p·v, the model chunks of one
-    pipeline. Uniform checkpoints every layer; block the first
-    --recompute-num-layers layers of each chunk."""
-    if config.recompute_granularity != "full":
-        return 0
-    if config.recompute_method == "block":
-        per_chunk = config.num_layers // num_model_chunks
-        return min(config.recompute_num_layers, per_chunk) * num_model_chunks
-    return config.num_layers
-
-
-def configured_flops_per_iteration(config: ModelConfig, global_batch: int,
-                                   num_model_chunks: int) -> float:
-    """`model_flops_per_iteration` with the recomputation `config` asks for."""
-    return model_flops_per_iteration(
-        config, global_batch, recompute=config.recompute_granularity,
-        recomputed_layers=recomputed_layer_count(config, num_model_chunks))
-
-
-# ------------------------------------------------------------------------------------------
 # Peak throughput
 
 # Dense (no sparsity) tensor-core peaks in TFLOP/s from NVIDIA's data sheets,
