@@ -139,3 +139,14 @@ def test_checkpoints_reshard_between_splits(pools, tmp_path):
     for leg in range(2):
         got += next(r for r in pools(2).run(_leg, str(tmp_path), leg) if r)
     assert got == pytest.approx(expected, rel=1e-5)
+
+
+def test_block_recomputation_flops_follow_the_stage_counts():
+    """--recompute-method block recomputes the first n layers of each chunk:
+    with layers 1, 3 and n = 2 that is 1 + 2 layers, not 2 + 2."""
+    from ptdp.perf.flops import recomputed_layer_count
+
+    model = dataclasses.replace(MODEL, recompute_granularity="full", recompute_method="block",
+                                recompute_num_layers=2)
+    assert recomputed_layer_count(model, 2) == 4
+    assert recomputed_layer_count(model, 2, [1, 3]) == 3

@@ -39,22 +39,24 @@ def model_flops_per_iteration(config: ModelConfig, global_batch: int, *, recompu
     raise ValueError(f"unknown recompute {recompute!r}: use None, 'full' or 'selective'")
 
 
-def recomputed_layer_count(config: ModelConfig, num_model_chunks: int) -> int:
+def recomputed_layer_count(config: ModelConfig, num_model_chunks: int,
+                           stage_layers: list[int] | None = None) -> int:
     """Layers whose forward is recomputed under `config`'s full
     recomputation; `num_model_chunks` is p·v, the model chunks of one
-    pipeline. Uniform checkpoints every layer; block the first
-    --recompute-num-layers layers of each chunk."""
+    pipeline, and `stage_layers` their layer counts when uneven
+    (ptdp.parallel.pipeline.split). Uniform checkpoints every layer; block
+    the first --recompute-num-layers layers of each chunk."""
     if config.recompute_granularity != "full":
         return 0
     if config.recompute_method == "block":
-        per_chunk = config.num_layers // num_model_chunks
-        return min(config.recompute_num_layers, per_chunk) * num_model_chunks
+        counts = stage_layers or [config.num_layers // num_model_chunks] * num_model_chunks
+        return sum(min(config.recompute_num_layers, count) for count in counts)
     return config.num_layers
 
 
-def configured_flops_per_iteration(config: ModelConfig, global_batch: int,
-                                   num_model_chunks: int) -> float:
+def configured_flops_per_iteration(config: ModelConfig, global_batch: int, num_model_chunks: int,
+                                   stage_layers: list[int] | None = None) -> float:
     """`model_flops_per_iteration` with the recomputation `config` asks for."""
     return model_flops_per_iteration(
         config, global_batch, recompute=config.recompute_granularity,
-        recomputed_layers=recomputed_layer_count(config, num_model_chunks))
+        recomputed_layers=recomputed_layer_count(config, num_model_chunks, stage_layers))

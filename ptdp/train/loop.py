@@ -264,8 +264,10 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
               + _split_note(config, ctx.pp_size, schedule)
               + f"; data: {trainer.data.description}", flush=True)
 
-    flops = configured_flops_per_iteration(model_cfg, trainer.global_batch,
-                                           ctx.pp_size * trainer.num_chunks)
+    flops = configured_flops_per_iteration(
+        model_cfg, trainer.global_batch, ctx.pp_size * trainer.num_chunks,
+        stage_layer_counts(model_cfg.num_layers, ctx.pp_size, trainer.num_chunks,
+                           trainer.schedule.kind, config.parallel.layer_split))
     peak = peak_tflops(device, trainer.dtype, tr.peak_tflops)
     tensorboard = TensorBoardLogger(tr.tensorboard_dir) if is_logger and tr.tensorboard_dir else None
     progress = Progress(tr.train_iters, start=trainer.start_iteration,
