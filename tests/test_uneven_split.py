@@ -19,9 +19,9 @@ from ptdp.config import ConfigError, validate
 from ptdp.parallel.pipeline.schedules import layers_of, location_of
 from ptdp.parallel.pipeline.split import LayerSplit, stage_layer_counts
 from ptdp.parallel.topology import ParallelContext, RankGrid
-from ptdp.train.checkpoint import read_metadata, resolve
 from ptdp.train.loop import Trainer
 from tests.test_ptdp_step import MODEL, WEIGHT_TOL, _config, _logical_weights
+from tests.test_zero_bubble import legs_equal_one_process
 
 CPU = torch.device("cpu")
 
@@ -115,30 +115,11 @@ def test_uneven_stages_train_like_one_process(pools, kind, p, d, layers, flags, 
     assert [results[r * d] for r in range(p)] == held  # pipeline rank r is global rank r·d (t = 1)
 
 
-def _leg(rank, save, leg):
-    flags = [dict(decoder_first_pipeline_num_layers=1), dict(decoder_last_pipeline_num_layers=1)][leg]
-    ctx = ParallelContext.build(RankGrid(tp=1, dp=1, pp=2))
-    config = _uneven("1f1b", 1, 2, 1, 4, **flags)
-    start = (0, 0)
-    if leg:
-        metadata = read_metadata(resolve(save))
-        start = (metadata["iteration"], metadata["consumed_samples"])
-    trainer = Trainer(config, ctx, CPU, start=start)
-    if leg:
-        trainer.load(save)
-    records = [trainer.step(i)[0] for i in range(2 * leg, 2 * leg + 2)]
-    trainer.save(save, 2 * leg + 2)
-    return [r["loss"] for r in records] if trainer.holds_loss else None
-
-
 def test_checkpoints_reshard_between_splits(pools, tmp_path):
     """Layers 1|3, save, load as 3|1: the losses of one process training straight."""
-    serial = Trainer(_config(), ParallelContext.single(), CPU)
-    expected = [serial.step(i)[0]["loss"] for i in range(4)]
-    got = []
-    for leg in range(2):
-        got += next(r for r in pools(2).run(_leg, str(tmp_path), leg) if r)
-    assert got == pytest.approx(expected, rel=1e-5)
+    legs_equal_one_process(pools, tmp_path, [
+        (1, 2, 1, _uneven("1f1b", 1, 2, 1, 4, decoder_first_pipeline_num_layers=1)),
+        (1, 2, 1, _uneven("1f1b", 1, 2, 1, 4, decoder_last_pipeline_num_layers=1))])
 
 
 def test_block_recomputation_flops_follow_the_stage_counts():

@@ -264,15 +264,14 @@ def test_zbv_and_zero_bubble_kinds_reach_the_trainer():
 
 # ------------------------------------------------------------ checkpoints
 
-def _checkpoint_leg(rank, save, leg):
-    """Leg 0: zbv, t = 1, p = 2, d = 2 (rank 0 holds both ends of the V and
-    one shared word embedding); leg 1: zb-h1, t = 2, p = 2, d = 1 with the
-    distributed optimizer, loading leg 0's checkpoint."""
+def train_leg(rank, save, leg, legs):
+    """Leg `leg` of `legs` [(t, p, d, config)]: load the previous leg's
+    checkpoint (after the first), train two iterations, save. Returns the
+    losses on the rank that holds them."""
     from ptdp.train.checkpoint import read_metadata, resolve
 
-    kind, t, d, distributed = [("zbv", 1, 2, False), ("zb-h1", 2, 1, True)][leg]
-    ctx = ParallelContext.build(RankGrid(tp=t, dp=d, pp=2))
-    config = _zero_bubble_config(kind, t, 2, d, use_distributed_optimizer=distributed)
+    t, p, d, config = legs[leg]
+    ctx = ParallelContext.build(RankGrid(tp=t, dp=d, pp=p))
     start = (0, 0)
     if leg:
         metadata = read_metadata(resolve(save))
@@ -285,15 +284,27 @@ def _checkpoint_leg(rank, save, leg):
     return [r["loss"] for r in records] if trainer.holds_loss else None
 
 
+def legs_equal_one_process(pools, save, legs):
+    """The legs' losses are those of one process training straight; returns
+    that one-process trainer."""
+    serial = Trainer(_config(), ParallelContext.single(), torch.device("cpu"))
+    expected = [serial.step(i)[0]["loss"] for i in range(2 * len(legs))]
+    got = []
+    for leg, (t, p, d, _) in enumerate(legs):
+        got += next(r for r in pools(t * p * d).run(train_leg, str(save), leg, legs) if r)
+    assert got == pytest.approx(expected, rel=1e-5)
+    return serial
+
+
 def test_checkpoints_reshard_between_zero_bubble_layouts(pools, tmp_path):
+    """zbv, t = 1, p = 2, d = 2 (rank 0 holds both ends of the V and one
+    shared word embedding), then zb-h1, t = 2, p = 2 with the distributed
+    optimizer, loading its checkpoint."""
     from ptdp.train.checkpoint import load_logical_model
 
-    serial = Trainer(_config(), ParallelContext.single(), torch.device("cpu"))
-    expected = [serial.step(i)[0]["loss"] for i in range(4)]
-    got = []
-    for leg in range(2):
-        got += next(r for r in pools(4).run(_checkpoint_leg, str(tmp_path), leg) if r)
-    assert got == pytest.approx(expected, rel=1e-5)
+    legs = [(1, 2, 2, _zero_bubble_config("zbv", 1, 2, 2)),
+            (2, 2, 1, _zero_bubble_config("zb-h1", 2, 2, 1, use_distributed_optimizer=True))]
+    serial = legs_equal_one_process(pools, tmp_path, legs)
     _, weights, metadata = load_logical_model(tmp_path)
     assert metadata["iteration"] == 4
     for name, param in serial.chunks[0].named_parameters():
