@@ -13,15 +13,14 @@ import dataclasses
 
 import pytest
 import torch
-from torch.testing import assert_close
 
 from ptdp.config import ConfigError, validate
 from ptdp.parallel.pipeline.schedules import layers_of, location_of
 from ptdp.parallel.pipeline.split import LayerSplit, stage_layer_counts
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.train.loop import Trainer
-from tests.test_ptdp_step import MODEL, WEIGHT_TOL, _config, _logical_weights
-from tests.test_zero_bubble import legs_equal_one_process
+from tests.test_ptdp_step import MODEL, _config
+from tests.test_zero_bubble import legs_equal_one_process, trains_like_one_process
 
 CPU = torch.device("cpu")
 
@@ -84,18 +83,7 @@ def _trains_like_one_process(rank, kind, p, d, layers, flags):
         config.train, use_distributed_optimizer=d > 1))
     validate(config, world_size=p * d)
     trainer = Trainer(config, ctx, CPU)
-    records = [trainer.step(i)[0] for i in range(5)]
-    model = dataclasses.replace(MODEL, num_layers=layers)
-    serial = Trainer(_config(model=model), ParallelContext.single(), CPU)
-    serial_records = [serial.step(i)[0] for i in range(5)]
-    for got, want in zip(records, serial_records):
-        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
-        if trainer.holds_loss:
-            assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
-    serial_weights = _logical_weights(serial, ParallelContext.single())
-    for name, weight in _logical_weights(trainer, ctx).items():
-        assert_close(weight, serial_weights[name], **WEIGHT_TOL,
-                     msg=lambda msg, name=name: f"{name}: {msg}")
+    trains_like_one_process(trainer, ctx, _config(model=dataclasses.replace(MODEL, num_layers=layers)))
     return sorted(int(i) for chunk in trainer.chunks for i in chunk.layers)
 
 

@@ -135,15 +135,13 @@ def _zero_bubble_config(kind, t=1, p=1, d=1, model=MODEL, **train):
                                                                     pipeline_schedule=kind))
 
 
-def _trainer_vs_serial(rank, kind, distributed):
-    ctx = ParallelContext.build(RankGrid(tp=2, dp=2, pp=2))
-    config = _zero_bubble_config(kind, 2, 2, 2, use_distributed_optimizer=distributed)
-    validate(config, world_size=8)
-    trainer = Trainer(config, ctx, torch.device("cpu"))
-    records = [trainer.step(i)[0] for i in range(5)]
-    serial = Trainer(_config(use_distributed_optimizer=distributed), ParallelContext.single(),
-                     torch.device("cpu"))
-    serial_records = [serial.step(i)[0] for i in range(5)]
+def trains_like_one_process(trainer, ctx, serial_config, iterations=5):
+    """Train `trainer` and one process on `serial_config` for `iterations`:
+    no step skipped, gradient norms, losses (where held) and final weights
+    equal. Returns the trainer's records."""
+    records = [trainer.step(i)[0] for i in range(iterations)]
+    serial = Trainer(serial_config, ParallelContext.single(), torch.device("cpu"))
+    serial_records = [serial.step(i)[0] for i in range(iterations)]
     for got, want in zip(records, serial_records):
         assert not got["skipped"]
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
@@ -153,6 +151,15 @@ def _trainer_vs_serial(rank, kind, distributed):
     for name, weight in _logical_weights(trainer, ctx).items():
         assert_close(weight, serial_weights[name], **WEIGHT_TOL,
                      msg=lambda msg, name=name: f"{name}: {msg}")
+    return records
+
+
+def _trainer_vs_serial(rank, kind, distributed):
+    ctx = ParallelContext.build(RankGrid(tp=2, dp=2, pp=2))
+    config = _zero_bubble_config(kind, 2, 2, 2, use_distributed_optimizer=distributed)
+    validate(config, world_size=8)
+    trainer = Trainer(config, ctx, torch.device("cpu"))
+    records = trains_like_one_process(trainer, ctx, _config(use_distributed_optimizer=distributed))
     # After the second iteration the exchanges were placed for the measured
     # times: the same table on every rank, the same computes in the same order.
     assert trainer.measured_costs is not None
