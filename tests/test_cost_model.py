@@ -18,7 +18,7 @@ from ptdp.parallel.pipeline import simulate as unit
 from ptdp.parallel.pipeline.schedules import build_schedule
 from ptdp.perf import cost
 from ptdp.perf.cost import (CALIBRATION_TFLOPS, Machine, OperatorModel, calibration_point,
-                            fit_to_calibration_point, simulate, simulate_uniform)
+                            fit_to_calibration_point, paper_kernels, simulate, simulate_uniform)
 from ptdp.perf.layout import Layout, Workload
 from ptdp.perf.profiles import CALIBRATED_GEMM_EFFICIENCY, HardwareProfile, load_profile, save_profile
 from ptdp.perf.flops import model_flops_per_iteration
@@ -72,9 +72,14 @@ def test_play_reports_a_deadlock():
 
 def test_a100_predicts_the_calibration_point_and_the_fit_is_reproducible():
     workload, layout = calibration_point()
-    prediction = simulate(workload, layout, load_profile("a100"))
+    # The paper's run, with the paper's kernels (attention as GEMMs and a softmax pass).
+    prediction = simulate(workload, layout, paper_kernels(load_profile("a100")))
     assert prediction.tflops_per_device == pytest.approx(CALIBRATION_TFLOPS, rel=0.01)
     assert prediction.tflops_per_device / 312.0 == pytest.approx(0.44, abs=0.005)
+    # ptdp runs it with flash attention: faster, on the same fitted GEMMs.
+    flash = simulate(workload, layout, load_profile("a100"))
+    assert load_profile("a100").fused_attention
+    assert flash.tflops_per_device > prediction.tflops_per_device
     fitted = fit_to_calibration_point()
     assert fitted == pytest.approx(CALIBRATED_GEMM_EFFICIENCY, abs=1e-3)
     assert 0 < fitted <= 1
@@ -152,17 +157,21 @@ def test_full_recomputation_adds_the_layers_forward_once_more():
     assert full.flops_per_iteration > base.flops_per_iteration
 
 
-def test_selective_recomputation_adds_the_attention_core_only():
+@pytest.mark.parametrize("fused", [True, False])
+def test_selective_recomputation_adds_the_attention_core_only(fused):
     workload = Workload(BIG, global_batch=32, precision="bf16")
-    a100 = load_profile("a100")
+    a100 = dataclasses.replace(load_profile("a100"), fused_attention=fused)
     layout = Layout(b=2, recompute="selective")
     selective = simulate(workload, layout, a100)
     base = simulate(workload, Layout(b=2), a100)
     ops = OperatorModel(workload, layout, a100, Machine(layout, a100))
     shapes = ops.layer_gemms()
-    core = (ops.gemm(*shapes["scores"][:3], shapes["scores"][3])
-            + ops.gemm(*shapes["context"][:3], shapes["context"][3])
-            + ops.memory_ops_seconds(ops.attention_core_ops(), False) + ops.launches(8))
+    if fused:   # the flash-attention kernel's forward again
+        core = ops.fused_attention_seconds()[0] + ops.launches(8)
+    else:       # the score and context GEMMs and the softmax (and dropout) pass
+        core = (ops.gemm(*shapes["scores"][:3], shapes["scores"][3])
+                + ops.gemm(*shapes["context"][:3], shapes["context"][3])
+                + ops.memory_ops_seconds(ops.attention_core_ops(), False) + ops.launches(8))
     m = layout.microbatches(32)
     assert selective.seconds_by_category["recompute"] == pytest.approx(m * BIG.num_layers * core)
     assert (selective.iteration_seconds - base.iteration_seconds

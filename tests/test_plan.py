@@ -8,9 +8,10 @@ import pytest
 
 from ptdp.cli import main
 from ptdp.config import ModelConfig
+from ptdp.perf.cost import compute_lower_bound
 from ptdp.perf.layout import Layout, Workload
-from ptdp.perf.plan import candidate_layouts, evaluate_layout, search
-from ptdp.perf.profiles import load_profile
+from ptdp.perf.plan import EXACT_ROWS, candidate_layouts, evaluate_layout, search
+from ptdp.perf.profiles import HardwareProfile, load_profile
 
 A100 = load_profile("a100")
 GPT_18B = ModelConfig(num_layers=40, hidden_size=6144, num_attention_heads=48, seq_length=2048,
@@ -35,11 +36,11 @@ def test_tensor_parallelism_stays_inside_a_server():
     """Takeaway 1: on DGX A100 servers (8 GPUs), the best layout of a 39B GPT
     on 64 GPUs keeps t <= 8, and the best layout with t = 16 is slower
     because of its tensor all-reduces over InfiniBand."""
-    results = search(Workload(GPT_39B, 512), 64, A100, microbatch_sizes=(1, 2, 4),
-                     chunk_counts=(1, 2), recompute=("full",), distributed_optimizer=(False,))
-    best = results[0]
+    restrictions = dict(microbatch_sizes=(1, 2, 4), chunk_counts=(1, 2), recompute=("full",),
+                        distributed_optimizer=(False,))
+    best = search(Workload(GPT_39B, 512), 64, A100, **restrictions)[0]
     assert best.layout.t <= 8
-    wide = next(e for e in results if e.layout.t > 8)
+    wide = search(Workload(GPT_39B, 512), 64, A100, tensor_sizes=(16, 32, 64), **restrictions)[0]
     assert wide.seconds > best.seconds
     category = "tensor all-reduce"
     assert wide.prediction.seconds_by_category[category] > best.prediction.seconds_by_category[category]
@@ -107,3 +108,55 @@ def test_plan_errors(capsys, extra, message):
             "--gpus", "8", "--global-batch-size", "32"]
     assert main(argv + extra) == 2
     assert message in capsys.readouterr().err
+
+
+# ---- the search's pruning: a lower bound, and the same rows as pricing everything
+
+SMALL_CPU = HardwareProfile(name="cpu-test", kind="cpu", devices_per_server=256, peak_tflops=0.1,
+                            peak_tflops_fp32=0.1, gemm_efficiency=1.0, gemm_ramp_seconds=2e-6,
+                            memory_bandwidth=10e9, intra_bandwidth=1e9, intra_latency=1e-4,
+                            inter_bandwidth=1e9, inter_latency=1e-4, launch_overhead=3e-6,
+                            cores=4)
+PEERS_GPT = ModelConfig(num_layers=8, hidden_size=256, num_attention_heads=8, seq_length=128,
+                        vocab_size=8192)
+
+
+@pytest.mark.parametrize("workload, devices, profile, priced", [
+    (Workload(GPT_18B, 64), 16, A100, 0.5),               # servers of 8: links of both kinds
+    # Contention stretches computes beyond the bound: it prunes less.
+    (Workload(PEERS_GPT, 16, "fp32"), 8, SMALL_CPU, 0.75),
+], ids=["18B-a100", "small-cpu"])
+def test_the_lower_bound_holds_and_the_pruned_search_equals_pricing_everything(
+        workload, devices, profile, priced):
+    """No layout's simulated time is below its bound (the search's pruning
+    rests on it), over every candidate: each schedule, split, recomputation,
+    sequence parallelism and optimizer. And the search's first EXACT_ROWS
+    rows are exactly those of pricing every layout."""
+    everything = search(workload, devices, profile, exhaustive=True)
+    assert len(everything) > 2 * EXACT_ROWS
+    kinds = {e.layout.schedule_kind for e in everything}
+    assert {"1f1b", "interleaved", "zb-h1", "zbv"} <= kinds
+    assert any(not e.layout.split.even for e in everything)
+    for e in everything:
+        bound = compute_lower_bound(workload, e.layout, profile)
+        assert bound <= e.seconds * (1 + 1e-9), (e.layout, bound, e.seconds)
+    pruned = search(workload, devices, profile)
+    assert len(pruned) < len(everything) * priced
+    assert [(e.layout, e.seconds) for e in pruned[:EXACT_ROWS]] == \
+        [(e.layout, e.seconds) for e in everything[:EXACT_ROWS]]
+
+
+def test_the_lower_bound_is_the_makespan_when_only_compute_costs():
+    """With free links, no optimizer and the same cost per stage, 1F1B's
+    bound is its simulated time: the fill and drain are counted exactly."""
+    free = HardwareProfile(name="free-links", peak_tflops=100.0, memory_bandwidth=1e15,
+                           intra_bandwidth=1e30, intra_latency=0.0, inter_bandwidth=1e30,
+                           inter_latency=0.0, launch_overhead=0.0)
+    model = ModelConfig(num_layers=8, hidden_size=1024, num_attention_heads=16, seq_length=1024,
+                        vocab_size=128)
+    workload = Workload(model, 16)
+    for layout in (Layout(p=4, b=1), Layout(p=2, b=2), Layout(p=8, b=1)):
+        predicted = evaluate_layout(workload, layout, free).prediction
+        bound = compute_lower_bound(workload, layout, free)
+        assert bound <= predicted.iteration_seconds * (1 + 1e-12)
+        assert bound == pytest.approx(predicted.iteration_seconds, rel=0.02), layout

@@ -205,7 +205,7 @@ from ptdp.parallel.pipeline.schedules import (
     warmup_forwards,
 )
 from ptdp.parallel.pipeline.zero_bubble import zb_h1_order, zbv_order
-from ptdp.perf.layout import BYTES_PER_ELEMENT, Layout, Workload
+from ptdp.perf.layout import BYTES_PER_ELEMENT, ByValue, Layout, Workload
 from ptdp.perf.flops import model_flops_per_iteration
 
 KERNELS = ("cuda", "cpu")
@@ -310,7 +310,7 @@ def _stage_parameters(model: ModelConfig, t: int, layers: int, first: bool, last
         params.append(Param(word, tied=shared_word))
         if not model.rope:
             params.append(Param(_position_parameters(model), partial=sp))
-    params += [param for _ in range(layers) for param in _layer_parameter_list(model, t, sp)]
+    params += _layer_parameter_list(model, t, sp) * layers
     if last:
         params += [Param(n, partial=sp) for n in _norm_parameters(model)]
         if not model.tied_output:
@@ -375,15 +375,30 @@ def parameters_per_device(model: ModelConfig, layout: Layout) -> int:
     return max(parameters_per_rank(model, layout))
 
 
+def placement_of_parameters(layout: Layout) -> Layout:
+    """`layout` with only what decides which parameters a device holds and
+    how GradBuffer buckets them (t, p, v, the schedule, sequence
+    parallelism, the layer split): the key under which a search that
+    prices many layouts computes those once."""
+    return Layout(t=layout.t, p=layout.p, v=layout.v, schedule=layout.schedule,
+                  sequence_parallel=layout.sequence_parallel, split=layout.split)
+
+
 def _cut_buckets(model: ModelConfig, layout: Layout, rank: int,
-                 bucket_size: int) -> list[tuple[int, int]]:
+                 bucket_size: int) -> tuple[tuple[int, int], ...]:
+    return _cut_placed_buckets(ByValue(model), placement_of_parameters(layout), rank, bucket_size)
+
+
+@lru_cache(maxsize=65536)
+def _cut_placed_buckets(key: ByValue, layout: Layout, rank: int,
+                        bucket_size: int) -> tuple[tuple[int, int], ...]:
     """(elements, partial elements) of GradBuffer's buckets on pipeline rank
     `rank` before padding: parameters in reverse order, a bucket closed once
     it reaches `bucket_size` elements, each tied word embedding a bucket of
     its own. Partial elements: the gradients a bucket sums over the tensor
     group first (sequence parallelism)."""
     cut, size, partial = [], 0, 0
-    for param in reversed(_rank_parameters(model, layout, rank)):
+    for param in reversed(_rank_parameters(key.value, layout, rank)):
         if param.tied:
             cut.append((param.numel, 0))
             continue
@@ -394,7 +409,7 @@ def _cut_buckets(model: ModelConfig, layout: Layout, rank: int,
             size = partial = 0
     if size:
         cut.append((size, partial))
-    return cut
+    return tuple(cut)
 
 
 def _buckets(model: ModelConfig, layout: Layout, rank: int, bucket_size: int) -> list[int]:
@@ -418,11 +433,16 @@ def buffer_elements(model: ModelConfig, layout: Layout, rank: int,
     pipeline rank `rank`: its parameters, plus with the distributed
     optimizer each bucket padded to a multiple of d."""
     bucket_size = bucket_size or TrainConfig().ddp_bucket_size
-    sizes = _buckets(model, layout, rank, bucket_size)
+    return _padded(_cut_buckets(model, layout, rank, bucket_size), layout)
+
+
+def _padded(buckets: tuple[tuple[int, int], ...], layout: Layout) -> int:
+    """Elements of these buckets, each padded to a multiple of d under the
+    distributed optimizer."""
     if not layout.distributed_optimizer:
-        return sum(sizes)
+        return sum(size for size, _ in buckets)
     d = layout.d
-    return sum(-(-size // d) * d for size in sizes)
+    return sum(-(-size // d) * d for size, _ in buckets)
 
 
 # ------------------------------------------------------------------------------------------
@@ -471,7 +491,7 @@ def _zero_bubble_order(kind: str, p: int, m: int, rank: int) -> Iterator[tuple[s
     return ((c.op, c.chunk) for c in order)
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=65536)
 def _stash_peaks(kind: str, p: int, m: int, v: int, rank: int, chunk_weights: tuple[int, ...],
                  deferred_weights: tuple[int, ...] | None = None) -> tuple[int, int]:
     """(most (microbatch, chunk) activations held at once, largest sum of
@@ -479,24 +499,46 @@ def _stash_peaks(kind: str, p: int, m: int, v: int, rank: int, chunk_weights: tu
     activation counts from its F until its W; it weighs `chunk_weights`
     from F until B and `deferred_weights` (what W needs; default the same)
     from B until W."""
+    deferred = chunk_weights if deferred_weights is None else deferred_weights
+    weights = (*chunk_weights, *deferred)
+    peak_count = peak_weight = 0
+    for state in _held_states(kind, p, m, v, rank):
+        peak_count = max(peak_count, sum(state))
+        peak_weight = max(peak_weight, sum(n * w for n, w in zip(state, weights)))
+    return peak_count, peak_weight
+
+
+@lru_cache(maxsize=16384)
+def _held_states(kind: str, p: int, m: int, v: int, rank: int) -> tuple[tuple[int, ...], ...]:
+    """What rank `rank` holds as its computes run, as (activations of each
+    chunk from F until B, ... from B until W (zero-bubble kinds only)):
+    the states no other state holds as much of in every entry, so that the
+    peak of any weighted sum is one of theirs. Walked once per schedule;
+    `_stash_peaks` prices it for any weights."""
     check_arguments(kind, p, m, v)
     zero_bubble = kind in ZERO_BUBBLE_KINDS
-    deferred = chunk_weights if deferred_weights is None else deferred_weights
     order = _zero_bubble_order(kind, p, m, rank) if zero_bubble else \
         _compute_order(kind, p, m, v, rank)
-    count = weight = peak_count = peak_weight = 0
+    held = [0] * (2 * v)
+    states = set()
     for op, chunk in order:
+        # A forward only adds: the state before it is no peak.
         if op == "F":
-            count += 1
-            weight += chunk_weights[chunk]
-        elif op == "B":
-            weight += (deferred[chunk] if zero_bubble else 0) - chunk_weights[chunk]
-            count -= not zero_bubble
+            held[chunk] += 1
+            continue
+        states.add(tuple(held))
+        if op == "B":
+            held[chunk] -= 1
+            held[v + chunk] += zero_bubble
         else:
-            count -= 1
-            weight -= deferred[chunk]
-        peak_count, peak_weight = max(peak_count, count), max(peak_weight, weight)
-    return peak_count, peak_weight
+            held[v + chunk] -= 1
+    states.add(tuple(held))
+    # Keep the maximal states (most held first, so a dominated one meets its better).
+    kept: list[tuple[int, ...]] = []
+    for state in sorted(states, key=sum, reverse=True):
+        if not any(all(a >= b for a, b in zip(other, state)) for other in kept):
+            kept.append(state)
+    return tuple(kept)
 
 
 def peak_in_flight_per_rank(layout: Layout, m: int) -> list[int]:
@@ -725,6 +767,15 @@ def activation_bytes(workload: Workload, layout: Layout, *,
     the module docstring for each term."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels={kernels!r}: use one of {', '.join(KERNELS)}")
+    # What is saved depends on t, b, the recomputation and sequence parallelism only.
+    return dict(_activation_bytes(ByValue(workload),
+                                  Layout(t=layout.t, b=layout.b, recompute=layout.recompute,
+                                         sequence_parallel=layout.splits_sequence), kernels))
+
+
+@lru_cache(maxsize=4096)
+def _activation_bytes(key: ByValue, layout: Layout, kernels: str) -> dict[str, int]:
+    workload = key.value
     model, e = workload.model, workload.bytes_per_element
     t, b = layout.t, layout.b
     s, h, a, f = model.seq_length, model.hidden_size, model.num_attention_heads, model.ffn_size
@@ -846,8 +897,10 @@ def memory_per_rank(workload: Workload, layout: Layout, *, kernels: str = "cuda"
     acts = activation_bytes(workload, layout, kernels=kernels)
     sharded = layout.distributed_optimizer
     results = []
+    model_key, placement = ByValue(model), placement_of_parameters(layout)
+    bucket_size = bucket_size or TrainConfig().ddp_bucket_size
     for rank in range(p):
-        n = buffer_elements(model, layout, rank, bucket_size)
+        n = _padded(_cut_placed_buckets(model_key, placement, rank, bucket_size), layout)
         weights = n * e
         gradients = n * FP32 + (n // d * FP32 if sharded else 0)
         if sharded:

@@ -8,7 +8,9 @@ the analytic model (analytic.py), the simulator (cost.py) and the planner
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from copy import deepcopy
+from dataclasses import dataclass, fields, is_dataclass
+from functools import lru_cache
 
 from ptdp.config import ModelConfig
 from ptdp.parallel.pipeline.schedules import ZERO_BUBBLE_KINDS, virtual_stage_of
@@ -79,7 +81,7 @@ class Layout:
 
     def stage_layers(self, num_layers: int) -> list[int]:
         """Transformer layers of each virtual stage, in stage order."""
-        return stage_layer_counts(num_layers, self.p, self.v, self.schedule_kind, self.split)
+        return list(_stage_layers(num_layers, self.p, self.v, self.schedule_kind, self.split))
 
     def chunk_layers(self, num_layers: int, rank: int, chunk: int) -> int:
         """Transformer layers of (rank, chunk): those of its virtual stage."""
@@ -167,6 +169,11 @@ class Layout:
         return flags + self.split.flags()
 
 
+@lru_cache(maxsize=65536)
+def _stage_layers(num_layers: int, p: int, v: int, kind: str, split: LayerSplit) -> tuple[int, ...]:
+    return tuple(stage_layer_counts(num_layers, p, v, kind, split))
+
+
 @dataclass(frozen=True)
 class Workload:
     model: ModelConfig
@@ -176,3 +183,43 @@ class Workload:
     @property
     def bytes_per_element(self) -> int:
         return BYTES_PER_ELEMENT[self.precision]
+
+
+class ByValue:
+    """A cache key for a dataclass that cannot be hashed (ModelConfig is
+    mutable, so a Workload holding one is not hashable): equal to another
+    when all their fields are, as they are when the key is made. A cached
+    function that keeps the object takes it through `copy()`, so that a
+    later change to the caller's object cannot change what the cache holds."""
+    __slots__ = ("value", "_fields")
+
+    def __init__(self, value):
+        self.value = value
+        self._fields = _snapshot(value)
+
+    def copy(self):
+        return deepcopy(self.value)
+
+    def __hash__(self) -> int:
+        return hash(self._fields)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ByValue) and other._fields == self._fields
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+_SCALARS = frozenset({int, float, str, bool, type(None)})
+
+
+def _snapshot(value):
+    """The values of a dataclass's fields, nested dataclasses as tuples too
+    (dataclasses.astuple without its copying, which a search calls too often)."""
+    kind = type(value)
+    names = _FIELD_NAMES.get(kind)
+    if names is None:
+        names = _FIELD_NAMES[kind] = tuple(f.name for f in fields(kind))
+    values = [getattr(value, name) for name in names]
+    return (kind, *(item if type(item) in _SCALARS
+                    else _snapshot(item) if is_dataclass(item) else item for item in values))

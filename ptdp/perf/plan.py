@@ -41,13 +41,14 @@ from __future__ import annotations
 import argparse
 import bisect
 import dataclasses
+import functools
 import json
 import sys
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable
 
 from ptdp.config import Config, ConfigError, ModelConfig, validate
-from ptdp.parallel.pipeline.split import LayerSplit
+from ptdp.parallel.pipeline.split import LayerSplit, split_problems
 from ptdp.perf.layout import Layout, Workload
 
 MEMORY_HEADROOM = 0.9      # leave 10 % of device memory to the allocator and workspaces
@@ -94,13 +95,14 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def candidate_layouts(workload: Workload, devices: int, *, microbatch_sizes=None,
-                      chunk_counts=None, recompute=(None, "selective", "full"),
+def candidate_layouts(workload: Workload, devices: int, *, tensor_sizes=None,
+                      microbatch_sizes=None, chunk_counts=None,
+                      recompute=(None, "selective", "full"),
                       distributed_optimizer=(False, True),
                       sequence_parallel=(False, True), schedules=SCHEDULES,
                       layer_splits: bool = True) -> Iterable[Layout]:
     """Every layout `ptdp train` would accept for this workload on
-    `devices` (optionally only some microbatch sizes, chunk counts,
+    `devices` (optionally only some tensor sizes, microbatch sizes, chunk counts,
     recomputation kinds, optimizer or sequence-parallelism choices, or
     schedules among SCHEDULES; sequence parallelism only where t > 1
     divides s). "1f1b" with v > 1 is the interleaved schedule; zb-h1 has
@@ -108,6 +110,8 @@ def candidate_layouts(workload: Workload, devices: int, *, microbatch_sizes=None
     `layer_splits`: also the uneven splits of `split_candidates`."""
     model, batch = workload.model, workload.global_batch
     for t in _divisors(devices):
+        if tensor_sizes is not None and t not in tensor_sizes:
+            continue
         for p in _divisors(devices // t):
             d = devices // (t * p)
             if batch % d:
@@ -138,17 +142,29 @@ def candidate_layouts(workload: Workload, devices: int, *, microbatch_sizes=None
 def _uneven(layout: Layout, model: ModelConfig, batch: int) -> Iterable[Layout]:
     """The valid uneven variants of `layout`, one per distinct cut (a split
     that cuts as the even one does, or as an earlier one, is left out)."""
-    seen = set()
-    if not layout.valid_for(model, batch):
-        seen.add(tuple(layout.stage_layers(model.num_layers)))
-    for split in split_candidates(layout, model.num_layers):
-        candidate = dataclasses.replace(layout, split=split)
-        if candidate.valid_for(model, batch):
+    splits = _uneven_splits(model.num_layers, layout.p, layout.v, layout.schedule)
+    # Once the split's own rules hold, every other rule is the same for all splits.
+    if splits and not dataclasses.replace(layout, split=splits[0]).valid_for(model, batch):
+        yield from (dataclasses.replace(layout, split=split) for split in splits)
+
+
+@functools.lru_cache(maxsize=4096)
+def _uneven_splits(num_layers: int, p: int, v: int, schedule: str) -> tuple[LayerSplit, ...]:
+    """The splits of `split_candidates` that split_problems accepts, one per
+    distinct cut, none cutting as the even split does where that is valid."""
+    layout = Layout(p=p, v=v, schedule=schedule)
+    kind = layout.schedule_kind
+    even = num_layers % (2 * p if kind == "zbv" else p * v) == 0
+    seen = {tuple(layout.stage_layers(num_layers))} if even else set()
+    splits = []
+    for split in split_candidates(layout, num_layers):
+        if kind == "interleaved" or split_problems(num_layers, p, v, kind, split):
             continue
-        counts = tuple(candidate.stage_layers(model.num_layers))
+        counts = tuple(dataclasses.replace(layout, split=split).stage_layers(num_layers))
         if counts not in seen:
             seen.add(counts)
-            yield candidate
+            splits.append(split)
+    return tuple(splits)
 
 
 def split_candidates(layout: Layout, num_layers: int) -> list[LayerSplit]:
@@ -184,53 +200,80 @@ def _kernels(profile) -> str:
 
 
 def search(workload: Workload, devices: int, profile, *, top: int | None = None,
-           **restrictions) -> list[Evaluation]:
+           exhaustive: bool = False, **restrictions) -> list[Evaluation]:
     """Layouts that fit, best predicted throughput first (`restrictions`:
     see candidate_layouts).
 
-    The zero-bubble layouts and the uneven layer splits are priced last,
-    and only those whose lower bound (cost.compute_lower_bound: their
-    busiest rank's compute, which no schedule removes) beats the
-    EXACT_ROWS-th best time so far: the first EXACT_ROWS results are what
-    pricing every layout would give; a layout that could not reach them is
-    left out of the rest. An uneven split that does not lower its busiest
-    rank's compute below the even split's is not priced at all."""
-    from ptdp.perf.analytic import memory_per_device
+    Every candidate gets a lower bound on its iteration time
+    (cost.compute_lower_bound: its busiest rank's compute plus the pipeline
+    fill and drain that rank cannot skip, its gradient reductions and the
+    optimizer; no schedule is built). The layouts are priced cheapest bound
+    first, and the search stops at the first whose bound is no better than
+    the EXACT_ROWS-th best time priced so far: no layout after it can reach
+    those rows, so the first EXACT_ROWS results are what pricing every
+    layout gives (`exhaustive=True` prices every layout; the tests compare
+    the two). Memory is checked only for layouts that get that far. Then,
+    for each respect `explain` compares
+    (t, p, b, v, schedule, ...), the best layout that differs from the
+    winner in it alone is found the same way among its few candidates and
+    added to the results."""
     from ptdp.perf.cost import compute_lower_bound
 
-    fitting = [layout for layout in candidate_layouts(workload, devices, **restrictions)
-               if memory_per_device(workload, layout, kernels=_kernels(profile))["total"]
-               <= MEMORY_HEADROOM * profile.memory_bytes]
-    def later(layout: Layout) -> bool:
-        return layout.zero_bubble or not layout.split.even
+    candidates = list(candidate_layouts(workload, devices, **restrictions))
+    bounds = {layout: compute_lower_bound(workload, layout, profile) for layout in candidates}
+    if exhaustive:
+        results = [e for e in (_evaluate_if_fits(workload, layout, profile)
+                               for layout in candidates) if e is not None]
+        results.sort(key=lambda e: (e.seconds, e.memory["total"]))
+        return results[:top] if top else results
 
-    results = [evaluate_layout(workload, layout, profile) for layout in fitting
-               if not later(layout)]
-    times = sorted(e.seconds for e in results)
-    bounds = {layout: compute_lower_bound(workload, layout, profile)
-              for layout in fitting if later(layout)}
-
-    def relieves(layout: Layout) -> bool:
-        """An uneven split is worth pricing only if it lowers the busiest
-        rank's compute below the even split's (where that one is valid)."""
-        even = dataclasses.replace(layout, split=LayerSplit())
-        if layout.split.even or even.valid_for(workload.model, workload.global_batch):
-            return True
-        if even not in bounds:
-            bounds[even] = compute_lower_bound(workload, even, profile)
-        return bounds[layout] < bounds[even]
-
-    # Cheapest bound first: once one cannot reach the top rows, none after it can.
-    bounded = sorted(((bounds[layout], i, layout) for i, layout in enumerate(fitting)
-                      if later(layout) and relieves(layout)), key=lambda row: row[:2])
-    for bound, _, layout in bounded:
-        if len(times) >= EXACT_ROWS and bound >= times[EXACT_ROWS - 1]:
-            break
-        evaluation = evaluate_layout(workload, layout, profile)
-        results.append(evaluation)
-        bisect.insort(times, evaluation.seconds)
+    priced: dict[Layout, Evaluation | None] = {}
+    results = _best_by_bound(candidates, bounds, EXACT_ROWS, workload, profile, priced)
+    if results:
+        winner = results[0].layout
+        for field in ASPECTS:
+            free = {field, "d"} | COUPLED.get(field, set())
+            rivals = [layout for layout in candidates
+                      if getattr(layout, field) != getattr(winner, field)
+                      and all(getattr(layout, f) == getattr(winner, f)
+                              for f in ASPECTS if f not in free)]
+            _best_by_bound(rivals, bounds, 1, workload, profile, priced)
+        results = [e for e in priced.values() if e is not None]
     results.sort(key=lambda e: (e.seconds, e.memory["total"]))
     return results[:top] if top else results
+
+
+def _evaluate_if_fits(workload: Workload, layout: Layout, profile) -> Evaluation | None:
+    """The layout's Evaluation, or None (without pricing it) if its memory
+    does not fit the device."""
+    from ptdp.perf.analytic import memory_per_device
+    from ptdp.perf.cost import simulate
+
+    memory = memory_per_device(workload, layout, kernels=_kernels(profile))
+    if memory["total"] > MEMORY_HEADROOM * profile.memory_bytes:
+        return None
+    return Evaluation(layout, memory, simulate(workload, layout, profile), True)
+
+
+def _best_by_bound(layouts: list[Layout], bounds: dict[Layout, float], rows: int,
+                   workload: Workload, profile, priced: dict[Layout, Evaluation | None]
+                   ) -> list[Evaluation]:
+    """The `rows` fastest of `layouts` that fit, exactly: price them
+    cheapest bound first until a bound reaches the rows-th best time
+    (`priced` keeps every evaluation, None for what does not fit)."""
+    times: list[float] = []
+    found: list[Evaluation] = []
+    for layout in sorted(layouts, key=lambda layout: bounds[layout]):
+        if len(times) >= rows and bounds[layout] >= times[rows - 1]:
+            break
+        if layout not in priced:
+            priced[layout] = _evaluate_if_fits(workload, layout, profile)
+        evaluation = priced[layout]
+        if evaluation is not None:
+            found.append(evaluation)
+            bisect.insort(times, evaluation.seconds)
+    found.sort(key=lambda e: (e.seconds, e.memory["total"]))
+    return found[:rows]
 
 
 ASPECTS = {  # what differs, and how to say it

@@ -8,32 +8,48 @@ memory, the fixed cost of launching one operator, and for CPU profiles the
 cores the local processes share. Profiles are plain JSON (`save_profile`,
 `load_profile`); nothing is pickled.
 
-GEMM time (`gemm_seconds`) is a roofline with a saturating efficiency:
+GEMM time (`gemm_seconds`) on GPU profiles follows the shape (ptdp.perf.gemm,
+docs/cost-model.md): the output in tiles of `gemm_tile` spread over the
+`sm_count` SMs in waves, a part-empty last wave costing a whole one; each
+tile a fixed `tile_overhead_seconds` (prologue and epilogue) plus k steps
+at e_max of the per-SM peak; never faster than its bytes over
+`memory_bandwidth`. So a large GEMM runs at e_max of peak, a small k
+(the attention products) pays the fixed cost on little work, and small
+dimensions waste padded tiles and idle SMs. With `fused_attention` the
+attention core (QKᵀ, softmax, dropout, PV) is one flash-attention kernel
+(`attention_seconds`), priced by the same per-SM model over blocks of
+query and key rows (causal: about half the block pairs).
+
+Built-in GPU profiles (`a100`, `h100`, `h200`) take peaks, SM counts and
+bandwidths from the vendors' data sheets; the tile (128 × 128 on A100,
+128 × 256 on H100/H200, the usual CUTLASS/cuBLAS tiles of those chips) and
+the tile's fixed cost (1 µs: about one memory round trip to fill the
+operand pipeline plus writing the tile out) are stated assumptions, not
+fits. e_max is the one number fitted, to exactly one point of the paper:
+the 1.7B-parameter GPT (h = 2304, a = 24, l = 24, s = 2048, V = 51200)
+with t = p = 1 on 32 A100s, B = 512, b = 16 at 137 TFLOP/s per GPU (44% of
+peak), end to end. The fit assumes 16-bit training with full
+recomputation, whose FLOPs the paper's 96·B·s·l·h²·(...) counts.
+`ptdp.perf.cost.fit_to_calibration_point()` redoes it (bisection on e_max
+until `cost.simulate` predicts 137 TFLOP/s for that run, priced with the
+software the paper ran, `cost.paper_kernels`: attention as explicit GEMMs
+and a fused softmax over the s × s scores, not flash attention):
+`CALIBRATED_GEMM_EFFICIENCY`, the fraction of the per-SM peak a tile's
+main loop reaches; the rest of the gap to 44% is tile overheads, wave
+quantisation, the attention kernel, memory-bound operators, the gradient
+all-reduce and the optimizer as cost.py prices them. h100 and h200 use the
+same e_max against their own peaks. Nothing else from the paper is fitted.
+
+CPU profiles price GEMMs as before, a roofline with a saturating
+efficiency:
 
     work  W = 2·m·n·k·batch                         (FLOPs)
     efficiency(m, n, k) = e_max · W / (W + W0),     W0 = peak · gemm_ramp_seconds
     time  = max(W / (peak · efficiency), bytes(m, n, k) / memory_bandwidth)
 
-so a large GEMM runs at e_max of peak, one of W0 FLOPs at half of that, and
-one that moves more bytes than the device can compute on (small k, the
-attention scores) is bandwidth-bound. Algebraically the efficiency term is
-the same as `W / (e_max · peak) + gemm_ramp_seconds / e_max`: a fixed fill
-time per GEMM on top of the ideal time.
-
-Built-in GPU profiles (`a100`, `h100`, `h200`) take every number from the
-vendors' data sheets except e_max, which is fitted to exactly one point of
-the paper: the 1.7B-parameter GPT (h = 2304, a = 24, l = 24, s = 2048,
-V = 51200) with t = p = 1 on 32 A100s, B = 512, b = 16 at 137 TFLOP/s per
-GPU (44% of peak), end to end. The fit assumes 16-bit training with full
-recomputation, whose FLOPs the paper's 96·B·s·l·h²·(...) counts.
-`ptdp.perf.cost.fit_to_calibration_point()` redoes it (bisection on e_max until
-`cost.simulate` predicts 137 TFLOP/s for that run): e_max = 0.5573
-(`CALIBRATED_GEMM_EFFICIENCY`), i.e. large GEMMs at 56% of the 312 TFLOP/s
-peak, the rest of the gap to 44% being memory-bound operators, the
-gradient all-reduce and the optimizer as cost.py prices them; h100 and h200
-use the same e_max against their own peaks. Nothing else from the paper is
-fitted. The `gemm_ramp_seconds` of the GPU profiles (4 µs, a few waves of
-thread blocks) is an assumption, not a fit; it matters only for small GEMMs.
+(equivalently W / (e_max · peak) + gemm_ramp_seconds / e_max: a fixed fill
+time per GEMM on top of the ideal time), with e_max = 1 and the ramp
+measured by `ptdp calibrate`.
 
 CPU profiles come from `ptdp calibrate` (calibrate.py), which measures this
 machine: besides the fields above, memory-bound throughput per operator
@@ -55,14 +71,18 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from ptdp.perf import gemm
+
 GB = 1e9
 GIB = 2 ** 30
 
-# e_max of the built-in GPU profiles: cost.fit_to_calibration_point() returns 0.55734 (bisection
+# e_max of the built-in GPU profiles: cost.fit_to_calibration_point() returns 0.59620 (bisection
 # on e_max until cost.simulate predicts 137 TFLOP/s per GPU for the paper's 1.7B run on
-# a100); rounded here. tests/test_cost_model.py recomputes the fit and checks it. It changes
+# a100, with the tile model of ptdp.perf.gemm and the paper's kernels: attention as two
+# GEMMs and a softmax pass, cost.paper_kernels); rounded here.
+# tests/test_cost_model.py recomputes the fit and checks it. It changes
 # whenever the operator model in cost.py does: refit and update it then.
-CALIBRATED_GEMM_EFFICIENCY = 0.5573
+CALIBRATED_GEMM_EFFICIENCY = 0.5962
 
 
 @dataclass(frozen=True)
@@ -73,7 +93,12 @@ class HardwareProfile:
     peak_tflops: float = 312.0           # 16-bit (bf16/fp16) dense matrix peak per device
     peak_tflops_fp32: float = 19.5       # fp32 peak per device (CPU: per process at 1 thread)
     gemm_efficiency: float = 0.7         # e_max: fraction of peak a large GEMM reaches
-    gemm_ramp_seconds: float = 4e-6      # W0 = peak · this: GEMM work at half of e_max
+    gemm_ramp_seconds: float = 4e-6      # CPU: W0 = peak · this: GEMM work at half of e_max
+    # GPU: the tile model of ptdp.perf.gemm (defaults: A100's SMs and tile).
+    sm_count: int = 108                  # streaming multiprocessors
+    gemm_tile: tuple[int, int] = (128, 128)  # output tile [m, n] of one thread block
+    tile_overhead_seconds: float = 1e-6  # fixed cost per tile: prologue and epilogue
+    fused_attention: bool = False        # attention core as one flash-attention kernel
     memory_bandwidth: float = 2039 * GB  # bytes/s for memory-bound operators
     op_bandwidth: dict[str, float] = field(default_factory=dict)  # bytes/s by operator class
     intra_bandwidth: float = 300 * GB    # bytes/s per device per direction inside a server
@@ -92,6 +117,10 @@ class HardwareProfile:
     op_thread_speedup: dict[str, float] = field(default_factory=dict)  # CPU: the same by op class
     notes: str = ""                      # where the numbers come from
     measurements: dict[str, Any] = field(default_factory=dict)  # calibrate's raw data
+
+    def __post_init__(self):
+        # JSON gives the tile back as a list; keep one spelling so profiles compare equal.
+        object.__setattr__(self, "gemm_tile", tuple(int(x) for x in self.gemm_tile))
 
     # ---- rates -------------------------------------------------------------------------
 
@@ -127,19 +156,40 @@ class HardwareProfile:
         return min(1.0, cores / (busy_processes * threads))
 
     def gemm_efficiency_at(self, work: float, precision: str) -> float:
-        """e_max · W / (W + W0) for a GEMM of `work` FLOPs."""
+        """CPU profiles: e_max · W / (W + W0) for a GEMM of `work` FLOPs."""
         w0 = self.peak_flops(precision) * self.gemm_ramp_seconds
         return self.gemm_efficiency * work / (work + w0)
 
     def gemm_seconds(self, m: int, n: int, k: int, *, batch: int = 1, precision: str = "bf16",
                      bytes_per_element: int = 2) -> float:
-        """Time of `batch` GEMMs [m, k] × [k, n] (one kernel), without launch overhead."""
+        """Time of `batch` GEMMs [m, k] × [k, n] (one kernel), without launch
+        overhead: the tile model on GPUs, the saturating roofline on CPUs."""
+        if self.kind == "gpu":
+            return gemm.gemm_seconds(self.tiled_device(precision), m, n, k, batch,
+                                     bytes_per_element)
         work = 2.0 * m * n * k * batch
         if work <= 0:
             return 0.0
         compute = work / (self.peak_flops(precision) * self.gemm_efficiency_at(work, precision))
         traffic = batch * (m * k + k * n + m * n) * bytes_per_element / self.memory_bandwidth
         return max(compute, traffic)
+
+    def tiled_device(self, precision: str = "bf16") -> gemm.TiledDevice:
+        """This GPU as ptdp.perf.gemm's tile model sees it."""
+        return gemm.TiledDevice(
+            peak_flops=self.peak_flops(precision), sm_count=self.sm_count,
+            tile_m=self.gemm_tile[0], tile_n=self.gemm_tile[1],
+            achievable_fraction=self.gemm_efficiency,
+            tile_overhead_seconds=self.tile_overhead_seconds,
+            memory_bandwidth=self.memory_bandwidth)
+
+    def attention_seconds(self, batch_heads: int, s: int, head_dim: int, *, causal: bool = True,
+                          precision: str = "bf16", bytes_per_element: int = 2
+                          ) -> tuple[float, float]:
+        """(forward, backward) seconds of the fused attention kernel over
+        `batch_heads` sequences of s positions, head size `head_dim`."""
+        return gemm.attention_seconds(self.tiled_device(precision), batch_heads, s, head_dim,
+                                      causal=causal, bytes_per_element=bytes_per_element)
 
     def memory_seconds(self, nbytes: float, op: str = "elementwise") -> float:
         """Time of a memory-bound operator of class `op` moving `nbytes` (read
@@ -186,7 +236,11 @@ def _a100(e_max: float) -> HardwareProfile:
     return HardwareProfile(
         name="a100", kind="gpu", devices_per_server=8,
         peak_tflops=312.0, peak_tflops_fp32=19.5,
-        gemm_efficiency=e_max, gemm_ramp_seconds=4e-6,
+        gemm_efficiency=e_max,
+        sm_count=108,                        # A100 SXM: 108 SMs
+        gemm_tile=(128, 128),                # assumption: cuBLAS/CUTLASS's usual Ampere tile
+        tile_overhead_seconds=1e-6,          # assumption: operand pipeline fill + tile write-out
+        fused_attention=True,                # SDPA, causal, 16-bit on CUDA: flash attention
         memory_bandwidth=2039 * GB,          # A100 80 GB SXM HBM2e
         intra_bandwidth=300 * GB,            # NVSwitch: 600 GB/s per GPU, both directions together
         intra_latency=5e-6,
@@ -200,6 +254,8 @@ def _a100(e_max: float) -> HardwareProfile:
 def _h100(e_max: float) -> HardwareProfile:
     return replace(
         _a100(e_max), name="h100", peak_tflops=989.0, peak_tflops_fp32=67.0,
+        sm_count=132,                        # H100 SXM: 132 SMs
+        gemm_tile=(128, 256),                # assumption: CUTLASS's usual Hopper tile
         memory_bandwidth=3350 * GB,          # H100 SXM HBM3
         intra_bandwidth=450 * GB,            # NVLink 4: 900 GB/s per GPU, both directions
         inter_bandwidth=400e9 / 8,           # 8 × 400 Gb/s NDR per server: one 50 GB/s NIC per GPU
