@@ -16,11 +16,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import peers  # noqa: E402  bench/peers.py
 
 
+# The 3-D row (pipelining + DTensor + FSDP2, 8 processes a side) is left to
+# the benchmark itself, which checks every row's losses before it times it:
+# here it would cost half a minute of the suite.
 @pytest.mark.parametrize("row", [
     peers.Row("pipeline", p=2, v=2),                      # ScheduleInterleaved1F1B
     peers.Row("pipeline", p=2, schedule="gpipe"),          # ScheduleGPipe
     peers.Row("tensor", t=2),                              # DTensor + loss_parallel
-    peers.Row("3d", t=2, p=2, d=2, distributed_optimizer=True),  # pipelining + DTensor + FSDP2
 ], ids=lambda row: row.describe().replace(" ", "-"))
 def test_both_sides_compute_the_same_losses(row):
     result = peers.run_row(row, peers.TINY_MODEL, iters=2, warmup=1)
