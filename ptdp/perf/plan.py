@@ -3,17 +3,19 @@ sequence parallelism and the optimizer's sharding for a model on N devices,
 and predict what the run will cost.
 
 The search enumerates every valid layout (the rules `ptdp train` enforces),
-keeps those whose memory per device (analytic.py) fits the profile's device
-memory, prices each with the schedule simulator (cost.py: the same action
-lists the executor runs, costed with a hardware profile) and ranks them by
-predicted throughput. Given layout flags it evaluates that one layout.
+bounds each one's iteration time from below without building its schedule
+(cost.compute_lower_bound), and prices the layouts cheapest bound first
+with the schedule simulator (cost.py: the same action lists the executor
+runs, costed with a hardware profile), those whose memory per device
+(analytic.py) fits the profile's device memory, until no bound can reach
+the top EXACT_ROWS rows; it ranks them by predicted throughput. Given
+layout flags it evaluates that one layout.
 
 Schedules: 1F1B, interleaved 1F1B (v = 2 ... MAX_CHUNKS) and the
 zero-bubble zb-h1 (v = 1, m >= p) and zbv (v = 2, m >= 2p, l divisible by
 2p), priced by the same simulator with the backward split into B and W
-(cost.py) and their memory counted from F to B to W (analytic.py). Their
-schedules are slower to build and play, so they are priced only where a
-lower bound says they can reach the top rows (see `search`). `--print-flags`
+(cost.py) and their memory counted from F to B to W (analytic.py).
+`--print-flags`
 prints `--pipeline-schedule zb-h1` or `--pipeline-schedule zbv` for them
 (zbv's two chunks per rank are implied).
 
@@ -26,9 +28,8 @@ Uneven layer splits (ptdp.parallel.pipeline.split): for each pipeline
 layout with p >= 2 under 1f1b (v = 1), zb-h1 or zbv the search also tries
 the embedding/loss accounting flags and, for v = 1, first/last-rank layer
 counts that move one or two layers off the first and/or the last rank (the
-output layer of a large-vocabulary model can cost several layers). Like the
-zero-bubble layouts they are priced only where the lower bound says they can
-reach the top rows; `--print-flags` appends their flags.
+output layer of a large-vocabulary model can cost several layers);
+`--print-flags` appends their flags.
 
 The explanation compares the winner with the best layout that differs from
 it in one respect (a different t, p, b, v, schedule, recomputation,
