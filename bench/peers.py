@@ -56,6 +56,7 @@ from results import cpu_name, publish  # noqa: E402
 from torch_reference import TorchGPT, cross_entropy, load_logical  # noqa: E402
 
 from ptdp.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
+from ptdp.parallel.pipeline.split import LayerSplit, stage_layer_counts  # noqa: E402
 from ptdp.perf.flops import configured_flops_per_iteration  # noqa: E402
 
 HEADING = "## Peer benchmarks: ptdp against PyTorch's own parallelism"
@@ -81,6 +82,7 @@ class Row:
     global_batch: int = 16
     distributed_optimizer: bool = False
     peer: bool = True               # also run PyTorch's side
+    split: LayerSplit = LayerSplit()  # layers per stage (both sides split alike)
 
     @property
     def world(self) -> int:
@@ -97,6 +99,10 @@ class Row:
                          else self.schedule)
         if self.distributed_optimizer:
             parts.append("dist-opt")
+        if not self.split.even:
+            parts.append("layers " + ",".join(map(str, stage_layer_counts(
+                MODEL.num_layers, self.p, self.v, "zbv" if self.schedule == "zbv" else
+                "interleaved" if self.v > 1 else self.schedule, self.split))))
         return " ".join(parts) or "one process"
 
     def peer_name(self) -> str:
@@ -122,6 +128,30 @@ SCALING = [Row("scaling", **layout, peer=False) for layout in (
     dict(t=2, p=2, d=2))]
 
 
+def balanced_rows(rows: list[Row], model: ModelConfig, profile) -> list[Row]:
+    """For each pipeline row with one chunk per rank, the same row with the
+    layer split the planner predicts fastest on `profile` (this machine's
+    calibration), where that is not the even split: `ptdp plan`'s split
+    candidates, each priced with cost.simulate."""
+    from ptdp.perf.cost import simulate
+    from ptdp.perf.layout import Layout, Workload
+    from ptdp.perf.plan import split_candidates
+
+    workload = Workload(model, rows[0].global_batch if rows else 16, "fp32")
+    balanced = []
+    for row in rows:
+        if row.p < 2 or row.v > 1:
+            continue
+        layout = Layout(p=row.p, b=row.micro_batch, schedule=row.schedule)
+        splits = [split for split in split_candidates(layout, model.num_layers)
+                  if not replace(layout, split=split).valid_for(model, workload.global_batch)]
+        best = min([LayerSplit()] + splits, key=lambda split: simulate(
+            workload, replace(layout, split=split), profile).iteration_seconds)
+        if not best.even:
+            balanced.append(replace(row, split=best))
+    return balanced
+
+
 def torch_schedule_name(row: Row) -> str:
     """The torch.distributed.pipelining schedule that runs `row`'s pipeline:
     zb-h1's peer is ScheduleInterleavedZeroBubble on one stage per rank (its
@@ -140,7 +170,12 @@ def config_for(row: Row, model: ModelConfig) -> Config:
             tensor_model_parallel_size=row.t, pipeline_model_parallel_size=row.p,
             pipeline_schedule=row.schedule, device="cpu",
             num_layers_per_virtual_pipeline_stage=(model.num_layers // (row.p * row.v)
-                                                   if row.v > 1 else None)),
+                                                   if row.v > 1 and row.schedule != "zbv"
+                                                   else None),
+            decoder_first_pipeline_num_layers=row.split.first,
+            decoder_last_pipeline_num_layers=row.split.last,
+            account_for_embedding_in_pipeline_split=row.split.embedding,
+            account_for_loss_in_pipeline_split=row.split.loss),
         train=TrainConfig(micro_batch_size=row.micro_batch, global_batch_size=row.global_batch,
                           lr=1e-4, lr_decay_style="constant", weight_decay=0.01, clip_grad=0.0,
                           use_distributed_optimizer=row.distributed_optimizer, seed=1234),
@@ -167,7 +202,8 @@ class TorchSide:
         for chunk in range(row.v):
             stage = virtual_stage_of(placement, row.p, row.v, ctx.pp_rank, chunk)
             module = load_logical(TorchGPT(model, layers_of(ctx.pp_rank, chunk, row.p, row.v,
-                                                            model.num_layers, kind=placement),
+                                                            model.num_layers, kind=placement,
+                                                            split=row.split),
                                            pre_process=stage == 0, post_process=stage == stages - 1),
                                   logical)
             if row.t > 1:
@@ -454,6 +490,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true",
                         help="a small model (seconds per row) for checking the harness")
     parser.add_argument("--json", metavar="PATH", help="also write every figure as JSON")
+    parser.add_argument("--profile", metavar="PATH",
+                        help="this machine's hardware profile for choosing the pipeline rows' "
+                             "balanced layer splits (default: ptdp calibrate, in this run)")
+    parser.add_argument("--no-balanced", action="store_true",
+                        help="only the even layer splits in the pipeline section")
     parser.add_argument("--write", action="store_true", help="append the tables to bench/RESULTS.md")
     args = parser.parse_args(argv)
     unknown = [name for name in args.sections if name not in ALL_SECTIONS]
@@ -468,10 +509,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"matmul peak of this machine: {peak:.1f} GFLOP/s (fp32, {os.cpu_count()} cores)",
           file=sys.stderr)
     peer_results, scaling_results, baseline = [], [], []
+    rows = {section: list(SECTIONS[section]) for section in SECTIONS}
+    if "pipeline" in args.sections and not args.no_balanced:
+        if args.profile:
+            from ptdp.perf.profiles import load_profile
+            profile = load_profile(args.profile)
+        else:
+            from ptdp.perf.calibrate import calibrate
+            profile = calibrate(quick=args.tiny, log=lambda line: print(f"calibrate: {line}",
+                                                                        file=sys.stderr))
+        # Each balanced row after its even one.
+        even = rows["pipeline"]
+        extra = {replace(row, split=LayerSplit()): row for row in balanced_rows(even, model, profile)}
+        rows["pipeline"] = [r for row in even for r in ([row, extra[row]] if row in extra else [row])]
     for section in ("pipeline", "tensor", "3d"):
         if section not in args.sections:
             continue
-        for row in SECTIONS[section]:
+        for row in rows[section]:
             result = run_row(row, model, args.iters, args.warmup)
             peer_results.append(result)
             print(f"{section}: {result['layout']}: ours {result['ours_s']:.3f} s, PyTorch "

@@ -15,6 +15,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import peers  # noqa: E402  bench/peers.py
 
+from ptdp.parallel.pipeline.split import LayerSplit  # noqa: E402
+from ptdp.perf.profiles import HardwareProfile  # noqa: E402
+
 
 # The 3-D row (pipelining + DTensor + FSDP2, 8 processes a side) is left to
 # the benchmark itself, which checks every row's losses before it times it:
@@ -23,6 +26,7 @@ import peers  # noqa: E402  bench/peers.py
     peers.Row("pipeline", p=2, v=2),                      # ScheduleInterleaved1F1B
     peers.Row("pipeline", p=2, schedule="gpipe"),          # ScheduleGPipe
     peers.Row("tensor", t=2),                              # DTensor + loss_parallel
+    peers.Row("pipeline", p=2, split=LayerSplit(first=3)),  # Schedule1F1B, stages of 3 and 5 layers
 ], ids=lambda row: row.describe().replace(" ", "-"))
 def test_both_sides_compute_the_same_losses(row):
     result = peers.run_row(row, peers.TINY_MODEL, iters=2, warmup=1)
@@ -40,3 +44,19 @@ def test_a_loss_difference_is_caught():
     assert math.isinf(peers.loss_difference([2.0, float("nan")], [2.0, 1.5]))
     assert math.isinf(peers.loss_difference([2.0], [2.0, 1.5]))
     assert math.isinf(peers.loss_difference([], []))
+
+
+def test_the_balanced_rows_take_the_split_the_planner_predicts_fastest():
+    """On a CPU whose output layer (V = 8192) costs several layers, the
+    pipeline rows with one chunk per rank get a split that takes layers off
+    the last stage; the interleaved rows have none (uneven splits are
+    refused there)."""
+    cpu = HardwareProfile(name="cpu-test", kind="cpu", devices_per_server=256, peak_tflops=0.1,
+                          peak_tflops_fp32=0.1, gemm_efficiency=1.0, gemm_ramp_seconds=2e-6,
+                          memory_bandwidth=10e9, intra_bandwidth=1e9, intra_latency=1e-4,
+                          inter_bandwidth=1e9, inter_latency=1e-4, launch_overhead=3e-6, cores=4)
+    balanced = peers.balanced_rows(peers.SECTIONS["pipeline"], peers.MODEL, cpu)
+    assert balanced and all(row.v == 1 and not row.split.even for row in balanced)
+    for row in balanced:
+        counts = [int(n) for n in row.describe().split("layers ")[1].split(",")]
+        assert sum(counts) == peers.MODEL.num_layers and counts[-1] < max(counts), row.describe()

@@ -170,11 +170,11 @@ def _uneven_splits(num_layers: int, p: int, v: int, schedule: str) -> tuple[Laye
 
 def split_candidates(layout: Layout, num_layers: int) -> list[LayerSplit]:
     """The uneven splits the search tries for `layout` (not checked: the
-    caller keeps the valid ones). Only p >= 2 under 1f1b with v = 1, zb-h1
-    or zbv: the three nontrivial combinations of the accounting flags, and
-    for v = 1 first/last-rank layer counts one or two below the even share
-    (ceil(l/p)) on the first and/or the last rank."""
-    if layout.p < 2 or layout.schedule_kind not in ("1f1b", "zb-h1", "zbv"):
+    caller keeps the valid ones). Only p >= 2 under 1f1b or gpipe with
+    v = 1, zb-h1 or zbv: the three nontrivial combinations of the accounting
+    flags, and for v = 1 first/last-rank layer counts one or two below the
+    even share (ceil(l/p)) on the first and/or the last rank."""
+    if layout.p < 2 or layout.schedule_kind not in ("1f1b", "gpipe", "zb-h1", "zbv"):
         return []
     splits = [LayerSplit(embedding=True), LayerSplit(loss=True),
               LayerSplit(embedding=True, loss=True)]
