@@ -97,3 +97,9 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return device.type
+
+
+def accelerator_shape(device: torch.device) -> tuple[int, int]:
+    """(streaming multiprocessors, memory bytes) of a CUDA device."""
+    properties = torch.cuda.get_device_properties(device)
+    return properties.multi_processor_count, properties.total_memory

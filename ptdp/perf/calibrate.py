@@ -553,19 +553,18 @@ def calibrate_gpu(*, quick: bool = False, name: str = "local",
     import torch
     from dataclasses import replace
 
-    from ptdp.device import cuda_device_count, device_for, device_name
+    from ptdp.device import accelerator_shape, cuda_device_count, device_for, device_name
     from ptdp.perf.profiles import BUILTIN, builtin_profile
 
     started = time.perf_counter()
     budget = 0.05 if quick else 0.2
     device = device_for("cuda", 0)
     chip = device_name(device)
-    properties = torch.cuda.get_device_properties(device)
     known = [key for key in BUILTIN if key in chip.lower()]
     base = builtin_profile(known[0] if known else "a100")
     if not known:   # unknown chip: its own SMs and memory; the peak from the fastest GEMM below
-        base = replace(base, sm_count=properties.multi_processor_count,
-                       memory_bytes=float(properties.total_memory))
+        sm_count, memory_bytes = accelerator_shape(device)
+        base = replace(base, sm_count=sm_count, memory_bytes=float(memory_bytes))
     bandwidth = measure_gpu_bandwidth(device, budget)
     gemms = measure_gpu_gemms(GPU_GEMM_SHAPES_QUICK if quick else GPU_GEMM_SHAPES, device, budget)
     peak = base.peak_flops("bf16") if known else max(g["tflops"] for g in gemms) * 1e12
