@@ -544,6 +544,10 @@ def main(argv: list[str] | None = None) -> int:
     command = "python bench/peers.py" + (" " + " ".join(args.sections) if explicit else "")
     if args.tiny:
         command += " --tiny"
+    if args.profile:
+        command += " --profile PROFILE.json"
+    if args.no_balanced:
+        command += " --no-balanced"
     header = (f"### {date}: GPT l={model.num_layers}, h={model.hidden_size}, a={model.num_attention_heads}, "
               f"s={model.seq_length}, V={model.vocab_size}, fp32, global batch 16, micro batch 2\n\n"
               f"Command: `{command} --iters {args.iters} --warmup {args.warmup}`  \n"

@@ -2,6 +2,7 @@
 paper's takeaways coming out of the planner by themselves (nothing here is
 fitted to them: the a100 profile is calibrated on the 1.7B point only)."""
 
+import dataclasses
 import json
 
 import pytest
@@ -10,7 +11,7 @@ from ptdp.cli import main
 from ptdp.config import ModelConfig
 from ptdp.perf.cost import compute_lower_bound
 from ptdp.perf.layout import Layout, Workload
-from ptdp.perf.plan import EXACT_ROWS, candidate_layouts, evaluate_layout, search
+from ptdp.perf.plan import EXACT_ROWS, candidate_layouts, evaluate_layout, model_from_args, search
 from ptdp.perf.profiles import HardwareProfile, load_profile
 
 A100 = load_profile("a100")
@@ -91,7 +92,8 @@ def test_plan_command_json_and_flags(capsys, tmp_path):
 
     assert main(argv + ["--print-flags", "--top", "2"]) == 0
     out = capsys.readouterr().out
-    assert "best:" in out and "ptdp train --tensor-model-parallel-size" in out
+    assert "best:" in out and "ptdp train --num-layers 8 --hidden-size 1024" in out
+    assert "--bf16 --tensor-model-parallel-size" in out
 
     assert main(argv + ["-t", "2", "-p", "2", "--micro-batch-size", "2"]) == 0
     out = capsys.readouterr().out
@@ -160,3 +162,55 @@ def test_the_lower_bound_is_the_makespan_when_only_compute_costs():
         bound = compute_lower_bound(workload, layout, free)
         assert bound <= predicted.iteration_seconds * (1 + 1e-12)
         assert bound == pytest.approx(predicted.iteration_seconds, rel=0.02), layout
+
+
+def test_print_flags_is_a_whole_train_command_for_the_planned_model(capsys):
+    """`--print-flags` prints a `ptdp train` command that, parsed by `ptdp
+    train`'s own parser, configures the model the plan priced (shape,
+    sequence, vocabulary, the Llama options), its precision and layout."""
+    import shlex
+
+    from ptdp.cli import build_parser, config_from_settings, settings_from_args
+
+    shape = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16",
+             "--seq-length", "1024", "--vocab-size", "32000", "--ffn-hidden-size", "2816",
+             "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
+             "--group-query-attention", "--num-query-groups", "4",
+             "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+    layout = ["-t", "2", "-p", "2", "--micro-batch-size", "2", "--recompute-granularity", "full",
+              "--sequence-parallel"]
+    assert main(["plan", *shape, "--gpus", "8", "--global-batch-size", "32", "--precision",
+                 "fp16", *layout, "--print-flags"]) == 0
+    out = capsys.readouterr().out
+    assert "assuming: sequence length 1024, vocabulary 32000" in out and "fp16" in out
+    command = shlex.split(out.strip().splitlines()[-1])
+    assert command[:2] == ["ptdp", "train"]
+    config = config_from_settings(settings_from_args(build_parser().parse_args(command[1:])))
+    planned = model_from_args(build_parser().parse_args(["plan", *shape, "--gpus", "8",
+                                                         "--global-batch-size", "32"]))
+    for field in dataclasses.fields(ModelConfig):
+        if not field.name.startswith("recompute"):
+            assert getattr(config.model, field.name) == getattr(planned, field.name), field.name
+    assert config.model.recompute_granularity == "full"
+    assert config.train.fp16 and not config.train.bf16
+    assert config.train.global_batch_size == 32 and config.train.micro_batch_size == 2
+    parallel = config.parallel
+    assert (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+            parallel.data_parallel_size) == (2, 2, 2)
+    assert parallel.sequence_parallel
+
+
+def test_plan_shows_its_assumptions_and_progress(capsys):
+    argv = ["plan", "--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16",
+            "--gpus", "8", "--global-batch-size", "32"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert ("assuming: sequence length 2048, vocabulary 51200 (padded to a multiple of 128·t), "
+            "bf16, global batch 32, 8 devices of profile a100") in captured.out
+    # Not a terminal here: one line as the search starts and one as it ends.
+    assert "ptdp plan: searching" in captured.err and "ptdp plan: priced" in captured.err
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    help_text = capsys.readouterr().out
+    assert "sequence length the plan assumes (default: 2048)" in help_text
+    assert "(default: 51200)" in help_text and "(default: bf16" in help_text

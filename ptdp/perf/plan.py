@@ -201,7 +201,7 @@ def _kernels(profile) -> str:
 
 
 def search(workload: Workload, devices: int, profile, *, top: int | None = None,
-           exhaustive: bool = False, **restrictions) -> list[Evaluation]:
+           exhaustive: bool = False, progress=None, **restrictions) -> list[Evaluation]:
     """Layouts that fit, best predicted throughput first (`restrictions`:
     see candidate_layouts).
 
@@ -217,11 +217,18 @@ def search(workload: Workload, devices: int, profile, *, top: int | None = None,
     for each respect `explain` compares
     (t, p, b, v, schedule, ...), the best layout that differs from the
     winner in it alone is found the same way among its few candidates and
-    added to the results."""
+    added to the results. `progress(stage, done, total)`, if given, hears
+    how far it is ("bounding", "pricing", then "done" with the layouts
+    priced)."""
     from ptdp.perf.cost import compute_lower_bound
 
+    report = progress or (lambda stage, done, total: None)
     candidates = list(candidate_layouts(workload, devices, **restrictions))
-    bounds = {layout: compute_lower_bound(workload, layout, profile) for layout in candidates}
+    bounds = {}
+    for i, layout in enumerate(candidates):
+        if i % 500 == 0:
+            report("bounding", i, len(candidates))
+        bounds[layout] = compute_lower_bound(workload, layout, profile)
     if exhaustive:
         results = [e for e in (_evaluate_if_fits(workload, layout, profile)
                                for layout in candidates) if e is not None]
@@ -240,6 +247,7 @@ def search(workload: Workload, devices: int, profile, *, top: int | None = None,
                               for f in ASPECTS if f not in free)]
             _best_by_bound(rivals, bounds, 1, workload, profile, priced)
         results = [e for e in priced.values() if e is not None]
+    report("done", len(priced), len(candidates))
     results.sort(key=lambda e: (e.seconds, e.memory["total"]))
     return results[:top] if top else results
 
@@ -412,6 +420,42 @@ def plot(results: list[Evaluation], path: str, rows: int = EXACT_ROWS) -> None:
 
 # ------------------------------------------------------------------ command line
 
+PLAN_SEQ_LENGTH = 2048     # the paper's
+PLAN_VOCAB_SIZE = 51200    # the paper's
+PRECISION_FLAGS = {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp32": []}
+
+
+def train_command(model: ModelConfig, layout: Layout, global_batch: int, precision: str) -> str:
+    """The whole `ptdp train` command for `layout`: the model's shape and
+    every setting that differs from `ptdp train`'s default, the precision,
+    the layout, the batch and the recomputation. Pasting it (with data
+    flags, or --mock-data) trains the model the plan priced."""
+    defaults = ModelConfig()
+    flags = ["--num-layers", str(model.num_layers), "--hidden-size", str(model.hidden_size),
+             "--num-attention-heads", str(model.num_attention_heads),
+             "--seq-length", str(model.seq_length), "--vocab-size", str(model.vocab_size)]
+    if model.ffn_hidden_size is not None:
+        flags += ["--ffn-hidden-size", str(model.ffn_hidden_size)]
+    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    for name in MODEL_SETTINGS:
+        value = getattr(model, name)
+        if value == getattr(defaults, name):
+            continue
+        flag = fields[name].metadata["flag"]
+        flags += [flag] if isinstance(value, bool) else [flag, f"{value:g}" if isinstance(
+            value, float) else str(value)]
+    flags += PRECISION_FLAGS[precision] + layout.train_flags(model, global_batch)
+    return "ptdp train " + " ".join(flags)
+
+
+def assumptions(workload: Workload, devices: int, profile) -> str:
+    """What the plan takes as given besides the model's shape, in one line."""
+    model = workload.model
+    return (f"assuming: sequence length {model.seq_length}, vocabulary {model.vocab_size} "
+            f"(padded to a multiple of {model.make_vocab_size_divisible_by}·t), "
+            f"{workload.precision}, global batch {workload.global_batch}, {devices} devices "
+            f"of profile {profile.name}")
+
 # The ModelConfig settings `plan` takes besides the shape, with `ptdp train`'s
 # flags, defaults and help (from the dataclass): what decides the model's
 # parameters, FLOPs and memory (the Llama family's options among them). The
@@ -450,17 +494,25 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
                     "evaluate one given by layout flags, and predict iteration time, TFLOP/s per "
                     "device and memory.")
     model = parser.add_argument_group("model")
-    for flag, default in (("--num-layers", None), ("--hidden-size", None),
-                          ("--num-attention-heads", None), ("--seq-length", 2048),
-                          ("--vocab-size", 51200), ("--ffn-hidden-size", None)):
+    for flag, default, words in (
+            ("--num-layers", None, None), ("--hidden-size", None, None),
+            ("--num-attention-heads", None, None),
+            ("--seq-length", PLAN_SEQ_LENGTH, "sequence length the plan assumes"),
+            ("--vocab-size", PLAN_VOCAB_SIZE, "vocabulary the plan assumes (GPT-2's 50257 pads "
+                                              "to 50304; the paper's runs used 51200)"),
+            ("--ffn-hidden-size", None, "MLP width (default 4·h)")):
         model.add_argument(flag, type=int, default=default, required=default is None
-                           and flag != "--ffn-hidden-size", metavar="N")
+                           and flag != "--ffn-hidden-size", metavar="N",
+                           help=None if words is None else words + (
+                               f" (default: {default})" if default else ""))
     _add_model_settings(model)
     parser.add_argument("--gpus", type=int, required=True, metavar="N", help="devices in all")
     parser.add_argument("--gpu", default="a100", help="a100, h100, h200, local (the profile "
                         "`ptdp calibrate` wrote) or a profile JSON path (default: a100)")
     parser.add_argument("--global-batch-size", type=int, required=True, metavar="B")
-    parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
+    parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16",
+                        help="the precision the plan assumes (default: bf16; `ptdp train "
+                             "--bf16`, `--fp16`, or neither for fp32)")
     layout = parser.add_argument_group("one layout (evaluate instead of searching)")
     layout.add_argument("--tensor-model-parallel-size", "-t", type=int, metavar="N")
     layout.add_argument("--pipeline-model-parallel-size", "-p", type=int, metavar="N")
@@ -484,7 +536,8 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--plot", metavar="PNG", help="draw throughput across layouts")
     parser.add_argument("--print-flags", action="store_true",
-                        help="print the winner as `ptdp train` flags")
+                        help="print the winner as a whole `ptdp train` command (model, "
+                             "precision, layout, batch, recomputation)")
 
 
 def _layout_from_args(args: argparse.Namespace, model: ModelConfig, devices: int) -> Layout | None:
@@ -525,6 +578,24 @@ def _layout_from_args(args: argparse.Namespace, model: ModelConfig, devices: int
                   sequence_parallel=args.sequence_parallel, split=split)
 
 
+def _progress_printer():
+    """Reports the search's progress on stderr: a counter redrawn in place on
+    a terminal, a line at the start and the end elsewhere (logs)."""
+    terminal = sys.stderr.isatty()
+
+    def report(stage: str, done: int, total: int) -> None:
+        if terminal:
+            end = "\n" if stage == "done" else ""
+            print(f"\rptdp plan: {stage} {done:,}/{total:,} layouts" + " " * 8, end=end,
+                  file=sys.stderr, flush=True)
+        elif stage == "bounding" and done == 0:
+            print(f"ptdp plan: searching {total:,} layouts", file=sys.stderr, flush=True)
+        elif stage == "done":
+            print(f"ptdp plan: priced {done:,} of {total:,} layouts (the others cannot reach "
+                  f"the top {EXACT_ROWS})", file=sys.stderr, flush=True)
+    return report
+
+
 def model_from_args(args: argparse.Namespace) -> ModelConfig:
     """The ModelConfig `plan`'s flags describe."""
     return ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
@@ -559,7 +630,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
             raise ConfigError(problems)
         results = [evaluate_layout(workload, layout, profile)]
     else:
-        results = search(workload, args.gpus, profile)
+        results = search(workload, args.gpus, profile, progress=_progress_printer())
         if not results:
             raise ConfigError([f"no layout of this model fits {args.gpus} × "
                                f"{profile.memory_bytes / 2**30:.0f} GiB ({profile.name}); add "
@@ -567,10 +638,13 @@ def run_plan_command(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"profile": profile.name, "devices": args.gpus,
                           "global_batch_size": args.global_batch_size,
+                          "seq_length": model.seq_length, "vocab_size": model.vocab_size,
+                          "precision": args.precision,
                           "parameters": parameter_count(model),
                           "results": [e.summary() for e in results[:max(args.top, 1)]]}, indent=1))
     else:
         print(f"model: {parameter_count(model) / 1e9:.3g} B parameters")
+        print(assumptions(workload, args.gpus, profile))
         print(table(results, args.top))
         print()
         if layout is not None:
@@ -584,8 +658,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
         else:
             print("\n".join(explain(results, profile)))
     if args.print_flags:
-        flags = results[0].layout.train_flags(model, args.global_batch_size)
-        print(("" if args.json else "\n") + "ptdp train " + " ".join(flags), file=sys.stdout)
+        command = train_command(model, results[0].layout, args.global_batch_size, args.precision)
+        print(("" if args.json else "\n") + command, file=sys.stdout)
     if args.plot:
         plot(results, args.plot)
         if not args.json:
