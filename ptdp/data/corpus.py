@@ -67,6 +67,7 @@ def demo_data_prefix(tokenizer, tokenizer_key: str, cache_dir: Path, *, build: b
     settings (different tokenizers get different files). Only a builder
     writes; others call this with build=False after it has finished."""
     from ptdp.data.indexed import IndexedDatasetWriter, best_fitting_dtype
+    from ptdp.status import phase
 
     tag = hashlib.sha256(f"{tokenizer_key}|{CORPUS_MANIFEST.read_text()}".encode()).hexdigest()[:12]
     prefix = Path(cache_dir) / "demo" / f"shakespeare-{tag}_text_document"
@@ -78,7 +79,8 @@ def demo_data_prefix(tokenizer, tokenizer_key: str, cache_dir: Path, *, build: b
         raise CorpusError(f"cannot create {prefix.parent} for the tokenized demo corpus ({error}); "
                           "point --data-cache-path (or $PTDP_CACHE) at a writable directory") from None
     dtype = best_fitting_dtype(tokenizer.vocab_size)
-    with IndexedDatasetWriter(prefix, dtype=dtype) as writer:
+    with phase(f"tokenizing the demo corpus with the {tokenizer.name} (once; cached in "
+               f"{prefix.parent})"), IndexedDatasetWriter(prefix, dtype=dtype) as writer:
         for _, text in read_works():
             writer.add_document(np.asarray(tokenizer.encode(text) + [tokenizer.eod], dtype=dtype))
     return str(prefix)

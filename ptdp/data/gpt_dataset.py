@@ -54,6 +54,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ptdp.data.indexed import IndexedDataset, IndexedDatasetError
+from ptdp.status import phase
 
 # Bump when the index algorithm changes: old caches then hash differently.
 INDEX_FORMAT = 1
@@ -382,9 +383,10 @@ def _cached_or_built(cache: _IndexCache, names: Sequence[str], check: Callable[[
             f"has written it before the barrier: the cache directory is not shared by all ranks "
             f"(e.g. a node-local disk); give --data-cache-path a directory on a file system every "
             f"node sees")
-    arrays = build()
-    check(arrays)  # a bug here must not be cached
-    cache.save(arrays)
+    with phase(f"building the dataset index {cache.stem} in {cache.directory}"):
+        arrays = build()
+        check(arrays)  # a bug here must not be cached
+        cache.save(arrays)
     return arrays
 
 

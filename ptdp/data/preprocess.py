@@ -324,9 +324,17 @@ def encode_chunk_to_files(job: EncodeJob) -> tuple[int, list[int]]:
 @contextlib.contextmanager
 def _progress(enabled: bool, total_bytes: int) -> Iterator[Callable[[str, int, int], None]]:
     """Yields advance(stage, documents, bytes): a rich bar per stage on stderr
-    when enabled and stderr is a terminal, else nothing."""
-    if not (enabled and sys.stderr.isatty()):
+    when enabled and stderr is a terminal; when enabled without one (a log),
+    a plain line every few seconds per stage; else nothing."""
+    if not enabled:
         yield lambda stage, documents, nbytes: None
+        return
+    if not sys.stderr.isatty():
+        from ptdp.status import Periodic
+
+        stages = {"check": Periodic("checking the input", total_bytes, "bytes"),
+                  "encode": Periodic("tokenizing", total_bytes, "bytes")}
+        yield lambda stage, documents, nbytes: stages[stage].advance(nbytes)
         return
     from rich.console import Console
     from rich.progress import (BarColumn, Progress, TextColumn, TimeElapsedColumn,
