@@ -399,11 +399,16 @@ def _comm_worker(env, payload) -> None:
 
 
 def measure_gloo(sizes: list[int], repeats: int) -> dict:
+    return _timed_by_two_processes(_comm_worker, sizes, repeats)
+
+
+def _timed_by_two_processes(worker, *settings) -> dict:
+    """Run `worker` on two local processes; the timings its rank 0 writes."""
     from ptdp.launch import launch_local
 
     with tempfile.TemporaryDirectory(prefix="ptdp-calibrate-") as folder:
-        out = Path(folder) / "comm.json"
-        launch_local(2, _comm_worker, (str(out), sizes, repeats))
+        out = Path(folder) / "timings.json"
+        launch_local(2, worker, (str(out), *settings))
         return json.loads(out.read_text())
 
 
@@ -539,12 +544,7 @@ def _nccl_worker(env, payload) -> None:
 
 
 def measure_nccl(sizes: list[int], budget: float) -> dict:
-    from ptdp.launch import launch_local
-
-    with tempfile.TemporaryDirectory(prefix="ptdp-calibrate-") as folder:
-        out = Path(folder) / "nccl.json"
-        launch_local(2, _nccl_worker, (str(out), sizes, budget))
-        return json.loads(out.read_text())
+    return _timed_by_two_processes(_nccl_worker, sizes, budget)
 
 
 def calibrate_gpu(*, quick: bool = False, name: str = "local",
