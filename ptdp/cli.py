@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from ptdp.argparser import CommandParser
+from ptdp.plural import plural
 from ptdp.config import SECTION_TYPES, Config, ConfigError, flag_fields, validate
 from ptdp.data.preprocess import add_preprocess_parser, run_preprocess
 from ptdp.data.tokenizer import TokenizerError, add_tokenizer_parser, run_tokenizer_command
@@ -45,7 +47,10 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
             kwargs["action"] = "store_false" if meta.get("negate") else "store_true"
             kwargs["help"] = meta["help"]
         elif kind is list:
-            kwargs.update(nargs="+", metavar=meta.get("metavar", "VALUE"), help=meta["help"])
+            kwargs.update(nargs=meta.get("nargs", "+"), metavar=meta.get("metavar", "VALUE"),
+                          help=meta["help"])
+            if f.type.startswith("list[int]"):
+                kwargs["type"] = int
         else:
             kwargs["type"] = kind
             kwargs["metavar"] = meta.get("metavar", {int: "N", float: "X", str: "VALUE"}[kind])
@@ -181,7 +186,10 @@ def _file_settings(data: dict[str, Any], path: str) -> dict[str, Any]:
                 pass
         if kind is list and isinstance(value, str):  # "0.7 A 0.3 B" as one string
             value = value.split()
-        if kind is list and isinstance(value, list):
+        if kind is list and isinstance(value, list) and f.type.startswith("list[int]"):
+            value = [int(item) if isinstance(item, str) and item.strip().isdigit() else item
+                     for item in value]  # "16 8 300000" as one string; validate checks the rest
+        elif kind is list and isinstance(value, list):
             value = [str(item) for item in value]  # YAML reads weights as numbers
         optional = "None" in f.type
         ok = (value is None and optional) or (
@@ -222,8 +230,27 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return config_from_settings(settings_from_args(args))
 
 
+def version_text() -> str:
+    """`ptdp --version`: this package's version and torch's, the two a bug report needs."""
+    from importlib import metadata
+
+    from ptdp import __version__
+
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:  # torch from a source build, say
+        import torch
+
+        torch_version = torch.__version__
+    return f"ptdp {__version__}\ntorch {torch_version}"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ptdp", description="PTD-P training of GPT models.")
+    # CommandParser: one-line errors, for every subcommand too (they inherit its class).
+    parser = CommandParser(prog="ptdp", description="PTD-P training of GPT models.",
+                           formatter_class=argparse.RawDescriptionHelpFormatter)  # --version's 2 lines
+    parser.add_argument("--version", action="version", version=version_text(),
+                        help="print the versions of ptdp and torch and exit")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train = commands.add_parser(
         "train", help="train a GPT",
@@ -393,9 +420,15 @@ def run_train(config: Config, explicit: Sequence[str] = ()) -> int:
         return 0
     world = config.parallel.world_size
     try:
-        resolve_kind(config.parallel.device, world)
+        kind = resolve_kind(config.parallel.device, world)
     except RuntimeError as error:
         raise ConfigError([str(error)]) from None
+    # Said before the ranks come up: starting them (importing torch, joining
+    # the process group) takes seconds in which nothing else is printed.
+    parallel = config.parallel
+    print(f"ptdp: starting {plural(world, 'process')} on this machine (t="
+          f"{parallel.tensor_model_parallel_size}, p={parallel.pipeline_model_parallel_size}, "
+          f"d={parallel.dp}) on {kind}" + (", gloo" if kind == "cpu" else ", nccl"), flush=True)
     if world == 1:
         worker(DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1,
                        master_addr=LOOPBACK, master_port=0, source="local"), config)

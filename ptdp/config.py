@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ptdp.plural import plural
 from ptdp.parallel.pipeline.split import LayerSplit, split_problems
 
 
@@ -61,6 +62,9 @@ class ModelConfig:
     recompute_num_layers: int = flag(1, "--recompute-num-layers",
                                      "layers per checkpointed group (uniform) or checkpointed "
                                      "layers per chunk (block)")
+    recompute_activations: bool = flag(
+        False, "--recompute-activations",
+        "Megatron-LM's alias of --recompute-granularity selective")
     # The Llama family's options (Megatron-LM's flags). Their defaults are GPT-2.
     normalization: str = flag("LayerNorm", "--normalization",
                               "normalization layers: LayerNorm, or RMSNorm (no mean, no bias)",
@@ -90,6 +94,12 @@ class ModelConfig:
         "an output layer of its own instead of the word embedding's transpose")
     disable_bias_linear: bool = flag(False, "--disable-bias-linear",
                                      "no biases in the linear layers (normalization biases stay)")
+
+    def __post_init__(self) -> None:
+        # The alias sets what every consumer reads; with --recompute-granularity
+        # full it is a contradiction that validate reports.
+        if self.recompute_activations and self.recompute_granularity is None:
+            self.recompute_granularity = "selective"
 
     @property
     def ffn_size(self) -> int:
@@ -231,15 +241,49 @@ class TrainConfig:
     micro_batch_size: int = flag(2, "--micro-batch-size", "sequences per microbatch b")
     global_batch_size: int | None = flag(
         None, "--global-batch-size", "sequences per iteration B (default b·d: one microbatch)")
-    train_iters: int = flag(20, "--train-iters", "optimizer steps")
+    train_iters: int | None = flag(None, "--train-iters",
+                                   "optimizer steps (default 20, unless --train-samples is given)")
+    train_samples: int | None = flag(
+        None, "--train-samples",
+        "the run's length in samples instead of --train-iters: as many iterations as Megatron-LM "
+        "counts for it (whole global batches; with --rampup-batch-size the ramp's iterations, "
+        "then whole batches of --global-batch-size)")
+    rampup_batch_size: list[int] | None = flag(
+        None, "--rampup-batch-size",
+        "START INCREMENT SAMPLES: the global batch starts at START and grows by INCREMENT, evenly "
+        "over the first SAMPLES samples, to --global-batch-size (needs --train-samples)",
+        metavar=("START", "INCREMENT", "SAMPLES"), nargs=3)
     lr: float = flag(1e-3, "--lr", "peak learning rate")
     min_lr: float = flag(0.0, "--min-lr", "learning rate at the end of the decay")
     lr_warmup_iters: int = flag(0, "--lr-warmup-iters", "iterations of linear warm-up to --lr")
+    lr_warmup_samples: int = flag(0, "--lr-warmup-samples",
+                                  "with --train-samples: samples of linear warm-up to --lr")
+    lr_warmup_fraction: float | None = flag(
+        None, "--lr-warmup-fraction",
+        "warm up over this fraction of the decay length instead of --lr-warmup-iters/-samples")
     lr_decay_iters: int | None = flag(None, "--lr-decay-iters",
                                       "iteration at which the decay reaches --min-lr (default "
                                       "--train-iters)")
-    lr_decay_style: str = flag("linear", "--lr-decay-style", "decay after the warm-up",
-                               choices=("constant", "linear", "cosine"))
+    lr_decay_samples: int | None = flag(
+        None, "--lr-decay-samples",
+        "with --train-samples: samples after which the decay reaches --min-lr (default "
+        "--train-samples)")
+    lr_decay_style: str = flag(
+        "linear", "--lr-decay-style",
+        "decay after the warm-up (Megatron-LM's schedules): constant, linear, cosine, "
+        "inverse-square-root (--lr·sqrt(warm-up/steps), not below --min-lr) or WSD (warm-up, "
+        "stable, then --lr-wsd-decay-iters/-samples of annealing at the end of the decay)",
+        choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"))
+    lr_wsd_decay_style: str = flag(
+        "exponential", "--lr-wsd-decay-style", "with --lr-decay-style WSD: the annealing's shape",
+        choices=("exponential", "linear", "cosine", "minus_sqrt"))
+    lr_wsd_decay_iters: int | None = flag(
+        None, "--lr-wsd-decay-iters",
+        "with --lr-decay-style WSD: iterations of annealing, the last of the decay length")
+    lr_wsd_decay_samples: int | None = flag(
+        None, "--lr-wsd-decay-samples",
+        "with --lr-decay-style WSD and --train-samples: samples of annealing, the last of the "
+        "decay length")
     weight_decay: float = flag(0.01, "--weight-decay", "AdamW weight decay")
     adam_beta1: float = flag(0.9, "--adam-beta1", "AdamW beta1")
     adam_beta2: float = flag(0.999, "--adam-beta2", "AdamW beta2")
@@ -319,7 +363,14 @@ class TrainConfig:
         "fp16: stop with an error, saving nothing, after this many steps in a row skipped for an "
         "inf/nan gradient (the loss scale cannot recover; 0: never stop)")
 
+    def __post_init__(self) -> None:
+        # --train-iters defaults to 20 only when --train-samples does not set
+        # the length: exactly one of the two is given (see validate).
+        if self.train_iters is None and self.train_samples is None:
+            self.train_iters = 20
+
     def batch_size(self, data_parallel_size: int) -> int:
+        """B: --global-batch-size, after any ramp-up (ptdp.train.batches)."""
         return self.global_batch_size or self.micro_batch_size * data_parallel_size
 
     def num_microbatches(self, data_parallel_size: int) -> int:
@@ -447,7 +498,8 @@ def validate(config: Config, world_size: int | None = None) -> None:
                  par.num_layers_per_virtual_pipeline_stage, allow_none=True),
         positive("train", "micro_batch_size", tr.micro_batch_size),
         positive("train", "global_batch_size", tr.global_batch_size, allow_none=True),
-        positive("train", "train_iters", tr.train_iters),
+        positive("train", "train_iters", tr.train_iters, allow_none=True),
+        positive("train", "train_samples", tr.train_samples, allow_none=True),
         positive("train", "log_interval", tr.log_interval),
     ])
     # Every float setting must be a finite number (argparse's float() and
@@ -495,6 +547,11 @@ def validate(config: Config, world_size: int | None = None) -> None:
     if tr.lr_decay_iters is not None and tr.lr_decay_iters <= tr.lr_warmup_iters:
         problems.append(f"--lr-decay-iters {tr.lr_decay_iters} must exceed --lr-warmup-iters "
                         f"{tr.lr_warmup_iters}")
+    problems.extend(_run_length_problems(tr))
+    if m.recompute_activations and m.recompute_granularity not in (None, "selective"):
+        problems.append(f"--recompute-activations is Megatron-LM's alias of --recompute-granularity "
+                        f"selective, so it contradicts --recompute-granularity "
+                        f"{m.recompute_granularity}: give one of them")
     if not isinstance(m.recompute_num_layers, int) or m.recompute_num_layers < 1:
         problems.append(f"--recompute-num-layers={m.recompute_num_layers!r} must be a positive "
                         f"integer")
@@ -525,7 +582,7 @@ def validate(config: Config, world_size: int | None = None) -> None:
     if world_size is not None:
         if world_size % (t * p):
             problems.append(
-                f"the job has {world_size} processes, not a multiple of --tensor-model-parallel-size "
+                f"the job has {plural(world_size, 'process')}, not a multiple of --tensor-model-parallel-size "
                 f"{t} × --pipeline-model-parallel-size {p} = {t * p}: choose t and p with t·p in "
                 f"{_divisors(world_size)}")
             d = par.dp
@@ -533,7 +590,7 @@ def validate(config: Config, world_size: int | None = None) -> None:
             d = world_size // (t * p)
             if par.data_parallel_size is not None and par.data_parallel_size != d:
                 problems.append(
-                    f"the job has {world_size} processes but --tensor-model-parallel-size {t} × "
+                    f"the job has {plural(world_size, 'process')} but --tensor-model-parallel-size {t} × "
                     f"--pipeline-model-parallel-size {p} × --data-parallel-size "
                     f"{par.data_parallel_size} = {t * p * par.data_parallel_size}: use "
                     f"--data-parallel-size {d} or leave it out")
@@ -658,6 +715,13 @@ def validate(config: Config, world_size: int | None = None) -> None:
             + (" or --pipeline-schedule 1f1b" if schedule == "zb-h1" else
                " or --pipeline-schedule zb-h1 (needs p)" if B // (b * d) >= p else ""))
 
+    if tr.rampup_batch_size is not None and tr.train_samples is not None:  # (else: refused above)
+        problems.extend(_rampup_problems(tr.rampup_batch_size, B, b, d, group, fewest, schedule, p))
+    if tr.train_samples is not None and tr.rampup_batch_size is None and tr.train_samples < B:
+        problems.append(f"--train-samples {tr.train_samples} is less than one global batch "
+                        f"(--global-batch-size {B}), so no iteration would run: use --train-samples "
+                        f"{B} or more")
+
     def micro_ok(micro: int) -> bool:
         return B % (micro * d) == 0 and (B // (micro * d)) % group == 0
 
@@ -699,6 +763,125 @@ def _zbv_layer_problems(l: int, p: int, k: int | None) -> list[str]:
                 f"--num-layers-per-virtual-pipeline-stage {k} disagrees: drop it or use "
                 f"{l // (2 * p)}"]
     return []
+
+
+def _is_count(value: Any, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _run_length_problems(tr: TrainConfig) -> list[str]:
+    """The run's length (--train-iters or --train-samples) and the settings
+    that must count in its unit, as Megatron-LM mixes them: iteration-based
+    runs take only --lr-*-iters, sample-based ones only --lr-*-samples and
+    may ramp the batch size; --lr-warmup-fraction replaces either warm-up."""
+    problems = []
+    for name, least in (("lr_warmup_samples", 0), ("lr_decay_samples", 1),
+                        ("lr_wsd_decay_iters", 0), ("lr_wsd_decay_samples", 0)):
+        value = getattr(tr, name)
+        if value is not None and not _is_count(value, least):
+            problems.append(f"{flag_of('train', name)}={value!r} must be an integer >= {least}")
+    fraction = tr.lr_warmup_fraction
+    if _is_finite_number(fraction) and not 0.0 <= fraction < 1.0:
+        problems.append(f"--lr-warmup-fraction={fraction} must be in [0, 1) (a fraction of the "
+                        f"decay length, which the warm-up must not reach)")
+    samples = tr.train_samples is not None
+    if samples and tr.train_iters is not None:
+        return problems + ["--train-iters and --train-samples both set the run's length: give one "
+                           "of them"]
+    if not samples and tr.train_iters is None:
+        return problems + ["give the run's length: --train-iters N or --train-samples N"]
+    unit, other = ("samples", "iters") if samples else ("iters", "samples")
+    length = "--train-samples" if samples else "--train-iters"
+    for name in ("lr_decay_" + other, "lr_warmup_" + other, "lr_wsd_decay_" + other):
+        value = getattr(tr, name)
+        unset = 0 if name.startswith("lr_warmup") else None  # the default: not given
+        if value is not None and value != unset:
+            mine = flag_of("train", name.replace(other, unit))
+            problems.append(f"{flag_of('train', name)} counts {other.replace('iters', 'iterations')}, "
+                            f"but the run's length is given in {unit.replace('iters', 'iterations')} "
+                            f"({length}): use {mine}, or give the length as "
+                            f"{'--train-iters' if samples else '--train-samples'}")
+    if not samples and tr.rampup_batch_size is not None:
+        problems.append("--rampup-batch-size needs the run's length in samples (Megatron-LM ramps "
+                        "only sample-based runs; the iterations depend on the ramp): give "
+                        "--train-samples instead of --train-iters")
+    warmup_name = "lr_warmup_" + unit
+    if fraction is not None and getattr(tr, warmup_name) not in (0, None):
+        problems.append(f"--lr-warmup-fraction and {flag_of('train', warmup_name)} both set the "
+                        f"warm-up: give one of them")
+    if samples and _is_count(tr.train_samples, 1) and _is_count(tr.lr_warmup_samples, 0) \
+            and (tr.lr_decay_samples is None or _is_count(tr.lr_decay_samples, 1)):
+        decay = tr.lr_decay_samples or tr.train_samples
+        if decay <= tr.lr_warmup_samples:
+            problems.append(f"--lr-warmup-samples {tr.lr_warmup_samples} must be less than the "
+                            f"decay length, {decay} (--lr-decay-samples, default --train-samples)")
+    # WSD: its annealing length, in the run's unit, and only with WSD.
+    wsd_name = "lr_wsd_decay_" + unit
+    wsd = getattr(tr, wsd_name)
+    if tr.lr_decay_style == "WSD" and wsd is None:
+        problems.append(f"--lr-decay-style WSD needs {flag_of('train', wsd_name)} N: the length of "
+                        f"the annealing at the end of the decay")
+    elif tr.lr_decay_style != "WSD" and wsd is not None:  # (the other unit's: reported above)
+        problems.append(f"{flag_of('train', wsd_name)} only applies to --lr-decay-style WSD: add "
+                        f"--lr-decay-style WSD or drop {flag_of('train', wsd_name)}")
+    elif tr.lr_decay_style == "WSD" and _is_count(wsd, 0):
+        decay = (tr.lr_decay_samples or tr.train_samples) if samples else \
+            (tr.lr_decay_iters or tr.train_iters)
+        if _is_count(decay, 1) and wsd > decay:
+            decay_flags = ("--lr-decay-samples, default --train-samples" if samples
+                           else "--lr-decay-iters, default --train-iters")
+            problems.append(f"{flag_of('train', wsd_name)} {wsd} exceeds the decay length {decay} "
+                            f"({decay_flags}), whose last part the annealing is: use at most "
+                            f"{decay}")
+    return problems
+
+
+def _rampup_problems(ramp: Any, B: int, b: int, d: int, group: int, fewest: int, schedule: str,
+                     p: int) -> list[str]:
+    """--rampup-batch-size START INCREMENT SAMPLES against the batch settings:
+    every global batch of the ramp whole microbatches on every data-parallel
+    rank (Megatron-LM's rule), arriving at B exactly; and the pipeline
+    schedule's own needs from the smallest batch on."""
+    if not (isinstance(ramp, (list, tuple)) and len(ramp) == 3 and all(_is_count(x, 1) for x in ramp)):
+        shown = " ".join(map(str, ramp)) if isinstance(ramp, (list, tuple)) else repr(ramp)
+        return [f"--rampup-batch-size {shown} must be three positive integers: START INCREMENT "
+                f"SAMPLES (e.g. 16 8 300000)"]
+    start, increment, _ = ramp
+    unit = b * d
+    if start >= B:
+        return [f"--rampup-batch-size starts at {start}, not below --global-batch-size {B}, so "
+                f"there is nothing to ramp: use a START below {B} or drop --rampup-batch-size"]
+    problems = []
+    for name, value in (("START", start), ("INCREMENT", increment)):
+        if value % unit:
+            problems.append(
+                f"--rampup-batch-size {name} {value} is not divisible by --micro-batch-size {b} × "
+                f"data-parallel size {d} = {unit} (every global batch of the ramp must be whole "
+                f"microbatches on every data-parallel rank): use {_nearest_multiple(value, unit)}")
+    if (B - start) % increment:
+        options = [x for x in _divisors(B - start) if x % unit == 0][:6]
+        problems.append(
+            f"--rampup-batch-size from {start} in steps of {increment} does not arrive at "
+            f"--global-batch-size {B} ({B} - {start} = {B - start} is not a multiple of {increment})"
+            + (f": use INCREMENT in {options}" if options else
+               f": use a START with {B} - START a multiple of {unit}"))
+    if problems:
+        return problems
+    first = start // unit
+    if first < fewest:
+        problems.append(
+            f"--pipeline-schedule {schedule} needs at least {fewest} microbatches per iteration "
+            f"({'p' if schedule == 'zb-h1' else '2p'} with --pipeline-model-parallel-size {p}), but "
+            f"--rampup-batch-size starts at {start} / (--micro-batch-size {b} × d {d}) = {first}: "
+            f"use START {fewest * unit} or more")
+    if group > 1 and (first % group or (increment // unit) % group):
+        problems.append(
+            f"the interleaved schedule needs every iteration's microbatches to be a multiple of "
+            f"--pipeline-model-parallel-size {p}, so --rampup-batch-size START {start} and "
+            f"INCREMENT {increment} must be multiples of {p} × --micro-batch-size {b} × d {d} = "
+            f"{group * unit}: use START {_nearest_multiple(start, group * unit)} and INCREMENT "
+            f"{_nearest_multiple(increment, group * unit)}")
+    return problems
 
 
 def _is_finite_number(value: Any) -> bool:

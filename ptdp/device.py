@@ -11,6 +11,8 @@ import os
 
 import torch
 
+from ptdp.plural import plural
+
 
 def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -24,8 +26,9 @@ def resolve_kind(requested: str, local_world_size: int) -> str:
     if requested == "cuda":
         if count < local_world_size:
             raise RuntimeError(
-                f"--device cuda needs one GPU per local process: {local_world_size} processes, "
-                f"{count} GPUs visible; use --device cpu or fewer processes")
+                f"--device cuda needs one GPU per local process: "
+                f"{plural(local_world_size, 'process')}, {plural(count, 'GPU')} visible; use "
+                f"--device cpu or fewer processes")
         return "cuda"
     return "cuda" if count >= local_world_size > 0 else "cpu"
 

@@ -14,7 +14,9 @@ The prompt is text (`--prompt`, encoded by the checkpoint's tokenizer: the
 tokenizer.json it carries, else the one its data settings name) or token
 ids (`--prompt-ids`, for any model, and the only way for a NullTokenizer
 model); it is turned into ids and checked before any rank starts. The
-output is text, or ids with `--output-ids`.
+output is the prompt followed by its continuation, as text (without the
+prompt with `--no-echo-prompt`), or with `--output-ids` the ids of the
+generated tokens only (a program that asked for ids knows the prompt's).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class GenerateRequest:
     chunks: int = 1
     device: str = "auto"
     output_ids: bool = False
+    echo_prompt: bool = True
 
 
 class PipelinedModel:
@@ -167,8 +170,9 @@ def check_prompt_ids(tokens: list[int], config: Config, what: str, hint: str) ->
 
 
 def generate_text(request: GenerateRequest, ctx: ParallelContext, device: torch.device) -> str:
-    """The continuation of the request's prompt: text, or with `output_ids`
-    the new token ids, comma-separated. Every rank of the layout calls it."""
+    """The request's prompt and its continuation as text (the continuation
+    alone without `echo_prompt`), or with `output_ids` the new token ids,
+    comma-separated. Every rank of the layout calls it."""
     from ptdp.data.loader import model_tokenizer
     from ptdp.train.checkpoint import load_logical_model
 
@@ -180,7 +184,10 @@ def generate_text(request: GenerateRequest, ctx: ParallelContext, device: torch.
                    eod=tokenizer.eod if tokenizer is not None else None)
     if request.output_ids:
         return ",".join(map(str, new))
-    return tokenizer.decode(new) if tokenizer is not None else " ".join(map(str, new))
+    # Prompt and continuation decoded together: a character whose bytes span
+    # the two (byte-level BPE) comes out whole.
+    shown = request.prompt_ids + new if request.echo_prompt else new
+    return tokenizer.decode(shown) if tokenizer is not None else " ".join(map(str, shown))
 
 
 def _generate_worker(env, request: GenerateRequest) -> None:
@@ -214,7 +221,9 @@ def add_generate_parser(commands: argparse._SubParsersAction) -> None:
                              "--prompt; for any model, also one trained with NullTokenizer")
     parser.add_argument("--output-ids", action="store_true",
                         help="print the generated token ids, comma-separated on one line, "
-                             "instead of text")
+                             "instead of text (without the prompt's)")
+    parser.add_argument("--no-echo-prompt", dest="echo_prompt", action="store_false",
+                        help="print only the continuation, not the prompt before it")
     defaults = SamplingSettings()
     parser.add_argument("--temperature", type=float, default=defaults.temperature,
                         help=f"0: greedy (default: {defaults.temperature})")
@@ -274,7 +283,7 @@ def run_generate_command(args: argparse.Namespace) -> int:
     request = GenerateRequest(args.load, prompt, settings, layout.tensor_model_parallel_size,
                               layout.pipeline_model_parallel_size,
                               layout.virtual_stages(config.model.num_layers), args.device,
-                              output_ids=args.output_ids)
+                              output_ids=args.output_ids, echo_prompt=args.echo_prompt)
     world = layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size
     if world == 1:
         kind = devices.resolve_kind(args.device, 1)

@@ -92,8 +92,15 @@ def init_process_group(env: DistEnv, backend: str, timeout: timedelta) -> None:
     if env.world_size == 1:
         store = dist.HashStore()
     else:
+        # torchrun's agent on the first node already serves a store at
+        # MASTER_ADDR:MASTER_PORT (it says so in TORCHELASTIC_USE_AGENT_STORE):
+        # rank 0 joins it rather than fail to bind the port (which torch
+        # forgives, but logs as an error).
+        agent_store = (env.source == "torchrun"
+                       and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
         store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
-                              is_master=(env.source != "local" and env.rank == 0),
+                              is_master=(env.source != "local" and env.rank == 0
+                                         and not agent_store),
                               timeout=timeout, wait_for_workers=False)
     dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
                             timeout=timeout)

@@ -34,6 +34,25 @@ def _losses(records):
     return [r["loss"] for r in records]
 
 
+def stop_save_resume(config, ctx, save, stop: int, total: int):
+    """`total` iterations straight, and `stop` of them, a save and a new
+    trainer that loads it and runs the rest: (the resumed records, the
+    straight run's records of the same iterations, whether the final
+    weights are bitwise equal, the checkpoint's metadata)."""
+    straight = Trainer(config, ctx, CPU)
+    expected = [straight.step(i)[0] for i in range(total)]
+    first = Trainer(config, ctx, CPU)
+    for i in range(stop):
+        first.step(i)
+    first.save(save, stop)
+    metadata = read_metadata(resolve(save))
+    resumed = Trainer(config, ctx, CPU, start=(metadata["iteration"], metadata["consumed_samples"]))
+    resumed.load(save)
+    got = [resumed.step(i)[0] for i in range(stop, total)]
+    same_weights = torch.equal(resumed.buffer.param_data, straight.buffer.param_data)
+    return got, expected[stop:], same_weights, metadata
+
+
 def _resume_same_layout(rank, save, dtype_flags, sequence_parallel=False):
     """10 iterations straight vs 5, save, a new trainer loads, 5 more: the
     last five losses and the final weights are bitwise the same (dropout on,
@@ -42,19 +61,8 @@ def _resume_same_layout(rank, save, dtype_flags, sequence_parallel=False):
     model = dataclasses.replace(MODEL, hidden_dropout=0.1, attention_dropout=0.1)
     config = _config(2, 2, 2, 1, model=model, sequence_parallel=sequence_parallel, train_iters=10,
                      **dtype_flags)
-    straight = Trainer(config, ctx, CPU)
-    expected = [straight.step(i)[0] for i in range(10)]
-
-    first = Trainer(config, ctx, CPU)
-    for i in range(5):
-        first.step(i)
-    first.save(save, 5)
-    metadata = read_metadata(resolve(save))
-    resumed = Trainer(config, ctx, CPU, start=(metadata["iteration"], metadata["consumed_samples"]))
-    resumed.load(save)
-    got = [resumed.step(i)[0] for i in range(5, 10)]
-    same_weights = torch.equal(resumed.buffer.param_data, straight.buffer.param_data)
-    return _losses(got), _losses(expected[5:]), same_weights, [r["consumed_samples"] for r in got]
+    got, expected, same_weights, _ = stop_save_resume(config, ctx, save, 5, 10)
+    return _losses(got), _losses(expected), same_weights, [r["consumed_samples"] for r in got]
 
 
 @pytest.mark.parametrize("flags", [{}, {"bf16": True, "use_distributed_optimizer": True}],

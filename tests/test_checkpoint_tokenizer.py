@@ -158,7 +158,8 @@ def test_a_chain_of_resumes_keeps_the_tokenizer(tmp_path, corpus, capsys):
     ids = [int(t) for t in capsys.readouterr().out.strip().split(",")]
     assert main(["generate", "--load", str(save), *sampling]) == 0
     text = capsys.readouterr().out
-    assert text == build_tokenizer("HuggingFaceTokenizer", tokenizer_model=tokenizer).decode(ids) + "\n"
+    carried = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=tokenizer)
+    assert text == carried.decode(carried.encode("the cat") + ids) + "\n"  # prompt echoed first
     # Explicit tokenizer flags win, and one that does not fit the model is refused.
     assert main(["train", *flags, "--load", str(save), "--tokenizer-type", "ByteLevelTokenizer",
                  "--train-iters", "5"]) == 2

@@ -87,6 +87,8 @@ def test_every_config_field_has_a_working_flag():
             argv, value = [f.metadata["flag"], "7"], 7
         elif kind == "float":
             argv, value = [f.metadata["flag"], "0.375"], 0.375
+        elif kind == "list[int]":  # --rampup-batch-size START INCREMENT SAMPLES
+            argv, value = [f.metadata["flag"], "16", "8", "300"], [16, 8, 300]
         elif kind.startswith("list["):
             argv, value = [f.metadata["flag"], "0.25", "a", "0.75", "b"], ["0.25", "a", "0.75", "b"]
         else:

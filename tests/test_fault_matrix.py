@@ -130,6 +130,7 @@ def test_a_stopped_rank_is_named_when_the_others_time_out(tmp_path):
                       "--distributed-timeout-minutes", "0.1"])
     ranks = []
     try:
+        assert "ptdp: starting 2 processes" in process.stdout.readline()
         assert "ptdp: 2 processes" in process.stdout.readline()
         assert "iteration" in process.stdout.readline()
         ranks = _spawned_children(process.pid)

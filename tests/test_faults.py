@@ -125,6 +125,7 @@ def test_killed_while_saving_leaves_latest_on_the_complete_checkpoint(tmp_path, 
 def test_ctrl_c_stops_every_rank(tmp_path):
     process = _start("-d", "2", "--train-iters", "100000")
     try:
+        assert "ptdp: starting 2 processes" in process.stdout.readline()
         assert "ptdp: 2 processes" in process.stdout.readline()
         assert "iteration" in process.stdout.readline()
         ranks = _spawned_children(process.pid)

@@ -44,7 +44,9 @@ def _generate(checkpoint, *flags):
                              "--prompt", "5 6 7", "--max-new-tokens", "10", *flags], cwd=ROOT,
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr
-    return result.stdout.split()
+    tokens = result.stdout.split()
+    assert tokens[:3] == ["5", "6", "7"]  # the prompt is echoed before the continuation
+    return tokens[3:]
 
 
 def test_generation_is_the_same_under_every_layout(checkpoint):

@@ -317,8 +317,9 @@ def test_greedy_generation_and_the_tokenizer_travel(tmp_path):
     new = new[:new.index(1)] if 1 in new else new  # ptdp stops before the end-of-text token
     assert len(new) >= 6
     expected = tokenizer.decode(new, skip_special_tokens=False)
-    assert _generate(save, prompt) == expected
-    assert _generate(save, prompt, "-t", "2", "-p", "2") == expected
+    # The prompt is echoed before the continuation (--no-echo-prompt: the continuation alone).
+    assert _generate(save, prompt) == tokenizer.decode(ids + new, skip_special_tokens=False)
+    assert _generate(save, prompt, "-t", "2", "-p", "2", "--no-echo-prompt") == expected
 
     # exported again: the tokenizer goes along, with bos/eos in both configs
     assert main(["convert", "--load", str(save), "--to-hf", str(export)]) == 0

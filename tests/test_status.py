@@ -44,3 +44,24 @@ def test_building_a_dataset_index_is_announced(tmp_path, capsys):
     GPTDataset(IndexedDataset(prefix), str(prefix), range(20), split_name="train",
                num_samples=8, seq_length=16, seed=1, cache_dir=tmp_path / "cache")
     assert "building" not in capsys.readouterr().err
+
+
+def test_the_launcher_and_preprocess_say_what_they_start(tmp_path):
+    import subprocess
+    import sys
+
+    text = tmp_path / "a.txt"
+    text.write_text("To be, or not to be, that is the question.\n")
+    done = subprocess.run([sys.executable, "-m", "ptdp", "preprocess", "--input", str(text),
+                           "--output-prefix", str(tmp_path / "a"), "--workers", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"ptdp: tokenizing {text} with the GPT2BPETokenizer into {tmp_path / 'a'}_*" in done.stdout
+    run = subprocess.run([sys.executable, "-m", "ptdp", "train", "--mock-data", "-p", "2",
+                          "--train-iters", "1", "--num-layers", "2", "--hidden-size", "32",
+                          "--num-attention-heads", "2", "--seq-length", "16", "--vocab-size", "64",
+                          "--micro-batch-size", "1", "--global-batch-size", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("ptdp: starting 2 processes on this machine (t=1, p=2, d=1) "
+                                 "on cpu, gloo"), run.stdout

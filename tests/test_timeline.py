@@ -12,7 +12,7 @@ import pytest
 from ptdp.parallel.pipeline.schedules import Compute, Exchange, build_schedule
 from ptdp.parallel.pipeline.simulate import simulate
 from ptdp.perf.timeline import (Box, add_schedule_parser, boxes_from_simulation, colour,
-                                draw_timeline, figure_size, run_schedule_command)
+                                draw_timeline, run_schedule_command, timeline_figure)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -67,15 +67,15 @@ def test_boxes_with_transfer_cost_add_comm_before_computes():
 def test_draw_1f1b_png_has_forward_and_backward_colours(tmp_path):
     result = simulate(build_schedule("1f1b", 4, 8))
     path = tmp_path / "1f1b.png"
-    draw_timeline(boxes_from_simulation(result), path, v=1, title="1F1B",
-                  bubble_fraction=result.bubble_fraction, dpi=60)
+    drawing = dict(v=1, title="1F1B", bubble_fraction=result.bubble_fraction)
+    draw_timeline(boxes_from_simulation(result), path, **drawing, dpi=60)
     data = path.read_bytes()
     assert data[:8] == PNG_MAGIC and len(data) > 5000
 
     import matplotlib.image
 
     image = matplotlib.image.imread(path)
-    width, height = figure_size(4, float(result.makespan))
+    width, height = timeline_figure(boxes_from_simulation(result), **drawing).get_size_inches()
     assert image.shape[:2] == (round(height * 60), round(width * 60))
     assert image.shape[1] > 2 * image.shape[0]  # time runs to the right: a wide picture
     assert _has_colour(image, colour("F", 0, 1))
@@ -136,7 +136,7 @@ def test_schedule_command_text_summary(capsys):
     assert "makespan 33" in out
     assert "bubble fraction 3/8 = 0.375 (37.5%)" in out
     assert "peak in flight per rank: 4 3 2 1" in out
-    assert "rank 3: F0.0 B0.0 F1.0 B1.0" in out
+    assert "rank 3: F1.0 B1.0 F2.0 B2.0" in out  # microbatches from 1, as the picture numbers them
 
 
 def test_schedule_command_json_interleaved(capsys):

@@ -132,8 +132,11 @@ def test_prompt_ids_and_output_ids_on_one_process(null_checkpoint, capsys):
     assert "\n" not in ids and "," in ids
     tokens = [int(t) for t in ids.split(",")]
     assert 1 <= len(tokens) <= 6 and all(0 <= t < DATA_VOCAB for t in tokens)  # stops at the eod
-    # Text output of a NullTokenizer model is the ids (Megatron-LM's detokenize).
-    assert _generate(capsys, null_checkpoint, *flags) == " ".join(map(str, tokens))
+    # Text output of a NullTokenizer model is the ids (Megatron-LM's detokenize),
+    # the prompt's first; --output-ids gives the generated ones only.
+    assert _generate(capsys, null_checkpoint, *flags) == " ".join(map(str, [5, 17, 99, *tokens]))
+    assert _generate(capsys, null_checkpoint, *flags, "--no-echo-prompt") == \
+        " ".join(map(str, tokens))
     # Spaces around the commas are accepted.
     assert _generate(capsys, null_checkpoint, "--prompt-ids", "5, 17 ,99", *flags[2:],
                      "--output-ids") == ids
@@ -185,5 +188,6 @@ def test_space_separated_ids_in_prompt_still_work_for_mock_data_models(tmp_path,
     capsys.readouterr()
     flags = ["--max-new-tokens", "4", "--temperature", "0"]
     text = _generate(capsys, save, "--prompt", "5 6 7", *flags)
+    assert text.startswith("5 6 7 ")  # the prompt, then its continuation
     assert _generate(capsys, save, "--prompt-ids", "5,6,7", *flags, "--output-ids") == \
-        text.replace(" ", ",")
+        text.removeprefix("5 6 7 ").replace(" ", ",")

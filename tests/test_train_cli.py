@@ -138,6 +138,7 @@ def test_killing_a_rank_ends_the_job_with_its_name(tmp_path):
                                 "--distributed-timeout-minutes", "10"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
+        assert "ptdp: starting 2 processes" in process.stdout.readline()
         assert "ptdp: 2 processes" in process.stdout.readline()
         assert "iteration" in process.stdout.readline()  # training is under way
         ranks = _spawned_children(process.pid)

@@ -36,4 +36,5 @@ def test_the_readme_workflow_works_as_written(tmp_path):
     assert "(t=1, p=2, d=4)" in resume and "iteration    15/15" in resume
     assert sample.strip()  # some text
     assert (tmp_path / "gpt2-shakespeare" / "model.safetensors").is_file()
+    assert (tmp_path / "gpt2-shakespeare" / "tokenizer.json").is_file()  # GPT-2's, for AutoTokenizer
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "iter_0000015"

@@ -165,8 +165,12 @@ def check_datasets(config: Config) -> list[str]:
     data, train = config.data, config.train
     if data.mock_data or not data.data_path:
         return []
-    batch = train.batch_size(config.parallel.data_parallel_size)
-    samples = (train.train_iters * batch, train.eval_iters * batch if train.eval_interval else 0, 0)
+    from ptdp.train.batches import GlobalBatches
+
+    batches = GlobalBatches(train, config.parallel.dp)
+    batch = batches.final
+    samples = (batches.consumed_after(0, batches.train_iters),
+               train.eval_iters * batch if train.eval_interval else 0, 0)
     try:
         _, _, _, wanted = check_gpt_datasets(data.data_path, data.split, samples,
                                              seq_length=config.model.seq_length, warn=False)

@@ -550,6 +550,8 @@ def add_preprocess_parser(subparsers) -> argparse.ArgumentParser:
 def run_preprocess(args: argparse.Namespace) -> int:
     spec = TokenizerSpec(args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model)
     workers = args.workers if args.workers is not None else (os.cpu_count() or 1)
+    print(f"ptdp: tokenizing {' '.join(args.input)} with the {args.tokenizer_type} into "
+          f"{args.output_prefix}_* ({workers} worker{'s' if workers > 1 else ''}) ...", flush=True)
     try:
         result = preprocess(args.input, args.output_prefix, spec, json_keys=args.json_keys,
                             append_eod=args.append_eod, workers=workers)

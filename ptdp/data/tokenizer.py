@@ -350,12 +350,13 @@ def run_tokenizer_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def dump_vocab_and_merges(ranks: dict[bytes, int], eod_id: int, output_dir: Path) -> tuple[Path, Path]:
-    """Write tiktoken-style ranks as vocab.json + merges.txt (GPT-2's file
-    form). Each multi-byte token's merge is recovered by running BPE on its
-    bytes with only lower-ranked tokens allowed, which ends in exactly two
-    parts. Used by the tests to check the two GPT-2 forms agree."""
-    byte_to_char = _bytes_to_unicode()
+def gpt2_vocab_and_merges(ranks: dict[bytes, int], eod_id: int
+                          ) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """tiktoken-style ranks as GPT-2's vocab.json (token text -> id, with
+    <|endoftext|> at `eod_id`) and merges.txt (pairs, in rank order). Each
+    multi-byte token's merge is recovered by running BPE on its bytes with
+    only lower-ranked tokens allowed, which ends in exactly two parts."""
+    byte_to_char = bytes_to_unicode()
 
     def text(token: bytes) -> str:
         return "".join(byte_to_char[b] for b in token)
@@ -369,17 +370,30 @@ def dump_vocab_and_merges(ranks: dict[bytes, int], eod_id: int, output_dir: Path
             pairs = [(ranks.get(parts[i] + parts[i + 1]), i) for i in range(len(parts) - 1)]
             best_rank, i = min((r, i) for r, i in pairs if r is not None and r < rank)
             parts[i:i + 2] = [parts[i] + parts[i + 1]]
-        merges.append(f"{text(parts[0])} {text(parts[1])}")
+        merges.append((text(parts[0]), text(parts[1])))
     vocab = {text(token): rank for token, rank in ranks.items()}
     vocab[GPT2_EOD_TEXT] = eod_id
+    return vocab, merges
+
+
+def vocab_and_merges_text(vocab: dict[str, int], merges: list[tuple[str, str]]) -> tuple[str, str]:
+    """The contents of vocab.json and merges.txt, as GPT-2's files spell them."""
+    return (json.dumps(vocab, ensure_ascii=False),
+            "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+
+
+def dump_vocab_and_merges(ranks: dict[bytes, int], eod_id: int, output_dir: Path) -> tuple[Path, Path]:
+    """Write tiktoken-style ranks as vocab.json + merges.txt (GPT-2's file
+    form). Used by the tests to check the two GPT-2 forms agree."""
+    vocab_text, merges_text = vocab_and_merges_text(*gpt2_vocab_and_merges(ranks, eod_id))
     output_dir.mkdir(parents=True, exist_ok=True)
     vocab_file, merge_file = output_dir / "vocab.json", output_dir / "merges.txt"
-    vocab_file.write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
-    merge_file.write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
+    vocab_file.write_text(vocab_text, encoding="utf-8")
+    merge_file.write_text(merges_text, encoding="utf-8")
     return vocab_file, merge_file
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from bytes to printable characters (the
     vocab.json/merges.txt spelling): printable Latin-1 bytes stand for
     themselves, the rest are shifted past 255."""

@@ -7,7 +7,8 @@ Both directions work on logical tensors, so the checkpoint's training layout
 does not matter; an imported model trains or generates under any layout.
 Import reads the architecture from config.json; export picks it from the
 checkpoint's settings (GPT-2 for the defaults, Llama for RMSNorm + SwiGLU
-+ rotary embeddings). A tokenizer.json travels both ways.
++ rotary embeddings). A tokenizer.json travels both ways; export writes the
+checkpoint's tokenizer in the form AutoTokenizer reads (hf_tokenizer.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 from ptdp.config import Config, ConfigError, DataConfig, TrainConfig
 from ptdp.interop import hf_gpt2, hf_llama
 from ptdp.interop.hf_files import ConversionError, hf_tokenizer_file, read_hf_config
-from ptdp.interop.hf_tokenizer import SpecialTokens, special_tokens
+from ptdp.interop.hf_tokenizer import exported_tokenizer
 
 # Hugging Face class and model_type of each architecture ptdp converts. The
 # bare models (GPT2Model, LlamaModel) are read too: their keys lack the prefix.
@@ -36,7 +37,8 @@ def add_convert_parser(commands: argparse._SubParsersAction) -> None:
         description="Export a checkpoint as a Hugging Face directory (--load CKPT --to-hf DIR): "
                     "GPT2LMHeadModel for a GPT-2 style model, LlamaForCausalLM for a Llama "
                     "style one (RMSNorm, SwiGLU, rotary embeddings). Or import one (--from-hf "
-                    "DIR --save CKPT). A tokenizer.json travels with the model both ways.")
+                    "DIR --save CKPT). The tokenizer travels with the model both ways (GPT-2's "
+                    "for a model trained with GPT2BPETokenizer).")
     parser.add_argument("--load", metavar="CKPT", help="ptdp checkpoint to export")
     parser.add_argument("--to-hf", metavar="DIR", help="new Hugging Face directory to write")
     parser.add_argument("--from-hf", metavar="DIR", help="Hugging Face GPT-2 or Llama directory "
@@ -101,41 +103,20 @@ def _export(load: str, directory: str) -> int:
         config, weights, metadata = load_logical_model(load)
         model = config.model
         architecture = architecture_of_model(model)
-        tokenizer_file, specials = _tokenizer_of_checkpoint(load, config)
+        tokenizer = exported_tokenizer(config, load)
     except (CheckpointError, TokenizerError) as error:
         raise ConfigError([str(error)]) from None
-    tokenizer_config = (specials.tokenizer_config(model.max_positions)
-                        if tokenizer_file is not None else None)
+    specials = tokenizer.specials
     if architecture == "Llama":
         hf_llama.save_hf_directory(directory, weights, model, bos_token_id=specials.bos_id,
-                                   eos_token_id=specials.eos_id, tokenizer_file=tokenizer_file,
-                                   tokenizer_config=tokenizer_config)
+                                   eos_token_id=specials.eos_id, tokenizer_files=tokenizer.files)
     else:
         hf_gpt2.save_hf_directory(directory, weights, model, eod_token_id=specials.eos_id,
-                                  tokenizer_file=tokenizer_file, tokenizer_config=tokenizer_config)
+                                  tokenizer_files=tokenizer.files)
     hf_class = ARCHITECTURES[architecture][1][0]
     print(f"wrote {directory}: {hf_class} ({model.num_layers} layers, hidden "
-          f"{model.hidden_size}) from iteration {metadata['iteration']}"
-          + (", with its tokenizer.json" if tokenizer_file is not None else ""))
+          f"{model.hidden_size}) from iteration {metadata['iteration']}, {tokenizer.note}")
     return 0
-
-
-def _tokenizer_of_checkpoint(load: str, config: Config):
-    """(the tokenizer.json the checkpoint carries or None, its bos/eos).
-    Without a carried file the end-of-document token of the checkpoint's
-    tokenizer settings is both bos and eos; a model of generated data has
-    neither."""
-    from ptdp.train.checkpoint import checkpoint_tokenizer
-
-    carried = checkpoint_tokenizer(load)
-    if carried is not None:
-        return carried, special_tokens(carried)
-    if config.data.mock_data:
-        return None, SpecialTokens()
-    from ptdp.data.loader import model_tokenizer
-
-    eod = model_tokenizer(config, load).eod
-    return None, SpecialTokens(bos_id=eod, eos_id=eod)
 
 
 def _import(directory: str, save: str) -> int:

@@ -2,9 +2,9 @@
 directories, and checking a state dict's names and shapes.
 
 A directory is `config.json` plus the weights as `model.safetensors` or as
-shards listed in `model.safetensors.index.json`; a `tokenizer.json` may sit
-next to them. No pickle: a directory that holds only `pytorch_model*.bin`
-is refused with a way out.
+shards listed in `model.safetensors.index.json`; a `tokenizer.json` (and
+the other files `AutoTokenizer` reads) may sit next to them. No pickle: a
+directory that holds only `pytorch_model*.bin` is refused with a way out.
 """
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
+
+from ptdp.file_modes import give_ordinary_mode
 
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -139,12 +141,12 @@ def _weight_files(directory: Path, example_class: str) -> list[Path]:
 
 def write_hf_directory(directory: str | Path, hf_config: dict[str, Any],
                        state: dict[str, torch.Tensor], *,
-                       tokenizer_file: str | Path | None = None,
-                       tokenizer_config: dict[str, Any] | None = None) -> None:
-    """Write `config.json` and `model.safetensors` (plus `tokenizer.json` and
-    `tokenizer_config.json` when given) into a new directory. Written into a
-    temporary sibling and renamed into place, so a failed export leaves
-    nothing half-written; an existing non-empty directory is refused."""
+                       tokenizer_files: Mapping[str, bytes] | None = None) -> None:
+    """Write `config.json` and `model.safetensors` (plus the tokenizer's
+    files, name -> contents, when given) into a new directory. Written into
+    a temporary sibling and renamed into place, so a failed export leaves
+    nothing half-written; an existing non-empty directory is refused. The
+    files and the directory get the modes the user's umask gives."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
@@ -160,10 +162,12 @@ def write_hf_directory(directory: str | Path, hf_config: dict[str, Any],
         save_file({k: v.detach().contiguous().cpu() for k, v in state.items()},
                   str(partial / WEIGHTS_NAME), metadata={"format": "pt"})
         _write_json(partial / CONFIG_NAME, hf_config)
-        if tokenizer_file is not None:
-            shutil.copyfile(tokenizer_file, partial / TOKENIZER_NAME)
-        if tokenizer_config is not None:
-            _write_json(partial / TOKENIZER_CONFIG_NAME, tokenizer_config)
+        for name, contents in (tokenizer_files or {}).items():
+            if Path(name).name != name or name in (WEIGHTS_NAME, CONFIG_NAME):
+                raise ValueError(f"{name!r} is not a tokenizer file name")
+            (partial / name).write_bytes(contents)
+        # mkdtemp's directory is private (0700) and safetensors' file too (0600).
+        give_ordinary_mode(partial, *partial.iterdir())
         if directory.exists():
             directory.rmdir()  # empty, checked above
         os.rename(partial, directory)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -260,8 +260,7 @@ def from_hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
 
 def save_hf_directory(directory: str | Path, logical: dict[str, torch.Tensor],
                       config: ModelConfig, *, eod_token_id: int | None = None,
-                      tokenizer_file: str | Path | None = None,
-                      tokenizer_config: dict[str, Any] | None = None) -> None:
+                      tokenizer_files: Mapping[str, bytes] | None = None) -> None:
     """Write `config.json` and `model.safetensors` (and the tokenizer files
     when given) that `GPT2LMHeadModel.from_pretrained(directory)` loads.
     The tied `lm_head.weight` is left out, as Hugging Face does. Refuses an
@@ -269,8 +268,7 @@ def save_hf_directory(directory: str | Path, logical: dict[str, torch.Tensor],
     hf_config = hf_config_from_model_config(config, eod_token_id=eod_token_id)
     state = to_hf_state(logical, config)
     del state["lm_head.weight"]
-    write_hf_directory(directory, hf_config, state, tokenizer_file=tokenizer_file,
-                       tokenizer_config=tokenizer_config)
+    write_hf_directory(directory, hf_config, state, tokenizer_files=tokenizer_files)
 
 
 def load_hf_directory(directory: str | Path, **overrides: Any

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from ptdp.plural import plural
+
 
 @dataclass(frozen=True)
 class Coord:
@@ -114,8 +116,8 @@ class ParallelContext:
         if rank is None:
             rank = dist.get_rank()
         if dist.get_world_size() < grid.world_size:
-            raise ValueError(f"the layout needs {grid.world_size} processes, the job has "
-                             f"{dist.get_world_size()}")
+            raise ValueError(f"the layout needs {plural(grid.world_size, 'process')}, the job "
+                             f"has {dist.get_world_size()}")
         groups: dict[str, Any] = {}
         for kind in GROUP_KINDS:
             for ranks in grid.groups_of(kind):

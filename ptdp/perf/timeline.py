@@ -6,14 +6,16 @@ is `(op, microbatch, chunk, start, end)` with op "F" (forward), "B"
 (weight-gradient half, zero-bubble schedules) of one microbatch through one
 model chunk, or "comm" / "wait"
 (drawn as thin grey hatched bars). Microbatches and chunks are 0-based in the
-boxes, as everywhere in ptdp; the picture numbers microbatches from 1 like
-the paper (see `draw_timeline(first_microbatch=...)`).
+boxes, as everywhere in ptdp; the picture, and `ptdp schedule`'s text with
+it, number microbatches from 1 like the paper and the trainer's measured
+timeline (see `draw_timeline(first_microbatch=...)`); chunks stay 0-based
+("chunk 0" in the legend).
 
 `boxes_from_simulation` turns a `SimulationResult` into boxes,
-`draw_timeline` draws boxes to a PNG (rank 0 on top, time to the right;
-forwards blue, backwards green, weight gradients orange, one shade per chunk, dark for chunk 0; idle
-time blank: the bubble). `add_schedule_parser` / `run_schedule_command` are
-the `ptdp schedule` subcommand.
+`draw_timeline` draws boxes to a PNG (pipeline rank 0 on top, time to the
+right; forwards blue, backwards green, weight gradients orange, one shade per
+chunk, dark for chunk 0; idle time, the bubble, pale red). `add_schedule_parser` /
+`run_schedule_command` are the `ptdp schedule` subcommand.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from ptdp.parallel.pipeline.simulate import SimulationResult, compute_costs, sim
 
 
 class Box(NamedTuple):
-    op: str            # "F", "B", "comm" or "wait"
+    op: str            # "F", "B", "W", "comm" or "wait"
     microbatch: int    # 0-based; -1 for comm/wait boxes
     chunk: int         # 0-based; -1 for comm/wait boxes
     start: float
@@ -46,6 +48,9 @@ _SHADES = {"F": ("#1f4fa0", "#a9c9f2"), "B": ("#1c7a34", "#aee4a9"),
            "W": ("#b35806", "#fdc48a")}
 _OTHER_STYLE = {"comm": ("#8c8c8c", "////", "communication"),
                 "wait": ("#cfcfcf", "....", "waiting")}
+# Idle time (no box at all): a pale red, unlike any compute shade or the grey of communication.
+_IDLE_COLOUR = "#f7d4cf"
+_CHAR_WIDTH = 0.65  # a character's width over the font size, DejaVu Sans, with a margin
 
 KIND_TITLES = {"gpipe": "GPipe", "1f1b": "1F1B (PipeDream-Flush)", "interleaved": "Interleaved 1F1B",
                "zb-h1": "ZB-H1 (zero bubble)", "zbv": "ZB-V (zero bubble, V placement)"}
@@ -111,11 +116,34 @@ def format_fraction(x: Fraction | float) -> str:
     return f"{exact}{float(x):.6g} ({float(x) * 100:.4g}%)"
 
 
-def figure_size(p: int, time_span: float) -> tuple[float, float]:
-    """(width, height) in inches of the picture of p ranks over `time_span` units."""
-    width = min(22.0, max(8.0, 3.0 + 0.3 * float(time_span)))
-    height = max(3.0, 1.9 + 0.5 * p)
-    return width, height
+def idle_gaps(row: Sequence[Box], end: float, min_gap: float = 0.0) -> list[tuple[float, float]]:
+    """The stretches of [0, end] that no box of `row` covers (compute, comm or
+    wait): the time a rank does nothing, the bubble. Gaps of `min_gap` or
+    less are left out."""
+    gaps, reached = [], 0.0
+    for box in sorted((Box(*b) for b in row), key=lambda b: b.start):
+        if box.start - reached > min_gap:
+            gaps.append((reached, box.start))
+        reached = max(reached, box.end)
+    if end - reached > min_gap:
+        gaps.append((reached, end))
+    return gaps
+
+
+def typical_box(rows: Sequence[Sequence[Box]]) -> float:
+    """The median length of the compute boxes: the picture's unit of width,
+    whatever the time unit (unit time, ms)."""
+    lengths = sorted(b[4] - b[3] for row in rows for b in row if b[0] in COMPUTE_OPS and b[4] > b[3])
+    return lengths[len(lengths) // 2] if lengths else 1.0
+
+
+def figure_size(p: int, slots: float, legend_rows: int = 2) -> tuple[float, float]:
+    """(width, height) in inches of the picture of p ranks whose time axis is
+    `slots` typical boxes long (`typical_box`), with `legend_rows` rows of
+    legend entries: 0.4 inch per typical box, half an inch per rank."""
+    width = min(24.0, max(8.0, 2.5 + 0.4 * float(slots)))
+    height = 1.6 + 0.5 * p + 0.22 * legend_rows + 0.3
+    return width, max(3.0, height)
 
 
 def draw_timeline(rows: Sequence[Sequence[Box]], path: str | Path, *, v: int, title: str,
@@ -124,15 +152,28 @@ def draw_timeline(rows: Sequence[Sequence[Box]], path: str | Path, *, v: int, ti
     """Draw `rows` (one list of boxes per pipeline rank, rank 0 on top) to `path`.
 
     Box labels are microbatch numbers starting at `first_microbatch` (1 like
-    the paper; 0 for ptdp's own numbering); labels too wide for their box are
-    left out and fonts shrink for narrow boxes. `bubble_fraction`, when given,
-    is added to the title. `xmax` fixes the right end of the time axis, to draw
-    several schedules to the same scale. The format follows the file suffix
-    (PNG, SVG, PDF). Uses matplotlib's Agg canvas directly: no global state.
+    the paper and `ptdp schedule`'s text; 0 for ptdp's internal numbering);
+    labels too wide for their box are left out. Idle time (no box) is
+    shaded and in the legend, apart from communication and waiting.
+    `bubble_fraction`, when given, is added to the title. `xmax` fixes the
+    right end of the time axis, and the width to 0.4 inch per unit of time,
+    to draw several schedules to the same scale. The format follows the file
+    suffix (PNG, SVG, PDF).
     """
+    fig = timeline_figure(rows, v=v, title=title, time_unit=time_unit,
+                          bubble_fraction=bubble_fraction, xmax=xmax,
+                          first_microbatch=first_microbatch)
+    fig.savefig(path, dpi=dpi)
+
+
+def timeline_figure(rows: Sequence[Sequence[Box]], *, v: int, title: str,
+                    time_unit: str = "unit time", bubble_fraction: Fraction | float | None = None,
+                    xmax: float | None = None, first_microbatch: int = 1):
+    """The matplotlib Figure `draw_timeline` saves (see there). Uses the Agg
+    canvas directly: no pyplot, no global state."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
     from matplotlib.collections import PatchCollection
+    from matplotlib.figure import Figure
     from matplotlib.patches import Patch, Rectangle
     from matplotlib.ticker import MaxNLocator
 
@@ -150,97 +191,118 @@ def draw_timeline(rows: Sequence[Sequence[Box]], path: str | Path, *, v: int, ti
             if box[4] < box[3]:
                 raise ValueError(f"rank {rank}: box {tuple(box)} ends before it starts")
 
-    boxes = [Box(*box) for row in rows for box in row]
+    rows = [[Box(*box) for box in row] for row in rows]
+    boxes = [box for row in rows for box in row]
     end = max((b.end for b in boxes), default=1.0)
-    span = float(xmax) if xmax is not None else end
-    span = max(span, end, 1e-9)
-    width, height = figure_size(p, span)
+    span = max(float(xmax) if xmax is not None else end, end, 1e-9)
+    computes = [b for b in boxes if b.op in COMPUTE_OPS]
+    has_w = any(b.op == "W" for b in boxes)
+    names = ((("F", "forward"), ("B", "input gradient (B)"), ("W", "weight gradient (W)")) if has_w
+             else (("F", "forward"), ("B", "backward")))
+    # Gaps narrower than a pixel or so are bookkeeping between measured boxes, not a bubble.
+    gaps = [idle_gaps(row, end, min_gap=span * 1e-4) for row in rows]
+
+    # The legend: one column per chunk (forward above backward), then the other kinds of time.
+    handles, labels = [], []
+    for chunk in range(v):
+        for op, name in names:
+            handles.append(Patch(facecolor=colour(op, chunk, v), edgecolor="black", linewidth=0.6))
+            labels.append(name if v == 1 else f"{name}, chunk {chunk}")
+    others = [op for op in OTHER_OPS if any(b.op == op for b in boxes)]
+    for op in others:
+        edge, hatch, name = _OTHER_STYLE[op]
+        handles.append(Patch(facecolor="white", edgecolor=edge, hatch=hatch, linewidth=0.5))
+        labels.append(name)
+    if any(gaps):
+        handles.append(Patch(facecolor=_IDLE_COLOUR, edgecolor="none"))
+        labels.append("idle (the bubble)")
+    legend_rows = len(names)
+    ncols = v + -(-(len(handles) - v * len(names)) // legend_rows)
+    while len(handles) < ncols * legend_rows:  # blanks keep every column legend_rows high
+        handles.append(Patch(visible=False))
+        labels.append("")
+    entry_width = max(len(label) for label in labels) * _CHAR_WIDTH * 9 / 72 + 0.6  # inches
+    numbering = ("numbered from 1, as in the paper" if first_microbatch == 1
+                 else f"numbered from {first_microbatch}")
+    what = "a forward or backward" + (" half" if has_w else "") + " of one microbatch"
+    what += "" if v == 1 else " through one chunk"
+    legend_title = f"box = {what} (microbatches {numbering})"
+    # With xmax, pictures drawn to one scale get one width per unit of time; else the
+    # width follows the boxes, whatever the time unit (unit time, ms).
+    width, height = figure_size(p, span / (1.0 if xmax is not None else typical_box(rows)),
+                                legend_rows)
+    # The legend must not be cut off.
+    width = max(width, ncols * entry_width + 0.5, len(legend_title) * 0.55 * 9 / 72 + 0.5)
 
     fig = Figure(figsize=(width, height), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
+    fig.legend(handles, labels, loc="outside lower center", ncols=ncols, fontsize=9,
+               title=legend_title, title_fontsize=9, frameon=False)
 
-    # Geometry of the axes, estimated before layout, to size the labels.
-    axes_width_pt = (width - 1.1) * 72
-    axes_height_pt = (height - 1.7) * 72
-    row_height_pt = 0.8 * axes_height_pt / p
-    points_per_unit = axes_width_pt / span
+    ax.set_xlim(0, span)
+    ax.set_ylim(p - 0.5, -0.5)  # rank 0 on top
+    ax.set_yticks(range(p), [f"pipeline rank {r}" for r in range(p)])
+    ax.tick_params(axis="y", length=0, labelsize=10)
+    ax.tick_params(axis="x", labelsize=9)
+    ax.grid(axis="x", color="#e8e8e8", linewidth=0.6)
+    ax.set_axisbelow(True)
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+    ax.set_xlabel(f"time ({time_unit}); dashed line: end of the iteration (pipeline flush)",
+                  fontsize=10)
+    heading = title
+    if bubble_fraction is not None:
+        heading += f" · bubble fraction {format_fraction(bubble_fraction)}"
+    ax.set_title(heading, fontsize=12, wrap=True)
 
-    computes = [b for b in boxes if b.op in COMPUTE_OPS]
+    # Lay the figure out now, to size the box labels by the axes' real extent.
+    axes_width_in = width - 0.4 - 0.09 * len(f"pipeline rank {p - 1}")  # estimate for the ticks
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=max(4, int(axes_width_in * 1.6)),
+                                           steps=[1, 2, 5, 10]))
+    fig.get_layout_engine().execute(fig)
+    fig.set_layout_engine("none")  # keep this layout when saving
+    bbox = ax.get_position()
+    points_per_unit = bbox.width * width * 72 / span
+    row_height_pt = 0.8 * bbox.height * height * 72 / p
+
     digits = max((len(str(b.microbatch + first_microbatch)) for b in computes), default=1)
-    char_width = 0.65  # digit width over font size, DejaVu Sans, with a margin
     narrowest = min((b.end - b.start for b in computes), default=1.0) * points_per_unit
-    fontsize = min(10.0, 0.55 * row_height_pt, max(6.0, (narrowest - 3) / (char_width * digits)))
+    fontsize = min(10.0, 0.55 * row_height_pt, max(6.0, (narrowest - 3) / (_CHAR_WIDTH * digits)))
     # Label all boxes of a width or none: the fit test uses the widest label.
-    label_width_pt = char_width * fontsize * digits + 2
+    label_width_pt = _CHAR_WIDTH * fontsize * digits + 2
 
+    for rank, row_gaps in enumerate(gaps):
+        ax.add_collection(PatchCollection(
+            [Rectangle((start, rank - 0.4), stop - start, 0.8) for start, stop in row_gaps],
+            facecolors=_IDLE_COLOUR, edgecolors="none", zorder=1))
     # One collection per style: thousands of single patches draw slowly.
     rectangles, fills, line_widths = [], [], []
-    others: dict[str, list] = {op: [] for op in OTHER_OPS}
+    thin: dict[str, list] = {op: [] for op in OTHER_OPS}
     for rank, row in enumerate(rows):
-        for box in map(lambda b: Box(*b), row):
+        for box in row:
             if box.op in OTHER_OPS:
-                others[box.op].append(Rectangle((box.start, rank - 0.1), box.end - box.start, 0.2))
+                thin[box.op].append(Rectangle((box.start, rank - 0.1), box.end - box.start, 0.2))
                 continue
             fill = colour(box.op, box.chunk, v)
             box_width_pt = (box.end - box.start) * points_per_unit
             rectangles.append(Rectangle((box.start, rank - 0.4), box.end - box.start, 0.8))
             fills.append(fill)
             line_widths.append(0.6 if box_width_pt >= 6 else 0.25)
-            if label_width_pt <= box_width_pt:
+            if label_width_pt <= box_width_pt and fontsize >= 6:  # smaller is not legible
                 ax.text((box.start + box.end) / 2, rank, str(box.microbatch + first_microbatch),
                         ha="center", va="center", fontsize=fontsize, color=_text_colour(fill),
                         zorder=4)
     ax.add_collection(PatchCollection(rectangles, facecolors=fills, edgecolors="black",
                                       linewidths=line_widths, zorder=3))
-    for op, patches in others.items():
+    for op, patches in thin.items():
         if patches:
             edge, hatch, _ = _OTHER_STYLE[op]
             ax.add_collection(PatchCollection(patches, facecolors="white", edgecolors=edge,
                                               hatch=hatch, linewidths=0.5, zorder=2))
-
     if computes:
         ax.axvline(end, color="#555555", linestyle=(0, (4, 3)), linewidth=0.8, zorder=1)
-    ax.set_xlim(0, span)
-    ax.set_ylim(p - 0.5, -0.5)  # rank 0 on top
-    ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
-    ax.tick_params(axis="y", length=0)
-    ax.xaxis.set_major_locator(MaxNLocator(nbins=max(5, int(axes_width_pt / 72 * 2.2)),
-                                           steps=[1, 2, 5, 10]))
-    ax.grid(axis="x", color="#e8e8e8", linewidth=0.6)
-    ax.set_axisbelow(True)
-    for side in ("top", "right", "left"):
-        ax.spines[side].set_visible(False)
-    ax.set_xlabel(f"time ({time_unit}); dashed line: end of the iteration (pipeline flush)")
-
-    heading = title
-    if bubble_fraction is not None:
-        heading += f" · bubble fraction {format_fraction(bubble_fraction)}"
-    ax.set_title(heading, fontsize=12)
-
-    handles, labels = [], []
-    has_w = any(b.op == "W" for b in boxes)
-    names = ((("F", "forward"), ("B", "input gradient (B)"), ("W", "weight gradient (W)")) if has_w
-             else (("F", "forward"), ("B", "backward")))
-    for chunk in range(v):
-        for op, name in names:
-            handles.append(Patch(facecolor=colour(op, chunk, v), edgecolor="black", linewidth=0.6))
-            labels.append(name if v == 1 else f"{name}, chunk {chunk}")
-    present = [op for op in OTHER_OPS if any(b.op == op for b in boxes)]
-    for op in present:
-        fill, hatch, name = _OTHER_STYLE[op]
-        handles.append(Patch(facecolor="white", edgecolor=fill, hatch=hatch, linewidth=0.5))
-        labels.append(name)
-    numbering = ("numbered from 1, as in the paper" if first_microbatch == 1
-                 else f"numbered from {first_microbatch}")
-    what = "a forward or backward" + (" half" if has_w else "") + " of one microbatch"
-    what += "" if v == 1 else " through one chunk"
-    # v = 1: one row; v > 1: one row per op (forwards, backwards, weight gradients).
-    ncols = len(handles) if v == 1 else v + (len(present) + 1) // 2
-    fig.legend(handles, labels, loc="outside lower center", ncols=ncols, fontsize=9,
-               title=f"box = {what} (microbatches {numbering}); blank = idle (the bubble)",
-               title_fontsize=9, frameon=False)
-    fig.savefig(path, dpi=dpi)
+    return fig
 
 
 # --------------------------------------------------------------------------------------------
@@ -265,13 +327,24 @@ def add_schedule_parser(subparsers) -> argparse.ArgumentParser:
                     "(forward 1, backward 2; a chunk costs 1/v of that). Under zb-h1 and zbv "
                     "the backward is split into B (input gradient) and W (weight gradients), "
                     "by default 1 each.")
-    parser.add_argument("--kind", required=True, choices=KINDS, help="schedule kind")
+    parser.add_argument("--kind", "--pipeline-schedule", dest="kind", required=True, choices=KINDS,
+                        help="schedule kind (--pipeline-schedule as in ptdp train, which also "
+                             "takes 1f1b with --num-layers-per-virtual-pipeline-stage for "
+                             "interleaved)")
     parser.add_argument("-p", "--pipeline-model-parallel-size", dest="p", type=int, required=True,
                         metavar="P", help="pipeline ranks p")
     parser.add_argument("-m", "--num-microbatches", dest="m", type=int, required=True, metavar="M",
                         help="microbatches per iteration m")
+    parser.add_argument("--num-layers-per-virtual-pipeline-stage", dest="layers_per_chunk",
+                        type=int, default=None, metavar="K",
+                        help="layers per model chunk, with --num-layers, as in ptdp train: v = "
+                             "num-layers / (p·K) chunks per rank; with --kind 1f1b it selects "
+                             "interleaved 1F1B")
+    parser.add_argument("--num-layers", dest="num_layers", type=int, default=None, metavar="L",
+                        help="transformer layers, for --num-layers-per-virtual-pipeline-stage")
     parser.add_argument("-v", "--num-model-chunks", dest="v", type=int, default=None, metavar="V",
-                        help="model chunks per rank (default: 2 for interleaved and zbv, else 1)")
+                        help="model chunks per rank directly, instead of the two flags above "
+                             "(default: 2 for interleaved and zbv, else 1)")
     parser.add_argument("--out", metavar="FILE.png",
                         help="draw the timeline to this file (.png; .svg and .pdf also work)")
     parser.add_argument("--forward-cost", type=_cost, default=Fraction(1), metavar="X",
@@ -313,9 +386,50 @@ def _error(message: str) -> int:
     return 2
 
 
+def kind_and_chunks(kind: str, p: int, v: int | None, num_layers: int | None,
+                    layers_per_chunk: int | None) -> tuple[str, int]:
+    """The schedule kind and chunks per rank v that `ptdp schedule`'s flags
+    mean, read as `ptdp train` reads them: --num-layers-per-virtual-pipeline-stage
+    K with --num-layers L gives v = L / (p·K), and turns 1f1b into interleaved
+    1F1B. ValueError, naming the flags, when they cannot work or disagree."""
+    default = 2 if kind in ("interleaved", "zbv") else 1
+    if layers_per_chunk is None:
+        return kind, v if v is not None else default
+    k, flag = layers_per_chunk, "--num-layers-per-virtual-pipeline-stage"
+    if num_layers is None:
+        raise ValueError(f"{flag} {k} needs --num-layers L: ranks hold v = L / (p·{k}) chunks, "
+                         f"as in ptdp train (or give -v/--num-model-chunks V instead)")
+    if kind == "gpipe":
+        raise ValueError(f"--kind gpipe cannot be combined with {flag} (interleaving uses the "
+                         f"interleaved 1F1B schedule): drop one of them")
+    if kind == "zb-h1":
+        raise ValueError(f"--kind zb-h1 has one model chunk per rank, so {flag} {k} does not "
+                         f"apply: drop it, or use --kind zbv (two chunks per rank in a V)")
+    if k < 1 or num_layers < 1 or p < 1:
+        raise ValueError(f"{flag} {k}, --num-layers {num_layers} and -p {p} must be positive")
+    if num_layers % (p * k):
+        raise ValueError(f"--num-layers {num_layers} is not divisible by -p {p} × {flag} {k} = "
+                         f"{p * k}: every rank holds v chunks of {k} layers")
+    chunks = num_layers // (p * k)
+    if v is not None and v != chunks:
+        raise ValueError(f"-v/--num-model-chunks {v} disagrees with --num-layers {num_layers} / "
+                         f"(-p {p} × {flag} {k}) = {chunks} chunks per rank: give one of them")
+    return ("interleaved" if kind == "1f1b" else kind), chunks
+
+
+def compute_label(compute: Compute) -> str:
+    """'F1.0': a compute as the text shows it, its microbatch numbered from 1
+    like the picture's boxes, its chunk from 0 like the picture's legend."""
+    return f"{compute.op}{compute.microbatch + 1}.{compute.chunk}"
+
+
 def run_schedule_command(args: argparse.Namespace) -> int:
-    kind, p, m = args.kind, args.p, args.m
-    v = args.v if args.v is not None else (2 if kind in ("interleaved", "zbv") else 1)
+    p, m = args.p, args.m
+    try:
+        kind, v = kind_and_chunks(args.kind, p, args.v, getattr(args, "num_layers", None),
+                                  getattr(args, "layers_per_chunk", None))
+    except ValueError as error:
+        return _error(str(error))
     out = Path(args.out) if args.out else None
     if out is not None:
         if out.suffix.lower() not in (".png", ".svg", ".pdf"):
@@ -350,7 +464,7 @@ def run_schedule_command(args: argparse.Namespace) -> int:
         return _error(str(error))
 
     paper = paper_bubble_fraction(kind, p, m, v)
-    actions = [[str(c) for c in schedule.computes(rank)] for rank in range(p)]
+    actions = [[str(c) for c in schedule.computes(rank)] for rank in range(p)]  # JSON: 0-based data
     if out is not None:
         title = f"{KIND_TITLES[kind]}: p = {p}, m = {m}" + (f", v = {v}" if v > 1 else "")
         title += f" · makespan {float(result.makespan):g}"
@@ -403,12 +517,14 @@ def run_schedule_command(args: argparse.Namespace) -> int:
         + (" stored from F until W; until B: " + " ".join(map(str, result.peak_before_backward))
            if schedule.zero_bubble else ""),
         ("computes per rank (Fi.c / Bi.c / Wi.c: forward / input gradient / weight gradients of "
-         "microbatch i through chunk c, 0-based):" if schedule.zero_bubble else
-         "computes per rank (Fi.c / Bi.c: forward / backward of microbatch i through chunk c, "
-         "0-based):"),
+         "microbatch i through chunk c; microbatches numbered from 1 as in the picture, chunks "
+         "from 0):" if schedule.zero_bubble else
+         "computes per rank (Fi.c / Bi.c: forward / backward of microbatch i through chunk c; "
+         "microbatches numbered from 1 as in the picture, chunks from 0):"),
     ]
     width = len(f"rank {p - 1}")
-    lines += [f"  {f'rank {rank}':>{width}}: " + " ".join(acts) for rank, acts in enumerate(actions)]
+    lines += [f"  {f'rank {rank}':>{width}}: " + " ".join(map(compute_label, schedule.computes(rank)))
+              for rank in range(p)]
     if out is not None:
         lines.append(f"wrote {out}")
     print("\n".join(lines))

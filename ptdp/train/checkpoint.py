@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from ptdp.config import Config, ModelConfig
+from ptdp.file_modes import give_ordinary_mode
 from ptdp.parallel.collectives import all_gather_flat
 from ptdp.parallel.sharding import COPY_ATTR, SHARD_ATTR, gather_logical, shard
 from ptdp.train.retention import (LATEST, LINEAGE, METADATA, Lineage, fsync_path, on_lineage,
@@ -522,20 +523,7 @@ def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     save_file(tensors, str(path), metadata={"format": FORMAT})
     # safetensors writes through a private (0600) temporary file: give it the
     # mode of a normally created file, so whoever may read SAVE may read it.
-    os.chmod(path, 0o666 & ~_umask())
-
-
-def _umask() -> int:
-    """The process's umask, read without changing it where Linux allows."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+    give_ordinary_mode(path)
 
 
 def _write_json(path: Path, data: Any) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -12,6 +13,8 @@ import torch
 import torch.distributed as dist
 
 from ptdp import device as devices
+from ptdp.plural import plural
+from ptdp.status import phase
 from ptdp.config import Config
 from ptdp.data.loader import TrainingData, build_training_data, collate, split_microbatch
 from ptdp.data.sampler import microbatch_indices
@@ -25,9 +28,11 @@ from ptdp.parallel.pipeline.split import stage_layer_counts
 from ptdp.parallel.sharding import COPY_ATTR, logical_shape
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.perf.flops import configured_flops_per_iteration
+from ptdp.train.batches import ConsumedSamples, GlobalBatches
 from ptdp.train.checkpoint import load_checkpoint, read_metadata, resolve, save_checkpoint
 from ptdp.train.evaluate import evaluate
-from ptdp.train.optimizer import Optimizer, learning_rate
+from ptdp.train.lr_schedule import LRSchedule
+from ptdp.train.optimizer import Optimizer
 from ptdp.train.report import (Progress, TensorBoardLogger, format_log_line, peak_tflops,
                                plot_loss_curve, throughput)
 from ptdp.train.stopping import StopConditions
@@ -83,6 +88,14 @@ class Trainer:
         p, d, b = ctx.pp_size, ctx.dp_size, tr.micro_batch_size
         self.num_chunks = par.virtual_stages(model_cfg.num_layers)
         self.global_batch, self.num_micro = tr.batch_size(d), tr.num_microbatches(d)
+        # Each iteration's own global batch (a ramp-up grows it towards the
+        # final one above, which evaluation uses), the run's length, and the
+        # learning rate by samples: Megatron-LM's.
+        self.batches = GlobalBatches(tr, d)
+        self.train_iters = self.batches.train_iters
+        self.consumed = ConsumedSamples(self.batches, *start)
+        self.lr_schedule = LRSchedule.from_config(tr, self.global_batch)
+        self._schedules: dict[int, Any] = {}  # m -> schedule, for the m of a ramp
         self.dtype = torch.bfloat16 if tr.bf16 else torch.float16 if tr.fp16 else torch.float32
 
         sequence_parallel = par.sequence_parallel and ctx.tp_size > 1
@@ -115,12 +128,24 @@ class Trainer:
             dtype=self.dtype, device=device,
             scatter_gather=par.scatter_gather_tensors_in_pipeline and not sequence_parallel)
         self.data = data if data is not None else build_training_data(
-            config, num_samples=(self.consumed_before(tr.train_iters),
+            config, num_samples=(self.consumed_before(self.train_iters),
                                  tr.eval_iters * self.global_batch if tr.eval_interval else 0, 0),
             is_builder=ctx.rank == 0, reads_tokens=ctx.is_first_stage or self.holds_loss,
             barrier=dist.barrier if dist.is_initialized() else None)
 
-    def place_exchanges(self, stats) -> None:
+    def schedule_for(self, num_micro: int):
+        """The pipeline schedule of an iteration of `num_micro` microbatches:
+        self.schedule for the final batch, one built (once) for each smaller
+        batch of a ramp-up."""
+        if num_micro == self.schedule.m:
+            return self.schedule
+        if num_micro not in self._schedules:
+            s = self.schedule
+            self._schedules[num_micro] = build_schedule(s.kind, s.p, num_micro, s.v,
+                                                        self.measured_costs)
+        return self._schedules[num_micro]
+
+    def place_exchanges(self, stats, num_micro: int | None = None) -> None:
         """Rebuild the zero-bubble schedule with its exchanges placed for the
         F, B and W times `stats` measured per chunk (the slowest tensor and
         data-parallel replica of each pipeline rank; every rank gets the same
@@ -130,7 +155,7 @@ class Trainer:
         ctx, schedule = self.ctx, self.schedule
         table = torch.zeros(ctx.pp_size, self.num_chunks, 3, dtype=torch.float64, device=self.device)
         for (op, chunk), seconds in stats.compute_seconds.items():
-            table[ctx.pp_rank, chunk, "FBW".index(op)] = seconds / self.num_micro
+            table[ctx.pp_rank, chunk, "FBW".index(op)] = seconds / (num_micro or self.num_micro)
         if ctx.world_group is not None:
             dist.all_reduce(table, op=dist.ReduceOp.MAX, group=ctx.world_group)
         measured = table.cpu().tolist()
@@ -138,10 +163,19 @@ class Trainer:
                       for chunk in range(self.num_chunks) for k, op in enumerate("FBW"))
         self.schedule = build_schedule(schedule.kind, schedule.p, schedule.m, schedule.v, costs)
         self.measured_costs = costs
+        self._schedules.clear()  # a ramp's other m: rebuilt for these costs when next used
 
     def consumed_before(self, iteration: int) -> int:
         """Samples consumed before 0-based `iteration` runs."""
-        return self.start_consumed + (iteration - self.start_iteration) * self.global_batch
+        return self.consumed.before(iteration)
+
+    def batch_of(self, iteration: int) -> int:
+        """The global batch of 0-based `iteration` (smaller during a ramp-up)."""
+        return self.batches.size_at(self.consumed_before(iteration))
+
+    def learning_rate(self, iteration: int) -> float:
+        """The rate 0-based `iteration` steps with: the schedule after it."""
+        return self.lr_schedule.lr_after(iteration + 1, self.consumed_before(iteration + 1))
 
     def save(self, directory: str, iteration: int):
         """Checkpoint after `iteration` iterations (every rank calls it); returns its directory."""
@@ -156,11 +190,12 @@ class Trainer:
 
     def microbatch_fn(self, iteration: int):
         tr, ctx = self.config.train, self.ctx
+        global_batch = self.batch_of(iteration)
 
         def microbatch(i: int) -> tuple[torch.Tensor, ...]:
             tokens = collate(self.data.train, microbatch_indices(
                 self.consumed_before(iteration), i, ctx.dp_rank, micro_batch_size=tr.micro_batch_size,
-                global_batch_size=self.global_batch, data_parallel_size=ctx.dp_size),
+                global_batch_size=global_batch, data_parallel_size=ctx.dp_size),
                 self.config.model.vocab_size)
             return tuple(t.to(self.device) for t in split_microbatch(
                 tokens, self.data.eod, self.config.data.eod_mask_loss))
@@ -172,18 +207,21 @@ class Trainer:
         ctx, tr = self.ctx, self.config.train
         start = time.perf_counter()
         self.model.train()
-        self.buffer.start_iteration(self.num_micro)
+        global_batch = self.batch_of(iteration)
+        num_micro = global_batch // self.batches.per_microbatch
+        schedule = self.schedule_for(num_micro)
+        self.buffer.start_iteration(num_micro)
         # Zero-bubble: the run's second iteration (the first warms up) measures
         # what F, B and W take, and the exchanges are placed for that after it.
-        measure = self.schedule.zero_bubble and iteration == self.start_iteration + 1
-        stats = self.executor.run(self.schedule, self.microbatch_fn(iteration),
+        measure = schedule.zero_bubble and iteration == self.start_iteration + 1
+        stats = self.executor.run(schedule, self.microbatch_fn(iteration),
                                   record_timeline=record_timeline,
                                   loss_scale=self.optimizer.scaler.scale,
                                   synchronize=(lambda: devices.synchronize(self.device))
                                   if measure else None)
         devices.synchronize(self.device)
         if measure:
-            self.place_exchanges(stats)
+            self.place_exchanges(stats, num_micro)
         forward_backward_done = time.perf_counter()
 
         self.buffer.finish()
@@ -192,11 +230,11 @@ class Trainer:
             loss_sum = torch.stack(stats.losses).sum().float()
             if ctx.dp_group is not None:
                 dist.all_reduce(loss_sum, group=ctx.dp_group)
-            loss = loss_sum.item() / (self.num_micro * ctx.dp_size)
+            loss = loss_sum.item() / (num_micro * ctx.dp_size)
         devices.synchronize(self.device)
         reduce_done = time.perf_counter()
 
-        lr = learning_rate(iteration + 1, tr)
+        lr = self.learning_rate(iteration)
         result = self.optimizer.step(lr)
         self.skipped_iterations += result.skipped
         devices.synchronize(self.device)
@@ -219,11 +257,13 @@ class Trainer:
             "pipeline_transfer_ms": stats.transfer_seconds * 1e3,
             "grad_reduce_ms": (reduce_done - forward_backward_done) * 1e3,
             "optimizer_ms": (end - reduce_done) * 1e3,
-            "tokens_per_s": self.global_batch * self.config.model.seq_length / elapsed,
+            "tokens_per_s": global_batch * self.config.model.seq_length / elapsed,
             "peak_stored_activations": stats.peak_stored,
             "optimizer_state_bytes": self.optimizer.state_bytes,
         }
-        if self.schedule.zero_bubble:
+        if tr.rampup_batch_size is not None:
+            record["global_batch_size"] = global_batch
+        if schedule.zero_bubble:
             # backward_ms includes W; what W took, and the activations held
             # until W (their inputs stay for the weight gradients).
             record["weight_grad_ms"] = stats.weight_grad_seconds * 1e3
@@ -244,7 +284,10 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
         start = (int(metadata["iteration"]), int(metadata["consumed_samples"]))
     trainer = Trainer(config, ctx, device, start=start)
     if tr.load:
-        trainer.load(tr.load)
+        # Every rank reads its shards; rank 0 says so (a large checkpoint takes a while).
+        with phase(f"loading the checkpoint {resolve(tr.load)}") if ctx.rank == 0 \
+                else contextlib.nullcontext():
+            trainer.load(tr.load)
     is_logger = trainer.holds_loss and ctx.tp_rank == 0 and ctx.dp_rank == 0
     metrics_out: TextIO | None = (open(tr.metrics_file, "w", encoding="utf-8")
                                   if is_logger and tr.metrics_file else None)
@@ -255,22 +298,25 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
         parameters = int(total.item())
     if is_logger:
         schedule = trainer.schedule
-        print(f"ptdp: {ctx.grid.world_size} processes (t={ctx.tp_size}, p={ctx.pp_size}, "
+        print(f"ptdp: {plural(ctx.grid.world_size, 'process')} (t={ctx.tp_size}, p={ctx.pp_size}, "
               f"d={ctx.dp_size}) on {device.type}; {parameters:,} parameters; vocabulary "
               f"{model_cfg.vocab_size} padded to {model_cfg.padded_vocab_size(ctx.tp_size)} (padding "
-              f"is masked out of the loss); {trainer.num_micro} microbatch(es) of "
+              f"is masked out of the loss); {plural(trainer.num_micro, 'microbatch')} of "
               f"{tr.micro_batch_size} per pipeline per iteration; {schedule.kind} schedule"
               + (f" with {schedule.v} chunks per rank" if schedule.v > 1 else "")
-              + _split_note(config, ctx.pp_size, schedule)
+              + _split_note(config, ctx.pp_size, schedule) + _length_note(trainer)
               + f"; data: {trainer.data.description}", flush=True)
 
-    flops = configured_flops_per_iteration(
-        model_cfg, trainer.global_batch, ctx.pp_size * trainer.num_chunks,
-        stage_layer_counts(model_cfg.num_layers, ctx.pp_size, trainer.num_chunks,
-                           trainer.schedule.kind, config.parallel.layer_split))
+    train_iters = trainer.train_iters
+    stage_layers = stage_layer_counts(model_cfg.num_layers, ctx.pp_size, trainer.num_chunks,
+                                      trainer.schedule.kind, config.parallel.layer_split)
+
+    def flops(iteration: int) -> float:  # a ramp-up's smaller batches do less work
+        return configured_flops_per_iteration(model_cfg, trainer.batch_of(iteration),
+                                              ctx.pp_size * trainer.num_chunks, stage_layers)
     peak = peak_tflops(device, trainer.dtype, tr.peak_tflops)
     tensorboard = TensorBoardLogger(tr.tensorboard_dir) if is_logger and tr.tensorboard_dir else None
-    progress = Progress(tr.train_iters, start=trainer.start_iteration,
+    progress = Progress(train_iters, start=trainer.start_iteration,
                         enabled=None if is_logger else False)
     history: list[dict[str, Any]] = []
     stopping = StopConditions(tr, device, uses_loss_scaling=tr.fp16, rank=ctx.rank,
@@ -280,37 +326,40 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
         if is_logger and tr.load:
             print(f"ptdp: resumed from {newest_checkpoint} after iteration {start[0]} "
                   f"({start[1]:,} samples consumed)", flush=True)
-        for iteration in range(trainer.start_iteration, tr.train_iters):
+        for iteration in range(trainer.start_iteration, train_iters):
             done = iteration + 1
             began = time.monotonic()
-            record_timeline = bool(tr.timeline) and done == tr.train_iters
+            record_timeline = bool(tr.timeline) and done == train_iters
             if record_timeline:
                 dist.barrier()  # align the ranks' clocks for the picture
             record, stats = trainer.step(iteration, record_timeline)
             if is_logger and trainer.measured_costs is not None and iteration == trainer.start_iteration + 1:
                 _report_placement(trainer)
-            record.update(throughput(flops, record["iteration_ms"] / 1e3, ctx.grid.world_size, peak))
+            record.update(throughput(flops(iteration), record["iteration_ms"] / 1e3,
+                                     ctx.grid.world_size, peak))
             verdict = stopping.agree(record)  # the same on every rank
             try:
                 stopping.check_divergence(record, verdict, newest_checkpoint)
             except DivergenceError:
-                _report(record, metrics_out, tensorboard, is_logger, tr.train_iters, force=True)
+                _report(record, metrics_out, tensorboard, is_logger, train_iters, force=True)
                 raise
-            exit_reason = stopping.exit_reason(done, verdict) if done < tr.train_iters else None
+            exit_reason = stopping.exit_reason(done, verdict) if done < train_iters else None
             # Every rank evaluates (the pipeline needs them all), decided by
             # the settings alone; not when a signal gives little time left.
-            if tr.eval_interval and (done % tr.eval_interval == 0 or done == tr.train_iters) \
+            if tr.eval_interval and (done % tr.eval_interval == 0 or done == train_iters) \
                     and not verdict.signal:
                 result = evaluate(trainer, trainer.data.valid, tr.eval_iters)
                 record["val_loss"], record["val_perplexity"] = result["loss"], result["perplexity"]
             history.append(record)
             progress.update(done, record["loss"])
-            _report(record, metrics_out, tensorboard, is_logger, tr.train_iters,
+            _report(record, metrics_out, tensorboard, is_logger, train_iters,
                     force=done % tr.log_interval == 0 or exit_reason is not None)
             if record_timeline:
-                _draw_measured_timeline(stats.timeline, ctx, trainer.schedule, tr.timeline, is_logger)
+                schedule = trainer.schedule_for(trainer.batch_of(iteration)
+                                                // trainer.batches.per_microbatch)
+                _draw_measured_timeline(stats.timeline, ctx, schedule, tr.timeline, is_logger)
             stopping.longest_iteration = max(stopping.longest_iteration, time.monotonic() - began)
-            if tr.save and (done == tr.train_iters or exit_reason is not None
+            if tr.save and (done == train_iters or exit_reason is not None
                             or (tr.save_interval and done % tr.save_interval == 0)):
                 saving = time.monotonic()
                 newest_checkpoint = str(trainer.save(tr.save, done))
@@ -321,7 +370,7 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
                 if is_logger:
                     saved = (f"saved {newest_checkpoint}; resume with --load {tr.save}" if tr.save
                              else "no --save given, so nothing was saved")
-                    print(f"ptdp: stopped after iteration {done} of {tr.train_iters}: {exit_reason}; "
+                    print(f"ptdp: stopped after iteration {done} of {train_iters}: {exit_reason}; "
                           f"{saved}", flush=True)
                 break
     finally:
@@ -335,6 +384,21 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
         plot_loss_curve(history, tr.loss_curve)
         print(f"ptdp: drew the loss curve to {tr.loss_curve}", flush=True)
     return history
+
+
+def _length_note(trainer: Trainer) -> str:
+    """The run's length when --train-samples sets it, and a ramp-up's first batch."""
+    tr, note = trainer.config.train, ""
+    if tr.train_samples is not None:
+        iterations = trainer.train_iters
+        note += (f"; --train-samples {tr.train_samples:,} gives {iterations} "
+                 f"iteration{'' if iterations == 1 else 's'}")
+    if tr.rampup_batch_size is not None:
+        first = trainer.batches.size_at(0)
+        note += (f"; global batch ramped up from {first} ({first // trainer.batches.per_microbatch} "
+                 f"microbatch(es)) to {trainer.global_batch} over {tr.rampup_batch_size[2]:,} "
+                 f"samples")
+    return note
 
 
 def _split_note(config: Config, p: int, schedule) -> str:

@@ -27,6 +27,7 @@ from ptdp.config import TrainConfig
 from ptdp.parallel.data import GradBuffer
 from ptdp.parallel.sharding import COPY_ATTR, SHARD_ATTR
 from ptdp.parallel.topology import ParallelContext
+from ptdp.train.lr_schedule import LRSchedule
 
 
 def counts_in_norm(param: torch.nn.Parameter, ctx: ParallelContext) -> bool:
@@ -223,20 +224,9 @@ def _fused_adamw(main: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor,
     return True
 
 
-def learning_rate(iteration: int, config: TrainConfig) -> float:
-    """LR for `iteration` (1-based): linear warm-up to --lr over
-    --lr-warmup-iters, then constant, linear or cosine decay to --min-lr at
-    --lr-decay-iters (default --train-iters), then --min-lr."""
-    peak, floor = config.lr, config.min_lr
-    warmup = config.lr_warmup_iters
-    if iteration <= warmup:
-        return peak * iteration / warmup
-    if config.lr_decay_style == "constant":
-        return peak
-    decay_end = config.lr_decay_iters or config.train_iters
-    if iteration >= decay_end:
-        return floor
-    progress = (iteration - warmup) / (decay_end - warmup)
-    if config.lr_decay_style == "linear":
-        return peak - (peak - floor) * progress
-    return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+def learning_rate(iteration: int, config: TrainConfig, global_batch: int = 1) -> float:
+    """LR of `iteration` (1-based) of an iteration-based run with a constant
+    global batch: Megatron-LM's schedule (ptdp.train.lr_schedule) after
+    iteration·B samples. Training itself asks its Trainer, which also knows
+    sample-based runs and ramp-ups."""
+    return LRSchedule.from_config(config, global_batch).lr(iteration * global_batch)

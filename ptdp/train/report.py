@@ -148,8 +148,10 @@ def format_log_line(record: dict[str, Any], train_iters: int) -> str:
         return "n/a" if value is None else format(value, fmt)
 
     parts = [f"iteration {record['iteration']:>5}/{train_iters}",
-             f"consumed samples {record['consumed_samples']:>7}",
-             f"loss {number('loss', '.4f')}"]
+             f"consumed samples {record['consumed_samples']:>7}"]
+    if record.get("global_batch_size") is not None:  # during and after a ramp-up
+        parts.append(f"global batch size {record['global_batch_size']:>5}")
+    parts.append(f"loss {number('loss', '.4f')}")
     if record.get("val_loss") is not None:
         text = f"val loss {record['val_loss']:.4f}"
         if record.get("val_perplexity") is not None:
@@ -259,6 +261,7 @@ TENSORBOARD_TAGS: dict[str, str] = {
     "val_loss": "valid/loss",
     "val_perplexity": "valid/perplexity",
     "lr": "train/learning_rate",
+    "global_batch_size": "train/batch_size",
     "grad_norm": "train/grad_norm",
     "loss_scale": "train/loss_scale",
     "skipped_iterations": "train/skipped_iterations",
