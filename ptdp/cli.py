@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ptdp.argparser import CommandParser
+from ptdp.megatron_flags import add_accepted_flags, config_notes, given, notes, refusals
 from ptdp.plural import plural
 from ptdp.config import SECTION_TYPES, Config, ConfigError, flag_fields, validate
 from ptdp.data.preprocess import add_preprocess_parser, run_preprocess
@@ -56,7 +57,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
             kwargs["metavar"] = meta.get("metavar", {int: "N", float: "X", str: "VALUE"}[kind])
             if "choices" in meta:
                 kwargs["choices"] = meta["choices"]
-                kwargs["metavar"] = "{" + ",".join(meta["choices"]) + "}"
+                kwargs["metavar"] = "{" + ",".join(map(str, meta["choices"])) + "}"
             kwargs["help"] = meta["help"] + ("" if f.default is None else f" (default: {f.default})")
         groups[section].add_argument(*names, **kwargs)
         if "off_flag" in meta:  # a setting on by default: its flag is accepted, the off flag turns it off
@@ -258,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "starts t·p·d local processes; under torchrun or SLURM it joins their job.")
     train.add_argument("--config", metavar="FILE", help="YAML or TOML file of settings; flags override it")
     _add_config_flags(train)
+    add_accepted_flags(train)
     add_schedule_parser(commands)
     add_tokenizer_parser(commands)
     add_generate_parser(commands)
@@ -394,11 +396,12 @@ def _forwarded_signals(config: Config) -> tuple[int, ...]:
     return tuple(sorted({int(signal_from_name(name)) for name in names}))
 
 
-def run_train(config: Config, explicit: Sequence[str] = ()) -> int:
+def run_train(config: Config, explicit: Sequence[str] = (), accepted: Sequence = ()) -> int:
     """`explicit`: the settings the user gave ("section.field"); a vocabulary
     size not among them is taken from the tokenizer, and without tokenizer
     settings among them, --load's checkpoint's tokenizer (if it carries one)
-    is the run's."""
+    is the run's. `accepted`: the Megatron-LM flags given that ptdp accepts
+    without a setting (ptdp.megatron_flags), with their values."""
     from ptdp.data.loader import check_datasets, resolve_data
     from ptdp.device import resolve_kind
     from ptdp.launch import LOOPBACK, DistEnv, LocalJobFailed, detect_env, launch_local
@@ -408,10 +411,18 @@ def run_train(config: Config, explicit: Sequence[str] = ()) -> int:
     # The tokenizer (the flags', else the one --load's checkpoint carries) and
     # the vocabulary it gives, resolved once here: every rank gets the result.
     config = resolve_data(config, explicit)
-    validate(config, world_size=env.world_size if env is not None else None)
-    problems = check_datasets(config) + _checkpoint_problems(config) + _reporting_problems(config)
+    refused = refusals(list(accepted))
+    try:
+        validate(config, world_size=env.world_size if env is not None else None)
+    except ConfigError as error:  # reported together with the refused flags
+        raise ConfigError(refused + error.problems) from None
+    problems = (refused + check_datasets(config) + _checkpoint_problems(config)
+                + _reporting_problems(config))
     if problems:
         raise ConfigError(problems)
+    if env is None or env.rank == 0:
+        for line in notes(list(accepted)) + config_notes(config):
+            print(line, flush=True)
     _check_output_paths(config)
     if env is None or env.rank == 0:
         _warn_about_free_space(config)
@@ -452,7 +463,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "train":
             settings = settings_from_args(args)
-            return run_train(config_from_settings(settings), explicit=list(settings))
+            return run_train(config_from_settings(settings), explicit=list(settings),
+                             accepted=given(args))
         if args.command == "schedule":
             return run_schedule_command(args)
         if args.command == "tokenizer":

@@ -94,12 +94,43 @@ class ModelConfig:
         "an output layer of its own instead of the word embedding's transpose")
     disable_bias_linear: bool = flag(False, "--disable-bias-linear",
                                      "no biases in the linear layers (normalization biases stay)")
+    apply_layernorm_1p: bool = flag(
+        False, "--apply-layernorm-1p",
+        "zero-centred normalization scales: each norm stores w and scales by 1 + w (w starts at "
+        "0), which keeps the scale's precision in bf16/fp16")
+    kv_channels: int | None = flag(
+        None, "--kv-channels",
+        "width of each attention head (ptdp's heads are --hidden-size / --num-attention-heads "
+        "wide; any other value is refused)")
+    rotary_percent: float = flag(
+        1.0, "--rotary-percent",
+        "with rope: the fraction of each head's width that is rotated (ptdp rotates all of it: "
+        "only 1.0)")
+    attention_backend: str = flag(
+        "auto", "--attention-backend",
+        "Megatron-LM's choice of attention implementation; ptdp's is always PyTorch's "
+        "scaled_dot_product_attention, which picks its kernel itself: any other value than auto "
+        "makes the first rank report the kernel it picks", choices=("auto", "flash", "fused",
+                                                                  "unfused", "local"))
+    use_flash_attn: bool = flag(
+        False, "--use-flash-attn",
+        "older Megatron-LM's switch for flash attention; PyTorch's attention picks flash "
+        "attention itself where it can: the first rank reports the kernel it picks")
+    activations_checkpoint_method: str | None = flag(
+        None, "--activations-checkpoint-method",
+        "older Megatron-LM's name for full recomputation with --recompute-method METHOD",
+        choices=("uniform", "block"))
 
     def __post_init__(self) -> None:
         # The alias sets what every consumer reads; with --recompute-granularity
         # full it is a contradiction that validate reports.
         if self.recompute_activations and self.recompute_granularity is None:
             self.recompute_granularity = "selective"
+        # Older Megatron-LM's --activations-checkpoint-method alone turned full
+        # recomputation on (what the paper's sc21 scripts rely on).
+        if self.activations_checkpoint_method is not None and self.recompute_granularity is None:
+            self.recompute_granularity = "full"
+            self.recompute_method = self.activations_checkpoint_method
 
     @property
     def ffn_size(self) -> int:
@@ -162,6 +193,11 @@ class ParallelConfig:
     num_layers_per_virtual_pipeline_stage: int | None = flag(
         None, "--num-layers-per-virtual-pipeline-stage",
         "layers per model chunk; enables the interleaved 1F1B schedule")
+    num_virtual_stages_per_pipeline_rank: int | None = flag(
+        None, "--num-virtual-stages-per-pipeline-rank",
+        "model chunks v per pipeline rank (Megatron-LM's newer alternative to "
+        "--num-layers-per-virtual-pipeline-stage: L / (p·v) layers per chunk); enables the "
+        "interleaved 1F1B schedule")
     pipeline_schedule: str = flag(
         "1f1b", "--pipeline-schedule",
         "gpipe (all forwards, then all backwards), 1f1b, or a zero-bubble schedule (backward "
@@ -196,6 +232,10 @@ class ParallelConfig:
         True, "--no-scatter-gather-tensors-in-pipeline",
         "send whole boundary tensors between stages instead of 1/t slices all-gathered by the "
         "receiving tensor group", negate=True)
+    context_parallel_size: int = flag(
+        1, "--context-parallel-size",
+        "context parallelism (the sequence split over ranks inside attention): ptdp has none, "
+        "so only 1")
     device: str = flag("auto", "--device", "auto | cpu | cuda (auto: cuda with NCCL when there are "
                        "enough GPUs, else cpu with gloo)", choices=("auto", "cpu", "cuda"))
     distributed_timeout_minutes: float = flag(
@@ -309,8 +349,64 @@ class TrainConfig:
     loss_scale_window: int = flag(1000, "--loss-scale-window",
                                   "fp16: double the scale after this many steps without overflow")
     hysteresis: int = flag(2, "--hysteresis", "fp16: overflows tolerated before the scale halves")
+    decoupled_lr: float | None = flag(
+        None, "--decoupled-lr",
+        "a peak learning rate of their own for the input embedding and the output layer (the "
+        "same warm-up and decay; default --lr)")
+    decoupled_min_lr: float | None = flag(
+        None, "--decoupled-min-lr",
+        "with --decoupled-lr: their rate at the end of the decay (default --min-lr)")
+    calculate_per_token_loss: bool = flag(
+        False, "--calculate-per-token-loss",
+        "average the loss over every counted token of the global batch, not per microbatch "
+        "(they differ when --eod-mask-loss leaves a different number of tokens in each)")
+    grad_reduce_in_bf16: bool = flag(
+        False, "--grad-reduce-in-bf16",
+        "with --bf16: reduce gradients over the data-parallel ranks in bf16 (half the bytes, "
+        "less precise; accumulation stays fp32)")
     seed: int = flag(1234, "--seed", "seed of initialisation, data order and dropout")
     log_interval: int = flag(1, "--log-interval", "print a line every N iterations")
+    log_throughput: bool = flag(
+        False, "--log-throughput",
+        "add the model TFLOP/s per device to each log line (ptdp's log line carries it always)")
+    tensorboard_log_interval: int = flag(
+        1, "--tensorboard-log-interval", "with --tensorboard-dir: write scalars every N iterations")
+    log_validation_ppl_to_tensorboard: bool = flag(
+        False, "--log-validation-ppl-to-tensorboard",
+        "with --tensorboard-dir: also write the validation perplexity")
+    log_timers_to_tensorboard: bool = flag(
+        False, "--log-timers-to-tensorboard",
+        "with --tensorboard-dir: also write each iteration's timers (forward-backward, "
+        "gradient reduction, optimizer step, in seconds)")
+    manual_gc: bool = flag(
+        False, "--manual-gc",
+        "turn Python's automatic garbage collection off and collect at fixed points instead "
+        "(before and after each evaluation, and every --manual-gc-interval iterations), so that "
+        "no rank pauses while the others wait")
+    manual_gc_interval: int = flag(
+        0, "--manual-gc-interval", "with --manual-gc: collect every N iterations (0: never)")
+    manual_gc_eval: bool = flag(
+        True, "--no-manual-gc-eval",
+        "with --manual-gc: do not collect around evaluations", negate=True)
+    empty_unused_memory_level: int = flag(
+        0, "--empty-unused-memory-level",
+        "on CUDA, return cached unused device memory to the driver: 1 after each iteration, 2 also "
+        "after each evaluation (0: never; costs time, helps a fragmented allocator)",
+        choices=(0, 1, 2))
+    profile: bool = flag(
+        False, "--profile",
+        "profile iterations --profile-step-start to --profile-step-end on --profile-ranks: with "
+        "--use-pytorch-profiler a trace per rank under --tensorboard-dir, else (CUDA) a capture "
+        "range for nsys --capture-range=cudaProfilerApi")
+    use_pytorch_profiler: bool = flag(
+        False, "--use-pytorch-profiler", "with --profile: record with torch.profiler")
+    profile_step_start: int = flag(10, "--profile-step-start",
+                                   "with --profile: the first iteration profiled")
+    profile_step_end: int = flag(12, "--profile-step-end",
+                                 "with --profile: the iteration at which profiling stops")
+    profile_ranks: list[int] | None = flag(None, "--profile-ranks",
+                                           "with --profile: the ranks profiled (default 0)",
+                                           metavar="RANK")
     metrics_file: str | None = flag(None, "--metrics-file", "write one JSON line per iteration here",
                                     metavar="PATH")
     timeline: str | None = flag(None, "--timeline",
@@ -322,6 +418,22 @@ class TrainConfig:
     load: str | None = flag(None, "--load",
                             "resume from the checkpoint in this directory (its `latest`, or one "
                             "iter_* directory), under any layout", metavar="DIR")
+    finetune: bool = flag(
+        False, "--finetune",
+        "with --load: take only the weights, and start at iteration 0 with a fresh optimizer, "
+        "learning-rate schedule, data order and random state")
+    load_optim: bool = flag(
+        True, "--no-load-optim",
+        "with --load: do not load the optimizer state (Adam's moments start at zero); the "
+        "iteration, the schedule and the data position still resume", negate=True)
+    load_rng: bool = flag(
+        True, "--no-load-rng",
+        "with --load: do not restore the random-number generators' states (dropout and sampling "
+        "draw from --seed's streams)", negate=True)
+    use_checkpoint_args: bool = flag(
+        False, "--use-checkpoint-args",
+        "with --load: take the model's shape (layers, sizes, heads, vocabulary, architecture "
+        "options) from the checkpoint; a shape flag given too must agree with it")
     keep_last: int | None = flag(None, "--keep-last",
                                   "keep only the newest N checkpoints of this run's lineage (the "
                                   "checkpoints it was resumed from and wrote); others are moved "
@@ -405,6 +517,13 @@ class DataConfig:
         None, "--data-cache-path",
         "directory for dataset indices and the tokenized demo corpus (default: index-cache/ "
         "next to the data; the demo corpus under $PTDP_CACHE or the user cache)", metavar="DIR")
+    num_workers: int = flag(
+        0, "--num-workers",
+        "background processes that read and assemble the training batches ahead of the step "
+        "(0: in the training process; Megatron-LM's default is 2)")
+    mmap_bin_files: bool = flag(
+        True, "--no-mmap-bin-files",
+        "read each --data-path .bin file into memory at start instead of mapping it", negate=True)
     eod_mask_loss: bool = flag(False, "--eod-mask-loss",
                                "leave positions whose input is the end-of-document token out of the loss")
 
@@ -419,6 +538,17 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+
+    def __post_init__(self) -> None:
+        # --num-virtual-stages-per-pipeline-rank v is L/(p·v) layers per chunk,
+        # what every consumer reads; v = 1 is one chunk per rank (no
+        # interleaving). validate reports values that do not divide.
+        v, k = self.parallel.num_virtual_stages_per_pipeline_rank, \
+            self.parallel.num_layers_per_virtual_pipeline_stage
+        layers, p = self.model.num_layers, self.parallel.pipeline_model_parallel_size
+        if k is None and all(_is_count(x, 1) for x in (v, layers, p)) and v > 1 \
+                and layers % (p * v) == 0:
+            self.parallel.num_layers_per_virtual_pipeline_stage = layers // (p * v)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -568,6 +698,11 @@ def validate(config: Config, world_size: int | None = None) -> None:
     if finite(tr.weight_decay) and tr.weight_decay < 0:
         problems.append(f"--weight-decay={tr.weight_decay} must be >= 0 (0 turns weight decay off)")
     problems.extend(_stopping_problems(tr))
+    problems.extend(_megatron_shape_problems(config))
+    problems.extend(_resume_control_problems(tr))
+    problems.extend(_loss_and_rate_problems(config))
+    problems.extend(_logging_problems(tr))
+    problems.extend(_data_loading_problems(config.data))
     if not ok:  # the structural checks below would only repeat these problems
         raise ConfigError(problems)
 
@@ -1012,3 +1147,69 @@ def _exit_signal_problem(name: Any) -> str | None:
         return (f"--exit-signal={name!r} cannot be the exit signal: "
                 f"{_UNUSABLE_EXIT_SIGNALS[canonical]}; {advice}")
     return None
+
+
+def _megatron_shape_problems(config: Config) -> list[str]:
+    """Megatron-LM's flags whose other values ptdp cannot honour, and the
+    chunk count --num-virtual-stages-per-pipeline-rank."""
+    m, par = config.model, config.parallel
+    problems = []
+    if m.kv_channels is not None and (not _is_count(m.kv_channels, 1) or (
+            _is_count(m.num_attention_heads, 1) and m.kv_channels != m.head_dim)):
+        problems.append(
+            f"--kv-channels {m.kv_channels}: ptdp's attention heads are --hidden-size / "
+            f"--num-attention-heads = {m.hidden_size} / {m.num_attention_heads} = {m.head_dim} "
+            f"wide: use --kv-channels {m.head_dim} or leave it out")
+    if _is_finite_number(m.rotary_percent) and m.rotary_percent != 1.0:  # (else: _float_problems)
+        problems.append(f"--rotary-percent {m.rotary_percent}: ptdp rotates the whole of each head "
+                        f"(partial rotary embeddings are not implemented): use 1.0 or leave it out")
+    if par.context_parallel_size != 1:
+        problems.append(
+            f"--context-parallel-size {par.context_parallel_size}: ptdp has no context "
+            f"parallelism; to split long sequences over the tensor-parallel ranks use "
+            f"--sequence-parallel, or add data parallelism: use --context-parallel-size 1")
+    if m.activations_checkpoint_method is not None and (
+            m.recompute_granularity != "full" or m.recompute_method != m.activations_checkpoint_method):
+        problems.append(
+            f"--activations-checkpoint-method {m.activations_checkpoint_method} is older Megatron-LM's "
+            f"name for --recompute-granularity full --recompute-method "
+            f"{m.activations_checkpoint_method}, which --recompute-granularity/--recompute-method "
+            f"contradict: give one of them")
+    v, k = par.num_virtual_stages_per_pipeline_rank, par.num_layers_per_virtual_pipeline_stage
+    layers, p = m.num_layers, par.pipeline_model_parallel_size
+    if v is not None:
+        if not _is_count(v, 1):
+            problems.append(f"--num-virtual-stages-per-pipeline-rank={v!r} must be a positive integer")
+        elif _is_count(layers, 1) and _is_count(p, 1):
+            if layers % (p * v):
+                options = [x for x in _divisors(layers // p) if layers % p == 0]
+                problems.append(
+                    f"--num-virtual-stages-per-pipeline-rank {v}: --num-layers {layers} is not "
+                    f"divisible by --pipeline-model-parallel-size {p} × {v} chunks = {p * v}"
+                    + (f": use a chunk count in {options}" if options else ""))
+            elif k is not None and (v == 1 or k != layers // (p * v)):
+                problems.append(
+                    f"--num-virtual-stages-per-pipeline-rank {v} and "
+                    f"--num-layers-per-virtual-pipeline-stage {k} both set the chunks: give one "
+                    f"of them")
+    return problems
+
+
+def _resume_control_problems(tr: TrainConfig) -> list[str]:
+    """--finetune, --no-load-optim, --no-load-rng, --use-checkpoint-args."""
+    return []
+
+
+def _loss_and_rate_problems(config: Config) -> list[str]:
+    """--calculate-per-token-loss, --decoupled-lr/--decoupled-min-lr, --grad-reduce-in-bf16."""
+    return []
+
+
+def _logging_problems(tr: TrainConfig) -> list[str]:
+    """The logging, TensorBoard, garbage-collection, memory and profiling flags."""
+    return []
+
+
+def _data_loading_problems(data: DataConfig) -> list[str]:
+    """--num-workers, --no-mmap-bin-files."""
+    return []

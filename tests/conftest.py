@@ -30,6 +30,15 @@ def pools():
     registry.close()
 
 
+@pytest.fixture(scope="session")
+def one_process_run(tmp_path_factory):
+    """test_train_cli's model trained by one process: the run every layout of
+    test_train_cli and test_multinode must equal (records, printed losses,
+    stdout)."""
+    from tests.test_train_cli import _ptdp
+    return _ptdp([], tmp_path_factory.mktemp("serial"), "serial")
+
+
 @pytest.fixture
 def no_launch(monkeypatch):
     """`main` as a local launch whose process start fails the test if reached

@@ -82,7 +82,7 @@ def test_every_config_field_has_a_working_flag():
             argv, value = [f.metadata["flag"]], not f.default
         elif "choices" in f.metadata:
             value = [c for c in f.metadata["choices"] if c != f.default][0]
-            argv = [f.metadata["flag"], value]
+            argv = [f.metadata["flag"], str(value)]
         elif kind == "int":
             argv, value = [f.metadata["flag"], "7"], 7
         elif kind == "float":

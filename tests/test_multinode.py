@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_train_cli import COMMON, _assert_same_run, _ptdp
+from tests.test_train_cli import COMMON, _assert_same_run
 
 TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent))
 pytestmark = pytest.mark.skipif(TORCHRUN is None, reason="torchrun is not installed next to this Python")
@@ -49,8 +49,8 @@ def _node(port: int, log: Path, *ptdp_args: str,
             stdout=out, stderr=subprocess.STDOUT, text=True, env=_environment())
 
 
-def test_two_nodes_train_like_one_process(tmp_path):
-    reference = _ptdp([], tmp_path, "serial")
+def test_two_nodes_train_like_one_process(tmp_path, one_process_run):
+    reference = one_process_run
     port, metrics = _free_port(), tmp_path / "two-nodes.jsonl"
     logs = [tmp_path / f"node{n}.log" for n in (0, 1)]
     nodes = [_node(port, log, "train", *COMMON, "-p", "2", "--metrics-file", str(metrics))

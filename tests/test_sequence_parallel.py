@@ -208,8 +208,8 @@ def _run(*args):
 
 def test_train_evaluate_save_and_generate_from_the_command_line(tmp_path):
     """`ptdp train --sequence-parallel` at t = p = 2: the training and
-    validation losses of one process; its checkpoint generates what the
-    one-process checkpoint generates, on one process and at t = 2."""
+    validation losses of one process; its checkpoint generates at t = 2 what
+    the one-process checkpoint generates on one process."""
     outputs = {}
     for name, layout in (("serial", []), ("sp", ["-t", "2", "-p", "2", "--sequence-parallel"])):
         metrics = tmp_path / f"{name}.jsonl"
@@ -224,7 +224,6 @@ def test_train_evaluate_save_and_generate_from_the_command_line(tmp_path):
     assert sum("val_loss" in r for r in outputs["sp"]) == 2
     generate = ["generate", "--prompt", "1 2 3", "--max-new-tokens", "6", "--temperature", "0"]
     expected = _run(*generate, "--load", str(tmp_path / "serial"))
-    assert _run(*generate, "--load", str(tmp_path / "sp")) == expected
     assert _run(*generate, "--load", str(tmp_path / "sp"), "-t", "2") == expected
 
 

@@ -36,9 +36,9 @@ def _ptdp(args, tmp_path: Path, name: str, launcher=None):
     return records, printed, result.stdout
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return _ptdp([], tmp_path_factory.mktemp("serial"), "serial")
+@pytest.fixture
+def reference(one_process_run):
+    return one_process_run
 
 
 def _assert_same_run(run, reference):

@@ -20,6 +20,7 @@ from ptdp.data.loader import TrainingData, build_training_data, collate, split_m
 from ptdp.data.sampler import microbatch_indices
 from ptdp.errors import DivergenceError
 from ptdp.launch import DistEnv, init_process_group
+from ptdp.megatron_flags import attention_kernel, reports_attention_kernel
 from ptdp.model.gpt import build_chunks
 from ptdp.parallel.data import GradBuffer
 from ptdp.parallel.pipeline.executor import PipelineExecutor
@@ -306,6 +307,8 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
               + (f" with {schedule.v} chunks per rank" if schedule.v > 1 else "")
               + _split_note(config, ctx.pp_size, schedule) + _length_note(trainer)
               + f"; data: {trainer.data.description}", flush=True)
+        if reports_attention_kernel(config):  # --use-flash-attn / --attention-backend given
+            print(f"ptdp: attention: {attention_kernel(config, device, trainer.dtype)}", flush=True)
 
     train_iters = trainer.train_iters
     stage_layers = stage_layer_counts(model_cfg.num_layers, ctx.pp_size, trainer.num_chunks,

@@ -1,0 +1,190 @@
+"""Megatron-LM flags that `ptdp train` accepts without a setting of its own.
+
+A Megatron-LM script carries flags that choose between implementations ptdp
+does not have (Transformer Engine or not, fused kernels or not) or that turn
+on what ptdp always does. Refusing them would make every ported script fail
+for nothing, and ignoring them silently would leave the user guessing, so
+each one is accepted and explained in one line before the run starts.
+
+A few cannot be honoured (FP8, Megatron-LM's checkpoint formats, its newer
+batch-size schedule): those are refused before launch with what to use
+instead, together with any other invalid setting.
+
+The flags whose meaning ptdp implements (--decoupled-lr, --manual-gc,
+--attention-backend's report, ...) are ordinary settings in ptdp.config.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+# Namespace attributes of these flags; no "." so they are not config settings.
+_DEST_PREFIX = "megatron_"
+
+
+@dataclass(frozen=True)
+class AcceptedFlag:
+    """A flag accepted for compatibility: `values` is 0 for a switch, 1 for
+    one value; `choices` restricts the value as Megatron-LM does."""
+    name: str
+    values: int
+    explanation: str
+    choices: tuple[str, ...] | None = None
+    refused: bool = False
+
+    @property
+    def dest(self) -> str:
+        return _DEST_PREFIX + self.name.lstrip("-").replace("-", "_")
+
+
+_FP8 = ("FP8 training needs Transformer Engine's FP8 kernels, which ptdp does not use: train "
+        "with --bf16 and drop the --fp8-* flags")
+
+ACCEPTED: tuple[AcceptedFlag, ...] = (
+    AcceptedFlag("--use-mcore-models", 0,
+                 "ptdp has one model implementation, its own; there is nothing to choose"),
+    AcceptedFlag("--transformer-impl", 1,
+                 "ptdp's layers are its own PyTorch modules (it never uses Transformer Engine); "
+                 "either value trains the same model", choices=("local", "transformer_engine")),
+    AcceptedFlag("--overlap-grad-reduce", 0,
+                 "always on in ptdp: each gradient bucket's data-parallel reduction starts as "
+                 "soon as its gradients are final, during the rest of the backward"),
+    AcceptedFlag("--overlap-param-gather", 0,
+                 "with --use-distributed-optimizer ptdp all-gathers the updated weights right "
+                 "after the optimizer step, not overlapped with the next forward; the weights "
+                 "are the same"),
+    AcceptedFlag("--no-masked-softmax-fusion", 0,
+                 "ptdp has no separate masked-softmax kernel: the causal mask and the softmax "
+                 "are inside PyTorch's attention kernel"),
+    AcceptedFlag("--no-gradient-accumulation-fusion", 0,
+                 "ptdp has no fused weight-gradient accumulation kernel to turn off: autograd's "
+                 "gradients are added into the fp32 main gradients"),
+    AcceptedFlag("--accumulate-allreduce-grads-in-fp32", 0,
+                 "always so in ptdp: gradients are accumulated and reduced in fp32 (unless "
+                 "--grad-reduce-in-bf16)"),
+    AcceptedFlag("--attention-softmax-in-fp32", 0,
+                 "PyTorch's attention kernels compute the softmax in fp32 for bf16 and fp16 "
+                 "inputs already"),
+    AcceptedFlag("--use-cpu-initialization", 0,
+                 "ptdp draws each weight whole from a generator seeded by --seed and the "
+                 "weight's name and keeps this rank's shard, so every layout starts from the "
+                 "same weights wherever they are drawn"),
+    AcceptedFlag("--cross-entropy-loss-fusion", 0,
+                 "ptdp has one cross-entropy implementation (vocabulary-parallel, fp32); there "
+                 "is no fused variant to choose"),
+    AcceptedFlag("--DDP-impl", 1,
+                 "ptdp has one data-parallel implementation: bucketed fp32 gradient reductions "
+                 "overlapped with the backward, like Megatron-LM's local DDP",
+                 choices=("local", "torch")),
+    AcceptedFlag("--no-create-attention-mask-in-dataloader", 0,
+                 "ptdp's data loader never builds attention masks: the causal mask is inside "
+                 "the attention kernel"),
+    AcceptedFlag("--tiktoken-pattern", 1,
+                 "read only by Megatron-LM's TikTokenizer, which ptdp does not have; the "
+                 "--tokenizer-type given does not use it"),
+    # Refused: ptdp cannot do what these ask.
+    AcceptedFlag("--fp8-format", 1, _FP8, refused=True),
+    AcceptedFlag("--fp8-recipe", 1, _FP8, refused=True),
+    AcceptedFlag("--fp8-margin", 1, _FP8, refused=True),
+    AcceptedFlag("--fp8-amax-history-len", 1, _FP8, refused=True),
+    AcceptedFlag("--fp8-amax-compute-algo", 1, _FP8, refused=True),
+    AcceptedFlag("--fp8-param-gather", 0, _FP8, refused=True),
+    AcceptedFlag("--ckpt-format", 1,
+                 "ptdp writes and reads its own checkpoint format (safetensors + JSON, loadable "
+                 "under any layout), not Megatron-LM's: drop --ckpt-format", refused=True),
+    AcceptedFlag("--step-batch-size-schedule", 1,
+                 "Megatron-LM's newest batch-size schedule is not implemented: use "
+                 "--rampup-batch-size START INCREMENT SAMPLES with --train-samples", refused=True),
+)
+
+
+def add_accepted_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags above, in a help group of their own."""
+    group = parser.add_argument_group(
+        "Megatron-LM flags accepted for compatibility",
+        "each is explained in one line when given; the refused ones say what to use instead")
+    for accepted in ACCEPTED:
+        kwargs: dict[str, Any] = {"dest": accepted.dest, "default": argparse.SUPPRESS,
+                                  "help": ("refused: " if accepted.refused else "no effect: ")
+                                  + accepted.explanation}
+        if accepted.values == 0:
+            kwargs["action"] = "store_true"
+        else:
+            kwargs["metavar"] = "VALUE"
+            if accepted.choices:
+                kwargs["choices"] = accepted.choices
+                kwargs["metavar"] = "{" + ",".join(accepted.choices) + "}"
+        group.add_argument(accepted.name, **kwargs)
+
+
+def given(args: argparse.Namespace) -> list[tuple[AcceptedFlag, Any]]:
+    """The accepted flags on this command line, with their values."""
+    return [(accepted, getattr(args, accepted.dest)) for accepted in ACCEPTED
+            if hasattr(args, accepted.dest)]
+
+
+def _shown(accepted: AcceptedFlag, value: Any) -> str:
+    return accepted.name if accepted.values == 0 else f"{accepted.name} {value}"
+
+
+def refusals(flags: list[tuple[AcceptedFlag, Any]]) -> list[str]:
+    """One problem per refused flag given (for the pre-launch report)."""
+    return [f"{_shown(a, v)}: {a.explanation}" for a, v in flags if a.refused]
+
+
+def notes(flags: list[tuple[AcceptedFlag, Any]]) -> list[str]:
+    """One line per accepted flag given, printed before the run starts."""
+    return [f"ptdp: {_shown(a, v)} has no effect: {a.explanation}" for a, v in flags
+            if not a.refused]
+
+
+_ATTENTION_NOTE = ("ptdp's attention is always PyTorch's scaled_dot_product_attention, which picks "
+                   "its kernel (flash attention where the device, precision and shapes allow it) "
+                   "per call; the first rank reports the one it picks for this run")
+
+
+def config_notes(config) -> list[str]:
+    """Notes for the explained flags that live in the config (the worker
+    reads them to report the attention kernel)."""
+    lines = []
+    if config.model.use_flash_attn:
+        lines.append(f"ptdp: --use-flash-attn has no effect: {_ATTENTION_NOTE}")
+    if config.model.attention_backend != "auto":
+        lines.append(f"ptdp: --attention-backend {config.model.attention_backend} has no effect: "
+                     f"{_ATTENTION_NOTE}")
+    return lines
+
+
+def reports_attention_kernel(config) -> bool:
+    return config.model.use_flash_attn or config.model.attention_backend != "auto"
+
+
+def attention_kernel(config, device, dtype) -> str:
+    """The kernel PyTorch's scaled_dot_product_attention picks for one rank's
+    attention in this run (its shapes, precision and device), as PyTorch
+    names its backends; asked of PyTorch itself, not guessed."""
+    import torch
+
+    m = config.model
+    t = config.parallel.tensor_model_parallel_size
+    heads, groups = m.num_attention_heads // t, max(1, m.query_groups // t)
+    shape = (config.train.micro_batch_size, heads, m.seq_length, m.head_dim)
+    q = torch.empty(shape, device=device, dtype=dtype)
+    kv = torch.empty((shape[0], groups, shape[2], shape[3]), device=device, dtype=dtype)
+    if groups != heads:  # ptdp expands grouped keys and values to the heads before the call
+        kv = kv.repeat_interleave(heads // groups, dim=1)
+    try:
+        from torch.nn.attention import SDPBackend
+
+        choice = torch._fused_sdp_choice(q, kv, kv, None, m.attention_dropout, True)
+        name = SDPBackend(choice).name
+    except (AttributeError, RuntimeError, TypeError, ValueError):  # a PyTorch without the query
+        return "PyTorch's scaled_dot_product_attention (its kernel choice cannot be queried here)"
+    readable = {"FLASH_ATTENTION": "flash attention", "EFFICIENT_ATTENTION":
+                "memory-efficient attention", "CUDNN_ATTENTION": "cuDNN attention",
+                "MATH": "the unfused math path", "OVERRIDEABLE": "a device-specific kernel"}
+    return (f"PyTorch's scaled_dot_product_attention picks {readable.get(name, name)} ({name}) "
+            f"for {str(dtype).replace('torch.', '')} on {device.type}, {heads} heads of width "
+            f"{m.head_dim} per rank, sequence {m.seq_length}, causal")
