@@ -10,6 +10,7 @@ the command line override the file.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import os
 import shutil
@@ -23,8 +24,11 @@ from ptdp.plural import plural
 from ptdp.config import SECTION_TYPES, Config, ConfigError, flag_fields, validate
 from ptdp.data.preprocess import add_preprocess_parser, run_preprocess
 from ptdp.data.tokenizer import TokenizerError, add_tokenizer_parser, run_tokenizer_command
-from ptdp.inference import add_generate_parser, run_generate_command
-from ptdp.interop.convert import add_convert_parser, run_convert_command
+# Every command's flags are built at each start, so the modules named here
+# must not import torch (a --help, `ptdp plan` and an argument error start in
+# a fraction of the time); the commands that need it import it when they run.
+from ptdp.inference import add_generate_parser
+from ptdp.interop.convert_flags import add_convert_parser
 from ptdp.perf.calibrate import add_calibrate_parser, run_calibrate_command
 from ptdp.perf.plan import add_plan_parser, run_plan_command
 from ptdp.perf.timeline import add_schedule_parser, run_schedule_command
@@ -396,6 +400,47 @@ def _forwarded_signals(config: Config) -> tuple[int, ...]:
     return tuple(sorted({int(signal_from_name(name)) for name in names}))
 
 
+def _nothing_to_resume(load: str) -> bool:
+    """Whether --load's directory holds no checkpoint at all: missing, or
+    without `latest`, metadata or any iter_* directory (a directory with some
+    of them is a damaged one, which loading reports)."""
+    from ptdp.train.retention import LATEST, METADATA
+
+    directory = Path(load)
+    if not directory.exists():
+        return True
+    return directory.is_dir() and not (directory / LATEST).exists() and not (
+        directory / METADATA).exists() and not any(directory.glob("iter_*"))
+
+
+def _as_megatron_does(config: Config) -> tuple[Config, list[str]]:
+    """Two settings Megatron-LM's scripts rely on it to adjust, adjusted the
+    same way and said in a note (every other setting is taken as given):
+    --sequence-parallel at t = 1, and `--save DIR --load DIR`, its resume
+    idiom, before DIR holds a checkpoint."""
+    said: list[str] = []
+    parallel, train = config.parallel, config.train
+    if parallel.sequence_parallel and parallel.tensor_model_parallel_size == 1:
+        parallel = dataclasses.replace(parallel, sequence_parallel=False)
+        said.append("ptdp: --sequence-parallel has no effect with --tensor-model-parallel-size 1 "
+                    "(there is no tensor group to split the sequence over): it is off, as "
+                    "Megatron-LM turns it off")
+    if isinstance(train.load, str) and isinstance(train.save, str) and \
+            Path(train.load).resolve() == Path(train.save).resolve() and _nothing_to_resume(train.load):
+        # What only a loaded checkpoint means goes with it, as in Megatron-LM.
+        unused = [flag for flag, on in (("--finetune", train.finetune),
+                                        ("--no-load-optim", not train.load_optim),
+                                        ("--no-load-rng", not train.load_rng),
+                                        ("--use-checkpoint-args", train.use_checkpoint_args)) if on]
+        train = dataclasses.replace(train, load=None, finetune=False, load_optim=True,
+                                    load_rng=True, use_checkpoint_args=False)
+        said.append(f"ptdp: --load {config.train.load}: no checkpoint there yet, so training starts "
+                    f"at iteration 0 (it is also --save: the next run resumes from what this one "
+                    f"saves)" + (f"; {', '.join(unused)} {'has' if len(unused) == 1 else 'have'} "
+                                 f"nothing to apply to" if unused else ""))
+    return dataclasses.replace(config, parallel=parallel, train=train), said
+
+
 def run_train(config: Config, explicit: Sequence[str] = (), accepted: Sequence = ()) -> int:
     """`explicit`: the settings the user gave ("section.field"); a vocabulary
     size not among them is taken from the tokenizer, and without tokenizer
@@ -405,9 +450,12 @@ def run_train(config: Config, explicit: Sequence[str] = (), accepted: Sequence =
     from ptdp.data.loader import check_datasets, resolve_data
     from ptdp.device import resolve_kind
     from ptdp.launch import LOOPBACK, DistEnv, LocalJobFailed, detect_env, launch_local
+    from ptdp.train.checkpoint import with_checkpoint_shape
     from ptdp.train.loop import worker
 
     env = detect_env()
+    config, adjusted = _as_megatron_does(config)
+    config = with_checkpoint_shape(config, explicit)  # --use-checkpoint-args: the checkpoint's model
     # The tokenizer (the flags', else the one --load's checkpoint carries) and
     # the vocabulary it gives, resolved once here: every rank gets the result.
     config = resolve_data(config, explicit)
@@ -421,7 +469,7 @@ def run_train(config: Config, explicit: Sequence[str] = (), accepted: Sequence =
     if problems:
         raise ConfigError(problems)
     if env is None or env.rank == 0:
-        for line in notes(list(accepted)) + config_notes(config):
+        for line in notes(list(accepted)) + config_notes(config) + adjusted:
             print(line, flush=True)
     _check_output_paths(config)
     if env is None or env.rank == 0:
@@ -472,8 +520,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "preprocess":
             return run_preprocess(args)
         if args.command == "generate":
+            from ptdp.inference import run_generate_command
+
             return run_generate_command(args)
         if args.command == "convert":
+            from ptdp.interop.convert import run_convert_command
+
             return run_convert_command(args)
         if args.command == "plan":
             return run_plan_command(args)

@@ -291,7 +291,8 @@ class TrainConfig:
     rampup_batch_size: list[int] | None = flag(
         None, "--rampup-batch-size",
         "START INCREMENT SAMPLES: the global batch starts at START and grows by INCREMENT, evenly "
-        "over the first SAMPLES samples, to --global-batch-size (needs --train-samples)",
+        "over the first SAMPLES samples, to --global-batch-size (with --train-samples as "
+        "Megatron-LM; with --train-iters too, which Megatron-LM refuses)",
         metavar=("START", "INCREMENT", "SAMPLES"), nargs=3)
     lr: float = flag(1e-3, "--lr", "peak learning rate")
     min_lr: float = flag(0.0, "--min-lr", "learning rate at the end of the decay")
@@ -351,8 +352,8 @@ class TrainConfig:
     hysteresis: int = flag(2, "--hysteresis", "fp16: overflows tolerated before the scale halves")
     decoupled_lr: float | None = flag(
         None, "--decoupled-lr",
-        "a peak learning rate of their own for the input embedding and the output layer (the "
-        "same warm-up and decay; default --lr)")
+        "a peak learning rate of their own for the word embedding and the output layer (one "
+        "matrix when tied; the same warm-up and decay; default --lr)")
     decoupled_min_lr: float | None = flag(
         None, "--decoupled-min-lr",
         "with --decoupled-lr: their rate at the end of the decay (default --min-lr)")
@@ -368,16 +369,23 @@ class TrainConfig:
     log_interval: int = flag(1, "--log-interval", "print a line every N iterations")
     log_throughput: bool = flag(
         False, "--log-throughput",
-        "add the model TFLOP/s per device to each log line (ptdp's log line carries it always)")
+        "ptdp's log line always carries the model TFLOP/s per device; with --tensorboard-dir this "
+        "also writes it under Megatron-LM's TensorBoard tag 'throughput'")
     tensorboard_log_interval: int = flag(
-        1, "--tensorboard-log-interval", "with --tensorboard-dir: write scalars every N iterations")
+        1, "--tensorboard-log-interval",
+        "with --tensorboard-dir: write the training scalars every N iterations (validation ones "
+        "at every evaluation)")
     log_validation_ppl_to_tensorboard: bool = flag(
         False, "--log-validation-ppl-to-tensorboard",
-        "with --tensorboard-dir: also write the validation perplexity")
+        "with --tensorboard-dir: also write the validation perplexity, exp(validation loss), "
+        "under Megatron-LM's tags 'lm loss validation ppl' (and '... vs samples'); ptdp's "
+        "valid/perplexity is always written")
     log_timers_to_tensorboard: bool = flag(
         False, "--log-timers-to-tensorboard",
-        "with --tensorboard-dir: also write each iteration's timers (forward-backward, "
-        "gradient reduction, optimizer step, in seconds)")
+        "with --tensorboard-dir: also write each iteration's timers in seconds under Megatron-LM's "
+        "tags (iteration-time, forward-backward-time, forward-compute-time, backward-compute-time, "
+        "all-grads-sync-time, optimizer-time, and ptdp's pipeline-transfer-time); ptdp's time/*_ms "
+        "are always written")
     manual_gc: bool = flag(
         False, "--manual-gc",
         "turn Python's automatic garbage collection off and collect at fixed points instead "
@@ -401,9 +409,11 @@ class TrainConfig:
     use_pytorch_profiler: bool = flag(
         False, "--use-pytorch-profiler", "with --profile: record with torch.profiler")
     profile_step_start: int = flag(10, "--profile-step-start",
-                                   "with --profile: the first iteration profiled")
+                                   "with --profile: profiling starts once this many iterations are "
+                                   "done (the log's iteration N+1 is the first profiled)")
     profile_step_end: int = flag(12, "--profile-step-end",
-                                 "with --profile: the iteration at which profiling stops")
+                                 "with --profile: profiling stops once this many iterations are "
+                                 "done (the last profiled)")
     profile_ranks: list[int] | None = flag(None, "--profile-ranks",
                                            "with --profile: the ranks profiled (default 0)",
                                            metavar="RANK")
@@ -421,19 +431,25 @@ class TrainConfig:
     finetune: bool = flag(
         False, "--finetune",
         "with --load: take only the weights, and start at iteration 0 with a fresh optimizer, "
-        "learning-rate schedule, data order and random state")
+        "learning-rate schedule, data order and random state (--seed's); its checkpoints are a "
+        "run of their own, so --save must be another directory than the loaded checkpoint's")
     load_optim: bool = flag(
         True, "--no-load-optim",
-        "with --load: do not load the optimizer state (Adam's moments start at zero); the "
-        "iteration, the schedule and the data position still resume", negate=True)
+        "with --load: do not load the optimizer state: Adam's moments start at zero (the fp32 "
+        "main weights are the loaded weights) and, as in Megatron-LM, which keeps the "
+        "learning-rate scheduler's state with the optimizer's, the learning-rate schedule starts "
+        "again from its beginning (warm-up included) at the loaded iteration; the iteration and "
+        "the data position resume", negate=True)
     load_rng: bool = flag(
         True, "--no-load-rng",
-        "with --load: do not restore the random-number generators' states (dropout and sampling "
-        "draw from --seed's streams)", negate=True)
+        "with --load: do not restore the random-number generators' states: dropout draws from "
+        "--seed's streams as at the start of a fresh run", negate=True)
     use_checkpoint_args: bool = flag(
         False, "--use-checkpoint-args",
-        "with --load: take the model's shape (layers, sizes, heads, vocabulary, architecture "
-        "options) from the checkpoint; a shape flag given too must agree with it")
+        "with --load: take the model's settings (layers, sizes, heads, query groups, vocabulary, "
+        "positions, normalization and the other architecture options; sequence length and dropout "
+        "where not given) from the checkpoint; an architecture flag given too must agree with it "
+        "(the layout t, p, d is never taken)")
     keep_last: int | None = flag(None, "--keep-last",
                                   "keep only the newest N checkpoints of this run's lineage (the "
                                   "checkpoints it was resumed from and wrote); others are moved "
@@ -523,7 +539,9 @@ class DataConfig:
         "(0: in the training process; Megatron-LM's default is 2)")
     mmap_bin_files: bool = flag(
         True, "--no-mmap-bin-files",
-        "read each --data-path .bin file into memory at start instead of mapping it", negate=True)
+        "read each sample's tokens from the --data-path .bin files with file reads instead of "
+        "memory-mapping them (for file systems where mapping large files performs badly)",
+        negate=True)
     eod_mask_loss: bool = flag(False, "--eod-mask-loss",
                                "leave positions whose input is the end-of-document token out of the loss")
 
@@ -648,7 +666,7 @@ def validate(config: Config, world_size: int | None = None) -> None:
         choices = f.metadata.get("choices")
         value = getattr(getattr(config, section), f.name)
         if choices and value not in choices and not (value is None and "None" in f.type):
-            problems.append(f"{f.metadata['flag']}={value!r} is not one of {', '.join(choices)}")
+            problems.append(f"{f.metadata['flag']}={value!r} is not one of {', '.join(map(str, choices))}")
     if finite(par.distributed_timeout_minutes) and par.distributed_timeout_minutes <= 0:
         problems.append(f"--distributed-timeout-minutes={par.distributed_timeout_minutes} must be > 0")
     if finite(m.init_method_std) and m.init_method_std <= 0:
@@ -907,8 +925,10 @@ def _is_count(value: Any, least: int) -> bool:
 def _run_length_problems(tr: TrainConfig) -> list[str]:
     """The run's length (--train-iters or --train-samples) and the settings
     that must count in its unit, as Megatron-LM mixes them: iteration-based
-    runs take only --lr-*-iters, sample-based ones only --lr-*-samples and
-    may ramp the batch size; --lr-warmup-fraction replaces either warm-up."""
+    runs take only --lr-*-iters, sample-based ones only --lr-*-samples;
+    --lr-warmup-fraction replaces either warm-up. (Megatron-LM refuses
+    --rampup-batch-size with --train-iters, though its own 175B example once
+    combined them; ptdp runs it: the ramp counts samples, the run iterations.)"""
     problems = []
     for name, least in (("lr_warmup_samples", 0), ("lr_decay_samples", 1),
                         ("lr_wsd_decay_iters", 0), ("lr_wsd_decay_samples", 0)):
@@ -936,10 +956,6 @@ def _run_length_problems(tr: TrainConfig) -> list[str]:
                             f"but the run's length is given in {unit.replace('iters', 'iterations')} "
                             f"({length}): use {mine}, or give the length as "
                             f"{'--train-iters' if samples else '--train-samples'}")
-    if not samples and tr.rampup_batch_size is not None:
-        problems.append("--rampup-batch-size needs the run's length in samples (Megatron-LM ramps "
-                        "only sample-based runs; the iterations depend on the ramp): give "
-                        "--train-samples instead of --train-iters")
     warmup_name = "lr_warmup_" + unit
     if fraction is not None and getattr(tr, warmup_name) not in (0, None):
         problems.append(f"--lr-warmup-fraction and {flag_of('train', warmup_name)} both set the "
@@ -1196,20 +1212,133 @@ def _megatron_shape_problems(config: Config) -> list[str]:
 
 
 def _resume_control_problems(tr: TrainConfig) -> list[str]:
-    """--finetune, --no-load-optim, --no-load-rng, --use-checkpoint-args."""
+    """--finetune, --no-load-optim, --no-load-rng, --use-checkpoint-args: each
+    says what to take from --load's checkpoint, so each needs --load (with
+    --finetune, the other two are implied and fine to give). A fine-tune is
+    a new run from iteration 0: its --save must not be the directory of the
+    checkpoint it loads, whose iter_* names and `latest` it would take over
+    (the loaded run's checkpoints would be moved to SAVE/abandoned/)."""
+    uses = [(tr.finetune, "--finetune", "the checkpoint whose weights to fine-tune"),
+            (tr.load_optim is False, "--no-load-optim",
+             "it leaves out the loaded checkpoint's optimizer state"),
+            (tr.load_rng is False, "--no-load-rng",
+             "it leaves out the loaded checkpoint's random states"),
+            (tr.use_checkpoint_args, "--use-checkpoint-args",
+             "the checkpoint whose model settings to take")]
+    if not tr.load:
+        return [f"{name} needs --load DIR ({what}): add --load or drop {name}"
+                for given, name, what in uses if given]
+    if tr.finetune and isinstance(tr.save, str) and isinstance(tr.load, str) \
+            and _holds_checkpoint(tr.save, tr.load):
+        return [f"--finetune with --save {tr.save}, the directory of --load {tr.load}: a fine-tune "
+                f"starts a run of its own at iteration 0, whose checkpoints would take the loaded "
+                f"run's iter_* names and `latest` there: give the fine-tune another --save "
+                f"directory (to resume a fine-tune saved there, drop --finetune)"]
     return []
+
+
+def _holds_checkpoint(save: str, load: str) -> bool:
+    """Whether --load names --save or one iter_* directory in it (paths
+    only: nothing is read)."""
+    import re
+    from pathlib import Path
+
+    save_path, load_path = Path(save).resolve(), Path(load).resolve()
+    return load_path == save_path or (load_path.parent == save_path
+                                      and re.fullmatch(r"iter_\d{7}", load_path.name) is not None)
 
 
 def _loss_and_rate_problems(config: Config) -> list[str]:
-    """--calculate-per-token-loss, --decoupled-lr/--decoupled-min-lr, --grad-reduce-in-bf16."""
-    return []
+    """--calculate-per-token-loss, --decoupled-lr/--decoupled-min-lr, --grad-reduce-in-bf16.
+    (A value that is not a finite number is _float_problems'.) Megatron-LM
+    ignores --decoupled-min-lr without --decoupled-lr and --grad-reduce-in-bf16
+    without --bf16; ptdp refuses them rather than drop a setting silently."""
+    tr, problems = config.train, []
+    peak, final = tr.decoupled_lr, tr.decoupled_min_lr
+    for flag_name, value in (("--decoupled-lr", peak), ("--decoupled-min-lr", final)):
+        if _is_finite_number(value) and value < 0:
+            problems.append(f"{flag_name}={value} must be >= 0 (a learning rate)")
+    if _is_finite_number(final) and peak is None:  # (a non-finite one: reported once, above)
+        problems.append(f"--decoupled-min-lr {final} needs --decoupled-lr (the embedding's and "
+                        f"output layer's peak rate; without it they follow --lr and --min-lr): "
+                        f"give --decoupled-lr or leave --decoupled-min-lr out")
+    if _is_finite_number(peak) and peak >= 0:
+        end, end_flag = (final, "--decoupled-min-lr") if final is not None else (tr.min_lr, "--min-lr")
+        if _is_finite_number(end) and 0 <= end and end > peak:
+            problems.append(f"{end_flag} {end} is above --decoupled-lr {peak}: the embedding and "
+                            f"output layer would end the decay above their peak rate; give "
+                            f"--decoupled-min-lr <= {peak}")
+    if tr.grad_reduce_in_bf16 and not tr.bf16:
+        problems.append("--grad-reduce-in-bf16 reduces the gradients of a --bf16 run in bf16; "
+                        "this run is " + ("--fp16" if tr.fp16 else "fp32") + ": add --bf16 or "
+                        "leave --grad-reduce-in-bf16 out")
+    return problems
 
 
 def _logging_problems(tr: TrainConfig) -> list[str]:
-    """The logging, TensorBoard, garbage-collection, memory and profiling flags."""
-    return []
+    """The logging, TensorBoard, garbage-collection, memory and profiling flags.
+    Megatron-LM ignores most of them silently without the flag they go with;
+    here a flag that would do nothing says what to add. The profiled ranks'
+    upper bound and the device are checked by each rank before training
+    (ptdp.train.housekeeping), where the job's size and device are known."""
+    problems: list[str] = []
+
+    def is_int(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    if not is_int(tr.tensorboard_log_interval) or tr.tensorboard_log_interval < 1:
+        problems.append(f"--tensorboard-log-interval={tr.tensorboard_log_interval!r} must be a "
+                        f"positive integer (1: every iteration)")
+    if not is_int(tr.manual_gc_interval) or tr.manual_gc_interval < 0:
+        problems.append(f"--manual-gc-interval={tr.manual_gc_interval!r} must be 0 (collect only "
+                        f"around evaluations) or a positive integer")
+    start, end = tr.profile_step_start, tr.profile_step_end
+    if not is_int(start) or start < 0:
+        problems.append(f"--profile-step-start={start!r} must be a non-negative integer (the "
+                        f"iterations done before profiling starts)")
+    elif not is_int(end) or end <= start:
+        problems.append(f"--profile-step-end={end!r} must be an integer greater than "
+                        f"--profile-step-start {start} (profiling stops once it is done)")
+    ranks = tr.profile_ranks
+    if ranks is not None and (not isinstance(ranks, (list, tuple)) or not ranks
+                              or not all(is_int(r) and r >= 0 for r in ranks)):
+        problems.append(f"--profile-ranks={ranks!r} must be one or more ranks, non-negative "
+                        f"integers (default 0)")
+
+    def needs(given: bool, flag_given: str, required: bool, flag_needed: str, why: str) -> None:
+        if given and not required:
+            problems.append(f"{flag_given} {why}: add {flag_needed}")
+
+    board = tr.tensorboard_dir is not None
+    needs(tr.tensorboard_log_interval != 1, f"--tensorboard-log-interval "
+          f"{tr.tensorboard_log_interval}", board, "--tensorboard-dir DIR", "has no TensorBoard log "
+          "to pace")
+    needs(tr.log_validation_ppl_to_tensorboard, "--log-validation-ppl-to-tensorboard", board,
+          "--tensorboard-dir DIR", "writes to TensorBoard")
+    needs(tr.log_timers_to_tensorboard, "--log-timers-to-tensorboard", board,
+          "--tensorboard-dir DIR", "writes to TensorBoard")
+    needs(tr.manual_gc_interval != 0, f"--manual-gc-interval {tr.manual_gc_interval}",
+          tr.manual_gc, "--manual-gc", "paces manual garbage collection")
+    needs(not tr.manual_gc_eval, "--no-manual-gc-eval", tr.manual_gc, "--manual-gc",
+          "changes manual garbage collection")
+    for given, name in ((tr.use_pytorch_profiler, "--use-pytorch-profiler"),
+                        (start != 10, f"--profile-step-start {start}"),
+                        (end != 12, f"--profile-step-end {end}"),
+                        (ranks is not None, "--profile-ranks")):
+        needs(given, name, tr.profile, "--profile", "only applies when profiling")
+    needs(tr.profile and tr.use_pytorch_profiler, "--use-pytorch-profiler", board,
+          "--tensorboard-dir DIR", "writes its trace under --tensorboard-dir")
+    return problems
 
 
 def _data_loading_problems(data: DataConfig) -> list[str]:
     """--num-workers, --no-mmap-bin-files."""
-    return []
+    problems = []
+    workers = data.num_workers
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
+        problems.append(f"--num-workers={workers!r} must be 0 (read in the training process) or a "
+                        "positive number of background processes")
+    if not isinstance(data.mmap_bin_files, bool):
+        problems.append(f"--no-mmap-bin-files: mmap_bin_files={data.mmap_bin_files!r} must be true "
+                        "or false")
+    return problems

@@ -106,3 +106,19 @@ def accelerator_shape(device: torch.device) -> tuple[int, int]:
     """(streaming multiprocessors, memory bytes) of a CUDA device."""
     properties = torch.cuda.get_device_properties(device)
     return properties.multi_processor_count, properties.total_memory
+
+
+def release_cached_memory(device: torch.device) -> None:
+    """Return the caching allocator's unused blocks to the driver
+    (--empty-unused-memory-level); nothing to do on CPU."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def cuda_profiler_start() -> None:
+    """Open the capture range of `nsys profile --capture-range=cudaProfilerApi`."""
+    torch.cuda.profiler.start()
+
+
+def cuda_profiler_stop() -> None:
+    torch.cuda.profiler.stop()

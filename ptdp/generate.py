@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where it is used: `ptdp generate --help` and the other
+# commands' start-up read SamplingSettings without it.
 
 
 @dataclass
@@ -55,6 +59,8 @@ def _is_int(value) -> bool:
 def filter_logits(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
     """fp32 logits [b, V] after temperature, top-k and top-p: removed tokens
     are -inf. Needs temperature > 0."""
+    import torch
+
     logits = logits.float() / settings.temperature
     vocab = logits.shape[-1]
     if 0 < settings.top_k < vocab:
@@ -78,6 +84,8 @@ def sample_next(logits: torch.Tensor, settings: SamplingSettings,
                 generator: torch.Generator) -> torch.Tensor:
     """Token ids [b] (int64) from logits [b, V] (unpadded: padding columns
     removed or -inf)."""
+    import torch
+
     settings.validate()
     if logits.dim() != 2:
         raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
@@ -96,6 +104,8 @@ def generate(next_logits: Callable[[torch.Tensor], torch.Tensor], prompt: list[i
     [1, V] or [V], unpadded. Stops after `eod` when given; returns the new
     tokens only, without the `eod`.
     """
+    import torch
+
     settings.validate()
     if not _is_int(max_context) or max_context < 1:
         raise ValueError(f"max_context={max_context!r} must be a positive integer")

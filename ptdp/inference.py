@@ -24,16 +24,18 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
-
-from ptdp import device as devices
 from ptdp.config import Config, ConfigError
-from ptdp.generate import SamplingSettings, generate
-from ptdp.model.gpt import build_chunks
-from ptdp.parallel.sharding import SHARD_ATTR, shard
-from ptdp.parallel.topology import ParallelContext, RankGrid
+from ptdp.generate import SamplingSettings
+
+if TYPE_CHECKING:
+    import torch
+
+    from ptdp.parallel.topology import ParallelContext
+
+# torch and the model are imported where they are used, so that the command
+# line (which builds this command's flags for every command) starts without them.
 
 
 @dataclass
@@ -57,6 +59,11 @@ class PipelinedModel:
 
     def __init__(self, config: Config, ctx: ParallelContext, device: torch.device,
                  weights: dict[str, torch.Tensor], num_chunks: int = 1):
+        import torch
+
+        from ptdp.model.gpt import build_chunks
+        from ptdp.parallel.sharding import SHARD_ATTR, shard
+
         self.config, self.ctx, self.device = config, ctx, device
         self.chunks = build_chunks(config.model, ctx, device, config.train.seed, num_chunks)
         with torch.no_grad():
@@ -72,8 +79,16 @@ class PipelinedModel:
         c = self.ctx.coord
         return self.ctx.grid.rank(c.tp, c.dp, stage % self.ctx.pp_size)
 
-    @torch.no_grad()
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        with torch.no_grad():
+            return self._next_logits(tokens)
+
+    def _next_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        import torch
+        import torch.distributed as dist
+
         ctx, model = self.ctx, self.config.model
         tokens = tokens.to(self.device)
         s = tokens.shape[1]
@@ -174,6 +189,7 @@ def generate_text(request: GenerateRequest, ctx: ParallelContext, device: torch.
     alone without `echo_prompt`), or with `output_ids` the new token ids,
     comma-separated. Every rank of the layout calls it."""
     from ptdp.data.loader import model_tokenizer
+    from ptdp.generate import generate
     from ptdp.train.checkpoint import load_logical_model
 
     config, weights, _ = load_logical_model(request.load)
@@ -191,7 +207,11 @@ def generate_text(request: GenerateRequest, ctx: ParallelContext, device: torch.
 
 
 def _generate_worker(env, request: GenerateRequest) -> None:
+    import torch.distributed as dist
+
+    from ptdp import device as devices
     from ptdp.launch import init_process_group
+    from ptdp.parallel.topology import ParallelContext, RankGrid
 
     kind = devices.resolve_kind(request.device, env.local_world_size)
     devices.configure_threads(kind, env.local_world_size)
@@ -242,10 +262,12 @@ def add_generate_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run_generate_command(args: argparse.Namespace) -> int:
+    from ptdp import device as devices
     from ptdp.config import ParallelConfig, validate
     from ptdp.data.loader import model_tokenizer
     from ptdp.data.tokenizer import TokenizerError
     from ptdp.launch import LocalJobFailed, launch_local
+    from ptdp.parallel.topology import ParallelContext
     from ptdp.train.checkpoint import CheckpointError, read_metadata, resolve
 
     if (args.prompt is None) == (args.prompt_ids is None):

@@ -173,12 +173,11 @@ def attention_kernel(config, device, dtype) -> str:
     shape = (config.train.micro_batch_size, heads, m.seq_length, m.head_dim)
     q = torch.empty(shape, device=device, dtype=dtype)
     kv = torch.empty((shape[0], groups, shape[2], shape[3]), device=device, dtype=dtype)
-    if groups != heads:  # ptdp expands grouped keys and values to the heads before the call
-        kv = kv.repeat_interleave(heads // groups, dim=1)
+    gqa = {"enable_gqa": True} if groups != heads else {}  # as ptdp's attention calls it
     try:
         from torch.nn.attention import SDPBackend
 
-        choice = torch._fused_sdp_choice(q, kv, kv, None, m.attention_dropout, True)
+        choice = torch._fused_sdp_choice(q, kv, kv, None, m.attention_dropout, True, **gqa)
         name = SDPBackend(choice).name
     except (AttributeError, RuntimeError, TypeError, ValueError):  # a PyTorch without the query
         return "PyTorch's scaled_dot_product_attention (its kernel choice cannot be queried here)"

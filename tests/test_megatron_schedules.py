@@ -253,6 +253,18 @@ def test_ramp_sizes_and_length():
     assert [resumed.before(i + 1) - resumed.before(i) for i in range(20, 45)] == sizes[20:]
 
 
+def test_a_ramp_in_an_iteration_based_run():
+    """Megatron-LM refuses --rampup-batch-size with --train-iters (its old
+    175B example has both); ptdp runs the same ramp for --train-iters
+    iterations, and the configuration validates."""
+    tr = TrainConfig(micro_batch_size=2, global_batch_size=32, train_iters=30,
+                     rampup_batch_size=[8, 8, 300])
+    validate(Config(train=tr, parallel=ParallelConfig(data_parallel_size=2)))
+    assert GlobalBatches(tr, 2).train_iters == 30
+    sizes = [size for size, _ in ptdp_run(tr, 2)]
+    assert sizes == [8] * 13 + [16] * 6 + [24] * 5 + [32] * 6
+
+
 def test_iteration_based_rates_keep_their_values():
     """Without the new flags, the rates are the formulas ptdp had (to rounding)."""
     tr = TrainConfig(lr=1.0, min_lr=0.1, lr_warmup_iters=2, lr_decay_iters=6, train_iters=8,
@@ -293,8 +305,6 @@ REFUSED = [
     (_samples(lr_decay_iters=10), "--lr-decay-iters counts iterations, but the run's length is "
                                   "given in samples (--train-samples): use --lr-decay-samples"),
     (_samples(lr_warmup_iters=3), "use --lr-warmup-samples, or give the length as --train-iters"),
-    (_train(rampup_batch_size=[4, 4, 100]),
-     "--rampup-batch-size needs the run's length in samples"),
     (_train(lr_warmup_fraction=0.1, lr_warmup_iters=2),
      "--lr-warmup-fraction and --lr-warmup-iters both set the warm-up: give one"),
     (_samples(lr_warmup_fraction=0.1, lr_warmup_samples=20),

@@ -228,9 +228,23 @@ def test_train_evaluate_save_and_generate_from_the_command_line(tmp_path):
 
 
 def test_invalid_layouts_are_refused_before_launch(tmp_path):
-    for layout, message in ((["--sequence-parallel"], "needs --tensor-model-parallel-size > 1"),
-                            (["-t", "2", "--sequence-parallel", "--seq-length", "33"],
-                             "--seq-length 33 divisible by --tensor-model-parallel-size 2")):
-        result = subprocess.run([sys.executable, "-m", "ptdp", "train", *COMMON, *layout],
-                                capture_output=True, text=True, timeout=300)
-        assert result.returncode != 0 and message in result.stderr, result.stderr
+    result = subprocess.run([sys.executable, "-m", "ptdp", "train", *COMMON, "-t", "2",
+                             "--sequence-parallel", "--seq-length", "33"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0, result.stderr
+    assert "--seq-length 33 divisible by --tensor-model-parallel-size 2" in result.stderr
+
+
+def test_at_one_tensor_rank_it_is_turned_off_with_a_note_as_megatron_does(no_launch, capsys):
+    """Megatron-LM's Llama example sets --sequence-parallel at t = 1, where
+    Megatron-LM turns it off; so does ptdp, saying so (no_launch: the note
+    comes before any process starts)."""
+    from ptdp.cli import main
+
+    with pytest.raises(AssertionError, match="a training process was started"):
+        main(["train", *COMMON, "--sequence-parallel"])
+    assert "--sequence-parallel has no effect with --tensor-model-parallel-size 1" in \
+        capsys.readouterr().out
+    from ptdp.config import Config, ParallelConfig, validate
+    with pytest.raises(ValueError, match="needs --tensor-model-parallel-size > 1"):
+        validate(Config(parallel=ParallelConfig(sequence_parallel=True)))  # (the API refuses it)

@@ -562,12 +562,13 @@ class BlendedDataset:
 # ---------------------------------------------------------------- all splits
 
 def check_gpt_datasets(data_path: list[str], split: str, num_samples: tuple[int, int, int], *,
-                       seq_length: int, warn: bool = True):
+                       seq_length: int, warn: bool = True, mmap_bin_files: bool = True):
     """Every check that can fail on the data, without building anything:
     the files open, the split parses and each wanted split holds a sample.
     Returns (weighted prefixes, opened datasets, document ranges, wanted
     splits). Run before launching, and again on every rank before the
-    barrier, so that no rank waits for a builder that has failed."""
+    barrier, so that no rank waits for a builder that has failed.
+    `mmap_bin_files`: see IndexedDataset (--no-mmap-bin-files)."""
     weighted = parse_data_path(data_path)
     shares = parse_split(split)
     if len(num_samples) != 3:
@@ -576,7 +577,7 @@ def check_gpt_datasets(data_path: list[str], split: str, num_samples: tuple[int,
     for _, prefix in weighted:
         if prefix not in indexed:
             try:
-                indexed[prefix] = IndexedDataset(prefix)
+                indexed[prefix] = IndexedDataset(prefix, mmap_bin_files=mmap_bin_files)
             except IndexedDatasetError as error:
                 raise DataError(f"--data-path {prefix}: {error}") from None
     ranges = {prefix: split_document_ranges(len(data), shares) for prefix, data in indexed.items()}
@@ -601,14 +602,16 @@ def check_gpt_datasets(data_path: list[str], split: str, num_samples: tuple[int,
 
 def build_gpt_datasets(data_path: list[str], split: str, num_samples: tuple[int, int, int], *,
                        seq_length: int, seed: int, cache_dir: str | None = None,
-                       is_builder: bool = True, barrier: Callable[[], None] | None = None):
+                       is_builder: bool = True, barrier: Callable[[], None] | None = None,
+                       mmap_bin_files: bool = True):
     """(train, valid, test) datasets; None where the split's share or its
     sample count is zero, or (valid, test) where it rounds to no documents
     (a warning says so). Builder ranks build (or find) the cached indices,
     then every rank calls `barrier`, then the others load them. Every check
     that can fail on the data runs first, on every rank (check_gpt_datasets)."""
     weighted, indexed, ranges, wanted = check_gpt_datasets(data_path, split, num_samples,
-                                                           seq_length=seq_length, warn=is_builder)
+                                                           seq_length=seq_length, warn=is_builder,
+                                                           mmap_bin_files=mmap_bin_files)
     directory = Path(cache_dir) if cache_dir is not None else None
 
     def build_all(build: bool) -> list:

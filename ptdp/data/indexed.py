@@ -93,12 +93,19 @@ def _map(path: str) -> mmap.mmap | None:
 
 
 class IndexedDataset:
-    """A Megatron `.bin`/`.idx` pair, memory-mapped; `get` returns views into
-    the mapping (no copies). Indexing is by sequence; with one sequence per
-    document (what `ptdp preprocess` writes) sequences are documents."""
+    """A Megatron `.bin`/`.idx` pair; `get` returns views into the memory-
+    mapped `.bin` (no copies). Indexing is by sequence; with one sequence per
+    document (what `ptdp preprocess` writes) sequences are documents.
 
-    def __init__(self, prefix: str | Path):
+    `mmap_bin_files=False` (--no-mmap-bin-files, Megatron-LM's meaning):
+    the `.bin` is not mapped; each `get` reads its tokens from the file
+    (pread, so processes that inherit the descriptor do not share a file
+    position), for file systems where mapping large files performs badly.
+    The index is mapped either way, as Megatron-LM does."""
+
+    def __init__(self, prefix: str | Path, *, mmap_bin_files: bool = True):
         self.prefix = str(prefix)
+        self.mmap_bin_files = mmap_bin_files
         idx_path, bin_path = index_file_path(prefix), data_file_path(prefix)
         for path, other in ((idx_path, bin_path), (bin_path, idx_path)):
             if not os.path.isfile(path):
@@ -119,9 +126,13 @@ class IndexedDataset:
                 f"{self.num_tokens:,} {self.dtype.name} tokens = {expected:,} bytes; the data file is "
                 f"{'truncated' if actual < expected else 'longer than its index'} (an interrupted "
                 f"copy or write?); copy it again or rerun `ptdp preprocess`")
-        self._data_map = _map(bin_path)
-        self._tokens = (np.empty(0, self.dtype) if self._data_map is None
-                        else np.frombuffer(self._data_map, dtype=self.dtype))
+        self._data_map = self._tokens = self._bin_fd = None
+        if mmap_bin_files:
+            self._data_map = _map(bin_path)
+            self._tokens = (np.empty(0, self.dtype) if self._data_map is None
+                            else np.frombuffer(self._data_map, dtype=self.dtype))
+        else:
+            self._bin_fd = os.open(bin_path, os.O_RDONLY)
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)
@@ -147,7 +158,22 @@ class IndexedDataset:
                              f"range: it has {size} tokens ({self.prefix})")
         # Pointers were checked to be contiguous, so they are token offsets × itemsize.
         start = int(self.sequence_pointers[index]) // self.dtype.itemsize + offset
+        if self._bin_fd is not None:
+            return self._read(start, length)
         return self._tokens[start:start + length]
+
+    def _read(self, start: int, length: int) -> np.ndarray:
+        """Tokens start .. start + length, read from the `.bin` file."""
+        itemsize = self.dtype.itemsize
+        data = _pread_exactly(self._bin_fd, length * itemsize, start * itemsize,
+                              data_file_path(self.prefix))
+        return np.frombuffer(data, dtype=self.dtype)
+
+    def __del__(self):
+        descriptor = getattr(self, "_bin_fd", None)
+        if descriptor is not None:
+            os.close(descriptor)
+            self._bin_fd = None
 
     def __getitem__(self, index):
         if isinstance(index, slice):
@@ -155,13 +181,31 @@ class IndexedDataset:
         return self.get(index)
 
     def __reduce__(self):
-        # Memory maps cannot be pickled; reopen from the prefix instead (e.g.
-        # in DataLoader workers).
-        return (type(self), (self.prefix,))
+        # Memory maps and descriptors cannot be pickled; reopen from the
+        # prefix instead (e.g. in DataLoader workers).
+        return (_reopen, (type(self), self.prefix, self.mmap_bin_files))
 
     def __repr__(self) -> str:
         return (f"IndexedDataset({self.prefix!r}: {self.num_documents} documents, {len(self)} "
                 f"sequences, {self.num_tokens} {self.dtype.name} tokens)")
+
+
+def _reopen(kind: type, prefix: str, mmap_bin_files: bool) -> IndexedDataset:
+    return kind(prefix, mmap_bin_files=mmap_bin_files)
+
+
+def _pread_exactly(descriptor: int, size: int, offset: int, path: str) -> bytes:
+    """`size` bytes at `offset`; pread may return fewer at once (network file systems)."""
+    parts, done = [], 0
+    while done < size:
+        part = os.pread(descriptor, size - done, offset + done)
+        if not part:
+            raise IndexedDatasetError(f"{path}: ends at byte {offset + done:,}, before the "
+                                      f"{size:,} bytes its index places at {offset:,}; the file "
+                                      f"changed after it was opened")
+        parts.append(part)
+        done += len(part)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def _read_index(path: str, buffer) -> tuple[np.dtype, np.ndarray, np.ndarray, np.ndarray]:

@@ -10,16 +10,22 @@ only) and builds the dataset indices while the others wait at a barrier,
 then the ranks that read tokens (first and last pipeline stage) open them.
 
 Sample i of the training set is the same for every layout; which samples a
-rank reads is the sampler's business (ptdp.data.sampler).
+rank reads is the sampler's business (ptdp.data.sampler). `TrainingBatches`
+reads a rank's training microbatches, in the training process or, with
+--num-workers N, in N background processes ahead of the step.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import hashlib
+import multiprocessing.util
+import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -299,7 +305,8 @@ def build_training_data(config: Config, *, num_samples: tuple[int, int, int], is
         description = "the demo corpus (Shakespeare, one document per work)"
     train, valid, test = build_gpt_datasets(
         data_path, data.split, num_samples, seq_length=model.seq_length, seed=seed,
-        cache_dir=data.data_cache_path, is_builder=is_builder, barrier=barrier)
+        cache_dir=data.data_cache_path, is_builder=is_builder, barrier=barrier,
+        mmap_bin_files=data.mmap_bin_files)
     if not reads_tokens:  # middle pipeline stages: indices built, nothing to read
         train = valid = test = None
     return TrainingData(train, valid, test, eod=tokenizer.eod, description=description)
@@ -320,7 +327,17 @@ class _Offset:
 
 def collate(dataset, indices: range, vocab_size: int) -> torch.Tensor:
     """[b, s + 1] int64 tokens of the given samples."""
-    tokens = torch.stack([torch.as_tensor(np.asarray(dataset[i]), dtype=torch.long) for i in indices])
+    tokens = read_samples(dataset, indices)
+    check_token_ids(tokens, indices, vocab_size)
+    return tokens
+
+
+def read_samples(dataset, indices: range) -> torch.Tensor:
+    """[b, s + 1] int64 tokens of the given samples, unchecked."""
+    return torch.stack([torch.as_tensor(np.asarray(dataset[i]), dtype=torch.long) for i in indices])
+
+
+def check_token_ids(tokens: torch.Tensor, indices: range, vocab_size: int) -> None:
     if tokens.numel() and (int(tokens.max()) >= vocab_size or int(tokens.min()) < 0):
         bad = int(tokens.max()) if int(tokens.max()) >= vocab_size else int(tokens.min())
         raise DataSettingsError(
@@ -328,7 +345,6 @@ def collate(dataset, indices: range, vocab_size: int) -> torch.Tensor:
             f"vocabulary of {vocab_size}: the data was tokenized with another tokenizer than "
             "--tokenizer-type (and its files) say (with NullTokenizer: --vocab-size N must be "
             "above every id but the end-of-document id N)")
-    return tokens
 
 
 def split_microbatch(tokens: torch.Tensor, eod: int | None, eod_mask_loss: bool):
@@ -339,3 +355,185 @@ def split_microbatch(tokens: torch.Tensor, eod: int | None, eod_mask_loss: bool)
     if not eod_mask_loss or eod is None:
         return inputs, labels
     return inputs, labels, (inputs != eod).to(torch.float32)
+
+
+# ---------------------------------------------------------------- background reading (--num-workers)
+
+class TrainingBatches:
+    """This rank's training microbatches, [b, s + 1] tokens by their sample
+    indices (`read`). The indices alone decide the tokens, so every way of
+    reading gives the same batches.
+
+    With --num-workers 0 each microbatch is read when the step asks for it.
+    With N > 0, N background processes (a torch DataLoader) read the
+    microbatches of `order`, (iteration, indices) in the order the run asks
+    for them (ptdp.data.sampler.training_microbatches), ahead of the step.
+    A microbatch is kept until the next iteration's first is asked for: a
+    rank that holds the first and the last stage (zbv) asks twice. A request
+    outside `order` is read here. `close` ends the processes (also at exit)."""
+
+    def __init__(self, dataset, config: Config, order: Iterable[tuple[int, range]] = ()):
+        self.dataset, self.vocab_size = dataset, config.model.vocab_size
+        self._ready: dict[range, tuple[int, torch.Tensor]] = {}  # indices -> (iteration, tokens)
+        self._workers = self._stop = None
+        if dataset is not None and config.data.num_workers > 0:
+            self._workers = _start_workers(dataset, order, config)
+            # Also stopped if this object is dropped unclosed, and at exit:
+            # before multiprocessing's exit handling, which would SIGTERM the
+            # workers (ignored) and wait for them, and before torch's, after
+            # which the DataLoader no longer stops them.
+            self._stop = multiprocessing.util.Finalize(self, _stop_workers, args=(self._workers,),
+                                                       exitpriority=100)
+            atexit.register(self._stop)
+
+    def read(self, indices: range) -> torch.Tensor:
+        tokens = self._prefetched(indices) if self._workers is not None else None
+        if tokens is None:
+            tokens = read_samples(self.dataset, indices)
+        check_token_ids(tokens, indices, self.vocab_size)
+        return tokens
+
+    def _prefetched(self, indices: range) -> torch.Tensor | None:
+        # The workers' samples start later with every microbatch; once one
+        # starts after `indices`, they will not bring it.
+        while indices not in self._ready:
+            try:
+                iteration, key, tokens = next(self._workers)
+            except StopIteration:
+                return None
+            if isinstance(tokens, BaseException):  # raised by the dataset in a worker
+                raise tokens
+            self._ready[key] = (iteration, tokens)
+            if key.start > indices.start:
+                return None
+        iteration, tokens = self._ready[indices]
+        for key in [k for k, (i, _) in self._ready.items() if i < iteration]:
+            del self._ready[key]
+        return tokens
+
+    def close(self) -> None:
+        """End the worker processes (idempotent)."""
+        self._workers = None
+        self._ready.clear()
+        if self._stop is not None:
+            atexit.unregister(self._stop)
+            self._stop()  # runs once
+
+
+def _identity(item):
+    return item
+
+
+class _WorkerReads:
+    """What a worker process does with one (iteration, indices): read the
+    samples. A dataset error comes back as the value, raised in the
+    training process with its own message."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __getitem__(self, key: tuple[int, range]):
+        iteration, indices = key
+        try:
+            return iteration, indices, read_samples(self.dataset, indices)
+        except Exception as error:  # noqa: BLE001 - re-raised by TrainingBatches.read
+            return iteration, indices, error
+
+
+def _start_workers(dataset, order: Iterable[tuple[int, range]], config: Config):
+    """The DataLoader's iterator over `order`, its processes started.
+
+    fork: the workers inherit the opened datasets instead of unpickling them,
+    and are children of this process (under forkserver a SIGTERM to the
+    job's processes would end the server, and with it the workers). They
+    never use the process group or a GPU, so forking after those exist is
+    safe, as in Megatron-LM. A dedicated generator seeds the workers: the
+    DataLoader would otherwise draw their seed from torch's global stream,
+    which training's dropout uses."""
+    from torch.utils.data import DataLoader
+
+    signals = _graceful_signals(config)
+    loader = DataLoader(_WorkerReads(dataset), batch_size=None, sampler=_Order(order),
+                        collate_fn=_identity, num_workers=config.data.num_workers,
+                        persistent_workers=True, multiprocessing_context="fork",
+                        generator=torch.Generator(), worker_init_fn=_WorkerInit(signals))
+    # The graceful-exit signals stay blocked from before the fork until each
+    # worker ignores them (`_WorkerInit`): a job-wide SIGTERM asks the
+    # training process to save and stop, and must not end its readers first.
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        return iter(loader)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+class _Order:
+    """The sampler: yields `order`'s (iteration, indices) as they are."""
+
+    def __init__(self, order: Iterable[tuple[int, range]]):
+        self.order = order
+
+    def __iter__(self):
+        return iter(self.order)
+
+
+def _graceful_signals(config: Config) -> set[int]:
+    """The signals that ask the run to save and stop (ptdp.train.stopping)."""
+    from ptdp.config import signal_from_name
+    from ptdp.train.stopping import GRACEFUL_SIGNALS
+
+    if not config.train.exit_signal_handler:
+        return set()
+    return {int(signal_from_name(name)) for name in (*GRACEFUL_SIGNALS, config.train.exit_signal)}
+
+
+@dataclass
+class _WorkerInit:
+    """Runs first in each worker process."""
+    signals: set[int]
+
+    def __call__(self, worker_id: int) -> None:
+        _die_with_parent()
+        _close_device_files()
+        signal.set_wakeup_fd(-1)  # a graceful-exit handler's, inherited: the training process's
+        for signum in self.signals:
+            signal.signal(signum, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, self.signals)
+
+
+def _die_with_parent() -> None:
+    """Have Linux kill this worker when the training process ends, however
+    it ends (the DataLoader's own check notices only every few seconds)."""
+    try:
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
+    except (OSError, AttributeError):  # not Linux
+        pass
+
+
+def _close_device_files() -> None:
+    """A worker never uses the GPU: closing the driver's files it inherited
+    lets the device's memory be freed even while a worker lingers."""
+    try:
+        descriptors = os.listdir("/proc/self/fd")
+    except OSError:
+        return
+    for descriptor in descriptors:
+        try:
+            if os.readlink(f"/proc/self/fd/{descriptor}").startswith("/dev/nvidia"):
+                os.close(int(descriptor))
+        except OSError:
+            pass
+
+
+def _stop_workers(workers) -> None:
+    """Ask the workers to finish, then kill any that does not: they ignore
+    SIGTERM, which is all the DataLoader sends."""
+    processes = list(getattr(workers, "_workers", []))
+    workers._shutdown_workers()
+    for process in processes:
+        if process.is_alive():
+            os.kill(process.pid, signal.SIGKILL)
+        process.join()

@@ -9,6 +9,9 @@ Import reads the architecture from config.json; export picks it from the
 checkpoint's settings (GPT-2 for the defaults, Llama for RMSNorm + SwiGLU
 + rotary embeddings). A tokenizer.json travels both ways; export writes the
 checkpoint's tokenizer in the form AutoTokenizer reads (hf_tokenizer.py).
+Hugging Face stores each norm's plain scale: export of an --apply-layernorm-1p
+checkpoint writes 1 + w, and `--from-hf DIR --save CKPT --apply-layernorm-1p`
+imports scale - 1 for training with that flag.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from ptdp.config import Config, ConfigError, DataConfig, TrainConfig
 from ptdp.interop import hf_gpt2, hf_llama
 from ptdp.interop.hf_files import ConversionError, hf_tokenizer_file, read_hf_config
 from ptdp.interop.hf_tokenizer import exported_tokenizer
+# The flags live in a module without torch (the command line builds them at every start).
+from ptdp.interop.convert_flags import add_convert_parser  # noqa: F401
 
 # Hugging Face class and model_type of each architecture ptdp converts. The
 # bare models (GPT2Model, LlamaModel) are read too: their keys lack the prefix.
@@ -31,31 +36,20 @@ ARCHITECTURES: dict[str, tuple[ModuleType, tuple[str, ...], str]] = {
 _OBSTACLES = {"GPT-2": hf_gpt2.gpt2_obstacles, "Llama": hf_llama.llama_obstacles}
 
 
-def add_convert_parser(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
-        "convert", help="convert checkpoints to or from Hugging Face GPT-2 and Llama",
-        description="Export a checkpoint as a Hugging Face directory (--load CKPT --to-hf DIR): "
-                    "GPT2LMHeadModel for a GPT-2 style model, LlamaForCausalLM for a Llama "
-                    "style one (RMSNorm, SwiGLU, rotary embeddings). Or import one (--from-hf "
-                    "DIR --save CKPT). The tokenizer travels with the model both ways (GPT-2's "
-                    "for a model trained with GPT2BPETokenizer).")
-    parser.add_argument("--load", metavar="CKPT", help="ptdp checkpoint to export")
-    parser.add_argument("--to-hf", metavar="DIR", help="new Hugging Face directory to write")
-    parser.add_argument("--from-hf", metavar="DIR", help="Hugging Face GPT-2 or Llama directory "
-                        "to import (config.json + model.safetensors or sharded safetensors)")
-    parser.add_argument("--save", metavar="CKPT", help="where to write the imported checkpoint")
-
-
 def run_convert_command(args: argparse.Namespace) -> int:
     exporting, importing = bool(args.load or args.to_hf), bool(args.from_hf or args.save)
     if exporting == importing or (exporting and not (args.load and args.to_hf)) \
             or (importing and not (args.from_hf and args.save)):
         raise ConfigError(["give either --load CKPT --to-hf DIR (export) or --from-hf DIR "
                            "--save CKPT (import)"])
+    one_plus = getattr(args, "apply_layernorm_1p", False)
+    if exporting and one_plus:
+        raise ConfigError(["--apply-layernorm-1p is for --from-hf: an exported checkpoint's norms "
+                           "follow its own setting, and the Hugging Face files get plain scales"])
     try:
         if exporting:
             return _export(args.load, args.to_hf)
-        return _import(args.from_hf, args.save)
+        return _import(args.from_hf, args.save, one_plus)
     except ConversionError as error:
         raise ConfigError([str(error)]) from None
 
@@ -119,12 +113,12 @@ def _export(load: str, directory: str) -> int:
     return 0
 
 
-def _import(directory: str, save: str) -> int:
+def _import(directory: str, save: str, apply_layernorm_1p: bool = False) -> int:
     from ptdp.train.checkpoint import CheckpointError, save_logical_model
 
     architecture = architecture_of_hf_config(read_hf_config(directory), directory)
     module = ARCHITECTURES[architecture][0]
-    model, weights = module.load_hf_directory(directory)
+    model, weights = module.load_hf_directory(directory, apply_layernorm_1p=apply_layernorm_1p)
     tokenizer_file = hf_tokenizer_file(directory)
     if tokenizer_file is not None:
         # The checkpoint carries the file; its metadata names it, and

@@ -6,7 +6,8 @@ attention scaling), so conversion is renaming plus transposing: Hugging Face
 keeps GPT-2's `Conv1D` layers, whose weights are [in, out], where ours are
 `nn.Linear`'s [out, in]. The fused q/k/v projection has the same layout in
 both ([q of all heads; k; v], head-major inside each), so it transposes
-as a whole.
+as a whole. Under --apply-layernorm-1p the norms' stored weights w are
+written as the scale 1 + w, which Hugging Face holds, and read back as scale - 1.
 
 The logical state (ptdp.interop.logical) is the one-process model's
 unsharded, unpadded tensors, as checkpoints hold them.
@@ -42,7 +43,7 @@ from ptdp.interop.hf_files import (
     split_state,
     write_hf_directory,
 )
-from ptdp.interop.logical import logical_shapes
+from ptdp.interop.logical import logical_shapes, with_plain_norm_scales, with_stored_norm_scales
 
 __all__ = ["ConversionError", "from_hf_state", "gpt2_obstacles", "hf_config_from_model_config",
            "load_hf_directory", "logical_shapes", "model_config_from_hf_config",
@@ -222,6 +223,7 @@ def to_hf_state(logical: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
     _require_gpt2(config)
     check_state(logical, logical_shapes(config), "ptdp logical state",
                 padded_hint=config.vocab_size)
+    logical = with_plain_norm_scales(logical, config)
     state = {}
     for ours, theirs, transposed in _name_map(config):
         tensor = logical[ours].detach()
@@ -253,7 +255,7 @@ def from_hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
     for ours, theirs, transposed in _name_map(config):
         tensor = bare[theirs].detach()
         logical[ours] = (tensor.t() if transposed else tensor).contiguous()
-    return logical
+    return with_stored_norm_scales(logical, config)
 
 
 # ------------------------------------------------------------------ directories

@@ -9,7 +9,8 @@ pair), so conversion is renaming plus joining or splitting rows:
 * Llama's q_proj, k_proj and v_proj are the row blocks of our fused
   `query_key_value` ([queries of all heads; keys of all groups; values of
   all groups], head-major in each block), with no permutation;
-* gate_proj and up_proj are the two row blocks of our `dense_h_to_4h`.
+* gate_proj and up_proj are the two row blocks of our `dense_h_to_4h`;
+* under --apply-layernorm-1p a norm's stored weight w is Llama's scale 1 + w.
 
 * `llama_obstacles`: the settings of a ModelConfig that Llama cannot express.
 * `hf_config_from_model_config` / `model_config_from_hf_config`: the model
@@ -40,7 +41,7 @@ from ptdp.interop.hf_files import (
     split_state,
     write_hf_directory,
 )
-from ptdp.interop.logical import logical_shapes
+from ptdp.interop.logical import logical_shapes, with_plain_norm_scales, with_stored_norm_scales
 
 ARCHITECTURE = "LlamaForCausalLM"
 MODEL_TYPE = "llama"
@@ -279,6 +280,7 @@ def to_hf_state(logical: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
     _require_llama(config)
     check_state(logical, logical_shapes(config), "ptdp logical state",
                 padded_hint=config.vocab_size)
+    logical = with_plain_norm_scales(logical, config)
     state = {}
     for ours, theirs in _name_map(config):
         pieces = logical[ours].detach().split([rows for _, rows in theirs])
@@ -319,7 +321,7 @@ def from_hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
                for ours, theirs in _name_map(config)}
     if not config.tied_output:
         logical["output_layer.weight"] = lm_head.detach().contiguous()
-    return logical
+    return with_stored_norm_scales(logical, config)
 
 
 # ------------------------------------------------------------------ directories

@@ -4,9 +4,14 @@ A *logical state* is what ptdp's layout-independent checkpoints hold: the
 one-process model's parameter names with unsharded, unpadded shapes (the
 word embedding is [vocab_size, h]; ptdp pads it per layout when loading).
 Every converter checks the states it reads and writes against this table.
+Under --apply-layernorm-1p a norm's logical weight is what the model stores,
+scale - 1; converters to other frameworks write the plain scale
+(with_plain_norm_scales) and read it back (with_stored_norm_scales).
 """
 
 from __future__ import annotations
+
+import torch
 
 from ptdp.config import ModelConfig
 
@@ -43,3 +48,36 @@ def logical_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not config.tied_output:
         shapes["output_layer.weight"] = (config.vocab_size, h)
     return shapes
+
+
+def norm_weight_names(config: ModelConfig) -> list[str]:
+    """The logical names of every norm's scale (each layer's two, the final one)."""
+    return [name for name in logical_shapes(config) if name.endswith("layernorm.weight")]
+
+
+def with_plain_norm_scales(logical: dict[str, torch.Tensor],
+                           config: ModelConfig) -> dict[str, torch.Tensor]:
+    """`logical` with each norm's weight as the scale itself, as other
+    frameworks store it: under --apply-layernorm-1p the stored w becomes
+    1 + w; otherwise the state is returned as it is."""
+    return _shift_norm_weights(logical, config, 1.0)
+
+
+def with_stored_norm_scales(plain: dict[str, torch.Tensor],
+                            config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The inverse of with_plain_norm_scales: plain scales as `config`'s
+    model stores them (scale - 1 under --apply-layernorm-1p)."""
+    return _shift_norm_weights(plain, config, -1.0)
+
+
+def _shift_norm_weights(state: dict[str, torch.Tensor], config: ModelConfig,
+                        shift: float) -> dict[str, torch.Tensor]:
+    if not config.apply_layernorm_1p:
+        return state
+    shifted = dict(state)
+    for name in norm_weight_names(config):
+        if name in state:  # a state with a missing tensor is refused by its checker
+            tensor = state[name]
+            # Added in fp32: a bf16 w near 0 has bits that 1 + w in bf16 loses.
+            shifted[name] = (tensor.detach().float() + shift).to(tensor.dtype)
+    return shifted

@@ -1,5 +1,5 @@
-"""Fused element-wise operators: bias + GeLU, bias + dropout + residual add, and
-SwiGLU.
+"""Fused element-wise operators: bias + GeLU, bias + dropout + residual add,
+SwiGLU, and the zero-centred norm of --apply-layernorm-1p.
 
 Each has a plain path (separate PyTorch ops, one autograd node each) and a
 fused path. The fused bias + GeLU is one autograd node that saves only its
@@ -127,3 +127,53 @@ def swiglu(y: torch.Tensor) -> torch.Tensor:
     """The gated MLP's activation: y = [gate | up] along the last dimension
     (each tensor rank holds matching halves of both) -> silu(gate) ⊙ up."""
     return _SwiGLU.apply(y)
+
+
+def _normalize(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+               eps: float) -> torch.Tensor:
+    """LayerNorm over the last dimension, or RMSNorm where there is no bias."""
+    shape = (x.shape[-1],)
+    if bias is None:
+        return F.rms_norm(x, shape, scale, eps)
+    return F.layer_norm(x, shape, scale, bias, eps)
+
+
+def _zero_centred_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       eps: float) -> torch.Tensor:
+    return _normalize(x.float(), weight.float() + 1.0, None if bias is None else bias.float(), eps)
+
+
+class _ZeroCentredNorm(torch.autograd.Function):
+    """The low-precision path of zero_centred_norm: computed in fp32 (the
+    scale 1 + w keeps the bits of a small bf16/fp16 w that adding 1 in that
+    dtype would round away), rounded once to the input's dtype. One node that
+    saves only its inputs, in their own dtypes, and recomputes the fp32 norm
+    in backward: no fp32 copy of the activation is held."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        ctx.save_for_backward(x, weight, bias)
+        ctx.eps = eps
+        return _zero_centred_fp32(x, weight, bias, eps).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        saved = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [None if t is None else t.detach().float().requires_grad_() for t in saved]
+            y = _normalize(leaves[0], leaves[1] + 1.0, leaves[2], ctx.eps)
+        grads = iter(torch.autograd.grad(y, [t for t in leaves if t is not None], grad.float()))
+        x_grad, weight_grad, bias_grad = (None if t is None else next(grads).to(t.dtype)
+                                          for t in saved)
+        return x_grad, weight_grad, bias_grad, None
+
+
+def zero_centred_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      eps: float) -> torch.Tensor:
+    """LayerNorm (or RMSNorm where `bias` is None) scaling by 1 + weight:
+    --apply-layernorm-1p's zero-centred scale, as Megatron-LM's
+    zero_centered_gamma. In fp32 it is the plain norm given the scale
+    1 + w, and trains exactly as a norm storing the scale would."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return _normalize(x, weight + 1.0, bias, eps)
+    return _ZeroCentredNorm.apply(x, weight, bias, eps)

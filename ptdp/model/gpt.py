@@ -9,7 +9,8 @@ embeddings, grouped-query attention (G key/value heads; each tensor rank holds
 G/t whole groups and the query heads that use them), an untied output layer
 (vocabulary-parallel like the embedding) and no linear biases. Activations
 are laid out [s, b, h] (sequence first) as in the paper, so no transposes are
-needed between layers.
+needed between layers. With --apply-layernorm-1p every norm (each layer's two
+and the final one) stores its scale as w = scale - 1 and computes with 1 + w.
 
 With `sequence_parallel` (t > 1) the activations outside the tensor-parallel
 regions are [s/t, b, h] on each tensor rank: the embedding output is cut
@@ -41,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ptdp.config import ModelConfig
-from ptdp.model.fused import bias_dropout_add, bias_gelu, swiglu
+from ptdp.model.fused import bias_dropout_add, bias_gelu, swiglu, zero_centred_norm
 from ptdp.model.recompute import checkpoint, recompute_active
 from ptdp.model.rotary import Rotary
 from ptdp.parallel.pipeline.schedules import layers_of, virtual_stage_of
@@ -62,14 +63,32 @@ from ptdp.parallel.weight_grad import DeferredWeightGrads
 from ptdp.parallel.topology import ParallelContext
 
 
+class LayerNorm1p(nn.LayerNorm):
+    """LayerNorm whose stored weight w is zero-centred: it scales by 1 + w
+    (--apply-layernorm-1p)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return zero_centred_norm(x, self.weight, self.bias, self.eps)
+
+
+class RMSNorm1p(nn.RMSNorm):
+    """RMSNorm whose stored weight w is zero-centred: it scales by 1 + w
+    (--apply-layernorm-1p)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return zero_centred_norm(x, self.weight, None, self.eps)
+
+
 def layer_norm(config: ModelConfig, sequence_parallel: bool = False) -> nn.Module:
-    """LayerNorm or RMSNorm (--normalization): weight 1, LayerNorm's bias 0."""
+    """LayerNorm or RMSNorm (--normalization): weight 1, LayerNorm's bias 0;
+    with --apply-layernorm-1p the weight is stored as scale - 1, so it starts at 0."""
+    one_plus = config.apply_layernorm_1p
     if config.normalization == "RMSNorm":
-        norm = nn.RMSNorm(config.hidden_size, eps=config.epsilon)
+        norm = (RMSNorm1p if one_plus else nn.RMSNorm)(config.hidden_size, eps=config.epsilon)
     else:
-        norm = nn.LayerNorm(config.hidden_size, eps=config.epsilon)
+        norm = (LayerNorm1p if one_plus else nn.LayerNorm)(config.hidden_size, eps=config.epsilon)
         set_init(norm.bias, "zeros")
-    set_init(norm.weight, "ones")
+    set_init(norm.weight, "zeros" if one_plus else "ones")
     if sequence_parallel:
         for param in norm.parameters():
             mark_partial_grad(param)

@@ -9,7 +9,13 @@ final once it has been accumulated for every microbatch of the iteration
 (under the zero-bubble schedules, by the microbatch's W: ptdp.parallel.weight_grad);
 when all of a bucket's gradients are final its reduction over the d replicas
 starts at once (asynchronously), overlapping the rest of the backward pass.
-Gradients are averaged over d.
+Gradients are averaged over d; summed under --calculate-per-token-loss,
+whose loss is already divided by the tokens of the whole global batch
+(Megatron-LM's DDP likewise leaves out its 1/d there).
+
+With --grad-reduce-in-bf16 the reduction over the replicas sends bf16 copies
+of the fp32 gradients (half the bytes) and the reduced values are written
+back into the fp32 buffer; accumulation over microbatches stays fp32.
 
 With the distributed optimizer each bucket is padded to a multiple of d and
 reduce-scattered: data-parallel rank r receives the summed r-th 1/d of every
@@ -51,6 +57,8 @@ class Bucket:
     pending: int = 0                # parameters whose gradient is not final yet this iteration
     launched: bool = False
     handles: list[Any] = field(default_factory=list)
+    # --grad-reduce-in-bf16: (reduced bf16 copy, its fp32 destination), copied when the handles are.
+    unpack: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -68,12 +76,16 @@ class Segment:
 class GradBuffer:
     def __init__(self, params: list[nn.Parameter], ctx: ParallelContext, *, param_dtype: torch.dtype,
                  bucket_size: int, shard: bool, tied: set[nn.Parameter] = frozenset(),
-                 accumulations: dict[nn.Parameter, int] | None = None):
+                 accumulations: dict[nn.Parameter, int] | None = None, average: bool = True,
+                 reduce_dtype: torch.dtype = torch.float32):
         """`accumulations`: for a parameter that autograd accumulates into
         more than once per microbatch (separate backward passes, e.g. zbv's
         shared word embedding: the lookup's gradient in one chunk's backward,
-        the output layer's in another's), how many times; 1 otherwise."""
+        the output layer's in another's), how many times; 1 otherwise.
+        `average`: divide the reduced gradients by d (else sum them).
+        `reduce_dtype`: what the data-parallel reduction sends (fp32 or bf16)."""
         self.ctx, self.shard = ctx, shard
+        self.average, self.reduce_dtype = average, reduce_dtype
         self._accumulations = dict(accumulations or {})
         d = ctx.dp_size
         device = params[0].device
@@ -144,6 +156,7 @@ class GradBuffer:
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
             bucket.handles = []
+            bucket.unpack = []
             bucket.launched = False
 
     def _on_grad(self, param: nn.Parameter) -> None:
@@ -180,13 +193,29 @@ class GradBuffer:
             if self.shard:
                 self._shard_view(bucket).copy_(view)
             return
-        view.div_(self.ctx.dp_size)
+        if self.average:
+            view.div_(self.ctx.dp_size)
+        sent, received = view, (self._shard_view(bucket) if self.shard else view)
+        if self.reduce_dtype != view.dtype:
+            sent = view.to(self.reduce_dtype)
+            received = torch.empty(received.numel(), dtype=self.reduce_dtype, device=view.device) \
+                if self.shard else sent
+            bucket.unpack.append((received, self._shard_view(bucket) if self.shard else view))
         if self.shard:
-            handle = reduce_scatter_flat(self._shard_view(bucket), view, group, async_op)
+            handle = reduce_scatter_flat(received, sent, group, async_op)
         else:
-            handle = dist.all_reduce(view, group=group, async_op=async_op)
+            handle = dist.all_reduce(sent, group=group, async_op=async_op)
         if handle is not None and async_op:
             bucket.handles.append(handle)
+        else:
+            self._unpack(bucket)
+
+    @staticmethod
+    def _unpack(bucket: Bucket) -> None:
+        """Copy reduced low-precision gradients back into the fp32 buffers."""
+        for reduced, destination in bucket.unpack:
+            destination.copy_(reduced)
+        bucket.unpack = []
 
     def finish(self) -> None:
         """Wait for every reduction of the iteration (launching any bucket whose
@@ -199,6 +228,7 @@ class GradBuffer:
             for handle in bucket.handles:
                 handle.wait()
             bucket.handles = []
+            self._unpack(bucket)
             if bucket.tied and self.ctx.embedding_group is not None:
                 self._reduce_over_replicas(bucket, async_op=False)
 

@@ -11,6 +11,10 @@ Calculator, arithmetic included, so the sizes change at the same counts).
 Because the size depends only on the consumed count, which a checkpoint
 stores, a run resumed mid-ramp, under any layout, continues on the same ramp.
 
+A ramp with --train-iters (which Megatron-LM refuses; its own 175B example
+once did it) is the same ramp; the run is those iterations, whatever their
+sizes.
+
 A run's length is --train-iters, or with --train-samples the iterations
 Megatron-LM counts for it (training.py's update_train_iters): with a constant
 batch, the whole global batches that fit; with a ramp, every iteration that

@@ -35,6 +35,11 @@ restored when the layout is the same (resume is then bitwise exact); under
 another layout the streams are reseeded from (seed, iteration), since a
 rank's dropout stream has no counterpart there. No pickle anywhere: tensors
 in safetensors, everything else JSON.
+
+Megatron-LM's load controls: --finetune (the weights only, for a new run
+from iteration 0 with a lineage of its own), --no-load-optim and
+--no-load-rng (load_checkpoint), and --use-checkpoint-args (the model's
+settings from metadata.json, before validation: with_checkpoint_shape).
 """
 
 from __future__ import annotations
@@ -51,13 +56,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ptdp.config import Config, ModelConfig
+from ptdp.config import Config, ConfigError, ModelConfig, flag_of
 from ptdp.file_modes import give_ordinary_mode
 from ptdp.parallel.collectives import all_gather_flat
 from ptdp.parallel.sharding import COPY_ATTR, SHARD_ATTR, gather_logical, shard
+from ptdp.train.optimizer import LossScaler
 from ptdp.train.retention import (LATEST, LINEAGE, METADATA, Lineage, fsync_path, on_lineage,
-                                  point_latest, prune, remove_leftovers, set_aside_other_lineages,
-                                  stored_checkpoints, trainer_lineage)
+                                  point_latest, prune, recorded_lineage, remove_leftovers,
+                                  set_aside_other_lineages, stored_checkpoints, trainer_lineage)
 
 FORMAT = "ptdp-checkpoint"
 FORMAT_VERSION = 1
@@ -77,12 +83,18 @@ SHAPE_SETTINGS = (
     ("--position-embedding-type", lambda m: m.position_embedding_type),
     ("--untie-embeddings-and-output-weights", lambda m: m.untie_embeddings_and_output_weights),
     ("--disable-bias-linear", lambda m: m.disable_bias_linear),
+    # Same shapes, other meaning: the norms' weights hold scale - 1 under it.
+    ("--apply-layernorm-1p", lambda m: m.apply_layernorm_1p),
 )
 OPTIMIZER_KINDS = ("exp_avg", "exp_avg_sq", "main")
 # A checkpoint may carry the Hugging Face tokenizer.json its model was trained
 # with, so that generation, export and resumed training need no tokenizer flags.
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_KEY = "tokenizer"  # metadata key naming the carried file
+# Metadata key of a fine-tune's checkpoints: the checkpoint whose weights it
+# started from ({"checkpoint", "iteration", "lineage"}); a record only, which
+# retention never reads (a fine-tune's lineage is its own).
+FINETUNED_FROM = "finetuned_from"
 
 
 class CheckpointError(ValueError):
@@ -198,6 +210,9 @@ def _finish(trainer, partial: Path, final: Path, iteration: int, consumed_sample
         "files": files,
         LINEAGE: lineage.at(iteration),
     }
+    finetuned_from = getattr(trainer, "finetuned_from", None)
+    if finetuned_from:
+        metadata[FINETUNED_FROM] = finetuned_from
     if tokenizer is not None:
         metadata[TOKENIZER_KEY] = TOKENIZER_FILE
         # The run's path to it may be a resumed checkpoint's copy, soon pruned:
@@ -284,6 +299,111 @@ def saved_model_config(metadata: dict) -> ModelConfig:
     return ModelConfig(**{k: v for k, v in metadata["config"]["model"].items() if k in known})
 
 
+# --use-checkpoint-args: the model settings taken from the checkpoint. Each
+# entry is (fields, view): the fields the user left unset are the
+# checkpoint's; for a field the user gave, view(the run's model) must equal
+# view(the checkpoint's) (None: the setting does not apply to that model).
+# These decide the stored tensors or what they mean. The fields of one entry
+# are one setting (the two names of the epsilon): given one, none is taken.
+CHECKPOINT_ARCHITECTURE = (
+    (("num_layers",), lambda m: m.num_layers),
+    (("hidden_size",), lambda m: m.hidden_size),
+    (("num_attention_heads",), lambda m: m.num_attention_heads),
+    (("group_query_attention",), lambda m: m.group_query_attention),
+    (("num_query_groups",), lambda m: m.query_groups),
+    (("kv_channels",), lambda m: m.head_dim if m.kv_channels is None else m.kv_channels),
+    (("ffn_hidden_size",), lambda m: m.ffn_size),
+    (("vocab_size",), lambda m: m.vocab_size),
+    (("position_embedding_type",), lambda m: m.position_embedding_type),
+    # learned positions: the table's rows; under rope only a limit on --seq-length
+    (("max_position_embeddings",), lambda m: None if m.rope else m.max_positions),
+    (("rotary_base",), lambda m: m.rotary_base if m.rope else None),
+    (("normalization",), lambda m: m.normalization),
+    (("layernorm_epsilon", "norm_epsilon"), lambda m: m.epsilon),
+    (("apply_layernorm_1p",), lambda m: m.apply_layernorm_1p),
+    (("swiglu",), lambda m: m.swiglu),
+    (("untie_embeddings_and_output_weights",), lambda m: m.untie_embeddings_and_output_weights),
+    (("disable_bias_linear",), lambda m: m.disable_bias_linear),
+)
+# Taken only where the user gave none; a value given is the run's own: they
+# neither shape the stored tensors nor change their meaning (a fine-tune may
+# use a shorter sequence or other dropout; the vocabulary's padding is cut
+# off on save).
+CHECKPOINT_RUN_SETTINGS = ("seq_length", "make_vocab_size_divisible_by", "hidden_dropout",
+                           "attention_dropout")
+
+
+def with_checkpoint_shape(config: Config, explicit) -> Config:
+    """--use-checkpoint-args: `config` with the model settings of --load's
+    checkpoint (CHECKPOINT_ARCHITECTURE and CHECKPOINT_RUN_SETTINGS) in
+    place of those the user left unset; `explicit` lists the settings given
+    ("section.field"). A given architecture setting that disagrees with the
+    checkpoint is a ConfigError naming both values: nothing given is
+    overridden. The layout is not taken (a checkpoint loads under any).
+    Without the flag, or without --load (which validate reports), `config`
+    as it is. Reads metadata.json only: cheap, and the same on every rank."""
+    train = config.train
+    if not train.use_checkpoint_args or not train.load:
+        return config
+    try:
+        directory = resolve(train.load)
+        saved = saved_model_config(read_metadata(directory))
+    except (CheckpointError, KeyError, TypeError, AttributeError) as error:
+        raise ConfigError([f"--use-checkpoint-args: {error}"]) from None
+    given = {key.split(".", 1)[1] for key in explicit if key.startswith("model.")}
+    run = dataclasses.asdict(config.model)
+    for fields, _ in CHECKPOINT_ARCHITECTURE:
+        if not given.intersection(fields):
+            run.update({name: getattr(saved, name) for name in fields})
+    run.update({name: getattr(saved, name) for name in CHECKPOINT_RUN_SETTINGS if name not in given})
+    model = ModelConfig(**run)
+    if "max_position_embeddings" not in given and not saved.rope \
+            and model.max_positions != saved.max_positions:  # another --seq-length: the table stays
+        model = dataclasses.replace(model, max_position_embeddings=saved.max_positions)
+    problems = []
+    for fields, view in CHECKPOINT_ARCHITECTURE:
+        named = [name for name in fields if name in given]
+        mine, theirs = view(model), view(saved)
+        if fields == ("vocab_size",) and config.data.tokenizer_type == "NullTokenizer" \
+                and not config.data.mock_data:
+            problems.extend(_null_vocabulary_problem(model.vocab_size if named else None, theirs,
+                                                     directory))
+        elif named and mine is not None and theirs is not None and mine != theirs:
+            problems.append(_disagreement(flag_of("model", named[0]), mine, theirs, directory))
+    if problems:
+        raise ConfigError(problems)
+    sections = config.to_dict()
+    sections["model"] = dataclasses.asdict(model)
+    if "parallel.num_layers_per_virtual_pipeline_stage" not in explicit:
+        # derived from --num-virtual-stages-per-pipeline-rank and the layers: again
+        sections["parallel"]["num_layers_per_virtual_pipeline_stage"] = None
+    return Config.from_dict(sections)
+
+
+def _disagreement(flag: str, mine: Any, theirs: Any, directory: Path) -> str:
+    advice = (f"drop {flag} (--use-checkpoint-args takes it from the checkpoint) or load another "
+              f"checkpoint")
+    if isinstance(theirs, bool):
+        return (f"--use-checkpoint-args: {flag} is {'given' if mine else 'off'}, but the model of "
+                f"--load {directory} was trained {'with' if theirs else 'without'} it: {advice}")
+    return (f"--use-checkpoint-args: {flag} {mine} disagrees with the checkpoint's {theirs} (--load "
+            f"{directory}): {advice}")
+
+
+def _null_vocabulary_problem(given: int | None, theirs: int, directory: Path) -> list[str]:
+    """NullTokenizer's --vocab-size N is a vocabulary of N + 1 (N: end of
+    document); it says what the data's ids are, so it is never taken."""
+    if given is None:
+        return [f"--use-checkpoint-args with --tokenizer-type NullTokenizer: give --vocab-size "
+                f"{theirs - 1} (the data's token ids are 0..{theirs - 2} and {theirs - 1} ends a "
+                f"document: the vocabulary of {theirs} of the model of --load {directory})"]
+    if given + 1 == theirs:
+        return []
+    return [f"--use-checkpoint-args: --tokenizer-type NullTokenizer --vocab-size {given} gives a "
+            f"vocabulary of {given + 1}, but the model of --load {directory} has {theirs}: use "
+            f"--vocab-size {theirs - 1}"]
+
+
 class _Reader:
     """Opens the checkpoint's safetensors files on demand, each verified
     against its sha256 the first time."""
@@ -320,14 +440,39 @@ def verify_file(directory: Path, file: str, metadata: dict) -> None:
 
 def load_checkpoint(trainer, load: str | Path) -> dict[str, Any]:
     """Load into this rank's model, optimizer and random streams; returns the
-    metadata (iteration, consumed_samples, ...). Every rank calls it."""
+    metadata (iteration, consumed_samples, ...). Every rank calls it.
+
+    The weights are the fp32 main weights where the checkpoint saved them
+    (the exact values), else the model's. What else is taken follows the
+    run's settings, as Megatron-LM's load_checkpoint does:
+
+    * --finetune: the weights only. The optimizer starts afresh (zero Adam
+      moments, step count 0, the configured loss scale), the random streams
+      are left as at a fresh run's start (below), and the trainer begins a
+      lineage of its own (retention.py): none of its checkpoints continues
+      the loaded run's. The caller starts the run at iteration 0 with no
+      sample consumed (Trainer's `start`), so the learning-rate schedule and
+      the data order are a fresh run's too.
+    * --no-load-optim: no optimizer state (as --finetune), and the
+      learning-rate schedule starts again from its beginning at the loaded
+      iteration (Trainer.lr_origin): Megatron-LM keeps the scheduler's state
+      with the optimizer's and skips both. The iteration, the consumed
+      samples (so the data position and a batch ramp-up) and the lineage
+      continue.
+    * --no-load-rng: the random streams are left as building the model from
+      --seed left them, a fresh run's at its start (as Megatron-LM leaves
+      the states its initialisation left); the trainer is a new one.
+    """
+    tr = trainer.config.train
+    take_optimizer = tr.load_optim and not tr.finetune
+    take_rng = tr.load_rng and not tr.finetune
     directory = resolve(load)
     metadata = read_metadata(directory)
     check_model_fits(metadata, trainer.config.model, directory)
     reader = _Reader(directory, metadata)
     ctx, buffer, optimizer = trainer.ctx, trainer.buffer, trainer.optimizer
     segments = {id(s.param): s for s in buffer.segments}
-    has_optimizer = reader.has(f"optimizer/exp_avg/{_first_name(trainer)}")
+    has_optimizer = take_optimizer and reader.has(f"optimizer/exp_avg/{_first_name(trainer)}")
     flats = {kind: torch.zeros(buffer.numel, dtype=torch.float32, device=buffer.param_data.device)
              for kind in OPTIMIZER_KINDS}
     with torch.no_grad():
@@ -354,13 +499,60 @@ def load_checkpoint(trainer, load: str | Path) -> dict[str, Any]:
     if has_optimizer:
         optimizer.steps = int(metadata["optimizer"]["steps"])
         optimizer.scaler.load_state_dict(metadata["optimizer"]["loss_scaler"])
+    else:
+        _fresh_optimizer(optimizer)
+    if not tr.finetune and metadata.get("optimizer"):  # the run's count goes on
         trainer.skipped_iterations = int(metadata["optimizer"].get("skipped_iterations", 0))
-    _restore_rng(trainer, directory, metadata)
-    trainer.checkpoint_lineage = Lineage.loaded(directory, metadata)
+    if take_rng:  # (else the streams stay as building the model from --seed left them)
+        _restore_rng(trainer, directory, metadata)
+    if tr.finetune:
+        trainer.checkpoint_lineage = Lineage.fresh()
+        trainer.finetuned_from = {"checkpoint": str(directory.absolute()),
+                                  "iteration": int(metadata["iteration"]),
+                                  LINEAGE: recorded_lineage(directory, metadata)}
+    else:
+        trainer.checkpoint_lineage = Lineage.loaded(directory, metadata)
+        trainer.finetuned_from = metadata.get(FINETUNED_FROM)
+        if not tr.load_optim:  # the learning-rate schedule starts again here
+            trainer.lr_origin = (int(metadata["iteration"]), int(metadata["consumed_samples"]))
     if ctx.rank == 0:
         _tokenizer_to_carry(trainer)  # read now: --keep-last may prune the loaded checkpoint
     _barrier(ctx)
     return metadata
+
+
+def _fresh_optimizer(optimizer) -> None:
+    """Adam as before its first step: zero moments, step count 0 (so the bias
+    correction starts again), the loss scale the settings give. The main
+    weights are left: they are the loaded ones."""
+    optimizer.exp_avg.zero_()
+    optimizer.exp_avg_sq.zero_()
+    optimizer.steps = 0
+    optimizer.scaler = LossScaler.from_config(optimizer.config)
+
+
+def load_summary(train, directory: Path, metadata: dict) -> str:
+    """The start-up line saying what `--load` took (rank 0 prints it)."""
+    iteration, consumed = int(metadata["iteration"]), int(metadata["consumed_samples"])
+    if train.finetune:
+        line = (f"ptdp: fine-tuning from {directory} (the weights of iteration {iteration}; "
+                f"starting at iteration 0 with a fresh optimizer, learning-rate schedule and data "
+                f"order, random streams from --seed {train.seed}, and checkpoints of a run of its "
+                f"own)")
+    else:
+        line = (f"ptdp: resumed from {directory} after iteration {iteration} ({consumed:,} samples "
+                f"consumed)")
+        if not train.load_optim:
+            line += ("; optimizer state not loaded (--no-load-optim): Adam's moments start at "
+                     "zero and the learning-rate schedule starts again from its beginning")
+        elif not any(name.startswith("optimizer/exp_avg/") for name in metadata["tensors"]):
+            line += "; the checkpoint holds no optimizer state: Adam's moments start at zero"
+        if not train.load_rng:
+            line += (f"; random states not restored (--no-load-rng): the streams of --seed "
+                     f"{train.seed}, as at a fresh run's start")
+    if train.use_checkpoint_args:
+        line += "; the model's settings are the checkpoint's (--use-checkpoint-args)"
+    return line
 
 
 def _local(logical: torch.Tensor, spec, shape: torch.Size, name: str, directory: Path) -> torch.Tensor:

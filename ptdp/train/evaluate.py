@@ -19,8 +19,10 @@ gradient buffer or optimizer state changes; the previous mode is restored.
 
 The loss is the mean of the per-microbatch losses (each the mean over its
 tokens, or its unmasked tokens with --eod-mask-loss, as in training) over
-microbatches, iterations and data-parallel replicas. It is computed on the
-last pipeline stage; every stage takes part in the pipeline's transfers.
+microbatches, iterations and data-parallel replicas; under
+--calculate-per-token-loss the mean over every counted token of them all
+(Megatron-LM's Σ loss / Σ tokens). It is computed on the last pipeline
+stage; every stage takes part in the pipeline's transfers.
 """
 
 from __future__ import annotations
@@ -29,10 +31,10 @@ import math
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ptdp.data.loader import collate, split_microbatch
 from ptdp.data.sampler import microbatch_indices
+from ptdp.parallel.pipeline.executor import average_loss
 from ptdp.parallel.pipeline.schedules import build_forward_only
 
 
@@ -73,6 +75,7 @@ def evaluate(trainer, dataset, num_iters: int, start_sample: int = 0) -> dict[st
     was_training = trainer.model.training
     trainer.model.eval()
     losses: list[torch.Tensor] = []
+    tokens: list[torch.Tensor] = []
     try:
         with torch.no_grad():
             for k in range(num_iters):
@@ -80,13 +83,12 @@ def evaluate(trainer, dataset, num_iters: int, start_sample: int = 0) -> dict[st
                     schedule, validation_microbatch_fn(trainer, dataset, k, start_sample),
                     forward_only=True)
                 losses.extend(stats.losses)
+                tokens.extend(stats.loss_tokens)
     finally:
         trainer.model.train(was_training)
 
     if not trainer.holds_loss:
         return {"loss": None, "perplexity": None}
-    loss_sum = torch.stack(losses).float().sum()
-    if ctx.dp_group is not None:
-        dist.all_reduce(loss_sum, group=ctx.dp_group)
-    loss = loss_sum.item() / (num_iters * trainer.num_micro * ctx.dp_size)
+    per_token = trainer.config.train.calculate_per_token_loss
+    loss = average_loss(losses, tokens if per_token else None, ctx.dp_group)
     return {"loss": loss, "perplexity": math.exp(loss) if loss < 700 else math.inf}

@@ -16,24 +16,26 @@ from ptdp import device as devices
 from ptdp.plural import plural
 from ptdp.status import phase
 from ptdp.config import Config
-from ptdp.data.loader import TrainingData, build_training_data, collate, split_microbatch
-from ptdp.data.sampler import microbatch_indices
+from ptdp.data.loader import TrainingBatches, TrainingData, build_training_data, split_microbatch
+from ptdp.data.sampler import microbatch_indices, training_microbatches
 from ptdp.errors import DivergenceError
 from ptdp.launch import DistEnv, init_process_group
 from ptdp.megatron_flags import attention_kernel, reports_attention_kernel
 from ptdp.model.gpt import build_chunks
 from ptdp.parallel.data import GradBuffer
-from ptdp.parallel.pipeline.executor import PipelineExecutor
+from ptdp.parallel.pipeline.executor import PipelineExecutor, average_loss
 from ptdp.parallel.pipeline.schedules import build_schedule
 from ptdp.parallel.pipeline.split import stage_layer_counts
 from ptdp.parallel.sharding import COPY_ATTR, logical_shape
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.perf.flops import configured_flops_per_iteration
 from ptdp.train.batches import ConsumedSamples, GlobalBatches
-from ptdp.train.checkpoint import load_checkpoint, read_metadata, resolve, save_checkpoint
+from ptdp.train.checkpoint import (load_checkpoint, load_summary, read_metadata, resolve,
+                                   save_checkpoint)
 from ptdp.train.evaluate import evaluate
+from ptdp.train.housekeeping import Housekeeping
 from ptdp.train.lr_schedule import LRSchedule
-from ptdp.train.optimizer import Optimizer
+from ptdp.train.optimizer import Optimizer, embedding_and_output_weights
 from ptdp.train.report import (Progress, TensorBoardLogger, format_log_line, peak_tflops,
                                plot_loss_curve, throughput)
 from ptdp.train.stopping import StopConditions
@@ -96,6 +98,10 @@ class Trainer:
         self.train_iters = self.batches.train_iters
         self.consumed = ConsumedSamples(self.batches, *start)
         self.lr_schedule = LRSchedule.from_config(tr, self.global_batch)
+        # --decoupled-lr: the word embedding's and output layer's own (else None).
+        self.decoupled_lr_schedule = LRSchedule.decoupled_from_config(tr, self.global_batch)
+        # (iteration, consumed samples) the schedule counts from: --no-load-optim restarts it.
+        self.lr_origin = (0, 0)
         self._schedules: dict[int, Any] = {}  # m -> schedule, for the m of a ramp
         self.dtype = torch.bfloat16 if tr.bf16 else torch.float16 if tr.fp16 else torch.float32
 
@@ -119,8 +125,12 @@ class Trainer:
                 else set())
         self.buffer = GradBuffer(params, ctx, param_dtype=self.dtype, bucket_size=tr.ddp_bucket_size,
                                  shard=tr.use_distributed_optimizer, tied=tied,
-                                 accumulations=_tied_accumulations(self.chunks, model_cfg.tied_output))
-        self.optimizer = Optimizer(self.buffer, ctx, tr)
+                                 accumulations=_tied_accumulations(self.chunks, model_cfg.tied_output),
+                                 average=not tr.calculate_per_token_loss,
+                                 reduce_dtype=torch.bfloat16 if tr.grad_reduce_in_bf16
+                                 else torch.float32)
+        self.optimizer = Optimizer(self.buffer, ctx, tr,
+                                   decoupled=embedding_and_output_weights(self.chunks))
         # Under sequence parallelism each tensor rank sends its own s/t
         # positions: the paper's scatter/gather without the gather.
         positions = model_cfg.seq_length // ctx.tp_size if sequence_parallel else model_cfg.seq_length
@@ -133,6 +143,10 @@ class Trainer:
                                  tr.eval_iters * self.global_batch if tr.eval_interval else 0, 0),
             is_builder=ctx.rank == 0, reads_tokens=ctx.is_first_stage or self.holds_loss,
             barrier=dist.barrier if dist.is_initialized() else None)
+        # --num-workers N: N processes read this run's microbatches ahead of the steps.
+        self.train_batches = TrainingBatches(self.data.train, config, training_microbatches(
+            self.consumed, self.start_iteration, self.train_iters, ctx.dp_rank,
+            micro_batch_size=b, data_parallel_size=d))
 
     def schedule_for(self, num_micro: int):
         """The pipeline schedule of an iteration of `num_micro` microbatches:
@@ -174,9 +188,12 @@ class Trainer:
         """The global batch of 0-based `iteration` (smaller during a ramp-up)."""
         return self.batches.size_at(self.consumed_before(iteration))
 
-    def learning_rate(self, iteration: int) -> float:
-        """The rate 0-based `iteration` steps with: the schedule after it."""
-        return self.lr_schedule.lr_after(iteration + 1, self.consumed_before(iteration + 1))
+    def learning_rate(self, iteration: int, schedule: LRSchedule | None = None) -> float:
+        """The rate 0-based `iteration` steps with: the schedule after it
+        (`schedule`, else the main one: --lr's)."""
+        origin, origin_consumed = self.lr_origin
+        return (schedule or self.lr_schedule).lr_after(
+            iteration + 1 - origin, self.consumed_before(iteration + 1) - origin_consumed)
 
     def save(self, directory: str, iteration: int):
         """Checkpoint after `iteration` iterations (every rank calls it); returns its directory."""
@@ -186,7 +203,8 @@ class Trainer:
 
     def load(self, directory: str) -> dict[str, Any]:
         """Weights, optimizer state and random streams from a checkpoint,
-        resharded for this layout (every rank calls it)."""
+        resharded for this layout (every rank calls it); --finetune,
+        --no-load-optim and --no-load-rng leave some out (load_checkpoint)."""
         return load_checkpoint(self, directory)
 
     def microbatch_fn(self, iteration: int):
@@ -194,10 +212,9 @@ class Trainer:
         global_batch = self.batch_of(iteration)
 
         def microbatch(i: int) -> tuple[torch.Tensor, ...]:
-            tokens = collate(self.data.train, microbatch_indices(
+            tokens = self.train_batches.read(microbatch_indices(
                 self.consumed_before(iteration), i, ctx.dp_rank, micro_batch_size=tr.micro_batch_size,
-                global_batch_size=global_batch, data_parallel_size=ctx.dp_size),
-                self.config.model.vocab_size)
+                global_batch_size=global_batch, data_parallel_size=ctx.dp_size))
             return tuple(t.to(self.device) for t in split_microbatch(
                 tokens, self.data.eod, self.config.data.eod_mask_loss))
         return microbatch
@@ -219,7 +236,8 @@ class Trainer:
                                   record_timeline=record_timeline,
                                   loss_scale=self.optimizer.scaler.scale,
                                   synchronize=(lambda: devices.synchronize(self.device))
-                                  if measure else None)
+                                  if measure else None,
+                                  per_token_loss=tr.calculate_per_token_loss)
         devices.synchronize(self.device)
         if measure:
             self.place_exchanges(stats, num_micro)
@@ -228,15 +246,15 @@ class Trainer:
         self.buffer.finish()
         loss = None
         if self.holds_loss:
-            loss_sum = torch.stack(stats.losses).sum().float()
-            if ctx.dp_group is not None:
-                dist.all_reduce(loss_sum, group=ctx.dp_group)
-            loss = loss_sum.item() / (num_micro * ctx.dp_size)
+            loss = average_loss(stats.losses, stats.loss_tokens if tr.calculate_per_token_loss
+                                else None, ctx.dp_group)
         devices.synchronize(self.device)
         reduce_done = time.perf_counter()
 
         lr = self.learning_rate(iteration)
-        result = self.optimizer.step(lr)
+        decoupled_lr = (None if self.decoupled_lr_schedule is None
+                        else self.learning_rate(iteration, self.decoupled_lr_schedule))
+        result = self.optimizer.step(lr, decoupled_lr)
         self.skipped_iterations += result.skipped
         devices.synchronize(self.device)
         end = time.perf_counter()
@@ -282,7 +300,12 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
     start = (0, 0)
     if tr.load:
         metadata = read_metadata(resolve(tr.load))
-        start = (int(metadata["iteration"]), int(metadata["consumed_samples"]))
+        if not tr.finetune:  # a fine-tune is a run of its own from iteration 0
+            start = (int(metadata["iteration"]), int(metadata["consumed_samples"]))
+    # --manual-gc, --empty-unused-memory-level, --profile; refuses a profile
+    # this job cannot record before the model is built.
+    housekeeping = Housekeeping(tr, device, rank=ctx.rank, world_size=ctx.grid.world_size,
+                                start_iteration=start[0])
     trainer = Trainer(config, ctx, device, start=start)
     if tr.load:
         # Every rank reads its shards; rank 0 says so (a large checkpoint takes a while).
@@ -318,24 +341,27 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
         return configured_flops_per_iteration(model_cfg, trainer.batch_of(iteration),
                                               ctx.pp_size * trainer.num_chunks, stage_layers)
     peak = peak_tflops(device, trainer.dtype, tr.peak_tflops)
-    tensorboard = TensorBoardLogger(tr.tensorboard_dir) if is_logger and tr.tensorboard_dir else None
+    tensorboard = TensorBoardLogger.for_run(tr) if is_logger and tr.tensorboard_dir else None
     progress = Progress(train_iters, start=trainer.start_iteration,
                         enabled=None if is_logger else False)
     history: list[dict[str, Any]] = []
     stopping = StopConditions(tr, device, uses_loss_scaling=tr.fp16, rank=ctx.rank,
                               is_logger=is_logger)
-    newest_checkpoint = str(resolve(tr.load)) if tr.load else None
+    # (a fine-tune's loaded checkpoint is another run's, not one of its own)
+    newest_checkpoint = str(resolve(tr.load)) if tr.load and not tr.finetune else None
     try:
         if is_logger and tr.load:
-            print(f"ptdp: resumed from {newest_checkpoint} after iteration {start[0]} "
-                  f"({start[1]:,} samples consumed)", flush=True)
+            print(load_summary(tr, resolve(tr.load), metadata), flush=True)
+        housekeeping.start_training()
         for iteration in range(trainer.start_iteration, train_iters):
             done = iteration + 1
             began = time.monotonic()
             record_timeline = bool(tr.timeline) and done == train_iters
             if record_timeline:
                 dist.barrier()  # align the ranks' clocks for the picture
+            housekeeping.before_iteration(iteration)
             record, stats = trainer.step(iteration, record_timeline)
+            housekeeping.after_iteration(done)
             if is_logger and trainer.measured_costs is not None and iteration == trainer.start_iteration + 1:
                 _report_placement(trainer)
             record.update(throughput(flops(iteration), record["iteration_ms"] / 1e3,
@@ -351,7 +377,8 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
             # the settings alone; not when a signal gives little time left.
             if tr.eval_interval and (done % tr.eval_interval == 0 or done == train_iters) \
                     and not verdict.signal:
-                result = evaluate(trainer, trainer.data.valid, tr.eval_iters)
+                with housekeeping.evaluation():
+                    result = evaluate(trainer, trainer.data.valid, tr.eval_iters)
                 record["val_loss"], record["val_perplexity"] = result["loss"], result["perplexity"]
             history.append(record)
             progress.update(done, record["loss"])
@@ -377,7 +404,9 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
                           f"{saved}", flush=True)
                 break
     finally:
+        housekeeping.finish(history[-1]["iteration"] if history else None)
         stopping.close()
+        trainer.train_batches.close()  # --num-workers' processes end with the run
         progress.close()
         if metrics_out is not None:
             metrics_out.close()

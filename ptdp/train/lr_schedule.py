@@ -21,10 +21,16 @@ Styles, after a linear warm-up from 0 to --lr (then, past the decay length,
                        --lr-wsd-decay-iters/-samples of the decay length an
                        annealing to --min-lr shaped by --lr-wsd-decay-style:
                        exponential, linear, cosine or minus_sqrt
+
+--decoupled-lr / --decoupled-min-lr (Megatron-LM's param-group max_lr and
+min_lr of the word embedding and the output layer): a second schedule of the
+same shape, lengths and warm-up start, from --decoupled-lr to
+--decoupled-min-lr (default --min-lr); see `decoupled_from_config`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -64,6 +70,19 @@ class LRSchedule:
         return cls(max_lr=float(train.lr), min_lr=train.min_lr, warmup_steps=warmup,
                    decay_steps=decay, style=train.lr_decay_style, wsd_decay_steps=wsd,
                    wsd_style=train.lr_wsd_decay_style, iteration_samples=iteration_samples)
+
+    @classmethod
+    def decoupled_from_config(cls, train: "TrainConfig", global_batch: int) -> "LRSchedule | None":
+        """The schedule of the word embedding and the output layer under
+        --decoupled-lr, None without it. Megatron-LM's scheduler drives every
+        parameter group with one step count, warm-up start and shape; a
+        group only brings its own max_lr and min_lr (--decoupled-min-lr,
+        or --min-lr when it is not given)."""
+        if train.decoupled_lr is None:
+            return None
+        min_lr = train.min_lr if train.decoupled_min_lr is None else train.decoupled_min_lr
+        return dataclasses.replace(cls.from_config(train, global_batch),
+                                   max_lr=float(train.decoupled_lr), min_lr=min_lr)
 
     def lr_after(self, iterations: int, consumed: int) -> float:
         """The rate of the iteration after which `iterations` are done and

@@ -12,13 +12,16 @@ runs on every element, only on another rank.
 Per-parameter rules become index ranges of the flat buffer: weight decay on
 matrices only (not biases or norms), and the global gradient norm counting a
 parameter replicated over the tensor group once (tensor rank 0) and the
-last stage's copy of the tied embedding not at all.
+last stage's copy of the tied embedding not at all; and, under
+--decoupled-lr, the rate: the word embedding and the output layer step with
+their own (see `embedding_and_output_weights`), everything else with --lr.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Collection, Iterable
 
 import torch
 import torch.distributed as dist
@@ -34,6 +37,22 @@ def counts_in_norm(param: torch.nn.Parameter, ctx: ParallelContext) -> bool:
     if getattr(param, COPY_ATTR, False):
         return False
     return hasattr(param, SHARD_ATTR) or ctx.tp_rank == 0
+
+
+def embedding_and_output_weights(chunks: Iterable[torch.nn.Module]) -> set[torch.nn.Parameter]:
+    """The parameters --decoupled-lr applies to, as Megatron-LM marks them
+    (is_embedding_or_output_parameter): the word embedding of the first
+    stage and the output layer's weight of the last. With a tied output
+    layer that is the word embedding on both ends, so the last stage's copy
+    steps with the same rate and the copies stay equal. The position
+    embeddings and the final norm keep --lr."""
+    found = set()
+    for chunk in chunks:
+        if getattr(chunk, "pre_process", False):
+            found.add(chunk.embedding.word_embeddings.weight)
+        if getattr(chunk, "post_process", False):
+            found.add(chunk.output_matrix.weight)
+    return found
 
 
 class LossScaler:
@@ -102,13 +121,17 @@ def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 class Optimizer:
-    def __init__(self, buffer: GradBuffer, ctx: ParallelContext, config: TrainConfig):
+    def __init__(self, buffer: GradBuffer, ctx: ParallelContext, config: TrainConfig,
+                 decoupled: Collection[torch.nn.Parameter] = ()):
+        """`decoupled`: the parameters that step with the rate given to
+        `step` as decoupled_lr (--decoupled-lr; see embedding_and_output_weights)."""
         self.buffer, self.ctx, self.config = buffer, ctx, config
         self.scaler = LossScaler.from_config(config)
         d = ctx.dp_size if buffer.shard else 1
 
         # Where each rule applies, in the coordinates of buffer.reduced_grads.
-        decay, counted = [], []
+        decay, counted, own_rate, own_rate_decay = [], [], [], []
+        decoupled_ids = {id(param) for param in decoupled}
         for segment in buffer.segments:
             bucket = buffer._bucket_of[segment.param]
             own_start, own_end = buffer.owned_range(bucket)
@@ -120,7 +143,13 @@ class Optimizer:
                 decay.append(local)
             if counts_in_norm(segment.param, ctx):
                 counted.append(local)
+            if id(segment.param) in decoupled_ids:
+                own_rate.append(local)
+                if segment.param.ndim >= 2:
+                    own_rate_decay.append(local)
         self.decay_ranges, self.norm_ranges = _merge(decay), _merge(counted)
+        self.decoupled_ranges = _merge(own_rate)
+        self._decoupled_decay_ranges = _merge(own_rate_decay)
 
         if buffer.shard:
             self.main = torch.cat([buffer.initial_fp32[slice(*buffer.owned_range(b))]
@@ -147,7 +176,9 @@ class Optimizer:
         # Sharded gradients differ over data-parallel ranks too: reduce over all.
         return self.ctx.world_group if self.buffer.shard else self.ctx.mp_group
 
-    def step(self, lr: float) -> StepResult:
+    def step(self, lr: float, decoupled_lr: float | None = None) -> StepResult:
+        """One optimizer step at rate `lr`; the `decoupled` parameters step
+        at `decoupled_lr` (None: at `lr` too)."""
         grads = self.buffer.reduced_grads
         scale = self.scaler.scale
         if scale != 1.0:
@@ -179,7 +210,7 @@ class Optimizer:
             if coefficient < 1.0:
                 grads.mul_(coefficient)
 
-        self._adamw(grads, lr)
+        self._adamw(grads, lr, decoupled_lr)
         if self.buffer.shard:
             self.buffer.gather_params(self.main)
         elif self.main is not self.buffer.param_data:
@@ -187,22 +218,70 @@ class Optimizer:
         self.scaler.update(False)
         return StepResult(grad_norm=grad_norm, skipped=False, loss_scale=scale)
 
+    def _rate_groups(self, lr: float, decoupled_lr: float | None):
+        """(rate, ranges it steps, of which decayed) for each learning rate;
+        the ranges of all groups cover the buffer once."""
+        whole = [(0, self.main.numel())]
+        if decoupled_lr is None or not self.decoupled_ranges:
+            return [(lr, whole, self.decay_ranges)]
+        rest = _complement(self.decoupled_ranges, self.main.numel())
+        rest_decay = _subtract(self.decay_ranges, self._decoupled_decay_ranges)
+        return [(lr, rest, rest_decay),
+                (decoupled_lr, self.decoupled_ranges, self._decoupled_decay_ranges)]
+
     @torch.no_grad()
-    def _adamw(self, grads: torch.Tensor, lr: float) -> None:
-        """torch.optim.AdamW's arithmetic, element-wise on flat tensors."""
+    def _adamw(self, grads: torch.Tensor, lr: float, decoupled_lr: float | None = None) -> None:
+        """torch.optim.AdamW's arithmetic, element-wise on flat tensors (per
+        range where parameters step with rates of their own)."""
         c = self.config
         self.steps += 1
-        if c.weight_decay:
-            for start, end in self.decay_ranges:
-                self.main[start:end].mul_(1.0 - lr * c.weight_decay)
-        if _fused_adamw(self.main, grads, self.exp_avg, self.exp_avg_sq, self.steps, lr, c):
-            return
-        self.exp_avg.lerp_(grads, 1.0 - c.adam_beta1)
-        self.exp_avg_sq.mul_(c.adam_beta2).addcmul_(grads, grads, value=1.0 - c.adam_beta2)
-        bias_correction1 = 1.0 - c.adam_beta1 ** self.steps
-        bias_correction2 = 1.0 - c.adam_beta2 ** self.steps
-        denom = (self.exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(c.adam_eps)
-        self.main.addcdiv_(self.exp_avg, denom, value=-lr / bias_correction1)
+        for rate, ranges, decayed in self._rate_groups(lr, decoupled_lr):
+            if c.weight_decay:
+                for start, end in decayed:
+                    self.main[start:end].mul_(1.0 - rate * c.weight_decay)
+            for start, end in ranges:
+                _adam(self.main[start:end], grads[start:end], self.exp_avg[start:end],
+                      self.exp_avg_sq[start:end], self.steps, rate, c)
+
+
+def _complement(ranges: list[tuple[int, int]], size: int) -> list[tuple[int, int]]:
+    """[0, size) less the sorted, disjoint `ranges`."""
+    rest, position = [], 0
+    for start, end in ranges:
+        if start > position:
+            rest.append((position, start))
+        position = end
+    if position < size:
+        rest.append((position, size))
+    return rest
+
+
+def _subtract(ranges: list[tuple[int, int]], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of sorted, disjoint `ranges` outside sorted, disjoint `holes`."""
+    result = []
+    for start, end in ranges:
+        for hole_start, hole_end in holes:
+            if hole_end <= start or hole_start >= end:
+                continue
+            if hole_start > start:
+                result.append((start, hole_start))
+            start = max(start, hole_end)
+        if start < end:
+            result.append((start, end))
+    return result
+
+
+def _adam(main: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+          step: int, lr: float, c: TrainConfig) -> None:
+    """The Adam update of one flat range (weight decay already applied)."""
+    if _fused_adamw(main, grads, exp_avg, exp_avg_sq, step, lr, c):
+        return
+    exp_avg.lerp_(grads, 1.0 - c.adam_beta1)
+    exp_avg_sq.mul_(c.adam_beta2).addcmul_(grads, grads, value=1.0 - c.adam_beta2)
+    bias_correction1 = 1.0 - c.adam_beta1 ** step
+    bias_correction2 = 1.0 - c.adam_beta2 ** step
+    denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(c.adam_eps)
+    main.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
 
 
 def _fused_adamw(main: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor,

@@ -255,7 +255,9 @@ def phase_times(timeline_boxes: Iterable[Sequence]) -> dict[str, float]:
 # ------------------------------------------------------------------------------------------
 # TensorBoard
 
-# record key -> TensorBoard tag (only the keys present and not None are written)
+# record key -> TensorBoard tag (only the keys present and not None are written).
+# ptdp's own tags, always written: training scalars every
+# --tensorboard-log-interval iterations, validation ones at each evaluation.
 TENSORBOARD_TAGS: dict[str, str] = {
     "loss": "train/loss",
     "val_loss": "valid/loss",
@@ -277,14 +279,55 @@ TENSORBOARD_TAGS: dict[str, str] = {
     "grad_reduce_ms": "time/grad_reduce_ms",
     "optimizer_ms": "time/optimizer_ms",
 }
+VALIDATION_KEYS = frozenset({"val_loss", "val_perplexity"})
+
+# --log-timers-to-tensorboard: the iteration's timers in seconds under
+# Megatron-LM's names (its timer name + "-time"), where it has the same timer.
+# Megatron-LM writes the slowest rank's time; ptdp the logging rank's (the
+# last pipeline stage's, whose forward-backward ends last), no collective.
+MEGATRON_TIMER_TAGS: dict[str, str] = {
+    "iteration_ms": "iteration-time",
+    "forward_backward_ms": "forward-backward-time",
+    "forward_ms": "forward-compute-time",
+    "backward_ms": "backward-compute-time",
+    "grad_reduce_ms": "all-grads-sync-time",
+    "optimizer_ms": "optimizer-time",
+    # ptdp's own: Megatron-LM times each send/receive kind separately, and
+    # has no zero-bubble W pass.
+    "pipeline_transfer_ms": "pipeline-transfer-time",
+    "weight_grad_ms": "weight-grad-compute-time",
+}
+# --log-validation-ppl-to-tensorboard: Megatron-LM's tags for its "lm loss".
+VALIDATION_PPL_TAG = "lm loss validation ppl"
+# --log-throughput: Megatron-LM's tag, model TFLOP/s per device.
+THROUGHPUT_TAG = "throughput"
+
+
+def _finite(value: Any) -> float | None:
+    if isinstance(value, bool):
+        value = int(value)
+    if isinstance(value, (int, float)) and math.isfinite(value):
+        return float(value)
+    return None
 
 
 class TensorBoardLogger:
-    """Writes a record's scalars per iteration to TensorBoard event files in
-    `directory` (view with `tensorboard --logdir DIRECTORY`). Needs the
-    `tensorboard` package; without it, construction fails with the fix."""
+    """Writes a record's scalars to TensorBoard event files in `directory`
+    (view with `tensorboard --logdir DIRECTORY`). Needs the `tensorboard`
+    package; without it, construction fails with the fix.
 
-    def __init__(self, directory: str | Path):
+    `interval`: training scalars on iterations divisible by it (validation
+    ones at every evaluation), Megatron-LM's --tensorboard-log-interval.
+    The other options add Megatron-LM's tags for quantities ptdp writes
+    under its own tags anyway, so dashboards made for Megatron-LM runs find
+    them: `timers` (seconds, MEGATRON_TIMER_TAGS), `validation_ppl`
+    (VALIDATION_PPL_TAG, by iteration and "... vs samples") and `throughput`
+    (THROUGHPUT_TAG)."""
+
+    def __init__(self, directory: str | Path, *, interval: int = 1, timers: bool = False,
+                 validation_ppl: bool = False, throughput: bool = False):
+        if not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"--tensorboard-log-interval must be a positive integer, not {interval!r}")
         try:
             import tensorboard  # noqa: F401 - torch's writer needs it
             from torch.utils.tensorboard import SummaryWriter
@@ -293,16 +336,43 @@ class TensorBoardLogger:
                 f"--tensorboard-dir {directory} needs the tensorboard package: "
                 "pip install tensorboard (into the environment ptdp runs in)") from None
         self.directory = Path(directory)
+        self.interval, self.timers = interval, timers
+        self.validation_ppl, self.throughput = validation_ppl, throughput
         self.writer = SummaryWriter(log_dir=str(self.directory))
+
+    @classmethod
+    def for_run(cls, tr) -> "TensorBoardLogger":
+        """The logger --tensorboard-dir and its companion flags ask for (`tr`: a TrainConfig)."""
+        return cls(tr.tensorboard_dir, interval=tr.tensorboard_log_interval,
+                   timers=tr.log_timers_to_tensorboard,
+                   validation_ppl=tr.log_validation_ppl_to_tensorboard,
+                   throughput=tr.log_throughput)
 
     def log(self, record: dict[str, Any], step: int | None = None) -> None:
         step = record["iteration"] if step is None else step
+        training = step % self.interval == 0
         for key, tag in TENSORBOARD_TAGS.items():
-            value = record.get(key)
-            if isinstance(value, bool):
-                value = int(value)
-            if isinstance(value, (int, float)) and math.isfinite(value):
+            value = _finite(record.get(key))
+            if value is not None and (training or key in VALIDATION_KEYS):
                 self.writer.add_scalar(tag, value, step)
+        if training:
+            self._log_megatron_training(record, step)
+        ppl = _finite(record.get("val_perplexity"))
+        if self.validation_ppl and ppl is not None:
+            self.writer.add_scalar(VALIDATION_PPL_TAG, ppl, step)
+            if record.get("consumed_samples") is not None:
+                self.writer.add_scalar(VALIDATION_PPL_TAG + " vs samples", ppl,
+                                       record["consumed_samples"])
+
+    def _log_megatron_training(self, record: dict[str, Any], step: int) -> None:
+        if self.timers:
+            for key, tag in MEGATRON_TIMER_TAGS.items():
+                value = _finite(record.get(key))
+                if value is not None:
+                    self.writer.add_scalar(tag, value / 1e3, step)
+        throughput = _finite(record.get("tflops_per_device"))
+        if self.throughput and throughput is not None:
+            self.writer.add_scalar(THROUGHPUT_TAG, throughput, step)
 
     def flush(self) -> None:
         self.writer.flush()

@@ -4,9 +4,14 @@ A checkpoint (ptdp/train/checkpoint.py) records its lineage in metadata.json:
 `[run id, last iteration]` pairs from the origin to itself (run B loaded run
 A's iteration 5 and saved iteration 8: `[[A, 5], [B, 8]]`). A trainer gets a
 new run id at its first save and at every load; a load inherits the loaded
-checkpoint's pairs. A checkpoint of run r at iteration i is on a lineage when
-one of its pairs (r, upto) has i <= upto; one without the key (written before
-lineages existed) is a lineage of its own, named by its metadata's sha256.
+checkpoint's pairs, except a --finetune load: a fine-tune is a new run from
+iteration 0 whose lineage is its own (its checkpoints record the loaded one
+under "finetuned_from", which nothing here reads), so --keep-last never
+counts the loaded run's checkpoints as its own, and validate refuses a
+fine-tune whose --save is the loaded checkpoint's directory. A checkpoint of
+run r at iteration i is on a lineage when one of its pairs (r, upto) has
+i <= upto; one without the key (written before lineages existed) is a
+lineage of its own, named by its metadata's sha256.
 
 So a save can tell its own history from an abandoned branch: before a
 checkpoint is published, every complete checkpoint in the directory that is

@@ -3,7 +3,15 @@
 - Compute F: take the microbatch's tokens (first virtual stage) or the
   received activation, run the chunk, keep (input, output) for the backward.
   The last virtual stage computes the loss, scaled by 1/m so that the
-  gradients are those of the mean over microbatches.
+  gradients are those of the mean over microbatches. Under
+  --calculate-per-token-loss (Megatron-LM's) it is instead the sum of the
+  microbatch's per-token losses divided by the counted (loss-mask) tokens
+  of the whole global batch, all microbatches and data-parallel replicas:
+  the rank that computes the loss reads its microbatches and counts their
+  tokens before the first backward (the replicas sum their counts), so the
+  division happens in the loss, where it scales every gradient exactly as
+  the one-process model's, whatever the schedule (Megatron-LM divides the
+  reduced gradients instead; the same numbers up to rounding).
 - Compute B: backpropagate the received output gradient (or the loss) through
   the chunk; the input's gradient is what goes to the previous stage.
 - Compute W (zero-bubble schedules only): the chunk's weight gradients of
@@ -55,6 +63,9 @@ Box = tuple[str, int, int, float, float]
 @dataclass
 class PipelineStats:
     losses: list[torch.Tensor] = field(default_factory=list)   # last stage: one per microbatch
+    # Last stage: the tokens each microbatch's loss averages over (its
+    # loss-mask's count; every label without a mask).
+    loss_tokens: list[torch.Tensor] = field(default_factory=list)
     peak_stored: int = 0                 # most (microbatch, chunk) activations held at once, F to B
     # Most (microbatch, chunk) whose W has not run, F to W: a zero-bubble
     # schedule's deferred weight gradients keep their inputs until W. Equal
@@ -71,6 +82,47 @@ class PipelineStats:
 
 
 MicrobatchFn = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def counted_tokens(batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The tokens a microbatch's loss averages over (fp32, on its device):
+    its loss mask's ones, or every label."""
+    if len(batch) > 2 and batch[2] is not None:
+        return batch[2].sum(dtype=torch.float32)
+    labels = batch[1]
+    return torch.tensor(float(labels.numel()), dtype=torch.float32, device=labels.device)
+
+
+def read_and_count(microbatch: MicrobatchFn, m: int,
+                   group) -> tuple[MicrobatchFn, torch.Tensor]:
+    """--calculate-per-token-loss: read the iteration's m microbatches now
+    (kept for the run, so each is read once) and count the tokens the
+    global batch's loss averages over: theirs, summed over `group` (the
+    data-parallel replicas). At least 1, as Megatron-LM's divisor."""
+    batches = [microbatch(i) for i in range(m)]
+    total = torch.stack([counted_tokens(batch) for batch in batches]).sum()
+    if group is not None:
+        dist.all_reduce(total, group=group)
+    return batches.__getitem__, total.clamp(min=1.0)
+
+
+def average_loss(losses: list[torch.Tensor], tokens: list[torch.Tensor] | None, group) -> float:
+    """The reported loss over a rank's microbatch losses and its replicas'
+    (`group`): without `tokens` the mean of the microbatch means; with
+    their token counts the per-token mean, Σ mean·tokens / Σ tokens
+    (Megatron-LM's under --calculate-per-token-loss)."""
+    if tokens is None:
+        loss_sum = torch.stack(losses).sum().float()
+        if group is not None:
+            dist.all_reduce(loss_sum, group=group)
+        replicas = 1 if group is None else dist.get_world_size(group)
+        return loss_sum.item() / (len(losses) * replicas)
+    counts = torch.stack(tokens).float()
+    totals = torch.stack([(torch.stack(losses).float() * counts).sum(), counts.sum()])
+    if group is not None:
+        dist.all_reduce(totals, group=group)
+    loss_sum, count = totals.tolist()
+    return loss_sum / max(count, 1.0)
 
 
 class PipelineExecutor:
@@ -109,14 +161,21 @@ class PipelineExecutor:
 
     def run(self, schedule: Schedule, microbatch: MicrobatchFn, *, forward_only: bool = False,
             record_timeline: bool = False, loss_scale: float = 1.0,
-            synchronize: Callable[[], None] | None = None) -> PipelineStats:
+            synchronize: Callable[[], None] | None = None,
+            per_token_loss: bool = False) -> PipelineStats:
         """Execute this rank's actions of `schedule`. `microbatch(i)` gives the
         tokens and labels [b, s] of microbatch i, and optionally its loss mask
-        (used on the first and last virtual stage only). Backward starts from loss · loss_scale / m.
+        (used on the first and last virtual stage only). Backward starts from loss · loss_scale / m;
+        with `per_token_loss` from loss · tokens · loss_scale / (the global
+        batch's tokens, counted over this rank's data-parallel group).
         `synchronize`, called after every compute, makes the measured times
         those of the device's work (on a GPU, not only of the launches)."""
         ctx, m = self.ctx, schedule.m
         last_stage = schedule.num_stages - 1
+        batch_tokens = None
+        if per_token_loss and not forward_only \
+                and schedule.location(last_stage)[0] == ctx.pp_rank:
+            microbatch, batch_tokens = read_and_count(microbatch, m, ctx.dp_group)
         stats = PipelineStats()
         stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         outgoing: dict[tuple, torch.Tensor] = {}
@@ -160,7 +219,12 @@ class PipelineExecutor:
                     if stage == last_stage:
                         loss = self.chunks[c](x, *batch[1:])
                         stats.losses.append(loss.detach())
-                        out = loss * (loss_scale / m)
+                        tokens = counted_tokens(batch)
+                        stats.loss_tokens.append(tokens)
+                        if batch_tokens is None:
+                            out = loss * (loss_scale / m)
+                        else:  # the microbatch's token sum over the batch's tokens
+                            out = loss * tokens * (loss_scale / batch_tokens)
                     else:
                         out = self.chunks[c](x)
                         outgoing[("activation", i, stage)] = out

@@ -1,0 +1,193 @@
+"""Megatron-LM's own example scripts run under ptdp with one change: the
+command. tests/fixtures/megatron-scripts holds three of them with their sizes
+shrunk (each file's header lists what was shrunk; nothing else changed):
+GPT-3 175B (the version with --rampup-batch-size), Llama-3 8B (FP8), and the
+paper's sc21 interleaved-schedule runs. Each is run by bash as written, with
+`torchrun`/`python` shims on PATH that turn `pretrain_gpt.py` into
+`-m ptdp train`, what a user edits. docs/megatron-flags.md lists every flag
+they use and what ptdp does with it."""
+
+import json
+import os
+import re
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ptdp.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "tests" / "fixtures" / "megatron-scripts"
+DATA = ROOT / "tests" / "fixtures" / "megatron-indexed" / "megatron_gpt2_uint16"
+TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+
+# The one change: Megatron-LM's training script becomes ptdp's command.
+_SHIM = """#!{python}
+import os, sys
+argv = []
+for arg in sys.argv[1:]:
+    argv += ["-m", "ptdp", "train"] if arg.endswith("pretrain_gpt.py") else [arg]
+with open(os.environ["PTDP_SCRIPT_ARGV"], "w") as out:
+    out.write("\\0".join(argv))
+os.execv({real!r}, [{real!r}] + argv)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _shims(folder: Path) -> Path:
+    folder.mkdir()
+    for name, real in (("torchrun", TORCHRUN), ("python", sys.executable)):
+        shim = folder / name
+        shim.write_text(_SHIM.format(python=sys.executable, real=real))
+        shim.chmod(shim.stat().st_mode | stat.S_IEXEC)
+    return folder
+
+
+def _gpt2_files(folder: Path) -> tuple[Path, Path]:
+    from ptdp.data.tokenizer import dump_vocab_and_merges, load_gpt2_ranks
+
+    return dump_vocab_and_merges(load_gpt2_ranks(), 50256, folder)
+
+
+def _run_script(script: str, args: list[str], tmp_path: Path, **env_extra: str):
+    """bash SCRIPT ARGS in tmp_path with the shims first on PATH: (the
+    completed process, the argv ptdp got)."""
+    if TORCHRUN is None:
+        pytest.skip("torchrun is not installed next to this Python")
+    shims = _shims(tmp_path / "shims")
+    (tmp_path / "pretrain_gpt.py").touch()  # the Llama script checks that it exists
+    argv_file = tmp_path / "argv"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{shims}{os.pathsep}{os.environ['PATH']}",
+           "PTDP_SCRIPT_ARGV": str(argv_file), "MASTER_PORT": str(_free_port()), **env_extra}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "SLURM_PROCID", "SLURM_NTASKS"):
+        env.pop(var, None)
+    result = subprocess.run(["bash", str(SCRIPTS / script), *args], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=600)  # hang guard
+    argv = argv_file.read_text().split("\0") if argv_file.exists() else []
+    return result, argv
+
+
+def _train_flags(argv: list[str]) -> list[str]:
+    """What follows `-m ptdp train` in a shim's argv."""
+    return argv[argv.index("train") + 1:]
+
+
+def _losses(output: str) -> list[float]:
+    return [float(x) for x in re.findall(r"\| loss (\d+\.\d+)", output)]
+
+
+def test_gpt3_175b_script_trains(tmp_path):
+    """Tensor and pipeline parallelism under torchrun, the batch-size ramp
+    with --train-iters (which Megatron-LM itself refuses), fp16, blended
+    evaluation, --save/--load on the same folder before it holds a
+    checkpoint, TensorBoard."""
+    vocab, merges = _gpt2_files(tmp_path / "gpt2")
+    checkpoints = tmp_path / "checkpoints"
+    result, argv = _run_script("gpt3_175b.sh", [str(checkpoints), str(tmp_path / "tb"), str(vocab),
+                                                str(merges), str(DATA)], tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    build_parser().parse_args(["train", *_train_flags(argv)])  # the flags as the script gives them
+    assert "--rampup-batch-size" in argv and "--attention-backend" in argv
+    assert "ptdp: 4 processes (t=2, p=2, d=1)" in output
+    assert "no checkpoint there yet, so training starts at iteration 0" in output
+    assert "global batch ramped up from 2" in output
+    losses = _losses(output)
+    assert len(losses) == 4 and all(0 < x < 20 for x in losses), output
+    assert (checkpoints / "latest").read_text().strip() == "iter_0000004"
+    assert any((tmp_path / "tb").rglob("events.out.tfevents.*"))
+
+
+def test_llama3_8b_script_is_refused_for_fp8_and_torch_dist_only(tmp_path):
+    """As written the script trains in FP8 and writes torch_dist checkpoints,
+    which ptdp cannot do: refused before launch, naming exactly those flags."""
+    result, argv = _run_script("llama3_8b.sh", [str(tmp_path / "ckpt"), str(tmp_path / "tb")],
+                               tmp_path)
+    # (The script's exit status is its last command's, `set +x`.) Under
+    # torchrun each rank checks the configuration, so each reports it.
+    assert "ptdp: error: invalid configuration" in result.stderr, result.stdout + result.stderr
+    assert "iteration" not in result.stdout and "ptdp: starting" not in result.stdout
+    first_report = result.stderr.split("ptdp: error: invalid configuration:")[1]
+    problems = [line for line in first_report.splitlines() if line.startswith("  - ")]
+    assert [p.split(":")[0] for p in problems] == [
+        "  - --fp8-format hybrid", "  - --fp8-amax-history-len 1024",
+        "  - --fp8-amax-compute-algo max", "  - --fp8-param-gather", "  - --ckpt-format torch_dist"]
+    assert "train with --bf16" in problems[0] and "drop --ckpt-format" in problems[-1]
+
+
+def test_llama3_8b_script_trains_without_the_refused_flags(tmp_path):
+    """The script's own switch DTYPE=bf16 drops its FP8 flags; with
+    --ckpt-format torch_dist taken out (the one line a user must delete), the
+    rest runs: GQA, SwiGLU, RMSNorm, RoPE, sample-based schedule with decoupled
+    rates, per-token loss, the distributed optimizer, mock data with
+    NullTokenizer, --sequence-parallel at t = 1 (turned off, as Megatron-LM
+    does), the accepted-and-explained flags."""
+    result, argv = _run_script("llama3_8b.sh", [str(tmp_path / "ckpt"), str(tmp_path / "tb")],
+                               tmp_path, DTYPE="bf16")
+    assert "  - --ckpt-format torch_dist" in result.stderr and "--fp8" not in result.stderr
+    flags = _train_flags(argv)
+    at = flags.index("--ckpt-format")
+    assert flags[at:at + 2] == ["--ckpt-format", "torch_dist"]
+    flags = flags[:at] + flags[at + 2:]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+        env.pop(var, None)
+    port = _free_port()
+    trained = subprocess.run([TORCHRUN, "--nproc_per_node", "2", "--nnodes", "1", "--node_rank", "0",
+                              "--master_addr", "localhost", "--master_port", str(port), "-m", "ptdp",
+                              "train", *flags], cwd=tmp_path, env=env, capture_output=True,
+                             text=True, timeout=600)
+    output = trained.stdout + trained.stderr
+    assert trained.returncode == 0, output
+    for note in ("--use-mcore-models has no effect", "--sequence-parallel has no effect",
+                 "--overlap-grad-reduce has no effect", "--attention-backend fused has no effect",
+                 "ptdp: attention: PyTorch's scaled_dot_product_attention picks"):
+        assert note in output, note
+    assert "ptdp: 2 processes (t=1, p=1, d=2)" in output
+    losses = _losses(output)
+    assert len(losses) == 4 and all(0 < x < 20 for x in losses), output  # 32 samples / 8
+    assert (tmp_path / "ckpt" / "latest").is_file()  # the script's $1, --save and --load
+
+
+def test_sc21_interleaved_script_trains(tmp_path):
+    """The paper's interleaved runs (figure 12): t = 2, p = 2 with two chunks
+    per rank, full recomputation by the old --activations-checkpoint-method,
+    --DDP-impl, fp16 with a fixed loss scale; ptdp's own launcher."""
+    vocab, merges = _gpt2_files(tmp_path / "gpt2")
+    result, argv = _run_script("sc21_run_figure_12.sh", [], tmp_path, MEGATRON_CODE_DIR=str(tmp_path),
+                               MEGATRON_DATA=str(DATA), BPE_VOCAB_FILE=str(vocab),
+                               BPE_MERGE_FILE=str(merges))
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "--activations-checkpoint-method" in argv
+    assert "interleaved schedule with 2 chunks per rank" in output
+    assert "--DDP-impl local has no effect" in output
+    assert len(_losses(output)) == 4, output
+
+
+def test_the_docs_table_covers_every_flag_the_scripts_use():
+    """docs/megatron-flags.md has a row for each flag of the three scripts,
+    and every flag it names is one `ptdp train` takes."""
+    table = (ROOT / "docs" / "megatron-flags.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| `--")]
+    documented = {flag for row in rows for flag in re.findall(r"`(--[A-Za-z][\w-]*)", row.split("|")[1])}
+    used = set()
+    for script in SCRIPTS.glob("*.sh"):
+        text = "\n".join(line for line in script.read_text().splitlines() if not line.startswith("#"))
+        used |= set(re.findall(r"(?<![\w-])(--[A-Za-z][\w-]*)", text))
+    used -= {"--nproc_per_node", "--nnodes", "--node_rank", "--master_addr", "--master_port"}  # torchrun's
+    assert used - documented == set()
+    parser = build_parser()
+    train = parser._subparsers._group_actions[0].choices["train"]
+    known = {option for action in train._actions for option in action.option_strings}
+    assert documented - known == set()
