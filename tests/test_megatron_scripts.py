@@ -53,6 +53,17 @@ def _shims(folder: Path) -> Path:
     return folder
 
 
+def _data_copy(tmp_path: Path) -> Path:
+    """The fixture dataset copied into tmp_path: Megatron-LM's and ptdp's
+    sample index goes next to the data, and the scripts have no
+    --data-cache-path."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for suffix in (".bin", ".idx"):
+        shutil.copy(str(DATA) + suffix, folder / (DATA.name + suffix))
+    return folder / DATA.name
+
+
 def _gpt2_files(folder: Path) -> tuple[Path, Path]:
     from ptdp.data.tokenizer import dump_vocab_and_merges, load_gpt2_ranks
 
@@ -94,7 +105,7 @@ def test_gpt3_175b_script_trains(tmp_path):
     vocab, merges = _gpt2_files(tmp_path / "gpt2")
     checkpoints = tmp_path / "checkpoints"
     result, argv = _run_script("gpt3_175b.sh", [str(checkpoints), str(tmp_path / "tb"), str(vocab),
-                                                str(merges), str(DATA)], tmp_path)
+                                                str(merges), str(_data_copy(tmp_path))], tmp_path)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     build_parser().parse_args(["train", *_train_flags(argv)])  # the flags as the script gives them
@@ -165,7 +176,7 @@ def test_sc21_interleaved_script_trains(tmp_path):
     --DDP-impl, fp16 with a fixed loss scale; ptdp's own launcher."""
     vocab, merges = _gpt2_files(tmp_path / "gpt2")
     result, argv = _run_script("sc21_run_figure_12.sh", [], tmp_path, MEGATRON_CODE_DIR=str(tmp_path),
-                               MEGATRON_DATA=str(DATA), BPE_VOCAB_FILE=str(vocab),
+                               MEGATRON_DATA=str(_data_copy(tmp_path)), BPE_VOCAB_FILE=str(vocab),
                                BPE_MERGE_FILE=str(merges))
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
