@@ -1,15 +1,25 @@
 #!/usr/bin/env bash
-# Set-up, then the main job: a short training run with tensor, pipeline
-# (interleaved) and data parallelism (t = p = d = 2: eight local processes) on
-# the shipped Shakespeare corpus with GPT-2's tokenizer (tokenized into the
-# user cache on first use), evaluated on held-out works and checkpointed into
-# demo-output/; then a sample generated from that checkpoint. Extra arguments
-# are passed to `ptdp train` and override examples/demo.yaml.
+# Set-up, then the main job: a small Llama-style model trained on the shipped
+# Shakespeare corpus (examples/demo.yaml), evaluated in bits per character on
+# held-out works and checkpointed into demo-output/, then a 200-token sample
+# from that checkpoint.
+#
+# Two phases, one run: the first 10 iterations use all three kinds of
+# parallelism (t = 2, p = 2 interleaved, d = 2: eight processes) and save a
+# checkpoint; the other 290 resume from it under d = 2 (two processes, one
+# per core of a laptop), the checkpoint resharded on load. Extra arguments go
+# to both `ptdp train` calls and override examples/demo.yaml.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 mkdir -p demo-output
-.venv/bin/ptdp train --config examples/demo.yaml "$@"
-echo "ptdp: a sample from demo-output/checkpoint:"
-exec .venv/bin/ptdp generate --load demo-output/checkpoint --prompt "ROMEO:" --max-new-tokens 48 \
+echo "ptdp demo: iterations 1-10 with tensor, pipeline and data parallelism (8 processes)"
+.venv/bin/ptdp train --config examples/demo.yaml --tensor-model-parallel-size 2 \
+    --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 \
+    --data-parallel-size 2 --micro-batch-size 4 --exit-interval 10 \
+    --metrics-file demo-output/metrics-3d.jsonl "$@"
+echo "ptdp demo: iterations 11-300 resumed with data parallelism only (2 processes)"
+.venv/bin/ptdp train --config examples/demo.yaml --load demo-output/checkpoint "$@"
+echo "ptdp demo: a sample from demo-output/checkpoint:"
+exec .venv/bin/ptdp generate --load demo-output/checkpoint --prompt "ROMEO:" --max-new-tokens 200 \
     --temperature 0.8 --top-k 40 --seed 1

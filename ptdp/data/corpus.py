@@ -86,15 +86,46 @@ def demo_data_prefix(tokenizer, tokenizer_key: str, cache_dir: Path, *, build: b
     return str(prefix)
 
 
+def training_works(split: str = "949,50,1") -> list[tuple[str, str]]:
+    """The works of the training split (the default --split): the first 40
+    of the 42; the validation works are never seen by the demo tokenizer."""
+    from ptdp.data.gpt_dataset import parse_split, split_document_ranges
+
+    works = read_works()
+    train = split_document_ranges(len(works), parse_split(split))[0]
+    return works[train.start:train.stop]
+
+
+def build_demo_tokenizer(output_dir: str | Path) -> Path:
+    """Train the demo's tokenizer as it was made: `ptdp tokenizer train` with
+    --vocab-size 2048 on the training works, concatenated in order. Returns
+    the tokenizer.json written (the shipped one is this file, byte for byte,
+    with the tokenizers library of its time; a test checks it still is)."""
+    import tempfile
+
+    from ptdp.data.tokenizer import DEMO_TOKENIZER_VOCAB, train_tokenizer
+
+    with tempfile.TemporaryDirectory() as scratch:
+        text = Path(scratch) / "train_works.txt"
+        text.write_text("".join(body for _, body in training_works()), encoding="utf-8")
+        return Path(train_tokenizer([text], DEMO_TOKENIZER_VOCAB, output_dir)["tokenizer_model"])
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m ptdp.data.corpus OUT.jsonl`: the demo corpus as JSON lines
     (one work per line, {"title": ..., "text": ...}), e.g. to try
-    `ptdp preprocess` on it."""
+    `ptdp preprocess` on it. `--demo-tokenizer DIR`: rebuild the demo's
+    tokenizer into DIR."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m ptdp.data.corpus", description=main.__doc__)
-    parser.add_argument("output", help="JSON-lines file to write")
+    parser.add_argument("output", help="JSON-lines file to write (with --demo-tokenizer: a directory)")
+    parser.add_argument("--demo-tokenizer", action="store_true",
+                        help="rebuild the demo's tokenizer (tokenizer.json) into OUTPUT instead")
     args = parser.parse_args(argv)
+    if args.demo_tokenizer:
+        print(f"wrote {build_demo_tokenizer(args.output)}")
+        return 0
     works = read_works()
     with open(args.output, "w", encoding="utf-8") as out:
         for name, text in works:

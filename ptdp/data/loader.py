@@ -32,7 +32,8 @@ import torch
 
 from ptdp.config import Config, ConfigError, DataConfig
 from ptdp.data.mock import MockGPTDataset
-from ptdp.data.tokenizer import TokenizerError, build_tokenizer, check_tokenizer_settings
+from ptdp.data.tokenizer import (TokenizerError, build_tokenizer, character_counts,
+                                  check_tokenizer_settings)
 
 
 class DataSettingsError(ValueError):
@@ -269,12 +270,16 @@ def _saved_tokenizer_hint(checkpoint: Config) -> str:
 class TrainingData:
     """One rank's datasets: `train`, `valid`, `test` give int64 arrays (or
     tensors) of seq_length + 1 tokens per index; None where a split is empty
-    or this rank reads no tokens. `eod` is the end-of-document id."""
+    or this rank reads no tokens. `eod` is the end-of-document id.
+    `characters`: per token id the characters it decodes to (int64, vocab
+    size long; `character_table`), for bits per character; None without
+    text (generated data, NullTokenizer) or an exact count."""
     train: Any
     valid: Any = None
     test: Any = None
     eod: int | None = None
     description: str = ""
+    characters: torch.Tensor | None = None
 
 
 def build_training_data(config: Config, *, num_samples: tuple[int, int, int], is_builder: bool,
@@ -309,7 +314,21 @@ def build_training_data(config: Config, *, num_samples: tuple[int, int, int], is
         mmap_bin_files=data.mmap_bin_files)
     if not reads_tokens:  # middle pipeline stages: indices built, nothing to read
         train = valid = test = None
-    return TrainingData(train, valid, test, eod=tokenizer.eod, description=description)
+    # Built where labels are read (the first stage's copy is unused, and cheap).
+    characters = character_table(tokenizer, model.vocab_size) if reads_tokens else None
+    return TrainingData(train, valid, test, eod=tokenizer.eod, description=description,
+                        characters=characters)
+
+
+def character_table(tokenizer, vocab_size: int) -> torch.Tensor | None:
+    """`character_counts(tokenizer)` as an int64 tensor of `vocab_size`
+    entries (the ids past the tokenizer's count 0), or None."""
+    counts = character_counts(tokenizer)
+    if counts is None:
+        return None
+    table = torch.zeros(vocab_size, dtype=torch.int64)
+    table[:len(counts)] = torch.tensor(counts, dtype=torch.int64)
+    return table
 
 
 MOCK_VALID_OFFSET = 10 ** 9  # far beyond any training run's sample count

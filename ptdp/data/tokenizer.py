@@ -41,6 +41,11 @@ GPT2_RANKS_FILE = Path(__file__).parent / "assets" / "gpt2.tiktoken"
 # sha256 of whisper/assets/gpt2.tiktoken in the openai-whisper==20250625 sdist.
 GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 GPT2_EOD_TEXT = "<|endoftext|>"
+# The demo's tokenizer: a 2048-token byte-level BPE trained (`ptdp tokenizer
+# train`) on the demo corpus's training works; ptdp.data.corpus rebuilds it.
+DEMO_TOKENIZER_FILE = Path(__file__).parent / "assets" / "shakespeare-bpe-2048.json"
+DEMO_TOKENIZER_SHA256 = "29627d246587c67438c1ab1dfad51821a42bc1b2b7e80819aa2670f155fa9913"
+DEMO_TOKENIZER_VOCAB = 2048
 # GPT-2's pre-tokenisation: contractions, letters, digits, other symbols,
 # each with an optional leading space; runs of whitespace.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -85,6 +90,17 @@ class GPT2Tokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._encoding.decode([int(i) for i in ids])
+
+
+def _check_demo_tokenizer(path: Path) -> None:
+    """The shipped demo tokenizer is the one its hash names (a damaged copy
+    would tokenize the corpus differently without failing)."""
+    import hashlib
+
+    if hashlib.sha256(path.read_bytes()).hexdigest() != DEMO_TOKENIZER_SHA256:
+        raise TokenizerError(f"{path} does not match its sha256 (damaged file); rebuild it with "
+                             f"`python -m ptdp.data.corpus --demo-tokenizer DIR` (then copy DIR/tokenizer.json there) or "
+                             f"reinstall ptdp")
 
 
 def load_gpt2_ranks(path: Path = GPT2_RANKS_FILE,
@@ -145,6 +161,8 @@ class HFTokenizer:
         if not Path(path).is_file():
             raise TokenizerError(f"--tokenizer-model {path}: no such file (give a tokenizer.json, "
                                  "e.g. one written by `ptdp tokenizer train`)")
+        if Path(path).resolve() == DEMO_TOKENIZER_FILE.resolve():
+            _check_demo_tokenizer(Path(path))
         try:
             tokenizer = Tokenizer.from_file(str(path))
         except Exception as error:
@@ -407,3 +425,57 @@ def bytes_to_unicode() -> dict[int, str]:
             mapping[b] = chr(256 + shift)
             shift += 1
     return mapping
+
+
+# ---------------------------------------------------------------- characters per token (bits per character)
+
+def _utf8_characters(token: bytes) -> int:
+    """The characters `token` starts: its bytes that are not UTF-8
+    continuation bytes (0x80-0xBF). Summed over a byte-level token sequence
+    this is exactly the length of its decoded text, even where a character's
+    bytes are split over tokens (the token holding its first byte counts it)."""
+    return sum(1 for b in token if not 0x80 <= b <= 0xBF)
+
+
+def character_counts(tokenizer: Tokenizer) -> list[int] | None:
+    """Per token id, the characters it contributes to decoded text; None when
+    no exact count exists (NullTokenizer: no text; a Hugging Face tokenizer
+    that is not byte-level, whose decoder may add or drop characters between
+    tokens). The end-of-document token counts 0: it is not text, but its loss
+    (the cost of encoding where documents end) stays in bits per character's
+    numerator. Ids a vocabulary leaves unused count 0."""
+    if isinstance(tokenizer, ByteTokenizer):
+        pieces = {i: bytes([i]) for i in range(256)}
+    elif isinstance(tokenizer, GPT2Tokenizer):
+        decode = tokenizer._encoding.decode_single_token_bytes
+        pieces = {i: decode(i) for i in range(tokenizer.eod)}
+    elif isinstance(tokenizer, HFTokenizer):
+        pieces = _byte_level_pieces(tokenizer._tokenizer)
+        if pieces is None:
+            return None
+    else:
+        return None
+    counts = [0] * tokenizer.vocab_size
+    for i, token in pieces.items():
+        if i != tokenizer.eod and i < len(counts):
+            counts[i] = _utf8_characters(token)
+    return counts
+
+
+def _byte_level_pieces(tokenizer) -> dict[int, bytes] | None:
+    """Each id's bytes for a tokenizer whose decoder is byte-level, as its
+    ByteLevel decoder turns a token's text into bytes: through GPT-2's
+    byte-to-character map where every character is in it, else the token's
+    own UTF-8 (added tokens such as <|endoftext|>). None for other decoders."""
+    from tokenizers import decoders
+
+    if not isinstance(tokenizer.decoder, decoders.ByteLevel):
+        return None
+    char_to_byte = {c: b for b, c in bytes_to_unicode().items()}
+    pieces = {}
+    for text, i in tokenizer.get_vocab(with_added_tokens=True).items():
+        if all(c in char_to_byte for c in text):
+            pieces[i] = bytes(char_to_byte[c] for c in text)
+        else:
+            pieces[i] = text.encode("utf-8")
+    return pieces

@@ -23,6 +23,20 @@ microbatches, iterations and data-parallel replicas; under
 --calculate-per-token-loss the mean over every counted token of them all
 (Megatron-LM's Σ loss / Σ tokens). It is computed on the last pipeline
 stage; every stage takes part in the pipeline's transfers.
+
+Bits per character, comparable across tokenizers (a loss per token is not:
+a tokenizer with longer tokens has fewer, harder ones):
+
+    bits_per_char = Σ loss (nats, every label counted in the loss) / ln 2
+                    / Σ characters those labels decode to
+
+over the same microbatches, iterations and data-parallel replicas as the
+loss (Σ loss is Σ mean · tokens, whatever --calculate-per-token-loss says).
+The characters come from the data's table (TrainingData.characters: per id
+its UTF-8 characters, ptdp.data.tokenizer.character_counts). The
+end-of-document token counts no characters but its loss stays in: marking
+where documents end is information the model must encode. Reported only
+when the table exists (a text tokenizer, not --mock-data or NullTokenizer).
 """
 
 from __future__ import annotations
@@ -31,6 +45,7 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ptdp.data.loader import collate, split_microbatch
 from ptdp.data.sampler import microbatch_indices
@@ -72,16 +87,21 @@ def evaluate(trainer, dataset, num_iters: int, start_sample: int = 0) -> dict[st
                          "validation set no samples (see --split)")
     schedule = build_forward_only(ctx.pp_size, trainer.num_micro, trainer.num_chunks,
                                   placement=trainer.schedule.kind)
+    table = getattr(trainer.data, "characters", None) if trainer.holds_loss else None
+    if table is not None:
+        table = table.to(trainer.device)
     was_training = trainer.model.training
     trainer.model.eval()
     losses: list[torch.Tensor] = []
     tokens: list[torch.Tensor] = []
+    characters: list[torch.Tensor] = []
     try:
         with torch.no_grad():
             for k in range(num_iters):
-                stats = trainer.executor.run(
-                    schedule, validation_microbatch_fn(trainer, dataset, k, start_sample),
-                    forward_only=True)
+                microbatch = validation_microbatch_fn(trainer, dataset, k, start_sample)
+                if table is not None:
+                    microbatch = _counting_characters(microbatch, table, characters)
+                stats = trainer.executor.run(schedule, microbatch, forward_only=True)
                 losses.extend(stats.losses)
                 tokens.extend(stats.loss_tokens)
     finally:
@@ -91,4 +111,48 @@ def evaluate(trainer, dataset, num_iters: int, start_sample: int = 0) -> dict[st
         return {"loss": None, "perplexity": None}
     per_token = trainer.config.train.calculate_per_token_loss
     loss = average_loss(losses, tokens if per_token else None, ctx.dp_group)
-    return {"loss": loss, "perplexity": math.exp(loss) if loss < 700 else math.inf}
+    result = {"loss": loss, "perplexity": math.exp(loss) if loss < 700 else math.inf}
+    bits = bits_per_character(losses, tokens, characters, ctx.dp_group) if table is not None else None
+    if bits is not None:  # absent, not None, without text: the metrics file has no field then
+        result["bits_per_char"] = bits
+    return result
+
+
+def _counting_characters(microbatch, table: torch.Tensor, characters: list[torch.Tensor]):
+    """`microbatch` that also appends each microbatch's label characters to
+    `characters`, once per microbatch: a rank holding the first and the
+    last stage (zbv) reads a microbatch twice."""
+    counted: set[int] = set()
+
+    def read(i: int) -> tuple[torch.Tensor, ...]:
+        batch = microbatch(i)
+        if i not in counted:
+            counted.add(i)
+            characters.append(label_characters(batch, table))
+        return batch
+    return read
+
+
+def label_characters(batch: tuple[torch.Tensor, ...], table: torch.Tensor) -> torch.Tensor:
+    """Characters of a microbatch's labels counted in the loss (those its
+    loss mask keeps, when it has one)."""
+    chars = table[batch[1]]
+    if len(batch) > 2 and batch[2] is not None:
+        chars = chars * (batch[2] != 0)
+    return chars.sum()
+
+
+def bits_per_character(losses: list[torch.Tensor], tokens: list[torch.Tensor],
+                       characters: list[torch.Tensor], group) -> float | None:
+    """Σ loss / ln 2 / Σ characters over a rank's microbatches and its
+    data-parallel replicas (`group`): each microbatch loss is a mean, so its
+    sum is mean · tokens. In float64, so the sums do not round the figure.
+    None when the labels hold no characters (only end-of-document tokens)."""
+    # A microbatch with no counted token adds nothing (its mean is 0/0).
+    nats = sum(torch.where(count > 0, loss.double() * count.double(), 0.0)
+               for loss, count in zip(losses, tokens))
+    totals = torch.stack([nats, sum(c.double() for c in characters)])
+    if group is not None:
+        dist.all_reduce(totals, group=group)
+    nats, chars = totals.tolist()
+    return nats / math.log(2) / chars if chars > 0 else None

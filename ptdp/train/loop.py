@@ -380,6 +380,8 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
                 with housekeeping.evaluation():
                     result = evaluate(trainer, trainer.data.valid, tr.eval_iters)
                 record["val_loss"], record["val_perplexity"] = result["loss"], result["perplexity"]
+                if "bits_per_char" in result:  # text data only (absent with --mock-data)
+                    record["val_bits_per_char"] = result["bits_per_char"]
             history.append(record)
             progress.update(done, record["loss"])
             _report(record, metrics_out, tensorboard, is_logger, train_iters,

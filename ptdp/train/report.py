@@ -140,9 +140,10 @@ def throughput(flops_per_iteration: float, iteration_seconds: float, world_size:
 
 def format_log_line(record: dict[str, Any], train_iters: int) -> str:
     """One line per logged iteration. Uses the record's keys (see
-    Trainer.step) and, when present: `val_loss` / `val_perplexity` (the last
-    evaluation), `skipped_iterations` (cumulative count of skipped steps),
-    `tflops_per_device` and `peak_fraction`."""
+    Trainer.step) and, when present: `val_loss` / `val_perplexity` /
+    `val_bits_per_char` (the last evaluation), `skipped_iterations`
+    (cumulative count of skipped steps), `tflops_per_device` and
+    `peak_fraction`."""
     def number(key: str, fmt: str) -> str:
         value = record.get(key)
         return "n/a" if value is None else format(value, fmt)
@@ -154,8 +155,13 @@ def format_log_line(record: dict[str, Any], train_iters: int) -> str:
     parts.append(f"loss {number('loss', '.4f')}")
     if record.get("val_loss") is not None:
         text = f"val loss {record['val_loss']:.4f}"
+        details = []
         if record.get("val_perplexity") is not None:
-            text += f" (ppl {record['val_perplexity']:.4g})"
+            details.append(f"ppl {record['val_perplexity']:.4g}")
+        if record.get("val_bits_per_char") is not None:
+            details.append(f"{record['val_bits_per_char']:.4g} bits/char")
+        if details:
+            text += f" ({', '.join(details)})"
         parts.append(text)
     parts += [f"lr {number('lr', '.3e')}", f"grad norm {number('grad_norm', '.4f')}"]
     if record.get("loss_scale", 1.0) != 1.0:
@@ -262,6 +268,7 @@ TENSORBOARD_TAGS: dict[str, str] = {
     "loss": "train/loss",
     "val_loss": "valid/loss",
     "val_perplexity": "valid/perplexity",
+    "val_bits_per_char": "valid/bits_per_char",
     "lr": "train/learning_rate",
     "global_batch_size": "train/batch_size",
     "grad_norm": "train/grad_norm",
@@ -279,7 +286,7 @@ TENSORBOARD_TAGS: dict[str, str] = {
     "grad_reduce_ms": "time/grad_reduce_ms",
     "optimizer_ms": "time/optimizer_ms",
 }
-VALIDATION_KEYS = frozenset({"val_loss", "val_perplexity"})
+VALIDATION_KEYS = frozenset({"val_loss", "val_perplexity", "val_bits_per_char"})
 
 # --log-timers-to-tensorboard: the iteration's timers in seconds under
 # Megatron-LM's names (its timer name + "-time"), where it has the same timer.
