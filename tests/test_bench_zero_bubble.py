@@ -47,8 +47,8 @@ def test_memory_is_measured_per_rank_and_judged():
     for ranks in memory.values():
         assert [r["peak_stored"] for r in ranks] == [2, 1]
         # The high-water mark is reset to the RSS of that moment and the
-        # baseline read just after; pages returned by madvise in between
-        # lower the RSS without moving the mark, so allow 1 %.
+        # baseline read just after: the RSS can rise in between and fall
+        # again through madvise, which does not move the mark; allow 1 %.
         assert all(r["peak"] >= 0.99 * r["baseline"] > 0 for r in ranks)
     assert [r["peak_awaiting_weight_grads"] for r in memory["p=2 zb-h1"]] == [2, 2]
     assert "| p=2 zb-h1 | 1 |" in zero_bubble.memory_table(memory)
