@@ -274,27 +274,52 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_output_paths(config: Config) -> None:
-    """Fail before launching, not after the first iteration, on an unwritable path."""
+def _output_path_problems(config: Config) -> list[str]:
+    """Every path the run writes, checked before launching (ptdp.output_paths),
+    not at its first write (the loss curve's comes after the whole run).
+    --save's own rules are `_save_directory_problems`'s; this adds what they
+    leave to the shared check (a dangling link, a pseudo file system, a
+    directory where no file can be created), once they pass."""
+    from ptdp.output_paths import output_path_problems
+
+    tr, data = config.train, config.data
     problems = []
-    for flag_name, path in (("--metrics-file", config.train.metrics_file),
-                            ("--timeline", config.train.timeline)):
-        if not path:
-            continue
-        parent = Path(path).resolve().parent
-        if not parent.is_dir():
-            problems.append(f"{flag_name} {path}: directory {parent} does not exist; create it or "
-                            f"choose another path")
-        elif Path(path).is_dir():
-            problems.append(f"{flag_name} {path} is a directory; give a file path")
-    if config.train.timeline and not config.train.timeline.lower().endswith(".png"):
-        problems.append(f"--timeline {config.train.timeline}: the picture is a PNG; use a .png path")
-    if problems:
-        raise ConfigError(problems)
+    if isinstance(tr.save, str) and not _save_directory_problems(tr.save):
+        problems += output_path_problems("--save", tr.save, directory=True)
+    for flag_name, path, directory, suffix in (
+            ("--metrics-file", tr.metrics_file, False, None),
+            ("--timeline", tr.timeline, False, ".png"),
+            ("--loss-curve", tr.loss_curve, False, ".png"),
+            ("--tensorboard-dir", tr.tensorboard_dir, True, None),
+            ("--data-cache-path", data.data_cache_path, True, None)):
+        if isinstance(path, str):
+            problems += output_path_problems(flag_name, path, directory=directory, suffix=suffix)
+    return problems
+
+
+def _memory_problems(config: Config, env) -> list[str]:
+    """A model that cannot fit this machine's memory by the analytic model's
+    estimate (ptdp.perf.fits), refused before its ranks allocate it."""
+    from ptdp import device as devices
+    from ptdp.perf.fits import memory_problems
+
+    local = config.parallel.world_size if env is None else env.local_world_size
+    try:
+        kind = devices.resolve_kind(config.parallel.device, local)
+    except RuntimeError:  # reported where the launch resolves it
+        return []
+    memory = None
+    if kind == "cuda":
+        import torch
+
+        memory = devices.accelerator_shape(torch.device("cuda", 0 if env is None
+                                                        else env.local_rank))[1]
+    return memory_problems(config, kind=kind, local_processes=local, device_memory=memory)
 
 
 def _reporting_problems(config: Config) -> list[str]:
-    """--eval-*, --peak-tflops, --tensorboard-dir, --loss-curve, before launching."""
+    """--eval-*, --peak-tflops and --tensorboard-dir's package, before launching
+    (the paths are `_output_path_problems`')."""
     tr, problems = config.train, []
     if not isinstance(tr.eval_interval, int) or tr.eval_interval < 0:
         problems.append(f"--eval-interval={tr.eval_interval!r} must be 0 (never) or a positive integer")
@@ -307,12 +332,6 @@ def _reporting_problems(config: Config) -> list[str]:
 
         if importlib.util.find_spec("tensorboard") is None:
             problems.append("--tensorboard-dir needs the tensorboard package: pip install tensorboard")
-    if tr.loss_curve:
-        parent = Path(tr.loss_curve).resolve().parent
-        if not tr.loss_curve.lower().endswith(".png"):
-            problems.append(f"--loss-curve {tr.loss_curve}: the picture is a PNG; use a .png path")
-        elif not parent.is_dir():
-            problems.append(f"--loss-curve {tr.loss_curve}: directory {parent} does not exist")
     return problems
 
 
@@ -327,7 +346,11 @@ def _checkpoint_problems(config: Config) -> list[str]:
         elif value is not None and not tr.save:
             problems.append(f"{flag_name} needs --save DIR")
     if tr.save:
+        from ptdp.train.checkpoint import save_inside_a_checkpoint
+        from ptdp.train.save_lock import problem as save_in_use
+
         problems.extend(_save_directory_problems(tr.save))
+        problems.extend(p for p in (save_inside_a_checkpoint(tr.save), save_in_use(tr.save)) if p)
     if tr.load:
         try:
             directory = resolve(tr.load)
@@ -441,6 +464,25 @@ def _as_megatron_does(config: Config) -> tuple[Config, list[str]]:
     return dataclasses.replace(config, parallel=parallel, train=train), said
 
 
+def _mock_data_notes(config: Config, explicit: Sequence[str]) -> list[str]:
+    """--split given with --mock-data is said to do nothing, never refused:
+    Megatron-LM replaces it with 1,1,1 under mock data, and its own scripts
+    pass it there, even in a form ptdp's parser refuses (llama3_8b.sh's
+    --split "'99,1,0'"). One that would be refused with real data says so."""
+    from ptdp.data.gpt_dataset import DataError, parse_split
+
+    if not (config.data.mock_data and "data.split" in explicit):
+        return []
+    split = config.data.split
+    note = (f"ptdp: --split {split} has no effect with --mock-data: generated data has no splits "
+            f"(validation reads other generated sequences); Megatron-LM ignores it there too")
+    try:
+        parse_split(split)
+    except DataError as error:
+        return [f"{note}. With --data-path it would be refused: {error}"]
+    return [note]
+
+
 def run_train(config: Config, explicit: Sequence[str] = (), accepted: Sequence = ()) -> int:
     """`explicit`: the settings the user gave ("section.field"); a vocabulary
     size not among them is taken from the tokenizer, and without tokenizer
@@ -450,7 +492,7 @@ def run_train(config: Config, explicit: Sequence[str] = (), accepted: Sequence =
     from ptdp.data.loader import check_datasets, resolve_data
     from ptdp.device import resolve_kind
     from ptdp.launch import LOOPBACK, DistEnv, LocalJobFailed, detect_env, launch_local
-    from ptdp.train.checkpoint import with_checkpoint_shape
+    from ptdp.train.checkpoint import nothing_to_train, with_checkpoint_shape
     from ptdp.train.loop import worker
 
     env = detect_env()
@@ -465,15 +507,21 @@ def run_train(config: Config, explicit: Sequence[str] = (), accepted: Sequence =
     except ConfigError as error:  # reported together with the refused flags
         raise ConfigError(refused + error.problems) from None
     problems = (refused + check_datasets(config) + _checkpoint_problems(config)
-                + _reporting_problems(config))
+                + _reporting_problems(config) + _output_path_problems(config)
+                + _memory_problems(config, env))  # after validate: the layout's arithmetic holds
     if problems:
         raise ConfigError(problems)
     if env is None or env.rank == 0:
-        for line in notes(list(accepted)) + config_notes(config) + adjusted:
+        for line in (notes(list(accepted)) + config_notes(config) + adjusted
+                     + _mock_data_notes(config, explicit)):
             print(line, flush=True)
-    _check_output_paths(config)
     if env is None or env.rank == 0:
         _warn_about_free_space(config)
+    finished = nothing_to_train(config)
+    if finished:  # a finished run resumed (a requeued job, say): said, and a success
+        if env is None or env.rank == 0:
+            print(finished, flush=True)
+        return 0
     if env is not None:
         worker(env, config)
         return 0
@@ -503,16 +551,26 @@ def run_train(config: Config, explicit: Sequence[str] = (), accepted: Sequence =
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from ptdp.errors import RankFailure, print_user_error, process_rank, set_process_rank
+    from ptdp.errors import (RankFailure, print_user_error, process_rank, report_to_torchrun,
+                             set_process_rank)
 
+    parent = os.getppid()  # first: under torchrun, its agent (launch.follow_torchrun_agent)
     parser = build_parser()
     args = parser.parse_args(argv)
     set_process_rank(None)  # set when this process joins a job as one of its ranks
     try:
         if args.command == "train":
+            from ptdp.launch import follow_torchrun_agent
+            from ptdp.train.stopping import STOP_REQUESTS
+
+            if not follow_torchrun_agent(parent):
+                print(f"ptdp: error: torchrun's agent (process {parent}) ended before this "
+                      f"worker could start, so it stops", file=sys.stderr)
+                return 1
             settings = settings_from_args(args)
-            return run_train(config_from_settings(settings), explicit=list(settings),
-                             accepted=given(args))
+            config = config_from_settings(settings)
+            STOP_REQUESTS.new_run(config.train.save)  # what a Ctrl-C names
+            return run_train(config, explicit=list(settings), accepted=given(args))
         if args.command == "schedule":
             return run_schedule_command(args)
         if args.command == "tokenizer":
@@ -532,18 +590,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "calibrate":
             return run_calibrate_command(args)
     except KeyboardInterrupt:
-        print("ptdp: interrupted", file=sys.stderr)
+        stopping = sys.modules.get("ptdp.train.stopping")  # imported by `train` only
+        # After a graceful stop's request: what it saved, if anything.
+        print(stopping.STOP_REQUESTS.interrupted() if stopping else "ptdp: interrupted",
+              file=sys.stderr, flush=True)
         return 130
     except Exception as error:
+        # Under torchrun, whose summary comes last, report_to_torchrun puts
+        # the message there too (instead of "To enable traceback see: ...").
         rank = process_rank()
         if rank is not None:  # raised on a rank of a running job (torchrun, SLURM, one process)
             failure = RankFailure.from_exception(rank, error)
             if not failure.user_error:
+                if not failure.lost_peer:  # torchrun's root cause: the earliest error file
+                    report_to_torchrun(failure.message, failure.traceback)
                 raise  # a bug: its traceback
             print_user_error(rank, failure.message, failure.traceback)
+            report_to_torchrun(f"ptdp: error: rank {rank}: {failure.message}")
             return 1
         if isinstance(error, (ConfigError, TokenizerError)):  # found before launching
             print(f"ptdp: error: {error}", file=sys.stderr)
+            report_to_torchrun(f"ptdp: error: {error}")
             return 2
         raise
     parser.error(f"unknown command {args.command}")

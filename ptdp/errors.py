@@ -13,6 +13,17 @@ are shown as one paragraph, `ptdp: error: rank R: <message>`, without a Python
 traceback; the traceback is kept in a file for bug reports, and printed when
 PTDP_TRACEBACK=1. Everything else is a bug and keeps its traceback.
 
+The traceback file is new and private: made by `tempfile.mkstemp` (a random
+name, O_CREAT|O_EXCL|O_NOFOLLOW, mode 0600) in the temporary directory, a
+directory every user may write. A predictable name there, opened the
+ordinary way, would follow a symbolic link another user planted at it and
+overwrite whatever file the job may write.
+
+Under torchrun, whose summary of a failed job (with its own traceback) is
+the last thing printed, `report_to_torchrun` writes the worker's error file
+(TORCHELASTIC_ERROR_FILE) so that the summary's root cause shows ptdp's
+message rather than "To enable traceback see: ...".
+
 This module imports nothing of ptdp or torch: the command line, the launcher
 and every rank use it.
 """
@@ -20,6 +31,7 @@ and every rank use it.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import sys
@@ -45,6 +57,7 @@ class DivergenceError(UserError):
 USER_ERROR_TYPES = frozenset({
     "ptdp.config.ConfigError",
     "ptdp.train.checkpoint.CheckpointError",
+    "ptdp.train.checkpoint_integrity.CheckpointError",  # defined there, imported by checkpoint
     "ptdp.data.loader.DataSettingsError",
     "ptdp.data.gpt_dataset.DataError",
     "ptdp.data.tokenizer.TokenizerError",
@@ -186,8 +199,43 @@ def process_rank() -> int | None:
 
 # ------------------------------------------------------------------ showing a user error
 
-def traceback_path(rank: int) -> Path:
-    return Path(tempfile.gettempdir()) / f"ptdp-error-{os.getpid()}-rank{rank}.txt"
+def keep_traceback(rank: int, traceback_text: str) -> Path:
+    """Write `traceback_text` to a new private file in the temporary
+    directory (see the module's notes); returns its path. Raises OSError."""
+    descriptor, path = tempfile.mkstemp(prefix=f"ptdp-error-rank{rank}-", suffix=".txt")
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+            file.write(traceback_text)
+    except BaseException:
+        os.unlink(path)
+        raise
+    return Path(path)
+
+
+TORCHRUN_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
+
+
+def report_to_torchrun(message: str, detail: str | None = None) -> bool:
+    """Under torchrun: write this worker's error file, in the format of
+    torch.distributed.elastic's ErrorHandler.record_exception, with
+    `message` as the failure's text and `detail` (default: `message`) where
+    torchrun's summary shows the traceback. Created exclusively, not
+    following a symbolic link (torchrun names a file in its own private
+    directory; nothing else writes it). Whether it was written."""
+    path = os.environ.get(TORCHRUN_ERROR_FILE)
+    if not path:
+        return False
+    record = {"message": {"message": message, "extraInfo": {
+        "py_callstack": detail if detail is not None else message,
+        "timestamp": str(int(time.time()))}}}  # torchrun reads an integer
+    try:
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                             | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+            json.dump(record, file)  # ASCII: torchrun reads it in the locale's encoding
+    except OSError:  # the summary then says what it would have said anyway
+        return False
+    return True
 
 
 def _wants_traceback() -> bool:
@@ -202,9 +250,8 @@ def print_user_error(rank: int, message: str, traceback_text: str,
     if _wants_traceback():
         print(traceback_text.rstrip(), file=stream)
     else:
-        path = traceback_path(rank)
         try:
-            path.write_text(traceback_text, encoding="utf-8")
+            path = keep_traceback(rank, traceback_text)
         except OSError:  # the full disk may hold the temporary directory too
             print(f"ptdp: set {TRACEBACK_VARIABLE}=1 to print the traceback", file=stream)
         else:

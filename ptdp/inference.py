@@ -13,10 +13,13 @@ seeded generator, so all ranks extend the same context.
 The prompt is text (`--prompt`, encoded by the checkpoint's tokenizer: the
 tokenizer.json it carries, else the one its data settings name) or token
 ids (`--prompt-ids`, for any model, and the only way for a NullTokenizer
-model); it is turned into ids and checked before any rank starts. The
-output is the prompt followed by its continuation, as text (without the
-prompt with `--no-echo-prompt`), or with `--output-ids` the ids of the
-generated tokens only (a program that asked for ids knows the prompt's).
+model); it is turned into ids and checked before any rank starts, as are
+`--device` (against the GPUs this machine has) and the checkpoint's
+settings. A damaged checkpoint is one paragraph naming what is wrong, from
+the launcher or from a rank, never a traceback. The output is the prompt
+followed by its continuation, as text (without the prompt with
+`--no-echo-prompt`), or with `--output-ids` the ids of the generated tokens
+only (a program that asked for ids knows the prompt's).
 """
 
 from __future__ import annotations
@@ -190,9 +193,8 @@ def generate_text(request: GenerateRequest, ctx: ParallelContext, device: torch.
     comma-separated. Every rank of the layout calls it."""
     from ptdp.data.loader import model_tokenizer
     from ptdp.generate import generate
-    from ptdp.train.checkpoint import load_logical_model
 
-    config, weights, _ = load_logical_model(request.load)
+    config, weights = read_checkpoint_model(request.load)
     tokenizer = model_tokenizer(config, request.load)
     model = PipelinedModel(config, ctx, device, weights, request.chunks)
     new = generate(model, request.prompt_ids, request.settings,
@@ -204,6 +206,30 @@ def generate_text(request: GenerateRequest, ctx: ParallelContext, device: torch.
     # the two (byte-level BPE) comes out whole.
     shown = request.prompt_ids + new if request.echo_prompt else new
     return tokenizer.decode(shown) if tokenizer is not None else " ".join(map(str, shown))
+
+
+def read_checkpoint_model(load: str) -> tuple[Config, dict[str, torch.Tensor]]:
+    """The settings and logical weights of checkpoint `load`. checkpoint.py
+    refuses a damaged checkpoint with a CheckpointError; an error of the
+    libraries beneath it (safetensors, JSON) becomes one too, so that a
+    damaged checkpoint is a user error, one paragraph, on any rank."""
+    import json
+
+    from safetensors import SafetensorError
+
+    from ptdp.train.checkpoint import CheckpointError, load_logical_model
+
+    try:
+        config, weights, _ = load_logical_model(load)
+    except (SafetensorError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError,
+            AttributeError) as error:
+        raise CheckpointError(f"--load {load}: the checkpoint cannot be read "
+                              f"({_error_text(error)}); it is damaged: load another one") from None
+    return config, weights
+
+
+def _error_text(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 
 def _generate_worker(env, request: GenerateRequest) -> None:
@@ -268,7 +294,7 @@ def run_generate_command(args: argparse.Namespace) -> int:
     from ptdp.data.tokenizer import TokenizerError
     from ptdp.launch import LocalJobFailed, launch_local
     from ptdp.parallel.topology import ParallelContext
-    from ptdp.train.checkpoint import CheckpointError, read_metadata, resolve
+    from ptdp.train.checkpoint import CheckpointError
 
     if (args.prompt is None) == (args.prompt_ids is None):
         raise ConfigError(["give the prompt either as text, --prompt TEXT, or as token ids, "
@@ -281,10 +307,7 @@ def run_generate_command(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise ConfigError([line.strip().removeprefix("- ")
                            for line in str(error).splitlines()[1:]]) from None
-    try:
-        config = Config.from_dict(read_metadata(resolve(args.load))["config"])
-    except CheckpointError as error:
-        raise ConfigError([str(error)]) from None
+    config = _checkpoint_config(args.load)
     layout = ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
                             pipeline_model_parallel_size=args.pipeline_model_parallel_size,
                             data_parallel_size=1,
@@ -307,10 +330,13 @@ def run_generate_command(args: argparse.Namespace) -> int:
                               layout.virtual_stages(config.model.num_layers), args.device,
                               output_ids=args.output_ids, echo_prompt=args.echo_prompt)
     world = layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size
+    kind = _device_kind(args.device, world, layout)
     if world == 1:
-        kind = devices.resolve_kind(args.device, 1)
-        print(generate_text(request, ParallelContext.single(), devices.device_for(kind, 0)),
-              flush=True)
+        try:
+            text = generate_text(request, ParallelContext.single(), devices.device_for(kind, 0))
+        except CheckpointError as error:  # found before any token is generated
+            raise ConfigError([str(error)]) from None
+        print(text, flush=True)
         return 0
     try:
         launch_local(world, _generate_worker, request)
@@ -318,3 +344,41 @@ def run_generate_command(args: argparse.Namespace) -> int:
         failure.report()  # a user error as one paragraph, the cause on the last line
         return 1
     return 0
+
+
+def _checkpoint_config(load: str) -> Config:
+    """The settings a checkpoint was saved with; a ConfigError naming the
+    file when the checkpoint is missing or damaged."""
+    from ptdp.train.checkpoint import METADATA, CheckpointError, read_metadata, resolve
+
+    try:
+        directory = resolve(load)
+        metadata = read_metadata(directory)
+    except CheckpointError as error:
+        raise ConfigError([str(error)]) from None
+    try:
+        return Config.from_dict(metadata["config"])
+    except (KeyError, TypeError, AttributeError, ValueError) as error:
+        raise ConfigError([f"{directory / METADATA}: its \"config\" cannot be read "
+                           f"({_error_text(error)}); the checkpoint is damaged: load another "
+                           f"one"]) from None
+
+
+def _device_kind(requested: str, world: int, layout) -> str:
+    """cpu or cuda for `--device`; a ConfigError saying what this machine
+    has and what to give when it cannot run the request."""
+    from ptdp import device as devices
+    from ptdp.plural import plural
+
+    gpus = devices.cuda_device_count()
+    if requested == "cuda" and gpus < world:
+        if gpus == 0:
+            fix = "give --device cpu, or --device auto (the default: cuda where there are GPUs)"
+        else:
+            fix = f"give --device cpu, or a layout of at most {plural(gpus, 'process')} (-t × -p)"
+        needs = ("one" if world == 1 else
+                 f"{world}, one per process (t={layout.tensor_model_parallel_size} × "
+                 f"p={layout.pipeline_model_parallel_size})")
+        raise ConfigError([f"--device cuda: this machine has {plural(gpus, 'visible GPU')} and "
+                           f"generating needs {needs}; {fix}"])
+    return devices.resolve_kind(requested, world)

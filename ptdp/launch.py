@@ -10,6 +10,11 @@ Three ways in, one code path inside (the entry function, `ptdp.train.loop.worker
   in its peers, which lose their connection to it); a collective timeout
   bounds any wait, so a lost or stopped peer never hangs a job for ever.
   A local job listens on the loopback interface only.
+
+No rank outlives what started it: a local rank, and a worker under torchrun,
+asks the kernel for SIGTERM when its parent dies (`ptdp train`, or
+torchrun's agent), which the graceful-exit handler takes as "save and stop";
+one that starts after its parent already died stops at once.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import Any, Callable, Iterator
 import torch.distributed as dist
 
 from ptdp.errors import RankFailure, print_user_error, set_process_rank
+from ptdp.train import stopping
 
 LOOPBACK = "127.0.0.1"
 # A rank with a graceful-exit handler outlives SIGTERM: SIGKILL after this.
@@ -152,20 +158,55 @@ def _loopback_store(world_size: int) -> dist.TCPStore:
 
 # ------------------------------------------------------------------ the rank process
 
-def _die_with_parent() -> None:
-    """Linux: have the kernel send SIGTERM to this process if its supervisor
-    dies, so that killing `ptdp train` never leaves ranks behind; a rank with
-    a graceful-exit handler saves first."""
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# What a rank gets when its parent dies. SIGTERM, not SIGKILL: a rank with the
+# graceful-exit handler saves a checkpoint at the next iteration boundary and
+# exits (all ranks agree on the stop, so a job on several nodes saves too);
+# nobody waits for it any more, but the save is the work it keeps, and the
+# collective timeout bounds it. Before the handler is installed, and with
+# --no-exit-signal-handler, SIGTERM ends the rank at once.
+PARENT_DEATH_SIGNAL = signal.SIGTERM
+
+
+def _ask_for_parent_death_signal() -> bool:
+    """Linux: have the kernel send PARENT_DEATH_SIGNAL to this process when
+    the thread that started it ends. False where that cannot be asked."""
     try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, int(PARENT_DEATH_SIGNAL), 0, 0, 0) == 0
     except (OSError, AttributeError):
-        pass
+        return False
+
+
+def die_with_parent(parent: int) -> bool:
+    """Get PARENT_DEATH_SIGNAL when process `parent` (this one's parent when
+    it started) dies. False when it already had: then the request came too
+    late to fire (this process was handed to another parent first), and the
+    caller must stop by itself. (Process 1 may be a legitimate parent: a
+    launcher that is a container's first process.)"""
+    if not _ask_for_parent_death_signal():
+        return True  # not Linux: nothing to check either
+    return os.getppid() == parent
+
+
+def follow_torchrun_agent(parent: int) -> bool:
+    """In a worker that torchrun's agent started (it sets TORCHELASTIC_RUN_ID):
+    PARENT_DEATH_SIGNAL when the agent dies, so that no worker trains on as
+    an orphan after its agent is killed (SIGKILL leaves the agent no time to
+    stop them). `parent`: this process's parent as early as it was read
+    (`ptdp.cli.main` reads it first). False when the agent had already died:
+    the worker must stop. (A worker whose agent died even before `parent` was
+    read is not noticed: it fails at the rendezvous, or its collectives time
+    out.)"""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return True
+    return die_with_parent(parent)
 
 
 def _local_worker(env: DistEnv, entry: Callable[[DistEnv, Any], Any], payload: Any,
-                  reports: multiprocessing.connection.Connection) -> None:
-    _die_with_parent()
+                  reports: multiprocessing.connection.Connection, launcher: int) -> None:
+    if not die_with_parent(launcher):
+        os.kill(os.getpid(), PARENT_DEATH_SIGNAL)  # what the kernel would have sent
     try:
         entry(env, payload)
     except BaseException as error:  # noqa: BLE001 - reported to the supervisor, then exit 1
@@ -187,9 +228,14 @@ def _describe_exit(code: int | None) -> str:
         return "still running"
     if code < 0:
         try:
-            return f"killed by {signal.Signals(-code).name}"
+            name = signal.Signals(-code).name
         except ValueError:
             return f"killed by signal {-code}"
+        if name == "SIGBUS":  # what reading a memory-mapped file that was cut short does
+            return ("killed by SIGBUS: most likely a memory-mapped file was cut short while it was "
+                    "read (a --data-path .bin/.idx, or a dataset index in the data cache); check "
+                    "that no other job rewrote them, then resume with --load")
+        return f"killed by {name}"
     if 128 < code < 128 + signal.NSIG:  # how a process that stops itself on a signal exits
         with contextlib.suppress(ValueError):
             return f"exit code {code} = 128 + {signal.Signals(code - 128).name}"
@@ -259,7 +305,7 @@ def launch_local(world_size: int, entry: Callable[[DistEnv, Any], Any], payload:
                               master_port=store.port, source="local")
                 receiver, sender = context.Pipe(duplex=False)
                 process = context.Process(target=_local_worker,
-                                          args=(env, entry, payload, sender),
+                                          args=(env, entry, payload, sender, os.getpid()),
                                           name=f"ptdp-rank{rank}")
                 process.start()
                 sender.close()
@@ -278,8 +324,15 @@ def _forwarding(signals: tuple[int, ...], processes: list, ended: set[int]) -> I
     """While inside, each of `signals` is sent on to every rank not `ended`.
 
     The handler only sends signals: it must not reap processes (is_alive
-    would), which the supervising loop does."""
+    would), which the supervising loop does. On the way out, a request's
+    window (stopping.REPEAT_WINDOW_SECONDS from the first signal forwarded)
+    outlives the job: see `_RepeatsAbsorbed`."""
+    first: list[float] = []  # when the first signal was forwarded
+
     def forward(signum, frame) -> None:
+        if not first:
+            first.append(time.monotonic())
+            stopping.STOP_REQUESTS.note(signum)
         for rank, process in enumerate(list(processes)):
             if rank not in ended and process.pid is not None:
                 with contextlib.suppress(ProcessLookupError):
@@ -289,8 +342,34 @@ def _forwarding(signals: tuple[int, ...], processes: list, ended: set[int]) -> I
     try:
         yield
     finally:
+        until = first[0] + stopping.REPEAT_WINDOW_SECONDS if first else 0.0
         for signum, handler in previous.items():
-            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+            handler = handler if handler is not None else signal.SIG_DFL
+            signal.signal(signum, _RepeatsAbsorbed(handler, until)
+                          if time.monotonic() < until else handler)
+        if time.monotonic() < until:
+            stopping.absorb_repeats_at_exit(tuple(previous), until)
+
+
+class _RepeatsAbsorbed:
+    """The launcher's handler once its ranks saved and left on a request:
+    a repeat arriving within the request's window (a scheduler's or a
+    terminal's copy to every process of the job, which may come after a
+    quick save) is the same request, which must not kill `ptdp train` and
+    turn a clean stop into a failure. After the window the previous handler
+    is back, and takes that signal."""
+
+    def __init__(self, previous, until: float):
+        self.previous, self.until = previous, until
+
+    def __call__(self, signum, frame) -> None:
+        if time.monotonic() < self.until:
+            return
+        signal.signal(signum, self.previous)
+        if callable(self.previous):
+            self.previous(signum, frame)
+        elif self.previous == signal.SIG_DFL:
+            os.kill(os.getpid(), signum)  # its default action, now that it is back
 
 
 # ------------------------------------------------------------------ supervising

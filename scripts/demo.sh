@@ -13,6 +13,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 mkdir -p demo-output
+# A fresh run: the metrics files are appended to by design (a resumed run adds
+# its lines), so the previous demo's go first.
+rm -f demo-output/metrics.jsonl demo-output/metrics-3d.jsonl
 echo "ptdp demo: iterations 1-10 with tensor, pipeline and data parallelism (8 processes)"
 .venv/bin/ptdp train --config examples/demo.yaml --tensor-model-parallel-size 2 \
     --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 \

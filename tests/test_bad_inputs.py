@@ -353,7 +353,8 @@ def test_preprocess_failure_keeps_an_earlier_output(tmp_path, capsys):
     prefix = str(tmp_path / "out")
     assert main([*PRE, "--input", str(good), "--output-prefix", prefix]) == 0
     before = {name: (tmp_path / name).read_bytes() for name in _outputs(tmp_path)}
-    assert sorted(before) == ["out_text_document.bin", "out_text_document.idx"]
+    assert sorted(before) == ["out_text_document.bin", "out_text_document.idx",
+                              "out_text_document.tokenizer-record.json"]
     assert main([*PRE, "--input", str(empty), "--output-prefix", prefix]) == 2
     assert {name: (tmp_path / name).read_bytes() for name in _outputs(tmp_path)} == before
     capsys.readouterr()

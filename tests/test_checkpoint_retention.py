@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ptdp.config import Config, DataConfig, ModelConfig, TrainConfig
+from ptdp.interop.logical import logical_shapes
 from ptdp.parallel.topology import ParallelContext
 from ptdp.train import checkpoint, retention
 from ptdp.train.checkpoint import (CheckpointError, read_metadata, resolve, save_logical_model,
@@ -33,6 +34,10 @@ def _trainer(**train) -> Trainer:
 
 def _model_only_config() -> Config:
     return Config(model=MODEL, data=DataConfig(mock_data=True))
+
+
+def _zero_weights() -> dict[str, torch.Tensor]:
+    return {name: torch.zeros(shape) for name, shape in logical_shapes(MODEL).items()}
 
 
 def _train_and_save(trainer: Trainer, save: Path, iterations) -> None:
@@ -194,11 +199,15 @@ def test_rollback_with_keep_last_1_keeps_latest_loadable(tmp_path):
 
 
 def _strip_lineage(directory: Path) -> None:
-    """Make a checkpoint look written before lineages existed."""
+    """Make a checkpoint look written before lineages existed (format
+    version 1: no seal, no arithmetic records either)."""
     path = directory / "metadata.json"
     metadata = json.loads(path.read_text())
     assert "metadata.json" not in metadata["files"]  # so the edit leaves it verifiable
-    del metadata["lineage"]
+    for key in ("lineage", "metadata_sha256", "run_start"):
+        del metadata[key]
+    del metadata["optimizer"]["started_at"]
+    metadata["format_version"] = 1
     path.write_text(json.dumps(metadata))
 
 
@@ -236,7 +245,7 @@ def test_checkpoint_files_follow_the_umask(tmp_path, mask):
     previous = os.umask(mask)
     try:
         _train_and_save(_trainer(), tmp_path / "trained", [0])
-        save_logical_model(tmp_path / "imported", _model_only_config(), {"x": torch.zeros(3)})
+        save_logical_model(tmp_path / "imported", _model_only_config(), _zero_weights())
     finally:
         os.umask(previous)
     for directory in (tmp_path / "trained" / "iter_0000001",
@@ -253,7 +262,10 @@ def test_resaving_an_iteration_of_the_same_lineage_replaces_it(tmp_path):
     trainer = _trainer()
     _train_and_save(trainer, tmp_path, range(2))
     first = _weights_file(tmp_path / "iter_0000002")
-    trainer.step(2)  # the weights move on; saved again under the same iteration
+    with torch.no_grad():  # the weights change; saved again under the same iteration
+        for name, param in trainer.model.named_parameters():
+            if "layernorm" in name:  # (not the embedding: its padding rows are not saved)
+                param.add_(0.5)
     trainer.save(str(tmp_path), 2)
     assert _names(tmp_path) == ["iter_0000001", "iter_0000002", "latest"]  # nothing set aside
     assert _weights_file(tmp_path / "iter_0000002") != first
@@ -265,7 +277,7 @@ def test_resaving_an_iteration_of_the_same_lineage_replaces_it(tmp_path):
 def test_importing_a_model_into_a_run_directory_sets_the_run_aside(tmp_path):
     _train_and_save(_trainer(), tmp_path, range(2))
     run = _run_id(tmp_path / "iter_0000002")
-    save_logical_model(tmp_path, _model_only_config(), {"x": torch.zeros(3)})
+    save_logical_model(tmp_path, _model_only_config(), _zero_weights())
     assert _names(tmp_path) == ["abandoned", "iter_0000000", "latest"]
     assert _latest(tmp_path) == "iter_0000000"
     assert _names(_abandoned_groups(tmp_path)[run]) == ["iter_0000001", "iter_0000002"]

@@ -15,6 +15,7 @@ from ptdp.config import Config, ConfigError, DataConfig, ModelConfig
 from ptdp.data.loader import model_tokenizer, resolve_data
 from ptdp.data.preprocess import TokenizerSpec, preprocess
 from ptdp.data.tokenizer import build_tokenizer, train_tokenizer
+from ptdp.interop.logical import logical_shapes
 from ptdp.train.checkpoint import (CheckpointError, checkpoint_tokenizer, load_logical_model,
                                    read_metadata, resolve, save_logical_model)
 
@@ -42,7 +43,7 @@ def corpus(tmp_path_factory):
 def _model_only(save: Path, vocab: int, tokenizer_file=None) -> Path:
     model = ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2, seq_length=8,
                         vocab_size=vocab)
-    weights = {"w": torch.arange(6, dtype=torch.float32)}
+    weights = {name: torch.zeros(shape) for name, shape in logical_shapes(model).items()}
     return save_logical_model(save, Config(model=model, data=DataConfig(
         tokenizer_type="HuggingFaceTokenizer")), weights, tokenizer_file=tokenizer_file)
 

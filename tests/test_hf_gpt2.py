@@ -7,6 +7,7 @@ directory that `from_pretrained` reads offline.
 """
 
 import json
+import re
 
 import pytest
 import torch
@@ -181,8 +182,13 @@ def test_refuses_missing_unexpected_and_misshapen_keys():
     missing = {k: v for k, v in state.items() if k != "transformer.h.1.mlp.c_fc.bias"}
     with pytest.raises(ConversionError, match=r"missing: h\.1\.mlp\.c_fc\.bias"):
         from_hf_state(missing, CONFIG)
+    extra = dict(state, **{"transformer.h.1.ln_3.weight": torch.ones(32)})
+    with pytest.raises(ConversionError, match=r"unexpected: h\.1\.ln_3\.weight"):
+        from_hf_state(extra, CONFIG)
+    # a layer more than config.json says: the config is named, not the tensors
     extra = dict(state, **{"transformer.h.2.ln_1.weight": torch.ones(32)})
-    with pytest.raises(ConversionError, match=r"unexpected: h\.2\.ln_1\.weight"):
+    with pytest.raises(ConversionError, match=r"n_layer=2, but the tensors hold 3 layers "
+                                              r"\(h\.0 to h\.2\)"):
         from_hf_state(extra, CONFIG)
     wrong = dict(state, **{"transformer.h.0.attn.c_attn.weight": torch.zeros(96, 32)})
     with pytest.raises(ConversionError, match=r"h\.0\.attn\.c_attn\.weight: \(96, 32\), expected \(32, 96\)"):
@@ -255,7 +261,9 @@ def test_load_reports_the_directory_on_a_mismatch(tmp_path):
     config = json.loads((directory / "config.json").read_text())
     config["n_layer"] = 3
     (directory / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConversionError, match=r"missing: h\.2\.attn\.c_attn\.bias"):
+    with pytest.raises(ConversionError, match=re.escape(f"{directory}: config.json does not "
+                                                        f"match the tensors of the weight files: "
+                                                        f"n_layer=3, but the tensors hold 2 layers")):
         load_hf_directory(directory)
 
 

@@ -55,7 +55,8 @@ def test_plain_text_files_are_one_document_each(tmp_path, append_eod):
     assert result["documents"] == 3 and result["tokens"] == sum(map(len, expected))
     assert result["dtype"] == "uint16" and IndexedDataset(tmp_path / "out_text_document").dtype == np.uint16
     assert result["files"] == [str(tmp_path / "out_text_document.bin"),
-                               str(tmp_path / "out_text_document.idx")]
+                               str(tmp_path / "out_text_document.idx"),
+                               str(tmp_path / "out_text_document.tokenizer-record.json")]
 
 
 @pytest.mark.parametrize("append_eod", [False, True])
@@ -73,7 +74,9 @@ def test_json_lines_with_several_keys(tmp_path, append_eod):
     assert result["documents"] == 4
     assert set(result["tokens_per_key"]) == {"text", "title"}
     assert _names(tmp_path) == ["data.jsonl", "out_text_document.bin", "out_text_document.idx",
-                                "out_title_document.bin", "out_title_document.idx"]
+                                "out_text_document.tokenizer-record.json",
+                                "out_title_document.bin", "out_title_document.idx",
+                                "out_title_document.tokenizer-record.json"]
 
 
 def test_two_workers_write_the_same_bytes_as_one(tmp_path):
@@ -89,7 +92,8 @@ def test_two_workers_write_the_same_bytes_as_one(tmp_path):
                             workers=workers, progress=False, chunk_bytes=2048)  # ~15 chunks
         assert result["workers"] == workers and result["documents"] == 601
         outputs[workers] = {name: (out / name).read_bytes() for name in _names(out)}
-    assert list(outputs[1]) == ["data_text_document.bin", "data_text_document.idx"]
+    assert list(outputs[1]) == ["data_text_document.bin", "data_text_document.idx",
+                                "data_text_document.tokenizer-record.json"]
     assert outputs[1] == outputs[2]
     documents = _documents(tmp_path / "w2" / "data_text_document")
     assert documents[400] == list(b"a plain text document in the middle") + [EOD]

@@ -70,7 +70,7 @@ def test_a_signal_requests_a_stop_and_repeats_within_the_window_count_once():
         time.sleep(0.2)
         assert handler.requested == signal.SIGUSR1  # and this process is still alive
     finally:
-        handler.close()
+        handler.uninstall()  # (close keeps it after a request: test_signals_and_processes.py)
     assert signal.getsignal(signal.SIGUSR1) == previous
 
 

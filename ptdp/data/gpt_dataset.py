@@ -354,7 +354,7 @@ class _IndexCache:
 def _write_atomically(path: Path, write: Callable) -> None:
     temporary = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:12]}")
     try:
-        with open(temporary, "wb") as file:
+        with open(temporary, "xb") as file:  # exclusive: never through a planted link
             write(file)
         os.replace(temporary, path)
     except BaseException:

@@ -133,6 +133,7 @@ class IndexedDataset:
                             else np.frombuffer(self._data_map, dtype=self.dtype))
         else:
             self._bin_fd = os.open(bin_path, os.O_RDONLY)
+        self._opened_sizes = (expected, 0 if self._index_map is None else len(self._index_map))
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)
@@ -158,12 +159,40 @@ class IndexedDataset:
                              f"range: it has {size} tokens ({self.prefix})")
         # Pointers were checked to be contiguous, so they are token offsets × itemsize.
         start = int(self.sequence_pointers[index]) // self.dtype.itemsize + offset
-        if self._bin_fd is not None:
+        if not self.mmap_bin_files:
             return self._read(start, length)
+        self.check_unchanged()
         return self._tokens[start:start + length]
+
+    def check_unchanged(self) -> None:
+        """Raise IndexedDatasetError, naming the file, when the `.bin` or the
+        `.idx` is no longer the size it had on open. Reading a page of a
+        memory map beyond a file's end does not fail like a read: the kernel
+        kills the process with SIGBUS, which says nothing of the file. One
+        fstat per file (about a microsecond) before each read; a file cut in
+        the moment between this check and the read still ends in SIGBUS."""
+        for path, size, opened in zip((data_file_path(self.prefix), index_file_path(self.prefix)),
+                                      self._current_sizes(), self._opened_sizes):
+            if size is not None and size != opened:
+                raise IndexedDatasetError(
+                    f"{path}: {size:,} bytes now, {opened:,} when training opened it: "
+                    f"the file was {'truncated' if size < opened else 'extended'} or "
+                    f"rewritten in place while training read it (a copy or sync in progress? a "
+                    f"tool that rewrites the prefix in place, as Megatron-LM's preprocess_data.py "
+                    f"does?); restore it (copy it again, or rerun `ptdp preprocess`), then resume "
+                    f"from the last checkpoint with --load")
+
+    def _current_sizes(self) -> tuple[int | None, int | None]:
+        """The sizes of the opened `.bin` and `.idx` now: a memory map's
+        size() asks its own descriptor (no descriptor more per dataset;
+        blends open hundreds); None for an empty file, which has no map."""
+        data = (os.fstat(self._bin_fd).st_size if self._bin_fd is not None else
+                None if self._data_map is None else self._data_map.size())
+        return data, None if self._index_map is None else self._index_map.size()
 
     def _read(self, start: int, length: int) -> np.ndarray:
         """Tokens start .. start + length, read from the `.bin` file."""
+        self.check_unchanged()  # a clearer message than the short read's, and the index too
         itemsize = self.dtype.itemsize
         data = _pread_exactly(self._bin_fd, length * itemsize, start * itemsize,
                               data_file_path(self.prefix))

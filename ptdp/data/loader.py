@@ -179,15 +179,44 @@ def check_datasets(config: Config) -> list[str]:
     samples = (batches.consumed_after(0, batches.train_iters),
                train.eval_iters * batch if train.eval_interval else 0, 0)
     try:
-        _, _, _, wanted = check_gpt_datasets(data.data_path, data.split, samples,
-                                             seq_length=config.model.seq_length, warn=False)
+        weighted, _, _, wanted = check_gpt_datasets(data.data_path, data.split, samples,
+                                                    seq_length=config.model.seq_length, warn=False)
     except DataError as error:
         return [str(error)]
+    problems = tokenizer_record_problems(config, [prefix for _, prefix in weighted])
     if train.eval_interval and 1 not in wanted:
-        return [f"--eval-interval {train.eval_interval} needs validation data, but --split "
-                f"{data.split} gives the validation split no documents; give it a share (e.g. "
-                "--split 949,50,1) or drop --eval-interval"]
-    return []
+        problems.append(f"--eval-interval {train.eval_interval} needs validation data, but --split "
+                        f"{data.split} gives the validation split no documents; give it a share "
+                        "(e.g. --split 949,50,1) or drop --eval-interval")
+    return problems
+
+
+def tokenizer_record_problems(config: Config, prefixes: Sequence[str]) -> list[str]:
+    """Each dataset whose recorded tokenizer (PREFIX.tokenizer-record.json,
+    written by `ptdp preprocess`; ptdp.data.tokenizer_record) is not the
+    run's. Datasets without a record (Megatron-LM's) are accepted."""
+    from ptdp.data import tokenizer_record as records
+
+    problems, run = [], None
+    for prefix in dict.fromkeys(prefixes):
+        try:
+            record = records.read_record(prefix)
+        except records.TokenizerRecordError as error:
+            problems.append(str(error))
+            continue
+        if record is None:
+            continue
+        if run is None:
+            data = config.data
+            try:
+                tokenizer = tokenizer_for(data, config.model.vocab_size)
+            except TokenizerError as error:
+                return problems + [str(error)]
+            run = records.describe(tokenizer, data.tokenizer_type, dataclasses.asdict(data))
+        reason = records.mismatch(record, run)
+        if reason:
+            problems.append(f"--data-path {prefix}: {reason}")
+    return problems
 
 
 def resolve_vocab_size(config: Config, explicit: bool, *, checkpoint: Config | None = None,

@@ -26,6 +26,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -38,7 +39,9 @@ from typing import Callable, Iterator, Sequence
 
 from ptdp.data.indexed import (IndexedDatasetError, IndexedDatasetWriter, best_fitting_dtype,
                                data_file_path, index_file_path)
+from ptdp.data import tokenizer_record
 from ptdp.data.tokenizer import TEXT_TOKENIZER_TYPES, TokenizerError, build_tokenizer
+from ptdp.output_paths import output_path_problems
 
 JSON_SUFFIXES = (".jsonl", ".json")
 MAX_CHUNK_BYTES = 4 << 20   # a few seconds of GPT-2 encoding per chunk
@@ -107,6 +110,11 @@ def _read(piece: Piece) -> bytes:
     return data
 
 
+# json.loads turns an escaped UTF-16 pair into one character, but keeps half
+# of one ("\ud800" alone) as a surrogate code point, which no tokenizer can encode.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def _json_type(value) -> str:
     return {dict: "object", list: "array", str: "string", bool: "boolean", int: "number",
             float: "number", type(None): "null"}.get(type(value), type(value).__name__)
@@ -128,6 +136,13 @@ def _texts_from_line(line: bytes, keys: Sequence[str]) -> list[str]:
         text = record[key]
         if not isinstance(text, str):
             raise ValueError(f"{key!r} is a JSON {_json_type(text)}, not a string")
+        lone = _LONE_SURROGATE.search(text)
+        if lone:
+            raise ValueError(
+                f"{key!r} holds a lone surrogate, the escape \\u{ord(lone.group()):04x} at "
+                f"character {lone.start():,}: half of a UTF-16 pair, which is no character and has "
+                f"no UTF-8 encoding (the text was cut or converted badly); write the whole pair "
+                f"(e.g. \\ud83d\\ude00) or remove the escape")
         texts.append(text)
     return texts
 
@@ -252,8 +267,17 @@ def _check_settings(inputs: Sequence[str], output_prefix: str, keys: Sequence[st
                             f"create it or choose another prefix")
         elif not os.access(directory, os.W_OK):
             problems.append(f"--output-prefix {output_prefix}: directory {directory} is not writable")
+        else:  # a pseudo file system, a read-only mount, root's os.access: a probe file tells
+            problems += [problem.replace(f"--output-prefix {directory}:",
+                                         f"--output-prefix {output_prefix}:", 1)
+                         for problem in output_path_problems("--output-prefix", directory,
+                                                             directory=True)]
     outputs = {os.path.abspath(f(output_prefix_for_key(output_prefix, key)))
                for key in keys for f in (data_file_path, index_file_path)}
+    for path in sorted(outputs):
+        if os.path.isdir(path):
+            problems.append(f"--output-prefix {output_prefix}: {path} is a directory, where the "
+                            f"output file goes; choose another prefix")
     for path in inputs:
         if os.path.abspath(path) in outputs:
             problems.append(f"--input {path} would be overwritten by the output; choose another "
@@ -367,7 +391,9 @@ def preprocess(inputs: Sequence[str | Path], output_prefix: str | Path,
     PreprocessError (or TokenizerError) and writes nothing on bad inputs or
     settings, or on inputs with no text under some key. Returns documents, tokens (all keys),
     tokens_per_key, input_bytes, seconds, workers (used), dtype and files
-    (the paths written)."""
+    (the paths written). Beside each dataset, PREFIX.tokenizer-record.json
+    records the tokenizer (ptdp.data.tokenizer_record), which training
+    checks."""
     started = time.perf_counter()
     inputs = [str(p) for p in inputs]
     output_prefix = str(output_prefix)
@@ -403,7 +429,7 @@ def preprocess(inputs: Sequence[str | Path], output_prefix: str | Path,
             raise PreprocessError(f"a worker process died (out of memory, or killed?); nothing was "
                                   f"written; run again, with fewer --workers than {workers}") from None
     files = [f(output_prefix_for_key(output_prefix, key)) for key in keys
-             for f in (data_file_path, index_file_path)]
+             for f in (data_file_path, index_file_path, tokenizer_record.record_path)]
     return dict(documents=documents, tokens=sum(token_counts),
                 tokens_per_key=dict(zip(keys, token_counts)), input_bytes=total_bytes,
                 seconds=time.perf_counter() - started, workers=workers, dtype=dtype.name, files=files)
@@ -477,6 +503,7 @@ def _encode_all(chunks, keys, spec, tokenizer, append_eod, dtype, output_prefix,
     token_counts = [0] * len(keys)
     writers: list[IndexedDatasetWriter] = []
     scratch = None
+    fields = tokenizer_record.describe(tokenizer, spec.tokenizer_type, vars(spec))
     try:
         for key in keys:
             writers.append(IndexedDatasetWriter(output_prefix_for_key(output_prefix, key), dtype))
@@ -509,8 +536,12 @@ def _encode_all(chunks, keys, spec, tokenizer, append_eod, dtype, output_prefix,
         empty_keys = [key for key, count in zip(keys, token_counts) if count == 0]
         if empty_keys:
             raise PreprocessError(_empty_input_problem(inputs, empty_keys, documents))
+        # The tokenizer is recorded beside each dataset (ptdp.data.tokenizer_record):
+        # an old record goes before the new data is committed, the new one after.
         for writer in writers:
+            tokenizer_record.remove_record(writer.prefix)
             writer.finalize()
+            tokenizer_record.write_record(writer.prefix, fields, append_eod=append_eod)
         return token_counts
     finally:
         for writer in writers:
@@ -565,5 +596,6 @@ def run_preprocess(args: argparse.Namespace) -> int:
           f"{result['workers']} worker{'s' if result['workers'] > 1 else ''})")
     for key in args.json_keys:
         prefix = output_prefix_for_key(args.output_prefix, key)
-        print(f"wrote {data_file_path(prefix)} and {index_file_path(prefix)}")
+        print(f"wrote {data_file_path(prefix)} and {index_file_path(prefix)} (and "
+              f"{tokenizer_record.record_path(prefix)}, its tokenizer)")
     return 0

@@ -326,6 +326,10 @@ def train_tokenizer(inputs: Sequence[str | Path], vocab_size: int, output_dir: s
     out = Path(output_dir)
     if out.exists() and not out.is_dir():
         problems.append(f"--output {out} exists and is not a directory")
+    else:  # checked before the training, not at the first write after it
+        from ptdp.output_paths import output_path_problems
+
+        problems += output_path_problems("--output", str(out), directory=True)
     if problems:
         raise TokenizerError("; ".join(problems))
     tokenizer = Tokenizer(models.BPE())
@@ -444,22 +448,33 @@ def character_counts(tokenizer: Tokenizer) -> list[int] | None:
     tokens). The end-of-document token counts 0: it is not text, but its loss
     (the cost of encoding where documents end) stays in bits per character's
     numerator. Ids a vocabulary leaves unused count 0."""
-    if isinstance(tokenizer, ByteTokenizer):
-        pieces = {i: bytes([i]) for i in range(256)}
-    elif isinstance(tokenizer, GPT2Tokenizer):
-        decode = tokenizer._encoding.decode_single_token_bytes
-        pieces = {i: decode(i) for i in range(tokenizer.eod)}
-    elif isinstance(tokenizer, HFTokenizer):
-        pieces = _byte_level_pieces(tokenizer._tokenizer)
-        if pieces is None:
-            return None
-    else:
+    pieces = token_pieces(tokenizer, decoded_only=True)
+    if pieces is None:
         return None
     counts = [0] * tokenizer.vocab_size
     for i, token in pieces.items():
         if i != tokenizer.eod and i < len(counts):
             counts[i] = _utf8_characters(token)
     return counts
+
+
+def token_pieces(tokenizer: Tokenizer, *, decoded_only: bool) -> dict[int, bytes] | None:
+    """What each id stands for, as bytes; None for NullTokenizer (no text).
+    A Hugging Face tokenizer that is not byte-level gives its vocabulary's
+    own strings, or None with `decoded_only` (its decoder may add or drop
+    characters between tokens, so they are not its decoded text)."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return {i: bytes([i]) for i in range(256)}
+    if isinstance(tokenizer, GPT2Tokenizer):
+        decode = tokenizer._encoding.decode_single_token_bytes
+        return {i: decode(i) for i in range(tokenizer.eod)}
+    if isinstance(tokenizer, HFTokenizer):
+        pieces = _byte_level_pieces(tokenizer._tokenizer)
+        if pieces is None and not decoded_only:
+            pieces = {i: text.encode("utf-8", "surrogatepass") for text, i in
+                      tokenizer._tokenizer.get_vocab(with_added_tokens=True).items()}
+        return pieces
+    return None
 
 
 def _byte_level_pieces(tokenizer) -> dict[int, bytes] | None:

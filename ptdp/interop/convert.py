@@ -9,6 +9,10 @@ Import reads the architecture from config.json; export picks it from the
 checkpoint's settings (GPT-2 for the defaults, Llama for RMSNorm + SwiGLU
 + rotary embeddings). A tokenizer.json travels both ways; export writes the
 checkpoint's tokenizer in the form AutoTokenizer reads (hf_tokenizer.py).
+Nothing of the Hugging Face directory is trusted: config.json is checked
+against the weight files' headers before anything is built from it, every
+weight must be floating point and finite (hf_weights.py), and the
+tokenizer.json must load and fit the model before it is carried.
 Hugging Face stores each norm's plain scale: export of an --apply-layernorm-1p
 checkpoint writes 1 + w, and `--from-hf DIR --save CKPT --apply-layernorm-1p`
 imports scale - 1 for training with that flag.
@@ -23,7 +27,7 @@ from typing import Any
 from ptdp.config import Config, ConfigError, DataConfig, TrainConfig
 from ptdp.interop import hf_gpt2, hf_llama
 from ptdp.interop.hf_files import ConversionError, hf_tokenizer_file, read_hf_config
-from ptdp.interop.hf_tokenizer import exported_tokenizer
+from ptdp.interop.hf_tokenizer import exported_tokenizer, imported_tokenizer_ids
 # The flags live in a module without torch (the command line builds them at every start).
 from ptdp.interop.convert_flags import add_convert_parser  # noqa: F401
 
@@ -118,8 +122,16 @@ def _import(directory: str, save: str, apply_layernorm_1p: bool = False) -> int:
 
     architecture = architecture_of_hf_config(read_hf_config(directory), directory)
     module = ARCHITECTURES[architecture][0]
-    model, weights = module.load_hf_directory(directory, apply_layernorm_1p=apply_layernorm_1p)
     tokenizer_file = hf_tokenizer_file(directory)
+    # Parsed before the weights are read (which takes long for a large model).
+    tokenizer_ids = imported_tokenizer_ids(tokenizer_file) if tokenizer_file is not None else 0
+    model, weights = module.load_hf_directory(directory, apply_layernorm_1p=apply_layernorm_1p)
+    if tokenizer_ids > model.vocab_size:
+        raise ConversionError(f"{tokenizer_file} has {tokenizer_ids} token ids, more than the "
+                              f"model's vocabulary of {model.vocab_size} (vocab_size in "
+                              f"config.json, the word embedding's rows): it is another model's "
+                              f"tokenizer; use the model's own, or move the file out of the "
+                              f"directory to import the model without a tokenizer")
     if tokenizer_file is not None:
         # The checkpoint carries the file; its metadata names it, and
         # training and generation take it from there.

@@ -1,10 +1,10 @@
-"""What every Hugging Face conversion shares: reading and writing model
-directories, and checking a state dict's names and shapes.
+"""What every Hugging Face conversion shares: reading config.json, writing
+model directories, and checking a state dict's names and shapes.
 
 A directory is `config.json` plus the weights as `model.safetensors` or as
-shards listed in `model.safetensors.index.json`; a `tokenizer.json` (and
-the other files `AutoTokenizer` reads) may sit next to them. No pickle: a
-directory that holds only `pytorch_model*.bin` is refused with a way out.
+shards listed in `model.safetensors.index.json` (read by hf_weights.py); a
+`tokenizer.json` (and the other files `AutoTokenizer` reads) may sit next
+to them.
 """
 
 from __future__ import annotations
@@ -15,17 +15,20 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping, TypeVar
 
 import torch
 
 from ptdp.file_modes import give_ordinary_mode
+from ptdp.plural import plural
 
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
 TOKENIZER_NAME = "tokenizer.json"
 TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
+
+T = TypeVar("T")
 
 
 class ConversionError(ValueError):
@@ -34,16 +37,20 @@ class ConversionError(ValueError):
 
 # ------------------------------------------------------------------ state dicts
 
-def check_state(state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], what: str,
+def check_state(state: Mapping[str, torch.Tensor | tuple[int, ...]],
+                expected: dict[str, tuple[int, ...]], what: str,
                 padded_hint: int | None = None) -> None:
     """Refuse a state whose names or shapes differ from `expected`, listing
-    what is missing, unexpected and misshapen. `padded_hint` (the vocabulary
+    what is missing, unexpected and misshapen. The state's values are
+    tensors or only their shapes (an import checks the shapes the files'
+    headers give before it reads any data). `padded_hint` (the vocabulary
     size) adds a note when the word embedding looks padded."""
+    state = {name: shape_of(value) for name, value in state.items()}
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
-    wrong = [f"{name}: {tuple(state[name].shape)}, expected {shape}"
+    wrong = [f"{name}: {state[name]}, expected {shape}"
              for name, shape in expected.items()
-             if name in state and tuple(state[name].shape) != tuple(shape)]
+             if name in state and state[name] != tuple(shape)]
     problems = []
     if missing:
         problems.append(f"missing: {', '.join(abbreviate(missing))}")
@@ -62,6 +69,63 @@ def check_state(state: dict[str, torch.Tensor], expected: dict[str, tuple[int, .
 
 def abbreviate(items: list[str], limit: int = 8) -> list[str]:
     return items if len(items) <= limit else items[:limit] + [f"... ({len(items) - limit} more)"]
+
+
+# ------------------------------------------------------------------ config.json against the tensors
+# The sizes config.json gives are checked against the tensors' shapes before
+# anything is built from them: a model's name table has an entry per layer,
+# so a config that claims a billion layers must be refused before it is made.
+
+def shape_of(value: Any) -> tuple[int, ...]:
+    """A tensor's shape, or a shape as it is."""
+    return tuple(getattr(value, "shape", value))
+
+
+def layer_disagreement(names: Iterable[str], prefix: str, field: str, layers: int) -> str | None:
+    """None when the tensors `names` hold exactly `layers` layers (numbers
+    after `prefix`, e.g. "h." in h.3.ln_1.weight), else what disagrees."""
+    found = sorted({int(match.group(1)) for match in
+                    (re.match(rf"{re.escape(prefix)}(\d+)\.", name) for name in names) if match})
+    if len(found) == layers:
+        return None  # which numbers they are, check_state says
+    held = (f"{plural(len(found), 'layer')} ({prefix}{found[0]} to {prefix}{found[-1]})" if found
+            else "no layers")
+    return f"{field}={layers}, but the tensors hold {held}"
+
+
+def carriers_matching(state: Mapping[str, Any], pattern: str,
+                      axis: int) -> list[tuple[str, Mapping[str, Any], int]]:
+    """size_disagreement's carriers: every tensor of `state` whose name
+    matches `pattern` (one per layer, say), its size along `axis`."""
+    return [(name, state, axis) for name in state if re.fullmatch(pattern, name)]
+
+
+def size_disagreement(setting: str, size: int, what: str,
+                      carriers: Iterable[tuple[str, Mapping[str, Any], int]]) -> str | None:
+    """What disagrees when the tensors that carry a size all give another
+    than config.json's `setting` ("n_embd=768") makes it (`size`, the
+    tensors' `what`, e.g. "hidden size"); None when they agree with it,
+    when none is there, or when they differ among themselves (then
+    check_state names the odd tensors). `carriers`: (name, state, axis)."""
+    found = []
+    for name, state, axis in carriers:
+        if name in state:
+            shape = shape_of(state[name])
+            found.append((name, shape, shape[axis] if len(shape) > axis else None))
+    sizes = {actual for _, _, actual in found}
+    if len(sizes) != 1 or size in sizes or None in sizes:
+        return None
+    name, shape, actual = found[0]
+    return f"{setting}, but the tensors' {what} is {actual} ({name}: {shape})"
+
+
+def check_sizes(disagreements: Iterable[str | None]) -> None:
+    """Refuse the config when any of its sizes disagrees with the tensors."""
+    problems = [problem for problem in disagreements if problem is not None]
+    if problems:
+        raise ConversionError(f"config.json does not match the tensors of the weight files: "
+                              f"{'; '.join(problems)}. Fix config.json to describe these tensors "
+                              f"(is it another model's?)")
 
 
 # ------------------------------------------------------------------ reading
@@ -83,58 +147,10 @@ def read_hf_config(directory: str | Path) -> dict[str, Any]:
     return hf_config
 
 
-def read_hf_weights(directory: str | Path, example_class: str) -> dict[str, torch.Tensor]:
-    """Every tensor of a directory's safetensors files, by key.
-    `example_class` (e.g. LlamaForCausalLM) goes into the advice for a
-    pickle-only directory."""
-    from safetensors.torch import load_file
-
-    state: dict[str, torch.Tensor] = {}
-    for path in _weight_files(Path(directory), example_class):
-        try:
-            part = load_file(str(path))
-        except Exception as e:  # safetensors raises its own error types
-            raise ConversionError(f"cannot read {path}: {e}") from None
-        for key in part.keys() & state.keys():
-            raise ConversionError(f"{key!r} is in more than one weight file ({path.name})")
-        state.update(part)
-    return state
-
-
 def hf_tokenizer_file(directory: str | Path) -> Path | None:
     """The directory's tokenizer.json, if it has one."""
     path = Path(directory) / TOKENIZER_NAME
     return path if path.is_file() else None
-
-
-def _weight_files(directory: Path, example_class: str) -> list[Path]:
-    single, index = directory / WEIGHTS_NAME, directory / WEIGHTS_INDEX_NAME
-    if single.is_file():
-        return [single]
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise ConversionError(f"{index} is not a valid safetensors index: {e!r}") from None
-        paths = []
-        for name in names:
-            path = directory / name
-            if Path(name).name != name or not name.endswith(".safetensors"):
-                raise ConversionError(f"{index} names {name!r}, not a .safetensors file in "
-                                      f"{directory}")
-            if not path.is_file():
-                raise ConversionError(f"{index} names {name}, which is missing from {directory}")
-            paths.append(path)
-        return paths
-    pickled = [p.name for p in sorted(directory.glob("pytorch_model*.bin"))]
-    if pickled:
-        raise ConversionError(
-            f"{directory} holds only {', '.join(pickled)} (pickle, which can run code when "
-            f"loaded): ptdp reads safetensors only. Convert it where you trust the file, e.g. "
-            f"{example_class}.from_pretrained(dir).save_pretrained(new_dir) "
-            f"(safe_serialization is the default), then use new_dir")
-    raise ConversionError(f"{directory} has neither {WEIGHTS_NAME} nor {WEIGHTS_INDEX_NAME}")
 
 
 # ------------------------------------------------------------------ writing
@@ -182,12 +198,13 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
         f.write("\n")
 
 
-def split_state(state: dict[str, torch.Tensor], prefix: str,
-                ignored: re.Pattern) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+def split_state(state: Mapping[str, T], prefix: str,
+                ignored: re.Pattern) -> tuple[dict[str, T], T | None]:
     """A causal LM's state dict as (the base model's tensors under their bare
     names, `lm_head.weight` or None): keys lose `prefix` (the LM class's) or
-    come bare (the base class's); buffers matching `ignored` are dropped."""
-    bare: dict[str, torch.Tensor] = {}
+    come bare (the base class's); buffers matching `ignored` are dropped.
+    The values are tensors, or what a file's header says of them."""
+    bare: dict[str, T] = {}
     lm_head = None
     for key, tensor in state.items():
         if key == "lm_head.weight":

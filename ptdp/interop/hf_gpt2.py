@@ -20,10 +20,13 @@ unsharded, unpadded tensors, as checkpoints hold them.
 * `to_hf_state` / `from_hf_state`: tensors under GPT2LMHeadModel's keys and
   back. `from_hf_state` accepts GPT2LMHeadModel's `transformer.`-prefixed
   keys and GPT2Model's bare keys (the original `gpt2` checkpoints).
+  `check_hf_tensors` checks such a state's names and shapes (or only the
+  shapes a file's header gives) against the config, config.json's sizes
+  first.
 * `save_hf_directory` / `load_hf_directory`: a directory that
   `GPT2LMHeadModel.from_pretrained` reads (config.json + model.safetensors),
-  and reading one (also sharded safetensors). No pickle: a directory that
-  holds only `pytorch_model.bin` is refused.
+  and reading one (also sharded safetensors; hf_weights.py). No pickle: a
+  directory that holds only `pytorch_model.bin` is refused.
 """
 
 from __future__ import annotations
@@ -37,15 +40,19 @@ import torch
 from ptdp.config import ModelConfig
 from ptdp.interop.hf_files import (
     ConversionError,
+    carriers_matching,
+    check_sizes,
     check_state,
+    layer_disagreement,
     read_hf_config,
-    read_hf_weights,
+    size_disagreement,
     split_state,
     write_hf_directory,
 )
+from ptdp.interop.hf_weights import HFWeights
 from ptdp.interop.logical import logical_shapes, with_plain_norm_scales, with_stored_norm_scales
 
-__all__ = ["ConversionError", "from_hf_state", "gpt2_obstacles", "hf_config_from_model_config",
+__all__ = ["ConversionError", "check_hf_tensors", "from_hf_state", "gpt2_obstacles", "hf_config_from_model_config",
            "load_hf_directory", "logical_shapes", "model_config_from_hf_config",
            "save_hf_directory", "to_hf_state"]
 
@@ -232,19 +239,44 @@ def to_hf_state(logical: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
     return state
 
 
-def from_hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """The logical state of a GPT-2 state dict (GPT2LMHeadModel's
-    `transformer.`-prefixed keys or GPT2Model's bare keys). The causal-mask
-    buffers of older checkpoints are ignored; an `lm_head.weight` must equal
-    the word embedding (ptdp ties them)."""
+def check_hf_tensors(state: Mapping[str, Any], config: ModelConfig) -> None:
+    """Refuse a GPT-2 state (tensors, or the shapes the files' headers give)
+    that does not fit `config`: first config.json's sizes against the
+    tensors' (before the name table, which has an entry per layer of the
+    config), then every name and shape."""
     _require_gpt2(config)
-    bare, lm_head = split_state(state, "transformer.", _IGNORED)
+    bare, _ = split_state(state, "transformer.", _IGNORED)
+    h, ffn = config.hidden_size, config.ffn_size
+    n_inner = f"n_inner={config.ffn_hidden_size}" if config.ffn_hidden_size is not None else \
+        f"n_inner=None (4·n_embd = {ffn})"
+
+    check_sizes([
+        layer_disagreement(bare, "h.", "n_layer", config.num_layers),
+        size_disagreement(f"vocab_size={config.vocab_size}", config.vocab_size, "vocabulary",
+                          [("wte.weight", bare, 0)]),
+        size_disagreement(f"n_embd={h}", h, "hidden size",
+                          [("wte.weight", bare, 1), ("ln_f.weight", bare, 0),
+                           *carriers_matching(bare, r"h\.\d+\.ln_1\.weight", 0)]),
+        size_disagreement(f"n_positions={config.max_positions}", config.max_positions,
+                          "number of positions", [("wpe.weight", bare, 0)]),
+        size_disagreement(n_inner, ffn, "MLP width",
+                          carriers_matching(bare, r"h\.\d+\.mlp\.c_fc\.weight", 1)),
+    ])
     shapes = logical_shapes(config)
     expected = {}
     for ours, theirs, transposed in _name_map(config):
         shape = shapes[ours]
         expected[theirs] = (shape[1], shape[0]) if transposed else shape
     check_state(bare, expected, "GPT-2 state")
+
+
+def from_hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The logical state of a GPT-2 state dict (GPT2LMHeadModel's
+    `transformer.`-prefixed keys or GPT2Model's bare keys). The causal-mask
+    buffers of older checkpoints are ignored; an `lm_head.weight` must equal
+    the word embedding (ptdp ties them)."""
+    check_hf_tensors(state, config)
+    bare, lm_head = split_state(state, "transformer.", _IGNORED)
     if lm_head is not None:
         wte = bare["wte.weight"]
         if lm_head.shape != wte.shape or not torch.equal(lm_head, wte):
@@ -277,11 +309,16 @@ def load_hf_directory(directory: str | Path, **overrides: Any
                       ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """(ModelConfig, logical state) of a Hugging Face GPT-2 directory:
     `config.json` plus `model.safetensors` or sharded safetensors with
-    `model.safetensors.index.json`. `overrides` go to
+    `model.safetensors.index.json`. config.json is checked against the
+    tensors' names and shapes before any data is read; the tensors the
+    model uses must be floating point and finite. `overrides` go to
     model_config_from_hf_config."""
     config = model_config_from_hf_config(read_hf_config(directory), **overrides)
-    state = read_hf_weights(directory, "GPT2LMHeadModel")
+    weights = HFWeights(directory, "GPT2LMHeadModel")
     try:
+        check_hf_tensors(weights.shapes, config)
+        state = weights.load(key for key in weights.tensors
+                             if not _IGNORED.match(key.removeprefix("transformer.")))
         return config, from_hf_state(state, config)
     except ConversionError as e:
         raise ConversionError(f"{directory}: {e}") from None

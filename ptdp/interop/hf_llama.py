@@ -19,8 +19,12 @@ pair), so conversion is renaming plus joining or splitting rows:
   never adjusted.
 * `to_hf_state` / `from_hf_state`: tensors under LlamaForCausalLM's keys and
   back (`from_hf_state` also takes LlamaModel's bare keys).
+  `check_hf_tensors` checks such a state's names and shapes (or only the
+  shapes a file's header gives) against the config, config.json's sizes
+  first.
 * `save_hf_directory` / `load_hf_directory`: a directory that
-  `LlamaForCausalLM.from_pretrained` reads, and reading one (sharded too).
+  `LlamaForCausalLM.from_pretrained` reads, and reading one (sharded too;
+  hf_weights.py).
 """
 
 from __future__ import annotations
@@ -35,12 +39,17 @@ import torch
 from ptdp.config import ModelConfig
 from ptdp.interop.hf_files import (
     ConversionError,
+    carriers_matching,
+    check_sizes,
     check_state,
+    layer_disagreement,
     read_hf_config,
-    read_hf_weights,
+    shape_of,
+    size_disagreement,
     split_state,
     write_hf_directory,
 )
+from ptdp.interop.hf_weights import HFWeights
 from ptdp.interop.logical import logical_shapes, with_plain_norm_scales, with_stored_norm_scales
 
 ARCHITECTURE = "LlamaForCausalLM"
@@ -292,31 +301,57 @@ def to_hf_state(logical: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
     return state
 
 
+def check_hf_tensors(state: Mapping[str, Any], config: ModelConfig) -> None:
+    """Refuse a Llama state (tensors, or the shapes the files' headers give)
+    that does not fit `config`: first config.json's sizes against the
+    tensors' (before the name table, which has an entry per layer of the
+    config), then every name and shape."""
+    _require_llama(config)
+    bare, lm_head = split_state(state, "model.", _IGNORED)
+    h, d = config.hidden_size, config.head_dim
+    heads, groups = config.num_attention_heads, config.query_groups
+
+    check_sizes([
+        layer_disagreement(bare, "layers.", "num_hidden_layers", config.num_layers),
+        size_disagreement(f"vocab_size={config.vocab_size}", config.vocab_size, "vocabulary",
+                          [("embed_tokens.weight", bare, 0)]),
+        size_disagreement(f"hidden_size={h}", h, "hidden size",
+                          [("embed_tokens.weight", bare, 1), ("norm.weight", bare, 0),
+                           *carriers_matching(bare, r"layers\.\d+\.input_layernorm\.weight", 0)]),
+        size_disagreement(f"intermediate_size={config.ffn_size}", config.ffn_size, "MLP width",
+                          carriers_matching(bare, r"layers\.\d+\.mlp\.gate_proj\.weight", 0)),
+        size_disagreement(f"num_key_value_heads={groups} with num_attention_heads={heads} "
+                          f"(head_dim {d}, so {groups}·{d} key/value rows)",
+                          groups * d, "key/value width",
+                          carriers_matching(bare, r"layers\.\d+\.self_attn\.k_proj\.weight", 0)),
+    ])
+    shapes = logical_shapes(config)
+    expected = {name: (rows, *shapes[ours][1:])
+                for ours, theirs in _name_map(config) for name, rows in theirs}
+    check_state(bare, expected, "Llama state")
+    if not config.tied_output:
+        if lm_head is None:
+            raise ConversionError("lm_head.weight is missing and tie_word_embeddings is false: "
+                                  "the output layer's weights are not in this checkpoint")
+        if shape_of(lm_head) != shapes["output_layer.weight"]:
+            raise ConversionError(f"lm_head.weight: {shape_of(lm_head)}, expected "
+                                  f"{shapes['output_layer.weight']}")
+
+
 def from_hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """The logical state of a Llama state dict (LlamaForCausalLM's
     `model.`-prefixed keys, or LlamaModel's bare keys with an untied
     `lm_head.weight` beside them). Rotary `inv_freq` buffers of older
     checkpoints are ignored; with tied embeddings an `lm_head.weight` must
     equal the word embedding."""
-    _require_llama(config)
+    check_hf_tensors(state, config)
     bare, lm_head = split_state(state, "model.", _IGNORED)
-    shapes = logical_shapes(config)
-    expected = {name: (rows, *shapes[ours][1:])
-                for ours, theirs in _name_map(config) for name, rows in theirs}
-    check_state(bare, expected, "Llama state")
     embedding = bare["embed_tokens.weight"]
     if config.tied_output and lm_head is not None and (
             lm_head.shape != embedding.shape or not torch.equal(lm_head, embedding)):
         raise ConversionError("lm_head.weight differs from the word embedding "
                               "(embed_tokens.weight) although tie_word_embeddings is true; set "
                               "tie_word_embeddings to false in config.json to keep both")
-    if not config.tied_output:
-        if lm_head is None:
-            raise ConversionError("lm_head.weight is missing and tie_word_embeddings is false: "
-                                  "the output layer's weights are not in this checkpoint")
-        if tuple(lm_head.shape) != shapes["output_layer.weight"]:
-            raise ConversionError(f"lm_head.weight: {tuple(lm_head.shape)}, expected "
-                                  f"{shapes['output_layer.weight']}")
     logical = {ours: torch.cat([bare[name].detach() for name, _ in theirs]).contiguous()
                for ours, theirs in _name_map(config)}
     if not config.tied_output:
@@ -346,11 +381,16 @@ def load_hf_directory(directory: str | Path, **overrides: Any
                       ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """(ModelConfig, logical state) of a Hugging Face Llama directory:
     `config.json` plus `model.safetensors` or sharded safetensors with
-    `model.safetensors.index.json`. `overrides` go to
+    `model.safetensors.index.json`. config.json is checked against the
+    tensors' names and shapes before any data is read; the tensors the
+    model uses must be floating point and finite. `overrides` go to
     model_config_from_hf_config."""
     config = model_config_from_hf_config(read_hf_config(directory), **overrides)
-    state = read_hf_weights(directory, ARCHITECTURE)
+    weights = HFWeights(directory, ARCHITECTURE)
     try:
+        check_hf_tensors(weights.shapes, config)
+        state = weights.load(key for key in weights.tensors
+                             if not _IGNORED.match(key.removeprefix("model.")))
         return config, from_hf_state(state, config)
     except ConversionError as e:
         raise ConversionError(f"{directory}: {e}") from None

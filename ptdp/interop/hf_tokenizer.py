@@ -1,4 +1,5 @@
-"""The tokenizer of an exported model, as the files Hugging Face reads.
+"""The tokenizer of an exported model, as the files Hugging Face reads, and
+the check of the tokenizer.json an import carries (imported_tokenizer_ids).
 
 `AutoTokenizer.from_pretrained(DIR)` should give the ids the model was
 trained with, so an export writes the checkpoint's own tokenizer:
@@ -79,6 +80,30 @@ def special_tokens(tokenizer_file: str | Path) -> SpecialTokens:
         raise ConversionError(f"{tokenizer_file} is not a Hugging Face tokenizer.json: "
                               f"{error}") from None
     return _special_tokens_of(tokenizer)
+
+
+def imported_tokenizer_ids(tokenizer_file: str | Path) -> int:
+    """How many token ids the tokenizer.json that an import would carry into
+    its checkpoint has (its size, or its largest id + 1 where ids are
+    missing: what the model's vocabulary must hold), refusing one that ptdp
+    could not use there: a file the `tokenizers` library cannot load, or a
+    vocabulary without an end-of-document token (generation stops at it,
+    and training separates documents with it)."""
+    from tokenizers import Tokenizer
+
+    way_out = "fix it, or move it out of the directory to import the model without a tokenizer"
+    try:
+        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    except Exception as error:  # tokenizers raises plain Exception subclasses
+        raise ConversionError(f"{tokenizer_file} is not a Hugging Face tokenizer.json ({error}); "
+                              f"{way_out}") from None
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    if not any(token in vocab for token in EOS_CANDIDATES):
+        raise ConversionError(f"{tokenizer_file} has no end-of-document token (looked for "
+                              f"{', '.join(EOS_CANDIDATES)}), which ptdp needs to train and "
+                              f"generate with it; add one as a special token, or move the file "
+                              f"out of the directory to import the model without a tokenizer")
+    return max(tokenizer.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1)
 
 
 def _special_tokens_of(tokenizer) -> SpecialTokens:

@@ -49,6 +49,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Iterable
 
 from ptdp.config import Config, ConfigError, ModelConfig, validate
+from ptdp.output_paths import output_path_problems
 from ptdp.parallel.pipeline.split import LayerSplit, split_problems
 from ptdp.perf.layout import Layout, Workload
 
@@ -59,6 +60,7 @@ MAX_CHUNKS = 8             # interleaving beyond this only adds transfers
 # ones. GPipe is never better than 1F1B here (same bubble, more memory).
 SCHEDULES = ("1f1b", "zb-h1", "zbv")
 EXACT_ROWS = 30            # search's first rows are exact (see search); plot draws as many
+PLOT_FORMATS = (".png", ".pdf", ".svg")   # --plot: matplotlib picks the format by the suffix
 
 
 @dataclass
@@ -534,7 +536,8 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     layout.add_argument("--account-for-loss-in-pipeline-split", action="store_true")
     parser.add_argument("--top", type=int, default=10, metavar="N", help="rows in the table")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
-    parser.add_argument("--plot", metavar="PNG", help="draw throughput across layouts")
+    parser.add_argument("--plot", metavar="PATH", help="draw throughput across layouts to this "
+                        ".png, .pdf or .svg file (the suffix picks the format)")
     parser.add_argument("--print-flags", action="store_true",
                         help="print the winner as a whole `ptdp train` command (model, "
                              "precision, layout, batch, recomputation)")
@@ -612,6 +615,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
     problems = [f"{flag} must be positive" for flag, value in
                 (("--gpus", args.gpus), ("--global-batch-size", args.global_batch_size))
                 if value < 1]
+    if args.plot is not None:  # checked now, not after the search
+        problems += output_path_problems("--plot", args.plot, suffix=PLOT_FORMATS)
     try:   # the model's own rules, as `ptdp train` checks them (with t = p = d = 1)
         validate(Config(model=model))
     except ConfigError as error:

@@ -11,8 +11,9 @@ A checkpoint is a directory `SAVE/iter_0000005/` holding
   written in parallel; data-parallel replicas write nothing.
 * `rng/tp{k}-pp{r}-dp{j}.json`: each rank's random-number-generator states.
 * `metadata.json`: the configuration, iteration, consumed samples, layout,
-  optimizer step count, loss scaler, where each tensor is, and every file's
-  sha256 (checked on load).
+  optimizer step count, loss scaler, where each tensor is, every file's
+  sha256 (checked on load), and its own sha256: a checkpoint proves itself
+  before it is loaded (checkpoint_integrity.py).
 * `tokenizer.json`, where the model has a Hugging Face tokenizer (a run
   with HuggingFaceTokenizer, or an imported model): `metadata["tokenizer"]`
   names it, and `checkpoint_tokenizer` returns it, checked.
@@ -60,13 +61,16 @@ from ptdp.config import Config, ConfigError, ModelConfig, flag_of
 from ptdp.file_modes import give_ordinary_mode
 from ptdp.parallel.collectives import all_gather_flat
 from ptdp.parallel.sharding import COPY_ATTR, SHARD_ATTR, gather_logical, shard
+from ptdp.train.checkpoint_integrity import (CHECKPOINT_NAME, FORMAT, FORMAT_VERSION,
+                                             OPTIMIZER_START, RUN_START, CheckpointError, damaged,
+                                             seal, verify)
+from ptdp.train.loss_range import RECORD as LOSS_RANGE, LossRange
 from ptdp.train.optimizer import LossScaler
+from ptdp.train.save_lock import SaveLock
 from ptdp.train.retention import (LATEST, LINEAGE, METADATA, Lineage, fsync_path, on_lineage,
                                   point_latest, prune, recorded_lineage, remove_leftovers,
                                   set_aside_other_lineages, stored_checkpoints, trainer_lineage)
 
-FORMAT = "ptdp-checkpoint"
-FORMAT_VERSION = 1
 # Model settings that decide the tensors' shapes: a checkpoint must agree on them.
 # The settings that decide which tensors a model has and their shapes, with
 # defaults resolved (ffn 4·h or SwiGLU's, positions = sequence length).
@@ -95,10 +99,6 @@ TOKENIZER_KEY = "tokenizer"  # metadata key naming the carried file
 # started from ({"checkpoint", "iteration", "lineage"}); a record only, which
 # retention never reads (a fine-tune's lineage is its own).
 FINETUNED_FROM = "finetuned_from"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used; says what is wrong and what to do."""
 
 
 def iteration_dir(save: str | Path, iteration: int) -> Path:
@@ -132,9 +132,10 @@ def save_checkpoint(trainer, save: str | Path, *, iteration: int, consumed_sampl
     if ctx.rank == 0:
         _finish(trainer, partial, final, iteration, consumed_samples)
         point_latest(Path(save), final.name)
-        if keep_last:
-            prune(Path(save), keep_last, lineage.at(iteration))
+        if keep_last:  # never the newest checkpoint known good (loss_range.py)
+            prune(Path(save), keep_last, lineage.at(iteration), keep=trainer.loss_range.good)
     _barrier(ctx)
+    trainer.loss_range.saved(final)  # good once the next iteration's loss is in range
     return final
 
 
@@ -205,10 +206,14 @@ def _finish(trainer, partial: Path, final: Path, iteration: int, consumed_sample
         "layout": _layout(trainer),
         "optimizer": {"steps": trainer.optimizer.steps,
                       "loss_scaler": trainer.optimizer.scaler.state_dict(),
-                      "skipped_iterations": trainer.skipped_iterations},
+                      "skipped_iterations": trainer.skipped_iterations,
+                      OPTIMIZER_START: (None if trainer.optimizer_start is None
+                                        else list(trainer.optimizer_start))},
+        RUN_START: [trainer.start_iteration, trainer.start_consumed],
         "tensors": tensors,
         "files": files,
         LINEAGE: lineage.at(iteration),
+        LOSS_RANGE: trainer.loss_range.record(),
     }
     finetuned_from = getattr(trainer, "finetuned_from", None)
     if finetuned_from:
@@ -223,8 +228,8 @@ def _finish(trainer, partial: Path, final: Path, iteration: int, consumed_sample
 
 
 def _publish(partial: Path, final: Path, metadata: dict) -> None:
-    """Metadata last, everything fsynced, then one rename makes it visible."""
-    _write_json(partial / METADATA, metadata)
+    """Metadata last (sealed), everything fsynced, then one rename makes it visible."""
+    _write_json(partial / METADATA, seal(metadata))
     for path in [*partial.rglob("*"), partial]:
         fsync_path(path)
     replaced = None
@@ -260,7 +265,7 @@ def resolve(load: str | Path) -> Path:
         return load
     pointer = load / LATEST
     if pointer.is_file():
-        target = load / pointer.read_text().strip()
+        target = load / _latest_name(pointer)
         if not (target / METADATA).is_file():
             raise CheckpointError(f"--load {load}: {LATEST} names {target.name}, which is not a "
                                   "complete checkpoint (deleted?); point --load at an iter_* "
@@ -271,14 +276,63 @@ def resolve(load: str | Path) -> Path:
     raise CheckpointError(f"--load {load}: no checkpoint here (neither {LATEST} nor {METADATA})")
 
 
+def _latest_name(pointer: Path) -> str:
+    """The checkpoint `latest` names: only an iter_* directory beside it
+    (never a path elsewhere, which would load another run's checkpoint)."""
+    try:
+        name = pointer.read_bytes().decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        name = None
+    if name is None or not CHECKPOINT_NAME.fullmatch(name):
+        shown = "unreadable bytes" if name is None else repr(name[:80])
+        raise CheckpointError(f"{pointer}: holds {shown}, not the name of an iter_* checkpoint in "
+                              f"{pointer.parent}; the file is damaged: point --load at an iter_* "
+                              f"directory (or write its name into {pointer.name})")
+    return name
+
+
+def save_inside_a_checkpoint(save: str | Path) -> str | None:
+    """Why --save cannot be used because it is (or is inside) a checkpoint
+    directory: new checkpoints would nest in it, and retention would treat
+    them as part of it. None when it is not."""
+    path = Path(save).absolute()
+    for directory in (path, *path.parents):
+        name = directory.name.removesuffix(".partial")
+        if CHECKPOINT_NAME.fullmatch(name) or (directory / METADATA).is_file():
+            return (f"--save {save} is {'' if directory == path else 'inside '}the checkpoint "
+                    f"{directory}: --save is the directory that holds the iter_* checkpoints "
+                    f"(and `latest`); use --save {directory.parent}")
+    return None
+
+
+def nothing_to_train(config: Config) -> str | None:
+    """The note when --load's checkpoint is already at or past the run's last
+    iteration (resuming a finished run trains nothing); None otherwise."""
+    from ptdp.train.batches import GlobalBatches
+
+    tr = config.train
+    if not tr.load or tr.finetune:
+        return None
+    directory = resolve(tr.load)
+    done = int(read_metadata(directory)["iteration"])
+    total = GlobalBatches(tr, config.parallel.dp).train_iters
+    if total > done:
+        return None
+    length = (f"--train-samples {tr.train_samples:,} gives {total} iterations"
+              if tr.train_samples is not None else f"--train-iters {total}")
+    return (f"ptdp: nothing to train: --load {directory} is at iteration {done}, and {length} "
+            f"{'ends there' if total == done else 'ended before it'}; give a larger "
+            f"{'--train-samples' if tr.train_samples is not None else '--train-iters'} to train on "
+            f"(nothing was started or written)")
+
+
 def read_metadata(directory: Path) -> dict[str, Any]:
+    """The checkpoint's metadata, verified (checkpoint_integrity.verify)."""
     try:
         metadata = json.loads((directory / METADATA).read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"{directory / METADATA}: unreadable ({error}); the checkpoint is "
-                              "damaged") from None
-    if metadata.get("format") != FORMAT or metadata.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{directory}: not a {FORMAT} version {FORMAT_VERSION} checkpoint")
+    except (OSError, ValueError) as error:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise damaged(directory, f"{METADATA} is unreadable ({error})") from None
+    verify(directory, metadata)
     return metadata
 
 
@@ -496,15 +550,21 @@ def load_checkpoint(trainer, load: str | Path) -> dict[str, Any]:
             if kind == "main" and target.data_ptr() == buffer.param_data.data_ptr():
                 continue  # fp32 without sharding: the main weights are the model's
             target.copy_(_owned(flats[kind], buffer, ctx))
+    if not tr.finetune and metadata.get("optimizer"):  # the run's count goes on
+        trainer.skipped_iterations = int(metadata["optimizer"].get("skipped_iterations", 0))
     if has_optimizer:
         optimizer.steps = int(metadata["optimizer"]["steps"])
         optimizer.scaler.load_state_dict(metadata["optimizer"]["loss_scaler"])
+        began = metadata["optimizer"].get(OPTIMIZER_START)  # None: a checkpoint before the record
+        trainer.optimizer_start = None if began is None else tuple(began)
     else:
         _fresh_optimizer(optimizer)
-    if not tr.finetune and metadata.get("optimizer"):  # the run's count goes on
-        trainer.skipped_iterations = int(metadata["optimizer"].get("skipped_iterations", 0))
+        trainer.optimizer_start = (0 if tr.finetune else int(metadata["iteration"]),
+                                   trainer.skipped_iterations)
     if take_rng:  # (else the streams stay as building the model from --seed left them)
         _restore_rng(trainer, directory, metadata)
+    # A fine-tune's loss is another run's: its window starts empty.
+    trainer.loss_range = LossRange() if tr.finetune else LossRange.loaded(directory, metadata)
     if tr.finetune:
         trainer.checkpoint_lineage = Lineage.fresh()
         trainer.finetuned_from = {"checkpoint": str(directory.absolute()),
@@ -596,10 +656,15 @@ def save_logical_model(save: str | Path, config: Config, weights: dict[str, torc
     imported GPT-2), the start of a lineage of its own. Training from it
     starts a fresh optimizer. `tokenizer_file` (a Hugging Face
     tokenizer.json) travels with it as TOKENIZER_FILE."""
+    with SaveLock(save):  # no job may be saving there meanwhile
+        return _save_logical_model(save, config, weights, iteration, tokenizer_file)
+
+
+def _save_logical_model(save, config: Config, weights: dict[str, torch.Tensor], iteration: int,
+                        tokenizer_file: Path | str | None) -> Path:
     final = iteration_dir(save, iteration)
     partial = final.with_name(final.name + ".partial")
     lineage = Lineage.fresh()
-    Path(save).mkdir(parents=True, exist_ok=True)
     remove_leftovers(Path(save))
     partial.mkdir(parents=True)
     tensors = {f"model/{name}": tensor.detach().contiguous().cpu() for name, tensor in weights.items()}

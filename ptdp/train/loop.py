@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import sys
 import time
-from datetime import timedelta
+from pathlib import Path
+from datetime import datetime, timedelta, timezone
 from typing import Any, TextIO
 
 import torch
@@ -32,8 +34,11 @@ from ptdp.perf.flops import configured_flops_per_iteration
 from ptdp.train.batches import ConsumedSamples, GlobalBatches
 from ptdp.train.checkpoint import (load_checkpoint, load_summary, read_metadata, resolve,
                                    save_checkpoint)
+from ptdp.train.retention import point_latest
+from ptdp.train.save_lock import SaveLock
 from ptdp.train.evaluate import evaluate
 from ptdp.train.housekeeping import Housekeeping
+from ptdp.train.loss_range import LossRange
 from ptdp.train.lr_schedule import LRSchedule
 from ptdp.train.optimizer import Optimizer, embedding_and_output_weights
 from ptdp.train.report import (Progress, TensorBoardLogger, format_log_line, peak_tflops,
@@ -50,12 +55,17 @@ def worker(env: DistEnv, config: Config) -> list[dict[str, Any]]:
     device = devices.device_for(kind, env.local_rank)
     timeout = timedelta(minutes=par.distributed_timeout_minutes)
     init_process_group(env, devices.backend_for(kind), timeout)
+    lock = None
     try:
+        # One job at a time saves into --save (save_lock.py): the first rank holds it.
+        lock = SaveLock(config.train.save) if config.train.save and env.rank == 0 else None
         t, p = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
         grid = RankGrid(tp=t, dp=env.world_size // (t * p), pp=p)
         ctx = ParallelContext.build(grid, timeout=timeout)
         return train(config, ctx, device)
     finally:
+        if lock is not None:
+            lock.release()
         dist.destroy_process_group()
 
 
@@ -87,6 +97,10 @@ class Trainer:
         model_cfg, par, tr = config.model, config.parallel, config.train
         self.start_iteration, self.start_consumed = start
         self.skipped_iterations = 0  # steps skipped for an inf/nan gradient, over the whole run
+        # (iteration, skipped iterations) where the optimizer's state began:
+        # its step count is the iterations since, less those skipped.
+        self.optimizer_start: tuple[int, int] | None = (self.start_iteration, 0)
+        self.loss_range = LossRange()  # which checkpoints are good (a load replaces it)
         self.config, self.ctx, self.device = config, ctx, device
         p, d, b = ctx.pp_size, ctx.dp_size, tr.micro_batch_size
         self.num_chunks = par.virtual_stages(model_cfg.num_layers)
@@ -313,8 +327,9 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
                 else contextlib.nullcontext():
             trainer.load(tr.load)
     is_logger = trainer.holds_loss and ctx.tp_rank == 0 and ctx.dp_rank == 0
-    metrics_out: TextIO | None = (open(tr.metrics_file, "w", encoding="utf-8")
-                                  if is_logger and tr.metrics_file else None)
+    metrics_out = (_open_metrics(tr.metrics_file, trainer.start_iteration,
+                                 resolve(tr.load) if tr.load else None)
+                   if is_logger and tr.metrics_file else None)
     parameters = count_parameters(trainer.model)
     if ctx.pp_group is not None:
         total = torch.tensor([float(parameters)], device=device)
@@ -352,6 +367,9 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
     try:
         if is_logger and tr.load:
             print(load_summary(tr, resolve(tr.load), metadata), flush=True)
+            warning = trainer.loss_range.load_warning(resolve(tr.load))
+            if warning:
+                print(warning, file=sys.stderr, flush=True)
         housekeeping.start_training()
         for iteration in range(trainer.start_iteration, train_iters):
             done = iteration + 1
@@ -367,8 +385,12 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
             record.update(throughput(flops(iteration), record["iteration_ms"] / 1e3,
                                      ctx.grid.world_size, peak))
             verdict = stopping.agree(record)  # the same on every rank
+            said = trainer.loss_range.observe(done, verdict.loss)
+            if said and is_logger:
+                print(said, file=sys.stderr, flush=True)
             try:
-                stopping.check_divergence(record, verdict, newest_checkpoint)
+                stopping.check_divergence(record, verdict,
+                                          lambda: _go_back_to(trainer, newest_checkpoint))
             except DivergenceError:
                 _report(record, metrics_out, tensorboard, is_logger, train_iters, force=True)
                 raise
@@ -414,10 +436,25 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
             metrics_out.close()
         if tensorboard is not None:
             tensorboard.close()
+    if is_logger and trainer.loss_range.left_at is not None:
+        print(f"ptdp: warning: the loss has been outside its normal range since iteration "
+              f"{trainer.loss_range.left_at}; {trainer.loss_range.kept()}", file=sys.stderr, flush=True)
     if is_logger and tr.loss_curve and history:
         plot_loss_curve(history, tr.loss_curve)
         print(f"ptdp: drew the loss curve to {tr.loss_curve}", flush=True)
     return history
+
+
+def _go_back_to(trainer: Trainer, newest: str | None) -> str:
+    """Which checkpoint a diverged run goes back to: the newest known good
+    (loss_range.py). Said only when the run stops; rank 0 then points
+    `latest` at it, so `--load SAVE` resumes from good weights."""
+    tr, good = trainer.config.train, trainer.loss_range.good
+    moved = bool(tr.save and good is not None and newest is not None and good != Path(newest)
+                 and good.parent.resolve() == Path(tr.save).resolve() and good.is_dir())
+    if moved and trainer.ctx.rank == 0:
+        point_latest(Path(tr.save), good.name)
+    return trainer.loss_range.after_divergence(None if newest is None else Path(newest), moved)
 
 
 def _length_note(trainer: Trainer) -> str:
@@ -450,6 +487,22 @@ def _report_placement(trainer: Trainer) -> None:
     print(f"ptdp: {trainer.schedule.kind}: exchanges placed for the measured times per microbatch "
           f"and chunk (slowest: F {per_op['F']:.3g} ms, B {per_op['B']:.3g} ms, W {per_op['W']:.3g} "
           f"ms)", flush=True)
+
+
+def _open_metrics(path: str, start_iteration: int, loaded) -> TextIO:
+    """--metrics-file, appended to: a resumed run (or another run) adds its
+    records after the earlier ones, behind a marker line saying where it
+    starts ({"event": "resume"|"start", ...}: it has no "loss"), so no
+    earlier line is lost; a reader takes each iteration's last record."""
+    out = open(path, "a", encoding="utf-8")
+    if out.seekable() and out.tell() > 0:  # (a stream, /dev/stdout say, has no earlier lines)
+        marker = {"event": "resume" if loaded is not None else "start",
+                  "iteration": start_iteration,
+                  "checkpoint": None if loaded is None else str(loaded),
+                  "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        out.write(json.dumps(marker) + "\n")
+        out.flush()
+    return out
 
 
 def _report(record: dict, metrics_out: TextIO | None, tensorboard, is_logger: bool,

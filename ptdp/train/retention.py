@@ -156,14 +156,16 @@ def latest_name(save: Path) -> str | None:
         return None
 
 
-def prune(save: Path, keep_last: int, lineage: list[list]) -> None:
+def prune(save: Path, keep_last: int, lineage: list[list], keep: Path | None = None) -> None:
     """All but the `keep_last` newest complete checkpoints of `lineage` (the
-    one just saved among them); never `latest`'s target, never another
-    lineage's checkpoints."""
+    one just saved among them); never `latest`'s target, never `keep` (the
+    newest checkpoint known good: loss_range.py), never another lineage's
+    checkpoints."""
     ours = [s for s in stored_checkpoints(save) if on_lineage(s.identity, lineage)]
-    protected = latest_name(save)
+    protected = {latest_name(save), None if keep is None or keep.parent.resolve() != save.resolve()
+                 else keep.name}
     for old in ours[:-keep_last]:
-        if old.path.name != protected:
+        if old.path.name not in protected:
             shutil.rmtree(old.path, ignore_errors=True)
 
 

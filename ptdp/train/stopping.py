@@ -18,10 +18,25 @@ the whole process group) and forwarded by the launcher.
 The handler's counting must work while the main thread is blocked inside a
 collective (Python runs signal handlers only between bytecodes), so the
 signals are read from a wake-up file descriptor by a small thread.
+
+A request outlives the training loop: a rank that saved and is on its way
+out keeps counting, because the same request may still be arriving by its
+other way (a launcher's forwarded copy, a scheduler's or a terminal's signal
+to every process); with the default action back it would kill a rank that
+had saved, and the job would end as a failure. Python itself puts the
+default actions back as it shuts down, before torch's teardown, which takes
+a while: `absorb_repeats_at_exit` ignores the signals from there on while
+the window is open. `ptdp train`'s launcher keeps the window after its ranks
+leave for the same reason (ptdp.launch).
+
+Ctrl-C always stops at once. After a graceful request it may cut the save
+short, so `STOP_REQUESTS` remembers the first request and what `--save`'s
+`latest` named then, and the last line says what was saved since.
 """
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import signal
@@ -29,12 +44,15 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from ptdp.config import signal_from_name
 from ptdp.errors import DivergenceError
+from ptdp.train.retention import latest_name
 
 # Always handled when the handler is on, besides --exit-signal.
 GRACEFUL_SIGNALS = ("SIGTERM", "SIGHUP", "SIGUSR1")
@@ -45,13 +63,90 @@ REPEAT_WINDOW_SECONDS = 3.0
 PROCESS_STARTED = time.monotonic()
 
 
+@dataclass(frozen=True)
+class StopRequest:
+    """The first graceful-exit signal a process received or passed on."""
+    signal: int
+    latest_then: str | None  # what --save's `latest` named then (None: nothing, or no --save)
+
+
+class StopRequests:
+    """The first graceful-exit signal this process received (a rank, or
+    `ptdp train` running one process) or passed on to its ranks (the local
+    launcher), with what `--save`'s `latest` named when it came: a Ctrl-C
+    during the stop it asked for reports what was saved since."""
+
+    def __init__(self) -> None:
+        self.first: StopRequest | None = None
+        self._save: str | None = None
+
+    def new_run(self, save: str | None) -> None:
+        """A run begins (a request an earlier run in this process saw is
+        forgotten); `save`: its --save directory (None: none), whose
+        checkpoints a Ctrl-C report names."""
+        self.first, self._save = None, save
+
+    def note(self, signum: int) -> None:
+        if self.first is None:
+            self.first = StopRequest(signum, self._latest())
+
+    def _latest(self) -> str | None:
+        return latest_name(Path(self._save)) if self._save else None
+
+    def interrupted(self) -> str:
+        """The last line after Ctrl-C: without a graceful request before it,
+        "interrupted"; after one, whether the checkpoint it asked for was
+        written (the stop was cut short, so it may not have been) and what
+        the newest checkpoint is."""
+        if self.first is None:
+            return "ptdp: interrupted"
+        name = signal.Signals(self.first.signal).name
+        head = f"ptdp: interrupted (Ctrl-C) during the graceful stop {name} asked for"
+        if not self._save:
+            return f"{head}; no --save given, so nothing was saved"
+        latest = self._latest()
+        if latest is not None and latest != self.first.latest_then:
+            return (f"{head}: {Path(self._save) / latest} was saved after the {name}; resume "
+                    f"with --load {self._save}")
+        if latest is None:
+            return f"{head}: nothing was saved, and {self._save} holds no checkpoint"
+        return (f"{head}: nothing was saved after the {name}; the newest checkpoint is "
+                f"{Path(self._save) / latest}, from before it (resume with --load {self._save})")
+
+
+# This process's: signal handlers are the process's too.
+STOP_REQUESTS = StopRequests()
+
+
+def absorb_repeats_at_exit(signals, until: float) -> None:
+    """When this process exits, ignore `signals` if a request's window is
+    still open then (it ends at `until`, time.monotonic()). Python puts the
+    default actions back for its shutdown, before the modules' teardown; a
+    repeat of the request arriving then would kill a process that did all it
+    was asked. Runs before the exit handlers registered earlier (LIFO)."""
+    def ignore() -> None:
+        if time.monotonic() < until:
+            for signum in signals:
+                signal.signal(signum, signal.SIG_IGN)
+
+    atexit.register(ignore)
+
+
 class GracefulExit:
     """Counts the graceful-exit signals this process receives.
 
     `requested` holds the first signal's number (0: none). Install in the
-    main thread; `close` restores the previous handlers."""
+    main thread; `close` at the end of the run restores the previous
+    handlers unless a stop was requested (see the module's notes), and
+    `uninstall` restores them in any case."""
+
+    # Closed after a request and still counting; a new run in this process
+    # (tests) uninstalls it first, so that handlers chain back correctly.
+    _lingering: GracefulExit | None = None
 
     def __init__(self, names: tuple[str, ...], *, announce: bool):
+        if GracefulExit._lingering is not None:
+            GracefulExit._lingering.uninstall()
         self.requested = 0
         self._first_at = 0.0
         self._announce = announce
@@ -83,6 +178,7 @@ class GracefulExit:
         name = signal.Signals(signum).name
         if not self.requested:
             self.requested, self._first_at = signum, now
+            STOP_REQUESTS.note(signum)
             if self._announce:
                 print(f"ptdp: {name} received: saving and stopping after the current iteration "
                       f"(send it again, 3 s or more later, to stop at once)", flush=True)
@@ -92,10 +188,27 @@ class GracefulExit:
             os._exit(128 + signum)
 
     def close(self) -> None:
+        """The run is over. After a request the handlers stay, for the life
+        of the process: it is leaving on that request, repeats of it within
+        the window are still the same request, and a later signal still
+        stops it at once."""
+        if self.requested:
+            GracefulExit._lingering = self
+            absorb_repeats_at_exit(self._signals, self._first_at + REPEAT_WINDOW_SECONDS)
+        else:
+            self.uninstall()
+
+    def uninstall(self) -> None:
+        """Put the previous handlers back."""
+        if GracefulExit._lingering is self:
+            GracefulExit._lingering = None
+        if self._write_fd < 0:
+            return
         signal.set_wakeup_fd(self._previous_wakeup)
         for signum, handler in self._previous.items():
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
         os.close(self._write_fd)  # ends the watcher
+        self._write_fd = -1
 
 
 @dataclass
@@ -104,6 +217,9 @@ class Verdict:
     signal: int = 0            # a graceful-exit signal some rank received
     non_finite: bool = False   # loss or gradient norm is inf/nan (fp32/bf16 check)
     out_of_time: bool = False  # --exit-duration-in-mins would be passed by the next iteration
+    # The iteration's loss on every rank (computed on the last stage only; inf
+    # when not finite; None when no rank had one), for the loss-range watch.
+    loss: float | None = None
 
     @property
     def stop(self) -> bool:
@@ -147,19 +263,23 @@ class StopConditions:
             needed = time.monotonic() - self.started + iteration + self.longest_save
             out_of_time = needed > self.tr.exit_duration_in_mins * 60
         signum = self.handler.requested if self.handler is not None else 0
-        view = torch.tensor([float(signum), float(non_finite), float(out_of_time)],
-                            device=self.device)
+        own_loss = -math.inf if loss is None else loss if math.isfinite(loss) else math.inf
+        view = torch.tensor([float(signum), float(non_finite), float(out_of_time), own_loss],
+                            dtype=torch.float64, device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(view, op=dist.ReduceOp.MAX)
-        signum, non_finite, out_of_time = (int(x) for x in view.tolist())
-        return Verdict(signal=signum, non_finite=bool(non_finite), out_of_time=bool(out_of_time))
+        *flags, job_loss = view.tolist()
+        signum, non_finite, out_of_time = (int(x) for x in flags)
+        return Verdict(signal=signum, non_finite=bool(non_finite), out_of_time=bool(out_of_time),
+                       loss=None if job_loss == -math.inf else job_loss)
 
-    def check_divergence(self, record: dict, verdict: Verdict, newest_checkpoint: str | None) -> None:
-        """Raise DivergenceError when training can no longer make progress."""
+    def check_divergence(self, record: dict, verdict: Verdict, go_back: Callable[[], str]) -> None:
+        """Raise DivergenceError when training can no longer make progress;
+        `go_back()`, called only then, says which checkpoint to go back to
+        (the loop's loss watch, loss_range.py)."""
         iteration = record["iteration"]
-        kept = (f"the newest checkpoint, {newest_checkpoint}, is untouched"
-                if newest_checkpoint else "nothing was saved")
         if verdict.non_finite:
+            kept = go_back()
             what = "loss" if record["loss"] is not None and not math.isfinite(record["loss"]) else None
             what = what or "gradient norm"
             raise DivergenceError(
@@ -171,6 +291,7 @@ class StopConditions:
             self.consecutive_skipped = self.consecutive_skipped + 1 if record["skipped"] else 0
             limit = self.tr.max_consecutive_skipped_iterations
             if limit and self.consecutive_skipped >= limit:
+                kept = go_back()
                 raise DivergenceError(
                     f"iteration {iteration}: {self.consecutive_skipped} steps in a row were skipped "
                     f"for inf/nan gradients (loss scale now {record['loss_scale']:g}); the loss "

@@ -1,0 +1,202 @@
+"""Whether a training run can fit this machine's memory, by the analytic
+memory model (ptdp.perf.analytic.memory_per_rank), before any process starts.
+
+A run whose estimate exceeds what the machine has would only fail in a
+rank's first large allocation (a 1.28 TB embedding), or be killed by the
+kernel, after seconds or minutes of start-up. The estimate counts weights,
+gradients, optimizer state and the activations the schedule keeps; it
+leaves out transient working memory, so it is below what a run really
+takes, and a refusal means the run cannot fit:
+
+- on the CPU all of this machine's ranks share its memory: the sum of
+  their estimates is compared with its physical memory (capped by the
+  process's cgroup limit, where it has one) plus swap;
+- on GPUs each rank has its own: the estimate of the rank that needs the
+  most is compared with one GPU's memory.
+
+Full recomputation is estimated as one layer per checkpointed group (what
+`ptdp plan` prices): groups of k layers keep k − 1 fewer layer inputs, but
+rebuild k layers' activations at once in the backward, so the estimate
+stays below the peak; `--recompute-method block` keeps more than the
+estimate. Nothing here imports torch: the caller gives the device's memory.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ptdp.config import Config
+from ptdp.perf.layout import Layout, Workload
+
+
+def layout_of(config: Config) -> Layout:
+    """The perf model's Layout of a training run's settings."""
+    model, par, tr = config.model, config.parallel, config.train
+    v = par.virtual_stages(model.num_layers)
+    return Layout(t=par.tensor_model_parallel_size, p=par.pipeline_model_parallel_size,
+                  d=par.dp, b=tr.micro_batch_size, v=v, recompute=model.recompute_granularity,
+                  distributed_optimizer=tr.use_distributed_optimizer,
+                  scatter_gather=par.scatter_gather_tensors_in_pipeline,
+                  schedule=par.pipeline_schedule, sequence_parallel=par.sequence_parallel,
+                  split=par.layer_split)
+
+
+def workload_of(config: Config) -> Workload:
+    tr = config.train
+    precision = "bf16" if tr.bf16 else "fp16" if tr.fp16 else "fp32"
+    return Workload(config.model, tr.batch_size(config.parallel.dp), precision)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    per_rank: tuple[dict[str, int], ...]   # memory_per_rank: one dict per pipeline rank
+
+    @property
+    def largest(self) -> dict[str, int]:
+        return max(self.per_rank, key=lambda memory: memory["total"])
+
+    @property
+    def smallest(self) -> int:
+        return min(memory["total"] for memory in self.per_rank)
+
+
+def estimate(config: Config, kernels: str) -> Estimate | None:
+    """The memory model's figures for the run; None for settings it does not
+    model (a check that cannot estimate must not stop a run)."""
+    from ptdp.perf.analytic import memory_per_rank
+
+    try:
+        return Estimate(tuple(memory_per_rank(workload_of(config), layout_of(config),
+                                              kernels=kernels,
+                                              bucket_size=config.train.ddp_bucket_size)))
+    except (ValueError, KeyError, ZeroDivisionError):
+        return None
+
+
+def host_memory_bytes() -> int | None:
+    """What this machine's processes can use: physical memory, or the
+    process's cgroup limit where lower, plus swap. None where unknown."""
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    if physical <= 0:
+        return None
+    limit = _cgroup_memory_limit()
+    if limit is not None:
+        physical = min(physical, limit)
+    return physical + _swap_bytes()
+
+
+def _swap_bytes() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("SwapTotal:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def _cgroup_memory_limit() -> int | None:
+    """This process's cgroup memory limit in bytes (cgroup v2's memory.max,
+    v1's memory.limit_in_bytes); None without one."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    root = Path("/sys/fs/cgroup")
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, group = parts
+        if hierarchy == "0" and controllers == "":
+            candidate = root / group.lstrip("/") / "memory.max"
+        elif "memory" in controllers.split(","):
+            candidate = root / "memory" / group.lstrip("/") / "memory.limit_in_bytes"
+        else:
+            continue
+        try:
+            text = candidate.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 1 << 60:   # v1 writes "no limit" as ~2^63
+            return int(text)
+    return None
+
+
+def gib(count: float) -> str:
+    return f"{count / 2**30:,.1f} GiB"
+
+
+def memory_problems(config: Config, *, kind: str, local_processes: int,
+                    device_memory: int | None = None, host_memory: int | None = None) -> list[str]:
+    """A refusal (one message) when the run's estimate cannot fit. `kind`:
+    "cpu" or "cuda"; `local_processes`: the ranks this machine runs (all
+    t·p·d for a local launch); `device_memory`: one GPU's bytes (cuda);
+    `host_memory`: the machine's (cpu; default `host_memory_bytes()`)."""
+    if kind == "cuda":
+        if not device_memory:
+            return []
+        found = estimate(config, "cuda")
+        if found is None or found.largest["total"] <= device_memory:
+            return []
+        largest = found.largest
+        return [f"the model does not fit one GPU: by ptdp's memory model its largest rank needs "
+                f"{gib(largest['total'])} ({_parts(largest)}), but a GPU here has "
+                f"{gib(device_memory)}; {_advice(config, largest, cpu=False)}"]
+    available = host_memory if host_memory is not None else host_memory_bytes()
+    if not available:
+        return []
+    found = estimate(config, "cpu")
+    if found is None:
+        return []
+    par = config.parallel
+    if local_processes == par.world_size:   # every rank here: t·d copies of each pipeline rank
+        needed = par.tensor_model_parallel_size * par.dp * sum(m["total"] for m in found.per_rank)
+        which = "its"
+    else:   # a share of a larger job: which stages are here is not known, count the smallest
+        needed = local_processes * found.smallest
+        which = "at least its"
+    if needed <= available:
+        return []
+    largest = found.largest
+    if local_processes == 1:
+        need = f"its one process needs {gib(needed)} ({_parts(largest)})"
+    else:
+        need = (f"{which} {local_processes} local processes need {gib(needed)} in all, the "
+                f"largest rank {gib(largest['total'])} ({_parts(largest)})")
+    return [f"the model does not fit this machine's memory: by ptdp's memory model {need}, but "
+            f"the machine has {gib(available)} (memory and swap); "
+            f"{_advice(config, largest, cpu=True)}"]
+
+
+def _parts(memory: dict[str, int]) -> str:
+    return ", ".join(f"{name} {gib(memory[name])}"
+                     for name in ("weights", "gradients", "optimizer", "activations"))
+
+
+def _advice(config: Config, largest: dict[str, int], *, cpu: bool) -> str:
+    """What to change, chosen by the part that dominates (state or activations)."""
+    model, tr = config.model, config.train
+    state = largest["weights"] + largest["gradients"] + largest["optimizer"]
+    shrink = ("use a smaller model (--num-layers, --hidden-size, --vocab-size"
+              + (", --seq-length" if largest["activations"] > state else "") + ")")
+    split = ("or run on more machines or GPUs with more pipeline or tensor-parallel ranks "
+             "(-p, -t), which split the model" if cpu else
+             "or more pipeline or tensor-parallel ranks (-p, -t), which split the model")
+    more = []
+    if largest["activations"] > state:
+        if model.recompute_granularity != "full":
+            more.append("--recompute-granularity full (or selective)")
+        more.append("a smaller --micro-batch-size")
+        if not (tr.bf16 or tr.fp16):   # halves activations (the state grows: fp32 main weights)
+            more.append("--bf16")
+    elif not tr.use_distributed_optimizer and config.parallel.dp > 1:
+        more.append("--use-distributed-optimizer")
+    if cpu and config.parallel.dp > 1:
+        more.append("fewer data-parallel ranks (each holds a copy of the model)")
+    return shrink + (", " + ", ".join(more) if more else "") + ", " + split
