@@ -1,5 +1,6 @@
 import os
 import shutil
+import signal
 import tempfile
 
 import pytest
@@ -20,6 +21,19 @@ def private_cache():
     else:
         os.environ["PTDP_CACHE"] = previous
     shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ctrl_c_as_a_terminal_sends_it():
+    """The Ctrl-C tests need SIGINT to raise KeyboardInterrupt, here and in
+    the jobs they start. A suite started in the background by a shell
+    without job control (`cmd &` in a script) inherits SIGINT ignored, and
+    an ignored signal stays ignored across exec: Python then installs no
+    KeyboardInterrupt handler, in this process or in its children. A Python
+    handler here is reset to the default action in every child."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
 
 
 @pytest.fixture(scope="session")

@@ -124,5 +124,6 @@ def test_keep_last_keeps_the_good_checkpoint_without_a_resume(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "iteration 4: the loss" in err and "left its normal range" in err
     assert _names(save) == ["iter_0000002", "iter_0000005", "iter_0000006", "latest"]
-    assert f"the newest checkpoint known good is {save}/iter_0000002, which --keep-last keeps" in err
+    assert f"the newest checkpoint known good is {save}/iter_0000002 (--keep-last never removes " \
+        "it)" in err
     assert read_metadata(save / "iter_0000006")["loss_range"]["left_at"] == 4

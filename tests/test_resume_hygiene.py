@@ -69,6 +69,11 @@ def test_save_inside_a_checkpoint_is_refused(trained, capsys):
         assert "is the directory that holds the iter_* checkpoints" in err, err
         assert f"use --save {save}" in err
     assert not (save / "iter_0000002" / "more").exists()
+    # Another program's metadata.json above --save is no checkpoint.
+    (save.parent / "metadata.json").write_text('{"format": "something else"}')
+    from ptdp.train.checkpoint import save_inside_a_checkpoint
+    assert save_inside_a_checkpoint(save.parent / "runs" / "ckpt") is None
+    (save.parent / "metadata.json").unlink()
 
 
 def test_a_save_directory_in_use_is_refused_naming_its_holder(tmp_path, capsys):

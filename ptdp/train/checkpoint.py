@@ -298,11 +298,20 @@ def save_inside_a_checkpoint(save: str | Path) -> str | None:
     path = Path(save).absolute()
     for directory in (path, *path.parents):
         name = directory.name.removesuffix(".partial")
-        if CHECKPOINT_NAME.fullmatch(name) or (directory / METADATA).is_file():
+        if CHECKPOINT_NAME.fullmatch(name) or _holds_checkpoint_metadata(directory):
             return (f"--save {save} is {'' if directory == path else 'inside '}the checkpoint "
                     f"{directory}: --save is the directory that holds the iter_* checkpoints "
                     f"(and `latest`); use --save {directory.parent}")
     return None
+
+
+def _holds_checkpoint_metadata(directory: Path) -> bool:
+    """A ptdp checkpoint's metadata.json is there (another program's file of
+    that name is not)."""
+    try:
+        return json.loads((directory / METADATA).read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def nothing_to_train(config: Config) -> str | None:

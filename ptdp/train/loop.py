@@ -7,8 +7,8 @@ import json
 import math
 import sys
 import time
-from pathlib import Path
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 from typing import Any, TextIO
 
 import torch
@@ -34,8 +34,6 @@ from ptdp.perf.flops import configured_flops_per_iteration
 from ptdp.train.batches import ConsumedSamples, GlobalBatches
 from ptdp.train.checkpoint import (load_checkpoint, load_summary, read_metadata, resolve,
                                    save_checkpoint)
-from ptdp.train.retention import point_latest
-from ptdp.train.save_lock import SaveLock
 from ptdp.train.evaluate import evaluate
 from ptdp.train.housekeeping import Housekeeping
 from ptdp.train.loss_range import LossRange
@@ -43,6 +41,8 @@ from ptdp.train.lr_schedule import LRSchedule
 from ptdp.train.optimizer import Optimizer, embedding_and_output_weights
 from ptdp.train.report import (Progress, TensorBoardLogger, format_log_line, peak_tflops,
                                plot_loss_curve, throughput)
+from ptdp.train.retention import point_latest
+from ptdp.train.save_lock import SaveLock
 from ptdp.train.stopping import StopConditions
 
 

@@ -91,7 +91,7 @@ class LossRange:
     def kept(self) -> str:
         if self.good is None:
             return "no checkpoint is known good yet (one is, once the iteration after it stays in range)"
-        return f"the newest checkpoint known good is {self.good}, which --keep-last keeps"
+        return f"the newest checkpoint known good is {self.good} (--keep-last never removes it)"
 
     def after_divergence(self, newest: Path | None, latest_moved: bool) -> str:
         """The divergence error's clause on which checkpoint to go back to."""
