@@ -22,7 +22,8 @@ import torch
 from results import publish  # bench/results.py: the script folder is on sys.path
 
 from ptdp.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
-from ptdp.launch import init_process_group, launch_local
+from ptdp.distributed import init_process_group
+from ptdp.launch import launch_local
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.train.loop import Trainer
 

@@ -30,9 +30,10 @@ sys.path.insert(0, str(ROOT))
 from results import cpu_name, publish  # noqa: E402  bench/results.py
 
 from ptdp.config import ModelConfig  # noqa: E402
-from ptdp.perf.cost import paper_kernels, simulate  # noqa: E402
+from ptdp.perf.calibration_point import paper_kernels  # noqa: E402
 from ptdp.perf.layout import Layout, Workload  # noqa: E402
 from ptdp.perf.plan import describe, search  # noqa: E402
+from ptdp.perf.predict import simulate  # noqa: E402
 from ptdp.perf.profiles import load_profile  # noqa: E402
 
 PAPER_TFLOPS = 163.0   # 502 PFLOP/s over 3072 GPUs

@@ -133,7 +133,7 @@ def balanced_rows(rows: list[Row], model: ModelConfig, profile) -> list[Row]:
     layer split the planner predicts fastest on `profile` (this machine's
     calibration), where that is not the even split: `ptdp plan`'s split
     candidates, each priced with cost.simulate."""
-    from ptdp.perf.cost import simulate
+    from ptdp.perf.predict import simulate
     from ptdp.perf.layout import Layout, Workload
     from ptdp.perf.plan import split_candidates
 
@@ -191,7 +191,8 @@ class TorchSide:
 
     def __init__(self, row: Row, model: ModelConfig, logical: dict, ctx, microbatch_fn):
         from torch.distributed.device_mesh import init_device_mesh
-        from ptdp.parallel.pipeline.schedules import layers_of, virtual_stage_of
+        from ptdp.parallel.pipeline.actions import virtual_stage_of
+        from ptdp.parallel.pipeline.schedules import layers_of
 
         self.row, self.ctx, self.microbatch_fn = row, ctx, microbatch_fn
         mesh = init_device_mesh("cpu", (row.p, row.d, row.t), mesh_dim_names=("pp", "dp", "tp"))

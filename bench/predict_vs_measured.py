@@ -4,7 +4,7 @@ Calibrates this machine (`ptdp calibrate`, or reads `--profile PATH`), then
 for each layout runs `ptdp train --mock-data` in a subprocess (a small GPT,
 fp32, --metrics-file), takes the median `iteration_ms` of the iterations
 after the warm-up, and predicts the same iteration with
-`ptdp.perf.cost.simulate` on the calibrated profile. Prints a Markdown table
+`ptdp.perf.predict.simulate` on the calibrated profile. Prints a Markdown table
 (layout, measured, predicted, ratio) and the median absolute relative error;
 with --write appends it to bench/RESULTS.md under "Predicted vs measured
 iteration time". Nothing is fitted per layout: the only inputs are the
@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 from results import cpu_name, publish  # noqa: E402  bench/results.py: the script folder is on sys.path
 
 from ptdp.config import ModelConfig  # noqa: E402
-from ptdp.perf.cost import simulate  # noqa: E402
+from ptdp.perf.predict import simulate  # noqa: E402
 from ptdp.parallel.pipeline.split import LayerSplit  # noqa: E402
 from ptdp.perf.layout import Layout, Workload  # noqa: E402
 from ptdp.perf.profiles import load_profile, save_profile  # noqa: E402
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
              f"measured = median iteration_ms of iterations {args.warmup + 1}..{args.iterations} "
              f"(logged by the last pipeline stage)"
              + (f", the lowest of {args.passes} passes" if args.passes > 1 else "")
-             + "; predicted = ptdp.perf.cost.simulate.",
+             + "; predicted = ptdp.perf.predict.simulate.",
              "",
              "| layout | processes | m | measured ms | predicted ms | predicted / measured |",
              "|---|---:|---:|---:|---:|---:|"]

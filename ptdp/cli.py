@@ -1,6 +1,6 @@
 """`ptdp` command line.
 
-Flags are generated from the config dataclasses (ptdp/config.py). A config
+Flags are generated from the config dataclasses (ptdp/config/). A config
 file (YAML or TOML, `--config FILE`) may set any of them, either in sections
 named like the dataclasses (model, parallel, train, data) or flat; keys are
 flag names with or without the leading dashes, or field names. Flags given on
@@ -27,7 +27,7 @@ from ptdp.data.tokenizer import TokenizerError, add_tokenizer_parser, run_tokeni
 # Every command's flags are built at each start, so the modules named here
 # must not import torch (a --help, `ptdp plan` and an argument error start in
 # a fraction of the time); the commands that need it import it when they run.
-from ptdp.inference import add_generate_parser
+from ptdp.generate import add_generate_parser
 from ptdp.interop.convert_flags import add_convert_parser
 from ptdp.perf.calibrate import add_calibrate_parser, run_calibrate_command
 from ptdp.perf.plan import add_plan_parser, run_plan_command
@@ -415,7 +415,7 @@ def _forwarded_signals(config: Config) -> tuple[int, ...]:
     """The signals `ptdp train` passes on to its ranks: those that ask them to
     save and stop (with the handler off, the supervisor's default applies)."""
     from ptdp.config import signal_from_name
-    from ptdp.train.stopping import GRACEFUL_SIGNALS
+    from ptdp.graceful_signals import GRACEFUL_SIGNALS
 
     if not config.train.exit_signal_handler:
         return ()
@@ -489,10 +489,13 @@ def run_train(config: Config, explicit: Sequence[str] = (), accepted: Sequence =
     settings among them, --load's checkpoint's tokenizer (if it carries one)
     is the run's. `accepted`: the Megatron-LM flags given that ptdp accepts
     without a setting (ptdp.megatron_flags), with their values."""
-    from ptdp.data.loader import check_datasets, resolve_data
+    from ptdp.data.loader import check_datasets
+    from ptdp.train.checkpoint_data import resolve_data
     from ptdp.device import resolve_kind
-    from ptdp.launch import LOOPBACK, DistEnv, LocalJobFailed, detect_env, launch_local
-    from ptdp.train.checkpoint import nothing_to_train, with_checkpoint_shape
+    from ptdp.distributed import LOOPBACK, DistEnv, detect_env
+    from ptdp.launch import LocalJobFailed, launch_local
+    from ptdp.train.checkpoint import nothing_to_train
+    from ptdp.train.checkpoint_args import with_checkpoint_shape
     from ptdp.train.loop import worker
 
     env = detect_env()
@@ -536,6 +539,12 @@ def run_train(config: Config, explicit: Sequence[str] = (), accepted: Sequence =
     print(f"ptdp: starting {plural(world, 'process')} on this machine (t="
           f"{parallel.tensor_model_parallel_size}, p={parallel.pipeline_model_parallel_size}, "
           f"d={parallel.dp}) on {kind}" + (", gloo" if kind == "cpu" else ", nccl"), flush=True)
+    cores = os.cpu_count() or 1
+    if kind == "cpu" and world > 2 * cores:
+        print(f"ptdp: note: {plural(world, 'process')} share {plural(cores, 'CPU core')}: each "
+              f"waits for the others most of the time, so starting them takes minutes and every "
+              f"iteration is slower than with fewer processes; such a layout checks equivalence, "
+              f"it is not for speed", flush=True)
     if world == 1:
         worker(DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1,
                        master_addr=LOOPBACK, master_port=0, source="local"), config)
@@ -578,7 +587,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "preprocess":
             return run_preprocess(args)
         if args.command == "generate":
-            from ptdp.inference import run_generate_command
+            from ptdp.generate import run_generate_command
 
             return run_generate_command(args)
         if args.command == "convert":

@@ -183,7 +183,7 @@ class RankFailure:
 
 
 # Set when this process joins a job as a rank: an error after that happened
-# on that rank (ptdp.launch.init_process_group sets it).
+# on that rank (ptdp.distributed.init_process_group sets it).
 _process_rank: int | None = None
 
 

@@ -1,130 +1,384 @@
-"""Token sampling: the pure core of `ptdp generate`.
+"""`ptdp generate`: text from a checkpoint, on one process or under a
+tensor/pipeline layout.
 
-`sample_next` turns one position's logits into token ids: temperature 0 is
-greedy (argmax); otherwise the logits are divided by the temperature, cut to
-the `top_k` largest (0: all), then to the nucleus (the smallest set of the
-most probable tokens whose probability reaches `top_p`, renormalised after
-the top-k cut; always at least one token), and a token is drawn from what is
-left. `generate` runs the autoregressive loop around any `next_logits`
-function, without a KV cache: each step recomputes the (cropped) context.
-Sampling happens in fp32 on the CPU with a generator seeded from
-`SamplingSettings.seed`, so the same logits give the same tokens on any
-device.
+Every rank builds its model pieces for the layout (as training does) and
+loads its shards of the checkpoint's logical weights. Each step runs the
+context through the virtual stages in order: stage k = c·p + r is chunk c
+of pipeline rank r, hidden states go from one stage's ranks to the next's
+by point-to-point sends, and the tensor ranks of a stage compute together.
+The last stage's vocabulary-parallel logits are gathered and broadcast to
+every rank, and every rank draws the same token from them with the same
+seeded generator, so all ranks extend the same context.
+
+The prompt is text (`--prompt`, encoded by the checkpoint's tokenizer: the
+tokenizer.json it carries, else the one its data settings name) or token
+ids (`--prompt-ids`, for any model, and the only way for a NullTokenizer
+model); it is turned into ids and checked before any rank starts, as are
+`--device` (against the GPUs this machine has) and the checkpoint's
+settings. A damaged checkpoint is one paragraph naming what is wrong, from
+the launcher or from a rank, never a traceback. The output is the prompt
+followed by its continuation, as text (without the prompt with
+`--no-echo-prompt`), or with `--output-ids` the ids of the generated tokens
+only (a program that asked for ids knows the prompt's).
 """
 
 from __future__ import annotations
 
-import math
+import argparse
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from ptdp.config import Config, ConfigError
+from ptdp.sampling import SamplingSettings
 
 if TYPE_CHECKING:
     import torch
 
-# torch is imported where it is used: `ptdp generate --help` and the other
-# commands' start-up read SamplingSettings without it.
+    from ptdp.parallel.topology import ParallelContext
+
+# torch and the model are imported where they are used, so that the command
+# line (which builds this command's flags for every command) starts without them.
 
 
 @dataclass
-class SamplingSettings:
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    max_new_tokens: int = 64
-    seed: int = 0
-
-    def validate(self) -> None:
-        """Raise ValueError listing every invalid setting, by flag name."""
-        problems = []
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
-                or self.temperature < 0:
-            problems.append(f"--temperature={self.temperature!r} must be >= 0 (0: greedy)")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            problems.append(f"--top-k={self.top_k!r} must be an integer >= 0 (0: no top-k cut)")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            problems.append(f"--top-p={self.top_p!r} must be in (0, 1] (1: no nucleus cut)")
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            problems.append(f"--max-new-tokens={self.max_new_tokens!r} must be a positive integer")
-        if not _is_int(self.seed):
-            problems.append(f"--seed={self.seed!r} must be an integer")
-        if problems:
-            raise ValueError("invalid sampling settings:\n"
-                             + "\n".join(f"  - {p}" for p in problems))
+class GenerateRequest:
+    """What every rank needs: the prompt as token ids (checked before any
+    rank starts) and whether to print ids or text."""
+    load: str
+    prompt_ids: list[int]
+    settings: SamplingSettings
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    chunks: int = 1
+    device: str = "auto"
+    output_ids: bool = False
+    echo_prompt: bool = True
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+class PipelinedModel:
+    """next_logits(tokens [1, s]) -> logits [V] of the last position, the
+    same on every rank of the layout."""
+
+    def __init__(self, config: Config, ctx: ParallelContext, device: torch.device,
+                 weights: dict[str, torch.Tensor], num_chunks: int = 1):
+        import torch
+
+        from ptdp.model.gpt import build_chunks
+        from ptdp.parallel.sharding import SHARD_ATTR, shard
+
+        self.config, self.ctx, self.device = config, ctx, device
+        self.chunks = build_chunks(config.model, ctx, device, config.train.seed, num_chunks)
+        with torch.no_grad():
+            for chunk in self.chunks:
+                for name, param in chunk.named_parameters():
+                    spec = getattr(param, SHARD_ATTR, None)
+                    logical = weights[name]
+                    param.copy_((shard(logical, spec) if spec is not None else logical).to(param.dtype))
+                chunk.eval()
+        self.num_stages = ctx.pp_size * num_chunks
+
+    def _rank_of_stage(self, stage: int) -> int:
+        c = self.ctx.coord
+        return self.ctx.grid.rank(c.tp, c.dp, stage % self.ctx.pp_size)
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        with torch.no_grad():
+            return self._next_logits(tokens)
+
+    def _next_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        import torch
+        import torch.distributed as dist
+
+        ctx, model = self.ctx, self.config.model
+        tokens = tokens.to(self.device)
+        s = tokens.shape[1]
+        x = None
+        for stage in range(self.num_stages):
+            owner = stage % ctx.pp_size
+            if owner != ctx.pp_rank:
+                continue
+            chunk = self.chunks[stage // ctx.pp_size]
+            if stage == 0:
+                x = tokens
+            elif (stage - 1) % ctx.pp_size != ctx.pp_rank:
+                x = torch.empty(s, 1, model.hidden_size, device=self.device)
+                dist.recv(x, src=self._rank_of_stage(stage - 1))
+            x = chunk(x)
+            if stage < self.num_stages - 1 and (stage + 1) % ctx.pp_size != ctx.pp_rank:
+                dist.send(x.contiguous(), dst=self._rank_of_stage(stage + 1))
+        logits = torch.empty(model.padded_vocab_size(ctx.tp_size), device=self.device)
+        if ctx.is_last_stage:
+            local = x[-1, 0].float()
+            if ctx.tp_group is not None:
+                parts = [torch.empty_like(local) for _ in range(ctx.tp_size)]
+                dist.all_gather(parts, local.contiguous(), group=ctx.tp_group)
+                local = torch.cat(parts)
+            logits.copy_(local)
+        if ctx.pp_size > 1:
+            c = ctx.coord
+            dist.broadcast(logits, src=ctx.grid.rank(c.tp, c.dp, ctx.pp_size - 1),
+                           group=ctx.pp_group)
+        return logits[:model.vocab_size].cpu()
 
 
-def filter_logits(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
-    """fp32 logits [b, V] after temperature, top-k and top-p: removed tokens
-    are -inf. Needs temperature > 0."""
-    import torch
-
-    logits = logits.float() / settings.temperature
-    vocab = logits.shape[-1]
-    if 0 < settings.top_k < vocab:
-        # Exactly k tokens per row, even with ties at the k-th value.
-        keep = torch.zeros_like(logits, dtype=torch.bool)
-        keep.scatter_(-1, logits.topk(settings.top_k, dim=-1).indices, True)
-        logits = logits.masked_fill(~keep, float("-inf"))
-    if settings.top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        # Probability of the more likely tokens; 0 < top_p for the first, so
-        # the most likely token always stays.
-        before = probs.cumsum(dim=-1) - probs
-        drop_sorted = before >= settings.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
-
-
-def sample_next(logits: torch.Tensor, settings: SamplingSettings,
-                generator: torch.Generator) -> torch.Tensor:
-    """Token ids [b] (int64) from logits [b, V] (unpadded: padding columns
-    removed or -inf)."""
-    import torch
-
-    settings.validate()
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
-    if settings.temperature == 0:
-        return logits.argmax(dim=-1)
-    probs = filter_logits(logits, settings).softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+def prompt_tokens(prompt: str, tokenizer, config: Config) -> list[int]:
+    """The prompt's token ids for a model with a text tokenizer, or, for a
+    model trained on generated data (no tokenizer), the ids the prompt lists
+    separated by spaces. ConfigError, naming --prompt, if there is nothing
+    to continue, if the model has no text tokenizer (NullTokenizer), if the
+    ids are not the model's, or if the prompt does not fit the model's
+    context (the model would silently see only its end)."""
+    if tokenizer is None:
+        ids_example = "give token ids of its vocabulary, e.g. --prompt '1 2 3'"
+        parts = prompt.split()
+        if not parts:
+            raise ConfigError([f"--prompt is empty: this model was trained on generated data "
+                               f"(--mock-data) and has no tokenizer; {ids_example}"])
+        if not all(part.isdecimal() for part in parts):
+            raise ConfigError([f"--prompt {prompt!r}: this model was trained on generated data "
+                               f"(--mock-data) and has no tokenizer; {ids_example}"])
+        return check_prompt_ids([int(part) for part in parts], config, f"--prompt {prompt!r}",
+                                ids_example)
+    if tokenizer.name == "NullTokenizer":
+        raise ConfigError(["--prompt needs a text tokenizer, and this model was trained with "
+                           "NullTokenizer on data that was token ids already; give the prompt as "
+                           "token ids, e.g. --prompt-ids 1,2,3 (and --output-ids to print ids)"])
+    tokens = tokenizer.encode(prompt)
+    if not tokens:
+        what = "is empty" if not prompt else f"{prompt!r} encodes to no tokens"
+        raise ConfigError([f"--prompt {what}: give the text to continue, e.g. --prompt "
+                           f"'Once upon a time'"])
+    return check_prompt_ids(tokens, config, "--prompt",
+                            f"the {tokenizer.name} does not fit this model")
 
 
-def generate(next_logits: Callable[[torch.Tensor], torch.Tensor], prompt: list[int],
-             settings: SamplingSettings, *, max_context: int, eod: int | None = None) -> list[int]:
-    """Sample up to `settings.max_new_tokens` tokens after `prompt`.
+def parse_prompt_ids(text: str, config: Config) -> list[int]:
+    """--prompt-ids "5,17,923": token ids, checked against the model's
+    vocabulary and context."""
+    example = "e.g. --prompt-ids 5,17,923"
+    parts = [part.strip() for part in text.split(",")]
+    if not any(parts):
+        raise ConfigError([f"--prompt-ids is empty: give the token ids to continue, comma-separated, "
+                           f"{example}"])
+    bad = next((part for part in parts if not part.isdecimal()), None)
+    if bad is not None:
+        raise ConfigError([f"--prompt-ids {text!r}: {bad!r} is not a token id; give non-negative "
+                           f"integers separated by commas, {example}"])
+    return check_prompt_ids([int(part) for part in parts], config, f"--prompt-ids {text!r}",
+                            "give ids of its vocabulary")
 
-    `next_logits(tokens)` gets int64 tokens [1, s] on the CPU (the last
-    `max_context` tokens so far) and returns the logits of the last position,
-    [1, V] or [V], unpadded. Stops after `eod` when given; returns the new
-    tokens only, without the `eod`.
-    """
-    import torch
 
-    settings.validate()
-    if not _is_int(max_context) or max_context < 1:
-        raise ValueError(f"max_context={max_context!r} must be a positive integer")
-    if not prompt:
-        raise ValueError("the prompt is empty: give at least one token")
-    generator = torch.Generator().manual_seed(settings.seed)
-    tokens = list(prompt)
-    new: list[int] = []
-    for _ in range(settings.max_new_tokens):
-        context = torch.tensor([tokens[-max_context:]], dtype=torch.long)
-        logits = next_logits(context).detach()
-        if logits.dim() == 1:
-            logits = logits.unsqueeze(0)
-        if logits.dim() != 2 or logits.shape[0] != 1:
-            raise ValueError(f"next_logits must return logits [1, vocab], got shape "
-                             f"{tuple(logits.shape)}")
-        token = int(sample_next(logits.float().cpu(), settings, generator)[0])
-        if eod is not None and token == eod:
-            break
-        tokens.append(token)
-        new.append(token)
-    return new
+def check_prompt_ids(tokens: list[int], config: Config, what: str, hint: str) -> list[int]:
+    """`tokens`, if they are ids of the model's vocabulary and fit its
+    context; else a ConfigError that starts with `what` and ends with `hint`."""
+    vocab, context = config.model.vocab_size, config.model.max_positions
+    outside = [t for t in tokens if not 0 <= t < vocab]
+    if outside:
+        raise ConfigError([f"{what}: token id {outside[0]} is outside this model's vocabulary of "
+                           f"{vocab} (ids 0 to {vocab - 1}); {hint}"])
+    if len(tokens) > context:
+        flag = what.split()[0]
+        raise ConfigError([f"{flag} is {len(tokens)} tokens long, more than this model's context "
+                           f"of {context} tokens (its --seq-length/--max-position-embeddings); "
+                           f"give a prompt of at most {context} tokens"])
+    return tokens
+
+
+def generate_text(request: GenerateRequest, ctx: ParallelContext, device: torch.device) -> str:
+    """The request's prompt and its continuation as text (the continuation
+    alone without `echo_prompt`), or with `output_ids` the new token ids,
+    comma-separated. Every rank of the layout calls it."""
+    from ptdp.train.checkpoint_data import model_tokenizer
+    from ptdp.sampling import generate
+
+    config, weights = read_checkpoint_model(request.load)
+    tokenizer = model_tokenizer(config, request.load)
+    model = PipelinedModel(config, ctx, device, weights, request.chunks)
+    new = generate(model, request.prompt_ids, request.settings,
+                   max_context=config.model.max_positions,
+                   eod=tokenizer.eod if tokenizer is not None else None)
+    if request.output_ids:
+        return ",".join(map(str, new))
+    # Prompt and continuation decoded together: a character whose bytes span
+    # the two (byte-level BPE) comes out whole.
+    shown = request.prompt_ids + new if request.echo_prompt else new
+    return tokenizer.decode(shown) if tokenizer is not None else " ".join(map(str, shown))
+
+
+def read_checkpoint_model(load: str) -> tuple[Config, dict[str, torch.Tensor]]:
+    """The settings and logical weights of checkpoint `load`. checkpoint.py
+    refuses a damaged checkpoint with a CheckpointError; an error of the
+    libraries beneath it (safetensors, JSON) becomes one too, so that a
+    damaged checkpoint is a user error, one paragraph, on any rank."""
+    import json
+
+    from safetensors import SafetensorError
+
+    from ptdp.train.checkpoint import CheckpointError, load_logical_model
+
+    try:
+        config, weights, _ = load_logical_model(load)
+    except (SafetensorError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError,
+            AttributeError) as error:
+        raise CheckpointError(f"--load {load}: the checkpoint cannot be read "
+                              f"({_error_text(error)}); it is damaged: load another one") from None
+    return config, weights
+
+
+def _error_text(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
+def _generate_worker(env, request: GenerateRequest) -> None:
+    import torch.distributed as dist
+
+    from ptdp import device as devices
+    from ptdp.distributed import init_process_group
+    from ptdp.parallel.topology import ParallelContext, RankGrid
+
+    kind = devices.resolve_kind(request.device, env.local_world_size)
+    devices.configure_threads(kind, env.local_world_size)
+    device = devices.device_for(kind, env.local_rank)
+    timeout = timedelta(minutes=10)
+    init_process_group(env, devices.backend_for(kind), timeout)
+    try:
+        grid = RankGrid(tp=request.tensor_parallel, dp=1, pp=request.pipeline_parallel)
+        ctx = ParallelContext.build(grid, timeout=timeout)
+        text = generate_text(request, ctx, device)
+        if ctx.rank == 0:
+            print(text, flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def add_generate_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "generate", help="generate text from a checkpoint",
+        description="Continue a prompt with a trained model, on one process or under a tensor / "
+                    "pipeline layout (any layout: checkpoints reshard on load).")
+    parser.add_argument("--load", required=True, metavar="DIR", help="checkpoint directory")
+    parser.add_argument("--prompt", help="text to continue (with the checkpoint's tokenizer; for a "
+                        "--mock-data model, token ids separated by spaces)")
+    parser.add_argument("--prompt-ids", metavar="IDS",
+                        help="the prompt as token ids, comma-separated (e.g. 5,17,923), instead of "
+                             "--prompt; for any model, also one trained with NullTokenizer")
+    parser.add_argument("--output-ids", action="store_true",
+                        help="print the generated token ids, comma-separated on one line, "
+                             "instead of text (without the prompt's)")
+    parser.add_argument("--no-echo-prompt", dest="echo_prompt", action="store_false",
+                        help="print only the continuation, not the prompt before it")
+    defaults = SamplingSettings()
+    parser.add_argument("--temperature", type=float, default=defaults.temperature,
+                        help=f"0: greedy (default: {defaults.temperature})")
+    parser.add_argument("--top-k", type=int, default=defaults.top_k,
+                        help="sample among the k most likely tokens (0: all)")
+    parser.add_argument("--top-p", type=float, default=defaults.top_p,
+                        help="sample from the nucleus of this probability (1: all)")
+    parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens,
+                        help=f"tokens to generate (default: {defaults.max_new_tokens})")
+    parser.add_argument("--seed", type=int, default=defaults.seed, help="sampling seed")
+    parser.add_argument("--tensor-model-parallel-size", "-t", type=int, default=1, metavar="N")
+    parser.add_argument("--pipeline-model-parallel-size", "-p", type=int, default=1, metavar="N")
+    parser.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                        metavar="N")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+
+
+def run_generate_command(args: argparse.Namespace) -> int:
+    from ptdp import device as devices
+    from ptdp.config import ParallelConfig, validate
+    from ptdp.train.checkpoint_data import model_tokenizer
+    from ptdp.data.tokenizer import TokenizerError
+    from ptdp.launch import LocalJobFailed, launch_local
+    from ptdp.parallel.topology import ParallelContext
+    from ptdp.train.checkpoint import CheckpointError
+
+    if (args.prompt is None) == (args.prompt_ids is None):
+        raise ConfigError(["give the prompt either as text, --prompt TEXT, or as token ids, "
+                           "--prompt-ids 5,17,923" + (", not both" if args.prompt is not None
+                                                      else "")])
+    settings = SamplingSettings(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                max_new_tokens=args.max_new_tokens, seed=args.seed)
+    try:
+        settings.validate()
+    except ValueError as error:
+        raise ConfigError([line.strip().removeprefix("- ")
+                           for line in str(error).splitlines()[1:]]) from None
+    config = _checkpoint_config(args.load)
+    layout = ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
+                            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                            data_parallel_size=1,
+                            num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
+                            device=args.device)
+    # The layout's constraints (heads, layers, vocabulary) as for training;
+    # batch settings are not used here.
+    validate(Config(model=config.model, parallel=layout, train=config.train.__class__(
+        micro_batch_size=1, global_batch_size=layout.pipeline_model_parallel_size),
+        data=config.data))
+    # Checked here, before any rank starts: in a rank it would be a traceback.
+    try:
+        tokenizer = model_tokenizer(config, args.load)  # the ranks need its end of document
+    except (CheckpointError, TokenizerError) as error:
+        raise ConfigError([str(error)]) from None
+    prompt = (parse_prompt_ids(args.prompt_ids, config) if args.prompt_ids is not None
+              else prompt_tokens(args.prompt, tokenizer, config))
+    request = GenerateRequest(args.load, prompt, settings, layout.tensor_model_parallel_size,
+                              layout.pipeline_model_parallel_size,
+                              layout.virtual_stages(config.model.num_layers), args.device,
+                              output_ids=args.output_ids, echo_prompt=args.echo_prompt)
+    world = layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size
+    kind = _device_kind(args.device, world, layout)
+    if world == 1:
+        try:
+            text = generate_text(request, ParallelContext.single(), devices.device_for(kind, 0))
+        except CheckpointError as error:  # found before any token is generated
+            raise ConfigError([str(error)]) from None
+        print(text, flush=True)
+        return 0
+    try:
+        launch_local(world, _generate_worker, request)
+    except LocalJobFailed as failure:
+        failure.report()  # a user error as one paragraph, the cause on the last line
+        return 1
+    return 0
+
+
+def _checkpoint_config(load: str) -> Config:
+    """The settings a checkpoint was saved with; a ConfigError naming the
+    file when the checkpoint is missing or damaged."""
+    from ptdp.train.checkpoint import METADATA, CheckpointError, read_metadata, resolve
+
+    try:
+        directory = resolve(load)
+        metadata = read_metadata(directory)
+    except CheckpointError as error:
+        raise ConfigError([str(error)]) from None
+    try:
+        return Config.from_dict(metadata["config"])
+    except (KeyError, TypeError, AttributeError, ValueError) as error:
+        raise ConfigError([f"{directory / METADATA}: its \"config\" cannot be read "
+                           f"({_error_text(error)}); the checkpoint is damaged: load another "
+                           f"one"]) from None
+
+
+def _device_kind(requested: str, world: int, layout) -> str:
+    """cpu or cuda for `--device`; a ConfigError saying what this machine
+    has and what to give when it cannot run the request."""
+    from ptdp import device as devices
+    from ptdp.plural import plural
+
+    gpus = devices.cuda_device_count()
+    if requested == "cuda" and gpus < world:
+        if gpus == 0:
+            fix = "give --device cpu, or --device auto (the default: cuda where there are GPUs)"
+        else:
+            fix = f"give --device cpu, or a layout of at most {plural(gpus, 'process')} (-t × -p)"
+        needs = ("one" if world == 1 else
+                 f"{world}, one per process (t={layout.tensor_model_parallel_size} × "
+                 f"p={layout.pipeline_model_parallel_size})")
+        raise ConfigError([f"--device cuda: this machine has {plural(gpus, 'visible GPU')} and "
+                           f"generating needs {needs}; {fix}"])
+    return devices.resolve_kind(requested, world)

@@ -3,7 +3,8 @@
 Three ways in, one code path inside (the entry function, `ptdp.train.loop.worker`):
 - torchrun: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT are set;
 - SLURM (srun with more than one task): SLURM_PROCID, SLURM_NTASKS,
-  SLURM_LOCALID; the master address is MASTER_ADDR or the launch node;
+  SLURM_LOCALID; the master address is MASTER_ADDR or the launch node
+  (ptdp.distributed.detect_env reads these);
 - neither: `launch_local` starts the processes on this machine itself and
   supervises them. If one fails, all others are stopped within seconds and
   the error of the rank where the failure began is reported (not the echoes
@@ -28,17 +29,15 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
 
-from ptdp.errors import RankFailure, print_user_error, set_process_rank
+from ptdp.distributed import LOOPBACK, DistEnv
+from ptdp.errors import RankFailure, print_user_error
 from ptdp.train import stopping
 
-LOOPBACK = "127.0.0.1"
 # A rank with a graceful-exit handler outlives SIGTERM: SIGKILL after this.
 STOP_GRACE_SECONDS = 3.0
 # After the first failure, how long to wait for the other ranks' reports: the
@@ -46,95 +45,7 @@ STOP_GRACE_SECONDS = 3.0
 COLLECT_SECONDS = 5.0
 
 
-@dataclass(frozen=True)
-class DistEnv:
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    master_addr: str
-    master_port: int
-    source: str  # "torchrun" | "slurm" | "local"
-
-
-def _int(environ: dict, name: str) -> int:
-    try:
-        return int(environ[name])
-    except (KeyError, ValueError):
-        raise RuntimeError(f"environment variable {name}={environ.get(name)!r} is missing or not an "
-                           f"integer") from None
-
-
-def detect_env(environ: dict | None = None) -> DistEnv | None:
-    """The launcher's environment, or None when ptdp must start the processes."""
-    environ = dict(os.environ if environ is None else environ)
-    if "RANK" in environ and "WORLD_SIZE" in environ:
-        world = _int(environ, "WORLD_SIZE")
-        return DistEnv(rank=_int(environ, "RANK"), world_size=world,
-                       local_rank=int(environ.get("LOCAL_RANK", 0)),
-                       local_world_size=int(environ.get("LOCAL_WORLD_SIZE", world)),
-                       master_addr=environ.get("MASTER_ADDR", LOOPBACK),
-                       master_port=int(environ.get("MASTER_PORT", 29500)), source="torchrun")
-    if "SLURM_PROCID" in environ and int(environ.get("SLURM_NTASKS", "1")) > 1:
-        world = _int(environ, "SLURM_NTASKS")
-        per_node = environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
-        master = environ.get("MASTER_ADDR") or environ.get("SLURM_LAUNCH_NODE_IPADDR")
-        if not master:
-            raise RuntimeError("under SLURM set MASTER_ADDR to the first node's address "
-                               "(SLURM_LAUNCH_NODE_IPADDR is not set)")
-        return DistEnv(rank=_int(environ, "SLURM_PROCID"), world_size=world,
-                       local_rank=_int(environ, "SLURM_LOCALID"),
-                       local_world_size=int(per_node) if per_node.isdigit() else world,
-                       master_addr=master, master_port=int(environ.get("MASTER_PORT", 29500)),
-                       source="slurm")
-    return None
-
-
-def init_process_group(env: DistEnv, backend: str, timeout: timedelta) -> None:
-    """Join the job's default process group; every collective fails after `timeout`."""
-    set_process_rank(env.rank)
-    if env.source == "local":
-        _collectives_over_loopback()
-    if env.world_size == 1:
-        store = dist.HashStore()
-    else:
-        # torchrun's agent on the first node already serves a store at
-        # MASTER_ADDR:MASTER_PORT (it says so in TORCHELASTIC_USE_AGENT_STORE):
-        # rank 0 joins it rather than fail to bind the port (which torch
-        # forgives, but logs as an error).
-        agent_store = (env.source == "torchrun"
-                       and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
-        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
-                              is_master=(env.source != "local" and env.rank == 0
-                                         and not agent_store),
-                              timeout=timeout, wait_for_workers=False)
-    dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
-                            timeout=timeout)
-
-
 # ------------------------------------------------------------------ loopback only
-
-def _loopback_interface() -> str | None:
-    try:
-        names = [name for _, name in socket.if_nameindex()]
-    except (OSError, AttributeError):
-        return None
-    for name in ("lo", "lo0"):  # Linux, BSD and macOS
-        if name in names:
-            return name
-    return None
-
-
-def _collectives_over_loopback() -> None:
-    """gloo and NCCL bind their sockets to the address the host name resolves
-    to (or the first interface that is up), which is reachable from the
-    network; every rank of a local job is on this machine, so loopback will do.
-    Set for the life of the rank: each new process group reads it again."""
-    name = _loopback_interface()
-    if name is not None:
-        os.environ["GLOO_SOCKET_IFNAME"] = name
-        os.environ["NCCL_SOCKET_IFNAME"] = name
-
 
 def _loopback_store(world_size: int) -> dist.TCPStore:
     """The rendezvous store of a local job, listening on loopback only.

@@ -37,6 +37,8 @@ from ptdp.parallel.pipeline.simulate import simulate
 from ptdp.parallel.tensor import RNGStreams
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.perf import analytic
+from ptdp.perf.memory import (activation_bytes, korthikanti_activation_bytes_per_layer,
+                               memory_per_device, memory_per_rank)
 from ptdp.perf.layout import Layout, Workload
 from ptdp.perf.saved import SavedTensorBytes
 from ptdp.train.loop import Trainer, count_parameters
@@ -226,7 +228,7 @@ def test_activation_bytes_per_layer_match_saved_tensors(shape):
             for recompute in (None, "selective", "full"):
                 config = dataclasses.replace(model, recompute_granularity=recompute)
                 measured = _saved_bytes_of_one_layer(config, b, dtype)
-                predicted = analytic.activation_bytes(
+                predicted = activation_bytes(
                     Workload(config, b, precision), Layout(b=b, recompute=recompute),
                     kernels="cpu")["layer"]
                 key = (attention_dropout, precision, recompute)
@@ -341,7 +343,7 @@ def test_parameters_and_state_bytes_are_exact(pools):
     padded_somewhere = False
     for index, (layout, precision, m) in enumerate(STATE_CASES):
         work = Workload(MODEL, global_batch=m * layout.b * layout.d, precision=precision)
-        memory = analytic.memory_per_rank(work, layout, kernels="cpu", bucket_size=BUCKET)
+        memory = memory_per_rank(work, layout, kernels="cpu", bucket_size=BUCKET)
         held = analytic.parameters_per_rank(MODEL, layout)
         logical = {}
         for result in (rank_results[index] for rank_results in outcomes):
@@ -374,7 +376,7 @@ def test_pipeline_activation_peak_matches_the_model(pools):
     figures = []
     for index, (layout, precision, m) in enumerate(ACTIVATION_CASES):
         work = Workload(MODEL, global_batch=m * layout.b * layout.d, precision=precision)
-        predicted = analytic.memory_per_rank(work, layout, kernels="cpu", bucket_size=BUCKET)
+        predicted = memory_per_rank(work, layout, kernels="cpu", bucket_size=BUCKET)
         in_flight = analytic.peak_in_flight_per_rank(layout, m)
         measured: dict[int, int] = {}
         for result in (rank_results[index] for rank_results in outcomes):
@@ -392,7 +394,7 @@ def test_pipeline_activation_peak_matches_the_model(pools):
         for r, value in sorted(measured.items()):
             figures.append((layout, r, value, predicted[r]["activations"]))
             assert 0 <= value - predicted[r]["activations"] <= linger, figures[-1]
-        device = analytic.memory_per_device(work, layout, kernels="cpu", bucket_size=BUCKET)
+        device = memory_per_device(work, layout, kernels="cpu", bucket_size=BUCKET)
         assert device == max(predicted, key=lambda x: x["total"])
         assert device["total"] == sum(v for k, v in device.items() if k != "total")
 
@@ -403,12 +405,12 @@ def test_cuda_estimate_drops_the_s_squared_terms():
     and the fp32 LayerNorm statistics."""
     model = CALIBRATION
     b, s, h, a = 1, model.seq_length, model.hidden_size, model.num_attention_heads
-    layer = analytic.activation_bytes(Workload(model, 8, "bf16"), Layout(b=b))["layer"]
-    reference = analytic.korthikanti_activation_bytes_per_layer(model, b)
+    layer = activation_bytes(Workload(model, 8, "bf16"), Layout(b=b))["layer"]
+    reference = korthikanti_activation_bytes_per_layer(model, b)
     assert reference == s * b * h * (34 + 5 * a * s / h)
     assert layer == s * b * h * 34 + 4 * a * s * b + 2 * 2 * s * b * 4
-    cpu = analytic.activation_bytes(Workload(model, 8, "bf16"), Layout(b=b), kernels="cpu")["layer"]
+    cpu = activation_bytes(Workload(model, 8, "bf16"), Layout(b=b), kernels="cpu")["layer"]
     assert cpu == s * b * h * (42 + 12 * a * s / h) + 4 * 2 * s * b
     with pytest.raises(ValueError, match="kernels"):
-        analytic.activation_bytes(Workload(model, 8), Layout(), kernels="tpu")
+        activation_bytes(Workload(model, 8), Layout(), kernels="tpu")
     assert math.isclose(analytic.bubble_fraction(Layout(p=8, v=1), 64), 7 / 64)

@@ -19,8 +19,8 @@ from safetensors.torch import load_file, save_file
 from ptdp.cli import main
 from ptdp.config import Config, DataConfig, ModelConfig, TrainConfig
 from ptdp.parallel.topology import ParallelContext
-from ptdp.train.checkpoint import (CheckpointError, load_logical_model, read_metadata, resolve,
-                                   with_checkpoint_shape)
+from ptdp.train.checkpoint import CheckpointError, load_logical_model, read_metadata, resolve
+from ptdp.train.checkpoint_args import with_checkpoint_shape
 from ptdp.train.checkpoint_integrity import seal
 from ptdp.train.loop import Trainer
 

@@ -12,7 +12,7 @@ import torch
 
 from ptdp.cli import main
 from ptdp.config import Config, ConfigError, DataConfig, ModelConfig
-from ptdp.data.loader import model_tokenizer, resolve_data
+from ptdp.train.checkpoint_data import model_tokenizer, resolve_data
 from ptdp.data.preprocess import TokenizerSpec, preprocess
 from ptdp.data.tokenizer import build_tokenizer, train_tokenizer
 from ptdp.interop.logical import logical_shapes

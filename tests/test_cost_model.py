@@ -1,4 +1,5 @@
-"""The schedule-pricing simulator (ptdp/perf/cost.py), hardware profiles
+"""The schedule-pricing simulator (ptdp/perf/predict.py and the modules it
+prices with: pricing, stage_costs, machine, player, after_flush), hardware profiles
 (ptdp/perf/profiles.py) and `ptdp calibrate` (ptdp/perf/calibrate.py)."""
 
 from __future__ import annotations
@@ -16,9 +17,13 @@ import pytest
 from ptdp.config import ModelConfig
 from ptdp.parallel.pipeline import simulate as unit
 from ptdp.parallel.pipeline.schedules import build_schedule
-from ptdp.perf import cost
-from ptdp.perf.cost import (CALIBRATION_TFLOPS, Machine, OperatorModel, calibration_point,
-                            fit_to_calibration_point, paper_kernels, simulate, simulate_uniform)
+from ptdp.parallel.pipeline.actions import Exchange, ScheduleError
+from ptdp.perf.calibration_point import (CALIBRATION_TFLOPS, calibration_point, fit_to_calibration_point,
+                                         paper_kernels)
+from ptdp.perf.machine import Machine
+from ptdp.perf.player import play
+from ptdp.perf.predict import CATEGORIES, simulate, simulate_uniform
+from ptdp.perf.pricing import OperatorModel
 from ptdp.perf.layout import Layout, Workload
 from ptdp.perf.profiles import CALIBRATED_GEMM_EFFICIENCY, HardwareProfile, load_profile, save_profile
 from ptdp.perf.flops import model_flops_per_iteration
@@ -63,9 +68,9 @@ def test_play_reports_a_deadlock():
     # Rank 1 never receives: drop its exchanges, so rank 0's first send has no other end.
     broken = dataclasses.replace(schedule, ranks=(schedule.ranks[0],
                                                   tuple(a for a in schedule.ranks[1]
-                                                        if not isinstance(a, cost.Exchange))))
-    with pytest.raises(cost.ScheduleError):
-        cost.play(broken, lambda r, a: (1, 0), lambda r, a: 0)
+                                                        if not isinstance(a, Exchange))))
+    with pytest.raises(ScheduleError):
+        play(broken, lambda r, a: (1, 0), lambda r, a: 0)
 
 
 # ------------------------------------------------------------------ the calibration point
@@ -195,7 +200,7 @@ def test_iteration_breakdown_sums_to_the_iteration_on_every_rank():
     workload = Workload(BIG, global_batch=64, precision="bf16")
     prediction = simulate(workload, Layout(t=2, p=4, d=2, b=2, v=2), load_profile("a100"))
     for categories in prediction.categories_by_rank:
-        assert set(categories) == set(cost.CATEGORIES)
+        assert set(categories) == set(CATEGORIES)
         assert sum(categories.values()) == pytest.approx(prediction.iteration_seconds)
         assert all(seconds >= -1e-12 for seconds in categories.values())
     assert prediction.seconds_by_category is prediction.categories_by_rank[prediction.critical_rank]

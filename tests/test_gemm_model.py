@@ -14,7 +14,8 @@ import pytest
 from ptdp.config import ModelConfig
 from ptdp.perf import gemm
 from ptdp.perf.calibrate import fit_tile_model
-from ptdp.perf.cost import Machine, OperatorModel
+from ptdp.perf.machine import Machine
+from ptdp.perf.pricing import OperatorModel
 from ptdp.perf.layout import Layout, Workload
 from ptdp.perf.profiles import HardwareProfile, load_profile
 

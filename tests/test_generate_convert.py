@@ -11,7 +11,7 @@ import torch
 
 from ptdp.cli import main
 from ptdp.config import Config, DataConfig, ModelConfig, TrainConfig
-from ptdp.inference import PipelinedModel
+from ptdp.generate import PipelinedModel
 from ptdp.parallel.topology import ParallelContext
 from ptdp.train.checkpoint import load_logical_model
 from ptdp.train.loop import Trainer

@@ -330,7 +330,7 @@ def test_generate_from_a_damaged_checkpoint_names_the_file(checkpoint, capsys):
 def test_a_damaged_checkpoint_is_a_user_error_on_a_rank(checkpoint):
     """Under -t/-p every rank reads the weights: what it raises must be shown
     as one paragraph (a user error), not as a bug's traceback."""
-    from ptdp.inference import read_checkpoint_model
+    from ptdp.generate import read_checkpoint_model
 
     part = checkpoint / "iter_0000000" / "part-pp0-tp0.safetensors"
     part.write_bytes(part.read_bytes()[:-8])

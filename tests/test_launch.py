@@ -27,8 +27,8 @@ import torch.distributed as dist
 from ptdp import cli
 from ptdp.errors import (USER_ERROR_TYPES, DivergenceError, RankFailure, describe,
                          is_lost_peer_text, is_user_error, print_user_error)
-from ptdp.launch import (LocalJobFailed, _Ranks, _RepeatsAbsorbed, detect_env, init_process_group,
-                         launch_local)
+from ptdp.distributed import detect_env, init_process_group
+from ptdp.launch import LocalJobFailed, _Ranks, _RepeatsAbsorbed, launch_local
 
 # Long enough that a job that relied on it to end would fail the test's bound.
 LONG_TIMEOUT = timedelta(minutes=10)

@@ -26,8 +26,8 @@ from torch.testing import assert_close
 
 from ptdp.cli import main
 from ptdp.config import Config, DataConfig
-from ptdp.generate import SamplingSettings
-from ptdp.inference import GenerateRequest, generate_text
+from ptdp.sampling import SamplingSettings
+from ptdp.generate import GenerateRequest, generate_text
 from ptdp.interop import hf_gpt2, hf_llama
 from ptdp.interop.logical import norm_weight_names
 from ptdp.model.fused import zero_centred_norm

@@ -35,7 +35,10 @@ from ptdp.parallel.data import GradBuffer
 from ptdp.parallel.tensor import RNGStreams
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.perf import analytic
-from ptdp.perf.cost import Machine, OperatorModel, simulate
+from ptdp.perf.machine import Machine
+from ptdp.perf.memory import activation_bytes, memory_per_device, memory_per_rank
+from ptdp.perf.predict import simulate
+from ptdp.perf.pricing import OperatorModel
 from ptdp.perf.layout import Layout, Workload
 from ptdp.perf.plan import model_from_args
 from ptdp.perf.saved import SavedTensorBytes
@@ -284,8 +287,8 @@ def test_activation_bytes_per_layer_match_saved_tensors(options):
             config = dataclasses.replace(_model(options), num_layers=1, seq_length=32,
                                          recompute_granularity=recompute)
             measured = _saved_bytes_of_one_layer(config, b, dtype)
-            figures = analytic.activation_bytes(Workload(config, b, precision),
-                                                Layout(b=b, recompute=recompute), kernels="cpu")
+            figures = activation_bytes(Workload(config, b, precision),
+                                       Layout(b=b, recompute=recompute), kernels="cpu")
             # The rotary tables are saved by the layer's forward (outside a
             # full-recomputation checkpoint, which saves only the input).
             tables = figures["rotary_tables"] if recompute != "full" else 0
@@ -313,8 +316,8 @@ def test_activation_bytes_of_a_whole_model(options):
     b = 2
     for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         model = dataclasses.replace(_model(OPTIONS[options]), vocab_size=197)   # padded to 200
-        figures = analytic.activation_bytes(Workload(model, b, precision), Layout(b=b),
-                                            kernels="cpu")
+        figures = activation_bytes(Workload(model, b, precision), Layout(b=b),
+                                   kernels="cpu")
         predicted = (model.num_layers * (figures["layer"] + figures["rotary_tables"])
                      + figures["embedding"] + figures["output"])
         assert _saved_bytes_of_a_model(model, b, dtype) == predicted, precision
@@ -329,10 +332,10 @@ def test_memory_follows_the_options():
     gpt = ModelConfig(**shape)
     llama = ModelConfig(**shape, **LLAMA, **GQA, ffn_hidden_size=2816)
     layout = Layout(t=2, p=2, d=2, b=2)
-    plain = analytic.memory_per_rank(Workload(gpt, 16), layout)
-    gated = analytic.memory_per_rank(Workload(llama, 16), layout)
+    plain = memory_per_rank(Workload(gpt, 16), layout)
+    gated = memory_per_rank(Workload(llama, 16), layout)
     assert gated[0]["weights"] < plain[0]["weights"]
-    acts = analytic.activation_bytes(Workload(llama, 16), layout)
+    acts = activation_bytes(Workload(llama, 16), layout)
     assert acts["rotary_tables"] == 2 * 1024 * 64 * 2
     in_flight = analytic.peak_in_flight_per_rank(layout, 4)
     layers = 8 // 2
@@ -404,7 +407,7 @@ def test_plan_reports_the_published_parameter_counts(capsys, flags, published):
                                                                       recompute="selective")
     workload = Workload(config, 32)
     assert result["memory_per_device_bytes"] == \
-        analytic.memory_per_device(workload, layout)["total"]
+        memory_per_device(workload, layout)["total"]
 
 
 def test_plan_checks_the_options(capsys):

@@ -37,8 +37,8 @@ import torch
 
 from ptdp.config import (Config, ConfigError, DataConfig, ModelConfig, ParallelConfig, TrainConfig,
                          validate)
+from ptdp.data.batches import ConsumedSamples, GlobalBatches
 from ptdp.parallel.topology import ParallelContext, RankGrid
-from ptdp.train.batches import ConsumedSamples, GlobalBatches
 from ptdp.train.checkpoint import read_metadata, resolve
 from tests.test_checkpoint import stop_save_resume
 from ptdp.train.loop import Trainer

@@ -1,25 +1,212 @@
-"""The package's layering (issue 15): the paper's FLOP formula lives in
-ptdp/perf (training's report imports it, not the reverse), the modules of
-ptdp/perf import each other without a cycle (also through imports inside
-functions), and nothing in ptdp/train imports the command-line side."""
+"""The package's layering: no import cycle among ptdp's modules (also
+through imports inside functions), and imports run only downwards, from the
+command line to the launcher, training, the planner and conversion, to the
+model and the data, to the parallel machinery, to the configuration and
+the small modules everything shares (issues 15 and 25). Each checker is
+also shown to fail on a small synthetic graph, so that a reintroduced cycle
+or upward import cannot pass unnoticed."""
 
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "ptdp"
 
+# Top to bottom: a module may import modules of its own layer or of layers
+# below it, never above. A module belongs to the layer of the longest prefix
+# listed here that names it (a package names every module inside it); a
+# module named by no prefix (ptdp.errors, ptdp.plural, ptdp.distributed, ...)
+# is in the bottom layer. Cycles within a layer are the cycle check's.
+LAYERS = (
+    ("command line", ("ptdp.__main__", "ptdp.cli")),
+    ("programs", ("ptdp.launch", "ptdp.train", "ptdp.perf", "ptdp.interop", "ptdp.generate")),
+    ("model and data", ("ptdp.model", "ptdp.data")),
+    ("parallel", ("ptdp.parallel",)),
+    ("foundation", ("ptdp.config", "ptdp.device")),
+)
+# Within the programs' layer, what each may still not import, and why.
+NOT_WITHIN_A_LAYER = {
+    # The launcher starts the ranks that train (it imports ptdp.train): a rank
+    # needs only its environment and process group, from ptdp.distributed.
+    "ptdp.train": ("ptdp.launch",),
+    # Training reports the paper's FLOPs from ptdp.perf (issue 15); perf never
+    # imports training back.
+    "ptdp.perf": ("ptdp.train",),
+}
+# Nothing imports the command line: ptdp.__main__ (`python -m ptdp`) is its
+# only way in.
+IMPORTS_OF_THE_COMMAND_LINE = {"ptdp.__main__"}
+# (importer, imported) pairs that break the order, each with why. None today.
+EXCEPTIONS: dict[tuple[str, str], str] = {}
 
-def _imports(path: Path) -> set[str]:
-    """Every ptdp module `path` imports, at any depth of its code."""
+
+# ------------------------------------------------------------------ the import graph
+
+def module_name(path: Path, root: Path) -> str:
+    """ptdp/train/loop.py -> ptdp.train.loop; a package's __init__ is the package."""
+    parts = path.relative_to(root.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, package: str = "ptdp") -> set[str]:
+    """Every name `path` imports from `package`, at any depth of its code
+    (inside functions too); `from a import b` names both a and a.b, which is
+    a module when b is one."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ptdp"):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                and node.module.split(".")[0] == package:
             found.add(node.module)
             found.update(f"{node.module}.{alias.name}" for alias in node.names)
         elif isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names if alias.name.startswith("ptdp"))
+            found.update(alias.name for alias in node.names
+                         if alias.name.split(".")[0] == package)
     return found
 
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the modules of the package at `root` it imports."""
+    files: dict[str, list[Path]] = {}
+    for path in root.rglob("*.py"):
+        files.setdefault(module_name(path, root), []).append(path)
+    return {name: {m for path in paths for m in _imports(path, root.name)
+                   if m in files and m != name}
+            for name, paths in files.items()}
+
+
+# ------------------------------------------------------------------ the checkers
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle (its modules, the first repeated at the end), or None."""
+    state: dict[str, str] = {}
+    trail: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = "open"
+        trail.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return trail[trail.index(nxt):] + [nxt]
+            if nxt not in state:
+                cycle = visit(nxt)
+                if cycle:
+                    return cycle
+        trail.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return None
+
+
+def _within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def layer_of(module: str, layers=LAYERS) -> int:
+    """The index of `module`'s layer in `layers` (the last: the bottom one)."""
+    best, depth = len(layers) - 1, -1
+    for index, (_, prefixes) in enumerate(layers):
+        for prefix in prefixes:
+            if _within(module, prefix) and len(prefix) > depth:
+                best, depth = index, len(prefix)
+    return best
+
+
+def upward_imports(graph: dict[str, set[str]], layers=LAYERS, exceptions=EXCEPTIONS,
+                   not_within=NOT_WITHIN_A_LAYER, command_line: str = "ptdp.cli",
+                   command_line_importers=IMPORTS_OF_THE_COMMAND_LINE) -> list[str]:
+    """Every import that breaks the layer order, as 'a (layer) imports b (layer)'."""
+    found = []
+    for importer, imported in sorted((a, b) for a, targets in graph.items() for b in targets):
+        if (importer, imported) in exceptions:
+            continue
+        upward = layer_of(imported, layers) < layer_of(importer, layers)
+        forbidden = any(_within(importer, prefix) and _within(imported, other)
+                        for prefix, others in not_within.items() for other in others)
+        of_command_line = _within(imported, command_line) and importer not in command_line_importers
+        if upward or forbidden or of_command_line:
+            found.append(f"{importer} ({layers[layer_of(importer, layers)][0]}) imports {imported} "
+                         f"({layers[layer_of(imported, layers)][0]})")
+    return found
+
+
+# ------------------------------------------------------------------ ptdp
+
+def test_no_import_cycle_among_ptdp_modules():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_imports_run_down_the_layers():
+    assert upward_imports(import_graph()) == []
+
+
+def test_the_layer_order_names_every_package_and_the_exceptions_exist():
+    graph = import_graph()
+    packages = {m for m in graph if (ROOT.parent / m.replace(".", "/") / "__init__.py").is_file()}
+    named = {p for _, prefixes in LAYERS for p in prefixes}
+    # every subpackage of ptdp is placed on purpose, not by default
+    assert {p for p in packages if p.count(".") == 1} <= named
+    for importer, imported in EXCEPTIONS:  # a stale exception would hide a new one
+        assert imported in graph.get(importer, ()), (importer, imported)
+
+
+def test_the_rules_say_what_the_issue_asks():
+    """cli above launch, train, perf; train above model, data and parallel;
+    model above parallel; the training loop below the launcher."""
+    for upper, lower in (("ptdp.cli", "ptdp.launch"), ("ptdp.cli", "ptdp.train"),
+                         ("ptdp.cli", "ptdp.perf"), ("ptdp.train", "ptdp.model"),
+                         ("ptdp.train", "ptdp.data"), ("ptdp.train", "ptdp.parallel"),
+                         ("ptdp.model", "ptdp.parallel")):
+        assert layer_of(upper) < layer_of(lower), (upper, lower)
+    assert "ptdp.launch" in NOT_WITHIN_A_LAYER["ptdp.train"]
+
+
+# ------------------------------------------------------------------ the checkers fail when they should
+
+def test_the_cycle_check_finds_a_cycle_in_a_synthetic_graph():
+    graph = {"ptdp.a": {"ptdp.b"}, "ptdp.b": {"ptdp.c"}, "ptdp.c": {"ptdp.a"}, "ptdp.d": {"ptdp.a"}}
+    assert find_cycle(graph) == ["ptdp.a", "ptdp.b", "ptdp.c", "ptdp.a"]
+    assert find_cycle({"ptdp.a": {"ptdp.b"}, "ptdp.b": set(), "ptdp.c": {"ptdp.a", "ptdp.b"}}) is None
+
+
+def test_the_layer_check_finds_upward_imports_in_a_synthetic_graph():
+    graph = {"ptdp.data.loader": {"ptdp.train.checkpoint", "ptdp.config"},
+             "ptdp.parallel.pipeline.split": {"ptdp.model.gpt"},
+             "ptdp.train.loop": {"ptdp.launch", "ptdp.cli", "ptdp.data.loader"},
+             "ptdp.perf.plan": {"ptdp.train.report"}, "ptdp.__main__": {"ptdp.cli"}}
+    assert upward_imports(graph) == [
+        "ptdp.data.loader (model and data) imports ptdp.train.checkpoint (programs)",
+        "ptdp.parallel.pipeline.split (parallel) imports ptdp.model.gpt (model and data)",
+        "ptdp.perf.plan (programs) imports ptdp.train.report (programs)",
+        "ptdp.train.loop (programs) imports ptdp.cli (command line)",
+        "ptdp.train.loop (programs) imports ptdp.launch (programs)",
+    ]
+    exception = {("ptdp.data.loader", "ptdp.train.checkpoint"): "why"}
+    assert len(upward_imports(graph, exceptions=exception)) == 4
+
+
+def test_the_graph_sees_imports_inside_functions_and_submodules(tmp_path):
+    package = tmp_path / "ptdp"
+    (package / "low").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "low" / "__init__.py").write_text("from ptdp.top import VALUE\n")
+    (package / "low" / "leaf.py").write_text("def f():\n    from ptdp import top\n    return top\n")
+    (package / "top.py").write_text("from ptdp.low import leaf\nVALUE = 1\n")
+    graph = import_graph(package)
+    assert graph == {"ptdp": set(), "ptdp.low": {"ptdp.top"}, "ptdp.low.leaf": {"ptdp", "ptdp.top"},
+                     "ptdp.top": {"ptdp.low", "ptdp.low.leaf"}}
+    assert find_cycle(graph) in (["ptdp.low", "ptdp.top", "ptdp.low"],
+                                 ["ptdp.low.leaf", "ptdp.top", "ptdp.low.leaf"])
+    assert upward_imports(graph, layers=(("top", ("ptdp.top",)), ("low", ("ptdp.low",)))) == [
+        "ptdp.low (low) imports ptdp.top (top)", "ptdp.low.leaf (low) imports ptdp.top (top)"]
+
+
+# ------------------------------------------------------------------ earlier rules (issue 15)
 
 def _perf_graph() -> dict[str, set[str]]:
     modules = {f"ptdp.perf.{p.stem}": p for p in (ROOT / "perf").glob("*.py") if p.stem != "__init__"}

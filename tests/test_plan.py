@@ -9,7 +9,7 @@ import pytest
 
 from ptdp.cli import main
 from ptdp.config import ModelConfig
-from ptdp.perf.cost import compute_lower_bound
+from ptdp.perf.bounds import compute_lower_bound
 from ptdp.perf.layout import Layout, Workload
 from ptdp.perf.plan import EXACT_ROWS, candidate_layouts, evaluate_layout, model_from_args, search
 from ptdp.perf.profiles import HardwareProfile, load_profile

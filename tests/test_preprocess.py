@@ -132,8 +132,9 @@ BAD_INPUTS = {
                     r"bad\.jsonl:3: no key 'text' \(keys: 'body'\); choose the keys with --json-keys"),
     "not a string": (lambda t: _bad_jsonl(t, '{"text": 5}'), {},
                      r"bad\.jsonl:3: 'text' is a JSON number, not a string"),
-    "missing output directory": (lambda t: [t / "a.txt"], {"output_prefix": "nowhere/out"},
-                                 r"--output-prefix .*nowhere/out: directory .* does not exist"),
+    "output directory under a file": (lambda t: [t / "a.txt"], {"output_prefix": "a.txt/sub/out"},
+                                      r"--output-prefix .*a\.txt/sub/out: .*a\.txt is a file, so the "
+                                      r"directory cannot be created under it"),
     "text file with two keys": (lambda t: [t / "a.txt"], {"json_keys": ["text", "title"]},
                                 "plain text .* --json-keys names 2 keys"),
     "repeated key": (lambda t: [t / "a.txt"], {"json_keys": ["text", "text"]}, "a key is repeated"),
@@ -155,6 +156,14 @@ def test_bad_inputs_are_refused_before_anything_is_written(tmp_path, name):
     with pytest.raises(PreprocessError, match=message):
         preprocess(inputs, tokenizer=BYTES, **kwargs)
     assert _names(tmp_path) == before
+
+
+def test_a_missing_output_directory_is_made(tmp_path):
+    (tmp_path / "a.txt").write_text("fine")
+    result = preprocess([tmp_path / "a.txt"], tmp_path / "new" / "deeper" / "out", BYTES,
+                        progress=False)
+    assert all(Path(f).parent == tmp_path / "new" / "deeper" for f in result["files"])
+    assert (tmp_path / "new" / "deeper" / "out_text_document.bin").is_file()
 
 
 def test_bad_lines_are_reported_with_their_line_numbers_across_chunks(tmp_path):

@@ -13,8 +13,8 @@ import torch
 from ptdp.cli import build_parser, config_from_settings, main, settings_from_args
 from ptdp.config import ConfigError, ModelConfig, validate
 from ptdp.parallel.topology import ParallelContext
-from ptdp.train.checkpoint import (FINETUNED_FROM, check_model_fits, read_metadata, resolve,
-                                   with_checkpoint_shape)
+from ptdp.train.checkpoint import FINETUNED_FROM, check_model_fits, read_metadata, resolve
+from ptdp.train.checkpoint_args import with_checkpoint_shape
 from ptdp.train.loop import Trainer
 from ptdp.train.retention import LINEAGE
 from tests.test_checkpoint import CPU, MODEL, _config

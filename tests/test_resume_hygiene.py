@@ -109,3 +109,15 @@ def test_the_lock_is_held_for_the_run_and_removed_after(tmp_path):
     with SaveLock(tmp_path):
         with pytest.raises(SaveDirectoryInUse):
             SaveLock(tmp_path)
+
+
+def test_many_more_processes_than_cores_are_said_to_be_slow(tmp_path, capsys, monkeypatch):
+    """-t 4 -p 4 -d 4 on 2 cores started 64 processes with no word about it."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    monkeypatch.setattr("ptdp.launch.launch_local", lambda *args, **kwargs: None)  # no job
+    assert main(["train", *TINY, "--train-iters", "1", "-d", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "ptdp: note: 4 processes share 1 CPU core: each waits for the others" in out
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)  # two processes a core: no note
+    assert main(["train", *TINY, "--train-iters", "1", "-d", "4"]) == 0
+    assert "share" not in capsys.readouterr().out

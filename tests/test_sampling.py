@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from ptdp.generate import SamplingSettings, filter_logits, generate, sample_next
+from ptdp.sampling import SamplingSettings, filter_logits, generate, sample_next
 
 
 def _gen(seed=0):

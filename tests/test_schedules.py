@@ -16,20 +16,10 @@ from fractions import Fraction
 
 import pytest
 
-from ptdp.parallel.pipeline.schedules import (
-    Compute,
-    Exchange,
-    Schedule,
-    ScheduleError,
-    Transfer,
-    backward_order,
-    build_forward_only,
-    build_schedule,
-    forward_order,
-    layers_of,
-    warmup_forwards,
-    with_exchanges,
-)
+from ptdp.parallel.pipeline.actions import (Compute, Exchange, Schedule, ScheduleError, Transfer,
+                                            warmup_forwards)
+from ptdp.parallel.pipeline.one_f_one_b import backward_order, forward_order, with_exchanges
+from ptdp.parallel.pipeline.schedules import build_forward_only, build_schedule, layers_of
 from ptdp.parallel.pipeline.simulate import check_complete, check_transfer_order, simulate
 
 # --------------------------------------------------------------------------- configurations

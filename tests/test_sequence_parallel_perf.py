@@ -38,7 +38,11 @@ from ptdp.parallel.data import GradBuffer
 from ptdp.parallel.tensor import RNGStreams
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.perf import analytic
-from ptdp.perf.cost import Machine, OperatorModel, simulate
+from ptdp.perf.machine import Machine
+from ptdp.perf.memory import (_norm_saved_bytes, activation_bytes, korthikanti_activation_bytes_per_layer,
+                               layer_activation_bytes, memory_per_device)
+from ptdp.perf.predict import simulate
+from ptdp.perf.pricing import OperatorModel
 from ptdp.perf.layout import Layout, Workload
 from ptdp.perf.plan import candidate_layouts, evaluate_layout, explain, search
 from ptdp.perf.profiles import load_profile
@@ -188,9 +192,9 @@ def test_layer_activation_bytes_equal_the_saved_tensors(measured):
     for i, (name, recompute, precision, sp) in enumerate(LAYER_CASES):
         saved = {rank["layer"][i] for rank in ranks}
         assert len(saved) == 1, (name, recompute, precision, sp, saved)   # every tensor rank alike
-        predicted = analytic.layer_activation_bytes(_layer_config(name, recompute), B, t,
-                                                    sequence_parallel=sp, recompute=recompute,
-                                                    dtype=DTYPES[precision], kernels="cpu")
+        predicted = layer_activation_bytes(_layer_config(name, recompute), B, t,
+                                           sequence_parallel=sp, recompute=recompute,
+                                           dtype=DTYPES[precision], kernels="cpu")
         assert predicted == saved.pop(), (name, recompute, precision, sp)
 
 
@@ -206,7 +210,7 @@ def test_replicated_part_falls_by_t(measured):
         config = _layer_config(name, recompute)
         e = 4 if precision == "fp32" else 2
         rows, h = config.seq_length * B, config.hidden_size
-        norm = analytic._norm_saved_bytes(config, rows, e, cpu=True)
+        norm = _norm_saved_bytes(config, rows, e, cpu=True)
         replicated = rows * h * e if recompute == "full" else 2 * rows * h * e + 2 * norm + \
             2 * rows * h * e     # norm outputs, norms' saved tensors, the two dropout masks
         dropped = saved[(name, recompute, precision, False)] - saved[(name, recompute, precision,
@@ -221,8 +225,8 @@ def test_model_activation_bytes_equal_the_saved_tensors(measured):
     t, ranks = measured
     for i, (name, precision, sp) in enumerate(MODEL_CASES):
         config = dataclasses.replace(MODELS[name], num_layers=2)
-        figures = analytic.activation_bytes(Workload(config, B, precision),
-                                            Layout(t=t, b=B, sequence_parallel=sp), kernels="cpu")
+        figures = activation_bytes(Workload(config, B, precision),
+                                   Layout(t=t, b=B, sequence_parallel=sp), kernels="cpu")
         predicted = (config.num_layers * (figures["layer"] + figures["rotary_tables"])
                      + figures["embedding"] + figures["output"])
         assert max(rank["model"][i] for rank in ranks) == predicted, (name, precision, sp)
@@ -296,40 +300,40 @@ def test_korthikanti_closed_form(t):
     model, b = BIG, 1
     s, h, a = model.seq_length, model.hidden_size, model.num_attention_heads
     sbh, sb = s * b * h, s * b
-    reference = analytic.korthikanti_activation_bytes_per_layer(model, b, t, sequence_parallel=True)
+    reference = korthikanti_activation_bytes_per_layer(model, b, t, sequence_parallel=True)
     assert reference == pytest.approx(sbh * (34 / t + 5 * a * s / (h * t)))
-    ours = analytic.layer_activation_bytes(model, b, t, sequence_parallel=True, kernels="cuda")
+    ours = layer_activation_bytes(model, b, t, sequence_parallel=True, kernels="cuda")
     assert ours * t == 34 * sbh + 4 * a * sb + 16 * sb
     assert ours == pytest.approx(reference - 5 * a * s / (h * t) * sbh + (4 * a * sb + 16 * sb) / t)
-    plain = analytic.layer_activation_bytes(model, b, t, kernels="cuda")
+    plain = layer_activation_bytes(model, b, t, kernels="cuda")
     assert plain - ours == (10 * sbh + 16 * sb) * (t - 1) / t      # the replicated part, by t
-    assert (analytic.korthikanti_activation_bytes_per_layer(model, b, t)
+    assert (korthikanti_activation_bytes_per_layer(model, b, t)
             - reference) == pytest.approx(10 * sbh * (t - 1) / t)
     # Recomputation: full keeps the layer input's s/t; selective drops no
     # more under sequence parallelism than the attention core's tensors.
-    assert analytic.layer_activation_bytes(model, b, t, sequence_parallel=True, recompute="full",
-                                           kernels="cuda") == sbh * 2 // t
+    assert layer_activation_bytes(model, b, t, sequence_parallel=True, recompute="full",
+                                  kernels="cuda") == sbh * 2 // t
 
 
 def test_layer_activation_bytes_arguments():
     model = dataclasses.replace(GPT2, seq_length=36)
-    figures = {dtype: analytic.layer_activation_bytes(model, 2, 2, dtype=dtype)
+    figures = {dtype: layer_activation_bytes(model, 2, 2, dtype=dtype)
                for dtype in ("bf16", torch.bfloat16, "bfloat16")}
     assert len(set(figures.values())) == 1
-    assert analytic.layer_activation_bytes(model, 2, dtype=torch.float32) == \
-        analytic.activation_bytes(Workload(model, 2, "fp32"), Layout(b=2), kernels="cpu")["layer"]
+    assert layer_activation_bytes(model, 2, dtype=torch.float32) == \
+        activation_bytes(Workload(model, 2, "fp32"), Layout(b=2), kernels="cpu")["layer"]
     # Recomputation: the model's own unless given.
     selective = dataclasses.replace(model, recompute_granularity="selective")
-    assert analytic.layer_activation_bytes(selective, 2, 2, sequence_parallel=True) == \
-        analytic.layer_activation_bytes(model, 2, 2, sequence_parallel=True, recompute="selective")
-    assert analytic.layer_activation_bytes(selective, 2, 2, recompute=None) == \
-        analytic.layer_activation_bytes(model, 2, 2)
+    assert layer_activation_bytes(selective, 2, 2, sequence_parallel=True) == \
+        layer_activation_bytes(model, 2, 2, sequence_parallel=True, recompute="selective")
+    assert layer_activation_bytes(selective, 2, 2, recompute=None) == \
+        layer_activation_bytes(model, 2, 2)
     with pytest.raises(ValueError, match="t > 1"):
-        analytic.layer_activation_bytes(model, 2, 1, sequence_parallel=True)
+        layer_activation_bytes(model, 2, 1, sequence_parallel=True)
     with pytest.raises(ValueError, match="divide the sequence"):
-        analytic.layer_activation_bytes(model, 2, 8, sequence_parallel=True)
+        layer_activation_bytes(model, 2, 8, sequence_parallel=True)
     with pytest.raises(ValueError, match="dtype"):
-        analytic.layer_activation_bytes(model, 2, dtype="int8")
+        layer_activation_bytes(model, 2, dtype="int8")
 
 
 def test_traffic_formulas():
@@ -373,7 +377,7 @@ def test_memory_and_flags():
     work = Workload(BIG, 64)
     layout = Layout(t=8, p=2, b=1)
     split = dataclasses.replace(layout, sequence_parallel=True)
-    plain, ours = analytic.memory_per_device(work, layout), analytic.memory_per_device(work, split)
+    plain, ours = memory_per_device(work, layout), memory_per_device(work, split)
     assert ours["activations"] < plain["activations"] / 2
     assert {k: ours[k] for k in ("weights", "gradients", "optimizer")} == \
         {k: plain[k] for k in ("weights", "gradients", "optimizer")}
@@ -485,7 +489,7 @@ def test_plan_command_one_layout_with_sequence_parallelism(capsys):
     layout = Layout(t=4, p=2, d=1, b=2, sequence_parallel=True)
     model = ModelConfig(num_layers=8, hidden_size=1024, num_attention_heads=16, seq_length=1024,
                         vocab_size=51200)
-    expected = analytic.memory_per_device(Workload(model, 32), layout)
+    expected = memory_per_device(Workload(model, 32), layout)
     assert result["memory_per_device_bytes"] == expected["total"]
     assert result["memory_breakdown_bytes"]["activations"] == expected["activations"]
     assert "--sequence-parallel" in out.splitlines()[-1]

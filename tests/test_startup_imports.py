@@ -56,7 +56,7 @@ def test_commands_without_a_model_do_not_import_torch():
 def test_the_heavy_commands_keep_their_entry_points():
     """generate and convert import torch when they run; their flags moved or
     stayed light, the commands themselves are where they were."""
-    from ptdp.inference import run_generate_command
+    from ptdp.generate import run_generate_command
     from ptdp.interop.convert import add_convert_parser, run_convert_command
     from ptdp.interop.convert_flags import add_convert_parser as light
 

@@ -9,7 +9,8 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from ptdp.parallel.pipeline.schedules import Compute, Exchange, build_schedule
+from ptdp.parallel.pipeline.actions import Compute, Exchange
+from ptdp.parallel.pipeline.schedules import build_schedule
 from ptdp.parallel.pipeline.simulate import simulate
 from ptdp.perf.timeline import (Box, add_schedule_parser, boxes_from_simulation, colour,
                                 draw_timeline, run_schedule_command, timeline_figure)

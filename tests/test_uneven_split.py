@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from ptdp.config import ConfigError, validate
-from ptdp.parallel.pipeline.schedules import layers_of, location_of
+from ptdp.parallel.pipeline.actions import location_of
+from ptdp.parallel.pipeline.schedules import layers_of
 from ptdp.parallel.pipeline.split import LayerSplit, stage_layer_counts
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.train.loop import Trainer

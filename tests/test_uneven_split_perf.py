@@ -10,8 +10,9 @@ import pytest
 
 from ptdp.config import ModelConfig
 from ptdp.parallel.pipeline.split import LayerSplit
-from ptdp.perf.analytic import memory_per_rank, parameters_per_rank
-from ptdp.perf.cost import simulate
+from ptdp.perf.analytic import parameters_per_rank
+from ptdp.perf.memory import memory_per_rank
+from ptdp.perf.predict import simulate
 from ptdp.perf.layout import Layout, Workload
 from ptdp.perf.plan import describe, search, table
 from ptdp.perf.profiles import HardwareProfile

@@ -27,7 +27,9 @@ def test_the_readme_workflow_works_as_written(tmp_path):
                                 text=True, timeout=1800)  # hang guard: ~70 s idle
         assert result.returncode == 0, f"{command}\n{result.stderr[-3000:]}"
         outputs.append(result.stdout)
-    train, resume, sample = outputs[3], outputs[4], outputs[5]
+    commands = _workflow_commands()
+    train, resume = (out for command, out in zip(commands, outputs) if " train " in command)
+    (sample,) = (out for command, out in zip(commands, outputs) if " generate " in command)
     # evaluation ran and the validation loss fell
     val = [float(v) for v in re.findall(r"val loss (\d+\.\d+)", train + resume)]
     assert len(val) == 3 and val[-1] < val[0]

@@ -12,7 +12,11 @@ from ptdp.config import ModelConfig
 from ptdp.parallel.pipeline.schedules import build_schedule
 from ptdp.parallel.pipeline.simulate import simulate as simulate_unit_time
 from ptdp.perf import analytic, plan
-from ptdp.perf.cost import Machine, OperatorModel, chunk_costs, simulate, simulate_uniform
+from ptdp.perf.machine import Machine
+from ptdp.perf.memory import activation_bytes, memory_per_rank
+from ptdp.perf.predict import simulate, simulate_uniform
+from ptdp.perf.pricing import OperatorModel
+from ptdp.perf.stage_costs import chunk_costs
 from ptdp.perf.layout import Layout, Workload
 from ptdp.perf.profiles import load_profile
 
@@ -94,10 +98,10 @@ def test_memory_is_the_peak_counted_from_the_schedule(kind, v):
     p, batch = 4, 16
     workload = Workload(TINY, batch)
     layout = Layout(p=p, v=v, schedule=kind, b=1)
-    acts = analytic.activation_bytes(workload, layout)
+    acts = activation_bytes(workload, layout)
     per_chunk = TINY.num_layers // (p * v)
     schedule = build_schedule(kind, p, batch, v)
-    memory = analytic.memory_per_rank(workload, layout)
+    memory = memory_per_rank(workload, layout)
     for rank in range(p):
         stages = [schedule.virtual_stage(rank, c) for c in range(v)]
         held = [per_chunk * acts["layer"] + (acts["embedding"] if s == 0 else 0)

@@ -16,14 +16,8 @@ from fractions import Fraction
 
 import pytest
 
-from ptdp.parallel.pipeline.schedules import (
-    Exchange,
-    ScheduleError,
-    build_schedule,
-    layers_of,
-    location_of,
-    virtual_stage_of,
-)
+from ptdp.parallel.pipeline.actions import Exchange, ScheduleError, location_of, virtual_stage_of
+from ptdp.parallel.pipeline.schedules import build_schedule, layers_of
 from ptdp.parallel.pipeline.simulate import simulate
 
 

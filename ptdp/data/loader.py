@@ -1,10 +1,12 @@
 """From the data settings to the tensors a microbatch trains on.
 
-`resolve_data` runs before any process starts, the one place that decides
+Before any process starts, ptdp.train.checkpoint_data.resolve_data decides
 the run's tokenizer (its flags, else the one --load's checkpoint carries)
-and vocabulary, and checks the data flags (`check_data_settings`: files
-exist, the split parses, the tokenizer's flags fit together); the ranks
-build the resolved tokenizer with `tokenizer_for`. `build_training_data`
+and vocabulary (`resolve_vocab_size`), and checks the data flags
+(`check_data_settings`: files exist, the split parses, the tokenizer's
+flags fit together); it lives in train because it reads the checkpoint,
+which data never imports. The ranks build the resolved tokenizer with
+`tokenizer_for`. `build_training_data`
 runs on every rank: the global rank 0 tokenizes the demo corpus (first use
 only) and builds the dataset indices while the others wait at a barrier,
 then the ranks that read tokens (first and last pipeline stage) open them.
@@ -30,7 +32,8 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from ptdp.config import Config, ConfigError, DataConfig
+from ptdp.config import Config, DataConfig
+from ptdp.data.batches import GlobalBatches
 from ptdp.data.mock import MockGPTDataset
 from ptdp.data.tokenizer import (TokenizerError, build_tokenizer, character_counts,
                                   check_tokenizer_settings)
@@ -47,8 +50,8 @@ TOKENIZER_SETTINGS = ("data.tokenizer_type", "data.vocab_file", "data.merge_file
 
 
 def tokenizer_for(data: DataConfig, model_vocab_size: int | None = None):
-    """The tokenizer of resolved data settings (see `resolve_tokenizer` and
-    `resolve_vocab_size`). NullTokenizer has no files: its size is the
+    """The tokenizer of resolved data settings (see
+    ptdp.train.checkpoint_data.resolve_tokenizer and `resolve_vocab_size`). NullTokenizer has no files: its size is the
     model's vocabulary, `model_vocab_size` = N + 1."""
     return build_tokenizer(data.tokenizer_type, vocab_file=data.vocab_file,
                            merge_file=data.merge_file, tokenizer_model=data.tokenizer_model,
@@ -59,74 +62,6 @@ def carried_tokenizer_data(data: DataConfig, tokenizer_file: str | Path) -> Data
     """`data` with a checkpoint's tokenizer.json as its tokenizer."""
     return dataclasses.replace(data, tokenizer_type="HuggingFaceTokenizer",
                                tokenizer_model=str(tokenizer_file), vocab_file=None, merge_file=None)
-
-
-def resolve_data(config: Config, explicit: Sequence[str]) -> Config:
-    """The one path from a training run's data settings to the resolved
-    ones, before launching: the tokenizer (`resolve_tokenizer`), its flags
-    checked, and the vocabulary it gives (`resolve_vocab_size`).
-    `explicit`: the settings the user gave ("section.field")."""
-    config, carried = resolve_tokenizer(config, explicit)
-    problems = check_data_settings(config)
-    if problems:
-        raise ConfigError(problems)
-    try:
-        return resolve_vocab_size(config, "model.vocab_size" in explicit,
-                                  checkpoint=_loaded_settings(config), carried=carried)
-    except DataSettingsError as error:
-        raise ConfigError([str(error)]) from None
-
-
-def resolve_tokenizer(config: Config, explicit: Sequence[str]) -> tuple[Config, bool]:
-    """The training run's tokenizer: the one its flags (or config file) name
-    where they name any; otherwise the tokenizer --load's checkpoint
-    carries; otherwise the default. Generated data (--mock-data) has none.
-    Returns the config and whether the checkpoint's tokenizer was taken."""
-    from ptdp.train.checkpoint import CheckpointError, checkpoint_tokenizer
-
-    if config.data.mock_data or any(k in explicit for k in TOKENIZER_SETTINGS) \
-            or _loaded_settings(config) is None:
-        return config, False
-    try:
-        carried = checkpoint_tokenizer(config.train.load)
-    except CheckpointError as error:
-        raise ConfigError([f"{error}; or name a tokenizer (--tokenizer-type and its files), which "
-                           "takes the place of the checkpoint's"]) from None
-    if carried is None:
-        return config, False
-    data = carried_tokenizer_data(config.data, carried.absolute())
-    return dataclasses.replace(config, data=data), True
-
-
-def _loaded_settings(config: Config) -> Config | None:
-    """--load's checkpoint's model and data settings (the rest default);
-    None without --load, or for a checkpoint that cannot be read (the
-    checkpoint checks report why)."""
-    from ptdp.train.checkpoint import CheckpointError, read_metadata, resolve, saved_model_config
-
-    if not config.train.load:
-        return None
-    try:
-        saved = read_metadata(resolve(config.train.load))
-        known = {f.name for f in dataclasses.fields(DataConfig)}
-        data = DataConfig(**{k: v for k, v in saved["config"].get("data", {}).items() if k in known})
-        return Config(model=saved_model_config(saved), data=data)
-    except (CheckpointError, KeyError, TypeError, AttributeError):
-        return None
-
-
-def model_tokenizer(config: Config, load: str | Path | None = None):
-    """The tokenizer of a saved model (`config` from its metadata): the file
-    the checkpoint `load` carries, else the one its data settings name; None
-    for a model of generated data without one."""
-    from ptdp.train.checkpoint import checkpoint_tokenizer
-
-    carried = checkpoint_tokenizer(load) if load is not None else None
-    if carried is not None:
-        return tokenizer_for(carried_tokenizer_data(config.data, carried))
-    if config.data.mock_data:
-        return None
-    return tokenizer_for(config.data, config.model.vocab_size)
 
 
 def tokenizer_key(data: DataConfig) -> str:
@@ -172,8 +107,6 @@ def check_datasets(config: Config) -> list[str]:
     data, train = config.data, config.train
     if data.mock_data or not data.data_path:
         return []
-    from ptdp.train.batches import GlobalBatches
-
     batches = GlobalBatches(train, config.parallel.dp)
     batch = batches.final
     samples = (batches.consumed_after(0, batches.train_iters),
@@ -526,9 +459,9 @@ class _Order:
 
 
 def _graceful_signals(config: Config) -> set[int]:
-    """The signals that ask the run to save and stop (ptdp.train.stopping)."""
+    """The signals that ask the run to save and stop (ptdp.graceful_signals)."""
     from ptdp.config import signal_from_name
-    from ptdp.train.stopping import GRACEFUL_SIGNALS
+    from ptdp.graceful_signals import GRACEFUL_SIGNALS
 
     if not config.train.exit_signal_handler:
         return set()

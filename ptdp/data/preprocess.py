@@ -262,12 +262,10 @@ def _check_settings(inputs: Sequence[str], output_prefix: str, keys: Sequence[st
                         f"prefix, e.g. {os.path.join(output_prefix, 'corpus')}")
     else:
         directory = os.path.dirname(os.path.abspath(output_prefix))
-        if not os.path.isdir(directory):
-            problems.append(f"--output-prefix {output_prefix}: directory {directory} does not exist; "
-                            f"create it or choose another prefix")
-        elif not os.access(directory, os.W_OK):
+        if os.path.isdir(directory) and not os.access(directory, os.W_OK):
             problems.append(f"--output-prefix {output_prefix}: directory {directory} is not writable")
-        else:  # a pseudo file system, a read-only mount, root's os.access: a probe file tells
+        else:  # (created when missing) a file in the way, a pseudo file system, a read-only
+            # mount, root's os.access: the shared check, with its probe file, tells
             problems += [problem.replace(f"--output-prefix {directory}:",
                                          f"--output-prefix {output_prefix}:", 1)
                          for problem in output_path_problems("--output-prefix", directory,
@@ -504,6 +502,8 @@ def _encode_all(chunks, keys, spec, tokenizer, append_eod, dtype, output_prefix,
     writers: list[IndexedDatasetWriter] = []
     scratch = None
     fields = tokenizer_record.describe(tokenizer, spec.tokenizer_type, vars(spec))
+    # The input passed its checks: the output's directory is made if missing.
+    os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
     try:
         for key in keys:
             writers.append(IndexedDatasetWriter(output_prefix_for_key(output_prefix, key), dtype))

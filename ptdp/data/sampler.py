@@ -24,7 +24,7 @@ def training_microbatches(consumed, start_iteration: int, stop_iteration: int, d
     """(iteration, indices) of each microbatch data-parallel rank `dp_rank`
     trains on in iterations [start_iteration, stop_iteration), in the order
     the training loop reads them. `consumed`: the run's
-    ptdp.train.batches.ConsumedSamples (an iteration's global batch follows
+    ptdp.data.batches.ConsumedSamples (an iteration's global batch follows
     from the samples consumed before it)."""
     for iteration in range(start_iteration, stop_iteration):
         before = consumed.before(iteration)

@@ -45,7 +45,8 @@ from ptdp.config import ModelConfig
 from ptdp.model.fused import bias_dropout_add, bias_gelu, swiglu, zero_centred_norm
 from ptdp.model.recompute import checkpoint, recompute_active
 from ptdp.model.rotary import Rotary
-from ptdp.parallel.pipeline.schedules import layers_of, virtual_stage_of
+from ptdp.parallel.pipeline.actions import virtual_stage_of
+from ptdp.parallel.pipeline.schedules import layers_of
 from ptdp.parallel.sharding import COPY_ATTR, initialize_parameters, set_init
 from ptdp.parallel.tensor import (
     ColumnParallelLinear,

@@ -1,6 +1,7 @@
 """The paper's performance analysis as pure functions: parameters, FLOPs,
-pipeline bubble, microbatches in flight, communication volume and memory
-per device, for one `Workload` under one `Layout` (ptdp.perf.layout).
+pipeline bubble, microbatches in flight and communication volume, for one
+`Workload` under one `Layout` (ptdp.perf.layout); memory per device, which
+sums these, is ptdp.perf.memory.
 
 Nothing here starts a process or allocates a tensor. Where PAPER.md gives a
 formula it is used as written (and tests reproduce it); the rest is derived
@@ -46,145 +47,7 @@ final norm and, when p > 1, its own copy of the tied word embedding
 (V'·h/t), which is memory like any other weight; an untied output layer is
 V'·h/t on the last stage whatever p is.
 
-Memory (bytes on one device; GradBuffer and Optimizer in ptdp):
-    weights     N·e                  the flat parameter buffer (N: its
-                                     elements, parameters plus bucket padding)
-    gradients   4·N (+ 4·N/d)        fp32 gradient buffer, whatever the
-                                     dtype (+ the fp32 reduce-scattered shard
-                                     with the distributed optimizer)
-    optimizer   12·N/d               distributed: fp32 main + 2 Adam moments
-                12·N                 plain, bf16/fp16: fp32 main + moments
-                 8·N                 plain, fp32: the model's weights are main
-    activations see `activation_bytes` and `memory_per_rank`.
-The distributed optimizer pads every bucket to a multiple of d (less than
-d elements per bucket); it is counted exactly, from the same bucket cutting
-GradBuffer does.
-
-Activations: bytes saved for backward per microbatch, per layer and device
-(`activation_bytes`), for ptdp's own layer with t-way tensor parallelism
-and dropout on. Two kernel sets:
-
-  kernels="cpu" (eager PyTorch, as tests measure them; exact for torch 2.13):
-    replicated [s,b,h]: LN1 input, LN1 output (QKV input), LN2 input, LN2
-        output (MLP input): 4·sbh·e; hidden-dropout masks, 2 of them, in the
-        activation dtype: 2·sbh·e; LayerNorm mean and rstd: 4·s·b·e
-    split over t: attention output (dense input) sbh/t·e, MLP's first
-        output (GeLU input) and GeLU output 2·s·b·f/t·e
-    attention core with attention dropout: the math kernel, which computes
-        in fp32 even for 16-bit inputs: q·scale, kᵀ, v copies 3·sbh/t·4 and
-        softmax, dropout mask, dropped probabilities 3·a·s²·b/t·4
-    attention core without attention dropout: the flash kernel: q, k, v
-        (one buffer) 3·sbh/t·e and logsumexp 4·a·s·b/t; its output is laid
-        out like q, [s, b, heads, d], so it is the dense layer's input
-        itself (no copy)
-  kernels="cuda" (derived from the kernels' saved tensors, not measured
-    here): flash / memory-efficient attention also with dropout (so no s×s
-    tensor at all): 3·sbh/t·e + 4·a·s·b/t, output taken to be laid out
-    like q as on the CPU (if a kernel returns another layout, the reshape
-    for the dense layer copies: one more sbh/t·e, 2/34 of a bf16 layer);
-    dropout masks bool (1 byte); LayerNorm statistics fp32 (4·s·b·4).
-
-  selective recomputation keeps q, k, v (3·sbh/t·e) instead of the
-    attention core's tensors; full recomputation (uniform, 1 layer per
-    group) keeps the layer input only, sbh·e.
-
-  So, cpu, f = 4h, t = 1, dropout on: no recomputation
-  s·b·h·(15·e + 12 + 12·a·s/h) + 4·s·b·e (fp32: 72 + 12as/h; bf16: 42 +
-  12as/h, per s·b·h), selective 18·e·sbh, full e·sbh. For reference,
-  Korthikanti et al. (2022) count s·b·h·(34 + 5·a·s/h) for Megatron's
-  fp16 layer with its fused softmax (2-byte probabilities, 1-byte masks);
-  ptdp's cuda estimate for bf16 is the same tensors, s·b·h·34, without the
-  s² term (flash attention keeps none) plus the logsumexp (4·a·s·b) and
-  fp32 LayerNorm statistics (16·s·b). The cpu figure exceeds 34 by fp32
-  copies of q, k, v (+6) and 2-byte masks (+2), and its s² term is 12as/h
-  (three fp32 s×s tensors) instead of 5as/h.
-
-  The Llama family's options change these terms (measured on CPU like the
-  rest; the cuda figures are derived):
-    RMSNorm: each norm keeps rstd (one value per position) instead of mean
-      and rstd. On the CPU torch.rms_norm is decomposed into fp32
-      element-wise ops, which keep the fp32 input and the fp32 normalized
-      input instead of the input: 2·sbh·4 + s·b·4 per norm; on GPUs the
-      fused kernel keeps the input and an fp32 rstd: sbh·e + s·b·4.
-    SwiGLU: the MLP's first output [gate | up] (2·s·b·f/t) and the gated
-      product (s·b·f/t, the second matrix's input) — ptdp's SwiGLU node
-      recomputes the sigmoid — so 3·s·b·f/t·e instead of GeLU's 2.
-    grouped-query attention: the QKV output is (a + 2g)·d·s·b/t elements
-      (k and v have g heads); flash attention and selective recomputation
-      keep it, so 3·sbh/t·e becomes (a + 2g)·d·s·b/t·e. The CPU math
-      kernel (attention dropout) repeats k and v to a heads, so its fp32
-      copies stay 3·sbh/t·4.
-    rotary embeddings: the rotated q and k are new tensors that flash
-      attention (or the selective checkpoint) keeps besides the QKV output
-      that v is a view of: (a + g)·d·s·b/t·e more; the math kernel copies
-      them, so it keeps no more. Each layer's cos and sin tables
-      (2·s·d·e) are made once and shared by every microbatch: counted once
-      per layer held, not per microbatch. The first stage keeps no
-      position ids.
-    no linear biases: nothing saved changes (biases are added in the
-      matrix product or fused where they exist).
-    an untied output layer saves the same as the tied one.
-
-  Stage extras per microbatch: the first stage keeps the token ids (int64;
-  with t = 1 the [b, s+1] sample they are a view of), the position ids
-  (learned positions only) and the embedding-dropout mask sbh·e; the last
-  stage keeps what the final norm saves and its output, the fp32 softmax of the
-  cross entropy [s, b, V'/t] (4·s·b·V'/t, whatever the dtype), the local
-  targets (int64) and their out-of-range mask (bool).
-
-  Sequence parallelism (Layout.sequence_parallel, t > 1; Korthikanti et
-  al. 2022): every replicated [s, b, h] term above is held for the rank's
-  own s/t positions, i.e. divided by t — the norms' inputs, outputs and
-  statistics, the hidden-dropout masks, and the QKV and MLP inputs, which
-  the column-parallel layers save as the s/t slice and all-gather again in
-  backward; the split terms are unchanged (the tensor-parallel regions see
-  the whole sequence). So a layer keeps (cuda, bf16) s·b·h·34/t + 4·a·s·b/t
-  + 16·s·b/t, Korthikanti's s·b·h·(34/t + 5·a·s/(h·t)) without the s² term
-  plus the logsumexp and fp32 statistics; full recomputation keeps sbh·e/t
-  (the layer input's slice), selective the split q, k, v plus the
-  replicated terms over t. Stage extras: the embedding keeps its position
-  ids (s/t) and dropout mask (sbh·e/t) for its own positions, the last
-  stage its final norm's tensors and the output layer's s/t input; the
-  token ids, the logits' softmax and the targets stay whole. Checked
-  exactly against one layer and a whole model on every rank of t = 2 and
-  t = 4 tensor groups (tests/test_sequence_parallel_perf.py).
-  `layer_activation_bytes` gives one layer's figure for any of these.
-
-  A rank holds these for every (microbatch, chunk) it has run forward and
-  not yet backward. `memory_per_rank` walks the rank's compute order of the
-  schedule (the generators' order) and takes the peak of the sum, so the
-  embedding and output extras count only for the chunks that have them.
-
-  Zero-bubble schedules (zb-h1, zbv): B frees what the forward saved except
-  what the deferred weight gradients hold (ptdp.parallel.weight_grad's
-  closures keep each linear layer's input and output gradient; autograd
-  frees the rest as B runs), so a (microbatch, chunk) weighs the figures
-  above from its F until its B and "weight_grad_layer" per layer from its B
-  until its W (the output layer computes its weight gradient in B):
-    inputs   the first and second norm outputs (QKV's and the MLP's inputs;
-             s/t of the positions under sequence parallelism, the saved
-             slice W re-gathers) 2·sbh·e, the context a·d·s·b/t·e, the MLP
-             activation's output s·b·f/t·e;
-    gradients QKV's output (a + 2g)·d·s·b/t·e, the projection's and the
-             second MLP GEMM's [s, b, h] (whole, also under sequence
-             parallelism) 2·sbh·e, the first MLP GEMM's s·b·f/t·e (2f with
-             SwiGLU);
-    output   the final norm's output (s/t under sequence parallelism) and
-             the logits' gradient s·b·V'/t·e.
-  With full recomputation B rebuilds these inputs, so they are held from B
-  to W although F kept only the layer input. The walk follows
-  zero_bubble.py's per-rank orders; the count of activations held at once
-  (F until W) is Schedule.in_flight_bound. Under zbv rank 0 holds the first
-  and the last stage (the embedding and the output extras) and one word
-  embedding (a tied output layer is the same parameter), and no activation
-  or gradient crosses between stages p−1 and p (both on rank p−1).
-  Transient memory (a forward's or backward's working tensors, received
-  buffers not yet used, 16-bit .grad before it is added to the fp32 buffer)
-  is not counted. Neither is what the executor keeps a little too long:
-  its local variables hold the graph of the last backwarded microbatch
-  (`out`, and on the last stage `loss`) until the next forward ends, and
-  with it that microbatch's stage input, up to 2·sbh·e more than counted
-  here (measured in the tests).
+Memory per device and the activations a rank keeps: ptdp.perf.memory.
 
 Communication: see `communication_per_rank`.
 """
@@ -192,25 +55,17 @@ Communication: see `communication_per_rank`.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any, Iterator, NamedTuple
+from typing import Iterator, NamedTuple
 
 from ptdp.config import ModelConfig, TrainConfig
-from ptdp.parallel.pipeline.schedules import (
-    ZERO_BUBBLE_KINDS,
-    backward_order,
-    check_arguments,
-    forward_order,
-    location_of,
-    virtual_stage_of,
-    warmup_forwards,
-)
+from ptdp.parallel.pipeline.actions import (ZERO_BUBBLE_KINDS, check_arguments, location_of,
+                                            virtual_stage_of, warmup_forwards)
+from ptdp.parallel.pipeline.one_f_one_b import backward_order, forward_order
 from ptdp.parallel.pipeline.zero_bubble import zb_h1_order, zbv_order
-from ptdp.perf.layout import BYTES_PER_ELEMENT, ByValue, Layout, Workload
+from ptdp.perf.layout import ByValue, Layout, Workload
 from ptdp.perf.flops import model_flops_per_iteration
 
-KERNELS = ("cuda", "cpu")
 FP32 = 4
-INT64 = 8
 
 
 # ------------------------------------------------------------------------------------------
@@ -327,7 +182,7 @@ def _ends_share_a_rank(layout: Layout) -> bool:
     return layout.p == 1 or layout.schedule_kind == "zbv"
 
 
-def _chunk_stage(layout: Layout, rank: int, chunk: int) -> tuple[bool, bool]:
+def chunk_stage(layout: Layout, rank: int, chunk: int) -> tuple[bool, bool]:
     """(first, last): whether (rank, chunk) is the first or the last virtual
     stage under the layout's schedule."""
     stage = virtual_stage_of(layout.schedule_kind, layout.p, layout.v, rank, chunk)
@@ -338,7 +193,7 @@ def _chunk_parameters(model: ModelConfig, layout: Layout, rank: int, chunk: int)
     """The parameters of (rank, chunk) on one tensor rank (`_stage_parameters`
     of its virtual stage). Under zbv rank 0's last-stage chunk uses the
     first chunk's word embedding as its tied output layer: no copy."""
-    first, last = _chunk_stage(layout, rank, chunk)
+    first, last = chunk_stage(layout, rank, chunk)
     shared = model.tied_output and not _ends_share_a_rank(layout)
     layers = layout.chunk_layers(model.num_layers, rank, chunk)
     params = _stage_parameters(model, layout.t, layers, first, last, shared,
@@ -386,11 +241,11 @@ def placement_of_parameters(layout: Layout) -> Layout:
 
 def _cut_buckets(model: ModelConfig, layout: Layout, rank: int,
                  bucket_size: int) -> tuple[tuple[int, int], ...]:
-    return _cut_placed_buckets(ByValue(model), placement_of_parameters(layout), rank, bucket_size)
+    return cut_placed_buckets(ByValue(model), placement_of_parameters(layout), rank, bucket_size)
 
 
 @lru_cache(maxsize=65536)
-def _cut_placed_buckets(key: ByValue, layout: Layout, rank: int,
+def cut_placed_buckets(key: ByValue, layout: Layout, rank: int,
                         bucket_size: int) -> tuple[tuple[int, int], ...]:
     """(elements, partial elements) of GradBuffer's buckets on pipeline rank
     `rank` before padding: parameters in reverse order, a bucket closed once
@@ -433,10 +288,10 @@ def buffer_elements(model: ModelConfig, layout: Layout, rank: int,
     pipeline rank `rank`: its parameters, plus with the distributed
     optimizer each bucket padded to a multiple of d."""
     bucket_size = bucket_size or TrainConfig().ddp_bucket_size
-    return _padded(_cut_buckets(model, layout, rank, bucket_size), layout)
+    return padded_elements(_cut_buckets(model, layout, rank, bucket_size), layout)
 
 
-def _padded(buckets: tuple[tuple[int, int], ...], layout: Layout) -> int:
+def padded_elements(buckets: tuple[tuple[int, int], ...], layout: Layout) -> int:
     """Elements of these buckets, each padded to a multiple of d under the
     distributed optimizer."""
     if not layout.distributed_optimizer:
@@ -470,7 +325,7 @@ def bubble_fraction(layout: Layout, m: int) -> float:
 
 def _compute_order(kind: str, p: int, m: int, v: int, rank: int) -> Iterator[tuple[str, int]]:
     """(op, chunk) of rank `rank`'s computes in schedule order, from the
-    generators in schedules.py: the warm-up forwards, then one forward and
+    generators in one_f_one_b.py: the warm-up forwards, then one forward and
     one backward per step, then the remaining backwards (build_schedule's
     computes without its exchanges, which are slow to build for large m)."""
     forwards, backwards = forward_order(kind, p, m, v), backward_order(kind, p, m, v)
@@ -492,7 +347,7 @@ def _zero_bubble_order(kind: str, p: int, m: int, rank: int) -> Iterator[tuple[s
 
 
 @lru_cache(maxsize=65536)
-def _stash_peaks(kind: str, p: int, m: int, v: int, rank: int, chunk_weights: tuple[int, ...],
+def stash_peaks(kind: str, p: int, m: int, v: int, rank: int, chunk_weights: tuple[int, ...],
                  deferred_weights: tuple[int, ...] | None = None) -> tuple[int, int]:
     """(most (microbatch, chunk) activations held at once, largest sum of
     their `chunk_weights`) on pipeline rank `rank`. Zero-bubble kinds: an
@@ -514,7 +369,7 @@ def _held_states(kind: str, p: int, m: int, v: int, rank: int) -> tuple[tuple[in
     chunk from F until B, ... from B until W (zero-bubble kinds only)):
     the states no other state holds as much of in every entry, so that the
     peak of any weighted sum is one of theirs. Walked once per schedule;
-    `_stash_peaks` prices it for any weights."""
+    `stash_peaks` prices it for any weights."""
     check_arguments(kind, p, m, v)
     zero_bubble = kind in ZERO_BUBBLE_KINDS
     order = _zero_bubble_order(kind, p, m, rank) if zero_bubble else \
@@ -547,7 +402,7 @@ def peak_in_flight_per_rank(layout: Layout, m: int) -> list[int]:
     as peak_stored; under zb-h1 and zbv counted from F until W, as
     Schedule.in_flight_bound and the executor's peak_awaiting_weight_grads)."""
     kind, ones = layout.schedule_kind, (1,) * layout.v
-    return [_stash_peaks(kind, layout.p, m, layout.v, r, ones)[0] for r in range(layout.p)]
+    return [stash_peaks(kind, layout.p, m, layout.v, r, ones)[0] for r in range(layout.p)]
 
 
 def peak_in_flight(layout: Layout, m: int) -> int:
@@ -735,203 +590,3 @@ def communication_volume(workload: Workload, layout: Layout, *,
     """`communication_per_rank` of the device that sends the most in all."""
     return max(communication_per_rank(workload, layout, bucket_size=bucket_size),
                key=lambda volume: volume["total"])
-
-
-# ------------------------------------------------------------------------------------------
-# Memory
-
-
-def _norm_saved_bytes(model: ModelConfig, tokens: int, e: int, cpu: bool) -> int:
-    """Bytes a normalization layer saves for backward over `tokens` = s·b
-    positions, besides its output (which the next layer saves as its
-    input). LayerNorm: its input and the mean and rstd per position
-    (statistics in the activation dtype on the CPU, fp32 on GPUs). RMSNorm on
-    the CPU (torch.rms_norm decomposed into element-wise ops, which compute in
-    fp32): the fp32 input, the fp32 normalized input and rstd; on GPUs (the
-    fused kernel): the input and rstd in fp32."""
-    h = model.hidden_size
-    if model.normalization == "LayerNorm":
-        return tokens * h * e + 2 * tokens * (e if cpu else FP32)
-    if cpu:
-        return 2 * tokens * h * FP32 + tokens * FP32
-    return tokens * h * e + tokens * FP32
-
-
-def activation_bytes(workload: Workload, layout: Layout, *,
-                     kernels: str = "cuda") -> dict[str, int]:
-    """Bytes saved for backward per microbatch on one device: "layer" (one
-    transformer layer, with the layout's recomputation), "embedding" (the
-    first stage's extra) and "output" (the last stage's extra); and
-    "rotary_tables", the cos and sin tables one layer keeps with rotary
-    embeddings (2·s·d·e, once per layer, shared by every microbatch). See
-    the module docstring for each term."""
-    if kernels not in KERNELS:
-        raise ValueError(f"kernels={kernels!r}: use one of {', '.join(KERNELS)}")
-    # What is saved depends on t, b, the recomputation and sequence parallelism only.
-    return dict(_activation_bytes(ByValue(workload),
-                                  Layout(t=layout.t, b=layout.b, recompute=layout.recompute,
-                                         sequence_parallel=layout.splits_sequence), kernels))
-
-
-@lru_cache(maxsize=4096)
-def _activation_bytes(key: ByValue, layout: Layout, kernels: str) -> dict[str, int]:
-    workload = key.value
-    model, e = workload.model, workload.bytes_per_element
-    t, b = layout.t, layout.b
-    s, h, a, f = model.seq_length, model.hidden_size, model.num_attention_heads, model.ffn_size
-    g, d = model.query_groups, model.head_dim
-    sb = s * b
-    # Positions a rank holds outside the tensor-parallel regions (norms,
-    # dropout, residual adds, the column-parallel layers' saved inputs):
-    # all s, or its own s/t under sequence parallelism.
-    rows = sb // t if layout.splits_sequence else sb
-    outside = rows * h
-    cpu = kernels == "cpu"
-    mask = (e if cpu else 1) if model.hidden_dropout > 0 else 0   # bytes per masked element
-    norm = _norm_saved_bytes(model, rows, e, cpu)
-    # What the attention core keeps of q, k and v: the QKV output (q, k and
-    # v are views of it; grouped queries shrink k and v to g heads) and,
-    # with rotary embeddings, the rotated q and k (new tensors; v stays a
-    # view, so the whole QKV output stays alive).
-    qkv = (a + 2 * g) * d * sb // t * e
-    if model.rope:
-        qkv += (a + g) * d * sb // t * e
-    mlp_saved = 3 if model.swiglu else 2   # GeLU: its input, output; SwiGLU: [gate | up], output
-
-    if layout.recompute == "full":
-        layer = outside * e
-    else:
-        layer = (2 * outside * e + 2 * norm + 2 * outside * mask
-                 + a * d * sb // t * e + mlp_saved * s * b * f // t * e)
-        if layout.recompute == "selective":
-            layer += qkv
-        elif cpu and model.attention_dropout > 0:
-            # The math kernel's fp32 q·scale, kᵀ and v (k and v repeated to
-            # all a heads under grouped queries) and its three s×s tensors.
-            layer += 3 * a * d * sb // t * FP32 + 3 * (a // t) * s * s * b * FP32
-        else:
-            layer += qkv + (a // t) * s * b * FP32
-
-    tokens = INT64 * b * (s + 1) if t == 1 else INT64 * sb + sb
-    positions = 0 if model.rope else INT64 * (s // t if layout.splits_sequence else s)
-    embedding = tokens + positions + outside * mask
-    padded = model.padded_vocab_size(t)
-    output = (norm + outside * e + FP32 * sb * padded // t + INT64 * sb + sb
-              + (padded // t if padded > model.vocab_size else 0))
-    tables = 2 * s * d * e if model.rope else 0
-    # Zero-bubble schedules: what a microbatch keeps from its B until its W
-    # (ptdp.parallel.weight_grad): each deferred linear layer's input (the
-    # first norm's output, or its s/t slice under sequence parallelism; the
-    # context; the second norm's output; the MLP activation's output) and
-    # output gradient (QKV's; the projection's and the second MLP GEMM's
-    # whole [s, b, h], all-gathered under sequence parallelism; the first
-    # MLP GEMM's, SwiGLU's gate and up). The output layer keeps its weight
-    # gradient in B: nothing of it waits for W.
-    up = (2 if model.swiglu else 1) * f
-    weight_grad_layer = (2 * outside + a * d * sb // t + sb * f // t
-                         + (a + 2 * g) * d * sb // t + 2 * sb * h + sb * up // t) * e
-    return {"layer": layer, "embedding": embedding, "output": output, "rotary_tables": tables,
-            "weight_grad_layer": weight_grad_layer}
-
-
-def korthikanti_activation_bytes_per_layer(model: ModelConfig, b: int, t: int = 1, *,
-                                           sequence_parallel: bool = False) -> float:
-    """Reference (Korthikanti et al. 2022, Megatron's fp16 layer):
-    s·b·h·(10 + 24/t + 5·a·s/(h·t)), 34 + 5as/h at t = 1; with sequence
-    parallelism the replicated 10 is split too: s·b·h·(34/t + 5·a·s/(h·t))."""
-    s, h, a = model.seq_length, model.hidden_size, model.num_attention_heads
-    replicated = 10 / t if sequence_parallel else 10
-    return s * b * h * (replicated + 24 / t + 5 * a * s / (h * t))
-
-
-def _precision(dtype: Any) -> str:
-    """"fp32", "bf16" or "fp16" from those names, torch's dtype names
-    ("float32", "bfloat16", "float16") or a torch.dtype."""
-    name = str(dtype).removeprefix("torch.")
-    name = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16",
-            "half": "fp16"}.get(name, name)
-    if name not in BYTES_PER_ELEMENT:
-        raise ValueError(f"dtype {dtype!r}: use fp32, bf16 or fp16")
-    return name
-
-
-AS_CONFIGURED = "as configured"
-
-
-def layer_activation_bytes(model: ModelConfig, b: int, t: int = 1, *,
-                           sequence_parallel: bool = False,
-                           recompute: str | None = AS_CONFIGURED,
-                           dtype: Any = "bf16", kernels: str = "cpu") -> int:
-    """Bytes one transformer layer's forward saves for its backward on one
-    tensor rank, per microbatch of `b` sequences of `model.seq_length`: what
-    saved-tensor hooks (ptdp.perf.saved.SavedTensorBytes) measure around one
-    layer built with `GPT(..., pre_process=False, post_process=False,
-    sequence_parallel=...)`. `recompute`: None, "selective" or "full"
-    (a layer is its own checkpoint group); by default the model's
-    recompute_granularity. `dtype`: "fp32", "bf16", "fp16" or a
-    torch.dtype; `kernels`: "cpu" (eager PyTorch, exact on torch 2.13) or
-    "cuda" (derived). With rotary embeddings it includes the layer's cos
-    and sin tables (2·s·d·e) unless the layer is fully recomputed (the
-    checkpoint keeps only its input); `memory_per_rank` counts those once
-    per layer, not per microbatch. Raises ValueError for a t the model
-    cannot take, or sequence parallelism with t = 1 or t not dividing s."""
-    if recompute == AS_CONFIGURED:
-        recompute = model.recompute_granularity
-    layout = Layout(t=t, b=b, recompute=recompute, sequence_parallel=sequence_parallel)
-    problems = layout.valid_for(model, global_batch=b)
-    if problems:
-        raise ValueError("; ".join(problems))
-    figures = activation_bytes(Workload(model, b, _precision(dtype)), layout, kernels=kernels)
-    return figures["layer"] + (figures["rotary_tables"] if recompute != "full" else 0)
-
-
-def memory_per_rank(workload: Workload, layout: Layout, *, kernels: str = "cuda",
-                    bucket_size: int | None = None) -> list[dict[str, int]]:
-    """Bytes on one device of each pipeline rank: weights, gradients,
-    optimizer, activations (peak over the iteration) and total. `kernels`:
-    "cuda" for GPUs, "cpu" for eager CPU runs (see the module docstring);
-    `bucket_size`: --ddp-bucket-size (default TrainConfig's)."""
-    model, e = workload.model, workload.bytes_per_element
-    p, d, v = layout.p, layout.d, layout.v
-    m = layout.microbatches(workload.global_batch)
-    acts = activation_bytes(workload, layout, kernels=kernels)
-    sharded = layout.distributed_optimizer
-    results = []
-    model_key, placement = ByValue(model), placement_of_parameters(layout)
-    bucket_size = bucket_size or TrainConfig().ddp_bucket_size
-    for rank in range(p):
-        n = _padded(_cut_placed_buckets(model_key, placement, rank, bucket_size), layout)
-        weights = n * e
-        gradients = n * FP32 + (n // d * FP32 if sharded else 0)
-        if sharded:
-            optimizer = 3 * (n // d) * FP32
-        elif workload.precision == "fp32":
-            optimizer = 2 * n * FP32
-        else:
-            optimizer = 3 * n * FP32
-        chunk_bytes, deferred_bytes = [], []
-        # Rotary tables: made once per layer, kept for every microbatch.
-        layers = [layout.chunk_layers(model.num_layers, rank, chunk) for chunk in range(v)]
-        tables = sum(layers) * acts["rotary_tables"]
-        for chunk, per_chunk in enumerate(layers):
-            first, last = _chunk_stage(layout, rank, chunk)
-            chunk_bytes.append(per_chunk * acts["layer"]
-                               + (acts["embedding"] if first else 0)
-                               + (acts["output"] if last else 0))
-            deferred_bytes.append(per_chunk * acts["weight_grad_layer"])
-        deferred = tuple(deferred_bytes) if layout.zero_bubble else None
-        activations = (_stash_peaks(layout.schedule_kind, p, m, v, rank, tuple(chunk_bytes),
-                                    deferred)[1] + tables)
-        memory = {"weights": weights, "gradients": gradients, "optimizer": optimizer,
-                  "activations": activations}
-        memory["total"] = sum(memory.values())
-        results.append(memory)
-    return results
-
-
-def memory_per_device(workload: Workload, layout: Layout, *, kernels: str = "cuda",
-                      bucket_size: int | None = None) -> dict[str, int]:
-    """`memory_per_rank` of the device that needs the most memory."""
-    return max(memory_per_rank(workload, layout, kernels=kernels, bucket_size=bucket_size),
-               key=lambda memory: memory["total"])
-

@@ -15,7 +15,7 @@ What is measured (fp32, CPU, each rate per process with the thread counts
   (residual), a permute copy (elementwise), the attention core (SDPA with
   dropout, less its GEMMs as the fitted GEMM model prices them), the
   vocabulary-parallel cross entropy, and ptdp's AdamW passes (optimizer);
-  bytes as cost.py counts them over the time -> `op_bandwidth`
+  bytes as operator_bytes.py counts them over the time -> `op_bandwidth`
   (`memory_bandwidth` = the elementwise rate);
 - the fixed cost of one eager operator with autograd (forward and backward
   of a chain of tiny operators) -> `launch_overhead`;
@@ -145,13 +145,13 @@ def _operators(gemm_seconds: Callable[..., float], cold_bytes: int = COLD_BYTES,
                optimizer_elements: int = 1 << 22
                ) -> dict[str, tuple[Callable[[], Any], float, float]]:
     """class -> (forward + backward of ptdp's operator on REFERENCE-sized
-    inputs, bytes cost.py counts for it, seconds of GEMMs inside it)."""
+    inputs, bytes operator_bytes.py counts for it, seconds of GEMMs inside it)."""
     import torch
     import torch.nn.functional as F
 
     from ptdp.model.fused import bias_dropout_add, bias_gelu
     from ptdp.parallel.tensor import vocab_parallel_cross_entropy
-    from ptdp.perf import cost
+    from ptdp.perf import operator_bytes
 
     b, s, h, a, f, V = (REFERENCE[k] for k in ("b", "s", "h", "a", "f", "V"))
     n, ffn, scores = b * s * h, b * s * f, b * a * s * s
@@ -169,17 +169,17 @@ def _operators(gemm_seconds: Callable[..., float], cold_bytes: int = COLD_BYTES,
 
     sets = _rotation(lambda: leaf(s, b, h), 3 * n * E)
     ops["layer_norm"] = (_cycle(sets, lambda x: backward(F.layer_norm(x, (h,), weight, bias_h), g_n)),
-                         sum(cost.layer_norm_bytes(n, E)), 0.0)
+                         sum(operator_bytes.layer_norm_bytes(n, E)), 0.0)
     sets = _rotation(lambda: leaf(s, b, f), 3 * ffn * E)
     ops["gelu"] = (_cycle(sets, lambda x: backward(bias_gelu(x, bias_f, True), g_f)),
-                   sum(cost.gelu_bytes(ffn, E)), 0.0)
+                   sum(operator_bytes.gelu_bytes(ffn, E)), 0.0)
     sets = _rotation(lambda: (leaf(s, b, h), leaf(s, b, h)), 5 * n * E)
     ops["residual"] = (_cycle(sets, lambda xr: backward(
         bias_dropout_add(xr[0], bias_h, xr[1], 0.1, True, True), g_n)),
-        sum(cost.residual_bytes(n, E, True)), 0.0)
+        sum(operator_bytes.residual_bytes(n, E, True)), 0.0)
     sets = _rotation(lambda: leaf(b, a, s, h // a), 3 * n * E)
     ops["elementwise"] = (_cycle(sets, lambda x: backward(
-        x.permute(2, 0, 1, 3).reshape(s, b, h), g_n)), sum(cost.copy_bytes(n, E)), 0.0)
+        x.permute(2, 0, 1, 3).reshape(s, b, h), g_n)), sum(operator_bytes.copy_bytes(n, E)), 0.0)
     g_ctx = torch.randn(b, a, s, h // a)
     sets = _rotation(lambda: (leaf(b, a, s, h // a), leaf(b, a, s, h // a), leaf(b, a, s, h // a)),
                      (3 * n + 3 * scores) * E)
@@ -187,13 +187,13 @@ def _operators(gemm_seconds: Callable[..., float], cold_bytes: int = COLD_BYTES,
     attention_gemms += 3 * gemm_seconds(s, h // a, s, batch=b * a)
     ops["attention_core"] = (_cycle(sets, lambda qkv: backward(F.scaled_dot_product_attention(
         *qkv, dropout_p=0.1, is_causal=True), g_ctx)),
-        sum(cost.attention_core_bytes(scores, E, True)), attention_gemms)
+        sum(operator_bytes.attention_core_bytes(scores, E, True)), attention_gemms)
     labels = torch.randint(0, V, (s, b))
     grad_loss = torch.ones(s, b)
     sets = _rotation(lambda: leaf(s, b, V), 3 * b * s * V * E)
     ops["cross_entropy"] = (_cycle(sets, lambda x: backward(
         vocab_parallel_cross_entropy(x, labels, 0, None), grad_loss)),
-        sum(cost.cross_entropy_bytes(b * s * V)), 0.0)
+        sum(operator_bytes.cross_entropy_bytes(b * s * V)), 0.0)
 
     elements = optimizer_elements
     main, grad = torch.randn(elements), torch.randn(elements)
@@ -209,7 +209,7 @@ def _operators(gemm_seconds: Callable[..., float], cold_bytes: int = COLD_BYTES,
         denom = (exp_avg_sq.sqrt() / 0.9).add_(1e-8)
         main.addcdiv_(exp_avg, denom, value=-1e-3)
 
-    ops["optimizer"] = (adamw, cost.OPTIMIZER_BYTES_PER_PARAMETER * elements, 0.0)
+    ops["optimizer"] = (adamw, operator_bytes.OPTIMIZER_BYTES_PER_PARAMETER * elements, 0.0)
     return ops
 
 
@@ -217,7 +217,7 @@ def measure_memory_ops(budget: float, gemm_seconds: Callable[..., float], thread
                        rounds: int = 3, cold_bytes: int = COLD_BYTES,
                        optimizer_elements: int = 1 << 22) -> list[dict]:
     """Bytes per second of each class of memory-bound operator (1 thread):
-    the bytes cost.py counts for it over the time its forward + backward
+    the bytes operator_bytes.py counts for it over the time its forward + backward
     takes (less the time of the GEMMs inside, for the attention core). With
     `threads` > 1 also its speed-up on that many threads ("speedup"), the two
     measured in alternation so that both see the same background load."""
@@ -349,7 +349,7 @@ def _comm_worker(env, payload) -> None:
     import torch.distributed as dist
     from datetime import timedelta
 
-    from ptdp.launch import init_process_group
+    from ptdp.distributed import init_process_group
 
     out, sizes, repeats = payload
     torch.set_num_threads(1)
@@ -514,7 +514,7 @@ def _nccl_worker(env, payload) -> None:
     from datetime import timedelta
 
     from ptdp.device import device_for
-    from ptdp.launch import init_process_group
+    from ptdp.distributed import init_process_group
 
     out, sizes, budget = payload
     device = device_for("cuda", env.local_rank)
@@ -706,7 +706,7 @@ def add_calibrate_parser(commands) -> argparse.ArgumentParser:
         description="Measure matrix-multiply rates, memory-bound operator throughput, eager "
                     "operator overhead and gloo communication between two local processes, and "
                     "write them as a hardware profile (JSON) that `ptdp plan --gpu` and "
-                    "ptdp.perf.cost.simulate read. Takes under a minute (--quick: under 20 s).")
+                    "ptdp.perf.predict.simulate read. Takes under a minute (--quick: under 20 s).")
     parser.add_argument("--out", metavar="FILE.json", default=None,
                         help=f"where to write the profile (default: {default_profile_path()}, "
                              f"which the profile name 'local' loads)")

@@ -2,8 +2,8 @@
 
 `Layout` is one way to run a model (the planner's unit of search);
 `Workload` is what is being trained. Both are plain, hashable data shared by
-the analytic model (analytic.py), the simulator (cost.py) and the planner
-(plan.py).
+the analytic model (analytic.py, memory.py), the simulator (predict.py) and
+the planner (plan.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from functools import lru_cache
 
 from ptdp.config import ModelConfig
-from ptdp.parallel.pipeline.schedules import ZERO_BUBBLE_KINDS, virtual_stage_of
+from ptdp.parallel.pipeline.actions import ZERO_BUBBLE_KINDS, virtual_stage_of
 from ptdp.parallel.pipeline.split import LayerSplit, split_problems, stage_layer_counts
 
 RECOMPUTE_KINDS = (None, "selective", "full")
@@ -205,6 +205,21 @@ class ByValue:
 
     def __eq__(self, other) -> bool:
         return isinstance(other, ByValue) and other._fields == self._fields
+
+
+class ByIdentity:
+    """A cache key that compares by identity: hardware profiles hold dicts
+    (not hashable), and one profile object is what a search prices with."""
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __hash__(self) -> int:
+        return id(self.value)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ByIdentity) and other.value is self.value
 
 
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}

@@ -4,17 +4,17 @@ and predict what the run will cost.
 
 The search enumerates every valid layout (the rules `ptdp train` enforces),
 bounds each one's iteration time from below without building its schedule
-(cost.compute_lower_bound), and prices the layouts cheapest bound first
-with the schedule simulator (cost.py: the same action lists the executor
+(bounds.compute_lower_bound), and prices the layouts cheapest bound first
+with the schedule simulator (predict.py: the same action lists the executor
 runs, costed with a hardware profile), those whose memory per device
-(analytic.py) fits the profile's device memory, until no bound can reach
+(memory.py) fits the profile's device memory, until no bound can reach
 the top EXACT_ROWS rows; it ranks them by predicted throughput. Given
 layout flags it evaluates that one layout.
 
 Schedules: 1F1B, interleaved 1F1B (v = 2 ... MAX_CHUNKS) and the
 zero-bubble zb-h1 (v = 1, m >= p) and zbv (v = 2, m >= 2p, l divisible by
 2p), priced by the same simulator with the backward split into B and W
-(cost.py) and their memory counted from F to B to W (analytic.py).
+(pricing.py) and their memory counted from F to B to W (memory.py).
 `--print-flags`
 prints `--pipeline-schedule zb-h1` or `--pipeline-schedule zbv` for them
 (zbv's two chunks per rank are implied).
@@ -67,7 +67,7 @@ PLOT_FORMATS = (".png", ".pdf", ".svg")   # --plot: matplotlib picks the format 
 class Evaluation:
     layout: Layout
     memory: dict[str, float]       # bytes per device by kind, and "total"
-    prediction: Any                # cost.Prediction
+    prediction: Any                # predict.Prediction
     fits: bool
 
     @property
@@ -189,8 +189,8 @@ def split_candidates(layout: Layout, num_layers: int) -> list[LayerSplit]:
 
 
 def evaluate_layout(workload: Workload, layout: Layout, profile) -> Evaluation:
-    from ptdp.perf.analytic import memory_per_device
-    from ptdp.perf.cost import simulate
+    from ptdp.perf.memory import memory_per_device
+    from ptdp.perf.predict import simulate
 
     memory = memory_per_device(workload, layout, kernels=_kernels(profile))
     fits = memory["total"] <= MEMORY_HEADROOM * profile.memory_bytes
@@ -208,7 +208,7 @@ def search(workload: Workload, devices: int, profile, *, top: int | None = None,
     see candidate_layouts).
 
     Every candidate gets a lower bound on its iteration time
-    (cost.compute_lower_bound: its busiest rank's compute plus the pipeline
+    (bounds.compute_lower_bound: its busiest rank's compute plus the pipeline
     fill and drain that rank cannot skip, its gradient reductions and the
     optimizer; no schedule is built). The layouts are priced cheapest bound
     first, and the search stops at the first whose bound is no better than
@@ -222,7 +222,7 @@ def search(workload: Workload, devices: int, profile, *, top: int | None = None,
     added to the results. `progress(stage, done, total)`, if given, hears
     how far it is ("bounding", "pricing", then "done" with the layouts
     priced)."""
-    from ptdp.perf.cost import compute_lower_bound
+    from ptdp.perf.bounds import compute_lower_bound
 
     report = progress or (lambda stage, done, total: None)
     candidates = list(candidate_layouts(workload, devices, **restrictions))
@@ -257,8 +257,8 @@ def search(workload: Workload, devices: int, profile, *, top: int | None = None,
 def _evaluate_if_fits(workload: Workload, layout: Layout, profile) -> Evaluation | None:
     """The layout's Evaluation, or None (without pricing it) if its memory
     does not fit the device."""
-    from ptdp.perf.analytic import memory_per_device
-    from ptdp.perf.cost import simulate
+    from ptdp.perf.memory import memory_per_device
+    from ptdp.perf.predict import simulate
 
     memory = memory_per_device(workload, layout, kernels=_kernels(profile))
     if memory["total"] > MEMORY_HEADROOM * profile.memory_bytes:
@@ -348,7 +348,7 @@ def explain(results: list[Evaluation], profile) -> list[str]:
 def _unsplit_memory(best: Evaluation, profile) -> str:
     """What the winner would need without sequence parallelism, when no
     such layout is among the results (it did not fit)."""
-    from ptdp.perf.analytic import memory_per_device
+    from ptdp.perf.memory import memory_per_device
 
     unsplit = dataclasses.replace(best.layout, sequence_parallel=False)
     memory = memory_per_device(best.prediction.workload, unsplit, kernels=_kernels(profile))

@@ -1,4 +1,4 @@
-"""Hardware profiles: what the simulator (cost.py) needs to know about a machine.
+"""Hardware profiles: what the simulator (predict.py) needs to know about a machine.
 
 A `HardwareProfile` describes one kind of server and its devices: peak
 matrix-multiply rate, how close real GEMMs come to it, memory bandwidth for
@@ -30,14 +30,15 @@ the 1.7B-parameter GPT (h = 2304, a = 24, l = 24, s = 2048, V = 51200)
 with t = p = 1 on 32 A100s, B = 512, b = 16 at 137 TFLOP/s per GPU (44% of
 peak), end to end. The fit assumes 16-bit training with full
 recomputation, whose FLOPs the paper's 96·B·s·l·h²·(...) counts.
-`ptdp.perf.cost.fit_to_calibration_point()` redoes it (bisection on e_max
-until `cost.simulate` predicts 137 TFLOP/s for that run, priced with the
-software the paper ran, `cost.paper_kernels`: attention as explicit GEMMs
+`ptdp.perf.calibration_point.fit_to_calibration_point()` redoes it
+(bisection on e_max until `predict.simulate` predicts 137 TFLOP/s for that
+run, priced with the software the paper ran,
+`calibration_point.paper_kernels`: attention as explicit GEMMs
 and a fused softmax over the s × s scores, not flash attention):
 `CALIBRATED_GEMM_EFFICIENCY`, the fraction of the per-SM peak a tile's
 main loop reaches; the rest of the gap to 44% is tile overheads, wave
 quantisation, the attention kernel, memory-bound operators, the gradient
-all-reduce and the optimizer as cost.py prices them. h100 and h200 use the
+all-reduce and the optimizer as predict.py prices them. h100 and h200 use the
 same e_max against their own peaks. Nothing else from the paper is fitted.
 
 CPU profiles price GEMMs as before, a roofline with a saturating
@@ -76,12 +77,12 @@ from ptdp.perf import gemm
 GB = 1e9
 GIB = 2 ** 30
 
-# e_max of the built-in GPU profiles: cost.fit_to_calibration_point() returns 0.59620 (bisection
-# on e_max until cost.simulate predicts 137 TFLOP/s per GPU for the paper's 1.7B run on
-# a100, with the tile model of ptdp.perf.gemm and the paper's kernels: attention as two
-# GEMMs and a softmax pass, cost.paper_kernels); rounded here.
+# e_max of the built-in GPU profiles: calibration_point.fit_to_calibration_point() returns
+# 0.59620 (bisection on e_max until predict.simulate predicts 137 TFLOP/s per GPU for the
+# paper's 1.7B run on a100, with the tile model of ptdp.perf.gemm and the paper's kernels:
+# attention as two GEMMs and a softmax pass, calibration_point.paper_kernels); rounded here.
 # tests/test_cost_model.py recomputes the fit and checks it. It changes
-# whenever the operator model in cost.py does: refit and update it then.
+# whenever the operator model in pricing.py does: refit and update it then.
 CALIBRATED_GEMM_EFFICIENCY = 0.5962
 
 
@@ -248,7 +249,7 @@ def _a100(e_max: float) -> HardwareProfile:
         inter_latency=10e-6,
         memory_bytes=80 * GIB, launch_overhead=4e-6,
         notes="DGX A100 80 GB (data sheet); gemm_efficiency fitted to the paper's 1.7B run "
-              "(ptdp.perf.cost.fit_to_calibration_point)")
+              "(ptdp.perf.calibration_point.fit_to_calibration_point)")
 
 
 def _h100(e_max: float) -> HardwareProfile:

@@ -27,8 +27,8 @@ from fractions import Fraction
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
-from ptdp.parallel.pipeline.schedules import (KINDS, Compute, Exchange, ScheduleError, build_schedule,
-                                              uniform_costs)
+from ptdp.parallel.pipeline.actions import KINDS, Compute, Exchange, ScheduleError
+from ptdp.parallel.pipeline.schedules import build_schedule, uniform_costs
 from ptdp.parallel.pipeline.simulate import SimulationResult, compute_costs, simulate
 
 

@@ -40,7 +40,7 @@ in safetensors, everything else JSON.
 Megatron-LM's load controls: --finetune (the weights only, for a new run
 from iteration 0 with a lineage of its own), --no-load-optim and
 --no-load-rng (load_checkpoint), and --use-checkpoint-args (the model's
-settings from metadata.json, before validation: with_checkpoint_shape).
+settings from metadata.json, before validation: checkpoint_args.py).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ptdp.config import Config, ConfigError, ModelConfig, flag_of
+from ptdp.config import Config, ModelConfig
 from ptdp.file_modes import give_ordinary_mode
 from ptdp.parallel.collectives import all_gather_flat
 from ptdp.parallel.sharding import COPY_ATTR, SHARD_ATTR, gather_logical, shard
@@ -317,7 +317,7 @@ def _holds_checkpoint_metadata(directory: Path) -> bool:
 def nothing_to_train(config: Config) -> str | None:
     """The note when --load's checkpoint is already at or past the run's last
     iteration (resuming a finished run trains nothing); None otherwise."""
-    from ptdp.train.batches import GlobalBatches
+    from ptdp.data.batches import GlobalBatches
 
     tr = config.train
     if not tr.load or tr.finetune:
@@ -360,111 +360,6 @@ def saved_model_config(metadata: dict) -> ModelConfig:
     (a checkpoint without `swiglu` is GPT-2's MLP)."""
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     return ModelConfig(**{k: v for k, v in metadata["config"]["model"].items() if k in known})
-
-
-# --use-checkpoint-args: the model settings taken from the checkpoint. Each
-# entry is (fields, view): the fields the user left unset are the
-# checkpoint's; for a field the user gave, view(the run's model) must equal
-# view(the checkpoint's) (None: the setting does not apply to that model).
-# These decide the stored tensors or what they mean. The fields of one entry
-# are one setting (the two names of the epsilon): given one, none is taken.
-CHECKPOINT_ARCHITECTURE = (
-    (("num_layers",), lambda m: m.num_layers),
-    (("hidden_size",), lambda m: m.hidden_size),
-    (("num_attention_heads",), lambda m: m.num_attention_heads),
-    (("group_query_attention",), lambda m: m.group_query_attention),
-    (("num_query_groups",), lambda m: m.query_groups),
-    (("kv_channels",), lambda m: m.head_dim if m.kv_channels is None else m.kv_channels),
-    (("ffn_hidden_size",), lambda m: m.ffn_size),
-    (("vocab_size",), lambda m: m.vocab_size),
-    (("position_embedding_type",), lambda m: m.position_embedding_type),
-    # learned positions: the table's rows; under rope only a limit on --seq-length
-    (("max_position_embeddings",), lambda m: None if m.rope else m.max_positions),
-    (("rotary_base",), lambda m: m.rotary_base if m.rope else None),
-    (("normalization",), lambda m: m.normalization),
-    (("layernorm_epsilon", "norm_epsilon"), lambda m: m.epsilon),
-    (("apply_layernorm_1p",), lambda m: m.apply_layernorm_1p),
-    (("swiglu",), lambda m: m.swiglu),
-    (("untie_embeddings_and_output_weights",), lambda m: m.untie_embeddings_and_output_weights),
-    (("disable_bias_linear",), lambda m: m.disable_bias_linear),
-)
-# Taken only where the user gave none; a value given is the run's own: they
-# neither shape the stored tensors nor change their meaning (a fine-tune may
-# use a shorter sequence or other dropout; the vocabulary's padding is cut
-# off on save).
-CHECKPOINT_RUN_SETTINGS = ("seq_length", "make_vocab_size_divisible_by", "hidden_dropout",
-                           "attention_dropout")
-
-
-def with_checkpoint_shape(config: Config, explicit) -> Config:
-    """--use-checkpoint-args: `config` with the model settings of --load's
-    checkpoint (CHECKPOINT_ARCHITECTURE and CHECKPOINT_RUN_SETTINGS) in
-    place of those the user left unset; `explicit` lists the settings given
-    ("section.field"). A given architecture setting that disagrees with the
-    checkpoint is a ConfigError naming both values: nothing given is
-    overridden. The layout is not taken (a checkpoint loads under any).
-    Without the flag, or without --load (which validate reports), `config`
-    as it is. Reads metadata.json only: cheap, and the same on every rank."""
-    train = config.train
-    if not train.use_checkpoint_args or not train.load:
-        return config
-    try:
-        directory = resolve(train.load)
-        saved = saved_model_config(read_metadata(directory))
-    except (CheckpointError, KeyError, TypeError, AttributeError) as error:
-        raise ConfigError([f"--use-checkpoint-args: {error}"]) from None
-    given = {key.split(".", 1)[1] for key in explicit if key.startswith("model.")}
-    run = dataclasses.asdict(config.model)
-    for fields, _ in CHECKPOINT_ARCHITECTURE:
-        if not given.intersection(fields):
-            run.update({name: getattr(saved, name) for name in fields})
-    run.update({name: getattr(saved, name) for name in CHECKPOINT_RUN_SETTINGS if name not in given})
-    model = ModelConfig(**run)
-    if "max_position_embeddings" not in given and not saved.rope \
-            and model.max_positions != saved.max_positions:  # another --seq-length: the table stays
-        model = dataclasses.replace(model, max_position_embeddings=saved.max_positions)
-    problems = []
-    for fields, view in CHECKPOINT_ARCHITECTURE:
-        named = [name for name in fields if name in given]
-        mine, theirs = view(model), view(saved)
-        if fields == ("vocab_size",) and config.data.tokenizer_type == "NullTokenizer" \
-                and not config.data.mock_data:
-            problems.extend(_null_vocabulary_problem(model.vocab_size if named else None, theirs,
-                                                     directory))
-        elif named and mine is not None and theirs is not None and mine != theirs:
-            problems.append(_disagreement(flag_of("model", named[0]), mine, theirs, directory))
-    if problems:
-        raise ConfigError(problems)
-    sections = config.to_dict()
-    sections["model"] = dataclasses.asdict(model)
-    if "parallel.num_layers_per_virtual_pipeline_stage" not in explicit:
-        # derived from --num-virtual-stages-per-pipeline-rank and the layers: again
-        sections["parallel"]["num_layers_per_virtual_pipeline_stage"] = None
-    return Config.from_dict(sections)
-
-
-def _disagreement(flag: str, mine: Any, theirs: Any, directory: Path) -> str:
-    advice = (f"drop {flag} (--use-checkpoint-args takes it from the checkpoint) or load another "
-              f"checkpoint")
-    if isinstance(theirs, bool):
-        return (f"--use-checkpoint-args: {flag} is {'given' if mine else 'off'}, but the model of "
-                f"--load {directory} was trained {'with' if theirs else 'without'} it: {advice}")
-    return (f"--use-checkpoint-args: {flag} {mine} disagrees with the checkpoint's {theirs} (--load "
-            f"{directory}): {advice}")
-
-
-def _null_vocabulary_problem(given: int | None, theirs: int, directory: Path) -> list[str]:
-    """NullTokenizer's --vocab-size N is a vocabulary of N + 1 (N: end of
-    document); it says what the data's ids are, so it is never taken."""
-    if given is None:
-        return [f"--use-checkpoint-args with --tokenizer-type NullTokenizer: give --vocab-size "
-                f"{theirs - 1} (the data's token ids are 0..{theirs - 2} and {theirs - 1} ends a "
-                f"document: the vocabulary of {theirs} of the model of --load {directory})"]
-    if given + 1 == theirs:
-        return []
-    return [f"--use-checkpoint-args: --tokenizer-type NullTokenizer --vocab-size {given} gives a "
-            f"vocabulary of {given + 1}, but the model of --load {directory} has {theirs}: use "
-            f"--vocab-size {theirs - 1}"]
 
 
 class _Reader:

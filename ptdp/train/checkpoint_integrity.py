@@ -231,7 +231,7 @@ def _check_arithmetic(directory: Path, metadata: dict) -> None:
     """Consumed samples and optimizer steps, as the saving run's settings
     give them from where that run began."""
     from ptdp.config import TrainConfig
-    from ptdp.train.batches import GlobalBatches
+    from ptdp.data.batches import GlobalBatches
 
     iteration, consumed = metadata["iteration"], metadata["consumed_samples"]
     layout, start = metadata.get("layout"), metadata.get(RUN_START)

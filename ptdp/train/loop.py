@@ -18,10 +18,11 @@ from ptdp import device as devices
 from ptdp.plural import plural
 from ptdp.status import phase
 from ptdp.config import Config
+from ptdp.data.batches import ConsumedSamples, GlobalBatches
 from ptdp.data.loader import TrainingBatches, TrainingData, build_training_data, split_microbatch
 from ptdp.data.sampler import microbatch_indices, training_microbatches
+from ptdp.distributed import DistEnv, init_process_group
 from ptdp.errors import DivergenceError
-from ptdp.launch import DistEnv, init_process_group
 from ptdp.megatron_flags import attention_kernel, reports_attention_kernel
 from ptdp.model.gpt import build_chunks
 from ptdp.parallel.data import GradBuffer
@@ -31,7 +32,6 @@ from ptdp.parallel.pipeline.split import stage_layer_counts
 from ptdp.parallel.sharding import COPY_ATTR, logical_shape
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.perf.flops import configured_flops_per_iteration
-from ptdp.train.batches import ConsumedSamples, GlobalBatches
 from ptdp.train.checkpoint import (load_checkpoint, load_summary, read_metadata, resolve,
                                    save_checkpoint)
 from ptdp.train.evaluate import evaluate

@@ -2,7 +2,7 @@
 
 Megatron-LM counts its schedule in samples ("steps"): an iteration advances
 it by that iteration's global batch, so a batch-size ramp-up (see
-ptdp.train.batches) moves it by less early on. Iteration-based settings
+ptdp.data.batches) moves it by less early on. Iteration-based settings
 become samples by multiplying with the global batch B (--lr-warmup-iters 10
 is 10·B steps); sample-based ones (--train-samples) are samples already.
 --lr-warmup-fraction sets the warm-up to that fraction of the decay length.

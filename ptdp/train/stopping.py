@@ -52,10 +52,9 @@ import torch.distributed as dist
 
 from ptdp.config import signal_from_name
 from ptdp.errors import DivergenceError
+from ptdp.graceful_signals import GRACEFUL_SIGNALS
 from ptdp.train.retention import latest_name
 
-# Always handled when the handler is on, besides --exit-signal.
-GRACEFUL_SIGNALS = ("SIGTERM", "SIGHUP", "SIGUSR1")
 REPEAT_WINDOW_SECONDS = 3.0
 # --exit-duration-in-mins counts from here: a scheduler's time limit runs
 # from the job's start, set-up included (this module is imported as a rank

@@ -1,4 +1,4 @@
-"""Runs one pipeline rank's action list (see schedules.py).
+"""Runs one pipeline rank's action list (see actions.py).
 
 - Compute F: take the microbatch's tokens (first virtual stage) or the
   received activation, run the chunk, keep (input, output) for the backward.
@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from ptdp.parallel.collectives import all_gather_flat
-from ptdp.parallel.pipeline.schedules import Exchange, Schedule, Transfer
+from ptdp.parallel.pipeline.actions import Exchange, Schedule, Transfer
 from ptdp.parallel.topology import ParallelContext
 from ptdp.parallel.weight_grad import DeferredWeightGrads
 

@@ -17,7 +17,7 @@ layers costs 1 and a backward 2; a chunk holds 1/v of the rank's layers, so
 one chunk-forward costs 1/v (the paper's assumption). Exact fractions keep
 the bubble figures exact.
 
-Zero-bubble kinds (schedules.ZERO_BUBBLE_KINDS) split the backward into B
+Zero-bubble kinds (actions.ZERO_BUBBLE_KINDS) split the backward into B
 (input gradient) and W (weight gradients): `weight_cost` is W's share of
 `backward_cost` (default: half of it, so F = B = W = 1 by default), B costs
 the rest. Their extra rules: W after its own B on the same rank and chunk;
@@ -38,7 +38,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-from ptdp.parallel.pipeline.schedules import Compute, Exchange, Schedule, ScheduleError
+from ptdp.parallel.pipeline.actions import Compute, Exchange, Schedule, ScheduleError
 
 
 @dataclass

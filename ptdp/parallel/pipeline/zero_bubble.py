@@ -36,7 +36,7 @@ when the computes take the costs the plan assumed, so the simulator
 reproduces the plan; with other costs the order is unchanged and only the
 waiting differs, which is why the trainer re-places the exchanges for the
 costs it measures (ptdp.train.loop) and the planner for the costs it
-predicts (ptdp.perf.cost). Transfers in one exchange are sorted by (T, tag),
+predicts (ptdp.perf.predict). Transfers in one exchange are sorted by (T, tag),
 the same order on both sides of every pair of ranks.
 """
 
@@ -45,14 +45,14 @@ from __future__ import annotations
 from bisect import bisect_left
 from typing import Callable, Mapping
 
-from ptdp.parallel.pipeline.schedules import (
+from ptdp.parallel.pipeline.actions import (
     Action,
     Compute,
     Exchange,
     Schedule,
     ScheduleError,
     Transfer,
-    _transfers,
+    transfers_of,
     virtual_stage_of,
 )
 
@@ -160,7 +160,7 @@ def _with_timed_exchanges(kind: str, p: int, v: int,
     starts = [[start for _, start, _ in row] for row in plan]
     for rank, row in enumerate(plan):
         for k, (compute, _, produced) in enumerate(row):
-            _, send = _transfers(compute, rank, p, v, kind)
+            _, send = transfers_of(compute, rank, p, v, kind)
             if send is None:
                 continue
             slots[rank][k + 1].append((produced, send))
@@ -193,7 +193,7 @@ def build_zbv_forward_only(p: int, m: int) -> Schedule:
 
 def build_zero_bubble(kind: str, p: int, m: int, cost: ComputeCost = unit_cost) -> Schedule:
     """Every rank's actions for one iteration of zb-h1 or zbv (arguments
-    already checked by schedules.check_arguments), the exchanges placed for
+    already checked by actions.check_arguments), the exchanges placed for
     computes that take cost(rank, compute)."""
     v = 2 if kind == "zbv" else 1
     plan = plan_timed(kind, p, m, cost=cost)

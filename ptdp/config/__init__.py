@@ -1,0 +1,32 @@
+"""Typed configuration: model, parallel layout, training and data settings,
+one module per section.
+
+Every field that is a command-line flag carries its flag name (Megatron-LM's
+where one exists) in its metadata; the CLI is generated from these dataclasses,
+so a field, its flag, its config-file key and its help text live in one place.
+
+`validate` checks every constraint before any process starts. It never adjusts
+a value: each problem becomes a message naming the flag, the values and a
+valid alternative, and all problems are reported together.
+
+The package, from the bottom: base.py (the flag field, ConfigError and the
+checks' helpers), model.py, parallel.py (with layer_split.py), train.py (with
+signals.py) and data.py (each section's fields and its own checks),
+sections.py (the whole Config and the flags across sections) and checks.py
+(`validate`, composing the sections' checks and the ones across sections).
+It imports nothing of ptdp above it, and never torch.
+"""
+
+from ptdp.config.base import ConfigError, flag
+from ptdp.config.checks import validate
+from ptdp.config.data import DataConfig
+from ptdp.config.layer_split import LayerSplit
+from ptdp.config.model import ModelConfig
+from ptdp.config.parallel import ParallelConfig
+from ptdp.config.sections import SECTION_TYPES, Config, flag_fields, flag_of
+from ptdp.config.signals import signal_from_name
+from ptdp.config.train import TrainConfig
+
+__all__ = ["Config", "ConfigError", "DataConfig", "LayerSplit", "ModelConfig", "ParallelConfig",
+           "SECTION_TYPES", "TrainConfig", "flag", "flag_fields", "flag_of", "signal_from_name",
+           "validate"]

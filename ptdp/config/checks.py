@@ -1,0 +1,403 @@
+"""`validate`: every section's own checks and the ones across sections (the
+layout against the model's shape and the batch), before any process starts.
+It never adjusts a value: each problem becomes a message naming the flag, the
+values and a valid alternative, and all problems are reported together, in
+one order: first each setting alone (the sections' checks, interleaved as the
+flags were added), then, once the sizes are positive integers, the layout's
+arithmetic."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ptdp.plural import plural
+from ptdp.config.base import ConfigError, divisors, is_count, is_finite_number, nearest_multiple
+from ptdp.config.data import data_loading_problems
+from ptdp.config.layer_split import split_problems
+from ptdp.config.model import ModelConfig, architecture_problems, dropout_problems, \
+    initialisation_problems, model_count_problems, position_problems, recompute_problems
+from ptdp.config.parallel import ParallelConfig, parallel_count_problems, timeout_problems
+from ptdp.config.sections import Config, flag_fields
+from ptdp.config.train import TrainConfig, logging_problems, loss_and_rate_problems, \
+    optimizer_problems, precision_and_lr_problems, resume_control_problems, run_length_problems, \
+    stopping_problems, train_count_problems
+
+
+def validate(config: Config, world_size: int | None = None) -> None:
+    """Check every constraint; raise ConfigError listing all problems.
+
+    `world_size` is the number of processes the job actually has (under
+    torchrun or SLURM); for a local launch it is None and t·p·d processes will
+    be started.
+    """
+    m, par, tr = config.model, config.parallel, config.train
+    count_problems = model_count_problems(m) + parallel_count_problems(par) + train_count_problems(tr)
+    problems: list[str] = list(count_problems)
+    # Every float setting must be a finite number (argparse's float() and
+    # YAML both read nan and inf). Each range check below looks only at the
+    # settings that pass, so a nan is reported once, as a nan.
+    problems.extend(_float_problems(config))
+    problems.extend(dropout_problems(m))
+    problems.extend(_choice_problems(config))
+    problems.extend(timeout_problems(par))
+    problems.extend(initialisation_problems(m))
+    problems.extend(architecture_problems(m))
+    problems.extend(precision_and_lr_problems(tr))
+    problems.extend(run_length_problems(tr))
+    problems.extend(recompute_problems(m))
+    problems.extend(optimizer_problems(tr))
+    problems.extend(stopping_problems(tr))
+    problems.extend(_megatron_shape_problems(config))
+    problems.extend(resume_control_problems(tr))
+    problems.extend(loss_and_rate_problems(tr))
+    problems.extend(logging_problems(tr))
+    problems.extend(data_loading_problems(config.data))
+    if count_problems:  # the structural checks below would only repeat these problems
+        raise ConfigError(problems)
+
+    # World size and the data-parallel size. Later checks use the d the job
+    # will really have, so every problem shows up in this one report.
+    d, world_problems = _data_parallel_size(par, world_size)
+    problems.extend(world_problems)
+    problems.extend(_tensor_problems(m, par, world_size))
+    problems.extend(position_problems(m))
+    problems.extend(_pipeline_problems(m, par))
+    problems.extend(_batch_problems(tr, par, d))
+    if problems:
+        raise ConfigError(problems)
+
+
+# ---------------------------------------------------------------- helpers of validate
+
+def _float_problems(config: Config) -> list[str]:
+    """A problem for each float setting that is not a finite number."""
+    problems = []
+    for section, f in flag_fields():
+        if f.type.split("|")[0].strip() != "float":
+            continue
+        value = getattr(getattr(config, section), f.name)
+        if (value is None and "None" in f.type) or is_finite_number(value):
+            continue
+        what = "is not a finite number" if isinstance(value, float) else "is not a number"
+        instead = (f"give a finite number or leave {f.metadata['flag']} out" if f.default is None
+                   else f"give a finite number (the default is {f.default:g})")
+        problems.append(f"{f.metadata['flag']}={value!r} {what}: {instead}")
+    return problems
+
+
+def _choice_problems(config: Config) -> list[str]:
+    """A problem for each flag with choices whose value is not one of them."""
+    problems = []
+    for section, f in flag_fields():
+        choices = f.metadata.get("choices")
+        value = getattr(getattr(config, section), f.name)
+        if choices and value not in choices and not (value is None and "None" in f.type):
+            problems.append(f"{f.metadata['flag']}={value!r} is not one of {', '.join(map(str, choices))}")
+    return problems
+
+
+def _megatron_shape_problems(config: Config) -> list[str]:
+    """Megatron-LM's flags whose other values ptdp cannot honour, and the
+    chunk count --num-virtual-stages-per-pipeline-rank."""
+    m, par = config.model, config.parallel
+    problems = []
+    if m.kv_channels is not None and (not is_count(m.kv_channels, 1) or (
+            is_count(m.num_attention_heads, 1) and m.kv_channels != m.head_dim)):
+        problems.append(
+            f"--kv-channels {m.kv_channels}: ptdp's attention heads are --hidden-size / "
+            f"--num-attention-heads = {m.hidden_size} / {m.num_attention_heads} = {m.head_dim} "
+            f"wide: use --kv-channels {m.head_dim} or leave it out")
+    if is_finite_number(m.rotary_percent) and m.rotary_percent != 1.0:  # (else: _float_problems)
+        problems.append(f"--rotary-percent {m.rotary_percent}: ptdp rotates the whole of each head "
+                        f"(partial rotary embeddings are not implemented): use 1.0 or leave it out")
+    if par.context_parallel_size != 1:
+        problems.append(
+            f"--context-parallel-size {par.context_parallel_size}: ptdp has no context "
+            f"parallelism; to split long sequences over the tensor-parallel ranks use "
+            f"--sequence-parallel, or add data parallelism: use --context-parallel-size 1")
+    if m.activations_checkpoint_method is not None and (
+            m.recompute_granularity != "full" or m.recompute_method != m.activations_checkpoint_method):
+        problems.append(
+            f"--activations-checkpoint-method {m.activations_checkpoint_method} is older Megatron-LM's "
+            f"name for --recompute-granularity full --recompute-method "
+            f"{m.activations_checkpoint_method}, which --recompute-granularity/--recompute-method "
+            f"contradict: give one of them")
+    v, k = par.num_virtual_stages_per_pipeline_rank, par.num_layers_per_virtual_pipeline_stage
+    layers, p = m.num_layers, par.pipeline_model_parallel_size
+    if v is not None:
+        if not is_count(v, 1):
+            problems.append(f"--num-virtual-stages-per-pipeline-rank={v!r} must be a positive integer")
+        elif is_count(layers, 1) and is_count(p, 1):
+            if layers % (p * v):
+                options = [x for x in divisors(layers // p) if layers % p == 0]
+                problems.append(
+                    f"--num-virtual-stages-per-pipeline-rank {v}: --num-layers {layers} is not "
+                    f"divisible by --pipeline-model-parallel-size {p} × {v} chunks = {p * v}"
+                    + (f": use a chunk count in {options}" if options else ""))
+            elif k is not None and (v == 1 or k != layers // (p * v)):
+                problems.append(
+                    f"--num-virtual-stages-per-pipeline-rank {v} and "
+                    f"--num-layers-per-virtual-pipeline-stage {k} both set the chunks: give one "
+                    f"of them")
+    return problems
+
+
+def _interleaved(par: ParallelConfig) -> bool:
+    """Whether each pipeline rank's layers are in chunks of
+    --num-layers-per-virtual-pipeline-stage under gpipe or 1f1b (interleaving)."""
+    return par.num_layers_per_virtual_pipeline_stage is not None \
+        and par.pipeline_schedule in ("gpipe", "1f1b")
+
+
+def _data_parallel_size(par: ParallelConfig, world_size: int | None) -> tuple[int, list[str]]:
+    """d, and what is wrong with the world size against t·p and --data-parallel-size."""
+    t, p = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    problems = []
+    if world_size is not None:
+        if world_size % (t * p):
+            problems.append(
+                f"the job has {plural(world_size, 'process')}, not a multiple of --tensor-model-parallel-size "
+                f"{t} × --pipeline-model-parallel-size {p} = {t * p}: choose t and p with t·p in "
+                f"{divisors(world_size)}")
+            d = par.dp
+        else:
+            d = world_size // (t * p)
+            if par.data_parallel_size is not None and par.data_parallel_size != d:
+                problems.append(
+                    f"the job has {plural(world_size, 'process')} but --tensor-model-parallel-size {t} × "
+                    f"--pipeline-model-parallel-size {p} × --data-parallel-size "
+                    f"{par.data_parallel_size} = {t * p * par.data_parallel_size}: use "
+                    f"--data-parallel-size {d} or leave it out")
+    else:
+        d = par.dp
+    return d, problems
+
+
+def _tensor_problems(m: ModelConfig, par: ParallelConfig, world_size: int | None) -> list[str]:
+    """The heads, query groups, MLP and sequence against the tensor-parallel size."""
+    t, p, h, a = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+                  m.hidden_size, m.num_attention_heads)
+    problems = []
+
+    def tp_fits_world(tp: int) -> bool:
+        return world_size is None or world_size % (tp * p) == 0
+
+    def heads_ok(heads: int) -> bool:
+        return h % heads == 0 and heads % t == 0
+
+    def nearest(candidates: list[int], target: int, count: int = 6) -> list[int]:
+        return sorted(sorted(candidates, key=lambda c: (abs(c - target), c))[:count])
+
+    # Attention heads, hidden size, MLP size.
+    if h % a or a % t:
+        head_options = nearest([x for x in range(t, 4 * a + t, t) if heads_ok(x)], a)
+        head_hint = (f"--num-attention-heads in {head_options}" if head_options else
+                     f"--hidden-size {nearest_multiple(h, math.lcm(a, t))}")
+    if h % a:
+        problems.append(
+            f"--hidden-size {h} is not divisible by --num-attention-heads {a}: use --hidden-size "
+            f"{nearest_multiple(h, a)} or {head_hint}")
+    if a % t:
+        tp_options = [x for x in divisors(a) if tp_fits_world(x) and m.ffn_size % x == 0]
+        problems.append(
+            f"--num-attention-heads {a} is not divisible by --tensor-model-parallel-size {t}: use "
+            + (f"--tensor-model-parallel-size in {tp_options} or " if tp_options else "") + head_hint)
+    g = m.query_groups
+    # (heads not divisible by the groups or by t: reported above)
+    if g != a and not (a % g or a % t) and g % t:
+        tp_options = [x for x in divisors(g) if tp_fits_world(x) and m.ffn_size % x == 0]
+        group_options = [x for x in divisors(a) if x % t == 0]
+        problems.append(
+            f"--num-query-groups {g} is not divisible by --tensor-model-parallel-size {t} (each "
+            f"tensor rank holds whole key/value groups and the query heads that use them): use "
+            f"--tensor-model-parallel-size in {tp_options}"
+            + (f" or --num-query-groups in {group_options}" if group_options else ""))
+    if m.ffn_size % t:
+        problems.append(
+            f"--ffn-hidden-size {m.ffn_size} is not divisible by --tensor-model-parallel-size {t}: "
+            f"use --ffn-hidden-size {nearest_multiple(m.ffn_size, t)}")
+    if par.sequence_parallel and t == 1:
+        problems.append("--sequence-parallel splits the sequence over the tensor-parallel ranks and "
+                        "needs --tensor-model-parallel-size > 1: drop --sequence-parallel or raise t")
+    elif par.sequence_parallel and m.seq_length % t:
+        tp_options = [x for x in divisors(m.seq_length)
+                      if x > 1 and m.query_groups % x == 0 and tp_fits_world(x)][:6]
+        problems.append(
+            f"--sequence-parallel needs --seq-length {m.seq_length} divisible by "
+            f"--tensor-model-parallel-size {t} (each tensor rank holds s/t positions): use "
+            f"--seq-length {nearest_multiple(m.seq_length, t)}"
+            + (f" or --tensor-model-parallel-size in {tp_options}" if tp_options else ""))
+    return problems
+
+
+def _pipeline_problems(m: ModelConfig, par: ParallelConfig) -> list[str]:
+    """The layers over the pipeline stages and model chunks."""
+    p, l, k = (par.pipeline_model_parallel_size, m.num_layers,
+               par.num_layers_per_virtual_pipeline_stage)
+    schedule, interleaved = par.pipeline_schedule, _interleaved(par)
+    problems = []
+    # Layers over pipeline stages and model chunks (k layers per chunk).
+    chunk = k if interleaved else 1
+    if schedule == "zb-h1" and k is not None:
+        problems.append(
+            f"--pipeline-schedule zb-h1 has one model chunk per rank, so "
+            f"--num-layers-per-virtual-pipeline-stage {k} does not apply: drop it, or use "
+            f"--pipeline-schedule zbv (two chunks per rank in a V)")
+    split = par.layer_split
+    if not split.even and interleaved:
+        problems.append(
+            "an uneven split (--decoder-first/last-pipeline-num-layers, --account-for-embedding/"
+            "loss-in-pipeline-split) is not supported with the interleaved schedule "
+            "(--num-layers-per-virtual-pipeline-stage fixes every chunk's size): drop one of them, "
+            "or use --pipeline-schedule 1f1b, zb-h1 or zbv")
+    elif not split.even:
+        if k is not None:
+            problems.append(
+                f"--num-layers-per-virtual-pipeline-stage {k} fixes every chunk's size, which an "
+                f"uneven split changes: drop it")
+        if schedule == "zbv" and p < 2:
+            problems.extend(_zbv_layer_problems(l, p, k))
+        else:
+            problems.extend(split_problems(l, p, 2 if schedule == "zbv" else 1, schedule, split))
+    elif schedule == "zbv":
+        problems.extend(_zbv_layer_problems(l, p, k))
+    elif interleaved and p < 2:
+        stage_options = [x for x in divisors(l) if x >= 2 and (l // x) % chunk == 0][:6]
+        problems.append(
+            f"--num-layers-per-virtual-pipeline-stage {k} needs --pipeline-model-parallel-size "
+            f">= 2 (interleaving splits each pipeline rank's layers into chunks): remove it"
+            + (f" or use --pipeline-model-parallel-size in {stage_options}" if stage_options else ""))
+    elif l % (p * chunk):
+        stage_options = [x for x in divisors(l) if (l // x) % chunk == 0 and x >= (2 if interleaved else 1)]
+        if l % p:
+            problems.append(
+                f"--num-layers {l} is not divisible by --pipeline-model-parallel-size {p}: use "
+                + (f"--pipeline-model-parallel-size in {stage_options} or " if stage_options else "")
+                + f"--num-layers {nearest_multiple(l, p * chunk)} (layers are never dropped or "
+                f"added silently)")
+        else:
+            problems.append(
+                f"--num-layers {l} is not divisible by --pipeline-model-parallel-size {p} × "
+                f"--num-layers-per-virtual-pipeline-stage {k} = {p * k}: use "
+                f"--num-layers-per-virtual-pipeline-stage in {divisors(l // p)} or --num-layers "
+                f"{nearest_multiple(l, p * k)}")
+
+    if interleaved and par.pipeline_schedule == "gpipe":
+        problems.append(
+            "--pipeline-schedule gpipe cannot be combined with --num-layers-per-virtual-pipeline-"
+            "stage (interleaving uses the interleaved 1F1B schedule): drop one of them")
+    return problems
+
+
+def _batch_problems(tr: TrainConfig, par: ParallelConfig, d: int) -> list[str]:
+    """The global batch, the microbatches and the ramp-up against d and the schedule."""
+    p, schedule, interleaved = par.pipeline_model_parallel_size, par.pipeline_schedule, \
+        _interleaved(par)
+    problems = []
+    # Batch sizes. The interleaved schedule also needs m, the microbatches per
+    # pipeline, to be a multiple of p.
+    b, B = tr.micro_batch_size, tr.batch_size(d)
+    group = p if interleaved and p >= 2 else 1
+    fewest = {"zb-h1": p, "zbv": 2 * p}.get(schedule, 1)  # zero-bubble: m >= p or 2p
+    if fewest > 1 and B % (b * d) == 0 and B // (b * d) < fewest:
+        problems.append(
+            f"--pipeline-schedule {schedule} needs at least {fewest} microbatches per iteration "
+            f"({'p' if schedule == 'zb-h1' else '2p'} with --pipeline-model-parallel-size {p}), "
+            f"not --global-batch-size {B} / (--micro-batch-size {b} × d {d}) = {B // (b * d)}: use "
+            f"--global-batch-size {fewest * b * d} or more"
+            + (" or --pipeline-schedule 1f1b" if schedule == "zb-h1" else
+               " or --pipeline-schedule zb-h1 (needs p)" if B // (b * d) >= p else ""))
+
+    if tr.rampup_batch_size is not None and tr.train_samples is not None:  # (else: refused above)
+        problems.extend(_rampup_problems(tr.rampup_batch_size, B, b, d, group, fewest, schedule, p))
+    if tr.train_samples is not None and tr.rampup_batch_size is None and tr.train_samples < B:
+        problems.append(f"--train-samples {tr.train_samples} is less than one global batch "
+                        f"(--global-batch-size {B}), so no iteration would run: use --train-samples "
+                        f"{B} or more")
+
+    def micro_ok(micro: int) -> bool:
+        return B % (micro * d) == 0 and (B // (micro * d)) % group == 0
+
+    if not micro_ok(b):
+        micro_options = [x for x in divisors(B) if micro_ok(x)]
+        alternative = (f" or --micro-batch-size in {micro_options}" if micro_options else "")
+        valid_batch = nearest_multiple(B, b * d * group)
+        if B % (b * d):
+            problems.append(
+                f"--global-batch-size {B} is not divisible by --micro-batch-size {b} × data-parallel "
+                f"size {d} = {b * d}: use --global-batch-size {valid_batch}{alternative}")
+        else:
+            problems.append(
+                f"the interleaved schedule needs the number of microbatches (--global-batch-size "
+                f"{B} / (--micro-batch-size {b} × d {d}) = {B // (b * d)}) to be a multiple of "
+                f"--pipeline-model-parallel-size {p}: use --global-batch-size {valid_batch}"
+                f"{alternative}")
+    return problems
+
+
+def _zbv_layer_problems(l: int, p: int, k: int | None) -> list[str]:
+    """zbv: two chunks per rank in a V, so p >= 2 and 2p equal chunks of layers."""
+    if p < 2:
+        return [f"--pipeline-schedule zbv places two model chunks per rank in a V across the "
+                f"pipeline, so it needs --pipeline-model-parallel-size >= 2, not {p}: use "
+                f"--pipeline-schedule zb-h1 (one chunk per rank) or a larger p"]
+    if l % (2 * p):
+        options = [x for x in divisors(l) if x >= 2 and l % (2 * x) == 0]
+        return [f"--pipeline-schedule zbv splits --num-layers {l} into 2p = {2 * p} equal chunks "
+                f"(two per rank): use --num-layers {nearest_multiple(l, 2 * p)}"
+                + (f" or --pipeline-model-parallel-size in {options}" if options else "")]
+    if k is not None and k * 2 * p != l:
+        return [f"--pipeline-schedule zbv has two chunks per rank, {l // (2 * p)} layers each with "
+                f"--num-layers {l} and --pipeline-model-parallel-size {p}, so "
+                f"--num-layers-per-virtual-pipeline-stage {k} disagrees: drop it or use "
+                f"{l // (2 * p)}"]
+    return []
+
+
+def _rampup_problems(ramp: Any, B: int, b: int, d: int, group: int, fewest: int, schedule: str,
+                     p: int) -> list[str]:
+    """--rampup-batch-size START INCREMENT SAMPLES against the batch settings:
+    every global batch of the ramp whole microbatches on every data-parallel
+    rank (Megatron-LM's rule), arriving at B exactly; and the pipeline
+    schedule's own needs from the smallest batch on."""
+    if not (isinstance(ramp, (list, tuple)) and len(ramp) == 3 and all(is_count(x, 1) for x in ramp)):
+        shown = " ".join(map(str, ramp)) if isinstance(ramp, (list, tuple)) else repr(ramp)
+        return [f"--rampup-batch-size {shown} must be three positive integers: START INCREMENT "
+                f"SAMPLES (e.g. 16 8 300000)"]
+    start, increment, _ = ramp
+    unit = b * d
+    if start >= B:
+        return [f"--rampup-batch-size starts at {start}, not below --global-batch-size {B}, so "
+                f"there is nothing to ramp: use a START below {B} or drop --rampup-batch-size"]
+    problems = []
+    for name, value in (("START", start), ("INCREMENT", increment)):
+        if value % unit:
+            problems.append(
+                f"--rampup-batch-size {name} {value} is not divisible by --micro-batch-size {b} × "
+                f"data-parallel size {d} = {unit} (every global batch of the ramp must be whole "
+                f"microbatches on every data-parallel rank): use {nearest_multiple(value, unit)}")
+    if (B - start) % increment:
+        options = [x for x in divisors(B - start) if x % unit == 0][:6]
+        problems.append(
+            f"--rampup-batch-size from {start} in steps of {increment} does not arrive at "
+            f"--global-batch-size {B} ({B} - {start} = {B - start} is not a multiple of {increment})"
+            + (f": use INCREMENT in {options}" if options else
+               f": use a START with {B} - START a multiple of {unit}"))
+    if problems:
+        return problems
+    first = start // unit
+    if first < fewest:
+        problems.append(
+            f"--pipeline-schedule {schedule} needs at least {fewest} microbatches per iteration "
+            f"({'p' if schedule == 'zb-h1' else '2p'} with --pipeline-model-parallel-size {p}), but "
+            f"--rampup-batch-size starts at {start} / (--micro-batch-size {b} × d {d}) = {first}: "
+            f"use START {fewest * unit} or more")
+    if group > 1 and (first % group or (increment // unit) % group):
+        problems.append(
+            f"the interleaved schedule needs every iteration's microbatches to be a multiple of "
+            f"--pipeline-model-parallel-size {p}, so --rampup-batch-size START {start} and "
+            f"INCREMENT {increment} must be multiples of {p} × --micro-batch-size {b} × d {d} = "
+            f"{group * unit}: use START {nearest_multiple(start, group * unit)} and INCREMENT "
+            f"{nearest_multiple(increment, group * unit)}")
+    return problems

@@ -1,0 +1,66 @@
+"""The data section: where tokens come from (indexed datasets and their blend,
+mock data, or the shipped demo corpus), the tokenizer, the dataset cache, and
+how batches are read (background workers, memory-mapped files)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ptdp.config.base import flag
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from. With neither --data-path nor --mock-data the
+    model trains on the shipped demo corpus (Shakespeare)."""
+    mock_data: bool = flag(False, "--mock-data", "train on generated, learnable sequences")
+    data_path: list[str] | None = flag(
+        None, "--data-path",
+        "indexed dataset prefix(es) (PREFIX.bin/.idx, as `ptdp preprocess` or Megatron-LM write "
+        "them), optionally weighted for blending: A, or 0.7 A 0.3 B", metavar="PATH")
+    split: str = flag("949,50,1", "--split",
+                      "train,valid,test proportions, taken as contiguous ranges of documents")
+    tokenizer_type: str = flag(
+        "GPT2BPETokenizer", "--tokenizer-type",
+        "tokenizer; NullTokenizer (Megatron-LM's) is for --data-path files that are token ids "
+        "already and needs --vocab-size N: the data's ids are 0..N-1, N is the end-of-document "
+        "id, so the model's vocabulary is N + 1 (then padded); with --load and no tokenizer "
+        "flags, the tokenizer the checkpoint carries",
+        choices=("GPT2BPETokenizer", "HuggingFaceTokenizer", "ByteLevelTokenizer", "NullTokenizer"))
+    vocab_file: str | None = flag(None, "--vocab-file", "GPT-2 style vocab.json (with --merge-file; "
+                                  "default: GPT-2's own ranks, shipped)", metavar="PATH")
+    merge_file: str | None = flag(None, "--merge-file", "GPT-2 style merges.txt", metavar="PATH")
+    tokenizer_model: str | None = flag(None, "--tokenizer-model",
+                                       "tokenizer.json for HuggingFaceTokenizer", metavar="PATH")
+    data_cache_path: str | None = flag(
+        None, "--data-cache-path",
+        "directory for dataset indices and the tokenized demo corpus (default: index-cache/ "
+        "next to the data; the demo corpus under $PTDP_CACHE or the user cache)", metavar="DIR")
+    num_workers: int = flag(
+        0, "--num-workers",
+        "background processes that read and assemble the training batches ahead of the step "
+        "(0: in the training process; Megatron-LM's default is 2)")
+    mmap_bin_files: bool = flag(
+        True, "--no-mmap-bin-files",
+        "read each sample's tokens from the --data-path .bin files with file reads instead of "
+        "memory-mapping them (for file systems where mapping large files performs badly)",
+        negate=True)
+    eod_mask_loss: bool = flag(False, "--eod-mask-loss",
+                               "leave positions whose input is the end-of-document token out of the loss")
+
+    @property
+    def uses_demo_corpus(self) -> bool:
+        return not self.mock_data and not self.data_path
+
+
+def data_loading_problems(data: DataConfig) -> list[str]:
+    """--num-workers, --no-mmap-bin-files."""
+    problems = []
+    workers = data.num_workers
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
+        problems.append(f"--num-workers={workers!r} must be 0 (read in the training process) or a "
+                        "positive number of background processes")
+    if not isinstance(data.mmap_bin_files, bool):
+        problems.append(f"--no-mmap-bin-files: mmap_bin_files={data.mmap_bin_files!r} must be true "
+                        "or false")
+    return problems

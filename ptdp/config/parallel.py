@@ -1,0 +1,124 @@
+"""The parallel section: the layout (tensor, pipeline and data-parallel sizes),
+the pipeline schedule and its model chunks, how layers split over the stages,
+sequence parallelism, the device and the collectives' timeout. Its checks look
+at these settings alone; the layout against the model and the batch is
+ptdp.config.checks'."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ptdp.config.base import finite_or_none, flag, positive_integer_problems
+from ptdp.config.layer_split import LayerSplit
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = flag(1, "--tensor-model-parallel-size", "tensor-parallel size t",
+                                           short="-t")
+    pipeline_model_parallel_size: int = flag(1, "--pipeline-model-parallel-size",
+                                             "pipeline-parallel size p", short="-p")
+    data_parallel_size: int | None = flag(
+        None, "--data-parallel-size",
+        "data-parallel size d for local launches (under torchrun/SLURM: world size / (t·p))",
+        short="-d")
+    num_layers_per_virtual_pipeline_stage: int | None = flag(
+        None, "--num-layers-per-virtual-pipeline-stage",
+        "layers per model chunk; enables the interleaved 1F1B schedule")
+    num_virtual_stages_per_pipeline_rank: int | None = flag(
+        None, "--num-virtual-stages-per-pipeline-rank",
+        "model chunks v per pipeline rank (Megatron-LM's newer alternative to "
+        "--num-layers-per-virtual-pipeline-stage: L / (p·v) layers per chunk); enables the "
+        "interleaved 1F1B schedule")
+    pipeline_schedule: str = flag(
+        "1f1b", "--pipeline-schedule",
+        "gpipe (all forwards, then all backwards), 1f1b, or a zero-bubble schedule (backward "
+        "split into input and weight gradients, the weight gradients filling the bubbles): zb-h1 "
+        "(one chunk per rank, 1F1B's memory, needs m >= p microbatches) or zbv (two chunks per "
+        "rank in a V, needs m >= 2p); --num-layers-per-virtual-pipeline-stage with 1f1b selects "
+        "the interleaved 1F1B schedule",
+        choices=("gpipe", "1f1b", "zb-h1", "zbv"))
+    decoder_first_pipeline_num_layers: int | None = flag(
+        None, "--decoder-first-pipeline-num-layers",
+        "transformer layers on the first pipeline rank (it also computes the embedding); the "
+        "other ranks split the rest evenly")
+    decoder_last_pipeline_num_layers: int | None = flag(
+        None, "--decoder-last-pipeline-num-layers",
+        "transformer layers on the last pipeline rank (it also computes the output layer and "
+        "the loss); the other ranks split the rest evenly")
+    account_for_embedding_in_pipeline_split: bool = flag(
+        False, "--account-for-embedding-in-pipeline-split",
+        "count the embedding as one layer when splitting layers over the pipeline stages: the "
+        "first stage builds one transformer layer fewer")
+    account_for_loss_in_pipeline_split: bool = flag(
+        False, "--account-for-loss-in-pipeline-split",
+        "count the output layer with the loss as one layer when splitting layers over the "
+        "pipeline stages: the last stage builds one transformer layer fewer")
+    sequence_parallel: bool = flag(
+        False, "--sequence-parallel",
+        "split the activations outside the tensor-parallel regions (norms, dropout, residual "
+        "adds) along the sequence over the t tensor ranks: s/t positions each, the same "
+        "communication volume (all-gather and reduce-scatter instead of all-reduce); needs t > 1 "
+        "and s divisible by t")
+    scatter_gather_tensors_in_pipeline: bool = flag(
+        True, "--no-scatter-gather-tensors-in-pipeline",
+        "send whole boundary tensors between stages instead of 1/t slices all-gathered by the "
+        "receiving tensor group", negate=True)
+    context_parallel_size: int = flag(
+        1, "--context-parallel-size",
+        "context parallelism (the sequence split over ranks inside attention): ptdp has none, "
+        "so only 1")
+    device: str = flag("auto", "--device", "auto | cpu | cuda (auto: cuda with NCCL when there are "
+                       "enough GPUs, else cpu with gloo)", choices=("auto", "cpu", "cuda"))
+    distributed_timeout_minutes: float = flag(
+        10.0, "--distributed-timeout-minutes",
+        "a collective that waits longer than this fails instead of hanging")
+
+    @property
+    def dp(self) -> int:
+        return self.data_parallel_size or 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.dp
+
+    @property
+    def schedule_kind(self) -> str:
+        if self.pipeline_schedule in ("zb-h1", "zbv"):
+            return self.pipeline_schedule
+        if self.num_layers_per_virtual_pipeline_stage is not None:
+            return "interleaved"
+        return self.pipeline_schedule
+
+    @property
+    def layer_split(self) -> LayerSplit:
+        """How the layers are split over the stages (ptdp.config.layer_split)."""
+        return LayerSplit(self.decoder_first_pipeline_num_layers,
+                          self.decoder_last_pipeline_num_layers,
+                          self.account_for_embedding_in_pipeline_split,
+                          self.account_for_loss_in_pipeline_split)
+
+    def virtual_stages(self, num_layers: int) -> int:
+        """Model chunks per pipeline rank (v); 1 without interleaving, 2 under zbv."""
+        if self.pipeline_schedule in ("zb-h1", "zbv"):
+            return 2 if self.pipeline_schedule == "zbv" else 1
+        k = self.num_layers_per_virtual_pipeline_stage
+        if k is None:
+            return 1
+        return num_layers // (self.pipeline_model_parallel_size * k)
+
+
+def parallel_count_problems(par: ParallelConfig) -> list[str]:
+    """The layout's sizes that must be positive integers."""
+    return positive_integer_problems(
+        par, ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
+              "num_layers_per_virtual_pipeline_stage"),
+        optional=("data_parallel_size", "num_layers_per_virtual_pipeline_stage"))
+
+
+def timeout_problems(par: ParallelConfig) -> list[str]:
+    """--distributed-timeout-minutes."""
+    problems = []
+    if finite_or_none(par.distributed_timeout_minutes) and par.distributed_timeout_minutes <= 0:
+        problems.append(f"--distributed-timeout-minutes={par.distributed_timeout_minutes} must be > 0")
+    return problems

@@ -1,0 +1,96 @@
+"""GPipe, 1F1B and interleaved 1F1B: the looped kinds' orders and exchanges.
+
+All three kinds are one loop (`_one_forward_one_backward`) with a different
+number of warm-up forwards (actions.warmup_forwards):
+- GPipe: all m forwards first, then all m backwards.
+- 1F1B (PipeDream-Flush): rank r warms up with min(p - r - 1, m) forwards,
+  then alternates one forward and one backward, then drains the backwards.
+- Interleaved 1F1B: forwards visit microbatches in groups of p, each group
+  through chunk 0, then chunk 1, ...; backwards the same with the chunks
+  reversed; rank r warms up with (p - r - 1)·2 + (v - 1)·p chunk-forwards
+  (all of them if that reaches m·v, or when m = p). p = 2 is supported
+  (Megatron-LM refuses it). m must be a multiple of p: with a partial last
+  group these warm-up counts deadlock (the simulator finds it), so such m is
+  rejected with the nearest valid values (actions.check_arguments).
+"""
+
+from __future__ import annotations
+
+from ptdp.parallel.pipeline.actions import (Action, Compute, Exchange, Schedule, Transfer,
+                                            transfers_of, warmup_forwards)
+
+
+def forward_order(kind: str, p: int, m: int, v: int) -> list[tuple[int, int]]:
+    """(microbatch, chunk) in the order every rank runs its forwards."""
+    if kind != "interleaved":
+        return [(i, 0) for i in range(m)]
+    order = []
+    for first in range(0, m, p):  # microbatches in groups of p (m is a multiple of p)
+        order.extend((i, c) for c in range(v) for i in range(first, first + p))
+    return order
+
+
+def backward_order(kind: str, p: int, m: int, v: int) -> list[tuple[int, int]]:
+    return [(i, v - 1 - c) for i, c in forward_order(kind, p, m, v)]
+
+
+def _one_forward_one_backward(forwards: list, backwards: list, warmup: int) -> list[list[Compute]]:
+    """The computes in steps: warm-up forwards one by one, then (forward,
+    backward) pairs, then the remaining backwards one by one."""
+    steps = [[Compute("F", i, c)] for i, c in forwards[:warmup]]
+    steady = len(forwards) - warmup
+    for k in range(steady):
+        steps.append([Compute("F", *forwards[warmup + k]), Compute("B", *backwards[k])])
+    steps.extend([Compute("B", i, c)] for i, c in backwards[steady:])
+    return steps
+
+
+def with_exchanges(steps: list[list[Compute]], rank: int, p: int, v: int) -> tuple[Action, ...]:
+    """Insert one Exchange between consecutive steps, holding the sends the
+    previous step produced and the receives the next step needs.
+
+    GPipe and 1F1B use single computes as steps (Megatron-LM's non-interleaved
+    pairing: send_forward_recv_backward, send_backward_recv_forward). The
+    interleaved schedule uses (forward, backward) pairs as steady-state steps,
+    with all four transfers of a step boundary in one batch, as Megatron-LM
+    does; its doubled warm-up covers the receive posted one step early.
+    """
+    actions: list[Action] = []
+    pending_sends: list[Transfer] = []
+    for step in steps:
+        receives = []
+        for compute in step:
+            recv, send = transfers_of(compute, rank, p, v)
+            if recv is not None:
+                receives.append(recv)
+        batch = tuple(pending_sends + receives)
+        if batch:
+            actions.append(Exchange(batch))
+        actions.extend(step)
+        pending_sends = [send for c in step for send in [transfers_of(c, rank, p, v)[1]] if send]
+    if pending_sends:
+        actions.append(Exchange(tuple(pending_sends)))
+    return tuple(actions)
+
+
+def build_looped(kind: str, p: int, m: int, v: int) -> Schedule:
+    """Every rank's actions for one iteration of gpipe, 1f1b or interleaved
+    (arguments already checked by actions.check_arguments)."""
+    forwards, backwards = forward_order(kind, p, m, v), backward_order(kind, p, m, v)
+    ranks = []
+    for rank in range(p):
+        steps = _one_forward_one_backward(forwards, backwards, warmup_forwards(kind, p, m, v, rank))
+        if kind != "interleaved":
+            steps = [[compute] for step in steps for compute in step]
+        ranks.append(with_exchanges(steps, rank, p, v))
+    return Schedule(kind, p, m, v, tuple(ranks))
+
+
+def build_looped_forward_only(p: int, m: int, v: int) -> Schedule:
+    """Evaluation under the looped placement: every forward, no backward, in
+    training's microbatch order (arguments already checked)."""
+    kind = "interleaved" if v > 1 else "gpipe"
+    forwards = forward_order(kind, p, m, v)
+    ranks = tuple(with_exchanges([[Compute("F", i, c)] for i, c in forwards], r, p, v)
+                  for r in range(p))
+    return Schedule("forward-only", p, m, v, ranks)

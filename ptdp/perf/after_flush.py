@@ -1,0 +1,121 @@
+"""What follows the pipeline flush: the gradient reductions and the
+optimizer step, per pipeline rank.
+
+After its last action a pipeline rank reduces its gradients (fp32, as ptdp
+keeps them): the tied embedding over the embedding group (the first and the
+last stage, once both have finished; not with an untied output layer), then
+all gradients over the d replicas with a hierarchical ring (reduce-scatter
+inside the server, all-reduce between servers, all-gather inside), not
+overlapped with the backward pass; a reduce-scatter only with the
+distributed optimizer. Then every rank meets in the gradient-norm
+all-reduces and steps its optimizer: ptdp's element-wise AdamW, about 112
+bytes moved per parameter it owns (1/d of them with the distributed
+optimizer, followed by the all-gather of the updated weights).
+
+Sequence parallelism: each gradient bucket holding partial gradients
+(norms, row-parallel biases, the position table) all-reduces them over the
+tensor group (fp32) before the data-parallel reduction. None of it depends
+on the microbatch size or the recomputation, so a search prices it once for
+all of them.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from ptdp.parallel.pipeline.actions import virtual_stage_of
+from ptdp.perf import analytic
+from ptdp.perf.layout import ByIdentity, ByValue, Layout, Workload
+from ptdp.perf.machine import Machine
+from ptdp.perf.operator_bytes import OPTIMIZER_BYTES_PER_PARAMETER
+from ptdp.perf.pricing import GRAD_BYTES, OperatorModel
+from ptdp.perf.profiles import HardwareProfile
+from ptdp.perf.stage_costs import parameter_counts
+
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_location(kind: str, p: int, v: int, stage: int) -> tuple[int, int]:
+    """(rank, chunk) holding virtual stage `stage`."""
+    for rank in range(p):
+        for chunk in range(v):
+            if virtual_stage_of(kind, p, v, rank, chunk) == stage:
+                return rank, chunk
+    raise ValueError(f"{kind} p={p} v={v} has no stage {stage}")
+
+
+@dataclass
+class AfterFlush:
+    """What follows the pipeline flush on each pipeline rank: its gradient
+    reductions (the tied embedding's sum between the ranks in `ends`, the
+    sequence-parallel partial sums `partial_sums`, the data-parallel
+    reduction) and its optimizer step."""
+    reductions: list[float]
+    partial_sums: list[float]
+    optimizer: list[float]
+    ends: tuple[int, int]          # ranks of the first and the last stage
+    embedding: float               # seconds of the tied embedding's sum (0: none)
+
+
+def after_flush(workload: Workload, layout: Layout, profile: HardwareProfile,
+                 ops: OperatorModel) -> AfterFlush:
+    # The microbatch size and the recomputation change none of it: a search
+    # prices it once for all of them.
+    key = (ops.model_key, workload.precision, ByIdentity(profile), ops.threads, layout.t,
+           layout.p, layout.d, layout.v, layout.schedule, layout.distributed_optimizer,
+           layout.sequence_parallel, layout.split)
+    after = _AFTER_FLUSH.get(key)
+    if after is None:
+        if len(_AFTER_FLUSH) > 65536:
+            _AFTER_FLUSH.clear()
+        after = _AFTER_FLUSH[key] = _price_after_flush(workload, layout, profile, ops)
+    return after
+
+
+_AFTER_FLUSH: dict[tuple, AfterFlush] = {}
+
+
+def _price_after_flush(workload: Workload, layout: Layout, profile: HardwareProfile,
+                       ops: OperatorModel) -> AfterFlush:
+    p, v, t, d = layout.p, layout.v, layout.t, layout.d
+    machine = Machine(layout, profile)
+    threads = profile.threads_per_process(layout.devices)
+    contended = profile.kind == "cpu" and profile.cores > 0
+    kind = layout.schedule_kind
+    ends = (_stage_location(kind, p, v, 0)[0], _stage_location(kind, p, v, p * v - 1)[0])
+    embedding = 0.0
+    if ends[0] != ends[1] and workload.model.tied_output:
+        # The tied embedding's gradient: the first and the last stage sum it together.
+        embedding = machine.allreduce(ops.V // t * ops.h * GRAD_BYTES,
+                                      [machine.rank(0, 0, ends[0]), machine.rank(0, 0, ends[1])])
+    # Sequence parallelism: each bucket holding partial gradients (norms,
+    # row-parallel biases, positions) all-reduces them over the tensor group first.
+    tensor_allreduce = functools.cache(machine.tensor_allreduce)   # buckets repeat sizes
+    partial_sums = [sum(tensor_allreduce(n * GRAD_BYTES)
+                        for n in _partial_gradient_buckets(
+                            ops.model_key, analytic.placement_of_parameters(layout), r))
+                    for r in range(p)]
+    reductions, optimizer = [], []
+    parameters = parameter_counts(ops.model_key, analytic.placement_of_parameters(layout))
+    for r in range(p):
+        params = sum(parameters[r])
+        seconds = machine.data_parallel(params * GRAD_BYTES, r,
+                                        reduce_scatter_only=layout.distributed_optimizer)
+        reductions.append(seconds + (embedding if r in ends else 0.0) + partial_sums[r])
+        owned = params / d if layout.distributed_optimizer else params
+        step_bytes = params * GRAD_BYTES + owned * OPTIMIZER_BYTES_PER_PARAMETER  # zero + step
+        if ops.E != 4:
+            step_bytes += owned * (4 + ops.E)                 # main weights -> model weights
+        work = ops.memory(step_bytes, "optimizer") + profile.launch_overhead * 30
+        work /= profile.share(layout.devices, threads) if contended else 1
+        comm = 2 * machine.world_latency()                     # inf check, gradient norm
+        if layout.distributed_optimizer:
+            comm += machine.data_parallel(params * ops.E, r, reduce_scatter_only=True)
+        optimizer.append(work + comm)
+    return AfterFlush(reductions, partial_sums, optimizer, ends, embedding)
+
+
+@functools.lru_cache(maxsize=65536)
+def _partial_gradient_buckets(model: ByValue, layout: Layout, rank: int) -> tuple[int, ...]:
+    return tuple(analytic.partial_gradient_buckets(model.value, layout, rank))

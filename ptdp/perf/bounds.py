@@ -1,0 +1,70 @@
+"""A lower bound on a layout's iteration time, priced without building its
+schedule: what the planner sorts layouts by before it plays any of them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from ptdp.parallel.pipeline.actions import virtual_stage_of
+from ptdp.perf.after_flush import after_flush
+from ptdp.perf.layout import Layout, Workload
+from ptdp.perf.pricing import OperatorModel
+from ptdp.perf.profiles import HardwareProfile
+from ptdp.perf.stage_costs import operator_model, stage_costs
+
+
+def compute_lower_bound(workload: Workload, layout: Layout, profile: HardwareProfile) -> float:
+    """Seconds no iteration of this layout can beat, without building its
+    schedule (`simulate` never predicts less; tested):
+
+      max over pipeline ranks r of  head_r + compute_r + tail_r + reduction_r
+      + the slowest rank's optimizer step
+
+    compute_r is the work and collectives of r's computes (m times each of
+    its chunks' F and B, and W); head_r the forwards of the stages before
+    r's first stage, which the first microbatch passes through before r
+    can start; tail_r, under the schedules whose every rank ends with the
+    backward of its first stage (gpipe, 1f1b, interleaved), the backwards
+    of the stages before it, which the last microbatch still passes
+    through (zero-bubble ranks may end with a W: no tail); reduction_r and
+    the optimizer are what `simulate` adds after the flush. Transfers,
+    waits and contention (CPU profiles) only add to this. With uniform
+    costs and free transfers it is 1F1B's makespan itself. The planner
+    sorts layouts by it and prices only those that can reach its top rows."""
+    p, v = layout.p, layout.v
+    m = layout.microbatches(workload.global_batch)
+    kind = layout.schedule_kind
+    ops = operator_model(workload, layout, profile)
+    layers = layout.stage_layers(ops.l)
+    stage_of = _stage_table(kind, p, v)
+    totals = [_stage_seconds(ops, layout.recompute, layout.zero_bubble, stage == 0,
+                             stage == p * v - 1, layers[stage]) for stage in range(p * v)]
+    after = after_flush(workload, layout, profile, ops)
+    bound = 0.0
+    head = tail = 0.0   # over the stages before rank r's first stage (stage r)
+    for r in range(p):
+        compute = m * sum(sum(totals[stage]) for stage in stage_of[r])
+        bound = max(bound, head + compute + tail + after.reductions[r])
+        head += totals[r][0]
+        if not layout.zero_bubble:
+            tail += totals[r][1]
+    return bound + max(after.optimizer)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_table(kind: str, p: int, v: int) -> tuple[tuple[int, ...], ...]:
+    """The virtual stage of each (rank, chunk), [rank][chunk]."""
+    return tuple(tuple(virtual_stage_of(kind, p, v, rank, chunk) for chunk in range(v))
+                 for rank in range(p))
+
+
+def _stage_seconds(ops: OperatorModel, recompute: str | None, zero_bubble: bool, first: bool,
+                   last: bool, layers: int) -> tuple[float, ...]:
+    """Seconds (work and collectives) of a stage's F, B (and W): `stage_costs` summed."""
+    key = ("seconds", recompute, zero_bubble, first, last, layers)
+    if key not in ops.memo:
+        costs = stage_costs(ops, recompute, zero_bubble, first, last, layers)
+        ops.memo[key] = tuple(costs.of(op).total_work + costs.of(op).comm
+                              for op in (("F", "B", "W") if zero_bubble else ("F", "B")))
+    return ops.memo[key]

@@ -1,0 +1,124 @@
+"""Where the ranks of a layout sit, and what their collectives and
+point-to-point messages cost on a hardware profile.
+
+Ranks are numbered rank = tp + t·(dp + d·pp), as ptdp's launcher numbers
+them; a group whose ranks sit on more than one server of
+`devices_per_server` devices pays the inter-server link. Collectives are
+rings: an all-reduce of n ranks is 2(n−1)/n of the bytes over the slowest
+link and 2(n−1) latency steps, an all-gather or reduce-scatter half of
+that; inside a server, where the profile has measured times T(bytes) of a
+2-process all-reduce, (n−1)·T(2·bytes/n) instead.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ptdp.perf.layout import Layout
+from ptdp.perf.profiles import HardwareProfile
+
+
+def ring_allreduce_seconds(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency
+
+
+def ring_gather_seconds(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+    """All-gather (or reduce-scatter) of `nbytes` in total over n ranks."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return (n - 1) / n * nbytes / bandwidth + (n - 1) * latency
+
+
+class Machine:
+    """Where the ranks of a layout sit, and what their links cost."""
+
+    def __init__(self, layout: Layout, profile: HardwareProfile):
+        self.layout, self.profile = layout, profile
+        self.per_server = max(1, profile.devices_per_server)
+
+    def rank(self, tp: int, dp: int, pp: int) -> int:
+        lay = self.layout
+        return tp + lay.t * (dp + lay.d * pp)
+
+    def server(self, rank: int) -> int:
+        return rank // self.per_server
+
+    def link(self, ranks: list[int]) -> tuple[float, float]:
+        """(bandwidth, latency) of the slowest link among `ranks`."""
+        prof = self.profile
+        if self.spans_servers(ranks):
+            return prof.inter_bandwidth, prof.inter_latency
+        return prof.intra_bandwidth, prof.intra_latency
+
+    def spans_servers(self, ranks: list[int]) -> bool:
+        return len({self.server(r) for r in ranks}) > 1
+
+    def allreduce(self, nbytes: float, ranks: list[int]) -> float:
+        """Ring all-reduce over `ranks`: 2(n−1) steps of bytes/n each. Inside
+        a server with measured times T(bytes) of a 2-process all-reduce (two
+        steps of bytes/2), that is (n−1)·T(2·bytes/n)."""
+        n = len(ranks)
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        if not self.spans_servers(ranks):
+            measured = self.profile.measured_seconds("allreduce", 2 * nbytes / n)
+            if measured is not None:
+                return (n - 1) * measured
+        return ring_allreduce_seconds(nbytes, n, *self.link(ranks))
+
+    def gather(self, nbytes: float, ranks: list[int]) -> float:
+        """All-gather (or reduce-scatter) of `nbytes` in total: half an all-reduce."""
+        n = len(ranks)
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        if not self.spans_servers(ranks):
+            measured = self.profile.measured_seconds("allreduce", 2 * nbytes / n)
+            if measured is not None:
+                return (n - 1) * measured / 2
+        return ring_gather_seconds(nbytes, n, *self.link(ranks))
+
+    def tensor_group(self, dp: int = 0, pp: int = 0) -> list[int]:
+        return [self.rank(tp, dp, pp) for tp in range(self.layout.t)]
+
+    def tensor_allreduce(self, nbytes: float) -> float:
+        return self.allreduce(nbytes, self.tensor_group())
+
+    def tensor_allgather(self, nbytes: float) -> float:
+        return self.gather(nbytes, self.tensor_group())
+
+    def p2p(self, nbytes: float, pp_a: int, pp_b: int) -> float:
+        """One point-to-point message between two pipeline ranks (tensor 0, data 0)."""
+        ranks = [self.rank(0, 0, pp_a), self.rank(0, 0, pp_b)]
+        if not self.spans_servers(ranks):
+            measured = self.profile.measured_seconds("exchange", nbytes)
+            if measured is not None:
+                return measured
+        bandwidth, latency = self.link(ranks)
+        return nbytes / bandwidth + latency
+
+    def data_parallel(self, nbytes: float, pp: int, *, reduce_scatter_only: bool = False) -> float:
+        """Hierarchical ring over the d replicas of (tp 0, pp): inside each
+        server first, then between servers on 1/g of the bytes, then inside
+        again. `reduce_scatter_only`: half of it (distributed optimizer)."""
+        group = [self.rank(0, dp, pp) for dp in range(self.layout.d)]
+        servers: dict[int, list[int]] = {}
+        for r in group:
+            servers.setdefault(self.server(r), []).append(r)
+        if len(servers) == 1:
+            total = self.allreduce(nbytes, group)
+        else:
+            local = max(servers.values(), key=len)
+            leaders = [members[0] for members in servers.values()]
+            total = (2 * self.gather(nbytes, local)
+                     + self.allreduce(nbytes / len(local), leaders))
+        return total / 2 if reduce_scatter_only else total
+
+    def world_latency(self) -> float:
+        """A tiny all-reduce over every rank (a tree: log2(n) rounds of a
+        2-process all-reduce)."""
+        n = self.layout.devices
+        if n <= 1:
+            return 0.0
+        return math.ceil(math.log2(n)) * self.allreduce(4, [0, n - 1])

@@ -1,0 +1,91 @@
+"""Bytes the memory-bound operators of ptdp's layers read and write.
+
+The cost model prices these operators as their bytes over the bandwidth of
+their class (`HardwareProfile.memory_seconds`); `ptdp calibrate` measures
+each class with the same byte counts (ptdp.perf.calibrate), so a class's
+measured bandwidth and its predicted bytes agree by construction. Each
+function returns (forward bytes, backward bytes); E is the bytes per
+element of the workload's precision.
+"""
+
+from __future__ import annotations
+
+OPTIMIZER_BYTES_PER_PARAMETER = 112   # ptdp's eager AdamW + inf check + norm + clip (fp32 state)
+
+
+def attention_core_bytes(scores: int, E: int, dropout: bool) -> tuple[float, float]:
+    """(forward, backward) bytes of scale+mask+softmax (and dropout) over
+    `scores` = b·(a/t)·s² elements."""
+    forward, backward = 2 * scores * E, 3 * scores * E
+    if dropout:
+        forward += 2 * scores * E + scores      # read, write, 1-byte mask
+        backward += 2 * scores * E + scores
+    return forward, backward
+
+
+def layer_norm_bytes(n: int, E: int) -> tuple[float, float]:
+    return 2 * n * E, 3 * n * E
+
+
+def gelu_bytes(ffn: int, E: int) -> tuple[float, float]:
+    """bias + GeLU over `ffn` = b·s·f/t elements; backward recomputes it."""
+    return 2 * ffn * E, 3 * ffn * E
+
+
+def swiglu_bytes(ffn: int, E: int) -> tuple[float, float]:
+    """silu(gate) ⊙ up over `ffn` = b·s·f/t outputs: forward reads gate and
+    up and writes the product; backward reads the gradient, gate and up and
+    writes both their gradients (the sigmoid recomputed)."""
+    return 3 * ffn * E, 5 * ffn * E
+
+
+def rotary_bytes(elements: int, E: int) -> tuple[float, float]:
+    """Rotating `elements` of q and k (x·cos + rotate_half(x)·sin): read x
+    twice and the half-rotated copy, write the copy and the result; backward
+    the same passes over the gradient."""
+    return 5 * elements * E, 5 * elements * E
+
+
+def residual_bytes(n: int, E: int, dropout: bool) -> tuple[float, float]:
+    """bias + dropout + residual add over `n` = b·s·h elements."""
+    return 3 * n * E + (n if dropout else 0), 2 * n * E + (n if dropout else 0)
+
+
+def copy_bytes(elements: int, E: int) -> tuple[float, float]:
+    """A layout change (permute + contiguous) forward, and its gradient's."""
+    return 2 * elements * E, 2 * elements * E
+
+
+def layer_memory_ops(n: int, n_local: int, ffn: int, scores: int, E: int, *,
+                     hidden_dropout: bool, attention_dropout: bool, heads_local: int | None = None,
+                     swiglu: bool = False, rotated: int = 0,
+                     outside: int | None = None) -> list[tuple[str, float, float]]:
+    """(class, forward bytes, backward bytes) of one transformer layer's
+    memory-bound operators: n = b·s·h, n_local = n/t, ffn = b·s·f/t,
+    scores = b·(a/t)·s². `outside`: the elements each rank's norms and
+    bias+dropout+adds run on, n (the default), or n/t under sequence
+    parallelism. The Llama options: `heads_local` = b·s·(a + 2g)·d/t
+    + b·s·a·d/t, the q/k/v and context elements reshaped (4·n_local without
+    grouped queries); `swiglu` prices the gated activation instead of GeLU
+    (in the "gelu" class, the element-wise activation); `rotated` =
+    b·s·(a + g)·d/t, the q and k elements rotary embeddings rotate. RMSNorm
+    is priced as LayerNorm (one read and one write forward, as fused
+    kernels do; its statistics are 1/h of that)."""
+    reshaped = 4 * n_local if heads_local is None else heads_local
+    outside = n if outside is None else outside
+    ops = [("layer_norm", *layer_norm_bytes(outside, E)),
+           ("elementwise", *copy_bytes(reshaped, E))]           # q/k/v to heads, context back
+    if rotated:
+        ops.append(("elementwise", *rotary_bytes(rotated, E)))
+    return ops + [("attention_core", *attention_core_bytes(scores, E, attention_dropout)),
+                  ("layer_norm", *layer_norm_bytes(outside, E)),
+                  ("gelu", *(swiglu_bytes if swiglu else gelu_bytes)(ffn, E)),
+                  ("residual", *residual_bytes(outside, E, hidden_dropout)),
+                  ("residual", *residual_bytes(outside, E, hidden_dropout))]
+
+
+def cross_entropy_bytes(logits: int) -> tuple[float, float]:
+    """The vocabulary-parallel cross entropy over `logits` fp32 elements:
+    about six passes forward (max, subtract, exp, sum, log, gather) and three
+    backward (softmax, minus the one-hot, scale)."""
+    return 6 * logits * 4, 3 * logits * 4

@@ -1,0 +1,261 @@
+"""Price a training iteration: the schedule-pricing simulator.
+
+`simulate(workload, layout, profile)` builds the pipeline schedule with the
+same generator the executor runs (`build_schedule`), gives every action a
+cost in seconds from an operator model of ptdp's GPT, and plays the action
+lists against each other in an event simulation that respects every send /
+receive dependency (an Exchange completes only once the peers have posted
+its other ends, as in `ptdp.parallel.pipeline.simulate`). After the pipeline
+flush come the gradient reductions and the optimizer step.
+
+The pieces: operator prices (ptdp.perf.pricing, summed per stage in
+ptdp.perf.stage_costs), the ranks' links (ptdp.perf.machine), the event
+simulation (ptdp.perf.player) and what follows the flush
+(ptdp.perf.after_flush).
+
+Zero-bubble schedules (zb-h1, zbv): the schedule has no transfer across
+zbv's bottom (stages p−1 and p, both on rank p−1), so none is priced, and
+with both ends of the model on rank 0 the tied embedding needs no sum over
+an embedding group. The schedule is built with its exchanges placed for
+these predicted F, B and W costs (build_schedule's `costs`), as the trainer
+places them for the costs it measures, and sends do not wait for their
+receivers (the executor's rule under these schedules; only the receiver
+pays for the transfer), so ranks wait only where the data dependencies make
+them.
+
+Communication between pipeline stages: an activation or gradient of
+b·s·h·E bytes; with scatter/gather each tensor rank sends 1/t of it and the
+receiving tensor group all-gathers it; under sequence parallelism each rank
+sends its own 1/t and nothing is gathered. The link is inter-server when the two
+stages' ranks sit on different servers (rank = tp + t·(dp + d·pp), so for
+t·d ≥ devices_per_server every pipeline neighbour is on another server),
+intra-server otherwise. A batched Exchange costs the slowest of its
+transfers (links are full duplex) plus the all-gathers of what it receives.
+
+CPU profiles (from `ptdp calibrate`): a local job runs t·p·d processes with
+`threads_per_process` threads each; while k pipeline ranks compute at once,
+k·t·d processes compete for the cores and each computes at
+min(1, cores / (k·t·d·threads)) of its speed (processor sharing, simulated
+exactly: a rank's remaining work drains at the current share). The
+optimizer runs on all processes at once. Communication is not slowed by
+sharing: its measured times (collective_seconds) already include waking
+the waiting process. With `threads` > 1 (one process alone) each operator
+class runs at its measured multi-thread speed-up. GPU profiles have no
+contention.
+
+Bubble fraction (from the priced timeline): the time from the start of the
+iteration to the pipeline flush, minus the compute time of the busiest
+pipeline rank, over that compute time: the paper's bubble time over ideal
+time. With uniform costs and free transfers it is exactly (p−1)/m, or
+(p−1)/(m·v) interleaved, (p−1)/(3m) zb-h1 and (p−1)/(6m) zbv under
+F = B = W (tested); exposed point-to-point time counts as
+bubble. `seconds_by_category` breaks the iteration down on that busiest
+rank and sums to `iteration_seconds`.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+
+from ptdp.parallel.pipeline.actions import Compute, Exchange
+from ptdp.parallel.pipeline.schedules import build_schedule
+from ptdp.parallel.pipeline.simulate import compute_costs
+from ptdp.perf.after_flush import after_flush
+from ptdp.perf.flops import model_flops_per_iteration
+from ptdp.perf.layout import Layout, Workload
+from ptdp.perf.machine import Machine
+from ptdp.perf.player import play
+from ptdp.perf.profiles import HardwareProfile
+from ptdp.perf.stage_costs import layout_chunk_costs, operator_model
+from ptdp.perf.timeline import Box, draw_timeline
+
+CATEGORIES = ("forward compute", "backward compute", "recompute", "tensor all-reduce",
+              "pipeline transfer", "data-parallel reduction", "optimizer", "bubble/idle")
+
+# Schedules are immutable data; a planner prices many layouts sharing (kind, p, m, v).
+_schedule = functools.lru_cache(maxsize=32)(build_schedule)
+
+
+@dataclass
+class Prediction:
+    workload: Workload
+    layout: Layout
+    profile: HardwareProfile
+    iteration_seconds: float
+    tflops_per_device: float
+    bubble_fraction: float
+    seconds_by_category: dict[str, float]     # on the busiest pipeline rank; sums to the iteration
+    categories_by_rank: list[dict[str, float]]   # the same for every pipeline rank
+    timelines: list[list[Box]]                # per pipeline rank (tensor 0, data 0), seconds
+    pipeline_seconds: float                   # start of the iteration to the flush
+    microbatches: int
+    critical_rank: int                        # the busiest pipeline rank
+    flops_per_iteration: float
+
+    def rank_categories(self, rank: int) -> dict[str, float]:
+        """`seconds_by_category` of pipeline rank `rank` (sums to the iteration)."""
+        return self.categories_by_rank[rank]
+
+    def draw(self, path: str | Path, *, time_unit: str = "ms") -> Path:
+        """The priced timeline as a picture (ptdp.perf.timeline.draw_timeline)."""
+        scale = {"s": 1.0, "ms": 1e3, "us": 1e6}[time_unit]
+        rows = [[Box(b.op, b.microbatch, b.chunk, b.start * scale, b.end * scale) for b in row]
+                for row in self.timelines]
+        lay = self.layout
+        title = (f"predicted {lay.schedule_kind} on {self.profile.name}: t={lay.t} p={lay.p} "
+                 f"d={lay.d} b={lay.b} m={self.microbatches}" + (f" v={lay.v}" if lay.v > 1 else "")
+                 + f", {self.iteration_seconds * scale:.4g} {time_unit}/iteration")
+        draw_timeline(rows, path, v=lay.v, title=title, time_unit=time_unit,
+                      bubble_fraction=self.bubble_fraction, first_microbatch=1)
+        return Path(path)
+
+    def summary(self) -> str:
+        lines = [f"{self.iteration_seconds * 1e3:.4g} ms/iteration, "
+                 f"{self.tflops_per_device:.4g} TFLOP/s per device, bubble {self.bubble_fraction:.3f}"]
+        for category, seconds in self.seconds_by_category.items():
+            lines.append(f"  {category:<24} {seconds * 1e3:10.4g} ms")
+        return "\n".join(lines)
+
+
+def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Prediction:
+    """Predict one training iteration of `workload` under `layout` on `profile`."""
+    problems = layout.valid_for(workload.model, workload.global_batch)
+    if problems:
+        raise ValueError("invalid layout: " + "; ".join(problems))
+    p, v, t, d = layout.p, layout.v, layout.t, layout.d
+    m = layout.microbatches(workload.global_batch)
+    machine = Machine(layout, profile)
+    threads = profile.threads_per_process(layout.devices)
+    ops = operator_model(workload, layout, profile)
+    chunks = layout_chunk_costs(ops, layout)
+    # Zero-bubble: the exchanges placed for these costs, as the trainer
+    # places them for the costs it measures.
+    costs = (tuple(((r, c, op), chunks[(r, c)].of(op).total_work + chunks[(r, c)].of(op).comm)
+                   for r in range(p) for c in range(v) for op in "FBW")
+             if layout.zero_bubble else None)
+    schedule = _schedule(layout.schedule_kind, p, m, v, costs)
+
+    # Contention (CPU profiles): t·d processes per computing pipeline rank.
+    contended = profile.kind == "cpu" and profile.cores > 0
+
+    def speed(working: int) -> float:
+        return profile.share(working * t * d, threads)
+
+    ops_priced = ("F", "B", "W") if layout.zero_bubble else ("F", "B")
+    priced = {(r, c, op): (costs.of(op).total_work, costs.of(op).comm)
+              for (r, c), costs in chunks.items() for op in ops_priced}
+
+    def compute(rank: int, action: Compute) -> tuple[float, float]:
+        return priced[(rank, action.chunk, action.op)]
+
+    activation = layout.b * ops.s * ops.h * ops.E
+    # Each tensor rank sends 1/t: scatter/gather (then the receivers
+    # all-gather it) or sequence parallelism (its own s/t positions, kept).
+    split = layout.sends_slices and activation % t == 0
+    gather = split and layout.gathers_received
+
+    exchange_costs: dict[tuple, float] = {}
+
+    def exchange(rank: int, action: Exchange) -> float:
+        key = (rank, *[(transfer.op, transfer.peer) for transfer in action.transfers])
+        if key not in exchange_costs:
+            slowest, gathers = 0.0, 0.0
+            for transfer in action.transfers:
+                if transfer.op == "send" and layout.zero_bubble:
+                    continue  # travels while the sender goes on; its receiver pays for it
+                nbytes = activation / t if split else activation
+                slowest = max(slowest, machine.p2p(nbytes, rank, transfer.peer))
+                if transfer.op == "recv" and gather:
+                    gathers += machine.tensor_allgather(activation)
+            exchange_costs[key] = slowest + gathers + profile.launch_overhead * len(action.transfers)
+        return exchange_costs[key]
+
+    records = play(schedule, compute, exchange, speed if contended else None)
+
+    # After the flush: gradient reductions, then the optimizer (all ranks together).
+    pipeline_end = [max((rec.end for rec in row), default=0.0) for row in records]
+    flush = max(pipeline_end)
+    after = after_flush(workload, layout, profile, ops)
+    reductions, optimizer_seconds, partial_sums = (after.reductions, after.optimizer,
+                                                   after.partial_sums)
+    reduction_start = list(pipeline_end)
+    ends = after.ends
+    if after.embedding:   # the first and the last stage sum the tied embedding together
+        reduction_start[ends[0]] = reduction_start[ends[1]] = max(pipeline_end[ends[0]],
+                                                                  pipeline_end[ends[1]])
+    sync = max(reduction_start[r] + reductions[r] for r in range(p))
+    iteration = sync + max(optimizer_seconds)
+
+    # The busiest rank (most compute) and the timeline boxes.
+    busy = []
+    for row in records:
+        busy.append(sum(rec.end - rec.start for rec in row if isinstance(rec.action, Compute)))
+    critical = max(range(p), key=lambda r: busy[r])
+    bubble = (flush - busy[critical]) / busy[critical] if busy[critical] else 0.0
+
+    timelines: list[list[Box]] = []
+    by_rank: list[dict[str, float]] = []
+    for r, row in enumerate(records):
+        boxes: list[Box] = []
+        categories = {name: 0.0 for name in CATEGORIES}
+        for rec in row:
+            action = rec.action
+            if isinstance(action, Compute):
+                boxes.append(Box(action.op, action.microbatch, action.chunk,
+                                 float(rec.start), float(rec.end)))
+                cost = chunks[(r, action.chunk)].of(action.op)
+                stretched = float(rec.work_end - rec.start)
+                total = priced[(r, action.chunk, action.op)][0] or 1.0
+                for category, seconds in cost.work.items():
+                    categories[category] += stretched * seconds / total
+                categories["tensor all-reduce"] += float(rec.end - rec.work_end)
+            else:
+                if rec.ready > rec.start:
+                    boxes.append(Box("wait", -1, -1, float(rec.start), float(rec.ready)))
+                if rec.end > rec.ready:
+                    boxes.append(Box("comm", -1, -1, float(rec.ready), float(rec.end)))
+                categories["bubble/idle"] += float(rec.ready - rec.start)
+                categories["pipeline transfer"] += float(rec.end - rec.ready)
+        if reductions[r] > 0:
+            boxes.append(Box("comm", -1, -1, float(reduction_start[r]),
+                             float(reduction_start[r] + reductions[r])))
+        timelines.append(boxes)
+        categories["data-parallel reduction"] = reductions[r] - partial_sums[r]
+        categories["tensor all-reduce"] += partial_sums[r]
+        categories["optimizer"] = optimizer_seconds[r]
+        categories["bubble/idle"] += float(iteration) - sum(categories.values())
+        by_rank.append(categories)
+
+    flops = model_flops_per_iteration(
+        workload.model, workload.global_batch, recompute=layout.recompute,
+        recomputed_layers=workload.model.num_layers if layout.recompute == "full" else None)
+    iteration = float(iteration)
+    return Prediction(
+        workload=workload, layout=layout, profile=profile, iteration_seconds=iteration,
+        tflops_per_device=flops / (layout.devices * iteration) / 1e12,
+        bubble_fraction=float(bubble), seconds_by_category=by_rank[critical],
+        categories_by_rank=by_rank, timelines=timelines,
+        pipeline_seconds=float(flush), microbatches=m, critical_rank=critical,
+        flops_per_iteration=flops)
+
+
+def simulate_uniform(kind: str, p: int, m: int, v: int = 1, *, forward: Fraction | int = 1,
+                     backward: Fraction | int = 2, weight: Fraction | int | None = None
+                     ) -> tuple[Fraction, Fraction]:
+    """(makespan, bubble fraction) of a schedule with uniform costs: a
+    forward through one rank's layers costs `forward`, a backward `backward`,
+    a chunk 1/v of that, transfers are free. The paper's assumption; the
+    bubble is (p-1)/m, or (p-1)/(m·v) interleaved. Zero-bubble kinds: W
+    costs `weight` of the backward (default half) and B the rest, as in
+    ptdp.parallel.pipeline.simulate (bubble (p-1)/(3m) for zb-h1 and
+    (p-1)/(6m) for zbv under F = B = W)."""
+    schedule = build_schedule(kind, p, m, v)
+    costs = compute_costs(schedule, forward, backward, weight)
+    records = play(schedule, lambda r, a: (costs[a.op], 0), lambda r, a: 0)
+    makespan = max(rec.end for row in records for rec in row)
+    busy = max(sum(rec.end - rec.start for rec in row if isinstance(rec.action, Compute))
+               for row in records)
+    return makespan, (makespan - busy) / busy

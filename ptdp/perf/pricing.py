@@ -1,0 +1,447 @@
+"""What one transformer layer, the embedding and the output layer cost, in
+seconds, for one microbatch on one tensor rank of a hardware profile.
+
+Operator model of one transformer layer, one microbatch, one tensor rank
+(b microbatch, s sequence, h hidden, a heads, f MLP width (4h by default),
+t tensor size, E bytes per element of the workload's precision):
+
+  GEMMs, priced by `HardwareProfile.gemm_seconds` (GPUs: output tiles over
+  the SMs in waves, a fixed cost per tile plus k steps, at least the bytes
+  over the bandwidth, see ptdp.perf.gemm; CPUs: a roofline with a
+  saturating efficiency): QKV [b·s, h]×[h, 3h/t]; scores b·a/t ×
+  [s, h/a]×[h/a, s]; context b·a/t × [s, s]×[s, h/a]; projection
+  [b·s, h/t]×[h/t, h]; MLP [b·s, h]×[h, f/t] and [b·s, f/t]×[f/t, h].
+  Backward: for each GEMM the input gradient and the weight gradient, each
+  as much work as the forward. Where the profile has `fused_attention`
+  (the GPU profiles: PyTorch's causal scaled_dot_product_attention runs
+  flash attention there), the score and context GEMMs and the attention
+  core's memory pass are one kernel instead, `HardwareProfile.attention_seconds`
+  over b·a/t sequences (forward in F; backward in B, all of it under
+  zero-bubble schedules; selective recomputation runs its forward again).
+  Memory-bound operators, priced as the bytes they read and write over the
+  bandwidth of their class (`HardwareProfile.memory_seconds`: one HBM
+  bandwidth on GPUs; measured per class by `ptdp calibrate` on CPUs, where
+  eager PyTorch makes e.g. bias+GeLU far slower than a copy): the two
+  LayerNorms ("layer_norm"), scale+mask+softmax and dropout over the
+  b·(a/t)·s² scores ("attention_core"), the q/k/v and context reshapes
+  ("elementwise"), bias+GeLU ("gelu"), two bias+dropout+add ("residual");
+  the byte counts are the functions below (calibrate.py uses the same), and
+  the weight gradients' accumulation into the fp32 buffer. A fixed
+  `launch_overhead` per operator (40 forward, 80 backward per layer, counted
+  on ptdp's eager layer). Tensor parallelism: two all-reduces of b·s·h·E
+  bytes in forward and two in backward (ring: 2(t−1)/t of the bytes over
+  the slowest link of the group and 2(t−1) latency steps, or, where the
+  profile has measured times of a 2-process all-reduce T(bytes), (t−1)·T(2·bytes/t)).
+  Embedding (first virtual stage): gather, position add, dropout, the
+  vocabulary-parallel all-reduce. Output (last virtual stage): final
+  LayerNorm, logits GEMM [b·s, h]×[h, V'/t], the cross entropy's passes
+  over the b·s·V'/t logits and its three small all-reduces.
+  Recomputation: full = the layers' forward again in backward, except the
+  last GEMM of each layer (PyTorch's non-re-entrant checkpoint stops once
+  every saved tensor is rebuilt, see ptdp.train.report) and its
+  all-reduce; selective = the attention core again.
+
+  Sequence parallelism (Layout.sequence_parallel, t > 1): the LayerNorms
+  and the two bias+dropout+adds run on b·s·h/t elements per rank, and so do
+  the embedding's position add and dropout and the final LayerNorm. The
+  tensor-group collectives are all-gathers and reduce-scatters (each half an
+  all-reduce: (t−1)/t of the bytes, t−1 latency steps): forward 2 + 2 per
+  layer (the volume of the 2 all-reduces); backward the row-parallel
+  layers' 2 all-gathers, and for QKV and the MLP's first GEMM the re-gather
+  of the saved s/t input and the input gradient's reduce-scatter, which run
+  under that layer's input-gradient and weight-gradient GEMMs (as ptdp's
+  sequence-parallel linear layer overlaps them): only what outlasts its
+  GEMM is priced; full recomputation 2 all-gathers and the attention's
+  reduce-scatter. The embedding reduce-scatters its lookup (all-gather
+  backward); the output layer all-gathers its input (backward: the
+  re-gather and the reduce-scatter, overlapped the same way).
+  After the flush each gradient bucket holding partial gradients (norms,
+  row-parallel biases, the position table) all-reduces them over the tensor
+  group (fp32) before the data-parallel reduction; that time is counted as
+  "tensor all-reduce" (the category of every tensor-group collective).
+
+  The Llama family's options (g key/value heads, d = h/a): QKV is
+  [b·s, h]×[h, (a+2g)·d/t] and the q/k/v reshapes move (a+2g)·d/t + a·d/t
+  elements per token; the score and context GEMMs still run for a/t query
+  heads. SwiGLU: the first MLP GEMM is [b·s, h]×[h, 2f/t] (gate and up) and
+  the activation reads two inputs ("gelu" class, `swiglu_bytes`). Rotary
+  embeddings: an element-wise pass over q and k (`rotary_bytes`), and no
+  position add in the embedding. RMSNorm is priced as LayerNorm; dropping
+  the biases changes no pass. An untied output layer costs what the tied
+  one does, except that no embedding gradient is summed between the first
+  and the last stage.
+
+Zero-bubble schedules (zb-h1, zbv; Layout.zero_bubble): the backward is
+two computes, priced so that B + W is the fused backward's work exactly
+(the model FLOPs do not change). W (`layer_backward_parts`): the
+weight-gradient GEMMs of QKV, the projection and the two MLP GEMMs
+(SwiGLU's first one [h, 2f/t]), the accumulation of those matrices'
+gradients into the fp32 buffer (the biases' stay in B), and a few launches
+(WEIGHT_GRAD_OPS_PER_LAYER). B: everything else, i.e. the input-gradient
+GEMMs, both halves of the score and context GEMMs' backward (two
+activations, no weight), the memory-bound operators, the norms' and
+embedding's gradients, the whole output layer's backward (ptdp keeps its
+weight gradient in B: deferring it would hold the logits' gradient until
+W), the cross entropy, recomputation and the collectives. Collectives without sequence parallelism are unchanged (f's
+all-reduces, in B). Under sequence parallelism ptdp's deferred linear
+layers overlap nothing: B all-gathers the row-parallel output gradients and
+reduce-scatters the column-parallel input gradients, W re-gathers the saved
+s/t inputs, each priced whole (the fused backward hides what fits under a
+GEMM), so B + W carries more collective time than the fused backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ptdp.perf import analytic
+from ptdp.perf.layout import ByValue, Layout, Workload
+from ptdp.perf.machine import Machine
+from ptdp.perf.operator_bytes import (attention_core_bytes, copy_bytes, cross_entropy_bytes,
+                                      layer_memory_ops, layer_norm_bytes, residual_bytes)
+from ptdp.perf.profiles import HardwareProfile
+
+FORWARD_OPS_PER_LAYER = 40        # operators one layer's forward launches (ptdp.model.gpt, eager)
+BACKWARD_OPS_PER_LAYER = 80
+# Of those, a zero-bubble W's (ptdp.parallel.weight_grad): per linear layer
+# its weight-gradient product, the cast and the accumulation into .grad.
+WEIGHT_GRAD_OPS_PER_LAYER = 12
+HEAD_BACKWARD_OPS = 24
+# The GEMMs of a layer with weights (layer_gemms' names); scores and context
+# multiply two activations, so both halves of their backward are input gradients.
+LINEAR_GEMMS = ("qkv", "proj", "mlp_up", "mlp_down")
+ROTARY_FORWARD_OPS = 12           # rotating q and k: chunk, neg, cat, two muls, add, each
+GRAD_BYTES = 4                    # ptdp keeps and reduces gradients in fp32
+
+
+@dataclass
+class Cost:
+    """Seconds of one piece of work. `work` is processor work (GEMMs, memory
+    operators, launches) by category; `comm` is collective time."""
+    work: dict[str, float] = field(default_factory=dict)
+    comm: float = 0.0
+
+    def add(self, category: str, seconds: float) -> "Cost":
+        self.work[category] = self.work.get(category, 0.0) + seconds
+        return self
+
+    def __iadd__(self, other: "Cost") -> "Cost":
+        for category, seconds in other.work.items():
+            self.add(category, seconds)
+        self.comm += other.comm
+        return self
+
+    @property
+    def total_work(self) -> float:
+        return sum(self.work.values())
+
+    def scaled(self, factor: float) -> "Cost":
+        """`factor` times this work (the same operators run `factor` times)."""
+        return Cost({category: seconds * factor for category, seconds in self.work.items()},
+                    self.comm * factor)
+
+
+class OperatorModel:
+    """Seconds of the pieces of one microbatch on one tensor rank (see the module docstring)."""
+
+    def __init__(self, workload: Workload, layout: Layout, profile: HardwareProfile,
+                 machine: Machine, threads: int = 1):
+        self.w, self.lay, self.prof, self.machine = workload, layout, profile, machine
+        self.threads = threads
+        model = workload.model
+        self.h, self.a, self.s = model.hidden_size, model.num_attention_heads, model.seq_length
+        self.f, self.l = model.ffn_size, model.num_layers
+        self.g, self.d = model.query_groups, model.head_dim     # key/value heads, head size
+        self.V = model.padded_vocab_size(layout.t)
+        self.E = workload.bytes_per_element
+        self.prec = workload.precision
+        self.b, self.t = layout.b, layout.t
+        # Sequence parallelism: a rank's norms, dropout and residual adds see
+        # n/t of the b·s·h elements, and its tensor-group collectives are
+        # all-gathers and reduce-scatters.
+        self.sp = layout.splits_sequence
+        self.attention_dropout = model.attention_dropout > 0
+        self.hidden_dropout = model.hidden_dropout > 0
+        # Costs already priced (`stage_costs`): every layer of a shape costs the same.
+        self.memo: dict[tuple, "ChunkCosts"] = {}
+        self.model_key = ByValue(model)
+
+    # -- building blocks ------------------------------------------------------------------
+    def gemm(self, m: int, n: int, k: int, batch: int = 1) -> float:
+        return self.prof.gemm_seconds(m, n, k, batch=batch, precision=self.prec,
+                                      bytes_per_element=self.E) / self.prof.thread_factor(self.threads)
+
+    def gemm_backward(self, m: int, n: int, k: int, batch: int = 1) -> float:
+        """Input gradient [m, n]×[n, k] and weight gradient [k, m]×[m, n]."""
+        return self.gemm(m, k, n, batch) + self.gemm(k, n, m, batch)
+
+    def memory(self, nbytes: float, op: str = "elementwise") -> float:
+        return self.prof.memory_seconds(nbytes, op) / self.prof.thread_factor(self.threads, op)
+
+    def launches(self, count: float) -> float:
+        return count * self.prof.launch_overhead
+
+    def outside(self) -> int:
+        """Elements of the [s, b, h] activations one rank holds between the
+        tensor-parallel regions: b·s·h, or b·s·h/t under sequence parallelism."""
+        n = self.b * self.s * self.h
+        return n // self.t if self.sp else n
+
+    def tensor_collectives(self, all_reduces: int = 0, gathers: int = 0) -> float:
+        """Seconds of `all_reduces` ring all-reduces and `gathers` all-gathers
+        or reduce-scatters of b·s·h elements in the tensor group."""
+        nbytes = self.b * self.s * self.h * self.E
+        return (all_reduces * self.machine.tensor_allreduce(nbytes)
+                + gathers * self.machine.tensor_allgather(nbytes))
+
+    # -- one transformer layer ------------------------------------------------------------
+    def layer_gemms(self) -> dict[str, tuple[int, int, int, int]]:
+        """(m, n, k, batch) of each GEMM of a layer's forward. Grouped
+        queries narrow QKV to (a + 2g)·d columns; the score and context
+        products run for all a query heads; SwiGLU's first matrix has the
+        gate's and up's f/t columns each."""
+        b, s, h, a, t, f, g, d = self.b, self.s, self.h, self.a, self.t, self.f, self.g, self.d
+        up = 2 * f if self.w.model.swiglu else f
+        return {"qkv": (b * s, (a + 2 * g) * d // t, h, 1),
+                "scores": (s, s, d, b * a // t),
+                "context": (s, d, s, b * a // t),
+                "proj": (b * s, h, a * d // t, 1),
+                "mlp_up": (b * s, up // t, h, 1),
+                "mlp_down": (b * s, h, f // t, 1)}
+
+    def attention_core_ops(self) -> list[tuple[str, float, float]]:
+        """The attention core's memory pass over the scores; none where the
+        fused kernel keeps the scores on chip."""
+        if self.prof.fused_attention:
+            return []
+        S = self.b * (self.a // self.t) * self.s * self.s
+        return [("attention_core", *attention_core_bytes(S, self.E, self.attention_dropout))]
+
+    def fused_attention_seconds(self) -> tuple[float, float]:
+        """(forward, backward) of the fused attention kernel over the b·a/t
+        causal sequences of a rank; (0, 0) where the profile prices the
+        attention core as GEMMs and a memory pass."""
+        if not self.prof.fused_attention:
+            return 0.0, 0.0
+        forward, backward = self.prof.attention_seconds(
+            self.b * self.a // self.t, self.s, self.d, causal=True, precision=self.prec,
+            bytes_per_element=self.E)
+        factor = self.prof.thread_factor(self.threads)
+        return forward / factor, backward / factor
+
+    def unfused_gemms(self) -> dict[str, tuple[int, int, int, int]]:
+        """`layer_gemms` less the score and context products where the fused
+        attention kernel computes them."""
+        shapes = self.layer_gemms()
+        if self.prof.fused_attention:
+            del shapes["scores"], shapes["context"]
+        return shapes
+
+    def unfused_memory(self) -> list[tuple[str, float, float]]:
+        """`layer_memory` less the attention core's pass where it is fused."""
+        ops = self.layer_memory()
+        return [op for op in ops if op[0] != "attention_core"] if self.prof.fused_attention else ops
+
+    def layer_memory(self) -> list[tuple[str, float, float]]:
+        """(class, forward bytes, backward bytes) of a layer's memory-bound operators."""
+        n, E, t = self.b * self.s * self.h, self.E, self.t
+        tokens, a, g, d = self.b * self.s, self.a, self.g, self.d
+        model = self.w.model
+        return layer_memory_ops(n, n // t, self.b * self.s * self.f // t,
+                                self.b * (self.a // t) * self.s * self.s, E,
+                                hidden_dropout=self.hidden_dropout,
+                                attention_dropout=self.attention_dropout,
+                                heads_local=tokens * ((a + 2 * g) * d + a * d) // t,
+                                swiglu=model.swiglu,
+                                rotated=tokens * (a + g) * d // t if model.rope else 0,
+                                outside=self.outside())
+
+    def memory_ops_seconds(self, ops: list[tuple[str, float, float]], backward: bool) -> float:
+        return sum(self.memory(bwd if backward else fwd, op) for op, fwd, bwd in ops)
+
+    def _rotary_ops(self) -> int:
+        return ROTARY_FORWARD_OPS if self.w.model.rope else 0
+
+    def layer_parameters(self) -> int:
+        return sum(analytic._layer_parameters(self.w.model, self.t))
+
+    def layer_forward(self, category: str = "forward compute") -> Cost:
+        gemms = sum(self.gemm(*shape[:3], shape[3]) for shape in self.unfused_gemms().values())
+        gemms += self.fused_attention_seconds()[0]
+        cost = Cost().add(category, gemms + self.memory_ops_seconds(self.unfused_memory(), False)
+                          + self.launches(FORWARD_OPS_PER_LAYER + self._rotary_ops()))
+        # g after attention and after the MLP; under sequence parallelism an
+        # all-gather into each region and a reduce-scatter out of it.
+        cost.comm = self.tensor_collectives(gathers=4) if self.sp else self.tensor_collectives(2)
+        return cost
+
+    def layer_backward(self) -> Cost:
+        gemms = sum(self.gemm_backward(*shape[:3], shape[3])
+                    for shape in self.unfused_gemms().values())
+        gemms += self.fused_attention_seconds()[1]
+        # Accumulating into the fp32 buffer: read it and the new gradient, write it.
+        grad_accumulation = self.layer_parameters() * (2 * GRAD_BYTES + (GRAD_BYTES if self.E == 4
+                                                                          else self.E))
+        cost = Cost().add("backward compute",
+                          gemms + self.memory_ops_seconds(self.unfused_memory(), True)
+                          + self.memory(grad_accumulation)
+                          + self.launches(BACKWARD_OPS_PER_LAYER + 2 * self._rotary_ops()))
+        if not self.sp:   # f's all-reduces before QKV and the MLP
+            cost.comm = self.tensor_collectives(2)
+            return cost
+        # The row-parallel layers' all-gathers of their output gradients,
+        # then for QKV and the MLP's first GEMM the overlapped pair (see
+        # `sequence_parallel_linear_backward_exposed`).
+        shapes = self.layer_gemms()
+        cost.comm = (self.tensor_collectives(gathers=2)
+                     + self.sequence_parallel_linear_backward_exposed(shapes["qkv"])
+                     + self.sequence_parallel_linear_backward_exposed(shapes["mlp_up"]))
+        return cost
+
+    def layer_backward_parts(self) -> tuple[Cost, Cost]:
+        """(B, W) of a layer under a zero-bubble schedule: `layer_backward`
+        split in two with the same work. W: the weight-gradient GEMMs of QKV,
+        the projection and the two MLP GEMMs (SwiGLU's first one twice as
+        wide), the accumulation of those four matrices' gradients into the
+        fp32 buffer and WEIGHT_GRAD_OPS_PER_LAYER launches. B: all the rest
+        (input-gradient GEMMs, both halves of the score and context GEMMs'
+        backward, the memory-bound operators, the norms' and biases' gradient
+        accumulation (ptdp adds the biases outside the products, in its fused
+        bias operators), the remaining launches, the collectives).
+        Collectives: without sequence parallelism f's two all-reduces, in B.
+        Under it nothing overlaps any more (ptdp's deferred
+        _SequenceParallelLinear): B all-gathers the row-parallel layers'
+        output gradients and reduce-scatters the column-parallel layers'
+        input gradients, W re-gathers their saved s/t inputs, each exposed.
+        A fused attention kernel's backward (no weights) is all in B."""
+        shapes = self.unfused_gemms()
+        input_grads = sum(self.gemm(m, k, n, batch) for m, n, k, batch in shapes.values())
+        input_grads += self.fused_attention_seconds()[1]
+        weight_grads = 0.0
+        for name, (m, n, k, batch) in shapes.items():
+            if name in LINEAR_GEMMS:
+                weight_grads += self.gemm(k, n, m, batch)
+            else:
+                input_grads += self.gemm(k, n, m, batch)
+        per_element = 2 * GRAD_BYTES + (GRAD_BYTES if self.E == 4 else self.E)
+        # The four weight matrices: their [out, in] elements are the GEMMs' n·k.
+        weights = sum(n * k for name, (_, n, k, _) in shapes.items() if name in LINEAR_GEMMS)
+        others = self.layer_parameters() - weights      # norms and biases
+        launches = BACKWARD_OPS_PER_LAYER + 2 * self._rotary_ops()
+        b = Cost().add("backward compute",
+                       input_grads + self.memory_ops_seconds(self.unfused_memory(), True)
+                       + self.memory(others * per_element)
+                       + self.launches(launches - WEIGHT_GRAD_OPS_PER_LAYER))
+        w = Cost().add("backward compute", weight_grads + self.memory(weights * per_element)
+                       + self.launches(WEIGHT_GRAD_OPS_PER_LAYER))
+        if self.sp:
+            b.comm = self.tensor_collectives(gathers=4)
+            w.comm = self.tensor_collectives(gathers=2)
+        else:
+            b.comm = self.tensor_collectives(2)
+        return b, w
+
+    def sequence_parallel_linear_backward_exposed(self, shape: tuple[int, int, int, int]) -> float:
+        """Collective seconds a column-parallel layer's backward adds under
+        sequence parallelism beyond its GEMMs: the re-gather of its saved
+        s/t input runs under the input gradient's product and the
+        reduce-scatter of that gradient under the weight gradient's
+        (ptdp.parallel.tensor._SequenceParallelLinear); only what outlasts
+        its GEMM is exposed."""
+        m, n, k, batch = shape
+        gather = self.tensor_collectives(gathers=1)
+        return (max(0.0, gather - self.gemm(m, k, n, batch))
+                + max(0.0, gather - self.gemm(k, n, m, batch)))
+
+    def layer_recompute(self, kind: str | None) -> Cost:
+        if kind is None:
+            return Cost()
+        if kind == "selective":
+            if self.prof.fused_attention:     # the fused kernel's forward again
+                return Cost().add("recompute", self.fused_attention_seconds()[0] + self.launches(8))
+            shapes = self.layer_gemms()
+            seconds = (self.gemm(*shapes["scores"][:3], shapes["scores"][3])
+                       + self.gemm(*shapes["context"][:3], shapes["context"][3])
+                       + self.memory_ops_seconds(self.attention_core_ops(), False) + self.launches(8))
+            return Cost().add("recompute", seconds)
+        if kind == "full":
+            # The whole forward but its last GEMM (MLP 4h->h), whose all-reduce
+            # (reduce-scatter) and bias+dropout+add also do not run again.
+            forward = self.layer_forward("recompute")
+            shape = self.layer_gemms()["mlp_down"]
+            skipped = (self.gemm(*shape[:3], shape[3])
+                       + self.memory(residual_bytes(self.outside(), self.E,
+                                                    self.hidden_dropout)[0], "residual")
+                       + self.launches(6))
+            forward.work["recompute"] -= skipped
+            forward.comm = (self.tensor_collectives(gathers=3) if self.sp
+                            else self.tensor_collectives(1))
+            return forward
+        raise ValueError(f"unknown recomputation {kind!r}: use None, 'selective' or 'full'")
+
+    # -- first and last stage ----------------------------------------------------------------
+    def embedding_forward(self) -> Cost:
+        """The vocabulary-parallel lookup of all b·s tokens, the position add
+        and dropout on the positions a rank keeps (s/t of them under sequence
+        parallelism, where the lookup's parts are reduce-scattered straight
+        to them instead of all-reduced)."""
+        n, kept = self.b * self.s * self.h, self.outside()
+        positions = 0.0 if self.w.model.rope else self.memory(copy_bytes(kept, self.E)[0])
+        seconds = (self.memory(3 * n * self.E) + positions                             # gather
+                   + self.memory(residual_bytes(kept, self.E, self.hidden_dropout)[0], "residual")
+                   + self.launches(8))
+        cost = Cost().add("forward compute", seconds)
+        cost.comm = self.tensor_collectives(gathers=1) if self.sp else self.tensor_collectives(1)
+        return cost
+
+    def embedding_backward(self) -> Cost:
+        n = self.b * self.s * self.h
+        table = self.V // self.t * self.h
+        cost = Cost().add("backward compute",
+                          self.memory(4 * n * self.E + table * (self.E + 2 * GRAD_BYTES))
+                          + self.launches(8))
+        if self.sp:   # the reduce-scatter's gradient: all-gather the positions' gradients
+            cost.comm = self.tensor_collectives(gathers=1)
+        return cost
+
+    def _logit_elements(self) -> int:
+        return self.b * self.s * self.V // self.t
+
+    def head_forward(self) -> Cost:
+        """Final LayerNorm, logits, cross entropy (about six passes over the
+        logits). Under sequence parallelism the norm runs on s/t positions
+        and the logits GEMM gathers the sequence first."""
+        logits = self._logit_elements()
+        seconds = (self.gemm(self.b * self.s, self.V // self.t, self.h)
+                   + self.memory(layer_norm_bytes(self.outside(), self.E)[0], "layer_norm")
+                   + self.memory(cross_entropy_bytes(logits)[0], "cross_entropy")
+                   + self.launches(20))
+        cost = Cost().add("forward compute", seconds)
+        cost.comm = 3 * self.machine.tensor_allreduce(self.b * self.s * 4)
+        if self.sp:
+            cost.comm += self.tensor_collectives(gathers=1)
+        return cost
+
+    def head_backward(self) -> Cost:
+        logits = self._logit_elements()
+        table = self.V // self.t * self.h
+        seconds = (self.gemm_backward(self.b * self.s, self.V // self.t, self.h)
+                   + self.memory(layer_norm_bytes(self.outside(), self.E)[1], "layer_norm")
+                   + self.memory(cross_entropy_bytes(logits)[1], "cross_entropy")
+                   + self.memory(table * 2 * GRAD_BYTES)
+                   + self.launches(HEAD_BACKWARD_OPS))
+        cost = Cost().add("backward compute", seconds)
+        # f before the logits; under sequence parallelism the re-gather of
+        # the saved slice and the input gradient's reduce-scatter, each under
+        # one of the logits' backward GEMMs.
+        cost.comm = (self.sequence_parallel_linear_backward_exposed(
+            (self.b * self.s, self.V // self.t, self.h, 1)) if self.sp
+            else self.tensor_collectives(1))
+        return cost
+
+    # -- parameters --------------------------------------------------------------------------
+    def stage_parameters(self, first: bool, last: bool, layers: int) -> int:
+        """Parameters of one virtual stage on one tensor rank (analytic.py's count)."""
+        shared = self.w.model.tied_output and self.lay.p > 1
+        return sum(param.numel for param in analytic._stage_parameters(
+            self.w.model, self.t, layers, first, last, shared))

@@ -1,0 +1,128 @@
+"""F, B (and W) of every (rank, chunk) of a layout: the operator prices of
+ptdp.perf.pricing summed over a virtual stage's layers, its embedding and
+its output layer.
+
+Every layer of a shape costs the same, so a stage is one layer's costs
+times its layers. Costs are keyed by (rank, chunk); whether a chunk has the
+embedding or the output layer follows its virtual stage
+(`virtual_stage_of`: under zbv rank 0 holds stage 0 and stage 2p−1). What
+one microbatch costs on one tensor rank depends only on t, b, sequence
+parallelism and the threads each process gets, so a search shares one
+OperatorModel (`operator_model`) among every layout that has them.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from ptdp.parallel.pipeline.actions import ScheduleError, virtual_stage_of
+from ptdp.perf import analytic
+from ptdp.perf.layout import ByIdentity, ByValue, Layout, Workload
+from ptdp.perf.machine import Machine
+from ptdp.perf.pricing import Cost, OperatorModel
+from ptdp.perf.profiles import HardwareProfile
+
+
+@dataclass
+class ChunkCosts:
+    forward: Cost
+    backward: Cost          # includes recomputation; zero-bubble kinds: B only
+    parameters: int
+    weight: Cost | None = None   # zero-bubble kinds: W (the weight gradients)
+
+    def of(self, op: str) -> Cost:
+        """The cost of a Compute's op: "F", "B" or "W"."""
+        cost = {"F": self.forward, "B": self.backward, "W": self.weight}[op]
+        if cost is None:
+            raise ScheduleError("a W compute under a schedule whose backward is not split")
+        return cost
+
+
+def chunk_costs(ops: OperatorModel, layout: Layout, rank: int, chunk: int) -> ChunkCosts:
+    """The costs of (rank, chunk): its virtual stage under the layout's
+    schedule (zbv's V places rank 0's chunk 1 at the last stage) decides
+    whether it has the embedding or the output layer. Zero-bubble kinds
+    split the backward into B and W (OperatorModel.layer_backward_parts)."""
+    return layout_chunk_costs(ops, layout)[(rank, chunk)]
+
+
+def layout_chunk_costs(ops: OperatorModel, layout: Layout) -> dict[tuple[int, int], ChunkCosts]:
+    """`chunk_costs` of every (rank, chunk) of `layout`."""
+    p, v, kind = layout.p, layout.v, layout.schedule_kind
+    stages = layout.stage_layers(ops.l)
+    parameters = parameter_counts(ops.model_key, analytic.placement_of_parameters(layout))
+    costs = {}
+    for rank in range(p):
+        for chunk in range(v):
+            stage = virtual_stage_of(kind, p, v, rank, chunk)
+            priced = stage_costs(ops, layout.recompute, layout.zero_bubble, stage == 0,
+                                 stage == p * v - 1, stages[stage])
+            costs[(rank, chunk)] = ChunkCosts(priced.forward, priced.backward,
+                                              parameters[rank][chunk], priced.weight)
+    return costs
+
+
+def stage_costs(ops: OperatorModel, recompute: str | None, zero_bubble: bool, first: bool,
+                last: bool, layers: int) -> ChunkCosts:
+    """F, B (and W) of a virtual stage of `layers` transformer layers, with
+    the embedding (`first`) and the output layer (`last`), priced once per
+    OperatorModel: one layer's costs times `layers` (the parameters are
+    left 0; chunk_costs fills them in)."""
+    key = (recompute, zero_bubble, first, last, layers)
+    if key in ops.memo:
+        return ops.memo[key]
+    layer = ops.memo.get((recompute, zero_bubble))
+    if layer is None:
+        recomputed = ops.layer_recompute(recompute)
+        if zero_bubble:
+            b, w = ops.layer_backward_parts()
+        else:
+            b, w = ops.layer_backward(), None
+        backward = Cost()
+        backward += recomputed
+        backward += b
+        layer = ops.memo[(recompute, zero_bubble)] = ChunkCosts(ops.layer_forward(), backward, 0,
+                                                                 w)
+    forward, backward = layer.forward.scaled(layers), layer.backward.scaled(layers)
+    weight = layer.weight.scaled(layers) if zero_bubble else None
+    if first:
+        forward = _plus(ops.embedding_forward(), forward)
+    if last:
+        forward += ops.head_forward()
+        backward += ops.head_backward()  # also under zero-bubble: see the module docstring
+    if first:
+        backward += ops.embedding_backward()
+    costs = ops.memo[key] = ChunkCosts(forward, backward, 0, weight)
+    return costs
+
+
+def _plus(a: Cost, b: Cost) -> Cost:
+    total = Cost()
+    total += a
+    total += b
+    return total
+
+
+@functools.lru_cache(maxsize=16384)
+def parameter_counts(model: ByValue, placement: Layout) -> tuple[tuple[int, ...], ...]:
+    """Parameters of each (rank, chunk) on one tensor rank, [rank][chunk]."""
+    return tuple(tuple(sum(param.numel for param in analytic._chunk_parameters(
+        model.value, placement, rank, chunk)) for chunk in range(placement.v))
+        for rank in range(placement.p))
+
+
+@functools.lru_cache(maxsize=1024)
+def _operator_model(workload: ByValue, t: int, b: int, sequence_parallel: bool,
+                    profile: ByIdentity, threads: int) -> OperatorModel:
+    layout = Layout(t=t, b=b, sequence_parallel=sequence_parallel)
+    return OperatorModel(workload.copy(), layout, profile.value, Machine(layout, profile.value),
+                         threads)
+
+
+def operator_model(workload: Workload, layout: Layout, profile: HardwareProfile) -> OperatorModel:
+    """The OperatorModel of `layout` (what one microbatch costs on one
+    tensor rank depends only on t, b, sequence parallelism and the threads
+    each process gets), shared by every layout of a search that has them."""
+    return _operator_model(ByValue(workload), layout.t, layout.b, layout.splits_sequence,
+                           ByIdentity(profile), profile.threads_per_process(layout.devices))
