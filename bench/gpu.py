@@ -61,6 +61,7 @@ import resource
 import statistics
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -674,6 +675,7 @@ def main(argv: list[str] | None = None) -> int:
         + (f" (data sheet: {datasheet_peak:g})" if datasheet_peak else " (no data-sheet figure)"))
 
     capacity = device_memory_bytes(device)
+    failed_runs = 0
     for requested in suite.runs:
         run, predicted, problem = fit_micro_batch(requested, capacity)
         entry = run_description(run)
@@ -692,14 +694,22 @@ def main(argv: list[str] | None = None) -> int:
         say(f"{run.label}: b = {run.micro_batch}, m = {run.microbatches}, "
             f"{run.warmup} warm-up + {run.iterations} timed iterations")
         oom = False
+        failure = None
         try:
             entry.update(measure(run, device, matmul_peak, datasheet_peak, deadline))
         except torch.cuda.OutOfMemoryError:
             oom = True  # handled outside the except block, whose traceback holds the tensors
-        if oom:
+        except Exception as error:  # noqa: BLE001 - one run's failure must not lose the others' figures
+            traceback.print_exc()
+            failure = f"failed: {type(error).__name__}: {str(error).splitlines()[0]}"
+        if oom or failure:
             release_memory(device)
-            entry["skipped"] = ("out of memory" + (f" ({predicted / GIB:.0f} GiB predicted)"
-                                                   if predicted else ""))
+            if oom:
+                entry["skipped"] = ("out of memory" + (f" ({predicted / GIB:.0f} GiB predicted)"
+                                                       if predicted else ""))
+            else:
+                entry["skipped"] = failure
+                failed_runs += 1
             say(f"{run.label}: {entry['skipped']}")
         else:
             say(f"{run.label}: {entry['tokens_per_s']:,.0f} tokens/s, "
@@ -709,7 +719,7 @@ def main(argv: list[str] | None = None) -> int:
         report["runs"].append(entry)
 
     finish(report, args, started)
-    return 0
+    return 1 if failed_runs else 0
 
 
 def count_parameters_of(model: ModelConfig) -> int:

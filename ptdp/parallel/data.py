@@ -33,6 +33,7 @@ bucket's such gradients, once per iteration), then reduced like the rest.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,6 +127,18 @@ class GradBuffer:
         self.grad_data = torch.zeros(self.numel, dtype=torch.float32, device=device)
         self.alias_grads = param_dtype == torch.float32
         self._bucket_of: dict[nn.Parameter, Bucket] = {}
+        # The hook reaches the buffer through a weak reference: a parameter's
+        # hooks are held where Python's garbage collector does not look, so a
+        # strong one would keep this buffer (and every gradient and weight in
+        # it) alive after its trainer is gone, in any process that builds a
+        # second one (a benchmark, a notebook, the tests).
+        on_grad_of = weakref.WeakMethod(self._on_grad)
+
+        def on_grad(param: nn.Parameter) -> None:
+            method = on_grad_of()
+            if method is not None:
+                method(param)
+
         for bucket in self.buckets:
             for param in bucket.params:
                 self._bucket_of[param] = bucket
@@ -140,7 +153,7 @@ class GradBuffer:
             if self.alias_grads:
                 # fp32: autograd accumulates straight into the buffer.
                 param.grad = param.main_grad
-            param.register_post_accumulate_grad_hook(self._on_grad)
+            param.register_post_accumulate_grad_hook(on_grad)
         self.grad_shard = (torch.zeros(self.numel // d, dtype=torch.float32, device=device)
                            if shard else None)
         self._counts: dict[nn.Parameter, int] = {}

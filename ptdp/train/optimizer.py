@@ -32,6 +32,9 @@ from ptdp.parallel.sharding import COPY_ATTR, SHARD_ATTR
 from ptdp.parallel.topology import ParallelContext
 from ptdp.train.lr_schedule import LRSchedule
 
+# The longest run of gradient elements given to one torch.dot (see step).
+DOT_PIECE = 1 << 30
+
 
 def counts_in_norm(param: torch.nn.Parameter, ctx: ParallelContext) -> bool:
     if getattr(param, COPY_ATTR, False):
@@ -191,8 +194,11 @@ class Optimizer:
         # of two of each.
         norm_sq = torch.zeros((), dtype=torch.float32, device=grads.device)
         for start, end in self.norm_ranges:
-            segment = grads[start:end]
-            norm_sq += torch.dot(segment, segment)
+            # BLAS dot takes a 32-bit length (CUDA refuses 2^31 elements and
+            # more, a 2.7 B-parameter model's one buffer): long ranges go in pieces.
+            for piece in range(start, end, DOT_PIECE):
+                segment = grads[piece:min(end, piece + DOT_PIECE)]
+                norm_sq += torch.dot(segment, segment)
         group = self._norm_group()
         if group is not None:
             dist.all_reduce(norm_sq, group=group)
