@@ -7,6 +7,7 @@ also shown to fail on a small synthetic graph, so that a reintroduced cycle
 or upward import cannot pass unnoticed."""
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "ptdp"
@@ -242,3 +243,28 @@ def test_the_flop_formula_lives_in_perf():
 def test_training_does_not_import_the_command_line():
     for path in (ROOT / "train").glob("*.py"):
         assert not any(m == "ptdp.cli" or m.startswith("ptdp.cli.") for m in _imports(path)), path.name
+
+
+def _readme_layers() -> list[tuple[str, set[str]]]:
+    """The README's map of the layers (the table after `<!-- layers -->`):
+    each row's name and the packages it names in its second column."""
+    readme = (ROOT.parent / "README.md").read_text()
+    table = readme.split("<!-- layers -->\n", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    rows = []
+    for row in table:
+        name, packages = [cell.strip() for cell in row.strip("|").split("|")][:2]
+        rows.append((name, set(re.findall(r"`(ptdp\.[\w.]+)`", packages))))
+    return rows
+
+
+def test_the_readme_map_of_the_layers_is_the_one_enforced_here():
+    """README.md's architecture table lists the layers of LAYERS, top to
+    bottom, each with its packages, and names the within-layer rules."""
+    rows = _readme_layers()
+    assert [name for name, _ in rows] == [name for name, _ in LAYERS]
+    for (name, shown), (_, enforced) in zip(rows, LAYERS):
+        assert shown == set(enforced), name
+    readme = (ROOT.parent / "README.md").read_text()
+    for importer, forbidden in NOT_WITHIN_A_LAYER.items():
+        for module in forbidden:
+            assert f"not `{module}` from `{importer}`" in readme, (importer, module)

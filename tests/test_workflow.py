@@ -7,14 +7,13 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from doc_commands import commands
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _workflow_commands() -> list[str]:
-    readme = (ROOT / "README.md").read_text()
-    block = re.search(r"<!-- workflow -->\n```bash\n(.*?)```", readme, re.S)
-    assert block, "README.md lost its workflow block"
-    return [line for line in block.group(1).splitlines() if line and not line.startswith("#")]
+    return commands("workflow")
 
 
 def test_the_readme_workflow_works_as_written(tmp_path):

@@ -41,11 +41,14 @@ version, so a run that keeps its cache keeps its order across an upgrade.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import operator
 import os
+import sys
+import time
 import uuid
 import warnings
 from pathlib import Path
@@ -363,9 +366,13 @@ def _write_atomically(path: Path, write: Callable) -> None:
 
 
 def _cached_or_built(cache: _IndexCache, names: Sequence[str], check: Callable[[dict], None],
-                     build: Callable[[], dict] | None) -> dict:
+                     build: Callable[[], dict] | None,
+                     announce: Callable[[Path], None] | None = None) -> tuple[dict, bool]:
     """Load the index; when `build` is given (the builder rank) build and
-    save it if it is missing or unusable."""
+    save it if it is missing or unusable. Returns (arrays, whether built).
+    A build is announced on stderr (ptdp.status.phase), or, where the caller
+    reports several indices at once, by calling `announce(cache directory)`
+    first and printing nothing."""
     try:
         arrays = cache.load(names, check)
     except _CacheInvalid as problem:
@@ -376,18 +383,19 @@ def _cached_or_built(cache: _IndexCache, names: Sequence[str], check: Callable[[
         warnings.warn(f"rebuilding the dataset index: {problem}", stacklevel=3)
         arrays = None
     if arrays is not None:
-        return arrays
+        return arrays, False
     if build is None:
         raise DataError(
             f"the dataset index {cache.description_path} does not exist, although the building rank "
             f"has written it before the barrier: the cache directory is not shared by all ranks "
             f"(e.g. a node-local disk); give --data-cache-path a directory on a file system every "
             f"node sees")
-    with phase(f"building the dataset index {cache.stem} in {cache.directory}"):
+    with (phase(f"building the dataset index {cache.stem} in {cache.directory}") if announce is None
+          else contextlib.nullcontext(announce(cache.directory))):
         arrays = build()
         check(arrays)  # a bug here must not be cached
         cache.save(arrays)
-    return arrays
+    return arrays, True
 
 
 # ---------------------------------------------------------------- datasets
@@ -398,7 +406,7 @@ class GPTDataset:
 
     def __init__(self, indexed: IndexedDataset, prefix: str, documents: range, *, split_name: str,
                  num_samples: int, seq_length: int, seed: int, cache_dir: Path | None,
-                 build: bool = True):
+                 build: bool = True, announce: Callable[[Path], None] | None = None):
         if not isinstance(documents, range) or documents.step != 1 or documents.start < 0 \
                 or documents.stop > len(indexed):
             raise DataError(f"{prefix}: documents {documents} are not a contiguous range within "
@@ -427,10 +435,10 @@ class GPTDataset:
                 "samples": len(self)}
         cache = _IndexCache(self.cache_dir, f"{self.cache_key}-GPTDataset-{_safe_label(split_name)}",
                             settings, info)
-        arrays = _cached_or_built(
+        arrays, self.built = _cached_or_built(
             cache, ("document_index", "sample_index", "shuffle_index"), self._check_index,
             (lambda: build_gpt_index(lengths, seq_length=seq_length, seed=seed,
-                                     num_epochs=self.num_epochs)) if build else None)
+                                     num_epochs=self.num_epochs)) if build else None, announce)
         self.document_index = arrays["document_index"]
         self.sample_index = arrays["sample_index"]
         self.shuffle_index = arrays["shuffle_index"]
@@ -497,7 +505,8 @@ class BlendedDataset:
     """Samples drawn from several datasets by weight (see build_blend_index)."""
 
     def __init__(self, datasets: list, weights: list[float], num_samples: int, *, seed: int,
-                 cache_dir: Path | None, build: bool = True, description: str):
+                 cache_dir: Path | None, build: bool = True, description: str,
+                 announce: Callable[[Path], None] | None = None):
         if len(datasets) != len(weights) or not datasets:
             raise DataError(f"blend {description}: {len(datasets)} datasets but "
                             f"{len(weights)} weights")
@@ -524,8 +533,9 @@ class BlendedDataset:
         info = {"description": description,
                 "prefixes": [getattr(dataset, "prefix", None) for dataset in datasets]}
         cache = _IndexCache(self.cache_dir, stem, settings, info)
-        arrays = _cached_or_built(cache, ("dataset_index", "dataset_sample_index"), self._check_index,
-                                  self._build if build else None)
+        arrays, self.built = _cached_or_built(cache, ("dataset_index", "dataset_sample_index"),
+                                              self._check_index, self._build if build else None,
+                                              announce)
         self.dataset_index = arrays["dataset_index"]
         self.dataset_sample_index = arrays["dataset_sample_index"]
 
@@ -600,6 +610,38 @@ def check_gpt_datasets(data_path: list[str], split: str, num_samples: tuple[int,
     return weighted, indexed, ranges, wanted
 
 
+class _BuildReport:
+    """All the indices of a run's splits and blend in two lines on stderr,
+    printed only when something is built (a cached index is just read):
+    "ptdp: building the dataset index in DIR ..." before the first build,
+    and at the end what was built and how long it took."""
+
+    def __init__(self):
+        self.started: float | None = None
+        self.directories: list[Path] = []
+
+    def announce(self, directory: Path) -> None:
+        if self.started is None:
+            print(f"ptdp: building the dataset index in {directory} ...", file=sys.stderr,
+                  flush=True)
+            self.started = time.perf_counter()
+        if directory not in self.directories:
+            self.directories.append(directory)
+
+    def done(self, datasets: Sequence, weighted: list[tuple[float, str]]) -> None:
+        if self.started is None:
+            return
+        source = (weighted[0][1] if len(weighted) == 1 else
+                  "a blend of " + ", ".join(f"{weight:g} {prefix}" for weight, prefix in weighted))
+        splits = ", ".join(f"{name} {len(dataset):,}" for name, dataset in zip(SPLIT_NAMES, datasets)
+                           if dataset is not None)
+        others = [str(d) for d in self.directories[1:]]
+        print(f"ptdp: built the dataset index of {source} (samples: {splits}) in "
+              f"{time.perf_counter() - self.started:.1f} s"
+              + (f"; also cached in {', '.join(others)}" if others else ""),
+              file=sys.stderr, flush=True)
+
+
 def build_gpt_datasets(data_path: list[str], split: str, num_samples: tuple[int, int, int], *,
                        seq_length: int, seed: int, cache_dir: str | None = None,
                        is_builder: bool = True, barrier: Callable[[], None] | None = None,
@@ -613,6 +655,7 @@ def build_gpt_datasets(data_path: list[str], split: str, num_samples: tuple[int,
                                                            seq_length=seq_length, warn=is_builder,
                                                            mmap_bin_files=mmap_bin_files)
     directory = Path(cache_dir) if cache_dir is not None else None
+    building = _BuildReport()
 
     def build_all(build: bool) -> list:
         result = [None, None, None]
@@ -621,14 +664,17 @@ def build_gpt_datasets(data_path: list[str], split: str, num_samples: tuple[int,
             parts = [GPTDataset(indexed[prefix], prefix, ranges[prefix][k], split_name=name,
                                 num_samples=(num_samples[k] if len(weighted) == 1 else
                                              math.ceil(weight * num_samples[k] * BLEND_MARGIN)),
-                                seq_length=seq_length, seed=seed, cache_dir=directory, build=build)
+                                seq_length=seq_length, seed=seed, cache_dir=directory, build=build,
+                                announce=building.announce)
                      for weight, prefix in weighted]
             result[k] = parts[0] if len(parts) == 1 else BlendedDataset(
                 parts, [weight for weight, _ in weighted], num_samples[k], seed=seed,
-                cache_dir=directory, build=build, description=name)
+                cache_dir=directory, build=build, description=name, announce=building.announce)
         return result
 
     datasets = build_all(True) if is_builder else None
+    if datasets is not None:
+        building.done(datasets, weighted)
     if barrier is not None:
         barrier()
     if datasets is None:

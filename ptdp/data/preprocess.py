@@ -28,6 +28,7 @@ import multiprocessing
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -439,11 +440,26 @@ def _worker_pool(workers: int) -> Iterator[Callable]:
     safe whatever threads this process runs. An executor, not a Pool: a
     worker that dies raises BrokenProcessPool instead of hanging. On an
     error the chunks not yet started are cancelled rather than awaited."""
-    executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_leave_interrupts_to_the_parent)
     try:
         yield executor.map
+    except KeyboardInterrupt:
+        # The workers ignore Ctrl-C (below): stop them now, not after their chunk.
+        for process in list((getattr(executor, "_processes", None) or {}).values()):
+            process.terminate()
+        raise
     finally:
         executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _leave_interrupts_to_the_parent() -> None:
+    """Workers ignore Ctrl-C (which the terminal sends to the whole process
+    group): the parent closes the progress bar, stops them and says
+    "interrupted" on a line of its own. Otherwise every worker writes a
+    KeyboardInterrupt traceback onto the bar's line, and the parent, racing
+    them, may report a dead worker instead."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 @dataclass(frozen=True)
