@@ -12,6 +12,15 @@ Three ways in, one code path inside (the entry function, `ptdp.train.loop.worker
   bounds any wait, so a lost or stopped peer never hangs a job for ever.
   A local job listens on the loopback interface only.
 
+Ctrl-C (SIGINT, which a terminal sends to the launcher and every rank) is
+the launcher's to handle: a rank starts with it ignored, so that the ranks
+still importing torch print no KeyboardInterrupt traceback each, and takes
+it (at once, without saving) only once it runs ptdp's code. The launcher
+then stops every rank and `ptdp train` says it was interrupted and what was
+saved, never that a rank failed: the ranks it stopped did not fail. While
+the ranks start (minutes, with many processes on few cores), the launcher
+says every PROGRESS_SECONDS how many have.
+
 No rank outlives what started it: a local rank, and a worker under torchrun,
 asks the kernel for SIGTERM when its parent dies (`ptdp train`, or
 torchrun's agent), which the graceful-exit handler takes as "save and stop";
@@ -28,6 +37,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -43,6 +53,14 @@ STOP_GRACE_SECONDS = 3.0
 # After the first failure, how long to wait for the other ranks' reports: the
 # rank where it began often reports after the peers that lost it.
 COLLECT_SECONDS = 5.0
+# After Ctrl-C, how long the ranks (which got it too) have to leave by
+# themselves before SIGKILL: a Ctrl-C stops at once, without saving.
+INTERRUPT_GRACE_SECONDS = 1.0
+# While the ranks start, a line this often says how many have.
+PROGRESS_SECONDS = 10.0
+# What a rank sends its launcher as it starts running ptdp's code (torch
+# imported), before anything else it sends.
+STARTED = "started"
 
 
 # ------------------------------------------------------------------ loopback only
@@ -118,7 +136,12 @@ def _local_worker(env: DistEnv, entry: Callable[[DistEnv, Any], Any], payload: A
                   reports: multiprocessing.connection.Connection, launcher: int) -> None:
     if not die_with_parent(launcher):
         os.kill(os.getpid(), PARENT_DEATH_SIGNAL)  # what the kernel would have sent
+    # Started with Ctrl-C ignored (and held back; see `_start_rank`): from
+    # here on it stops this rank at once, as in a process of its own.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     try:
+        reports.send(STARTED)
         entry(env, payload)
     except BaseException as error:  # noqa: BLE001 - reported to the supervisor, then exit 1
         if isinstance(error, SystemExit) and error.code in (None, 0):
@@ -159,18 +182,20 @@ class LocalJobFailed(RuntimeError):
     `error`: that rank's traceback (None when it died without one: killed by
     a signal); `message`: its cause in a sentence; `user_error`: a problem the
     user can fix, shown without the traceback; `unresponsive`: the rank
-    stopped responding and the others gave up waiting for it."""
+    stopped responding and the others gave up waiting for it; `stopped`: not
+    a failure of a rank but what ended the job (a stop request that came too
+    early for the ranks to save)."""
 
     def __init__(self, rank: int, exit_code: int | None, error: str | None, *,
                  message: str | None = None, user_error: bool = False,
-                 unresponsive: str | None = None):
+                 unresponsive: str | None = None, stopped: str | None = None):
         self.rank, self.exit_code, self.error = rank, exit_code, error
         self.message, self.user_error = message, user_error
         self.unresponsive = unresponsive is not None
         if user_error:
             text = f"rank {rank}: {message}"
-        elif unresponsive is not None:
-            text = unresponsive
+        elif unresponsive is not None or stopped is not None:
+            text = unresponsive or stopped
         else:
             text = (f"rank {rank} failed ({_describe_exit(exit_code)})"
                     + (f":\n{error.rstrip()}" if error else ""))
@@ -205,6 +230,7 @@ def launch_local(world_size: int, entry: Callable[[DistEnv, Any], Any], payload:
     """
     store = _loopback_store(world_size)
     context = mp.get_context("spawn")
+    ranks: _Ranks | None = None
     processes: list = []
     report_pipes: list = []
     ended: set[int] = set()
@@ -218,16 +244,45 @@ def launch_local(world_size: int, entry: Callable[[DistEnv, Any], Any], payload:
                 process = context.Process(target=_local_worker,
                                           args=(env, entry, payload, sender, os.getpid()),
                                           name=f"ptdp-rank{rank}")
-                process.start()
+                _start_rank(process, processes)
                 sender.close()
-                processes.append(process)
                 report_pipes.append(receiver)
-            _supervise(_Ranks(processes, report_pipes, ended))
+            ranks = _Ranks(processes, report_pipes, ended)
+            _supervise(ranks)
+    except KeyboardInterrupt:
+        # Ctrl-C: no verdict, the ranks stopped here did not fail. The
+        # report (stopping.StopRequests.interrupted) says whether they were
+        # still starting.
+        if ranks is None or ranks.starting:
+            stopping.STOP_REQUESTS.note_start_up(
+                world_size, None if ranks is None else len(ranks.started))
+        _stop_all(processes, interrupted=True)
+        raise
     finally:
         _stop_all(processes)
         for pipe in report_pipes:
             pipe.close()
         del store
+
+
+def _start_rank(process, processes: list) -> None:
+    """Start a rank's process with SIGINT ignored (it takes Ctrl-C once it
+    runs ptdp's code, `_local_worker`): an ignored signal stays ignored
+    across exec, so Python installs no KeyboardInterrupt handler, and a
+    rank importing torch does not die of Ctrl-C with a traceback. Here
+    SIGINT is held back meanwhile, not lost: a Ctrl-C during the start
+    arrives after it, with the process in `processes` to be stopped."""
+    processes.append(process)  # (not started yet: not alive, no pid, nothing to stop)
+    if threading.current_thread() is not threading.main_thread():
+        process.start()  # (signal handlers are the main thread's to change)
+        return
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        process.start()
+    finally:
+        signal.signal(signal.SIGINT, handler if handler is not None else signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 @contextlib.contextmanager
@@ -296,6 +351,12 @@ class _Ranks:
         self.ended = ended                            # shared with the signal forwarder
         self.exits: dict[int, tuple[int, float]] = {}  # rank: (exit code, when seen)
         self.reports: dict[int, RankFailure] = {}
+        self.started: set[int] = set()                 # ranks that sent STARTED
+
+    @property
+    def starting(self) -> bool:
+        """Whether a rank has yet to start (neither started nor ended)."""
+        return len(self.started | set(self.exits)) < len(self.processes)
 
     @property
     def failed(self) -> bool:
@@ -314,9 +375,14 @@ class _Ranks:
     def _read(self, pipe) -> None:
         rank = self.open_pipes[pipe]
         try:
-            self.reports[rank] = pipe.recv()
+            report = pipe.recv()
         except Exception:  # noqa: BLE001 - closed (the rank ended) or a garbled report
             del self.open_pipes[pipe]
+            return
+        if report == STARTED:
+            self.started.add(rank)
+        else:
+            self.reports[rank] = report
 
     def _ended(self, rank: int) -> None:
         self.ended.add(rank)  # before reaping: the pid stays the rank's until then
@@ -324,25 +390,40 @@ class _Ranks:
         process.join()
         self.exits[rank] = (process.exitcode, time.time())
         pipe = next((p for p, r in self.open_pipes.items() if r == rank), None)
-        if process.exitcode != 0 and rank not in self.reports and pipe is not None \
-                and pipe.poll(0.5):  # sent just before it exited
+        while process.exitcode != 0 and rank not in self.reports and pipe in self.open_pipes \
+                and pipe.poll(0.5):  # sent just before it exited (after STARTED, perhaps)
             self._read(pipe)
 
     def verdict(self) -> LocalJobFailed:
         """The failure that is not a consequence of another: the earliest
-        root cause; failing that, the rank the others gave up waiting for."""
+        root cause; failing that, the rank the others gave up waiting for.
+        Ranks killed by the stop request the launcher passed on (before
+        their handler for it was in place: while starting) did not fail."""
+        requested = stopping.STOP_REQUESTS.first
+        stopped = {rank for rank, (code, _) in self.exits.items()
+                   if requested is not None and code in (-requested.signal, 128 + requested.signal)
+                   and rank not in self.reports}
         causes = [(report.time, LocalJobFailed.from_report(report, self._exit_code(rank)))
                   for rank, report in self.reports.items() if not report.lost_peer]
         causes += [(seen, LocalJobFailed(rank, code, None))  # killed: no report
                    for rank, (code, seen) in self.exits.items()
-                   if code != 0 and rank not in self.reports]
+                   if code != 0 and rank not in self.reports and rank not in stopped]
         if causes:
             return min(causes, key=lambda cause: cause[0])[1]
+        if stopped:
+            return self._stopped_on_request(sorted(stopped), requested.signal)
         silent = sorted(rank for rank in self.running.values() if rank not in self.reports)
         first = min(self.reports.values(), key=lambda report: report.time)
         if silent:
             return self._unresponsive(silent, first)
         return LocalJobFailed.from_report(first, self._exit_code(first.rank))
+
+    def _stopped_on_request(self, stopped: list[int], signum: int) -> LocalJobFailed:
+        name = signal.Signals(signum).name
+        who = f"rank {stopped[0]}" if len(stopped) == 1 else f"{len(stopped)} ranks"
+        text = (f"{name} came while the ranks were starting, before they could take it as a "
+                f"request to save and stop: {who} stopped at once, so nothing was saved")
+        return LocalJobFailed(stopped[0], self._exit_code(stopped[0]), None, stopped=text)
 
     def _exit_code(self, rank: int) -> int | None:
         return self.exits[rank][0] if rank in self.exits else None
@@ -371,9 +452,19 @@ def _is_stopped(pid: int | None) -> bool:
 
 
 def _supervise(ranks: _Ranks) -> None:
-    """Return when every rank exited 0; raise LocalJobFailed on a failure."""
+    """Return when every rank exited 0; raise LocalJobFailed on a failure.
+    While ranks are starting, say every PROGRESS_SECONDS how many have."""
+    began = time.monotonic()
+    said = began + PROGRESS_SECONDS  # when the next line is due
     while ranks.running and not ranks.failed:
-        ranks.wait(None)
+        if not ranks.starting:
+            ranks.wait(None)
+            continue
+        ranks.wait(max(0.0, said - time.monotonic()))
+        if ranks.starting and time.monotonic() >= said:
+            print(starting_line(len(ranks.processes), len(ranks.started),
+                                time.monotonic() - began), flush=True)
+            said = time.monotonic() + PROGRESS_SECONDS
     if not ranks.failed:
         return
     deadline = time.monotonic() + COLLECT_SECONDS
@@ -382,16 +473,27 @@ def _supervise(ranks: _Ranks) -> None:
     raise ranks.verdict()
 
 
-def _stop_all(processes: list) -> None:
+def starting_line(world_size: int, started: int, seconds: float) -> str:
+    """The line that shows a long start-up is not a hang."""
+    return (f"ptdp: waiting for {world_size} processes to start ({started} started, "
+            f"{seconds:.0f} s so far)")
+
+
+def _stop_all(processes: list, *, interrupted: bool = False) -> None:
     """SIGTERM, then SIGKILL for whatever outlives the grace period: a rank
     whose graceful-exit handler takes SIGTERM as "save at the next
-    iteration", which a broken job never reaches."""
+    iteration", which a broken job never reaches. After Ctrl-C (`interrupted`),
+    which the ranks got too, or should have: a short grace to leave by
+    themselves, then SIGKILL, no SIGTERM, whose handler would announce a
+    save (a Ctrl-C stops at once, without saving)."""
     alive = [p for p in processes if p.is_alive()]
-    for p in alive:
-        p.terminate()
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p.pid, signal.SIGCONT)  # a stopped process acts on SIGTERM once continued
-    deadline = time.monotonic() + STOP_GRACE_SECONDS
+    if not interrupted:
+        for p in alive:
+            p.terminate()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGCONT)  # a stopped process acts on SIGTERM once continued
+    grace = INTERRUPT_GRACE_SECONDS if interrupted else STOP_GRACE_SECONDS
+    deadline = time.monotonic() + grace
     for p in alive:
         p.join(max(0.0, deadline - time.monotonic()))
         if p.is_alive():

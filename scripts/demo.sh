@@ -8,7 +8,8 @@
 # parallelism (t = 2, p = 2 interleaved, d = 2: eight processes) and save a
 # checkpoint; the other 290 resume from it under d = 2 (two processes, one
 # per core of a laptop), the checkpoint resharded on load. Extra arguments go
-# to both `ptdp train` calls and override examples/demo.yaml.
+# to both `ptdp train` calls and override examples/demo.yaml. loss.png shows
+# both phases, iterations 1-300.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
@@ -23,6 +24,10 @@ echo "ptdp demo: iterations 1-10 with tensor, pipeline and data parallelism (8 p
     --metrics-file demo-output/metrics-3d.jsonl "$@"
 echo "ptdp demo: iterations 11-300 resumed with data parallelism only (2 processes)"
 .venv/bin/ptdp train --config examples/demo.yaml --load demo-output/checkpoint "$@"
+# That run drew only its own iterations (11-300) to loss.png: redrawn with
+# 1-10 from the first phase, the change of layout marked.
+.venv/bin/python scripts/plot_loss_curve.py demo-output/loss.png \
+    --phase "t=p=d=2" demo-output/metrics-3d.jsonl --phase "d=2" demo-output/metrics.jsonl
 echo "ptdp demo: a sample from demo-output/checkpoint:"
 exec .venv/bin/ptdp generate --load demo-output/checkpoint --prompt "ROMEO:" --max-new-tokens 200 \
     --temperature 0.8 --top-k 40 --seed 1

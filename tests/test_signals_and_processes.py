@@ -211,7 +211,7 @@ def _point_latest(save: Path, iteration: int) -> None:
 def test_ctrl_c_after_a_request_says_what_was_saved(tmp_path):
     save = tmp_path / "ckpt"
     head = "ptdp: interrupted (Ctrl-C) during the graceful stop SIGTERM asked for"
-    assert StopRequests().interrupted() == "ptdp: interrupted"  # no request: as before
+    assert StopRequests().interrupted() == "ptdp: interrupted by the user (Ctrl-C)"  # no run
     assert _request(None).interrupted() == f"{head}; no --save given, so nothing was saved"
     assert _request(save).interrupted() == (f"{head}: nothing was saved, and {save} holds no "
                                             f"checkpoint")
@@ -288,6 +288,77 @@ def test_ctrl_c_right_after_a_sigterm_to_the_launcher_reports_what_is_on_disk(tm
         assert last == (f"{head}nothing was saved after the SIGTERM; the newest checkpoint is "
                         f"{newest}, from before it (resume with --load {save})")
 
+
+
+def test_ctrl_c_without_a_request_says_it_was_the_user_and_what_the_run_saved(tmp_path):
+    save = tmp_path / "ckpt"
+    head = "ptdp: interrupted by the user (Ctrl-C)"
+    requests = StopRequests()
+    requests.new_run(None)
+    assert requests.interrupted() == f"{head}; no --save given, so nothing was saved"
+    requests.note_start_up(64, 12)
+    assert requests.interrupted() == (f"{head} while the 64 processes were starting (12 had "
+                                      f"started); nothing was saved")
+    requests.note_start_up(8, 0)
+    assert requests.interrupted() == (f"{head} while the 8 processes were starting (none had "
+                                      f"started yet); nothing was saved")
+    requests.new_run(str(save))
+    assert requests.interrupted() == f"{head}; nothing was saved, and {save} holds no checkpoint"
+    _point_latest(save, 4)
+    assert requests.interrupted() == (f"{head}; the newest checkpoint is {save}/iter_0000004, "
+                                      f"saved by this run (resume with --load {save})")
+    requests.new_run(str(save))  # resumed from iteration 4, interrupted before its first save
+    assert requests.interrupted() == (f"{head}; this run saved nothing; the newest checkpoint is "
+                                      f"{save}/iter_0000004, from before it (resume with --load "
+                                      f"{save})")
+
+
+def test_ranks_killed_by_a_stop_request_while_starting_did_not_fail(monkeypatch):
+    """SIGTERM to the whole job (a scheduler, `timeout`) before the ranks
+    installed their handler: they die of it, which is no rank failure."""
+    from types import SimpleNamespace
+
+    from ptdp.launch import _Ranks, starting_line
+
+    ranks = _Ranks([SimpleNamespace(pid=None, sentinel=rank) for rank in range(3)], [], set())
+    ranks.exits = {0: (-signal.SIGTERM, 1.0), 1: (-signal.SIGTERM, 1.1)}
+    assert ranks.starting and str(ranks.verdict()) == "rank 0 failed (killed by SIGTERM)"
+    stopping.STOP_REQUESTS.note(signal.SIGTERM)  # what the launcher's forwarding notes
+    assert str(ranks.verdict()) == (
+        "SIGTERM came while the ranks were starting, before they could take it as a request to "
+        "save and stop: 2 ranks stopped at once, so nothing was saved")
+    ranks.exits[2] = (-signal.SIGKILL, 1.2)  # another death is still a failure
+    assert str(ranks.verdict()) == "rank 2 failed (killed by SIGKILL)"
+    ranks.started = {0, 1, 2}
+    assert not ranks.starting
+    assert starting_line(64, 12, 20.4) == ("ptdp: waiting for 64 processes to start (12 started, "
+                                           "20 s so far)")
+
+
+@needs_proc
+def test_ctrl_c_while_many_ranks_start_is_an_interruption_not_a_failure(tmp_path):
+    """Eight ranks on a small machine take seconds to start; a terminal's
+    Ctrl-C (SIGINT to the process group) then: no rank failure, no
+    KeyboardInterrupt traceback per rank, and the last line says the user
+    interrupted and that nothing was saved; every rank is gone."""
+    process = _start([*TINY, "-t", "2", "-p", "2", "-d", "2", "--train-iters", "100000"])
+    first = process.stdout.readline()
+    assert first.startswith("ptdp: starting 8 processes"), first
+    _wait_until(lambda: len(_spawned_children(process.pid)) == 8, process, seconds=30)
+    ranks = _spawned_children(process.pid)
+    time.sleep(2)  # most are importing torch (Ctrl-C at once is the common case too)
+    os.killpg(process.pid, signal.SIGINT)
+    output = first + _finish(process)
+    assert process.returncode == 130, output
+    last = output.strip().splitlines()[-1]
+    assert last.startswith("ptdp: interrupted by the user (Ctrl-C)"), output
+    assert last.endswith("nothing was saved"), output  # starting, or training without --save
+    for wrong in ("failed", "killed by", "Traceback", "KeyboardInterrupt", "SIGTERM received"):
+        assert wrong not in output, output
+    deadline = time.monotonic() + 10
+    while not all(_gone(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ranks and all(_gone(pid) for pid in ranks)
 
 # ------------------------------------------------------------------ parents that die
 

@@ -54,6 +54,7 @@ much less than F. TFLOP/s here is the paper's F over the measured time.
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -398,10 +399,52 @@ class TensorBoardLogger:
 # Loss curve
 
 
-def plot_loss_curve(records: list[dict[str, Any]], path: str | Path) -> Path:
-    """Training loss per iteration (line) and validation loss (points) to an
-    image (format from the suffix, e.g. PNG); linear axes. Uses matplotlib's
-    Agg canvas directly: no global backend state."""
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """A --metrics-file's records in iteration order, each iteration's last
+    (a resumed run appends its records after the earlier ones); the marker
+    lines a run writes where it starts ({"event": ...}) are skipped, and so
+    is a last line cut short (a run killed while writing it)."""
+    path = Path(path)
+    lines = path.read_text(encoding="utf-8").splitlines()
+    latest: dict[int, dict[str, Any]] = {}
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):
+                continue
+            raise ValueError(f"{path}, line {number}: not a JSON record; a --metrics-file "
+                             f"holds one per line") from None
+        if isinstance(record, dict) and "event" not in record and "iteration" in record:
+            latest[record["iteration"]] = record
+    return [latest[iteration] for iteration in sorted(latest)]
+
+
+def join_phases(phases: Sequence[tuple[str, list[dict[str, Any]]]]
+                ) -> tuple[list[dict[str, Any]], list[tuple[float, str]]]:
+    """One run in phases (label, records), each resumed from the one before,
+    perhaps under another layout (the demo: "t=p=d=2", then "d=2"): the
+    records of the whole run, and where each change happened (between two
+    iterations) with its label ("t=p=d=2 | d=2"). A phase's records from
+    the iteration a later phase starts at on were redone by it and give way."""
+    phases = [(label, records) for label, records in phases if records]
+    records: list[dict[str, Any]] = []
+    boundaries: list[tuple[float, str]] = []
+    for index, (label, phase) in enumerate(phases):
+        later = [p[0]["iteration"] for _, p in phases[index + 1:]]
+        end = min(later) if later else math.inf
+        records += [r for r in phase if r["iteration"] < end]
+        if index:
+            boundaries.append((phase[0]["iteration"] - 0.5, f"{phases[index - 1][0]} | {label}"))
+    return records, boundaries
+
+
+def loss_curve_figure(records: list[dict[str, Any]], boundaries: Sequence[tuple[float, str]] = ()):
+    """The loss curve as a matplotlib Figure (not drawn yet): training loss
+    per iteration (line), validation loss (points) and, at each of
+    `boundaries` (iteration, label), a dashed vertical line with its label."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -416,10 +459,22 @@ def plot_loss_curve(records: list[dict[str, Any]], path: str | Path) -> Path:
         ax.plot(*zip(*train), color="tab:blue", linewidth=1.2, label="training loss")
     if valid:
         ax.plot(*zip(*valid), "o", color="tab:orange", markersize=5, label="validation loss")
+    for at, label in boundaries:
+        ax.axvline(at, color="gray", linestyle="--", linewidth=1)
+        ax.annotate(label, (at, 1), xycoords=("data", "axes fraction"), xytext=(3, -3),
+                    textcoords="offset points", va="top", fontsize=8, color="dimgray")
     ax.set_xlabel("iteration")
     ax.set_ylabel("loss (cross entropy, nats per token)")
     ax.grid(True, alpha=0.3)
     ax.legend()
+    return fig
+
+
+def plot_loss_curve(records: list[dict[str, Any]], path: str | Path,
+                    boundaries: Sequence[tuple[float, str]] = ()) -> Path:
+    """`loss_curve_figure` to an image (format from the suffix, e.g. PNG);
+    linear axes. Uses matplotlib's Agg canvas directly: no global backend
+    state."""
     path = Path(path)
-    fig.savefig(path, dpi=120)
+    loss_curve_figure(records, boundaries).savefig(path, dpi=120)
     return path

@@ -78,12 +78,21 @@ class StopRequests:
     def __init__(self) -> None:
         self.first: StopRequest | None = None
         self._save: str | None = None
+        self._training = False                 # new_run was called: a `ptdp train` run
+        self._latest_at_start: str | None = None
+        self._start_up: tuple[int, int | None] | None = None
 
     def new_run(self, save: str | None) -> None:
         """A run begins (a request an earlier run in this process saw is
         forgotten); `save`: its --save directory (None: none), whose
         checkpoints a Ctrl-C report names."""
-        self.first, self._save = None, save
+        self.first, self._save, self._training, self._start_up = None, save, True, None
+        self._latest_at_start = self._latest()
+
+    def note_start_up(self, processes: int, started: int | None) -> None:
+        """The local launcher, on Ctrl-C: its `processes` ranks were still
+        starting (`started` of them had; None: not known)."""
+        self._start_up = (processes, started)
 
     def note(self, signum: int) -> None:
         if self.first is None:
@@ -94,11 +103,12 @@ class StopRequests:
 
     def interrupted(self) -> str:
         """The last line after Ctrl-C: without a graceful request before it,
-        "interrupted"; after one, whether the checkpoint it asked for was
-        written (the stop was cut short, so it may not have been) and what
-        the newest checkpoint is."""
+        "interrupted by the user" and, for a training run, what it saved (if
+        its ranks were still starting, nothing); after one, whether the
+        checkpoint it asked for was written (the stop was cut short, so it
+        may not have been) and what the newest checkpoint is."""
         if self.first is None:
-            return "ptdp: interrupted"
+            return self._interrupted_by_the_user()
         name = signal.Signals(self.first.signal).name
         head = f"ptdp: interrupted (Ctrl-C) during the graceful stop {name} asked for"
         if not self._save:
@@ -111,6 +121,29 @@ class StopRequests:
             return f"{head}: nothing was saved, and {self._save} holds no checkpoint"
         return (f"{head}: nothing was saved after the {name}; the newest checkpoint is "
                 f"{Path(self._save) / latest}, from before it (resume with --load {self._save})")
+
+
+    def _interrupted_by_the_user(self) -> str:
+        head = "ptdp: interrupted by the user (Ctrl-C)"
+        if self._start_up is not None:
+            processes, started = self._start_up
+            head += f" while the {processes} processes were starting" + (
+                "" if started is None else f" ({started} had started)" if started
+                else " (none had started yet)")
+            return f"{head}; nothing was saved" if self._training else head
+        if not self._training:
+            return head
+        if not self._save:
+            return f"{head}; no --save given, so nothing was saved"
+        latest = self._latest()
+        if latest is None:
+            return f"{head}; nothing was saved, and {self._save} holds no checkpoint"
+        newest = Path(self._save) / latest
+        if latest != self._latest_at_start:
+            return (f"{head}; the newest checkpoint is {newest}, saved by this run (resume with "
+                    f"--load {self._save})")
+        return (f"{head}; this run saved nothing; the newest checkpoint is {newest}, from "
+                f"before it (resume with --load {self._save})")
 
 
 # This process's: signal handlers are the process's too.
