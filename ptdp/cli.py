@@ -560,8 +560,8 @@ def run_train(config: Config, explicit: Sequence[str] = (), accepted: Sequence =
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from ptdp.errors import (RankFailure, print_user_error, process_rank, report_to_torchrun,
-                             set_process_rank)
+    from ptdp.errors import (RankFailure, print_user_error, prints_shared_errors, process_rank,
+                             report_to_torchrun, set_process_rank)
 
     parent = os.getppid()  # first: under torchrun, its agent (launch.follow_torchrun_agent)
     parser = build_parser()
@@ -618,8 +618,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             report_to_torchrun(f"ptdp: error: rank {rank}: {failure.message}")
             return 1
         if isinstance(error, (ConfigError, TokenizerError)):  # found before launching
-            print(f"ptdp: error: {error}", file=sys.stderr)
-            report_to_torchrun(f"ptdp: error: {error}")
+            # Each rank of a torchrun or SLURM job finds it: one per node says it.
+            speaks = prints_shared_errors()
+            if speaks:
+                print(f"ptdp: error: {error}", file=sys.stderr)
+            report_to_torchrun(f"ptdp: error: {error}", echo=not speaks)
             return 2
         raise
     parser.error(f"unknown command {args.command}")

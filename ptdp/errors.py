@@ -22,7 +22,9 @@ overwrite whatever file the job may write.
 Under torchrun, whose summary of a failed job (with its own traceback) is
 the last thing printed, `report_to_torchrun` writes the worker's error file
 (TORCHELASTIC_ERROR_FILE) so that the summary's root cause shows ptdp's
-message rather than "To enable traceback see: ...".
+message rather than "To enable traceback see: ...". An error that every
+rank finds alike before the process group exists (a setting that cannot
+work) is printed by one rank per node (`prints_shared_errors`), not by each.
 
 This module imports nothing of ptdp or torch: the command line, the launcher
 and every rank use it.
@@ -40,7 +42,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence, TextIO
+from typing import Mapping, Sequence, TextIO
 
 
 class UserError(Exception):
@@ -215,19 +217,25 @@ def keep_traceback(rank: int, traceback_text: str) -> Path:
 TORCHRUN_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
 
 
-def report_to_torchrun(message: str, detail: str | None = None) -> bool:
+def report_to_torchrun(message: str, detail: str | None = None, echo: bool = False) -> bool:
     """Under torchrun: write this worker's error file, in the format of
     torch.distributed.elastic's ErrorHandler.record_exception, with
     `message` as the failure's text and `detail` (default: `message`) where
     torchrun's summary shows the traceback. Created exclusively, not
     following a symbolic link (torchrun names a file in its own private
-    directory; nothing else writes it). Whether it was written."""
+    directory; nothing else writes it). Whether it was written.
+
+    `echo`: another rank printed this same error (`prints_shared_errors`).
+    The file still carries the whole message (torchrun may see this rank fail
+    first, and stop the other before its file is written), but dated a
+    second later: torchrun's root cause is the earliest failure, and on a
+    tie the lowest local rank, so it names the rank that printed."""
     path = os.environ.get(TORCHRUN_ERROR_FILE)
     if not path:
         return False
     record = {"message": {"message": message, "extraInfo": {
         "py_callstack": detail if detail is not None else message,
-        "timestamp": str(int(time.time()))}}}  # torchrun reads an integer
+        "timestamp": str(int(time.time()) + (1 if echo else 0))}}}  # torchrun reads an integer
     try:
         descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL
                              | getattr(os, "O_NOFOLLOW", 0), 0o600)
@@ -235,6 +243,41 @@ def report_to_torchrun(message: str, detail: str | None = None) -> bool:
             json.dump(record, file)  # ASCII: torchrun reads it in the locale's encoding
     except OSError:  # the summary then says what it would have said anyway
         return False
+    return True
+
+
+def _environment_integer(environ: Mapping[str, str], name: str) -> int | None:
+    try:
+        return int(environ[name])
+    except (KeyError, ValueError):
+        return None
+
+
+def prints_shared_errors(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process prints an error that every rank of its job finds
+    alike: a setting that cannot work, found by each rank before the process
+    group exists (so before the ranks could agree on who speaks).
+
+    Under torchrun or SLURM (ptdp.distributed.detect_env's variables) that is
+    local rank 0 of each node, not only the job's first rank, which is known
+    as early: the checks read files (--config, the data, the tokenizer, --load's
+    checkpoint) that each node sees for itself, so a node whose files differ
+    must still say why its ranks stop, while the ranks of one node, with one
+    command line and one file system, fail alike. Without a local rank (RANK
+    and WORLD_SIZE set by hand) only the job's first rank prints. Any other
+    process (ptdp's own launcher checks before starting the ranks) prints; so
+    does one whose variables are not integers: an error said twice is better
+    than one never said."""
+    environ = os.environ if environ is None else environ
+    if "RANK" in environ and "WORLD_SIZE" in environ:  # torchrun, or set by hand
+        names = ("LOCAL_RANK", "SLURM_LOCALID", "RANK")
+    elif "SLURM_PROCID" in environ and (_environment_integer(environ, "SLURM_NTASKS") or 1) > 1:
+        names = ("SLURM_LOCALID", "SLURM_PROCID")
+    else:
+        return True
+    for name in names:
+        if name in environ:
+            return _environment_integer(environ, name) in (0, None)
     return True
 
 

@@ -9,7 +9,7 @@ arithmetic."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Sequence
 
 from ptdp.plural import plural
 from ptdp.config.base import ConfigError, divisors, is_count, is_finite_number, nearest_multiple
@@ -62,8 +62,9 @@ def validate(config: Config, world_size: int | None = None) -> None:
     problems.extend(world_problems)
     problems.extend(_tensor_problems(m, par, world_size))
     problems.extend(position_problems(m))
-    problems.extend(_pipeline_problems(m, par))
-    problems.extend(_batch_problems(tr, par, d))
+    pipeline_problems, offered_pipeline_sizes = _pipeline_problems(m, par, tr, d, world_size)
+    problems.extend(pipeline_problems)
+    problems.extend(_batch_problems(tr, par, d, offered_pipeline_sizes))
     if problems:
         raise ConfigError(problems)
 
@@ -174,69 +175,137 @@ def _data_parallel_size(par: ParallelConfig, world_size: int | None) -> tuple[in
     return d, problems
 
 
+def _closest(value: int, step: int, ok: Any, count: int = 1, reach: int = 64) -> list[int]:
+    """Up to `count` multiples of `step` for which `ok` holds, the closest to
+    `value` first (the smaller on a tie), searched `reach` steps either way."""
+    base = max(1, round(value / step))
+    found = [n * step for n in range(max(1, base - reach), base + reach + 1) if ok(n * step)]
+    return sorted(found, key=lambda c: (abs(c - value), c))[:count]
+
+
+# Why the hints below look as they do: a user applies every hint of one report
+# together, one alternative per problem, and must then pass. So an alternative
+# either fixes every rule its flags take part in, or names the flags to change
+# together ("--num-attention-heads 3 --hidden-size 48"); the tensor-parallel
+# sizes are offered by one problem only, and the other problems' values hold
+# at the current size and at each one offered (tests/test_config_hints.py).
+
 def _tensor_problems(m: ModelConfig, par: ParallelConfig, world_size: int | None) -> list[str]:
     """The heads, query groups, MLP and sequence against the tensor-parallel size."""
     t, p, h, a = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                   m.hidden_size, m.num_attention_heads)
+    g, grouped = m.query_groups, m.query_groups != m.num_attention_heads
     problems = []
 
-    def tp_fits_world(tp: int) -> bool:
-        return world_size is None or world_size % (tp * p) == 0
+    def shape_ok(hidden: int, heads: int, tp: int) -> bool:
+        """Every rule on h, a and t at once, the MLP's default width (which
+        follows h) included; the query groups' and a given MLP width's own
+        rules apart (their problems' hints hold at t)."""
+        if hidden % heads or heads % tp or (grouped and heads % g):
+            return False
+        width, mlp = hidden // heads, m.ffn_size_at(hidden)
+        return ((not m.rope or width % 2 == 0) and m.kv_channels in (None, width)
+                and (m.ffn_hidden_size is not None or (mlp >= 1 and mlp % tp == 0)))
 
-    def heads_ok(heads: int) -> bool:
-        return h % heads == 0 and heads % t == 0
+    def tp_ok(tp: int) -> bool:
+        """Whether t = tp would satisfy every tensor-parallel rule at once."""
+        return (shape_ok(h, a, tp) and g % tp == 0 and m.ffn_size % tp == 0
+                and (world_size is None or world_size % (tp * p) == 0)
+                and (not par.sequence_parallel or (tp > 1 and m.seq_length % tp == 0)))
 
-    def nearest(candidates: list[int], target: int, count: int = 6) -> list[int]:
-        return sorted(sorted(candidates, key=lambda c: (abs(c - target), c))[:count])
+    tp_options = [x for x in divisors(a) if x != t and tp_ok(x)] if h % a == 0 else []
+    # The one problem that offers them: the heads', else the query groups', else
+    # the sequence's; the others' values hold at t and at each one offered.
+    heads_problem = bool(h % a or a % t)
+    groups_problem = grouped and not (a % g or a % t) and g % t != 0
+    sequence_problem = par.sequence_parallel and t > 1 and m.seq_length % t != 0
+    offers_tp = ("heads" if heads_problem and a % t else
+                 None if heads_problem else
+                 "groups" if groups_problem else "sequence" if sequence_problem else None)
+    offered_tp = tp_options if offers_tp else []
+    offer_tp = f"--tensor-model-parallel-size in {tp_options}"
 
-    # Attention heads, hidden size, MLP size.
+    # Attention heads and hidden size.
+    offered_heads: list[int] = []
     if h % a or a % t:
-        head_options = nearest([x for x in range(t, 4 * a + t, t) if heads_ok(x)], a)
-        head_hint = (f"--num-attention-heads in {head_options}" if head_options else
-                     f"--hidden-size {nearest_multiple(h, math.lcm(a, t))}")
-    if h % a:
-        problems.append(
-            f"--hidden-size {h} is not divisible by --num-attention-heads {a}: use --hidden-size "
-            f"{nearest_multiple(h, a)} or {head_hint}")
-    if a % t:
-        tp_options = [x for x in divisors(a) if tp_fits_world(x) and m.ffn_size % x == 0]
-        problems.append(
-            f"--num-attention-heads {a} is not divisible by --tensor-model-parallel-size {t}: use "
-            + (f"--tensor-model-parallel-size in {tp_options} or " if tp_options else "") + head_hint)
-    g = m.query_groups
+        head_options = sorted(_closest(a, t, lambda x: x <= 4 * a and shape_ok(h, x, t), count=6,
+                                       reach=4 * a // t + 1))
+        offered_heads = list(head_options)
+        alternatives = []
+        if offers_tp == "heads" and tp_options:
+            alternatives.append(offer_tp)
+        if a % t == 0:
+            alternatives += [f"--hidden-size {x}" for x in _closest(h, a, lambda x: shape_ok(x, a, t))]
+        if world_size is not None and world_size % t and offers_tp == "heads" and tp_options:
+            pass  # t cannot stay (the job's processes are not a multiple of it): only t's sizes
+        elif head_options:
+            alternatives.append(f"--num-attention-heads in {head_options}")
+        elif a % t:  # no head count divisible by t divides h: change both
+            width = m.kv_channels or max(1, h // a) + (1 if m.rope and max(1, h // a) % 2 else 0)
+            together = _closest(a, math.lcm(t, g) if grouped else t,
+                                lambda x: shape_ok(x * width, x, t))
+            alternatives += [f"--num-attention-heads {x} --hidden-size {x * width} (together: {x} "
+                             f"heads of {width})" for x in together]
+            offered_heads += together
+        use = ": use " + " or ".join(alternatives) if alternatives else ""
+        if h % a and a % t:
+            problems.append(f"--num-attention-heads {a} is not divisible by "
+                            f"--tensor-model-parallel-size {t} and does not divide --hidden-size "
+                            f"{h}{use}")
+        elif h % a:
+            problems.append(f"--hidden-size {h} is not divisible by --num-attention-heads {a}{use}")
+        else:
+            problems.append(f"--num-attention-heads {a} is not divisible by "
+                            f"--tensor-model-parallel-size {t}{use}")
     # (heads not divisible by the groups or by t: reported above)
-    if g != a and not (a % g or a % t) and g % t:
-        tp_options = [x for x in divisors(g) if tp_fits_world(x) and m.ffn_size % x == 0]
-        group_options = [x for x in divisors(a) if x % t == 0]
+    if groups_problem:
+        alternatives = [offer_tp] if offers_tp == "groups" and tp_options else []
+        robust = t if offers_tp == "groups" else math.lcm(t, *offered_tp)
+        group_options = [x for x in divisors(a) if x % robust == 0
+                         and all(heads % x == 0 for heads in offered_heads)]
+        if group_options:
+            alternatives.append(f"--num-query-groups in {group_options}")
         problems.append(
             f"--num-query-groups {g} is not divisible by --tensor-model-parallel-size {t} (each "
-            f"tensor rank holds whole key/value groups and the query heads that use them): use "
-            f"--tensor-model-parallel-size in {tp_options}"
-            + (f" or --num-query-groups in {group_options}" if group_options else ""))
-    if m.ffn_size % t:
+            f"tensor rank holds whole key/value groups and the query heads that use them)"
+            + (": use " + " or ".join(alternatives) if alternatives else ""))
+    # The MLP. Its default width follows h, so a fix above fixes it too.
+    if m.ffn_size % t and not (heads_problem and m.ffn_hidden_size is None):
         problems.append(
             f"--ffn-hidden-size {m.ffn_size} is not divisible by --tensor-model-parallel-size {t}: "
-            f"use --ffn-hidden-size {nearest_multiple(m.ffn_size, t)}")
+            f"use --ffn-hidden-size {nearest_multiple(m.ffn_size, math.lcm(t, *offered_tp))}")
     if par.sequence_parallel and t == 1:
         problems.append("--sequence-parallel splits the sequence over the tensor-parallel ranks and "
                         "needs --tensor-model-parallel-size > 1: drop --sequence-parallel or raise t")
-    elif par.sequence_parallel and m.seq_length % t:
-        tp_options = [x for x in divisors(m.seq_length)
-                      if x > 1 and m.query_groups % x == 0 and tp_fits_world(x)][:6]
+    elif sequence_problem:
+        own_tp = offers_tp == "sequence" and tp_options
+        robust = t if offers_tp == "sequence" else math.lcm(t, *offered_tp)
+        lengths = _closest(m.seq_length, robust, lambda x: x <= m.max_positions
+                           or m.max_position_embeddings is None)
+        alternatives = [f"--seq-length {x}" for x in lengths] + ([offer_tp] if own_tp else [])
         problems.append(
             f"--sequence-parallel needs --seq-length {m.seq_length} divisible by "
-            f"--tensor-model-parallel-size {t} (each tensor rank holds s/t positions): use "
-            f"--seq-length {nearest_multiple(m.seq_length, t)}"
-            + (f" or --tensor-model-parallel-size in {tp_options}" if tp_options else ""))
+            f"--tensor-model-parallel-size {t} (each tensor rank holds s/t positions)"
+            + (": use " + " or ".join(alternatives) if alternatives else ""))
     return problems
 
 
-def _pipeline_problems(m: ModelConfig, par: ParallelConfig) -> list[str]:
-    """The layers over the pipeline stages and model chunks."""
+def _pipeline_problems(m: ModelConfig, par: ParallelConfig, tr: TrainConfig, d: int,
+                       world_size: int | None) -> tuple[list[str], list[int]]:
+    """The layers over the pipeline stages and model chunks; and the pipeline
+    sizes a problem offered (the batch's hints must hold at each of them)."""
     p, l, k = (par.pipeline_model_parallel_size, m.num_layers,
                par.num_layers_per_virtual_pipeline_stage)
     schedule, interleaved = par.pipeline_schedule, _interleaved(par)
-    problems = []
+    problems: list[str] = []
+    offered: list[int] = []
+
+    def p_fits(x: int) -> bool:
+        """Whether p = x fits the world, and the batch wherever the batch fits p
+        (where it does not, the batch's own hint holds at x too)."""
+        return ((world_size is None or world_size % (par.tensor_model_parallel_size * x) == 0)
+                and (not _batch_fits(tr, par, d, p) or _batch_fits(tr, par, d, x)))
+
     # Layers over pipeline stages and model chunks (k layers per chunk).
     chunk = k if interleaved else 1
     if schedule == "zb-h1" and k is not None:
@@ -263,19 +332,25 @@ def _pipeline_problems(m: ModelConfig, par: ParallelConfig) -> list[str]:
     elif schedule == "zbv":
         problems.extend(_zbv_layer_problems(l, p, k))
     elif interleaved and p < 2:
-        stage_options = [x for x in divisors(l) if x >= 2 and (l // x) % chunk == 0][:6]
+        stage_options = [x for x in divisors(l) if x >= 2 and (l // x) % chunk == 0 and p_fits(x)][:6]
+        offered += stage_options
         problems.append(
             f"--num-layers-per-virtual-pipeline-stage {k} needs --pipeline-model-parallel-size "
             f">= 2 (interleaving splits each pipeline rank's layers into chunks): remove it"
             + (f" or use --pipeline-model-parallel-size in {stage_options}" if stage_options else ""))
     elif l % (p * chunk):
-        stage_options = [x for x in divisors(l) if (l // x) % chunk == 0 and x >= (2 if interleaved else 1)]
+        stage_options = [x for x in divisors(l) if (l // x) % chunk == 0
+                         and x >= (2 if interleaved else 1) and p_fits(x)]
         if l % p:
+            offered += stage_options
+            # p cannot stay where the job's processes are not a multiple of t·p.
+            p_must_change = world_size is not None and world_size % (par.tensor_model_parallel_size * p)
             problems.append(
                 f"--num-layers {l} is not divisible by --pipeline-model-parallel-size {p}: use "
-                + (f"--pipeline-model-parallel-size in {stage_options} or " if stage_options else "")
-                + f"--num-layers {nearest_multiple(l, p * chunk)} (layers are never dropped or "
-                f"added silently)")
+                + (f"--pipeline-model-parallel-size in {stage_options}" if stage_options else "")
+                + ("" if stage_options and p_must_change else
+                   (" or " if stage_options else "") + f"--num-layers "
+                   f"{nearest_multiple(l, p * chunk)} (layers are never dropped or added silently)"))
         else:
             problems.append(
                 f"--num-layers {l} is not divisible by --pipeline-model-parallel-size {p} × "
@@ -287,11 +362,25 @@ def _pipeline_problems(m: ModelConfig, par: ParallelConfig) -> list[str]:
         problems.append(
             "--pipeline-schedule gpipe cannot be combined with --num-layers-per-virtual-pipeline-"
             "stage (interleaving uses the interleaved 1F1B schedule): drop one of them")
-    return problems
+    return problems, offered
 
 
-def _batch_problems(tr: TrainConfig, par: ParallelConfig, d: int) -> list[str]:
-    """The global batch, the microbatches and the ramp-up against d and the schedule."""
+def _batch_fits(tr: TrainConfig, par: ParallelConfig, d: int, p: int) -> bool:
+    """Whether the global batch gives whole microbatches on each data-parallel
+    rank, as many as the schedule needs with p pipeline stages."""
+    b, B = tr.micro_batch_size, tr.batch_size(d)
+    if B % (b * d):
+        return False
+    group = p if _interleaved(par) and p >= 2 else 1
+    fewest = {"zb-h1": p, "zbv": 2 * p}.get(par.pipeline_schedule, 1)
+    return (B // (b * d)) % group == 0 and B // (b * d) >= fewest
+
+
+def _batch_problems(tr: TrainConfig, par: ParallelConfig, d: int,
+                    offered_pipeline_sizes: Sequence[int] = ()) -> list[str]:
+    """The global batch, the microbatches and the ramp-up against d and the
+    schedule; the batch sizes offered hold at p and at each pipeline size
+    offered by the layers' problem."""
     p, schedule, interleaved = par.pipeline_model_parallel_size, par.pipeline_schedule, \
         _interleaved(par)
     problems = []
@@ -300,12 +389,15 @@ def _batch_problems(tr: TrainConfig, par: ParallelConfig, d: int) -> list[str]:
     b, B = tr.micro_batch_size, tr.batch_size(d)
     group = p if interleaved and p >= 2 else 1
     fewest = {"zb-h1": p, "zbv": 2 * p}.get(schedule, 1)  # zero-bubble: m >= p or 2p
+    # What a hinted batch must hold: every pipeline size that may be chosen.
+    hinted_group = math.lcm(group, *offered_pipeline_sizes) if interleaved else 1
+    hinted_fewest = {"zb-h1": 1, "zbv": 2}.get(schedule, 0) * max([p, *offered_pipeline_sizes]) or 1
     if fewest > 1 and B % (b * d) == 0 and B // (b * d) < fewest:
         problems.append(
             f"--pipeline-schedule {schedule} needs at least {fewest} microbatches per iteration "
             f"({'p' if schedule == 'zb-h1' else '2p'} with --pipeline-model-parallel-size {p}), "
             f"not --global-batch-size {B} / (--micro-batch-size {b} × d {d}) = {B // (b * d)}: use "
-            f"--global-batch-size {fewest * b * d} or more"
+            f"--global-batch-size {hinted_fewest * b * d} or more"
             + (" or --pipeline-schedule 1f1b" if schedule == "zb-h1" else
                " or --pipeline-schedule zb-h1 (needs p)" if B // (b * d) >= p else ""))
 
@@ -316,13 +408,15 @@ def _batch_problems(tr: TrainConfig, par: ParallelConfig, d: int) -> list[str]:
                         f"(--global-batch-size {B}), so no iteration would run: use --train-samples "
                         f"{B} or more")
 
-    def micro_ok(micro: int) -> bool:
-        return B % (micro * d) == 0 and (B // (micro * d)) % group == 0
+    def micro_ok(micro: int, group: int = group, fewest: int = fewest) -> bool:
+        return (B % (micro * d) == 0 and (B // (micro * d)) % group == 0
+                and B // (micro * d) >= fewest)
 
-    if not micro_ok(b):
-        micro_options = [x for x in divisors(B) if micro_ok(x)]
+    if not micro_ok(b, fewest=1):
+        micro_options = [x for x in divisors(B) if micro_ok(x, hinted_group, hinted_fewest)]
         alternative = (f" or --micro-batch-size in {micro_options}" if micro_options else "")
-        valid_batch = nearest_multiple(B, b * d * group)
+        unit = b * d * hinted_group
+        valid_batch = max(nearest_multiple(B, unit), -(-hinted_fewest * b * d // unit) * unit)
         if B % (b * d):
             problems.append(
                 f"--global-batch-size {B} is not divisible by --micro-batch-size {b} × data-parallel "

@@ -122,13 +122,18 @@ class ModelConfig:
 
     @property
     def ffn_size(self) -> int:
+        return self.ffn_size_at(self.hidden_size)
+
+    def ffn_size_at(self, hidden_size: int) -> int:
+        """The MLP width with this hidden size: --ffn-hidden-size if given,
+        else the default, which follows h (a hint that changes h changes it)."""
         if self.ffn_hidden_size is not None:
             return self.ffn_hidden_size
         if self.swiglu:
             # Megatron-LM's default: the gated MLP's three matrices hold about
             # as many parameters as GPT's two at 4·h, kept a multiple of 64.
-            return int(4 * self.hidden_size * 2 / 3 / 64) * 64
-        return 4 * self.hidden_size
+            return int(4 * hidden_size * 2 / 3 / 64) * 64
+        return 4 * hidden_size
 
     @property
     def epsilon(self) -> float:
