@@ -36,6 +36,7 @@ import errno
 import json
 import os
 import re
+import stat
 import sys
 import tempfile
 import time
@@ -201,17 +202,51 @@ def process_rank() -> int | None:
 
 # ------------------------------------------------------------------ showing a user error
 
+# This user's newest traceback files kept in the temporary directory: each
+# failed run writes one per rank, and without a bound they pile up there.
+KEEP_TRACEBACKS = 20
+TRACEBACK_PREFIX = "ptdp-error-"
+
+
 def keep_traceback(rank: int, traceback_text: str) -> Path:
     """Write `traceback_text` to a new private file in the temporary
-    directory (see the module's notes); returns its path. Raises OSError."""
-    descriptor, path = tempfile.mkstemp(prefix=f"ptdp-error-rank{rank}-", suffix=".txt")
+    directory (see the module's notes); returns its path, after removing
+    this user's older traceback files beyond the newest KEEP_TRACEBACKS.
+    Raises OSError."""
+    descriptor, path = tempfile.mkstemp(prefix=f"{TRACEBACK_PREFIX}rank{rank}-", suffix=".txt")
     try:
         with os.fdopen(descriptor, "w", encoding="utf-8") as file:
             file.write(traceback_text)
     except BaseException:
         os.unlink(path)
         raise
+    _remove_old_tracebacks(Path(path).parent, KEEP_TRACEBACKS)
     return Path(path)
+
+
+def _remove_old_tracebacks(directory: Path, keep: int) -> None:
+    """Remove all but the newest `keep` of this user's traceback files in
+    `directory`: regular files only (a link or another user's file is never
+    touched), and quietly, since several ranks may prune at once."""
+    mine = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return
+    for entry in entries:
+        if not (entry.name.startswith(TRACEBACK_PREFIX) and entry.name.endswith(".txt")):
+            continue
+        try:
+            status = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.S_ISREG(status.st_mode) and status.st_uid == os.getuid():
+            mine.append((status.st_mtime_ns, entry.path))
+    for _, old in sorted(mine)[:-keep]:
+        try:
+            os.unlink(old)
+        except OSError:
+            pass
 
 
 TORCHRUN_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"

@@ -529,3 +529,24 @@ def test_an_error_report_is_a_new_private_file_never_a_planted_link(monkeypatch,
     print_user_error(0, "disk full", "second\n", out)
     again = Path(out.getvalue().splitlines()[0].split(" is in ", 1)[1].split(" (PTDP_TRACEBACK")[0])
     assert again != path and path.read_text().startswith("Traceback")
+
+
+def test_error_reports_do_not_pile_up_in_the_temporary_directory(monkeypatch, tmp_path):
+    """Each failed run writes a traceback file per rank; only this user's
+    newest KEEP_TRACEBACKS stay, and a link of that name is left alone."""
+    from ptdp import errors
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    old = []
+    for index in range(errors.KEEP_TRACEBACKS + 5):
+        path = tmp_path / f"ptdp-error-rank0-old{index:02d}.txt"
+        path.write_text("old")
+        os.utime(path, ns=(index * 10**9, index * 10**9))
+        old.append(path)
+    (tmp_path / "ptdp-error-link.txt").symlink_to(old[0])
+    (tmp_path / "unrelated.txt").write_text("kept")
+    new = errors.keep_traceback(0, "Traceback: new\n")
+    left = sorted(p for p in old if p.exists())
+    assert new.read_text() == "Traceback: new\n"
+    assert left == old[-(errors.KEEP_TRACEBACKS - 1):]  # the newest old ones, and the new one
+    assert (tmp_path / "ptdp-error-link.txt").is_symlink() and (tmp_path / "unrelated.txt").exists()
