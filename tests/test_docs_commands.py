@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from doc_commands import COMMAND, ROOT, Block, blocks, commands, session
+from tests.doc_commands import COMMAND, ROOT, Block, blocks, commands, session
 from ptdp import cli
 from ptdp.config import validate
 

@@ -7,7 +7,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from doc_commands import commands
+from tests.doc_commands import commands
 
 ROOT = Path(__file__).resolve().parents[1]
 
