@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from ptdp.distributed import LOOPBACK, DistEnv
 from ptdp.errors import RankFailure, print_user_error
+from ptdp.plural import plural
 from ptdp.train import stopping
 
 # A rank with a graceful-exit handler outlives SIGTERM: SIGKILL after this.
@@ -475,7 +476,7 @@ def _supervise(ranks: _Ranks) -> None:
 
 def starting_line(world_size: int, started: int, seconds: float) -> str:
     """The line that shows a long start-up is not a hang."""
-    return (f"ptdp: waiting for {world_size} processes to start ({started} started, "
+    return (f"ptdp: waiting for {plural(world_size, 'process')} to start ({started} started, "
             f"{seconds:.0f} s so far)")
 
 

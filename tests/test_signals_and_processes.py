@@ -297,10 +297,10 @@ def test_ctrl_c_without_a_request_says_it_was_the_user_and_what_the_run_saved(tm
     requests.new_run(None)
     assert requests.interrupted() == f"{head}; no --save given, so nothing was saved"
     requests.note_start_up(64, 12)
-    assert requests.interrupted() == (f"{head} while the 64 processes were starting (12 had "
+    assert requests.interrupted() == (f"{head} while 64 processes were starting (12 had "
                                       f"started); nothing was saved")
     requests.note_start_up(8, 0)
-    assert requests.interrupted() == (f"{head} while the 8 processes were starting (none had "
+    assert requests.interrupted() == (f"{head} while 8 processes were starting (none had "
                                       f"started yet); nothing was saved")
     requests.new_run(str(save))
     assert requests.interrupted() == f"{head}; nothing was saved, and {save} holds no checkpoint"

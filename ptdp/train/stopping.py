@@ -53,6 +53,7 @@ import torch.distributed as dist
 from ptdp.config import signal_from_name
 from ptdp.errors import DivergenceError
 from ptdp.graceful_signals import GRACEFUL_SIGNALS
+from ptdp.plural import plural
 from ptdp.train.retention import latest_name
 
 REPEAT_WINDOW_SECONDS = 3.0
@@ -127,7 +128,8 @@ class StopRequests:
         head = "ptdp: interrupted by the user (Ctrl-C)"
         if self._start_up is not None:
             processes, started = self._start_up
-            head += f" while the {processes} processes were starting" + (
+            head += (f" while {plural(processes, 'process')} "
+                     f"{'was' if processes == 1 else 'were'} starting") + (
                 "" if started is None else f" ({started} had started)" if started
                 else " (none had started yet)")
             return f"{head}; nothing was saved" if self._training else head
