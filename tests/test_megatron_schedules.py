@@ -10,7 +10,7 @@
   style and way of giving the lengths; every iteration's global batch and the
   run's length equal its ramp-up calculator's (RampupBatchsizeNumMicroBatches-
   Calculator, from the last Megatron-LM commit that has it). Both are read from
-  a Megatron-LM git checkout ($PTDP_MEGATRON_REPO, default the mirror below)
+  a Megatron-LM git checkout named by $PTDP_MEGATRON_REPO
   with `git show` and imported with a one-function stand-in for
   megatron.core.utils; without a checkout those tests are skipped and
   hand-computed values check each style.
@@ -44,7 +44,7 @@ from tests.test_checkpoint import stop_save_resume
 from ptdp.train.loop import Trainer
 from ptdp.train.lr_schedule import LRSchedule
 
-MEGATRON_REPO = os.environ.get("PTDP_MEGATRON_REPO", "/work/.mirror/NVIDIA+Megatron-LM/repo")
+MEGATRON_REPO = os.environ.get("PTDP_MEGATRON_REPO", "")
 # The last commit with RampupBatchsizeNumMicroBatchesCalculator (532ad926b4's
 # parent; Megatron-LM then replaced --rampup-batch-size by step schedules).
 RAMPUP_COMMIT = "0b9bc2088b6d6c858275d02638064cc7e0bf8b70"
@@ -54,6 +54,8 @@ CPU = torch.device("cpu")
 # ------------------------------------------------------------ Megatron-LM's classes
 
 def _git_show(spec: str) -> str | None:
+    if not MEGATRON_REPO:  # (`git -C ''` would read this checkout)
+        return None
     try:
         return subprocess.run(["git", "-C", MEGATRON_REPO, "show", spec], capture_output=True,
                               text=True, check=True).stdout
@@ -77,7 +79,7 @@ def megatron(tmp_path_factory):
     scheduler = _git_show("HEAD:megatron/core/optimizer_param_scheduler.py")
     calculators = _git_show(f"{RAMPUP_COMMIT}:megatron/core/num_microbatches_calculator.py")
     if scheduler is None or calculators is None:
-        pytest.skip(f"no Megatron-LM git checkout at {MEGATRON_REPO} (set PTDP_MEGATRON_REPO)")
+        pytest.skip(f"no Megatron-LM git checkout at {MEGATRON_REPO!r} (set PTDP_MEGATRON_REPO)")
     # Its only import beyond torch: a logging helper (stood in for, so that
     # megatron.core's heavy dependencies are not needed).
     utils = types.ModuleType("megatron.core.utils")
