@@ -203,6 +203,8 @@ def _file_settings(data: dict[str, Any], path: str) -> dict[str, Any]:
             (isinstance(value, (int, float)) and not isinstance(value, bool)) if kind is float else
             (isinstance(value, int) and not isinstance(value, bool)) if kind is int else
             isinstance(value, str))
+        # A union of types ("str | int | list[int]", --moe-layer-freq): a value of any of them.
+        ok = ok or type(value).__name__ in [part.strip().split("[")[0] for part in f.type.split("|")]
         if not ok:
             problems.append(f"--config {path}: {key} = {value!r} should be of type {kind.__name__}")
             continue

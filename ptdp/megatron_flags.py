@@ -7,7 +7,8 @@ for nothing, and ignoring them silently would leave the user guessing, so
 each one is accepted and explained in one line before the run starts.
 
 A few cannot be honoured (FP8, Megatron-LM's checkpoint formats, its newer
-batch-size schedule): those are refused before launch with what to use
+batch-size schedule, the mixture-of-experts extras: flex dispatch, upcycling,
+quantile balancing...): those are refused before launch with what to use
 instead, together with any other invalid setting.
 
 The flags whose meaning ptdp implements (--decoupled-lr, --manual-gc,
@@ -41,6 +42,94 @@ class AcceptedFlag:
 
 _FP8 = ("FP8 training needs Transformer Engine's FP8 kernels, which ptdp does not use: train "
         "with --bf16 and drop the --fp8-* flags")
+
+def _moe(name: str, values: int, what: str, instead: str, **extra: Any) -> AcceptedFlag:
+    """A Megatron-LM MoE option ptdp refuses: what it is, what to use instead."""
+    return AcceptedFlag(name, values, f"{what}, which ptdp does not have: {instead}", refused=True,
+                        **extra)
+
+
+_DROP = "drop it"
+_FLEX = ("part of the flex token dispatcher (DeepEP, HybridEP or NCCL-EP communication "
+         "libraries)", "use --moe-token-dispatcher-type alltoall or allgather and drop it")
+_LOW_PRECISION = ("a Transformer Engine FP8/FP4 or grouped-tensor layout option",
+                  "train with --bf16 and drop it")
+_OVERLAP = ("overlap of the expert-parallel all-to-all with computation across micro-batches",
+            "drop it (the results are the same without it)")
+
+# Megatron-LM's mixture-of-experts extras (ptdp.config.moe has the MoE
+# settings ptdp implements).
+MOE_FLAGS: tuple[AcceptedFlag, ...] = (
+    AcceptedFlag("--moe-router-fusion", 0,
+                 "ptdp's router is plain PyTorch; Transformer Engine's fused router kernel "
+                 "computes the same"),
+    AcceptedFlag("--moe-permute-fusion", 0,
+                 "ptdp permutes tokens with plain PyTorch; Transformer Engine's fused permutation "
+                 "computes the same"),
+    AcceptedFlag("--moe-shared-expert-overlap", 0,
+                 "ptdp computes the shared experts in line, not on a side stream during the "
+                 "all-to-all; the results are the same"),
+    AcceptedFlag("--moe-per-layer-logging", 0,
+                 "ptdp logs the load-balancing and z-losses averaged over the MoE layers, not "
+                 "per layer"),
+    _moe("--moe-input-jitter-eps", 1, "Switch-style multiplicative noise on the router's input",
+         _DROP),
+    _moe("--moe-router-force-load-balancing", 0, "benchmark-only random router logits", _DROP),
+    _moe("--moe-router-force-biased", 1, "benchmark-only biased random router logits", _DROP),
+    _moe("--moe-router-quantile-balancing-ema", 1, "quantile-balancing routing",
+         "use --moe-router-load-balancing-type aux_loss or --moe-router-enable-expert-bias"),
+    _moe("--moe-router-topk-limited-devices", 1,
+         "device-limited routing (Megatron-LM's deprecated flag)",
+         "use --moe-router-num-groups G --moe-router-group-topk N"),
+    _moe("--moe-router-padding-for-quantization", 0, *_LOW_PRECISION),
+    _moe("--moe-router-padding-for-fp8", 0, *_LOW_PRECISION),
+    _moe("--moe-use-grouped-tensor", 0, *_LOW_PRECISION),
+    _moe("--moe-single-grouped-weight", 0, *_LOW_PRECISION),
+    _moe("--moe-single-grouped-bias", 0, *_LOW_PRECISION),
+    _moe("--moe-mlp-glu-interleave-size", 1, *_LOW_PRECISION),
+    _moe("--moe-shared-expert-glu-interleave-size", 1, *_LOW_PRECISION),
+    _moe("--use-grouped-gemm-for-shared-expert", 0, "Transformer Engine's grouped GEMM for the "
+         "shared experts", _DROP),
+    _moe("--use-grouped-gemm-for-dense-mlp", 0, "Transformer Engine's grouped GEMM for the dense "
+         "MLP", _DROP),
+    _moe("--moe-enable-deepep", 0, *_FLEX),
+    _moe("--moe-flex-dispatcher-backend", 1, *_FLEX),
+    _moe("--moe-flex-dispatcher-num-sms", 1, *_FLEX),
+    _moe("--moe-deepep-num-sms", 1, *_FLEX),
+    _moe("--moe-hybridep-num-sms", 1, *_FLEX),
+    _moe("--moe-hybridep-num-blocks-permute", 1, *_FLEX),
+    _moe("--moe-hybridep-num-blocks-unpermute", 1, *_FLEX),
+    _moe("--moe-hybridep-num-sms-preprocessing", 1, *_FLEX),
+    _moe("--moe-hybridep-pad-uneven-dispatch-inputs", 0, *_FLEX),
+    _moe("--moe-permute-fusion-into-hybridep", 0, *_FLEX),
+    _moe("--moe-ncclep-zero-copy", 0, *_FLEX),
+    _moe("--moe-dispatch-fwd-dtype", 1, *_FLEX),
+    _moe("--moe-combine-bwd-dtype", 1, *_FLEX),
+    _moe("--moe-expert-rank-capacity-factor", 1, *_FLEX),
+    _moe("--moe-use-upcycling", 0, "conversion of a dense checkpoint into an MoE model",
+         "train the MoE model from its own initialisation and drop it"),
+    _moe("--moe-upcycling-granularity", 1, "conversion of a dense checkpoint into an MoE model",
+         "train the MoE model from its own initialisation and drop it"),
+    _moe("--moe-apply-probs-on-input", 0, "routing probabilities applied to the experts' input",
+         "drop it (ptdp weights the experts' outputs, Megatron-LM's default)"),
+    _moe("--moe-latent-size", 1, "a latent projection around the MoE layer", _DROP),
+    _moe("--moe-layer-recompute", 0, "recomputation of the MoE layers alone (deprecated in "
+         "Megatron-LM)", "use --recompute-granularity full"),
+    _moe("--moe-paged-stash", 0, "paged stashing of MoE activations", _DROP),
+    _moe("--moe-paged-stash-page-size", 1, "paged stashing of MoE activations", _DROP),
+    _moe("--moe-paged-stash-buffer-size-factor-cuda", 1, "paged stashing of MoE activations",
+         _DROP),
+    _moe("--moe-paged-stash-buffer-size-factor-cpu", 1, "paged stashing of MoE activations",
+         _DROP),
+    _moe("--overlap-moe-expert-parallel-comm", 0, *_OVERLAP),
+    _moe("--overlap-dispatch-backward-with-experts-wgrad", 0, *_OVERLAP),
+    _moe("--delay-wgrad-compute", 0, "delayed expert weight gradients for the all-to-all "
+         "overlap", "drop it (the results are the same without it)"),
+    _moe("--moe-enable-routing-replay", 0, "replay of recorded routing decisions", _DROP),
+    _moe("--moe-pad-experts-for-cuda-graph-inference", 0, "CUDA-graph inference padding", _DROP),
+    _moe("--expert-tensor-parallel-num-weight-shards", 1, "sharded expert weights for "
+         "inference", _DROP),
+)
 
 ACCEPTED: tuple[AcceptedFlag, ...] = (
     AcceptedFlag("--use-mcore-models", 0,
@@ -97,7 +186,7 @@ ACCEPTED: tuple[AcceptedFlag, ...] = (
     AcceptedFlag("--step-batch-size-schedule", 1,
                  "Megatron-LM's newest batch-size schedule is not implemented: use "
                  "--rampup-batch-size START INCREMENT SAMPLES with --train-samples", refused=True),
-)
+) + MOE_FLAGS
 
 
 def add_accepted_flags(parser: argparse.ArgumentParser) -> None:

@@ -10,8 +10,8 @@ a value: each problem becomes a message naming the flag, the values and a
 valid alternative, and all problems are reported together.
 
 The package, from the bottom: base.py (the flag field, ConfigError and the
-checks' helpers), model.py, parallel.py (with layer_split.py), train.py (with
-signals.py) and data.py (each section's fields and its own checks),
+checks' helpers), model.py (with moe.py, its mixture-of-experts settings),
+parallel.py (with layer_split.py), train.py (with signals.py) and data.py (each section's fields and its own checks),
 sections.py (the whole Config and the flags across sections) and checks.py
 (`validate`, composing the sections' checks and the ones across sections).
 It imports nothing of ptdp above it, and never torch.
@@ -22,11 +22,12 @@ from ptdp.config.checks import validate
 from ptdp.config.data import DataConfig
 from ptdp.config.layer_split import LayerSplit
 from ptdp.config.model import ModelConfig
+from ptdp.config.moe import MoEFields, parse_layer_pattern
 from ptdp.config.parallel import ParallelConfig
 from ptdp.config.sections import SECTION_TYPES, Config, flag_fields, flag_of
 from ptdp.config.signals import signal_from_name
 from ptdp.config.train import TrainConfig
 
-__all__ = ["Config", "ConfigError", "DataConfig", "LayerSplit", "ModelConfig", "ParallelConfig",
-           "SECTION_TYPES", "TrainConfig", "flag", "flag_fields", "flag_of", "signal_from_name",
-           "validate"]
+__all__ = ["Config", "ConfigError", "DataConfig", "LayerSplit", "ModelConfig", "MoEFields",
+           "ParallelConfig", "SECTION_TYPES", "TrainConfig", "flag", "flag_fields", "flag_of",
+           "parse_layer_pattern", "signal_from_name", "validate"]

@@ -11,10 +11,11 @@ from dataclasses import dataclass
 
 from ptdp.config.base import divisors, finite_or_none, flag, flag_in, is_finite_number, \
     positive_integer_problems
+from ptdp.config.moe import MoEFields
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(MoEFields):
     num_layers: int = flag(4, "--num-layers", "transformer layers")
     hidden_size: int = flag(128, "--hidden-size", "hidden size h")
     num_attention_heads: int = flag(4, "--num-attention-heads", "attention heads a")
@@ -110,6 +111,7 @@ class ModelConfig:
         choices=("uniform", "block"))
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # the MoE settings' Megatron-LM readings
         # The alias sets what every consumer reads; with --recompute-granularity
         # full it is a contradiction that validate reports.
         if self.recompute_activations and self.recompute_granularity is None:

@@ -68,6 +68,12 @@ class ParallelConfig:
         1, "--context-parallel-size",
         "context parallelism (the sequence split over ranks inside attention): ptdp has none, "
         "so only 1")
+    expert_model_parallel_size: int = flag(
+        1, "--expert-model-parallel-size",
+        "expert-parallel size EP: each MoE layer's experts split over EP ranks (E/EP each)")
+    expert_tensor_parallel_size: int | None = flag(
+        None, "--expert-tensor-parallel-size",
+        "tensor-parallel size ETP of each expert's MLP (default --tensor-model-parallel-size)")
     device: str = flag("auto", "--device", "auto | cpu | cuda (auto: cuda with NCCL when there are "
                        "enough GPUs, else cpu with gloo)", choices=("auto", "cpu", "cuda"))
     distributed_timeout_minutes: float = flag(
@@ -77,6 +83,13 @@ class ParallelConfig:
     @property
     def dp(self) -> int:
         return self.data_parallel_size or 1
+
+    @property
+    def expert_tensor_size(self) -> int:
+        """ETP: --expert-tensor-parallel-size, by default t."""
+        if self.expert_tensor_parallel_size is None:
+            return self.tensor_model_parallel_size
+        return self.expert_tensor_parallel_size
 
     @property
     def world_size(self) -> int:
@@ -112,8 +125,10 @@ def parallel_count_problems(par: ParallelConfig) -> list[str]:
     """The layout's sizes that must be positive integers."""
     return positive_integer_problems(
         par, ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
-              "num_layers_per_virtual_pipeline_stage"),
-        optional=("data_parallel_size", "num_layers_per_virtual_pipeline_stage"))
+              "num_layers_per_virtual_pipeline_stage", "expert_model_parallel_size",
+              "expert_tensor_parallel_size"),
+        optional=("data_parallel_size", "num_layers_per_virtual_pipeline_stage",
+                  "expert_tensor_parallel_size"))
 
 
 def timeout_problems(par: ParallelConfig) -> list[str]:

@@ -46,9 +46,17 @@ SECTION_TYPES: dict[str, type] = {
 
 
 def flag_fields() -> list[tuple[str, dataclasses.Field]]:
-    """(section, field) for every field that is a flag, in declaration order."""
+    """(section, field) for every field that is a flag, in declaration order:
+    a section's own fields first, then those it inherits (ModelConfig's MoE
+    settings, ptdp.config.moe), so --help lists --num-layers before them."""
     return [(section, f) for section, cls in SECTION_TYPES.items()
-            for f in dataclasses.fields(cls) if "flag" in f.metadata]
+            for f in _own_fields_first(cls) if "flag" in f.metadata]
+
+
+def _own_fields_first(cls: type) -> list[dataclasses.Field]:
+    inherited = {name for base in cls.__mro__[1:] for name in getattr(base, "__dataclass_fields__", {})}
+    fields = dataclasses.fields(cls)
+    return [f for f in fields if f.name not in inherited] + [f for f in fields if f.name in inherited]
 
 
 def flag_of(section: str, name: str) -> str:

@@ -43,6 +43,7 @@ from torch import nn
 
 from ptdp.config import ModelConfig
 from ptdp.model.fused import bias_dropout_add, bias_gelu, swiglu, zero_centred_norm
+from ptdp.model.moe import ExpertLinear, MoELayer
 from ptdp.model.recompute import checkpoint, recompute_active
 from ptdp.model.rotary import Rotary
 from ptdp.parallel.pipeline.actions import virtual_stage_of
@@ -226,7 +227,7 @@ class MLP(nn.Module):
 
 class TransformerLayer(nn.Module):
     def __init__(self, config: ModelConfig, ctx: ParallelContext, rng: RNGStreams,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, layer_id: int = 0):
         super().__init__()
         self.rng, self.sequence_parallel = rng, sequence_parallel
         self.hidden_dropout = config.hidden_dropout
@@ -234,7 +235,10 @@ class TransformerLayer(nn.Module):
         self.input_layernorm = layer_norm(config, sequence_parallel)
         self.attention = Attention(config, ctx, rng, sequence_parallel)
         self.post_attention_layernorm = layer_norm(config, sequence_parallel)
-        self.mlp = MLP(config, ctx, sequence_parallel)
+        if config.is_moe and config.moe_layer_pattern[layer_id]:
+            self.mlp = MoELayer(config, ctx, rng, sequence_parallel)
+        else:
+            self.mlp = MLP(config, ctx, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out, bias = self.attention(self.input_layernorm(x))
@@ -262,7 +266,7 @@ class GPT(nn.Module):
         self.layer_ids = list(range(config.num_layers) if layer_ids is None else layer_ids)
         if pre_process:
             self.embedding = Embedding(config, ctx, rng, sp)
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, ctx, rng, sp)
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, ctx, rng, sp, i)
                                      for i in self.layer_ids})
         if post_process:
             self.final_layernorm = layer_norm(config, sp)
@@ -289,7 +293,7 @@ class GPT(nn.Module):
         W's (measured: +12 % peak RSS over 1F1B at p = 4 on bench/peers.py's
         GPT; +6 % with the output layer in B, bench/zero_bubble.py)."""
         for module in self.modules():
-            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ExpertLinear)):
                 module.weight_grads = store
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,

@@ -51,11 +51,15 @@ class _ReplayedStreams:
         self.live.append(dict(states))
         states.clear()
         states.update({name: state.clone() for name, state in self.saved.items()})
+        # What a forward asks to know that it is a repeat (the MoE layer
+        # records its balancing losses once).
+        self.rng.replaying = True
 
     def __exit__(self, *exc_info: Any) -> None:
         states = self.rng.states
         states.clear()
         states.update(self.live.pop())
+        self.rng.replaying = bool(self.live)
 
 
 def checkpoint(function: Callable[..., Any], rng: RNGStreams, *args: Any) -> Any:

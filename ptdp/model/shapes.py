@@ -38,9 +38,33 @@ def logical_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         **linear("mlp.dense_h_to_4h", 2 * f if config.swiglu else f, h),
         **linear("mlp.dense_4h_to_h", h, f),
     }
+    moe_layer = {name: shape for name, shape in per_layer.items() if not name.startswith("mlp.")}
+    if config.is_moe:
+        moe_layer.update(_moe_shapes(config, linear))
+    pattern = config.moe_layer_pattern if config.is_moe else [False] * config.num_layers
     for i in range(config.num_layers):
-        shapes.update({f"layers.{i}.{name}": shape for name, shape in per_layer.items()})
+        layer = moe_layer if pattern[i] else per_layer
+        shapes.update({f"layers.{i}.{name}": shape for name, shape in layer.items()})
     shapes.update(norm("final_layernorm"))
     if not config.tied_output:
         shapes["output_layer.weight"] = (config.vocab_size, h)
+    return shapes
+
+
+def _moe_shapes(config: ModelConfig, linear) -> dict[str, tuple[int, ...]]:
+    """An MoE layer's MLP: the router, each expert under its own name (so a
+    checkpoint holds every expert whatever the layout), the shared expert."""
+    h, E = config.hidden_size, config.num_experts
+
+    def mlp(name: str, width: int) -> dict[str, tuple[int, ...]]:
+        return {**linear(f"{name}.dense_h_to_4h", 2 * width if config.swiglu else width, h),
+                **linear(f"{name}.dense_4h_to_h", h, width)}
+
+    shapes = {"mlp.router.weight": (E, h), **({"mlp.router.bias": (E,)} if config.bias else {})}
+    for e in range(E):
+        shapes.update(mlp(f"mlp.experts.{e}", config.moe_ffn_size))
+    if config.moe_shared_expert_intermediate_size:
+        shapes.update(mlp("mlp.shared_expert", config.moe_shared_expert_intermediate_size))
+        if config.moe_shared_expert_gate:
+            shapes["mlp.shared_expert_gate"] = (1, h)
     return shapes

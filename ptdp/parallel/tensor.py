@@ -206,6 +206,24 @@ def reduce_scatter_to_sequence_region(x: torch.Tensor, group: Any) -> torch.Tens
     return x if group is None else _ReduceScatterToSequenceRegion.apply(x, group)
 
 
+class _GatherFromSequenceRegion(torch.autograd.Function):
+    """All-gather the sequence forward ([s/t, ...] -> [s, ...]); backward,
+    reduce-scatter the gradient (each rank's is partial over the tensor group)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_sequence(grad, ctx.group), None
+
+
+def gather_from_sequence_region(x: torch.Tensor, group: Any) -> torch.Tensor:
+    return x if group is None else _GatherFromSequenceRegion.apply(x, group)
+
+
 def mark_partial_grad(param: nn.Parameter) -> nn.Parameter:
     """A replicated parameter used on s/t positions per tensor rank (norm
     weights and biases, row-parallel biases under sequence parallelism): each
@@ -464,6 +482,8 @@ class RNGStreams:
     def __init__(self, device: torch.device):
         self.device = device
         self.states: dict[str, torch.Tensor] = {}
+        # True while activation recomputation repeats a forward (ptdp.model.recompute).
+        self.replaying = False
 
     def seed(self, seed: int, ctx: ParallelContext) -> None:
         c = ctx.coord

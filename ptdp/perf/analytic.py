@@ -54,10 +54,12 @@ Communication: see `communication_per_rank`.
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from typing import Iterator, NamedTuple
 
 from ptdp.config import ModelConfig, TrainConfig
+from ptdp.model.shapes import logical_shapes
 from ptdp.parallel.pipeline.actions import (ZERO_BUBBLE_KINDS, check_arguments, location_of,
                                             virtual_stage_of, warmup_forwards)
 from ptdp.parallel.pipeline.one_f_one_b import backward_order, forward_order
@@ -134,6 +136,8 @@ def parameter_count(model: ModelConfig) -> int:
     embedding, the position table, l layers, the final norm and the untied
     output layer (a tied output layer is the word embedding, counted once);
     vocabulary unpadded, positions = --max-position-embeddings or s."""
+    if model.is_moe:  # every expert counted (the active ones: ptdp.perf.flops.mlp_widths)
+        return sum(math.prod(shape) for shape in logical_shapes(model).values())
     h = model.hidden_size
     output = 0 if model.tied_output else model.vocab_size * h
     return (model.vocab_size * h + _position_parameters(model)

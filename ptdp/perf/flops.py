@@ -18,15 +18,15 @@ def model_flops_per_iteration(config: ModelConfig, global_batch: int, *, recompu
     method recomputes only the first --recompute-num-layers of each chunk;
     see `recomputed_layer_count`)."""
     B, s, h, l = global_batch, config.seq_length, config.hidden_size, config.num_layers
-    V, f = config.vocab_size, config.ffn_size
+    V = config.vocab_size
     a, g, d = config.num_attention_heads, config.query_groups, config.head_dim
-    up = 2 if config.swiglu else 1   # k above: the first MLP matrix is [k·f, h]
-    # 24·B·s·h² for GPT-2's options (g = a, a·d = h, up = 1, f = 4h)
-    layer_dense = 2 * B * s * h * ((a + 2 * g) * d + a * d + (up + 1) * f)
+    # 24·B·s·h² per layer for GPT-2's options (g = a, a·d = h, a [4h, h] MLP)
     layer_attention = 4 * B * s * s * a * d
-    layer = layer_dense + layer_attention
+    layers = [2 * B * s * h * ((a + 2 * g) * d + a * d + width) + layer_attention
+              for width in mlp_widths(config)]
+    layer = sum(layers) / l   # (the mean layer: MoE and dense layers differ)
     output_layer = 2 * B * s * h * V
-    total = 3 * l * layer + 3 * output_layer
+    total = 3 * sum(layers) + 3 * output_layer
     if recompute is None:
         return float(total)
     if recompute == "selective":
@@ -37,6 +37,19 @@ def model_flops_per_iteration(config: ModelConfig, global_batch: int, *, recompu
             raise ValueError(f"recomputed_layers = {recomputed} is not in 0..{l}")
         return float(total + recomputed * layer)
     raise ValueError(f"unknown recompute {recompute!r}: use None, 'full' or 'selective'")
+
+
+def mlp_widths(config: ModelConfig) -> list[int]:
+    """Per layer, the columns its MLP multiplies each token's h values by:
+    (up + 1)·f for a dense MLP (up = 2 with SwiGLU: the first matrix is
+    [2f, h]); in an MoE layer the router's E, the k routed experts' and the
+    shared expert's (active parameters only, as Megatron-LM counts)."""
+    up = 2 if config.swiglu else 1
+    if not config.is_moe:
+        return [(up + 1) * config.ffn_size] * config.num_layers
+    moe = (config.num_experts + config.moe_router_topk * (up + 1) * config.moe_ffn_size
+           + (up + 1) * (config.moe_shared_expert_intermediate_size or 0))
+    return [moe if is_moe else (up + 1) * config.ffn_size for is_moe in config.moe_layer_pattern]
 
 
 def recomputed_layer_count(config: ModelConfig, num_model_chunks: int,

@@ -37,6 +37,7 @@ from ptdp.train.checkpoint import (load_checkpoint, load_summary, read_metadata,
 from ptdp.train.evaluate import evaluate
 from ptdp.train.housekeeping import Housekeeping
 from ptdp.train.loss_range import LossRange
+from ptdp.train.moe_metrics import balancing_metrics, moe_layers, set_aux_loss_scale
 from ptdp.train.lr_schedule import LRSchedule
 from ptdp.train.optimizer import Optimizer, embedding_and_output_weights
 from ptdp.train.report import (Progress, TensorBoardLogger, format_log_line, peak_tflops,
@@ -126,6 +127,7 @@ class Trainer:
                                    sequence_parallel=sequence_parallel, kind=par.schedule_kind,
                                    split=par.layer_split)
         self.model = torch.nn.ModuleList(self.chunks)
+        self.moe_layers = moe_layers(self.chunks)
         # The rank of the last virtual stage, which computes the loss (rank 0 under zbv).
         loss_rank = self.schedule.location(self.schedule.num_stages - 1)[0]
         self.holds_loss = loss_rank == ctx.pp_rank
@@ -243,6 +245,7 @@ class Trainer:
         num_micro = global_batch // self.batches.per_microbatch
         schedule = self.schedule_for(num_micro)
         self.buffer.start_iteration(num_micro)
+        set_aux_loss_scale(self.moe_layers, self.optimizer.scaler.scale / num_micro)
         # Zero-bubble: the run's second iteration (the first warms up) measures
         # what F, B and W take, and the exchanges are placed for that after it.
         measure = schedule.zero_bubble and iteration == self.start_iteration + 1
@@ -294,6 +297,8 @@ class Trainer:
             "peak_stored_activations": stats.peak_stored,
             "optimizer_state_bytes": self.optimizer.state_bytes,
         }
+        if self.config.model.is_moe:
+            record.update(balancing_metrics(self.moe_layers, self.config.model, ctx, self.device))
         if tr.rampup_batch_size is not None:
             record["global_batch_size"] = global_batch
         if schedule.zero_bubble:

@@ -164,6 +164,7 @@ def format_log_line(record: dict[str, Any], train_iters: int) -> str:
         if details:
             text += f" ({', '.join(details)})"
         parts.append(text)
+    parts += [f"{key} {record[key]:.4f}" for key in BALANCING_KEYS if record.get(key) is not None]
     parts += [f"lr {number('lr', '.3e')}", f"grad norm {number('grad_norm', '.4f')}"]
     if record.get("loss_scale", 1.0) != 1.0:
         parts.append(f"loss scale {record['loss_scale']:.0f}")
@@ -286,7 +287,13 @@ TENSORBOARD_TAGS: dict[str, str] = {
     "pipeline_transfer_ms": "time/pipeline_transfer_ms",
     "grad_reduce_ms": "time/grad_reduce_ms",
     "optimizer_ms": "time/optimizer_ms",
+    # MoE layers' balancing losses, without their coefficients: Megatron-LM's tags
+    "load_balancing_loss": "load_balancing_loss",
+    "seq_load_balancing_loss": "seq_load_balancing_loss",
+    "z_loss": "z_loss",
 }
+# The balancing losses on the log line, as Megatron-LM names them there.
+BALANCING_KEYS = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
 VALIDATION_KEYS = frozenset({"val_loss", "val_perplexity", "val_bits_per_char"})
 
 # --log-timers-to-tensorboard: the iteration's timers in seconds under

@@ -1,0 +1,311 @@
+"""The MoE layer on one process against outside references: transformers'
+Mixtral and Qwen3-MoE sparse blocks (same weights: output and gradients
+within 1e-5 in fp32), its load-balancing function, hand computations of
+Megatron-Core's rules (aux loss, z-loss, capacity, group-limited routing,
+sigmoid scores), and a small GPT with MoE layers that trains."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+from ptdp.config import Config, DataConfig, ModelConfig, TrainConfig
+from ptdp.model.moe import MoELayer, balancing_scores, switch_loss
+from ptdp.model.shapes import logical_shapes
+from ptdp.parallel.sharding import initialize_parameters, logical_shape
+from ptdp.parallel.tensor import RNGStreams
+from ptdp.parallel.topology import ParallelContext, RankGrid
+from ptdp.train.loop import Trainer
+
+transformers = pytest.importorskip("transformers")
+
+H, F_EXPERT, E, K = 16, 24, 4, 2
+CPU = torch.device("cpu")
+
+
+def _config(**moe) -> ModelConfig:
+    base = dict(num_layers=2, hidden_size=H, num_attention_heads=4, seq_length=8, vocab_size=64,
+                swiglu=True, ffn_hidden_size=32, disable_bias_linear=True, hidden_dropout=0.0,
+                attention_dropout=0.0, num_experts=E, moe_ffn_hidden_size=F_EXPERT,
+                moe_router_topk=K)
+    base.update(moe)
+    return ModelConfig(**base)
+
+
+def _layer(config: ModelConfig, seed: int = 3) -> MoELayer:
+    layer = MoELayer(config, ParallelContext.single(), RNGStreams(CPU))
+    initialize_parameters(layer, seed)
+    with torch.no_grad():  # a router that prefers some experts, so ties never decide
+        layer.router.weight.mul_(20.0)
+    return layer
+
+
+def _hf_block(kind: str, layer: MoELayer, **config):
+    if kind == "mixtral":
+        from transformers import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock as Block
+        cfg = MixtralConfig(hidden_size=H, intermediate_size=F_EXPERT, num_local_experts=E,
+                            num_experts_per_tok=K, hidden_act="silu", **config)
+    else:
+        from transformers import Qwen3MoeConfig
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock as Block
+        cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=F_EXPERT, intermediate_size=32,
+                             num_experts=E, num_experts_per_tok=K, hidden_act="silu", **config)
+    cfg._experts_implementation = "eager"
+    block = Block(cfg).float()
+    with torch.no_grad():
+        block.gate.weight.copy_(layer.router.weight)
+        # ours: [gate rows | up rows] per expert, as transformers' gate_up_proj
+        block.experts.gate_up_proj.copy_(torch.stack(
+            [layer.experts[str(e)].dense_h_to_4h.weight for e in range(E)]))
+        block.experts.down_proj.copy_(torch.stack(
+            [layer.experts[str(e)].dense_4h_to_h.weight for e in range(E)]))
+    return block
+
+
+@pytest.mark.parametrize("kind,moe,hf", [
+    ("mixtral", {}, {}),                                       # top-2 of the logits, softmax over those
+    ("qwen3", {}, {"norm_topk_prob": True}),                   # the same, renormalised
+    ("qwen3", {"moe_router_pre_softmax": True}, {"norm_topk_prob": False}),  # softmax, then top-k
+])
+def test_the_moe_layer_equals_transformers_sparse_blocks(kind, moe, hf):
+    layer = _layer(_config(**moe))
+    block = _hf_block(kind, layer, **hf)
+    x = torch.randn(8, 2, H, generator=torch.Generator().manual_seed(0))  # [s, b, h]
+    ours_x, theirs_x = x.clone().requires_grad_(), x.transpose(0, 1).contiguous().requires_grad_()
+    ours, bias = layer(ours_x)
+    assert bias is None
+    theirs = block(theirs_x).transpose(0, 1)
+    assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    weights = torch.randn(ours.shape, generator=torch.Generator().manual_seed(1))
+    (ours * weights).sum().backward()
+    (theirs * weights).sum().backward()
+    assert_close(ours_x.grad, theirs_x.grad.transpose(0, 1), rtol=1e-5, atol=1e-6)
+    assert_close(layer.router.weight.grad, block.gate.weight.grad, rtol=1e-5, atol=1e-6)
+    for e in range(E):
+        assert_close(layer.experts[str(e)].dense_h_to_4h.weight.grad,
+                     block.experts.gate_up_proj.grad[e], rtol=1e-5, atol=1e-6)
+        assert_close(layer.experts[str(e)].dense_4h_to_h.weight.grad,
+                     block.experts.down_proj.grad[e], rtol=1e-5, atol=1e-6)
+
+
+def test_the_aux_loss_is_transformers_and_megatron_core_s_formula():
+    """transformers' load_balancing_loss_func counts top-k assignments over
+    T (Σ f = k); Megatron-Core's over k·T: theirs = k · ours. By hand:
+    E/(k·T²) · Σ_e (Σ_t S_te) · c_e."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    logits = torch.randn(12, E, generator=torch.Generator().manual_seed(2))
+    scores = balancing_scores(logits, _config())
+    ours = switch_loss(scores, K)
+    theirs = load_balancing_loss_func((logits,), E, K)
+    assert_close(K * ours, theirs, rtol=1e-6, atol=0)
+    counts = torch.zeros(E)
+    for row in scores:
+        counts[row.topk(K).indices] += 1
+    by_hand = E / (K * 12 ** 2) * sum(scores[:, e].sum() * counts[e] for e in range(E))
+    assert_close(ours, by_hand, rtol=1e-6, atol=0)
+    assert_close(switch_loss(torch.full((12, E), 1 / E), K), torch.tensor(1.0))  # uniform: 1
+
+
+def test_balancing_losses_shape_the_gradient_not_the_output():
+    """With aux loss and z-loss on, the output is unchanged and the router's
+    gradient is the main loss's plus coeff · scale · ∇(each loss)."""
+    coeff, z_coeff, scale = 0.1, 0.01, 0.25
+    plain = _layer(_config())
+    balanced = _layer(_config(moe_aux_loss_coeff=coeff, moe_z_loss_coeff=z_coeff))
+    balanced.aux_loss_scale = scale
+    x = torch.randn(8, 2, H, generator=torch.Generator().manual_seed(4))
+    out_plain, _ = plain(x)
+    out_balanced, _ = balanced(x)
+    assert torch.equal(out_plain, out_balanced)
+    out_plain.sum().backward()
+    out_balanced.sum().backward()
+    weight = balanced.router.weight.detach().clone().requires_grad_()
+    logits = x.reshape(-1, H) @ weight.t()
+    extra = coeff * switch_loss(balancing_scores(logits, balanced.config), K) \
+        + z_coeff * torch.logsumexp(logits, dim=-1).square().mean()
+    (expected,) = torch.autograd.grad(extra * scale, weight)
+    assert_close(balanced.router.weight.grad - plain.router.weight.grad, expected, rtol=1e-4,
+                 atol=1e-7)
+    metrics = balanced.take_metrics()
+    assert set(metrics) == {"load_balancing_loss", "z_loss"} and len(metrics["z_loss"]) == 1
+
+
+def test_capacity_drops_by_probability_or_by_position():
+    """T = 8 tokens, k = 1, E = 4, factor 0.5: capacity ceil(8/4 · 0.5) = 1
+    token per expert; 'probs' keeps each expert's most probable token,
+    'position' its first."""
+    for policy in ("probs", "position"):
+        layer = _layer(_config(moe_router_topk=1, moe_router_pre_softmax=True,
+                               moe_expert_capacity_factor=0.5, moe_token_drop_policy=policy))
+        logits = torch.randn(8, E, generator=torch.Generator().manual_seed(5))
+        routing = layer.router.route(logits)
+        full = torch.softmax(logits, dim=-1)
+        choice = full.argmax(dim=-1)
+        for e in range(E):
+            mine = (choice == e).nonzero().squeeze(1)
+            kept = routing.routed[:, e].nonzero().squeeze(1)
+            if mine.numel() == 0:
+                assert kept.numel() == 0
+                continue
+            expected = mine[full[mine, e].argmax()] if policy == "probs" else mine[0]
+            assert kept.tolist() == [expected.item()], (policy, e)
+            assert routing.probs[kept, e].item() == pytest.approx(full[expected, e].item())
+        assert (routing.probs[~routing.routed] == 0).all()
+
+
+def test_sigmoid_scores_group_limited_routing_and_scaling():
+    layer = _layer(_config(num_experts=8, moe_router_topk=2, moe_router_score_function="sigmoid",
+                           moe_router_num_groups=4, moe_router_group_topk=1,
+                           moe_router_topk_scaling_factor=2.5))
+    logits = torch.randn(6, 8, generator=torch.Generator().manual_seed(6))
+    routing = layer.router.route(logits)
+    scores = torch.sigmoid(logits)
+    for t in range(6):
+        groups = scores[t].view(4, 2)
+        best_group = groups.topk(2, dim=-1).values.sum(-1).argmax()  # top k/group_k = 2 per group
+        experts = [2 * best_group.item(), 2 * best_group.item() + 1]
+        assert routing.routed[t].nonzero().squeeze(1).tolist() == experts
+        chosen = scores[t, experts]
+        assert_close(routing.probs[t, experts], 2.5 * chosen / chosen.sum())
+
+
+def test_moe_layers_follow_the_layer_pattern_and_the_logical_shapes():
+    config = _config(num_layers=4, moe_layer_freq="([0]+[1]*3)",
+                     moe_shared_expert_intermediate_size=20, moe_shared_expert_gate=True)
+    from ptdp.model.gpt import GPT
+
+    model = GPT(config, ParallelContext.single(), RNGStreams(CPU))
+    kinds = [type(model.layers[str(i)].mlp).__name__ for i in range(4)]
+    assert kinds == ["MLP", "MoELayer", "MoELayer", "MoELayer"]
+    params = {name: logical_shape(p) for name, p in model.named_parameters()}
+    assert params == logical_shapes(config)  # (logical: the vocabulary unpadded)
+    assert params["layers.1.mlp.experts.3.dense_h_to_4h.weight"] == (2 * F_EXPERT, H)
+    assert params["layers.1.mlp.shared_expert_gate"] == (1, H)
+
+
+def test_a_small_moe_gpt_trains():
+    from ptdp.train.loop import Trainer
+
+    model = _config(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+                    vocab_size=128, ffn_hidden_size=64, moe_ffn_hidden_size=32,
+                    moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3,
+                    moe_shared_expert_intermediate_size=32)
+    config = Config(model=model, data=DataConfig(mock_data=True),
+                    train=TrainConfig(micro_batch_size=4, global_batch_size=8, train_iters=30,
+                                      lr=1e-2, seed=3))
+    trainer = Trainer(config, ParallelContext.single(), CPU)
+    losses = [trainer.step(i)[0]["loss"] for i in range(30)]
+    assert all(math.isfinite(v) for v in losses)
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3
+
+
+# ------------------------------------------------------------------ under parallel layouts
+
+MOE = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
+                  vocab_size=100, make_vocab_size_divisible_by=8, hidden_dropout=0.0,
+                  attention_dropout=0.0, swiglu=True, ffn_hidden_size=64, disable_bias_linear=True,
+                  num_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2,
+                  moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True,
+                  moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01,  # large: a wrong scale shows
+                  moe_layer_freq="([0]+[1]*3)")  # a dense first layer: a stage may hold no MoE layer
+
+
+STEPS = 3  # (5 in the dense tests; the suite's time is shared)
+
+
+def _moe_vs_serial(rank, k, distributed, sequence_parallel, recompute=None, schedule="1f1b"):
+    """t = p = d = 2 (expert tensor-parallel size t) against one process over
+    STEPS AdamW steps (warm-up, cosine decay, clipping, weight decay):
+    losses, gradient norms and the balancing losses (rtol 1e-5), and every
+    weight within test_ptdp_step's 1e-5 (observed 3.1e-6). The balancing
+    coefficients are large so that a wrong backward scale of those losses
+    fails here (a factor of 2 fails every case). Returns the largest weight
+    difference."""
+    from tests import test_ptdp_step as step
+
+    model = dataclasses.replace(MOE, recompute_granularity=recompute)
+    ctx = ParallelContext.build(RankGrid(tp=2, dp=2, pp=2))
+    config = step._config(2, 2, 2, k, model, sequence_parallel,
+                          use_distributed_optimizer=distributed)
+    config.parallel.pipeline_schedule = schedule
+    trainer = Trainer(config, ctx, CPU)
+    records = [trainer.step(i)[0] for i in range(STEPS)]
+    serial = Trainer(step._config(model=model, use_distributed_optimizer=distributed),
+                     ParallelContext.single(), CPU)
+    expected = [serial.step(i)[0] for i in range(STEPS)]
+    for got, want in zip(records, expected):
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+        for name in ("load_balancing_loss", "z_loss"):
+            assert got[name] == pytest.approx(want[name], rel=1e-5), name
+        if trainer.holds_loss:  # the last stage, or rank 0 under zbv
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+    serial_weights = step._logical_weights(serial, ParallelContext.single())
+    worst = 0.0
+    for name, weight in step._logical_weights(trainer, ctx).items():
+        assert_close(weight, serial_weights[name], **step.WEIGHT_TOL,
+                     msg=lambda m, name=name: f"{name}: {m}")
+        worst = max(worst, (weight - serial_weights[name]).abs().max().item())
+    assert len(serial_weights) == len(logical_shapes(model))
+    return worst
+
+
+@pytest.mark.parametrize("k,distributed,sequence_parallel,recompute,schedule", [
+    # the first stage without an MoE layer; the balancing losses recorded once under recomputation
+    (None, False, True, "full", "1f1b"),
+    (1, True, True, None, "1f1b"),              # interleaved, distributed optimizer
+    (None, False, True, "selective", "zb-h1"),  # experts' weight gradients deferred to W
+    (None, True, False, None, "zbv"),           # tokens replicated over t (no sequence parallelism)
+], ids=["1f1b-sp-full-recompute", "interleaved-distopt-sp", "zb-h1-sp-selective", "zbv-distopt"])
+def test_moe_trains_like_one_process_at_t_p_d_2(pools, k, distributed, sequence_parallel,
+                                                recompute, schedule):
+    worst = max(pools(8).run(_moe_vs_serial, k, distributed, sequence_parallel, recompute,
+                             schedule))
+    print(f"largest weight difference: {worst:.2e}")
+
+
+def test_recomputation_records_the_balancing_losses_once():
+    from ptdp.model.gpt import GPT
+
+    config = _config(moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3, recompute_granularity="full")
+    model = GPT(config, ParallelContext.single(), RNGStreams(CPU))
+    initialize_parameters(model, 5)
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(7))
+    model(tokens, labels=tokens).backward()  # the backward recomputes every layer
+    for i in range(2):
+        metrics = model.layers[str(i)].mlp.take_metrics()
+        assert {name: len(values) for name, values in metrics.items()} == \
+            {"load_balancing_loss": 1, "z_loss": 1}
+
+
+def test_flops_count_the_active_experts():
+    """Per MoE layer the MLP's 6·B·s·h·(up + 1)·f becomes 6·B·s·h·(E +
+    k·(up + 1)·f_moe + (up + 1)·f_shared): the router, the k routed experts
+    and the shared expert (SwiGLU: up = 2)."""
+    from ptdp.perf.flops import model_flops_per_iteration
+
+    moe = _config(num_layers=2, moe_layer_freq="[0,1]", moe_shared_expert_intermediate_size=8)
+    dense = dataclasses.replace(moe, num_experts=None, moe_ffn_hidden_size=None,
+                                moe_router_topk=2, moe_layer_freq=1,
+                                moe_shared_expert_intermediate_size=None)
+    B, s = 4, moe.seq_length
+    difference = (model_flops_per_iteration(moe, B, recompute=None)
+                  - model_flops_per_iteration(dense, B, recompute=None))
+    assert difference == 6 * B * s * H * (E + K * 3 * F_EXPERT + 3 * 8 - 3 * 32)
+
+
+def test_parameter_count_counts_every_expert():
+    from ptdp.model.gpt import GPT
+    from ptdp.perf.analytic import parameter_count
+
+    config = _config(num_layers=3, moe_layer_freq=2, moe_shared_expert_intermediate_size=8,
+                     moe_shared_expert_gate=True, untie_embeddings_and_output_weights=True)
+    model = GPT(config, ParallelContext.single(), RNGStreams(CPU))
+    built = sum(math.prod(logical_shape(p)) for p in model.parameters())
+    assert parameter_count(config) == built

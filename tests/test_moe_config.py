@@ -1,0 +1,453 @@
+"""The mixture-of-experts settings (ptdp/config/moe.py): Megatron-LM's flags
+and defaults on the command line and in --config files, the --moe-layer-freq
+pattern parser (no eval), every check with its message, the options ptdp
+refuses, and a dense configuration left as it was."""
+
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+
+import pytest
+
+from ptdp.cli import build_parser, config_from_args, main
+from ptdp.config import Config, ConfigError, ModelConfig, MoEFields, ParallelConfig, flag_fields, \
+    parse_layer_pattern, validate
+from ptdp.megatron_flags import MOE_FLAGS, given, notes, refusals
+
+TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--vocab-size", "64", "--seq-length", "16"]
+MOE = ["--num-experts", "4"]
+
+
+def parse(*argv: str) -> Config:
+    return config_from_args(build_parser().parse_args(["train", "--mock-data", *TINY, *argv]))
+
+
+def problems(*argv: str, world_size: int | None = None) -> list[str]:
+    try:
+        validate(parse(*argv), world_size)
+    except ConfigError as error:
+        return error.problems
+    return []
+
+
+def from_yaml(tmp_path, text: str, *argv: str) -> Config:
+    path = tmp_path / "moe.yaml"
+    path.write_text(textwrap.dedent(text), encoding="utf-8")
+    return parse("--config", str(path), *argv)
+
+
+# ---------------------------------------------------------------- a dense model is unchanged
+
+def test_a_dense_configuration_is_unchanged():
+    m = parse().model
+    assert not m.is_moe and m.num_experts is None
+    assert m.moe_layer_pattern == [False] * 4
+    assert m.moe_ffn_size == m.ffn_size == 128
+    assert parse().parallel.expert_model_parallel_size == 1
+    assert parse().parallel.expert_tensor_size == 1
+    assert problems() == []
+    validate(Config())
+    # Megatron-LM's defaults.
+    defaults = {f.name: f.default for f in dataclasses.fields(MoEFields)}
+    assert defaults == {
+        "num_experts": None, "moe_ffn_hidden_size": None, "moe_layer_freq": 1,
+        "moe_router_topk": 2, "moe_router_score_function": "softmax",
+        "moe_router_pre_softmax": False, "moe_router_topk_scaling_factor": None,
+        "moe_router_num_groups": None, "moe_router_group_topk": None, "moe_router_dtype": "fp32",
+        "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.0,
+        "moe_z_loss_coeff": None, "moe_router_enable_expert_bias": False,
+        "moe_router_bias_update_rate": 1e-3, "moe_shared_expert_intermediate_size": None,
+        "moe_shared_expert_gate": False, "moe_expert_capacity_factor": None,
+        "moe_token_drop_policy": "probs", "moe_pad_expert_input_to_capacity": False,
+        "moe_token_dispatcher_type": "allgather", "moe_grouped_gemm": False}
+
+
+def test_the_model_sections_own_flags_come_before_the_moe_ones():
+    names = [f.name for section, f in flag_fields() if section == "model"]
+    assert names.index("num_layers") == 0
+    assert names.index("activations_checkpoint_method") < names.index("num_experts")
+    assert {f.name for f in dataclasses.fields(ModelConfig)} >= set(MoEFields.__dataclass_fields__)
+    assert "ModelConfig.num_experts" not in str(ModelConfig.__mro__)  # (ModelConfig inherits them)
+    assert issubclass(ModelConfig, MoEFields)
+
+
+# ---------------------------------------------------------------- parsing
+
+def test_every_moe_flag_reaches_its_field():
+    c = parse(*MOE, "--moe-ffn-hidden-size", "64", "--moe-layer-freq", "2", "--moe-router-topk",
+              "1", "--moe-router-score-function", "sigmoid", "--moe-router-pre-softmax",
+              "--moe-router-topk-scaling-factor", "2.5", "--moe-router-num-groups", "2",
+              "--moe-router-group-topk", "1", "--moe-router-dtype", "fp64",
+              "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "0.01",
+              "--moe-z-loss-coeff", "0.001", "--moe-router-enable-expert-bias",
+              "--moe-router-bias-update-rate", "0.01", "--moe-shared-expert-intermediate-size",
+              "32", "--moe-shared-expert-gate", "--moe-expert-capacity-factor", "1.5",
+              "--moe-token-drop-policy", "position", "--moe-pad-expert-input-to-capacity",
+              "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm",
+              "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1")
+    m, par = c.model, c.parallel
+    assert (m.num_experts, m.moe_ffn_hidden_size, m.moe_layer_freq, m.moe_router_topk) == (4, 64, 2, 1)
+    assert (m.moe_router_score_function, m.moe_router_pre_softmax,
+            m.moe_router_topk_scaling_factor) == ("sigmoid", True, 2.5)
+    assert (m.moe_router_num_groups, m.moe_router_group_topk, m.moe_router_dtype) == (2, 1, "fp64")
+    assert m.moe_router_load_balancing_type == "seq_aux_loss"  # one type: not a list
+    assert (m.moe_aux_loss_coeff, m.moe_z_loss_coeff) == (0.01, 0.001)
+    assert (m.moe_router_enable_expert_bias, m.moe_router_bias_update_rate) == (True, 0.01)
+    assert (m.moe_shared_expert_intermediate_size, m.moe_shared_expert_gate) == (32, True)
+    assert (m.moe_expert_capacity_factor, m.moe_token_drop_policy,
+            m.moe_pad_expert_input_to_capacity) == (1.5, "position", True)
+    assert (m.moe_token_dispatcher_type, m.moe_grouped_gemm) == ("alltoall", True)
+    assert (par.expert_model_parallel_size, par.expert_tensor_parallel_size) == (2, 1)
+    assert m.is_moe and m.moe_ffn_size == 64 and m.moe_layer_pattern == [True, False, True, False]
+
+
+def test_megatron_lms_readings_of_zero_experts_and_a_negative_capacity():
+    m = parse("--num-experts", "0", "--moe-expert-capacity-factor", "-1").model
+    assert m.num_experts is None and m.moe_expert_capacity_factor is None
+
+
+def test_a_pattern_on_the_command_line():
+    m = parse(*MOE, "--moe-layer-freq", "([0]+[1]*3)").model
+    assert m.moe_layer_freq == "([0]+[1]*3)"
+    assert m.moe_layer_pattern == [False, True, True, True]
+
+
+def test_the_model_section_of_a_yaml_file(tmp_path):
+    c = from_yaml(tmp_path, """
+        model:
+          num_experts: 8
+          moe_layer_freq: 2
+          moe-router-topk: 4
+          moe_router_load_balancing_type: seq_aux_loss
+          moe_aux_loss_coeff: 1e-2
+          moe_expert_capacity_factor: -1
+          disable_bias_linear: true
+          moe_shared_expert_intermediate_size: 64
+        parallel:
+          expert_model_parallel_size: 1
+          expert_tensor_parallel_size: 1
+        """)
+    m = c.model
+    assert (m.num_experts, m.moe_layer_freq, m.moe_router_topk) == (8, 2, 4)
+    assert (m.moe_router_load_balancing_type, m.moe_aux_loss_coeff) == ("seq_aux_loss", 0.01)
+    assert m.moe_expert_capacity_factor is None and m.moe_shared_expert_intermediate_size == 64
+    assert c.parallel.expert_tensor_parallel_size == 1
+    validate(c)
+
+
+@pytest.mark.parametrize("value, pattern", [
+    ('"([1]*3+[0]*1)"', [True, True, True, False]),
+    ("[1, 0, 1, 0]", [True, False, True, False]),  # YAML's own list
+    ("'[0,1,1,1]'", [False, True, True, True]),
+    ("'3'", [True, False, False, True]),
+])
+def test_a_pattern_in_a_yaml_file(tmp_path, value, pattern):
+    c = from_yaml(tmp_path, f"model:\n  num_experts: 4\n  moe_layer_freq: {value}\n")
+    assert c.model.moe_layer_pattern == pattern
+    validate(c)
+
+
+def test_a_yaml_file_with_a_wrong_type(tmp_path):
+    with pytest.raises(ConfigError, match=r"moe_layer_freq = 1\.5 should be of type str"):
+        from_yaml(tmp_path, "model:\n  moe_layer_freq: 1.5\n")
+
+
+# ---------------------------------------------------------------- the pattern parser
+
+@pytest.mark.parametrize("text, expected", [
+    ("([0]+[1]*23)", [0] + [1] * 23),
+    ("([1]*3+[0]*1)*3", [1, 1, 1, 0] * 3),
+    ("[1,0,1,0]", [1, 0, 1, 0]),
+    (" ( [1] * 2 + [0] ) * 2 ", [1, 1, 0, 1, 1, 0]),
+    ("[1]+[0]*2+[1]", [1, 0, 0, 1]),  # * binds tighter than +
+    ("(([1]*2)*2)", [1, 1, 1, 1]),
+])
+def test_valid_patterns(text, expected):
+    assert parse_layer_pattern(text) == expected
+
+
+@pytest.mark.parametrize("text, message", [
+    ("__import__('os')", "expected '[', found '_' at character 1"),
+    ("[1,2,0]", "2 is not 0 (dense) or 1 (MoE) at character 4"),
+    ("[1,0", "expected ']', found the end"),
+    ("([1]*2", "expected ')', found the end"),
+    ("[1]*2.5", "unexpected '.' at character 6"),
+    ("[1]*-1", "expected a number, found '-'"),
+    ("[1]**2", "expected a number, found '*'"),
+    ("[]", "the pattern is empty"),
+    ("[1]*1000000", "the pattern grows to 1000000 layers"),
+    ("[0x1]", "expected ']', found 'x'"),
+    ("", "expected '[', found the end"),
+])
+def test_refused_patterns(text, message):
+    with pytest.raises(ValueError) as caught:
+        parse_layer_pattern(text)
+    assert message in str(caught.value)
+    assert str(caught.value).startswith(f"--moe-layer-freq {text}: ")
+
+
+def test_eval_like_input_is_never_run(monkeypatch):
+    import builtins
+    monkeypatch.setattr(builtins, "eval", lambda *_: pytest.fail("eval called"))
+    assert any("--moe-layer-freq [1]+__import__('os').system('true')" in p for p in
+               problems(*MOE, "--moe-layer-freq", "[1]+__import__('os').system('true')"))
+
+
+def test_a_pattern_of_the_wrong_length():
+    assert problems(*MOE, "--moe-layer-freq", "([0]+[1]*23)") == [
+        "--moe-layer-freq ([0]+[1]*23) gives 24 layers, but --num-layers is 4: give one 0/1 per "
+        "layer, e.g. \"([0]+[1]*3)\""]
+
+
+def test_a_layer_freq_below_one():
+    assert problems(*MOE, "--moe-layer-freq", "0") == [
+        "--moe-layer-freq 0 must be a positive integer N (every N-th layer) or a pattern such as "
+        "\"([0]+[1]*3)\""]
+
+
+# ---------------------------------------------------------------- the checks
+
+@pytest.mark.parametrize("argv, message", [
+    (["--moe-router-topk", "5"],
+     "--moe-router-topk 5 exceeds --num-experts 4 (each token goes to k different experts): use "
+     "--moe-router-topk in 1..4"),
+    (["--moe-router-topk", "0"], "--moe-router-topk=0 must be a positive integer"),
+    (["--moe-router-topk", "1"],
+     "--moe-router-topk 1 with --moe-router-score-function softmax needs --moe-router-pre-softmax "
+     "(a softmax over the one chosen logit is always 1, so the router would get no gradient): "
+     "add --moe-router-pre-softmax or use --moe-router-topk 2"),
+    (["--moe-router-num-groups", "3", "--moe-router-group-topk", "1"],
+     "--moe-router-num-groups 3 does not divide --num-experts 4 (the groups are equal): use "
+     "--moe-router-num-groups in [1, 2, 4]"),
+    (["--moe-router-num-groups", "2", "--moe-router-group-topk", "3"],
+     "--moe-router-group-topk 3 exceeds --moe-router-num-groups 2: use --moe-router-group-topk in "
+     "1..2"),
+    (["--moe-router-topk", "3", "--moe-router-num-groups", "4", "--moe-router-group-topk", "2"],
+     "--moe-router-topk 3 is not divisible by --moe-router-group-topk 2 (ptdp requires it: each "
+     "chosen group is scored by its best k / group-topk experts; Megatron-LM does not check it): "
+     "use --moe-router-group-topk in [1, 3]"),
+    (["--moe-router-topk", "4", "--moe-router-num-groups", "4", "--moe-router-group-topk", "2"],
+     "--moe-router-topk 4 / --moe-router-group-topk 2 = 2 experts per chosen group, but each "
+     "group has only 1: choose more groups per token or fewer, larger groups"),
+    (["--moe-router-group-topk", "1"],
+     "--moe-router-group-topk 1 needs --moe-router-num-groups G (the groups the experts are split "
+     "into): add it, with G dividing --num-experts 4"),
+    (["--moe-router-num-groups", "2"],
+     "--moe-router-num-groups 2 has no effect without --moe-router-group-topk (the groups each "
+     "token may use): add it or drop --moe-router-num-groups"),
+    (["--moe-router-enable-expert-bias"],
+     "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (the bias shifts "
+     "sigmoid scores; Megatron-LM refuses it with softmax): add --moe-router-score-function "
+     "sigmoid or drop --moe-router-enable-expert-bias"),
+    (["--moe-router-bias-update-rate", "0"],
+     "--moe-router-bias-update-rate 0.0 must be > 0 (the default is 0.001)"),
+    (["--moe-router-topk-scaling-factor", "0"],
+     "--moe-router-topk-scaling-factor 0.0 must be > 0 (DeepSeek-V3 uses 2.5), or leave it out"),
+    (["--moe-aux-loss-coeff", "-0.1"],
+     "--moe-aux-loss-coeff -0.1 must be >= 0 (it scales a loss that is minimised)"),
+    (["--moe-z-loss-coeff", "-0.001"],
+     "--moe-z-loss-coeff -0.001 must be >= 0 (it scales a loss that is minimised)"),
+    (["--moe-expert-capacity-factor", "0"],
+     "--moe-expert-capacity-factor 0 would drop every token: use a factor > 0 (e.g. 1.0), or leave "
+     "it out for dropless routing"),
+    (["--moe-pad-expert-input-to-capacity"],
+     "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor (the capacity it pads "
+     "to): add --moe-expert-capacity-factor 1.0 or drop --moe-pad-expert-input-to-capacity"),
+    (["--moe-shared-expert-intermediate-size", "64"],
+     "--moe-shared-expert-intermediate-size needs --disable-bias-linear (the shared experts have "
+     "no biases, as in Megatron-LM): add --disable-bias-linear or drop the shared experts"),
+    (["--moe-shared-expert-gate"],
+     "--moe-shared-expert-gate gates the shared experts, which --moe-shared-expert-intermediate-"
+     "size adds: give it or drop the gate"),
+    (["--moe-ffn-hidden-size", "0"], "--moe-ffn-hidden-size=0 must be a positive integer"),
+    (["--moe-aux-loss-coeff", "nan"],
+     "--moe-aux-loss-coeff=nan is not a finite number: give a finite number (the default is 0)"),
+])
+def test_each_check(argv, message):
+    assert problems(*MOE, *argv) == [message]
+
+
+def test_negative_experts():
+    assert problems("--num-experts", "-2") == ["--num-experts=-2 must be a positive integer"]
+
+
+def test_moe_settings_without_experts_are_named():
+    assert problems("--moe-router-topk", "1", "--moe-grouped-gemm") == [
+        "--moe-router-topk, --moe-grouped-gemm are MoE settings, but --num-experts is not given (the "
+        "model is dense): add --num-experts E or drop them"]
+    assert problems("--num-experts", "0", "--moe-layer-freq", "2") == [
+        "--moe-layer-freq is an MoE setting, but --num-experts is not given (the model is dense): "
+        "add --num-experts E or drop it"]
+    assert problems("--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1") == [
+        "--expert-model-parallel-size 2 and --expert-tensor-parallel-size 1: expert parallelism is "
+        "for MoE models, and --num-experts is not given: add --num-experts E or drop them"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--moe-router-score-function", "sqrtsoftplus"],
+     "--moe-router-score-function sqrtsoftplus is not in ptdp (a niche third score function): use "
+     "softmax or sigmoid"),
+    (["--moe-router-load-balancing-type", "sinkhorn"],
+     "--moe-router-load-balancing-type sinkhorn: Megatron-LM's S-BASE optimal-transport routing is "
+     "a separate code path ptdp does not have: use aux_loss or seq_aux_loss (with "
+     "--moe-aux-loss-coeff), or none"),
+    (["--moe-router-load-balancing-type", "quantile_balancing"],
+     "--moe-router-load-balancing-type quantile_balancing: Megatron-LM's experimental "
+     "quantile-balancing routing is not in ptdp: use aux_loss or seq_aux_loss "
+     "(with --moe-aux-loss-coeff), or none"),
+    (["--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss"],
+     "--moe-router-load-balancing-type aux_loss seq_aux_loss: ptdp takes one type (Megatron-LM can "
+     "combine several): give one of aux_loss, seq_aux_loss, none"),
+    (["--moe-router-load-balancing-type", "z_loss"],
+     "--moe-router-load-balancing-type 'z_loss' is not one of aux_loss, seq_aux_loss, "
+     "global_aux_loss, none"),
+    (["--moe-token-dispatcher-type", "flex"],
+     "--moe-token-dispatcher-type flex needs external communication libraries (DeepEP, HybridEP, "
+     "NCCL-EP) ptdp does not use: use allgather or alltoall"),
+])
+def test_refused_options(argv, message):
+    assert problems(*MOE, *argv) == [message]
+
+
+def test_the_accepted_choices_pass():
+    for argv in (["--moe-router-score-function", "sigmoid"],
+                 ["--moe-router-load-balancing-type", "none"],
+                 ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity",
+                  "--moe-token-drop-policy", "position"],
+                 ["--moe-router-topk", "1", "--moe-router-pre-softmax"],
+                 ["--moe-router-topk", "4", "--moe-router-num-groups", "2",
+                  "--moe-router-group-topk", "2"],
+                 ["--disable-bias-linear", "--moe-shared-expert-intermediate-size", "64",
+                  "--moe-shared-expert-gate"],
+                 ["--moe-token-dispatcher-type", "alltoall", "--moe-router-dtype", "fp64"]):
+        assert problems(*MOE, *argv) == [], argv
+
+
+# ---------------------------------------------------------------- expert parallelism
+
+def test_expert_layout_checks_come_before_the_not_implemented_refusals():
+    found = problems("--num-experts", "6", "--expert-model-parallel-size", "4", "-t", "2", "-d", "2")
+    assert found == [
+        "--expert-model-parallel-size 4 does not divide --num-experts 6 (each expert-parallel rank "
+        "holds E/EP whole experts): use --expert-model-parallel-size in [1, 2]",
+        "--expert-model-parallel-size 4 × --expert-tensor-parallel-size 2 = 8 does not divide "
+        "--tensor-model-parallel-size 2 × data-parallel size 2 = 4 (the t·d ranks of a pipeline "
+        "stage are re-folded into ETP × EP × expert-data-parallel): use "
+        "--expert-model-parallel-size in [1, 2] or --expert-tensor-parallel-size in [1] or "
+        "--data-parallel-size 4",
+        "--num-experts 6 with linear biases (no --disable-bias-linear) needs "
+        "--expert-tensor-parallel-size 1 (an expert's fc2 bias would be added on each of the ETP "
+        "ranks whose outputs are summed), but it is 2 (by default --tensor-model-parallel-size): "
+        "add --disable-bias-linear or use --expert-tensor-parallel-size 1",
+        "--expert-model-parallel-size 4 with --tensor-model-parallel-size 2 needs "
+        "--sequence-parallel (as in Megatron-Core, the tokens are dispatched from "
+        "sequence-parallel shards): add --sequence-parallel",
+        "--expert-model-parallel-size 4: expert parallelism is not implemented yet in ptdp (issue "
+        "26 in progress): use --expert-model-parallel-size 1"]
+
+
+def test_too_few_ranks_for_the_expert_layout():
+    assert problems(*MOE, "--expert-model-parallel-size", "2", "-t", "2", "--sequence-parallel",
+                    "--disable-bias-linear", "--expert-tensor-parallel-size", "2")[0] == (
+        "--expert-model-parallel-size 2 × --expert-tensor-parallel-size 2 = 4 does not divide "
+        "--tensor-model-parallel-size 2 × data-parallel size 1 = 2 (the t·d ranks of a pipeline "
+        "stage are re-folded into ETP × EP × expert-data-parallel): use "
+        "--expert-model-parallel-size in [1] or --expert-tensor-parallel-size in [1] or "
+        "--data-parallel-size 2")
+    assert "--data-parallel-size" not in problems(
+        *MOE, "--expert-model-parallel-size", "4", "--disable-bias-linear", world_size=2)[0]
+
+
+def test_the_world_size_gives_d():
+    # 8 processes with t = 2: d = 4, so EP 4 × ETP 2 = 8 divides t·d; only the refusal remains.
+    assert problems(*MOE, "--expert-model-parallel-size", "4", "-t", "2", "--sequence-parallel",
+                    "--disable-bias-linear", world_size=8) == [
+        "--expert-model-parallel-size 4: expert parallelism is not implemented yet in ptdp (issue "
+        "26 in progress): use --expert-model-parallel-size 1"]
+
+
+def test_expert_widths_against_the_tensor_sizes():
+    assert problems(*MOE, "-t", "2", "--disable-bias-linear", "--moe-ffn-hidden-size", "33",
+                    "--moe-shared-expert-intermediate-size", "35") == [
+        "--moe-ffn-hidden-size 33 (each expert's MLP width) is not divisible by "
+        "--expert-tensor-parallel-size 2: use a multiple of 2, e.g. 32",
+        "--moe-shared-expert-intermediate-size 35 is not divisible by --tensor-model-parallel-size "
+        "2 (the shared experts are split like the dense MLP): use a multiple of 2, e.g. 36"]
+
+
+def test_an_expert_tensor_size_other_than_t_is_refused_for_now():
+    assert problems(*MOE, "-t", "2", "--expert-tensor-parallel-size", "1") == [
+        "--expert-tensor-parallel-size 1: an expert tensor-parallel size other than "
+        "--tensor-model-parallel-size 2 is not implemented yet in ptdp (issue 26 in progress): use "
+        "--expert-tensor-parallel-size 2 or leave it out"]
+    assert problems(*MOE, "--expert-model-parallel-size", "0") == [
+        "--expert-model-parallel-size=0 must be a positive integer"]
+
+
+def test_what_ptdp_implements_now_passes():
+    assert problems(*MOE, "-t", "2", "-d", "2", "--disable-bias-linear", "--sequence-parallel") == []
+    assert problems(*MOE, "-t", "2", "--disable-bias-linear", "--expert-tensor-parallel-size",
+                    "2") == []
+
+
+# ---------------------------------------------------------------- Megatron-LM's MoE extras
+
+def test_each_moe_extra_is_refused_or_explained_and_takes_its_value():
+    for extra in MOE_FLAGS:
+        flags = [extra.name] if extra.values == 0 else [extra.name, "1"]
+        args = build_parser().parse_args(["train", *flags, "--num-experts", "4"])
+        found = given(args)
+        assert [a.name for a, _ in found] == [extra.name]
+        assert args.__dict__["model.num_experts"] == 4  # the value did not swallow the next flag
+        if extra.refused:
+            assert refusals(found)[0].startswith(" ".join(flags) + ": ")
+        else:
+            assert notes(found)[0].startswith(f"ptdp: {' '.join(flags)} has no effect: ")
+    names = {extra.name for extra in MOE_FLAGS}
+    for name in ("--moe-input-jitter-eps", "--moe-router-fusion", "--moe-permute-fusion",
+                 "--moe-enable-deepep", "--moe-flex-dispatcher-backend", "--moe-use-upcycling",
+                 "--moe-upcycling-granularity", "--moe-router-padding-for-fp8",
+                 "--moe-router-padding-for-quantization", "--moe-apply-probs-on-input",
+                 "--moe-shared-expert-overlap", "--moe-per-layer-logging", "--moe-layer-recompute",
+                 "--moe-router-force-load-balancing", "--moe-router-quantile-balancing-ema",
+                 "--overlap-moe-expert-parallel-comm", "--moe-enable-routing-replay",
+                 "--moe-latent-size", "--delay-wgrad-compute", "--moe-router-topk-limited-devices"):
+        assert name in names, name
+
+
+def test_refused_extras_stop_the_run_before_launch(capsys):
+    code = main(["train", "--mock-data", *TINY, *MOE, "--moe-input-jitter-eps", "0.01",
+                 "--moe-use-upcycling", "--moe-router-topk-limited-devices", "2",
+                 "--moe-router-score-function", "sqrtsoftplus"])
+    err = capsys.readouterr().err
+    assert code == 2
+    for line in ("--moe-input-jitter-eps 0.01: Switch-style multiplicative noise on the router's "
+                 "input, which ptdp does not have: drop it",
+                 "--moe-use-upcycling: conversion of a dense checkpoint into an MoE model, which "
+                 "ptdp does not have: train the MoE model from its own initialisation and drop it",
+                 "--moe-router-topk-limited-devices 2: device-limited routing (Megatron-LM's "
+                 "deprecated flag), which ptdp does not have: use --moe-router-num-groups G "
+                 "--moe-router-group-topk N",
+                 "--moe-router-score-function sqrtsoftplus is not in ptdp"):
+        assert line in err, line
+
+
+def test_parallel_defaults():
+    par = ParallelConfig()
+    assert (par.expert_model_parallel_size, par.expert_tensor_parallel_size) == (1, None)
+    assert ParallelConfig(tensor_model_parallel_size=4).expert_tensor_size == 4
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"],
+     "--moe-router-enable-expert-bias"),
+    (["--moe-router-load-balancing-type", "global_aux_loss", "--moe-aux-loss-coeff", "0.01"],
+     "--moe-router-load-balancing-type global_aux_loss"),
+    (["--moe-grouped-gemm"], "--moe-grouped-gemm"),
+    (["--calculate-per-token-loss"], "--calculate-per-token-loss"),
+])
+def test_what_ptdp_does_not_run_yet_is_refused_before_launch(argv, flag):
+    (message,) = problems(*MOE, *argv)
+    assert message.startswith(flag) and "not implemented yet" in message
