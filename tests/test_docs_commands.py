@@ -122,7 +122,8 @@ def test_the_first_run_learns(tmp_path):
 # Long runs are shortened by flags that change only their length (as
 # tests/test_demo.py shortens the demo); everything else is as written.
 LENGTH_ONLY = {"llama-tiny": ["--train-iters", "4", "--eval-interval", "2", "--eval-iters", "1",
-                              "--log-interval", "2"]}
+                              "--log-interval", "2"],
+               "moe-tiny": ["--train-iters", "2", "--log-interval", "1"]}
 
 
 def test_the_llama_example_trains_evaluates_and_saves(tmp_path):
@@ -203,3 +204,13 @@ def test_the_validation_example_prints_what_the_page_shows(capsys):
     assert words[0] == "ptdp"
     assert cli.main(words[1:]) == 2
     assert capsys.readouterr().err.strip() == shown.strip()
+
+
+def test_the_moe_example_trains_and_logs_its_balancing_losses(tmp_path):
+    (command,) = commands("moe-tiny")
+    (tmp_path / "examples").mkdir()
+    (tmp_path / "examples" / "moe-tiny.yaml").write_text(
+        (ROOT / "examples" / "moe-tiny.yaml").read_text())
+    result = _run(command, tmp_path, LENGTH_ONLY["moe-tiny"])
+    assert "(t=2, p=1, d=1)" in result.stdout
+    assert re.search(r"iteration +2/2 .*\| load_balancing_loss \d\.\d{4} \| z_loss \d", result.stdout)
