@@ -121,8 +121,8 @@ def test_the_first_run_learns(tmp_path):
 
 # Long runs are shortened by flags that change only their length (as
 # tests/test_demo.py shortens the demo); everything else is as written.
-LENGTH_ONLY = {"llama-tiny": ["--train-iters", "4", "--eval-interval", "2", "--eval-iters", "1",
-                              "--log-interval", "2"],
+LENGTH_ONLY = {"llama-tiny": ["--train-iters", "2", "--eval-interval", "2", "--eval-iters", "1",
+                              "--log-interval", "1"],
                "moe-tiny": ["--train-iters", "2", "--log-interval", "1"]}
 
 
@@ -133,7 +133,7 @@ def test_the_llama_example_trains_evaluates_and_saves(tmp_path):
         (ROOT / "examples" / "llama-tiny.yaml").read_text())
     result = _run(command, tmp_path, LENGTH_ONLY["llama-tiny"])
     assert "(t=2, p=2, d=1)" in result.stdout and "val loss" in result.stdout
-    assert (tmp_path / "llama-output" / "checkpoint" / "latest").read_text().strip() == "iter_0000004"
+    assert (tmp_path / "llama-output" / "checkpoint" / "latest").read_text().strip() == "iter_0000002"
 
 
 def test_drawing_and_planning_commands(tmp_path, monkeypatch, capsys):
