@@ -15,6 +15,7 @@ import difflib
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -34,6 +35,9 @@ from ptdp.perf.plan import add_plan_parser, run_plan_command
 from ptdp.perf.timeline import add_schedule_parser, run_schedule_command
 
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+# How long a rank that leaves a shared configuration error to another rank
+# waits before exiting (see main).
+QUIET_RANK_WAIT_SECONDS = 10.0
 
 
 def _field_type(annotation: str) -> type:
@@ -625,6 +629,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             if speaks:
                 print(f"ptdp: error: {error}", file=sys.stderr)
             report_to_torchrun(f"ptdp: error: {error}", echo=not speaks)
+            if not speaks:
+                # torchrun stops every worker when the first one exits: a
+                # quiet rank that ended first would stop the one that says
+                # why before it printed. It waits; the speaker's exit ends it.
+                time.sleep(QUIET_RANK_WAIT_SECONDS)
             return 2
         raise
     parser.error(f"unknown command {args.command}")

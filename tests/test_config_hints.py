@@ -164,6 +164,11 @@ def rank_environment(monkeypatch, tmp_path):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID",
                  "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(name, raising=False)
+    # A quiet rank waits for the speaking one to exit first (ptdp.cli.main):
+    # recorded here, not slept.
+    waits: list[float] = []
+    import ptdp.cli
+    monkeypatch.setattr(ptdp.cli.time, "sleep", waits.append)
 
     def set_variables(variables: dict[str, str], error_file_name: str = "error.json"):
         error_file = tmp_path / error_file_name
@@ -171,6 +176,7 @@ def rank_environment(monkeypatch, tmp_path):
         for name, value in variables.items():
             monkeypatch.setenv(name, value)
         return error_file
+    set_variables.waits = waits
     return set_variables
 
 
@@ -190,6 +196,10 @@ def test_a_configuration_error_is_printed_by_one_rank_per_node(name, rank_enviro
         assert "Traceback" not in captured.err
     else:
         assert captured.err == ""
+    # The quiet rank outlasts the one that prints (torchrun stops every worker
+    # at the first exit, which must not come before the message).
+    from ptdp.cli import QUIET_RANK_WAIT_SECONDS
+    assert rank_environment.waits == ([] if prints else [QUIET_RANK_WAIT_SECONDS])
     # Every rank's torchrun error file carries the whole message (torchrun may
     # see any of them first).
     assert FIRST_LINE in error_file.read_text()

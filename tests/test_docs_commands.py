@@ -126,12 +126,16 @@ LENGTH_ONLY = {"llama-tiny": ["--train-iters", "2", "--eval-interval", "2", "--e
                "moe-tiny": ["--train-iters", "2", "--log-interval", "1"]}
 
 
+def _run_example(name: str, command: str, cwd: Path) -> subprocess.CompletedProcess:
+    """An examples/NAME.yaml command in `cwd`, with the file there, shortened."""
+    (cwd / "examples").mkdir()
+    (cwd / "examples" / f"{name}.yaml").write_text((ROOT / "examples" / f"{name}.yaml").read_text())
+    return _run(command, cwd, LENGTH_ONLY[name])
+
+
 def test_the_llama_example_trains_evaluates_and_saves(tmp_path):
     (command,) = commands("llama-tiny")
-    (tmp_path / "examples").mkdir()
-    (tmp_path / "examples" / "llama-tiny.yaml").write_text(
-        (ROOT / "examples" / "llama-tiny.yaml").read_text())
-    result = _run(command, tmp_path, LENGTH_ONLY["llama-tiny"])
+    result = _run_example("llama-tiny", command, tmp_path)
     assert "(t=2, p=2, d=1)" in result.stdout and "val loss" in result.stdout
     assert (tmp_path / "llama-output" / "checkpoint" / "latest").read_text().strip() == "iter_0000002"
 
@@ -208,9 +212,6 @@ def test_the_validation_example_prints_what_the_page_shows(capsys):
 
 def test_the_moe_example_trains_and_logs_its_balancing_losses(tmp_path):
     (command,) = commands("moe-tiny")
-    (tmp_path / "examples").mkdir()
-    (tmp_path / "examples" / "moe-tiny.yaml").write_text(
-        (ROOT / "examples" / "moe-tiny.yaml").read_text())
-    result = _run(command, tmp_path, LENGTH_ONLY["moe-tiny"])
+    result = _run_example("moe-tiny", command, tmp_path)
     assert "(t=2, p=1, d=1)" in result.stdout
     assert re.search(r"iteration +2/2 .*\| load_balancing_loss \d\.\d{4} \| z_loss \d", result.stdout)
