@@ -213,9 +213,10 @@ def test_a_small_moe_gpt_trains():
 def test_mixed_precision_moe_tracks_fp32(precision):
     """bf16/fp16 weights with the router in fp32 (--moe-router-dtype's
     default), fp16 with a loss scale that needs no back-off (no step
-    skipped): the losses of 8 steps stay within 2 % of fp32's. (That the
-    balancing losses' backward carries the loss scale exactly is what the
-    t = p = d = 2 tests' scale check covers, in fp32.)"""
+    skipped): the losses of 8 steps stay within 2 % of fp32's. (The
+    t = p = d = 2 tests check the balancing losses' backward scale in fp32,
+    its 1/microbatches part; its fp16 loss-scale factor is not checked on
+    its own.)"""
     reference = _small_moe_run(8)
     losses = _small_moe_run(8, **precision)
     assert losses == pytest.approx(reference, rel=2e-2)
