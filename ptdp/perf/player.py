@@ -16,7 +16,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from ptdp.parallel.pipeline.actions import Compute, Exchange, Schedule, ScheduleError
+from ptdp.parallel.pipeline.actions import (Compute, Exchange, Schedule, ScheduleError,
+                                            transfer_positions)
 from ptdp.perf.pricing import Cost
 
 
@@ -47,12 +48,7 @@ def play(schedule: Schedule, compute: Callable[[int, Compute], tuple[float, floa
     Raises ScheduleError on a deadlock.
     """
     p = schedule.p
-    position: dict[tuple[str, tuple], tuple[int, int]] = {}
-    for rank, actions in enumerate(schedule.ranks):
-        for index, action in enumerate(actions):
-            if isinstance(action, Exchange):
-                for t in action.transfers:
-                    position[(t.op, t.tag)] = (rank, index)
+    position = transfer_positions(schedule)
     # For every Exchange, where its other ends are; None for a Compute.
     ends_of: list[list[list[tuple[int, int]] | None]] = []
     for rank, actions in enumerate(schedule.ranks):

@@ -134,6 +134,18 @@ class Schedule:
         return [a for a in self.ranks[rank] if isinstance(a, Compute)]
 
 
+def transfer_positions(schedule: "Schedule") -> dict[tuple[str, tuple], tuple[int, int]]:
+    """Where each transfer sits, (rank, action index) by (op, tag): to find
+    a transfer's other end (the simulator and the performance model's player)."""
+    position: dict[tuple[str, tuple], tuple[int, int]] = {}
+    for rank, actions in enumerate(schedule.ranks):
+        for index, action in enumerate(actions):
+            if isinstance(action, Exchange):
+                for t in action.transfers:
+                    position[(t.op, t.tag)] = (rank, index)
+    return position
+
+
 def peak_stored(computes: list[Compute], release_op: str) -> int:
     """Most (microbatch, chunk) activations held at once when each is stored
     from its F until its `release_op` ("B" or "W")."""

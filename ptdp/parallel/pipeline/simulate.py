@@ -38,7 +38,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-from ptdp.parallel.pipeline.actions import Compute, Exchange, Schedule, ScheduleError
+from ptdp.parallel.pipeline.actions import (Compute, Exchange, Schedule, ScheduleError,
+                                            transfer_positions)
 
 
 @dataclass
@@ -128,12 +129,7 @@ def simulate(schedule: Schedule, forward_cost: Fraction | int = 1, backward_cost
     last_stage = schedule.num_stages - 1
 
     # Where each transfer sits: (rank, action index), to find the other end.
-    position: dict[tuple[str, tuple], tuple[int, int]] = {}
-    for rank, actions in enumerate(schedule.ranks):
-        for index, action in enumerate(actions):
-            if isinstance(action, Exchange):
-                for t in action.transfers:
-                    position[(t.op, t.tag)] = (rank, index)
+    position = transfer_positions(schedule)
 
     pointer = [0] * p
     clock = [Fraction(0)] * p
