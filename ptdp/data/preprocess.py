@@ -31,6 +31,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -442,15 +443,34 @@ def _worker_pool(workers: int) -> Iterator[Callable]:
     error the chunks not yet started are cancelled rather than awaited."""
     executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                    initializer=_leave_interrupts_to_the_parent)
+    interrupted = False
     try:
         yield executor.map
     except KeyboardInterrupt:
-        # The workers ignore Ctrl-C (below): stop them now, not after their chunk.
-        for process in list((getattr(executor, "_processes", None) or {}).values()):
-            process.terminate()
+        interrupted = True
         raise
     finally:
-        executor.shutdown(wait=True, cancel_futures=True)
+        if interrupted:
+            _stop_at_once(executor)
+        else:
+            executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _stop_at_once(executor: ProcessPoolExecutor) -> None:
+    """After Ctrl-C: the workers ignore it (below), so stop them now, not
+    after their chunk. Killing them under the executor's own threads (its
+    manager, its queue's feeder) may make those trip over the dead pipes and
+    print a traceback onto the terminal, racing "interrupted"; such errors
+    are the expected result of the kill and are dropped until the threads
+    have been joined."""
+    previous_hook = threading.excepthook
+    threading.excepthook = lambda args: None
+    try:
+        for process in list((getattr(executor, "_processes", None) or {}).values()):
+            process.terminate()
+        executor.shutdown(wait=True, cancel_futures=True)  # joins the manager, which joins the feeder
+    finally:
+        threading.excepthook = previous_hook
 
 
 def _leave_interrupts_to_the_parent() -> None:
