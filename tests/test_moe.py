@@ -17,10 +17,12 @@ from torch.testing import assert_close
 from ptdp.config import Config, DataConfig, ModelConfig, TrainConfig
 from ptdp.model.moe import MoELayer, balancing_scores, switch_loss
 from ptdp.model.shapes import logical_shapes
-from ptdp.parallel.sharding import initialize_parameters, logical_shape
+from ptdp.parallel.sharding import (SHARD_ATTR, gather_logical, initialize_parameters,
+                                   logical_shape, shard_group)
 from ptdp.parallel.tensor import RNGStreams
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.train.loop import Trainer
+from tests.test_moe_parallel import ADAM_EPS
 
 transformers = pytest.importorskip("transformers")
 
@@ -236,26 +238,29 @@ MOE = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_lengt
 STEPS = 3  # (5 in the dense tests; the suite's time is shared)
 
 
-def _moe_vs_serial(rank, k, distributed, sequence_parallel, recompute=None, schedule="1f1b"):
+def _moe_vs_serial(rank, k, distributed, sequence_parallel, recompute=None, schedule="1f1b",
+                   expert_parallel=1, steps=STEPS):
     """t = p = d = 2 (expert tensor-parallel size t) against one process over
-    STEPS AdamW steps (warm-up, cosine decay, clipping, weight decay):
+    `steps` AdamW steps (warm-up, cosine decay, clipping, weight decay; Adam's
+    eps 1e-6, see test_moe_parallel.ADAM_EPS):
     losses, gradient norms and the balancing losses (rtol 1e-5), and every
-    weight within test_ptdp_step's 1e-5 (observed 3.1e-6). The balancing
+    weight within test_ptdp_step's 1e-5 (observed 6.4e-7). The balancing
     coefficients are large so that a wrong backward scale of those losses
     fails here (a factor of 2 fails every case). Returns the largest weight
     difference."""
     from tests import test_ptdp_step as step
 
     model = dataclasses.replace(MOE, recompute_granularity=recompute)
-    ctx = ParallelContext.build(RankGrid(tp=2, dp=2, pp=2))
+    ctx = ParallelContext.build(RankGrid(tp=2, dp=2, pp=2, ep=expert_parallel))
     config = step._config(2, 2, 2, k, model, sequence_parallel,
-                          use_distributed_optimizer=distributed)
+                          use_distributed_optimizer=distributed, adam_eps=ADAM_EPS)
     config.parallel.pipeline_schedule = schedule
+    config.parallel.expert_model_parallel_size = expert_parallel
     trainer = Trainer(config, ctx, CPU)
-    records = [trainer.step(i)[0] for i in range(STEPS)]
-    serial = Trainer(step._config(model=model, use_distributed_optimizer=distributed),
-                     ParallelContext.single(), CPU)
-    expected = [serial.step(i)[0] for i in range(STEPS)]
+    records = [trainer.step(i)[0] for i in range(steps)]
+    serial = Trainer(step._config(model=model, use_distributed_optimizer=distributed,
+                                  adam_eps=ADAM_EPS), ParallelContext.single(), CPU)
+    expected = [serial.step(i)[0] for i in range(steps)]
     for got, want in zip(records, expected):
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
         for name in ("load_balancing_loss", "z_loss"):
@@ -264,25 +269,30 @@ def _moe_vs_serial(rank, k, distributed, sequence_parallel, recompute=None, sche
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
     serial_weights = step._logical_weights(serial, ParallelContext.single())
     worst = 0.0
-    for name, weight in step._logical_weights(trainer, ctx).items():
-        assert_close(weight, serial_weights[name], **step.WEIGHT_TOL,
-                     msg=lambda m, name=name: f"{name}: {m}")
-        worst = max(worst, (weight - serial_weights[name]).abs().max().item())
+    for chunk in trainer.chunks:
+        for name, param in chunk.named_parameters():
+            weight = gather_logical(param.detach().float(), getattr(param, SHARD_ATTR, None),
+                                    shard_group(param, ctx))
+            assert_close(weight, serial_weights[name], **step.WEIGHT_TOL,
+                         msg=lambda m, name=name: f"{name}: {m}")
+            worst = max(worst, (weight - serial_weights[name]).abs().max().item())
     assert len(serial_weights) == len(logical_shapes(model))
     return worst
 
 
-@pytest.mark.parametrize("k,distributed,sequence_parallel,recompute,schedule", [
+@pytest.mark.parametrize("k,distributed,sequence_parallel,recompute,schedule,ep,steps", [
     # the first stage without an MoE layer; the balancing losses recorded once under recomputation
-    (None, False, True, "full", "1f1b"),
-    (1, True, True, None, "1f1b"),              # interleaved, distributed optimizer
-    (None, False, True, "selective", "zb-h1"),  # experts' weight gradients deferred to W
-    (None, True, False, None, "zbv"),           # tokens replicated over t (no sequence parallelism)
-], ids=["1f1b-sp-full-recompute", "interleaved-distopt-sp", "zb-h1-sp-selective", "zbv-distopt"])
+    (None, False, True, "full", "1f1b", 1, STEPS),
+    # interleaved, distributed optimizer, EP 2 × ETP 2 over a stage's t·d = 4 ranks, 5 steps
+    (1, True, True, None, "1f1b", 2, 5),
+    (None, False, True, "selective", "zb-h1", 1, STEPS),  # experts' weight gradients deferred to W
+    (None, True, False, None, "zbv", 1, STEPS),  # tokens replicated over t (no sequence parallelism)
+], ids=["1f1b-sp-full-recompute", "interleaved-distopt-sp-ep2", "zb-h1-sp-selective",
+        "zbv-distopt"])
 def test_moe_trains_like_one_process_at_t_p_d_2(pools, k, distributed, sequence_parallel,
-                                                recompute, schedule):
+                                                recompute, schedule, ep, steps):
     worst = max(pools(8).run(_moe_vs_serial, k, distributed, sequence_parallel, recompute,
-                             schedule))
+                             schedule, ep, steps))
     print(f"largest weight difference: {worst:.2e}")
 
 

@@ -327,7 +327,7 @@ def test_the_accepted_choices_pass():
 
 # ---------------------------------------------------------------- expert parallelism
 
-def test_expert_layout_checks_come_before_the_not_implemented_refusals():
+def test_every_expert_layout_problem_is_reported_at_once():
     found = problems("--num-experts", "6", "--expert-model-parallel-size", "4", "-t", "2", "-d", "2")
     assert found == [
         "--expert-model-parallel-size 4 does not divide --num-experts 6 (each expert-parallel rank "
@@ -342,10 +342,9 @@ def test_expert_layout_checks_come_before_the_not_implemented_refusals():
         "ranks whose outputs are summed), but it is 2 (by default --tensor-model-parallel-size): "
         "add --disable-bias-linear or use --expert-tensor-parallel-size 1",
         "--expert-model-parallel-size 4 with --tensor-model-parallel-size 2 needs "
-        "--sequence-parallel (as in Megatron-Core, the tokens are dispatched from "
-        "sequence-parallel shards): add --sequence-parallel",
-        "--expert-model-parallel-size 4: expert parallelism is not implemented yet in ptdp (issue "
-        "26 in progress): use --expert-model-parallel-size 1"]
+        "--sequence-parallel (as in Megatron-Core, each rank dispatches its own sequence-parallel "
+        "shard of the tokens to the experts): add --sequence-parallel, or use "
+        "--expert-model-parallel-size 1 with --expert-tensor-parallel-size 2"]
 
 
 def test_too_few_ranks_for_the_expert_layout():
@@ -361,11 +360,12 @@ def test_too_few_ranks_for_the_expert_layout():
 
 
 def test_the_world_size_gives_d():
-    # 8 processes with t = 2: d = 4, so EP 4 × ETP 2 = 8 divides t·d; only the refusal remains.
+    # 8 processes with t = 2: d = 4, so EP 4 × ETP 2 = 8 divides t·d.
     assert problems(*MOE, "--expert-model-parallel-size", "4", "-t", "2", "--sequence-parallel",
-                    "--disable-bias-linear", world_size=8) == [
-        "--expert-model-parallel-size 4: expert parallelism is not implemented yet in ptdp (issue "
-        "26 in progress): use --expert-model-parallel-size 1"]
+                    "--disable-bias-linear", world_size=8) == []
+    assert problems(*MOE, "--expert-model-parallel-size", "4", "-t", "2", "--sequence-parallel",
+                    "--disable-bias-linear", world_size=4)[0].startswith(
+        "--expert-model-parallel-size 4 × --expert-tensor-parallel-size 2 = 8 does not divide")
 
 
 def test_expert_widths_against_the_tensor_sizes():
@@ -377,19 +377,26 @@ def test_expert_widths_against_the_tensor_sizes():
         "2 (the shared experts are split like the dense MLP): use a multiple of 2, e.g. 36"]
 
 
-def test_an_expert_tensor_size_other_than_t_is_refused_for_now():
+def test_an_expert_tensor_size_other_than_t_needs_sequence_parallelism():
     assert problems(*MOE, "-t", "2", "--expert-tensor-parallel-size", "1") == [
-        "--expert-tensor-parallel-size 1: an expert tensor-parallel size other than "
-        "--tensor-model-parallel-size 2 is not implemented yet in ptdp (issue 26 in progress): use "
-        "--expert-tensor-parallel-size 2 or leave it out"]
+        "--expert-tensor-parallel-size 1 with --tensor-model-parallel-size 2 needs "
+        "--sequence-parallel (as in Megatron-Core, each rank dispatches its own sequence-parallel "
+        "shard of the tokens to the experts): add --sequence-parallel, or use "
+        "--expert-model-parallel-size 1 with --expert-tensor-parallel-size 2"]
     assert problems(*MOE, "--expert-model-parallel-size", "0") == [
         "--expert-model-parallel-size=0 must be a positive integer"]
 
 
-def test_what_ptdp_implements_now_passes():
+def test_the_expert_layouts_that_fold_pass():
     assert problems(*MOE, "-t", "2", "-d", "2", "--disable-bias-linear", "--sequence-parallel") == []
     assert problems(*MOE, "-t", "2", "--disable-bias-linear", "--expert-tensor-parallel-size",
                     "2") == []
+    # EP spanning tensor and data-parallel ranks; ETP 1 with linear biases; EP at t = 1.
+    assert problems(*MOE, "-t", "2", "-d", "2", "--disable-bias-linear", "--sequence-parallel",
+                    "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "1") == []
+    assert problems(*MOE, "-t", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
+                    "--expert-tensor-parallel-size", "1") == []
+    assert problems(*MOE, "-d", "2", "--expert-model-parallel-size", "2") == []
 
 
 # ---------------------------------------------------------------- Megatron-LM's MoE extras

@@ -69,7 +69,7 @@ def validate(config: Config, world_size: int | None = None) -> None:
     pipeline_problems, offered_pipeline_sizes = _pipeline_problems(m, par, tr, d, world_size)
     problems.extend(pipeline_problems)
     problems.extend(_batch_problems(tr, par, d, offered_pipeline_sizes))
-    # Last: it ends with what ptdp does not implement yet for experts.
+    # Last: it ends with what ptdp does not implement yet for experts (moe_not_yet_problems).
     problems.extend(expert_parallel_problems(m, par, world_size))
     problems.extend(moe_not_yet_problems(m, config.train))
     if problems:

@@ -396,8 +396,7 @@ def _load_balancing_problems(m: Any) -> list[str]:
 
 def expert_parallel_problems(m: Any, par: Any, world_size: int | None) -> list[str]:
     """The expert layout (EP × ETP folded over the t·d ranks of a pipeline
-    stage) against the model and the layout; then what ptdp does not
-    implement yet, last, so that the general checks stay in force."""
+    stage) against the model and the layout."""
     EP, ETP_given = par.expert_model_parallel_size, par.expert_tensor_parallel_size
     t, p = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
     if not m.is_moe:
@@ -448,19 +447,13 @@ def expert_parallel_problems(m: Any, par: Any, world_size: int | None) -> list[s
             f"--expert-tensor-parallel-size 1 (an expert's fc2 bias would be added on each of the "
             f"ETP ranks whose outputs are summed), but it is {shown}: add --disable-bias-linear "
             f"or use --expert-tensor-parallel-size 1")
-    if EP > 1 and t > 1 and not par.sequence_parallel:
-        problems.append(f"--expert-model-parallel-size {EP} with --tensor-model-parallel-size {t} "
-                        f"needs --sequence-parallel (as in Megatron-Core, the tokens are dispatched "
-                        f"from sequence-parallel shards): add --sequence-parallel")
-    # Not implemented yet: remove these when expert parallelism lands.
-    if EP != 1:
-        problems.append(f"--expert-model-parallel-size {EP}: expert parallelism is not implemented "
-                        f"yet in ptdp (issue 26 in progress): use --expert-model-parallel-size 1")
-    if ETP != t:
-        problems.append(f"--expert-tensor-parallel-size {ETP}: an expert tensor-parallel size other "
-                        f"than --tensor-model-parallel-size {t} is not implemented yet in ptdp "
-                        f"(issue 26 in progress): use --expert-tensor-parallel-size {t} or leave "
-                        f"it out")
+    if (EP, ETP) != (1, t) and t > 1 and not par.sequence_parallel:
+        given = " and ".join(([f"--expert-model-parallel-size {EP}"] if EP > 1 else [])
+                             + ([f"--expert-tensor-parallel-size {ETP}"] if ETP != t else []))
+        problems.append(f"{given} with --tensor-model-parallel-size {t} needs --sequence-parallel "
+                        f"(as in Megatron-Core, each rank dispatches its own sequence-parallel "
+                        f"shard of the tokens to the experts): add --sequence-parallel, or use "
+                        f"--expert-model-parallel-size 1 with --expert-tensor-parallel-size {t}")
     return problems
 
 

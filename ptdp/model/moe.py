@@ -52,7 +52,8 @@ from torch import nn
 
 from ptdp.config import ModelConfig
 from ptdp.model.fused import swiglu
-from ptdp.parallel.sharding import SHARD_ATTR, TensorShard, set_init
+from ptdp.parallel.expert import all_to_all, exchange_counts, gather_rows, scatter_rows
+from ptdp.parallel.sharding import EXPERT_ATTR, SHARD_ATTR, TensorShard, set_init
 from ptdp.parallel.tensor import (
     RNGStreams,
     copy_to_tensor_region,
@@ -184,28 +185,41 @@ def switch_loss(scores: torch.Tensor, k: int) -> torch.Tensor:
     return experts / (k * tokens * tokens) * (scores.sum(dim=0) * counts).sum()
 
 
+@dataclass(frozen=True)
+class Split:
+    """How an expert's matrices are split: `parts` ranks (ETP for routed
+    experts, t for the shared ones), this rank's `index`; `routed` marks
+    the parameters as a routed expert's (EXPERT_ATTR)."""
+    parts: int
+    index: int
+    routed: bool
+
+
 class ExpertLinear(nn.Module):
-    """One expert's matrix, this tensor rank's part of it (split by `dim`:
-    0 output rows, as a column-parallel layer; 1 input columns, as a
-    row-parallel one), without communication: the MoE layer reduces once.
+    """One expert's matrix, this rank's part of it (split by `dim`: 0 output
+    rows, as a column-parallel layer; 1 input columns, as a row-parallel
+    one), without communication: the MoE layer reduces once.
     `weight_grads` as in ColumnParallelLinear (zero-bubble schedules)."""
 
-    def __init__(self, rows: int, columns: int, ctx: ParallelContext, dim: int, *, bias: bool,
+    def __init__(self, rows: int, columns: int, split: Split, dim: int, *, bias: bool,
                  init_std: float, blocks: int = 1):
         super().__init__()
-        t = ctx.tp_size
+        t = split.parts
         local = (rows // t, columns) if dim == 0 else (rows, columns // t)
         self.weight = set_init(nn.Parameter(torch.empty(*local)), "normal", init_std)
-        setattr(self.weight, SHARD_ATTR, TensorShard(dim=dim, parts=t, index=ctx.tp_rank,
+        setattr(self.weight, SHARD_ATTR, TensorShard(dim=dim, parts=t, index=split.index,
                                                      blocks=blocks))
         self.weight_grads = None
         if bias:
             self.bias = set_init(nn.Parameter(torch.empty(local[0])), "zeros")
             if dim == 0:
-                setattr(self.bias, SHARD_ATTR, TensorShard(dim=0, parts=t, index=ctx.tp_rank,
+                setattr(self.bias, SHARD_ATTR, TensorShard(dim=0, parts=t, index=split.index,
                                                            blocks=blocks))
         else:
             self.register_parameter("bias", None)
+        if split.routed:
+            for param in self.parameters():
+                setattr(param, EXPERT_ATTR, True)
 
     def forward(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
         return deferrable_linear(x, self.weight, self.bias if bias else None, self.weight_grads)
@@ -215,13 +229,13 @@ class Expert(nn.Module):
     """An MLP of width `ffn` (SwiGLU or GeLU, as the dense MLP), its output
     scaled by each token's probability before the second matrix."""
 
-    def __init__(self, config: ModelConfig, ctx: ParallelContext, ffn: int):
+    def __init__(self, config: ModelConfig, split: Split, ffn: int):
         super().__init__()
         h, gated = config.hidden_size, config.swiglu
         self.gated = gated
-        self.dense_h_to_4h = ExpertLinear(2 * ffn if gated else ffn, h, ctx, 0, bias=config.bias,
+        self.dense_h_to_4h = ExpertLinear(2 * ffn if gated else ffn, h, split, 0, bias=config.bias,
                                           init_std=config.init_method_std, blocks=2 if gated else 1)
-        self.dense_4h_to_h = ExpertLinear(h, ffn, ctx, 1, bias=config.bias,
+        self.dense_4h_to_h = ExpertLinear(h, ffn, split, 1, bias=config.bias,
                                           init_std=scaled_init_std(config.init_method_std,
                                                                    config.num_layers))
 
@@ -231,7 +245,7 @@ class Expert(nn.Module):
         if probs is not None:
             a = (a * probs.unsqueeze(-1)).to(a.dtype)
         out = self.dense_4h_to_h(a, bias=False)
-        if self.dense_4h_to_h.bias is not None:  # (biases only at t = 1, checked before launch)
+        if self.dense_4h_to_h.bias is not None:  # (biases only unsplit, checked before launch)
             scale = 1.0 if probs is None else probs.unsqueeze(-1).to(out.dtype)
             out = out + self.dense_4h_to_h.bias * scale
         return out
@@ -246,11 +260,22 @@ class MoELayer(nn.Module):
         super().__init__()
         self.config, self.ctx, self.rng = config, ctx, rng
         self.sequence_parallel = sequence_parallel and ctx.tp_group is not None
+        # Tokens travel to experts on other ranks unless the experts are
+        # split exactly like the dense MLP (EP = 1, ETP = t): see `forward`.
+        self.dispatches = (ctx.ep_size, ctx.etp_size) != (1, ctx.tp_size)
+        if self.dispatches and ctx.tp_size > 1 and not self.sequence_parallel:
+            raise ValueError("expert parallelism (or ETP != t) at t > 1 needs sequence "
+                             "parallelism: the tokens are dispatched from its shards")
         self.router = Router(config, tokens_are_replicated=ctx.tp_size > 1)
-        self.experts = nn.ModuleDict({str(e): Expert(config, ctx, config.moe_ffn_size)
-                                      for e in range(config.num_experts)})
+        # This expert-parallel rank's E/EP experts, under their global numbers.
+        per_rank = config.num_experts // ctx.ep_size
+        first = ctx.ep_rank * per_rank
+        routed = Split(ctx.etp_size, ctx.etp_rank, routed=True)
+        self.experts = nn.ModuleDict({str(e): Expert(config, routed, config.moe_ffn_size)
+                                      for e in range(first, first + per_rank)})
         shared = config.moe_shared_expert_intermediate_size
-        self.shared_expert = Expert(config, ctx, shared) if shared else None
+        self.shared_expert = (Expert(config, Split(ctx.tp_size, ctx.tp_rank, routed=False), shared)
+                              if shared else None)
         if shared and config.moe_shared_expert_gate:
             self.shared_expert_gate = set_init(nn.Parameter(torch.empty(1, config.hidden_size)),
                                                "normal", config.init_method_std)
@@ -265,7 +290,17 @@ class MoELayer(nn.Module):
         self.metrics: dict[str, list[torch.Tensor]] = {}
 
     def forward(self, x: torch.Tensor):
-        c, group = self.config, self.ctx.tp_group
+        """Every tensor rank routes the whole microbatch (its sequence
+        gathered under sequence parallelism), so the balancing losses and the
+        capacity see what one process sees. Then, without dispatch, each
+        tensor rank runs its 1/t of every expert on all tokens and one
+        reduction completes them. With dispatch, each rank sends only its own
+        s/t positions to the expert-dispatch group (ETP × EP ranks holding
+        every expert once): the group's tokens are gathered, each rank runs
+        its E/EP experts (its 1/ETP of each) on those routed to them, and a
+        reduce-scatter over the group sums the experts' and the ETP shards'
+        parts back onto the tokens' own ranks."""
+        group = self.ctx.tp_group
         tokens = (gather_from_sequence_region(x, group) if self.sequence_parallel
                   else copy_to_tensor_region(x, group))
         s, b, h = tokens.shape
@@ -273,27 +308,91 @@ class MoELayer(nn.Module):
         logits = self.router.logits(flat)
         logits = self._balance(logits, s, b)
         routing = self.router.route(logits)
-        out = self._experts(flat, routing)
-        if self.shared_expert is not None:
-            shared = self.shared_expert(flat, None)
-            if self.shared_expert_gate is not None:
-                shared = shared * torch.sigmoid(F.linear(flat, self.shared_expert_gate))
-            out = out + shared
-        out = out.view(s, b, h)
-        if self.sequence_parallel:
-            return reduce_scatter_to_sequence_region(out, group), None
-        return reduce_from_tensor_region(out, group), None
+        shared = self._shared(flat)
+        if not self.dispatches:
+            out = self._experts(flat, routing)
+            out = out if shared is None else out + shared
+            if self.sequence_parallel:
+                return reduce_scatter_to_sequence_region(out.view(s, b, h), group), None
+            return reduce_from_tensor_region(out.view(s, b, h), group), None
+        # This rank's own positions: rows [r·T/t, (r+1)·T/t) of the gathered microbatch.
+        local = x.reshape(-1, h)
+        rows = slice(self.ctx.tp_rank * local.shape[0], (self.ctx.tp_rank + 1) * local.shape[0]) \
+            if self.sequence_parallel else slice(None)
+        out = self._dispatched_experts(local, Routing(routing.probs[rows], routing.routed[rows]))
+        if shared is not None:
+            out = out + (reduce_scatter_to_sequence_region(shared, group)
+                         if self.sequence_parallel else shared)
+        return out.view(x.shape), None
+
+    def _shared(self, flat: torch.Tensor) -> torch.Tensor | None:
+        """The shared experts' output (partial over the tensor group), gated."""
+        if self.shared_expert is None:
+            return None
+        shared = self.shared_expert(flat, None)
+        if self.shared_expert_gate is not None:
+            shared = shared * torch.sigmoid(F.linear(flat, self.shared_expert_gate))
+        return shared
 
     def _experts(self, flat: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """Σ_e p_e · expert_e(x) for each token, expert by expert. An expert
-        no token chose still runs (on no rows): its gradient, zero, must
-        reach the data-parallel buckets on every replica alike."""
+        """Σ_e p_e · expert_e(x) for each token over this rank's experts,
+        expert by expert. An expert no token chose still runs (on no rows):
+        its gradient, zero, must reach the data-parallel buckets on every
+        replica alike."""
         out = torch.zeros_like(flat)
         for e, expert in self.experts.items():
             chosen = routing.routed[:, int(e)].nonzero().squeeze(1)
             y = expert(flat.index_select(0, chosen), routing.probs.index_select(0, chosen)[:, int(e)])
             out = out.index_add(0, chosen, y.to(out.dtype))
         return out
+
+    def _dispatched_experts(self, local: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """The allgather dispatcher: this rank's tokens [T_l, h] with their
+        routing, gathered over the dispatch group (gradients reduce-scattered
+        back), through this rank's experts, and the group's partial outputs
+        reduce-scattered onto their own ranks (gradients gathered)."""
+        if self.config.moe_token_dispatcher_type == "alltoall":
+            return self._all_to_all_experts(local, routing)
+        group = self.ctx.expert_dispatch_group
+        tokens = gather_from_sequence_region(local, group)
+        probs = gather_from_sequence_region(routing.probs, group)
+        with torch.no_grad():
+            routed = gather_from_sequence_region(routing.routed.to(torch.uint8), group).bool()
+        out = self._experts(tokens, Routing(probs, routed))
+        return reduce_scatter_to_sequence_region(out, group)
+
+    def _all_to_all_experts(self, local: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """The alltoall dispatcher: each (token, expert) pair of this rank's
+        tokens goes, in expert order, to the expert-parallel rank holding the
+        expert (an all-to-all with variable splits over the EP group); the
+        expert tensor-parallel ranks gather what their peers received, run
+        their 1/ETP of each expert, reduce-scatter the partial outputs, and
+        the outputs return the same way, summed onto their tokens."""
+        ctx = self.ctx
+        per_rank = self.config.num_experts // ctx.ep_size
+        experts_of_pairs, tokens_of_pairs = routing.routed.t().nonzero(as_tuple=True)
+        probs = routing.probs.t()[experts_of_pairs, tokens_of_pairs]
+        sent = torch.bincount(experts_of_pairs, minlength=self.config.num_experts)
+        sent = sent.view(ctx.ep_size, per_rank)                  # to each EP rank, per expert
+        received = exchange_counts(sent, ctx.expert_group)       # from each EP rank, per expert
+        to_ranks, from_ranks = sent.sum(dim=1).tolist(), received.sum(dim=1).tolist()
+        tokens = all_to_all(local.index_select(0, tokens_of_pairs), from_ranks, to_ranks,
+                            ctx.expert_group)
+        probs = all_to_all(probs, from_ranks, to_ranks, ctx.expert_group)
+        with torch.no_grad():  # the local expert of each received row
+            expert_ids = torch.arange(per_rank, device=local.device).repeat(ctx.ep_size)
+            expert_ids = expert_ids.repeat_interleave(received.reshape(-1))
+            expert_ids, _ = gather_rows(expert_ids, ctx.expert_tensor_group)
+        tokens, sizes = gather_rows(tokens, ctx.expert_tensor_group)
+        probs, _ = gather_rows(probs, ctx.expert_tensor_group)
+        out = torch.zeros_like(tokens)
+        for j, expert in enumerate(self.experts.values()):  # an expert without rows runs too
+            rows = (expert_ids == j).nonzero().squeeze(1)
+            y = expert(tokens.index_select(0, rows), probs.index_select(0, rows))
+            out = out.index_add(0, rows, y.to(out.dtype))
+        out = scatter_rows(out, sizes, ctx.etp_rank, ctx.expert_tensor_group)
+        out = all_to_all(out, to_ranks, from_ranks, ctx.expert_group)
+        return torch.zeros_like(local).index_add(0, tokens_of_pairs, out.to(local.dtype))
 
     def _balance(self, logits: torch.Tensor, s: int, b: int) -> torch.Tensor:
         """Attach the load-balancing and z losses to the logits (training

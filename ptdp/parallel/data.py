@@ -25,6 +25,12 @@ The tied word embedding of the first and last pipeline stage has a bucket of
 its own: its gradient is first summed over the embedding group, then reduced
 over the replicas, when the iteration's backward has finished.
 
+Routed experts' parameters (expert parallelism) sit in buckets of their
+own, reduced over the expert-data-parallel group (the replicas of the same
+expert shard; sharded over it by the distributed optimizer) and divided by
+d like the rest: an expert's gradient on one rank already sums the tokens
+that several data-parallel replicas dispatched to it.
+
 Under sequence parallelism the norms' weights and the row-parallel biases see
 only s/t positions on each tensor rank: when their bucket is ready, their
 gradients are first summed over the tensor group (one all-reduce of the
@@ -42,16 +48,34 @@ import torch.distributed as dist
 from torch import nn
 
 from ptdp.parallel.collectives import all_gather_flat, reduce_scatter_flat
-from ptdp.parallel.sharding import PARTIAL_GRAD_ATTR
+from ptdp.parallel.sharding import PARTIAL_GRAD_ATTR, is_expert
 from ptdp.parallel.tensor import sum_partial_grads
 from ptdp.parallel.topology import ParallelContext
 
 
+@dataclass(frozen=True)
+class Replicas:
+    """The ranks holding the same values as this one, over which a bucket's
+    gradients are reduced: the data-parallel group, or for routed experts
+    the expert-data-parallel one."""
+    group: Any       # None: one rank
+    size: int
+    rank: int
+
+    @classmethod
+    def of(cls, ctx: ParallelContext, expert: bool) -> "Replicas":
+        if expert:
+            return cls(ctx.expert_data_group, ctx.edp_size, ctx.edp_rank)
+        return cls(ctx.dp_group, ctx.dp_size, ctx.dp_rank)
+
+
 @dataclass
 class Bucket:
-    start: int                      # range in the flat buffers; length divisible by d when sharded
+    start: int                      # range in the flat buffers; length divisible by the replicas when sharded
     end: int
     params: list[nn.Parameter]
+    replicas: Replicas
+    shard_start: int = 0            # where this rank's part begins in grad_shard (sharded)
     tied: bool = False              # the tied word embedding: summed over the embedding group first
     # Gradients computed from s/t positions per tensor rank: summed over the tensor group first.
     partial: list[nn.Parameter] = field(default_factory=list)
@@ -88,17 +112,20 @@ class GradBuffer:
         self.ctx, self.shard = ctx, shard
         self.average, self.reduce_dtype = average, reduce_dtype
         self._accumulations = dict(accumulations or {})
-        d = ctx.dp_size
         device = params[0].device
         ordered = list(reversed(params))  # backward finishes the last layers first
 
-        # Cut into buckets; tied parameters each in a bucket of their own.
+        # Cut into buckets; tied parameters each in a bucket of their own,
+        # routed experts' in buckets of their own (reduced over other ranks).
         groups: list[tuple[list[nn.Parameter], bool]] = []
         current: list[nn.Parameter] = []
         for param in ordered:
             if param in tied:
                 groups.append(([param], True))
                 continue
+            if current and is_expert(param) != is_expert(current[0]):
+                groups.append((current, False))
+                current = []
             current.append(param)
             if sum(p.numel() for p in current) >= bucket_size:
                 groups.append((current, False))
@@ -108,17 +135,22 @@ class GradBuffer:
 
         self.buckets: list[Bucket] = []
         self.segments: list[Segment] = []
-        offset = 0
+        offset = shard_offset = 0
         for group_params, is_tied in groups:
             start = offset
+            replicas = Replicas.of(ctx, is_expert(group_params[0]))
             for param in group_params:
                 self.segments.append(Segment(param, offset, offset + param.numel()))
                 offset += param.numel()
             if shard:
-                offset += (-(offset - start)) % d  # pad the bucket to a multiple of d
+                offset += (-(offset - start)) % replicas.size  # pad to a multiple of the replicas
             partial = [p for p in group_params if getattr(p, PARTIAL_GRAD_ATTR, False)]
-            self.buckets.append(Bucket(start, offset, group_params, tied=is_tied, partial=partial))
+            bucket = Bucket(start, offset, group_params, replicas, tied=is_tied, partial=partial,
+                            shard_start=shard_offset if shard else start)
+            shard_offset += bucket.size // replicas.size if shard else bucket.size
+            self.buckets.append(bucket)
         self.numel = offset
+        self.shard_numel = shard_offset
 
         # Move the parameters into the flat buffer (their fp32 values are kept
         # for the optimizer's main weights) and give each its main_grad view.
@@ -154,7 +186,7 @@ class GradBuffer:
                 # fp32: autograd accumulates straight into the buffer.
                 param.grad = param.main_grad
             param.register_post_accumulate_grad_hook(on_grad)
-        self.grad_shard = (torch.zeros(self.numel // d, dtype=torch.float32, device=device)
+        self.grad_shard = (torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
                            if shard else None)
         self._counts: dict[nn.Parameter, int] = {}
         self._expected: dict[nn.Parameter, int] = {}
@@ -184,8 +216,7 @@ class GradBuffer:
                 self._launch(bucket)
 
     def _shard_view(self, bucket: Bucket) -> torch.Tensor:
-        d = self.ctx.dp_size
-        return self.grad_shard[bucket.start // d:bucket.end // d]
+        return self.grad_shard[bucket.shard_start:bucket.shard_start + bucket.size // bucket.replicas.size]
 
     def _launch(self, bucket: Bucket) -> None:
         """Start this bucket's reduction (asynchronously)."""
@@ -201,13 +232,15 @@ class GradBuffer:
 
     def _reduce_over_replicas(self, bucket: Bucket, async_op: bool) -> None:
         view = self.grad_data[bucket.start:bucket.end]
-        group = self.ctx.dp_group
+        group = bucket.replicas.group
+        # The mean over the d data-parallel replicas' losses: an expert's
+        # bucket too, whose gradient holds several replicas' tokens.
+        if self.average and self.ctx.dp_size > 1:
+            view.div_(self.ctx.dp_size)
         if group is None:
             if self.shard:
                 self._shard_view(bucket).copy_(view)
             return
-        if self.average:
-            view.div_(self.ctx.dp_size)
         sent, received = view, (self._shard_view(bucket) if self.shard else view)
         if self.reduce_dtype != view.dtype:
             sent = view.to(self.reduce_dtype)
@@ -254,17 +287,17 @@ class GradBuffer:
         """The part of `bucket` (flat-buffer offsets) whose weights this rank steps."""
         if not self.shard:
             return bucket.start, bucket.end
-        d, r = self.ctx.dp_size, self.ctx.dp_rank
-        part = bucket.size // d
-        return bucket.start + r * part, bucket.start + (r + 1) * part
+        part = bucket.size // bucket.replicas.size
+        start = bucket.start + bucket.replicas.rank * part
+        return start, start + part
 
     def gather_params(self, updated_shard: torch.Tensor) -> None:
         """Distributed optimizer: every replica gets every updated weight."""
-        d = self.ctx.dp_size
         for bucket in self.buckets:
             part = self.param_data[bucket.start:bucket.end]
-            mine = updated_shard[bucket.start // d:bucket.end // d].to(part.dtype)
-            if self.ctx.dp_group is None:
+            size = bucket.size // bucket.replicas.size
+            mine = updated_shard[bucket.shard_start:bucket.shard_start + size].to(part.dtype)
+            if bucket.replicas.group is None:
                 part.copy_(mine)
             else:
-                all_gather_flat(part, mine, self.ctx.dp_group)
+                all_gather_flat(part, mine, bucket.replicas.group)

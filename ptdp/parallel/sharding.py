@@ -24,6 +24,20 @@ COPY_ATTR = "is_logical_copy"
 # its own s/t positions only (sequence parallelism): summed over the tensor
 # group before use.
 PARTIAL_GRAD_ATTR = "grad_is_partial_over_tensor_ranks"
+# Marks a routed expert's parameter: split over the expert tensor-parallel
+# group (its TensorShard counts ETP parts), held by one expert-parallel rank,
+# replicated over the expert-data-parallel group.
+EXPERT_ATTR = "is_routed_expert"
+
+
+def is_expert(param: torch.Tensor) -> bool:
+    return getattr(param, EXPERT_ATTR, False)
+
+
+def shard_group(param: torch.Tensor, ctx):
+    """The group over which `param` is split: the expert tensor-parallel
+    group for a routed expert's, the tensor group otherwise."""
+    return ctx.expert_tensor_group if is_expert(param) else ctx.tp_group
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,16 @@ ranks, i.e. GPUs of one server joined by the fastest links:
 
     rank = tp_rank + t · (dp_rank + d · pp_rank)
 
+Expert layers fold the same t·d ranks of a pipeline stage differently
+(Megatron-Core's "parallel folding"): expert tensor-parallel innermost, then
+expert-parallel, then expert-data-parallel, over the same pipeline groups:
+
+    rank = etp_rank + ETP · (ep_rank + EP · (edp_rank + EDP · pp_rank)),
+    EDP = t·d / (ETP·EP)
+
+so an expert-parallel group may span tensor and data-parallel ranks. With
+the defaults (ETP = t, EP = 1) the expert groups are the dense ones.
+
 `RankGrid` is pure arithmetic (no torch.distributed), so its groups can be
 checked for any layout without processes. `ParallelContext` is the one object
 a rank passes around: its grid coordinates plus the torch process groups it
@@ -29,14 +39,48 @@ class Coord:
 
 
 @dataclass(frozen=True)
+class ExpertCoord:
+    etp: int
+    ep: int
+    edp: int
+    pp: int
+
+
+@dataclass(frozen=True)
 class RankGrid:
     tp: int
     dp: int
     pp: int
+    ep: int = 1               # expert-parallel size EP
+    etp: int | None = None    # expert tensor-parallel size ETP (None: tp)
+
+    def __post_init__(self):
+        if (self.tp * self.dp) % (self.ep * self.expert_tp):
+            raise ValueError(f"EP {self.ep} × ETP {self.expert_tp} does not divide the "
+                             f"{self.tp * self.dp} ranks (t·d) of a pipeline stage")
 
     @property
     def world_size(self) -> int:
         return self.tp * self.dp * self.pp
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self) -> int:
+        """EDP: the replicas of one expert shard within a pipeline stage."""
+        return self.tp * self.dp // (self.ep * self.expert_tp)
+
+    def expert_rank(self, etp: int, ep: int, edp: int, pp: int) -> int:
+        return etp + self.expert_tp * (ep + self.ep * (edp + self.expert_dp * pp))
+
+    def expert_coord(self, rank: int) -> ExpertCoord:
+        self.coord(rank)  # range check
+        ETP, EP = self.expert_tp, self.ep
+        return ExpertCoord(etp=rank % ETP, ep=(rank // ETP) % EP,
+                           edp=(rank // (ETP * EP)) % self.expert_dp,
+                           pp=rank // (self.tp * self.dp))
 
     def rank(self, tp: int, dp: int, pp: int) -> int:
         return tp + self.tp * (dp + self.dp * pp)
@@ -66,6 +110,28 @@ class RankGrid:
         return [sorted(self.rank(t, d, p) for p in range(self.pp) for t in range(self.tp))
                 for d in range(self.dp)]
 
+    def expert_tensor_groups(self) -> list[list[int]]:
+        """The ranks holding the ETP shards of the same experts."""
+        return [[self.expert_rank(t, e, d, p) for t in range(self.expert_tp)]
+                for p in range(self.pp) for d in range(self.expert_dp) for e in range(self.ep)]
+
+    def expert_groups(self) -> list[list[int]]:
+        """Expert-parallel groups: the EP ranks among which the experts are split."""
+        return [[self.expert_rank(t, e, d, p) for e in range(self.ep)]
+                for p in range(self.pp) for d in range(self.expert_dp)
+                for t in range(self.expert_tp)]
+
+    def expert_data_groups(self) -> list[list[int]]:
+        """The replicas of one expert shard: its gradients are reduced over them."""
+        return [[self.expert_rank(t, e, d, p) for d in range(self.expert_dp)]
+                for p in range(self.pp) for e in range(self.ep) for t in range(self.expert_tp)]
+
+    def expert_dispatch_groups(self) -> list[list[int]]:
+        """ETP × EP consecutive ranks that hold every expert once between
+        them: their tokens are exchanged in an MoE layer."""
+        size = self.expert_tp * self.ep
+        return [list(range(start, start + size)) for start in range(0, self.world_size, size)]
+
     def embedding_groups(self) -> list[list[int]]:
         """First and last stage of each pipeline: the two copies of the tied
         word embedding, whose gradients are summed. One rank when p == 1."""
@@ -82,6 +148,7 @@ class RankGrid:
 
 
 GROUP_KINDS = ("tensor", "data", "pipeline", "model_parallel", "embedding")
+EXPERT_GROUP_KINDS = ("expert_tensor", "expert", "expert_data", "expert_dispatch")
 
 
 @dataclass
@@ -98,7 +165,8 @@ class ParallelContext:
     @classmethod
     def single(cls) -> "ParallelContext":
         """One process computing the whole model: the serial reference."""
-        return cls(grid=RankGrid(1, 1, 1), rank=0, groups={k: None for k in GROUP_KINDS})
+        return cls(grid=RankGrid(1, 1, 1), rank=0,
+                   groups={k: None for k in GROUP_KINDS + EXPERT_GROUP_KINDS})
 
     @classmethod
     def build(cls, grid: RankGrid, rank: int | None = None,
@@ -119,13 +187,21 @@ class ParallelContext:
             raise ValueError(f"the layout needs {plural(grid.world_size, 'process')}, the job "
                              f"has {dist.get_world_size()}")
         groups: dict[str, Any] = {}
-        for kind in GROUP_KINDS:
+        made: dict[tuple[int, ...], Any] = {}  # an expert group equal to a dense one is that one
+        for kind in GROUP_KINDS + EXPERT_GROUP_KINDS:
             for ranks in grid.groups_of(kind):
-                # new_group is collective over the whole default group, so it is
-                # called for every group, also those this rank is not part of.
-                group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
+                key = tuple(ranks)
+                if key not in made:
+                    # new_group is collective over the whole default group, so it is
+                    # called for every group, also those this rank is not part of.
+                    made[key] = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
                 if rank in ranks:
-                    groups[kind] = group
+                    groups[kind] = made[key]
+        if grid.world_size > 1:  # every rank of the layout, which may be fewer than the job's
+            whole = (dist.group.WORLD if grid.world_size == dist.get_world_size()
+                     else dist.new_group(list(range(grid.world_size)), timeout=timeout))
+            if rank < grid.world_size:
+                groups["grid"] = whole
         if rank >= grid.world_size:
             return None
         return cls(grid=grid, rank=rank, groups=groups)
@@ -135,7 +211,7 @@ class ParallelContext:
         threads): for a process that builds one layout after another."""
         import torch.distributed as dist
 
-        released = set()
+        released = {id(dist.group.WORLD)}  # the job's own group stays
         for group in self.groups.values():
             if group is not None and id(group) not in released:
                 released.add(id(group))
@@ -171,6 +247,51 @@ class ParallelContext:
     def pp_rank(self) -> int:
         return self.coord.pp
 
+    # The expert layers' folding of the same ranks.
+    @property
+    def expert_coord(self) -> ExpertCoord:
+        return self.grid.expert_coord(self.rank)
+
+    @property
+    def etp_size(self) -> int:
+        return self.grid.expert_tp
+
+    @property
+    def etp_rank(self) -> int:
+        return self.expert_coord.etp
+
+    @property
+    def ep_size(self) -> int:
+        return self.grid.ep
+
+    @property
+    def ep_rank(self) -> int:
+        return self.expert_coord.ep
+
+    @property
+    def edp_size(self) -> int:
+        return self.grid.expert_dp
+
+    @property
+    def edp_rank(self) -> int:
+        return self.expert_coord.edp
+
+    @property
+    def expert_tensor_group(self) -> Any:
+        return self.groups["expert_tensor"]
+
+    @property
+    def expert_group(self) -> Any:
+        return self.groups["expert"]
+
+    @property
+    def expert_data_group(self) -> Any:
+        return self.groups["expert_data"]
+
+    @property
+    def expert_dispatch_group(self) -> Any:
+        return self.groups["expert_dispatch"]
+
     @property
     def tp_group(self) -> Any:
         return self.groups["tensor"]
@@ -196,6 +317,8 @@ class ParallelContext:
         """Every rank of the layout (None for one process)."""
         if self.grid.world_size == 1:
             return None
+        if "grid" in self.groups:
+            return self.groups["grid"]
         import torch.distributed as dist
 
         return dist.group.WORLD
@@ -228,7 +351,8 @@ class ParallelContext:
 def group_table(grid: RankGrid) -> str:
     """A Markdown table of which ranks form which groups (used in the README)."""
     lines = ["| group kind | groups |", "|---|---|"]
-    for kind in GROUP_KINDS:
+    kinds = GROUP_KINDS + (EXPERT_GROUP_KINDS if (grid.ep, grid.expert_tp) != (1, grid.tp) else ())
+    for kind in kinds:
         groups = " ".join("[" + ",".join(map(str, g)) + "]" for g in grid.groups_of(kind))
         lines.append(f"| {kind} | {groups} |")
     return "\n".join(lines)

@@ -60,7 +60,7 @@ import torch.distributed as dist
 from ptdp.config import Config, ModelConfig
 from ptdp.file_modes import give_ordinary_mode
 from ptdp.parallel.collectives import all_gather_flat
-from ptdp.parallel.sharding import COPY_ATTR, SHARD_ATTR, gather_logical, shard
+from ptdp.parallel.sharding import COPY_ATTR, SHARD_ATTR, gather_logical, is_expert, shard, shard_group
 from ptdp.train.checkpoint_integrity import (CHECKPOINT_NAME, FORMAT, FORMAT_VERSION,
                                              OPTIMIZER_START, RUN_START, CheckpointError, damaged,
                                              seal, verify)
@@ -121,8 +121,10 @@ def save_checkpoint(trainer, save: str | Path, *, iteration: int, consumed_sampl
     _barrier(ctx)
 
     tensors = _logical_tensors(trainer)  # collective over the tensor and data groups
-    if ctx.dp_rank == 0 and tensors:
-        name = f"part-pp{ctx.pp_rank}-tp{ctx.tp_rank}"
+    if tensors:
+        # (Routed experts are written by their first expert-data-parallel
+        # replica, which may be another data-parallel rank than 0.)
+        name = f"part-pp{ctx.pp_rank}-tp{ctx.tp_rank}" + (f"-dp{ctx.dp_rank}" if ctx.dp_rank else "")
         _write_safetensors(partial / f"{name}.safetensors", tensors)
         _write_json(partial / f"{name}.json", sorted(tensors))
     c = ctx.coord
@@ -140,7 +142,10 @@ def save_checkpoint(trainer, save: str | Path, *, iteration: int, consumed_sampl
 
 
 def _logical_tensors(trainer) -> dict[str, torch.Tensor]:
-    """The logical tensors this rank writes (its share of its stage's)."""
+    """The logical tensors this rank writes: the first data-parallel
+    replica's share of its stage's, spread over its tensor group (a routed
+    expert's: the first expert-data-parallel replica's, spread over its
+    expert tensor-parallel group)."""
     ctx, buffer, optimizer = trainer.ctx, trainer.buffer, trainer.optimizer
     flats = {"exp_avg": _full_flat(optimizer.exp_avg, buffer, ctx),
              "exp_avg_sq": _full_flat(optimizer.exp_avg_sq, buffer, ctx)}
@@ -148,36 +153,38 @@ def _logical_tensors(trainer) -> dict[str, torch.Tensor]:
         flats["main"] = _full_flat(optimizer.main, buffer, ctx)
     segments = {id(s.param): s for s in buffer.segments}
     mine: dict[str, torch.Tensor] = {}
-    index = 0
+    index = {False: 0, True: 0}  # per kind, so every rank of a group counts alike
     for name, param in _named_parameters(trainer):
         if getattr(param, COPY_ATTR, False):
             continue  # the tied embedding's second copy: stored once
+        expert = is_expert(param)
+        writes = (ctx.edp_rank if expert else ctx.dp_rank) == 0
+        split_size, split_rank = (ctx.etp_size, ctx.etp_rank) if expert else (ctx.tp_size, ctx.tp_rank)
         segment = segments[id(param)]
         spec = getattr(param, SHARD_ATTR, None)
         sources = {"model": param.detach()}
         sources.update({f"optimizer/{kind}": flat[segment.start:segment.end].view(param.shape)
                         for kind, flat in flats.items()})
         for prefix, local in sources.items():
-            logical = gather_logical(local, spec, ctx.tp_group)
-            if index % ctx.tp_size == ctx.tp_rank:
+            logical = gather_logical(local, spec, shard_group(param, ctx))
+            if writes and index[expert] % split_size == split_rank:
                 mine[f"{prefix}/{name}"] = logical.detach().clone().contiguous().cpu()
-            index += 1
+            index[expert] += 1
     return mine
 
 
 def _full_flat(tensor: torch.Tensor, buffer, ctx) -> torch.Tensor:
     """An optimizer tensor in the coordinates of the whole flat buffer (the
-    distributed optimizer holds 1/d of each bucket: gathered here)."""
+    distributed optimizer holds 1/replicas of each bucket: gathered here)."""
     if not buffer.shard:
         return tensor
-    d = ctx.dp_size
     full = torch.zeros(buffer.numel, dtype=tensor.dtype, device=tensor.device)
     for bucket in buffer.buckets:
-        mine = tensor[bucket.start // d:bucket.end // d]
-        if ctx.dp_group is None:
+        mine = tensor[bucket.shard_start:bucket.shard_start + bucket.size // bucket.replicas.size]
+        if bucket.replicas.group is None:
             full[bucket.start:bucket.end].copy_(mine)
         else:
-            all_gather_flat(full[bucket.start:bucket.end], mine, ctx.dp_group)
+            all_gather_flat(full[bucket.start:bucket.end], mine, bucket.replicas.group)
     return full
 
 
@@ -634,9 +641,12 @@ def checkpoint_tokenizer(load: str | Path) -> Path | None:
 
 def _layout(trainer) -> dict[str, Any]:
     ctx = trainer.ctx
-    return {"tensor": ctx.tp_size, "pipeline": ctx.pp_size, "data": ctx.dp_size,
-            "chunks": trainer.num_chunks,
-            "distributed_optimizer": bool(trainer.buffer.shard)}
+    layout = {"tensor": ctx.tp_size, "pipeline": ctx.pp_size, "data": ctx.dp_size,
+              "chunks": trainer.num_chunks,
+              "distributed_optimizer": bool(trainer.buffer.shard)}
+    if (ctx.ep_size, ctx.etp_size) != (1, ctx.tp_size):  # (absent: the dense folding)
+        layout.update(expert=ctx.ep_size, expert_tensor=ctx.etp_size)
+    return layout
 
 
 def _rng_state(trainer) -> dict[str, str]:

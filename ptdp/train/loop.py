@@ -61,7 +61,8 @@ def worker(env: DistEnv, config: Config) -> list[dict[str, Any]]:
         # One job at a time saves into --save (save_lock.py): the first rank holds it.
         lock = SaveLock(config.train.save) if config.train.save and env.rank == 0 else None
         t, p = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
-        grid = RankGrid(tp=t, dp=env.world_size // (t * p), pp=p)
+        grid = RankGrid(tp=t, dp=env.world_size // (t * p), pp=p,
+                        ep=par.expert_model_parallel_size, etp=par.expert_tensor_size)
         ctx = ParallelContext.build(grid, timeout=timeout)
         return train(config, ctx, device)
     finally:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ptdp.config import TrainConfig
 from ptdp.parallel.data import GradBuffer
-from ptdp.parallel.sharding import COPY_ATTR, SHARD_ATTR
+from ptdp.parallel.sharding import COPY_ATTR, SHARD_ATTR, is_expert
 from ptdp.parallel.topology import ParallelContext
 from ptdp.train.lr_schedule import LRSchedule
 
@@ -37,9 +37,14 @@ DOT_PIECE = 1 << 30
 
 
 def counts_in_norm(param: torch.nn.Parameter, ctx: ParallelContext) -> bool:
+    """Whether this rank's copy of `param` enters the gradient norm: once
+    over the group it is split over (or replicated in), never the tied
+    embedding's second copy."""
     if getattr(param, COPY_ATTR, False):
         return False
-    return hasattr(param, SHARD_ATTR) or ctx.tp_rank == 0
+    if hasattr(param, SHARD_ATTR):
+        return True
+    return (ctx.etp_rank if is_expert(param) else ctx.tp_rank) == 0
 
 
 def embedding_and_output_weights(chunks: Iterable[torch.nn.Module]) -> set[torch.nn.Parameter]:
@@ -130,10 +135,12 @@ class Optimizer:
         `step` as decoupled_lr (--decoupled-lr; see embedding_and_output_weights)."""
         self.buffer, self.ctx, self.config = buffer, ctx, config
         self.scaler = LossScaler.from_config(config)
-        d = ctx.dp_size if buffer.shard else 1
 
         # Where each rule applies, in the coordinates of buffer.reduced_grads.
         decay, counted, own_rate, own_rate_decay = [], [], [], []
+        # The norm's elements by how many ranks hold each after the reduction
+        # (1 when sharded: each rank steps its own part); see `step`.
+        counted_by_copies: dict[int, list[tuple[int, int]]] = {}
         decoupled_ids = {id(param) for param in decoupled}
         for segment in buffer.segments:
             bucket = buffer._bucket_of[segment.param]
@@ -141,16 +148,20 @@ class Optimizer:
             start, end = max(segment.start, own_start), min(segment.end, own_end)
             if start >= end:
                 continue
-            local = (bucket.start // d + (start - own_start), bucket.start // d + (end - own_start))
+            local = (bucket.shard_start + (start - own_start), bucket.shard_start + (end - own_start))
             if segment.param.ndim >= 2:
                 decay.append(local)
             if counts_in_norm(segment.param, ctx):
+                copies = 1 if buffer.shard else bucket.replicas.size
+                counted_by_copies.setdefault(copies, []).append(local)
                 counted.append(local)
             if id(segment.param) in decoupled_ids:
                 own_rate.append(local)
                 if segment.param.ndim >= 2:
                     own_rate_decay.append(local)
         self.decay_ranges, self.norm_ranges = _merge(decay), _merge(counted)
+        self.norm_ranges_by_copies = {copies: _merge(ranges)
+                                      for copies, ranges in sorted(counted_by_copies.items())}
         self.decoupled_ranges = _merge(own_rate)
         self._decoupled_decay_ranges = _merge(own_rate_decay)
 
@@ -175,10 +186,6 @@ class Optimizer:
             total += self.main.nbytes
         return total
 
-    def _norm_group(self):
-        # Sharded gradients differ over data-parallel ranks too: reduce over all.
-        return self.ctx.world_group if self.buffer.shard else self.ctx.mp_group
-
     def step(self, lr: float, decoupled_lr: float | None = None) -> StepResult:
         """One optimizer step at rate `lr`; the `decoupled` parameters step
         at `decoupled_lr` (None: at `lr` too)."""
@@ -188,24 +195,25 @@ class Optimizer:
             grads.mul_(1.0 / scale)
 
         # The global norm doubles as the overflow check: an inf or nan in any
-        # gradient makes it non-finite on every rank of the norm's group, and
-        # every element left out of the norm (a replicated or tied copy) is
-        # equal to one counted elsewhere. One pass and one reduction instead
-        # of two of each.
+        # gradient makes it non-finite on every rank, and every element left
+        # out of the norm (a tensor-replicated or tied copy) is equal to one
+        # counted on the same rank's group. One pass and one reduction over
+        # every rank instead of two of each. An element held by c replicas
+        # (data-parallel, or expert-data-parallel for routed experts; 1
+        # under the distributed optimizer) enters at 1/c on each: so an inf
+        # on any one replica still reaches every rank.
         norm_sq = torch.zeros((), dtype=torch.float32, device=grads.device)
-        for start, end in self.norm_ranges:
-            # BLAS dot takes a 32-bit length (CUDA refuses 2^31 elements and
-            # more, a 2.7 B-parameter model's one buffer): long ranges go in pieces.
-            for piece in range(start, end, DOT_PIECE):
-                segment = grads[piece:min(end, piece + DOT_PIECE)]
-                norm_sq += torch.dot(segment, segment)
-        group = self._norm_group()
-        if group is not None:
-            dist.all_reduce(norm_sq, group=group)
-        if not self.buffer.shard and self.ctx.dp_group is not None:
-            # Replicas hold equal gradients, so MAX changes nothing, unless one
-            # of them went wrong: then every replica skips with it.
-            dist.all_reduce(norm_sq, op=dist.ReduceOp.MAX, group=self.ctx.dp_group)
+        for copies, ranges in self.norm_ranges_by_copies.items():
+            part = torch.zeros((), dtype=torch.float32, device=grads.device)
+            for start, end in ranges:
+                # BLAS dot takes a 32-bit length (CUDA refuses 2^31 elements and
+                # more, a 2.7 B-parameter model's one buffer): long ranges go in pieces.
+                for piece in range(start, end, DOT_PIECE):
+                    segment = grads[piece:min(end, piece + DOT_PIECE)]
+                    part += torch.dot(segment, segment)
+            norm_sq += part / copies
+        if self.ctx.world_group is not None:
+            dist.all_reduce(norm_sq, group=self.ctx.world_group)
         norm_sq_value = norm_sq.item()
         if not math.isfinite(norm_sq_value):
             self.scaler.update(True)

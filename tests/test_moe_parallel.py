@@ -1,0 +1,206 @@
+"""Expert parallelism equals one process: MoE layouts with the experts
+folded over other ranks (EP, ETP) train as the serial model does.
+
+One pool of four processes runs every layout in turn, and each process
+computes the one-process reference once, so a layout costs its own steps
+only. The model: E = 8 routed SwiGLU experts, top-2, a gated shared expert,
+aux loss and z-loss with large coefficients (a wrong backward scale shows),
+a dense first layer (a pipeline stage may hold no MoE layer), a loss mask
+(end-of-document tokens). Tolerances are the dense tests' (test_ptdp_step):
+losses, gradient norms and balancing losses rtol 1e-5, weights atol 1e-5
+after STEPS AdamW steps with warm-up, clipping and weight decay (ADAM_EPS
+below says why its eps is 1e-6).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from ptdp.config import Config, DataConfig, ModelConfig
+from ptdp.config.checks import validate
+from ptdp.model.shapes import logical_shapes
+from ptdp.parallel.sharding import SHARD_ATTR, gather_logical, shard_group
+from ptdp.parallel.topology import ParallelContext, RankGrid
+from ptdp.train.loop import Trainer
+from tests import test_ptdp_step as step
+
+CPU = torch.device("cpu")
+STEPS = 3
+# With eight experts some attention weights get gradients that cancel to
+# about 1e-8, where Adam's default eps (1e-8) turns the layouts' rounding
+# differences into 1e-5 of motion (observed 2e-5 to 8e-5 for layouts with and
+# without expert parallelism alike, 6e-7 at d = 4 alone). At 1e-6 every
+# layout stays under 2e-6 and every gradient above 1e-6 still gets Adam's
+# full step.
+ADAM_EPS = 1e-6
+
+MOE = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
+                  vocab_size=100, make_vocab_size_divisible_by=8, hidden_dropout=0.0,
+                  attention_dropout=0.0, swiglu=True, ffn_hidden_size=64, disable_bias_linear=True,
+                  num_experts=8, moe_ffn_hidden_size=32, moe_router_topk=2,
+                  moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True,
+                  moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01,
+                  moe_layer_freq="([0]+[1]*3)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    t: int = 1
+    p: int = 1
+    d: int = 1
+    ep: int = 1
+    etp: int | None = None
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+    k: int | None = None                 # layers per virtual stage (interleaved)
+    recompute: str | None = None
+    distributed: bool = False
+    dispatcher: str = "allgather"
+
+    @property
+    def name(self) -> str:
+        parts = [f"t{self.t}p{self.p}d{self.d}", f"ep{self.ep}",
+                 f"etp{self.t if self.etp is None else self.etp}"]
+        parts += ["sp"] * self.sequence_parallel + [self.schedule] * (self.p > 1)
+        parts += [f"{self.recompute}-recompute"] * bool(self.recompute)
+        parts += ["distopt"] * self.distributed + [self.dispatcher]
+        return "-".join(parts)
+
+
+def _config(layout: Layout | None = None) -> Config:
+    layout = layout or Layout()
+    model = dataclasses.replace(MOE, recompute_granularity=layout.recompute,
+                                moe_token_dispatcher_type=layout.dispatcher)
+    config = step._config(layout.t, layout.p, layout.d, layout.k, model, layout.sequence_parallel,
+                          use_distributed_optimizer=layout.distributed, adam_eps=ADAM_EPS)
+    config.parallel = dataclasses.replace(
+        config.parallel, pipeline_schedule="1f1b" if layout.schedule == "interleaved" else layout.schedule,
+        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp)
+    config.data = DataConfig(mock_data=True, eod_mask_loss=True)
+    validate(config, world_size=layout.t * layout.p * layout.d)
+    return config
+
+
+def _logical_weights(trainer: Trainer, ctx: ParallelContext) -> dict[str, torch.Tensor]:
+    """This rank's parameters as logical tensors (gathered over the group
+    each is split over); a routed expert appears on its EP rank only."""
+    return {name: gather_logical(param.detach().float(), getattr(param, SHARD_ATTR, None),
+                                 shard_group(param, ctx))
+            for chunk in trainer.chunks for name, param in chunk.named_parameters()}
+
+
+_serial: dict[str, object] = {}
+
+
+def _one_process():
+    """The reference run, once per process: the records of STEPS + 1
+    iterations and the weights after STEPS."""
+    if not _serial:
+        trainer = Trainer(_config(), ParallelContext.single(), CPU)
+        _serial["records"] = [trainer.step(i)[0] for i in range(STEPS)]
+        _serial["weights"] = _logical_weights(trainer, ParallelContext.single())
+        _serial["records"].append(trainer.step(STEPS)[0])
+    return _serial["records"], _serial["weights"]
+
+
+def _layouts_vs_one_process(rank: int, layouts: list[Layout]) -> list[tuple[str, set, float]]:
+    """Each layout in turn against the one-process run: (name, names of the
+    weights this rank compared, the largest weight difference)."""
+    expected, serial_weights = _one_process()
+    results = []
+    for layout in layouts:
+        grid = RankGrid(tp=layout.t, dp=layout.d, pp=layout.p, ep=layout.ep, etp=layout.etp)
+        ctx = ParallelContext.build(grid)
+        trainer = Trainer(_config(layout), ctx, CPU)
+        records = [trainer.step(i)[0] for i in range(STEPS)]
+        for got, want in zip(records, expected[:STEPS]):
+            assert not got["skipped"], layout.name
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), layout.name
+            for name in ("load_balancing_loss", "z_loss"):
+                assert got[name] == pytest.approx(want[name], rel=1e-5), (layout.name, name)
+            if trainer.holds_loss:
+                assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), layout.name
+        worst, worst_name, compared = 0.0, None, set()
+        for name, weight in _logical_weights(trainer, ctx).items():
+            assert_close(weight, serial_weights[name], **step.WEIGHT_TOL,
+                         msg=lambda m, name=name: f"{layout.name}: {name}: {m}")
+            difference = (weight - serial_weights[name]).abs().max().item()
+            if difference > worst:
+                worst, worst_name = difference, name
+            compared.add(name)
+        results.append((layout.name, compared, worst, worst_name))
+        del trainer
+        ctx.destroy()
+    return results
+
+
+# Four processes, every layout in one call. E = 8 experts: EP 4 holds 2 per rank.
+LAYOUTS = [
+    Layout(d=4, ep=4),                                           # EP spanning d = 4
+    Layout(d=4, ep=4, dispatcher="alltoall"),
+    Layout(d=4, ep=2, distributed=True, dispatcher="alltoall"),  # EDP 2, experts' state sharded
+    Layout(t=2, d=2, ep=2, etp=1, sequence_parallel=True, recompute="full"),
+    Layout(t=2, d=2, ep=2, etp=2, sequence_parallel=True, recompute="selective",
+           distributed=True),                                    # EP across d, ETP 2
+    Layout(t=2, d=2, ep=2, etp=2, sequence_parallel=True, dispatcher="alltoall"),
+    Layout(t=2, d=2, ep=4, etp=1, sequence_parallel=True, dispatcher="alltoall"),  # over t and d
+    Layout(p=2, d=2, ep=2),                                      # 1F1B, a stage without MoE
+    Layout(p=2, d=2, ep=2, schedule="interleaved", k=1, dispatcher="alltoall"),
+    Layout(p=2, d=2, ep=2, schedule="zb-h1", recompute="selective"),
+    Layout(p=2, d=2, ep=2, schedule="zbv", distributed=True, dispatcher="alltoall"),
+]
+
+
+def test_expert_parallel_layouts_train_like_one_process(pools):
+    per_rank = pools(4).run(_layouts_vs_one_process, LAYOUTS)
+    every_name = set(logical_shapes(MOE))
+    for i, layout in enumerate(LAYOUTS):
+        compared = set().union(*(results[i][1] for results in per_rank))
+        assert compared == every_name, layout.name  # every expert was held (and checked) somewhere
+        worst = max(results[i][2] for results in per_rank)
+        print(f"{layout.name}: largest weight difference {worst:.2e}")
+
+
+def _resume_under_other_expert_layouts(rank: int, directory: str) -> list[float]:
+    """Trained 2 iterations at EP = 4 (d = 4) and saved; resumed at EP = 2
+    with t = 2 and sequence parallelism, then (rank 0) at one process: each
+    resumed run's iterations 3 and 4 against the uninterrupted one-process
+    run's. Returns the differences of the losses."""
+    expected, _ = _one_process()
+    saved_at = 2
+    layouts = [Layout(d=4, ep=4, dispatcher="alltoall"),
+               Layout(t=2, d=2, ep=2, etp=1, sequence_parallel=True)]
+    ctx = ParallelContext.build(RankGrid(tp=1, dp=4, pp=1, ep=4, etp=1))
+    trainer = Trainer(_config(layouts[0]), ctx, CPU)
+    for i in range(saved_at):
+        trainer.step(i)
+    checkpoint = trainer.save(directory, saved_at)
+    start = (saved_at, trainer.consumed_before(saved_at))
+    del trainer
+    ctx.destroy()
+    differences = []
+    resumed_layouts = [(layouts[1], RankGrid(tp=2, dp=2, pp=1, ep=2, etp=1)),
+                       (Layout(), RankGrid(1, 1, 1) if rank == 0 else None)]
+    for layout, grid in resumed_layouts:
+        ctx = ParallelContext.single() if grid == RankGrid(1, 1, 1) else \
+            ParallelContext.build(grid) if grid is not None else None
+        if ctx is None:
+            continue
+        trainer = Trainer(_config(layout), ctx, CPU, start=start)
+        trainer.load(str(checkpoint))
+        for i in range(saved_at, STEPS + 1):
+            record = trainer.step(i)[0]
+            if trainer.holds_loss:
+                assert record["loss"] == pytest.approx(expected[i]["loss"], rel=1e-5), layout.name
+                differences.append(abs(record["loss"] - expected[i]["loss"]))
+    return differences
+
+
+def test_a_checkpoint_resumes_under_other_expert_layouts(pools, tmp_path):
+    differences = pools(4).run(_resume_under_other_expert_layouts, str(tmp_path / "ckpt"))
+    assert len(differences[0]) == 4 and all(len(d) == 2 for d in differences[1:])
+    print(f"largest loss difference after resuming: {max(max(d) for d in differences):.2e}")
