@@ -75,6 +75,9 @@ class PipelinedModel:
                     spec = getattr(param, SHARD_ATTR, None)
                     logical = weights[name]
                     param.copy_((shard(logical, spec) if spec is not None else logical).to(param.dtype))
+                for name, buffer in chunk.named_buffers():  # the MoE routers' expert biases
+                    if name in weights:
+                        buffer.copy_(weights[name])
                 chunk.eval()
         self.num_stages = ctx.pp_size * num_chunks
 

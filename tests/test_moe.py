@@ -335,3 +335,39 @@ def test_parameter_count_counts_every_expert():
     model = GPT(config, ParallelContext.single(), RNGStreams(CPU))
     built = sum(math.prod(logical_shape(p)) for p in model.parameters())
     assert parameter_count(config) == built
+
+
+def test_expert_biases_are_saved_loaded_and_used_by_generation(tmp_path):
+    """Aux-loss-free balancing's biases are model state: a checkpoint holds
+    them (as model/<name>), a resumed run and `ptdp generate`'s model get them."""
+    from ptdp.generate import PipelinedModel
+    from ptdp.train.checkpoint import load_logical_model
+
+    model = _config(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+                    vocab_size=128, ffn_hidden_size=64, moe_ffn_hidden_size=32,
+                    moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                    moe_router_bias_update_rate=0.1, moe_aux_loss_coeff=0.0)
+    config = Config(model=model, data=DataConfig(mock_data=True),
+                    train=TrainConfig(micro_batch_size=4, global_batch_size=8, train_iters=4,
+                                      lr=1e-2, seed=3))
+    trainer = Trainer(config, ParallelContext.single(), CPU)
+    for i in range(2):
+        trainer.step(i)
+    biases = {name: buffer.clone() for name, buffer in trainer.model.named_buffers()
+              if name.endswith("expert_bias")}
+    assert len(biases) == 2 and any(b.abs().max() > 0 for b in biases.values())
+    checkpoint = trainer.save(tmp_path / "ckpt", 2)
+    resumed = Trainer(config, ParallelContext.single(), CPU, start=(2, 16))
+    resumed.load(str(checkpoint))
+    assert {name: buffer for name, buffer in resumed.model.named_buffers()
+            if name.endswith("expert_bias")}.keys() == biases.keys()
+    for name, buffer in resumed.model.named_buffers():
+        if name in biases:
+            assert torch.equal(buffer, biases[name])
+    saved_config, weights, _ = load_logical_model(checkpoint)
+    generation = PipelinedModel(saved_config, ParallelContext.single(), CPU, weights)
+    generated = {f"0.{name}": buffer for name, buffer in generation.chunks[0].named_buffers()
+                 if name.endswith("expert_bias")}
+    assert generated.keys() == biases.keys()
+    for name, buffer in generated.items():
+        assert torch.equal(buffer, biases[name])

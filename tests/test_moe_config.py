@@ -448,8 +448,6 @@ def test_parallel_defaults():
 
 
 @pytest.mark.parametrize("argv, flag", [
-    (["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"],
-     "--moe-router-enable-expert-bias"),
     (["--moe-router-load-balancing-type", "global_aux_loss", "--moe-aux-loss-coeff", "0.01"],
      "--moe-router-load-balancing-type global_aux_loss"),
     (["--moe-grouped-gemm"], "--moe-grouped-gemm"),

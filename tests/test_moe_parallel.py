@@ -45,6 +45,12 @@ MOE = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_lengt
                   moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True,
                   moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01,
                   moe_layer_freq="([0]+[1]*3)")
+# Aux-loss-free balancing: sigmoid scores, expert biases moved 1e-2 a step
+# (large, so that they change which experts are picked within 5 steps).
+BIASED = dataclasses.replace(MOE, moe_router_score_function="sigmoid",
+                             moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1e-2,
+                             moe_aux_loss_coeff=0.0)
+MODELS = {"moe": MOE, "biased": BIASED}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +66,8 @@ class Layout:
     recompute: str | None = None
     distributed: bool = False
     dispatcher: str = "allgather"
+    model: str = "moe"                   # a key of MODELS
+    steps: int = STEPS
 
     @property
     def name(self) -> str:
@@ -68,12 +76,13 @@ class Layout:
         parts += ["sp"] * self.sequence_parallel + [self.schedule] * (self.p > 1)
         parts += [f"{self.recompute}-recompute"] * bool(self.recompute)
         parts += ["distopt"] * self.distributed + [self.dispatcher]
+        parts += [self.model] * (self.model != "moe")
         return "-".join(parts)
 
 
 def _config(layout: Layout | None = None) -> Config:
     layout = layout or Layout()
-    model = dataclasses.replace(MOE, recompute_granularity=layout.recompute,
+    model = dataclasses.replace(MODELS[layout.model], recompute_granularity=layout.recompute,
                                 moe_token_dispatcher_type=layout.dispatcher)
     config = step._config(layout.t, layout.p, layout.d, layout.k, model, layout.sequence_parallel,
                           use_distributed_optimizer=layout.distributed, adam_eps=ADAM_EPS)
@@ -88,40 +97,48 @@ def _config(layout: Layout | None = None) -> Config:
 def _logical_weights(trainer: Trainer, ctx: ParallelContext) -> dict[str, torch.Tensor]:
     """This rank's parameters as logical tensors (gathered over the group
     each is split over); a routed expert appears on its EP rank only."""
-    return {name: gather_logical(param.detach().float(), getattr(param, SHARD_ATTR, None),
+    return {name: gather_logical(param.detach().float().clone(), getattr(param, SHARD_ATTR, None),
                                  shard_group(param, ctx))
             for chunk in trainer.chunks for name, param in chunk.named_parameters()}
 
 
-_serial: dict[str, object] = {}
+def _expert_biases(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {name: buffer.clone() for chunk in trainer.chunks
+            for name, buffer in chunk.named_buffers() if name.endswith("expert_bias")}
 
 
-def _one_process():
-    """The reference run, once per process: the records of STEPS + 1
-    iterations and the weights after STEPS."""
-    if not _serial:
-        trainer = Trainer(_config(), ParallelContext.single(), CPU)
-        _serial["records"] = [trainer.step(i)[0] for i in range(STEPS)]
-        _serial["weights"] = _logical_weights(trainer, ParallelContext.single())
-        _serial["records"].append(trainer.step(STEPS)[0])
-    return _serial["records"], _serial["weights"]
+_serial: dict[tuple[str, int], tuple] = {}
+
+
+def _one_process(model: str = "moe", steps: int = STEPS):
+    """The reference run, once per process and model: the records of
+    `steps` + 1 iterations, and the weights and expert biases after `steps`."""
+    if (model, steps) not in _serial:
+        trainer = Trainer(_config(Layout(model=model)), ParallelContext.single(), CPU)
+        records = [trainer.step(i)[0] for i in range(steps)]
+        weights = _logical_weights(trainer, ParallelContext.single())
+        biases = _expert_biases(trainer)
+        records.append(trainer.step(steps)[0])
+        _serial[model, steps] = records, weights, biases
+    return _serial[model, steps]
 
 
 def _layouts_vs_one_process(rank: int, layouts: list[Layout]) -> list[tuple[str, set, float]]:
     """Each layout in turn against the one-process run: (name, names of the
     weights this rank compared, the largest weight difference)."""
-    expected, serial_weights = _one_process()
     results = []
     for layout in layouts:
+        expected, serial_weights, serial_biases = _one_process(layout.model, layout.steps)
         grid = RankGrid(tp=layout.t, dp=layout.d, pp=layout.p, ep=layout.ep, etp=layout.etp)
         ctx = ParallelContext.build(grid)
         trainer = Trainer(_config(layout), ctx, CPU)
-        records = [trainer.step(i)[0] for i in range(STEPS)]
-        for got, want in zip(records, expected[:STEPS]):
+        records = [trainer.step(i)[0] for i in range(layout.steps)]
+        for got, want in zip(records, expected[:layout.steps]):
             assert not got["skipped"], layout.name
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), layout.name
             for name in ("load_balancing_loss", "z_loss"):
-                assert got[name] == pytest.approx(want[name], rel=1e-5), (layout.name, name)
+                if name in want:
+                    assert got[name] == pytest.approx(want[name], rel=1e-5), (layout.name, name)
             if trainer.holds_loss:
                 assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), layout.name
         worst, worst_name, compared = 0.0, None, set()
@@ -131,6 +148,10 @@ def _layouts_vs_one_process(rank: int, layouts: list[Layout]) -> list[tuple[str,
             difference = (weight - serial_weights[name]).abs().max().item()
             if difference > worst:
                 worst, worst_name = difference, name
+            compared.add(name)
+        for name, bias in _expert_biases(trainer).items():  # moved by ± the rate: exactly equal
+            assert torch.equal(bias, serial_biases[name]), (layout.name, name)
+            assert bias.abs().max() > 0
             compared.add(name)
         results.append((layout.name, compared, worst, worst_name))
         del trainer
@@ -152,13 +173,19 @@ LAYOUTS = [
     Layout(p=2, d=2, ep=2, schedule="interleaved", k=1, dispatcher="alltoall"),
     Layout(p=2, d=2, ep=2, schedule="zb-h1", recompute="selective"),
     Layout(p=2, d=2, ep=2, schedule="zbv", distributed=True, dispatcher="alltoall"),
+    # the expert biases after 5 steps
+    Layout(t=2, d=2, ep=2, etp=1, sequence_parallel=True, model="biased", steps=5,
+           recompute="full"),
+    Layout(p=2, d=2, ep=2, model="biased", steps=5, dispatcher="alltoall", schedule="zb-h1"),
 ]
 
 
 def test_expert_parallel_layouts_train_like_one_process(pools):
     per_rank = pools(4).run(_layouts_vs_one_process, LAYOUTS)
-    every_name = set(logical_shapes(MOE))
     for i, layout in enumerate(LAYOUTS):
+        every_name = set(logical_shapes(MODELS[layout.model]))
+        if layout.model == "biased":
+            every_name |= {f"layers.{n}.mlp.router.expert_bias" for n in (1, 2, 3)}
         compared = set().union(*(results[i][1] for results in per_rank))
         assert compared == every_name, layout.name  # every expert was held (and checked) somewhere
         worst = max(results[i][2] for results in per_rank)
@@ -170,7 +197,7 @@ def _resume_under_other_expert_layouts(rank: int, directory: str) -> list[float]
     with t = 2 and sequence parallelism, then (rank 0) at one process: each
     resumed run's iterations 3 and 4 against the uninterrupted one-process
     run's. Returns the differences of the losses."""
-    expected, _ = _one_process()
+    expected, _, _ = _one_process()
     saved_at = 2
     layouts = [Layout(d=4, ep=4, dispatcher="alltoall"),
                Layout(t=2, d=2, ep=2, etp=1, sequence_parallel=True)]

@@ -463,10 +463,6 @@ def moe_not_yet_problems(m: Any, tr: Any) -> list[str]:
     if not m.is_moe:
         return []
     problems = []
-    if m.moe_router_enable_expert_bias and m.moe_router_score_function == "sigmoid":
-        problems.append("--moe-router-enable-expert-bias: aux-loss-free balancing is not "
-                        "implemented yet in ptdp (issue 26 in progress): use "
-                        "--moe-router-load-balancing-type aux_loss with --moe-aux-loss-coeff")
     if m.moe_router_load_balancing_type == "global_aux_loss":
         problems.append("--moe-router-load-balancing-type global_aux_loss is not implemented yet "
                         "in ptdp (issue 26 in progress): use aux_loss or seq_aux_loss")

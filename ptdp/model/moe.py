@@ -22,6 +22,12 @@ ptdp's own:
   documents it; its code picks among equal flags with torch.topk, whose
   order is not defined). A dropped assignment's contribution is zero; the
   token's other probabilities are not renormalised.
+* Aux-loss-free balancing (--moe-router-enable-expert-bias, sigmoid
+  scores): a per-expert bias added to the scores for the top-k only (the
+  probabilities stay unbiased); after each iteration's backward it moves by
+  --moe-router-bias-update-rate towards balance: + for an expert that took
+  fewer tokens than the mean over experts, − for more (counts over the
+  global batch; ptdp.train.moe_metrics.update_expert_biases).
 * Load balancing (coefficient-free values are recorded for the log):
   aux_loss = coeff · E/(k·T²) · Σ_e (Σ_t S_te) · c_e over the microbatch,
   S the softmax over all experts (sigmoid: normalised over all experts) and
@@ -121,6 +127,15 @@ class Router(nn.Module):
             # Each tensor rank's gradient holds its experts' partial outputs.
             for param in self.parameters():
                 mark_partial_grad(param)
+        if config.moe_router_enable_expert_bias:
+            # Aux-loss-free balancing (DeepSeek-V3): a bias on the selection
+            # only, in fp32, saved with the model; and the tokens each expert
+            # took since the last update (see ptdp.train.moe_metrics).
+            self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
+            self.register_buffer("tokens_per_expert", torch.zeros(E, dtype=torch.float32),
+                                 persistent=False)
+        else:
+            self.expert_bias = None
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         dtype = DTYPES[self.config.moe_router_dtype]
@@ -133,8 +148,9 @@ class Router(nn.Module):
         groups, group_k = c.moe_router_num_groups, c.moe_router_group_topk
         if c.moe_router_score_function == "sigmoid":
             scores = torch.sigmoid(logits)
-            index = _top_k(scores, k, groups, group_k)
-            chosen = scores.gather(1, index)
+            biased = scores if self.expert_bias is None else scores + self.expert_bias
+            index = _top_k(biased, k, groups, group_k)
+            chosen = scores.gather(1, index)  # the bias picks the experts, not their weights
             if k > 1:
                 chosen = chosen / (chosen.sum(dim=-1, keepdim=True) + 1e-20)
         elif c.moe_router_pre_softmax:
@@ -308,6 +324,8 @@ class MoELayer(nn.Module):
         logits = self.router.logits(flat)
         logits = self._balance(logits, s, b)
         routing = self.router.route(logits)
+        if self.router.expert_bias is not None and self._counts_tokens():
+            self.router.tokens_per_expert += routing.routed.sum(dim=0)
         shared = self._shared(flat)
         if not self.dispatches:
             out = self._experts(flat, routing)
@@ -420,6 +438,11 @@ class MoELayer(nn.Module):
             self._record("z_loss", z)
             logits = _AttachLoss.apply(logits, c.moe_z_loss_coeff * z, scale)
         return logits
+
+    def _counts_tokens(self) -> bool:
+        """Whether this forward counts towards the iteration's statistics:
+        training, with gradients, and not a recomputation repeating one."""
+        return self.training and torch.is_grad_enabled() and not self.rng.replaying
 
     def _record(self, name: str, value: torch.Tensor) -> None:
         if not self.rng.replaying:  # a recomputation repeats a forward

@@ -68,3 +68,13 @@ def _moe_shapes(config: ModelConfig, linear) -> dict[str, tuple[int, ...]]:
         if config.moe_shared_expert_gate:
             shapes["mlp.shared_expert_gate"] = (1, h)
     return shapes
+
+
+def state_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The model's saved state that is not a parameter (float32 whatever
+    the training precision, replicated on every rank): the MoE routers'
+    expert biases of aux-loss-free balancing."""
+    if not (config.is_moe and config.moe_router_enable_expert_bias):
+        return {}
+    return {f"layers.{i}.mlp.router.expert_bias": (config.num_experts,)
+            for i, is_moe in enumerate(config.moe_layer_pattern) if is_moe}

@@ -170,6 +170,9 @@ def _logical_tensors(trainer) -> dict[str, torch.Tensor]:
             if writes and index[expert] % split_size == split_rank:
                 mine[f"{prefix}/{name}"] = logical.detach().clone().contiguous().cpu()
             index[expert] += 1
+    if ctx.dp_rank == 0 and ctx.tp_rank == 0:  # replicated over both
+        for name, tensor in _named_state_buffers(trainer):
+            mine[f"model/{name}"] = tensor.detach().clone().contiguous().cpu()
     return mine
 
 
@@ -455,6 +458,9 @@ def load_checkpoint(trainer, load: str | Path) -> dict[str, Any]:
                     moment = _local(reader.get(f"optimizer/{kind}/{name}"), spec, param.shape,
                                     name, directory)
                     flats[kind][segment.start:segment.end].copy_(moment.reshape(-1))
+        for name, tensor in _named_state_buffers(trainer):  # (absent: a fresh start's value)
+            if reader.has(f"model/{name}"):
+                tensor.copy_(reader.get(f"model/{name}"))
         kinds = OPTIMIZER_KINDS if has_optimizer else ("main",)
         for kind in kinds:
             target = getattr(optimizer, kind)
@@ -686,6 +692,16 @@ def _named_parameters(trainer):
             if id(param) not in seen:
                 seen.add(id(param))
                 yield name, param
+
+
+def _named_state_buffers(trainer):
+    """(name, tensor) of the model's saved state that is not a parameter:
+    the MoE routers' expert biases (replicated on every tensor rank)."""
+    for chunk in trainer.chunks:
+        parameters = {name for name, _ in chunk.named_parameters()}
+        for name, tensor in chunk.state_dict(keep_vars=True).items():
+            if name not in parameters:
+                yield name, tensor
 
 
 def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:

@@ -144,10 +144,11 @@ def _model_config(directory: Path, metadata: dict):
 def _check_tensors(directory: Path, metadata: dict, model) -> None:
     """The stored tensors are the model's, each where the metadata says,
     with its logical shape and a dtype the checkpoint can have written."""
-    from ptdp.model.shapes import logical_shapes
+    from ptdp.model.shapes import logical_shapes, state_shapes
 
     try:
-        expected = logical_shapes(model)
+        state = state_shapes(model)
+        expected = {**logical_shapes(model), **state}
     except (TypeError, ValueError, ArithmeticError) as error:
         raise damaged(directory, f"metadata.json: the model settings do not describe a model "
                                  f"({error})") from None
@@ -186,7 +187,9 @@ def _check_tensors(directory: Path, metadata: dict, model) -> None:
             raise damaged(directory, f"{file}: {name!r} is {dtype}; optimizer state is float32")
         if dtype not in FLOATING:
             raise damaged(directory, f"{file}: {name!r} is {dtype}, not a floating-point weight")
-        if kind == "model" and metadata.get("optimizer") is not None \
+        if logical in state and dtype != "F32":
+            raise damaged(directory, f"{file}: {name!r} is {dtype}; it is float32 state")
+        if kind == "model" and logical not in state and metadata.get("optimizer") is not None \
                 and dtype != TRAINING_DTYPE[training]:
             raise damaged(directory, f"{file}: {name!r} is {dtype}, but a {training} run stores "
                                      f"{TRAINING_DTYPE[training]} weights")

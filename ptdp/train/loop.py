@@ -37,7 +37,8 @@ from ptdp.train.checkpoint import (load_checkpoint, load_summary, read_metadata,
 from ptdp.train.evaluate import evaluate
 from ptdp.train.housekeeping import Housekeeping
 from ptdp.train.loss_range import LossRange
-from ptdp.train.moe_metrics import balancing_metrics, moe_layers, set_aux_loss_scale
+from ptdp.train.moe_metrics import balancing_metrics, moe_layers, set_aux_loss_scale, \
+    update_expert_biases
 from ptdp.train.lr_schedule import LRSchedule
 from ptdp.train.optimizer import Optimizer, embedding_and_output_weights
 from ptdp.train.report import (Progress, TensorBoardLogger, format_log_line, peak_tflops,
@@ -262,6 +263,8 @@ class Trainer:
         forward_backward_done = time.perf_counter()
 
         self.buffer.finish()
+        if self.config.model.moe_router_enable_expert_bias:
+            update_expert_biases(self.moe_layers, self.config.model.moe_router_bias_update_rate, ctx)
         loss = None
         if self.holds_loss:
             loss = average_loss(stats.losses, stats.loss_tokens if tr.calculate_per_token_loss

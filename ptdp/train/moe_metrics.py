@@ -1,8 +1,9 @@
 """What the training loop does for MoE layers at each iteration: give their
-load-balancing losses the main loss's backward scale, and report those
-losses as Megatron-LM logs them (without their coefficients, averaged over
-the iteration's microbatches and over the model's MoE layers, whichever
-pipeline stage holds them, and over the data-parallel replicas)."""
+load-balancing losses the main loss's backward scale, move the expert
+biases of aux-loss-free balancing, and report those losses as Megatron-LM
+logs them (without their coefficients, averaged over the iteration's
+microbatches and over the model's MoE layers, whichever pipeline stage
+holds them, and over the data-parallel replicas)."""
 
 from __future__ import annotations
 
@@ -57,3 +58,25 @@ def balancing_metrics(layers: list[MoELayer], config: ModelConfig, ctx: Parallel
             dist.all_reduce(sums, group=group)
     sums /= sum(config.moe_layer_pattern) * ctx.dp_size
     return dict(zip(names, sums.tolist()))
+
+
+@torch.no_grad()
+def update_expert_biases(layers: list[MoELayer], rate: float, ctx: ParallelContext) -> None:
+    """Aux-loss-free balancing, after the iteration's backward (before the
+    optimizer step, whether or not it is skipped, as Megatron-Core does):
+    each expert's bias moves by `rate` towards balance, + when it took fewer
+    tokens than the mean over the layer's experts, − when more. The counts
+    are the global batch's: every tensor rank routed its replica's whole
+    microbatches (ptdp.model.moe), so they are summed over the data-parallel
+    replicas only (Megatron-Core, whose tensor ranks route s/t tokens each,
+    sums over tensor × data). Collective over the data-parallel group."""
+    routers = [layer.router for layer in layers if layer.router.expert_bias is not None]
+    if not routers:
+        return
+    counts = torch.stack([router.tokens_per_expert for router in routers])
+    if ctx.dp_group is not None:
+        dist.all_reduce(counts, group=ctx.dp_group)
+    step = torch.sign(counts.mean(dim=1, keepdim=True) - counts) * rate
+    for router, change in zip(routers, step):
+        router.expert_bias += change
+        router.tokens_per_expert.zero_()
