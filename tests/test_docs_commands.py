@@ -214,4 +214,5 @@ def test_the_moe_example_trains_and_logs_its_balancing_losses(tmp_path):
     (command,) = commands("moe-tiny")
     result = _run_example("moe-tiny", command, tmp_path)
     assert "(t=2, p=1, d=1)" in result.stdout
-    assert re.search(r"iteration +2/2 .*\| load_balancing_loss \d\.\d{4} \| z_loss \d", result.stdout)
+    assert re.search(r"iteration +2/2 .*\| load_balancing_loss \d\.\d{4} \| z_loss \d.* \| "
+                     r"expert load \d+\.\d% to \d+\.\d% \|", result.stdout)

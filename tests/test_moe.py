@@ -136,7 +136,8 @@ def test_balancing_losses_shape_the_gradient_not_the_output():
     assert_close(balanced.router.weight.grad - plain.router.weight.grad, expected, rtol=1e-4,
                  atol=1e-7)
     metrics = balanced.take_metrics()
-    assert set(metrics) == {"load_balancing_loss", "z_loss"} and len(metrics["z_loss"]) == 1
+    assert set(metrics) == {"load_balancing_loss", "z_loss", "tokens_per_expert", "assigned"}
+    assert len(metrics["z_loss"]) == 1
 
 
 def test_capacity_drops_by_probability_or_by_position():
@@ -307,7 +308,7 @@ def test_recomputation_records_the_balancing_losses_once():
     for i in range(2):
         metrics = model.layers[str(i)].mlp.take_metrics()
         assert {name: len(values) for name, values in metrics.items()} == \
-            {"load_balancing_loss": 1, "z_loss": 1}
+            {"load_balancing_loss": 1, "z_loss": 1, "tokens_per_expert": 1, "assigned": 1}
 
 
 def test_flops_count_the_active_experts():
@@ -371,3 +372,38 @@ def test_expert_biases_are_saved_loaded_and_used_by_generation(tmp_path):
     assert generated.keys() == biases.keys()
     for name, buffer in generated.items():
         assert torch.equal(buffer, biases[name])
+
+
+def test_the_log_reports_how_evenly_the_experts_were_loaded():
+    """The busiest and idlest expert's shares of the tokens the experts took
+    (all MoE layers of the global batch), and under a capacity factor the
+    fraction of the top-k's assignments dropped: counted here by hand from
+    the layers' own routing."""
+    from ptdp.model.moe import MoELayer
+    from ptdp.train.report import format_log_line
+
+    model = _config(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+                    vocab_size=128, ffn_hidden_size=64, moe_ffn_hidden_size=32,
+                    moe_expert_capacity_factor=1.0)
+    config = Config(model=model, data=DataConfig(mock_data=True),
+                    train=TrainConfig(micro_batch_size=4, global_batch_size=8, train_iters=2,
+                                      lr=1e-2, seed=3))
+    trainer = Trainer(config, ParallelContext.single(), CPU)
+    seen = []
+    for layer in trainer.model.modules():
+        if isinstance(layer, MoELayer):
+            original = layer.router.route
+            layer.router.route = lambda logits, original=original: seen.append(original(logits)) \
+                or seen[-1]
+    record, _ = trainer.step(0)
+    counts = torch.stack([routing.routed.sum(dim=0) for routing in seen]).double()
+    per_layer = counts.view(2, 2, E).sum(dim=0)  # [microbatch, layer, expert], in forward order
+    shares = per_layer / per_layer.sum(dim=1, keepdim=True)
+    assert record["moe_busiest_expert_share"] == pytest.approx(shares.max().item())
+    assert record["moe_idlest_expert_share"] == pytest.approx(shares.min().item())
+    assigned = len(seen) * 4 * 16 * K
+    assert record["moe_dropped_fraction"] == pytest.approx(1 - counts.sum().item() / assigned)
+    assert 0 < record["moe_dropped_fraction"] < 0.5
+    line = format_log_line(record, 2)
+    assert (f"expert load {shares.min().item():.1%} to {shares.max().item():.1%}" in line
+            and f"dropped {record['moe_dropped_fraction']:.2%}" in line)

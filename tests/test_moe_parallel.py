@@ -50,7 +50,10 @@ MOE = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_lengt
 BIASED = dataclasses.replace(MOE, moe_router_score_function="sigmoid",
                              moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1e-2,
                              moe_aux_loss_coeff=0.0)
-MODELS = {"moe": MOE, "biased": BIASED}
+# A capacity factor: every layout routes each microbatch as one process does
+# (ptdp.model.moe), so the same assignments are dropped.
+CAPACITY = dataclasses.replace(MOE, moe_expert_capacity_factor=1.0)
+MODELS = {"moe": MOE, "biased": BIASED, "capacity": CAPACITY}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +132,8 @@ def _layouts_vs_one_process(rank: int, layouts: list[Layout]) -> list[tuple[str,
     results = []
     for layout in layouts:
         expected, serial_weights, serial_biases = _one_process(layout.model, layout.steps)
+        if layout.model == "capacity":
+            assert expected[0]["moe_dropped_fraction"] > 0.02  # the factor drops assignments
         grid = RankGrid(tp=layout.t, dp=layout.d, pp=layout.p, ep=layout.ep, etp=layout.etp)
         ctx = ParallelContext.build(grid)
         trainer = Trainer(_config(layout), ctx, CPU)
@@ -136,7 +141,8 @@ def _layouts_vs_one_process(rank: int, layouts: list[Layout]) -> list[tuple[str,
         for got, want in zip(records, expected[:layout.steps]):
             assert not got["skipped"], layout.name
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), layout.name
-            for name in ("load_balancing_loss", "z_loss"):
+            for name in ("load_balancing_loss", "z_loss", "moe_busiest_expert_share",
+                         "moe_idlest_expert_share", "moe_dropped_fraction"):
                 if name in want:
                     assert got[name] == pytest.approx(want[name], rel=1e-5), (layout.name, name)
             if trainer.holds_loss:
@@ -177,6 +183,7 @@ LAYOUTS = [
     Layout(t=2, d=2, ep=2, etp=1, sequence_parallel=True, model="biased", steps=5,
            recompute="full"),
     Layout(p=2, d=2, ep=2, model="biased", steps=5, dispatcher="alltoall", schedule="zb-h1"),
+    Layout(t=2, d=2, ep=4, etp=1, sequence_parallel=True, model="capacity", dispatcher="alltoall"),
 ]
 
 

@@ -324,8 +324,15 @@ class MoELayer(nn.Module):
         logits = self.router.logits(flat)
         logits = self._balance(logits, s, b)
         routing = self.router.route(logits)
-        if self.router.expert_bias is not None and self._counts_tokens():
-            self.router.tokens_per_expert += routing.routed.sum(dim=0)
+        if self._counts_tokens():
+            taken = routing.routed.sum(dim=0)
+            if self.router.expert_bias is not None:
+                self.router.tokens_per_expert += taken
+            # Each expert's tokens and the assignments the top-k made (more
+            # than the tokens taken when a capacity dropped some), for the log.
+            self.metrics.setdefault("tokens_per_expert", []).append(taken.detach())
+            self.metrics.setdefault("assigned", []).append(
+                torch.tensor(float(s * b * self.config.moe_router_topk)))
         shared = self._shared(flat)
         if not self.dispatches:
             out = self._experts(flat, routing)

@@ -47,6 +47,15 @@ final norm and, when p > 1, its own copy of the tied word embedding
 (V'·h/t), which is memory like any other weight; an untied output layer is
 V'·h/t on the last stage whatever p is.
 
+Mixture of experts: `parameter_count` counts every expert,
+`active_parameter_count` what one token uses (the router, the shared
+expert and its gate, k of the E routed experts). Per device an MoE layer
+holds, after its attention and norms, the shared-expert gate [1, h], the
+router [E, h] (+ [E] with biases), E/EP routed experts each split over ETP
+(h→f: up·F/ETP rows; f→h: F/ETP columns, its bias [h] whole) and the shared
+expert split over t; GradBuffer keeps the routed experts' parameters in
+buckets of their own, replicated over EDP = t·d/(ETP·EP) ranks instead of d.
+
 Memory per device and the activations a rank keeps: ptdp.perf.memory.
 
 Communication: see `communication_per_rank`.
@@ -91,16 +100,18 @@ class Param(NamedTuple):
     numel: int
     tied: bool = False      # a tied word embedding: GradBuffer gives it a bucket of its own
     partial: bool = False   # sequence parallelism: its gradient is summed over the tensor group
+    expert: bool = False    # a routed expert's: in buckets of their own, reduced over EDP
 
 
-def _layer_parameter_list(model: ModelConfig, t: int = 1,
-                          sequence_parallel: bool = False) -> list[Param]:
+def _layer_parameter_list(model: ModelConfig, t: int = 1, sequence_parallel: bool = False, *,
+                          moe: bool = False, ep: int = 1, etp: int | None = None) -> list[Param]:
     """One transformer layer's parameters on one tensor rank, in module order:
     norm 1, QKV, dense, norm 2, h→f, f→h (each linear layer's weight, then
     its bias). Column-parallel weights and biases (QKV, h→f) and row-parallel
     weights are split over t; norms and row-parallel biases are whole, and
     under sequence parallelism they see s/t positions per rank, so their
-    gradients are partial (summed over the tensor group once per iteration)."""
+    gradients are partial (summed over the tensor group once per iteration).
+    `moe`: the MLP is an MoE layer (`_moe_parameter_list`) under EP and ETP."""
     h, f, d = model.hidden_size, model.ffn_size, model.head_dim
     qkv = (model.num_attention_heads + 2 * model.query_groups) * d   # queries, keys, values
     context = model.num_attention_heads * d                          # the dense layer's input
@@ -115,10 +126,39 @@ def _layer_parameter_list(model: ModelConfig, t: int = 1,
         return [Param(weight)] + [Param(bias, partial=sp and replicated_bias)
                                   for bias in weight_and_bias[1:]]
 
-    return (norm() + linear(qkv * h // t, qkv // t, False)
-            + linear(h * context // t, h, True)
-            + norm() + linear(up * h // t, up // t, False)
-            + linear(h * f // t, h, True))
+    attention = (norm() + linear(qkv * h // t, qkv // t, False)
+                 + linear(h * context // t, h, True) + norm())
+    if moe:
+        return attention + _moe_parameter_list(model, t, ep, t if etp is None else etp)
+    return attention + linear(up * h // t, up // t, False) + linear(h * f // t, h, True)
+
+
+def _moe_parameter_list(model: ModelConfig, t: int, ep: int, etp: int) -> list[Param]:
+    """An MoE layer's MLP on one rank, in module order (ptdp.model.moe.MoELayer:
+    its own shared-expert gate [1, h] first, then the router [E, h] (+ [E]),
+    this EP rank's E/EP routed experts, the shared expert). Routed experts
+    are split over ETP (h→f rows, f→h columns; the f→h bias whole), the
+    shared expert over t like the dense MLP; the router and the gate are
+    replicated, their gradients partial over the tensor group when t > 1
+    (every tensor rank routes all tokens)."""
+    h, E, up = model.hidden_size, model.num_experts, 2 if model.swiglu else 1
+    shared = model.moe_shared_expert_intermediate_size or 0
+
+    def expert(width: int, parts: int, routed: bool) -> list[Param]:
+        numels = (_linear_parameters(up * width * h // parts, up * width // parts, model)
+                  + _linear_parameters(h * width // parts, h, model))
+        return [Param(n, expert=routed) for n in numels]
+
+    gate = [Param(h, partial=t > 1)] if shared and model.moe_shared_expert_gate else []
+    router = [Param(n, partial=t > 1) for n in _linear_parameters(E * h, E, model)]
+    routed = expert(model.moe_ffn_size, etp, True) * (E // ep)
+    return gate + router + routed + (expert(shared, t, False) if shared else [])
+
+
+def _expert_parameters(model: ModelConfig) -> int:
+    """One routed expert's logical parameters (both matrices, their biases)."""
+    return sum(param.numel for param in _moe_parameter_list(model, 1, model.num_experts, 1)
+               if param.expert)
 
 
 def _layer_parameters(model: ModelConfig, t: int = 1) -> list[int]:
@@ -136,13 +176,24 @@ def parameter_count(model: ModelConfig) -> int:
     embedding, the position table, l layers, the final norm and the untied
     output layer (a tied output layer is the word embedding, counted once);
     vocabulary unpadded, positions = --max-position-embeddings or s."""
-    if model.is_moe:  # every expert counted (the active ones: ptdp.perf.flops.mlp_widths)
+    if model.is_moe:  # every expert counted (the active ones: `active_parameter_count`)
         return sum(math.prod(shape) for shape in logical_shapes(model).values())
     h = model.hidden_size
     output = 0 if model.tied_output else model.vocab_size * h
     return (model.vocab_size * h + _position_parameters(model)
             + model.num_layers * sum(_layer_parameters(model)) + sum(_norm_parameters(model))
             + output)
+
+
+def active_parameter_count(model: ModelConfig) -> int:
+    """The parameters one token uses: `parameter_count` less, in each MoE
+    layer, the E − k routed experts it is not sent to (the router, the k
+    routed experts and the shared expert count, as Megatron-LM and
+    ptdp.perf.flops count). The total for a dense model."""
+    if not model.is_moe:
+        return parameter_count(model)
+    unused = (model.num_experts - model.moe_router_topk) * _expert_parameters(model)
+    return parameter_count(model) - sum(model.moe_layer_pattern) * unused
 
 
 def paper_parameter_count(model: ModelConfig) -> int:
@@ -154,14 +205,17 @@ def paper_parameter_count(model: ModelConfig) -> int:
 
 
 def _stage_parameters(model: ModelConfig, t: int, layers: int, first: bool, last: bool,
-                      shared_word: bool, sequence_parallel: bool = False) -> list[Param]:
+                      shared_word: bool, sequence_parallel: bool = False, *,
+                      first_layer: int = 0, ep: int = 1, etp: int | None = None) -> list[Param]:
     """Every parameter of one virtual stage on one tensor rank, in the order
     the model lists them: embeddings (first stage), layers, final norm, then
     (last stage) the untied output layer or a later stage's copy of the tied
     word embedding. `shared_word`: the word embedding is shared with another
     stage (tied, p > 1), so GradBuffer keeps it in a bucket of its own.
     Under sequence parallelism the position table (each rank looks up its
-    own positions), the norms and the row-parallel biases are partial."""
+    own positions), the norms and the row-parallel biases are partial.
+    `first_layer`: the stage's first layer's global number (which of its
+    layers are MoE layers); `ep`, `etp`: the expert layout."""
     word = model.padded_vocab_size(t) * model.hidden_size // t
     sp = sequence_parallel
     params: list[Param] = []
@@ -169,7 +223,10 @@ def _stage_parameters(model: ModelConfig, t: int, layers: int, first: bool, last
         params.append(Param(word, tied=shared_word))
         if not model.rope:
             params.append(Param(_position_parameters(model), partial=sp))
-    params += _layer_parameter_list(model, t, sp) * layers
+    if not model.is_moe:
+        params += _layer_parameter_list(model, t, sp) * layers
+    for moe in model.moe_layer_pattern[first_layer:first_layer + layers] if model.is_moe else []:
+        params += _layer_parameter_list(model, t, sp, moe=moe, ep=ep, etp=etp)
     if last:
         params += [Param(n, partial=sp) for n in _norm_parameters(model)]
         if not model.tied_output:
@@ -199,9 +256,11 @@ def _chunk_parameters(model: ModelConfig, layout: Layout, rank: int, chunk: int)
     first chunk's word embedding as its tied output layer: no copy."""
     first, last = chunk_stage(layout, rank, chunk)
     shared = model.tied_output and not _ends_share_a_rank(layout)
-    layers = layout.chunk_layers(model.num_layers, rank, chunk)
-    params = _stage_parameters(model, layout.t, layers, first, last, shared,
-                               layout.splits_sequence)
+    stage = virtual_stage_of(layout.schedule_kind, layout.p, layout.v, rank, chunk)
+    stage_layers = layout.stage_layers(model.num_layers)
+    params = _stage_parameters(model, layout.t, stage_layers[stage], first, last, shared,
+                               layout.splits_sequence, first_layer=sum(stage_layers[:stage]),
+                               ep=layout.ep, etp=layout.etp)
     if last and not first and model.tied_output and not shared:
         params = params[:-1]    # the tied copy: the same parameter as the embedding's
     return params
@@ -237,43 +296,56 @@ def parameters_per_device(model: ModelConfig, layout: Layout) -> int:
 def placement_of_parameters(layout: Layout) -> Layout:
     """`layout` with only what decides which parameters a device holds and
     how GradBuffer buckets them (t, p, v, the schedule, sequence
-    parallelism, the layer split): the key under which a search that
-    prices many layouts computes those once."""
+    parallelism, the layer split, EP and ETP): the key under which a search
+    that prices many layouts computes those once."""
     return Layout(t=layout.t, p=layout.p, v=layout.v, schedule=layout.schedule,
-                  sequence_parallel=layout.sequence_parallel, split=layout.split)
+                  sequence_parallel=layout.sequence_parallel, split=layout.split,
+                  ep=layout.ep, etp=layout.etp)
+
+
+class Bucket(NamedTuple):
+    """One of GradBuffer's buckets before padding."""
+    size: int               # elements
+    partial: int            # of which partial: summed over the tensor group first
+    expert: bool = False    # routed experts' parameters: replicated over EDP ranks, not d
 
 
 def _cut_buckets(model: ModelConfig, layout: Layout, rank: int,
-                 bucket_size: int) -> tuple[tuple[int, int], ...]:
+                 bucket_size: int) -> tuple[Bucket, ...]:
     return cut_placed_buckets(ByValue(model), placement_of_parameters(layout), rank, bucket_size)
 
 
 @lru_cache(maxsize=65536)
 def cut_placed_buckets(key: ByValue, layout: Layout, rank: int,
-                        bucket_size: int) -> tuple[tuple[int, int], ...]:
-    """(elements, partial elements) of GradBuffer's buckets on pipeline rank
-    `rank` before padding: parameters in reverse order, a bucket closed once
-    it reaches `bucket_size` elements, each tied word embedding a bucket of
-    its own. Partial elements: the gradients a bucket sums over the tensor
-    group first (sequence parallelism)."""
-    cut, size, partial = [], 0, 0
+                        bucket_size: int) -> tuple[Bucket, ...]:
+    """GradBuffer's buckets on pipeline rank `rank` before padding:
+    parameters in reverse order, a bucket closed once it reaches
+    `bucket_size` elements or when the next parameter is of the other kind
+    (routed expert or not), each tied word embedding a bucket of its own.
+    Partial elements: the gradients a bucket sums over the tensor group
+    first (sequence parallelism)."""
+    cut, size, partial, expert = [], 0, 0, False
     for param in reversed(_rank_parameters(key.value, layout, rank)):
         if param.tied:
-            cut.append((param.numel, 0))
+            cut.append(Bucket(param.numel, 0))
             continue
+        if size and param.expert != expert:
+            cut.append(Bucket(size, partial, expert))
+            size = partial = 0
+        expert = param.expert
         size += param.numel
         partial += param.numel if param.partial else 0
         if size >= bucket_size:
-            cut.append((size, partial))
+            cut.append(Bucket(size, partial, expert))
             size = partial = 0
     if size:
-        cut.append((size, partial))
+        cut.append(Bucket(size, partial, expert))
     return tuple(cut)
 
 
 def _buckets(model: ModelConfig, layout: Layout, rank: int, bucket_size: int) -> list[int]:
     """Sizes of GradBuffer's buckets on pipeline rank `rank` before padding."""
-    return [size for size, _ in _cut_buckets(model, layout, rank, bucket_size)]
+    return [bucket.size for bucket in _cut_buckets(model, layout, rank, bucket_size)]
 
 
 def partial_gradient_buckets(model: ModelConfig, layout: Layout, rank: int,
@@ -283,25 +355,41 @@ def partial_gradient_buckets(model: ModelConfig, layout: Layout, rank: int,
     reduction (one fp32 all-reduce per bucket that holds partial gradients:
     norms, row-parallel biases, the position table); empty otherwise."""
     bucket_size = bucket_size or TrainConfig().ddp_bucket_size
-    return [partial for _, partial in _cut_buckets(model, layout, rank, bucket_size) if partial]
+    return [bucket.partial for bucket in _cut_buckets(model, layout, rank, bucket_size)
+            if bucket.partial]
 
 
 def buffer_elements(model: ModelConfig, layout: Layout, rank: int,
                     bucket_size: int | None = None) -> int:
     """Elements of the flat parameter and gradient buffers of a device of
     pipeline rank `rank`: its parameters, plus with the distributed
-    optimizer each bucket padded to a multiple of d."""
+    optimizer each bucket padded to a multiple of its replicas (d; EDP for
+    routed experts' buckets)."""
     bucket_size = bucket_size or TrainConfig().ddp_bucket_size
     return padded_elements(_cut_buckets(model, layout, rank, bucket_size), layout)
 
 
-def padded_elements(buckets: tuple[tuple[int, int], ...], layout: Layout) -> int:
-    """Elements of these buckets, each padded to a multiple of d under the
-    distributed optimizer."""
+def _replicas(bucket: Bucket, layout: Layout) -> int:
+    """The ranks holding a bucket's values, over which it is reduced and
+    sharded: d, or EDP for routed experts'."""
+    return layout.edp if bucket.expert else layout.d
+
+
+def padded_elements(buckets: tuple[Bucket, ...], layout: Layout) -> int:
+    """Elements of these buckets, each padded to a multiple of its replicas
+    (d, or EDP for routed experts) under the distributed optimizer."""
     if not layout.distributed_optimizer:
-        return sum(size for size, _ in buckets)
-    d = layout.d
-    return sum(-(-size // d) * d for size, _ in buckets)
+        return sum(bucket.size for bucket in buckets)
+    return sum(-(-bucket.size // n) * n for bucket in buckets for n in [_replicas(bucket, layout)])
+
+
+def owned_elements(buckets: tuple[Bucket, ...], layout: Layout) -> int:
+    """Elements whose fp32 gradient shard, main weights and Adam moments one
+    rank keeps: all of them, or with the distributed optimizer 1/replicas of
+    each padded bucket (1/d; 1/EDP of routed experts' buckets)."""
+    if not layout.distributed_optimizer:
+        return sum(bucket.size for bucket in buckets)
+    return sum(-(-bucket.size // _replicas(bucket, layout)) for bucket in buckets)
 
 
 # ------------------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ from copy import deepcopy
 from dataclasses import dataclass, fields, is_dataclass
 from functools import lru_cache
 
-from ptdp.config import ModelConfig
+from ptdp.config import ModelConfig, ParallelConfig
+from ptdp.config.moe import expert_parallel_problems
 from ptdp.parallel.pipeline.actions import ZERO_BUBBLE_KINDS, virtual_stage_of
 from ptdp.parallel.pipeline.split import LayerSplit, split_problems, stage_layer_counts
 
@@ -42,10 +43,26 @@ class Layout:
     # ptdp.parallel.pipeline.split): Megatron-LM's first/last-rank layer
     # counts (v = 1 schedules) or the embedding/loss accounting flags.
     split: LayerSplit = LayerSplit()
+    # Expert parallelism (MoE models): a stage's t·d ranks folded into
+    # ETP × EP × EDP (ptdp.parallel.topology.RankGrid); each rank holds E/EP
+    # routed experts split over ETP (None: t), their gradients reduced and,
+    # with the distributed optimizer, sharded over EDP = t·d/(ETP·EP).
+    ep: int = 1
+    etp: int | None = None
 
     @property
     def devices(self) -> int:
         return self.t * self.p * self.d
+
+    @property
+    def expert_tensor(self) -> int:
+        """ETP: the ranks each routed expert is split over (t by default)."""
+        return self.t if self.etp is None else self.etp
+
+    @property
+    def edp(self) -> int:
+        """EDP: the replicas of one routed expert's shard, t·d/(ETP·EP)."""
+        return self.t * self.d // (self.ep * self.expert_tensor)
 
     @property
     def schedule_kind(self) -> str:
@@ -141,7 +158,19 @@ class Layout:
                             f"length {model.seq_length}")
         if self.recompute not in RECOMPUTE_KINDS:
             problems.append(f"unknown recomputation {self.recompute!r}")
+        if self.ep < 1 or self.expert_tensor < 1:
+            problems.append(f"ep={self.ep} and etp={self.etp} must be positive (etp None: t)")
+        elif model.is_moe or (self.ep, self.etp) != (1, None):   # `ptdp train`'s own rules
+            problems += expert_parallel_problems(model, self._parallel_config(), self.devices)
         return problems
+
+    def _parallel_config(self) -> ParallelConfig:
+        """The parallel settings `ptdp train` checks the expert layout against."""
+        return ParallelConfig(tensor_model_parallel_size=self.t,
+                              pipeline_model_parallel_size=self.p, data_parallel_size=self.d,
+                              sequence_parallel=self.sequence_parallel,
+                              expert_model_parallel_size=self.ep,
+                              expert_tensor_parallel_size=self.etp)
 
     def train_flags(self, model: ModelConfig, global_batch: int) -> list[str]:
         """The `ptdp train` flags that select this layout."""
@@ -166,6 +195,10 @@ class Layout:
             flags.append("--use-distributed-optimizer")
         if not self.scatter_gather:
             flags.append("--no-scatter-gather-tensors-in-pipeline")
+        if self.ep != 1:
+            flags += ["--expert-model-parallel-size", str(self.ep)]
+        if self.etp is not None:
+            flags += ["--expert-tensor-parallel-size", str(self.etp)]
         return flags + self.split.flags()
 
 

@@ -19,6 +19,14 @@ The distributed optimizer pads every bucket to a multiple of d (less than
 d elements per bucket); it is counted exactly, from the same bucket cutting
 GradBuffer does.
 
+Mixture of experts under expert parallelism (Layout.ep, Layout.etp): N
+holds this rank's E/EP routed experts of each MoE layer, each split over
+ETP (the router, the shared expert and its gate as dense parameters). The
+routed experts' parameters sit in buckets of their own, replicated over
+the EDP = t·d/(ETP·EP) ranks holding the same expert shard rather than d:
+the distributed optimizer pads those buckets to a multiple of EDP and each
+rank owns 1/EDP of them, so N/d above reads N_dense/d + N_expert/EDP.
+
 Activations: bytes saved for backward per microbatch, per layer and device
 (`activation_bytes`), for ptdp's own layer with t-way tensor parallelism
 and dropout on. Two kernel sets:
@@ -152,8 +160,8 @@ from functools import lru_cache
 from typing import Any
 
 from ptdp.config import ModelConfig, TrainConfig
-from ptdp.perf.analytic import (FP32, chunk_stage, cut_placed_buckets, padded_elements,
-                                placement_of_parameters, stash_peaks)
+from ptdp.perf.analytic import (FP32, chunk_stage, cut_placed_buckets, owned_elements,
+                                padded_elements, placement_of_parameters, stash_peaks)
 from ptdp.perf.layout import BYTES_PER_ELEMENT, ByValue, Layout, Workload
 
 KERNELS = ("cuda", "cpu")
@@ -311,7 +319,7 @@ def memory_per_rank(workload: Workload, layout: Layout, *, kernels: str = "cuda"
     "cuda" for GPUs, "cpu" for eager CPU runs (see the module docstring);
     `bucket_size`: --ddp-bucket-size (default TrainConfig's)."""
     model, e = workload.model, workload.bytes_per_element
-    p, d, v = layout.p, layout.d, layout.v
+    p, v = layout.p, layout.v
     m = layout.microbatches(workload.global_batch)
     acts = activation_bytes(workload, layout, kernels=kernels)
     sharded = layout.distributed_optimizer
@@ -319,11 +327,12 @@ def memory_per_rank(workload: Workload, layout: Layout, *, kernels: str = "cuda"
     model_key, placement = ByValue(model), placement_of_parameters(layout)
     bucket_size = bucket_size or TrainConfig().ddp_bucket_size
     for rank in range(p):
-        n = padded_elements(cut_placed_buckets(model_key, placement, rank, bucket_size), layout)
+        buckets = cut_placed_buckets(model_key, placement, rank, bucket_size)
+        n, owned = padded_elements(buckets, layout), owned_elements(buckets, layout)
         weights = n * e
-        gradients = n * FP32 + (n // d * FP32 if sharded else 0)
+        gradients = n * FP32 + (owned * FP32 if sharded else 0)
         if sharded:
-            optimizer = 3 * (n // d) * FP32
+            optimizer = 3 * owned * FP32
         elif workload.precision == "fp32":
             optimizer = 2 * n * FP32
         else:

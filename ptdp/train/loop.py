@@ -31,6 +31,7 @@ from ptdp.parallel.pipeline.schedules import build_schedule
 from ptdp.parallel.pipeline.split import stage_layer_counts
 from ptdp.parallel.sharding import COPY_ATTR, logical_shape
 from ptdp.parallel.topology import ParallelContext, RankGrid
+from ptdp.perf.analytic import active_parameter_count, parameter_count
 from ptdp.perf.flops import configured_flops_per_iteration
 from ptdp.train.checkpoint import (load_checkpoint, load_summary, read_metadata, resolve,
                                    save_checkpoint)
@@ -344,10 +345,17 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
         total = torch.tensor([float(parameters)], device=device)
         dist.all_reduce(total, group=ctx.pp_group)
         parameters = int(total.item())
+    described = f"{parameters:,} parameters"
+    experts = ""
+    if model_cfg.is_moe:  # a stage holds only its expert-parallel rank's experts: count them all
+        described = (f"{parameter_count(model_cfg):,} parameters "
+                     f"({active_parameter_count(model_cfg):,} active per token)")
+        if (ctx.ep_size, ctx.etp_size) != (1, ctx.tp_size):
+            experts = f", experts over EP={ctx.ep_size} × ETP={ctx.etp_size}"
     if is_logger:
         schedule = trainer.schedule
         print(f"ptdp: {plural(ctx.grid.world_size, 'process')} (t={ctx.tp_size}, p={ctx.pp_size}, "
-              f"d={ctx.dp_size}) on {device.type}; {parameters:,} parameters; vocabulary "
+              f"d={ctx.dp_size}){experts} on {device.type}; {described}; vocabulary "
               f"{model_cfg.vocab_size} padded to {model_cfg.padded_vocab_size(ctx.tp_size)} (padding "
               f"is masked out of the loss); {plural(trainer.num_micro, 'microbatch')} of "
               f"{tr.micro_batch_size} per pipeline per iteration; {schedule.kind} schedule"

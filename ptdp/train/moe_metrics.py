@@ -42,22 +42,46 @@ def logged_names(config: ModelConfig) -> list[str]:
 
 def balancing_metrics(layers: list[MoELayer], config: ModelConfig, ctx: ParallelContext,
                       device: torch.device) -> dict[str, float]:
-    """This iteration's balancing losses; collective over the pipeline and
-    data-parallel groups (every rank calls it, with or without MoE layers)."""
+    """This iteration's balancing losses, and how evenly the experts were
+    loaded over the global batch: the busiest and the idlest expert's share
+    of the tokens the experts took (over every MoE layer: 1/E each when
+    balanced), and under a capacity factor the fraction of the top-k's
+    assignments dropped. Collective over the pipeline and data-parallel
+    groups (every rank calls it, with or without MoE layers)."""
     names = logged_names(config)
-    if not names:
-        return {}
-    sums = torch.zeros(len(names), dtype=torch.float64, device=device)
-    for layer in layers:
-        taken = layer.take_metrics()
+    taken = [layer.take_metrics() for layer in layers]
+    sums = torch.zeros(len(names) + 2, dtype=torch.float64, device=device)
+    for metrics in taken:
         for i, name in enumerate(names):
-            if taken.get(name):
-                sums[i] += torch.stack(taken[name]).double().mean()
+            if metrics.get(name):
+                sums[i] += torch.stack(metrics[name]).double().mean()
+    # Each layer's tokens per expert over the global batch (the microbatches
+    # here, summed over the replicas), and its assignments.
+    counts = torch.stack([torch.stack(m["tokens_per_expert"]).double().sum(dim=0)
+                          for m in taken if m.get("tokens_per_expert")]) if layers else \
+        torch.zeros(0, config.num_experts, dtype=torch.float64, device=device)
+    if ctx.dp_group is not None and len(counts):
+        dist.all_reduce(counts, group=ctx.dp_group)
+    # Summed over the stages and replicas below: this replica's assignments,
+    # and its share of the (already summed) tokens taken.
+    sums[-2] = sum(float(sum(m.get("assigned", []))) for m in taken)
+    sums[-1] = counts.sum() / ctx.dp_size
+    shares = counts / counts.sum(dim=1, keepdim=True).clamp(min=1.0)
+    extremes = torch.tensor([shares.max().item() if len(counts) else 0.0,
+                             -shares.min().item() if len(counts) else -1.0],
+                            dtype=torch.float64, device=device)
     for group in (ctx.pp_group, ctx.dp_group):
         if group is not None:
             dist.all_reduce(sums, group=group)
-    sums /= sum(config.moe_layer_pattern) * ctx.dp_size
-    return dict(zip(names, sums.tolist()))
+    if ctx.pp_group is not None:
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=ctx.pp_group)
+    sums[:len(names)] /= sum(config.moe_layer_pattern) * ctx.dp_size
+    metrics = dict(zip(names, sums[:len(names)].tolist()))
+    metrics["moe_busiest_expert_share"] = extremes[0].item()
+    metrics["moe_idlest_expert_share"] = -extremes[1].item()
+    if config.moe_expert_capacity_factor is not None:
+        metrics["moe_dropped_fraction"] = 1.0 - sums[-1].item() / max(sums[-2].item(), 1.0)
+    return metrics
 
 
 @torch.no_grad()

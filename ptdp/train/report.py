@@ -165,6 +165,11 @@ def format_log_line(record: dict[str, Any], train_iters: int) -> str:
             text += f" ({', '.join(details)})"
         parts.append(text)
     parts += [f"{key} {record[key]:.4f}" for key in BALANCING_KEYS if record.get(key) is not None]
+    if record.get("moe_busiest_expert_share") is not None:
+        parts.append(f"expert load {record['moe_idlest_expert_share']:.1%} to "
+                     f"{record['moe_busiest_expert_share']:.1%}")
+    if record.get("moe_dropped_fraction") is not None:
+        parts.append(f"dropped {record['moe_dropped_fraction']:.2%}")
     parts += [f"lr {number('lr', '.3e')}", f"grad norm {number('grad_norm', '.4f')}"]
     if record.get("loss_scale", 1.0) != 1.0:
         parts.append(f"loss scale {record['loss_scale']:.0f}")
@@ -291,6 +296,11 @@ TENSORBOARD_TAGS: dict[str, str] = {
     "load_balancing_loss": "load_balancing_loss",
     "seq_load_balancing_loss": "seq_load_balancing_loss",
     "z_loss": "z_loss",
+    # ptdp's own: how evenly the experts were loaded (shares of the tokens
+    # the experts took; 1/E each when balanced), the tokens a capacity dropped
+    "moe_busiest_expert_share": "moe/busiest_expert_share",
+    "moe_idlest_expert_share": "moe/idlest_expert_share",
+    "moe_dropped_fraction": "moe/dropped_fraction",
 }
 # The balancing losses on the log line, as Megatron-LM names them there.
 BALANCING_KEYS = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
