@@ -407,3 +407,37 @@ def test_the_log_reports_how_evenly_the_experts_were_loaded():
     line = format_log_line(record, 2)
     assert (f"expert load {shares.min().item():.1%} to {shares.max().item():.1%}" in line
             and f"dropped {record['moe_dropped_fraction']:.2%}" in line)
+
+
+@pytest.mark.parametrize("moe", [{}, {"swiglu": False, "disable_bias_linear": False}],
+                         ids=["swiglu", "gelu-biases"])
+def test_grouped_gemm_equals_one_product_per_expert(moe):
+    """--moe-grouped-gemm: the same outputs and gradients as one product per
+    expert, with a capacity factor, and an expert that no token reaches (an
+    expert bias keeps it out)."""
+    from ptdp.model.grouped_experts import grouped_gemm_used
+
+    assert grouped_gemm_used((H, F_EXPERT, 2 * F_EXPERT), torch.float32)
+    settings = dict(moe_expert_capacity_factor=0.75, moe_router_score_function="sigmoid",
+                    moe_router_enable_expert_bias=True, **moe)
+    looped = _layer(_config(**settings))
+    grouped = _layer(_config(moe_grouped_gemm=True, **settings))
+    assert grouped.grouped_gemm and not looped.grouped_gemm
+    for layer in (looped, grouped):
+        layer.router.expert_bias[E - 1] = -100.0
+    x = torch.randn(8, 2, H, generator=torch.Generator().manual_seed(5))
+    outs = []
+    for layer in (looped, grouped):
+        inputs = x.clone().requires_grad_()
+        out, _ = layer(inputs)
+        out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
+        outs.append((out.detach(), inputs.grad))
+    assert_close(outs[1][0], outs[0][0], rtol=1e-5, atol=1e-6)
+    assert_close(outs[1][1], outs[0][1], rtol=1e-5, atol=1e-6)
+    idle = 0
+    for (name, a), (_, b) in zip(looped.named_parameters(), grouped.named_parameters()):
+        assert (a.grad is None) == (b.grad is None), name
+        if a.grad is not None:
+            assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
+            idle += int(name.endswith("dense_h_to_4h.weight") and not a.grad.any())
+    assert idle >= 1  # an expert no token reached still got its (zero) gradient

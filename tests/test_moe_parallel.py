@@ -69,6 +69,7 @@ class Layout:
     recompute: str | None = None
     distributed: bool = False
     dispatcher: str = "allgather"
+    grouped_gemm: bool = False
     model: str = "moe"                   # a key of MODELS
     steps: int = STEPS
 
@@ -79,14 +80,15 @@ class Layout:
         parts += ["sp"] * self.sequence_parallel + [self.schedule] * (self.p > 1)
         parts += [f"{self.recompute}-recompute"] * bool(self.recompute)
         parts += ["distopt"] * self.distributed + [self.dispatcher]
-        parts += [self.model] * (self.model != "moe")
+        parts += ["grouped"] * self.grouped_gemm + [self.model] * (self.model != "moe")
         return "-".join(parts)
 
 
 def _config(layout: Layout | None = None) -> Config:
     layout = layout or Layout()
     model = dataclasses.replace(MODELS[layout.model], recompute_granularity=layout.recompute,
-                                moe_token_dispatcher_type=layout.dispatcher)
+                                moe_token_dispatcher_type=layout.dispatcher,
+                                moe_grouped_gemm=layout.grouped_gemm)
     config = step._config(layout.t, layout.p, layout.d, layout.k, model, layout.sequence_parallel,
                           use_distributed_optimizer=layout.distributed, adam_eps=ADAM_EPS)
     config.parallel = dataclasses.replace(
@@ -173,12 +175,14 @@ LAYOUTS = [
     Layout(t=2, d=2, ep=2, etp=1, sequence_parallel=True, recompute="full"),
     Layout(t=2, d=2, ep=2, etp=2, sequence_parallel=True, recompute="selective",
            distributed=True),                                    # EP across d, ETP 2
-    Layout(t=2, d=2, ep=2, etp=2, sequence_parallel=True, dispatcher="alltoall"),
+    Layout(t=2, d=2, ep=2, etp=2, sequence_parallel=True, dispatcher="alltoall",
+           grouped_gemm=True),
     Layout(t=2, d=2, ep=4, etp=1, sequence_parallel=True, dispatcher="alltoall"),  # over t and d
     Layout(p=2, d=2, ep=2),                                      # 1F1B, a stage without MoE
     Layout(p=2, d=2, ep=2, schedule="interleaved", k=1, dispatcher="alltoall"),
-    Layout(p=2, d=2, ep=2, schedule="zb-h1", recompute="selective"),
-    Layout(p=2, d=2, ep=2, schedule="zbv", distributed=True, dispatcher="alltoall"),
+    Layout(p=2, d=2, ep=2, schedule="zb-h1", recompute="selective", grouped_gemm=True),
+    Layout(p=2, d=2, ep=2, schedule="zbv", distributed=True, dispatcher="alltoall",
+           grouped_gemm=True),
     # the expert biases after 5 steps
     Layout(t=2, d=2, ep=2, etp=1, sequence_parallel=True, model="biased", steps=5,
            recompute="full"),

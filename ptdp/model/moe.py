@@ -58,6 +58,7 @@ from torch import nn
 
 from ptdp.config import ModelConfig
 from ptdp.model.fused import swiglu
+from ptdp.model.grouped_experts import grouped_experts, grouped_gemm_used
 from ptdp.parallel.expert import all_to_all, exchange_counts, gather_rows, scatter_rows
 from ptdp.parallel.sharding import EXPERT_ATTR, SHARD_ATTR, TensorShard, set_init
 from ptdp.parallel.tensor import (
@@ -289,6 +290,11 @@ class MoELayer(nn.Module):
         routed = Split(ctx.etp_size, ctx.etp_rank, routed=True)
         self.experts = nn.ModuleDict({str(e): Expert(config, routed, config.moe_ffn_size)
                                       for e in range(first, first + per_rank)})
+        # --moe-grouped-gemm: one grouped product per matrix, where torch has
+        # one for these widths (else one product per expert: the same numbers).
+        ffn = config.moe_ffn_size // ctx.etp_size
+        self.grouped_gemm = config.moe_grouped_gemm
+        self._widths = (config.hidden_size, ffn, 2 * ffn if config.swiglu else ffn)
         shared = config.moe_shared_expert_intermediate_size
         self.shared_expert = (Expert(config, Split(ctx.tp_size, ctx.tp_rank, routed=False), shared)
                               if shared else None)
@@ -360,16 +366,34 @@ class MoELayer(nn.Module):
         return shared
 
     def _experts(self, flat: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """Σ_e p_e · expert_e(x) for each token over this rank's experts,
-        expert by expert. An expert no token chose still runs (on no rows):
-        its gradient, zero, must reach the data-parallel buckets on every
-        replica alike."""
-        out = torch.zeros_like(flat)
-        for e, expert in self.experts.items():
-            chosen = routing.routed[:, int(e)].nonzero().squeeze(1)
-            y = expert(flat.index_select(0, chosen), routing.probs.index_select(0, chosen)[:, int(e)])
-            out = out.index_add(0, chosen, y.to(out.dtype))
-        return out
+        """Σ_e p_e · expert_e(x) for each token over this rank's experts."""
+        first = self.ctx.ep_rank * len(self.experts)
+        routed = routing.routed[:, first:first + len(self.experts)]
+        experts, tokens = routed.t().nonzero(as_tuple=True)  # the pairs, expert by expert
+        probs = routing.probs[:, first:first + len(self.experts)].t()[experts, tokens]
+        y = self._run_experts(flat.index_select(0, tokens), probs, experts, by_expert=True)
+        return torch.zeros_like(flat).index_add(0, tokens, y.to(flat.dtype))
+
+    def _run_experts(self, x: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor,
+                     by_expert: bool = False) -> torch.Tensor:
+        """Row i of x through local expert experts[i], scaled by probs[i]; the
+        rows in their order (`by_expert`: already sorted by expert). Every
+        expert runs, also on no rows: its gradient, zero, must reach the
+        data-parallel buckets on every replica alike."""
+        order = None
+        if not by_expert:
+            order = torch.argsort(experts, stable=True)
+            x, probs = x.index_select(0, order), probs.index_select(0, order)
+            experts = experts.index_select(0, order)
+        counts = torch.bincount(experts, minlength=len(self.experts))
+        local = list(self.experts.values())
+        if self.grouped_gemm and grouped_gemm_used(self._widths, x.dtype):
+            y = grouped_experts(local, x, probs, counts)
+        else:
+            sizes = counts.tolist()
+            y = torch.cat([expert(rows, row_probs) for expert, rows, row_probs
+                           in zip(local, x.split(sizes), probs.split(sizes))])
+        return y if order is None else torch.empty_like(y).index_copy(0, order, y)
 
     def _dispatched_experts(self, local: torch.Tensor, routing: Routing) -> torch.Tensor:
         """The allgather dispatcher: this rank's tokens [T_l, h] with their
@@ -410,11 +434,7 @@ class MoELayer(nn.Module):
             expert_ids, _ = gather_rows(expert_ids, ctx.expert_tensor_group)
         tokens, sizes = gather_rows(tokens, ctx.expert_tensor_group)
         probs, _ = gather_rows(probs, ctx.expert_tensor_group)
-        out = torch.zeros_like(tokens)
-        for j, expert in enumerate(self.experts.values()):  # an expert without rows runs too
-            rows = (expert_ids == j).nonzero().squeeze(1)
-            y = expert(tokens.index_select(0, rows), probs.index_select(0, rows))
-            out = out.index_add(0, rows, y.to(out.dtype))
+        out = self._run_experts(tokens, probs, expert_ids).to(tokens.dtype)
         out = scatter_rows(out, sizes, ctx.etp_rank, ctx.expert_tensor_group)
         out = all_to_all(out, to_ranks, from_ranks, ctx.expert_group)
         return torch.zeros_like(local).index_add(0, tokens_of_pairs, out.to(local.dtype))
