@@ -450,7 +450,6 @@ def test_parallel_defaults():
 @pytest.mark.parametrize("argv, flag", [
     (["--moe-router-load-balancing-type", "global_aux_loss", "--moe-aux-loss-coeff", "0.01"],
      "--moe-router-load-balancing-type global_aux_loss"),
-    (["--calculate-per-token-loss"], "--calculate-per-token-loss"),
 ])
 def test_what_ptdp_does_not_run_yet_is_refused_before_launch(argv, flag):
     (message,) = problems(*MOE, *argv)

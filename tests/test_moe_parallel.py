@@ -70,6 +70,7 @@ class Layout:
     distributed: bool = False
     dispatcher: str = "allgather"
     grouped_gemm: bool = False
+    per_token_loss: bool = False
     model: str = "moe"                   # a key of MODELS
     steps: int = STEPS
 
@@ -80,7 +81,8 @@ class Layout:
         parts += ["sp"] * self.sequence_parallel + [self.schedule] * (self.p > 1)
         parts += [f"{self.recompute}-recompute"] * bool(self.recompute)
         parts += ["distopt"] * self.distributed + [self.dispatcher]
-        parts += ["grouped"] * self.grouped_gemm + [self.model] * (self.model != "moe")
+        parts += ["grouped"] * self.grouped_gemm + ["per-token"] * self.per_token_loss
+        parts += [self.model] * (self.model != "moe")
         return "-".join(parts)
 
 
@@ -90,7 +92,8 @@ def _config(layout: Layout | None = None) -> Config:
                                 moe_token_dispatcher_type=layout.dispatcher,
                                 moe_grouped_gemm=layout.grouped_gemm)
     config = step._config(layout.t, layout.p, layout.d, layout.k, model, layout.sequence_parallel,
-                          use_distributed_optimizer=layout.distributed, adam_eps=ADAM_EPS)
+                          use_distributed_optimizer=layout.distributed, adam_eps=ADAM_EPS,
+                          calculate_per_token_loss=layout.per_token_loss)
     config.parallel = dataclasses.replace(
         config.parallel, pipeline_schedule="1f1b" if layout.schedule == "interleaved" else layout.schedule,
         expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp)
@@ -112,20 +115,22 @@ def _expert_biases(trainer: Trainer) -> dict[str, torch.Tensor]:
             for name, buffer in chunk.named_buffers() if name.endswith("expert_bias")}
 
 
-_serial: dict[tuple[str, int], tuple] = {}
+_serial: dict[tuple[str, int, bool], tuple] = {}
 
 
-def _one_process(model: str = "moe", steps: int = STEPS):
-    """The reference run, once per process and model: the records of
+def _one_process(model: str = "moe", steps: int = STEPS, per_token_loss: bool = False):
+    """The reference run, once per process and settings: the records of
     `steps` + 1 iterations, and the weights and expert biases after `steps`."""
-    if (model, steps) not in _serial:
-        trainer = Trainer(_config(Layout(model=model)), ParallelContext.single(), CPU)
+    key = model, steps, per_token_loss
+    if key not in _serial:
+        trainer = Trainer(_config(Layout(model=model, per_token_loss=per_token_loss)),
+                          ParallelContext.single(), CPU)
         records = [trainer.step(i)[0] for i in range(steps)]
         weights = _logical_weights(trainer, ParallelContext.single())
         biases = _expert_biases(trainer)
         records.append(trainer.step(steps)[0])
-        _serial[model, steps] = records, weights, biases
-    return _serial[model, steps]
+        _serial[key] = records, weights, biases
+    return _serial[key]
 
 
 def _layouts_vs_one_process(rank: int, layouts: list[Layout]) -> list[tuple[str, set, float]]:
@@ -133,7 +138,8 @@ def _layouts_vs_one_process(rank: int, layouts: list[Layout]) -> list[tuple[str,
     weights this rank compared, the largest weight difference)."""
     results = []
     for layout in layouts:
-        expected, serial_weights, serial_biases = _one_process(layout.model, layout.steps)
+        expected, serial_weights, serial_biases = _one_process(layout.model, layout.steps,
+                                                               layout.per_token_loss)
         if layout.model == "capacity":
             assert expected[0]["moe_dropped_fraction"] > 0.02  # the factor drops assignments
         grid = RankGrid(tp=layout.t, dp=layout.d, pp=layout.p, ep=layout.ep, etp=layout.etp)
@@ -188,6 +194,8 @@ LAYOUTS = [
            recompute="full"),
     Layout(p=2, d=2, ep=2, model="biased", steps=5, dispatcher="alltoall", schedule="zb-h1"),
     Layout(t=2, d=2, ep=4, etp=1, sequence_parallel=True, model="capacity", dispatcher="alltoall"),
+    # the balancing losses weighed by tokens: stage 1 learns the batch's count from stage 2
+    Layout(p=2, d=2, ep=2, per_token_loss=True),
 ]
 
 

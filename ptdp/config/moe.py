@@ -466,8 +466,4 @@ def moe_not_yet_problems(m: Any, tr: Any) -> list[str]:
     if m.moe_router_load_balancing_type == "global_aux_loss":
         problems.append("--moe-router-load-balancing-type global_aux_loss is not implemented yet "
                         "in ptdp (issue 26 in progress): use aux_loss or seq_aux_loss")
-    if tr.calculate_per_token_loss:
-        problems.append("--calculate-per-token-loss with --num-experts is not implemented yet in "
-                        "ptdp (the balancing losses' backward scale is per microbatch; issue 26 in "
-                        "progress): drop --calculate-per-token-loss")
     return problems

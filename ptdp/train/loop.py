@@ -249,6 +249,16 @@ class Trainer:
         schedule = self.schedule_for(num_micro)
         self.buffer.start_iteration(num_micro)
         set_aux_loss_scale(self.moe_layers, self.optimizer.scaler.scale / num_micro)
+        on_batch_tokens = None
+        if tr.calculate_per_token_loss and self.moe_layers:
+            # The balancing losses count like the main loss's tokens: each
+            # microbatch's weighs its b·s routed tokens over the global
+            # batch's loss tokens (Megatron-LM's reading under this flag).
+            routed = tr.micro_batch_size * self.config.model.seq_length
+
+            def on_batch_tokens(total: torch.Tensor) -> None:
+                set_aux_loss_scale(self.moe_layers,
+                                   self.optimizer.scaler.scale * routed / total.item())
         # Zero-bubble: the run's second iteration (the first warms up) measures
         # what F, B and W take, and the exchanges are placed for that after it.
         measure = schedule.zero_bubble and iteration == self.start_iteration + 1
@@ -257,7 +267,8 @@ class Trainer:
                                   loss_scale=self.optimizer.scaler.scale,
                                   synchronize=(lambda: devices.synchronize(self.device))
                                   if measure else None,
-                                  per_token_loss=tr.calculate_per_token_loss)
+                                  per_token_loss=tr.calculate_per_token_loss,
+                                  on_batch_tokens=on_batch_tokens)
         devices.synchronize(self.device)
         if measure:
             self.place_exchanges(stats, num_micro)

@@ -162,20 +162,30 @@ class PipelineExecutor:
     def run(self, schedule: Schedule, microbatch: MicrobatchFn, *, forward_only: bool = False,
             record_timeline: bool = False, loss_scale: float = 1.0,
             synchronize: Callable[[], None] | None = None,
-            per_token_loss: bool = False) -> PipelineStats:
+            per_token_loss: bool = False,
+            on_batch_tokens: Callable[[torch.Tensor], None] | None = None) -> PipelineStats:
         """Execute this rank's actions of `schedule`. `microbatch(i)` gives the
         tokens and labels [b, s] of microbatch i, and optionally its loss mask
         (used on the first and last virtual stage only). Backward starts from loss · loss_scale / m;
         with `per_token_loss` from loss · tokens · loss_scale / (the global
         batch's tokens, counted over this rank's data-parallel group).
         `synchronize`, called after every compute, makes the measured times
-        those of the device's work (on a GPU, not only of the launches)."""
+        those of the device's work (on a GPU, not only of the launches).
+        `on_batch_tokens` (with `per_token_loss`): called on every rank with
+        that count before the first microbatch (the last stage's, sent over
+        the pipeline group), for losses computed on other stages (MoE's)."""
         ctx, m = self.ctx, schedule.m
         last_stage = schedule.num_stages - 1
         batch_tokens = None
-        if per_token_loss and not forward_only \
-                and schedule.location(last_stage)[0] == ctx.pp_rank:
+        loss_rank = schedule.location(last_stage)[0]
+        if per_token_loss and not forward_only and loss_rank == ctx.pp_rank:
             microbatch, batch_tokens = read_and_count(microbatch, m, ctx.dp_group)
+        if per_token_loss and not forward_only and on_batch_tokens is not None:
+            counted = batch_tokens if batch_tokens is not None else \
+                torch.zeros((), dtype=torch.float32, device=self.device)
+            if ctx.pp_group is not None:
+                dist.broadcast(counted, src=self._global_rank(loss_rank), group=ctx.pp_group)
+            on_batch_tokens(counted)
         stats = PipelineStats()
         stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         outgoing: dict[tuple, torch.Tensor] = {}
