@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from ptdp.config import Config, DataConfig, ModelConfig, TrainConfig
-from ptdp.model.moe import MoELayer, balancing_scores, switch_loss
+from ptdp.model.moe import MoELayer, balancing_scores, switch_loss, top_k_counts
 from ptdp.model.shapes import logical_shapes
 from ptdp.parallel.sharding import (SHARD_ATTR, gather_logical, initialize_parameters,
                                    logical_shape, shard_group)
@@ -441,3 +441,28 @@ def test_grouped_gemm_equals_one_product_per_expert(moe):
             assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
             idle += int(name.endswith("dense_h_to_4h.weight") and not a.grad.any())
     assert idle >= 1  # an expert no token reached still got its (zero) gradient
+
+
+def test_the_global_aux_loss_uses_the_running_mean_of_the_counts():
+    """global_aux_loss (Megatron-Core's): microbatch i's loss takes the mean of
+    the top-k counts of microbatches 1..i (over the replicas; one here), and a
+    new iteration starts the mean again."""
+    layer = _layer(_config(moe_router_load_balancing_type="global_aux_loss",
+                           moe_aux_loss_coeff=0.1))
+    generator = torch.Generator().manual_seed(6)
+    inputs = [torch.randn(8, 2, H, generator=generator) for _ in range(3)]
+    for x in inputs:
+        layer(x)
+    recorded = [v.item() for v in layer.take_metrics()["global_load_balancing_loss"]]
+    scores = [balancing_scores(x.reshape(-1, H) @ layer.router.weight.detach().t(), layer.config)
+              for x in inputs]
+    counts = [top_k_counts(S, K) for S in scores]
+    for i, S in enumerate(scores):
+        mean = torch.stack(counts[:i + 1]).mean(dim=0)
+        by_hand = E / (K * 16 * 16) * (S.sum(dim=0) * mean).sum()
+        assert recorded[i] == pytest.approx(by_hand.item(), rel=1e-6)
+    assert recorded[1] != pytest.approx(switch_loss(scores[1], K).item(), rel=1e-6)
+    layer.start_iteration()
+    layer(inputs[1])
+    assert layer.take_metrics()["global_load_balancing_loss"][0].item() == \
+        pytest.approx(switch_loss(scores[1], K).item(), rel=1e-6)

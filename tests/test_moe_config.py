@@ -291,15 +291,15 @@ def test_moe_settings_without_experts_are_named():
      "softmax or sigmoid"),
     (["--moe-router-load-balancing-type", "sinkhorn"],
      "--moe-router-load-balancing-type sinkhorn: Megatron-LM's S-BASE optimal-transport routing is "
-     "a separate code path ptdp does not have: use aux_loss or seq_aux_loss (with "
-     "--moe-aux-loss-coeff), or none"),
+     "a separate code path ptdp does not have: use aux_loss, seq_aux_loss or global_aux_loss "
+     "(with --moe-aux-loss-coeff), or none"),
     (["--moe-router-load-balancing-type", "quantile_balancing"],
      "--moe-router-load-balancing-type quantile_balancing: Megatron-LM's experimental "
-     "quantile-balancing routing is not in ptdp: use aux_loss or seq_aux_loss "
+     "quantile-balancing routing is not in ptdp: use aux_loss, seq_aux_loss or global_aux_loss "
      "(with --moe-aux-loss-coeff), or none"),
     (["--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss"],
      "--moe-router-load-balancing-type aux_loss seq_aux_loss: ptdp takes one type (Megatron-LM can "
-     "combine several): give one of aux_loss, seq_aux_loss, none"),
+     "combine several): give one of aux_loss, seq_aux_loss, global_aux_loss, none"),
     (["--moe-router-load-balancing-type", "z_loss"],
      "--moe-router-load-balancing-type 'z_loss' is not one of aux_loss, seq_aux_loss, "
      "global_aux_loss, none"),
@@ -445,12 +445,3 @@ def test_parallel_defaults():
     par = ParallelConfig()
     assert (par.expert_model_parallel_size, par.expert_tensor_parallel_size) == (1, None)
     assert ParallelConfig(tensor_model_parallel_size=4).expert_tensor_size == 4
-
-
-@pytest.mark.parametrize("argv, flag", [
-    (["--moe-router-load-balancing-type", "global_aux_loss", "--moe-aux-loss-coeff", "0.01"],
-     "--moe-router-load-balancing-type global_aux_loss"),
-])
-def test_what_ptdp_does_not_run_yet_is_refused_before_launch(argv, flag):
-    (message,) = problems(*MOE, *argv)
-    assert message.startswith(flag) and "not implemented yet" in message

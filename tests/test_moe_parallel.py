@@ -53,7 +53,12 @@ BIASED = dataclasses.replace(MOE, moe_router_score_function="sigmoid",
 # A capacity factor: every layout routes each microbatch as one process does
 # (ptdp.model.moe), so the same assignments are dropped.
 CAPACITY = dataclasses.replace(MOE, moe_expert_capacity_factor=1.0)
-MODELS = {"moe": MOE, "biased": BIASED, "capacity": CAPACITY}
+# Megatron-Core's global_aux_loss: counts over the data-parallel replicas,
+# averaged over the iteration's microbatches so far; at d = 1 every layout
+# equals one process (at d > 1 the replicas' microbatches count together,
+# which no one-process run does).
+GLOBAL = dataclasses.replace(MOE, moe_router_load_balancing_type="global_aux_loss")
+MODELS = {"moe": MOE, "biased": BIASED, "capacity": CAPACITY, "global": GLOBAL}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +154,8 @@ def _layouts_vs_one_process(rank: int, layouts: list[Layout]) -> list[tuple[str,
         for got, want in zip(records, expected[:layout.steps]):
             assert not got["skipped"], layout.name
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), layout.name
-            for name in ("load_balancing_loss", "z_loss", "moe_busiest_expert_share",
+            for name in ("load_balancing_loss", "global_load_balancing_loss", "z_loss",
+                         "moe_busiest_expert_share",
                          "moe_idlest_expert_share", "moe_dropped_fraction"):
                 if name in want:
                     assert got[name] == pytest.approx(want[name], rel=1e-5), (layout.name, name)
@@ -196,6 +202,8 @@ LAYOUTS = [
     Layout(t=2, d=2, ep=4, etp=1, sequence_parallel=True, model="capacity", dispatcher="alltoall"),
     # the balancing losses weighed by tokens: stage 1 learns the batch's count from stage 2
     Layout(p=2, d=2, ep=2, per_token_loss=True),
+    Layout(t=2, p=2, ep=2, etp=1, sequence_parallel=True, model="global", recompute="full",
+           dispatcher="alltoall"),
 ]
 
 

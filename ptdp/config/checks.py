@@ -17,8 +17,7 @@ from ptdp.config.data import data_loading_problems
 from ptdp.config.layer_split import split_problems
 from ptdp.config.model import ModelConfig, architecture_problems, dropout_problems, \
     initialisation_problems, model_count_problems, position_problems, recompute_problems
-from ptdp.config.moe import expert_parallel_problems, moe_count_problems, moe_not_yet_problems, \
-    moe_problems
+from ptdp.config.moe import expert_parallel_problems, moe_count_problems, moe_problems
 from ptdp.config.parallel import ParallelConfig, parallel_count_problems, timeout_problems
 from ptdp.config.sections import Config, flag_fields
 from ptdp.config.train import TrainConfig, logging_problems, loss_and_rate_problems, \
@@ -69,9 +68,7 @@ def validate(config: Config, world_size: int | None = None) -> None:
     pipeline_problems, offered_pipeline_sizes = _pipeline_problems(m, par, tr, d, world_size)
     problems.extend(pipeline_problems)
     problems.extend(_batch_problems(tr, par, d, offered_pipeline_sizes))
-    # Last: it ends with what ptdp does not implement yet for experts (moe_not_yet_problems).
     problems.extend(expert_parallel_problems(m, par, world_size))
-    problems.extend(moe_not_yet_problems(m, config.train))
     if problems:
         raise ConfigError(problems)
 

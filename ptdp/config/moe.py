@@ -379,10 +379,10 @@ def _load_balancing_problems(m: Any) -> list[str]:
     if isinstance(lb, (list, tuple)):
         shown = " ".join(map(str, lb))
         problems.append(f"--moe-router-load-balancing-type {shown}: ptdp takes one type (Megatron-LM "
-                        f"can combine several): give one of aux_loss, seq_aux_loss, none")
+                        f"can combine several): give one of aux_loss, seq_aux_loss, global_aux_loss, none")
     elif lb in _REFUSED_LOAD_BALANCING:
         problems.append(f"--moe-router-load-balancing-type {lb}: {_REFUSED_LOAD_BALANCING[lb]}: use "
-                        f"aux_loss or seq_aux_loss (with --moe-aux-loss-coeff), or none")
+                        f"aux_loss, seq_aux_loss or global_aux_loss (with --moe-aux-loss-coeff), or none")
     elif lb not in LOAD_BALANCING_TYPES:
         problems.append(f"--moe-router-load-balancing-type {lb!r} is not one of "
                         f"{', '.join(LOAD_BALANCING_TYPES)}")
@@ -454,16 +454,4 @@ def expert_parallel_problems(m: Any, par: Any, world_size: int | None) -> list[s
                         f"(as in Megatron-Core, each rank dispatches its own sequence-parallel "
                         f"shard of the tokens to the experts): add --sequence-parallel, or use "
                         f"--expert-model-parallel-size 1 with --expert-tensor-parallel-size {t}")
-    return problems
-
-
-def moe_not_yet_problems(m: Any, tr: Any) -> list[str]:
-    """MoE settings ptdp accepts by name but does not run yet (issue 26 in
-    progress): refused before launch, each with what to use now."""
-    if not m.is_moe:
-        return []
-    problems = []
-    if m.moe_router_load_balancing_type == "global_aux_loss":
-        problems.append("--moe-router-load-balancing-type global_aux_loss is not implemented yet "
-                        "in ptdp (issue 26 in progress): use aux_loss or seq_aux_loss")
     return problems

@@ -53,6 +53,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -74,6 +75,11 @@ from ptdp.parallel.topology import ParallelContext
 from ptdp.parallel.weight_grad import deferrable_linear
 
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+
+
+# The coefficient-free value each --moe-router-load-balancing-type logs (Megatron-LM's names).
+BALANCING_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+                   "global_aux_loss": "global_load_balancing_loss"}
 
 
 class _AttachLoss(torch.autograd.Function):
@@ -193,12 +199,20 @@ def balancing_scores(logits: torch.Tensor, config: ModelConfig) -> torch.Tensor:
     return torch.softmax(logits.float(), dim=-1)
 
 
-def switch_loss(scores: torch.Tensor, k: int) -> torch.Tensor:
+def top_k_counts(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """c [E]: the tokens a plain top-k of S (no capacity, no groups) gives each expert."""
+    return torch.zeros_like(scores).scatter(1, scores.topk(k, dim=-1).indices, 1.0).sum(dim=0)
+
+
+def switch_loss(scores: torch.Tensor, k: int, counts: torch.Tensor | None = None,
+                tokens: int | None = None) -> torch.Tensor:
     """E/(k·T²) · Σ_e (Σ_t S_te) · c_e, c from a plain top-k of S (no
     capacity, no groups): the coefficient-free Switch-Transformer loss (a
-    uniform router gives exactly 1)."""
-    tokens, experts = scores.shape
-    counts = torch.zeros_like(scores).scatter(1, scores.topk(k, dim=-1).indices, 1.0).sum(dim=0)
+    uniform router gives exactly 1). global_aux_loss gives its own counts
+    and token count T (the replicas' together)."""
+    experts = scores.shape[1]
+    tokens = scores.shape[0] if tokens is None else tokens
+    counts = top_k_counts(scores, k) if counts is None else counts
     return experts / (k * tokens * tokens) * (scores.sum(dim=0) * counts).sum()
 
 
@@ -310,6 +324,7 @@ class MoELayer(nn.Module):
         # the forwards since `take_metrics` (tensors: no device sync here).
         self.aux_loss_scale = 1.0
         self.metrics: dict[str, list[torch.Tensor]] = {}
+        self.start_iteration()
 
     def forward(self, x: torch.Tensor):
         """Every tensor rank routes the whole microbatch (its sequence
@@ -449,22 +464,46 @@ class MoELayer(nn.Module):
         # each brings 1/t of the gradient.
         scale = self.aux_loss_scale / self.ctx.tp_size
         kind, coeff = c.moe_router_load_balancing_type, c.moe_aux_loss_coeff
-        if kind in ("aux_loss", "seq_aux_loss") and coeff > 0:
+        if kind in ("aux_loss", "seq_aux_loss", "global_aux_loss") and coeff > 0:
             scores = balancing_scores(logits, c)
             if kind == "aux_loss":
                 value = switch_loss(scores, c.moe_router_topk)
-            else:  # per sequence: tokens are [s, b] flattened, sequence b at b, b + B, ...
+            elif kind == "seq_aux_loss":  # tokens are [s, b] flattened: sequence b at b, b + B, ...
                 per_sequence = scores.view(s, b, -1).transpose(0, 1)
                 value = torch.stack([switch_loss(seq, c.moe_router_topk)
                                      for seq in per_sequence]).mean()
-            self._record("load_balancing_loss" if kind == "aux_loss" else "seq_load_balancing_loss",
-                         value)
+            else:
+                value = switch_loss(scores, c.moe_router_topk, self._global_counts(scores),
+                                    tokens=scores.shape[0] * self.ctx.dp_size)
+            self._record(BALANCING_NAMES[kind], value)
             logits = _AttachLoss.apply(logits, coeff * value, scale)
         if c.moe_z_loss_coeff:
             z = torch.logsumexp(logits.float(), dim=-1).square().mean()
             self._record("z_loss", z)
             logits = _AttachLoss.apply(logits, c.moe_z_loss_coeff * z, scale)
         return logits
+
+    @torch.no_grad()
+    def _global_counts(self, scores: torch.Tensor) -> torch.Tensor:
+        """global_aux_loss's counts: the top-k counts of this microbatch
+        summed over the data-parallel replicas' microbatches, averaged with
+        the iteration's earlier microbatches' (Megatron-Core's running mean).
+        A recomputation reuses what its forward used (microbatches replay in
+        their forward order)."""
+        if self.rng.replaying:
+            return self._global_replays.pop(0)
+        counts = top_k_counts(scores, self.config.moe_router_topk)
+        if self.ctx.dp_group is not None:
+            dist.all_reduce(counts, group=self.ctx.dp_group)
+        self._global_sum = counts if self._global_sum is None else self._global_sum + counts
+        self._global_microbatches += 1
+        mean = self._global_sum / self._global_microbatches
+        self._global_replays.append(mean)
+        return mean
+
+    def start_iteration(self) -> None:
+        """A new global batch: global_aux_loss's running mean starts again."""
+        self._global_sum, self._global_microbatches, self._global_replays = None, 0, []
 
     def _counts_tokens(self) -> bool:
         """Whether this forward counts towards the iteration's statistics:

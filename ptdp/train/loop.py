@@ -39,7 +39,7 @@ from ptdp.train.evaluate import evaluate
 from ptdp.train.housekeeping import Housekeeping
 from ptdp.train.loss_range import LossRange
 from ptdp.train.moe_metrics import balancing_metrics, moe_layers, set_aux_loss_scale, \
-    update_expert_biases
+    start_iteration as start_moe_iteration, update_expert_biases
 from ptdp.train.lr_schedule import LRSchedule
 from ptdp.train.optimizer import Optimizer, embedding_and_output_weights
 from ptdp.train.report import (Progress, TensorBoardLogger, format_log_line, peak_tflops,
@@ -249,6 +249,7 @@ class Trainer:
         schedule = self.schedule_for(num_micro)
         self.buffer.start_iteration(num_micro)
         set_aux_loss_scale(self.moe_layers, self.optimizer.scaler.scale / num_micro)
+        start_moe_iteration(self.moe_layers)
         on_batch_tokens = None
         if tr.calculate_per_token_loss and self.moe_layers:
             # The balancing losses count like the main loss's tokens: each

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ptdp.config import ModelConfig
-from ptdp.model.moe import MoELayer
+from ptdp.model.moe import BALANCING_NAMES, MoELayer
 from ptdp.parallel.topology import ParallelContext
 
 
@@ -28,13 +28,16 @@ def set_aux_loss_scale(layers: list[MoELayer], scale: float) -> None:
         layer.aux_loss_scale = scale
 
 
+def start_iteration(layers: list[MoELayer]) -> None:
+    for layer in layers:
+        layer.start_iteration()
+
+
 def logged_names(config: ModelConfig) -> list[str]:
     """The balancing losses a run of `config` reports (Megatron-LM's names)."""
     names = []
-    if config.moe_aux_loss_coeff > 0 and config.moe_router_load_balancing_type == "aux_loss":
-        names.append("load_balancing_loss")
-    if config.moe_aux_loss_coeff > 0 and config.moe_router_load_balancing_type == "seq_aux_loss":
-        names.append("seq_load_balancing_loss")
+    if config.moe_aux_loss_coeff > 0 and config.moe_router_load_balancing_type in BALANCING_NAMES:
+        names.append(BALANCING_NAMES[config.moe_router_load_balancing_type])
     if config.moe_z_loss_coeff:
         names.append("z_loss")
     return names
@@ -76,6 +79,8 @@ def balancing_metrics(layers: list[MoELayer], config: ModelConfig, ctx: Parallel
     if ctx.pp_group is not None:
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=ctx.pp_group)
     sums[:len(names)] /= sum(config.moe_layer_pattern) * ctx.dp_size
+    if "global_load_balancing_loss" in names:  # each replica holds a part of it: their sum
+        sums[names.index("global_load_balancing_loss")] *= ctx.dp_size
     metrics = dict(zip(names, sums[:len(names)].tolist()))
     metrics["moe_busiest_expert_share"] = extremes[0].item()
     metrics["moe_idlest_expert_share"] = -extremes[1].item()

@@ -295,6 +295,7 @@ TENSORBOARD_TAGS: dict[str, str] = {
     # MoE layers' balancing losses, without their coefficients: Megatron-LM's tags
     "load_balancing_loss": "load_balancing_loss",
     "seq_load_balancing_loss": "seq_load_balancing_loss",
+    "global_load_balancing_loss": "global_load_balancing_loss",
     "z_loss": "z_loss",
     # ptdp's own: how evenly the experts were loaded (shares of the tokens
     # the experts took; 1/E each when balanced), the tokens a capacity dropped
@@ -303,7 +304,8 @@ TENSORBOARD_TAGS: dict[str, str] = {
     "moe_dropped_fraction": "moe/dropped_fraction",
 }
 # The balancing losses on the log line, as Megatron-LM names them there.
-BALANCING_KEYS = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
+BALANCING_KEYS = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss",
+                  "z_loss")
 VALIDATION_KEYS = frozenset({"val_loss", "val_perplexity", "val_bits_per_char"})
 
 # --log-timers-to-tensorboard: the iteration's timers in seconds under
