@@ -55,6 +55,57 @@ def test_megatron_order_example():
     assert "| tensor | [0,1] [2,3]" in group_table(grid)
 
 
+EXPERT_LAYOUTS = [RankGrid(t, d, p, ep=ep, etp=etp)
+                  for t, d, p in itertools.product([1, 2, 4], [1, 2, 4], [1, 2])
+                  for ep in (1, 2, 4, 8) for etp in (1, 2, 4)
+                  if (t * d) % (ep * etp) == 0]
+
+
+@pytest.mark.parametrize("grid", EXPERT_LAYOUTS,
+                         ids=lambda g: f"t{g.tp}d{g.dp}p{g.pp}ep{g.ep}etp{g.etp}")
+def test_expert_groups_fold_the_ranks_of_each_stage(grid):
+    """Megatron-Core's folding (etp innermost, then ep, then edp, then the
+    same pipeline stages): every kind of expert group partitions the ranks,
+    its members differ only in its coordinate, and no group leaves a stage."""
+    ETP, EP, EDP = grid.expert_tp, grid.ep, grid.expert_dp
+    assert ETP * EP * EDP == grid.tp * grid.dp
+    world = set(range(grid.world_size))
+    sizes = {"expert_tensor": ETP, "expert": EP, "expert_data": EDP, "expert_dispatch": ETP * EP}
+    for kind, size in sizes.items():
+        groups = grid.groups_of(kind)
+        assert all(len(g) == size for g in groups), kind
+        assert sorted(itertools.chain.from_iterable(groups)) == sorted(world), kind
+        for group in groups:  # within one pipeline stage, as the dense groups of a stage
+            assert len({grid.coord(r).pp for r in group}) == 1, kind
+    for rank in world:
+        e = grid.expert_coord(rank)
+        assert grid.expert_rank(e.etp, e.ep, e.edp, e.pp) == rank
+        assert e.pp == grid.coord(rank).pp
+        for kind, same in (("expert_tensor", ("ep", "edp")), ("expert", ("etp", "edp")),
+                           ("expert_data", ("etp", "ep")), ("expert_dispatch", ("edp",))):
+            for member in grid.group_containing(kind, rank):
+                m = grid.expert_coord(member)
+                assert all(getattr(m, f) == getattr(e, f) for f in same), (kind, rank, member)
+
+
+def test_expert_folding_example():
+    # t = 2, d = 2: EP 4 with ETP 1 spans the tensor and data-parallel ranks of a stage.
+    grid = RankGrid(tp=2, dp=2, pp=2, ep=4, etp=1)
+    assert grid.expert_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert grid.expert_data_groups()[:2] == [[0], [1]]
+    # EP 2 with ETP 2 (= t): the experts' tensor groups are the dense ones, EP spans d.
+    grid = RankGrid(tp=2, dp=2, pp=1, ep=2)
+    assert grid.expert_tensor_groups() == grid.tensor_groups() == [[0, 1], [2, 3]]
+    assert grid.expert_groups() == [[0, 2], [1, 3]]
+    assert "| expert | [0,2] [1,3] |" in group_table(grid)
+    # The defaults fold nothing: the expert groups are the dense ones.
+    grid = RankGrid(tp=2, dp=2, pp=2)
+    assert grid.expert_data_groups() == grid.data_groups()
+    assert "expert" not in group_table(grid)
+    with pytest.raises(ValueError, match="EP 4 × ETP 2 does not divide the 4 ranks"):
+        RankGrid(tp=2, dp=2, pp=1, ep=4)
+
+
 def test_coordinates_outside_the_grid_are_rejected():
     with pytest.raises(ValueError, match="rank 8 outside a world of 8"):
         RankGrid(2, 2, 2).coord(8)
