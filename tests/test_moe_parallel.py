@@ -26,6 +26,7 @@ from ptdp.data.mock import MockGPTDataset
 from ptdp.model.shapes import logical_shapes
 from ptdp.parallel.sharding import SHARD_ATTR, gather_logical, shard_group
 from ptdp.parallel.topology import ParallelContext, RankGrid
+from ptdp.train.evaluate import evaluate
 from ptdp.train.loop import Trainer
 from tests import test_ptdp_step as step
 
@@ -155,8 +156,9 @@ def _one_process(model: str = "moe", steps: int = STEPS, per_token_loss: bool = 
         records = [first] + [trainer.step(i)[0] for i in range(1, steps)]
         weights = _logical_weights(trainer, ParallelContext.single())
         biases = _expert_biases(trainer)
+        validation = evaluate(trainer, trainer.data.valid, 1)["loss"]
         records.append(trainer.step(steps)[0])
-        _serial[key] = records, weights, biases
+        _serial[key] = records, weights, biases, validation
     return _serial[key]
 
 
@@ -165,8 +167,8 @@ def _layouts_vs_one_process(rank: int, layouts: list[Layout]) -> list[tuple[str,
     weights this rank compared, the largest weight difference)."""
     results = []
     for layout in layouts:
-        expected, serial_weights, serial_biases = _one_process(layout.model, layout.steps,
-                                                               layout.per_token_loss)
+        expected, serial_weights, serial_biases, validation = _one_process(
+            layout.model, layout.steps, layout.per_token_loss)
         if layout.model == "capacity":
             assert expected[0]["moe_dropped_fraction"] > 0.02  # the factor drops assignments
         grid = RankGrid(tp=layout.t, dp=layout.d, pp=layout.p, ep=layout.ep, etp=layout.etp)
@@ -183,6 +185,9 @@ def _layouts_vs_one_process(rank: int, layouts: list[Layout]) -> list[tuple[str,
                     assert got[name] == pytest.approx(want[name], rel=1e-5), (layout.name, name)
             if trainer.holds_loss:
                 assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), layout.name
+        evaluated = evaluate(trainer, trainer.data.valid, 1)["loss"]  # forward only, dispatching
+        if trainer.holds_loss:
+            assert evaluated == pytest.approx(validation, rel=1e-5), layout.name
         worst, worst_name, compared = 0.0, None, set()
         for name, weight in _logical_weights(trainer, ctx).items():
             assert_close(weight, serial_weights[name], **step.WEIGHT_TOL,
@@ -246,7 +251,7 @@ def _resume_under_other_expert_layouts(rank: int, directory: str) -> list[float]
     with t = 2 and sequence parallelism, then (rank 0) at one process: each
     resumed run's iterations 3 and 4 against the uninterrupted one-process
     run's. Returns the differences of the losses."""
-    expected, _, _ = _one_process()
+    expected = _one_process()[0]
     saved_at = 2
     layouts = [Layout(d=4, ep=4, dispatcher="alltoall"),
                Layout(t=2, d=2, ep=2, etp=1, sequence_parallel=True)]
