@@ -149,6 +149,22 @@ def _llama_style(model: ModelConfig, groups: int) -> ModelConfig:
 
 LLAMA_1_3B = _llama_style(GPT_1_3B, groups=4)
 
+
+def _moe(model: ModelConfig, experts: int, top_k: int, width: int, grouped: bool) -> ModelConfig:
+    """`model` (Llama-style) with every MLP an MoE layer of `experts` SwiGLU
+    experts of `width`, top-k routing, an aux loss; the experts in one
+    grouped product per matrix or one product each."""
+    return dataclasses.replace(model, num_experts=experts, moe_router_topk=top_k,
+                               moe_ffn_hidden_size=width, moe_aux_loss_coeff=1e-2,
+                               moe_grouped_gemm=grouped)
+
+
+# Llama-style 1.3B with 8 experts of half its MLP width, 2 per token: about
+# the dense model's active parameters (the same FLOPs per token), 2.9 times
+# its parameters.
+MOE_8X = {grouped: _moe(LLAMA_1_3B, 8, 2, LLAMA_1_3B.ffn_size // 128 * 64, grouped)
+          for grouped in (True, False)}
+
 GPU_SUITE = Suite(
     check_model=_gpt(4, 1024, 16, 1024, hidden_dropout=0.0, attention_dropout=0.0),
     check_micro_batch=4, check_microbatches=2, matmul_size=8192,
@@ -171,6 +187,12 @@ GPU_SUITE = Suite(
             warmup=2, iterations=5),
         Run("GPT 1.3B", GPT_1_3B, micro_batch=8, microbatches=4, recompute="full",
             warmup=2, iterations=5),
+        # Mixture of experts on one GPU (no expert parallelism): grouped
+        # against one product per expert, the same tokens.
+        Run("MoE 8 experts top-2, grouped GEMM", MOE_8X[True], micro_batch=8, microbatches=4,
+            recompute="full", warmup=2, iterations=5),
+        Run("MoE 8 experts top-2, looped GEMMs", MOE_8X[False], micro_batch=8, microbatches=4,
+            recompute="full", warmup=2, iterations=5),
     ))
 
 # The same steps on models small enough for a CPU: checks that the script
@@ -194,6 +216,8 @@ TINY_SUITE = Suite(
             iterations=2),
         Run("tiny A", _TINY_A, micro_batch=2, microbatches=2, recompute="full", warmup=1,
             iterations=2),
+        Run("tiny MoE", _moe(_llama_style(_TINY_A, groups=2), 4, 2, 64, True), micro_batch=2,
+            microbatches=2, recompute="full", warmup=1, iterations=2),
     ))
 
 

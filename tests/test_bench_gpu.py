@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ptdp.config import ModelConfig
-from ptdp.perf.analytic import parameter_count
+from ptdp.perf.analytic import active_parameter_count, parameter_count
 from ptdp.perf.flops import model_flops_per_iteration
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,8 +73,9 @@ def test_tiny_run_figures_are_sane(tiny_run):
     assert report["tiny"] and report["device"] == "cpu"
     assert _positive_and_finite(report["matmul_peak_tflops"])
     runs = report["runs"]
-    assert [r["recompute"] for r in runs] == [None, None, None, "selective", "full", "full"]
+    assert [r["recompute"] for r in runs] == [None, None, None, "selective", "full", "full", "full"]
     assert runs[1]["model"]["swiglu"] and runs[1]["model"]["num_query_groups"] == 2
+    assert runs[6]["model"]["num_experts"] == 4 and runs[6]["model"]["moe_grouped_gemm"]
     for run in runs:
         assert "skipped" not in run  # no memory limit on a CPU, and the time budget is unbounded
         model = ModelConfig(**run["model"], recompute_granularity=run["recompute"])
@@ -139,7 +140,13 @@ def test_gpu_plan_on_an_h200_sized_card(gpu):
         ("GPT 1.3B", None, 8, True), ("Llama-style 1.3B", None, 8, True),
         ("GPT 2.7B", None, 24, False),
         ("GPT 2.7B", "selective", 24, False), ("GPT 2.7B", "full", 24, True),
-        ("GPT 1.3B", "full", 8, True)]
+        ("GPT 1.3B", "full", 8, True),
+        ("MoE 8 experts top-2, grouped GEMM", "full", 8, True),
+        ("MoE 8 experts top-2, looped GEMMs", "full", 8, True)]
     assert 1.25e9 < parameter_count(gpu.GPT_1_3B) < 1.35e9
+    # the dense Llama-style model's active parameters, 2.9 times its parameters
+    moe, dense = gpu.MOE_8X[True], gpu.LLAMA_1_3B
+    assert active_parameter_count(moe) == pytest.approx(parameter_count(dense), rel=0.01)
+    assert 2.8 < parameter_count(moe) / parameter_count(dense) < 3.0
     run, _, problem = gpu.fit_micro_batch(gpu.GPU_SUITE.runs[4], 80 * 2 ** 30)
     assert problem is None and run.micro_batch == 12 and run.global_batch == 48

@@ -50,6 +50,7 @@ backward at 1/t each.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -402,9 +403,15 @@ class MoELayer(nn.Module):
             experts = experts.index_select(0, order)
         counts = torch.bincount(experts, minlength=len(self.experts))
         local = list(self.experts.values())
+        y = None
         if self.grouped_gemm and grouped_gemm_used(self._widths, x.dtype):
-            y = grouped_experts(local, x, probs, counts)
-        else:
+            try:
+                y = grouped_experts(local, x, probs, counts)
+            except (RuntimeError, NotImplementedError) as error:  # the device's kernel refused
+                self.grouped_gemm = False
+                warnings.warn(f"--moe-grouped-gemm: torch's grouped_mm refused these experts "
+                              f"({error}); they run one product each from now on")
+        if y is None:
             sizes = counts.tolist()
             y = torch.cat([expert(rows, row_probs) for expert, rows, row_probs
                            in zip(local, x.split(sizes), probs.split(sizes))])
