@@ -9,7 +9,10 @@ one-process layout (t = p = d = 1):
      residual add; torch.compile'd kernels on a GPU), in fp32 and in bf16:
      losses of two iterations and the gradient of the first;
    - bf16 training vs the fp32 reference of the same weights: losses of
-     three iterations and the gradient of the first.
+     three iterations and the gradient of the first;
+   - the small GPT as a Llama-style mixture of experts (4 experts, top-2):
+     --moe-grouped-gemm (torch's grouped_mm) vs one product per expert, in
+     bf16, two iterations.
    Tolerances are in CHECK_TOLERANCES, with the reasoning.
 2. The card's bf16 matmul peak, measured: the median of timed 8192³ bf16
    matmuls after warm-up (CUDA events). The data-sheet peak is printed too.
@@ -387,6 +390,12 @@ def run_checks(suite: Suite, device: torch.device, say: Callable[[str], None]) -
         results.append(check)
     check = compare("bf16 vs fp32 reference", run(model, True, 3), run(model, False, 3),
                     CHECK_TOLERANCES["bf16 vs fp32"])
+    say(check.describe())
+    results.append(check)
+    moe = {grouped: _moe(_llama_style(model, groups=model.num_attention_heads // 4), 4, 2,
+                         model.hidden_size // 2, grouped) for grouped in (True, False)}
+    check = compare("MoE grouped vs looped expert GEMMs, bf16", run(moe[True], True, 2),
+                    run(moe[False], True, 2), CHECK_TOLERANCES["bf16"])
     say(check.describe())
     results.append(check)
     return results

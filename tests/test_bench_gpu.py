@@ -52,7 +52,8 @@ def test_tiny_run_passes_its_checks(tiny_run):
     report, stdout = tiny_run
     assert report["checks_passed"] is True
     names = [c["name"] for c in report["checks"]]
-    assert names == ["fused vs unfused, fp32", "fused vs unfused, bf16", "bf16 vs fp32 reference"]
+    assert names == ["fused vs unfused, fp32", "fused vs unfused, bf16", "bf16 vs fp32 reference",
+                     "MoE grouped vs looped expert GEMMs, bf16"]
     for check in report["checks"]:
         assert check["passed"]
         assert 0 <= check["loss_difference"] <= check["tolerance"]["loss"]
