@@ -49,7 +49,11 @@ def _is_flag(token: str) -> bool:
 
 
 class CommandParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line: `<prog>: error: <what>`."""
+    """An ArgumentParser whose errors are one line: `<prog>: error: <what>`.
+    `not_taken` (set by a command): flags another command takes, or flag
+    prefixes, each with why this one does not, said instead of a guess."""
+
+    not_taken: dict[str, str] = {}
 
     def error(self, message: str) -> NoReturn:
         if message.startswith("the following arguments are required: "):
@@ -106,6 +110,10 @@ class CommandParser(argparse.ArgumentParser):
         for token in extras:
             if _is_flag(token):
                 name = token.split("=", 1)[0]
+                reason = next((why for flag, why in self.not_taken.items()
+                               if name == flag or flag.endswith("-") and name.startswith(flag)), None)
+                if reason is not None:
+                    return f"{name}: {reason}"
                 flags.append(name + did_you_mean(name, known))
                 after_flag = "=" not in token
             elif after_flag:  # most likely the unknown flag's value: not worth a word

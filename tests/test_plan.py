@@ -214,3 +214,15 @@ def test_plan_shows_its_assumptions_and_progress(capsys):
     help_text = capsys.readouterr().out
     assert "sequence length the plan assumes (default: 2048)" in help_text
     assert "(default: 51200)" in help_text and "(default: bf16" in help_text
+
+
+@pytest.mark.parametrize("flag", [["--num-experts", "8"], ["--moe-router-topk", "2"],
+                                  ["--expert-model-parallel-size", "2"]])
+def test_moe_flags_are_refused_with_the_reason(flag, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main(["plan", "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
+              "--gpus", "4", *flag])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"ptdp plan: error: {flag[0]}: ptdp plan does not price mixtures of experts yet (ptdp "
+        f"train runs them): plan the dense model without the MoE flags")

@@ -495,6 +495,10 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
                     "--untie-embeddings-and-output-weights --disable-bias-linear) on N devices, or "
                     "evaluate one given by layout flags, and predict iteration time, TFLOP/s per "
                     "device and memory.")
+    moe = ("ptdp plan does not price mixtures of experts yet (ptdp train runs them): plan the "
+           "dense model without the MoE flags")
+    parser.not_taken = {"--num-experts": moe, "--moe-": moe, "--expert-model-parallel-size": moe,
+                        "--expert-tensor-parallel-size": moe}
     model = parser.add_argument_group("model")
     for flag, default, words in (
             ("--num-layers", None, None), ("--hidden-size", None, None),
