@@ -262,15 +262,16 @@ def report_to_torchrun(message: str, detail: str | None = None, echo: bool = Fal
 
     `echo`: another rank printed this same error (`prints_shared_errors`).
     The file still carries the whole message (torchrun may see this rank fail
-    first, and stop the other before its file is written), but dated a
-    second later: torchrun's root cause is the earliest failure, and on a
-    tie the lowest local rank, so it names the rank that printed."""
+    first, and stop the other before its file is written), but dated two
+    seconds later: torchrun's root cause is the earliest failure (in whole
+    seconds), so it names the rank that printed, even when that rank read
+    the clock just after a second began and this one just before."""
     path = os.environ.get(TORCHRUN_ERROR_FILE)
     if not path:
         return False
     record = {"message": {"message": message, "extraInfo": {
         "py_callstack": detail if detail is not None else message,
-        "timestamp": str(int(time.time()) + (1 if echo else 0))}}}  # torchrun reads an integer
+        "timestamp": str(int(time.time()) + (2 if echo else 0))}}}  # torchrun reads an integer
     try:
         descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL
                              | getattr(os, "O_NOFOLLOW", 0), 0o600)

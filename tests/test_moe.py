@@ -22,7 +22,7 @@ from ptdp.parallel.sharding import (SHARD_ATTR, gather_logical, initialize_param
 from ptdp.parallel.tensor import RNGStreams
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.train.loop import Trainer
-from tests.test_moe_parallel import ADAM_EPS
+from tests.test_moe_parallel import ADAM_EPS, MOE
 
 transformers = pytest.importorskip("transformers")
 
@@ -227,13 +227,9 @@ def test_mixed_precision_moe_tracks_fp32(precision):
 
 # ------------------------------------------------------------------ under parallel layouts
 
-MOE = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
-                  vocab_size=100, make_vocab_size_divisible_by=8, hidden_dropout=0.0,
-                  attention_dropout=0.0, swiglu=True, ffn_hidden_size=64, disable_bias_linear=True,
-                  num_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2,
-                  moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True,
-                  moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01,  # large: a wrong scale shows
-                  moe_layer_freq="([0]+[1]*3)")  # a dense first layer: a stage may hold no MoE layer
+# MOE (test_moe_parallel's model): E = 8, top-2, SwiGLU, a gated shared
+# expert, balancing coefficients large enough that a wrong scale shows, a
+# dense first layer (a stage may hold no MoE layer).
 
 
 STEPS = 3  # (5 in the dense tests; the suite's time is shared)
