@@ -37,14 +37,18 @@ ptdp's own:
   (`aux_loss_scale`, set by the trainer: loss scale / microbatches), never
   the forward value.
 
-Tensor parallelism (expert tensor-parallel size = t, one expert-parallel
-rank): every tensor rank routes all of the microbatch's tokens (under
-sequence parallelism they are gathered first), holds 1/t of each expert's
-width (the dense MLP's split) and adds its partial outputs; one all-reduce
-(or reduce-scatter to s/t positions) completes them. The router's weight,
-replicated, gets a partial gradient on each rank (summed over the tensor
-group), and the losses computed identically on every tensor rank enter the
-backward at 1/t each.
+Parallelism. Every tensor rank routes its replica's whole microbatch (the
+sequence gathered under sequence parallelism), so everything decided over a
+microbatch (balancing losses, capacity, expert-bias counts) is one process's
+under any layout; the losses, computed identically on every tensor rank,
+enter the backward at 1/t each, and the router's weight gets a partial
+gradient on each (summed over the tensor group). With the experts split
+like the dense MLP (EP = 1, ETP = t) each tensor rank holds 1/t of every
+expert, runs it on all tokens, and one all-reduce (or reduce-scatter)
+completes them. Otherwise (expert parallelism, ptdp.parallel.topology's
+folding) a rank holds E/EP experts, 1/ETP of each, and its own s/t
+positions travel to them and back (`_dispatched_experts`: allgather or
+alltoall over the ETP × EP ranks that hold every expert once).
 """
 
 from __future__ import annotations
