@@ -208,27 +208,25 @@ def _layouts_vs_one_process(rank: int, layouts: list[Layout]) -> list[tuple[str,
 
 # Four processes, every layout in one call. E = 8 experts: EP 4 holds 2 per rank.
 LAYOUTS = [
-    Layout(d=4, ep=4),                                           # EP spanning d = 4
-    Layout(d=4, ep=4, dispatcher="alltoall"),
+    Layout(d=4, ep=4, dispatcher="alltoall"),                    # EP spanning d = 4
     Layout(d=4, ep=2, distributed=True, dispatcher="alltoall"),  # EDP 2, experts' state sharded
-    Layout(t=2, d=2, ep=2, etp=1, sequence_parallel=True, recompute="full"),
     Layout(t=2, d=2, ep=2, etp=2, sequence_parallel=True, recompute="selective",
            distributed=True),                                    # EP across d, ETP 2
     Layout(t=2, d=2, ep=2, etp=2, sequence_parallel=True, dispatcher="alltoall",
            grouped_gemm=True),
-    Layout(t=2, d=2, ep=4, etp=1, sequence_parallel=True, dispatcher="alltoall"),  # over t and d
-    Layout(p=2, d=2, ep=2),                                      # 1F1B, a stage without MoE
+    # EP over t and d together, with a capacity factor: the same drops
+    Layout(t=2, d=2, ep=4, etp=1, sequence_parallel=True, model="capacity", dispatcher="alltoall"),
+    # p = 2, the first stage without an MoE layer; the balancing losses
+    # weighed by tokens: stage 1 learns the batch's count from stage 2
+    Layout(p=2, d=2, ep=2, per_token_loss=True),
     Layout(p=2, d=2, ep=2, schedule="interleaved", k=1, dispatcher="alltoall"),
-    Layout(p=2, d=2, ep=2, schedule="zb-h1", recompute="selective", grouped_gemm=True),
     Layout(p=2, d=2, ep=2, schedule="zbv", distributed=True, dispatcher="alltoall",
            grouped_gemm=True),
-    # the expert biases after 5 steps
+    # the expert biases after 5 steps (EP within the tensor group, ETP 1)
     Layout(t=2, d=2, ep=2, etp=1, sequence_parallel=True, model="biased", steps=5,
            recompute="full"),
-    Layout(p=2, d=2, ep=2, model="biased", steps=5, dispatcher="alltoall", schedule="zb-h1"),
-    Layout(t=2, d=2, ep=4, etp=1, sequence_parallel=True, model="capacity", dispatcher="alltoall"),
-    # the balancing losses weighed by tokens: stage 1 learns the batch's count from stage 2
-    Layout(p=2, d=2, ep=2, per_token_loss=True),
+    Layout(p=2, d=2, ep=2, schedule="zb-h1", recompute="selective", grouped_gemm=True,
+           model="biased", steps=5),
     Layout(t=2, p=2, ep=2, etp=1, sequence_parallel=True, model="global", recompute="full",
            dispatcher="alltoall"),
 ]
