@@ -460,3 +460,32 @@ def test_the_global_aux_loss_uses_the_running_mean_of_the_counts():
     layer(inputs[1])
     assert layer.take_metrics()["global_load_balancing_loss"][0].item() == \
         pytest.approx(switch_loss(scores[1], K).item(), rel=1e-6)
+
+
+def test_a_checkpoint_of_other_experts_is_refused_with_what_differs(tmp_path):
+    """E, the MoE layers and the experts' widths are part of the model's
+    shape: a checkpoint of other ones is refused, the settings named, and the
+    message names --use-checkpoint-args."""
+    from ptdp.train.checkpoint import CheckpointError, check_model_fits, read_metadata, resolve
+
+    model = _config(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+                    vocab_size=128, ffn_hidden_size=64, moe_ffn_hidden_size=32,
+                    position_embedding_type="rope")
+    config = Config(model=model, data=DataConfig(mock_data=True),
+                    train=TrainConfig(micro_batch_size=4, global_batch_size=8, train_iters=1, lr=1e-2))
+    directory = resolve(Trainer(config, ParallelContext.single(), CPU).save(tmp_path / "ckpt", 0))
+    metadata = read_metadata(directory)
+    check_model_fits(metadata, model, directory)  # the same model fits
+    other = dataclasses.replace(model, num_experts=8, moe_layer_freq="([0]+[1])",
+                                position_embedding_type="learned_absolute")
+    with pytest.raises(CheckpointError) as refused:
+        check_model_fits(metadata, other, directory)
+    message = str(refused.value)
+    for line in ("--max-position-embeddings: checkpoint none (rotary positions: no table), "
+                 "requested 16",
+                 f"--num-experts: checkpoint {E}, requested 8",
+                 "--moe-layer-freq: checkpoint MoE layers [0, 1], requested MoE layers [1]",
+                 "use the checkpoint's settings (--use-checkpoint-args takes them from it)"):
+        assert line in message, message
+    with pytest.raises(CheckpointError, match=r"--num-experts: checkpoint 4, requested none \(dense\)"):
+        check_model_fits(metadata, dataclasses.replace(model, num_experts=None), directory)

@@ -89,6 +89,14 @@ SHAPE_SETTINGS = (
     ("--disable-bias-linear", lambda m: m.disable_bias_linear),
     # Same shapes, other meaning: the norms' weights hold scale - 1 under it.
     ("--apply-layernorm-1p", lambda m: m.apply_layernorm_1p),
+    # Mixtures of experts: which layers, how many experts, their widths.
+    ("--num-experts", lambda m: m.num_experts),
+    ("--moe-layer-freq",
+     lambda m: "".join("1" if moe else "0" for moe in m.moe_layer_pattern) if m.is_moe else None),
+    ("--moe-ffn-hidden-size", lambda m: m.moe_ffn_size if m.is_moe else None),
+    ("--moe-shared-expert-intermediate-size",
+     lambda m: m.moe_shared_expert_intermediate_size if m.is_moe else None),
+    ("--moe-shared-expert-gate", lambda m: m.is_moe and m.moe_shared_expert_gate),
 )
 OPTIMIZER_KINDS = ("exp_avg", "exp_avg_sq", "main")
 # A checkpoint may carry the Hugging Face tokenizer.json its model was trained
@@ -357,12 +365,24 @@ def read_metadata(directory: Path) -> dict[str, Any]:
 
 def check_model_fits(metadata: dict, model: ModelConfig, directory: Path) -> None:
     saved = saved_model_config(metadata)
-    differences = [f"{flag}: checkpoint {value(saved)}, requested {value(model)}"
+    differences = [f"{flag}: checkpoint {_shown(flag, value(saved))}, requested "
+                   f"{_shown(flag, value(model))}"
                    for flag, value in SHAPE_SETTINGS if value(saved) != value(model)]
     if differences:
         raise CheckpointError(f"--load {directory} holds another model:\n    "
                               + "\n    ".join(differences)
-                              + "\n  use the checkpoint's settings or another checkpoint")
+                              + "\n  use the checkpoint's settings (--use-checkpoint-args takes "
+                                "them from it) or another checkpoint")
+
+
+def _shown(flag: str, value: Any) -> str:
+    """A shape setting's value as the mismatch message shows it."""
+    if value is None:
+        return {"--max-position-embeddings": "none (rotary positions: no table)",
+                "--num-experts": "none (dense)"}.get(flag, "none")
+    if flag == "--moe-layer-freq":
+        return f"MoE layers {[i for i, c in enumerate(value) if c == '1']}"
+    return str(value)
 
 
 def saved_model_config(metadata: dict) -> ModelConfig:
