@@ -96,6 +96,24 @@ def test_ctrl_c_while_tokenizing_says_interrupted_on_its_own_line(tmp_path):
     assert not any("Traceback" in line or "KeyboardInterrupt" in line for line in shown), shown
 
 
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="needs signal masks")
+def test_a_worker_still_starting_up_outlives_ctrl_c():
+    """The terminal's Ctrl-C can come while a worker is still importing,
+    before its initializer has told it to ignore Ctrl-C: it must neither die
+    (a broken pool) nor print a traceback."""
+    import multiprocessing
+
+    from ptdp.data.preprocess import _worker_pool
+
+    with _worker_pool(2) as ordered_map:
+        before = set(multiprocessing.active_children())
+        results = ordered_map(abs, [-1, -2, -3, -4])
+        starting = set(multiprocessing.active_children()) - before
+        for worker in starting:  # a spawned interpreter takes far longer to start
+            os.kill(worker.pid, signal.SIGINT)
+        assert starting and list(results) == [1, 2, 3, 4]
+
+
 def test_a_two_dataset_blend_reports_its_indices_in_two_lines(tmp_path, capsys):
     from ptdp.data.gpt_dataset import build_gpt_datasets
     from ptdp.data.preprocess import preprocess

@@ -444,8 +444,18 @@ def _worker_pool(workers: int) -> Iterator[Callable]:
     executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                    initializer=_leave_interrupts_to_the_parent)
     interrupted = False
+
+    def ordered_map(fn, items):
+        # The executor starts its workers while the first jobs are handed
+        # over; a worker inherits this thread's blocked Ctrl-C, so one that
+        # is still starting (importing, before its initializer) cannot die
+        # of the terminal's Ctrl-C with a traceback. Meanwhile a Ctrl-C for
+        # this process waits, and arrives as soon as the jobs are handed over.
+        with _interrupts_held_for_new_workers():
+            return executor.map(fn, items)
+
     try:
-        yield executor.map
+        yield ordered_map
     except KeyboardInterrupt:
         interrupted = True
         raise
@@ -473,13 +483,32 @@ def _stop_at_once(executor: ProcessPoolExecutor) -> None:
         threading.excepthook = previous_hook
 
 
+@contextlib.contextmanager
+def _interrupts_held_for_new_workers() -> Iterator[None]:
+    """SIGINT blocked in this thread (where it can be: not on Windows), so
+    that processes started meanwhile begin with it blocked; afterwards the
+    thread's previous mask returns, and with it any Ctrl-C that came."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def _leave_interrupts_to_the_parent() -> None:
     """Workers ignore Ctrl-C (which the terminal sends to the whole process
     group): the parent closes the progress bar, stops them and says
     "interrupted" on a line of its own. Otherwise every worker writes a
     KeyboardInterrupt traceback onto the bar's line, and the parent, racing
-    them, may report a dead worker instead."""
+    them, may report a dead worker instead. A worker starts with SIGINT
+    blocked (_interrupts_held_for_new_workers); once it is ignored, the block
+    is lifted, which discards a Ctrl-C that came during the start."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 @dataclass(frozen=True)
