@@ -17,8 +17,8 @@ from torch.testing import assert_close
 from ptdp.config import ModelConfig
 from ptdp.model.fused import bias_dropout_add, bias_gelu
 from ptdp.model.gpt import GPT
-from ptdp.parallel.sharding import COPY_ATTR, SHARD_ATTR, gather_logical, logical_shape
-from ptdp.parallel.tensor import RNGStreams
+from ptdp.parallel.sharding import COPY_ATTR, PARTIAL_GRAD_ATTR, SHARD_ATTR, gather_logical, logical_shape
+from ptdp.parallel.tensor import RNGStreams, sum_partial_grads
 from ptdp.parallel.topology import ParallelContext, RankGrid
 
 SEED = 7
@@ -58,6 +58,10 @@ def _serial_vs_tensor_parallel(rank, t, config, loss_mask):
 
     serial_params = dict(serial.named_parameters())
     assert set(serial_params) == {n for n, _ in parallel.named_parameters()}
+    # What the gradient buffer completes after backward: a replicated weight
+    # each rank uses on its own heads (--qk-layernorm) holds a partial sum.
+    sum_partial_grads([p.grad for p in parallel.parameters()
+                       if getattr(p, PARTIAL_GRAD_ATTR, False)], ctx.tp_group)
     for name, param in parallel.named_parameters():
         spec = getattr(param, SHARD_ATTR, None)
         reference = serial_params[name]

@@ -46,6 +46,16 @@ MIXTURES = {
         LLAMA, normalization="LayerNorm", group_query_attention=False, num_query_groups=None,
         disable_bias_linear=False),
 }
+# Qwen's and Llama 3.1's options: heads twice h/a wide (--kv-channels), a norm
+# over each head's queries and keys (its weight shared by the heads of both
+# tensor ranks), biases on q, k, v only, Llama 3.1's rescaled frequencies (a
+# base large enough that some are rescaled).
+QWEN = dataclasses.replace(LLAMA, kv_channels=16, qk_layernorm=True, add_qkv_bias=True,
+                           use_rope_scaling=True, rotary_base=500000.0)
+MIXTURES["qwen-kv-channels-qk-layernorm-qkv-bias-rope-scaling"] = QWEN
+MIXTURES["qk-layernorm-1p-layernorm-learned-positions"] = dataclasses.replace(
+    QWEN, normalization="LayerNorm", apply_layernorm_1p=True, use_rope_scaling=False,
+    position_embedding_type="learned_absolute")
 
 
 def _layers(config, n):
@@ -66,15 +76,20 @@ def test_tensor_parallel_mixtures_equal_one_process(pools, name):
 PIPELINES = [(1, 2, "gpipe", 1), (1, 2, "1f1b", 1), (1, 2, "interleaved", 2),
              (1, 4, "gpipe", 1), (1, 4, "1f1b", 1), (1, 4, "interleaved", 2),
              (2, 2, "gpipe", 1), (2, 2, "1f1b", 1), (2, 2, "interleaved", 2)]
+# The last layout runs Qwen's options instead (the others cover Llama's there).
+PIPELINE_MODELS = {layout: LLAMA for layout in PIPELINES} | {(2, 2, "interleaved", 2): QWEN}
 
 
 @pytest.mark.parametrize("t,p,kind,v", PIPELINES,
-                         ids=[f"t{t}-p{p}-{kind}-v{v}" for t, p, kind, v in PIPELINES])
+                         ids=[f"t{t}-p{p}-{kind}-v{v}" + ("-qwen" if PIPELINE_MODELS[t, p, kind, v]
+                                                          is QWEN else "")
+                              for t, p, kind, v in PIPELINES])
 def test_pipeline_llama_equals_one_process(pools, t, p, kind, v):
     """Losses and every gradient, m = 2p; the untied output layer lives on
     the last stage only (no tied copy, nothing summed between stages)."""
-    checked = pools(t * p).run(test_pipeline._pipeline_vs_serial, t, p, kind, v, 2 * p, True, LLAMA)
-    serial = GPT(LLAMA, ParallelContext.single(), RNGStreams(torch.device("cpu")))
+    model = PIPELINE_MODELS[t, p, kind, v]
+    checked = pools(t * p).run(test_pipeline._pipeline_vs_serial, t, p, kind, v, 2 * p, True, model)
+    serial = GPT(model, ParallelContext.single(), RNGStreams(torch.device("cpu")))
     assert sum(checked) == t * len(dict(serial.named_parameters()))
 
 
@@ -93,7 +108,7 @@ def test_recomputation_in_a_llama_pipeline_equals_one_process(pools, name):
     pools(4).run(test_pipeline._pipeline_vs_serial, 2, 2, "interleaved", 2, 4, True, config)
 
 
-@pytest.mark.parametrize("k", [None, 1], ids=["1f1b", "interleaved"])
+@pytest.mark.parametrize("k", [None, 1], ids=["1f1b", "interleaved-qwen"])
 def test_llama_full_step_with_the_distributed_optimizer(pools, k):
     """t = p = d = 2, five AdamW steps: losses and gradient norms equal one
     process's to test_ptdp_step's tolerances, weights to 5e-5. This model
@@ -102,7 +117,7 @@ def test_llama_full_step_with_the_distributed_optimizer(pools, k):
     2, moves the word embedding by 5.2e-6 after five steps (Adam divides
     each gradient by its own size); the parallel run differs by up to 1.4e-5
     (the gradients themselves agree to 1e-5 relative: the pipeline tests)."""
-    model = _layers(LLAMA, 4)
+    model = _layers(LLAMA if k is None else QWEN, 4)  # interleaved: Qwen's options
     results = pools(8).run(test_ptdp_step._ptdp_vs_serial, k, True, model,
                            dict(rtol=0.0, atol=5e-5))
     assert all(math.isfinite(x) for x in results[-1][0])

@@ -107,12 +107,10 @@ def _megatron_shape_problems(config: Config) -> list[str]:
     chunk count --num-virtual-stages-per-pipeline-rank."""
     m, par = config.model, config.parallel
     problems = []
-    if m.kv_channels is not None and (not is_count(m.kv_channels, 1) or (
-            is_count(m.num_attention_heads, 1) and m.kv_channels != m.head_dim)):
-        problems.append(
-            f"--kv-channels {m.kv_channels}: ptdp's attention heads are --hidden-size / "
-            f"--num-attention-heads = {m.hidden_size} / {m.num_attention_heads} = {m.head_dim} "
-            f"wide: use --kv-channels {m.head_dim} or leave it out")
+    if m.kv_channels is not None and not is_count(m.kv_channels, 1):
+        problems.append(f"--kv-channels={m.kv_channels!r} must be a positive integer (each "
+                        f"attention head's width), or left out (--hidden-size / "
+                        f"--num-attention-heads)")
     if is_finite_number(m.rotary_percent) and m.rotary_percent != 1.0:  # (else: _float_problems)
         problems.append(f"--rotary-percent {m.rotary_percent}: ptdp rotates the whole of each head "
                         f"(partial rotary embeddings are not implemented): use 1.0 or leave it out")
@@ -207,8 +205,8 @@ def _tensor_problems(m: ModelConfig, par: ParallelConfig, world_size: int | None
         rules apart (their problems' hints hold at t)."""
         if hidden % heads or heads % tp or (grouped and heads % g):
             return False
-        width, mlp = hidden // heads, m.ffn_size_at(hidden)
-        return ((not m.rope or width % 2 == 0) and m.kv_channels in (None, width)
+        width, mlp = m.kv_channels or hidden // heads, m.ffn_size_at(hidden)
+        return ((not m.rope or width % 2 == 0)
                 and (m.ffn_hidden_size is not None or (mlp >= 1 and mlp % tp == 0)))
 
     def tp_ok(tp: int) -> bool:

@@ -89,8 +89,31 @@ class ModelConfig(MoEFields):
         "0), which keeps the scale's precision in bf16/fp16")
     kv_channels: int | None = flag(
         None, "--kv-channels",
-        "width of each attention head (ptdp's heads are --hidden-size / --num-attention-heads "
-        "wide; any other value is refused)")
+        "width d of each attention head (default --hidden-size / --num-attention-heads); the "
+        "queries, keys and values are heads·d wide and the attention's output layer maps heads·d "
+        "back to --hidden-size (Qwen3's heads are wider than h/a)")
+    qk_layernorm: bool = flag(
+        False, "--qk-layernorm",
+        "normalize each head's query and key (a norm of --normalization's kind over the head's d "
+        "values, one weight per norm shared by the heads) before the rotary embedding, as Qwen3 "
+        "and OLMo do")
+    add_qkv_bias: bool = flag(
+        False, "--add-qkv-bias",
+        "biases on the query, key and value projections even with --disable-bias-linear (Qwen2)")
+    use_rope_scaling: bool = flag(
+        False, "--use-rope-scaling",
+        "with rope: Llama 3.1's rescaled rotary frequencies (wavelengths beyond 8192 positions "
+        "divided by --rope-scaling-factor, those under 2048 kept, a smooth blend between)")
+    rope_scaling_factor: float = flag(8.0, "--rope-scaling-factor",
+                                      "with --use-rope-scaling: the factor (Llama 3.1: 8; "
+                                      "Llama 3.2: 32)")
+    use_rotary_position_embeddings: bool = flag(
+        False, "--use-rotary-position-embeddings",
+        "older Megatron-LM's switch for --position-embedding-type rope")
+    add_position_embedding: bool = flag(
+        True, "--no-position-embedding",
+        "older Megatron-LM's way to say the model has no learned position table; ptdp models "
+        "without one use rotary embeddings (--position-embedding-type rope)", negate=True)
     rotary_percent: float = flag(
         1.0, "--rotary-percent",
         "with rope: the fraction of each head's width that is rotated (ptdp rotates all of it: "
@@ -112,6 +135,8 @@ class ModelConfig(MoEFields):
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the MoE settings' Megatron-LM readings
+        if self.use_rotary_position_embeddings:  # as Megatron-LM reads its older switch
+            self.position_embedding_type = "rope"
         # The alias sets what every consumer reads; with --recompute-granularity
         # full it is a contradiction that validate reports.
         if self.recompute_activations and self.recompute_granularity is None:
@@ -144,7 +169,15 @@ class ModelConfig(MoEFields):
 
     @property
     def head_dim(self) -> int:
+        """Each attention head's width d: --kv-channels, else h/a."""
+        if self.kv_channels is not None:
+            return self.kv_channels
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether the query/key/value projection has a bias."""
+        return self.bias or self.add_qkv_bias
 
     @property
     def query_groups(self) -> int:
@@ -220,13 +253,19 @@ def architecture_problems(m: ModelConfig) -> list[str]:
     if is_finite_number(m.rotary_base) and m.rotary_base <= 0:
         problems.append(f"--rotary-base={m.rotary_base} must be > 0 (Llama 2 uses 10000, Llama 3 "
                         f"500000)")
-    if m.rope and isinstance(m.hidden_size, int) and isinstance(m.num_attention_heads, int) \
-            and m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads == 0 \
-            and m.head_dim % 2:
+    if m.rope and m.kv_channels is not None and isinstance(m.kv_channels, int) \
+            and m.kv_channels > 0 and m.kv_channels % 2:
+        problems.append(f"--position-embedding-type rope needs an even head dimension, but "
+                        f"--kv-channels is {m.kv_channels}: use an even --kv-channels, "
+                        f"e.g. {m.kv_channels + 1}")
+    elif m.rope and m.kv_channels is None and isinstance(m.hidden_size, int) \
+            and isinstance(m.num_attention_heads, int) and m.num_attention_heads > 0 \
+            and m.hidden_size % m.num_attention_heads == 0 and m.head_dim % 2:
         problems.append(f"--position-embedding-type rope needs an even head dimension, but "
                         f"--hidden-size {m.hidden_size} / --num-attention-heads "
                         f"{m.num_attention_heads} = {m.head_dim}: choose heads that give an even "
                         f"quotient")
+    problems += _position_option_problems(m)
     groups = m.num_query_groups
     if groups is not None and (not isinstance(groups, int) or isinstance(groups, bool) or groups < 1):
         pass  # reported with the other positive integers
@@ -246,6 +285,24 @@ def architecture_problems(m: ModelConfig) -> list[str]:
         problems.append(f"--swiglu with --hidden-size {m.hidden_size} gives a default "
                         f"--ffn-hidden-size of 0 (4·h·2/3 rounded down to a multiple of 64): give "
                         f"--ffn-hidden-size, e.g. {max(1, round(8 * m.hidden_size / 3))}")
+    return problems
+
+
+def _position_option_problems(m: ModelConfig) -> list[str]:
+    """Llama 3.1's rescaling and Megatron-LM's older position switches."""
+    problems = []
+    if m.use_rope_scaling and not m.rope:
+        problems.append(f"--use-rope-scaling rescales rotary frequencies, but the model has "
+                        f"--position-embedding-type {m.position_embedding_type}: add "
+                        f"--position-embedding-type rope or drop --use-rope-scaling")
+    if is_finite_number(m.rope_scaling_factor) and m.rope_scaling_factor < 1:
+        problems.append(f"--rope-scaling-factor={m.rope_scaling_factor} must be at least 1 (it "
+                        f"divides the low frequencies; Llama 3.1 uses 8, Llama 3.2 32)")
+    if not m.add_position_embedding and not m.rope:
+        problems.append("--no-position-embedding leaves the model without positions: ptdp's "
+                        "models without a learned position table use rotary embeddings, so add "
+                        "--position-embedding-type rope (or --use-rotary-position-embeddings), or "
+                        "drop --no-position-embedding")
     return problems
 
 

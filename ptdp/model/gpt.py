@@ -81,14 +81,17 @@ class RMSNorm1p(nn.RMSNorm):
         return zero_centred_norm(x, self.weight, None, self.eps)
 
 
-def layer_norm(config: ModelConfig, sequence_parallel: bool = False) -> nn.Module:
-    """LayerNorm or RMSNorm (--normalization): weight 1, LayerNorm's bias 0;
-    with --apply-layernorm-1p the weight is stored as scale - 1, so it starts at 0."""
-    one_plus = config.apply_layernorm_1p
+def layer_norm(config: ModelConfig, sequence_parallel: bool = False, *,
+               size: int | None = None) -> nn.Module:
+    """LayerNorm or RMSNorm (--normalization) over `size` values (default h):
+    weight 1, LayerNorm's bias 0; with --apply-layernorm-1p the weight is
+    stored as scale - 1, so it starts at 0. `sequence_parallel`: each tensor
+    rank's gradient is partial (it sees other positions, or other heads)."""
+    one_plus, size = config.apply_layernorm_1p, size or config.hidden_size
     if config.normalization == "RMSNorm":
-        norm = (RMSNorm1p if one_plus else nn.RMSNorm)(config.hidden_size, eps=config.epsilon)
+        norm = (RMSNorm1p if one_plus else nn.RMSNorm)(size, eps=config.epsilon)
     else:
-        norm = (LayerNorm1p if one_plus else nn.LayerNorm)(config.hidden_size, eps=config.epsilon)
+        norm = (LayerNorm1p if one_plus else nn.LayerNorm)(size, eps=config.epsilon)
         set_init(norm.bias, "zeros")
     set_init(norm.weight, "zeros" if one_plus else "ones")
     if sequence_parallel:
@@ -153,13 +156,22 @@ class Attention(nn.Module):
         self.head_dim = d
         self.dropout = config.attention_dropout
         self.selective_recompute = config.recompute_granularity == "selective"
-        self.rotary = Rotary(d, config.rotary_base) if config.rope else None
+        self.rotary = None
+        if config.rope:
+            scaling = config.rope_scaling_factor if config.use_rope_scaling else None
+            self.rotary = Rotary(d, config.rotary_base, scaling_factor=scaling)
         h, a, g = config.hidden_size, config.num_attention_heads, config.query_groups
         # Rows: the queries of all heads, then the keys and values of the groups.
         blocks = 3 if g == a else (a * d, g * d, g * d)
         self.query_key_value = ColumnParallelLinear(h, (a + 2 * g) * d, ctx, blocks=blocks,
-                                                    bias=config.bias, init_std=config.init_method_std,
+                                                    bias=config.qkv_bias,
+                                                    init_std=config.init_method_std,
                                                     sequence_parallel=sequence_parallel)
+        if config.qk_layernorm:
+            # One [d] weight shared by the heads; a tensor rank normalizes only
+            # its own heads, so its gradient is partial over the tensor group.
+            self.q_layernorm = layer_norm(config, ctx.tp_size > 1, size=d)
+            self.k_layernorm = layer_norm(config, ctx.tp_size > 1, size=d)
         self.dense = RowParallelLinear(a * d, h, ctx, skip_bias_add=True, bias=config.bias,
                                        init_std=scaled_init_std(config.init_method_std,
                                                                 config.num_layers),
@@ -173,6 +185,8 @@ class Attention(nn.Module):
         q = q.view(s, b, heads, d).permute(1, 2, 0, 3)  # [b, heads, s, d]
         k = k.view(s, b, groups, d).permute(1, 2, 0, 3)
         v = v.view(s, b, groups, d).permute(1, 2, 0, 3)
+        if hasattr(self, "q_layernorm"):  # --qk-layernorm: before the rotation, as Qwen3
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
         if self.selective_recompute and recompute_active(self):

@@ -7,20 +7,48 @@ on the two positions' distance. Pairs are (i, i + d/2), Hugging Face's
 load without permuting rows. Pair i turns by position · base^(-2i/d).
 
 There are no parameters: a tensor rank rotates its own heads, and every
-layout computes the same rotations. The cos/sin tables are kept per
+layout computes the same rotations. With Llama 3.1's rescaling
+(`scaling_factor`) the low frequencies are slowed down. The cos/sin tables are kept per
 (length, device, dtype), computed in fp32 and then cast, as Hugging Face does.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
+# Llama 3.1's rescaling (--use-rope-scaling): the context it was trained at and
+# the two wavelength bounds' factors. Megatron-LM fixes them as Meta published
+# them; only the factor is a flag.
+ORIGINAL_CONTEXT = 8192
+LOW_FREQUENCY_FACTOR = 1.0
+HIGH_FREQUENCY_FACTOR = 4.0
+
+
+def llama3_frequencies(inverse_frequencies: torch.Tensor, factor: float) -> torch.Tensor:
+    """Llama 3.1's rescaled frequencies: pairs turning slower than once per
+    ORIGINAL_CONTEXT / LOW_FREQUENCY_FACTOR positions are slowed by `factor`,
+    those faster than once per ORIGINAL_CONTEXT / HIGH_FREQUENCY_FACTOR are
+    kept, and those between blend the two by where their wavelength lies."""
+    wavelengths = 2 * math.pi / inverse_frequencies
+    long_wavelength = ORIGINAL_CONTEXT / LOW_FREQUENCY_FACTOR
+    short_wavelength = ORIGINAL_CONTEXT / HIGH_FREQUENCY_FACTOR
+    blend = ((ORIGINAL_CONTEXT / wavelengths - LOW_FREQUENCY_FACTOR)
+             / (HIGH_FREQUENCY_FACTOR - LOW_FREQUENCY_FACTOR))
+    blended = (1 - blend) * inverse_frequencies / factor + blend * inverse_frequencies
+    scaled = torch.where(wavelengths > long_wavelength, inverse_frequencies / factor,
+                         inverse_frequencies)
+    between = (wavelengths >= short_wavelength) & (wavelengths <= long_wavelength)
+    return torch.where(between, blended, scaled)
+
+
 class Rotary:
-    def __init__(self, head_dim: int, base: float):
+    def __init__(self, head_dim: int, base: float, scaling_factor: float | None = None):
         if head_dim % 2:
             raise ValueError(f"rotary embeddings need an even head dimension, not {head_dim}")
-        self.head_dim, self.base = head_dim, base
+        self.head_dim, self.base, self.scaling_factor = head_dim, base, scaling_factor
         self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def tables(self, length: int, device: torch.device, dtype: torch.dtype):
@@ -29,6 +57,8 @@ class Rotary:
         if key not in self._tables:
             exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device)
             inverse_frequencies = 1.0 / (self.base ** (exponents / self.head_dim))
+            if self.scaling_factor is not None:
+                inverse_frequencies = llama3_frequencies(inverse_frequencies, self.scaling_factor)
             positions = torch.arange(length, dtype=torch.float32, device=device)
             angles = torch.outer(positions, inverse_frequencies)
             angles = torch.cat([angles, angles], dim=-1)

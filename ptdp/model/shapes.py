@@ -18,12 +18,12 @@ def logical_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     heads, groups = config.num_attention_heads, config.query_groups
     layernorm = config.normalization == "LayerNorm"  # RMSNorm has no bias
 
-    def norm(name: str) -> dict[str, tuple[int, ...]]:
-        return {f"{name}.weight": (h,), **({f"{name}.bias": (h,)} if layernorm else {})}
+    def norm(name: str, size: int = h) -> dict[str, tuple[int, ...]]:
+        return {f"{name}.weight": (size,), **({f"{name}.bias": (size,)} if layernorm else {})}
 
-    def linear(name: str, rows: int, columns: int) -> dict[str, tuple[int, ...]]:
-        bias = {f"{name}.bias": (rows,)} if config.bias else {}
-        return {f"{name}.weight": (rows, columns), **bias}
+    def linear(name: str, rows: int, columns: int, bias: bool = config.bias
+               ) -> dict[str, tuple[int, ...]]:
+        return {f"{name}.weight": (rows, columns), **({f"{name}.bias": (rows,)} if bias else {})}
 
     shapes: dict[str, tuple[int, ...]] = {"embedding.word_embeddings.weight": (config.vocab_size, h)}
     if not config.rope:
@@ -31,7 +31,10 @@ def logical_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     per_layer = {
         **norm("input_layernorm"),
         # rows: the queries of every head, then the keys and the values of every group
-        **linear("attention.query_key_value", (heads + 2 * groups) * d, h),
+        **linear("attention.query_key_value", (heads + 2 * groups) * d, h, config.qkv_bias),
+        # --qk-layernorm: one norm over each head's d values, for queries and for keys
+        **(norm("attention.q_layernorm", d) | norm("attention.k_layernorm", d)
+           if config.qk_layernorm else {}),
         **linear("attention.dense", h, heads * d),
         **norm("post_attention_layernorm"),
         # with SwiGLU: the gate's rows, then the up projection's

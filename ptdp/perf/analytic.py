@@ -83,16 +83,18 @@ FP32 = 4
 # Parameters
 
 
-def _norm_parameters(model: ModelConfig) -> list[int]:
-    """A normalization layer's parameters: LayerNorm's weight and bias, or
-    RMSNorm's weight alone."""
-    h = model.hidden_size
+def _norm_parameters(model: ModelConfig, size: int | None = None) -> list[int]:
+    """A normalization layer's parameters over `size` values (default h):
+    LayerNorm's weight and bias, or RMSNorm's weight alone."""
+    h = size or model.hidden_size
     return [h, h] if model.normalization == "LayerNorm" else [h]
 
 
-def _linear_parameters(weight: int, bias: int, model: ModelConfig) -> list[int]:
-    """A linear layer's weight and, unless --disable-bias-linear, its bias."""
-    return [weight, bias] if model.bias else [weight]
+def _linear_parameters(weight: int, bias: int, model: ModelConfig,
+                       has_bias: bool | None = None) -> list[int]:
+    """A linear layer's weight and, unless --disable-bias-linear (or
+    `has_bias` says otherwise), its bias."""
+    return [weight, bias] if (model.bias if has_bias is None else has_bias) else [weight]
 
 
 class Param(NamedTuple):
@@ -121,12 +123,17 @@ def _layer_parameter_list(model: ModelConfig, t: int = 1, sequence_parallel: boo
     def norm() -> list[Param]:
         return [Param(n, partial=sp) for n in _norm_parameters(model)]
 
-    def linear(weight: int, bias: int, replicated_bias: bool) -> list[Param]:
-        weight_and_bias = _linear_parameters(weight, bias, model)
+    def linear(weight: int, bias: int, replicated_bias: bool, has_bias: bool | None = None
+               ) -> list[Param]:
+        weight_and_bias = _linear_parameters(weight, bias, model, has_bias)
         return [Param(weight)] + [Param(bias, partial=sp and replicated_bias)
                                   for bias in weight_and_bias[1:]]
 
-    attention = (norm() + linear(qkv * h // t, qkv // t, False)
+    # --qk-layernorm: two norms over d values, whole on every tensor rank,
+    # each rank's gradient covering its own heads (partial when t > 1)
+    qk_norms = ([Param(n, partial=t > 1) for n in 2 * _norm_parameters(model, d)]
+                if model.qk_layernorm else [])
+    attention = (norm() + linear(qkv * h // t, qkv // t, False, model.qkv_bias) + qk_norms
                  + linear(h * context // t, h, True) + norm())
     if moe:
         return attention + _moe_parameter_list(model, t, ep, t if etp is None else etp)

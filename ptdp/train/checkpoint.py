@@ -65,6 +65,7 @@ from ptdp.train.checkpoint_integrity import (CHECKPOINT_NAME, FORMAT, FORMAT_VER
                                              OPTIMIZER_START, RUN_START, CheckpointError, damaged,
                                              seal, verify)
 from ptdp.train.loss_range import RECORD as LOSS_RANGE, LossRange
+from ptdp.train import lr_resume
 from ptdp.train.optimizer import LossScaler
 from ptdp.train.save_lock import SaveLock
 from ptdp.train.retention import (LATEST, LINEAGE, METADATA, Lineage, fsync_path, on_lineage,
@@ -79,6 +80,7 @@ SHAPE_SETTINGS = (
     ("--hidden-size", lambda m: m.hidden_size),
     ("--num-attention-heads", lambda m: m.num_attention_heads),
     ("--num-query-groups", lambda m: m.query_groups),
+    ("--kv-channels", lambda m: m.head_dim),
     ("--ffn-hidden-size", lambda m: m.ffn_size),
     ("--vocab-size", lambda m: m.vocab_size),
     ("--max-position-embeddings", lambda m: None if m.rope else m.max_positions),  # rope: no table
@@ -87,6 +89,8 @@ SHAPE_SETTINGS = (
     ("--position-embedding-type", lambda m: m.position_embedding_type),
     ("--untie-embeddings-and-output-weights", lambda m: m.untie_embeddings_and_output_weights),
     ("--disable-bias-linear", lambda m: m.disable_bias_linear),
+    ("--add-qkv-bias", lambda m: m.qkv_bias and not m.bias),
+    ("--qk-layernorm", lambda m: m.qk_layernorm),
     # Same shapes, other meaning: the norms' weights hold scale - 1 under it.
     ("--apply-layernorm-1p", lambda m: m.apply_layernorm_1p),
     # Mixtures of experts: which layers, how many experts, their widths.
@@ -228,6 +232,7 @@ def _finish(trainer, partial: Path, final: Path, iteration: int, consumed_sample
                       OPTIMIZER_START: (None if trainer.optimizer_start is None
                                         else list(trainer.optimizer_start))},
         RUN_START: [trainer.start_iteration, trainer.start_consumed],
+        lr_resume.RECORD: lr_resume.record(trainer),
         "tensors": tensors,
         "files": files,
         LINEAGE: lineage.at(iteration),
@@ -443,7 +448,7 @@ def load_checkpoint(trainer, load: str | Path) -> dict[str, Any]:
       the data order are a fresh run's too.
     * --no-load-optim: no optimizer state (as --finetune), and the
       learning-rate schedule starts again from its beginning at the loaded
-      iteration (Trainer.lr_origin): Megatron-LM keeps the scheduler's state
+      iteration (lr_resume.py): Megatron-LM keeps the scheduler's state
       with the optimizer's and skips both. The iteration, the consumed
       samples (so the data position and a batch ramp-up) and the lineage
       continue.
@@ -498,6 +503,8 @@ def load_checkpoint(trainer, load: str | Path) -> dict[str, Any]:
         _fresh_optimizer(optimizer)
         trainer.optimizer_start = (0 if tr.finetune else int(metadata["iteration"]),
                                    trainer.skipped_iterations)
+    # Where the schedule stands, and whose it is (--no-load-optim: from its start).
+    lr_resume.continue_schedule(trainer, metadata, directory)
     if take_rng:  # (else the streams stay as building the model from --seed left them)
         _restore_rng(trainer, directory, metadata)
     # A fine-tune's loss is another run's: its window starts empty.
@@ -510,8 +517,6 @@ def load_checkpoint(trainer, load: str | Path) -> dict[str, Any]:
     else:
         trainer.checkpoint_lineage = Lineage.loaded(directory, metadata)
         trainer.finetuned_from = metadata.get(FINETUNED_FROM)
-        if not tr.load_optim:  # the learning-rate schedule starts again here
-            trainer.lr_origin = (int(metadata["iteration"]), int(metadata["consumed_samples"]))
     if ctx.rank == 0:
         _tokenizer_to_carry(trainer)  # read now: --keep-last may prune the loaded checkpoint
     _barrier(ctx)
@@ -549,6 +554,7 @@ def load_summary(train, directory: Path, metadata: dict) -> str:
                      f"{train.seed}, as at a fresh run's start")
     if train.use_checkpoint_args:
         line += "; the model's settings are the checkpoint's (--use-checkpoint-args)"
+    line += lr_resume.summary(train)
     return line
 
 

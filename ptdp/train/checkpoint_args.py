@@ -42,6 +42,28 @@ CHECKPOINT_ARCHITECTURE = (
     (("swiglu",), lambda m: m.swiglu),
     (("untie_embeddings_and_output_weights",), lambda m: m.untie_embeddings_and_output_weights),
     (("disable_bias_linear",), lambda m: m.disable_bias_linear),
+    (("add_qkv_bias",), lambda m: m.qkv_bias and not m.bias),
+    (("qk_layernorm",), lambda m: m.qk_layernorm),
+    (("use_rope_scaling",), lambda m: m.use_rope_scaling if m.rope else None),
+    (("rope_scaling_factor",),
+     lambda m: m.rope_scaling_factor if m.rope and m.use_rope_scaling else None),
+    # Mixtures of experts: which layers, the experts, and how tokens are routed.
+    (("num_experts",), lambda m: m.num_experts),
+    (("moe_layer_freq",),
+     lambda m: "".join("1" if moe else "0" for moe in m.moe_layer_pattern) if m.is_moe else None),
+    (("moe_ffn_hidden_size",), lambda m: m.moe_ffn_size if m.is_moe else None),
+    (("moe_router_topk",), lambda m: m.moe_router_topk if m.is_moe else None),
+    (("moe_router_score_function",), lambda m: m.moe_router_score_function if m.is_moe else None),
+    (("moe_router_pre_softmax",), lambda m: m.moe_router_pre_softmax if m.is_moe else None),
+    (("moe_router_topk_scaling_factor",),
+     lambda m: m.moe_router_topk_scaling_factor if m.is_moe else None),
+    (("moe_router_num_groups",), lambda m: m.moe_router_num_groups if m.is_moe else None),
+    (("moe_router_group_topk",), lambda m: m.moe_router_group_topk if m.is_moe else None),
+    (("moe_router_enable_expert_bias",),
+     lambda m: m.moe_router_enable_expert_bias if m.is_moe else None),
+    (("moe_shared_expert_intermediate_size",),
+     lambda m: m.moe_shared_expert_intermediate_size if m.is_moe else None),
+    (("moe_shared_expert_gate",), lambda m: m.moe_shared_expert_gate if m.is_moe else None),
 )
 # Taken only where the user gave none; a value given is the run's own: they
 # neither shape the stored tensors nor change their meaning (a fine-tune may
