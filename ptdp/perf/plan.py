@@ -466,7 +466,9 @@ def assumptions(workload: Workload, devices: int, profile) -> str:
 MODEL_SETTINGS = ("max_position_embeddings", "make_vocab_size_divisible_by", "hidden_dropout",
                   "attention_dropout", "normalization", "norm_epsilon", "swiglu",
                   "position_embedding_type", "rotary_base", "group_query_attention",
-                  "num_query_groups", "untie_embeddings_and_output_weights", "disable_bias_linear")
+                  "num_query_groups", "untie_embeddings_and_output_weights", "disable_bias_linear",
+                  "kv_channels", "qk_layernorm", "add_qkv_bias", "use_rope_scaling",
+                  "rope_scaling_factor")
 _TYPES = {"int": int, "float": float, "str": str}
 
 
