@@ -463,8 +463,9 @@ def _supervise(ranks: _Ranks) -> None:
             continue
         ranks.wait(max(0.0, said - time.monotonic()))
         if ranks.starting and time.monotonic() >= said:
+            # On stderr: stdout is what the command makes (generate's text).
             print(starting_line(len(ranks.processes), len(ranks.started),
-                                time.monotonic() - began), flush=True)
+                                time.monotonic() - began), file=sys.stderr, flush=True)
             said = time.monotonic() + PROGRESS_SECONDS
     if not ranks.failed:
         return

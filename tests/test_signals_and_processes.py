@@ -550,3 +550,25 @@ def test_error_reports_do_not_pile_up_in_the_temporary_directory(monkeypatch, tm
     assert new.read_text() == "Traceback: new\n"
     assert left == old[-(errors.KEEP_TRACEBACKS - 1):]  # the newest old ones, and the new one
     assert (tmp_path / "ptdp-error-link.txt").is_symlink() and (tmp_path / "unrelated.txt").exists()
+
+
+def test_the_start_up_wait_is_reported_on_stderr(monkeypatch, capsys):
+    """Stdout is what a command makes (generate's text, a train log piped to
+    a file): the launcher's line that a slow start is not a hang goes to stderr."""
+    from ptdp import launch
+
+    class StartingRanks:
+        processes, started, failed, starting = [0, 1], {0}, False, True
+        waits = 0
+
+        @property
+        def running(self):
+            return self.waits < 2
+
+        def wait(self, timeout):
+            self.waits += 1
+
+    monkeypatch.setattr(launch, "PROGRESS_SECONDS", 0.0)
+    launch._supervise(StartingRanks())
+    out, err = capsys.readouterr()
+    assert out == "" and "ptdp: waiting for 2 processes to start (1 started, " in err
