@@ -217,7 +217,15 @@ def test_both_forms_of_the_rotary_settings(rope):
 # ------------------------------------------------------------------ refusals
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), r"rope_scaling has rope_type 'llama3'"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0,
+                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+     r"rope_scaling.low_freq_factor=2.0 is not supported"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                        "high_freq_factor": 4.0}),  # transformers falls back to 32 positions
+     r"rope_scaling.original_max_position_embeddings=32 is not supported"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 0.5, "low_freq_factor": 1.0,
+                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+     r"rope_scaling.factor=0.5 must be a number of at least 1"),
     (dict(rope_scaling={"type": "linear", "factor": 2.0}), r"rope_scaling has rope_type 'linear'"),
     (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
      r"rope_parameters has rope_type 'yarn'"),
@@ -227,12 +235,13 @@ def test_both_forms_of_the_rotary_settings(rope):
      r"rope_parameters has partial_rotary_factor=0.5"),
     (dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4}}),
      r"rope_parameters=.* holds settings per layer type"),
-    (dict(head_dim=16), r"head_dim=16 is not hidden_size/num_attention_heads = 8"),
+    (dict(head_dim=7), r"head_dim=7 must be a positive even integer"),
     (dict(hidden_act="gelu"), r"hidden_act='gelu' is not supported"),
     (dict(attention_bias=True, mlp_bias=False), r"attention_bias=True differs from mlp_bias=False"),
     (dict(sliding_window=16), r"sliding_window=16 is not supported"),
     (dict(num_key_value_heads=3), r"num_key_value_heads 3 does not divide num_attention_heads 4"),
-    (dict(model_type="mistral"), r"model_type 'mistral'"),
+    (dict(model_type="gemma"), r"model_type 'gemma' is not a dense family ptdp converts"),
+    (dict(layer_types=["full_attention", "sliding_attention"]), r"layer_types=.* is not supported"),
 ])
 def test_refuses_what_ptdp_cannot_compute(changes, message):
     hf = hf_config_from_model_config(_llama_model_config())
@@ -243,12 +252,15 @@ def test_refuses_what_ptdp_cannot_compute(changes, message):
 
 def test_refuses_an_unknown_architecture(tmp_path, capsys):
     hf = hf_config_from_model_config(_llama_model_config())
-    hf.update(architectures=["MistralForCausalLM"], model_type="mistral")
+    hf.update(architectures=["GemmaForCausalLM"], model_type="gemma")
     (tmp_path / "config.json").write_text(json.dumps(hf))
     assert main(["convert", "--from-hf", str(tmp_path), "--save", str(tmp_path / "c")]) == 2
     error = capsys.readouterr().err
-    assert "MistralForCausalLM" in error and "LlamaForCausalLM" in error \
-        and "GPT2LMHeadModel" in error
+    assert "architectures ['GemmaForCausalLM'] with model_type 'gemma' is not an architecture" \
+        in error
+    for supported in ("LlamaForCausalLM", "GPT2LMHeadModel", "MistralForCausalLM",
+                      "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        assert supported in error
 
 
 def test_refuses_mismatched_tensors():
@@ -272,7 +284,8 @@ def test_export_refuses_a_model_of_neither_architecture(tmp_path, capsys):
                        _logical_of(_ours(config), config))
     assert main(["convert", "--load", str(save), "--to-hf", str(tmp_path / "hf")]) == 2
     error = capsys.readouterr().err
-    assert "neither a GPT-2 nor a Llama" in error
+    assert "fits none of the Hugging Face classes ptdp writes (GPT-2, Llama, Qwen2, Qwen3, " \
+        "Mixtral, Qwen3-MoE, Qwen2-MoE)" in error
     assert "--normalization RMSNorm (GPT-2 has LayerNorm)" in error
     assert "--position-embedding-type learned_absolute (Llama has rotary embeddings)" in error
     assert not (tmp_path / "hf").exists()

@@ -1,14 +1,19 @@
-"""`ptdp convert`: checkpoints to and from Hugging Face GPT-2 and Llama directories.
+"""`ptdp convert`: checkpoints to and from Hugging Face directories.
 
     ptdp convert --load CKPT --to-hf DIR      # config.json + model.safetensors
     ptdp convert --from-hf DIR --save CKPT    # a model-only ptdp checkpoint
 
 Both directions work on logical tensors, so the checkpoint's training layout
 does not matter; an imported model trains or generates under any layout.
-Import reads the architecture from config.json; export picks it from the
-checkpoint's settings (GPT-2 for the defaults, Llama for RMSNorm + SwiGLU
-+ rotary embeddings). A tokenizer.json travels both ways; export writes the
-checkpoint's tokenizer in the form AutoTokenizer reads (hf_tokenizer.py).
+The families are the table ARCHITECTURES: import reads config.json's
+`architectures` and `model_type` and picks the entry that lists them;
+export writes the first entry whose obstacles (what its class cannot
+express) are none for the checkpoint's settings: GPT-2 for the defaults;
+for RMSNorm + SwiGLU + rotary embeddings, Qwen3 with --qk-layernorm, Qwen2
+with --add-qkv-bias and no other biases, else Llama (a Mistral directory
+imports as such a model, and exports as a Llama: the same architecture).
+A tokenizer.json travels both ways; export writes the checkpoint's
+tokenizer in the form AutoTokenizer reads (hf_tokenizer.py).
 Nothing of the Hugging Face directory is trusted: config.json is checked
 against the weight files' headers before anything is built from it, every
 weight must be floating point and finite (hf_weights.py), and the
@@ -21,23 +26,60 @@ imports scale - 1 for training with that flag.
 from __future__ import annotations
 
 import argparse
-from types import ModuleType
-from typing import Any
+import shlex
+from dataclasses import dataclass
+from typing import Any, Callable
 
-from ptdp.config import Config, ConfigError, DataConfig, TrainConfig
-from ptdp.interop import hf_gpt2, hf_llama
+from ptdp.config import Config, ConfigError, DataConfig, ModelConfig, TrainConfig
+from ptdp.interop import hf_gpt2, hf_llama, hf_moe
+from ptdp.interop.hf_dense_families import DENSE_FAMILIES, dense_family_obstacles
 from ptdp.interop.hf_files import ConversionError, hf_tokenizer_file, read_hf_config
 from ptdp.interop.hf_tokenizer import exported_tokenizer, imported_tokenizer_ids
 # The flags live in a module without torch (the command line builds them at every start).
 from ptdp.interop.convert_flags import add_convert_parser  # noqa: F401
 
-# Hugging Face class and model_type of each architecture ptdp converts. The
-# bare models (GPT2Model, LlamaModel) are read too: their keys lack the prefix.
-ARCHITECTURES: dict[str, tuple[ModuleType, tuple[str, ...], str]] = {
-    "GPT-2": (hf_gpt2, ("GPT2LMHeadModel", "GPT2Model"), "gpt2"),
-    "Llama": (hf_llama, ("LlamaForCausalLM", "LlamaModel"), "llama"),
+
+@dataclass(frozen=True)
+class Architecture:
+    """One Hugging Face family ptdp converts.
+
+    `load(directory, **overrides)` -> (ModelConfig, logical state);
+    `save(directory, logical, model, *, bos_token_id, eos_token_id,
+    tokenizer_files)` writes the directory; `obstacles(model)` lists what
+    keeps a ModelConfig from this class (empty: export writes it), None for
+    a family that imports only (export writes it as another class)."""
+    name: str                     # as messages say it: "Qwen3"
+    classes: tuple[str, ...]      # config.json's architectures: the ForCausalLM class first
+    model_type: str
+    load: Callable[..., tuple[ModelConfig, dict]]
+    save: Callable[..., None]
+    obstacles: Callable[[ModelConfig], list[str]] | None
+
+
+def _save_gpt2(directory, logical, model, *, bos_token_id, eos_token_id, tokenizer_files):
+    hf_gpt2.save_hf_directory(directory, logical, model, eod_token_id=eos_token_id,
+                              tokenizer_files=tokenizer_files)
+
+
+def _dense(family) -> Architecture:
+    exported = family.name != "Mistral"  # a Mistral without a window is a Llama
+    return Architecture(family.name, (family.hf_class, family.bare_class), family.model_type,
+                        hf_llama.load_hf_directory, hf_llama.save_hf_directory,
+                        (lambda model: dense_family_obstacles(model, family)) if exported else None)
+
+
+# The families, in the order export tries them. Another module's family is
+# one more entry: ARCHITECTURES[name] = Architecture(...). The bare models
+# (GPT2Model, LlamaModel, ...) are read too: their keys lack the prefix.
+ARCHITECTURES: dict[str, Architecture] = {
+    "GPT-2": Architecture("GPT-2", ("GPT2LMHeadModel", "GPT2Model"), "gpt2",
+                          hf_gpt2.load_hf_directory, _save_gpt2, hf_gpt2.gpt2_obstacles),
+    **{family.name: _dense(family) for family in DENSE_FAMILIES},
+    # Mixtral, Qwen3-MoE, Qwen2-MoE (hf_moe.py)
+    **{name: Architecture(name, classes, model_type, hf_moe.load_hf_directory,
+                          hf_moe.save_hf_directory, obstacles)
+       for name, classes, model_type, obstacles in hf_moe.architectures()},
 }
-_OBSTACLES = {"GPT-2": hf_gpt2.gpt2_obstacles, "Llama": hf_llama.llama_obstacles}
 
 
 def run_convert_command(args: argparse.Namespace) -> int:
@@ -61,7 +103,7 @@ def run_convert_command(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------ which architecture
 
 def architecture_of_hf_config(hf_config: dict[str, Any], source: str) -> str:
-    """"GPT-2" or "Llama", from config.json's `architectures` and
+    """The ARCHITECTURES entry of config.json's `architectures` and
     `model_type`; a config with neither is GPT-2's oldest form."""
     classes = hf_config.get("architectures") or []
     model_type = hf_config.get("model_type")
@@ -69,26 +111,28 @@ def architecture_of_hf_config(hf_config: dict[str, Any], source: str) -> str:
         classes = [classes]
     if not classes and model_type is None:
         return "GPT-2"  # the oldest GPT-2 config.json names neither
-    for name, (_, known_classes, known_type) in ARCHITECTURES.items():
-        if all(c in known_classes for c in classes) and model_type in (known_type, None):
+    for name, entry in ARCHITECTURES.items():
+        if all(c in entry.classes for c in classes) and model_type in (entry.model_type, None):
             return name
-    supported = "; ".join(f"{' or '.join(classes_)} (model_type {type_!r})"
-                          for _, classes_, type_ in ARCHITECTURES.values())
+    supported = "; ".join(f"{' or '.join(entry.classes)} (model_type {entry.model_type!r})"
+                          for entry in ARCHITECTURES.values())
     raise ConversionError(f"{source}: architectures {classes} with model_type {model_type!r} is "
                           f"not an architecture ptdp converts; supported: {supported}")
 
 
 def architecture_of_model(model) -> str:
-    """"GPT-2" or "Llama" for a ModelConfig; refuses a mixture of both,
-    listing what keeps it from each."""
-    obstacles = {name: find(model) for name, find in _OBSTACLES.items()}
+    """The ARCHITECTURES entry export writes for a ModelConfig: the first
+    whose class can express it; refuses a model none fits, listing what
+    keeps it from each."""
+    obstacles = {name: entry.obstacles(model) for name, entry in ARCHITECTURES.items()
+                 if entry.obstacles is not None}
     fitting = [name for name, found in obstacles.items() if not found]
     if fitting:
         return fitting[0]
     raise ConversionError(
-        "this checkpoint's model is neither a GPT-2 nor a Llama, so Hugging Face has no class for "
-        "it:\n" + "\n".join(f"  - not {name}: {'; '.join(found)}"
-                             for name, found in obstacles.items()))
+        f"this checkpoint's model fits none of the Hugging Face classes ptdp writes "
+        f"({', '.join(obstacles)}):\n" + "\n".join(f"  - not {name}: {'; '.join(found)}"
+                                                   for name, found in obstacles.items()))
 
 
 # ------------------------------------------------------------------ directions
@@ -104,14 +148,10 @@ def _export(load: str, directory: str) -> int:
         tokenizer = exported_tokenizer(config, load)
     except (CheckpointError, TokenizerError) as error:
         raise ConfigError([str(error)]) from None
-    specials = tokenizer.specials
-    if architecture == "Llama":
-        hf_llama.save_hf_directory(directory, weights, model, bos_token_id=specials.bos_id,
-                                   eos_token_id=specials.eos_id, tokenizer_files=tokenizer.files)
-    else:
-        hf_gpt2.save_hf_directory(directory, weights, model, eod_token_id=specials.eos_id,
-                                  tokenizer_files=tokenizer.files)
-    hf_class = ARCHITECTURES[architecture][1][0]
+    specials, entry = tokenizer.specials, ARCHITECTURES[architecture]
+    entry.save(directory, weights, model, bos_token_id=specials.bos_id,
+               eos_token_id=specials.eos_id, tokenizer_files=tokenizer.files)
+    hf_class = entry.classes[0]
     print(f"wrote {directory}: {hf_class} ({model.num_layers} layers, hidden "
           f"{model.hidden_size}) from iteration {metadata['iteration']}, {tokenizer.note}")
     return 0
@@ -121,11 +161,10 @@ def _import(directory: str, save: str, apply_layernorm_1p: bool = False) -> int:
     from ptdp.train.checkpoint import CheckpointError, save_logical_model
 
     architecture = architecture_of_hf_config(read_hf_config(directory), directory)
-    module = ARCHITECTURES[architecture][0]
     tokenizer_file = hf_tokenizer_file(directory)
     # Parsed before the weights are read (which takes long for a large model).
     tokenizer_ids = imported_tokenizer_ids(tokenizer_file) if tokenizer_file is not None else 0
-    model, weights = module.load_hf_directory(directory, apply_layernorm_1p=apply_layernorm_1p)
+    model, weights = ARCHITECTURES[architecture].load(directory, apply_layernorm_1p=apply_layernorm_1p)
     if tokenizer_ids > model.vocab_size:
         raise ConversionError(f"{tokenizer_file} has {tokenizer_ids} token ids, more than the "
                               f"model's vocabulary of {model.vocab_size} (vocab_size in "
@@ -146,12 +185,22 @@ def _import(directory: str, save: str, apply_layernorm_1p: bool = False) -> int:
         path = save_logical_model(save, config, weights, tokenizer_file=tokenizer_file)
     except CheckpointError as error:
         raise ConfigError([str(error)]) from None
-    note = ""
-    if tokenizer_file is not None:
-        note = " (with its tokenizer.json)"
-    elif data.mock_data:
-        note = (" (no tokenizer.json in the directory: give the data and tokenizer flags when "
-                "training, and token ids to generate, e.g. --prompt-ids 1,2,3)")
     print(f"wrote {path}: {architecture}, {model.num_layers} layers, hidden {model.hidden_size}, "
-          f"vocabulary {model.vocab_size}; train or generate with --load {save}{note}")
+          f"vocabulary {model.vocab_size}{' (with its tokenizer.json)' if tokenizer_file else ''}; "
+          f"{_next_steps(save, data, tokenizer_file is not None)}")
     return 0
+
+
+def _next_steps(save: str, data: DataConfig, has_tokenizer: bool) -> str:
+    """What to run after an import. The checkpoint holds the model alone:
+    --use-checkpoint-args takes its model settings (and its tokenizer), the
+    run gives the data and the length of training."""
+    load = shlex.quote(save)
+    train = f"train with: ptdp train --load {load} --use-checkpoint-args --train-iters N"
+    if data.mock_data:
+        return (f"{train} --mock-data (no tokenizer.json in the directory: for real data give "
+                f"--data-path and the tokenizer flags instead of --mock-data; generate with "
+                f"ptdp generate --load {load} --prompt-ids 1,2,3)")
+    tokenizer = "its tokenizer.json" if has_tokenizer else "GPT-2's tokenizer"
+    return (f"{train} --data-path PREFIX (data preprocessed with {tokenizer}; or --mock-data); "
+            f"generate with ptdp generate --load {load} --prompt TEXT")

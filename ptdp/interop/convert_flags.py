@@ -9,16 +9,19 @@ import argparse
 
 def add_convert_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
-        "convert", help="convert checkpoints to or from Hugging Face GPT-2 and Llama",
+        "convert", help="convert checkpoints to or from Hugging Face (GPT-2, Llama, Mistral, "
+                        "Qwen2, Qwen3)",
         description="Export a checkpoint as a Hugging Face directory (--load CKPT --to-hf DIR): "
-                    "GPT2LMHeadModel for a GPT-2 style model, LlamaForCausalLM for a Llama "
-                    "style one (RMSNorm, SwiGLU, rotary embeddings). Or import one (--from-hf "
-                    "DIR --save CKPT). The tokenizer travels with the model both ways (GPT-2's "
-                    "for a model trained with GPT2BPETokenizer).")
+                    "GPT2LMHeadModel for a GPT-2 style model; for a Llama style one (RMSNorm, "
+                    "SwiGLU, rotary embeddings) Qwen3ForCausalLM with --qk-layernorm, "
+                    "Qwen2ForCausalLM with --add-qkv-bias --disable-bias-linear, else "
+                    "LlamaForCausalLM. Or import one (--from-hf DIR --save CKPT): those and "
+                    "MistralForCausalLM without a sliding window. The tokenizer travels with "
+                    "the model both ways (GPT-2's for a model trained with GPT2BPETokenizer).")
     parser.add_argument("--load", metavar="CKPT", help="ptdp checkpoint to export")
     parser.add_argument("--to-hf", metavar="DIR", help="new Hugging Face directory to write")
-    parser.add_argument("--from-hf", metavar="DIR", help="Hugging Face GPT-2 or Llama directory "
-                        "to import (config.json + model.safetensors or sharded safetensors)")
+    parser.add_argument("--from-hf", metavar="DIR", help="Hugging Face directory to import "
+                        "(config.json + model.safetensors or sharded safetensors)")
     parser.add_argument("--save", metavar="CKPT", help="where to write the imported checkpoint")
     parser.add_argument("--apply-layernorm-1p", action="store_true",
                         help="with --from-hf: store the norms' scales zero-centred (scale - 1), "

@@ -113,6 +113,13 @@ def gpt2_obstacles(config: ModelConfig) -> list[str]:
         obstacles.append("--untie-embeddings-and-output-weights (GPT-2 ties them)")
     if not config.bias:
         obstacles.append("--disable-bias-linear (GPT-2's linear layers have biases)")
+    if config.qk_layernorm:
+        obstacles.append("--qk-layernorm (GPT-2 has no query/key norms)")
+    if config.is_moe:
+        obstacles.append(f"--num-experts {config.num_experts} (GPT-2's layers have one MLP each)")
+    if config.head_dim * config.num_attention_heads != config.hidden_size:
+        obstacles.append(f"--kv-channels {config.kv_channels} (GPT-2's heads are hidden/heads = "
+                         f"{config.hidden_size // config.num_attention_heads} wide)")
     return obstacles
 
 
