@@ -1,5 +1,5 @@
 """`ptdp generate`: text from a checkpoint, on one process or under a
-tensor/pipeline layout.
+tensor/pipeline layout, with expert parallelism for an MoE model.
 
 Every rank builds its model pieces for the layout (as training does) and
 loads its shards of the checkpoint's logical weights. Each step runs the
@@ -9,6 +9,21 @@ by point-to-point sends, and the tensor ranks of a stage compute together.
 The last stage's vocabulary-parallel logits are gathered and broadcast to
 every rank, and every rank draws the same token from them with the same
 seeded generator, so all ranks extend the same context.
+
+An MoE model's experts may be split over expert-parallel ranks
+(`--expert-model-parallel-size`, `--expert-tensor-parallel-size`, folded
+over the t ranks of a stage: generation has no data parallelism, so EP·ETP
+divides t). An MoE layer that dispatches tokens at t > 1 sends each tensor
+rank's own shard of the sequence, so such a layout runs the model with
+sequence parallelism, and each step's context is padded on the right to a
+multiple of t: attention is causal, so tokens after the last real position
+change no logits before it, and those are read there.
+
+A context longer than the model's positions is never cut silently: a prompt
+longer than them is refused before launch; a prompt that fits but, with the
+tokens to generate, outgrows them gets a note on stderr, and from then on
+each step sees the last max-positions tokens (the prompt's oldest first drop
+out), as a model trained on windows of that length reads text.
 
 The prompt is text (`--prompt`, encoded by the checkpoint's tokenizer: the
 tokenizer.json it carries, else the one its data settings name) or token
@@ -50,6 +65,8 @@ class GenerateRequest:
     settings: SamplingSettings
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
+    expert_parallel: int = 1
+    expert_tensor_parallel: int | None = None  # None: t, as for training
     chunks: int = 1
     device: str = "auto"
     output_ids: bool = False
@@ -68,7 +85,10 @@ class PipelinedModel:
         from ptdp.parallel.sharding import SHARD_ATTR, shard
 
         self.config, self.ctx, self.device = config, ctx, device
-        self.chunks = build_chunks(config.model, ctx, device, config.train.seed, num_chunks)
+        self.sequence_parallel = dispatches_tokens(config.model, ctx.tp_size, ctx.ep_size,
+                                                   ctx.etp_size)
+        self.chunks = build_chunks(config.model, ctx, device, config.train.seed, num_chunks,
+                                   sequence_parallel=self.sequence_parallel)
         with torch.no_grad():
             for chunk in self.chunks:
                 for name, param in chunk.named_parameters():
@@ -97,7 +117,12 @@ class PipelinedModel:
 
         ctx, model = self.ctx, self.config.model
         tokens = tokens.to(self.device)
-        s = tokens.shape[1]
+        s = last = tokens.shape[1]  # `last`: the real positions; s: with the padding
+        if self.sequence_parallel and s % ctx.tp_size:
+            padding = ctx.tp_size - s % ctx.tp_size
+            tokens = torch.cat([tokens, tokens.new_zeros(1, padding)], dim=1)
+            s += padding
+        local_s = s // ctx.tp_size if self.sequence_parallel else s
         x = None
         for stage in range(self.num_stages):
             owner = stage % ctx.pp_size
@@ -107,14 +132,14 @@ class PipelinedModel:
             if stage == 0:
                 x = tokens
             elif (stage - 1) % ctx.pp_size != ctx.pp_rank:
-                x = torch.empty(s, 1, model.hidden_size, device=self.device)
+                x = torch.empty(local_s, 1, model.hidden_size, device=self.device)
                 dist.recv(x, src=self._rank_of_stage(stage - 1))
             x = chunk(x)
             if stage < self.num_stages - 1 and (stage + 1) % ctx.pp_size != ctx.pp_rank:
                 dist.send(x.contiguous(), dst=self._rank_of_stage(stage + 1))
         logits = torch.empty(model.padded_vocab_size(ctx.tp_size), device=self.device)
         if ctx.is_last_stage:
-            local = x[-1, 0].float()
+            local = x[last - 1, 0].float()  # all s positions (gathered under sequence parallelism)
             if ctx.tp_group is not None:
                 parts = [torch.empty_like(local) for _ in range(ctx.tp_size)]
                 dist.all_gather(parts, local.contiguous(), group=ctx.tp_group)
@@ -125,6 +150,13 @@ class PipelinedModel:
             dist.broadcast(logits, src=ctx.grid.rank(c.tp, c.dp, ctx.pp_size - 1),
                            group=ctx.pp_group)
         return logits[:model.vocab_size].cpu()
+
+
+def dispatches_tokens(model, t: int, ep: int, etp: int | None) -> bool:
+    """Whether the MoE layers send each tensor rank's own positions to the
+    experts (EP > 1 or ETP != t, at t > 1): then the model runs with sequence
+    parallelism, and the context is padded to a multiple of t."""
+    return model.is_moe and t > 1 and (ep, t if etp is None else etp) != (1, t)
 
 
 def prompt_tokens(prompt: str, tokenizer, config: Config) -> list[int]:
@@ -235,12 +267,21 @@ def _error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 
+def request_grid(request: GenerateRequest):
+    """The rank grid of the request's layout: t × p ranks (d = 1), the
+    experts folded over each stage's t ranks."""
+    from ptdp.parallel.topology import RankGrid
+
+    return RankGrid(tp=request.tensor_parallel, dp=1, pp=request.pipeline_parallel,
+                    ep=request.expert_parallel, etp=request.expert_tensor_parallel)
+
+
 def _generate_worker(env, request: GenerateRequest) -> None:
     import torch.distributed as dist
 
     from ptdp import device as devices
     from ptdp.distributed import init_process_group
-    from ptdp.parallel.topology import ParallelContext, RankGrid
+    from ptdp.parallel.topology import ParallelContext
 
     kind = devices.resolve_kind(request.device, env.local_world_size)
     devices.configure_threads(kind, env.local_world_size)
@@ -248,8 +289,7 @@ def _generate_worker(env, request: GenerateRequest) -> None:
     timeout = timedelta(minutes=10)
     init_process_group(env, devices.backend_for(kind), timeout)
     try:
-        grid = RankGrid(tp=request.tensor_parallel, dp=1, pp=request.pipeline_parallel)
-        ctx = ParallelContext.build(grid, timeout=timeout)
+        ctx = ParallelContext.build(request_grid(request), timeout=timeout)
         text = generate_text(request, ctx, device)
         if ctx.rank == 0:
             print(text, flush=True)
@@ -287,12 +327,16 @@ def add_generate_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--pipeline-model-parallel-size", "-p", type=int, default=1, metavar="N")
     parser.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                         metavar="N")
+    parser.add_argument("--expert-model-parallel-size", type=int, default=1, metavar="N",
+                        help="an MoE model's experts split over N of each stage's t ranks")
+    parser.add_argument("--expert-tensor-parallel-size", type=int, default=None, metavar="N",
+                        help="each expert's MLP split over N ranks (default: t); EP × ETP "
+                             "divides t")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
 
 
 def run_generate_command(args: argparse.Namespace) -> int:
     from ptdp import device as devices
-    from ptdp.config import ParallelConfig, validate
     from ptdp.train.checkpoint_data import model_tokenizer
     from ptdp.data.tokenizer import TokenizerError
     from ptdp.launch import LocalJobFailed, launch_local
@@ -311,16 +355,7 @@ def run_generate_command(args: argparse.Namespace) -> int:
         raise ConfigError([line.strip().removeprefix("- ")
                            for line in str(error).splitlines()[1:]]) from None
     config = _checkpoint_config(args.load)
-    layout = ParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
-                            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-                            data_parallel_size=1,
-                            num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
-                            device=args.device)
-    # The layout's constraints (heads, layers, vocabulary) as for training;
-    # batch settings are not used here.
-    validate(Config(model=config.model, parallel=layout, train=config.train.__class__(
-        micro_batch_size=1, global_batch_size=layout.pipeline_model_parallel_size),
-        data=config.data))
+    layout = _checked_layout(args, config)
     # Checked here, before any rank starts: in a rank it would be a traceback.
     try:
         tokenizer = model_tokenizer(config, args.load)  # the ranks need its end of document
@@ -328,8 +363,10 @@ def run_generate_command(args: argparse.Namespace) -> int:
         raise ConfigError([str(error)]) from None
     prompt = (parse_prompt_ids(args.prompt_ids, config) if args.prompt_ids is not None
               else prompt_tokens(args.prompt, tokenizer, config))
+    _check_context(prompt, settings.max_new_tokens, config.model, layout)
     request = GenerateRequest(args.load, prompt, settings, layout.tensor_model_parallel_size,
                               layout.pipeline_model_parallel_size,
+                              layout.expert_model_parallel_size, layout.expert_tensor_parallel_size,
                               layout.virtual_stages(config.model.num_layers), args.device,
                               output_ids=args.output_ids, echo_prompt=args.echo_prompt)
     world = layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size
@@ -347,6 +384,84 @@ def run_generate_command(args: argparse.Namespace) -> int:
         failure.report()  # a user error as one paragraph, the cause on the last line
         return 1
     return 0
+
+
+def _checked_layout(args: argparse.Namespace, config: Config):
+    """The command's layout (d = 1), checked against the checkpoint's model
+    as for training; batch settings are not used here. A ConfigError lists
+    every problem with a valid alternative."""
+    import dataclasses
+    import re
+
+    from ptdp.config import ParallelConfig, validate
+
+    t, p = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
+    model = config.model
+    if not model.is_moe and (ep != 1 or etp is not None):
+        given = " and ".join(([f"--expert-model-parallel-size {ep}"] if ep != 1 else [])
+                             + ([f"--expert-tensor-parallel-size {etp}"] if etp is not None else []))
+        raise ConfigError([f"{given}: expert parallelism is for MoE models, and this checkpoint's "
+                           f"model has no experts (no --num-experts): drop "
+                           f"{'them' if ' and ' in given else 'it'}"])
+    sequence_parallel = (all(isinstance(n, int) and n >= 1 for n in (t, ep, etp or t))
+                         and dispatches_tokens(model, t, ep, etp))
+    layout = ParallelConfig(tensor_model_parallel_size=t, pipeline_model_parallel_size=p,
+                            data_parallel_size=1, expert_model_parallel_size=ep,
+                            expert_tensor_parallel_size=etp, sequence_parallel=sequence_parallel,
+                            num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
+                            device=args.device)
+    if sequence_parallel and model.seq_length % t:
+        # Each step's context is padded to a multiple of t, so the training
+        # length need not be one.
+        model = dataclasses.replace(model, seq_length=max(t, model.seq_length - model.seq_length % t))
+    try:
+        validate(Config(model=model, parallel=layout, train=config.train.__class__(
+            micro_batch_size=1, global_batch_size=p if isinstance(p, int) and p >= 1 else 1),
+            data=config.data))
+    except ConfigError as error:  # generation has no data parallelism to offer
+        raise ConfigError([re.sub(r" or --data-parallel-size \d+", "", problem)
+                           for problem in error.problems]) from None
+    if sequence_parallel and model.moe_expert_capacity_factor is not None:
+        raise ConfigError([
+            f"{_expert_flags(layout)} with --tensor-model-parallel-size {t}: this checkpoint's "
+            f"experts have a capacity (--moe-expert-capacity-factor "
+            f"{model.moe_expert_capacity_factor}), and under this layout each step's context is "
+            f"padded to a multiple of t, which would change the tokens the capacity drops: use "
+            f"--expert-model-parallel-size 1 with --expert-tensor-parallel-size {t} (the default), "
+            f"or --tensor-model-parallel-size 1"])
+    return layout
+
+
+def _expert_flags(layout) -> str:
+    EP, ETP = layout.expert_model_parallel_size, layout.expert_tensor_size
+    return " and ".join(([f"--expert-model-parallel-size {EP}"] if EP > 1 else [])
+                        + ([f"--expert-tensor-parallel-size {ETP}"]
+                           if ETP != layout.tensor_model_parallel_size else []))
+
+
+def _check_context(prompt: list[int], new: int, model, layout) -> None:
+    """The context the steps will see, against the model's positions: a note
+    on stderr when the window will slide over the prompt; a ConfigError when
+    a padded context would run past a learned position table."""
+    import sys
+
+    positions, longest = model.max_positions, len(prompt) + new - 1  # the last token is not fed
+    t = layout.tensor_model_parallel_size
+    padded = -(-min(longest, positions) // t) * t
+    if layout.sequence_parallel and not model.rope and padded > positions:
+        most = positions - positions % t - len(prompt) + 1
+        raise ConfigError([
+            f"{_expert_flags(layout)} with --tensor-model-parallel-size {t}: each step's context "
+            f"is padded to a multiple of t, and this model's {positions} positions are not one: "
+            f"its last context, {min(longest, positions)} tokens, would need {padded} positions; "
+            + (f"give --max-new-tokens {most} or fewer, or " if most >= 1 else "give ")
+            + f"--expert-model-parallel-size 1 with --expert-tensor-parallel-size {t}"])
+    if longest > positions:
+        print(f"ptdp: note: the prompt's {len(prompt)} tokens and up to {new} new ones exceed "
+              f"this model's {positions} positions: from new token {positions - len(prompt) + 2} "
+              f"on, the model sees only the last {positions} tokens (the prompt's oldest drop out "
+              f"first)", file=sys.stderr, flush=True)
 
 
 def _checkpoint_config(load: str) -> Config:
