@@ -329,8 +329,9 @@ def _reporting_problems(config: Config) -> list[str]:
     tr, problems = config.train, []
     if not isinstance(tr.eval_interval, int) or tr.eval_interval < 0:
         problems.append(f"--eval-interval={tr.eval_interval!r} must be 0 (never) or a positive integer")
-    if not isinstance(tr.eval_iters, int) or tr.eval_iters < 1:
-        problems.append(f"--eval-iters={tr.eval_iters!r} must be a positive integer")
+    if not isinstance(tr.eval_iters, int) or isinstance(tr.eval_iters, bool) or tr.eval_iters < 0:
+        problems.append(f"--eval-iters={tr.eval_iters!r} must be 0 (no evaluation) or a positive "
+                        f"integer")
     if tr.peak_tflops is not None and not tr.peak_tflops > 0:
         problems.append(f"--peak-tflops={tr.peak_tflops!r} must be positive")
     if tr.tensorboard_dir:
@@ -358,9 +359,16 @@ def _checkpoint_problems(config: Config) -> list[str]:
         problems.extend(_save_directory_problems(tr.save))
         problems.extend(p for p in (save_inside_a_checkpoint(tr.save), save_in_use(tr.save)) if p)
     if tr.load:
+        from ptdp.train.checkpoint import nothing_to_train
+        from ptdp.train.lr_resume import schedule_problems
+
         try:
             directory = resolve(tr.load)
-            check_model_fits(read_metadata(directory), config.model, directory)
+            metadata = read_metadata(directory)
+            check_model_fits(metadata, config.model, directory)
+            if nothing_to_train(config) is None:  # (a finished run resumed: said, a success)
+                problems.extend(schedule_problems(tr, tr.batch_size(config.parallel.dp),
+                                                  metadata, directory))
         except CheckpointError as error:
             problems.append(str(error))
     return problems
@@ -460,9 +468,15 @@ def _as_megatron_does(config: Config) -> tuple[Config, list[str]]:
         unused = [flag for flag, on in (("--finetune", train.finetune),
                                         ("--no-load-optim", not train.load_optim),
                                         ("--no-load-rng", not train.load_rng),
-                                        ("--use-checkpoint-args", train.use_checkpoint_args)) if on]
+                                        ("--use-checkpoint-args", train.use_checkpoint_args),
+                                        ("--override-opt_param-scheduler",
+                                         train.override_opt_param_scheduler),
+                                        ("--use-checkpoint-opt_param-scheduler",
+                                         train.use_checkpoint_opt_param_scheduler)) if on]
         train = dataclasses.replace(train, load=None, finetune=False, load_optim=True,
-                                    load_rng=True, use_checkpoint_args=False)
+                                    load_rng=True, use_checkpoint_args=False,
+                                    override_opt_param_scheduler=False,
+                                    use_checkpoint_opt_param_scheduler=False)
         said.append(f"ptdp: --load {config.train.load}: no checkpoint there yet, so training starts "
                     f"at iteration 0 (it is also --save: the next run resumes from what this one "
                     f"saves)" + (f"; {', '.join(unused)} {'has' if len(unused) == 1 else 'have'} "

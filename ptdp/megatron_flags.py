@@ -18,7 +18,7 @@ The flags whose meaning ptdp implements (--decoupled-lr, --manual-gc,
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 # Namespace attributes of these flags; no "." so they are not config settings.
@@ -28,12 +28,18 @@ _DEST_PREFIX = "megatron_"
 @dataclass(frozen=True)
 class AcceptedFlag:
     """A flag accepted for compatibility: `values` is 0 for a switch, 1 for
-    one value; `choices` restricts the value as Megatron-LM does."""
+    one value; `choices` restricts the value as Megatron-LM does, and of
+    them `refused_choices` are refused with `refusal`. `alias_of`: the
+    setting ("section.field", an int) the flag is another name for; its
+    note says so, and a different value of that setting is refused."""
     name: str
     values: int
     explanation: str
     choices: tuple[str, ...] | None = None
     refused: bool = False
+    refused_choices: tuple[str, ...] = ()
+    refusal: str = ""
+    alias_of: str | None = None
 
     @property
     def dest(self) -> str:
@@ -170,9 +176,40 @@ ACCEPTED: tuple[AcceptedFlag, ...] = (
     AcceptedFlag("--no-create-attention-mask-in-dataloader", 0,
                  "ptdp's data loader never builds attention masks: the causal mask is inside "
                  "the attention kernel"),
-    AcceptedFlag("--tiktoken-pattern", 1,
-                 "read only by Megatron-LM's TikTokenizer, which ptdp does not have; the "
-                 "--tokenizer-type given does not use it"),
+    # Older and newer Megatron-LM scripts' switches (issue 27).
+    AcceptedFlag("--use-legacy-models", 0,
+                 "ptdp has one model implementation, its own; there is nothing to choose (Megatron-"
+                 "LM's legacy and Megatron-Core GPTs compute the same model)"),
+    AcceptedFlag("--data-impl", 1,
+                 "ptdp reads Megatron-LM's mmap indexed format (an .idx starting MMIDIDX, what "
+                 "its preprocess_data.py and `ptdp preprocess` write), the format 'infer' finds "
+                 "in such files; an .idx of another format is refused when read",
+                 choices=("mmap", "infer", "lazy", "cached"), refused_choices=("lazy", "cached"),
+                 refusal="ptdp reads only the mmap indexed format (.idx starting MMIDIDX), not "
+                 "older Megatron-LM's lazy/cached datasets: tokenize the text again with `ptdp "
+                 "preprocess` (or Megatron-LM's preprocess_data.py) and give --data-impl mmap or "
+                 "drop the flag"),
+    AcceptedFlag("--overlap-p2p-communication", 0,
+                 "always so in ptdp: each pipeline exchange posts its sends and receives as one "
+                 "batch and the sends travel while the rank computes its next step"),
+    AcceptedFlag("--no-overlap-p2p-communication", 0,
+                 "ptdp always lets pipeline sends travel while the rank computes; the results "
+                 "are the same either way"),
+    AcceptedFlag("--timing-log-level", 1,
+                 "ptdp times each iteration's phases (forward-backward, pipeline transfers, "
+                 "gradient reduction, optimizer) at no extra synchronisation whatever the level; "
+                 "the log line shows the iteration time and --log-timers-to-tensorboard writes "
+                 "the phases", choices=("0", "1", "2")),
+    AcceptedFlag("--distributed-backend", 1,
+                 "ptdp picks the backend by device: nccl for CUDA, gloo for CPU (--device); the "
+                 "results are the same", choices=("nccl", "gloo")),
+    AcceptedFlag("--encoder-seq-length", 1,
+                 "Megatron-LM's other name for --seq-length; the run's sequence length is this",
+                 alias_of="model.seq_length"),
+) + tuple(AcceptedFlag(name, 1, "ptdp does not log to Weights & Biases; it writes TensorBoard "
+                       "event files (--tensorboard-dir DIR), under Megatron-LM's tag names")
+          for name in ("--wandb-project", "--wandb-exp-name", "--wandb-save-dir",
+                       "--wandb-entity")) + (
     # Refused: ptdp cannot do what these ask.
     AcceptedFlag("--fp8-format", 1, _FP8, refused=True),
     AcceptedFlag("--fp8-recipe", 1, _FP8, refused=True),
@@ -195,10 +232,15 @@ def add_accepted_flags(parser: argparse.ArgumentParser) -> None:
         "Megatron-LM flags accepted for compatibility",
         "each is explained in one line when given; the refused ones say what to use instead")
     for accepted in ACCEPTED:
+        kind = ("refused: " if accepted.refused else "" if accepted.alias_of else "no effect: ")
         kwargs: dict[str, Any] = {"dest": accepted.dest, "default": argparse.SUPPRESS,
-                                  "help": ("refused: " if accepted.refused else "no effect: ")
-                                  + accepted.explanation}
-        if accepted.values == 0:
+                                  "help": kind + accepted.explanation}
+        if accepted.refused_choices:
+            kwargs["help"] += (f"; {', '.join(accepted.refused_choices)} refused: "
+                               f"{accepted.refusal}")
+        if accepted.alias_of:
+            kwargs.update(action=_AliasAction, type=int, metavar="N", alias_of=accepted.alias_of)
+        elif accepted.values == 0:
             kwargs["action"] = "store_true"
         else:
             kwargs["metavar"] = "VALUE"
@@ -208,25 +250,58 @@ def add_accepted_flags(parser: argparse.ArgumentParser) -> None:
         group.add_argument(accepted.name, **kwargs)
 
 
+class _AliasAction(argparse.Action):
+    """Stores the value under the flag's own name and, unless the setting it
+    is another name for was given already, as that setting too (`given`
+    finds a disagreement whichever came first)."""
+
+    def __init__(self, *args: Any, alias_of: str, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.alias_of = alias_of
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        if not hasattr(namespace, self.alias_of):
+            setattr(namespace, self.alias_of, values)
+
+
 def given(args: argparse.Namespace) -> list[tuple[AcceptedFlag, Any]]:
-    """The accepted flags on this command line, with their values."""
-    return [(accepted, getattr(args, accepted.dest)) for accepted in ACCEPTED
-            if hasattr(args, accepted.dest)]
+    """The accepted flags on this command line, with their values; an alias
+    whose setting was given another value comes back refused, saying so."""
+    found = []
+    for accepted in ACCEPTED:
+        if not hasattr(args, accepted.dest):
+            continue
+        value = getattr(args, accepted.dest)
+        other = getattr(args, accepted.alias_of, value) if accepted.alias_of else value
+        if other != value:
+            from ptdp.config import flag_of
+
+            accepted = replace(accepted, refused=True, explanation=(
+                f"conflicts with {flag_of(*accepted.alias_of.split('.'))} {other}: it is Megatron-LM's "
+                f"other name for that flag; give one of the two (or the same value)"))
+        found.append((accepted, value))
+    return found
 
 
 def _shown(accepted: AcceptedFlag, value: Any) -> str:
     return accepted.name if accepted.values == 0 else f"{accepted.name} {value}"
 
 
+def _refused(accepted: AcceptedFlag, value: Any) -> bool:
+    return accepted.refused or value in accepted.refused_choices
+
+
 def refusals(flags: list[tuple[AcceptedFlag, Any]]) -> list[str]:
     """One problem per refused flag given (for the pre-launch report)."""
-    return [f"{_shown(a, v)}: {a.explanation}" for a, v in flags if a.refused]
+    return [f"{_shown(a, v)}: {a.explanation if a.refused else a.refusal}" for a, v in flags
+            if _refused(a, v)]
 
 
 def notes(flags: list[tuple[AcceptedFlag, Any]]) -> list[str]:
     """One line per accepted flag given, printed before the run starts."""
-    return [f"ptdp: {_shown(a, v)} has no effect: {a.explanation}" for a, v in flags
-            if not a.refused]
+    return [f"ptdp: {_shown(a, v)}" + (": " if a.alias_of else " has no effect: ") + a.explanation
+            for a, v in flags if not _refused(a, v)]
 
 
 _ATTENTION_NOTE = ("ptdp's attention is always PyTorch's scaled_dot_product_attention, which picks "
@@ -238,6 +313,16 @@ def config_notes(config) -> list[str]:
     """Notes for the explained flags that live in the config (the worker
     reads them to report the attention kernel)."""
     lines = []
+    data = config.data
+    if data.tokenizer_type != "TikTokenizer":  # Megatron-LM's scripts pass them regardless
+        for name, value, default in (
+                ("--tiktoken-pattern", data.tiktoken_pattern, None),
+                ("--tiktoken-num-special-tokens", data.tiktoken_num_special_tokens, 1000),
+                ("--tokenizer-special-tokens", data.tokenizer_special_tokens, None)):
+            if value != default:
+                shown = " ".join(value) if isinstance(value, list) else value
+                lines.append(f"ptdp: {name} {shown} has no effect: only --tokenizer-type "
+                             f"TikTokenizer reads it, not the {data.tokenizer_type}")
     if config.model.use_flash_attn:
         lines.append(f"ptdp: --use-flash-attn has no effect: {_ATTENTION_NOTE}")
     if config.model.attention_backend != "auto":

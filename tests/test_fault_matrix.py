@@ -312,7 +312,8 @@ def test_a_damaged_checkpoint_is_the_reported_cause(tmp_path):
     data[-1] ^= 0xFF
     damaged.write_bytes(bytes(data))
     started = time.monotonic()
-    process = _start([*MODEL, "-p", "2", "--train-iters", "4", "--load", str(save)])
+    process = _start([*MODEL, "-p", "2", "--train-iters", "4", "--load", str(save),
+                      "--use-checkpoint-opt_param-scheduler"])
     _, stderr, seconds = _finish(process, started)
     assert process.returncode == 1, stderr
     last = stderr.strip().splitlines()[-1]

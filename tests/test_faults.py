@@ -67,7 +67,8 @@ def test_killed_rank_ends_the_job_and_the_last_checkpoint_resumes(tmp_path):
     done = metadata["iteration"]
     assert done % 3 == 0 and done >= 3
     resumed = subprocess.run([sys.executable, "-m", "ptdp", *TRAIN, "-d", "2", "--train-iters",
-                              str(done + 2), "--load", str(save)], cwd=ROOT, env=ENV,
+                              str(done + 2), "--load", str(save),
+                              "--use-checkpoint-opt_param-scheduler"], cwd=ROOT, env=ENV,
                              capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed from {resolve(save)} after iteration {done}" in resumed.stdout
@@ -114,7 +115,8 @@ def test_killed_while_saving_leaves_latest_on_the_complete_checkpoint(tmp_path, 
     assert _check_complete(save)["iteration"] == 1
     # The next run resumes from it and its own save replaces the leftovers.
     resumed = subprocess.run([sys.executable, "-m", "ptdp", *TRAIN, "--vocab-size", "64",
-                              "--train-iters", "2", "--load", str(save), "--save", str(save)],
+                              "--train-iters", "2", "--load", str(save), "--save", str(save),
+                              "--use-checkpoint-opt_param-scheduler"],
                              cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert "after iteration 1" in resumed.stdout

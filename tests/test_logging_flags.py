@@ -92,7 +92,7 @@ def test_interval_and_megatron_tags(tmp_path):
                 "backward-compute-time", "pipeline-transfer-time"):
         assert [step for step, _ in flags[tag]] == [2, 4, 6], tag
     assert flags["throughput"] == [(i, pytest.approx(0.25 * i)) for i in (2, 4, 6)]
-    # Without the flags: ptdp's own tags only, the same values.
+    # Without the flags: none of the optional Megatron-LM tags; the same values.
     megatron = {"lm loss validation ppl", "forward-backward-time", "iteration-time", "throughput"}
     assert not megatron & plain.keys()
     assert plain["train/loss"] == flags["train/loss"]

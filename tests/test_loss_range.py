@@ -85,9 +85,11 @@ def test_the_watch_travels_in_the_checkpoint(tmp_path):
 # ------------------------------------------------------------------ the issue's sequences
 
 def test_a_spike_after_a_resume_keeps_the_good_checkpoint_and_latest_goes_back_to_it(tmp_path, capsys):
-    """Resume a good iter_4 with --lr 1e6 --clip-grad 0 --keep-last 1, saving
-    every iteration: iteration 5's step ruins the weights with a finite loss,
-    so iter_5 is saved; iteration 6 diverges. iter_4 must survive, the
+    """Resume a good iter_4 with --lr 1e6 --clip-grad 0 --keep-last 1 (and
+    --override-opt_param-scheduler: another schedule than the checkpoint's),
+    saving every iteration: iteration 5's step ruins the weights, iteration
+    6's loss leaves its range still finite, so iter_6 is saved; iteration 7
+    diverges. iter_4 must survive, the
     error must name it (not call iter_5 untouched), and `latest` must name
     it, so that resuming with the normal --lr trains on from good weights."""
     save = tmp_path / "X"
@@ -95,17 +97,17 @@ def test_a_spike_after_a_resume_keeps_the_good_checkpoint_and_latest_goes_back_t
     capsys.readouterr()
     assert main(["train", *TINY, "--load", str(save), "--save", str(save), "--lr", "1e6",
                  "--clip-grad", "0", "--lr-warmup-iters", "0", "--save-interval", "1",
-                 "--keep-last", "1", "--train-iters", "10"]) == 1
+                 "--keep-last", "1", "--train-iters", "10", "--override-opt_param-scheduler"]) == 1
     err = capsys.readouterr().err
     assert "iteration 6: the loss" in err and "left its normal range" in err
     assert f"the newest checkpoint known good is {save}/iter_0000004" in err
     assert "`latest` now names it" in err and "untouched" not in err
-    assert _names(save) == ["iter_0000004", "iter_0000005", "latest"]
+    assert _names(save) == ["iter_0000004", "iter_0000006", "latest"]
     assert resolve(save).name == "iter_0000004"
-    assert read_metadata(save / "iter_0000005")["loss_range"]["good"] == "iter_0000004"
+    assert read_metadata(save / "iter_0000006")["loss_range"]["good"] == "iter_0000004"
 
     assert main(["train", *TINY, "--load", str(save), "--save", str(save), "--lr", "1e-3",
-                 "--train-iters", "6"]) == 0
+                 "--train-iters", "6", "--override-opt_param-scheduler"]) == 0
     out, err = capsys.readouterr()
     losses = [float(line.split("| loss ")[1].split()[0]) for line in out.splitlines()
               if line.startswith("iteration ")]
@@ -115,15 +117,16 @@ def test_a_spike_after_a_resume_keeps_the_good_checkpoint_and_latest_goes_back_t
 
 def test_keep_last_keeps_the_good_checkpoint_without_a_resume(tmp_path, capsys):
     """A learning rate warming up to absurd values (0.25 more each
-    iteration): the loss leaves its range at iteration 4, so iter_2 (the
-    last checkpoint whose next iteration was in range) outlives --keep-last 2."""
+    iteration, from 0 at the first as in Megatron-LM): the loss leaves its
+    range at iteration 5, so iter_3 (the last checkpoint whose next
+    iteration was in range) outlives --keep-last 2."""
     save = tmp_path / "Y"
     assert main(["train", *TINY, "--save", str(save), "--lr", "1e6", "--lr-warmup-iters", "4000000",
                  "--lr-decay-style", "constant", "--clip-grad", "0", "--save-interval", "1",
                  "--keep-last", "2", "--train-iters", "6"]) == 0
     err = capsys.readouterr().err
-    assert "iteration 4: the loss" in err and "left its normal range" in err
-    assert _names(save) == ["iter_0000002", "iter_0000005", "iter_0000006", "latest"]
-    assert f"the newest checkpoint known good is {save}/iter_0000002 (--keep-last never removes " \
+    assert "iteration 5: the loss" in err and "left its normal range" in err
+    assert _names(save) == ["iter_0000003", "iter_0000005", "iter_0000006", "latest"]
+    assert f"the newest checkpoint known good is {save}/iter_0000003 (--keep-last never removes " \
         "it)" in err
-    assert read_metadata(save / "iter_0000006")["loss_range"]["left_at"] == 4
+    assert read_metadata(save / "iter_0000006")["loss_range"]["left_at"] == 5

@@ -19,13 +19,15 @@ def _args(*flags):
 
 def test_each_accepted_flag_parses_and_is_explained_or_refused():
     for accepted in ACCEPTED:
-        flags = [accepted.name] if accepted.values == 0 else \
-            [accepted.name, (accepted.choices or ("x",))[0]]
+        value = "16" if accepted.alias_of else (accepted.choices or ("x",))[0]  # TINY's length
+        flags = [accepted.name] if accepted.values == 0 else [accepted.name, value]
         found = given(_args(*flags))
         assert [a.name for a, _ in found] == [accepted.name]
         if accepted.refused:
             assert refusals(found) and not notes(found)
             assert refusals(found)[0].startswith(" ".join(flags) + ": ")
+        elif accepted.alias_of:
+            assert notes(found) == [f"ptdp: {' '.join(flags)}: {accepted.explanation}"]
         else:
             assert notes(found) == [f"ptdp: {' '.join(flags)} has no effect: {accepted.explanation}"]
 
@@ -45,14 +47,13 @@ def test_notes_come_before_launch_and_refusals_join_the_other_problems(no_launch
     assert out.index("--use-mcore-models has no effect") < out.index("ptdp: starting")
     assert "--use-flash-attn has no effect" in out
     code = main(["train", *TINY, "--fp8-format", "hybrid", "--ckpt-format", "torch_dist",
-                 "--context-parallel-size", "2", "--kv-channels", "4", "--rotary-percent", "0.5"])
+                 "--context-parallel-size", "2", "--kv-channels", "0", "--rotary-percent", "0.5"])
     err = capsys.readouterr().err
     assert code == 2
     for problem in ("--fp8-format hybrid: FP8 training needs Transformer Engine",
                     "--ckpt-format torch_dist: ptdp writes and reads its own checkpoint format",
                     "--context-parallel-size 2: ptdp has no context parallelism",
-                    "--kv-channels 4: ptdp's attention heads are --hidden-size / "
-                    "--num-attention-heads = 32 / 4 = 8 wide: use --kv-channels 8",
+                    "--kv-channels=0 must be a positive integer (each attention head's width)",
                     "--rotary-percent 0.5: ptdp rotates the whole of each head"):
         assert problem in err, problem
 
@@ -107,3 +108,76 @@ def test_the_attention_kernel_is_the_one_pytorch_runs():
     q = torch.randn(2, 4, 16, 8)
     with sdpa_kernel([getattr(SDPBackend, name)]):
         torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+
+# --------------------------------------------------------------------------- issue 27's flags
+
+ISSUE_27 = ["--use-legacy-models", "--data-impl", "mmap", "--overlap-p2p-communication",
+            "--timing-log-level", "2", "--wandb-project", "p", "--wandb-exp-name", "e",
+            "--wandb-save-dir", "d", "--wandb-entity", "n", "--distributed-backend", "nccl"]
+
+
+def test_megatron_script_flags_of_issue_27_are_explained():
+    lines = notes(given(_args(*ISSUE_27)))
+    assert len(lines) == 9 and not refusals(given(_args(*ISSUE_27)))
+    for start in ("ptdp: --use-legacy-models has no effect: ptdp has one model implementation",
+                  "ptdp: --data-impl mmap has no effect: ptdp reads Megatron-LM's mmap indexed",
+                  "ptdp: --overlap-p2p-communication has no effect: always so in ptdp",
+                  "ptdp: --timing-log-level 2 has no effect: ptdp times each iteration's phases",
+                  "ptdp: --wandb-project p has no effect: ptdp does not log to Weights & Biases; it "
+                  "writes TensorBoard event files (--tensorboard-dir DIR)",
+                  "ptdp: --distributed-backend nccl has no effect: ptdp picks the backend by "
+                  "device: nccl for CUDA, gloo for CPU"):
+        assert any(line.startswith(start) for line in lines), start
+
+
+@pytest.mark.parametrize("value, refused", [("mmap", False), ("infer", False), ("lazy", True),
+                                            ("cached", True)])
+def test_data_impl_takes_what_ptdp_reads(value, refused):
+    found = given(_args("--data-impl", value))
+    assert bool(refusals(found)) == refused and bool(notes(found)) != refused
+    if refused:
+        assert refusals(found) == [f"--data-impl {value}: ptdp reads only the mmap indexed format "
+                                   "(.idx starting MMIDIDX), not older Megatron-LM's lazy/cached "
+                                   "datasets: tokenize the text again with `ptdp preprocess` (or "
+                                   "Megatron-LM's preprocess_data.py) and give --data-impl mmap or "
+                                   "drop the flag"]
+
+
+@pytest.mark.parametrize("flag, values", [("--timing-log-level", "3"),
+                                          ("--distributed-backend", "mpi")])
+def test_megatron_lm_choices_are_kept(flag, values, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", flag, values])
+    assert f"{flag} {values}: choose from" in capsys.readouterr().err
+
+
+def test_encoder_seq_length_is_seq_length():
+    base = [a for a in TINY if a not in ("--seq-length", "16")]
+    args = build_parser().parse_args(["train", *base, "--encoder-seq-length", "32"])
+    assert config_from_args(args).model.seq_length == 32
+    assert notes(given(args)) == ["ptdp: --encoder-seq-length 32: Megatron-LM's other name for "
+                                  "--seq-length; the run's sequence length is this"]
+    same = build_parser().parse_args(["train", *TINY, "--encoder-seq-length", "16"])
+    assert config_from_args(same).model.seq_length == 16 and not refusals(given(same))
+    for order in (["--seq-length", "16", "--encoder-seq-length", "32"],
+                  ["--encoder-seq-length", "32", "--seq-length", "16"]):
+        args = build_parser().parse_args(["train", *base, *order])
+        assert refusals(given(args)) == [
+            "--encoder-seq-length 32: conflicts with --seq-length 16: it is Megatron-LM's other "
+            "name for that flag; give one of the two (or the same value)"], order
+
+
+def test_log_params_norm_and_num_zeros_are_settings():
+    config = config_from_args(_args("--log-params-norm", "--log-num-zeros-in-grad"))
+    assert config.train.log_params_norm and config.train.log_num_zeros_in_grad
+
+
+def test_tiktoken_flags_for_another_tokenizer_are_noted():
+    from ptdp.megatron_flags import config_notes
+
+    config = config_from_args(_args("--tiktoken-pattern", "v2"))
+    assert config.data.tiktoken_pattern == "v2"
+    assert config_notes(config) == ["ptdp: --tiktoken-pattern v2 has no effect: only "
+                                    "--tokenizer-type TikTokenizer reads it, not the "
+                                    "GPT2BPETokenizer"]

@@ -109,8 +109,8 @@ def _config(layout: Layout | None = None) -> Config:
     return config
 
 
-def _most_frequent_token(samples: int = 24) -> int:
-    data = MockGPTDataset(MOE.vocab_size, MOE.seq_length, step.TRAIN.seed)
+def _most_frequent_token(model: ModelConfig = MOE, samples: int = 24) -> int:
+    data = MockGPTDataset(model.vocab_size, model.seq_length, step.TRAIN.seed)
     tokens = torch.cat([data[i][:-1] for i in range(samples)])
     return int(torch.bincount(tokens).argmax())
 
@@ -123,7 +123,8 @@ EOD = _most_frequent_token()
 
 def _trainer(config: Config, ctx: ParallelContext, **kwargs) -> Trainer:
     trainer = Trainer(config, ctx, CPU, **kwargs)
-    trainer.data.eod = EOD
+    trainer.data.eod = EOD if config.model.vocab_size == MOE.vocab_size and \
+        config.model.seq_length == MOE.seq_length else _most_frequent_token(config.model)
     return trainer
 
 
@@ -152,7 +153,8 @@ def _one_process(model: str = "moe", steps: int = STEPS, per_token_loss: bool = 
                            ParallelContext.single())
         first, stats = trainer.step(0)
         masked = sum(stats.loss_tokens).item()
-        assert masked < trainer.global_batch * MOE.seq_length  # the loss mask leaves some out
+        # the loss mask leaves some out
+        assert masked < trainer.global_batch * MODELS[model].seq_length
         records = [first] + [trainer.step(i)[0] for i in range(1, steps)]
         weights = _logical_weights(trainer, ParallelContext.single())
         biases = _expert_biases(trainer)
@@ -162,9 +164,12 @@ def _one_process(model: str = "moe", steps: int = STEPS, per_token_loss: bool = 
     return _serial[key]
 
 
-def _layouts_vs_one_process(rank: int, layouts: list[Layout]) -> list[tuple[str, set, float]]:
+def _layouts_vs_one_process(rank: int, layouts: list[Layout], models: dict | None = None
+                            ) -> list[tuple[str, set, float]]:
     """Each layout in turn against the one-process run: (name, names of the
-    weights this rank compared, the largest weight difference)."""
+    weights this rank compared, the largest weight difference). `models`:
+    more MODELS for the layouts to name (a Megatron-LM script's model)."""
+    MODELS.update(models or {})
     results = []
     for layout in layouts:
         expected, serial_weights, serial_biases, validation = _one_process(
@@ -178,6 +183,8 @@ def _layouts_vs_one_process(rank: int, layouts: list[Layout]) -> list[tuple[str,
         for got, want in zip(records, expected[:layout.steps]):
             assert not got["skipped"], layout.name
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), layout.name
+            # Expert weights counted once over expert shards and replicas (--log-params-norm).
+            assert got["params_norm"] == pytest.approx(want["params_norm"], rel=1e-6), layout.name
             for name in ("load_balancing_loss", "global_load_balancing_loss", "z_loss",
                          "moe_busiest_expert_share",
                          "moe_idlest_expert_share", "moe_dropped_fraction"):

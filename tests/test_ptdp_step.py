@@ -30,7 +30,8 @@ MODEL = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_len
                     attention_dropout=0.0)
 TRAIN = TrainConfig(micro_batch_size=1, global_batch_size=8, train_iters=5, lr=1e-2, min_lr=1e-3,
                     lr_warmup_iters=2, lr_decay_style="cosine", clip_grad=0.5, weight_decay=0.1,
-                    seed=17, ddp_bucket_size=2000)
+                    seed=17, ddp_bucket_size=2000, log_params_norm=True,
+                    log_num_zeros_in_grad=True)
 LOSS_TOL = dict(rel=1e-5)
 WEIGHT_TOL = dict(rtol=0.0, atol=1e-5)
 
@@ -65,6 +66,11 @@ def _ptdp_vs_serial(rank, k, distributed, model=MODEL, weight_tol=WEIGHT_TOL,
     for got, want in zip(records, serial_records):
         assert got["lr"] == want["lr"] and not got["skipped"]
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+        # Each weight and gradient element counted once over shards and replicas.
+        assert got["params_norm"] == pytest.approx(want["params_norm"], rel=1e-6)
+        # Zeros: the padded vocabulary's rows (their number depends on t, as in Megatron-LM).
+        padding = (model.padded_vocab_size(2) - model.padded_vocab_size(1)) * model.hidden_size
+        assert got["num_zeros"] == want["num_zeros"] + padding
         if ctx.is_last_stage:
             assert got["loss"] == pytest.approx(want["loss"], **LOSS_TOL)
     assert any(r["grad_norm"] > 0.5 for r in serial_records)  # clipping was active

@@ -289,3 +289,36 @@ def test_loss_curve_writes_a_png(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     with pytest.raises(ValueError, match="no losses"):
         plot_loss_curve([dict(BASE, loss=None)], tmp_path / "empty.png")
+
+
+def test_tensorboard_carries_megatron_lm_tag_names(tmp_path):
+    """Megatron-LM's training_log and evaluate_and_print_results names, by
+    iteration and 'vs samples', beside ptdp's own tags, so that a Megatron-LM
+    run and a ptdp run overlay in one TensorBoard."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    records = [dict(BASE, iteration=i, consumed_samples=16 * i, loss=3.0 - 0.5 * i,
+                    params_norm=10.0 + i, num_zeros=7) for i in (1, 2, 3)]
+    records[1].update(val_loss=2.25)
+    records[2].update(grad_norm=float("nan"), global_batch_size=32)  # skipped; ramped up
+    with TensorBoardLogger(tmp_path / "tb", global_batch_size=16) as logger:
+        for record in records:
+            logger.log(record)
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+
+    def scalars(tag):
+        return [(e.step, e.value) for e in events.Scalars(tag)]
+
+    assert scalars("lm loss") == scalars("train/loss") == [(1, 2.5), (2, 2.0), (3, 1.5)]
+    assert scalars("lm loss vs samples") == [(16, 2.5), (32, 2.0), (48, 1.5)]
+    assert scalars("learning-rate") == [(i, pytest.approx(3e-3)) for i in (1, 2, 3)]
+    assert scalars("batch-size") == [(1, 16), (2, 16), (3, 32)]
+    assert scalars("grad-norm") == [(1, 0.75), (2, 0.75)]  # none for the skipped step
+    assert scalars("grad-norm vs samples") == [(16, 0.75), (32, 0.75)]
+    assert scalars("loss-scale") == [(i, 1.0) for i in (1, 2, 3)]
+    assert scalars("params-norm") == [(i, 10.0 + i) for i in (1, 2, 3)]
+    assert scalars("num-zeros vs samples") == [(16 * i, 7) for i in (1, 2, 3)]
+    assert scalars("lm loss validation") == [(2, 2.25)]
+    assert scalars("lm loss validation vs samples") == [(32, 2.25)]

@@ -87,7 +87,7 @@ def test_finetune_takes_the_weights_and_starts_a_run_of_its_own(pretrained):
     reference.chunks[0].rng.set_states(states)
     want = reference.step(0)[0]
     assert (got["iteration"], got["consumed_samples"]) == (1, 8)
-    assert got["loss"] == want["loss"] and got["lr"] == want["lr"] == reference.learning_rate(0)
+    assert got["loss"] == want["loss"] and got["lr"] == want["lr"] == reference.learning_rate()
     assert torch.equal(tuned.buffer.param_data, reference.buffer.param_data)
     assert torch.equal(tuned.optimizer.exp_avg, reference.optimizer.exp_avg)
 
@@ -153,15 +153,17 @@ def test_no_load_optim_restarts_adam_and_the_schedule(pretrained):
     # The iteration and the data position continue; the learning rate is the
     # schedule's from its start (Megatron-LM skips the scheduler's state too).
     fresh = Trainer(_config(model=DROPOUT), _single(), CPU)
+    assert resumed.lr_steps == fresh.lr_steps == 0 and source.lr_steps == 8 * STOP
     record = resumed.step(STOP)[0]
     assert (record["iteration"], record["consumed_samples"]) == (STOP + 1, 8 * (STOP + 1))
-    assert record["lr"] == fresh.learning_rate(0) != source.learning_rate(STOP)
-    assert [resumed.learning_rate(STOP + k) for k in range(5)] == \
-        [fresh.learning_rate(k) for k in range(5)]
+    assert record["lr"] == fresh.step(0)[0]["lr"] != source.learning_rate()
+    assert resumed.lr_steps == fresh.lr_steps == 8
     resumed.load(str(save))  # again, into a trainer that has stepped: Adam afresh all the same
     assert resumed.optimizer.steps == 0 and not resumed.optimizer.exp_avg.any()
+    assert resumed.lr_steps == 0
     full = _loaded(save)
-    assert full.optimizer.steps == STOP and full.learning_rate(STOP) == source.learning_rate(STOP)
+    assert full.optimizer.steps == STOP and full.lr_steps == source.lr_steps
+    assert full.learning_rate() == source.learning_rate()
 
 
 def test_no_load_optim_keeps_the_fp32_main_weights_and_a_fresh_loss_scale(tmp_path):
@@ -192,7 +194,7 @@ def test_no_load_rng_draws_from_the_seeds_streams(pretrained):
     assert _same_states(states, _fresh_states()) and not _same_states(states, saved_states)
     # Everything else resumes: the optimizer, the schedule, the iteration.
     assert torch.equal(resumed.optimizer.exp_avg, full.optimizer.exp_avg)
-    assert resumed.optimizer.steps == STOP and resumed.lr_origin == (0, 0)
+    assert resumed.optimizer.steps == STOP and resumed.lr_steps == source.lr_steps == 8 * STOP
     # So the dropout masks differ from a full resume's, and with them the loss.
     full.chunks[0].rng.set_states(saved_states)
     assert resumed.step(STOP)[0]["loss"] != full.step(STOP)[0]["loss"]

@@ -38,7 +38,8 @@ def test_a_resumed_run_appends_to_the_metrics_file_behind_a_marker(trained, tmp_
     metrics = tmp_path / "m.jsonl"
     metrics.write_bytes(first.read_bytes())
     assert main(["train", *TINY, "--load", str(save), "--save", str(tmp_path / "more"),
-                 "--train-iters", "3", "--metrics-file", str(metrics)]) == 0
+                 "--train-iters", "3", "--use-checkpoint-opt_param-scheduler", "--metrics-file",
+                 str(metrics)]) == 0
     records = _records(metrics)
     assert [r.get("iteration") for r in records] == [1, 2, 2, 3]
     assert records[:2] == _records(first)  # the first run's lines, untouched

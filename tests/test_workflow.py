@@ -33,6 +33,11 @@ def test_the_readme_workflow_works_as_written(tmp_path):
     val = [float(v) for v in re.findall(r"val loss (\d+\.\d+)", train + resume)]
     assert len(val) == 3 and val[-1] < val[0]
     assert "ptdp: saved checkpoint checkpoints/iter_0000010" in train
+    assert "stopped after iteration 10 of 15: --exit-interval 10 reached" in train
+    # One schedule over both legs, the resume continuing the checkpoint's: the
+    # logged rate (iterations 5, 10, 15) falls to --min-lr 0 at the end only.
+    rates = [float(v) for v in re.findall(r"\| lr (\S+) \|", train + resume)]
+    assert len(rates) == 3 and rates[0] > rates[1] > rates[2] == 0.0
     assert "resumed from" in resume and "after iteration 10" in resume
     assert "(t=1, p=2, d=4)" in resume and "iteration    15/15" in resume
     assert sample.strip()  # some text

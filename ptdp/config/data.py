@@ -25,13 +25,27 @@ class DataConfig:
         "tokenizer; NullTokenizer (Megatron-LM's) is for --data-path files that are token ids "
         "already and needs --vocab-size N: the data's ids are 0..N-1, N is the end-of-document "
         "id, so the model's vocabulary is N + 1 (then padded); with --load and no tokenizer "
-        "flags, the tokenizer the checkpoint carries",
-        choices=("GPT2BPETokenizer", "HuggingFaceTokenizer", "ByteLevelTokenizer", "NullTokenizer"))
+        "flags, the tokenizer the checkpoint carries; Llama2Tokenizer and SentencePieceTokenizer "
+        "read a SentencePiece --tokenizer-model, TikTokenizer Megatron-LM's tiktoken JSON file",
+        choices=("GPT2BPETokenizer", "HuggingFaceTokenizer", "ByteLevelTokenizer", "NullTokenizer",
+                 "Llama2Tokenizer", "SentencePieceTokenizer", "TikTokenizer"))
     vocab_file: str | None = flag(None, "--vocab-file", "GPT-2 style vocab.json (with --merge-file; "
                                   "default: GPT-2's own ranks, shipped)", metavar="PATH")
     merge_file: str | None = flag(None, "--merge-file", "GPT-2 style merges.txt", metavar="PATH")
-    tokenizer_model: str | None = flag(None, "--tokenizer-model",
-                                       "tokenizer.json for HuggingFaceTokenizer", metavar="PATH")
+    tokenizer_model: str | None = flag(
+        None, "--tokenizer-model", "tokenizer.json for HuggingFaceTokenizer; the SentencePiece "
+        "tokenizer.model for Llama2Tokenizer and SentencePieceTokenizer; the tiktoken JSON "
+        "vocabulary for TikTokenizer", metavar="PATH")
+    tiktoken_pattern: str | None = flag(
+        None, "--tiktoken-pattern", "TikTokenizer's splitting pattern (Megatron-LM's v1 or v2)",
+        choices=("v1", "v2"))
+    tiktoken_num_special_tokens: int = flag(
+        1000, "--tiktoken-num-special-tokens",
+        "TikTokenizer: ids 0..N-1 are special tokens, the file's tokens follow")
+    tokenizer_special_tokens: list[str] | None = flag(
+        None, "--tokenizer-special-tokens",
+        "TikTokenizer's named special tokens, first ids first (default: <unk> <s> </s>, which any "
+        "list must hold)", metavar="TOKEN")
     data_cache_path: str | None = flag(
         None, "--data-cache-path",
         "directory for dataset indices and the tokenized demo corpus (default: index-cache/ "

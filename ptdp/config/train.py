@@ -104,6 +104,14 @@ class TrainConfig:
         "less precise; accumulation stays fp32)")
     seed: int = flag(1234, "--seed", "seed of initialisation, data order and dropout")
     log_interval: int = flag(1, "--log-interval", "print a line every N iterations")
+    log_params_norm: bool = flag(
+        False, "--log-params-norm",
+        "log the L2 norm of all weights after each step (Megatron-LM's 'params norm', "
+        "TensorBoard 'params-norm'; one more reduction per iteration)")
+    log_num_zeros_in_grad: bool = flag(
+        False, "--log-num-zeros-in-grad",
+        "log how many gradient elements are exactly zero (Megatron-LM's 'num zeros', "
+        "TensorBoard 'num-zeros'; one more reduction per iteration)")
     log_throughput: bool = flag(
         False, "--log-throughput",
         "ptdp's log line always carries the model TFLOP/s per device; with --tensorboard-dir this "
@@ -187,6 +195,16 @@ class TrainConfig:
         "positions, normalization and the other architecture options; sequence length and dropout "
         "where not given) from the checkpoint; an architecture flag given too must agree with it "
         "(the layout t, p, d is never taken)")
+    override_opt_param_scheduler: bool = flag(
+        False, "--override-opt_param-scheduler",
+        "with --load: where this command line's learning-rate schedule (--lr, --min-lr, the warm-up, "
+        "the decay style and length, --decoupled-lr/--decoupled-min-lr) differs from the "
+        "checkpoint's, follow this command line's, from the samples consumed (the rate changes at "
+        "once); without it or --use-checkpoint-opt_param-scheduler such a resume is refused")
+    use_checkpoint_opt_param_scheduler: bool = flag(
+        False, "--use-checkpoint-opt_param-scheduler",
+        "with --load: continue the checkpoint's learning-rate schedule, whatever this command line's "
+        "schedule settings say")
     keep_last: int | None = flag(None, "--keep-last",
                                   "keep only the newest N checkpoints of this run's lineage (the "
                                   "checkpoints it was resumed from and wrote); others are moved "
@@ -194,7 +212,8 @@ class TrainConfig:
     eval_interval: int = flag(0, "--eval-interval",
                               "evaluate on the validation set every N iterations and after the "
                               "last (0: never)")
-    eval_iters: int = flag(10, "--eval-iters", "global batches of validation samples per evaluation")
+    eval_iters: int = flag(10, "--eval-iters", "global batches of validation samples per evaluation "
+                           "(0: no evaluation, as in Megatron-LM)")
     tensorboard_dir: str | None = flag(None, "--tensorboard-dir", "write TensorBoard logs here",
                                        metavar="DIR")
     peak_tflops: float | None = flag(None, "--peak-tflops",
@@ -233,6 +252,12 @@ class TrainConfig:
         # the length: exactly one of the two is given (see validate).
         if self.train_iters is None and self.train_samples is None:
             self.train_iters = 20
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether the run evaluates: --eval-interval N and --eval-iters K,
+        neither 0 (Megatron-LM turns evaluation off with --eval-iters 0)."""
+        return bool(self.eval_interval) and bool(self.eval_iters)
 
     def batch_size(self, data_parallel_size: int) -> int:
         """B: --global-batch-size, after any ramp-up (ptdp.data.batches)."""
@@ -383,22 +408,39 @@ def stopping_problems(tr: TrainConfig) -> list[str]:
 
 
 def resume_control_problems(tr: TrainConfig) -> list[str]:
-    """--finetune, --no-load-optim, --no-load-rng, --use-checkpoint-args: each
-    says what to take from --load's checkpoint, so each needs --load (with
-    --finetune, the other two are implied and fine to give). A fine-tune is
-    a new run from iteration 0: its --save must not be the directory of the
-    checkpoint it loads, whose iter_* names and `latest` it would take over
-    (the loaded run's checkpoints would be moved to SAVE/abandoned/)."""
+    """--finetune, --no-load-optim, --no-load-rng, --use-checkpoint-args and
+    the two schedule flags: each says what to take from --load's checkpoint,
+    so each needs --load (with --finetune, the other two are implied and fine
+    to give). A fine-tune is a new run from iteration 0: its --save must not
+    be the directory of the checkpoint it loads, whose iter_* names and
+    `latest` it would take over (the loaded run's checkpoints would be moved
+    to SAVE/abandoned/). The schedule flags choose between the checkpoint's
+    learning-rate schedule and the command line's (ptdp.train.lr_resume):
+    one at most, and only where the checkpoint's is loaded."""
+    override, keep = tr.override_opt_param_scheduler, tr.use_checkpoint_opt_param_scheduler
     uses = [(tr.finetune, "--finetune", "the checkpoint whose weights to fine-tune"),
             (tr.load_optim is False, "--no-load-optim",
              "it leaves out the loaded checkpoint's optimizer state"),
             (tr.load_rng is False, "--no-load-rng",
              "it leaves out the loaded checkpoint's random states"),
             (tr.use_checkpoint_args, "--use-checkpoint-args",
-             "the checkpoint whose model settings to take")]
+             "the checkpoint whose model settings to take"),
+            (override, "--override-opt_param-scheduler",
+             "the checkpoint whose learning-rate schedule to replace"),
+            (keep, "--use-checkpoint-opt_param-scheduler",
+             "the checkpoint whose learning-rate schedule to continue")]
     if not tr.load:
         return [f"{name} needs --load DIR ({what}): add --load or drop {name}"
                 for given, name, what in uses if given]
+    if override and keep:
+        return ["--override-opt_param-scheduler (this command line's learning-rate schedule) and "
+                "--use-checkpoint-opt_param-scheduler (the checkpoint's) exclude each other: keep one"]
+    fresh = "--finetune" if tr.finetune else "--no-load-optim" if tr.load_optim is False else None
+    if fresh and (override or keep):
+        name = "--override-opt_param-scheduler" if override else "--use-checkpoint-opt_param-scheduler"
+        return [f"{name} chooses between the checkpoint's learning-rate schedule and this command "
+                f"line's, but with {fresh} the schedule starts afresh from this command line's: "
+                f"drop {name}"]
     if tr.finetune and isinstance(tr.save, str) and isinstance(tr.load, str) \
             and holds_checkpoint(tr.save, tr.load):
         return [f"--finetune with --save {tr.save}, the directory of --load {tr.load}: a fine-tune "

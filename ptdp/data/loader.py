@@ -35,6 +35,7 @@ import torch
 from ptdp.config import Config, DataConfig
 from ptdp.data.batches import GlobalBatches
 from ptdp.data.mock import MockGPTDataset
+from ptdp.data.tiktoken_tokenizer import TiktokenSettings
 from ptdp.data.tokenizer import (TokenizerError, build_tokenizer, character_counts,
                                   check_tokenizer_settings)
 
@@ -55,7 +56,8 @@ def tokenizer_for(data: DataConfig, model_vocab_size: int | None = None):
     model's vocabulary, `model_vocab_size` = N + 1."""
     return build_tokenizer(data.tokenizer_type, vocab_file=data.vocab_file,
                            merge_file=data.merge_file, tokenizer_model=data.tokenizer_model,
-                           vocab_size=None if model_vocab_size is None else model_vocab_size - 1)
+                           vocab_size=None if model_vocab_size is None else model_vocab_size - 1,
+                           tiktoken=TiktokenSettings.of(data))
 
 
 def carried_tokenizer_data(data: DataConfig, tokenizer_file: str | Path) -> DataConfig:
@@ -68,6 +70,8 @@ def tokenizer_key(data: DataConfig) -> str:
     """Names a tokenizer by its type and its files' contents, so that the
     cached demo corpus is re-tokenized when the tokenizer changes."""
     parts = [data.tokenizer_type]
+    if data.tokenizer_type == "TikTokenizer":  # its splitting and special tokens too
+        parts.append(repr(TiktokenSettings.of(data)))
     for path in (data.vocab_file, data.merge_file, data.tokenizer_model):
         if path:
             parts.append(hashlib.sha256(Path(path).read_bytes()).hexdigest())
@@ -110,14 +114,14 @@ def check_datasets(config: Config) -> list[str]:
     batches = GlobalBatches(train, config.parallel.dp)
     batch = batches.final
     samples = (batches.consumed_after(0, batches.train_iters),
-               train.eval_iters * batch if train.eval_interval else 0, 0)
+               train.eval_iters * batch if train.evaluates else 0, 0)
     try:
         weighted, _, _, wanted = check_gpt_datasets(data.data_path, data.split, samples,
                                                     seq_length=config.model.seq_length, warn=False)
     except DataError as error:
         return [str(error)]
     problems = tokenizer_record_problems(config, [prefix for _, prefix in weighted])
-    if train.eval_interval and 1 not in wanted:
+    if train.evaluates and 1 not in wanted:
         problems.append(f"--eval-interval {train.eval_interval} needs validation data, but --split "
                         f"{data.split} gives the validation split no documents; give it a share "
                         "(e.g. --split 949,50,1) or drop --eval-interval")

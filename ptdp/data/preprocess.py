@@ -42,6 +42,7 @@ from typing import Callable, Iterator, Sequence
 from ptdp.data.indexed import (IndexedDatasetError, IndexedDatasetWriter, best_fitting_dtype,
                                data_file_path, index_file_path)
 from ptdp.data import tokenizer_record
+from ptdp.data.tiktoken_tokenizer import TiktokenSettings
 from ptdp.data.tokenizer import TEXT_TOKENIZER_TYPES, TokenizerError, build_tokenizer
 from ptdp.output_paths import output_path_problems
 
@@ -65,10 +66,12 @@ class TokenizerSpec:
     vocab_file: str | None = None
     merge_file: str | None = None
     tokenizer_model: str | None = None
+    tiktoken: TiktokenSettings | None = None  # TikTokenizer's settings
 
     def build(self):
         return build_tokenizer(self.tokenizer_type, vocab_file=self.vocab_file,
-                               merge_file=self.merge_file, tokenizer_model=self.tokenizer_model)
+                               merge_file=self.merge_file, tokenizer_model=self.tokenizer_model,
+                               tiktoken=self.tiktoken)
 
 
 @dataclass(frozen=True)
@@ -633,7 +636,15 @@ def add_preprocess_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--vocab-file", metavar="FILE", help="GPT-2 style vocab.json")
     parser.add_argument("--merge-file", metavar="FILE", help="GPT-2 style merges.txt")
     parser.add_argument("--tokenizer-model", metavar="FILE",
-                        help="tokenizer.json for HuggingFaceTokenizer")
+                        help="tokenizer.json for HuggingFaceTokenizer; tokenizer.model for "
+                        "Llama2Tokenizer and SentencePieceTokenizer; the tiktoken JSON vocabulary "
+                        "for TikTokenizer")
+    parser.add_argument("--tiktoken-pattern", choices=("v1", "v2"),
+                        help="TikTokenizer's splitting pattern")
+    parser.add_argument("--tiktoken-num-special-tokens", type=int, default=1000, metavar="N",
+                        help="TikTokenizer's special ids 0..N-1 (default: 1000)")
+    parser.add_argument("--tokenizer-special-tokens", nargs="+", metavar="TOKEN",
+                        help="TikTokenizer's named special tokens (default: <unk> <s> </s>)")
     parser.add_argument("--append-eod", action="store_true",
                         help="end every non-empty document with the end-of-document token")
     parser.add_argument("--workers", type=int, default=None, metavar="N",
@@ -644,7 +655,8 @@ def add_preprocess_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run_preprocess(args: argparse.Namespace) -> int:
-    spec = TokenizerSpec(args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model)
+    spec = TokenizerSpec(args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model,
+                         TiktokenSettings.of(args))
     workers = args.workers if args.workers is not None else (os.cpu_count() or 1)
     print(f"ptdp: tokenizing {' '.join(args.input)} with the {args.tokenizer_type} into "
           f"{args.output_prefix}_* ({workers} worker{'s' if workers > 1 else ''}) ...", flush=True)

@@ -12,6 +12,11 @@ Megatron-LM's (`--tokenizer-type`):
   made by `ptdp tokenizer train`.
 * ``ByteLevelTokenizer``: the 256 byte values plus an end-of-document token;
   no files, for tests and for text in any script.
+* ``Llama2Tokenizer`` and ``SentencePieceTokenizer``: a SentencePiece model
+  (`--tokenizer-model tokenizer.model`), with Megatron-LM's ids
+  (ptdp.data.sentencepiece_tokenizers).
+* ``TikTokenizer``: Megatron-LM's tiktoken JSON vocabulary
+  (`--tokenizer-model`, `--tiktoken-pattern` ...; ptdp.data.tiktoken_tokenizer).
 * ``NullTokenizer``: no text at all, for data that is already token ids
   (Megatron-LM's meaning): `--vocab-size N` says the data's ids are 0..N-1,
   N is the end-of-document id, and the vocabulary is N + 1 tokens.
@@ -19,7 +24,8 @@ Megatron-LM's (`--tokenizer-type`):
 Every tokenizer has `vocab_size`, `eod` (the end-of-document id that
 preprocessing appends), `encode(text) -> list[int]` and `decode(ids)`.
 Encoding treats the text as ordinary text: a literal "<|endoftext|>" in a
-document is not turned into the end-of-document token.
+document is not turned into the end-of-document token (except with
+SentencePieceTokenizer, as in Megatron-LM).
 """
 
 from __future__ import annotations
@@ -32,8 +38,14 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Protocol, Sequence
 
+from ptdp.data.tokenizer_error import TokenizerError
+
 # Tokenizers that turn text into ids (what `ptdp preprocess` can use) ...
-TEXT_TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "ByteLevelTokenizer")
+TEXT_TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "ByteLevelTokenizer",
+                        "Llama2Tokenizer", "SentencePieceTokenizer", "TikTokenizer")
+# The ones that read one --tokenizer-model file of their own kind.
+MODEL_FILE_TOKENIZER_TYPES = ("HuggingFaceTokenizer", "Llama2Tokenizer", "SentencePieceTokenizer",
+                              "TikTokenizer")
 # ... and every --tokenizer-type training accepts.
 TOKENIZER_TYPES = (*TEXT_TOKENIZER_TYPES, "NullTokenizer")
 
@@ -51,10 +63,6 @@ DEMO_TOKENIZER_VOCAB = 2048
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 # End-of-document tokens to look for in a user's vocabulary, in this order.
 EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "[EOS]", "<eod>")
-
-
-class TokenizerError(ValueError):
-    """A tokenizer's files or settings are unusable; says what to change."""
 
 
 class Tokenizer(Protocol):
@@ -249,10 +257,11 @@ class NullTokenizer:
 
 def build_tokenizer(tokenizer_type: str = "GPT2BPETokenizer", *, vocab_file: str | None = None,
                     merge_file: str | None = None, tokenizer_model: str | None = None,
-                    vocab_size: int | None = None) -> Tokenizer:
+                    vocab_size: int | None = None, tiktoken=None) -> Tokenizer:
     """The tokenizer that `--tokenizer-type` and its file flags describe.
     `vocab_size` is NullTokenizer's --vocab-size N (ids 0..N-1; N is the end
-    of document); the other tokenizers ignore it."""
+    of document); the other tokenizers ignore it. `tiktoken`: TikTokenizer's
+    settings (ptdp.data.tiktoken_tokenizer.TiktokenSettings)."""
     if tokenizer_type == "NullTokenizer":
         problems = check_tokenizer_settings(tokenizer_type, vocab_file, merge_file, tokenizer_model)
         if problems:
@@ -261,12 +270,18 @@ def build_tokenizer(tokenizer_type: str = "GPT2BPETokenizer", *, vocab_file: str
             raise TokenizerError("--tokenizer-type NullTokenizer needs --vocab-size N: the data's "
                                  "token ids are 0..N-1 and N is the end-of-document id")
         return NullTokenizer(vocab_size)
+    if tokenizer_type != "TikTokenizer":
+        tiktoken = None
+    elif tiktoken is None:
+        from ptdp.data.tiktoken_tokenizer import TiktokenSettings
+
+        tiktoken = TiktokenSettings()
     return _build(tokenizer_type, vocab_file and str(vocab_file), merge_file and str(merge_file),
-                  tokenizer_model and str(tokenizer_model))
+                  tokenizer_model and str(tokenizer_model), tiktoken)
 
 
 @lru_cache(maxsize=8)  # loading GPT-2's ranks takes ~0.2 s; tokenizers are stateless
-def _build(tokenizer_type, vocab_file, merge_file, tokenizer_model) -> Tokenizer:
+def _build(tokenizer_type, vocab_file, merge_file, tokenizer_model, tiktoken=None) -> Tokenizer:
     problems = check_tokenizer_settings(tokenizer_type, vocab_file, merge_file, tokenizer_model)
     if problems:
         raise TokenizerError("; ".join(problems))
@@ -276,6 +291,14 @@ def _build(tokenizer_type, vocab_file, merge_file, tokenizer_model) -> Tokenizer
         return GPT2Tokenizer()
     if tokenizer_type == "HuggingFaceTokenizer":
         return HFTokenizer.from_file(tokenizer_model)
+    if tokenizer_type == "TikTokenizer":
+        from ptdp.data.tiktoken_tokenizer import TikTokenizer
+
+        return TikTokenizer(tokenizer_model, tiktoken)
+    if tokenizer_type in ("Llama2Tokenizer", "SentencePieceTokenizer"):
+        from ptdp.data import sentencepiece_tokenizers
+
+        return getattr(sentencepiece_tokenizers, tokenizer_type)(tokenizer_model)
     return ByteTokenizer()
 
 
@@ -290,11 +313,14 @@ def check_tokenizer_settings(tokenizer_type: str, vocab_file, merge_file, tokeni
                               else ("--merge-file", "--vocab-file"))
             problems.append(f"{given} needs {missing} too (or neither, for the shipped GPT-2 ranks)")
         if tokenizer_model:
-            problems.append("--tokenizer-model is for --tokenizer-type HuggingFaceTokenizer")
-    elif tokenizer_type == "HuggingFaceTokenizer":
+            problems.append("--tokenizer-model is for --tokenizer-type "
+                            + ", ".join(MODEL_FILE_TOKENIZER_TYPES))
+    elif tokenizer_type in MODEL_FILE_TOKENIZER_TYPES:
         if not tokenizer_model:
-            problems.append("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model "
-                            "PATH/tokenizer.json")
+            what = {"HuggingFaceTokenizer": "PATH/tokenizer.json",
+                    "TikTokenizer": "PATH (its tiktoken JSON vocabulary)"}
+            problems.append(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model "
+                            + what.get(tokenizer_type, "PATH (its SentencePiece tokenizer.model)"))
         if vocab_file or merge_file:
             problems.append("--vocab-file/--merge-file are for --tokenizer-type GPT2BPETokenizer")
     elif vocab_file or merge_file or tokenizer_model:
@@ -465,6 +491,8 @@ def token_pieces(tokenizer: Tokenizer, *, decoded_only: bool) -> dict[int, bytes
     characters between tokens, so they are not its decoded text)."""
     if isinstance(tokenizer, ByteTokenizer):
         return {i: bytes([i]) for i in range(256)}
+    if hasattr(tokenizer, "token_pieces"):  # SentencePiece and tiktoken files: their own
+        return tokenizer.token_pieces(decoded_only)
     if isinstance(tokenizer, GPT2Tokenizer):
         decode = tokenizer._encoding.decode_single_token_bytes
         return {i: decode(i) for i in range(tokenizer.eod)}

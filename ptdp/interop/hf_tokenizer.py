@@ -140,6 +140,17 @@ def exported_tokenizer(config: Config, load: str | Path) -> ExportedTokenizer:
                                  f"no tokenizer: the model was trained on token ids "
                                  f"(NullTokenizer), which have no text; give it token ids "
                                  f"(end of document: {eod})")
+    if data.tokenizer_type in ("Llama2Tokenizer", "SentencePieceTokenizer", "TikTokenizer"):
+        from ptdp.data.loader import tokenizer_for
+
+        tokenizer = tokenizer_for(data)  # checks the file is still there
+        bos = getattr(tokenizer, "bos", tokenizer.eod)
+        return ExportedTokenizer(SpecialTokens(bos_id=bos, eos_id=tokenizer.eod),
+                                 f"no tokenizer files: ptdp does not convert the "
+                                 f"{data.tokenizer_type}'s --tokenizer-model "
+                                 f"{Path(data.tokenizer_model).name} to tokenizer.json; copy the "
+                                 f"tokenizer you trained with beside the model (bos {bos}, eos "
+                                 f"{tokenizer.eod})")
     if data.tokenizer_type == "ByteLevelTokenizer":
         byte_text = bytes_to_unicode()
         tokenizer = _byte_level_bpe({byte_text[b]: b for b in range(256)}, [])

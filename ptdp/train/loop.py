@@ -118,8 +118,9 @@ class Trainer:
         self.lr_schedule = LRSchedule.from_config(tr, self.global_batch)
         # --decoupled-lr: the word embedding's and output layer's own (else None).
         self.decoupled_lr_schedule = LRSchedule.decoupled_from_config(tr, self.global_batch)
-        # (iteration, consumed samples) the schedule counts from: --no-load-optim restarts it.
-        self.lr_origin = (0, 0)
+        # Where the schedule stands (Megatron-LM's num_steps, in samples): the
+        # steps taken, skipped ones left out; a load sets it (lr_resume.py).
+        self.lr_steps = self.lr_schedule.position(*start)
         self._schedules: dict[int, Any] = {}  # m -> schedule, for the m of a ramp
         self.dtype = torch.bfloat16 if tr.bf16 else torch.float16 if tr.fp16 else torch.float32
 
@@ -159,7 +160,7 @@ class Trainer:
             scatter_gather=par.scatter_gather_tensors_in_pipeline and not sequence_parallel)
         self.data = data if data is not None else build_training_data(
             config, num_samples=(self.consumed_before(self.train_iters),
-                                 tr.eval_iters * self.global_batch if tr.eval_interval else 0, 0),
+                                 tr.eval_iters * self.global_batch if tr.evaluates else 0, 0),
             is_builder=ctx.rank == 0, reads_tokens=ctx.is_first_stage or self.holds_loss,
             barrier=dist.barrier if dist.is_initialized() else None)
         # --num-workers N: N processes read this run's microbatches ahead of the steps.
@@ -207,12 +208,11 @@ class Trainer:
         """The global batch of 0-based `iteration` (smaller during a ramp-up)."""
         return self.batches.size_at(self.consumed_before(iteration))
 
-    def learning_rate(self, iteration: int, schedule: LRSchedule | None = None) -> float:
-        """The rate 0-based `iteration` steps with: the schedule after it
-        (`schedule`, else the main one: --lr's)."""
-        origin, origin_consumed = self.lr_origin
-        return (schedule or self.lr_schedule).lr_after(
-            iteration + 1 - origin, self.consumed_before(iteration + 1) - origin_consumed)
+    def learning_rate(self, schedule: LRSchedule | None = None) -> float:
+        """The rate the next iteration steps with: `schedule`'s (else the main
+        one, --lr's) where the schedule stands. After an iteration it is the
+        rate logged for it (Megatron-LM's order: see `step`)."""
+        return (schedule or self.lr_schedule).lr(self.lr_steps)
 
     def save(self, directory: str, iteration: int):
         """Checkpoint after `iteration` iterations (every rank calls it); returns its directory."""
@@ -285,10 +285,16 @@ class Trainer:
         devices.synchronize(self.device)
         reduce_done = time.perf_counter()
 
-        lr = self.learning_rate(iteration)
-        decoupled_lr = (None if self.decoupled_lr_schedule is None
-                        else self.learning_rate(iteration, self.decoupled_lr_schedule))
-        result = self.optimizer.step(lr, decoupled_lr)
+        # Megatron-LM's train_step: the optimizer steps with the rate where the
+        # schedule stands before this iteration; then the schedule advances by
+        # the iteration's samples unless the step was skipped, and the rate
+        # logged is the one it holds then (the next iteration's).
+        decoupled = self.decoupled_lr_schedule
+        result = self.optimizer.step(self.learning_rate(),
+                                     None if decoupled is None else self.learning_rate(decoupled))
+        if not result.skipped:
+            self.lr_steps += self.lr_schedule.increment(global_batch)
+        lr = self.learning_rate()
         self.skipped_iterations += result.skipped
         devices.synchronize(self.device)
         end = time.perf_counter()
@@ -300,6 +306,8 @@ class Trainer:
             "loss": loss,
             "lr": lr,
             "grad_norm": result.grad_norm,
+            "params_norm": result.params_norm,  # None unless --log-params-norm
+            "num_zeros": result.num_zeros,      # None unless --log-num-zeros-in-grad
             "loss_scale": result.loss_scale,
             "skipped": result.skipped,
             "skipped_iterations": self.skipped_iterations,
@@ -425,8 +433,9 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
                 raise
             exit_reason = stopping.exit_reason(done, verdict) if done < train_iters else None
             # Every rank evaluates (the pipeline needs them all), decided by
-            # the settings alone; not when a signal gives little time left.
-            if tr.eval_interval and (done % tr.eval_interval == 0 or done == train_iters) \
+            # the settings alone (never with --eval-iters 0, the last
+            # iteration's included); not when a signal gives little time left.
+            if tr.evaluates and (done % tr.eval_interval == 0 or done == train_iters) \
                     and not verdict.signal:
                 with housekeeping.evaluation():
                     result = evaluate(trainer, trainer.data.valid, tr.eval_iters)

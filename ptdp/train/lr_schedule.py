@@ -9,8 +9,14 @@ is 10·B steps); sample-based ones (--train-samples) are samples already.
 
 The lengths and the formulas, and the order of their floating-point
 operations, are Megatron-LM's, so the learning rates are the same numbers.
-An iteration uses the rate at the samples consumed *after* it (what
-Megatron-LM logs for the iteration; ptdp has always stepped with that one).
+So is when each rate applies (Megatron-LM's train_step): an iteration steps
+the optimizer with the scheduler's current rate, the one at its position
+*before* the iteration (the first iteration: the rate at 0 samples, 0 under
+a warm-up); then, unless the step was skipped (an fp16 overflow), the
+scheduler advances by the iteration's samples (`increment`), and the rate
+logged for the iteration is the one it holds then: the next iteration's.
+The Trainer keeps the position (Megatron-LM's num_steps); a checkpoint
+records it with the schedule (lr_resume.py).
 
 Styles, after a linear warm-up from 0 to --lr (then, past the decay length,
 --min-lr; except constant, which stays at --lr):
@@ -84,14 +90,26 @@ class LRSchedule:
         return dataclasses.replace(cls.from_config(train, global_batch),
                                    max_lr=float(train.decoupled_lr), min_lr=min_lr)
 
-    def lr_after(self, iterations: int, consumed: int) -> float:
-        """The rate of the iteration after which `iterations` are done and
-        `consumed` samples consumed: at those samples, or for an
-        iteration-based run at iterations × B (the same with one B; a run
-        resumed with another B keeps counting iterations)."""
+    def increment(self, global_batch: int) -> int:
+        """How far an iteration of `global_batch` samples advances the
+        schedule: its samples (Megatron-LM's increment), or B for an
+        iteration-based run (the same but during ptdp's ramp-up of an
+        iteration-based run, which Megatron-LM refuses: it counts iterations)."""
+        return global_batch if self.iteration_samples is None else self.iteration_samples
+
+    def position(self, iterations: int, consumed: int) -> int:
+        """The schedule's position after `iterations` iterations that consumed
+        `consumed` samples, none skipped: those samples, or iterations × B
+        for an iteration-based run."""
         if self.iteration_samples is not None:
-            return self.lr(iterations * self.iteration_samples)
-        return self.lr(consumed)
+            return iterations * self.iteration_samples
+        return consumed
+
+    def lr_after(self, iterations: int, consumed: int) -> float:
+        """The rate logged for the iteration after which `iterations` are done
+        and `consumed` samples consumed, none skipped: the one the next
+        iteration steps with (see the module's docstring)."""
+        return self.lr(self.position(iterations, consumed))
 
     def lr(self, steps: int) -> float:
         """The learning rate after `steps` samples."""

@@ -116,6 +116,10 @@ class StepResult:
     grad_norm: float      # before clipping; nan when the step was skipped
     skipped: bool         # an inf/nan gradient somewhere: no weight changed
     loss_scale: float     # the scale the iteration's loss was multiplied by
+    # --log-params-norm: the weights' L2 norm after the step; --log-num-zeros-in-grad:
+    # the gradient's elements that are exactly 0 (None when not asked, or skipped).
+    params_norm: float | None = None
+    num_zeros: int | None = None
 
 
 def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -217,12 +221,17 @@ class Optimizer:
         norm_sq_value = norm_sq.item()
         if not math.isfinite(norm_sq_value):
             self.scaler.update(True)
-            return StepResult(grad_norm=float("nan"), skipped=True, loss_scale=scale)
+            return StepResult(grad_norm=float("nan"), skipped=True, loss_scale=scale,
+                              params_norm=self._params_norm())
         grad_norm = math.sqrt(norm_sq_value)
         if self.config.clip_grad > 0:
             coefficient = self.config.clip_grad / (grad_norm + 1e-6)
             if coefficient < 1.0:
                 grads.mul_(coefficient)
+        num_zeros = None
+        if getattr(self.config, "log_num_zeros_in_grad", False):  # as Megatron-LM: after clipping
+            num_zeros = round(self._counted_once(
+                lambda part: part.numel() - torch.count_nonzero(part), grads))
 
         self._adamw(grads, lr, decoupled_lr)
         if self.buffer.shard:
@@ -230,7 +239,31 @@ class Optimizer:
         elif self.main is not self.buffer.param_data:
             self.buffer.param_data.copy_(self.main)
         self.scaler.update(False)
-        return StepResult(grad_norm=grad_norm, skipped=False, loss_scale=scale)
+        return StepResult(grad_norm=grad_norm, skipped=False, loss_scale=scale,
+                          params_norm=self._params_norm(), num_zeros=num_zeros)
+
+    def _counted_once(self, measure, tensor: torch.Tensor) -> float:
+        """The sum of `measure(piece)` over the pieces of `tensor` (in the
+        gradient buffer's coordinates) that the gradient norm counts: each
+        element once over all ranks (tensor, pipeline and expert shards,
+        data-parallel replicas). Summed in float64 and reduced over every rank."""
+        total = torch.zeros((), dtype=torch.float64, device=tensor.device)
+        for copies, ranges in self.norm_ranges_by_copies.items():
+            part = torch.zeros((), dtype=torch.float64, device=tensor.device)
+            for start, end in ranges:
+                for piece in range(start, end, DOT_PIECE):  # see step: 32-bit lengths
+                    part += measure(tensor[piece:min(end, piece + DOT_PIECE)])
+            total += part / copies
+        if self.ctx.world_group is not None:
+            dist.all_reduce(total, group=self.ctx.world_group)
+        return total.item()
+
+    def _params_norm(self) -> float | None:
+        """--log-params-norm: the L2 norm of the (fp32 main) weights, each
+        element counted once, like the gradient norm."""
+        if not getattr(self.config, "log_params_norm", False):
+            return None
+        return math.sqrt(self._counted_once(lambda part: torch.dot(part, part).double(), self.main))
 
     def _rate_groups(self, lr: float, decoupled_lr: float | None):
         """(rate, ranges it steps, of which decayed) for each learning rate;
@@ -318,8 +351,9 @@ def _fused_adamw(main: torch.Tensor, grads: torch.Tensor, exp_avg: torch.Tensor,
 
 
 def learning_rate(iteration: int, config: TrainConfig, global_batch: int = 1) -> float:
-    """LR of `iteration` (1-based) of an iteration-based run with a constant
-    global batch: Megatron-LM's schedule (ptdp.train.lr_schedule) after
-    iteration·B samples. Training itself asks its Trainer, which also knows
-    sample-based runs and ramp-ups."""
+    """The rate logged for `iteration` (1-based) of an iteration-based run
+    with a constant global batch, none skipped: Megatron-LM's schedule
+    (ptdp.train.lr_schedule) after iteration·B samples, which the next
+    iteration steps with. Training itself asks its Trainer, which also knows
+    sample-based runs, ramp-ups and skipped steps."""
     return LRSchedule.from_config(config, global_batch).lr(iteration * global_batch)

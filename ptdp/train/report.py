@@ -171,6 +171,10 @@ def format_log_line(record: dict[str, Any], train_iters: int) -> str:
     if record.get("moe_dropped_fraction") is not None:
         parts.append(f"dropped {record['moe_dropped_fraction']:.2%}")
     parts += [f"lr {number('lr', '.3e')}", f"grad norm {number('grad_norm', '.4f')}"]
+    if record.get("num_zeros") is not None:  # --log-num-zeros-in-grad
+        parts.append(f"num zeros {record['num_zeros']}")
+    if record.get("params_norm") is not None:  # --log-params-norm
+        parts.append(f"params norm {record['params_norm']:.4f}")
     if record.get("loss_scale", 1.0) != 1.0:
         parts.append(f"loss scale {record['loss_scale']:.0f}")
     skipped_total = record.get("skipped_iterations", int(bool(record.get("skipped"))))
@@ -279,6 +283,8 @@ TENSORBOARD_TAGS: dict[str, str] = {
     "lr": "train/learning_rate",
     "global_batch_size": "train/batch_size",
     "grad_norm": "train/grad_norm",
+    "num_zeros": "train/num_zeros",
+    "params_norm": "train/params_norm",
     "loss_scale": "train/loss_scale",
     "skipped_iterations": "train/skipped_iterations",
     "tokens_per_s": "throughput/tokens_per_s",
@@ -324,6 +330,21 @@ MEGATRON_TIMER_TAGS: dict[str, str] = {
     "pipeline_transfer_ms": "pipeline-transfer-time",
     "weight_grad_ms": "weight-grad-compute-time",
 }
+# Megatron-LM's own tags (training_log and evaluate_and_print_results), always
+# written beside ptdp's, so that a Megatron-LM run and a ptdp run overlay in
+# one TensorBoard: each by iteration and, as "TAG vs samples", by consumed
+# samples. The training ones every --tensorboard-log-interval iterations;
+# grad-norm not on a skipped step (Megatron-LM has none there either).
+MEGATRON_TRAINING_TAGS: dict[str, str] = {
+    "lr": "learning-rate",
+    "global_batch_size": "batch-size",
+    "loss": "lm loss",
+    "loss_scale": "loss-scale",
+    "grad_norm": "grad-norm",
+    "num_zeros": "num-zeros",
+    "params_norm": "params-norm",
+}
+MEGATRON_VALIDATION_TAGS: dict[str, str] = {"val_loss": "lm loss validation"}
 # --log-validation-ppl-to-tensorboard: Megatron-LM's tags for its "lm loss".
 VALIDATION_PPL_TAG = "lm loss validation ppl"
 # --log-throughput: Megatron-LM's tag, model TFLOP/s per device.
@@ -345,14 +366,19 @@ class TensorBoardLogger:
 
     `interval`: training scalars on iterations divisible by it (validation
     ones at every evaluation), Megatron-LM's --tensorboard-log-interval.
-    The other options add Megatron-LM's tags for quantities ptdp writes
-    under its own tags anyway, so dashboards made for Megatron-LM runs find
-    them: `timers` (seconds, MEGATRON_TIMER_TAGS), `validation_ppl`
+    Megatron-LM's main tags (MEGATRON_TRAINING_TAGS, MEGATRON_VALIDATION_TAGS:
+    'lm loss', 'learning-rate', 'grad-norm', ... and their "vs samples")
+    are always written beside ptdp's own (train/loss, ...), so a Megatron-LM
+    run and a ptdp run overlay; `global_batch_size` is the batch-size written
+    where the record has none (no ramp-up). The other options add Megatron-
+    LM's optional tags for quantities ptdp writes under its own tags anyway,
+    as Megatron-LM's flags of the same names do: `timers` (seconds, MEGATRON_TIMER_TAGS), `validation_ppl`
     (VALIDATION_PPL_TAG, by iteration and "... vs samples") and `throughput`
     (THROUGHPUT_TAG)."""
 
     def __init__(self, directory: str | Path, *, interval: int = 1, timers: bool = False,
-                 validation_ppl: bool = False, throughput: bool = False):
+                 validation_ppl: bool = False, throughput: bool = False,
+                 global_batch_size: int | None = None):
         if not isinstance(interval, int) or interval < 1:
             raise ValueError(f"--tensorboard-log-interval must be a positive integer, not {interval!r}")
         try:
@@ -365,6 +391,8 @@ class TensorBoardLogger:
         self.directory = Path(directory)
         self.interval, self.timers = interval, timers
         self.validation_ppl, self.throughput = validation_ppl, throughput
+        # Megatron-LM's batch-size where the record has none (no ramp-up).
+        self.global_batch_size = global_batch_size
         self.writer = SummaryWriter(log_dir=str(self.directory))
 
     @classmethod
@@ -373,7 +401,7 @@ class TensorBoardLogger:
         return cls(tr.tensorboard_dir, interval=tr.tensorboard_log_interval,
                    timers=tr.log_timers_to_tensorboard,
                    validation_ppl=tr.log_validation_ppl_to_tensorboard,
-                   throughput=tr.log_throughput)
+                   throughput=tr.log_throughput, global_batch_size=tr.global_batch_size)
 
     def log(self, record: dict[str, Any], step: int | None = None) -> None:
         step = record["iteration"] if step is None else step
@@ -384,6 +412,7 @@ class TensorBoardLogger:
                 self.writer.add_scalar(tag, value, step)
         if training:
             self._log_megatron_training(record, step)
+        self._megatron_scalars(MEGATRON_VALIDATION_TAGS, record, step)
         ppl = _finite(record.get("val_perplexity"))
         if self.validation_ppl and ppl is not None:
             self.writer.add_scalar(VALIDATION_PPL_TAG, ppl, step)
@@ -391,7 +420,19 @@ class TensorBoardLogger:
                 self.writer.add_scalar(VALIDATION_PPL_TAG + " vs samples", ppl,
                                        record["consumed_samples"])
 
+    def _megatron_scalars(self, tags: dict[str, str], record: dict[str, Any], step: int) -> None:
+        samples = record.get("consumed_samples")
+        for key, tag in tags.items():
+            value = _finite(record.get(key))
+            if value is None and key == "global_batch_size":
+                value = _finite(self.global_batch_size)
+            if value is not None:
+                self.writer.add_scalar(tag, value, step)
+                if samples is not None:
+                    self.writer.add_scalar(tag + " vs samples", value, samples)
+
     def _log_megatron_training(self, record: dict[str, Any], step: int) -> None:
+        self._megatron_scalars(MEGATRON_TRAINING_TAGS, record, step)
         if self.timers:
             for key, tag in MEGATRON_TIMER_TAGS.items():
                 value = _finite(record.get(key))
