@@ -32,8 +32,18 @@ from ptdp.parallel.sharding import COPY_ATTR, SHARD_ATTR, is_expert
 from ptdp.parallel.topology import ParallelContext
 from ptdp.train.lr_schedule import LRSchedule
 
-# The longest run of gradient elements given to one torch.dot (see step).
-DOT_PIECE = 1 << 30
+# The longest run of elements whose squares (or zeros) are summed at once:
+# bounded so that the squares' scratch stays small (64 MiB) and below CUDA's
+# 2^31-element limit, which a 2.7 B-parameter model's one range passed.
+PIECE = 1 << 24
+
+
+def sum_of_squares(piece: torch.Tensor) -> torch.Tensor:
+    """Σ x² in float64 by torch's reduction (pairwise on CPU, a tree on
+    GPUs). Not a BLAS dot: on CPU it accumulates in float32 and, over the
+    few hundred thousand elements of one range, was 2e-5 off the norm, as
+    much as a layout splitting the range differently then disagreed by."""
+    return torch.sum(piece.float().square(), dtype=torch.float64)
 
 
 def counts_in_norm(param: torch.nn.Parameter, ctx: ParallelContext) -> bool:
@@ -206,19 +216,7 @@ class Optimizer:
         # (data-parallel, or expert-data-parallel for routed experts; 1
         # under the distributed optimizer) enters at 1/c on each: so an inf
         # on any one replica still reaches every rank.
-        norm_sq = torch.zeros((), dtype=torch.float32, device=grads.device)
-        for copies, ranges in self.norm_ranges_by_copies.items():
-            part = torch.zeros((), dtype=torch.float32, device=grads.device)
-            for start, end in ranges:
-                # BLAS dot takes a 32-bit length (CUDA refuses 2^31 elements and
-                # more, a 2.7 B-parameter model's one buffer): long ranges go in pieces.
-                for piece in range(start, end, DOT_PIECE):
-                    segment = grads[piece:min(end, piece + DOT_PIECE)]
-                    part += torch.dot(segment, segment)
-            norm_sq += part / copies
-        if self.ctx.world_group is not None:
-            dist.all_reduce(norm_sq, group=self.ctx.world_group)
-        norm_sq_value = norm_sq.item()
+        norm_sq_value = self._counted_once(sum_of_squares, grads)
         if not math.isfinite(norm_sq_value):
             self.scaler.update(True)
             return StepResult(grad_norm=float("nan"), skipped=True, loss_scale=scale,
@@ -251,8 +249,8 @@ class Optimizer:
         for copies, ranges in self.norm_ranges_by_copies.items():
             part = torch.zeros((), dtype=torch.float64, device=tensor.device)
             for start, end in ranges:
-                for piece in range(start, end, DOT_PIECE):  # see step: 32-bit lengths
-                    part += measure(tensor[piece:min(end, piece + DOT_PIECE)])
+                for piece in range(start, end, PIECE):
+                    part += measure(tensor[piece:min(end, piece + PIECE)])
             total += part / copies
         if self.ctx.world_group is not None:
             dist.all_reduce(total, group=self.ctx.world_group)
@@ -263,7 +261,7 @@ class Optimizer:
         element counted once, like the gradient norm."""
         if not getattr(self.config, "log_params_norm", False):
             return None
-        return math.sqrt(self._counted_once(lambda part: torch.dot(part, part).double(), self.main))
+        return math.sqrt(self._counted_once(sum_of_squares, self.main))
 
     def _rate_groups(self, lr: float, decoupled_lr: float | None):
         """(rate, ranges it steps, of which decayed) for each learning rate;
