@@ -7,6 +7,7 @@ paper's sc21 interleaved-schedule runs. Each is run by bash as written, with
 `-m ptdp train`, what a user edits. docs/megatron-flags.md lists every flag
 they use and what ptdp does with it."""
 
+import dataclasses
 import json
 import os
 import re
@@ -205,3 +206,76 @@ def test_the_docs_table_covers_every_flag_the_scripts_use():
     train = parser._subparsers._group_actions[0].choices["train"]
     known = {option for action in train._actions for option in action.option_strings}
     assert documented - known == set()
+
+
+def _sentencepiece_data(folder: Path) -> tuple[Path, Path]:
+    """(tokenizer.model, data prefix): a SentencePiece model trained on the
+    demo corpus's lines and 25,000 of them preprocessed with it as
+    Llama2Tokenizer (enough documents for the script's 99990,8,2 split to
+    hold validation documents)."""
+    import io
+
+    spm = pytest.importorskip("sentencepiece")
+    from ptdp.data.corpus import read_works
+    from ptdp.data.preprocess import TokenizerSpec, preprocess
+
+    folder.mkdir()
+    lines = [line.strip() for _, text in read_works() for line in text.splitlines()
+             if len(line.strip()) > 20][:25_000]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines[:5000]), model_writer=model,
+                                   vocab_size=256, model_type="bpe", minloglevel=2)
+    tokenizer = folder / "tokenizer.model"
+    tokenizer.write_bytes(model.getvalue())
+    corpus = folder / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
+    preprocess([corpus], folder / "mixtral", TokenizerSpec("Llama2Tokenizer",
+                                                           tokenizer_model=str(tokenizer)),
+               append_eod=True, progress=False)
+    return tokenizer, folder / "mixtral_text_document"
+
+
+def _script_model(flags: list[str]):
+    """The model a script's flags describe, as `ptdp train` reads them."""
+    from ptdp.cli import config_from_args
+
+    return config_from_args(build_parser().parse_args(["train", *flags])).model
+
+
+def test_mixtral_8x7b_script_trains_and_its_model_equals_one_process_under_two_layouts(
+        tmp_path, pools):
+    """Megatron-LM's Mixtral script as written (Llama2Tokenizer data, 8
+    experts top-2 with the aux loss, alltoall dispatch, grouped GEMM, p = 2
+    with EP = 2 folded over d = 2, the distributed optimizer, bf16); then
+    its model, read from the flags the script gave, trains 3 steps under the
+    script's layout and under t = 2 with EP = 2 over the tensor ranks as one
+    process does (fp32: bf16 rounds differently under each layout)."""
+    from tests import test_moe_parallel as moe
+
+    tokenizer, data = _sentencepiece_data(tmp_path / "data")
+    checkpoints = tmp_path / "checkpoints"
+    result, argv = _run_script("mixtral_8x7b.sh", [str(checkpoints), str(tokenizer), str(data)],
+                               tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    flags = _train_flags(argv)
+    for flag in ("--tokenizer-type", "--moe-grouped-gemm", "--no-position-embedding", "--bf16"):
+        assert flag in flags
+    assert "ptdp: 4 processes (t=1, p=2, d=2), experts over EP=2 × ETP=1" in output
+    losses = _losses(output)
+    assert len(losses) == 4 and all(0 < x < 20 for x in losses), output
+    assert len(re.findall(r"val loss \d", output)) == 2
+    assert (checkpoints / "latest").read_text().strip() == "iter_0000004"
+    assert any((checkpoints / "tensorboard").rglob("events.out.tfevents.*"))
+
+    # The tokenizer gives the vocabulary at launch: the run says which.
+    vocabulary = int(re.search(r"vocabulary (\d+) padded", output).group(1))
+    model = dataclasses.replace(_script_model(flags), vocab_size=vocabulary)
+    assert (model.num_experts, model.moe_router_topk, model.moe_ffn_size) == (8, 2, 96)
+    layouts = [moe.Layout(p=2, d=2, ep=2, distributed=True, dispatcher="alltoall",
+                          grouped_gemm=True, model="mixtral"),
+               moe.Layout(t=2, d=2, ep=2, etp=1, sequence_parallel=True, model="mixtral")]
+    per_rank = pools(4).run(moe._layouts_vs_one_process, layouts, {"mixtral": model})
+    for i, layout in enumerate(layouts):
+        compared = set().union(*(results[i][1] for results in per_rank))
+        assert compared == set(moe.logical_shapes(model)), layout.name
