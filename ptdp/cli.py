@@ -481,7 +481,26 @@ def _as_megatron_does(config: Config) -> tuple[Config, list[str]]:
                     f"at iteration 0 (it is also --save: the next run resumes from what this one "
                     f"saves)" + (f"; {', '.join(unused)} {'has' if len(unused) == 1 else 'have'} "
                                  f"nothing to apply to" if unused else ""))
+    train, pretrained_note = _pretrained_checkpoint(train)
+    said += pretrained_note
     return dataclasses.replace(config, parallel=parallel, train=train), said
+
+
+def _pretrained_checkpoint(train) -> tuple[Any, list[str]]:
+    """--pretrained-checkpoint DIR, Megatron-LM's fine-tuning start: with no
+    checkpoint to resume in --load, the run is --load DIR --finetune."""
+    pretrained = train.pretrained_checkpoint
+    if not isinstance(pretrained, str):
+        return train, []
+    if isinstance(train.load, str) and not _nothing_to_resume(train.load):
+        return train, [f"ptdp: --pretrained-checkpoint {pretrained}: not used, --load "
+                       f"{train.load} holds a checkpoint, which the run resumes (as Megatron-LM "
+                       f"does)"]
+    return dataclasses.replace(train, load=pretrained, finetune=True), [
+        f"ptdp: --pretrained-checkpoint {pretrained}: "
+        + (f"--load {train.load} holds no checkpoint, so " if isinstance(train.load, str) else "")
+        + "the model's weights come from it, as with --load DIR --finetune (iteration 0, a fresh "
+          "optimizer and schedule), as Megatron-LM does"]
 
 
 def _mock_data_notes(config: Config, explicit: Sequence[str]) -> list[str]:

@@ -206,6 +206,35 @@ ACCEPTED: tuple[AcceptedFlag, ...] = (
     AcceptedFlag("--encoder-seq-length", 1,
                  "Megatron-LM's other name for --seq-length; the run's sequence length is this",
                  alias_of="model.seq_length"),
+    # Megatron-LM's model-configuration scripts (Qwen3-30B-A3B's) carry these.
+    AcceptedFlag("--optimizer", 1,
+                 "ptdp's optimizer is Adam with decoupled weight decay (AdamW), what Megatron-LM's "
+                 "adam is", choices=("adam", "sgd", "muon", "dist_muon", "lion", "soap",
+                                     "adaptive_muon"),
+                 refused_choices=("sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"),
+                 refusal="ptdp trains with Adam (decoupled weight decay, Megatron-LM's adam) only: "
+                 "give --optimizer adam or drop the flag"),
+    AcceptedFlag("--inference-max-seq-length", 1,
+                 "a setting of Megatron-LM's inference engine, which training does not use; "
+                 "`ptdp generate` takes any context up to the model's positions"),
+    AcceptedFlag("--inference-max-requests", 1,
+                 "a setting of Megatron-LM's inference engine, which training does not use"),
+    AcceptedFlag("--te-rng-tracker", 0,
+                 "Transformer Engine's random-state tracker; ptdp keeps its own per-rank streams "
+                 "(the same dropout masks under every layout)"),
+    AcceptedFlag("--dist-ckpt-strictness", 1,
+                 "how Megatron-LM's distributed checkpoints treat unexpected keys; ptdp's "
+                 "checkpoints are checked in full (every tensor's name, shape and checksum) "
+                 "whatever it says", choices=("assume_ok_unexpected", "log_unexpected", "log_all",
+                                              "raise_unexpected", "raise_all", "return_unexpected",
+                                              "return_all", "ignore_all")),
+    AcceptedFlag("--no-use-tokenizer-model-from-checkpoint-args", 0,
+                 "ptdp takes the tokenizer from the command line's flags, else from the "
+                 "checkpoint only when no tokenizer flag is given"),
+    AcceptedFlag("--tokenizer-hf-include-special-tokens", 0,
+                 "it changes how Megatron-LM's Hugging Face tokenizer encodes text, which training "
+                 "on preprocessed data or --mock-data does not do; `ptdp preprocess` encodes as "
+                 "the tokenizer.json says"),
 ) + tuple(AcceptedFlag(name, 1, "ptdp does not log to Weights & Biases; it writes TensorBoard "
                        "event files (--tensorboard-dir DIR), under Megatron-LM's tag names")
           for name in ("--wandb-project", "--wandb-exp-name", "--wandb-save-dir",

@@ -181,3 +181,22 @@ def test_tiktoken_flags_for_another_tokenizer_are_noted():
     assert config_notes(config) == ["ptdp: --tiktoken-pattern v2 has no effect: only "
                                     "--tokenizer-type TikTokenizer reads it, not the "
                                     "GPT2BPETokenizer"]
+
+
+def test_pretrained_checkpoint_is_a_fine_tune_only_without_a_checkpoint_to_resume(tmp_path):
+    """Megatron-LM's --pretrained-checkpoint: the weights to start from when
+    --load has nothing to resume; a checkpoint in --load is resumed instead."""
+    from ptdp.cli import _pretrained_checkpoint
+
+    config = config_from_args(_args("--pretrained-checkpoint", str(tmp_path / "base")))
+    train, said = _pretrained_checkpoint(config.train)
+    assert (train.load, train.finetune) == (str(tmp_path / "base"), True)
+    assert "as with --load DIR --finetune" in said[0]
+    resumed = tmp_path / "run"
+    resumed.mkdir()
+    (resumed / "latest").write_text("iter_0000004\n")
+    config = config_from_args(_args("--pretrained-checkpoint", str(tmp_path / "base"),
+                                    "--load", str(resumed)))
+    train, said = _pretrained_checkpoint(config.train)
+    assert (train.load, train.finetune) == (str(resumed), False)
+    assert f"--load {resumed} holds a checkpoint, which the run resumes" in said[0]

@@ -279,3 +279,84 @@ def test_mixtral_8x7b_script_trains_and_its_model_equals_one_process_under_two_l
     for i, layout in enumerate(layouts):
         compared = set().union(*(results[i][1] for results in per_rank))
         assert compared == set(moe.logical_shapes(model)), layout.name
+
+
+def _pretrained_qwen3_moe(folder: Path, vocabulary: int = 300) -> Path:
+    """A random Hugging Face Qwen3-MoE of the fixture's shrunk shape with a
+    word-level tokenizer.json, converted by `ptdp convert --from-hf`: the
+    script's --pretrained-checkpoint (and its tokenizer directory)."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from ptdp.cli import main
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=vocabulary, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+        max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        bos_token_id=0, eos_token_id=1)
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(5)
+    hf = transformers.AutoModelForCausalLM.from_config(config)
+    directory = folder / "hf"
+    hf.save_pretrained(str(directory))
+    words = {"<s>": 0, "</s>": 1, **{f"w{i}": i + 2 for i in range(vocabulary - 2)}}
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="</s>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens(["<s>", "</s>"])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    assert main(["convert", "--from-hf", str(directory), "--save", str(folder / "ckpt")]) == 0
+    return directory
+
+
+def test_qwen3_30b_a3b_model_trains_from_a_converted_checkpoint_and_equals_one_process(
+        tmp_path, pools):
+    """The Qwen3-30B-A3B model flags (q/k norms, heads twice h/a wide, 8 of
+    8 experts top-2, alltoall, --pretrained-checkpoint, the inference and
+    Transformer Engine flags): refused for --ckpt-format torch_dist only;
+    without that line it fine-tunes a converted Hugging Face Qwen3-MoE
+    under torchrun at t = 2, EP = 2 (× ETP 2) with sequence parallelism, in
+    bf16. Its model, read from the flags, trains under that layout and at
+    p = 2 with EP = 2 over d = 2 as one process does (fp32)."""
+    from tests import test_moe_parallel as moe
+
+    tokenizer = _pretrained_qwen3_moe(tmp_path / "pretrained")
+    extra = dict(CHECKPOINT=str(tmp_path / "pretrained" / "ckpt"), TOKENIZER=str(tokenizer),
+                 VOCAB_SIZE="300")
+    result, argv = _run_script("qwen3_30b_a3b.sh", [], tmp_path, **extra)
+    assert "  - --ckpt-format torch_dist: ptdp writes and reads its own" in result.stderr
+    problems = [line for line in result.stderr.split("ptdp: error: invalid configuration:")[1]
+                .splitlines() if line.startswith("  - ")]
+    assert len(problems) == 1, result.stderr
+    flags = _train_flags(argv)
+    at = flags.index("--ckpt-format")
+    flags = flags[:at] + flags[at + 2:]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+        env.pop(var, None)
+    trained = subprocess.run([TORCHRUN, "--nproc_per_node", "4", "--nnodes", "1", "--node_rank", "0",
+                              "--master_addr", "localhost", "--master_port", str(_free_port()),
+                              "-m", "ptdp", "train", *flags], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=600)
+    output = trained.stdout + trained.stderr
+    assert trained.returncode == 0, output
+    for note in ("--pretrained-checkpoint", "as with --load DIR --finetune",
+                 "--te-rng-tracker has no effect", "--inference-max-seq-length 32 has no effect",
+                 "--optimizer adam has no effect", "--dist-ckpt-strictness log_unexpected has no "
+                 "effect"):
+        assert note in output, note
+    assert "ptdp: 4 processes (t=2, p=1, d=2), experts over EP=2 × ETP=2" in output
+    losses = _losses(output)
+    assert len(losses) == 4 and all(0 < x < 20 for x in losses), output
+
+    model = _script_model(flags)
+    assert (model.kv_channels, model.qk_layernorm, model.num_experts) == (32, True, 8)
+    layouts = [moe.Layout(t=2, d=2, ep=2, sequence_parallel=True, dispatcher="alltoall",
+                          model="qwen3"),
+               moe.Layout(p=2, d=2, ep=2, model="qwen3")]
+    per_rank = pools(4).run(moe._layouts_vs_one_process, layouts, {"qwen3": model})
+    for i, layout in enumerate(layouts):
+        compared = set().union(*(results[i][1] for results in per_rank))
+        assert compared == set(moe.logical_shapes(model)), layout.name

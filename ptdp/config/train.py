@@ -173,6 +173,10 @@ class TrainConfig:
     load: str | None = flag(None, "--load",
                             "resume from the checkpoint in this directory (its `latest`, or one "
                             "iter_* directory), under any layout", metavar="DIR")
+    pretrained_checkpoint: str | None = flag(
+        None, "--pretrained-checkpoint",
+        "as Megatron-LM: when --load holds no checkpoint (or is not given), take the weights "
+        "from this checkpoint as --load DIR --finetune does; when it holds one, resume that")
     finetune: bool = flag(
         False, "--finetune",
         "with --load: take only the weights, and start at iteration 0 with a fresh optimizer, "
