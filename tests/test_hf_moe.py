@@ -333,3 +333,47 @@ def test_refuses_tensors_that_disagree_with_the_config():
     with pytest.raises(ConversionError, match=r"missing: layers\.1\.mlp\.experts\.0\."
                                               r"down_proj\.weight"):
         from_hf_state(state, config, "Qwen3-MoE")
+
+
+def test_a_mixtral_trained_at_t2_ep2_with_the_printed_command_exports_what_it_learned(
+        tmp_path, capsys):
+    """`ptdp convert --from-hf` on a Mixtral, then the command it prints
+    (5 iterations filled in), at t = 2 with EP = 2 over the tensor ranks;
+    the trained checkpoint exported again: transformers' logits equal the
+    one-process model's of that checkpoint, which differ from the imported
+    weights' (it trained)."""
+    import re
+    import shlex
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    hf = _hf_model(_hf_config("mixtral", num_local_experts=4, num_experts_per_tok=2,
+                              intermediate_size=16, num_key_value_heads=2,
+                              tie_word_embeddings=False))
+    directory, save, trained, export = (tmp_path / name for name in ("hf", "ck", "run", "back"))
+    hf.save_pretrained(str(directory))
+    capsys.readouterr()
+    assert main(["convert", "--from-hf", str(directory), "--save", str(save)]) == 0
+    printed = capsys.readouterr().out
+    command = re.search(r"train with: (ptdp train .*?)(?:$| \()", printed, re.M).group(1)
+    assert "--use-checkpoint-args" in command and "N" in shlex.split(command)
+    words = [("5" if word == "N" else word) for word in shlex.split(command)]
+    assert words[:2] == ["ptdp", "train"]
+    layout = ["-t", "2", "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+              "--sequence-parallel", "--seq-length", "16", "--lr", "1e-3", "--save", str(trained)]
+    result = subprocess.run([sys.executable, "-m", "ptdp", *words[1:], *layout],
+                            cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "(t=2, p=1, d=1), experts over EP=2 × ETP=1" in result.stdout
+    assert "iteration     5/5" in result.stdout
+
+    assert main(["convert", "--load", str(trained), "--to-hf", str(export)]) == 0
+    config, weights, _ = load_logical_model(trained)
+    tokens = _tokens()
+    ours = _our_logits(_ours(config.model, weights), tokens)
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(export), **EAGER).eval()
+    assert type(back).__name__ == "MixtralForCausalLM"
+    assert_close(_hf_logits(back, tokens), ours, **TOL)
+    assert (_hf_logits(hf, tokens) - ours).abs().max() > 1e-3  # the weights moved
