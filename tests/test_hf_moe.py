@@ -30,17 +30,14 @@ from ptdp.interop.hf_moe_config import (
     model_config_from_hf_config,
 )
 from ptdp.interop.logical import logical_shapes
-from ptdp.model.gpt import build_chunks
-from ptdp.parallel.topology import ParallelContext
 from ptdp.train.checkpoint import load_logical_model, save_logical_model
+from tests.test_hf_llama import TOL, VOCAB, _hf_logits, _logical_of, _our_logits, _ours, _tokens
 
 transformers = pytest.importorskip("transformers")
 
-TOL = dict(rtol=0.0, atol=1e-5)
 # transformers' default grouped_mm refuses expert widths whose rows are not
 # 16-byte aligned on CPU; its eager loop computes the same function.
 EAGER = dict(experts_implementation="eager")
-VOCAB = 97
 CLASSES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
            "qwen2_moe": "Qwen2MoeForCausalLM"}
 
@@ -94,41 +91,6 @@ def _hf_model(config, seed=3):
             elif name.endswith("gate.weight"):  # routers (and the shared gate) far from ties
                 param.normal_(0.0, 1.0)
     return model
-
-
-def _ours(config, logical=None, seed=1):
-    """The one-process model; with `logical`, holding those weights."""
-    model = build_chunks(config, ParallelContext.single(), torch.device("cpu"), seed=seed)[0].eval()
-    if logical is not None:
-        params = dict(model.named_parameters())
-        assert set(params) == set(logical)
-        with torch.no_grad():
-            for name, param in params.items():
-                param.zero_()
-                param[tuple(slice(0, n) for n in logical[name].shape)].copy_(logical[name])
-    return model
-
-
-def _logical_of(model, config):
-    state = {name: p.detach().clone() for name, p in model.named_parameters()}
-    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-        if name in state:
-            state[name] = state[name][:config.vocab_size]
-    return state
-
-
-def _tokens(seed=5, batch=2, length=20):
-    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def _our_logits(model, tokens):
-    with torch.no_grad():
-        return model(tokens).transpose(0, 1)[..., :VOCAB]
-
-
-def _hf_logits(model, tokens):
-    with torch.no_grad():
-        return model(tokens).logits
 
 
 # ------------------------------------------------------------------ HF -> ptdp
