@@ -97,7 +97,22 @@ def read_tiktoken_vocabulary(path: str | Path) -> list[bytes]:
     return tokens
 
 
-class TikTokenizer:
+class TiktokenEncoded:
+    """encode/decode of a tokenizer whose `_encoding` is a tiktoken Encoding
+    (GPT-2's and TikTokenizer): ordinary text, special tokens' text included."""
+    _encoding: "tiktoken.Encoding"
+
+    def encode(self, text: str) -> list[int]:
+        return self._encoding.encode_ordinary(text)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self._encoding.encode_ordinary_batch(list(texts))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._encoding.decode([int(i) for i in ids])
+
+
+class TikTokenizer(TiktokenEncoded):
     """Megatron-LM's TikTokenizer: see the module docstring."""
 
     name = "TikTokenizer"
@@ -120,15 +135,6 @@ class TikTokenizer:
         self._encoding = tiktoken.Encoding(
             name=Path(path).stem, pat_str=TIKTOKEN_PATTERNS[settings.pattern],
             mergeable_ranks=ranks, special_tokens=special_ids, explicit_n_vocab=self.vocab_size)
-
-    def encode(self, text: str) -> list[int]:
-        return self._encoding.encode_ordinary(text)
-
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return self._encoding.encode_ordinary_batch(list(texts))
-
-    def decode(self, ids: Iterable[int]) -> str:
-        return self._encoding.decode([int(i) for i in ids])
 
     def token_pieces(self, decoded_only: bool) -> dict[int, bytes]:
         decode = self._encoding.decode_single_token_bytes

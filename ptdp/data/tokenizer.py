@@ -38,6 +38,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Protocol, Sequence
 
+from ptdp.data.tiktoken_tokenizer import TiktokenEncoded
 from ptdp.data.tokenizer_error import TokenizerError
 
 # Tokenizers that turn text into ids (what `ptdp preprocess` can use) ...
@@ -75,7 +76,7 @@ class Tokenizer(Protocol):
     def decode(self, ids: Iterable[int]) -> str: ...
 
 
-class GPT2Tokenizer:
+class GPT2Tokenizer(TiktokenEncoded):
     """GPT-2's BPE from the shipped ranks, encoded by tiktoken."""
 
     name = "GPT2BPETokenizer"
@@ -89,15 +90,6 @@ class GPT2Tokenizer:
         self._encoding = tiktoken.Encoding(name="gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
                                            special_tokens={GPT2_EOD_TEXT: self.eod},
                                            explicit_n_vocab=self.vocab_size)
-
-    def encode(self, text: str) -> list[int]:
-        return self._encoding.encode_ordinary(text)
-
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return self._encoding.encode_ordinary_batch(list(texts))
-
-    def decode(self, ids: Iterable[int]) -> str:
-        return self._encoding.decode([int(i) for i in ids])
 
 
 def _check_demo_tokenizer(path: Path) -> None:
