@@ -35,7 +35,8 @@ for arg in sys.argv[1:]:
     argv += ["-m", "ptdp", "train"] if arg.endswith("pretrain_gpt.py") else [arg]
 with open(os.environ["PTDP_SCRIPT_ARGV"], "w") as out:
     out.write("\\0".join(argv))
-os.execv({real!r}, [{real!r}] + argv)
+if not os.environ.get("PTDP_SCRIPT_DRY_RUN"):  # a dry run records the command only
+    os.execv({real!r}, [{real!r}] + argv)
 """
 
 
@@ -312,7 +313,7 @@ def _pretrained_qwen3_moe(folder: Path, vocabulary: int = 300) -> Path:
 
 
 def test_qwen3_30b_a3b_model_trains_from_a_converted_checkpoint_and_equals_one_process(
-        tmp_path, pools):
+        tmp_path, pools, capsys, no_launch):
     """The Qwen3-30B-A3B model flags (q/k norms, heads twice h/a wide, 8 of
     8 experts top-2, alltoall, --pretrained-checkpoint, the inference and
     Transformer Engine flags): refused for --ckpt-format torch_dist only;
@@ -322,15 +323,22 @@ def test_qwen3_30b_a3b_model_trains_from_a_converted_checkpoint_and_equals_one_p
     p = 2 with EP = 2 over d = 2 as one process does (fp32)."""
     from tests import test_moe_parallel as moe
 
+    from ptdp.cli import main
+
     tokenizer = _pretrained_qwen3_moe(tmp_path / "pretrained")
     extra = dict(CHECKPOINT=str(tmp_path / "pretrained" / "ckpt"), TOKENIZER=str(tokenizer),
-                 VOCAB_SIZE="300")
+                 VOCAB_SIZE="300", PTDP_SCRIPT_DRY_RUN="1")
     result, argv = _run_script("qwen3_30b_a3b.sh", [], tmp_path, **extra)
-    assert "  - --ckpt-format torch_dist: ptdp writes and reads its own" in result.stderr
-    problems = [line for line in result.stderr.split("ptdp: error: invalid configuration:")[1]
-                .splitlines() if line.startswith("  - ")]
-    assert len(problems) == 1, result.stderr
+    assert result.returncode == 0, result.stderr
     flags = _train_flags(argv)
+    capsys.readouterr()
+    # Checked here before any process starts; -d 2 is what torchrun's four
+    # processes make of the script's t = 2.
+    assert main(["train", *flags, "--data-parallel-size", "2"]) == 2
+    error = capsys.readouterr().err
+    problems = [line for line in error.splitlines() if line.startswith("  - ")]
+    assert len(problems) == 1 and problems[0].startswith(
+        "  - --ckpt-format torch_dist: ptdp writes and reads its own"), error
     at = flags.index("--ckpt-format")
     flags = flags[:at] + flags[at + 2:]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
