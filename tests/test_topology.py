@@ -1,14 +1,17 @@
-"""The rank grid: tensor innermost, then data, then pipeline; every kind of
-group partitions the ranks; the real process groups connect exactly the
-ranks the grid says."""
+"""The rank grid: tensor innermost, then context, then data, then pipeline;
+every kind of group partitions the ranks and equals Megatron-Core's (computed
+here independently from its order, tp-cp-ep-dp-pp); the real process groups
+connect exactly the ranks the grid says."""
 
 import itertools
+import math
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from ptdp.parallel.topology import GROUP_KINDS, ParallelContext, RankGrid, group_table
+from ptdp.parallel.topology import CONTEXT_GROUP_KINDS, EXPERT_GROUP_KINDS, GROUP_KINDS, \
+    ParallelContext, RankGrid, group_table
 
 LAYOUTS = [RankGrid(t, d, p) for t, d, p in itertools.product([1, 2, 3, 4], [1, 2, 3], [1, 2, 4])]
 
@@ -106,16 +109,121 @@ def test_expert_folding_example():
         RankGrid(tp=2, dp=2, pp=1, ep=4)
 
 
+def megatron_groups(sizes: dict[str, int], order: str, token: str) -> list[list[int]]:
+    """Megatron-Core's groups of the dimensions in `token` ("tp-cp"), with
+    the ranks laid out in `order` ("tp-cp-dp-pp": the first innermost):
+    rank = Σ coordinate · (product of the sizes before it). Groups are listed
+    with the other dimensions' coordinates, the first fastest; the ranks of a
+    group with its own dimensions' coordinates, the first fastest."""
+    names = order.split("-")
+    strides = [math.prod(sizes[n] for n in names[:i]) for i in range(len(names))]
+    inside = [i for i, n in enumerate(names) if n in token.split("-")]
+    outside = [i for i in range(len(names)) if i not in inside]
+
+    def enumerate_fastest_first(dims):  # itertools.product varies its last factor fastest
+        for values in itertools.product(*(range(sizes[names[i]]) for i in reversed(dims))):
+            yield dict(zip(reversed(dims), values))
+
+    return [[sum(strides[i] * {**fixed, **free}[i] for i in range(len(names)))
+             for free in enumerate_fastest_first(inside)]
+            for fixed in enumerate_fastest_first(outside)]
+
+
+CONTEXT_LAYOUTS = [RankGrid(t, d, p, ep=ep, etp=etp, cp=c)
+                   for t, c, d, p in itertools.product([1, 2, 4], [1, 2, 3, 4], [1, 2], [1, 2, 3])
+                   for ep in (1, 2, 4) for etp in (None, 1, 2)
+                   if (t * c * d) % (ep * (t if etp is None else etp)) == 0]
+
+
+@pytest.mark.parametrize("grid", CONTEXT_LAYOUTS,
+                         ids=lambda g: f"t{g.tp}c{g.cp}d{g.dp}p{g.pp}ep{g.ep}etp{g.etp}")
+def test_every_group_is_megatron_cores(grid):
+    """Every kind of group, dense and expert, with context parallelism: the
+    same groups in the same order as Megatron-Core's rank generators (dense:
+    tp-cp-dp-pp; experts: tp-ep-dp-pp over the same ranks, cp folded into
+    the expert data-parallel size), and each kind partitions the ranks."""
+    dense = {"tp": grid.tp, "cp": grid.cp, "dp": grid.dp, "pp": grid.pp}
+    expert = {"tp": grid.expert_tp, "ep": grid.ep, "dp": grid.expert_dp, "pp": grid.pp}
+    assert math.prod(expert.values()) == math.prod(dense.values()) == grid.world_size
+    expected = {
+        "tensor": megatron_groups(dense, "tp-cp-dp-pp", "tp"),
+        "context": megatron_groups(dense, "tp-cp-dp-pp", "cp"),
+        "data": megatron_groups(dense, "tp-cp-dp-pp", "dp"),
+        "data_context": megatron_groups(dense, "tp-cp-dp-pp", "dp-cp"),
+        "tensor_context": megatron_groups(dense, "tp-cp-dp-pp", "tp-cp"),
+        "pipeline": megatron_groups(dense, "tp-cp-dp-pp", "pp"),
+        "model_parallel": megatron_groups(dense, "tp-cp-dp-pp", "tp-pp"),
+        "expert_tensor": megatron_groups(expert, "tp-ep-dp-pp", "tp"),
+        "expert": megatron_groups(expert, "tp-ep-dp-pp", "ep"),
+        "expert_data": megatron_groups(expert, "tp-ep-dp-pp", "dp"),
+        "expert_dispatch": megatron_groups(expert, "tp-ep-dp-pp", "tp-ep"),
+    }
+    assert set(expected) == set(GROUP_KINDS + EXPERT_GROUP_KINDS + CONTEXT_GROUP_KINDS) - {"embedding"}
+    for kind, groups in expected.items():
+        assert grid.groups_of(kind) == groups, kind
+        assert sorted(itertools.chain.from_iterable(groups)) == list(range(grid.world_size)), kind
+    # Megatron-Core's pipeline groups are the same for the experts: no expert group leaves a stage.
+    assert megatron_groups(expert, "tp-ep-dp-pp", "pp") == expected["pipeline"]
+    assert grid.embedding_groups() == [sorted({g[0], g[-1]}) for g in expected["pipeline"]]
+    for rank in range(grid.world_size):
+        x = grid.coord(rank)
+        assert rank == x.tp + grid.tp * (x.cp + grid.cp * (x.dp + grid.dp * x.pp))
+        assert grid.rank(x.tp, x.dp, x.pp, x.cp) == rank
+        # Member i of the gradients' group is (cp, dp) = (i mod c, i div c).
+        assert grid.group_containing("data_context", rank).index(rank) == x.cp + grid.cp * x.dp
+        e = grid.expert_coord(rank)
+        assert grid.expert_rank(e.etp, e.ep, e.edp, e.pp) == rank and e.pp == x.pp
+
+
+@pytest.mark.parametrize("grid", LAYOUTS, ids=lambda g: f"t{g.tp}d{g.dp}p{g.pp}")
+def test_one_context_rank_is_the_grid_without_context(grid):
+    """c = 1: Megatron-Core's tp-dp-pp grid; the context groups are single
+    ranks and the gradients' group is the data-parallel one."""
+    sizes = {"tp": grid.tp, "dp": grid.dp, "pp": grid.pp}
+    for kind, token in (("tensor", "tp"), ("data", "dp"), ("pipeline", "pp"),
+                        ("model_parallel", "tp-pp")):
+        assert grid.groups_of(kind) == megatron_groups(sizes, "tp-dp-pp", token), kind
+    assert grid.context_groups() == [[r] for r in range(grid.world_size)]
+    assert grid.data_context_groups() == grid.data_groups()
+    assert grid.tensor_context_groups() == grid.tensor_groups()
+    assert grid == RankGrid(grid.tp, grid.dp, grid.pp, cp=1)
+    assert group_table(grid) == group_table(RankGrid(grid.tp, grid.dp, grid.pp, cp=1))
+    assert "context" not in group_table(grid)
+
+
+def test_context_example():
+    # 16 ranks, t = 2, c = 2, d = 2, p = 2.
+    grid = RankGrid(tp=2, dp=2, pp=2, cp=2)
+    assert grid.tensor_groups()[:3] == [[0, 1], [2, 3], [4, 5]]
+    assert grid.context_groups()[:3] == [[0, 2], [1, 3], [4, 6]]
+    assert grid.data_groups()[:3] == [[0, 4], [1, 5], [2, 6]]
+    assert grid.data_context_groups()[:2] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert grid.tensor_context_groups()[:2] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert grid.pipeline_groups()[:2] == [[0, 8], [1, 9]]
+    assert grid.model_parallel_groups()[:2] == [[0, 1, 8, 9], [2, 3, 10, 11]]
+    assert "| context | [0,2] [1,3] [4,6]" in group_table(grid)
+    # EP 4 with ETP 1 folds the t·c·d = 8 ranks of a stage: EDP 2 spans data and context ranks.
+    grid = RankGrid(tp=2, dp=1, pp=1, cp=2, ep=4, etp=1)
+    assert grid.expert_groups() == [[0, 1, 2, 3]]
+    grid = RankGrid(tp=2, dp=2, pp=1, cp=2, ep=2, etp=2)
+    assert grid.expert_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert grid.expert_data_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    with pytest.raises(ValueError, match=r"EP 8 × ETP 1 does not divide the 4 ranks \(t·c·d\)"):
+        RankGrid(tp=1, dp=2, pp=1, cp=2, ep=8, etp=1)
+    with pytest.raises(ValueError, match="a grid with 2 context ranks needs the context coordinate"):
+        RankGrid(tp=1, dp=1, pp=2, cp=2).rank(0, 0, 1)
+
+
 def test_coordinates_outside_the_grid_are_rejected():
     with pytest.raises(ValueError, match="rank 8 outside a world of 8"):
         RankGrid(2, 2, 2).coord(8)
 
 
-def _probe_groups(rank, t, d, p):
+def _probe_groups(rank, t, d, p, c=1):
     """Sum each rank's id over each of its groups; return what it saw."""
-    ctx = ParallelContext.build(RankGrid(tp=t, dp=d, pp=p))
+    ctx = ParallelContext.build(RankGrid(tp=t, dp=d, pp=p, cp=c))
     seen = {}
-    for kind in GROUP_KINDS:
+    for kind in GROUP_KINDS + CONTEXT_GROUP_KINDS:
         if kind not in ctx.groups:  # middle pipeline stages hold no embedding copy
             continue
         group = ctx.groups[kind]
@@ -124,29 +232,38 @@ def _probe_groups(rank, t, d, p):
             dist.all_reduce(value, group=group)
         seen[kind] = int(value.item())
     c = ctx.coord
-    return seen, (c.tp, c.dp, c.pp), ctx.prev_rank, ctx.next_rank, ctx.is_first_stage, ctx.is_last_stage
+    # The gradients' replicas: the data group at c = 1 (the same process group).
+    same = ctx.grad_reduce_group is ctx.dp_group
+    sizes = (ctx.cp_size, ctx.cp_rank, ctx.grad_reduce_size, ctx.grad_reduce_rank, same)
+    return (seen, (c.tp, c.dp, c.pp, c.cp), ctx.prev_rank, ctx.next_rank, ctx.is_first_stage,
+            ctx.is_last_stage, sizes)
 
 
-@pytest.mark.parametrize("t,d,p", [(2, 2, 2), (4, 1, 2), (1, 2, 4), (2, 4, 1), (8, 1, 1), (1, 1, 8)])
-def test_process_groups_connect_the_grid_ranks(pools, t, d, p):
-    grid = RankGrid(t, d, p)
-    results = pools(8).run(_probe_groups, t, d, p)
-    for rank, (seen, coord, prev_rank, next_rank, first, last) in enumerate(results):
-        c = grid.coord(rank)
-        assert coord == (c.tp, c.dp, c.pp)
-        for kind in GROUP_KINDS:
-            if kind == "embedding" and 0 < c.pp < p - 1:
+@pytest.mark.parametrize("t,d,p,c", [(2, 2, 2, 1), (4, 1, 2, 1), (1, 2, 4, 1), (2, 4, 1, 1),
+                                     (8, 1, 1, 1), (1, 1, 8, 1), (2, 2, 1, 2), (1, 2, 2, 2)])
+def test_process_groups_connect_the_grid_ranks(pools, t, d, p, c):
+    grid = RankGrid(t, d, p, cp=c)
+    results = pools(8).run(_probe_groups, t, d, p, c)
+    for rank, (seen, coord, prev_rank, next_rank, first, last, sizes) in enumerate(results):
+        x = grid.coord(rank)
+        assert coord == (x.tp, x.dp, x.pp, x.cp)
+        members = grid.group_containing("data_context", rank)
+        assert sizes == (c, x.cp, d * c, members.index(rank), c == 1)
+        for kind in GROUP_KINDS + CONTEXT_GROUP_KINDS:
+            if kind == "embedding" and 0 < x.pp < p - 1:
                 assert kind not in seen
                 continue
             members = grid.group_containing(kind, rank)
             assert seen[kind] == sum(1 << m for m in members), (kind, rank)
-        assert first == (c.pp == 0) and last == (c.pp == p - 1)
-        assert prev_rank == (None if c.pp == 0 else grid.rank(c.tp, c.dp, c.pp - 1))
-        assert next_rank == (None if c.pp == p - 1 else grid.rank(c.tp, c.dp, c.pp + 1))
+        assert first == (x.pp == 0) and last == (x.pp == p - 1)
+        assert prev_rank == (None if x.pp == 0 else grid.rank(x.tp, x.dp, x.pp - 1, x.cp))
+        assert next_rank == (None if x.pp == p - 1 else grid.rank(x.tp, x.dp, x.pp + 1, x.cp))
 
 
 def test_single_context_has_no_groups():
     ctx = ParallelContext.single()
-    assert ctx.tp_size == ctx.dp_size == ctx.pp_size == 1
-    assert all(ctx.groups[k] is None for k in GROUP_KINDS)
+    assert ctx.tp_size == ctx.dp_size == ctx.pp_size == ctx.cp_size == ctx.grad_reduce_size == 1
+    assert ctx.cp_rank == ctx.grad_reduce_rank == 0
+    assert all(ctx.groups[k] is None for k in GROUP_KINDS + CONTEXT_GROUP_KINDS)
+    assert ctx.cp_group is ctx.grad_reduce_group is ctx.tp_cp_group is None
     assert ctx.is_first_stage and ctx.is_last_stage and ctx.next_rank is None

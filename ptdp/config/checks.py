@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 from ptdp.plural import plural
 from ptdp.config.base import ConfigError, divisors, is_count, is_finite_number, nearest_multiple
+from ptdp.config.context import context_parallel_not_wired, context_parallel_problems
 from ptdp.config.data import data_loading_problems
 from ptdp.config.layer_split import split_problems
 from ptdp.config.model import ModelConfig, architecture_problems, dropout_problems, \
@@ -29,8 +30,8 @@ def validate(config: Config, world_size: int | None = None) -> None:
     """Check every constraint; raise ConfigError listing all problems.
 
     `world_size` is the number of processes the job actually has (under
-    torchrun or SLURM); for a local launch it is None and t·p·d processes will
-    be started.
+    torchrun or SLURM); for a local launch it is None and t·c·p·d processes
+    will be started.
     """
     m, par, tr = config.model, config.parallel, config.train
     count_problems = (model_count_problems(m) + moe_count_problems(m) + parallel_count_problems(par)
@@ -52,6 +53,7 @@ def validate(config: Config, world_size: int | None = None) -> None:
     problems.extend(optimizer_problems(tr))
     problems.extend(stopping_problems(tr))
     problems.extend(_megatron_shape_problems(config))
+    problems.extend(context_parallel_not_wired(par))
     problems.extend(resume_control_problems(tr))
     problems.extend(loss_and_rate_problems(tr))
     problems.extend(logging_problems(tr))
@@ -64,6 +66,7 @@ def validate(config: Config, world_size: int | None = None) -> None:
     d, world_problems = _data_parallel_size(par, world_size)
     problems.extend(world_problems)
     problems.extend(_tensor_problems(m, par, world_size))
+    problems.extend(context_parallel_problems(m, par, world_size))
     problems.extend(position_problems(m))
     pipeline_problems, offered_pipeline_sizes = _pipeline_problems(m, par, tr, d, world_size)
     problems.extend(pipeline_problems)
@@ -114,11 +117,6 @@ def _megatron_shape_problems(config: Config) -> list[str]:
     if is_finite_number(m.rotary_percent) and m.rotary_percent != 1.0:  # (else: _float_problems)
         problems.append(f"--rotary-percent {m.rotary_percent}: ptdp rotates the whole of each head "
                         f"(partial rotary embeddings are not implemented): use 1.0 or leave it out")
-    if par.context_parallel_size != 1:
-        problems.append(
-            f"--context-parallel-size {par.context_parallel_size}: ptdp has no context "
-            f"parallelism; to split long sequences over the tensor-parallel ranks use "
-            f"--sequence-parallel, or add data parallelism: use --context-parallel-size 1")
     if m.activations_checkpoint_method is not None and (
             m.recompute_granularity != "full" or m.recompute_method != m.activations_checkpoint_method):
         problems.append(
@@ -154,23 +152,28 @@ def _interleaved(par: ParallelConfig) -> bool:
 
 
 def _data_parallel_size(par: ParallelConfig, world_size: int | None) -> tuple[int, list[str]]:
-    """d, and what is wrong with the world size against t·p and --data-parallel-size."""
-    t, p = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    """d, and what is wrong with the world size against t·c·p and --data-parallel-size."""
+    t, c, p = (par.tensor_model_parallel_size, par.context_parallel_size,
+               par.pipeline_model_parallel_size)
+    model = t * c * p  # the ranks of one data-parallel replica
+    # The context size is named only when it is used (the messages at c = 1 as before).
+    sizes = (f"--tensor-model-parallel-size {t} × "
+             + (f"--context-parallel-size {c} × " if c > 1 else "")
+             + f"--pipeline-model-parallel-size {p}")
     problems = []
     if world_size is not None:
-        if world_size % (t * p):
+        if world_size % model:
+            product, names = ("t·c·p", "t, c and p") if c > 1 else ("t·p", "t and p")
             problems.append(
-                f"the job has {plural(world_size, 'process')}, not a multiple of --tensor-model-parallel-size "
-                f"{t} × --pipeline-model-parallel-size {p} = {t * p}: choose t and p with t·p in "
-                f"{divisors(world_size)}")
+                f"the job has {plural(world_size, 'process')}, not a multiple of {sizes} = "
+                f"{model}: choose {names} with {product} in {divisors(world_size)}")
             d = par.dp
         else:
-            d = world_size // (t * p)
+            d = world_size // model
             if par.data_parallel_size is not None and par.data_parallel_size != d:
                 problems.append(
-                    f"the job has {plural(world_size, 'process')} but --tensor-model-parallel-size {t} × "
-                    f"--pipeline-model-parallel-size {p} × --data-parallel-size "
-                    f"{par.data_parallel_size} = {t * p * par.data_parallel_size}: use "
+                    f"the job has {plural(world_size, 'process')} but {sizes} × --data-parallel-size "
+                    f"{par.data_parallel_size} = {model * par.data_parallel_size}: use "
                     f"--data-parallel-size {d} or leave it out")
     else:
         d = par.dp
@@ -196,6 +199,7 @@ def _tensor_problems(m: ModelConfig, par: ParallelConfig, world_size: int | None
     """The heads, query groups, MLP and sequence against the tensor-parallel size."""
     t, p, h, a = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                   m.hidden_size, m.num_attention_heads)
+    c = par.context_parallel_size  # (with c > 1 the context checks hold the sequence's rule)
     g, grouped = m.query_groups, m.query_groups != m.num_attention_heads
     problems = []
 
@@ -212,15 +216,15 @@ def _tensor_problems(m: ModelConfig, par: ParallelConfig, world_size: int | None
     def tp_ok(tp: int) -> bool:
         """Whether t = tp would satisfy every tensor-parallel rule at once."""
         return (shape_ok(h, a, tp) and g % tp == 0 and m.ffn_size % tp == 0
-                and (world_size is None or world_size % (tp * p) == 0)
-                and (not par.sequence_parallel or (tp > 1 and m.seq_length % tp == 0)))
+                and (world_size is None or world_size % (tp * c * p) == 0)
+                and (not par.sequence_parallel or (tp > 1 and m.seq_length % (c * tp) == 0)))
 
     tp_options = [x for x in divisors(a) if x != t and tp_ok(x)] if h % a == 0 else []
     # The one problem that offers them: the heads', else the query groups', else
     # the sequence's; the others' values hold at t and at each one offered.
     heads_problem = bool(h % a or a % t)
     groups_problem = grouped and not (a % g or a % t) and g % t != 0
-    sequence_problem = par.sequence_parallel and t > 1 and m.seq_length % t != 0
+    sequence_problem = par.sequence_parallel and t > 1 and m.seq_length % t != 0 and c == 1
     offers_tp = ("heads" if heads_problem and a % t else
                  None if heads_problem else
                  "groups" if groups_problem else "sequence" if sequence_problem else None)
@@ -238,7 +242,7 @@ def _tensor_problems(m: ModelConfig, par: ParallelConfig, world_size: int | None
             alternatives.append(offer_tp)
         if a % t == 0:
             alternatives += [f"--hidden-size {x}" for x in _closest(h, a, lambda x: shape_ok(x, a, t))]
-        if world_size is not None and world_size % t and offers_tp == "heads" and tp_options:
+        if world_size is not None and world_size % (t * c) and offers_tp == "heads" and tp_options:
             pass  # t cannot stay (the job's processes are not a multiple of it): only t's sizes
         elif head_options:
             alternatives.append(f"--num-attention-heads in {head_options}")
@@ -305,7 +309,8 @@ def _pipeline_problems(m: ModelConfig, par: ParallelConfig, tr: TrainConfig, d: 
     def p_fits(x: int) -> bool:
         """Whether p = x fits the world, and the batch wherever the batch fits p
         (where it does not, the batch's own hint holds at x too)."""
-        return ((world_size is None or world_size % (par.tensor_model_parallel_size * x) == 0)
+        return ((world_size is None
+                 or world_size % (par.tensor_model_parallel_size * par.context_parallel_size * x) == 0)
                 and (not _batch_fits(tr, par, d, p) or _batch_fits(tr, par, d, x)))
 
     # Layers over pipeline stages and model chunks (k layers per chunk).
@@ -346,7 +351,8 @@ def _pipeline_problems(m: ModelConfig, par: ParallelConfig, tr: TrainConfig, d: 
         if l % p:
             offered += stage_options
             # p cannot stay where the job's processes are not a multiple of t·p.
-            p_must_change = world_size is not None and world_size % (par.tensor_model_parallel_size * p)
+            p_must_change = world_size is not None and world_size % (
+                par.tensor_model_parallel_size * par.context_parallel_size * p)
             problems.append(
                 f"--num-layers {l} is not divisible by --pipeline-model-parallel-size {p}: use "
                 + (f"--pipeline-model-parallel-size in {stage_options}" if stage_options else "")

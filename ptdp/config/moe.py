@@ -395,7 +395,7 @@ def _load_balancing_problems(m: Any) -> list[str]:
 
 
 def expert_parallel_problems(m: Any, par: Any, world_size: int | None) -> list[str]:
-    """The expert layout (EP × ETP folded over the t·d ranks of a pipeline
+    """The expert layout (EP × ETP folded over the t·c·d ranks of a pipeline
     stage) against the model and the layout."""
     EP, ETP_given = par.expert_model_parallel_size, par.expert_tensor_parallel_size
     t, p = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
@@ -408,8 +408,10 @@ def expert_parallel_problems(m: Any, par: Any, world_size: int | None) -> list[s
                 f"is not given: add --num-experts E or drop "
                 f"{'it' if len(given) == 1 else 'them'}"]
     E, ETP = m.num_experts, par.expert_tensor_size
-    d = world_size // (t * p) if world_size is not None and world_size % (t * p) == 0 else par.dp
-    ranks = t * d  # one pipeline stage's ranks (no context parallelism in ptdp)
+    c = par.context_parallel_size
+    d = (world_size // (t * c * p) if world_size is not None and world_size % (t * c * p) == 0
+         else par.dp)
+    ranks = t * c * d  # one pipeline stage's ranks
     problems = []
 
     def ep_ok(ep: int) -> bool:
@@ -422,11 +424,12 @@ def expert_parallel_problems(m: Any, par: Any, world_size: int | None) -> list[s
                         f"--expert-model-parallel-size in {ep_options or divisors(E)}")
     if ranks % (EP * ETP):
         etp_options = [x for x in divisors(ranks) if ranks % (EP * x) == 0]
-        fewest_d = EP * ETP // math.gcd(t, EP * ETP)  # the smallest d with t·d divisible by EP·ETP
+        fewest_d = EP * ETP // math.gcd(t * c, EP * ETP)  # the least d: t·c·d divisible by EP·ETP
+        context, tcd = (f" × --context-parallel-size {c}", "t·c·d") if c > 1 else ("", "t·d")
         problems.append(
             f"--expert-model-parallel-size {EP} × --expert-tensor-parallel-size {ETP} = {EP * ETP} "
-            f"does not divide --tensor-model-parallel-size {t} × data-parallel size {d} = {ranks} "
-            f"(the t·d ranks of a pipeline stage are re-folded into ETP × EP × expert-data-"
+            f"does not divide --tensor-model-parallel-size {t}{context} × data-parallel size {d} = "
+            f"{ranks} (the {tcd} ranks of a pipeline stage are re-folded into ETP × EP × expert-data-"
             f"parallel): use --expert-model-parallel-size in {ep_options or [1]}"
             + (f" or --expert-tensor-parallel-size in {etp_options}" if etp_options else "")
             + (f" or --data-parallel-size {fewest_d}" if world_size is None else ""))

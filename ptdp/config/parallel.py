@@ -1,4 +1,4 @@
-"""The parallel section: the layout (tensor, pipeline and data-parallel sizes),
+"""The parallel section: the layout (tensor, context, pipeline and data-parallel sizes),
 the pipeline schedule and its model chunks, how layers split over the stages,
 sequence parallelism, the device and the collectives' timeout. Its checks look
 at these settings alone; the layout against the model and the batch is
@@ -20,7 +20,7 @@ class ParallelConfig:
                                              "pipeline-parallel size p", short="-p")
     data_parallel_size: int | None = flag(
         None, "--data-parallel-size",
-        "data-parallel size d for local launches (under torchrun/SLURM: world size / (t·p))",
+        "data-parallel size d for local launches (under torchrun/SLURM: world size / (t·c·p))",
         short="-d")
     num_layers_per_virtual_pipeline_stage: int | None = flag(
         None, "--num-layers-per-virtual-pipeline-stage",
@@ -66,8 +66,17 @@ class ParallelConfig:
         "receiving tensor group", negate=True)
     context_parallel_size: int = flag(
         1, "--context-parallel-size",
-        "context parallelism (the sequence split over ranks inside attention): ptdp has none, "
-        "so only 1")
+        "context-parallel size c: each sequence cut into 2c chunks, context rank r holding "
+        "chunks r and 2c-1-r (equal causal work), attention exchanging keys and values over "
+        "the c ranks; parameters replicated, gradients reduced over data × context ranks; "
+        "needs --seq-length divisible by 2c")
+    cp_comm_type: str = flag(
+        "p2p", "--cp-comm-type",
+        "how attention reaches the other context ranks' keys and values: p2p (a ring passing "
+        "key/value blocks, overlapped with attention), all_gather (gather them, then attend) or "
+        "a2a (all-to-all trading the sequence split for a head split, DeepSpeed-Ulysses; needs "
+        "heads and key/value groups per tensor rank divisible by c)",
+        choices=("p2p", "all_gather", "a2a"))
     expert_model_parallel_size: int = flag(
         1, "--expert-model-parallel-size",
         "expert-parallel size EP: each MoE layer's experts split over EP ranks (E/EP each)")
@@ -92,8 +101,15 @@ class ParallelConfig:
         return self.expert_tensor_parallel_size
 
     @property
+    def ranks_per_replica(self) -> int:
+        """t·c·p: the ranks one data-parallel replica spans (Megatron-LM's
+        total_model_size); the world is d of them."""
+        return (self.tensor_model_parallel_size * self.context_parallel_size
+                * self.pipeline_model_parallel_size)
+
+    @property
     def world_size(self) -> int:
-        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.dp
+        return self.ranks_per_replica * self.dp
 
     @property
     def schedule_kind(self) -> str:
@@ -125,8 +141,8 @@ def parallel_count_problems(par: ParallelConfig) -> list[str]:
     """The layout's sizes that must be positive integers."""
     return positive_integer_problems(
         par, ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
-              "num_layers_per_virtual_pipeline_stage", "expert_model_parallel_size",
-              "expert_tensor_parallel_size"),
+              "context_parallel_size", "num_layers_per_virtual_pipeline_stage",
+              "expert_model_parallel_size", "expert_tensor_parallel_size"),
         optional=("data_parallel_size", "num_layers_per_virtual_pipeline_stage",
                   "expert_tensor_parallel_size"))
 

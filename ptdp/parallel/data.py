@@ -56,8 +56,8 @@ from ptdp.parallel.topology import ParallelContext
 @dataclass(frozen=True)
 class Replicas:
     """The ranks holding the same values as this one, over which a bucket's
-    gradients are reduced: the data-parallel group, or for routed experts
-    the expert-data-parallel one."""
+    gradients are reduced: the data × context group (the data-parallel group
+    when c = 1), or for routed experts the expert-data-parallel one."""
     group: Any       # None: one rank
     size: int
     rank: int
@@ -66,7 +66,7 @@ class Replicas:
     def of(cls, ctx: ParallelContext, expert: bool) -> "Replicas":
         if expert:
             return cls(ctx.expert_data_group, ctx.edp_size, ctx.edp_rank)
-        return cls(ctx.dp_group, ctx.dp_size, ctx.dp_rank)
+        return cls(ctx.grad_reduce_group, ctx.grad_reduce_size, ctx.grad_reduce_rank)
 
 
 @dataclass

@@ -1,20 +1,29 @@
 """The rank grid and its process groups.
 
-Ranks are laid out with the tensor dimension innermost, then data, then
-pipeline (Megatron-LM's default order), so a tensor group is t consecutive
-ranks, i.e. GPUs of one server joined by the fastest links:
+Ranks are laid out with the tensor dimension innermost, then context, then
+data, then pipeline (Megatron-Core's default order, tp-cp-ep-dp-pp), so a
+tensor group is t consecutive ranks, i.e. GPUs of one server joined by the
+fastest links, and a context group, whose ring passes key/value blocks every
+layer, comes next:
 
-    rank = tp_rank + t · (dp_rank + d · pp_rank)
+    rank = tp_rank + t · (cp_rank + c · (dp_rank + d · pp_rank))
 
-Expert layers fold the same t·d ranks of a pipeline stage differently
+Context ranks hold the same parameters (each computes other positions of
+the same sequences), so gradients are reduced, and the distributed optimizer
+shards, over the data × context group ("data_context", Megatron-Core's
+dp-cp); with c = 1 it is the data-parallel group.
+
+Expert layers fold the same t·c·d ranks of a pipeline stage differently
 (Megatron-Core's "parallel folding"): expert tensor-parallel innermost, then
 expert-parallel, then expert-data-parallel, over the same pipeline groups:
 
     rank = etp_rank + ETP · (ep_rank + EP · (edp_rank + EDP · pp_rank)),
-    EDP = t·d / (ETP·EP)
+    EDP = t·c·d / (ETP·EP)
 
-so an expert-parallel group may span tensor and data-parallel ranks. With
-the defaults (ETP = t, EP = 1) the expert groups are the dense ones.
+so an expert-parallel group may span tensor, context and data-parallel
+ranks (experts see tokens, not sequences: there is no expert context
+dimension). With the defaults (ETP = t, EP = 1, c = 1) the expert groups are
+the dense ones.
 
 `RankGrid` is pure arithmetic (no torch.distributed), so its groups can be
 checked for any layout without processes. `ParallelContext` is the one object
@@ -36,6 +45,7 @@ class Coord:
     tp: int
     dp: int
     pp: int
+    cp: int = 0
 
 
 @dataclass(frozen=True)
@@ -53,15 +63,22 @@ class RankGrid:
     pp: int
     ep: int = 1               # expert-parallel size EP
     etp: int | None = None    # expert tensor-parallel size ETP (None: tp)
+    cp: int = 1               # context-parallel size c
 
     def __post_init__(self):
-        if (self.tp * self.dp) % (self.ep * self.expert_tp):
+        if self.stage_size % (self.ep * self.expert_tp):
+            ranks = "t·d" if self.cp == 1 else "t·c·d"
             raise ValueError(f"EP {self.ep} × ETP {self.expert_tp} does not divide the "
-                             f"{self.tp * self.dp} ranks (t·d) of a pipeline stage")
+                             f"{self.stage_size} ranks ({ranks}) of a pipeline stage")
+
+    @property
+    def stage_size(self) -> int:
+        """t·c·d: the ranks of one pipeline stage."""
+        return self.tp * self.cp * self.dp
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.dp * self.pp
+        return self.stage_size * self.pp
 
     @property
     def expert_tp(self) -> int:
@@ -70,7 +87,7 @@ class RankGrid:
     @property
     def expert_dp(self) -> int:
         """EDP: the replicas of one expert shard within a pipeline stage."""
-        return self.tp * self.dp // (self.ep * self.expert_tp)
+        return self.stage_size // (self.ep * self.expert_tp)
 
     def expert_rank(self, etp: int, ep: int, edp: int, pp: int) -> int:
         return etp + self.expert_tp * (ep + self.ep * (edp + self.expert_dp * pp))
@@ -80,35 +97,64 @@ class RankGrid:
         ETP, EP = self.expert_tp, self.ep
         return ExpertCoord(etp=rank % ETP, ep=(rank // ETP) % EP,
                            edp=(rank // (ETP * EP)) % self.expert_dp,
-                           pp=rank // (self.tp * self.dp))
+                           pp=rank // self.stage_size)
 
-    def rank(self, tp: int, dp: int, pp: int) -> int:
-        return tp + self.tp * (dp + self.dp * pp)
+    def rank(self, tp: int, dp: int, pp: int, cp: int | None = None) -> int:
+        """The rank at these coordinates. `cp` may be left out only without
+        context parallelism, so that no caller drops it by mistake."""
+        if cp is None:
+            if self.cp > 1:
+                raise ValueError(f"a grid with {self.cp} context ranks needs the context "
+                                 f"coordinate of a rank")
+            cp = 0
+        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
 
     def coord(self, rank: int) -> Coord:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside a world of {self.world_size}")
-        return Coord(tp=rank % self.tp, dp=(rank // self.tp) % self.dp,
-                     pp=rank // (self.tp * self.dp))
+        return Coord(tp=rank % self.tp, cp=(rank // self.tp) % self.cp,
+                     dp=(rank // (self.tp * self.cp)) % self.dp, pp=rank // self.stage_size)
 
     # Each *_groups method returns every group of that kind, each a sorted list
     # of ranks; together the groups of one kind partition the world.
+    # The loops run over every coordinate but the group's, the slowest first,
+    # so the groups come in the order of their first ranks, as Megatron-Core
+    # lists them (tests/test_topology.py compares them with its order).
     def tensor_groups(self) -> list[list[int]]:
-        return [[self.rank(t, d, p) for t in range(self.tp)]
-                for p in range(self.pp) for d in range(self.dp)]
+        return [[self.rank(t, d, p, c) for t in range(self.tp)]
+                for p in range(self.pp) for d in range(self.dp) for c in range(self.cp)]
+
+    def context_groups(self) -> list[list[int]]:
+        """The c ranks that split each sequence (Megatron-Core's cp group)."""
+        return [[self.rank(t, d, p, c) for c in range(self.cp)]
+                for p in range(self.pp) for d in range(self.dp) for t in range(self.tp)]
 
     def data_groups(self) -> list[list[int]]:
-        return [[self.rank(t, d, p) for d in range(self.dp)]
+        """The d ranks that read different samples (no context ranks)."""
+        return [[self.rank(t, d, p, c) for d in range(self.dp)]
+                for p in range(self.pp) for c in range(self.cp) for t in range(self.tp)]
+
+    def data_context_groups(self) -> list[list[int]]:
+        """The d·c replicas of the same parameters (Megatron-Core's dp-cp):
+        gradients are reduced and the distributed optimizer shards over them.
+        Member i is (cp_rank, dp_rank) = (i mod c, i div c)."""
+        return [[self.rank(t, d, p, c) for d in range(self.dp) for c in range(self.cp)]
                 for p in range(self.pp) for t in range(self.tp)]
 
+    def tensor_context_groups(self) -> list[list[int]]:
+        """The t·c ranks that together compute one microbatch of one stage
+        (Megatron-Core's tp-cp)."""
+        return [[self.rank(t, d, p, c) for c in range(self.cp) for t in range(self.tp)]
+                for p in range(self.pp) for d in range(self.dp)]
+
     def pipeline_groups(self) -> list[list[int]]:
-        return [[self.rank(t, d, p) for p in range(self.pp)]
-                for d in range(self.dp) for t in range(self.tp)]
+        return [[self.rank(t, d, p, c) for p in range(self.pp)]
+                for d in range(self.dp) for c in range(self.cp) for t in range(self.tp)]
 
     def model_parallel_groups(self) -> list[list[int]]:
         """All ranks holding one replica of the model: tensor × pipeline."""
-        return [sorted(self.rank(t, d, p) for p in range(self.pp) for t in range(self.tp))
-                for d in range(self.dp)]
+        return [sorted(self.rank(t, d, p, c) for p in range(self.pp) for t in range(self.tp))
+                for d in range(self.dp) for c in range(self.cp)]
 
     def expert_tensor_groups(self) -> list[list[int]]:
         """The ranks holding the ETP shards of the same experts."""
@@ -149,6 +195,10 @@ class RankGrid:
 
 GROUP_KINDS = ("tensor", "data", "pipeline", "model_parallel", "embedding")
 EXPERT_GROUP_KINDS = ("expert_tensor", "expert", "expert_data", "expert_dispatch")
+# With c = 1 these are one-rank groups or the data and tensor groups again,
+# so building them creates no process group.
+CONTEXT_GROUP_KINDS = ("context", "data_context", "tensor_context")
+ALL_GROUP_KINDS = GROUP_KINDS + EXPERT_GROUP_KINDS + CONTEXT_GROUP_KINDS
 
 
 @dataclass
@@ -166,7 +216,7 @@ class ParallelContext:
     def single(cls) -> "ParallelContext":
         """One process computing the whole model: the serial reference."""
         return cls(grid=RankGrid(1, 1, 1), rank=0,
-                   groups={k: None for k in GROUP_KINDS + EXPERT_GROUP_KINDS})
+                   groups={k: None for k in ALL_GROUP_KINDS})
 
     @classmethod
     def build(cls, grid: RankGrid, rank: int | None = None,
@@ -188,7 +238,7 @@ class ParallelContext:
                              f"has {dist.get_world_size()}")
         groups: dict[str, Any] = {}
         made: dict[tuple[int, ...], Any] = {}  # an expert group equal to a dense one is that one
-        for kind in GROUP_KINDS + EXPERT_GROUP_KINDS:
+        for kind in ALL_GROUP_KINDS:
             for ranks in grid.groups_of(kind):
                 key = tuple(ranks)
                 if key not in made:
@@ -236,8 +286,16 @@ class ParallelContext:
         return self.grid.pp
 
     @property
+    def cp_size(self) -> int:
+        return self.grid.cp
+
+    @property
     def tp_rank(self) -> int:
         return self.coord.tp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coord.cp
 
     @property
     def dp_rank(self) -> int:
@@ -304,6 +362,45 @@ class ParallelContext:
     def pp_group(self) -> Any:
         return self.groups["pipeline"]
 
+    # Context parallelism. Context ranks replicate the parameters, so what
+    # reduces gradients or shards the optimizer uses the data × context group
+    # (grad_reduce_*); what counts samples uses the data group alone.
+    @property
+    def cp_group(self) -> Any:
+        return self.groups["context"]
+
+    @property
+    def tp_cp_group(self) -> Any:
+        """Tensor × context: the ranks computing one microbatch of one stage."""
+        return self.groups["tensor_context"]
+
+    @property
+    def dp_cp_group(self) -> Any:
+        """Data × context (Megatron-Core's dp-cp); the data group when c = 1."""
+        return self.groups["data_context"]
+
+    @property
+    def dp_cp_size(self) -> int:
+        return self.grid.dp * self.grid.cp
+
+    @property
+    def dp_cp_rank(self) -> int:
+        return self.cp_rank + self.cp_size * self.dp_rank
+
+    @property
+    def grad_reduce_group(self) -> Any:
+        """Where the replicas of a dense parameter's gradient are reduced and
+        the distributed optimizer shards: data × context."""
+        return self.dp_cp_group
+
+    @property
+    def grad_reduce_size(self) -> int:
+        return self.dp_cp_size
+
+    @property
+    def grad_reduce_rank(self) -> int:
+        return self.dp_cp_rank
+
     @property
     def mp_group(self) -> Any:
         return self.groups["model_parallel"]
@@ -339,19 +436,20 @@ class ParallelContext:
     @property
     def next_rank(self) -> int | None:
         c = self.coord
-        return None if self.is_last_stage else self.grid.rank(c.tp, c.dp, c.pp + 1)
+        return None if self.is_last_stage else self.grid.rank(c.tp, c.dp, c.pp + 1, c.cp)
 
     @property
     def prev_rank(self) -> int | None:
         c = self.coord
-        return None if self.is_first_stage else self.grid.rank(c.tp, c.dp, c.pp - 1)
+        return None if self.is_first_stage else self.grid.rank(c.tp, c.dp, c.pp - 1, c.cp)
 
 
 
 def group_table(grid: RankGrid) -> str:
     """A Markdown table of which ranks form which groups (used in the README)."""
     lines = ["| group kind | groups |", "|---|---|"]
-    kinds = GROUP_KINDS + (EXPERT_GROUP_KINDS if (grid.ep, grid.expert_tp) != (1, grid.tp) else ())
+    kinds = (GROUP_KINDS + (CONTEXT_GROUP_KINDS if grid.cp > 1 else ())
+             + (EXPERT_GROUP_KINDS if (grid.ep, grid.expert_tp) != (1, grid.tp) else ()))
     for kind in kinds:
         groups = " ".join("[" + ",".join(map(str, g)) + "]" for g in grid.groups_of(kind))
         lines.append(f"| {kind} | {groups} |")

@@ -62,8 +62,9 @@ def worker(env: DistEnv, config: Config) -> list[dict[str, Any]]:
     try:
         # One job at a time saves into --save (save_lock.py): the first rank holds it.
         lock = SaveLock(config.train.save) if config.train.save and env.rank == 0 else None
-        t, p = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
-        grid = RankGrid(tp=t, dp=env.world_size // (t * p), pp=p,
+        t, c, p = (par.tensor_model_parallel_size, par.context_parallel_size,
+                   par.pipeline_model_parallel_size)
+        grid = RankGrid(tp=t, cp=c, dp=env.world_size // (t * c * p), pp=p,
                         ep=par.expert_model_parallel_size, etp=par.expert_tensor_size)
         ctx = ParallelContext.build(grid, timeout=timeout)
         return train(config, ctx, device)

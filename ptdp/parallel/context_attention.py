@@ -1,0 +1,306 @@
+"""Causal attention across context-parallel ranks (Megatron-LM's
+--cp-comm-type p2p | all_gather | a2a).
+
+Each context rank holds two chunks of every sequence (ptdp.parallel.
+context_layout: rank r holds chunks r and 2c − 1 − r), as q [b, heads, s/c,
+d] and k, v [b, groups, s/c, d]; `context_attention` returns this rank's
+rows of causal attention over the whole sequence, [b, heads, s/c, d], with
+gradients for q, k and v.
+
+- p2p: a ring. Key/value blocks travel to the next rank while the block
+  in hand is computed; partial outputs merge by their log-sum-exp. With the
+  load-balanced layout a rank's queries see, of another rank's block, either
+  its first chunk only (an earlier rank: all query rows, no mask) or all of
+  it (a later rank: the second query chunk only, no mask); the own block is
+  causal. So every step costs the same on every rank. The backward runs the
+  ring again, recomputing each block's softmax from the saved LSE; the
+  key/value gradients travel one step behind their blocks and arrive at
+  their owners after the last step.
+- all_gather: keys and values gathered over the group (the backward
+  reduce-scatters their gradients), then each query chunk attends to the
+  positions before it.
+- a2a (DeepSpeed-Ulysses): all-to-all trades the sequence split for a head
+  split (heads/c query heads, groups/c key/value groups per rank, whole
+  sequences), plain causal attention, and all-to-all back.
+
+The attention of each block runs on ptdp.parallel.block_attention's kernel
+(`block_kernel` names it). Attention dropout is refused: it would have to
+replay the same mask in the backward ring and under recomputation.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ptdp.parallel.block_attention import (KERNELS, accumulation_dtype, block_backward,
+                                           block_forward, block_kernel, merge_into,
+                                           resolve_kernel)
+from ptdp.parallel.context_layout import layout_order, natural_order
+from ptdp.parallel.expert import all_to_all
+from ptdp.parallel.tensor import gather_from_sequence_region
+
+COMM_TYPES = ("p2p", "all_gather", "a2a")
+KERNEL_OPS = {
+    "plain": "matrix products in fp32",
+    "cpu_flash": "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu",
+    "cuda_flash": "torch.ops.aten._scaled_dot_product_flash_attention",
+    "cuda_efficient": "torch.ops.aten._efficient_attention_forward",
+}
+__all__ = ["COMM_TYPES", "KERNELS", "KERNEL_OPS", "block_kernel", "context_attention",
+           "check_a2a_heads"]
+
+# A block pair: query rows [q0, q1) against key rows [k0, k1), causal or not.
+Pair = tuple[int, int, int, int, bool]
+
+
+def _group_size_rank(group: Any) -> tuple[int, int]:
+    return (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+
+
+def check_a2a_heads(heads: int, groups: int, cp_size: int) -> None:
+    """ValueError unless a2a can split `heads` query heads and `groups`
+    key/value groups evenly over `cp_size` context ranks."""
+    if heads % cp_size or groups % cp_size:
+        common = math.gcd(heads, groups)
+        sizes = [str(n) for n in range(2, common + 1) if common % n == 0]
+        other = f", or a --context-parallel-size of {' or '.join(sizes)}" if sizes else ""
+        raise ValueError(
+            f"--cp-comm-type a2a splits the attention heads over the {cp_size} context ranks, "
+            f"but {heads} query heads and {groups} key/value groups do not both divide by "
+            f"{cp_size}; use --cp-comm-type p2p or all_gather{other}")
+
+
+# ------------------------------------------------------------------ block pairs
+
+def _ring_pairs(rank: int, source: int, half: int) -> list[Pair]:
+    """What this rank's queries (its two chunks, `half` rows each) compute
+    against the key/value block of context rank `source`."""
+    if source == rank:
+        return [(0, 2 * half, 0, 2 * half, True)]   # chunks r, 2c-1-r: causal as they lie
+    if source < rank:
+        return [(0, 2 * half, 0, half, False)]      # both query chunks see chunk `source`
+    return [(half, 2 * half, 0, 2 * half, False)]   # only chunk 2c-1-r sees, all of it
+
+
+def _gathered_pairs(rank: int, size: int, half: int) -> list[Pair]:
+    """This rank's queries against the whole sequence in natural order."""
+    pairs: list[Pair] = []
+    for row, chunk in ((0, rank), (half, 2 * size - 1 - rank)):
+        if chunk:
+            pairs.append((row, row + half, 0, chunk * half, False))
+        pairs.append((row, row + half, chunk * half, (chunk + 1) * half, True))
+    return pairs
+
+
+def _forward_pairs(q, k, v, pairs, scale, kernel, out, lse) -> None:
+    for q0, q1, k0, k1, causal in pairs:
+        block_out, block_lse = block_forward(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1],
+                                             causal, scale, kernel)
+        merge_into(out[:, :, q0:q1], lse[:, :, q0:q1], block_out, block_lse)
+
+
+def _backward_pairs(dout, q, k, v, out, lse, pairs, scale, kernel, dq, dk, dv) -> None:
+    for q0, q1, k0, k1, causal in pairs:
+        gq, gk, gv = block_backward(dout[:, :, q0:q1], q[:, :, q0:q1], k[:, :, k0:k1],
+                                    v[:, :, k0:k1], out[:, :, q0:q1], lse[:, :, q0:q1],
+                                    causal, scale, kernel)
+        dq[:, :, q0:q1] += gq
+        dk[:, :, k0:k1] += gk
+        dv[:, :, k0:k1] += gv
+
+
+def _empty_result(q):
+    acc = accumulation_dtype(q.dtype)
+    return (torch.zeros(q.shape, dtype=acc, device=q.device),
+            torch.full(q.shape[:3], -math.inf, dtype=acc, device=q.device))
+
+
+class _LocalAttention(torch.autograd.Function):
+    """Attention of q over (k, v) made of the given block pairs, no communication."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, pairs, scale, kernel):
+        out, lse = _empty_result(q)
+        _forward_pairs(q, k, v, pairs, scale, kernel, out, lse)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.pairs, ctx.scale, ctx.kernel = pairs, scale, kernel
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        acc = accumulation_dtype(q.dtype)
+        dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
+        _backward_pairs(dout, q, k, v, out, lse, ctx.pairs, ctx.scale, ctx.kernel, dq, dk, dv)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+# ------------------------------------------------------------------ p2p: the ring
+
+class _Shift:
+    """One step of the ring in flight: `tensor` to the next rank, the
+    previous rank's into a new buffer; `wait()` returns that buffer."""
+
+    def __init__(self, tensor: torch.Tensor, ring: "_Ring", tag: int):
+        self.sent, self.received = tensor, torch.empty_like(tensor)
+        self.works = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, tensor, ring.next, ring.group, tag),
+            dist.P2POp(dist.irecv, self.received, ring.previous, ring.group, tag)])
+
+    def wait(self) -> torch.Tensor:
+        for work in self.works:
+            work.wait()
+        return self.received
+
+
+class _Ring:
+    def __init__(self, group: Any):
+        self.group = group
+        self.size, self.rank = _group_size_rank(group)
+        if self.size > 1:
+            ranks = dist.get_process_group_ranks(group)   # peers by global rank
+            self.next = ranks[(self.rank + 1) % self.size]
+            self.previous = ranks[(self.rank - 1) % self.size]
+
+    def shift(self, tensor: torch.Tensor, tag: int) -> _Shift:
+        return _Shift(tensor.contiguous(), self, tag)
+
+
+_KEY_VALUES, _GRADIENTS = 0, 1   # message tags: the two streams around the ring
+
+
+class _RingAttention(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, scale, kernel):
+        ring = _Ring(group)
+        half = q.shape[2] // 2
+        out, lse = _empty_result(q)
+        kv = torch.stack([k, v])
+        for step in range(ring.size):
+            coming = ring.shift(kv, _KEY_VALUES) if step + 1 < ring.size else None
+            pairs = _ring_pairs(ring.rank, (ring.rank - step) % ring.size, half)
+            _forward_pairs(q, kv[0], kv[1], pairs, scale, kernel, out, lse)
+            if coming is not None:
+                kv = coming.wait()
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.scale, ctx.kernel = group, scale, kernel
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring = _Ring(ctx.group)
+        half = q.shape[2] // 2
+        acc = accumulation_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        kv = torch.stack([k, v])
+        gradients_coming = None
+        for step in range(ring.size):
+            coming = ring.shift(kv, _KEY_VALUES) if step + 1 < ring.size else None
+            dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
+            pairs = _ring_pairs(ring.rank, (ring.rank - step) % ring.size, half)
+            _backward_pairs(dout, q, kv[0], kv[1], out, lse, pairs, ctx.scale, ctx.kernel,
+                            dq, dkv[0], dkv[1])
+            if gradients_coming is not None:
+                # The previous rank's sums for the block in hand, one step behind it.
+                dkv += gradients_coming.wait()
+            gradients_coming = ring.shift(dkv, _GRADIENTS) if ring.size > 1 else None
+            if coming is not None:
+                kv = coming.wait()
+        # After the last step the sums for this rank's own block arrive.
+        dkv = gradients_coming.wait() if gradients_coming is not None else dkv
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+
+
+# ------------------------------------------------------------------ all_gather
+
+def _all_gather_attention(q, k, v, group, scale, kernel):
+    size, rank = _group_size_rank(group)
+    seq = q.shape[2] * size
+    kv = torch.stack([k, v]).permute(3, 0, 1, 2, 4)             # [s/c, 2, b, groups, d]
+    whole = gather_from_sequence_region(kv, group)              # ranks' pieces one after another
+    whole = whole.index_select(0, natural_order(seq, size, q.device)).permute(1, 2, 3, 0, 4)
+    pairs = _gathered_pairs(rank, size, q.shape[2] // 2)
+    return _LocalAttention.apply(q, whole[0], whole[1], pairs, scale, kernel)
+
+
+# ------------------------------------------------------------------ a2a (Ulysses)
+
+def _sequence_to_heads(x, group, size, order):
+    """[..., n, s/c, d] (this rank's piece, all n heads) -> [..., n/c, s, d]
+    (this rank's n/c heads, whole sequences in natural order)."""
+    n = x.shape[-3]
+    parts = [n // size] * size
+    y = all_to_all(x.movedim(-3, 0), parts, parts, group)       # rank j's piece of my heads
+    y = y.unflatten(0, (size, n // size)).movedim(0, -3).flatten(-3, -2)
+    return y.index_select(-2, order).movedim(0, -3)
+
+
+def _heads_to_sequence(x, group, size, layout):
+    """The inverse of `_sequence_to_heads`."""
+    n = x.shape[-3] * size
+    parts = [n // size] * size
+    y = x.index_select(-2, layout).movedim(-3, 0)
+    y = y.unflatten(-2, (size, -1)).movedim(-3, 0).flatten(0, 1)
+    return all_to_all(y, parts, parts, group).movedim(0, -3)
+
+
+def _a2a_attention(q, k, v, group, scale, kernel):
+    size, _ = _group_size_rank(group)
+    check_a2a_heads(q.shape[1], k.shape[1], size)
+    seq = q.shape[2] * size
+    order = natural_order(seq, size, q.device)
+    whole_q = _sequence_to_heads(q, group, size, order)
+    whole_kv = _sequence_to_heads(torch.stack([k, v]), group, size, order)
+    out = _LocalAttention.apply(whole_q, whole_kv[0], whole_kv[1], [(0, seq, 0, seq, True)],
+                                scale, kernel)
+    return _heads_to_sequence(out, group, size, layout_order(seq, size, q.device))
+
+
+# ------------------------------------------------------------------ entry point
+
+def _check_inputs(q, k, v, comm_type, dropout_p):
+    if comm_type not in COMM_TYPES:
+        raise ValueError(f"unknown --cp-comm-type {comm_type!r}; use one of "
+                         f"{', '.join(COMM_TYPES)}")
+    if dropout_p:
+        raise ValueError(f"attention dropout ({dropout_p}) is not supported with context "
+                         f"parallelism; set --attention-dropout 0")
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
+        raise ValueError(f"context attention takes q [b, heads, s, d] and k, v [b, groups, s, "
+                         f"d]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    (b, heads, s, d), (kb, groups, ks, kd) = q.shape, k.shape
+    if (kb, ks, kd) != (b, s, d) or heads % groups:
+        raise ValueError(f"k, v {tuple(k.shape)} do not match q {tuple(q.shape)}: same batch, "
+                         f"positions and head size, and key/value groups dividing the heads")
+    if s % 2:
+        raise ValueError(f"each context rank holds two equal chunks, so its positions must be "
+                         f"even; got {s}")
+
+
+def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any,
+                      comm_type: str = "p2p", *, scale: float | None = None,
+                      dropout_p: float = 0.0, kernel: str = "auto") -> torch.Tensor:
+    """Causal attention over sequences split across the context group.
+
+    q [b, heads, s/c, d], k and v [b, groups, s/c, d]: this rank's two chunks
+    (context_layout.split_sequence), heads a multiple of groups. `group` is
+    the context group (its rank order is the context rank; None is one
+    rank). `scale` defaults to 1/sqrt(d). `kernel`: "auto" (see
+    block_kernel) or a name of KERNELS. Returns [b, heads, s/c, d] in q's
+    dtype, differentiable in q, k and v."""
+    _check_inputs(q, k, v, comm_type, dropout_p)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    kernel = resolve_kernel(kernel, q)
+    if comm_type == "p2p":
+        return _RingAttention.apply(q, k, v, group, scale, kernel)
+    if comm_type == "all_gather":
+        return _all_gather_attention(q, k, v, group, scale, kernel)
+    return _a2a_attention(q, k, v, group, scale, kernel)

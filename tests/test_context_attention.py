@@ -1,0 +1,254 @@
+"""Context parallelism's attention (issue 28): the load-balanced chunk layout
+against hand-worked examples, and causal attention across 2 and 4 context
+ranks with each --cp-comm-type (p2p, all_gather, a2a) against
+torch.nn.functional.scaled_dot_product_attention over the whole sequence on
+one process: output and the gradients of q, k and v, fp32, within 1e-5.
+
+One call of a 4-rank pool computes every case: c = 4 over all ranks, and
+c = 2 over the strided groups {0, 2} and {1, 3} (context groups are not
+contiguous once tensor parallelism is innermost), so the ring's peers must
+be found by their global ranks.
+"""
+
+import functools
+import math
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ptdp.parallel.block_attention import block_kernel, merge_into
+from ptdp.parallel.context_attention import (COMM_TYPES, KERNEL_OPS, check_a2a_heads,
+                                             context_attention)
+from ptdp.parallel.context_layout import (check_sequence_length, join_sequence, layout_order,
+                                          natural_order, rank_positions, split_sequence)
+
+TOLERANCE = dict(atol=1e-5, rtol=1e-5)
+# (name, batch, heads, groups, seq, head_dim, kernel)
+SMALL = [(f"{shape}-{kernel}", 2, heads, groups, 32, 8, kernel)
+         for shape, heads, groups in (("mha", 4, 4), ("gqa", 8, 4))
+         for kernel in ("plain", "auto")]
+# The issue's acceptance: causal, s = 8192, several head shapes (kept small
+# so that it stays fast on CPU), with the ring.
+LONG = [("long-mha", 1, 2, 2, 8192, 16, "auto"), ("long-gqa", 1, 4, 2, 8192, 8, "auto")]
+
+
+def _inputs(batch, heads, groups, seq, head_dim, dtype=torch.float32):
+    generator = torch.Generator().manual_seed(seq * 1000 + heads * 10 + groups)
+    q, k, v, dout = (torch.randn(batch, n, seq, head_dim, generator=generator).to(dtype)
+                     for n in (heads, groups, groups, heads))
+    return q, k, v, dout
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(batch, heads, groups, seq, head_dim, dtype=torch.float32):
+    q, k, v, dout = (t.float().requires_grad_() for t in
+                     _inputs(batch, heads, groups, seq, head_dim, dtype))
+    out = F.scaled_dot_product_attention(q, k.repeat_interleave(heads // groups, 1),
+                                         v.repeat_interleave(heads // groups, 1), is_causal=True)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _local_run(inputs, size, rank, group, comm_type, kernel):
+    """This rank's (out, dq, dk, dv) pieces."""
+    pieces = [split_sequence(t, size, rank, seq_dim=2).clone() for t in inputs]
+    q, k, v, dout = pieces
+    for t in (q, k, v):
+        t.requires_grad_()
+    out = context_attention(q, k, v, group, comm_type, kernel=kernel)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _cases_on_four_ranks(rank):
+    """Every case, on c = 4 (all ranks) and c = 2 (ranks {0, 2} and {1, 3})."""
+    pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    layouts = {4: dist.group.WORLD, 2: pairs[rank % 2]}
+    results, seconds = {}, {}
+    try:
+        for size, group in layouts.items():
+            context_rank = dist.get_rank(group)
+            for name, batch, heads, groups, seq, head_dim, kernel in SMALL:
+                inputs = _inputs(batch, heads, groups, seq, head_dim)
+                for comm_type in COMM_TYPES:
+                    results[size, name, comm_type] = (context_rank, _local_run(
+                        inputs, size, context_rank, group, comm_type, kernel))
+            inputs = _inputs(2, 4, 2, 32, 8, torch.bfloat16)
+            results[size, "bf16", "p2p"] = (context_rank, _local_run(
+                inputs, size, context_rank, group, "p2p", "auto"))
+            for name, batch, heads, groups, seq, head_dim, kernel in LONG:
+                inputs = _inputs(batch, heads, groups, seq, head_dim)
+                dist.barrier(group)
+                start = time.perf_counter()
+                results[size, name, "p2p"] = (context_rank, _local_run(
+                    inputs, size, context_rank, group, "p2p", kernel))
+                seconds[size, name] = time.perf_counter() - start
+        q, k, v, _ = (split_sequence(t, 4, rank, seq_dim=2) for t in _inputs(1, 6, 2, 16, 4))
+        try:
+            context_attention(q, k, v, dist.group.WORLD, "a2a")
+            refusal = None
+        except ValueError as error:
+            refusal = str(error)
+    finally:
+        dist.barrier()
+        for group in pairs:
+            dist.destroy_process_group(group)
+    return results, seconds, refusal, block_kernel("cpu", torch.float32, 16)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(pools):
+    start = time.perf_counter()
+    answers = pools(4).run(_cases_on_four_ranks)
+    wall = time.perf_counter() - start
+    joined = {}
+    for key in answers[0][0]:
+        # c = 4: the four ranks' pieces; c = 2: each strided pair separately.
+        size = key[0]
+        teams = [[0, 1, 2, 3]] if size == 4 else [[0, 2], [1, 3]]
+        for team in teams:
+            by_context_rank = sorted((answers[r][0][key] for r in team), key=lambda a: a[0])
+            joined.setdefault(key, []).append(tuple(
+                join_sequence([pieces[i] for _, pieces in by_context_rank], seq_dim=2)
+                for i in range(4)))
+    return joined, [a[1] for a in answers], answers[0][2], answers[0][3], wall
+
+
+def _assert_equal_to_one_process(got, case, **tolerance):
+    _, batch, heads, groups, seq, head_dim, _ = case
+    expected = _reference(batch, heads, groups, seq, head_dim)
+    for team in got:
+        for what, a, b in zip(("output", "dq", "dk", "dv"), team, expected):
+            torch.testing.assert_close(a.float(), b, **(tolerance or TOLERANCE), msg=what)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("comm_type", COMM_TYPES)
+@pytest.mark.parametrize("case", SMALL, ids=[c[0] for c in SMALL])
+def test_equals_one_process(four_ranks, size, comm_type, case):
+    joined = four_ranks[0]
+    _assert_equal_to_one_process(joined[size, case[0], comm_type], case)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("case", LONG, ids=[c[0] for c in LONG])
+def test_ring_at_8192_positions(four_ranks, size, case):
+    joined, seconds = four_ranks[0], four_ranks[1]
+    _assert_equal_to_one_process(joined[size, case[0], "p2p"], case)
+    print(f"c={size} {case[0]}: {max(s[size, case[0]] for s in seconds):.2f} s per rank")
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_bf16_merges_in_fp32(four_ranks, size):
+    """bf16 inputs: within bf16 rounding of fp32 attention on the same (rounded) inputs."""
+    case = ("bf16", 2, 4, 2, 32, 8, "auto")
+    got = four_ranks[0][size, "bf16", "p2p"]
+    expected = _reference(2, 4, 2, 32, 8, torch.bfloat16)
+    for team in got:
+        assert team[0].dtype == torch.bfloat16 and team[1].dtype == torch.bfloat16
+        for a, b in zip(team, expected):
+            torch.testing.assert_close(a.float(), b, atol=2e-2, rtol=2e-2)
+    assert case[0] == "bf16"
+
+
+def test_a2a_refuses_heads_that_do_not_divide(four_ranks):
+    assert four_ranks[2] == (
+        "--cp-comm-type a2a splits the attention heads over the 4 context ranks, but 6 query "
+        "heads and 2 key/value groups do not both divide by 4; use --cp-comm-type p2p or "
+        "all_gather, or a --context-parallel-size of 2")
+
+
+def test_cpu_runs_torch_flash_kernel(four_ranks):
+    assert four_ranks[3] == "cpu_flash"
+    assert KERNEL_OPS["cpu_flash"] == "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu"
+
+
+# ------------------------------------------------------------------ one process
+
+def test_chunk_layout_by_hand():
+    # s = 16, c = 2: chunks of 4; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2.
+    assert rank_positions(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert rank_positions(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    # s = 16, c = 4: chunks of 2; rank r holds chunks r and 7 - r.
+    assert [rank_positions(16, 4, r).tolist() for r in range(4)] == [
+        [0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]]
+    assert layout_order(8, 2).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+    assert natural_order(8, 2).tolist() == [0, 1, 4, 5, 6, 7, 2, 3]
+
+
+def test_split_and_join_by_hand():
+    batch_first = torch.arange(24).view(2, 12)                   # [b, s]
+    assert split_sequence(batch_first, 2, 0).tolist() == [[0, 1, 2, 9, 10, 11],
+                                                           [12, 13, 14, 21, 22, 23]]
+    assert split_sequence(batch_first, 2, 1).tolist() == [[3, 4, 5, 6, 7, 8],
+                                                           [15, 16, 17, 18, 19, 20]]
+    seq_first = torch.arange(8).view(8, 1) * 10 + torch.arange(2)  # [s, b]
+    assert split_sequence(seq_first, 4, 1, seq_dim=0)[:, 0].tolist() == [10, 60]
+    for x, dim, c in ((batch_first, 1, 2), (seq_first, 0, 4), (batch_first.view(2, 12, 1), -2, 3)):
+        pieces = [split_sequence(x, c, r, seq_dim=dim) for r in range(c)]
+        assert torch.equal(join_sequence(pieces, seq_dim=dim), x)
+
+
+def test_sequence_length_must_split_into_2c_chunks():
+    check_sequence_length(8192, 4)
+    with pytest.raises(ValueError, match=r"sequence length 100 does not split into 2 × 4 = 8 "
+                                         r"equal chunks .*; use --seq-length 96 or 104"):
+        check_sequence_length(100, 4)
+    with pytest.raises(ValueError, match="use --seq-length 4$"):
+        split_sequence(torch.zeros(1, 3), 2, 0)
+
+
+def test_refusals():
+    q = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="attention dropout .* set --attention-dropout 0"):
+        context_attention(q, q, q, None, dropout_p=0.1)
+    with pytest.raises(ValueError, match="unknown --cp-comm-type 'ring'; use one of p2p, "
+                                         "all_gather, a2a"):
+        context_attention(q, q, q, None, "ring")
+    with pytest.raises(ValueError, match="key/value groups dividing the heads"):
+        context_attention(q, torch.zeros(1, 3, 4, 8), torch.zeros(1, 3, 4, 8), None)
+    check_a2a_heads(8, 4, 4)
+    with pytest.raises(ValueError, match="8 query heads and 2 key/value groups do not both "
+                                         "divide by 4"):
+        check_a2a_heads(8, 2, 4)
+
+
+@pytest.mark.parametrize("kernel", ["plain", "auto"])
+def test_one_rank_equals_torch(kernel):
+    case = ("one", 2, 4, 2, 24, 8, kernel)
+    inputs = _inputs(*case[1:6])
+    for comm_type in COMM_TYPES:
+        got = _local_run(inputs, 1, 0, None, comm_type, kernel)
+        _assert_equal_to_one_process([got], case)
+
+
+def test_merge_of_two_halves_equals_the_whole():
+    scores = torch.randn(3, 10, dtype=torch.float64)
+    values = torch.randn(10, 2, dtype=torch.float64)
+    out = torch.zeros(3, 2, dtype=torch.float64)
+    lse = torch.full((3,), -math.inf, dtype=torch.float64)
+    for part in (slice(0, 4), slice(4, 10)):
+        part_lse = scores[:, part].logsumexp(-1)
+        merge_into(out, lse, (scores[:, part] - part_lse[:, None]).exp() @ values[part], part_lse)
+    torch.testing.assert_close(out, scores.softmax(-1) @ values)
+    torch.testing.assert_close(lse, scores.logsumexp(-1))
+
+
+def test_a_fused_kernel_that_disagrees_is_not_used(monkeypatch):
+    """The probe: a fused kernel whose LSE differs from plain's (here by a
+    base-2 logarithm) is passed over for plain."""
+    from ptdp.parallel import block_attention
+
+    def base_two(q, k, v, causal, scale):
+        out, lse = block_attention._plain_forward(q, k, v, causal, scale)
+        return out, lse / math.log(2)
+
+    monkeypatch.setitem(block_attention._FORWARD, "cpu_flash", base_two)
+    block_attention._chosen.cache_clear()
+    try:
+        assert block_kernel("cpu", torch.float32, 12) == "plain"
+    finally:
+        block_attention._chosen.cache_clear()
