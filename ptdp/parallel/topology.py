@@ -365,19 +365,25 @@ class ParallelContext:
     # Context parallelism. Context ranks replicate the parameters, so what
     # reduces gradients or shards the optimizer uses the data × context group
     # (grad_reduce_*); what counts samples uses the data group alone.
+    # At c = 1 they are the dense groups: a context built by hand with only
+    # those (a cost-model check, a test) still answers.
     @property
     def cp_group(self) -> Any:
-        return self.groups["context"]
+        return self.groups["context"] if self.grid.cp > 1 else self.groups.get("context")
 
     @property
     def tp_cp_group(self) -> Any:
         """Tensor × context: the ranks computing one microbatch of one stage."""
-        return self.groups["tensor_context"]
+        if self.grid.cp > 1:
+            return self.groups["tensor_context"]
+        return self.groups.get("tensor_context", self.tp_group)
 
     @property
     def dp_cp_group(self) -> Any:
         """Data × context (Megatron-Core's dp-cp); the data group when c = 1."""
-        return self.groups["data_context"]
+        if self.grid.cp > 1:
+            return self.groups["data_context"]
+        return self.groups.get("data_context", self.dp_group)
 
     @property
     def dp_cp_size(self) -> int:
