@@ -39,6 +39,7 @@ from ptdp.interop.hf_llama import (
 from ptdp.interop.logical import logical_shapes
 from ptdp.train.checkpoint import load_logical_model, save_logical_model
 from tests.test_hf_llama import (
+    _exported,
     TOL,
     VOCAB,
     _hf_logits,
@@ -173,15 +174,7 @@ EXPORTS = [
                          ids=["qwen3-wide-untied", "qwen3-tied-1p", "qwen2-gqa-untied",
                               "qwen2-narrow-tied", "llama3.2-rope"])
 def test_ours_to_hf_through_convert(tmp_path, hf_class, changes):
-    config = _llama_model_config(**changes)
-    logical = _logical_of(_ours(config, seed=11), config)
-    generator = torch.Generator().manual_seed(2)
-    for name, tensor in logical.items():  # norms and biases away from their 1 and 0
-        if "norm" in name or name.endswith("bias"):
-            tensor.add_(torch.randn(tensor.shape, generator=generator) * 0.1)
-    save, directory = tmp_path / "ckpt", tmp_path / "hf"
-    save_logical_model(save, Config(model=config, data=DataConfig(mock_data=True)), logical)
-    assert main(["convert", "--load", str(save), "--to-hf", str(directory)]) == 0
+    config, logical, directory = _exported(tmp_path, _llama_model_config(**changes))
 
     written = json.loads((directory / "config.json").read_text())
     assert written["architectures"] == [hf_class]

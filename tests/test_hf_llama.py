@@ -156,21 +156,28 @@ def test_bare_keys_and_rotary_buffers_are_read():
 
 # ------------------------------------------------------------------ ptdp -> HF
 
+def _exported(tmp_path, config):
+    """(config, logical state, directory): a random one-process model, its
+    norms and biases moved away from 1 and 0, saved and exported by `ptdp
+    convert --to-hf`."""
+    logical = _logical_of(_ours(config, seed=11), config)
+    generator = torch.Generator().manual_seed(2)
+    for name, tensor in logical.items():
+        if "norm" in name or name.endswith("bias"):
+            tensor.add_(torch.randn(tensor.shape, generator=generator) * 0.1)
+    save, directory = tmp_path / "ckpt", tmp_path / "hf"
+    save_logical_model(save, Config(model=config, data=DataConfig(mock_data=True)), logical)
+    assert main(["convert", "--load", str(save), "--to-hf", str(directory)]) == 0
+    return config, logical, directory
+
+
 @pytest.mark.parametrize("changes", [
     dict(group_query_attention=True, num_query_groups=2, untie_embeddings_and_output_weights=True,
          disable_bias_linear=True, ffn_hidden_size=37, rotary_base=1234.0),
     dict(ffn_hidden_size=48, norm_epsilon=1e-6),
 ], ids=["gqa-untied-no-bias", "mha-tied-biases"])
 def test_ours_to_hf_through_convert(tmp_path, changes):
-    config = _llama_model_config(**changes)
-    logical = _logical_of(_ours(config, seed=11), config)
-    generator = torch.Generator().manual_seed(2)
-    for name, tensor in logical.items():  # norms and biases away from their 1 and 0
-        if "norm" in name or name.endswith("bias"):
-            tensor.add_(torch.randn(tensor.shape, generator=generator) * 0.1)
-    save, directory = tmp_path / "ckpt", tmp_path / "hf"
-    save_logical_model(save, Config(model=config, data=DataConfig(mock_data=True)), logical)
-    assert main(["convert", "--load", str(save), "--to-hf", str(directory)]) == 0
+    config, logical, directory = _exported(tmp_path, _llama_model_config(**changes))
     assert sorted(p.name for p in directory.iterdir()) == ["config.json", "model.safetensors"]
 
     hf = transformers.LlamaForCausalLM.from_pretrained(str(directory), local_files_only=True).eval()
