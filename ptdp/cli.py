@@ -575,9 +575,11 @@ def run_train(config: Config, explicit: Sequence[str] = (), accepted: Sequence =
     # Said before the ranks come up: starting them (importing torch, joining
     # the process group) takes seconds in which nothing else is printed.
     parallel = config.parallel
+    context = (f", c={parallel.context_parallel_size}" if parallel.context_parallel_size > 1
+               else "")
     print(f"ptdp: starting {plural(world, 'process')} on this machine (t="
           f"{parallel.tensor_model_parallel_size}, p={parallel.pipeline_model_parallel_size}, "
-          f"d={parallel.dp}) on {kind}" + (", gloo" if kind == "cpu" else ", nccl"), flush=True)
+          f"d={parallel.dp}{context}) on {kind}" + (", gloo" if kind == "cpu" else ", nccl"), flush=True)
     cores = os.cpu_count() or 1
     if kind == "cpu" and world > 2 * cores:
         print(f"ptdp: note: {plural(world, 'process')} share {plural(cores, 'CPU core')}: each "

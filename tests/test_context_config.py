@@ -1,34 +1,29 @@
 """Context parallelism's settings (ptdp/config/context.py and the sizes in
 ptdp/config/parallel.py, checks.py, moe.py): --context-parallel-size and
 --cp-comm-type as Megatron-LM spells them, the world of t·c·p·d ranks, and
-every rule with its message, called directly; c > 1 itself is refused
-before launch until the model is wired (one refusal, tested apart)."""
+every rule with its message, called directly."""
 
 from __future__ import annotations
 
 import pytest
 
-from ptdp.cli import build_parser, config_from_args, main
+from ptdp.cli import build_parser, config_from_args
 from ptdp.config import Config, ConfigError, ParallelConfig, validate
-from ptdp.config.context import context_parallel_not_wired, context_parallel_problems
+from ptdp.config.context import context_parallel_problems
 
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
         "--vocab-size", "64", "--seq-length", "16", "--attention-dropout", "0"]
-NOT_WIRED = ("--context-parallel-size 2: context parallelism is not yet wired into the model, the "
-             "data and the training loop: use --context-parallel-size 1 (--sequence-parallel "
-             "splits long sequences' activations over the tensor-parallel ranks)")
-
 
 def parse(*argv: str) -> Config:
     return config_from_args(build_parser().parse_args(["train", "--mock-data", *TINY, *argv]))
 
 
 def problems(*argv: str, world_size: int | None = None) -> list[str]:
-    """Every problem of validate, less the one refusal of c > 1."""
+    """Every problem of validate."""
     try:
         validate(parse(*argv), world_size)
     except ConfigError as error:
-        return [p for p in error.problems if "not yet wired" not in p]
+        return error.problems
     return []
 
 
@@ -174,15 +169,17 @@ def test_experts_fold_over_the_context_ranks():
                     world_size=4) == []
 
 
-def test_c_above_one_is_refused_before_launch_in_one_place(no_launch, capsys):
-    assert context_parallel_not_wired(parse().parallel) == []
-    assert context_parallel_not_wired(parse("--context-parallel-size", "2").parallel) == [NOT_WIRED]
-    # A configuration valid in every other respect: the refusal is its one problem.
-    with pytest.raises(ConfigError) as caught:
-        validate(parse("--context-parallel-size", "2"))
-    assert caught.value.problems == [NOT_WIRED]
-    assert main(["train", "--mock-data", *TINY, "--context-parallel-size", "2", "--train-iters",
-                 "1"]) == 2
-    assert NOT_WIRED in capsys.readouterr().err
-    # ... and not for c = 1, Megatron-LM's default that its scripts pass.
-    validate(parse("--context-parallel-size", "1", "--cp-comm-type", "a2a"))
+def test_a_valid_context_parallel_layout_validates():
+    validate(parse("--context-parallel-size", "2"))
+    validate(parse("--context-parallel-size", "4", "--cp-comm-type", "a2a"))
+
+
+def test_capacity_factor_experts_are_refused_under_context_parallelism():
+    moe = ["--num-experts", "4", "--context-parallel-size", "2"]
+    assert problems(*moe) == []
+    assert problems(*moe, "--moe-expert-capacity-factor", "1.5") == [
+        "--moe-expert-capacity-factor 1.5 with --context-parallel-size 2: an expert's capacity is "
+        "counted over the tokens one process routes, and a context rank routes only s/c "
+        "positions of each sequence, so it would drop other tokens: drop "
+        "--moe-expert-capacity-factor (dropless) or use --context-parallel-size 1"]
+

@@ -52,7 +52,6 @@ def test_notes_come_before_launch_and_refusals_join_the_other_problems(no_launch
     assert code == 2
     for problem in ("--fp8-format hybrid: FP8 training needs Transformer Engine",
                     "--ckpt-format torch_dist: ptdp writes and reads its own checkpoint format",
-                    "--context-parallel-size 2: context parallelism is not yet wired into the model",
                     "--kv-channels=0 must be a positive integer (each attention head's width)",
                     "--rotary-percent 0.5: ptdp rotates the whole of each head"):
         assert problem in err, problem

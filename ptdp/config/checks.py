@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from ptdp.plural import plural
 from ptdp.config.base import ConfigError, divisors, is_count, is_finite_number, nearest_multiple
-from ptdp.config.context import context_parallel_not_wired, context_parallel_problems
+from ptdp.config.context import context_parallel_problems
 from ptdp.config.data import data_loading_problems
 from ptdp.config.layer_split import split_problems
 from ptdp.config.model import ModelConfig, architecture_problems, dropout_problems, \
@@ -53,7 +53,6 @@ def validate(config: Config, world_size: int | None = None) -> None:
     problems.extend(optimizer_problems(tr))
     problems.extend(stopping_problems(tr))
     problems.extend(_megatron_shape_problems(config))
-    problems.extend(context_parallel_not_wired(par))
     problems.extend(resume_control_problems(tr))
     problems.extend(loss_and_rate_problems(tr))
     problems.extend(logging_problems(tr))

@@ -1,6 +1,7 @@
 """Context parallelism's rules: the sequence, the heads and the dropout
 against --context-parallel-size c and --cp-comm-type, checked before launch
-(Megatron-LM's rules where it has them). The world size (t·c·p·d) and the
+(Megatron-LM's rules where it has them), and what does not compose with
+it. The world size (t·c·p·d) and the
 expert folding over t·c·d are checked with the other sizes
 (ptdp.config.checks, ptdp.config.moe)."""
 
@@ -11,17 +12,6 @@ import math
 from ptdp.config.base import divisors, is_finite_number
 from ptdp.config.model import ModelConfig
 from ptdp.config.parallel import ParallelConfig
-
-
-def context_parallel_not_wired(par: ParallelConfig) -> list[str]:
-    """The one refusal of c > 1 while the model, the data and the training
-    loop do not split sequences yet; the rules below are already checked."""
-    c = par.context_parallel_size
-    if not (isinstance(c, int) and c > 1):  # (a size that is no count: refused as one)
-        return []
-    return [f"--context-parallel-size {c}: context parallelism is not yet wired into the model, "
-            f"the data and the training loop: use --context-parallel-size 1 (--sequence-parallel "
-            f"splits long sequences' activations over the tensor-parallel ranks)"]
 
 
 def sequence_step(c: int, t: int, sequence_parallel: bool) -> int:
@@ -53,6 +43,13 @@ def context_parallel_problems(m: ModelConfig, par: ParallelConfig,
             why = f"divisible by 2c = {step} (each sequence is cut into 2c chunks, two per rank)"
         problems.append(f"--context-parallel-size {c} needs --seq-length {s} {why}{use}")
     problems.extend(_a2a_problems(m, par, world_size))
+    capacity = m.moe_expert_capacity_factor
+    if m.is_moe and is_finite_number(capacity):
+        problems.append(
+            f"--moe-expert-capacity-factor {capacity:g} with --context-parallel-size {c}: an "
+            f"expert's capacity is counted over the tokens one process routes, and a context "
+            f"rank routes only s/c positions of each sequence, so it would drop other tokens: "
+            f"drop --moe-expert-capacity-factor (dropless) or use --context-parallel-size 1")
     dropout = m.attention_dropout
     if is_finite_number(dropout) and dropout > 0:  # (not a number: reported as one)
         problems.append(

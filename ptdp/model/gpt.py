@@ -46,6 +46,8 @@ from ptdp.model.fused import bias_dropout_add, bias_gelu, swiglu, zero_centred_n
 from ptdp.model.moe import ExpertLinear, MoELayer
 from ptdp.model.recompute import checkpoint, recompute_active
 from ptdp.model.rotary import Rotary
+from ptdp.parallel.context_attention import context_attention
+from ptdp.parallel.context_layout import rank_positions, split_sequence
 from ptdp.parallel.pipeline.actions import virtual_stage_of
 from ptdp.parallel.pipeline.schedules import layers_of
 from ptdp.parallel.sharding import COPY_ATTR, initialize_parameters, set_init
@@ -126,7 +128,7 @@ class Embedding(nn.Module):
             return self._sequence_parallel_forward(tokens)
         x = self.word_embeddings(tokens)
         if hasattr(self, "position_embeddings"):
-            x = x + self.position_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
+            x = x + self.position_embeddings(self._positions(tokens.shape[1], tokens.device))
         # Replicated activation: the default stream drops the same elements on
         # every tensor rank.
         return self.dropout(x.transpose(0, 1).contiguous())
@@ -139,17 +141,29 @@ class Embedding(nn.Module):
         x = reduce_scatter_to_sequence_region(partial, self.ctx.tp_group)
         if hasattr(self, "position_embeddings"):
             first = self.ctx.tp_rank * x.shape[0]
-            positions = torch.arange(first, first + x.shape[0], device=tokens.device)
+            positions = self._positions(tokens.shape[1], tokens.device)[first:first + x.shape[0]]
             x = x + self.position_embeddings(positions).unsqueeze(1)
         with self.rng.fork("tensor"):
             return self.dropout(x)
 
+    def _positions(self, length: int, device: torch.device) -> torch.Tensor:
+        """The positions of this rank's `length` tokens: 0 .. length - 1, or
+        under context parallelism its two chunks' of the c·length sequence."""
+        c = self.ctx.cp_size
+        if c == 1:
+            return torch.arange(length, device=device)
+        return rank_positions(length * c, c, self.ctx.cp_rank, device)
+
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, ctx: ParallelContext, rng: RNGStreams,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, cp_comm_type: str = "p2p"):
         super().__init__()
         self.rng = rng
+        # Context parallelism: this rank holds two chunks of each sequence
+        # (ptdp.parallel.context_layout); attention runs across the group.
+        self.context = (ctx.cp_size, ctx.cp_rank)
+        self.cp_group, self.cp_comm_type = ctx.cp_group, cp_comm_type
         t, d = ctx.tp_size, config.head_dim
         self.local_heads = config.num_attention_heads // t
         self.local_groups = config.query_groups // t  # key/value heads on this rank
@@ -188,7 +202,7 @@ class Attention(nn.Module):
         if hasattr(self, "q_layernorm"):  # --qk-layernorm: before the rotation, as Qwen3
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if self.rotary is not None:
-            q, k = self.rotary(q), self.rotary(k)
+            q, k = self.rotary(q, self.context), self.rotary(k, self.context)
         if self.selective_recompute and recompute_active(self):
             # Selective recomputation: keep q, k, v; rebuild the s×s scores,
             # softmax and dropout mask in backward.
@@ -199,9 +213,13 @@ class Attention(nn.Module):
         return self.dense(out)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(q kᵀ/√d, causal) with dropout, times v: [b, heads, s, d].
+        """softmax(q kᵀ/√d, causal) with dropout, times v: [b, heads, s, d]
+        (under context parallelism this rank's rows of it, over the whole
+        sequence).
         Under grouped-query attention k and v have fewer heads; query head j
         uses group j // (heads/groups)."""
+        if self.context[0] > 1:  # attention dropout is refused before launch
+            return context_attention(q, k, v, self.cp_group, self.cp_comm_type)
         dropout = self.dropout if self.training else 0.0
         # Passed only when needed: the flag exists from torch 2.5.
         gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
@@ -241,13 +259,13 @@ class MLP(nn.Module):
 
 class TransformerLayer(nn.Module):
     def __init__(self, config: ModelConfig, ctx: ParallelContext, rng: RNGStreams,
-                 sequence_parallel: bool = False, layer_id: int = 0):
+                 sequence_parallel: bool = False, layer_id: int = 0, cp_comm_type: str = "p2p"):
         super().__init__()
         self.rng, self.sequence_parallel = rng, sequence_parallel
         self.hidden_dropout = config.hidden_dropout
         self.fused = config.bias_dropout_fusion
         self.input_layernorm = layer_norm(config, sequence_parallel)
-        self.attention = Attention(config, ctx, rng, sequence_parallel)
+        self.attention = Attention(config, ctx, rng, sequence_parallel, cp_comm_type)
         self.post_attention_layernorm = layer_norm(config, sequence_parallel)
         if config.is_moe and config.moe_layer_pattern[layer_id]:
             self.mlp = MoELayer(config, ctx, rng, sequence_parallel)
@@ -272,7 +290,8 @@ class TransformerLayer(nn.Module):
 class GPT(nn.Module):
     def __init__(self, config: ModelConfig, ctx: ParallelContext, rng: RNGStreams, *,
                  layer_ids: Sequence[int] | None = None, pre_process: bool = True,
-                 post_process: bool = True, sequence_parallel: bool = False):
+                 post_process: bool = True, sequence_parallel: bool = False,
+                 cp_comm_type: str = "p2p"):
         super().__init__()
         self.config, self.ctx, self.rng = config, ctx, rng
         self.pre_process, self.post_process = pre_process, post_process
@@ -280,7 +299,7 @@ class GPT(nn.Module):
         self.layer_ids = list(range(config.num_layers) if layer_ids is None else layer_ids)
         if pre_process:
             self.embedding = Embedding(config, ctx, rng, sp)
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, ctx, rng, sp, i)
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, ctx, rng, sp, i, cp_comm_type)
                                      for i in self.layer_ids})
         if post_process:
             self.final_layernorm = layer_norm(config, sp)
@@ -313,14 +332,18 @@ class GPT(nn.Module):
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
                 loss_mask: torch.Tensor | None = None) -> torch.Tensor:
         """First stage: x is tokens [b, s]; otherwise hidden [s, b, h]
-        ([s/t, b, h] under sequence parallelism, also as returned).
+        ([s/t, b, h] under sequence parallelism, also as returned). Under
+        context parallelism tokens, labels and loss mask are the whole
+        sequence's (every context rank reads the same microbatch) and this
+        rank keeps its s/c positions (ptdp.parallel.context_layout); the
+        hidden states are [s/c, b, h] ([s/(c·t), b, h]).
 
         Returns hidden [s, b, h] unless this is the last stage; there it
         returns the mean loss over unmasked tokens when `labels` [b, s] are
         given, else this rank's logits [s, b, V'/t].
         """
         if self.pre_process:
-            x = self.embedding(x)
+            x = self.embedding(self._own_positions(x))
         x = self._run_layers(x)
         if not self.post_process:
             return x
@@ -366,10 +389,29 @@ class GPT(nn.Module):
             logits = F.linear(copy_to_tensor_region(hidden, self.ctx.tp_group), output.weight)
         return output.mask_padding(logits)
 
+    def _own_positions(self, x: torch.Tensor) -> torch.Tensor:
+        """This context rank's positions of a whole-sequence [b, s, ...] tensor."""
+        if self.ctx.cp_size == 1:
+            return x
+        return split_sequence(x, self.ctx.cp_size, self.ctx.cp_rank)
+
     def loss(self, logits: torch.Tensor, labels: torch.Tensor,
              loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The mean loss over the microbatch's unmasked tokens. Under context
+        parallelism this rank's part of it: its tokens' losses summed, over
+        the whole sequence's count (labels and mask come whole), so the
+        context ranks' parts add up to the one-process loss and a rank whose
+        tokens are all masked gives 0."""
+        if self.ctx.cp_size > 1:
+            count = (labels.numel() if loss_mask is None else
+                     loss_mask.sum(dtype=torch.float32).clamp(min=1.0))
+            labels = self._own_positions(labels)
+            loss_mask = None if loss_mask is None else self._own_positions(loss_mask)
         losses = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1),
                                               self.output_matrix.vocab_start, self.ctx.tp_group)
+        if self.ctx.cp_size > 1:
+            mask = 1.0 if loss_mask is None else loss_mask.transpose(0, 1).to(losses.dtype)
+            return (losses * mask).sum() / count
         if loss_mask is None:
             return losses.mean()
         mask = loss_mask.transpose(0, 1).to(losses.dtype)
@@ -384,7 +426,7 @@ def _run_group(layers: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
 
 def build_chunks(config: ModelConfig, ctx: ParallelContext, device: torch.device, seed: int,
                  num_chunks: int = 1, *, sequence_parallel: bool = False,
-                 kind: str = "interleaved", split=None) -> list[GPT]:
+                 kind: str = "interleaved", split=None, cp_comm_type: str = "p2p") -> list[GPT]:
     """This rank's model chunks, initialised from `seed`, with its dropout
     streams seeded. Chunk c of pipeline rank r is virtual stage c·p + r and
     holds layers c·(l/v) + r·(l/(p·v)) onwards (the paper's interleaving),
@@ -402,7 +444,7 @@ def build_chunks(config: ModelConfig, ctx: ParallelContext, device: torch.device
         model = GPT(config, ctx, rng, layer_ids=layers_of(ctx.pp_rank, chunk, p, num_chunks,
                                                           config.num_layers, kind, split),
                     pre_process=stage == 0, post_process=stage == last,
-                    sequence_parallel=sequence_parallel)
+                    sequence_parallel=sequence_parallel, cp_comm_type=cp_comm_type)
         model.initialize(seed)
         first = next((c for c in chunks if c.pre_process), None)
         if model.post_process and config.tied_output and first is not None:

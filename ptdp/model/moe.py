@@ -472,40 +472,54 @@ class MoELayer(nn.Module):
         if not (self.training and torch.is_grad_enabled()):
             return logits
         # Every tensor rank computes the same losses over the same tokens:
-        # each brings 1/t of the gradient.
+        # each brings 1/t of the gradient. Context ranks hold other tokens:
+        # each computes its part of the losses (the top-k counts and token
+        # counts summed over the context group, the scores its own), and the
+        # parts add up to the one-process value.
         scale = self.aux_loss_scale / self.ctx.tp_size
+        k, cp = c.moe_router_topk, self.ctx.cp_size
         kind, coeff = c.moe_router_load_balancing_type, c.moe_aux_loss_coeff
         if kind in ("aux_loss", "seq_aux_loss", "global_aux_loss") and coeff > 0:
             scores = balancing_scores(logits, c)
             if kind == "aux_loss":
-                value = switch_loss(scores, c.moe_router_topk)
+                value = switch_loss(scores, k, self._context_counts(scores), scores.shape[0] * cp)
             elif kind == "seq_aux_loss":  # tokens are [s, b] flattened: sequence b at b, b + B, ...
                 per_sequence = scores.view(s, b, -1).transpose(0, 1)
-                value = torch.stack([switch_loss(seq, c.moe_router_topk)
+                value = torch.stack([switch_loss(seq, k, self._context_counts(seq), s * cp)
                                      for seq in per_sequence]).mean()
             else:
-                value = switch_loss(scores, c.moe_router_topk, self._global_counts(scores),
-                                    tokens=scores.shape[0] * self.ctx.dp_size)
+                value = switch_loss(scores, k, self._global_counts(scores),
+                                    tokens=scores.shape[0] * self.ctx.grad_reduce_size)
             self._record(BALANCING_NAMES[kind], value)
             logits = _AttachLoss.apply(logits, coeff * value, scale)
         if c.moe_z_loss_coeff:
-            z = torch.logsumexp(logits.float(), dim=-1).square().mean()
+            z = torch.logsumexp(logits.float(), dim=-1).square().mean() / cp
             self._record("z_loss", z)
             logits = _AttachLoss.apply(logits, c.moe_z_loss_coeff * z, scale)
         return logits
 
     @torch.no_grad()
+    def _context_counts(self, scores: torch.Tensor) -> torch.Tensor:
+        """The top-k counts of these tokens, summed over the context group
+        (the same sequences' other positions)."""
+        counts = top_k_counts(scores, self.config.moe_router_topk)
+        if self.ctx.cp_size > 1:
+            dist.all_reduce(counts, group=self.ctx.cp_group)
+        return counts
+
+    @torch.no_grad()
     def _global_counts(self, scores: torch.Tensor) -> torch.Tensor:
         """global_aux_loss's counts: the top-k counts of this microbatch
-        summed over the data-parallel replicas' microbatches, averaged with
+        summed over the data-parallel replicas' microbatches (and the
+        context ranks' positions of them), averaged with
         the iteration's earlier microbatches' (Megatron-Core's running mean).
         A recomputation reuses what its forward used (microbatches replay in
         their forward order)."""
         if self.rng.replaying:
             return self._global_replays.pop(0)
         counts = top_k_counts(scores, self.config.moe_router_topk)
-        if self.ctx.dp_group is not None:
-            dist.all_reduce(counts, group=self.ctx.dp_group)
+        if self.ctx.grad_reduce_group is not None:
+            dist.all_reduce(counts, group=self.ctx.grad_reduce_group)
         self._global_sum = counts if self._global_sum is None else self._global_sum + counts
         self._global_microbatches += 1
         mean = self._global_sum / self._global_microbatches

@@ -18,6 +18,8 @@ import math
 
 import torch
 
+from ptdp.parallel.context_layout import rank_positions
+
 
 # Llama 3.1's rescaling (--use-rope-scaling): the context it was trained at and
 # the two wavelength bounds' factors. Megatron-LM fixes them as Meta published
@@ -51,22 +53,27 @@ class Rotary:
         self.head_dim, self.base, self.scaling_factor = head_dim, base, scaling_factor
         self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def tables(self, length: int, device: torch.device, dtype: torch.dtype):
-        """cos and sin, each [length, d]."""
-        key = (length, device, dtype)
+    def tables(self, length: int, device: torch.device, dtype: torch.dtype,
+               context: tuple[int, int] = (1, 0)):
+        """cos and sin, each [length, d], for positions 0 .. length - 1; with
+        `context` = (c, r) for the `length` positions context rank r of c
+        holds of a c·length sequence (ptdp.parallel.context_layout)."""
+        key = (length, device, dtype, context)
         if key not in self._tables:
             exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device)
             inverse_frequencies = 1.0 / (self.base ** (exponents / self.head_dim))
             if self.scaling_factor is not None:
                 inverse_frequencies = llama3_frequencies(inverse_frequencies, self.scaling_factor)
-            positions = torch.arange(length, dtype=torch.float32, device=device)
-            angles = torch.outer(positions, inverse_frequencies)
+            cp_size, cp_rank = context
+            positions = (torch.arange(length, device=device) if cp_size == 1 else
+                         rank_positions(length * cp_size, cp_size, cp_rank, device))
+            angles = torch.outer(positions.to(torch.float32), inverse_frequencies)
             angles = torch.cat([angles, angles], dim=-1)
             self._tables[key] = (angles.cos().to(dtype), angles.sin().to(dtype))
         return self._tables[key]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [b, heads, s, d], rotated by position."""
-        cos, sin = self.tables(x.shape[-2], x.device, x.dtype)
+    def __call__(self, x: torch.Tensor, context: tuple[int, int] = (1, 0)) -> torch.Tensor:
+        """x [b, heads, s, d], rotated by position (`context`: see `tables`)."""
+        cos, sin = self.tables(x.shape[-2], x.device, x.dtype, context)
         first, second = x.chunk(2, dim=-1)
         return x * cos + torch.cat([-second, first], dim=-1) * sin

@@ -487,9 +487,12 @@ class RNGStreams:
 
     def seed(self, seed: int, ctx: ParallelContext) -> None:
         c = ctx.coord
-        devices.manual_seed(name_seed(seed, f"replicated/pp{c.pp}/dp{c.dp}"), self.device)
+        # Context ranks hold other positions: streams of their own (the names
+        # without context parallelism are as before, so runs replay).
+        where = f"pp{c.pp}/dp{c.dp}" + (f"/cp{c.cp}" if ctx.cp_size > 1 else "")
+        devices.manual_seed(name_seed(seed, f"replicated/{where}"), self.device)
         saved = devices.get_rng_state(self.device)
-        devices.manual_seed(name_seed(seed, f"tensor/pp{c.pp}/dp{c.dp}/tp{c.tp}"), self.device)
+        devices.manual_seed(name_seed(seed, f"tensor/{where}/tp{c.tp}"), self.device)
         self.states["tensor"] = devices.get_rng_state(self.device)
         devices.set_rng_state(saved, self.device)
 

@@ -8,8 +8,12 @@ A checkpoint is a directory `SAVE/iter_0000005/` holding
   where the fp32 main weights are not the model's own, `optimizer/main/<name>`.
   Each tensor is stored once. Pipeline ranks write their own layers and the
   tensors of a stage are spread over its tensor ranks, so the files are
-  written in parallel; data-parallel replicas write nothing.
-* `rng/tp{k}-pp{r}-dp{j}.json`: each rank's random-number-generator states.
+  written in parallel; data-parallel replicas and context ranks (which hold
+  the same parameters) write nothing. A file is named after its writer's
+  context and data ranks too (`-cp{c}`, `-dp{j}`) where these are not 0:
+  routed experts are written by their first expert-data-parallel replica.
+* `rng/tp{k}-pp{r}-dp{j}.json`: each rank's random-number-generator states;
+  `rng/tp{k}-cp{c}-pp{r}-dp{j}.json` under context parallelism (c > 1).
 * `metadata.json`: the configuration, iteration, consumed samples, layout,
   optimizer step count, loss scaler, where each tensor is, every file's
   sha256 (checked on load), and its own sha256: a checkpoint proves itself
@@ -30,7 +34,7 @@ deletes or overwrites a checkpoint it should keep (`--keep-last`, rollbacks,
 another run's checkpoints in the same directory): see retention.py.
 
 Loading cuts each logical tensor into this rank's shard (padding the
-vocabulary for this t), so a checkpoint written under one (t, p, d, v,
+vocabulary for this t), so a checkpoint written under one (t, c, p, d, v,
 distributed optimizer or not) loads under any other. The random states are
 restored when the layout is the same (resume is then bitwise exact); under
 another layout the streams are reseeded from (seed, iteration), since a
@@ -64,6 +68,8 @@ from ptdp.parallel.sharding import COPY_ATTR, SHARD_ATTR, gather_logical, is_exp
 from ptdp.train.checkpoint_integrity import (CHECKPOINT_NAME, FORMAT, FORMAT_VERSION,
                                              OPTIMIZER_START, RUN_START, CheckpointError, damaged,
                                              seal, verify)
+from ptdp.train.checkpoint_layout import (layout_record, part_name, rng_file, writes_state_buffers,
+                                          writes_tensor)
 from ptdp.train.loss_range import RECORD as LOSS_RANGE, LossRange
 from ptdp.train import lr_resume
 from ptdp.train.optimizer import LossScaler
@@ -132,15 +138,12 @@ def save_checkpoint(trainer, save: str | Path, *, iteration: int, consumed_sampl
         (partial / "rng").mkdir(parents=True)
     _barrier(ctx)
 
-    tensors = _logical_tensors(trainer)  # collective over the tensor and data groups
+    tensors = _logical_tensors(trainer)  # collective over the tensor and data × context groups
     if tensors:
-        # (Routed experts are written by their first expert-data-parallel
-        # replica, which may be another data-parallel rank than 0.)
-        name = f"part-pp{ctx.pp_rank}-tp{ctx.tp_rank}" + (f"-dp{ctx.dp_rank}" if ctx.dp_rank else "")
+        name = part_name(ctx)
         _write_safetensors(partial / f"{name}.safetensors", tensors)
         _write_json(partial / f"{name}.json", sorted(tensors))
-    c = ctx.coord
-    _write_json(partial / "rng" / f"tp{c.tp}-pp{c.pp}-dp{c.dp}.json", _rng_state(trainer))
+    _write_json(partial / rng_file(ctx), _rng_state(trainer))
     _barrier(ctx)
 
     if ctx.rank == 0:
@@ -154,10 +157,10 @@ def save_checkpoint(trainer, save: str | Path, *, iteration: int, consumed_sampl
 
 
 def _logical_tensors(trainer) -> dict[str, torch.Tensor]:
-    """The logical tensors this rank writes: the first data-parallel
+    """The logical tensors this rank writes: the first data × context
     replica's share of its stage's, spread over its tensor group (a routed
     expert's: the first expert-data-parallel replica's, spread over its
-    expert tensor-parallel group)."""
+    expert tensor-parallel group): checkpoint_layout.writes_tensor."""
     ctx, buffer, optimizer = trainer.ctx, trainer.buffer, trainer.optimizer
     flats = {"exp_avg": _full_flat(optimizer.exp_avg, buffer, ctx),
              "exp_avg_sq": _full_flat(optimizer.exp_avg_sq, buffer, ctx)}
@@ -170,8 +173,6 @@ def _logical_tensors(trainer) -> dict[str, torch.Tensor]:
         if getattr(param, COPY_ATTR, False):
             continue  # the tied embedding's second copy: stored once
         expert = is_expert(param)
-        writes = (ctx.edp_rank if expert else ctx.dp_rank) == 0
-        split_size, split_rank = (ctx.etp_size, ctx.etp_rank) if expert else (ctx.tp_size, ctx.tp_rank)
         segment = segments[id(param)]
         spec = getattr(param, SHARD_ATTR, None)
         sources = {"model": param.detach()}
@@ -179,10 +180,10 @@ def _logical_tensors(trainer) -> dict[str, torch.Tensor]:
                         for kind, flat in flats.items()})
         for prefix, local in sources.items():
             logical = gather_logical(local, spec, shard_group(param, ctx))
-            if writes and index[expert] % split_size == split_rank:
+            if writes_tensor(ctx, expert, index[expert]):
                 mine[f"{prefix}/{name}"] = logical.detach().clone().contiguous().cpu()
             index[expert] += 1
-    if ctx.dp_rank == 0 and ctx.tp_rank == 0:  # replicated over both
+    if writes_state_buffers(ctx):  # replicated over tensor, context and data ranks
         for name, tensor in _named_state_buffers(trainer):
             mine[f"model/{name}"] = tensor.detach().clone().contiguous().cpu()
     return mine
@@ -213,6 +214,9 @@ def _finish(trainer, partial: Path, final: Path, iteration: int, consumed_sample
     for listing in sorted(partial.glob("part-*.json")):
         data_file = listing.with_suffix(".safetensors").name
         for name in json.loads(listing.read_text()):
+            if name in tensors:  # each tensor has one writer (checkpoint_layout.writes_tensor)
+                raise RuntimeError(f"{name} was written by two ranks ({tensors[name]} and "
+                                   f"{data_file}): a bug in the choice of writers")
             tensors[name] = data_file
         listing.unlink()
     tokenizer = _tokenizer_to_carry(trainer)
@@ -225,7 +229,7 @@ def _finish(trainer, partial: Path, final: Path, iteration: int, consumed_sample
         "format": FORMAT, "format_version": FORMAT_VERSION,
         "iteration": iteration, "consumed_samples": consumed_samples,
         "config": config.to_dict(),
-        "layout": _layout(trainer),
+        "layout": layout_record(trainer),
         "optimizer": {"steps": trainer.optimizer.steps,
                       "loss_scaler": trainer.optimizer.scaler.state_dict(),
                       "skipped_iterations": trainer.skipped_iterations,
@@ -671,16 +675,6 @@ def checkpoint_tokenizer(load: str | Path) -> Path | None:
 
 # ------------------------------------------------------------------ random states
 
-def _layout(trainer) -> dict[str, Any]:
-    ctx = trainer.ctx
-    layout = {"tensor": ctx.tp_size, "pipeline": ctx.pp_size, "data": ctx.dp_size,
-              "chunks": trainer.num_chunks,
-              "distributed_optimizer": bool(trainer.buffer.shard)}
-    if (ctx.ep_size, ctx.etp_size) != (1, ctx.tp_size):  # (absent: the dense folding)
-        layout.update(expert=ctx.ep_size, expert_tensor=ctx.etp_size)
-    return layout
-
-
 def _rng_state(trainer) -> dict[str, str]:
     states = trainer.chunks[0].rng.get_states()
     states["cpu"] = torch.get_rng_state()
@@ -689,9 +683,8 @@ def _rng_state(trainer) -> dict[str, str]:
 
 
 def _restore_rng(trainer, directory: Path, metadata: dict) -> None:
-    c = trainer.ctx.coord
-    file = f"rng/tp{c.tp}-pp{c.pp}-dp{c.dp}.json"
-    same_layout = metadata.get("layout") == _layout(trainer)
+    file = rng_file(trainer.ctx)  # (another c: another layout, so reseeded)
+    same_layout = metadata.get("layout") == layout_record(trainer)
     rng = trainer.chunks[0].rng
     if same_layout and file in metadata["files"]:
         verify_file(directory, file, metadata)

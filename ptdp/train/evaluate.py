@@ -110,9 +110,11 @@ def evaluate(trainer, dataset, num_iters: int, start_sample: int = 0) -> dict[st
     if not trainer.holds_loss:
         return {"loss": None, "perplexity": None}
     per_token = trainer.config.train.calculate_per_token_loss
-    loss = average_loss(losses, tokens if per_token else None, ctx.dp_group)
+    replicas, c = ctx.grad_reduce_group, ctx.cp_size  # data × context
+    loss = average_loss(losses, tokens if per_token else None, replicas, c)
     result = {"loss": loss, "perplexity": math.exp(loss) if loss < 700 else math.inf}
-    bits = bits_per_character(losses, tokens, characters, ctx.dp_group) if table is not None else None
+    bits = (bits_per_character(losses, tokens, characters, replicas, c) if table is not None
+            else None)
     if bits is not None:  # absent, not None, without text: the metrics file has no field then
         result["bits_per_char"] = bits
     return result
@@ -143,15 +145,17 @@ def label_characters(batch: tuple[torch.Tensor, ...], table: torch.Tensor) -> to
 
 
 def bits_per_character(losses: list[torch.Tensor], tokens: list[torch.Tensor],
-                       characters: list[torch.Tensor], group) -> float | None:
+                       characters: list[torch.Tensor], group,
+                       context_size: int = 1) -> float | None:
     """Σ loss / ln 2 / Σ characters over a rank's microbatches and its
-    data-parallel replicas (`group`): each microbatch loss is a mean, so its
-    sum is mean · tokens. In float64, so the sums do not round the figure.
+    data-parallel replicas (`group`, with the context ranks: see
+    average_loss): each microbatch loss is a mean, so its sum is
+    mean · tokens. In float64, so the sums do not round the figure.
     None when the labels hold no characters (only end-of-document tokens)."""
     # A microbatch with no counted token adds nothing (its mean is 0/0).
     nats = sum(torch.where(count > 0, loss.double() * count.double(), 0.0)
                for loss, count in zip(losses, tokens))
-    totals = torch.stack([nats, sum(c.double() for c in characters)])
+    totals = torch.stack([nats, sum(c.double() for c in characters) / context_size])
     if group is not None:
         dist.all_reduce(totals, group=group)
     nats, chars = totals.tolist()

@@ -130,7 +130,7 @@ class Trainer:
         self.measured_costs = None  # zero-bubble: what place_exchanges measured
         self.chunks = build_chunks(model_cfg, ctx, device, tr.seed, self.num_chunks,
                                    sequence_parallel=sequence_parallel, kind=par.schedule_kind,
-                                   split=par.layer_split)
+                                   split=par.layer_split, cp_comm_type=par.cp_comm_type)
         self.model = torch.nn.ModuleList(self.chunks)
         self.moe_layers = moe_layers(self.chunks)
         # The rank of the last virtual stage, which computes the loss (rank 0 under zbv).
@@ -153,8 +153,10 @@ class Trainer:
         self.optimizer = Optimizer(self.buffer, ctx, tr,
                                    decoupled=embedding_and_output_weights(self.chunks))
         # Under sequence parallelism each tensor rank sends its own s/t
-        # positions: the paper's scatter/gather without the gather.
-        positions = model_cfg.seq_length // ctx.tp_size if sequence_parallel else model_cfg.seq_length
+        # positions: the paper's scatter/gather without the gather. Each
+        # context rank holds s/c of them.
+        positions = model_cfg.seq_length // ctx.cp_size
+        positions //= ctx.tp_size if sequence_parallel else 1
         self.executor = PipelineExecutor(
             self.chunks, ctx, activation_shape=(positions, b, model_cfg.hidden_size),
             dtype=self.dtype, device=device,
@@ -282,7 +284,7 @@ class Trainer:
         loss = None
         if self.holds_loss:
             loss = average_loss(stats.losses, stats.loss_tokens if tr.calculate_per_token_loss
-                                else None, ctx.dp_group)
+                                else None, ctx.grad_reduce_group, ctx.cp_size)
         devices.synchronize(self.device)
         reduce_done = time.perf_counter()
 
@@ -357,7 +359,7 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
         with phase(f"loading the checkpoint {resolve(tr.load)}") if ctx.rank == 0 \
                 else contextlib.nullcontext():
             trainer.load(tr.load)
-    is_logger = trainer.holds_loss and ctx.tp_rank == 0 and ctx.dp_rank == 0
+    is_logger = trainer.holds_loss and ctx.tp_rank == 0 and ctx.dp_rank == 0 and ctx.cp_rank == 0
     metrics_out = (_open_metrics(tr.metrics_file, trainer.start_iteration,
                                  resolve(tr.load) if tr.load else None)
                    if is_logger and tr.metrics_file else None)
@@ -375,8 +377,10 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
             experts = f", experts over EP={ctx.ep_size} × ETP={ctx.etp_size}"
     if is_logger:
         schedule = trainer.schedule
+        context = f", c={ctx.cp_size} {trainer.config.parallel.cp_comm_type}" \
+            if ctx.cp_size > 1 else ""
         print(f"ptdp: {plural(ctx.grid.world_size, 'process')} (t={ctx.tp_size}, p={ctx.pp_size}, "
-              f"d={ctx.dp_size}){experts} on {device.type}; {described}; vocabulary "
+              f"d={ctx.dp_size}{context}){experts} on {device.type}; {described}; vocabulary "
               f"{model_cfg.vocab_size} padded to {model_cfg.padded_vocab_size(ctx.tp_size)} (padding "
               f"is masked out of the loss); {plural(trainer.num_micro, 'microbatch')} of "
               f"{tr.micro_batch_size} per pipeline per iteration; {schedule.kind} schedule"

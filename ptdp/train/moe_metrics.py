@@ -63,17 +63,21 @@ def balancing_metrics(layers: list[MoELayer], config: ModelConfig, ctx: Parallel
     counts = torch.stack([torch.stack(m["tokens_per_expert"]).double().sum(dim=0)
                           for m in taken if m.get("tokens_per_expert")]) if layers else \
         torch.zeros(0, config.num_experts, dtype=torch.float64, device=device)
-    if ctx.dp_group is not None and len(counts):
-        dist.all_reduce(counts, group=ctx.dp_group)
-    # Summed over the stages and replicas below: this replica's assignments,
+    # The replicas are the data × context group: context ranks route other
+    # positions of the same sequences, and their balancing losses are parts
+    # that add up to their replica's (ptdp.model.moe).
+    replicas = ctx.grad_reduce_group
+    if replicas is not None and len(counts):
+        dist.all_reduce(counts, group=replicas)
+    # Summed over the stages and replicas below: this rank's assignments,
     # and its share of the (already summed) tokens taken.
     sums[-2] = sum(float(sum(m.get("assigned", []))) for m in taken)
-    sums[-1] = counts.sum() / ctx.dp_size
+    sums[-1] = counts.sum() / ctx.grad_reduce_size
     shares = counts / counts.sum(dim=1, keepdim=True).clamp(min=1.0)
     extremes = torch.tensor([shares.max().item() if len(counts) else 0.0,
                              -shares.min().item() if len(counts) else -1.0],
                             dtype=torch.float64, device=device)
-    for group in (ctx.pp_group, ctx.dp_group):
+    for group in (ctx.pp_group, replicas):
         if group is not None:
             dist.all_reduce(sums, group=group)
     if ctx.pp_group is not None:
@@ -97,14 +101,15 @@ def update_expert_biases(layers: list[MoELayer], rate: float, ctx: ParallelConte
     tokens than the mean over the layer's experts, − when more. The counts
     are the global batch's: every tensor rank routed its replica's whole
     microbatches (ptdp.model.moe), so they are summed over the data-parallel
-    replicas only (Megatron-Core, whose tensor ranks route s/t tokens each,
-    sums over tensor × data). Collective over the data-parallel group."""
+    replicas and the context ranks (which route other positions) only
+    (Megatron-Core, whose tensor ranks route s/t tokens each, sums over
+    tensor × context × data). Collective over the data × context group."""
     routers = [layer.router for layer in layers if layer.router.expert_bias is not None]
     if not routers:
         return
     counts = torch.stack([router.tokens_per_expert for router in routers])
-    if ctx.dp_group is not None:
-        dist.all_reduce(counts, group=ctx.dp_group)
+    if ctx.grad_reduce_group is not None:
+        dist.all_reduce(counts, group=ctx.grad_reduce_group)
     step = torch.sign(counts.mean(dim=1, keepdim=True) - counts) * rate
     for router, change in zip(routers, step):
         router.expert_bias += change

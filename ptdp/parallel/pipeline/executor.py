@@ -106,19 +106,24 @@ def read_and_count(microbatch: MicrobatchFn, m: int,
     return batches.__getitem__, total.clamp(min=1.0)
 
 
-def average_loss(losses: list[torch.Tensor], tokens: list[torch.Tensor] | None, group) -> float:
+def average_loss(losses: list[torch.Tensor], tokens: list[torch.Tensor] | None, group,
+                 context_size: int = 1) -> float:
     """The reported loss over a rank's microbatch losses and its replicas'
-    (`group`): without `tokens` the mean of the microbatch means; with
-    their token counts the per-token mean, Σ mean·tokens / Σ tokens
-    (Megatron-LM's under --calculate-per-token-loss)."""
+    (`group`, the data × context group): without `tokens` the mean of the
+    microbatch means; with their token counts the per-token mean,
+    Σ mean·tokens / Σ tokens (Megatron-LM's under --calculate-per-token-loss).
+    Under context parallelism each of the `context_size` ranks of a replica
+    holds a part of each microbatch loss (they add up to it) and the whole
+    microbatch's token count."""
     if tokens is None:
         loss_sum = torch.stack(losses).sum().float()
         if group is not None:
             dist.all_reduce(loss_sum, group=group)
-        replicas = 1 if group is None else dist.get_world_size(group)
+        replicas = 1 if group is None else dist.get_world_size(group) // context_size
         return loss_sum.item() / (len(losses) * replicas)
     counts = torch.stack(tokens).float()
-    totals = torch.stack([(torch.stack(losses).float() * counts).sum(), counts.sum()])
+    totals = torch.stack([(torch.stack(losses).float() * counts).sum(),
+                          counts.sum() / context_size])
     if group is not None:
         dist.all_reduce(totals, group=group)
     loss_sum, count = totals.tolist()
@@ -157,7 +162,7 @@ class PipelineExecutor:
 
     def _global_rank(self, pipeline_rank: int) -> int:
         c = self.ctx.coord
-        return self.ctx.grid.rank(c.tp, c.dp, pipeline_rank)
+        return self.ctx.grid.rank(c.tp, c.dp, pipeline_rank, cp=c.cp)
 
     def run(self, schedule: Schedule, microbatch: MicrobatchFn, *, forward_only: bool = False,
             record_timeline: bool = False, loss_scale: float = 1.0,

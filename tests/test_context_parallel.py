@@ -1,0 +1,235 @@
+"""Context parallelism equals one process: sequences split over c ranks
+(two chunks each, ptdp.parallel.context_layout) train as the serial model.
+
+One pool of four processes runs every layout in turn; each process
+computes the one-process reference of each model once. Per layout: every
+iteration's loss and gradient norm, the first iteration's gradient of every
+parameter, the weights after the last step and the validation loss equal
+the one-process run's within the dense tests' tolerances (test_ptdp_step).
+
+The loss mask (--eod-mask-loss, plus `_masked`) leaves out whole chunks:
+the first and last quarter of every other sample, which at c = 2 is all of
+context rank 0's positions and at c = 4 all of ranks 0's and 1's; one
+sample is masked out entirely. A rank with no counted token must add 0,
+not NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from ptdp.config import Config, DataConfig, ModelConfig, ParallelConfig
+from ptdp.config.checks import validate
+from ptdp.parallel.sharding import SHARD_ATTR, gather_logical, shard_group
+from ptdp.parallel.topology import ParallelContext, RankGrid
+from ptdp.train.evaluate import evaluate
+from ptdp.train.loop import Trainer
+from tests import test_ptdp_step as step
+
+CPU = torch.device("cpu")
+STEPS = 3
+# Relative to the largest element of each gradient (many are near 0).
+GRAD_TOL = 1e-5
+
+# Llama-like: rotary positions, grouped-query attention (2 groups of 2
+# heads), RMSNorm, SwiGLU, untied output layer, no biases.
+ROTARY = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                     group_query_attention=True, seq_length=32, vocab_size=96,
+                     make_vocab_size_divisible_by=8, hidden_dropout=0.0, attention_dropout=0.0,
+                     normalization="RMSNorm", swiglu=True, ffn_hidden_size=64,
+                     position_embedding_type="rope", untie_embeddings_and_output_weights=True,
+                     disable_bias_linear=True)
+# GPT-2-like: learned positions, four key/value heads, LayerNorm, tied output.
+LEARNED = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=32,
+                      vocab_size=96, make_vocab_size_divisible_by=8, hidden_dropout=0.0,
+                      attention_dropout=0.0)
+MODELS = {"rotary": ROTARY, "learned": LEARNED}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    c: int
+    comm: str = "p2p"
+    t: int = 1
+    p: int = 1
+    d: int = 1
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+    k: int | None = None                 # layers per virtual stage (interleaved)
+    recompute: str | None = None
+    distributed: bool = False
+    per_token_loss: bool = False
+    model: str = "rotary"
+    masked: bool = True
+    steps: int = STEPS
+
+    @property
+    def name(self) -> str:
+        parts = [f"c{self.c}-{self.comm}", f"t{self.t}p{self.p}d{self.d}", self.model]
+        parts += ["sp"] * self.sequence_parallel + [self.schedule] * (self.p > 1)
+        parts += [f"{self.recompute}-recompute"] * bool(self.recompute)
+        parts += ["distopt"] * self.distributed + ["per-token"] * self.per_token_loss
+        parts += ["unmasked"] * (not self.masked)
+        return "-".join(parts)
+
+    @property
+    def reference(self) -> tuple[str, bool, bool, int]:
+        return self.model, self.masked, self.per_token_loss, self.steps
+
+
+def _config(layout: Layout) -> Config:
+    model = dataclasses.replace(MODELS[layout.model], recompute_granularity=layout.recompute)
+    config = step._config(layout.t, layout.p, layout.d, layout.k, model, layout.sequence_parallel,
+                          use_distributed_optimizer=layout.distributed,
+                          calculate_per_token_loss=layout.per_token_loss)
+    config.parallel = dataclasses.replace(
+        config.parallel, context_parallel_size=layout.c, cp_comm_type=layout.comm,
+        pipeline_schedule="1f1b" if layout.schedule == "interleaved" else layout.schedule)
+    config.data = DataConfig(mock_data=True, eod_mask_loss=layout.masked)
+    validate(config, world_size=layout.t * layout.c * layout.p * layout.d)
+    return config
+
+
+EOD = 7  # a token id the mock data holds now and then: --eod-mask-loss leaves it out
+
+
+def _masked(microbatch_fn):
+    """`microbatch_fn` whose loss masks also leave out the first and last
+    quarter of every sample whose token sum is even, and all of a sample
+    whose token sum is divisible by 4 (the data decides, so every layout
+    masks the same samples)."""
+    def build(iteration: int):
+        def microbatch(i: int):
+            batch = microbatch_fn(iteration)(i)
+            if len(batch) < 3:
+                return batch
+            inputs, labels, mask = batch
+            mask = mask.clone()
+            quarter = inputs.shape[1] // 4
+            sums = inputs.sum(dim=1)
+            mask[sums % 2 == 0, :quarter] = 0
+            mask[sums % 2 == 0, -quarter:] = 0
+            mask[sums % 4 == 0] = 0
+            return inputs, labels, mask
+        return microbatch
+    return build
+
+
+def _trainer(config: Config, ctx: ParallelContext) -> Trainer:
+    trainer = Trainer(config, ctx, CPU)
+    trainer.data.eod = EOD
+    trainer.microbatch_fn = _masked(trainer.microbatch_fn)
+    return trainer
+
+
+def _logical(trainer: Trainer, ctx: ParallelContext, grads: bool) -> dict[str, torch.Tensor]:
+    """Every parameter of this rank (or its gradient as the optimizer steps
+    it), gathered over the tensor shards into its logical shape."""
+    found = {}
+    segments = {id(s.param): s for s in trainer.buffer.segments}
+    for chunk in trainer.chunks:
+        for name, param in chunk.named_parameters():
+            value = param.detach()
+            if grads:
+                segment = segments[id(param)]
+                value = trainer.buffer.grad_data[segment.start:segment.end].view(param.shape)
+            found[name] = gather_logical(value.float().clone(), getattr(param, SHARD_ATTR, None),
+                                         shard_group(param, ctx))
+    return found
+
+
+_serial: dict[tuple, tuple] = {}
+
+
+def _one_process(layout: Layout):
+    """The reference of the layout's model and loss: records of every
+    iteration, the first iteration's gradients, the final weights and the
+    validation loss."""
+    key = layout.reference
+    if key not in _serial:
+        reference = Layout(c=1, model=layout.model, masked=layout.masked,
+                           per_token_loss=layout.per_token_loss, steps=layout.steps)
+        ctx = ParallelContext.single()
+        trainer = _trainer(_config(reference), ctx)
+        first, stats = trainer.step(0)
+        if layout.masked:  # the masks leave some tokens out, and all of some samples
+            assert 0 in [t.item() for t in stats.loss_tokens]
+        grads = _logical(trainer, ctx, grads=True)
+        records = [first] + [trainer.step(i)[0] for i in range(1, layout.steps)]
+        _serial[key] = (records, grads, _logical(trainer, ctx, grads=False),
+                        evaluate(trainer, trainer.data.valid, 1)["loss"])
+    return _serial[key]
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, tol: float, what: str) -> None:
+    assert_close(got, want, rtol=0.0, atol=tol * max(want.abs().max().item(), 1e-3), msg=what)
+
+
+def _layouts_vs_one_process(rank: int, layouts: list[Layout]) -> list[tuple[str, set, float]]:
+    """Each layout in turn against the one-process run: (name, names of the
+    parameters this rank compared, the largest weight difference)."""
+    results = []
+    for layout in layouts:
+        records, serial_grads, serial_weights, validation = _one_process(layout)
+        grid = RankGrid(tp=layout.t, dp=layout.d, pp=layout.p, cp=layout.c)
+        ctx = ParallelContext.build(grid)
+        trainer = _trainer(_config(layout), ctx)
+        got = [trainer.step(0)[0]]
+        if not layout.distributed:  # (sharded: each rank holds part of the gradients)
+            for name, grad in _logical(trainer, ctx, grads=True).items():
+                assert grad.abs().max() > 0, (layout.name, name)
+                _close(grad, serial_grads[name], GRAD_TOL, f"{layout.name}: {name} gradient")
+        got += [trainer.step(i)[0] for i in range(1, layout.steps)]
+        for record, want in zip(got, records):
+            assert not record["skipped"], layout.name
+            assert record["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), layout.name
+            if trainer.holds_loss:
+                assert record["loss"] == pytest.approx(want["loss"], rel=1e-5), layout.name
+        evaluated = evaluate(trainer, trainer.data.valid, 1)["loss"]
+        if trainer.holds_loss:
+            assert evaluated == pytest.approx(validation, rel=1e-5), layout.name
+        worst, compared = 0.0, set()
+        for name, weight in _logical(trainer, ctx, grads=False).items():
+            assert_close(weight, serial_weights[name], **step.WEIGHT_TOL,
+                         msg=lambda m, name=name: f"{layout.name}: {name}: {m}")
+            worst = max(worst, (weight - serial_weights[name]).abs().max().item())
+            compared.add(name)
+        results.append((layout.name, compared, worst))
+        del trainer
+        ctx.destroy()
+    return results
+
+
+# Four processes, every layout in one call.
+LAYOUTS = [
+    Layout(c=4),
+    Layout(c=4, comm="all_gather", model="learned"),
+    Layout(c=4, comm="a2a", model="learned"),
+    Layout(c=2, d=2, comm="a2a", per_token_loss=True),
+    Layout(c=2, d=2, distributed=True, steps=5),
+    Layout(c=2, t=2, sequence_parallel=True, recompute="selective"),
+    Layout(c=2, t=2, sequence_parallel=True, comm="a2a", model="learned", masked=False),
+    Layout(c=2, t=2, comm="all_gather", recompute="full"),
+    Layout(c=2, p=2),
+    Layout(c=2, p=2, schedule="interleaved", k=1, comm="all_gather", model="learned"),
+    Layout(c=2, p=2, schedule="zb-h1", recompute="full", masked=False),
+]
+
+
+def test_context_parallel_layouts_train_like_one_process(pools):
+    per_rank = pools(4).run(_layouts_vs_one_process, LAYOUTS)
+    for i, layout in enumerate(LAYOUTS):
+        names = set().union(*(results[i][1] for results in per_rank))
+        every = {name for name, _ in _reference_names(layout.model)}
+        assert names == every, layout.name      # every parameter compared on some rank
+        worst = max(results[i][2] for results in per_rank)
+        assert worst < 1e-5, layout.name
+
+
+def _reference_names(model: str):
+    from ptdp.model.shapes import logical_shapes
+    return logical_shapes(MODELS[model]).items()
