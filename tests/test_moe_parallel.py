@@ -1,5 +1,6 @@
 """Expert parallelism equals one process: MoE layouts with the experts
-folded over other ranks (EP, ETP) train as the serial model does.
+folded over other ranks (EP, ETP), also over context-parallel ranks that
+hold other positions of the same sequences, train as the serial model does.
 
 One pool of four processes runs every layout in turn, and each process
 computes the one-process reference once, so a layout costs its own steps
@@ -60,7 +61,11 @@ CAPACITY = dataclasses.replace(MOE, moe_expert_capacity_factor=1.0)
 # equals one process (at d > 1 the replicas' microbatches count together,
 # which no one-process run does).
 GLOBAL = dataclasses.replace(MOE, moe_router_load_balancing_type="global_aux_loss")
-MODELS = {"moe": MOE, "biased": BIASED, "capacity": CAPACITY, "global": GLOBAL}
+# The balancing loss per sequence: under context parallelism each sequence's
+# counts come from every context rank.
+SEQUENCE = dataclasses.replace(MOE, moe_router_load_balancing_type="seq_aux_loss")
+MODELS = {"moe": MOE, "biased": BIASED, "capacity": CAPACITY, "global": GLOBAL,
+          "sequence": SEQUENCE}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +73,7 @@ class Layout:
     t: int = 1
     p: int = 1
     d: int = 1
+    c: int = 1                           # context-parallel size
     ep: int = 1
     etp: int | None = None
     sequence_parallel: bool = False
@@ -83,7 +89,7 @@ class Layout:
 
     @property
     def name(self) -> str:
-        parts = [f"t{self.t}p{self.p}d{self.d}", f"ep{self.ep}",
+        parts = [f"t{self.t}p{self.p}d{self.d}" + f"c{self.c}" * (self.c > 1), f"ep{self.ep}",
                  f"etp{self.t if self.etp is None else self.etp}"]
         parts += ["sp"] * self.sequence_parallel + [self.schedule] * (self.p > 1)
         parts += [f"{self.recompute}-recompute"] * bool(self.recompute)
@@ -103,9 +109,10 @@ def _config(layout: Layout | None = None) -> Config:
                           calculate_per_token_loss=layout.per_token_loss)
     config.parallel = dataclasses.replace(
         config.parallel, pipeline_schedule="1f1b" if layout.schedule == "interleaved" else layout.schedule,
-        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp)
+        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp,
+        context_parallel_size=layout.c)
     config.data = DataConfig(mock_data=True, eod_mask_loss=True)
-    validate(config, world_size=layout.t * layout.p * layout.d)
+    validate(config, world_size=layout.t * layout.c * layout.p * layout.d)
     return config
 
 
@@ -176,7 +183,8 @@ def _layouts_vs_one_process(rank: int, layouts: list[Layout], models: dict | Non
             layout.model, layout.steps, layout.per_token_loss)
         if layout.model == "capacity":
             assert expected[0]["moe_dropped_fraction"] > 0.02  # the factor drops assignments
-        grid = RankGrid(tp=layout.t, dp=layout.d, pp=layout.p, ep=layout.ep, etp=layout.etp)
+        grid = RankGrid(tp=layout.t, dp=layout.d, pp=layout.p, ep=layout.ep, etp=layout.etp,
+                        cp=layout.c)
         ctx = ParallelContext.build(grid)
         trainer = _trainer(_config(layout), ctx)
         records = [trainer.step(i)[0] for i in range(layout.steps)]
@@ -236,6 +244,12 @@ LAYOUTS = [
            model="biased", steps=5),
     Layout(t=2, p=2, ep=2, etp=1, sequence_parallel=True, model="global", recompute="full",
            dispatcher="alltoall"),
+    # Context parallelism: experts folded over the context ranks
+    Layout(c=2, d=2, ep=2, dispatcher="alltoall", distributed=True),
+    Layout(c=2, d=2, ep=4, model="sequence", per_token_loss=True),
+    Layout(t=2, c=2, ep=2, etp=1, sequence_parallel=True, model="biased", steps=5,
+           dispatcher="alltoall", recompute="selective"),
+    Layout(c=2, p=2, ep=2, model="global", schedule="zb-h1", grouped_gemm=True),
 ]
 
 
