@@ -17,6 +17,8 @@ not NaN.
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -233,3 +235,37 @@ def test_context_parallel_layouts_train_like_one_process(pools):
 def _reference_names(model: str):
     from ptdp.model.shapes import logical_shapes
     return logical_shapes(MODELS[model]).items()
+
+
+# ------------------------------------------------------------------ `ptdp train`, end to end
+
+def test_the_cli_trains_saves_and_resumes_under_other_context_sizes(tmp_path, one_process_run):
+    """`ptdp train --context-parallel-size 2` prints the one-process losses
+    (test_train_cli's model and run), evaluates, and saves at iteration 2;
+    the checkpoint resumes at c = 4 (a2a) to the same iterations 3 and 4,
+    and `ptdp generate` (one process, no context parallelism) loads it."""
+    from tests.test_train_cli import _ptdp
+    save = tmp_path / "checkpoints"
+    records, printed, stdout = _ptdp(
+        ["--context-parallel-size", "2", "--exit-interval", "2", "--save", str(save),
+         "--eval-interval", "2", "--eval-iters", "1"], tmp_path, "c2")
+    ref_records, ref_printed, _ = one_process_run
+    assert "(t=1, p=1, d=1, c=2)" in stdout and "(t=1, p=1, d=1, c=2 p2p)" in stdout
+    assert printed[:2] == ref_printed[:2]
+    assert 0 < records[-1]["val_loss"] < 10  # evaluated (its equality: the layouts above)
+    for got, want in zip(records, ref_records[:2]):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+    resumed, printed, stdout = _ptdp(
+        ["--context-parallel-size", "4", "--cp-comm-type", "a2a", "--load", str(save)],
+        tmp_path, "c4")
+    assert "(t=1, p=1, d=1, c=4 a2a)" in stdout
+    assert [r["iteration"] for r in resumed] == [3, 4] and printed == ref_printed[2:]
+    for got, want in zip(resumed, ref_records[2:]):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+    generated = subprocess.run(
+        [sys.executable, "-m", "ptdp", "generate", "--load", str(save), "--prompt-ids", "1,2,3",
+         "--max-new-tokens", "4", "--temperature", "0", "--output-ids"],
+        capture_output=True, text=True, timeout=300)
+    assert generated.returncode == 0, generated.stderr
+    assert len(generated.stdout.strip().split(",")) == 4
