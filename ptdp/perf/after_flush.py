@@ -63,7 +63,7 @@ def after_flush(workload: Workload, layout: Layout, profile: HardwareProfile,
     # The microbatch size and the recomputation change none of it: a search
     # prices it once for all of them.
     key = (ops.model_key, workload.precision, ByIdentity(profile), ops.threads, layout.t,
-           layout.p, layout.d, layout.v, layout.schedule, layout.distributed_optimizer,
+           layout.p, layout.d, layout.c, layout.v, layout.schedule, layout.distributed_optimizer,
            layout.sequence_parallel, layout.split)
     after = _AFTER_FLUSH.get(key)
     if after is None:
@@ -103,7 +103,8 @@ def _price_after_flush(workload: Workload, layout: Layout, profile: HardwareProf
         seconds = machine.data_parallel(params * GRAD_BYTES, r,
                                         reduce_scatter_only=layout.distributed_optimizer)
         reductions.append(seconds + (embedding if r in ends else 0.0) + partial_sums[r])
-        owned = params / d if layout.distributed_optimizer else params
+        # The distributed optimizer shards over the d·c ranks holding the same parameters.
+        owned = params / (d * layout.c) if layout.distributed_optimizer else params
         step_bytes = params * GRAD_BYTES + owned * OPTIMIZER_BYTES_PER_PARAMETER  # zero + step
         if ops.E != 4:
             step_bytes += owned * (4 + ops.E)                 # main weights -> model weights

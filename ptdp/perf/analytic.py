@@ -378,8 +378,8 @@ def buffer_elements(model: ModelConfig, layout: Layout, rank: int,
 
 def _replicas(bucket: Bucket, layout: Layout) -> int:
     """The ranks holding a bucket's values, over which it is reduced and
-    sharded: d, or EDP for routed experts'."""
-    return layout.edp if bucket.expert else layout.d
+    sharded: d·c (data × context ranks), or EDP for routed experts'."""
+    return layout.edp if bucket.expert else layout.gradient_replicas
 
 
 def padded_elements(buckets: tuple[Bucket, ...], layout: Layout) -> int:

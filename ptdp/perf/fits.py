@@ -40,7 +40,7 @@ def layout_of(config: Config) -> Layout:
                   distributed_optimizer=tr.use_distributed_optimizer,
                   scatter_gather=par.scatter_gather_tensors_in_pipeline,
                   schedule=par.pipeline_schedule, sequence_parallel=par.sequence_parallel,
-                  split=par.layer_split)
+                  split=par.layer_split, c=par.context_parallel_size, cp_comm=par.cp_comm_type)
 
 
 def workload_of(config: Config) -> Workload:
@@ -155,8 +155,9 @@ def memory_problems(config: Config, *, kind: str, local_processes: int,
     if found is None:
         return []
     par = config.parallel
-    if local_processes == par.world_size:   # every rank here: t·d copies of each pipeline rank
-        needed = par.tensor_model_parallel_size * par.dp * sum(m["total"] for m in found.per_rank)
+    if local_processes == par.world_size:   # every rank here: t·c·d copies of each pipeline rank
+        needed = (par.tensor_model_parallel_size * par.context_parallel_size * par.dp
+                  * sum(m["total"] for m in found.per_rank))
         which = "its"
     else:   # a share of a larger job: which stages are here is not known, count the smallest
         needed = local_processes * found.smallest

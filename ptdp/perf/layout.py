@@ -13,11 +13,13 @@ from dataclasses import dataclass, fields, is_dataclass
 from functools import lru_cache
 
 from ptdp.config import ModelConfig, ParallelConfig
+from ptdp.config.context import context_parallel_problems
 from ptdp.config.moe import expert_parallel_problems
 from ptdp.parallel.pipeline.actions import ZERO_BUBBLE_KINDS, virtual_stage_of
 from ptdp.parallel.pipeline.split import LayerSplit, split_problems, stage_layer_counts
 
 RECOMPUTE_KINDS = (None, "selective", "full")
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")  # --cp-comm-type (ptdp.parallel.context_attention)
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zbv")   # Layout.schedule (v > 1 without zbv: interleaved)
 BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -49,10 +51,21 @@ class Layout:
     # with the distributed optimizer, sharded over EDP = t·d/(ETP·EP).
     ep: int = 1
     etp: int | None = None
+    # Context parallelism (--context-parallel-size c, --cp-comm-type): each
+    # sequence split over c ranks (s/c positions each, Megatron-Core's
+    # rank = tp + t·(cp + c·(dp + d·pp))); parameters replicated over them,
+    # gradients reduced (and the distributed optimizer sharded) over d·c.
+    c: int = 1
+    cp_comm: str = "p2p"
 
     @property
     def devices(self) -> int:
-        return self.t * self.p * self.d
+        return self.t * self.c * self.p * self.d
+
+    @property
+    def gradient_replicas(self) -> int:
+        """Ranks holding the same dense parameters: d·c (data × context)."""
+        return self.d * self.c
 
     @property
     def expert_tensor(self) -> int:
@@ -61,8 +74,8 @@ class Layout:
 
     @property
     def edp(self) -> int:
-        """EDP: the replicas of one routed expert's shard, t·d/(ETP·EP)."""
-        return self.t * self.d // (self.ep * self.expert_tensor)
+        """EDP: the replicas of one routed expert's shard, t·c·d/(ETP·EP)."""
+        return self.t * self.c * self.d // (self.ep * self.expert_tensor)
 
     @property
     def schedule_kind(self) -> str:
@@ -158,6 +171,13 @@ class Layout:
                             f"length {model.seq_length}")
         if self.recompute not in RECOMPUTE_KINDS:
             problems.append(f"unknown recomputation {self.recompute!r}")
+        if self.cp_comm not in CP_COMM_TYPES:
+            problems.append(f"unknown --cp-comm-type {self.cp_comm!r}: use one of "
+                            f"{', '.join(CP_COMM_TYPES)}")
+        elif self.c < 1:
+            problems.append(f"c={self.c}: the context-parallel size must be positive")
+        elif self.c > 1:   # `ptdp train`'s own rules (sequence, a2a heads, dropout)
+            problems += context_parallel_problems(model, self._parallel_config(), self.devices)
         if self.ep < 1 or self.expert_tensor < 1:
             problems.append(f"ep={self.ep} and etp={self.etp} must be positive (etp None: t)")
         elif model.is_moe or (self.ep, self.etp) != (1, None):   # `ptdp train`'s own rules
@@ -169,6 +189,7 @@ class Layout:
         return ParallelConfig(tensor_model_parallel_size=self.t,
                               pipeline_model_parallel_size=self.p, data_parallel_size=self.d,
                               sequence_parallel=self.sequence_parallel,
+                              context_parallel_size=self.c, cp_comm_type=self.cp_comm,
                               expert_model_parallel_size=self.ep,
                               expert_tensor_parallel_size=self.etp)
 
@@ -179,6 +200,8 @@ class Layout:
                  "--data-parallel-size", str(self.d),
                  "--micro-batch-size", str(self.b),
                  "--global-batch-size", str(global_batch)]
+        if self.c > 1:
+            flags += ["--context-parallel-size", str(self.c), "--cp-comm-type", self.cp_comm]
         if self.schedule in ("gpipe", "zb-h1", "zbv"):   # zbv: two chunks per rank, implied
             flags += ["--pipeline-schedule", self.schedule]
         elif self.v > 1:

@@ -1,8 +1,9 @@
 """Where the ranks of a layout sit, and what their collectives and
 point-to-point messages cost on a hardware profile.
 
-Ranks are numbered rank = tp + t·(dp + d·pp), as ptdp's launcher numbers
-them; a group whose ranks sit on more than one server of
+Ranks are numbered rank = tp + t·(cp + c·(dp + d·pp)), as ptdp's launcher
+numbers them (Megatron-Core's order; cp = 0 and c = 1 without context
+parallelism); a group whose ranks sit on more than one server of
 `devices_per_server` devices pays the inter-server link. Collectives are
 rings: an all-reduce of n ranks is 2(n−1)/n of the bytes over the slowest
 link and 2(n−1) latency steps, an all-gather or reduce-scatter half of
@@ -38,9 +39,9 @@ class Machine:
         self.layout, self.profile = layout, profile
         self.per_server = max(1, profile.devices_per_server)
 
-    def rank(self, tp: int, dp: int, pp: int) -> int:
+    def rank(self, tp: int, dp: int, pp: int, cp: int = 0) -> int:
         lay = self.layout
-        return tp + lay.t * (dp + lay.d * pp)
+        return tp + lay.t * (cp + lay.c * (dp + lay.d * pp))
 
     def server(self, rank: int) -> int:
         return rank // self.per_server
@@ -98,11 +99,47 @@ class Machine:
         bandwidth, latency = self.link(ranks)
         return nbytes / bandwidth + latency
 
+    def context_group(self, dp: int = 0, pp: int = 0) -> list[int]:
+        """The c context ranks of (tp 0, dp, pp): t apart, inside one server
+        when t·c devices fit in it."""
+        return [self.rank(0, dp, pp, cp) for cp in range(self.layout.c)]
+
+    def context_step(self, nbytes: float) -> float:
+        """One step of the context ring: every rank sends `nbytes` to the
+        next and receives as much from the previous, all at once, so the
+        slowest link of the group sets the pace (a measured exchange inside
+        a server, where the profile has one)."""
+        group = self.context_group()
+        if len(group) <= 1 or nbytes <= 0:
+            return 0.0
+        if not self.spans_servers(group):
+            measured = self.profile.measured_seconds("exchange", nbytes)
+            if measured is not None:
+                return measured
+        bandwidth, latency = self.link(group)
+        return nbytes / bandwidth + latency
+
+    def context_gather(self, nbytes: float) -> float:
+        """All-gather (or reduce-scatter) of `nbytes` in total over the context group."""
+        return self.gather(nbytes, self.context_group())
+
+    def context_all_to_all(self, nbytes: float) -> float:
+        """All-to-all of a rank's `nbytes` over the context group: (c−1)/c of
+        them leave, in c−1 pairwise steps."""
+        group = self.context_group()
+        n = len(group)
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        bandwidth, latency = self.link(group)
+        return (n - 1) / n * nbytes / bandwidth + (n - 1) * latency
+
     def data_parallel(self, nbytes: float, pp: int, *, reduce_scatter_only: bool = False) -> float:
-        """Hierarchical ring over the d replicas of (tp 0, pp): inside each
-        server first, then between servers on 1/g of the bytes, then inside
-        again. `reduce_scatter_only`: half of it (distributed optimizer)."""
-        group = [self.rank(0, dp, pp) for dp in range(self.layout.d)]
+        """Hierarchical ring over the d·c replicas of (tp 0, pp) (data ×
+        context ranks hold the same parameters): inside each server first,
+        then between servers on 1/g of the bytes, then inside again.
+        `reduce_scatter_only`: half of it (distributed optimizer)."""
+        group = [self.rank(0, dp, pp, cp) for dp in range(self.layout.d)
+                 for cp in range(self.layout.c)]
         servers: dict[int, list[int]] = {}
         for r in group:
             servers.setdefault(self.server(r), []).append(r)

@@ -194,18 +194,21 @@ def activation_bytes(workload: Workload, layout: Layout, *,
     the module docstring for each term."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels={kernels!r}: use one of {', '.join(KERNELS)}")
-    # What is saved depends on t, b, the recomputation and sequence parallelism only.
+    # What is saved depends on t, b, the recomputation, sequence parallelism
+    # and context parallelism (c and its comm type) only.
     return dict(_activation_bytes(ByValue(workload),
                                   Layout(t=layout.t, b=layout.b, recompute=layout.recompute,
-                                         sequence_parallel=layout.splits_sequence), kernels))
+                                         sequence_parallel=layout.splits_sequence, c=layout.c,
+                                         cp_comm=layout.cp_comm), kernels))
 
 
 @lru_cache(maxsize=4096)
 def _activation_bytes(key: ByValue, layout: Layout, kernels: str) -> dict[str, int]:
     workload = key.value
     model, e = workload.model, workload.bytes_per_element
-    t, b = layout.t, layout.b
-    s, h, a, f = model.seq_length, model.hidden_size, model.num_attention_heads, model.ffn_size
+    t, b, c = layout.t, layout.b, layout.c
+    # Context parallelism: every term below is of the rank's own s/c positions.
+    s, h, a, f = model.seq_length // c, model.hidden_size, model.num_attention_heads, model.ffn_size
     g, d = model.query_groups, model.head_dim
     sb = s * b
     # Positions a rank holds outside the tensor-parallel regions (norms,
@@ -238,8 +241,10 @@ def _activation_bytes(key: ByValue, layout: Layout, kernels: str) -> dict[str, i
             layer += 3 * a * d * sb // t * FP32 + 3 * (a // t) * s * s * b * FP32
         else:
             layer += qkv + (a // t) * s * b * FP32
+        if c > 1 and layout.recompute is None:   # (inside the checkpoint otherwise)
+            layer += _context_attention_saved(model, layout, sb, e)
 
-    tokens = INT64 * b * (s + 1) if t == 1 else INT64 * sb + sb
+    tokens = INT64 * b * (s + 1) if t == 1 and c == 1 else INT64 * sb + sb
     positions = 0 if model.rope else INT64 * (s // t if layout.splits_sequence else s)
     embedding = tokens + positions + outside * mask
     padded = model.padded_vocab_size(t)
@@ -259,6 +264,21 @@ def _activation_bytes(key: ByValue, layout: Layout, kernels: str) -> dict[str, i
                          + (a + 2 * g) * d * sb // t + 2 * sb * h + sb * up // t) * e
     return {"layer": layer, "embedding": embedding, "output": output, "rotary_tables": tables,
             "weight_grad_layer": weight_grad_layer}
+
+
+def _context_attention_saved(model: ModelConfig, layout: Layout, sb: int, e: int) -> int:
+    """What ptdp.parallel.context_attention saves beyond the local q, k, v,
+    output and log-sum-exp (counted above for the rank's sb = s/c·b
+    positions): p2p nothing (the backward ring passes the blocks again);
+    all_gather the gathered K and V of the whole sequence, 2·g·d·s·b/t·e;
+    a2a the head-split q, k, v and output it attends with, (2a + 2g)·d·sb/t·e
+    (derived from the saved tensors, not measured)."""
+    g, d, a, t, c = model.query_groups, model.head_dim, model.num_attention_heads, layout.t, layout.c
+    if layout.cp_comm == "all_gather":
+        return 2 * g * d * sb * c // t * e
+    if layout.cp_comm == "a2a":
+        return (2 * a + 2 * g) * d * sb // t * e
+    return 0
 
 
 def korthikanti_activation_bytes_per_layer(model: ModelConfig, b: int, t: int = 1, *,

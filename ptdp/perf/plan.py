@@ -48,7 +48,8 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable
 
-from ptdp.config import Config, ConfigError, ModelConfig, validate
+from ptdp.config import Config, ConfigError, ModelConfig, ParallelConfig, validate
+from ptdp.config.context import context_parallel_problems
 from ptdp.output_paths import output_path_problems
 from ptdp.parallel.pipeline.split import LayerSplit, split_problems
 from ptdp.perf.layout import Layout, Workload
@@ -56,6 +57,7 @@ from ptdp.perf.layout import Layout, Workload
 MEMORY_HEADROOM = 0.9      # leave 10 % of device memory to the allocator and workspaces
 MAX_MICROBATCH = 32        # larger microbatches only add memory at these sizes
 MAX_CHUNKS = 8             # interleaving beyond this only adds transfers
+MIN_CONTEXT_POSITIONS = 1024   # the search's smallest s/c (see context_sizes_to_search)
 # The schedules searched: 1F1B (interleaved with v > 1) and the two zero-bubble
 # ones. GPipe is never better than 1F1B here (same bubble, more memory).
 SCHEDULES = ("1f1b", "zb-h1", "zbv")
@@ -81,7 +83,10 @@ class Evaluation:
     def summary(self) -> dict[str, Any]:
         from ptdp.perf.analytic import parameters_per_device
 
-        return {"layout": asdict(self.layout),
+        layout = asdict(self.layout)
+        if self.layout.c == 1:   # (as before context parallelism: no c, no comm type)
+            del layout["c"], layout["cp_comm"]
+        return {"layout": layout,
                 "iteration_seconds": self.seconds,
                 "tflops_per_device": self.tflops,
                 "flops_per_iteration": self.prediction.flops_per_iteration,
@@ -103,20 +108,56 @@ def candidate_layouts(workload: Workload, devices: int, *, tensor_sizes=None,
                       recompute=(None, "selective", "full"),
                       distributed_optimizer=(False, True),
                       sequence_parallel=(False, True), schedules=SCHEDULES,
-                      layer_splits: bool = True) -> Iterable[Layout]:
+                      layer_splits: bool = True, context_sizes=None,
+                      cp_comm: str = "p2p") -> Iterable[Layout]:
     """Every layout `ptdp train` would accept for this workload on
     `devices` (optionally only some tensor sizes, microbatch sizes, chunk counts,
     recomputation kinds, optimizer or sequence-parallelism choices, or
     schedules among SCHEDULES; sequence parallelism only where t > 1
     divides s). "1f1b" with v > 1 is the interleaved schedule; zb-h1 has
     v = 1 and zbv v = 2, each only where its microbatch and layer rules hold.
-    `layer_splits`: also the uneven splits of `split_candidates`."""
+    `layer_splits`: also the uneven splits of `split_candidates`.
+    Context parallelism: every c of `context_sizes` (default: each that
+    `context_sizes_to_search` keeps) with the comm type `cp_comm`; the
+    t·p·d ranks are then devices/c."""
     model, batch = workload.model, workload.global_batch
-    for t in _divisors(devices):
+    for c in (context_sizes_to_search(model, devices, cp_comm) if context_sizes is None
+              else [c for c in context_sizes if devices % c == 0]):
+        yield from _candidates_of_context(workload, devices, c, cp_comm if c > 1 else "p2p",
+                                          tensor_sizes, microbatch_sizes, chunk_counts,
+                                          recompute, distributed_optimizer, sequence_parallel,
+                                          schedules, layer_splits)
+
+
+def context_sizes_to_search(model: ModelConfig, devices: int, cp_comm: str = "p2p") -> list[int]:
+    """The context-parallel sizes a search tries: 1, and each c dividing
+    the devices that `ptdp train`'s rules allow at t = 1 (s divisible by 2c,
+    a2a's heads and key/value groups by c, no attention dropout) while a
+    rank keeps at least MIN_CONTEXT_POSITIONS positions (shorter blocks
+    hide no transfer and only add steps; give --context-parallel-size to
+    price one anyway)."""
+    sizes = [1]
+    for c in _divisors(devices)[1:]:
+        if model.seq_length // c < MIN_CONTEXT_POSITIONS:
+            break
+        if not context_parallel_problems(model, ParallelConfig(context_parallel_size=c,
+                                                               cp_comm_type=cp_comm)):
+            sizes.append(c)
+    return sizes
+
+
+def _candidates_of_context(workload: Workload, devices: int, c: int, cp_comm: str,
+                           tensor_sizes, microbatch_sizes, chunk_counts, recompute,
+                           distributed_optimizer, sequence_parallel, schedules,
+                           layer_splits: bool) -> Iterable[Layout]:
+    """`candidate_layouts` of one context-parallel size c."""
+    model, batch = workload.model, workload.global_batch
+    ranks = devices // c
+    for t in _divisors(ranks):
         if tensor_sizes is not None and t not in tensor_sizes:
             continue
-        for p in _divisors(devices // t):
-            d = devices // (t * p)
+        for p in _divisors(ranks // t):
+            d = ranks // (t * p)
             if batch % d:
                 continue
             sizes = [k for k in _divisors(batch // d) if k <= MAX_MICROBATCH]
@@ -131,11 +172,12 @@ def candidate_layouts(workload: Workload, devices: int, *, tensor_sizes=None,
             for b in sizes:
                 for schedule, v in pipelines:
                     for kind in recompute:
-                        for sharded in (distributed_optimizer if d > 1 else (False,)):
+                        for sharded in (distributed_optimizer if d * c > 1 else (False,)):
                             for split in sequence_parallel:
                                 layout = Layout(t=t, p=p, d=d, b=b, v=v, recompute=kind,
                                                 distributed_optimizer=sharded,
-                                                sequence_parallel=split, schedule=schedule)
+                                                sequence_parallel=split, schedule=schedule,
+                                                c=c, cp_comm=cp_comm)
                                 if not layout.valid_for(model, batch):
                                     yield layout
                                 if layer_splits:
@@ -288,7 +330,8 @@ def _best_by_bound(layouts: list[Layout], bounds: dict[Layout, float], rows: int
 
 
 ASPECTS = {  # what differs, and how to say it
-    "t": "tensor-parallel size", "p": "pipeline-parallel size", "b": "microbatch size",
+    "t": "tensor-parallel size", "p": "pipeline-parallel size", "c": "context-parallel size",
+    "b": "microbatch size",
     "v": "chunks per rank", "schedule": "schedule", "recompute": "recomputation",
     "sequence_parallel": "sequence parallelism",
     "distributed_optimizer": "optimizer sharding", "split": "layer split",
@@ -296,8 +339,9 @@ ASPECTS = {  # what differs, and how to say it
 # Sequence parallelism exists only with t > 1: a rival of another t may differ in it too.
 # zbv fixes v = 2: a rival of another schedule may differ in v too.
 # An uneven split is valid for some p, v and schedules only: their rivals may differ in it too.
+# Sequence parallelism's rule (s/c divisible by t) involves c too.
 COUPLED = {"t": {"sequence_parallel"}, "schedule": {"v", "split"}, "p": {"split"},
-           "v": {"split"}}
+           "v": {"split"}, "c": {"sequence_parallel"}}
 
 
 def explain(results: list[Evaluation], profile) -> list[str]:
@@ -371,6 +415,9 @@ def split_text(layout: Layout, model: ModelConfig | None = None) -> str:
 
 def describe(layout: Layout, model: ModelConfig | None = None) -> str:
     text = f"t={layout.t} p={layout.p} d={layout.d} b={layout.b}"
+    if layout.c > 1:
+        text = (f"t={layout.t} c={layout.c} ({layout.cp_comm}) p={layout.p} d={layout.d} "
+                f"b={layout.b}")
     if layout.v > 1:
         text += f" v={layout.v}"
     if layout.schedule != "1f1b":
@@ -387,14 +434,18 @@ def describe(layout: Layout, model: ModelConfig | None = None) -> str:
 
 
 def table(results: list[Evaluation], rows: int) -> str:
-    header = ("| rank | t | p | d | b | v | schedule | layers per stage | recompute | seq. par. | "
+    # A column for c only where a row has context parallelism.
+    context = any(e.layout.c > 1 for e in results[:rows])
+    header = ("| rank | t | " + ("c | " if context else "") + "p | d | b | v | schedule | "
+              "layers per stage | recompute | seq. par. | "
               "dist. opt. | s/iter | TFLOP/s/device | bubble | memory GiB |")
-    lines = [header, "|" + "---|" * 15]
+    lines = [header, "|" + "---|" * (16 if context else 15)]
     for i, e in enumerate(results[:rows], 1):
         layout = e.layout
         layers = ("even" if layout.split.even else
                   split_text(layout, e.prediction.workload.model).removeprefix("layers per stage "))
-        lines.append(f"| {i} | {layout.t} | {layout.p} | {layout.d} | {layout.b} | {layout.v} | "
+        c = (f"{layout.c} {layout.cp_comm} | " if layout.c > 1 else "1 | ") if context else ""
+        lines.append(f"| {i} | {layout.t} | {c}{layout.p} | {layout.d} | {layout.b} | {layout.v} | "
                      f"{layout.schedule_kind} | {layers} | "
                      f"{layout.recompute or '-'} | {'yes' if layout.sequence_parallel else '-'} | "
                      f"{'yes' if layout.distributed_optimizer else '-'} | "
@@ -540,6 +591,13 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
                         help="as for `ptdp train`: layers on the last pipeline rank")
     layout.add_argument("--account-for-embedding-in-pipeline-split", action="store_true")
     layout.add_argument("--account-for-loss-in-pipeline-split", action="store_true")
+    context = parser.add_argument_group("context parallelism (searched unless given)")
+    context.add_argument("--context-parallel-size", type=int, metavar="N",
+                         help="as for `ptdp train`: c ranks each holding s/c of every sequence "
+                              "(alone, the search keeps this c; default: c is searched from 1 "
+                              f"while s/c >= {MIN_CONTEXT_POSITIONS})")
+    context.add_argument("--cp-comm-type", choices=("p2p", "all_gather", "a2a"),
+                         help="as for `ptdp train` (default: p2p)")
     parser.add_argument("--top", type=int, default=10, metavar="N", help="rows in the table")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="draw throughput across layouts to this "
@@ -563,8 +621,10 @@ def _layout_from_args(args: argparse.Namespace, model: ModelConfig, devices: int
         return None
     t = args.tensor_model_parallel_size or 1
     p = args.pipeline_model_parallel_size or 1
-    if devices % (t * p):
-        raise ConfigError([f"--gpus {devices} is not a multiple of t·p = {t * p}"])
+    c = args.context_parallel_size or 1
+    if devices % (t * c * p):
+        raise ConfigError([f"--gpus {devices} is not a multiple of t·c·p = {t * c * p}" if c > 1
+                           else f"--gpus {devices} is not a multiple of t·p = {t * p}"])
     schedule = args.pipeline_schedule or "1f1b"
     v = 2 if schedule == "zbv" else 1
     k = args.num_layers_per_virtual_pipeline_stage
@@ -581,10 +641,31 @@ def _layout_from_args(args: argparse.Namespace, model: ModelConfig, devices: int
             raise ConfigError([f"--num-layers {model.num_layers} is not a multiple of p × "
                                f"--num-layers-per-virtual-pipeline-stage = {per}"])
         v = model.num_layers // per
-    return Layout(t=t, p=p, d=devices // (t * p), b=args.micro_batch_size or 1, v=v,
+    return Layout(t=t, p=p, d=devices // (t * c * p), b=args.micro_batch_size or 1, v=v,
                   schedule=schedule, recompute=args.recompute_granularity,
                   distributed_optimizer=args.use_distributed_optimizer,
-                  sequence_parallel=args.sequence_parallel, split=split)
+                  sequence_parallel=args.sequence_parallel, split=split, c=c,
+                  cp_comm=(args.cp_comm_type or "p2p") if c > 1 else "p2p")
+
+
+def _context_restrictions(args: argparse.Namespace, model: ModelConfig,
+                          devices: int) -> dict[str, Any]:
+    """The search's context-parallel restrictions from --context-parallel-size
+    and --cp-comm-type (checked against the rules that do not involve t)."""
+    c, comm = args.context_parallel_size, args.cp_comm_type or "p2p"
+    if c is None:
+        return {"cp_comm": comm}
+    problems = []
+    if c < 1:
+        problems.append(f"--context-parallel-size {c} must be positive")
+    elif devices % c:
+        problems.append(f"--gpus {devices} is not a multiple of --context-parallel-size {c}")
+    else:
+        problems += context_parallel_problems(model, ParallelConfig(context_parallel_size=c,
+                                                                    cp_comm_type=comm), devices)
+    if problems:
+        raise ConfigError(problems)
+    return {"context_sizes": (c,), "cp_comm": comm}
 
 
 def _progress_printer():
@@ -619,8 +700,9 @@ def run_plan_command(args: argparse.Namespace) -> int:
 
     model = model_from_args(args)
     problems = [f"{flag} must be positive" for flag, value in
-                (("--gpus", args.gpus), ("--global-batch-size", args.global_batch_size))
-                if value < 1]
+                (("--gpus", args.gpus), ("--global-batch-size", args.global_batch_size),
+                 ("--context-parallel-size", args.context_parallel_size))
+                if value is not None and value < 1]
     if args.plot is not None:  # checked now, not after the search
         problems += output_path_problems("--plot", args.plot, suffix=PLOT_FORMATS)
     try:   # the model's own rules, as `ptdp train` checks them (with t = p = d = 1)
@@ -641,7 +723,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
             raise ConfigError(problems)
         results = [evaluate_layout(workload, layout, profile)]
     else:
-        results = search(workload, args.gpus, profile, progress=_progress_printer())
+        results = search(workload, args.gpus, profile, progress=_progress_printer(),
+                         **_context_restrictions(args, model, args.gpus))
         if not results:
             raise ConfigError([f"no layout of this model fits {args.gpus} × "
                                f"{profile.memory_bytes / 2**30:.0f} GiB ({profile.name}); add "

@@ -142,7 +142,7 @@ def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Pr
     contended = profile.kind == "cpu" and profile.cores > 0
 
     def speed(working: int) -> float:
-        return profile.share(working * t * d, threads)
+        return profile.share(working * t * layout.c * d, threads)
 
     ops_priced = ("F", "B", "W") if layout.zero_bubble else ("F", "B")
     priced = {(r, c, op): (costs.of(op).total_work, costs.of(op).comm)
@@ -151,7 +151,7 @@ def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Pr
     def compute(rank: int, action: Compute) -> tuple[float, float]:
         return priced[(rank, action.chunk, action.op)]
 
-    activation = layout.b * ops.s * ops.h * ops.E
+    activation = layout.b * ops.s * ops.h * ops.E   # ops.s: s/c positions per context rank
     # Each tensor rank sends 1/t: scatter/gather (then the receivers
     # all-gather it) or sequence parallelism (its own s/t positions, kept).
     split = layout.sends_slices and activation % t == 0
@@ -210,7 +210,9 @@ def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Pr
                 stretched = float(rec.work_end - rec.start)
                 total = priced[(r, action.chunk, action.op)][0] or 1.0
                 for category, seconds in cost.work.items():
-                    categories[category] += stretched * seconds / total
+                    # (.get: "context exchange" appears only with c > 1)
+                    categories[category] = (categories.get(category, 0.0)
+                                            + stretched * seconds / total)
                 categories["tensor all-reduce"] += float(rec.end - rec.work_end)
             else:
                 if rec.ready > rec.start:

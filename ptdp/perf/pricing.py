@@ -95,6 +95,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ptdp.perf import analytic
+from ptdp.perf.context_exchange import CONTEXT_EXCHANGE, context_exchange_seconds
 from ptdp.perf.layout import ByValue, Layout, Workload
 from ptdp.perf.machine import Machine
 from ptdp.perf.operator_bytes import (attention_core_bytes, copy_bytes, cross_entropy_bytes,
@@ -149,7 +150,12 @@ class OperatorModel:
         self.w, self.lay, self.prof, self.machine = workload, layout, profile, machine
         self.threads = threads
         model = workload.model
-        self.h, self.a, self.s = model.hidden_size, model.num_attention_heads, model.seq_length
+        # Context parallelism: a rank holds s/c of each sequence's positions
+        # (self.s below); its attention covers 1/c of the causal work
+        # (`attention_shape`) and exchanges keys and values (context_exchange.py).
+        self.c, self.cp_comm = layout.c, layout.cp_comm
+        self.h, self.a, self.s = (model.hidden_size, model.num_attention_heads,
+                                  model.seq_length // layout.c)
         self.f, self.l = model.ffn_size, model.num_layers
         self.g, self.d = model.query_groups, model.head_dim     # key/value heads, head size
         self.V = model.padded_vocab_size(layout.t)
@@ -202,32 +208,67 @@ class OperatorModel:
         gate's and up's f/t columns each."""
         b, s, h, a, t, f, g, d = self.b, self.s, self.h, self.a, self.t, self.f, self.g, self.d
         up = 2 * f if self.w.model.swiglu else f
+        heads, length = self.attention_shape()
         return {"qkv": (b * s, (a + 2 * g) * d // t, h, 1),
-                "scores": (s, s, d, b * a // t),
-                "context": (s, d, s, b * a // t),
+                "scores": (length, length, d, heads),
+                "context": (length, d, length, heads),
                 "proj": (b * s, h, a * d // t, 1),
                 "mlp_up": (b * s, up // t, h, 1),
                 "mlp_down": (b * s, h, f // t, 1)}
 
-    def attention_core_ops(self) -> list[tuple[str, float, float]]:
+    def attention_shape(self, blocks: int | None = None) -> tuple[int, int]:
+        """(sequences, length) the attention of a rank runs over: b·a/t of s
+        positions; under context parallelism 1/c of the causal work, as
+        ptdp.parallel.context_attention does it: p2p and all_gather as c
+        blocks of s/c (each the work of a causal s/c block: the own block
+        causal, the others half a block by the load-balanced chunks), a2a as
+        b·a/(t·c) whole sequences (the head split). `blocks`: that many of
+        the c blocks (1: one ring step's)."""
+        heads = self.b * (self.a // self.t)
+        if self.c == 1:
+            return heads, self.s
+        if self.cp_comm == "a2a":
+            return heads // self.c, self.s * self.c
+        return heads * (self.c if blocks is None else blocks), self.s
+
+    def score_elements(self, blocks: int | None = None) -> int:
+        """Elements of the scores a rank's attention computes (b·a/t·s² at c = 1)."""
+        heads, length = self.attention_shape(blocks)
+        return heads * length * length
+
+    def attention_core_ops(self, blocks: int | None = None) -> list[tuple[str, float, float]]:
         """The attention core's memory pass over the scores; none where the
         fused kernel keeps the scores on chip."""
         if self.prof.fused_attention:
             return []
-        S = self.b * (self.a // self.t) * self.s * self.s
+        S = self.score_elements(blocks)
         return [("attention_core", *attention_core_bytes(S, self.E, self.attention_dropout))]
 
-    def fused_attention_seconds(self) -> tuple[float, float]:
+    def fused_attention_seconds(self, blocks: int | None = None) -> tuple[float, float]:
         """(forward, backward) of the fused attention kernel over the b·a/t
-        causal sequences of a rank; (0, 0) where the profile prices the
-        attention core as GEMMs and a memory pass."""
+        causal sequences of a rank (`attention_shape`); (0, 0) where the
+        profile prices the attention core as GEMMs and a memory pass."""
         if not self.prof.fused_attention:
             return 0.0, 0.0
+        heads, length = self.attention_shape(blocks)
         forward, backward = self.prof.attention_seconds(
-            self.b * self.a // self.t, self.s, self.d, causal=True, precision=self.prec,
-            bytes_per_element=self.E)
+            heads, length, self.d, causal=True, precision=self.prec, bytes_per_element=self.E)
         factor = self.prof.thread_factor(self.threads)
         return forward / factor, backward / factor
+
+    def attention_block_seconds(self) -> tuple[float, float]:
+        """(forward, backward) of the attention of one ring step's block
+        (1/c of a rank's attention): what each key/value transfer of the p2p
+        ring hides behind."""
+        if self.prof.fused_attention:
+            return self.fused_attention_seconds(blocks=1)
+        heads, length = self.attention_shape(blocks=1)
+        gemms = ((length, length, self.d, heads), (length, self.d, length, heads))
+        core = self.attention_core_ops(blocks=1)
+        return (sum(self.gemm(m, n, k, batch) for m, n, k, batch in gemms)
+                + self.memory_ops_seconds(core, False),
+                sum(self.gemm_backward(m, n, k, batch) for m, n, k, batch in gemms)
+                + self.memory_ops_seconds(core, True))
 
     def unfused_gemms(self) -> dict[str, tuple[int, int, int, int]]:
         """`layer_gemms` less the score and context products where the fused
@@ -248,7 +289,7 @@ class OperatorModel:
         tokens, a, g, d = self.b * self.s, self.a, self.g, self.d
         model = self.w.model
         return layer_memory_ops(n, n // t, self.b * self.s * self.f // t,
-                                self.b * (self.a // t) * self.s * self.s, E,
+                                self.score_elements(), E,
                                 hidden_dropout=self.hidden_dropout,
                                 attention_dropout=self.attention_dropout,
                                 heads_local=tokens * ((a + 2 * g) * d + a * d) // t,
@@ -273,6 +314,13 @@ class OperatorModel:
         # g after attention and after the MLP; under sequence parallelism an
         # all-gather into each region and a reduce-scatter out of it.
         cost.comm = self.tensor_collectives(gathers=4) if self.sp else self.tensor_collectives(2)
+        return self._with_context_exchange(cost, backward=False)
+
+    def _with_context_exchange(self, cost: Cost, backward: bool) -> Cost:
+        """`cost` plus what the context-parallel attention's key/value
+        exchange adds beyond the attention it overlaps (c > 1 only)."""
+        if self.c > 1:
+            cost.add(CONTEXT_EXCHANGE, context_exchange_seconds(self, backward))
         return cost
 
     def layer_backward(self) -> Cost:
@@ -286,6 +334,7 @@ class OperatorModel:
                           gemms + self.memory_ops_seconds(self.unfused_memory(), True)
                           + self.memory(grad_accumulation)
                           + self.launches(BACKWARD_OPS_PER_LAYER + 2 * self._rotary_ops()))
+        self._with_context_exchange(cost, backward=True)
         if not self.sp:   # f's all-reduces before QKV and the MLP
             cost.comm = self.tensor_collectives(2)
             return cost
@@ -332,6 +381,7 @@ class OperatorModel:
                        input_grads + self.memory_ops_seconds(self.unfused_memory(), True)
                        + self.memory(others * per_element)
                        + self.launches(launches - WEIGHT_GRAD_OPS_PER_LAYER))
+        self._with_context_exchange(b, backward=True)   # attention's gradients: all in B
         w = Cost().add("backward compute", weight_grads + self.memory(weights * per_element)
                        + self.launches(WEIGHT_GRAD_OPS_PER_LAYER))
         if self.sp:
@@ -358,12 +408,13 @@ class OperatorModel:
             return Cost()
         if kind == "selective":
             if self.prof.fused_attention:     # the fused kernel's forward again
-                return Cost().add("recompute", self.fused_attention_seconds()[0] + self.launches(8))
+                return self._with_context_exchange(Cost().add(
+                    "recompute", self.fused_attention_seconds()[0] + self.launches(8)), False)
             shapes = self.layer_gemms()
             seconds = (self.gemm(*shapes["scores"][:3], shapes["scores"][3])
                        + self.gemm(*shapes["context"][:3], shapes["context"][3])
                        + self.memory_ops_seconds(self.attention_core_ops(), False) + self.launches(8))
-            return Cost().add("recompute", seconds)
+            return self._with_context_exchange(Cost().add("recompute", seconds), False)
         if kind == "full":
             # The whole forward but its last GEMM (MLP 4h->h), whose all-reduce
             # (reduce-scatter) and bias+dropout+add also do not run again.

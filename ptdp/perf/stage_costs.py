@@ -114,15 +114,18 @@ def parameter_counts(model: ByValue, placement: Layout) -> tuple[tuple[int, ...]
 
 @functools.lru_cache(maxsize=1024)
 def _operator_model(workload: ByValue, t: int, b: int, sequence_parallel: bool,
-                    profile: ByIdentity, threads: int) -> OperatorModel:
-    layout = Layout(t=t, b=b, sequence_parallel=sequence_parallel)
+                    profile: ByIdentity, threads: int, c: int = 1,
+                    cp_comm: str = "p2p") -> OperatorModel:
+    layout = Layout(t=t, b=b, sequence_parallel=sequence_parallel, c=c, cp_comm=cp_comm)
     return OperatorModel(workload.copy(), layout, profile.value, Machine(layout, profile.value),
                          threads)
 
 
 def operator_model(workload: Workload, layout: Layout, profile: HardwareProfile) -> OperatorModel:
     """The OperatorModel of `layout` (what one microbatch costs on one
-    tensor rank depends only on t, b, sequence parallelism and the threads
-    each process gets), shared by every layout of a search that has them."""
+    tensor rank depends only on t, b, sequence parallelism, c and its comm
+    type, and the threads each process gets), shared by every layout of a
+    search that has them."""
     return _operator_model(ByValue(workload), layout.t, layout.b, layout.splits_sequence,
-                           ByIdentity(profile), profile.threads_per_process(layout.devices))
+                           ByIdentity(profile), profile.threads_per_process(layout.devices),
+                           layout.c, layout.cp_comm)
