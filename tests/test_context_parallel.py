@@ -219,6 +219,8 @@ LAYOUTS = [
     Layout(c=2, p=2),
     Layout(c=2, p=2, schedule="interleaved", k=1, comm="all_gather", model="learned"),
     Layout(c=2, p=2, schedule="zb-h1", recompute="full", masked=False),
+    Layout(c=2, p=2, schedule="zbv", comm="a2a"),
+    Layout(c=2, p=2, schedule="gpipe", model="learned"),
 ]
 
 
@@ -230,6 +232,39 @@ def test_context_parallel_layouts_train_like_one_process(pools):
         assert names == every, layout.name      # every parameter compared on some rank
         worst = max(results[i][2] for results in per_rank)
         assert worst < 1e-5, layout.name
+
+
+def _half_precision_vs_one_process(rank: int, precision: str) -> list[float]:
+    """c = 4 (p2p) against one process, both in `precision`: the relative
+    differences of the two iterations' losses and gradient norms."""
+    layout = Layout(c=4, steps=2)
+    differences = []
+    runs = []
+    for c, ctx in ((1, ParallelContext.single()), (4, None)):
+        config = _config(dataclasses.replace(layout, c=c))
+        # fp16: a fixed scale that does not overflow, so that both runs step
+        scale = {"loss_scale": 1024.0} if precision == "fp16" else {}
+        config.train = dataclasses.replace(config.train, **{precision: True}, **scale)
+        if ctx is None:
+            ctx = ParallelContext.build(RankGrid(tp=1, dp=1, pp=1, cp=4))
+        trainer = _trainer(config, ctx)
+        runs.append([trainer.step(i)[0] for i in range(layout.steps)])
+        if c == 4:
+            ctx.destroy()
+    for got, want in zip(*reversed(runs)):
+        assert not got["skipped"]
+        differences += [abs(got["loss"] / want["loss"] - 1),
+                        abs(got["grad_norm"] / want["grad_norm"] - 1)]
+    return differences
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_half_precision_trains_like_one_process(pools, precision):
+    """The blocks' softmax statistics and merges stay in fp32 (ptdp.parallel.
+    block_attention): in bf16 and fp16 the losses and gradient norms stay
+    within those precisions' rounding of one process's."""
+    for differences in pools(4).run(_half_precision_vs_one_process, precision):
+        assert max(differences) < (1e-3 if precision == "bf16" else 2e-4), differences
 
 
 def _reference_names(model: str):

@@ -140,19 +140,22 @@ class Embedding(nn.Module):
         partial = self.word_embeddings.partial(tokens).transpose(0, 1).contiguous()
         x = reduce_scatter_to_sequence_region(partial, self.ctx.tp_group)
         if hasattr(self, "position_embeddings"):
-            first = self.ctx.tp_rank * x.shape[0]
-            positions = self._positions(tokens.shape[1], tokens.device)[first:first + x.shape[0]]
+            positions = self._positions(tokens.shape[1], tokens.device,
+                                        first=self.ctx.tp_rank * x.shape[0], count=x.shape[0])
             x = x + self.position_embeddings(positions).unsqueeze(1)
         with self.rng.fork("tensor"):
             return self.dropout(x)
 
-    def _positions(self, length: int, device: torch.device) -> torch.Tensor:
-        """The positions of this rank's `length` tokens: 0 .. length - 1, or
-        under context parallelism its two chunks' of the c·length sequence."""
-        c = self.ctx.cp_size
+    def _positions(self, length: int, device: torch.device, first: int = 0,
+                   count: int | None = None) -> torch.Tensor:
+        """The positions of this rank's `length` tokens (`count` of them from
+        index `first`): 0 .. length - 1, or under context parallelism its two
+        chunks' of the c·length sequence. A tensor of its own (the lookup
+        saves it for the backward)."""
+        c, count = self.ctx.cp_size, length - first if count is None else count
         if c == 1:
-            return torch.arange(length, device=device)
-        return rank_positions(length * c, c, self.ctx.cp_rank, device)
+            return torch.arange(first, first + count, device=device)
+        return rank_positions(length * c, c, self.ctx.cp_rank, device)[first:first + count].clone()
 
 
 class Attention(nn.Module):
