@@ -14,6 +14,13 @@ one-process layout (t = p = d = 1):
      --moe-grouped-gemm (torch's grouped_mm) vs one product per expert, in
      bf16, two iterations.
    Tolerances are in CHECK_TOLERANCES, with the reasoning.
+   Then context parallelism's attention (bench/gpu_context_attention.py,
+   in a child process, so that a faulting kernel cannot stop the rest):
+   each block attention kernel of the device against plain fp32 attention,
+   the kernel block_kernel picks, their relative speed, and the p2p ring
+   emulated on the one device against scaled_dot_product_attention. Its
+   failures are reported (FAILED lines, the JSON's "context_attention"),
+   not fatal.
 2. The card's bf16 matmul peak, measured: the median of timed 8192³ bf16
    matmuls after warm-up (CUDA events). The data-sheet peak is printed too.
 3. Training throughput (bf16, AdamW, mock data) of
@@ -71,6 +78,7 @@ from typing import Any, Callable
 
 import torch
 
+import gpu_context_attention  # bench/gpu_context_attention.py, beside this file
 from results import cpu_name, publish  # bench/results.py: the script folder is on sys.path
 
 from ptdp import device as devices
@@ -86,6 +94,9 @@ from ptdp.train.loop import Trainer, count_parameters
 from ptdp.train.report import peak_tflops
 
 HEADING = "## GPU benchmark (one GPU, bf16)"
+# The context-parallel attention section's limit (it takes about 30 s on
+# an H200, seconds on a CPU in --tiny form).
+CONTEXT_ATTENTION_SECONDS = 150.0
 SEED = 1234
 GIB = 2 ** 30
 
@@ -632,6 +643,9 @@ def markdown_block(report: dict[str, Any]) -> str:
              f"{_figure(report['matmul_peak_tflops'])} TFLOP/s{datasheet}. Model TFLOP/s: the "
              "paper's FLOPs (with recomputation) over the mean iteration time. " + memory, "",
              table(report["runs"])]
+    attention = gpu_context_attention.markdown(report.get("context_attention"))
+    if attention:
+        lines += ["", attention.rstrip("\n")]
     return "\n".join(lines) + "\n"
 
 
@@ -686,7 +700,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python", Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
         "torch": torch.__version__, "device": device.type, "device_name": name,
         "device_memory_bytes": device_memory_bytes(device), "tiny": args.tiny,
-        "checks": [], "checks_passed": None, "runs": [],
+        "checks": [], "checks_passed": None, "context_attention": None, "runs": [],
     }
     say(f"{name}, torch {torch.__version__}; correctness checks on a GPT of "
         f"{suite.check_model.num_layers} layers, h = {suite.check_model.hidden_size}, "
@@ -695,6 +709,8 @@ def main(argv: list[str] | None = None) -> int:
     checks = run_checks(suite, device, say)
     report["checks"] = [c.to_json() for c in checks]
     report["checks_passed"] = all(c.passed for c in checks)
+    report["context_attention"] = gpu_context_attention.run_isolated(
+        device.type, args.tiny, min(CONTEXT_ATTENTION_SECONDS, deadline - time.monotonic()), say)
     if not report["checks_passed"]:
         say("correctness checks failed: no measurements (see above for what differs)")
         finish(report, args, started)

@@ -151,3 +151,110 @@ def test_gpu_plan_on_an_h200_sized_card(gpu):
     assert 2.8 < parameter_count(moe) / parameter_count(dense) < 3.0
     run, _, problem = gpu.fit_micro_batch(gpu.GPU_SUITE.runs[4], 80 * 2 ** 30)
     assert problem is None and run.micro_batch == 12 and run.global_batch == 48
+
+
+# ------------------------------------------------------------------ context-parallel attention
+
+def test_tiny_run_checks_context_attention(tiny_run):
+    """The section of bench/gpu_context_attention.py, run by gpu.py in a
+    child process: every CPU kernel in every dtype, both head sizes, causal
+    and not, with grouped key/value heads, passes against plain fp32; the
+    emulated ring passes against scaled_dot_product_attention."""
+    report, stdout = tiny_run
+    section = report["context_attention"]
+    assert section["passed"] is True and section["errors"] == [] and "crashed" not in section
+    blocks = section["blocks"]
+    assert sorted((c["kernel"], c["dtype"], c["head_dim"], c["causal"]) for c in blocks) == sorted(
+        (kernel, dtype, d, causal) for kernel in ("cpu_flash", "plain")
+        for dtype in ("fp32", "bf16", "fp16") for d in (64, 128) for causal in (True, False))
+    for case in blocks:
+        assert case["passed"] and case["error"] is None, case
+        assert case["groups"] < case["heads"]                        # grouped-query attention
+        assert set(case["errors"]) == {"out", "lse", "dq", "dk", "dv"}
+        for name, error in case["errors"].items():
+            assert 0 <= error <= case["tolerance"] * case["scales"][name]
+    assert section["chosen"]["fp32 d64"] == section["chosen"]["fp32 d128"] == "cpu_flash"
+    assert len(section["chosen"]) == 6 and set(section["chosen"].values()) <= {"cpu_flash", "plain"}
+    timing = section["timing"]
+    assert timing["ratios"][timing["chosen"]] == 1.0 and set(timing["ratios"]) == {"cpu_flash", "plain"}
+    assert all(_positive_and_finite(r) for r in timing["ratios"].values())
+    ring = section["ring"]
+    assert [(c["dtype"], c["kernel"]) for c in ring] == [
+        ("fp32", "cpu_flash"), ("fp32", "plain"), ("bf16", "cpu_flash"), ("bf16", "plain")]
+    for case in ring:
+        assert case["passed"] and case["cp"] == 4 and set(case["errors"]) == {"out", "dq", "dk", "dv"}
+    assert case["tolerance"] == 3e-2 and ring[0]["tolerance"] == 1e-5
+    assert "context-parallel attention, cpu_flash bf16: ok, 4/4 cases" in stdout
+    assert "context-parallel attention, `block_kernel` picks: fp32 d64 cpu_flash" in stdout
+    assert "    fp32 cpu_flash: ok, worst error" in stdout
+    assert "| kernel | dtype | block cases passed | worst block error | ring c = 4 vs SDPA |" in stdout
+    assert "| cpu_flash | fp16 | 4/4 |" in stdout
+
+
+@pytest.fixture
+def attention(gpu):
+    """bench/gpu_context_attention.py (gpu.py has imported it), with the
+    kernel choice forgotten before and after: the tests change kernels."""
+    from ptdp.parallel import block_attention
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # as the script: OpenMP's spinning threads crawl on shared cores
+    block_attention._chosen.cache_clear()
+    yield sys.modules["gpu_context_attention"]
+    block_attention._chosen.cache_clear()
+    torch.set_num_threads(threads)
+
+
+def test_a_raising_kernel_is_recorded_and_the_rest_runs(attention, monkeypatch):
+    from ptdp.parallel import block_attention
+
+    def broken(*args):
+        raise RuntimeError("no kernel image is available\nsecond line")
+
+    monkeypatch.setitem(block_attention._FORWARD, "cpu_flash", broken)
+    lines = []
+    section = attention.section(torch.device("cpu"), True, lines.append)
+    for case in section["blocks"]:
+        assert case["passed"] == (case["kernel"] == "plain"), case
+        if case["kernel"] == "cpu_flash":
+            assert case["error"] == "RuntimeError: no kernel image is available"
+    assert set(section["chosen"].values()) == {"plain"}      # the probe passes it over
+    assert set(section["timing"]["ratios"]) == {"plain"}
+    assert [(c["kernel"], c["passed"], c["error"]) for c in section["ring"]] == [
+        ("cpu_flash", False, "RuntimeError: no kernel image is available"), ("plain", True, None)] * 2
+    # What runs (plain) works, so the section passes; the failure is reported.
+    assert section["passed"] is True
+    assert "context-parallel attention, cpu_flash fp32: FAILED, 0/4 cases" in lines
+    assert "    fp32 cpu_flash: FAILED, RuntimeError: no kernel image is available" in lines
+    assert "| cpu_flash | bf16 | 0/4 | n/a (RuntimeError: no kernel image is available) |" in \
+        attention.markdown(section)
+
+
+def test_a_wrong_kernel_fails_its_case(attention, monkeypatch):
+    """A kernel whose LSE is in base 2 (a plausible slip) fails on the LSE."""
+    from ptdp.parallel import block_attention
+
+    def base_two(q, k, v, causal, scale):
+        out, lse = block_attention._plain_forward(q, k, v, causal, scale)
+        return out, lse / math.log(2)
+
+    monkeypatch.setitem(block_attention._FORWARD, "cpu_flash", base_two)
+    case = attention.check_block("cpu_flash", "fp32", 64, True, attention.TINY_SIZES,
+                                 torch.device("cpu"))
+    assert not case["passed"] and case["error"] is None
+    assert case["errors"]["lse"] > 0.1 * case["scales"]["lse"]
+    assert case["errors"]["out"] <= 1e-5 * case["scales"]["out"]
+    assert attention.worst_relative(case)[0] == "lse"
+
+
+def test_a_dying_check_process_is_recorded(attention):
+    """gpu.py goes on when the child process faults or hangs."""
+    lines = []
+    died = attention.run_isolated("cpu", True, 60, lines.append, command=[
+        sys.executable, "-c", "import sys; print('started'); sys.exit('illegal memory access')"])
+    assert died == {"crashed": "exit status 1: illegal memory access", "passed": False}
+    assert lines == ["started", "context-parallel attention: FAILED, the check exit status 1: "
+                                "illegal memory access"]
+    hung = attention.run_isolated("cpu", True, 1, lines.append,
+                                  command=[sys.executable, "-c", "import time; time.sleep(60)"])
+    assert hung["crashed"] == "ran past 1 s"
+    assert "did not finish (ran past 1 s)" in attention.markdown(hung)

@@ -286,6 +286,8 @@ def test_the_cli_trains_saves_and_resumes_under_other_context_sizes(tmp_path, on
          "--eval-interval", "2", "--eval-iters", "1"], tmp_path, "c2")
     ref_records, ref_printed, _ = one_process_run
     assert "(t=1, p=1, d=1, c=2)" in stdout and "(t=1, p=1, d=1, c=2 p2p)" in stdout
+    assert ("ptdp: context parallelism: each sequence in 4 chunks, 16 positions per rank; "
+            "attention by a ring of key/value blocks (p2p), each block on ") in stdout
     assert printed[:2] == ref_printed[:2]
     assert 0 < records[-1]["val_loss"] < 10  # evaluated (its equality: the layouts above)
     for got, want in zip(records, ref_records[:2]):
@@ -294,6 +296,8 @@ def test_the_cli_trains_saves_and_resumes_under_other_context_sizes(tmp_path, on
         ["--context-parallel-size", "4", "--cp-comm-type", "a2a", "--load", str(save)],
         tmp_path, "c4")
     assert "(t=1, p=1, d=1, c=4 a2a)" in stdout
+    assert "8 positions per rank; attention over all heads' whole sequences after an " \
+        "all-to-all (a2a)" in stdout
     assert [r["iteration"] for r in resumed] == [3, 4] and printed == ref_printed[2:]
     for got, want in zip(resumed, ref_records[2:]):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)

@@ -175,8 +175,8 @@ def _agrees(kernel: str, device: torch.device, dtype: torch.dtype, head_dim: int
                 if a.shape != b.shape or not torch.allclose(a.float(), b.float(), atol=tolerance,
                                                             rtol=tolerance):
                     return False
-    except (RuntimeError, NotImplementedError, TypeError, ValueError, IndexError):
-        return False
+    except Exception:  # noqa: BLE001 - any failure means plain: an op this torch lacks
+        return False   # raises AttributeError, a refused shape RuntimeError, ...
     return True
 
 

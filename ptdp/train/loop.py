@@ -25,6 +25,7 @@ from ptdp.distributed import DistEnv, init_process_group
 from ptdp.errors import DivergenceError
 from ptdp.megatron_flags import attention_kernel, reports_attention_kernel
 from ptdp.model.gpt import build_chunks
+from ptdp.parallel.context_attention import KERNEL_OPS, block_kernel
 from ptdp.parallel.data import GradBuffer
 from ptdp.parallel.pipeline.executor import PipelineExecutor, average_loss
 from ptdp.parallel.pipeline.schedules import build_schedule
@@ -389,6 +390,12 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
               + f"; data: {trainer.data.description}", flush=True)
         if reports_attention_kernel(config):  # --use-flash-attn / --attention-backend given
             print(f"ptdp: attention: {attention_kernel(config, device, trainer.dtype)}", flush=True)
+        if ctx.cp_size > 1:
+            kernel = block_kernel(device, trainer.dtype, model_cfg.head_dim)
+            print(f"ptdp: context parallelism: each sequence in {2 * ctx.cp_size} chunks, "
+                  f"{model_cfg.seq_length // ctx.cp_size} positions per rank; attention "
+                  f"{CP_COMM_WORDS[config.parallel.cp_comm_type]}, each block on {kernel} "
+                  f"({KERNEL_OPS[kernel]})", flush=True)
 
     train_iters = trainer.train_iters
     stage_layers = stage_layer_counts(model_cfg.num_layers, ctx.pp_size, trainer.num_chunks,
@@ -498,6 +505,11 @@ def _go_back_to(trainer: Trainer, newest: str | None) -> str:
     if moved and trainer.ctx.rank == 0:
         point_latest(Path(tr.save), good.name)
     return trainer.loss_range.after_divergence(None if newest is None else Path(newest), moved)
+
+
+CP_COMM_WORDS = {"p2p": "by a ring of key/value blocks (p2p)",
+                 "all_gather": "over keys and values gathered from the group (all_gather)",
+                 "a2a": "over all heads' whole sequences after an all-to-all (a2a)"}
 
 
 def _length_note(trainer: Trainer) -> str:
