@@ -185,7 +185,13 @@ def _layouts_vs_one_process(rank: int, layouts: list[Layout]) -> list[tuple[str,
             for name, grad in _logical(trainer, ctx, grads=True).items():
                 assert grad.abs().max() > 0, (layout.name, name)
                 _close(grad, serial_grads[name], GRAD_TOL, f"{layout.name}: {name} gradient")
-        got += [trainer.step(i)[0] for i in range(1, layout.steps)]
+        for i in range(1, layout.steps):
+            record, stats = trainer.step(i)
+            got.append(record)
+        if layout.p > 1:  # each send carries this rank's b·s/c positions (t = 1 here)
+            model = MODELS[layout.model]
+            sent = step.TRAIN.micro_batch_size * model.seq_length // layout.c * model.hidden_size
+            assert set(stats.sent_elements) == {sent}, (layout.name, stats.sent_elements)
         for record, want in zip(got, records):
             assert not record["skipped"], layout.name
             assert record["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), layout.name
