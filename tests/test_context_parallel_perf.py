@@ -65,8 +65,11 @@ def test_all_gather_keeps_the_gathered_keys_and_values():
     workload = Workload(LONG, 8)
     p2p = activation_bytes(workload, Layout(c=4))["layer"]
     gathered = activation_bytes(workload, Layout(c=4, cp_comm="all_gather"))["layer"]
-    g, d, s, e = LONG.query_groups, LONG.head_dim, LONG.seq_length, 2
-    assert gathered - p2p == 2 * g * d * s * e
+    a, g, d, s, e = (LONG.num_attention_heads, LONG.query_groups, LONG.head_dim, LONG.seq_length,
+                     2)
+    # The whole sequence's K and V and its int64 reorder index; of the local q, k, v only the
+    # rotated q (p2p keeps the QKV output and the rotated k too: (a + 2g + g)·d·(s/c)·e).
+    assert gathered - p2p == 2 * g * d * s * e + 8 * s - (a + 3 * g) * d * s // 4 * e
 
 
 def _ops(layout, profile):

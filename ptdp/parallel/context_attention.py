@@ -114,9 +114,14 @@ def _backward_pairs(dout, q, k, v, out, lse, pairs, scale, kernel, dq, dk, dv) -
 
 
 def _empty_result(q):
+    """The running (output, LSE) of q's rows. The output is stored [s, b,
+    heads, d] and viewed [b, heads, s, d]: the layer's output projection
+    takes it as [s, b, heads·d] without a copy, so the output saved here and
+    the projection's saved input are one storage (as with one rank's kernel)."""
     acc = accumulation_dtype(q.dtype)
-    return (torch.zeros(q.shape, dtype=acc, device=q.device),
-            torch.full(q.shape[:3], -math.inf, dtype=acc, device=q.device))
+    b, heads, s, d = q.shape
+    out = torch.zeros(s, b, heads, d, dtype=acc, device=q.device).permute(1, 2, 0, 3)
+    return out, torch.full(q.shape[:3], -math.inf, dtype=acc, device=q.device)
 
 
 class _LocalAttention(torch.autograd.Function):

@@ -117,6 +117,14 @@ and dropout on. Two kernel sets:
   t = 4 tensor groups (tests/test_sequence_parallel_perf.py).
   `layer_activation_bytes` gives one layer's figure for any of these.
 
+  Context parallelism (Layout.c, --cp-comm-type Layout.cp_comm): every term
+  above is of the rank's own s/c positions (s/(c·t) under sequence
+  parallelism), and the attention keeps what `_context_attention_saved`
+  lists instead of one rank's q, k, v: at least its output beside the
+  dense layer's copy, and for all_gather and a2a the exchanged tensors.
+  Stage extras: a context rank keeps its own copy of its token ids. Checked
+  exactly for c = 1, 2, 4 (tests/test_context_parallel_memory.py).
+
   A rank holds these for every (microbatch, chunk) it has run forward and
   not yet backward. `memory_per_rank` walks the rank's compute order of the
   schedule (the generators' order) and takes the peak of the sum, so the
@@ -239,12 +247,18 @@ def _activation_bytes(key: ByValue, layout: Layout, kernels: str) -> dict[str, i
             # The math kernel's fp32 q·scale, kᵀ and v (k and v repeated to
             # all a heads under grouped queries) and its three s×s tensors.
             layer += 3 * a * d * sb // t * FP32 + 3 * (a // t) * s * s * b * FP32
-        else:
+        elif c == 1:
             layer += qkv + (a // t) * s * b * FP32
-        if c > 1 and layout.recompute is None:   # (inside the checkpoint otherwise)
-            layer += _context_attention_saved(model, layout, sb, e)
+        else:   # the log-sum-exp as above; q, k, v and the exchange's own tensors
+            layer += _context_attention_saved(model, layout, sb, e, qkv) + (a // t) * sb * FP32
 
-    tokens = INT64 * b * (s + 1) if t == 1 and c == 1 else INT64 * sb + sb
+    # The token ids: one process keeps the [b, s+1] sample they view, a
+    # context rank its own copy of its s/c positions' ids, a tensor rank its
+    # local ids and their out-of-range mask.
+    if t == 1:
+        tokens = INT64 * b * (s + 1) if c == 1 else INT64 * sb
+    else:
+        tokens = INT64 * sb + sb
     positions = 0 if model.rope else INT64 * (s // t if layout.splits_sequence else s)
     embedding = tokens + positions + outside * mask
     padded = model.padded_vocab_size(t)
@@ -266,19 +280,36 @@ def _activation_bytes(key: ByValue, layout: Layout, kernels: str) -> dict[str, i
             "weight_grad_layer": weight_grad_layer}
 
 
-def _context_attention_saved(model: ModelConfig, layout: Layout, sb: int, e: int) -> int:
-    """What ptdp.parallel.context_attention saves beyond the local q, k, v,
-    output and log-sum-exp (counted above for the rank's sb = s/c·b
-    positions): p2p nothing (the backward ring passes the blocks again);
-    all_gather the gathered K and V of the whole sequence, 2·g·d·s·b/t·e;
-    a2a the head-split q, k, v and output it attends with, (2a + 2g)·d·sb/t·e
-    (derived from the saved tensors, not measured)."""
+def _context_attention_saved(model: ModelConfig, layout: Layout, sb: int, e: int,
+                             qkv: int) -> int:
+    """What ptdp.parallel.context_attention keeps for its backward (c > 1,
+    no recomputation) besides the log-sum-exp, for the rank's sb = s/c·b
+    positions; `qkv` is what the single-rank kernel keeps of q, k and v.
+    Measured on CPU (tests/test_context_parallel_memory.py); the same code
+    runs on GPUs, so the cuda figure is the same.
+
+    p2p and all_gather keep their output laid out as the dense layer's
+    input, one storage (counted with the layer); a2a's output is head-split,
+    so it keeps it besides the dense input, a·d·sb/t·e.
+      p2p: q, k and v as given, like one rank (`qkv`); the backward ring
+        passes the key/value blocks again.
+      all_gather: q as given (with rotary embeddings the rotated q alone,
+        as k and v go into the gather, which keeps nothing of them; without,
+        q is a view of the whole QKV output), the gathered keys and values
+        of the whole sequence 2·g·d·s·b/t·e, and the int64 index of the
+        whole sequence that puts them in natural order (8·s).
+      a2a: nothing of the local q, k, v (the all-to-all keeps nothing); the
+        head-split q, k, v, of the same size as the QKV output, and the
+        two int64 reorder indices of the whole sequence (16·s)."""
     g, d, a, t, c = model.query_groups, model.head_dim, model.num_attention_heads, layout.t, layout.c
+    seq = model.seq_length
+    out = a * d * sb // t * e
     if layout.cp_comm == "all_gather":
-        return 2 * g * d * sb * c // t * e
+        q = a * d * sb // t * e if model.rope else (a + 2 * g) * d * sb // t * e
+        return q + 2 * g * d * sb * c // t * e + INT64 * seq
     if layout.cp_comm == "a2a":
-        return (2 * a + 2 * g) * d * sb // t * e
-    return 0
+        return (a + 2 * g) * d * sb // t * e + out + 2 * INT64 * seq
+    return qkv
 
 
 def korthikanti_activation_bytes_per_layer(model: ModelConfig, b: int, t: int = 1, *,
@@ -308,12 +339,16 @@ AS_CONFIGURED = "as configured"
 def layer_activation_bytes(model: ModelConfig, b: int, t: int = 1, *,
                            sequence_parallel: bool = False,
                            recompute: str | None = AS_CONFIGURED,
-                           dtype: Any = "bf16", kernels: str = "cpu") -> int:
+                           dtype: Any = "bf16", kernels: str = "cpu", c: int = 1,
+                           cp_comm: str = "p2p") -> int:
     """Bytes one transformer layer's forward saves for its backward on one
-    tensor rank, per microbatch of `b` sequences of `model.seq_length`: what
-    saved-tensor hooks (ptdp.perf.saved.SavedTensorBytes) measure around one
-    layer built with `GPT(..., pre_process=False, post_process=False,
-    sequence_parallel=...)`. `recompute`: None, "selective" or "full"
+    tensor (and context) rank, per microbatch of `b` sequences of
+    `model.seq_length`: what saved-tensor hooks
+    (ptdp.perf.saved.SavedTensorBytes) measure around one layer built with
+    `GPT(..., pre_process=False, post_process=False, sequence_parallel=...,
+    cp_comm_type=...)`; with `c` context ranks (--cp-comm-type `cp_comm`)
+    it is fed the rank's [s/c, b, h] ([s/(c·t), b, h] under sequence
+    parallelism). `recompute`: None, "selective" or "full"
     (a layer is its own checkpoint group); by default the model's
     recompute_granularity. `dtype`: "fp32", "bf16", "fp16" or a
     torch.dtype; `kernels`: "cpu" (eager PyTorch, exact on torch 2.13) or
@@ -324,7 +359,8 @@ def layer_activation_bytes(model: ModelConfig, b: int, t: int = 1, *,
     cannot take, or sequence parallelism with t = 1 or t not dividing s."""
     if recompute == AS_CONFIGURED:
         recompute = model.recompute_granularity
-    layout = Layout(t=t, b=b, recompute=recompute, sequence_parallel=sequence_parallel)
+    layout = Layout(t=t, b=b, recompute=recompute, sequence_parallel=sequence_parallel, c=c,
+                    cp_comm=cp_comm)
     problems = layout.valid_for(model, global_batch=b)
     if problems:
         raise ValueError("; ".join(problems))
