@@ -1,0 +1,141 @@
+"""bench/published_runs.py: the table of published runs is complete (every
+field set, every out-of-scope row has its reason, no duplicate), its FLOP
+conventions are the sources' own formulas, the 1.7B calibration point is the
+one ptdp fits to and is flagged so, and the script prints the table for a
+couple of rows. The errors themselves are not judged here (they are the
+baseline the model work starts from, in bench/RESULTS.md)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import published_runs as pr  # noqa: E402  bench/published_runs.py
+
+from ptdp.perf.calibration_point import calibration_point  # noqa: E402
+from ptdp.perf.flops import model_flops_per_iteration  # noqa: E402
+from ptdp.perf.layout import Layout  # noqa: E402
+
+OPTIONAL_TEXT = {"assumptions", "out_of_scope"}   # "" means: none
+
+
+def test_every_row_has_every_field_and_no_row_is_a_duplicate():
+    names = [run.name for run in pr.RUNS]
+    assert len(names) == len(set(names)), [n for n in names if names.count(n) > 1]
+    keys = [(run.source, run.layout_text(), run.published_tflops) for run in pr.RUNS]
+    assert len(keys) == len(set(keys))
+    for run in pr.RUNS:
+        assert "," not in run.name, f"{run.name}: --rows splits on commas"
+        for field in fields(run):
+            value = getattr(run, field.name)
+            assert value is not None, (run.name, field.name)
+            if isinstance(value, str) and field.name not in OPTIONAL_TEXT:
+                assert value.strip(), (run.name, field.name)
+        assert run.t * run.p * run.c * run.d == run.gpus, run.name
+        assert run.published_tflops > 0 and run.precision in ("fp16", "bf16", "fp8")
+        assert run.published_as == "published" or run.published_as.startswith("derived: ")
+        if run.priced:
+            assert run.hardware in pr.PROFILES and isinstance(run.shape, pr.Shape), run.name
+            assert run.recompute in ("none", "selective", "full")
+            assert isinstance(run.sequence_parallel, bool)
+            assert isinstance(run.distributed_optimizer, bool)
+            assert run.flops in ("paper", "model") and run.kernels in ("paper", "flash")
+            assert run.precision != "fp8" and run.etp == "n/a"
+            assert run.layout().valid_for(run.shape.config(), run.global_batch) == [], run.name
+        else:
+            assert len(run.out_of_scope) > 2, run.name
+        if "RECALLED" in run.source:
+            assert "unverified config" in run.assumptions, run.name
+
+
+def test_the_rows_the_notes_give_are_all_there():
+    by_source = {}
+    for run in pr.RUNS:
+        by_source.setdefault(run.source.split(" ")[0], []).append(run)
+    assert len([r for r in pr.RUNS if r.name.endswith("A100 2021")]) == 10
+    assert len([r for r in pr.RUNS if r.name.endswith("H100 2024")]) == 9
+    assert len([r for r in pr.RUNS if "A100 2022" in r.name]) == 5
+    assert len(by_source["NVIDIA-NeMo/Megatron-Bridge"]) == 32     # 13 Llama, 13 Qwen3, 6 GPT-OSS
+    dgxc = by_source["NVIDIA/dgxc-benchmarking"]
+    assert sum(r.precision == "bf16" for r in dgxc) == 10 and sum(r.priced for r in dgxc) == 8
+    reasons = {r.out_of_scope.split(";")[0] for r in pr.RUNS if not r.priced}
+    assert {"FP8", "FSDP (FSDP2 over 32, prefetch)"} <= reasons
+    assert any(r.startswith("architecture not trained by ptdp") for r in reasons)
+    assert any(r.startswith("layout ptdp cannot express") for r in reasons)
+
+
+def test_the_one_calibration_row_is_the_point_the_a100_profile_is_fitted_to():
+    calibrations = [run for run in pr.RUNS if run.calibration]
+    assert [run.name for run in calibrations] == ["1.7B A100 2021"]
+    run = calibrations[0]
+    workload, layout = calibration_point()
+    assert run.layout() == layout and run.global_batch == workload.global_batch
+    assert run.precision == workload.precision and run.kernels == "paper"
+    model, expected = run.shape.config(), workload.model
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
+                 "ffn_size", "swiglu", "normalization", "position_embedding_type"):
+        assert getattr(model, name) == getattr(expected, name), name
+
+
+def test_each_rows_flop_count_is_its_sources_formula():
+    """"paper": Narayanan et al.'s 96·B·s·l·h²·(1 + s/6h + V/16lh); "model"
+    for the DGX Cloud Llama rows: their README's formula
+    s·(12·l·h²·(1 + g/a + s/h) + 18·l·f·h + 6·V·h) per sequence, and the
+    numbers it states (4.74E+14, 3.94E+15, 2.17E+16 for 8B, 70B, 405B; the
+    405B one is 0.9 % above its own formula, so the rows divide by it)."""
+    run = next(r for r in pr.RUNS if r.name == "1T A100 2021")
+    B, s, h, l, V = run.global_batch, 2048, 25600, 128, 51200
+    paper = 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+    assert model_flops_per_iteration(run.shape.config(), B, recompute="full") == pytest.approx(paper)
+    for size, stated in (("8B", 4.74e14), ("70B", 3.94e15), ("405B", 2.17e16)):
+        shape = pr.LLAMA[size]
+        s, l, h, f, V = shape.seq, shape.layers, shape.hidden, shape.ffn, shape.vocab
+        formula = s * (12 * l * h * h * (1 + shape.groups / shape.heads + s / h) + 18 * l * f * h
+                       + 6 * V * h)
+        ours = model_flops_per_iteration(shape.config(), 1, recompute=None)
+        assert ours == pytest.approx(formula, rel=1e-12), size
+        assert ours == pytest.approx(stated, rel=0.01), size
+        rows = [r for r in pr.RUNS if r.model == f"Llama 3.1 {size}" and "dgxc" in r.source]
+        assert rows and all(r.flops_per_sequence == stated for r in rows)
+
+
+def test_quick_mode_prints_the_table_for_the_rows_asked(capsys):
+    assert pr.main(["--rows", "1.7B A100 2021,8B H100 BF16 128 GPUs NeMo 24.09,"
+                              "GPT-OSS 120B H100 BF16 64 GPUs Bridge 25.11", "--no-search"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert "| row | source | model | layout | published TFLOP/s per GPU | predicted | error | note |" in lines
+    calibration = next(line for line in lines if line.startswith("| 1.7B A100 2021 |"))
+    assert "| t=1 p=1 d=32 b=16 B=512 recompute=full, fp16 | 137.0 | 137.0 |" in calibration
+    assert "**calibration point**" in calibration
+    llama = next(line for line in lines if line.startswith("| Llama 3.1 8B H100 BF16 128 GPUs"))
+    cells = [cell.strip() for cell in llama.split("|")[1:-1]]
+    published, predicted, error = float(cells[4]), float(cells[5]), cells[6]
+    assert published == 578.7 and predicted > 0                 # MFU 58.51 % × 989
+    assert error == f"{predicted / published - 1:+.1%}"
+    assert "t=1 p=1 c=2 d=64 b=1 B=2048 recompute=none dist-opt, bf16" in llama
+    assert "model FLOPs, flash kernels" in llama
+    assert "Out of scope (not priced):" in out
+    oss = next(line for line in lines if line.startswith("| GPT-OSS 120B H100 BF16 64 GPUs"))
+    assert oss.endswith("| architecture not trained by ptdp (attention sinks, sliding window, "
+                        "its MoE) |")
+    assert "Search (" not in out
+
+
+def test_rows_that_match_nothing_are_refused():
+    with pytest.raises(SystemExit, match="--rows 'no such row' matches no row"):
+        pr.main(["--rows", "no such row", "--no-search"])
+
+
+def test_a_variant_is_priced_in_the_note():
+    run = next(r for r in pr.RUNS if r.name == "3.6B A100 2021")
+    priced = pr.price(run)
+    assert run.variant == (("b", 16),)
+    alternative = pr.predicted_tflops(run, Layout(t=2, p=1, d=32, b=16, recompute="full"))[0]
+    assert priced.also == pytest.approx(alternative)
+    assert f"with b = 16 instead: {alternative:.1f}" in pr.note(priced)
