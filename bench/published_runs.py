@@ -41,7 +41,7 @@ import argparse
 import statistics
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,9 +134,6 @@ class PublishedRun:
     assumptions: str = ""             # recalled / assumed fields, pricing assumptions
     out_of_scope: str = ""            # the reason it is not priced; "" = priced
     calibration: bool = False         # the one point a constant is fitted to
-    # Another value of fields the source does not state, priced in the note
-    # too (e.g. (("v", 2),): the same run if it interleaved).
-    variant: tuple[tuple[str, int], ...] = ()
 
     @property
     def priced(self) -> bool:
@@ -164,6 +161,7 @@ class PublishedRun:
 
 MEGATRON_2022 = "Megatron-LM fd5cfec0 README.md"
 A100_TABLE = "Megatron-LM fd5cfec0 images/cases_april2021.png (Narayanan et al. 2021, Table 1)"
+SC21_SCRIPT = "Megatron-LM d98e8a64 examples/academic_paper_scripts/sc21/run_table_1.sh"
 H100_TABLE = "Megatron-LM d98e8a64 images/model_table.png (Megatron-Core r0.8.0)"
 KORTHIKANTI = ("Korthikanti et al. 2022 (arXiv 2205.05198); MFU: " + MEGATRON_2022
                + "; config RECALLED (Table 3)")
@@ -181,32 +179,34 @@ def _gpt(layers: int, hidden: int, heads: int, vocab: int, seq: int) -> Shape:
 
 def _a100_2021() -> list[PublishedRun]:
     """Narayanan et al. 2021's weak-scaling table (fp16, full recomputation,
-    the paper's FLOPs). The README gives t·p, not the split: t = min(8, t·p)
-    (tensor parallelism inside a server, the paper's takeaway 1)."""
-    # name: (hidden, layers, heads, model-parallel size, GPUs, batch, TFLOP/s)
-    table = {"1.7B": (2304, 24, 24, 1, 32, 512, 137), "3.6B": (3072, 30, 32, 2, 64, 512, 138),
-             "7.5B": (4096, 36, 32, 4, 128, 512, 142), "18B": (6144, 40, 48, 8, 256, 1024, 135),
-             "39B": (8192, 48, 64, 16, 512, 1536, 138), "76B": (10240, 60, 80, 32, 1024, 1792, 140),
-             "145B": (12288, 80, 96, 64, 1536, 2304, 148),
-             "310B": (16384, 96, 128, 128, 1920, 2160, 155),
-             "530B": (20480, 105, 128, 280, 2520, 2520, 163),
-             "1T": (25600, 128, 160, 512, 3072, 3072, 163)}
+    the paper's FLOPs). Each row's layout is its run script's: t, p, b, the
+    global batch and the layers per virtual stage of Megatron-LM's
+    examples/academic_paper_scripts/sc21/run_table_1.sh (full recomputation
+    of every layer: --activations-checkpoint-method uniform)."""
+    # name: (hidden, layers, heads, t, p, b, v, GPUs, batch, TFLOP/s)
+    table = {"1.7B": (2304, 24, 24, 1, 1, 16, 1, 32, 512, 137),
+             "3.6B": (3072, 30, 32, 2, 1, 16, 1, 64, 512, 138),
+             "7.5B": (4096, 36, 32, 4, 1, 16, 1, 128, 512, 142),
+             "18B": (6144, 40, 48, 8, 1, 8, 1, 256, 1024, 135),
+             "39B": (8192, 48, 64, 8, 2, 4, 1, 512, 1536, 138),
+             "76B": (10240, 60, 80, 8, 4, 2, 3, 1024, 1792, 140),
+             "145B": (12288, 80, 96, 8, 8, 2, 2, 1536, 2304, 148),
+             "310B": (16384, 96, 128, 8, 16, 1, 2, 1920, 2160, 155),
+             "530B": (20480, 105, 128, 8, 35, 1, 3, 2520, 2520, 163),
+             "1T": (25600, 128, 160, 8, 64, 1, 1, 3072, 3072, 163)}
     rows = []
-    for name, (hidden, layers, heads, mp, gpus, batch, tflops) in table.items():
-        t = min(8, mp)
+    for name, (hidden, layers, heads, t, p, b, v, gpus, batch, tflops) in table.items():
         calibration = name == "1.7B"
-        assumed = ("b = 16 and heads 24 from PAPER.md; the calibration point (e_max fitted here)"
-                   if calibration else
-                   "t/p split (t = min(8, t·p)) and heads recalled from the paper (the README "
-                   "gives t·p only); b = 1 assumed; v = 1 (interleaving not stated)")
+        assumed = ("the calibration point (e_max fitted here)" if calibration else
+                   "layout from run_table_1.sh (" + SC21_SCRIPT + ")")
         rows.append(PublishedRun(
             name=f"{name} A100 2021", source=A100_TABLE, hardware="a100", model="GPT",
             shape=_gpt(layers, hidden, heads, 51200, 2048), gpus=gpus, global_batch=batch,
-            micro_batch=16 if calibration else 1, t=t, p=mp // t, v=1, c=1,
-            d=gpus // mp, ep=1, etp="n/a", recompute="full", sequence_parallel=False,
+            micro_batch=b, t=t, p=p, v=v, c=1,
+            d=gpus // (t * p), ep=1, etp="n/a", recompute="full", sequence_parallel=False,
             distributed_optimizer=False, precision="fp16", published_tflops=tflops,
             published_as="published", flops="paper", kernels="paper", assumptions=assumed,
-            calibration=calibration, variant=_variant(name, mp)))
+            calibration=calibration))
     rows.append(PublishedRun(
         name="175B A100 README example", source=MEGATRON_2022 + " (GPT-3 175B example)",
         hardware="a100", model="GPT", shape=_gpt(96, 12288, 96, 51200, 2048), gpus=1024,
@@ -216,17 +216,6 @@ def _a100_2021() -> list[PublishedRun]:
         assumptions="b = 1, full recomputation, the paper's FLOP count assumed (the README "
                     "states t, p, B); v = 1"))
     return rows
-
-
-def _variant(name: str, model_parallel: int) -> tuple[tuple[str, int], ...]:
-    """What the 2021 rows are also priced with, in the note: the 1T run
-    interleaved (PAPER.md does not say whether it did), and the tensor-only rows at
-    the calibration run's b = 16 (b is not published; b = 1 is priced)."""
-    if name == "1T":
-        return (("v", 2),)
-    if name != "1.7B" and model_parallel <= 8:
-        return (("b", 16),)
-    return ()
 
 
 def _korthikanti() -> list[PublishedRun]:
@@ -466,7 +455,6 @@ class Priced:
     seconds: float
     memory_gib: float
     fits: bool
-    also: float | None = None        # predicted TFLOP/s under run.variant
 
     @property
     def error(self) -> float:
@@ -495,15 +483,8 @@ def price(run: PublishedRun) -> Priced:
     if layout.devices != run.gpus:
         raise ValueError(f"{run.name}: t·p·c·d = {layout.devices}, not its {run.gpus} GPUs")
     tflops, evaluation = predicted_tflops(run, layout)
-    also = None
-    if run.variant:
-        also = predicted_tflops(run, Layout(**{**_layout_fields(layout), **dict(run.variant)}))[0]
     return Priced(run, tflops, evaluation.seconds, evaluation.memory["total"] / 2**30,
-                  evaluation.fits, also)
-
-
-def _layout_fields(layout: Layout) -> dict:
-    return {f.name: getattr(layout, f.name) for f in fields(layout)}
+                  evaluation.fits)
 
 
 def note(priced: Priced) -> str:
@@ -516,10 +497,6 @@ def note(priced: Priced) -> str:
         parts.append(f"FLOPs: the source's {run.flops_per_sequence:.3g} per sequence")
     if run.assumptions:
         parts.append(run.assumptions)
-    if priced.also is not None:
-        alternative = ", ".join(f"{key} = {value}" for key, value in run.variant)
-        parts.append(f"with {alternative} instead: {priced.also:.1f} "
-                     f"({priced.also / run.published_tflops - 1:+.1%})")
     if not priced.fits:
         parts.append(f"ptdp's memory model: {priced.memory_gib:.0f} GiB per GPU, over "
                      f"{MEMORY_HEADROOM:.0%} of the device")

@@ -132,10 +132,9 @@ def test_rows_that_match_nothing_are_refused():
         pr.main(["--rows", "no such row", "--no-search"])
 
 
-def test_a_variant_is_priced_in_the_note():
-    run = next(r for r in pr.RUNS if r.name == "3.6B A100 2021")
-    priced = pr.price(run)
-    assert run.variant == (("b", 16),)
-    alternative = pr.predicted_tflops(run, Layout(t=2, p=1, d=32, b=16, recompute="full"))[0]
-    assert priced.also == pytest.approx(alternative)
-    assert f"with b = 16 instead: {alternative:.1f}" in pr.note(priced)
+def test_the_2021_rows_take_their_run_scripts_layouts():
+    """t, p, b and v of Megatron-LM's sc21/run_table_1.sh, not assumptions."""
+    layouts = {r.name.split()[0]: (r.t, r.p, r.micro_batch, r.v) for r in pr.RUNS
+               if r.name.endswith("A100 2021")}
+    assert layouts["18B"] == (8, 1, 8, 1) and layouts["76B"] == (8, 4, 2, 3)
+    assert layouts["530B"] == (8, 35, 1, 3) and layouts["1T"] == (8, 64, 1, 1)

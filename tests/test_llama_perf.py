@@ -388,7 +388,7 @@ def test_plan_reports_the_published_parameter_counts(capsys, flags, published):
     """Llama 2 7B: 6.74B; Llama 3 8B: 8.03B (Meta's totals; the exact
     figures are the parameters of the released checkpoints)."""
     layout = ["-t", "8", "-p", "1", "--micro-batch-size", "1", "--recompute-granularity",
-              "selective", "--use-distributed-optimizer"]
+              "selective", "--use-distributed-optimizer", "--fix-all"]
     argv = ["plan", *flags, "--gpus", "16", "--gpu", "h100", "--global-batch-size", "32",
             "--json", *layout]
     assert main(argv) == 0

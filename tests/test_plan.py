@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from ptdp.cli import main
+from ptdp.cli import build_parser, main
 from ptdp.config import ModelConfig
+from ptdp.perf.analytic import parameter_count
 from ptdp.perf.bounds import compute_lower_bound
 from ptdp.perf.layout import Layout, Workload
 from ptdp.perf.plan import EXACT_ROWS, candidate_layouts, evaluate_layout, model_from_args, search
@@ -95,9 +96,9 @@ def test_plan_command_json_and_flags(capsys, tmp_path):
     assert "best:" in out and "ptdp train --num-layers 8 --hidden-size 1024" in out
     assert "--bf16 --tensor-model-parallel-size" in out
 
-    assert main(argv + ["-t", "2", "-p", "2", "--micro-batch-size", "2"]) == 0
+    assert main(argv + ["-t", "2", "-p", "2", "--micro-batch-size", "2", "--fix-all"]) == 0
     out = capsys.readouterr().out
-    assert "t=2 p=2 d=2 b=2" in out and "s per iteration" in out
+    assert "\nt=2 p=2 d=2 b=2: " in out and "s per iteration" in out
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -216,13 +217,27 @@ def test_plan_shows_its_assumptions_and_progress(capsys):
     assert "(default: 51200)" in help_text and "(default: bf16" in help_text
 
 
-@pytest.mark.parametrize("flag", [["--num-experts", "8"], ["--moe-router-topk", "2"],
-                                  ["--expert-model-parallel-size", "2"]])
-def test_moe_flags_are_refused_with_the_reason(flag, capsys):
+def test_moe_flags_describe_an_moe_and_other_moe_flags_are_refused_with_the_reason(capsys):
+    """The MoE flags that shape the costs are train's and describe the model
+    plan prices (here its parameters); the others are refused, saying why."""
+    argv = ["plan", "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
+            "--gpus", "4", "--global-batch-size", "8", "--seq-length", "256",
+            "--disable-bias-linear", "--fix-all", "--json"]
+    moe = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "512",
+           "--moe-shared-expert-intermediate-size", "256", "--moe-layer-freq", "([0]+[1]*3)"]
+    assert main(argv + moe) == 0
+    planned = model_from_args(build_parser().parse_args(argv + moe))
+    assert (planned.num_experts, planned.moe_router_topk, planned.moe_ffn_hidden_size,
+            planned.moe_shared_expert_intermediate_size) == (8, 2, 512, 256)
+    assert planned.moe_layer_pattern == [False, True, True, True]
+    assert json.loads(capsys.readouterr().out)["parameters"] == parameter_count(planned)
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["parameters"] < parameter_count(planned)
     with pytest.raises(SystemExit) as stopped:
-        main(["plan", "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
-              "--gpus", "4", *flag])
+        main(argv + moe + ["--moe-aux-loss-coeff", "0.01"])
     assert stopped.value.code == 2
     assert capsys.readouterr().err.strip() == (
-        f"ptdp plan: error: {flag[0]}: ptdp plan does not price mixtures of experts yet (ptdp "
-        f"train runs them): plan the dense model without the MoE flags")
+        "ptdp plan: error: --moe-aux-loss-coeff: ptdp plan takes the MoE flags that shape its "
+        "costs (--num-experts, --moe-ffn-hidden-size, --moe-router-topk, "
+        "--moe-shared-expert-intermediate-size, --moe-layer-freq, --moe-expert-capacity-factor, "
+        "--moe-token-dispatcher-type); this one does not change them: drop it")

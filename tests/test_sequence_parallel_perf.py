@@ -480,7 +480,8 @@ def test_plan_explains_sequence_parallelism():
 
 
 def test_plan_command_one_layout_with_sequence_parallelism(capsys):
-    argv = PLAN_MODEL + ["-t", "4", "-p", "2", "--micro-batch-size", "2", "--sequence-parallel"]
+    argv = PLAN_MODEL + ["-t", "4", "-p", "2", "--micro-batch-size", "2", "--sequence-parallel",
+                         "--fix-all"]
     assert main(["plan", *argv, "--json", "--print-flags"]) == 0
     out = capsys.readouterr().out
     data = json.loads(out[:out.rindex("}") + 1])
@@ -500,5 +501,7 @@ def test_plan_command_one_layout_with_sequence_parallelism(capsys):
 
     assert main(["plan", *argv]) == 0
     assert "t=4 p=2 d=1 b=2 sequence-parallel" in capsys.readouterr().out
-    assert main(["plan", *PLAN_MODEL, "--sequence-parallel"]) == 2
-    assert "sequence parallelism needs t > 1" in capsys.readouterr().err
+    # --fix-all prices t = 1 (train's default), which train refuses with sequence parallelism.
+    assert main(["plan", *PLAN_MODEL, "--sequence-parallel", "--fix-all"]) == 2
+    assert ("--sequence-parallel splits the sequence over the tensor-parallel ranks and needs "
+            "--tensor-model-parallel-size > 1") in capsys.readouterr().err

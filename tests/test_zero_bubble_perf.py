@@ -141,7 +141,7 @@ def test_plan_picks_a_zero_bubble_schedule_and_prints_its_flags(capsys, monkeypa
 
     argv = ["plan", "--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16",
             "--seq-length", "1024", "--gpus", "8", "--global-batch-size", "16", "-t", "2",
-            "-p", "4", "--print-flags"]
+            "-p", "4", "--print-flags", "--fix-all"]
     assert main(argv + ["--pipeline-schedule", "zb-h1"]) == 0
     out = capsys.readouterr().out
     assert "| zb-h1 |" in out and "--pipeline-schedule zb-h1" in out

@@ -6,6 +6,7 @@ both use it."""
 from __future__ import annotations
 
 from ptdp.config import ModelConfig
+from ptdp.perf.moe_costs import mlp_columns, router_columns
 
 
 def model_flops_per_iteration(config: ModelConfig, global_batch: int, *, recompute: str | None,
@@ -43,13 +44,19 @@ def mlp_widths(config: ModelConfig) -> list[int]:
     """Per layer, the columns its MLP multiplies each token's h values by:
     (up + 1)·f for a dense MLP (up = 2 with SwiGLU: the first matrix is
     [2f, h]); in an MoE layer the router's E, the k routed experts' and the
-    shared expert's (active parameters only, as Megatron-LM counts)."""
-    up = 2 if config.swiglu else 1
-    if not config.is_moe:
-        return [(up + 1) * config.ffn_size] * config.num_layers
-    moe = (config.num_experts + config.moe_router_topk * (up + 1) * config.moe_ffn_size
-           + (up + 1) * (config.moe_shared_expert_intermediate_size or 0))
-    return [moe if is_moe else (up + 1) * config.ffn_size for is_moe in config.moe_layer_pattern]
+    shared expert's (active parameters only). Megatron-LM's
+    num_floating_point_operations counts the same experts and dense layers
+    but not the router (ptdp.perf.moe_costs.mlp_columns,
+    `router_flops_per_iteration`)."""
+    return mlp_columns(config)
+
+
+def router_flops_per_iteration(config: ModelConfig, global_batch: int) -> float:
+    """What `model_flops_per_iteration` counts beyond Megatron-LM's
+    num_floating_point_operations for an MoE model: the routers' [h, E]
+    products, 6·B·s·h·E per MoE layer (0 for a dense model)."""
+    return float(6 * global_batch * config.seq_length * config.hidden_size
+                 * router_columns(config))
 
 
 def recomputed_layer_count(config: ModelConfig, num_model_chunks: int,

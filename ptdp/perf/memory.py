@@ -125,6 +125,14 @@ and dropout on. Two kernel sets:
   Stage extras: a context rank keeps its own copy of its token ids. Checked
   exactly for c = 1, 2, 4 (tests/test_context_parallel_memory.py).
 
+  Mixture of experts: each MoE layer saves, instead of the dense MLP's
+  input and activations, what ptdp.perf.moe_costs.moe_saved_bytes lists
+  (the router's tensors, the routed pairs and their experts' activations,
+  the shared expert), measured exactly on one CPU process
+  (tests/test_moe_perf.py); `moe_activation_bytes` adds the difference for
+  the MoE layers of each chunk. Zero-bubble schedules' deferred figure is
+  the dense layer's for MoE layers too.
+
   A rank holds these for every (microbatch, chunk) it has run forward and
   not yet backward. `memory_per_rank` walks the rank's compute order of the
   schedule (the generators' order) and takes the peak of the sum, so the
@@ -171,6 +179,7 @@ from ptdp.config import ModelConfig, TrainConfig
 from ptdp.perf.analytic import (FP32, chunk_stage, cut_placed_buckets, owned_elements,
                                 padded_elements, placement_of_parameters, stash_peaks)
 from ptdp.perf.layout import BYTES_PER_ELEMENT, ByValue, Layout, Workload
+from ptdp.perf.moe_costs import chunk_moe_layers, moe_layer_activation_delta
 
 KERNELS = ("cuda", "cpu")
 INT64 = 8
@@ -399,7 +408,8 @@ def memory_per_rank(workload: Workload, layout: Layout, *, kernels: str = "cuda"
         tables = sum(layers) * acts["rotary_tables"]
         for chunk, per_chunk in enumerate(layers):
             first, last = chunk_stage(layout, rank, chunk)
-            chunk_bytes.append(per_chunk * acts["layer"]
+            chunk_bytes.append(per_chunk * acts["layer"] + moe_activation_bytes(
+                               workload, layout, rank, chunk)
                                + (acts["embedding"] if first else 0)
                                + (acts["output"] if last else 0))
             deferred_bytes.append(per_chunk * acts["weight_grad_layer"])
@@ -411,6 +421,18 @@ def memory_per_rank(workload: Workload, layout: Layout, *, kernels: str = "cuda"
         memory["total"] = sum(memory.values())
         results.append(memory)
     return results
+
+
+def moe_activation_bytes(workload: Workload, layout: Layout, rank: int, chunk: int) -> int:
+    """What the MoE layers of (rank, chunk) save beyond the dense layers'
+    figure (ptdp.perf.moe_costs; 0 for a dense model)."""
+    moe_layers = chunk_moe_layers(workload.model, layout, rank, chunk)
+    if not moe_layers:
+        return 0
+    return moe_layers * moe_layer_activation_delta(
+        workload.model, layout.t, layout.b, workload.bytes_per_element,
+        sequence_parallel=layout.splits_sequence, recompute=layout.recompute, ep=layout.ep,
+        etp=layout.etp, c=layout.c)
 
 
 def memory_per_device(workload: Workload, layout: Layout, *, kernels: str = "cuda",

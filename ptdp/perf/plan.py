@@ -1,15 +1,18 @@
-"""`ptdp plan`: choose t, p, d, b, v, the pipeline schedule, recomputation,
-sequence parallelism and the optimizer's sharding for a model on N devices,
-and predict what the run will cost.
+"""`ptdp plan`: choose t, c, p, d, b, v, the pipeline schedule, the layer
+split, recomputation, sequence parallelism, the optimizer's sharding and, for
+a mixture of experts, EP and ETP, for a model on N devices, and predict what
+the run will cost.
 
-The search enumerates every valid layout (the rules `ptdp train` enforces),
-bounds each one's iteration time from below without building its schedule
+The search enumerates every valid layout (candidates.py: the rules `ptdp
+train` enforces), bounds each one's iteration time from below without building its schedule
 (bounds.compute_lower_bound), and prices the layouts cheapest bound first
 with the schedule simulator (predict.py: the same action lists the executor
 runs, costed with a hardware profile), those whose memory per device
 (memory.py) fits the profile's device memory, until no bound can reach
-the top EXACT_ROWS rows; it ranks them by predicted throughput. Given
-layout flags it evaluates that one layout.
+the top EXACT_ROWS rows; it ranks them by predicted throughput. Each
+layout flag (`ptdp train`'s) fixes its dimension and the search covers the
+rest; `--fix-all`, or flags that leave one valid layout, price that one
+layout (fixed_dimensions.py).
 
 Schedules: 1F1B, interleaved 1F1B (v = 2 ... MAX_CHUNKS) and the
 zero-bubble zb-h1 (v = 1, m >= p) and zbv (v = 2, m >= 2p, l divisible by
@@ -42,25 +45,22 @@ from __future__ import annotations
 import argparse
 import bisect
 import dataclasses
-import functools
 import json
+import shlex
 import sys
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable
+from typing import Any
 
-from ptdp.config import Config, ConfigError, ModelConfig, ParallelConfig, validate
-from ptdp.config.context import context_parallel_problems
+from ptdp.config import Config, ConfigError, ModelConfig, validate
 from ptdp.output_paths import output_path_problems
-from ptdp.parallel.pipeline.split import LayerSplit, split_problems
+from ptdp.perf.candidates import (  # noqa: F401  (candidate_layouts & co. are plan's API too)
+    MAX_CHUNKS, MAX_MICROBATCH, MIN_CONTEXT_POSITIONS, SCHEDULES, candidate_layouts,
+    context_sizes_to_search, split_candidates)
+from ptdp.perf.fixed_dimensions import FixedDimensions, add_layout_flags, dimensions_line, \
+    fix_all_layout, fixed_dimensions, train_problems
 from ptdp.perf.layout import Layout, Workload
 
 MEMORY_HEADROOM = 0.9      # leave 10 % of device memory to the allocator and workspaces
-MAX_MICROBATCH = 32        # larger microbatches only add memory at these sizes
-MAX_CHUNKS = 8             # interleaving beyond this only adds transfers
-MIN_CONTEXT_POSITIONS = 1024   # the search's smallest s/c (see context_sizes_to_search)
-# The schedules searched: 1F1B (interleaved with v > 1) and the two zero-bubble
-# ones. GPipe is never better than 1F1B here (same bubble, more memory).
-SCHEDULES = ("1f1b", "zb-h1", "zbv")
 EXACT_ROWS = 30            # search's first rows are exact (see search); plot draws as many
 PLOT_FORMATS = (".png", ".pdf", ".svg")   # --plot: matplotlib picks the format by the suffix
 
@@ -99,137 +99,6 @@ class Evaluation:
                 "fits": self.fits}
 
 
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
-
-
-def candidate_layouts(workload: Workload, devices: int, *, tensor_sizes=None,
-                      microbatch_sizes=None, chunk_counts=None,
-                      recompute=(None, "selective", "full"),
-                      distributed_optimizer=(False, True),
-                      sequence_parallel=(False, True), schedules=SCHEDULES,
-                      layer_splits: bool = True, context_sizes=None,
-                      cp_comm: str = "p2p") -> Iterable[Layout]:
-    """Every layout `ptdp train` would accept for this workload on
-    `devices` (optionally only some tensor sizes, microbatch sizes, chunk counts,
-    recomputation kinds, optimizer or sequence-parallelism choices, or
-    schedules among SCHEDULES; sequence parallelism only where t > 1
-    divides s). "1f1b" with v > 1 is the interleaved schedule; zb-h1 has
-    v = 1 and zbv v = 2, each only where its microbatch and layer rules hold.
-    `layer_splits`: also the uneven splits of `split_candidates`.
-    Context parallelism: every c of `context_sizes` (default: each that
-    `context_sizes_to_search` keeps) with the comm type `cp_comm`; the
-    t·p·d ranks are then devices/c."""
-    model, batch = workload.model, workload.global_batch
-    for c in (context_sizes_to_search(model, devices, cp_comm) if context_sizes is None
-              else [c for c in context_sizes if devices % c == 0]):
-        yield from _candidates_of_context(workload, devices, c, cp_comm if c > 1 else "p2p",
-                                          tensor_sizes, microbatch_sizes, chunk_counts,
-                                          recompute, distributed_optimizer, sequence_parallel,
-                                          schedules, layer_splits)
-
-
-def context_sizes_to_search(model: ModelConfig, devices: int, cp_comm: str = "p2p") -> list[int]:
-    """The context-parallel sizes a search tries: 1, and each c dividing
-    the devices that `ptdp train`'s rules allow at t = 1 (s divisible by 2c,
-    a2a's heads and key/value groups by c, no attention dropout) while a
-    rank keeps at least MIN_CONTEXT_POSITIONS positions (shorter blocks
-    hide no transfer and only add steps; give --context-parallel-size to
-    price one anyway)."""
-    sizes = [1]
-    for c in _divisors(devices)[1:]:
-        if model.seq_length // c < MIN_CONTEXT_POSITIONS:
-            break
-        if not context_parallel_problems(model, ParallelConfig(context_parallel_size=c,
-                                                               cp_comm_type=cp_comm)):
-            sizes.append(c)
-    return sizes
-
-
-def _candidates_of_context(workload: Workload, devices: int, c: int, cp_comm: str,
-                           tensor_sizes, microbatch_sizes, chunk_counts, recompute,
-                           distributed_optimizer, sequence_parallel, schedules,
-                           layer_splits: bool) -> Iterable[Layout]:
-    """`candidate_layouts` of one context-parallel size c."""
-    model, batch = workload.model, workload.global_batch
-    ranks = devices // c
-    for t in _divisors(ranks):
-        if tensor_sizes is not None and t not in tensor_sizes:
-            continue
-        for p in _divisors(ranks // t):
-            d = ranks // (t * p)
-            if batch % d:
-                continue
-            sizes = [k for k in _divisors(batch // d) if k <= MAX_MICROBATCH]
-            if microbatch_sizes is not None:
-                sizes = [k for k in sizes if k in microbatch_sizes]
-            chunks = [1] + (list(range(2, MAX_CHUNKS + 1)) if p > 1 else [])
-            if chunk_counts is not None:
-                chunks = [v for v in chunks if v in chunk_counts]
-            pipelines = [(schedule, v) for v in chunks for schedule in schedules
-                         if (schedule, v) in (("1f1b", v), ("zb-h1", 1), ("zbv", 2))
-                         and (p > 1 or schedule == "1f1b")]   # with p = 1 all are one schedule
-            for b in sizes:
-                for schedule, v in pipelines:
-                    for kind in recompute:
-                        for sharded in (distributed_optimizer if d * c > 1 else (False,)):
-                            for split in sequence_parallel:
-                                layout = Layout(t=t, p=p, d=d, b=b, v=v, recompute=kind,
-                                                distributed_optimizer=sharded,
-                                                sequence_parallel=split, schedule=schedule,
-                                                c=c, cp_comm=cp_comm)
-                                if not layout.valid_for(model, batch):
-                                    yield layout
-                                if layer_splits:
-                                    yield from _uneven(layout, model, batch)
-
-
-def _uneven(layout: Layout, model: ModelConfig, batch: int) -> Iterable[Layout]:
-    """The valid uneven variants of `layout`, one per distinct cut (a split
-    that cuts as the even one does, or as an earlier one, is left out)."""
-    splits = _uneven_splits(model.num_layers, layout.p, layout.v, layout.schedule)
-    # Once the split's own rules hold, every other rule is the same for all splits.
-    if splits and not dataclasses.replace(layout, split=splits[0]).valid_for(model, batch):
-        yield from (dataclasses.replace(layout, split=split) for split in splits)
-
-
-@functools.lru_cache(maxsize=4096)
-def _uneven_splits(num_layers: int, p: int, v: int, schedule: str) -> tuple[LayerSplit, ...]:
-    """The splits of `split_candidates` that split_problems accepts, one per
-    distinct cut, none cutting as the even split does where that is valid."""
-    layout = Layout(p=p, v=v, schedule=schedule)
-    kind = layout.schedule_kind
-    even = num_layers % (2 * p if kind == "zbv" else p * v) == 0
-    seen = {tuple(layout.stage_layers(num_layers))} if even else set()
-    splits = []
-    for split in split_candidates(layout, num_layers):
-        if kind == "interleaved" or split_problems(num_layers, p, v, kind, split):
-            continue
-        counts = tuple(dataclasses.replace(layout, split=split).stage_layers(num_layers))
-        if counts not in seen:
-            seen.add(counts)
-            splits.append(split)
-    return tuple(splits)
-
-
-def split_candidates(layout: Layout, num_layers: int) -> list[LayerSplit]:
-    """The uneven splits the search tries for `layout` (not checked: the
-    caller keeps the valid ones). Only p >= 2 under 1f1b or gpipe with
-    v = 1, zb-h1 or zbv: the three nontrivial combinations of the accounting
-    flags, and for v = 1 first/last-rank layer counts one or two below the
-    even share (ceil(l/p)) on the first and/or the last rank."""
-    if layout.p < 2 or layout.schedule_kind not in ("1f1b", "gpipe", "zb-h1", "zbv"):
-        return []
-    splits = [LayerSplit(embedding=True), LayerSplit(loss=True),
-              LayerSplit(embedding=True, loss=True)]
-    if layout.v == 1:
-        share = -(-num_layers // layout.p)
-        counts = [None] + [share - k for k in (1, 2) if share - k >= 1]
-        splits += [LayerSplit(first=first, last=last) for first in counts for last in counts
-                   if (first, last) != (None, None)]
-    return splits
-
-
 def evaluate_layout(workload: Workload, layout: Layout, profile) -> Evaluation:
     from ptdp.perf.memory import memory_per_device
     from ptdp.perf.predict import simulate
@@ -245,9 +114,10 @@ def _kernels(profile) -> str:
 
 
 def search(workload: Workload, devices: int, profile, *, top: int | None = None,
-           exhaustive: bool = False, progress=None, **restrictions) -> list[Evaluation]:
-    """Layouts that fit, best predicted throughput first (`restrictions`:
-    see candidate_layouts).
+           exhaustive: bool = False, progress=None, candidates: list[Layout] | None = None,
+           **restrictions) -> list[Evaluation]:
+    """Layouts that fit, best predicted throughput first, among `candidates`
+    (default: candidate_layouts with `restrictions`).
 
     Every candidate gets a lower bound on its iteration time
     (bounds.compute_lower_bound: its busiest rank's compute plus the pipeline
@@ -267,7 +137,8 @@ def search(workload: Workload, devices: int, profile, *, top: int | None = None,
     from ptdp.perf.bounds import compute_lower_bound
 
     report = progress or (lambda stage, done, total: None)
-    candidates = list(candidate_layouts(workload, devices, **restrictions))
+    if candidates is None:
+        candidates = list(candidate_layouts(workload, devices, **restrictions))
     bounds = {}
     for i, layout in enumerate(candidates):
         if i % 500 == 0:
@@ -335,13 +206,18 @@ ASPECTS = {  # what differs, and how to say it
     "v": "chunks per rank", "schedule": "schedule", "recompute": "recomputation",
     "sequence_parallel": "sequence parallelism",
     "distributed_optimizer": "optimizer sharding", "split": "layer split",
+    "ep": "expert-parallel size", "etp": "expert-tensor-parallel size",
 }
 # Sequence parallelism exists only with t > 1: a rival of another t may differ in it too.
 # zbv fixes v = 2: a rival of another schedule may differ in v too.
 # An uneven split is valid for some p, v and schedules only: their rivals may differ in it too.
 # Sequence parallelism's rule (s/c divisible by t) involves c too.
-COUPLED = {"t": {"sequence_parallel"}, "schedule": {"v", "split"}, "p": {"split"},
-           "v": {"split"}, "c": {"sequence_parallel"}}
+# Expert layouts are valid for some t·c·d only (EP·ETP divides it; ETP None means t), and
+# need sequence parallelism where t > 1: the rivals of t, c and p may differ in them too.
+COUPLED = {"t": {"sequence_parallel", "ep", "etp"}, "schedule": {"v", "split"},
+           "p": {"split", "ep", "etp"}, "v": {"split"}, "c": {"sequence_parallel", "ep", "etp"},
+           "ep": {"sequence_parallel", "etp"}, "etp": {"sequence_parallel", "ep"},
+           "sequence_parallel": {"ep", "etp"}}
 
 
 def explain(results: list[Evaluation], profile) -> list[str]:
@@ -384,6 +260,8 @@ def explain(results: list[Evaluation], profile) -> list[str]:
             value = rival.layout.schedule_kind
         elif field == "split":
             value = split_text(rival.layout, model)
+        elif field == "etp" and value is None:
+            value = f"t={rival.layout.t}"
         lines.append(f"  vs {words} {value!s:>5}: {slower:+.1%} time"
                      + (f" ({reasons})" if reasons else ""))
     return lines
@@ -428,24 +306,33 @@ def describe(layout: Layout, model: ModelConfig | None = None) -> str:
         text += " sequence-parallel"
     if layout.distributed_optimizer:
         text += " distributed-optimizer"
+    if layout.ep > 1:
+        text += f" ep={layout.ep}"
+    if layout.etp is not None:
+        text += f" etp={layout.etp}"
+    if not layout.scatter_gather:
+        text += " no-scatter-gather"
     if not layout.split.even:
         text += " " + split_text(layout, model)
     return text
 
 
 def table(results: list[Evaluation], rows: int) -> str:
-    # A column for c only where a row has context parallelism.
+    # A column for c only where a row has context parallelism; EP and ETP for an MoE.
     context = any(e.layout.c > 1 for e in results[:rows])
-    header = ("| rank | t | " + ("c | " if context else "") + "p | d | b | v | schedule | "
+    experts = any(e.prediction.workload.model.is_moe for e in results[:rows])
+    header = ("| rank | t | " + ("c | " if context else "") + "p | d | "
+              + ("EP | ETP | " if experts else "") + "b | v | schedule | "
               "layers per stage | recompute | seq. par. | "
               "dist. opt. | s/iter | TFLOP/s/device | bubble | memory GiB |")
-    lines = [header, "|" + "---|" * (16 if context else 15)]
+    lines = [header, "|" + "---|" * (15 + context + 2 * experts)]
     for i, e in enumerate(results[:rows], 1):
         layout = e.layout
         layers = ("even" if layout.split.even else
                   split_text(layout, e.prediction.workload.model).removeprefix("layers per stage "))
         c = (f"{layout.c} {layout.cp_comm} | " if layout.c > 1 else "1 | ") if context else ""
-        lines.append(f"| {i} | {layout.t} | {c}{layout.p} | {layout.d} | {layout.b} | {layout.v} | "
+        d = f"{layout.d} | " + (f"{layout.ep} | {layout.expert_tensor} | " if experts else "")
+        lines.append(f"| {i} | {layout.t} | {c}{layout.p} | {d}{layout.b} | {layout.v} | "
                      f"{layout.schedule_kind} | {layers} | "
                      f"{layout.recompute or '-'} | {'yes' if layout.sequence_parallel else '-'} | "
                      f"{'yes' if layout.distributed_optimizer else '-'} | "
@@ -498,7 +385,7 @@ def train_command(model: ModelConfig, layout: Layout, global_batch: int, precisi
         flags += [flag] if isinstance(value, bool) else [flag, f"{value:g}" if isinstance(
             value, float) else str(value)]
     flags += PRECISION_FLAGS[precision] + layout.train_flags(model, global_batch)
-    return "ptdp train " + " ".join(flags)
+    return "ptdp train " + " ".join(map(shlex.quote, flags))   # (a --moe-layer-freq pattern)
 
 
 def assumptions(workload: Workload, devices: int, profile) -> str:
@@ -508,6 +395,16 @@ def assumptions(workload: Workload, devices: int, profile) -> str:
             f"(padded to a multiple of {model.make_vocab_size_divisible_by}·t), "
             f"{workload.precision}, global batch {workload.global_batch}, {devices} devices "
             f"of profile {profile.name}")
+
+# A mixture of experts' settings that shape its costs (ptdp.config.moe; ptdp train's flags).
+MOE_SETTINGS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk",
+                "moe_shared_expert_intermediate_size", "moe_layer_freq",
+                "moe_expert_capacity_factor", "moe_token_dispatcher_type")
+
+
+def _flag(name: str) -> str:
+    return {f.name: f for f in dataclasses.fields(ModelConfig)}[name].metadata["flag"]
+
 
 # The ModelConfig settings `plan` takes besides the shape, with `ptdp train`'s
 # flags, defaults and help (from the dataclass): what decides the model's
@@ -519,7 +416,7 @@ MODEL_SETTINGS = ("max_position_embeddings", "make_vocab_size_divisible_by", "hi
                   "position_embedding_type", "rotary_base", "group_query_attention",
                   "num_query_groups", "untie_embeddings_and_output_weights", "disable_bias_linear",
                   "kv_channels", "qk_layernorm", "add_qkv_bias", "use_rope_scaling",
-                  "rope_scaling_factor")
+                  "rope_scaling_factor") + MOE_SETTINGS
 _TYPES = {"int": int, "float": float, "str": str}
 
 
@@ -534,24 +431,25 @@ def _add_model_settings(group: argparse._ArgumentGroup) -> None:
         kind = _TYPES[f.type.split("|")[0].strip()]
         group.add_argument(meta["flag"], dest=name, type=kind, default=f.default,
                            choices=meta.get("choices"),
-                           metavar=None if "choices" in meta else {int: "N", float: "X"}[kind],
+                           metavar=None if "choices" in meta else meta.get("metavar") or {
+                               int: "N", float: "X", str: "TEXT"}[kind],
                            help=meta["help"] + ("" if f.default is None
                                                 else f" (default: {f.default})"))
 
 
 def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
-        "plan", help="choose and predict a layout (t, p, d, b, v, schedule, recomputation, "
-                     "sequence parallelism)",
+        "plan", help="choose and predict a layout (t, c, p, d, b, v, schedule, split, "
+                     "recomputation, sequence parallelism, optimizer sharding, EP, ETP)",
         description="Search the layouts of a GPT (or a Llama-style model: --normalization "
                     "RMSNorm --swiglu --position-embedding-type rope --group-query-attention "
-                    "--untie-embeddings-and-output-weights --disable-bias-linear) on N devices, or "
-                    "evaluate one given by layout flags, and predict iteration time, TFLOP/s per "
-                    "device and memory.")
-    moe = ("ptdp plan does not price mixtures of experts yet (ptdp train runs them): plan the "
-           "dense model without the MoE flags")
-    parser.not_taken = {"--num-experts": moe, "--moe-": moe, "--expert-model-parallel-size": moe,
-                        "--expert-tensor-parallel-size": moe}
+                    "--untie-embeddings-and-output-weights --disable-bias-linear; or a mixture of "
+                    "experts: --num-experts ...) on N devices, each layout flag fixing its "
+                    "dimension (--fix-all: evaluate exactly the given layout), and predict "
+                    "iteration time, TFLOP/s per device and memory.")
+    parser.not_taken = {"--moe-": "ptdp plan takes the MoE flags that shape its costs ("
+                        + ", ".join(_flag(name) for name in MOE_SETTINGS)
+                        + "); this one does not change them: drop it"}
     model = parser.add_argument_group("model")
     for flag, default, words in (
             ("--num-layers", None, None), ("--hidden-size", None, None),
@@ -572,32 +470,11 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16",
                         help="the precision the plan assumes (default: bf16; `ptdp train "
                              "--bf16`, `--fp16`, or neither for fp32)")
-    layout = parser.add_argument_group("one layout (evaluate instead of searching)")
-    layout.add_argument("--tensor-model-parallel-size", "-t", type=int, metavar="N")
-    layout.add_argument("--pipeline-model-parallel-size", "-p", type=int, metavar="N")
-    layout.add_argument("--micro-batch-size", type=int, metavar="N")
-    layout.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, metavar="N")
-    layout.add_argument("--pipeline-schedule", choices=("1f1b", "gpipe", "zb-h1", "zbv"),
-                        help="as for `ptdp train` (zbv: two chunks per rank; default 1f1b, "
-                             "interleaved with --num-layers-per-virtual-pipeline-stage)")
-    layout.add_argument("--recompute-granularity", choices=("full", "selective"))
-    layout.add_argument("--sequence-parallel", action="store_true",
-                        help="split the activations between the tensor-parallel regions along "
-                             "the sequence (needs t > 1 dividing --seq-length)")
-    layout.add_argument("--use-distributed-optimizer", action="store_true")
-    layout.add_argument("--decoder-first-pipeline-num-layers", type=int, metavar="N",
-                        help="as for `ptdp train`: layers on the first pipeline rank")
-    layout.add_argument("--decoder-last-pipeline-num-layers", type=int, metavar="N",
-                        help="as for `ptdp train`: layers on the last pipeline rank")
-    layout.add_argument("--account-for-embedding-in-pipeline-split", action="store_true")
-    layout.add_argument("--account-for-loss-in-pipeline-split", action="store_true")
-    context = parser.add_argument_group("context parallelism (searched unless given)")
-    context.add_argument("--context-parallel-size", type=int, metavar="N",
-                         help="as for `ptdp train`: c ranks each holding s/c of every sequence "
-                              "(alone, the search keeps this c; default: c is searched from 1 "
-                              f"while s/c >= {MIN_CONTEXT_POSITIONS})")
-    context.add_argument("--cp-comm-type", choices=("p2p", "all_gather", "a2a"),
-                         help="as for `ptdp train` (default: p2p)")
+    for precision in ("bf16", "fp16"):
+        parser.add_argument(f"--{precision}", dest="precision", action="store_const",
+                            const=precision, help=f"--precision {precision}, as `ptdp train` "
+                                                  "spells it")
+    add_layout_flags(parser)
     parser.add_argument("--top", type=int, default=10, metavar="N", help="rows in the table")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="draw throughput across layouts to this "
@@ -605,67 +482,6 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--print-flags", action="store_true",
                         help="print the winner as a whole `ptdp train` command (model, "
                              "precision, layout, batch, recomputation)")
-
-
-def _layout_from_args(args: argparse.Namespace, model: ModelConfig, devices: int) -> Layout | None:
-    given = [args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-             args.micro_batch_size, args.num_layers_per_virtual_pipeline_stage,
-             args.recompute_granularity, args.pipeline_schedule,
-             args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers]
-    split = LayerSplit(first=args.decoder_first_pipeline_num_layers,
-                       last=args.decoder_last_pipeline_num_layers,
-                       embedding=args.account_for_embedding_in_pipeline_split,
-                       loss=args.account_for_loss_in_pipeline_split)
-    if (all(value is None for value in given) and not args.use_distributed_optimizer
-            and not args.sequence_parallel and split.even):
-        return None
-    t = args.tensor_model_parallel_size or 1
-    p = args.pipeline_model_parallel_size or 1
-    c = args.context_parallel_size or 1
-    if devices % (t * c * p):
-        raise ConfigError([f"--gpus {devices} is not a multiple of t·c·p = {t * c * p}" if c > 1
-                           else f"--gpus {devices} is not a multiple of t·p = {t * p}"])
-    schedule = args.pipeline_schedule or "1f1b"
-    v = 2 if schedule == "zbv" else 1
-    k = args.num_layers_per_virtual_pipeline_stage
-    if k and schedule == "zbv" and k * 2 * p != model.num_layers:
-        raise ConfigError([f"--pipeline-schedule zbv has two chunks per rank, so "
-                           f"--num-layers-per-virtual-pipeline-stage {k} must be --num-layers / 2p "
-                           f"= {model.num_layers / (2 * p):g}: drop it"])
-    if k and schedule in ("gpipe", "zb-h1"):
-        raise ConfigError([f"--pipeline-schedule {schedule} has one chunk per rank: drop "
-                           f"--num-layers-per-virtual-pipeline-stage"])
-    if k and schedule != "zbv":
-        per = p * args.num_layers_per_virtual_pipeline_stage
-        if model.num_layers % per:
-            raise ConfigError([f"--num-layers {model.num_layers} is not a multiple of p × "
-                               f"--num-layers-per-virtual-pipeline-stage = {per}"])
-        v = model.num_layers // per
-    return Layout(t=t, p=p, d=devices // (t * c * p), b=args.micro_batch_size or 1, v=v,
-                  schedule=schedule, recompute=args.recompute_granularity,
-                  distributed_optimizer=args.use_distributed_optimizer,
-                  sequence_parallel=args.sequence_parallel, split=split, c=c,
-                  cp_comm=(args.cp_comm_type or "p2p") if c > 1 else "p2p")
-
-
-def _context_restrictions(args: argparse.Namespace, model: ModelConfig,
-                          devices: int) -> dict[str, Any]:
-    """The search's context-parallel restrictions from --context-parallel-size
-    and --cp-comm-type (checked against the rules that do not involve t)."""
-    c, comm = args.context_parallel_size, args.cp_comm_type or "p2p"
-    if c is None:
-        return {"cp_comm": comm}
-    problems = []
-    if c < 1:
-        problems.append(f"--context-parallel-size {c} must be positive")
-    elif devices % c:
-        problems.append(f"--gpus {devices} is not a multiple of --context-parallel-size {c}")
-    else:
-        problems += context_parallel_problems(model, ParallelConfig(context_parallel_size=c,
-                                                                    cp_comm_type=comm), devices)
-    if problems:
-        raise ConfigError(problems)
-    return {"context_sizes": (c,), "cp_comm": comm}
 
 
 def _progress_printer():
@@ -694,6 +510,39 @@ def model_from_args(args: argparse.Namespace) -> ModelConfig:
                        **{name: getattr(args, name) for name in MODEL_SETTINGS})
 
 
+def _layouts_to_price(args: argparse.Namespace, fixed: FixedDimensions, workload: Workload
+                      ) -> tuple[Layout | None, list[Layout]]:
+    """The one layout to price (--fix-all, or the only valid one), or None
+    and the candidates to search; a fixed value no valid layout has is
+    refused here, before any pricing, with `ptdp train`'s own message."""
+    model, batch, devices = workload.model, workload.global_batch, args.gpus
+    if fixed.fix_all:
+        layout = fix_all_layout(args, model, devices)
+        problems = (train_problems(model, layout, batch, devices, args.precision)
+                    or layout.valid_for(model, batch))
+        if problems:
+            raise ConfigError(problems)
+        return layout, [layout]
+    candidates = list(candidate_layouts(workload, devices, **fixed.restrictions))
+    if not candidates:
+        # No layout has these values: say why, as `ptdp train` would of the
+        # layout with every other dimension at its default.
+        try:
+            layout = fix_all_layout(args, model, devices)
+            problems = (train_problems(model, layout, batch, devices, args.precision)
+                        or layout.valid_for(model, batch))
+        except ConfigError as error:
+            problems = error.problems
+        given = ", ".join(fixed.given.values())
+        raise ConfigError(problems or [
+            f"no layout with {given} is valid for this model and batch on {devices} devices "
+            f"(ptdp train would accept it with the other dimensions at their defaults, but the "
+            f"search's limits exclude it): price it with --fix-all, or fix fewer dimensions"])
+    if len(candidates) == 1:   # every dimension given (or determined): that layout
+        return candidates[0], candidates
+    return None, candidates
+
+
 def run_plan_command(args: argparse.Namespace) -> int:
     from ptdp.perf.analytic import parameter_count
     from ptdp.perf.profiles import load_profile
@@ -716,32 +565,34 @@ def run_plan_command(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as error:
         raise ConfigError([f"--gpu {args.gpu}: {error}"]) from None
     workload = Workload(model, args.global_batch_size, args.precision)
-    layout = _layout_from_args(args, model, args.gpus)
+    fixed = fixed_dimensions(args, model, args.gpus)
+    layout, candidates = _layouts_to_price(args, fixed, workload)
     if layout is not None:
-        problems = layout.valid_for(model, args.global_batch_size)
-        if problems:
-            raise ConfigError(problems)
         results = [evaluate_layout(workload, layout, profile)]
     else:
         results = search(workload, args.gpus, profile, progress=_progress_printer(),
-                         **_context_restrictions(args, model, args.gpus))
+                         candidates=candidates)
         if not results:
             raise ConfigError([f"no layout of this model fits {args.gpus} × "
                                f"{profile.memory_bytes / 2**30:.0f} GiB ({profile.name}); add "
-                               "devices or shrink the model or batch"])
+                               "devices or shrink the model or batch"
+                               + ("" if not fixed.given else ", or fix fewer dimensions")])
+    dimensions = dimensions_line(fixed, candidates, model)
     if args.json:
         print(json.dumps({"profile": profile.name, "devices": args.gpus,
                           "global_batch_size": args.global_batch_size,
                           "seq_length": model.seq_length, "vocab_size": model.vocab_size,
                           "precision": args.precision,
                           "parameters": parameter_count(model),
+                          "fixed": fixed.given, "dimensions": dimensions,
                           "results": [e.summary() for e in results[:max(args.top, 1)]]}, indent=1))
     else:
         print(f"model: {parameter_count(model) / 1e9:.3g} B parameters")
         print(assumptions(workload, args.gpus, profile))
+        print(dimensions)
         print(table(results, args.top))
         print()
-        if layout is not None:
+        if layout is not None:   # one layout: its breakdown
             e = results[0]
             print(f"{describe(e.layout, model)}: {e.seconds:.3f} s per iteration, "
                   f"{e.tflops:.1f} TFLOP/s per device, {e.memory['total'] / 2**30:.1f} GiB per device"

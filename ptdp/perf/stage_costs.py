@@ -20,6 +20,7 @@ from ptdp.parallel.pipeline.actions import ScheduleError, virtual_stage_of
 from ptdp.perf import analytic
 from ptdp.perf.layout import ByIdentity, ByValue, Layout, Workload
 from ptdp.perf.machine import Machine
+from ptdp.perf.moe_costs import moe_layer_costs, stage_moe_layers
 from ptdp.perf.pricing import Cost, OperatorModel
 from ptdp.perf.profiles import HardwareProfile
 
@@ -57,19 +58,24 @@ def layout_chunk_costs(ops: OperatorModel, layout: Layout) -> dict[tuple[int, in
         for chunk in range(v):
             stage = virtual_stage_of(kind, p, v, rank, chunk)
             priced = stage_costs(ops, layout.recompute, layout.zero_bubble, stage == 0,
-                                 stage == p * v - 1, stages[stage])
+                                 stage == p * v - 1, stages[stage],
+                                 stage_moe_layers(ops.w.model, stages, stage),
+                                 (layout.ep, layout.etp))
             costs[(rank, chunk)] = ChunkCosts(priced.forward, priced.backward,
                                               parameters[rank][chunk], priced.weight)
     return costs
 
 
 def stage_costs(ops: OperatorModel, recompute: str | None, zero_bubble: bool, first: bool,
-                last: bool, layers: int) -> ChunkCosts:
+                last: bool, layers: int, moe_layers: int = 0,
+                experts: tuple[int, int | None] = (1, None)) -> ChunkCosts:
     """F, B (and W) of a virtual stage of `layers` transformer layers, with
     the embedding (`first`) and the output layer (`last`), priced once per
     OperatorModel: one layer's costs times `layers` (the parameters are
-    left 0; chunk_costs fills them in)."""
-    key = (recompute, zero_bubble, first, last, layers)
+    left 0; chunk_costs fills them in). `moe_layers` of them are MoE layers
+    under the expert layout `experts` = (EP, ETP) (ptdp.perf.moe_costs)."""
+    key = (recompute, zero_bubble, first, last, layers) + ((moe_layers, experts) if moe_layers
+                                                          else ())
     if key in ops.memo:
         return ops.memo[key]
     layer = ops.memo.get((recompute, zero_bubble))
@@ -86,6 +92,13 @@ def stage_costs(ops: OperatorModel, recompute: str | None, zero_bubble: bool, fi
                                                                  w)
     forward, backward = layer.forward.scaled(layers), layer.backward.scaled(layers)
     weight = layer.weight.scaled(layers) if zero_bubble else None
+    if moe_layers:   # each MoE layer: the dense layer with its MLP replaced
+        moe = moe_layer_costs(ops, layer.forward, layer.backward, layer.weight, recompute,
+                              *experts)
+        forward = _plus(layer.forward.scaled(layers - moe_layers), moe[0].scaled(moe_layers))
+        backward = _plus(layer.backward.scaled(layers - moe_layers), moe[1].scaled(moe_layers))
+        weight = (_plus(layer.weight.scaled(layers - moe_layers), moe[2].scaled(moe_layers))
+                  if zero_bubble else None)
     if first:
         forward = _plus(ops.embedding_forward(), forward)
     if last:

@@ -1,0 +1,213 @@
+"""The layouts a `ptdp plan` search considers: every one `ptdp train` would
+accept for a workload on N devices, over every dimension (t, c, p, d, b, v,
+the schedule, the layer split, recomputation, sequence parallelism, the
+distributed optimizer and, for a mixture of experts, EP and ETP), with any
+subset of them fixed.
+
+A dimension left free is searched over the values that can win (microbatches
+up to MAX_MICROBATCH, chunks up to MAX_CHUNKS, c while a rank keeps at least
+MIN_CONTEXT_POSITIONS positions, ETP dividing t); a fixed one takes exactly
+its value, beyond those limits too. Validity is Layout.valid_for: the rules
+`ptdp train` enforces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from itertools import product
+from typing import Iterable
+
+from ptdp.config import ModelConfig, ParallelConfig
+from ptdp.config.base import divisors
+from ptdp.config.context import context_parallel_problems
+from ptdp.parallel.pipeline.split import LayerSplit, split_problems
+from ptdp.perf.layout import Layout, Workload
+
+MAX_MICROBATCH = 32        # larger microbatches only add memory at these sizes
+MAX_CHUNKS = 8             # interleaving beyond this only adds transfers
+MIN_CONTEXT_POSITIONS = 1024   # the search's smallest s/c (see context_sizes_to_search)
+# The schedules searched: 1F1B (interleaved with v > 1) and the two zero-bubble
+# ones. GPipe is never better than 1F1B here (same bubble, more memory): it is
+# priced only when --pipeline-schedule gpipe fixes it.
+SCHEDULES = ("1f1b", "zb-h1", "zbv")
+
+
+def candidate_layouts(workload: Workload, devices: int, *, tensor_sizes=None,
+                      pipeline_sizes=None, data_sizes=None, microbatch_sizes=None,
+                      chunk_counts=None, layers_per_chunk: int | None = None,
+                      recompute=(None, "selective", "full"),
+                      distributed_optimizer=(False, True),
+                      sequence_parallel=(False, True), schedules=SCHEDULES,
+                      layer_splits: bool = True, splits=None, context_sizes=None,
+                      cp_comm: str = "p2p", expert_sizes=None, expert_tensor_sizes=None,
+                      scatter_gather: bool = True) -> Iterable[Layout]:
+    """Every layout `ptdp train` would accept for this workload on `devices`,
+    restricted to the given values of each dimension (None: searched):
+    `tensor_sizes`, `pipeline_sizes`, `data_sizes`, `microbatch_sizes`,
+    `chunk_counts` (v), `layers_per_chunk` (--num-layers-per-virtual-
+    pipeline-stage: v = l/(p·k), 1f1b or, where v = 2, zbv), `recompute`,
+    `distributed_optimizer`, `sequence_parallel` (only where t > 1 divides
+    s), `schedules` (1f1b with v > 1 is the interleaved schedule; zb-h1 and
+    gpipe have v = 1, zbv v = 2, each only where its microbatch and layer
+    rules hold), `context_sizes` (default: each that
+    `context_sizes_to_search` keeps) with the comm type `cp_comm`, and for a
+    mixture of experts `expert_sizes` (EP) and `expert_tensor_sizes` (ETP; an
+    entry None is ptdp train's default, ETP = t). `layer_splits`: also the
+    uneven splits of `split_candidates`; `splits`: exactly these splits
+    instead. The t·p·d ranks are devices/c."""
+    model = workload.model
+    for c in (context_sizes_to_search(model, devices, cp_comm) if context_sizes is None
+              else [c for c in context_sizes if c >= 1 and devices % c == 0]):
+        yield from _candidates_of_context(
+            workload, devices, c, cp_comm if c > 1 else "p2p", dict(
+                tensor_sizes=tensor_sizes, pipeline_sizes=pipeline_sizes, data_sizes=data_sizes,
+                microbatch_sizes=microbatch_sizes, chunk_counts=chunk_counts,
+                layers_per_chunk=layers_per_chunk, recompute=recompute,
+                distributed_optimizer=distributed_optimizer, sequence_parallel=sequence_parallel,
+                schedules=schedules, layer_splits=layer_splits, splits=splits,
+                expert_sizes=expert_sizes, expert_tensor_sizes=expert_tensor_sizes,
+                scatter_gather=scatter_gather))
+
+
+def context_sizes_to_search(model: ModelConfig, devices: int, cp_comm: str = "p2p") -> list[int]:
+    """The context-parallel sizes a search tries: 1, and each c dividing
+    the devices that `ptdp train`'s rules allow at t = 1 (s divisible by 2c,
+    a2a's heads and key/value groups by c, no attention dropout) while a
+    rank keeps at least MIN_CONTEXT_POSITIONS positions (shorter blocks
+    hide no transfer and only add steps; give --context-parallel-size to
+    price one anyway)."""
+    sizes = [1]
+    for c in divisors(devices)[1:]:
+        if model.seq_length // c < MIN_CONTEXT_POSITIONS:
+            break
+        if not context_parallel_problems(model, ParallelConfig(context_parallel_size=c,
+                                                               cp_comm_type=cp_comm)):
+            sizes.append(c)
+    return sizes
+
+
+def _candidates_of_context(workload: Workload, devices: int, c: int, cp_comm: str,
+                           given: dict) -> Iterable[Layout]:
+    """`candidate_layouts` of one context-parallel size c."""
+    model, batch = workload.model, workload.global_batch
+    ranks = devices // c
+    for t in _kept(divisors(ranks), given["tensor_sizes"]):
+        for p in _kept(divisors(ranks // t), given["pipeline_sizes"]):
+            d = ranks // (t * p)
+            if batch % d or (given["data_sizes"] is not None and d not in given["data_sizes"]):
+                continue
+            if given["microbatch_sizes"] is None:
+                sizes = [b for b in divisors(batch // d) if b <= MAX_MICROBATCH]
+            else:
+                sizes = [b for b in given["microbatch_sizes"] if b >= 1 and (batch // d) % b == 0]
+            pipelines = _pipelines(model.num_layers, p, given["schedules"], given["chunk_counts"],
+                                   given["layers_per_chunk"])
+            # With d·c = 1 there is nothing to shard: one of the two (the first given).
+            sharding = given["distributed_optimizer"]
+            sharding = sharding if d * c > 1 else sharding[:1]
+            experts = _expert_layouts(model, t, t * c * d, given["expert_sizes"],
+                                      given["expert_tensor_sizes"])
+            for b, (schedule, v), kind, sharded, split, (ep, etp) in product(
+                    sizes, pipelines, given["recompute"], sharding, given["sequence_parallel"],
+                    experts):
+                layout = Layout(t=t, p=p, d=d, b=b, v=v, recompute=kind,
+                                distributed_optimizer=sharded, sequence_parallel=split,
+                                schedule=schedule, c=c, cp_comm=cp_comm, ep=ep, etp=etp,
+                                scatter_gather=given["scatter_gather"])
+                if given["splits"] is not None:
+                    if given["layers_per_chunk"] is not None:   # train refuses both
+                        return
+                    yield from (uneven for uneven in (dataclasses.replace(layout, split=cut)
+                                                      for cut in given["splits"])
+                                if not uneven.valid_for(model, batch))
+                    continue
+                if not layout.valid_for(model, batch):
+                    yield layout
+                # (--num-layers-per-virtual-pipeline-stage fixes every chunk's size: even only)
+                if given["layer_splits"] and given["layers_per_chunk"] is None:
+                    yield from _uneven(layout, model, batch)
+
+
+def _kept(values: list[int], allowed) -> list[int]:
+    return values if allowed is None else [x for x in values if x in allowed]
+
+
+def _pipelines(num_layers: int, p: int, schedules, chunk_counts,
+               layers_per_chunk: int | None) -> list[tuple[str, int]]:
+    """The (schedule, v) pairs to try at pipeline size p."""
+    if layers_per_chunk is not None:   # v follows from k: interleaved 1f1b, or zbv's v = 2
+        k = layers_per_chunk
+        if p < 2 or k < 1 or num_layers % (p * k):
+            return []
+        v = num_layers // (p * k)
+        pairs = [(s, v) for s in schedules if s == "1f1b" or (s == "zbv" and v == 2)]
+        return [(s, v) for s, v in pairs if chunk_counts is None or v in chunk_counts]
+    if chunk_counts is None:
+        chunks = [1] + (list(range(2, MAX_CHUNKS + 1)) if p > 1 else [])
+    else:
+        chunks = [v for v in chunk_counts if v == 1 or (v > 1 and p > 1)]
+    return [(s, v) for v in chunks for s in schedules
+            if (s == "1f1b" or (s in ("gpipe", "zb-h1") and v == 1) or (s == "zbv" and v == 2))
+            # with p = 1 all are one schedule: 1f1b's, unless another is fixed
+            and (p > 1 or s == "1f1b" or "1f1b" not in schedules)]
+
+
+def _expert_layouts(model: ModelConfig, t: int, ranks: int, expert_sizes,
+                    expert_tensor_sizes) -> list[tuple[int, int | None]]:
+    """The (EP, ETP) pairs to try where a pipeline stage has `ranks` = t·c·d
+    ranks: for a dense model (1, None) unless fixed (valid_for then refuses
+    it with ptdp train's message); for an MoE, each EP dividing E and ETP
+    (None: t; searched over the divisors of t) with EP·ETP dividing the ranks."""
+    if not model.is_moe:
+        return [(ep, etp) for ep in (expert_sizes or (1,)) for etp in (expert_tensor_sizes or (None,))]
+    eps = expert_sizes or [x for x in divisors(model.num_experts) if ranks % x == 0]
+    etps = expert_tensor_sizes or [None] + [x for x in divisors(t) if x != t]
+    return [(ep, etp) for ep in eps for etp in etps
+            if ep >= 1 and (etp is None or etp >= 1) and ranks % (ep * (t if etp is None else etp)) == 0]
+
+
+def _uneven(layout: Layout, model: ModelConfig, batch: int) -> Iterable[Layout]:
+    """The valid uneven variants of `layout`, one per distinct cut (a split
+    that cuts as the even one does, or as an earlier one, is left out)."""
+    splits = _uneven_splits(model.num_layers, layout.p, layout.v, layout.schedule)
+    # Once the split's own rules hold, every other rule is the same for all splits.
+    if splits and not dataclasses.replace(layout, split=splits[0]).valid_for(model, batch):
+        yield from (dataclasses.replace(layout, split=split) for split in splits)
+
+
+@functools.lru_cache(maxsize=4096)
+def _uneven_splits(num_layers: int, p: int, v: int, schedule: str) -> tuple[LayerSplit, ...]:
+    """The splits of `split_candidates` that split_problems accepts, one per
+    distinct cut, none cutting as the even split does where that is valid."""
+    layout = Layout(p=p, v=v, schedule=schedule)
+    kind = layout.schedule_kind
+    even = num_layers % (2 * p if kind == "zbv" else p * v) == 0
+    seen = {tuple(layout.stage_layers(num_layers))} if even else set()
+    splits = []
+    for split in split_candidates(layout, num_layers):
+        if kind == "interleaved" or split_problems(num_layers, p, v, kind, split):
+            continue
+        counts = tuple(dataclasses.replace(layout, split=split).stage_layers(num_layers))
+        if counts not in seen:
+            seen.add(counts)
+            splits.append(split)
+    return tuple(splits)
+
+
+def split_candidates(layout: Layout, num_layers: int) -> list[LayerSplit]:
+    """The uneven splits the search tries for `layout` (not checked: the
+    caller keeps the valid ones). Only p >= 2 under 1f1b or gpipe with
+    v = 1, zb-h1 or zbv: the three nontrivial combinations of the accounting
+    flags, and for v = 1 first/last-rank layer counts one or two below the
+    even share (ceil(l/p)) on the first and/or the last rank."""
+    if layout.p < 2 or layout.schedule_kind not in ("1f1b", "gpipe", "zb-h1", "zbv"):
+        return []
+    splits = [LayerSplit(embedding=True), LayerSplit(loss=True),
+              LayerSplit(embedding=True, loss=True)]
+    if layout.v == 1:
+        share = -(-num_layers // layout.p)
+        counts = [None] + [share - k for k in (1, 2) if share - k >= 1]
+        splits += [LayerSplit(first=first, last=last) for first in counts for last in counts
+                   if (first, last) != (None, None)]
+    return splits

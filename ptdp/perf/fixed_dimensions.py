@@ -1,0 +1,285 @@
+"""`ptdp plan`'s layout flags: each is `ptdp train`'s flag of one dimension
+and fixes it; the search covers the others (candidates.py). `--fix-all`
+prices exactly the given layout, every dimension not given at `ptdp
+train`'s default (b at 1).
+
+What each flag fixes:
+
+  -t / --tensor-model-parallel-size       t
+  -p / --pipeline-model-parallel-size     p
+  --data-parallel-size                    d
+  --context-parallel-size                 c  (--cp-comm-type: its comm type)
+  --micro-batch-size                      b
+  --num-layers-per-virtual-pipeline-stage v  (= l / (p·k))
+  --pipeline-schedule                     the schedule
+  --decoder-first/last-pipeline-num-layers,
+  --account-for-embedding/loss-in-pipeline-split   the layer split
+  --recompute-granularity                 recomputation (full or selective)
+  --sequence-parallel                     sequence parallelism, on
+  --use-distributed-optimizer             the optimizer's sharding, on
+  --expert-model-parallel-size            EP  (MoE models)
+  --expert-tensor-parallel-size           ETP (MoE models)
+
+`ptdp train` (like Megatron-LM) has no flag for "no recomputation", "no
+sequence parallelism" or "no distributed optimizer": those are its
+defaults, so they are fixed only by --fix-all (or searched).
+`--no-scatter-gather-tensors-in-pipeline`, `--recompute-method uniform` and
+`--recompute-num-layers 1` are taken so that a printed `ptdp train` command
+can be planned again as it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from ptdp.config import Config, ConfigError, ModelConfig, ParallelConfig, validate
+from ptdp.config.context import context_parallel_problems
+from ptdp.config.train import TrainConfig
+from ptdp.parallel.pipeline.split import LayerSplit
+from ptdp.perf.candidates import MIN_CONTEXT_POSITIONS
+from ptdp.perf.layout import Layout
+
+# The dimensions, in the order the plan names them ("ep" and "etp" for MoE models only).
+DIMENSIONS = ("t", "c", "p", "d", "ep", "etp", "b", "v", "schedule", "split", "recompute",
+              "sequence-parallel", "distributed-optimizer")
+
+
+@dataclass
+class FixedDimensions:
+    """What the layout flags fix: `given` maps each fixed dimension to how
+    the plan prints it ("t=8"); `restrictions` are candidate_layouts'."""
+    given: dict[str, str] = field(default_factory=dict)
+    restrictions: dict[str, Any] = field(default_factory=dict)
+    fix_all: bool = False
+
+
+def add_layout_flags(parser: argparse.ArgumentParser) -> None:
+    layout = parser.add_argument_group(
+        "layout (each flag fixes its dimension, the search covers the others)")
+    layout.add_argument("--fix-all", action="store_true",
+                        help="price exactly the given layout, every dimension not given at "
+                             "`ptdp train`'s default (b = 1): no search")
+    layout.add_argument("--tensor-model-parallel-size", "-t", type=int, metavar="N")
+    layout.add_argument("--pipeline-model-parallel-size", "-p", type=int, metavar="N")
+    layout.add_argument("--data-parallel-size", type=int, metavar="N",
+                        help="as for `ptdp train` (default: --gpus / (t·c·p))")
+    layout.add_argument("--micro-batch-size", type=int, metavar="N")
+    layout.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, metavar="N",
+                        help="fixes v = l / (p·N) (interleaved 1F1B, or zbv where v = 2)")
+    layout.add_argument("--pipeline-schedule", choices=("1f1b", "gpipe", "zb-h1", "zbv"),
+                        help="as for `ptdp train` (zbv: two chunks per rank; 1f1b is "
+                             "interleaved with --num-layers-per-virtual-pipeline-stage; gpipe is "
+                             "priced only when given)")
+    layout.add_argument("--recompute-granularity", choices=("full", "selective"),
+                        help="as for `ptdp train` (no recomputation, its default, has no flag: "
+                             "it is searched, or fixed by --fix-all)")
+    layout.add_argument("--recompute-method", choices=("uniform",),
+                        help="the plan prices full recomputation as uniform, 1 layer per group")
+    layout.add_argument("--recompute-num-layers", type=int, choices=(1,), metavar="1")
+    layout.add_argument("--sequence-parallel", action="store_true",
+                        help="fixes sequence parallelism on (needs t > 1 dividing --seq-length); "
+                             "off has no flag: it is searched, or fixed by --fix-all")
+    layout.add_argument("--use-distributed-optimizer", action="store_true",
+                        help="fixes the sharded optimizer on (off: searched, or --fix-all)")
+    layout.add_argument("--no-scatter-gather-tensors-in-pipeline", dest="scatter_gather",
+                        action="store_false", help="as for `ptdp train`")
+    layout.add_argument("--decoder-first-pipeline-num-layers", type=int, metavar="N",
+                        help="as for `ptdp train`: layers on the first pipeline rank")
+    layout.add_argument("--decoder-last-pipeline-num-layers", type=int, metavar="N",
+                        help="as for `ptdp train`: layers on the last pipeline rank")
+    layout.add_argument("--account-for-embedding-in-pipeline-split", action="store_true")
+    layout.add_argument("--account-for-loss-in-pipeline-split", action="store_true")
+    layout.add_argument("--expert-model-parallel-size", type=int, metavar="N",
+                        help="as for `ptdp train`: EP (an MoE model's experts over EP ranks)")
+    layout.add_argument("--expert-tensor-parallel-size", type=int, metavar="N",
+                        help="as for `ptdp train`: ETP (default t)")
+    context = parser.add_argument_group("context parallelism (searched unless given)")
+    context.add_argument("--context-parallel-size", type=int, metavar="N",
+                         help="as for `ptdp train`: c ranks each holding s/c of every sequence "
+                              "(default: c is searched from 1 "
+                              f"while s/c >= {MIN_CONTEXT_POSITIONS})")
+    context.add_argument("--cp-comm-type", choices=("p2p", "all_gather", "a2a"),
+                         help="as for `ptdp train` (default: p2p)")
+
+
+def _split_of(args: argparse.Namespace) -> LayerSplit:
+    return LayerSplit(first=args.decoder_first_pipeline_num_layers,
+                      last=args.decoder_last_pipeline_num_layers,
+                      embedding=args.account_for_embedding_in_pipeline_split,
+                      loss=args.account_for_loss_in_pipeline_split)
+
+
+def fixed_dimensions(args: argparse.Namespace, model: ModelConfig, devices: int) -> FixedDimensions:
+    """The dimensions the flags fix, checked as far as they go alone
+    (positive sizes, t·c·p·d against --gpus, c's own rules); ConfigError
+    otherwise."""
+    a = args
+    sizes = {"t": a.tensor_model_parallel_size, "c": a.context_parallel_size,
+             "p": a.pipeline_model_parallel_size, "d": a.data_parallel_size}
+    flags = {"t": "--tensor-model-parallel-size", "c": "--context-parallel-size",
+             "p": "--pipeline-model-parallel-size", "d": "--data-parallel-size",
+             "b": "--micro-batch-size", "v": "--num-layers-per-virtual-pipeline-stage",
+             "ep": "--expert-model-parallel-size", "etp": "--expert-tensor-parallel-size"}
+    values = {**sizes, "b": a.micro_batch_size, "v": a.num_layers_per_virtual_pipeline_stage,
+              "ep": a.expert_model_parallel_size, "etp": a.expert_tensor_parallel_size}
+    problems = [f"{flags[name]} {value} must be positive" for name, value in values.items()
+                if value is not None and value < 1]
+    if problems:
+        raise ConfigError(problems)
+    product = 1
+    for value in sizes.values():
+        product *= value or 1
+    if devices % product:
+        given = [name for name in ("t", "c", "p", "d") if sizes[name] is not None]
+        # (as before d could be given: t·p, or t·c·p with context parallelism)
+        names = ("t·c·p" if sizes["c"] not in (None, 1) else "t·p") if sizes["d"] is None \
+            else "·".join(given)
+        raise ConfigError([f"--gpus {devices} is not a multiple of {names} = {product}"])
+    fixed = FixedDimensions(fix_all=a.fix_all)
+    given, restrictions = fixed.given, fixed.restrictions
+    for name, key in (("t", "tensor_sizes"), ("p", "pipeline_sizes"), ("d", "data_sizes"),
+                      ("b", "microbatch_sizes"), ("ep", "expert_sizes"),
+                      ("etp", "expert_tensor_sizes")):
+        if values[name] is not None:
+            given[name] = f"{name}={values[name]}"
+            restrictions[key] = (values[name],)
+    restrictions.update(_context_restrictions(a, model, devices))
+    if a.context_parallel_size is not None:
+        given["c"] = f"c={a.context_parallel_size}" + (f" {a.cp_comm_type}" if a.cp_comm_type
+                                                        else "")
+    elif a.cp_comm_type is not None:   # c searched, with this comm type
+        given["cp-comm"] = f"cp-comm-type {a.cp_comm_type}"
+    if a.num_layers_per_virtual_pipeline_stage is not None:
+        given["v"] = f"v ({a.num_layers_per_virtual_pipeline_stage} layers per chunk)"
+        restrictions["layers_per_chunk"] = a.num_layers_per_virtual_pipeline_stage
+    if a.pipeline_schedule is not None:
+        given["schedule"] = f"schedule {a.pipeline_schedule}"
+        restrictions["schedules"] = (a.pipeline_schedule,)
+    split = _split_of(a)
+    if not split.even:
+        given["split"] = "split " + " ".join(split.flags())
+        restrictions["splits"] = (split,)
+    if a.recompute_granularity is not None:
+        given["recompute"] = f"recompute {a.recompute_granularity}"
+        restrictions["recompute"] = (a.recompute_granularity,)
+    if a.sequence_parallel:
+        given["sequence-parallel"] = "sequence-parallel"
+        restrictions["sequence_parallel"] = (True,)
+    if a.use_distributed_optimizer:
+        given["distributed-optimizer"] = "distributed-optimizer"
+        restrictions["distributed_optimizer"] = (True,)
+    if not a.scatter_gather:
+        restrictions["scatter_gather"] = False
+    return fixed
+
+
+def _context_restrictions(args: argparse.Namespace, model: ModelConfig,
+                          devices: int) -> dict[str, Any]:
+    """The search's context-parallel restrictions from --context-parallel-size
+    and --cp-comm-type (checked against the rules that do not involve t)."""
+    c, comm = args.context_parallel_size, args.cp_comm_type or "p2p"
+    if c is None:
+        return {"cp_comm": comm}
+    problems = context_parallel_problems(model, ParallelConfig(context_parallel_size=c,
+                                                               cp_comm_type=comm), devices)
+    if problems:
+        raise ConfigError(problems)
+    return {"context_sizes": (c,), "cp_comm": comm}
+
+
+def fix_all_layout(args: argparse.Namespace, model: ModelConfig, devices: int) -> Layout:
+    """The one layout the flags give, every dimension not given at `ptdp
+    train`'s default (b = 1, the plan's default)."""
+    t = args.tensor_model_parallel_size or 1
+    p = args.pipeline_model_parallel_size or 1
+    c = args.context_parallel_size or 1
+    schedule = args.pipeline_schedule or "1f1b"
+    v = 2 if schedule == "zbv" else 1
+    k = args.num_layers_per_virtual_pipeline_stage
+    if k and schedule == "zbv" and k * 2 * p != model.num_layers:
+        raise ConfigError([f"--pipeline-schedule zbv has two chunks per rank, so "
+                           f"--num-layers-per-virtual-pipeline-stage {k} must be --num-layers / 2p "
+                           f"= {model.num_layers / (2 * p):g}: drop it"])
+    if k and schedule in ("gpipe", "zb-h1"):
+        raise ConfigError([f"--pipeline-schedule {schedule} has one chunk per rank: drop "
+                           f"--num-layers-per-virtual-pipeline-stage"])
+    if k and schedule != "zbv":
+        per = p * k
+        if model.num_layers % per:
+            raise ConfigError([f"--num-layers {model.num_layers} is not a multiple of p × "
+                               f"--num-layers-per-virtual-pipeline-stage = {per}"])
+        v = model.num_layers // per
+    return Layout(t=t, p=p, d=args.data_parallel_size or devices // (t * c * p),
+                  b=args.micro_batch_size or 1, v=v,
+                  schedule=schedule, recompute=args.recompute_granularity,
+                  distributed_optimizer=args.use_distributed_optimizer,
+                  sequence_parallel=args.sequence_parallel, split=_split_of(args), c=c,
+                  cp_comm=(args.cp_comm_type or "p2p") if c > 1 else "p2p",
+                  ep=args.expert_model_parallel_size or 1, etp=args.expert_tensor_parallel_size,
+                  scatter_gather=args.scatter_gather)
+
+
+def train_problems(model: ModelConfig, layout: Layout, global_batch: int, devices: int,
+                   precision: str) -> list[str]:
+    """What `ptdp train` says of this layout on `devices` processes (its own
+    checks and messages; empty when it would start)."""
+    interleaved = layout.schedule_kind == "interleaved"
+    config = Config(
+        model=dataclasses.replace(model, recompute_granularity=layout.recompute),
+        parallel=ParallelConfig(
+            tensor_model_parallel_size=layout.t, pipeline_model_parallel_size=layout.p,
+            data_parallel_size=layout.d, context_parallel_size=layout.c,
+            cp_comm_type=layout.cp_comm, pipeline_schedule=layout.schedule,
+            num_layers_per_virtual_pipeline_stage=(
+                model.num_layers // (layout.p * layout.v) if interleaved else None),
+            decoder_first_pipeline_num_layers=layout.split.first,
+            decoder_last_pipeline_num_layers=layout.split.last,
+            account_for_embedding_in_pipeline_split=layout.split.embedding,
+            account_for_loss_in_pipeline_split=layout.split.loss,
+            sequence_parallel=layout.sequence_parallel,
+            scatter_gather_tensors_in_pipeline=layout.scatter_gather,
+            expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp),
+        train=TrainConfig(micro_batch_size=layout.b, global_batch_size=global_batch,
+                          use_distributed_optimizer=layout.distributed_optimizer,
+                          bf16=precision == "bf16", fp16=precision == "fp16"))
+    try:
+        validate(config, world_size=devices)
+    except ConfigError as error:
+        return list(error.problems)
+    return []
+
+
+def dimensions_line(fixed: FixedDimensions, candidates: list[Layout], model: ModelConfig) -> str:
+    """One line: which dimensions the flags fixed and which the search covered
+    (those with one valid value here are named with it)."""
+    names = [name for name in DIMENSIONS if model.is_moe or name not in ("ep", "etp")]
+    given = ", ".join(fixed.given.values())
+    if fixed.fix_all or len(candidates) == 1:
+        why = ("the others at ptdp train's defaults (--fix-all)" if fixed.fix_all
+               else "the only valid layout")
+        return f"dimensions: fixed {given or 'none'}; {why}; searched none"
+    searched, single = [], []
+    for name in names:
+        if name in fixed.given:
+            continue
+        values = {_value(layout, name) for layout in candidates}
+        if len(values) > 1:
+            searched.append(name)
+        elif values:
+            single.append(f"{name}={values.pop()}")
+    return (f"dimensions: fixed {given or 'none'}; searched {', '.join(searched) or 'none'}"
+            + (f"; one value here: {', '.join(single)}" if single else ""))
+
+
+def _value(layout: Layout, name: str) -> Any:
+    if name in ("t", "c", "p", "d", "b", "v", "ep", "schedule"):
+        return getattr(layout, name)
+    return {"etp": lambda: layout.expert_tensor,
+            "split": lambda: "even" if layout.split.even else " ".join(layout.split.flags()),
+            "recompute": lambda: layout.recompute or "none",
+            "sequence-parallel": lambda: "on" if layout.sequence_parallel else "off",
+            "distributed-optimizer": lambda: "on" if layout.distributed_optimizer else "off",
+            }[name]()

@@ -1,0 +1,227 @@
+"""`ptdp plan`'s layout flags: each fixes its dimension and the search covers
+the others; `--fix-all` (or flags that leave one layout) prices one layout;
+fixed values no layout has are refused with `ptdp train`'s own message; the
+winner's printed flags price the same layout again. (The README example's
+search time is reported by bench/published_runs.py, never asserted here.)"""
+
+import json
+import shlex
+
+import pytest
+
+from ptdp.cli import build_parser, config_from_settings, main, settings_from_args
+from ptdp.config import ModelConfig, ParallelConfig, validate
+from ptdp.config.base import divisors
+from ptdp.config.moe import expert_parallel_problems
+from ptdp.perf.candidates import candidate_layouts
+from ptdp.perf.fixed_dimensions import fixed_dimensions
+from ptdp.perf.layout import Layout, Workload
+from ptdp.perf.plan import evaluate_layout, model_from_args
+from ptdp.perf.profiles import load_profile
+
+# A long-sequence model without attention dropout, so that c is searched too.
+MODEL = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16",
+         "--seq-length", "4096", "--attention-dropout", "0", "--vocab-size", "51200"]
+PLAN = ["plan", *MODEL, "--gpus", "16", "--gpu", "a100", "--global-batch-size", "32"]
+
+
+def _plan(gpus: int = 16) -> list[str]:
+    return ["plan", *MODEL, "--gpus", str(gpus), "--gpu", "a100", "--global-batch-size", "32"]
+
+
+def _candidates(*flags: str) -> list[Layout]:
+    """The layouts `ptdp plan PLAN flags` would search (no pricing)."""
+    args = build_parser().parse_args([*PLAN, *flags])
+    model = model_from_args(args)
+    fixed = fixed_dimensions(args, model, args.gpus)
+    return list(candidate_layouts(Workload(model, 32), 16, **fixed.restrictions))
+
+
+def _plan_json(capsys, *flags: str) -> dict:
+    assert main([*PLAN, *flags, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_fixing_t_and_p_searches_every_other_dimension(capsys):
+    data = _plan_json(capsys, "--tensor-model-parallel-size", "2",
+                      "--pipeline-model-parallel-size", "2", "--top", "30")
+    layouts = [r["layout"] for r in data["results"]]
+    assert len(layouts) == 30
+    assert all((layout["t"], layout["p"]) == (2, 2) for layout in layouts)
+    for key in ("b", "v", "recompute", "schedule", "sequence_parallel"):
+        assert len({json.dumps(layout[key]) for layout in layouts}) > 1, key
+    assert data["fixed"] == {"t": "t=2", "p": "p=2"}
+    assert data["dimensions"] == (
+        "dimensions: fixed t=2, p=2; searched c, d, b, v, schedule, split, recompute, "
+        "sequence-parallel, distributed-optimizer")
+
+
+# Each flag, what it fixes in every candidate, a dimension it leaves to the
+# search, and whether the candidates are then exactly the unfixed search's
+# that have that value (not where the value is one the search never tries:
+# gpipe, a2a, zb-h1 at p = 1, a split it would not try, whole-tensor sends).
+SINGLE_FLAGS = [
+    (["-t", "4"], lambda l: l.t == 4, lambda l: l.p, True),
+    (["-p", "4"], lambda l: l.p == 4, lambda l: l.t, True),
+    (["--data-parallel-size", "4"], lambda l: l.d == 4, lambda l: (l.t, l.c, l.p), True),
+    (["--context-parallel-size", "2"], lambda l: l.c == 2, lambda l: l.t, True),
+    (["--context-parallel-size", "2", "--cp-comm-type", "a2a"],
+     lambda l: (l.c, l.cp_comm) == (2, "a2a"), lambda l: l.b, False),
+    (["--micro-batch-size", "2"], lambda l: l.b == 2, lambda l: l.recompute, True),
+    (["--num-layers-per-virtual-pipeline-stage", "2"],
+     lambda l: l.v * l.p * 2 == 8 and l.p > 1 and l.schedule in ("1f1b", "zbv")
+     and l.split.even, lambda l: l.p, True),
+    (["--pipeline-schedule", "zb-h1"], lambda l: l.schedule == "zb-h1", lambda l: l.p, False),
+    (["--pipeline-schedule", "gpipe"], lambda l: l.schedule == "gpipe" and l.v == 1,
+     lambda l: l.b, False),
+    (["--recompute-granularity", "selective"], lambda l: l.recompute == "selective",
+     lambda l: l.t, True),
+    (["--sequence-parallel"], lambda l: l.sequence_parallel and l.t > 1, lambda l: l.t, True),
+    # (at d·c = 1, where the search has nothing to shard, the flag keeps it on: train accepts it)
+    (["--use-distributed-optimizer"], lambda l: l.distributed_optimizer, lambda l: l.b, False),
+    (["--decoder-first-pipeline-num-layers", "1"],
+     lambda l: (l.split.first, l.split.last) == (1, None) and l.p > 1, lambda l: l.p, False),
+    (["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"],
+     lambda l: l.split.loss and l.split.embedding, lambda l: l.p, False),
+    (["--no-scatter-gather-tensors-in-pipeline"], lambda l: not l.scatter_gather,
+     lambda l: l.t, False),
+]
+
+
+@pytest.mark.parametrize("flags, holds, searched, same_as_search", SINGLE_FLAGS,
+                         ids=[" ".join(flags) for flags, *_ in SINGLE_FLAGS])
+def test_each_flag_fixes_its_dimension_and_leaves_the_others_searched(
+        flags, holds, searched, same_as_search):
+    layouts = _candidates(*flags)
+    assert layouts and all(holds(layout) for layout in layouts)
+    assert len({searched(layout) for layout in layouts}) > 1
+    if same_as_search:
+        assert set(layouts) == {layout for layout in _candidates() if holds(layout)}
+
+
+def test_without_flags_the_search_covers_what_it_did():
+    """No flag: gpipe and scatter/gather off stay out (never better), every
+    other dimension is searched."""
+    layouts = _candidates()
+    assert {layout.schedule for layout in layouts} == {"1f1b", "zb-h1", "zbv"}
+    assert {layout.c for layout in layouts} == {1, 2, 4}
+    assert all(layout.scatter_gather and (layout.ep, layout.etp) == (1, None)
+               for layout in layouts)
+
+
+def test_fix_all_prices_exactly_the_given_layout_with_the_rest_at_train_defaults(capsys):
+    flags = ["-t", "2", "-p", "2", "--micro-batch-size", "2"]
+    data = _plan_json(capsys, *flags, "--fix-all")
+    (result,) = data["results"]
+    model = model_from_args(build_parser().parse_args(PLAN))
+    layout = Layout(t=2, p=2, d=4, b=2)   # v = 1, 1f1b, even, no recomputation, c = 1, ...
+    assert result == evaluate_layout(Workload(model, 32), layout, load_profile("a100")).summary()
+    assert data["dimensions"] == ("dimensions: fixed t=2, p=2, b=2; the others at ptdp train's "
+                                  "defaults (--fix-all); searched none")
+    assert main([*PLAN, *flags, "--fix-all"]) == 0
+    out = capsys.readouterr().out
+    assert "\nt=2 p=2 d=4 b=2: " in out and "  tensor all-reduce" in out and "best:" not in out
+
+
+def test_flags_that_leave_one_layout_price_it_as_fix_all_does(capsys):
+    """Every dimension given: no search, the same output as --fix-all but for
+    the dimensions line."""
+    flags = ["-t", "2", "-p", "1", "--micro-batch-size", "2", "--context-parallel-size", "1",
+             "--recompute-granularity", "full", "--sequence-parallel",
+             "--use-distributed-optimizer", "--pipeline-schedule", "1f1b"]
+    assert len(_candidates(*flags)) == 1
+    assert main([*PLAN, *flags]) == 0
+    alone = capsys.readouterr()
+    assert main([*PLAN, *flags, "--fix-all"]) == 0
+    fixed = capsys.readouterr().out
+    assert "ptdp plan: searching" not in alone.err
+    lines = [line for line in alone.out.splitlines() if not line.startswith("dimensions:")]
+    assert lines == [line for line in fixed.splitlines() if not line.startswith("dimensions:")]
+    assert "; the only valid layout; searched none" in alone.out
+
+
+@pytest.mark.parametrize("gpus, flags, message", [
+    # train's own messages (ptdp.config.checks), before any layout is priced
+    (12, ["-t", "3"], "--num-attention-heads 16 is not divisible by "
+                      "--tensor-model-parallel-size 3"),
+    (16, ["-p", "16"], "--num-layers 8 is not divisible by --pipeline-model-parallel-size 16"),
+    (16, ["--micro-batch-size", "64"], "--global-batch-size 32 is not divisible by "
+                                       "--micro-batch-size 64"),
+    (16, ["--expert-model-parallel-size", "2"], "expert parallelism is for MoE models"),
+    (16, ["-t", "5"], "--gpus 16 is not a multiple of t·p = 5"),
+])
+def test_invalid_fixed_values_are_refused_with_trains_message_before_the_search(
+        capsys, gpus, flags, message):
+    assert main([*_plan(gpus), *flags]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and captured.out == ""
+    assert "searching" not in captured.err
+
+
+def test_the_printed_flags_are_trains_and_price_the_same_layout_again(capsys):
+    """The winner's `ptdp train` command parses with train's parser and
+    passes its checks, and planned again with --fix-all it prices the same
+    layout to the same time."""
+    flags = ["-t", "2", "-p", "2", "--recompute-granularity", "full"]
+    assert main([*PLAN, *flags, "--json", "--print-flags"]) == 0
+    out = capsys.readouterr().out
+    winner = json.loads(out[:out.rindex("}") + 1])["results"][0]
+    command = shlex.split(out.strip().splitlines()[-1])
+    assert command[:2] == ["ptdp", "train"]
+    config = config_from_settings(settings_from_args(build_parser().parse_args(command[1:])))
+    validate(config, world_size=16)
+    assert config.model.recompute_granularity == "full"
+    assert main(["plan", *command[2:], "--gpus", "16", "--gpu", "a100", "--fix-all",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["results"] == [winner]
+
+
+MOE = ModelConfig(num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=256,
+                  vocab_size=1024, disable_bias_linear=True, num_experts=8, moe_router_topk=2)
+
+
+def test_expert_layouts_are_enumerated_only_where_train_allows_them():
+    """EP and ETP fold over each stage's t·c·d ranks: every candidate passes
+    `ptdp train`'s expert checks, and every (EP, ETP) train allows with ETP
+    dividing t (the search's range; None is train's default, t) is there."""
+    workload = Workload(MOE, 16)
+    layouts = list(candidate_layouts(workload, 8, recompute=(None,),
+                                     distributed_optimizer=(False,), layer_splits=False))
+    seen = {(l.t, l.p, l.d, l.sequence_parallel, l.ep, l.etp) for l in layouts}
+    assert {ep for *_, ep, _ in seen} == {1, 2, 4, 8}
+    assert any(t > 1 and etp == 1 for t, *_, etp in seen)   # ETP below t is searched too
+    for layout in layouts:
+        par = layout._parallel_config()
+        assert expert_parallel_problems(MOE, par, 8) == [], layout
+        assert MOE.num_experts % layout.ep == 0
+        assert (layout.t * layout.d) % (layout.ep * layout.expert_tensor) == 0
+    for t, p, d, split in {(l.t, l.p, l.d, l.sequence_parallel) for l in layouts}:
+        for ep in divisors(8):
+            for etp in [None] + [x for x in divisors(t) if x != t]:
+                par = ParallelConfig(tensor_model_parallel_size=t, pipeline_model_parallel_size=p,
+                                     data_parallel_size=d, sequence_parallel=split,
+                                     expert_model_parallel_size=ep,
+                                     expert_tensor_parallel_size=etp)
+                allowed = not expert_parallel_problems(MOE, par, 8)
+                assert ((t, p, d, split, ep, etp) in seen) == allowed, (t, p, d, split, ep, etp)
+    # A dense model has no expert layouts to search.
+    dense = list(candidate_layouts(Workload(ModelConfig(num_layers=4, hidden_size=256,
+                                                        num_attention_heads=8, seq_length=256,
+                                                        vocab_size=1024), 16), 8))
+    assert all((l.ep, l.etp) == (1, None) for l in dense)
+
+
+def test_an_moe_plan_searches_ep_and_fixing_ep_keeps_it(capsys):
+    moe = ["plan", "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
+           "--seq-length", "256", "--vocab-size", "1024", "--disable-bias-linear",
+           "--num-experts", "8", "--gpus", "8", "--gpu", "h100", "--global-batch-size", "16",
+           "--json", "--top", "30"]
+    assert main(moe) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert len({r["layout"]["ep"] for r in data["results"]}) > 1
+    assert "ep, etp" in data["dimensions"]
+    assert main(moe + ["--expert-model-parallel-size", "4", "--print-flags"]) == 0
+    out = capsys.readouterr().out
+    results = json.loads(out[:out.rindex("}") + 1])["results"]
+    assert {r["layout"]["ep"] for r in results} == {4}
+    assert "--expert-model-parallel-size 4" in out.splitlines()[-1]
