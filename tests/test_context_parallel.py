@@ -33,6 +33,7 @@ from tests import test_ptdp_step as step
 
 CPU = torch.device("cpu")
 STEPS = 3
+GLOBAL_BATCH = 4   # microbatches of 1: 4 per iteration at d = 1, enough for p = 2's schedules
 # Relative to the largest element of each gradient (many are near 0).
 GRAD_TOL = 1e-5
 
@@ -86,7 +87,8 @@ def _config(layout: Layout) -> Config:
     model = dataclasses.replace(MODELS[layout.model], recompute_granularity=layout.recompute)
     config = step._config(layout.t, layout.p, layout.d, layout.k, model, layout.sequence_parallel,
                           use_distributed_optimizer=layout.distributed,
-                          calculate_per_token_loss=layout.per_token_loss)
+                          calculate_per_token_loss=layout.per_token_loss,
+                          global_batch_size=GLOBAL_BATCH)
     config.parallel = dataclasses.replace(
         config.parallel, context_parallel_size=layout.c, cp_comm_type=layout.comm,
         pipeline_schedule="1f1b" if layout.schedule == "interleaved" else layout.schedule)
@@ -100,9 +102,9 @@ EOD = 7  # a token id the mock data holds now and then: --eod-mask-loss leaves i
 
 def _masked(microbatch_fn):
     """`microbatch_fn` whose loss masks also leave out the first and last
-    quarter of every sample whose token sum is even, and all of a sample
-    whose token sum is divisible by 4 (the data decides, so every layout
-    masks the same samples)."""
+    quarter of every sample whose token sum is 1 modulo 4, and all of a
+    sample whose token sum is 3 modulo 4 (the data decides, so every layout
+    masks the same samples; the first iteration has both kinds)."""
     def build(iteration: int):
         def microbatch(i: int):
             batch = microbatch_fn(iteration)(i)
@@ -111,10 +113,10 @@ def _masked(microbatch_fn):
             inputs, labels, mask = batch
             mask = mask.clone()
             quarter = inputs.shape[1] // 4
-            sums = inputs.sum(dim=1)
-            mask[sums % 2 == 0, :quarter] = 0
-            mask[sums % 2 == 0, -quarter:] = 0
-            mask[sums % 4 == 0] = 0
+            sums = inputs.sum(dim=1) % 4
+            mask[sums == 1, :quarter] = 0
+            mask[sums == 1, -quarter:] = 0
+            mask[sums == 3] = 0
             return inputs, labels, mask
         return microbatch
     return build
@@ -157,8 +159,10 @@ def _one_process(layout: Layout):
         ctx = ParallelContext.single()
         trainer = _trainer(_config(reference), ctx)
         first, stats = trainer.step(0)
-        if layout.masked:  # the masks leave some tokens out, and all of some samples
-            assert 0 in [t.item() for t in stats.loss_tokens]
+        if layout.masked:  # the masks leave all of some samples out, and quarters of others
+            counts = [t.item() for t in stats.loss_tokens]
+            assert 0 in counts and any(0 < n <= MODELS[layout.model].seq_length // 2
+                                       for n in counts), counts
         grads = _logical(trainer, ctx, grads=True)
         records = [first] + [trainer.step(i)[0] for i in range(1, layout.steps)]
         _serial[key] = (records, grads, _logical(trainer, ctx, grads=False),
