@@ -119,7 +119,7 @@ def test_the_readme_long_context_command_trains_as_one_process(pools):
     assert dataclasses.replace(model, seq_length=1024) == dataclasses.replace(
         cp.train_config(cp.llama_model(seq=1024), 4).model)
     assert model.seq_length == 16384
-    config.model = dataclasses.replace(model, seq_length=512)
+    config.model = dataclasses.replace(model, seq_length=256)
     validate(config, world_size=4)
 
     losses = pools(4).run(_train_on_rank, config)[0]
