@@ -20,7 +20,10 @@ one-process layout (t = p = d = 1):
    the kernel block_kernel picks, their relative speed, and the p2p ring
    emulated on the one device against scaled_dot_product_attention. Its
    failures are reported (FAILED lines, the JSON's "context_attention"),
-   not fatal.
+   not fatal. Then, as a child process too, the kernel sweep of
+   bench/gpu_kernels_sweep.py (GEMMs of the published runs' shapes, memory-
+   bound operators, launches, each against the planner's profile of the
+   card; the JSON's "kernels_sweep").
 2. The card's bf16 matmul peak, measured: the median of timed 8192³ bf16
    matmuls after warm-up (CUDA events). The data-sheet peak is printed too.
 3. Training throughput (bf16, AdamW, mock data) of
@@ -46,7 +49,7 @@ one-process layout (t = p = d = 1):
    an H200 a run's micro batch is halved (the global batch kept) until the
    predicted memory fits in 90 % of the card.
 
-Run on a CUDA machine (estimated at 3 to 4 minutes on an H200; the
+Run on a CUDA machine (estimated at 4 to 5 minutes on an H200; the
 --time-budget guard skips or shortens measurements to end within 8):
 
     python bench/gpu.py --write            # prints the table, appends it to bench/RESULTS.md
@@ -79,6 +82,7 @@ from typing import Any, Callable
 import torch
 
 import gpu_context_attention  # bench/gpu_context_attention.py, beside this file
+import gpu_kernels_sweep  # bench/gpu_kernels_sweep.py
 from results import cpu_name, publish  # bench/results.py: the script folder is on sys.path
 
 from ptdp import device as devices
@@ -643,9 +647,10 @@ def markdown_block(report: dict[str, Any]) -> str:
              f"{_figure(report['matmul_peak_tflops'])} TFLOP/s{datasheet}. Model TFLOP/s: the "
              "paper's FLOPs (with recomputation) over the mean iteration time. " + memory, "",
              table(report["runs"])]
-    attention = gpu_context_attention.markdown(report.get("context_attention"))
-    if attention:
-        lines += ["", attention.rstrip("\n")]
+    for section in (gpu_context_attention.markdown(report.get("context_attention")),
+                    gpu_kernels_sweep.markdown(report.get("kernels_sweep"))):
+        if section:
+            lines += ["", section.rstrip("\n")]
     return "\n".join(lines) + "\n"
 
 
@@ -700,7 +705,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python", Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
         "torch": torch.__version__, "device": device.type, "device_name": name,
         "device_memory_bytes": device_memory_bytes(device), "tiny": args.tiny,
-        "checks": [], "checks_passed": None, "context_attention": None, "runs": [],
+        "checks": [], "checks_passed": None, "context_attention": None, "kernels_sweep": None,
+        "runs": [],
     }
     say(f"{name}, torch {torch.__version__}; correctness checks on a GPT of "
         f"{suite.check_model.num_layers} layers, h = {suite.check_model.hidden_size}, "
@@ -711,6 +717,8 @@ def main(argv: list[str] | None = None) -> int:
     report["checks_passed"] = all(c.passed for c in checks)
     report["context_attention"] = gpu_context_attention.run_isolated(
         device.type, args.tiny, min(CONTEXT_ATTENTION_SECONDS, deadline - time.monotonic()), say)
+    report["kernels_sweep"] = gpu_kernels_sweep.run_isolated(
+        device.type, args.tiny, min(gpu_kernels_sweep.SECONDS, deadline - time.monotonic()), say)
     if not report["checks_passed"]:
         say("correctness checks failed: no measurements (see above for what differs)")
         finish(report, args, started)

@@ -2,6 +2,7 @@
 its correctness checks pass, its figures are consistent with the model
 (exact parameter count, the paper's FLOPs), and a check can fail."""
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -258,3 +259,140 @@ def test_a_dying_check_process_is_recorded(attention):
                                   command=[sys.executable, "-c", "import time; time.sleep(60)"])
     assert hung["crashed"] == "ran past 1 s"
     assert "did not finish (ran past 1 s)" in attention.markdown(hung)
+
+
+# ------------------------------------------------------------------ kernel sweep
+
+@pytest.fixture
+def sweep(gpu):
+    """bench/gpu_kernels_sweep.py (gpu.py has imported it), on one thread as the script runs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield sys.modules["gpu_kernels_sweep"]
+    torch.set_num_threads(threads)
+
+
+def test_sweep_shapes_are_the_published_layers(sweep):
+    """The GEMM shapes are one layer's forward GEMMs of the priced rows of
+    bench/published_runs.py at their layouts (m = b·s/c tokens, n or k
+    split by t), deduplicated, the most FLOPs first."""
+    shapes = sweep.published_shapes()
+    by_shape = {(s["m"], s["n"], s["k"]): s["sources"] for s in shapes}
+    # Llama 3.1 8B (DGX Cloud, t = 1, c = 2, b = 1, s = 8192): MLP up [4096, 4096]×[4096, 2·14336]
+    assert "Llama 3.1 8B H100 BF16 128 GPUs NeMo 24.09 mlp_up" in by_shape[(4096, 28672, 4096)]
+    # Llama 3.1 70B (t = 4, c = 2): the SwiGLU's 2·28672 columns split over 4 ranks
+    assert "Llama 3.1 70B H100 BF16 2048 GPUs NeMo 24.09 mlp_up" in by_shape[(4096, 14336, 8192)]
+    # GPT 1T (A100 2021, t = 8, b = 1, s = 2048): QKV [2048, 25600]×[25600, 3·25600/8]
+    assert "1T A100 2021 qkv" in by_shape[(2048, 9600, 25600)]
+    assert "462B H100 2024 proj" in by_shape[(4096, 18432, 2304)]      # k = h/t
+    flops = [s["m"] * s["n"] * s["k"] for s in shapes]
+    assert flops == sorted(flops, reverse=True) and len(by_shape) == len(shapes)
+    priced = [run for run in sys.modules["published_runs"].RUNS if run.priced]
+    assert {name.rsplit(" ", 1)[0] for s in shapes for name in s["sources"]} == {
+        run.name for run in priced}
+    assert len(shapes) <= sweep.GPU_SIZES.published_cap    # the GPU run measures every one
+
+
+def test_tiny_run_sweeps_kernels(tiny_run):
+    """The kernel sweep, a child process of gpu.py: its three parts, each
+    measured case beside the h200 profile's prediction of it."""
+    from ptdp.perf.profiles import load_profile
+
+    report, stdout = tiny_run
+    sweep = report["kernels_sweep"]
+    assert "crashed" not in sweep and sweep["errors"] == [] and sweep["profile"] == "h200"
+    h200 = load_profile("h200")
+    gemm = sweep["gemm"]
+    assert gemm["published_measured"] == 8 and gemm["skipped_cases"] == 0 and gemm["error"] is None
+    assert [c["kind"] for c in gemm["rows"]] == ["published"] * 8 + ["square"] * 3 + ["skinny"] * 2
+    for case in gemm["rows"]:
+        if case["kind"] == "published":
+            assert [d // 64 for d in case["scaled_from"]] == [case["m"], case["n"], case["k"]]
+        for dtype in ("bf16", "fp16"):
+            entry = case[dtype]
+            assert _positive_and_finite(entry["seconds"]) and entry["reps"] >= 2
+            predicted = h200.gemm_seconds(case["m"], case["n"], case["k"], precision=dtype)
+            assert entry["predicted_s"] == pytest.approx(predicted)
+            assert entry["ratio"] == pytest.approx(entry["seconds"] / predicted)
+            assert entry["tflops"] == pytest.approx(
+                2 * case["m"] * case["n"] * case["k"] / entry["seconds"] / 1e12)
+    memory = {(row["op"], row["size"]): row for row in sweep["memory"]["rows"]}
+    assert len(memory) == 23 and not any("error" in row for row in memory.values())
+    copy = memory[("copy", "1 MiB")]
+    assert copy["bytes"] == 2 * 2 ** 20 and copy["class"] == "elementwise"
+    assert copy["predicted_s"] == pytest.approx(2 * 2 ** 20 / h200.memory_bandwidth)
+    step = memory[("optimizer step, ptdp (fp32 state, bf16 model)", "0.0625 M params")]
+    assert step["planner_bytes"] == 122 * 2 ** 16          # after_flush.py's bytes per parameter
+    assert step["predicted_s"] == pytest.approx(122 * 2 ** 16 / h200.memory_bandwidth + 30 * 4e-6)
+    assert [r["predicted_s"] for r in sweep["launch"]["rows"]] == [4e-6, 4e-6]
+    assert "kernel sweep, GEMMs (F.linear; profile h200, 989 TFLOP/s peak): 8 of " in stdout
+    assert ("| GEMM | m | n | k | bf16 ms | bf16 TFLOP/s | bf16 of peak | bf16 predicted ms "
+            "| bf16 measured / predicted |") in stdout
+    assert ("| operator | size | planner class | bytes | ms | GB/s | of profile bandwidth "
+            "| predicted ms | measured / predicted |") in stdout
+    assert "| launches | µs per launch | profile launch_overhead µs | measured / profile |" in stdout
+    assert "Kernel sweep (bench/gpu_kernels_sweep.py) against the planner's `h200` profile" in stdout
+
+
+def test_a_raising_sweep_case_is_recorded_and_the_rest_runs(sweep, monkeypatch):
+    measure_gemm, measure_memory_op = sweep.measure_gemm, sweep.measure_memory_op
+
+    def gemm(m, n, k, dtype, *rest):
+        if (m, n, k, dtype) == (128, 128, 128, "fp16"):
+            raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED\nsecond line")
+        return measure_gemm(m, n, k, dtype, *rest)
+
+    def memory(name, *rest):
+        if name == "LayerNorm":
+            raise torch.cuda.OutOfMemoryError("out of memory")
+        return measure_memory_op(name, *rest)
+
+    def launch(*args):
+        raise RuntimeError("launch part broke")
+
+    monkeypatch.setattr(sweep, "measure_gemm", gemm)
+    monkeypatch.setattr(sweep, "measure_memory_op", memory)
+    monkeypatch.setattr(sweep, "launch_part", launch)
+    sizes = dataclasses.replace(sweep.TINY_SIZES, published_cap=1, squares=(64, 128), skinny=(),
+                                activation_bytes=(2 ** 16,), optimizer_params=(2 ** 12,))
+    lines = []
+    report = sweep.section(torch.device("cpu"), True, lines.append, sizes)
+    rows = report["gemm"]["rows"]
+    assert rows[2]["fp16"] == {"error": "RuntimeError: CUBLAS_STATUS_NOT_SUPPORTED"}
+    measured = [row[d] for row in rows for d in ("bf16", "fp16") if (row, d) != (rows[2], "fp16")]
+    assert len(measured) == 5 and all("ratio" in entry for entry in measured)
+    ops = {row["op"]: row for row in report["memory"]["rows"]}
+    assert ops["LayerNorm"]["error"] == "OutOfMemoryError: out of memory"
+    assert all("ratio" in row for name, row in ops.items() if name != "LayerNorm")
+    assert report["launch"] is None and report["errors"] == ["launch: RuntimeError: launch part broke"]
+    assert "kernel sweep, launch: FAILED, RuntimeError: launch part broke" in lines
+    text = sweep.markdown(report)
+    assert "| square 128 | 128 | 128 | 128 | " in text
+    assert "| FAILED: RuntimeError: CUBLAS_STATUS_NOT_SUPPORTED | | | | |" in text
+    assert "| LayerNorm | 0.0625 MiB | FAILED: OutOfMemoryError: out of memory | | | | | | |" in text
+    assert "Parts that failed: launch: RuntimeError: launch part broke." in text
+
+    capped = sweep.gemm_part(torch.device("cpu"), dataclasses.replace(sizes, gemm_cap_s=-1),
+                             sweep.load_profile("h200"))
+    assert capped["skipped_cases"] == 2 * len(capped["rows"]) == 6
+    assert capped["rows"][0]["bf16"] == {"skipped": "over the part's -1 s cap"}
+    assert "6 cases skipped (over the -1 s cap)" in sweep.gemm_summary(capped)
+
+    def no_table():
+        raise ImportError("cannot import name 'RUNS'")
+
+    monkeypatch.setattr(sweep, "published_shapes", lambda profile: no_table())
+    alone = sweep.gemm_part(torch.device("cpu"), dataclasses.replace(sizes, gemm_dtypes=("bf16",)),
+                            sweep.load_profile("h200"))
+    assert [row["kind"] for row in alone["rows"]] == ["square", "square"]
+    assert all("ratio" in row["bf16"] for row in alone["rows"])
+    assert "FAILED: published shapes: ImportError: cannot import name 'RUNS'" in sweep.gemm_summary(alone)
+
+
+def test_a_dying_sweep_process_is_recorded(sweep):
+    lines = []
+    died = sweep.run_isolated("cpu", True, 60, lines.append, command=[
+        sys.executable, "-c", "import sys; print('started'); sys.exit('illegal memory access')"])
+    assert died == {"crashed": "exit status 1: illegal memory access"}
+    assert lines == ["started", "kernel sweep: FAILED, exit status 1: illegal memory access"]
+    assert sweep.markdown(died) == "Kernel sweep: did not finish (exit status 1: illegal memory access).\n"
