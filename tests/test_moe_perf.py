@@ -204,10 +204,14 @@ def test_saved_bytes_equal_the_model(name):
 def test_a_capacity_that_drops_keeps_at_most_the_model():
     model = dataclasses.replace(SMALL, moe_expert_capacity_factor=1.0)
     torch.manual_seed(0)
-    layer = MoELayer(model, ParallelContext.single(), RNGStreams(torch.device("cpu"))).train()
+    layer = MoELayer(model, ParallelContext.single(), RNGStreams(torch.device("cpu")))
+    for param in layer.parameters():   # (built, a layer's parameters are not initialised)
+        torch.nn.init.normal_(param, std=0.02)
+    layer = layer.train()
     x = torch.randn(model.seq_length, 2, model.hidden_size, requires_grad=True)
     with SavedTensorBytes(layer.parameters()) as saved:
-        layer(x)
+        out, _ = layer(x)
+    assert layer.metrics["tokens_per_expert"][0].sum() < 2 * model.seq_length * 2  # some dropped
     bound = moe_costs.moe_saved_bytes(model, 1, 2, 4, sequence_parallel=False, recompute=None)
     assert bound / 2 < saved.bytes <= bound
 
