@@ -44,15 +44,11 @@ training measurements with it. Alone:
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import itertools
-import json
 import math
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +58,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from child_section import run_in_child, section_main  # bench/child_section.py, beside this file
 from ptdp import device as devices
 from ptdp.perf.profiles import HardwareProfile, load_profile
 
@@ -691,39 +688,15 @@ def run_isolated(device_type: str, tiny: bool, timeout: float, say: Callable[[st
     """The section in a child process (its lines passed on through `say`);
     when the child dies or runs out of time, {"crashed": why} instead.
     `command` replaces this file's command line (tests)."""
-    with tempfile.TemporaryDirectory() as folder:
-        out = Path(folder) / "sweep.json"
-        command = command or [sys.executable, str(Path(__file__).resolve()), "--device",
-                              device_type, "--json", str(out)] + (["--tiny"] if tiny else [])
-        try:
-            child = subprocess.run(command, capture_output=True, text=True,
-                                   timeout=max(timeout, 1.0), cwd=BENCH.parent)
-        except subprocess.TimeoutExpired:
-            why = f"ran past {timeout:.0f} s"
-        else:
-            for line in child.stdout.splitlines():
-                say(line)
-            if child.returncode == 0 and out.exists():
-                return json.loads(out.read_text())
-            tail = (child.stderr.strip().splitlines() or ["no message"])[-1]
-            why = f"exit status {child.returncode}: {tail}"
+    report, why = run_in_child(Path(__file__), device_type, tiny, timeout, say, command)
+    if report is not None:
+        return report
     say(f"kernel sweep: FAILED, {why}")
     return {"crashed": why}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
-    parser.add_argument("--tiny", action="store_true", help="small shapes (seconds on a CPU)")
-    parser.add_argument("--json", metavar="PATH", help="write the figures as JSON to PATH")
-    args = parser.parse_args(argv)
-    device = devices.device_for(args.device, 0)
-    if device.type == "cpu":
-        torch.set_num_threads(1)   # as bench/gpu.py: shared cores, small tensors
-    report = section(device, args.tiny, lambda line: print(line, flush=True))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    return 0
+    return section_main(__doc__.splitlines()[0], section, argv)
 
 
 if __name__ == "__main__":
