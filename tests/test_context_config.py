@@ -7,24 +7,19 @@ from __future__ import annotations
 
 import pytest
 
-from ptdp.cli import build_parser, config_from_args
-from ptdp.config import Config, ConfigError, ParallelConfig, validate
+from ptdp.cli import build_parser
+from ptdp.config import Config, ParallelConfig, validate
 from ptdp.config.context import context_parallel_problems
-
-TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--vocab-size", "64", "--seq-length", "16", "--attention-dropout", "0"]
+from tests import test_moe_config as moe_config
 
 def parse(*argv: str) -> Config:
-    return config_from_args(build_parser().parse_args(["train", "--mock-data", *TINY, *argv]))
+    """test_moe_config's tiny model, attention dropout off (refused with c > 1)."""
+    return moe_config.parse("--attention-dropout", "0", *argv)
 
 
 def problems(*argv: str, world_size: int | None = None) -> list[str]:
     """Every problem of validate."""
-    try:
-        validate(parse(*argv), world_size)
-    except ConfigError as error:
-        return error.problems
-    return []
+    return moe_config.problems("--attention-dropout", "0", *argv, world_size=world_size)
 
 
 def context_problems(*argv: str, world_size: int | None = None) -> list[str]:
