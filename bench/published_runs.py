@@ -21,9 +21,14 @@
    recipes' formula seq·(12·l·h²·(1 + g/a + s/h) + 18·l·f·h + 6·V·h), all
    equal to ptdp.perf.flops with recompute=None). The predicted figure is
    the row's FLOPs over the predicted iteration time.
-   Kernels: Megatron-LM of 2021-2022 ran attention as two GEMMs around a
-   softmax pass (cost.paper_kernels); later runs use flash attention
-   (the profile's own kernels).
+   Software: Megatron-LM of 2021-2022 ran attention as two GEMMs around a
+   softmax pass and reduced its gradients after the backward
+   (calibration_point.paper_kernels); later runs use flash attention (the
+   profile's own kernels) and reduce gradient buckets during the backward,
+   as ptdp does. Where a source states overlaps ptdp does not run (the
+   parameter all-gather under the next forward, TP collectives pipelined
+   with GEMMs) the row is priced with them (`PublishedRun.overlaps`,
+   HardwareProfile's software fields) and says so.
 
 2. The README's planner example (39B GPT on 64 A100s, B = 512): the search's
    time, and the exhaustive search's (every layout priced) with its winner,
@@ -38,6 +43,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -132,6 +138,10 @@ class PublishedRun:
     # formula, which ptdp.perf.flops computes.
     flops_per_sequence: float = 0.0
     assumptions: str = ""             # recalled / assumed fields, pricing assumptions
+    # The run's communication overlaps that ptdp does not run, priced as the
+    # source states them (HardwareProfile's software fields): "param gather"
+    # (--overlap-param-gather), "tp comm" (--tp-comm-overlap).
+    overlaps: tuple[str, ...] = ()
     out_of_scope: str = ""            # the reason it is not priced; "" = priced
     calibration: bool = False         # the one point a constant is fitted to
 
@@ -268,9 +278,11 @@ def _h100_2024() -> list[PublishedRun]:
             micro_batch=1, t=t, p=p, v=1, c=1, d=48, ep=1, etp="n/a", recompute="selective",
             sequence_parallel=t > 1, distributed_optimizer=True, precision="bf16",
             published_tflops=tflops, published_as="published", flops="model", kernels="flash",
+            overlaps=("param gather", "tp comm") if t > 1 else ("param gather",),
             assumptions="b = 1, SP, distributed optimizer, selective recomputation, v = 1 "
-                        "assumed (not in the README); the run's TP comm overlap and DP "
-                        "overlap priced without overlap, as ptdp runs"))
+                        "assumed (not in the README); the README's benchmark configuration "
+                        "overlaps the gradient reduction and the parameter all-gather with "
+                        "compute, and the TP collectives with GEMMs: priced so"))
     return rows
 
 
@@ -305,9 +317,13 @@ def _dgxc() -> list[PublishedRun]:
                       gpus=gpus, global_batch=batch, micro_batch=1, t=t, p=p, v=v, c=c,
                       d=gpus // (t * p * c), ep=1, etp="n/a", recompute="none",
                       sequence_parallel=t > 1, distributed_optimizer=True, flops="model",
-                      kernels="flash", flops_per_sequence=stated)
-        overlap = ("the run's TP comm overlap (userbuffers) priced without overlap, as ptdp "
-                   "runs; DP overlap not priced" if t > 1 else "DP overlap not priced")
+                      kernels="flash", flops_per_sequence=stated,
+                      overlaps=("param gather", "tp comm") if t > 1 else ("param gather",))
+        overlap = ("the recipe overlaps the gradient reduction and the parameter all-gather "
+                   "(overlap_grad_sync, overlap_param_sync) and the TP collectives with GEMMs "
+                   "(ub_tp_comm_overlap): priced so" if t > 1 else
+                   "the recipe overlaps the gradient reduction and the parameter all-gather "
+                   "(overlap_grad_sync, overlap_param_sync): priced so")
         rows.append(PublishedRun(
             name=f"Llama 3.1 {model} H100 BF16 {gpus} GPUs NeMo {container}", precision="bf16",
             published_tflops=round(bf16 * H100_PEAK, 1),
@@ -461,9 +477,16 @@ class Priced:
         return self.tflops / self.run.published_tflops - 1
 
 
+OVERLAP_FIELDS = {"param gather": "overlap_param_gather", "tp comm": "tensor_comm_overlap"}
+
+
 def profile_of(run: PublishedRun):
+    """The row's hardware running the row's software: the paper's kernels
+    and gradient reduction (2021-22 rows), the overlaps the source states."""
     profile = load_profile(run.hardware)
-    return paper_kernels(profile) if run.kernels == "paper" else profile
+    if run.kernels == "paper":
+        profile = paper_kernels(profile)
+    return dataclasses.replace(profile, **{OVERLAP_FIELDS[o]: True for o in run.overlaps})
 
 
 def predicted_tflops(run: PublishedRun, layout: Layout) -> tuple[float, object]:
@@ -593,7 +616,10 @@ def main(argv: list[str] | None = None) -> int:
              f"predicted / published - 1. FLOPs: \"paper\" counts the recomputed forward (the "
              f"paper's 96·B·s·l·h²·(1 + s/6h + V/16lh)), \"model\" none (Megatron-Core's "
              f"num_floating_point_operations, MFU); kernels: \"paper\" = attention as two "
-             f"GEMMs and a softmax pass (Megatron-LM 2021-22), \"flash\" = flash attention.\n\n"
+             f"GEMMs and a softmax pass and gradients reduced after the backward (Megatron-LM "
+             f"2021-22), \"flash\" = flash attention and gradient buckets reduced during the "
+             f"backward; overlaps a source states and ptdp does not run are priced as stated "
+             f"(the row's note).\n\n"
              f"{priced_table(priced)}\n\n{summary(priced)}\n")
     outside = [run for run in runs if not run.priced]
     if outside:

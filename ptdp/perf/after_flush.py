@@ -1,16 +1,23 @@
 """What follows the pipeline flush: the gradient reductions and the
 optimizer step, per pipeline rank.
 
-After its last action a pipeline rank reduces its gradients (fp32, as ptdp
-keeps them): the tied embedding over the embedding group (the first and the
-last stage, once both have finished; not with an untied output layer), then
-all gradients over the d replicas with a hierarchical ring (reduce-scatter
-inside the server, all-reduce between servers, all-gather inside), not
-overlapped with the backward pass; a reduce-scatter only with the
-distributed optimizer. Then every rank meets in the gradient-norm
+A pipeline rank reduces its gradients (fp32, as ptdp keeps them) over the
+d replicas with a hierarchical ring (reduce-scatter inside the server,
+all-reduce between servers, all-gather inside); a reduce-scatter only with
+the distributed optimizer. Its buckets start as soon as their gradients are
+final, during each chunk's last backward (ptdp.parallel.data.GradBuffer),
+so the reduction overlaps that backward: predict.py plays it against the
+timeline from these per-chunk amounts (`chunk_shares`), and at least the
+last bucket's reduction (`last_bucket`) follows the flush. The tied
+embedding is summed over the embedding group (the first and the last
+stage, once both have finished; not with an untied output layer) after the
+buckets. Then every rank meets in the gradient-norm
 all-reduces and steps its optimizer: ptdp's element-wise AdamW, about 112
 bytes moved per parameter it owns (1/d of them with the distributed
-optimizer, followed by the all-gather of the updated weights).
+optimizer, followed by the all-gather of the updated weights; a run that
+overlaps that gather with the next iteration's forward, as Megatron-LM's
+--overlap-param-gather does, exposes only what its first forwards do not
+cover, `hideable_gather` and predict.py).
 
 Sequence parallelism: each gradient bucket holding partial gradients
 (norms, row-parallel biases, the position table) all-reduces them over the
@@ -24,6 +31,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from ptdp.config.train import TrainConfig
 from ptdp.parallel.pipeline.actions import virtual_stage_of
 from ptdp.perf import analytic
 from ptdp.perf.layout import ByIdentity, ByValue, Layout, Workload
@@ -56,6 +64,30 @@ class AfterFlush:
     optimizer: list[float]
     ends: tuple[int, int]          # ranks of the first and the last stage
     embedding: float               # seconds of the tied embedding's sum (0: none)
+    # The bucketed part of each rank's reduction (data-parallel and partial
+    # sums, not the embedding's), each chunk's share of it, and what its
+    # last bucket takes: it starts only once the backward has finished.
+    bucketed: list[float]
+    chunk_shares: list[tuple[float, ...]]
+    last_bucket: list[float]
+    # Of each rank's optimizer step, the all-gather of the updated weights
+    # that may run under the next iteration's first forwards
+    # (HardwareProfile.overlap_param_gather; 0 otherwise): all of it but
+    # the first bucket, which the first forward waits for.
+    hideable_gather: list[float]
+
+    def optimizer_at_least(self, rank: int) -> float:
+        """The least of rank `rank`'s optimizer step any schedule leaves exposed."""
+        return self.optimizer[rank] - self.hideable_gather[rank]
+
+    overlapped: bool               # buckets reduced during the backward (else after the flush)
+
+    def exposed_at_least(self, rank: int) -> float:
+        """Reduction seconds rank `rank` spends after its last backward in
+        any schedule: its last bucket (all of them when nothing overlaps),
+        and the tied embedding's sum."""
+        buckets = self.last_bucket[rank] if self.overlapped else self.bucketed[rank]
+        return buckets + (self.embedding if rank in self.ends else 0.0)
 
 
 def after_flush(workload: Workload, layout: Layout, profile: HardwareProfile,
@@ -96,13 +128,19 @@ def _price_after_flush(workload: Workload, layout: Layout, profile: HardwareProf
                         for n in _partial_gradient_buckets(
                             ops.model_key, analytic.placement_of_parameters(layout), r))
                     for r in range(p)]
-    reductions, optimizer = [], []
+    reductions, optimizer, bucketed, shares, last_bucket, hideable = [], [], [], [], [], []
     parameters = parameter_counts(ops.model_key, analytic.placement_of_parameters(layout))
+    bucket_size = TrainConfig().ddp_bucket_size
     for r in range(p):
         params = sum(parameters[r])
         seconds = machine.data_parallel(params * GRAD_BYTES, r,
                                         reduce_scatter_only=layout.distributed_optimizer)
         reductions.append(seconds + (embedding if r in ends else 0.0) + partial_sums[r])
+        bucketed.append(seconds + partial_sums[r])
+        shares.append(tuple(n / params if params else 0.0 for n in parameters[r]))
+        smallest_chunk = min((n for n in parameters[r] if n), default=0)
+        last_bucket.append(bucketed[-1] * min(bucket_size, smallest_chunk) / params
+                           if params else 0.0)
         # The distributed optimizer shards over the d·c ranks holding the same parameters.
         owned = params / (d * layout.c) if layout.distributed_optimizer else params
         step_bytes = params * GRAD_BYTES + owned * OPTIMIZER_BYTES_PER_PARAMETER  # zero + step
@@ -111,10 +149,14 @@ def _price_after_flush(workload: Workload, layout: Layout, profile: HardwareProf
         work = ops.memory(step_bytes, "optimizer") + profile.launch_overhead * 30
         work /= profile.share(layout.devices, threads) if contended else 1
         comm = 2 * machine.world_latency()                     # inf check, gradient norm
+        gather = 0.0
         if layout.distributed_optimizer:
-            comm += machine.data_parallel(params * ops.E, r, reduce_scatter_only=True)
-        optimizer.append(work + comm)
-    return AfterFlush(reductions, partial_sums, optimizer, ends, embedding)
+            gather = machine.data_parallel(params * ops.E, r, reduce_scatter_only=True)
+        optimizer.append(work + comm + gather)
+        first_bucket = gather * min(bucket_size, smallest_chunk) / params if params else 0.0
+        hideable.append(gather - first_bucket if profile.overlap_param_gather else 0.0)
+    return AfterFlush(reductions, partial_sums, optimizer, ends, embedding, bucketed, shares,
+                      last_bucket, hideable, profile.overlap_grad_reduce)
 
 
 @functools.lru_cache(maxsize=65536)

@@ -18,7 +18,7 @@ def compute_lower_bound(workload: Workload, layout: Layout, profile: HardwarePro
     """Seconds no iteration of this layout can beat, without building its
     schedule (`simulate` never predicts less; tested):
 
-      max over pipeline ranks r of  head_r + compute_r + tail_r + reduction_r
+      max over pipeline ranks r of  head_r + compute_r + max(tail_r, reduction_r)
       + the slowest rank's optimizer step
 
     compute_r is the work and collectives of r's computes (m times each of
@@ -27,8 +27,10 @@ def compute_lower_bound(workload: Workload, layout: Layout, profile: HardwarePro
     can start; tail_r, under the schedules whose every rank ends with the
     backward of its first stage (gpipe, 1f1b, interleaved), the backwards
     of the stages before it, which the last microbatch still passes
-    through (zero-bubble ranks may end with a W: no tail); reduction_r and
-    the optimizer are what `simulate` adds after the flush. Transfers,
+    through (zero-bubble ranks may end with a W: no tail); reduction_r is
+    what of the gradient reductions follows r's last backward in any
+    schedule (its last bucket, the tied embedding's sum) and the optimizer
+    what `simulate` adds after the flush. Transfers,
     waits and contention (CPU profiles) only add to this. With uniform
     costs and free transfers it is 1F1B's makespan itself. The planner
     sorts layouts by it and prices only those that can reach its top rows."""
@@ -45,11 +47,12 @@ def compute_lower_bound(workload: Workload, layout: Layout, profile: HardwarePro
     head = tail = 0.0   # over the stages before rank r's first stage (stage r)
     for r in range(p):
         compute = m * sum(sum(totals[stage]) for stage in stage_of[r])
-        bound = max(bound, head + compute + tail + after.reductions[r])
+        # The flush comes after the tail; r's own reductions after its last backward.
+        bound = max(bound, head + compute + max(tail, after.exposed_at_least(r)))
         head += totals[r][0]
         if not layout.zero_bubble:
             tail += totals[r][1]
-    return bound + max(after.optimizer)
+    return bound + max(after.optimizer_at_least(r) for r in range(p))
 
 
 @functools.lru_cache(maxsize=4096)

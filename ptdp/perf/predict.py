@@ -175,18 +175,26 @@ def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Pr
 
     records = play(schedule, compute, exchange, speed if contended else None)
 
-    # After the flush: gradient reductions, then the optimizer (all ranks together).
+    # The gradient reductions, overlapping each chunk's last backward; the
+    # tied embedding's sum; then the optimizer (all ranks together).
     pipeline_end = [max((rec.end for rec in row), default=0.0) for row in records]
     flush = max(pipeline_end)
     after = after_flush(workload, layout, profile, ops)
-    reductions, optimizer_seconds, partial_sums = (after.reductions, after.optimizer,
-                                                   after.partial_sums)
-    reduction_start = list(pipeline_end)
+    optimizer_seconds = [after.optimizer[r] - min(after.hideable_gather[r],
+                                                  _first_forwards(records[r]))
+                         for r in range(p)]
+    buckets_done = [_buckets_done(row, after, r, layout.zero_bubble) for r, row in
+                    enumerate(records)]
+    # What of each rank's reduction follows its last computation.
+    exposed = [max(0.0, float(buckets_done[r] - pipeline_end[r])) for r in range(p)]
+    reduced = [max(pipeline_end[r], buckets_done[r]) for r in range(p)]
     ends = after.ends
+    embedding_start = None
     if after.embedding:   # the first and the last stage sum the tied embedding together
-        reduction_start[ends[0]] = reduction_start[ends[1]] = max(pipeline_end[ends[0]],
-                                                                  pipeline_end[ends[1]])
-    sync = max(reduction_start[r] + reductions[r] for r in range(p))
+        embedding_start = max(reduced[ends[0]], reduced[ends[1]])
+        for r in ends:
+            reduced[r] = embedding_start + after.embedding
+    sync = max(reduced)
     iteration = sync + max(optimizer_seconds)
 
     # The busiest rank (most compute) and the timeline boxes.
@@ -221,12 +229,20 @@ def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Pr
                     boxes.append(Box("comm", -1, -1, float(rec.ready), float(rec.end)))
                 categories["bubble/idle"] += float(rec.ready - rec.start)
                 categories["pipeline transfer"] += float(rec.end - rec.ready)
-        if reductions[r] > 0:
-            boxes.append(Box("comm", -1, -1, float(reduction_start[r]),
-                             float(reduction_start[r] + reductions[r])))
+        if exposed[r] > 0:
+            boxes.append(Box("comm", -1, -1, float(pipeline_end[r]),
+                             float(pipeline_end[r]) + exposed[r]))
+        embedding = after.embedding if embedding_start is not None and r in ends else 0.0
+        if embedding:   # (waiting for the other end is idle time)
+            boxes.append(Box("comm", -1, -1, float(embedding_start),
+                             float(embedding_start) + embedding))
         timelines.append(boxes)
-        categories["data-parallel reduction"] = reductions[r] - partial_sums[r]
-        categories["tensor all-reduce"] += partial_sums[r]
+        # The exposed part, split as the bucketed work is (the sequence-
+        # parallel partial sums travel with their buckets).
+        partial = (after.partial_sums[r] / after.bucketed[r] * exposed[r]
+                   if after.bucketed[r] else 0.0)
+        categories["data-parallel reduction"] = exposed[r] - partial + embedding
+        categories["tensor all-reduce"] += partial
         categories["optimizer"] = optimizer_seconds[r]
         categories["bubble/idle"] += float(iteration) - sum(categories.values())
         by_rank.append(categories)
@@ -242,6 +258,42 @@ def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Pr
         categories_by_rank=by_rank, timelines=timelines,
         pipeline_seconds=float(flush), microbatches=m, critical_rank=critical,
         flops_per_iteration=flops)
+
+
+def _first_forwards(row) -> float:
+    """Seconds of a rank's first forward of each of its chunks: what a
+    weight all-gather overlapped with the next iteration's forward can hide
+    under, each chunk's buckets arriving before its first forward needs them."""
+    first: dict[int, float] = {}
+    for rec in row:
+        if isinstance(rec.action, Compute) and rec.action.op == "F":
+            first.setdefault(rec.action.chunk, float(rec.end - rec.start))
+    return sum(first.values())
+
+
+def _buckets_done(row, after, rank: int, zero_bubble: bool):
+    """When rank `rank`'s gradient buckets have all been reduced: each
+    chunk's share of the bucketed work is released evenly over the chunk's
+    last backward (its last W under the zero-bubble schedules, which compute
+    the weight gradients), the link works through it in that order, and a
+    chunk's last bucket can start only once its backward has ended."""
+    total = after.bucketed[rank]
+    if total <= 0:
+        return 0.0
+    if not after.overlapped:     # every bucket after the rank's last computation
+        return max((rec.end for rec in row), default=0.0) + total
+    op = "W" if zero_bubble else "B"
+    last: dict[int, object] = {}
+    for rec in row:
+        if isinstance(rec.action, Compute) and rec.action.op == op:
+            last[rec.action.chunk] = rec
+    free = 0.0
+    for chunk, rec in sorted(last.items(), key=lambda item: item[1].end):
+        work = total * after.chunk_shares[rank][chunk]
+        if work <= 0:
+            continue
+        free = max(max(free, rec.start) + work, rec.end + min(work, after.last_bucket[rank]))
+    return free
 
 
 def simulate_uniform(kind: str, p: int, m: int, v: int = 1, *, forward: Fraction | int = 1,

@@ -312,9 +312,35 @@ class OperatorModel:
         cost = Cost().add(category, gemms + self.memory_ops_seconds(self.unfused_memory(), False)
                           + self.launches(FORWARD_OPS_PER_LAYER + self._rotary_ops()))
         # g after attention and after the MLP; under sequence parallelism an
-        # all-gather into each region and a reduce-scatter out of it.
-        cost.comm = self.tensor_collectives(gathers=4) if self.sp else self.tensor_collectives(2)
+        # all-gather into each region and a reduce-scatter out of it, each
+        # next to the GEMM it feeds (QKV, MLP up) or follows (projection, MLP down).
+        if self.sp:
+            shapes = self.layer_gemms()
+            cost.comm = self.gemm_paired_collectives(
+                [self.gemm(*shapes[name][:3]) for name in ("qkv", "proj", "mlp_up", "mlp_down")])
+        else:
+            cost.comm = self.tensor_collectives(2)
         return self._with_context_exchange(cost, backward=False)
+
+    @property
+    def overlaps_tensor_comm(self) -> bool:
+        """Whether the priced run pipelines its sequence-parallel collectives
+        with GEMMs (HardwareProfile.tensor_comm_overlap; dense layers only:
+        MoE layers keep pricing theirs whole)."""
+        return self.prof.tensor_comm_overlap and self.sp and not self.w.model.is_moe
+
+    def gemm_paired_collectives(self, gemms: list[float]) -> float:
+        """Seconds of one sequence-parallel all-gather or reduce-scatter of
+        b·s·h elements next to each GEMM of `gemms` (seconds): each whole,
+        as ptdp runs them; where the run overlaps tensor communication with
+        GEMMs (`overlaps_tensor_comm`, Megatron-LM's --tp-comm-overlap:
+        the collective in t steps, each under one t-th of the GEMM), what
+        outlasts the GEMM plus the one step the pipeline cannot hide (the
+        first chunk's wait or the last chunk's reduction)."""
+        collective = self.tensor_collectives(gathers=1)
+        if not self.overlaps_tensor_comm:
+            return collective * len(gemms)
+        return sum(max(0.0, collective - gemm) + collective / self.t for gemm in gemms)
 
     def _with_context_exchange(self, cost: Cost, backward: bool) -> Cost:
         """`cost` plus what the context-parallel attention's key/value
@@ -342,7 +368,8 @@ class OperatorModel:
         # then for QKV and the MLP's first GEMM the overlapped pair (see
         # `sequence_parallel_linear_backward_exposed`).
         shapes = self.layer_gemms()
-        cost.comm = (self.tensor_collectives(gathers=2)
+        cost.comm = (self.gemm_paired_collectives([self.gemm(m, k, n) for m, n, k, _ in
+                                                   (shapes["proj"], shapes["mlp_down"])])
                      + self.sequence_parallel_linear_backward_exposed(shapes["qkv"])
                      + self.sequence_parallel_linear_backward_exposed(shapes["mlp_up"]))
         return cost

@@ -100,6 +100,18 @@ class HardwareProfile:
     gemm_tile: tuple[int, int] = (128, 128)  # output tile [m, n] of one thread block
     tile_overhead_seconds: float = 1e-6  # fixed cost per tile: prologue and epilogue
     fused_attention: bool = False        # attention core as one flash-attention kernel
+    # The priced run's software where it is not ptdp's (published runs of
+    # Megatron-LM and NeMo, bench/published_runs.py; ptdp's own plans keep
+    # these defaults): gradient buckets reduced during each chunk's last
+    # backward (ptdp, Megatron-LM's --overlap-grad-reduce) or all after the
+    # flush (Megatron-LM 2021's local DDP); the distributed optimizer's
+    # all-gather of the updated weights under the next iteration's forward
+    # (--overlap-param-gather; ptdp gathers after the step); the
+    # sequence-parallel tensor collectives pipelined with the GEMM each
+    # feeds or follows (--tp-comm-overlap; ptdp runs them between GEMMs).
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = False
+    tensor_comm_overlap: bool = False
     memory_bandwidth: float = 2039 * GB  # bytes/s for memory-bound operators
     op_bandwidth: dict[str, float] = field(default_factory=dict)  # bytes/s by operator class
     intra_bandwidth: float = 300 * GB    # bytes/s per device per direction inside a server

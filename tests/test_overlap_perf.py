@@ -1,0 +1,120 @@
+"""The performance model's communication overlaps: ptdp's gradient buckets
+under the last backward, and the two overlaps of other trainers that
+published runs are priced with (the weight all-gather under the next
+forward, tensor collectives pipelined with GEMMs)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from ptdp.config import ModelConfig
+from ptdp.perf.after_flush import after_flush
+from ptdp.perf.bounds import compute_lower_bound
+from ptdp.perf.calibration_point import paper_kernels
+from ptdp.perf.layout import Layout, Workload
+from ptdp.perf.machine import Machine
+from ptdp.perf.predict import simulate
+from ptdp.perf.pricing import OperatorModel
+from ptdp.perf.profiles import load_profile
+from ptdp.perf.stage_costs import operator_model
+
+GPT = ModelConfig(num_layers=16, hidden_size=4096, num_attention_heads=32, seq_length=2048,
+                  vocab_size=51200)
+H100 = load_profile("h100")
+AFTER_FLUSH = ("data-parallel reduction", "optimizer")
+
+
+def _after(workload, layout, profile):
+    return after_flush(workload, layout, profile, operator_model(workload, layout, profile))
+
+
+@pytest.mark.parametrize("layout", [Layout(d=8, b=2), Layout(p=2, d=4, b=2),
+                                    Layout(p=2, d=4, b=1, v=2), Layout(t=2, p=2, d=2, b=2),
+                                    Layout(p=2, d=4, b=2, schedule="zb-h1")],
+                         ids=["d8", "1f1b", "interleaved", "tp", "zb-h1"])
+def test_gradient_buckets_hide_under_the_last_backward_but_not_their_last_bucket(layout):
+    """Overlapped, a rank's reduction follows its last computation by at
+    least its last bucket and at most all of it; after the flush (the 2021
+    software) by all of it; the iteration is shorter overlapped, and no
+    iteration beats the planner's bound."""
+    workload = Workload(GPT, 32, "bf16")
+    overlapped, serial = H100, dataclasses.replace(H100, overlap_grad_reduce=False)
+    after = _after(workload, layout, overlapped)
+    fast, slow = simulate(workload, layout, overlapped), simulate(workload, layout, serial)
+    assert fast.iteration_seconds < slow.iteration_seconds
+    for r in range(layout.p):
+        exposed = fast.categories_by_rank[r]["data-parallel reduction"]
+        whole = slow.categories_by_rank[r]["data-parallel reduction"]
+        assert whole == pytest.approx(after.reductions[r] - after.partial_sums[r])
+        assert after.last_bucket[r] * (1 - 1e-9) <= exposed + fast.categories_by_rank[r][
+            "tensor all-reduce"] and exposed < whole
+    for profile, prediction in ((overlapped, fast), (serial, slow)):
+        assert compute_lower_bound(workload, layout, profile) <= prediction.iteration_seconds * (
+            1 + 1e-9)
+
+
+def test_the_paper_software_reduces_after_the_flush():
+    assert paper_kernels(H100).overlap_grad_reduce is False
+    assert H100.overlap_grad_reduce is True and not H100.overlap_param_gather
+    assert not H100.tensor_comm_overlap
+
+
+def test_a_weight_gather_under_the_next_forward_hides_all_but_its_first_bucket():
+    """--overlap-param-gather (published Megatron runs): the distributed
+    optimizer's all-gather leaves the step as far as the rank's first
+    forwards cover it; never its first bucket; nothing without the
+    distributed optimizer."""
+    workload = Workload(GPT, 16, "bf16")
+    overlapping = dataclasses.replace(H100, overlap_param_gather=True)
+    layout = Layout(p=2, d=8, b=1, v=2, distributed_optimizer=True)
+    after = _after(workload, layout, overlapping)
+    plain = simulate(workload, layout, H100)
+    hidden = simulate(workload, layout, overlapping)
+    for r in range(layout.p):
+        gather = plain.categories_by_rank[r]["optimizer"] - hidden.categories_by_rank[r][
+            "optimizer"]
+        assert 0 < gather <= after.hideable_gather[r] * (1 + 1e-9)
+        assert hidden.categories_by_rank[r]["optimizer"] >= after.optimizer_at_least(r) * (
+            1 - 1e-9)
+    assert hidden.iteration_seconds < plain.iteration_seconds
+    assert compute_lower_bound(workload, layout, overlapping) <= hidden.iteration_seconds
+    replicated = Layout(p=2, d=8, b=1, v=2)
+    assert _after(workload, replicated, overlapping).hideable_gather == [0.0, 0.0]
+    assert (simulate(workload, replicated, overlapping).iteration_seconds
+            == simulate(workload, replicated, H100).iteration_seconds)
+
+
+def _layer_comm(profile, layout, model=GPT):
+    workload = Workload(model, 64, "bf16")
+    ops = OperatorModel(workload, layout, profile, Machine(layout, profile))
+    return ops, ops.layer_forward().comm, ops.layer_backward().comm
+
+
+def test_tensor_collectives_pipelined_with_gemms_expose_what_outlasts_them_plus_one_step():
+    """--tp-comm-overlap: each sequence-parallel collective next to a GEMM
+    costs max(0, collective - GEMM) + collective / t; without sequence
+    parallelism, or run by ptdp, each costs the whole collective."""
+    overlapping = dataclasses.replace(H100, tensor_comm_overlap=True)
+    sp = Layout(t=8, b=1, d=1, sequence_parallel=True)
+    ops, forward, backward = _layer_comm(overlapping, sp)
+    _, whole_forward, whole_backward = _layer_comm(H100, sp)
+    collective = ops.tensor_collectives(gathers=1)
+    assert whole_forward == pytest.approx(4 * collective)
+    shapes = ops.layer_gemms()
+    expected = sum(max(0.0, collective - ops.gemm(*shapes[name][:3])) + collective / 8
+                   for name in ("qkv", "proj", "mlp_up", "mlp_down"))
+    assert forward == pytest.approx(expected)
+    assert 4 * collective / 8 <= forward < whole_forward
+    assert backward < whole_backward
+    # Without sequence parallelism the all-reduces stay whole (Megatron needs SP for it).
+    plain = Layout(t=8, b=1, d=1)
+    assert _layer_comm(overlapping, plain)[1:] == _layer_comm(H100, plain)[1:]
+
+
+def test_moe_layers_keep_their_tensor_collectives_whole():
+    moe = dataclasses.replace(GPT, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=4096)
+    overlapping = dataclasses.replace(H100, tensor_comm_overlap=True)
+    sp = Layout(t=2, b=1, d=1, sequence_parallel=True)
+    assert _layer_comm(overlapping, sp, moe)[1:] == _layer_comm(H100, sp, moe)[1:]
