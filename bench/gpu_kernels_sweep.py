@@ -32,6 +32,10 @@ of one device, measured on it, beside what the planner predicts.
    host-timed, and `ptdp calibrate`'s own measurement
    (calibrate.measure_launch_overhead), seconds per launch against the
    profile's launch_overhead.
+4. A sustained GEMM: the largest published shape in bf16 back to back for
+   15 s, its TFLOP/s per half second, first against last, and the SM clock
+   where PyTorch can read it: the rows of 1 are bursts, a training run is
+   not (`sustained_part`).
 
 Every case that raises is recorded with its message and the rest runs.
 bench/gpu.py runs this file as a child process (`run_isolated`), as it runs
@@ -95,6 +99,8 @@ class Sizes:
     launches: int
     launch_budget_s: float
     rotation_bytes: int
+    sustain_s: float = 0.0              # the sustained GEMM: seconds back to back (0: skipped)
+    sustain_window_s: float = 0.5       # its throughput is sampled over windows this long
 
 
 GPU_SIZES = Sizes(
@@ -109,7 +115,7 @@ GPU_SIZES = Sizes(
     gemm_dtypes=("bf16", "fp16"), gemm_cap_s=60.0, case_budget_s=0.05, warmup=3, min_reps=5,
     max_reps=50, activation_bytes=(64 * MIB, 256 * MIB, GIB), row=4096,
     optimizer_params=(16 * 2 ** 20, 64 * 2 ** 20, 256 * 2 ** 20), memory_cap_s=30.0,
-    launches=1000, launch_budget_s=1.0, rotation_bytes=ROTATION_BYTES)
+    launches=1000, launch_budget_s=1.0, rotation_bytes=ROTATION_BYTES, sustain_s=15.0)
 
 # Seconds on a CPU: the same steps on small shapes (published ones scaled
 # down); its figures are a check of the script, not results.
@@ -119,7 +125,7 @@ TINY_SIZES = Sizes(
     gemm_dtypes=("bf16", "fp16"), gemm_cap_s=20.0, case_budget_s=0.002, warmup=1, min_reps=2,
     max_reps=3, activation_bytes=(256 * 2 ** 10, MIB), row=256,
     optimizer_params=(2 ** 16,), memory_cap_s=10.0, launches=200, launch_budget_s=0.02,
-    rotation_bytes=0)
+    rotation_bytes=0, sustain_s=0.2, sustain_window_s=0.05)
 
 
 def _failure(error: BaseException) -> str:
@@ -276,6 +282,72 @@ def gemm_part(device: torch.device, sizes: Sizes, profile: HardwareProfile) -> d
             "published_measured": sum(c["kind"] == "published" for c in cases),
             "seconds": time.monotonic() - started, "cap_s": sizes.gemm_cap_s,
             "skipped_cases": skipped, "error": problem}
+
+
+def _clock_mhz(device: torch.device) -> float | None:
+    """The device's SM clock now (MHz), where this PyTorch can read it (it
+    needs pynvml); None elsewhere."""
+    try:
+        return float(torch.cuda.clock_rate(device)) if device.type == "cuda" else None
+    except Exception:  # noqa: BLE001 - a missing pynvml or an old torch: no clock figure
+        return None
+
+
+def sustained_part(device: torch.device, sizes: Sizes, profile: HardwareProfile
+                   ) -> dict[str, Any]:
+    """The largest bf16 published GEMM back to back for `sizes.sustain_s`
+    seconds: its TFLOP/s in each window of `sustain_window_s`, first against
+    last. The GEMM rows above are short bursts, like the published best-case
+    matmul measurements; a training run keeps the chip busy for hours, and
+    its clock and power limits decide what GEMMs reach then."""
+    if sizes.sustain_s <= 0:
+        return {"skipped": "no sustained run at these sizes"}
+    shapes = published_shapes(profile)
+    m, n, k = (max(shapes, key=lambda c: c["m"] * c["n"] * c["k"])[key] for key in "mnk")
+    if sizes.published_scale > 1:
+        m, n, k = (max(1, x // sizes.published_scale) for x in (m, n, k))
+    dtype = DTYPES["bf16"]
+    x = torch.randn(m, k, device=device, dtype=dtype)
+    w = torch.randn(n, k, device=device, dtype=dtype)
+    flops = 2.0 * m * n * k
+    windows: list[float] = []
+    clocks: list[float] = []
+    started = time.perf_counter()
+    while time.perf_counter() - started < sizes.sustain_s:
+        devices.synchronize(device)
+        begin, calls = time.perf_counter(), 0
+        while time.perf_counter() - begin < sizes.sustain_window_s:
+            F.linear(x, w)
+            calls += 1
+            if calls % 8 == 0:   # keep the host from queueing far ahead of the window
+                devices.synchronize(device)
+        devices.synchronize(device)
+        windows.append(flops * calls / (time.perf_counter() - begin) / 1e12)
+        clock = _clock_mhz(device)
+        if clock is not None:
+            clocks.append(clock)
+    peak = profile.peak_flops("bf16") / 1e12
+    return {"m": m, "n": n, "k": k, "seconds": time.perf_counter() - started,
+            "window_s": sizes.sustain_window_s, "tflops": windows,
+            "first": windows[0], "last": windows[-1], "lowest": min(windows),
+            "last_over_first": windows[-1] / windows[0], "last_peak_fraction": windows[-1] / peak,
+            "clock_mhz": {"first": clocks[0], "last": clocks[-1]} if clocks else None}
+
+
+def sustained_lines(part: dict[str, Any], report: dict[str, Any]) -> list[str]:
+    return [f"kernel sweep, sustained GEMM: {sustained_summary(part)}"]
+
+
+def sustained_summary(part: dict[str, Any]) -> str:
+    if "skipped" in part:
+        return part["skipped"]
+    clock = part.get("clock_mhz")
+    clocks = (f"; SM clock {clock['first']:.0f} -> {clock['last']:.0f} MHz" if clock
+              else "; SM clock not readable here")
+    return (f"[{part['m']}, {part['k']}]·[{part['k']}, {part['n']}] bf16 for {part['seconds']:.0f} s: "
+            f"{part['first']:.0f} TFLOP/s in the first {part['window_s']:g} s, {part['last']:.0f} in "
+            f"the last ({part['last_over_first']:.3f}×, {_percent(part['last_peak_fraction'])} of "
+            f"peak), lowest {part['lowest']:.0f}{clocks}")
 
 
 # ------------------------------------------------------------------ 2. memory-bound operators
@@ -492,7 +564,7 @@ def launch_part(device: torch.device, sizes: Sizes, profile: HardwareProfile) ->
 
 def section(device: torch.device, tiny: bool, say: Callable[[str], None],
             sizes: Sizes | None = None) -> dict[str, Any]:
-    """The three parts on `device`; a part or a case that fails is recorded, never raised."""
+    """The four parts on `device`; a part or a case that fails is recorded, never raised."""
     sizes = sizes or (TINY_SIZES if tiny else GPU_SIZES)
     name = devices.device_name(device) if device.type == "cuda" else "cpu"
     profile_name, profile = profile_for(device, name)
@@ -509,10 +581,11 @@ def section(device: torch.device, tiny: bool, say: Callable[[str], None],
         "reduced_precision_reduction": {   # None where this PyTorch has no such switch
             "bf16": getattr(matmul, "allow_bf16_reduced_precision_reduction", None),
             "fp16": getattr(matmul, "allow_fp16_reduced_precision_reduction", None)},
-        "gemm": None, "memory": None, "launch": None, "errors": []}
+        "gemm": None, "memory": None, "launch": None, "sustained": None, "errors": []}
 
     for part, run, lines in (("gemm", gemm_part, gemm_lines), ("memory", memory_part, memory_lines),
-                             ("launch", launch_part, launch_lines)):
+                             ("launch", launch_part, launch_lines),
+                             ("sustained", sustained_part, sustained_lines)):
         try:
             report[part] = run(device, sizes, profile)
         except Exception as error:  # noqa: BLE001 - the other parts still run
@@ -678,6 +751,8 @@ def markdown(report: dict[str, Any] | None) -> str:
         lines += ["", "Memory-bound operators:", ""] + memory_table(report["memory"])
     if report.get("launch"):
         lines += ["", "Launch overhead:", ""] + launch_table(report["launch"])
+    if report.get("sustained"):
+        lines += ["", "Sustained GEMM: " + sustained_summary(report["sustained"]) + "."]
     return "\n".join(lines) + "\n"
 
 

@@ -294,7 +294,7 @@ def test_sweep_shapes_are_the_published_layers(sweep):
 
 
 def test_tiny_run_sweeps_kernels(tiny_run):
-    """The kernel sweep, a child process of gpu.py: its three parts, each
+    """The kernel sweep, a child process of gpu.py: its four parts, each
     measured case beside the h200 profile's prediction of it."""
     from ptdp.perf.profiles import load_profile
 
@@ -332,6 +332,14 @@ def test_tiny_run_sweeps_kernels(tiny_run):
             "| predicted ms | measured / predicted |") in stdout
     assert "| launches | µs per launch | profile launch_overhead µs | measured / profile |" in stdout
     assert "Kernel sweep (bench/gpu_kernels_sweep.py) against the planner's `h200` profile" in stdout
+    # The sustained GEMM: the largest published shape (scaled), sampled per window.
+    sustained = sweep["sustained"]
+    largest = gemm["rows"][0]
+    assert (sustained["m"], sustained["n"], sustained["k"]) == (largest["m"], largest["n"],
+                                                                largest["k"])
+    assert len(sustained["tflops"]) >= 2 and all(map(_positive_and_finite, sustained["tflops"]))
+    assert sustained["last_over_first"] == pytest.approx(sustained["last"] / sustained["first"])
+    assert "kernel sweep, sustained GEMM: [" in stdout and "Sustained GEMM: [" in stdout
 
 
 def test_a_raising_sweep_case_is_recorded_and_the_rest_runs(sweep, monkeypatch):
