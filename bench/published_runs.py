@@ -7,8 +7,10 @@
    `ptdp plan --fix-all` prices it), and its predicted TFLOP/s per GPU is
    set against the published one: error = predicted / published - 1.
    Only the paper's 1.7B row is a calibration point (the a100 profile's
-   e_max is fitted to it, ptdp/perf/calibration_point.py); nothing is tuned
-   to any other row. Rows the model cannot price (FP8, FSDP, DeepEP,
+   e_max is fitted to it, ptdp/perf/calibration_point.py; the h100's is
+   fitted to a measured matmul, not to a run); nothing is tuned to any
+   other row. After them, ptdp's own runs on one H200 (bench/gpu.py) against
+   the same model (`OWN_RUNS`). Rows the model cannot price (FP8, FSDP, DeepEP,
    architectures ptdp does not train, layouts ptdp cannot express, hardware
    without a profile) are listed as out of scope with the reason, none
    dropped.
@@ -559,6 +561,68 @@ def summary(priced: list[Priced]) -> str:
             f"({low.run.name}) to {high.error:+.1%} ({high.run.name}).")
 
 
+# --- ptdp's own runs -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class OwnRun:
+    """One of ptdp's own training runs on one GPU (bench/gpu.py's suite:
+    t = p = d = 1, bf16, AdamW, mock data), with the model TFLOP/s it
+    measured (the paper's FLOPs, recomputation counted, over the mean
+    iteration time) in each session that ran it."""
+    name: str
+    model: ModelConfig
+    micro_batch: int
+    microbatches: int
+    recompute: str | None
+    measured: tuple[float, ...]
+
+    @property
+    def published_tflops(self) -> float:
+        return statistics.fmean(self.measured)
+
+
+OWN_SOURCE = ("bench/RESULTS.md, \"GPU benchmark\": `python bench/gpu.py --write` on one NVIDIA "
+              "H200, torch 2.11, two sessions of 2026-12-04")
+_GPT_1_3B = ModelConfig(num_layers=24, hidden_size=2048, num_attention_heads=16,
+                        seq_length=2048, vocab_size=50257)
+_GPT_2_7B = ModelConfig(num_layers=32, hidden_size=2560, num_attention_heads=32,
+                        seq_length=2048, vocab_size=50257)
+_LLAMA_1_3B = dataclasses.replace(
+    _GPT_1_3B, normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+    group_query_attention=True, num_query_groups=4, untie_embeddings_and_output_weights=True,
+    disable_bias_linear=True)
+# bench/gpu.py's GPU_SUITE (tests/test_bench_gpu.py checks they are its models).
+OWN_RUNS = [OwnRun("GPT 1.3B", _GPT_1_3B, 8, 4, None, (501.9, 499.0)),
+            OwnRun("Llama-style 1.3B", _LLAMA_1_3B, 8, 4, None, (426.8, 422.3)),
+            OwnRun("GPT 2.7B", _GPT_2_7B, 24, 2, "full", (517.4, 517.4)),
+            OwnRun("GPT 1.3B", _GPT_1_3B, 8, 4, "full", (505.9, 502.6))]
+
+
+def price_own(run: OwnRun) -> tuple[float, float]:
+    """(predicted TFLOP/s on the h200 profile in the run's convention, error)."""
+    model = dataclasses.replace(run.model, recompute_granularity=run.recompute)
+    batch = run.micro_batch * run.microbatches
+    layout = Layout(b=run.micro_batch, recompute=run.recompute)
+    evaluation = evaluate_layout(Workload(model, batch, "bf16"), layout, load_profile("h200"))
+    flops = model_flops_per_iteration(model, batch, recompute=run.recompute)
+    tflops = flops / evaluation.seconds / 1e12
+    return tflops, tflops / run.published_tflops - 1
+
+
+def own_table() -> str:
+    lines = [f"ptdp's own runs on one H200 ({OWN_SOURCE}), priced on the h200 profile as one "
+             "layout (t = p = d = 1):", "",
+             "| run | recomputation | b × m | measured model TFLOP/s | predicted | error |",
+             "|---|---|---|---:|---:|---:|"]
+    for run in OWN_RUNS:
+        tflops, error = price_own(run)
+        measured = " and ".join(f"{x:.1f}" for x in run.measured)
+        lines.append(f"| {run.name} | {run.recompute or 'none'} | {run.micro_batch} × "
+                     f"{run.microbatches} | {run.published_tflops:.1f} ({measured}) | "
+                     f"{tflops:.1f} | {error:+.1%} |")
+    return "\n".join(lines)
+
+
 def select(names: str | None) -> list[PublishedRun]:
     """The rows whose name contains one of the comma-separated `names`
     (case-insensitive); all of them without."""
@@ -611,7 +675,8 @@ def main(argv: list[str] | None = None) -> int:
     stamp = time.strftime("%Y-%m-%d")
     command = "python bench/published_runs.py" + (f" --rows '{args.rows}'" if args.rows else "")
     block = (f"### {stamp}\n\nCommand: `{command}`; profiles a100 and h100 as built in (the "
-             f"a100 e_max fitted to the paper's 1.7B point only, nothing fitted to any other row); "
+             f"a100 e_max fitted to the paper's 1.7B point, the h100's to an H200's measured "
+             f"8192³ bf16 matmul, nothing fitted to any other row); "
              f"each row's published layout priced as one layout (`--fix-all`); error = "
              f"predicted / published - 1. FLOPs: \"paper\" counts the recomputed forward (the "
              f"paper's 96·B·s·l·h²·(1 + s/6h + V/16lh)), \"model\" none (Megatron-Core's "
@@ -625,7 +690,7 @@ def main(argv: list[str] | None = None) -> int:
     if outside:
         block += f"\nOut of scope (not priced):\n\n{out_of_scope_table(outside)}\n"
     if not args.rows:
-        block += f"\n{NOT_ROWS}\n"
+        block += f"\n{NOT_ROWS}\n\n{own_table()}\n"
     publish(HEADING, block, write=args.write)
     if not args.no_search:
         speed = search_speed(not args.no_exhaustive)

@@ -138,3 +138,22 @@ def test_the_2021_rows_take_their_run_scripts_layouts():
                if r.name.endswith("A100 2021")}
     assert layouts["18B"] == (8, 1, 8, 1) and layouts["76B"] == (8, 4, 2, 3)
     assert layouts["530B"] == (8, 35, 1, 3) and layouts["1T"] == (8, 64, 1, 1)
+
+
+def test_ptdp_own_rows_are_the_gpu_benchmark_runs_and_their_records():
+    """The table of ptdp's own H200 runs prices bench/gpu.py's suite: the
+    same models, micro batches, microbatches and recomputation, and each
+    measured figure is one that bench/RESULTS.md records for that run."""
+    import gpu   # bench/gpu.py
+
+    results = (Path(__file__).resolve().parents[1] / "bench" / "RESULTS.md").read_text()
+    suite = {(run.name, run.recompute): run for run in gpu.GPU_SUITE.runs}
+    for own in pr.OWN_RUNS:
+        run = suite[(own.name, own.recompute)]
+        assert (run.model, run.micro_batch, run.microbatches) == (
+            own.model, own.micro_batch, own.microbatches)
+        for tflops in own.measured:
+            assert f"| {own.micro_batch} × {own.microbatches} |" in results
+            assert f"| {tflops:.1f} |" in results
+        predicted, error = pr.price_own(own)
+        assert error == pytest.approx(predicted / own.published_tflops - 1)

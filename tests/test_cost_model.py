@@ -19,13 +19,15 @@ from ptdp.parallel.pipeline import simulate as unit
 from ptdp.parallel.pipeline.schedules import build_schedule
 from ptdp.parallel.pipeline.actions import Exchange, ScheduleError
 from ptdp.perf.calibration_point import (CALIBRATION_TFLOPS, calibration_point, fit_to_calibration_point,
+                                         fit_to_matmul,
                                          paper_kernels)
 from ptdp.perf.machine import Machine
 from ptdp.perf.player import play
 from ptdp.perf.predict import CATEGORIES, simulate, simulate_uniform
 from ptdp.perf.pricing import OperatorModel
 from ptdp.perf.layout import Layout, Workload
-from ptdp.perf.profiles import CALIBRATED_GEMM_EFFICIENCY, HardwareProfile, load_profile, save_profile
+from ptdp.perf.profiles import (CALIBRATED_GEMM_EFFICIENCY, HOPPER_GEMM_EFFICIENCY, HOPPER_MATMUL,
+                                 HardwareProfile, load_profile, save_profile)
 from ptdp.perf.flops import model_flops_per_iteration
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,12 +96,19 @@ def test_a100_predicts_the_calibration_point_and_the_fit_is_reproducible():
         flops / (32 * prediction.iteration_seconds) / 1e12, rel=1e-9)
 
 
-def test_h100_and_h200_share_the_fitted_efficiency_and_run_faster():
+def test_h100_and_h200_take_e_max_from_the_measured_matmul_and_run_faster():
+    """Their e_max is the one for which the tile model prices the H200's
+    measured 8192³ bf16 matmul at its measured rate, not the a100 fit."""
+    fitted = fit_to_matmul()
+    assert fitted == pytest.approx(HOPPER_GEMM_EFFICIENCY, abs=1e-4)
+    size, tflops = HOPPER_MATMUL
     workload, layout = calibration_point()
     a100 = simulate(workload, layout, load_profile("a100"))
     for name in ("h100", "h200"):
         profile = load_profile(name)
-        assert profile.gemm_efficiency == CALIBRATED_GEMM_EFFICIENCY
+        assert profile.gemm_efficiency == HOPPER_GEMM_EFFICIENCY != CALIBRATED_GEMM_EFFICIENCY
+        priced = 2 * size ** 3 / profile.gemm_seconds(size, size, size) / 1e12
+        assert priced == pytest.approx(tflops, rel=1e-3)
         assert simulate(workload, layout, profile).iteration_seconds < a100.iteration_seconds
     assert load_profile("h200").memory_bytes > load_profile("h100").memory_bytes
 

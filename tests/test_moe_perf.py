@@ -47,7 +47,7 @@ def test_one_expert_top1_prices_the_dense_layer_plus_its_router(t, sp):
     # The expert's GEMMs and activation are the dense MLP's, to the last bit.
     assert pieces.parts["experts"] == moe_costs.dense_mlp(ops).forward
     extra = pieces.parts["router"] + pieces.parts["permute"] + pieces.parts["launches"]
-    assert 0 < pieces.parts["router"] < 0.1 * pieces.parts["experts"]
+    assert 0 < pieces.parts["router"] < 0.15 * pieces.parts["experts"]   # a small part of it
     assert moe.forward.total_work == pytest.approx(dense.forward.total_work + extra, rel=1e-12)
     assert moe.forward.comm == dense.forward.comm
     # FLOPs: the dense model's plus the routers' 6·B·s·h·E per layer.

@@ -8,7 +8,7 @@ import dataclasses
 
 from ptdp.perf.layout import Layout, Workload
 from ptdp.perf.predict import simulate
-from ptdp.perf.profiles import BUILTIN, HardwareProfile
+from ptdp.perf.profiles import BUILTIN, HOPPER_MATMUL, HardwareProfile
 
 CALIBRATION_TFLOPS = 137.0
 
@@ -42,20 +42,39 @@ def fit_to_calibration_point(target_tflops: float = CALIBRATION_TFLOPS, *,
                              tolerance: float = 1e-6) -> float:
     """The e_max for which `ptdp.perf.predict.simulate` predicts `target_tflops` per GPU
     for the paper's 1.7B run on `a100` with the paper's kernels
-    (`paper_kernels`; bisection: predicted TFLOP/s rises monotonically with
-    e_max)."""
+    (`paper_kernels`)."""
     workload, layout = calibration_point()
 
     def predicted(e_max: float) -> float:
         return simulate(workload, layout, paper_kernels(BUILTIN["a100"](e_max))).tflops_per_device
 
+    return _e_max_reaching(predicted, target_tflops, tolerance, "the model predicts")
+
+
+def fit_to_matmul(profile: str = "h200", size: int = HOPPER_MATMUL[0],
+                  tflops: float = HOPPER_MATMUL[1], *, tolerance: float = 1e-6) -> float:
+    """The e_max for which the built-in `profile`'s tile model prices a
+    size³ bf16 matrix product at `tflops` (the h100 and h200 profiles'
+    e_max, from the product measured on an H200)."""
+    flops = 2.0 * size ** 3
+
+    def priced(e_max: float) -> float:
+        return flops / BUILTIN[profile](e_max).gemm_seconds(size, size, size,
+                                                             precision="bf16") / 1e12
+
+    return _e_max_reaching(priced, tflops, tolerance, "the tile model prices")
+
+
+def _e_max_reaching(tflops_at, target: float, tolerance: float, what: str) -> float:
+    """Bisection on e_max in (0.01, 1] for `tflops_at(e_max)` = `target`
+    (TFLOP/s rise monotonically with e_max)."""
     low, high = 0.01, 1.0
-    if predicted(high) < target_tflops:
-        raise ValueError(f"even at 100% GEMM efficiency the model predicts "
-                         f"{predicted(high):.1f} < {target_tflops} TFLOP/s")
+    if tflops_at(high) < target:
+        raise ValueError(f"even at 100% of the per-SM peak {what} "
+                         f"{tflops_at(high):.1f} < {target} TFLOP/s")
     while high - low > tolerance:
         mid = (low + high) / 2
-        if predicted(mid) < target_tflops:
+        if tflops_at(mid) < target:
             low = mid
         else:
             high = mid

@@ -38,8 +38,13 @@ and a fused softmax over the s × s scores, not flash attention):
 `CALIBRATED_GEMM_EFFICIENCY`, the fraction of the per-SM peak a tile's
 main loop reaches; the rest of the gap to 44% is tile overheads, wave
 quantisation, the attention kernel, memory-bound operators, the gradient
-all-reduce and the optimizer as predict.py prices them. h100 and h200 use the
-same e_max against their own peaks. Nothing else from the paper is fitted.
+all-reduce and the optimizer as predict.py prices them. Nothing else from
+the paper is fitted. That fit also carries what the 2021 software spent
+beyond what the model prices (published matmul measurements put the A100's
+best product at 87 % of peak, not 60 %), so h100 and h200 do not borrow it:
+their e_max is fitted to a measured 8192³ bf16 matmul on an H200
+(`HOPPER_GEMM_EFFICIENCY`, `calibration_point.fit_to_matmul`), data of
+matrix products alone, not of a training run.
 
 CPU profiles price GEMMs as before, a roofline with a saturating
 efficiency:
@@ -84,6 +89,19 @@ GIB = 2 ** 30
 # tests/test_cost_model.py recomputes the fit and checks it. It changes
 # whenever the operator model in pricing.py does: refit and update it then.
 CALIBRATED_GEMM_EFFICIENCY = 0.5962
+
+# e_max of the h100 and h200 profiles: not the a100 fit but a measurement of
+# matrix products alone, which is not a training run's throughput. ptdp's
+# bench/gpu.py timed 8192³ bf16 torch.matmul on an H200 at 685.9 and 686.4
+# TFLOP/s (two sessions, 2026-12-04, bench/RESULTS.md "GPU benchmark": the
+# median of 15 trials of 5 back-to-back products after warm-up, CUDA
+# events); `calibration_point.fit_to_matmul` finds the e_max for which the
+# tile model prices that product at their mean. The H100 SXM has the same
+# GH100 compute (132 SMs, the same clocks and 989 TFLOP/s peak; published
+# matmul measurements find the two the same), so both profiles use it.
+# tests/test_cost_model.py recomputes it.
+HOPPER_MATMUL = (8192, 686.15)            # (size of the square product, TFLOP/s measured)
+HOPPER_GEMM_EFFICIENCY = 0.7227
 
 
 @dataclass(frozen=True)
@@ -272,21 +290,25 @@ def _h100(e_max: float) -> HardwareProfile:
         memory_bandwidth=3350 * GB,          # H100 SXM HBM3
         intra_bandwidth=450 * GB,            # NVLink 4: 900 GB/s per GPU, both directions
         inter_bandwidth=400e9 / 8,           # 8 × 400 Gb/s NDR per server: one 50 GB/s NIC per GPU
-        notes="DGX H100 (data sheet); gemm_efficiency = the a100 fit")
+        notes="DGX H100 (data sheet); gemm_efficiency from an H200's measured 8192³ bf16 "
+              "matmul (the same GH100 compute)")
 
 
 def _h200(e_max: float) -> HardwareProfile:
     return replace(_h100(e_max), name="h200", memory_bandwidth=4800 * GB, memory_bytes=141 * GB,
                    notes="DGX H200 (data sheet): H100 with 141 GB at 4.8 TB/s; "
-                         "gemm_efficiency = the a100 fit")
+                         "gemm_efficiency from its measured 8192³ bf16 matmul")
 
 
 BUILTIN = {"a100": _a100, "h100": _h100, "h200": _h200}
 
 
 def builtin_profile(name: str, gemm_efficiency: float | None = None) -> HardwareProfile:
-    e_max = CALIBRATED_GEMM_EFFICIENCY if gemm_efficiency is None else gemm_efficiency
-    return BUILTIN[name](e_max)
+    """A built-in profile, with its own e_max unless `gemm_efficiency` is
+    given: a100's fitted to the paper, h100's and h200's from the H200's
+    measured matmul."""
+    default = CALIBRATED_GEMM_EFFICIENCY if name == "a100" else HOPPER_GEMM_EFFICIENCY
+    return BUILTIN[name](default if gemm_efficiency is None else gemm_efficiency)
 
 
 def default_profile_path() -> Path:
