@@ -623,6 +623,36 @@ def own_table() -> str:
     return "\n".join(lines)
 
 
+README = ROOT / "README.md"
+README_BEGIN = "<!-- published-runs table: python bench/published_runs.py --write -->"
+README_END = "<!-- end of published-runs table -->"
+
+
+def readme_table(priced: list[Priced]) -> str:
+    """The README's validation table: every priced published row and
+    ptdp's own runs, each with its layout, published (or measured)
+    TFLOP/s per GPU, the prediction and the error."""
+    lines = ["| run | hardware, layout | published | predicted | error |",
+             "|---|---|---:|---:|---:|"]
+    for p in priced:
+        mark = " (calibration)" if p.run.calibration else ""
+        lines.append(f"| {p.run.name}{mark} | {p.run.hardware}, {p.run.layout_text()} | "
+                     f"{p.run.published_tflops:.1f} | {p.tflops:.1f} | {p.error:+.1%} |")
+    for run in OWN_RUNS:
+        tflops, error = price_own(run)
+        lines.append(f"| ptdp {run.name} (bench/gpu.py) | h200, t=1 p=1 d=1 b={run.micro_batch} "
+                     f"m={run.microbatches} recompute={run.recompute or 'none'}, bf16 | "
+                     f"{run.published_tflops:.1f} | {tflops:.1f} | {error:+.1%} |")
+    return "\n".join(lines)
+
+
+def write_readme_table(priced: list[Priced]) -> None:
+    """Replace the README's table between its markers."""
+    text = README.read_text()
+    begin, end = text.index(README_BEGIN) + len(README_BEGIN), text.index(README_END)
+    README.write_text(text[:begin] + "\n" + readme_table(priced) + "\n" + text[end:])
+
+
 def select(names: str | None) -> list[PublishedRun]:
     """The rows whose name contains one of the comma-separated `names`
     (case-insensitive); all of them without."""
@@ -692,6 +722,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.rows:
         block += f"\n{NOT_ROWS}\n\n{own_table()}\n"
     publish(HEADING, block, write=args.write)
+    if args.write and not args.rows:
+        write_readme_table(priced)
     if not args.no_search:
         speed = search_speed(not args.no_exhaustive)
         publish("## Planner search time",

@@ -157,3 +157,27 @@ def test_ptdp_own_rows_are_the_gpu_benchmark_runs_and_their_records():
             assert f"| {tflops:.1f} |" in results
         predicted, error = pr.price_own(own)
         assert error == pytest.approx(predicted / own.published_tflops - 1)
+
+
+def test_the_readme_table_is_what_the_model_predicts_today():
+    """README.md's validation table is bench/published_runs.py's, regenerated
+    with --write whenever the model changes: every priced row and ptdp's own
+    runs, their published figures and today's predictions."""
+    readme = pr.README.read_text()
+    begin = readme.index(pr.README_BEGIN) + len(pr.README_BEGIN)
+    lines = readme[begin:readme.index(pr.README_END)].strip().splitlines()
+    runs = [run for run in pr.RUNS if run.priced]
+    assert len(lines) == 2 + len(runs) + len(pr.OWN_RUNS)
+    # The rows of 32 stages or more take up to seconds each to simulate (hundreds
+    # of microbatches): their name, layout and published figure are checked,
+    # their prediction by the bench; every other line is regenerated whole.
+    slow = [run.p >= 32 for run in runs]
+    priced = [pr.price(run) if not s else pr.Priced(run, 1.0, 1.0, 0.0, True)
+              for run, s in zip(runs, slow)]
+    expected = pr.readme_table(priced).splitlines()
+    assert sum(slow) == 5
+    for index, (line, want) in enumerate(zip(lines, expected)):
+        if index >= 2 and index - 2 < len(runs) and slow[index - 2]:
+            assert line.rsplit("|", 3)[0] == want.rsplit("|", 3)[0]
+        else:
+            assert line == want
