@@ -404,3 +404,50 @@ def test_a_dying_sweep_process_is_recorded(sweep):
     assert died == {"crashed": "exit status 1: illegal memory access"}
     assert lines == ["started", "kernel sweep: FAILED, exit status 1: illegal memory access"]
     assert sweep.markdown(died) == "Kernel sweep: did not finish (exit status 1: illegal memory access).\n"
+
+
+def test_a_profile_fitted_to_the_sweep(tiny_run, tmp_path):
+    """bench/fit_gpu_profile.py turns the sweep into profile numbers: the
+    tile model fitted to the bf16 GEMMs (e_max scaled by the sustained
+    GEMM's fall), each planner class's bandwidth from ptdp's own operators
+    at their largest size, the calibrate chain's launch cost; and prices
+    the published rows with it."""
+    from ptdp.perf.calibrate import fit_tile_model
+    from ptdp.perf.profiles import builtin_profile, load_profile
+
+    spec = importlib.util.spec_from_file_location("fit_gpu_profile",
+                                                  SCRIPT.parent / "fit_gpu_profile.py")
+    fit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fit)     # it puts bench/ on the path for published_runs
+    report, _ = tiny_run
+    sweep = report["kernels_sweep"]
+    profile, details = fit.fitted_profile(report)
+    base = builtin_profile("h200")
+    rows = [dict(m=c["m"], n=c["n"], k=c["k"], seconds=c["bf16"]["seconds"])
+            for c in sweep["gemm"]["rows"]]
+    overhead, e_max = fit_tile_model(rows, base.peak_flops("bf16"), base.sm_count,
+                                     base.gemm_tile, base.memory_bandwidth)
+    factor = min(1.0, sweep["sustained"]["last_over_first"])
+    assert profile.gemm_efficiency == pytest.approx(e_max * factor)
+    assert profile.tile_overhead_seconds == pytest.approx(overhead)
+    largest = {}
+    for row in sweep["memory"]["rows"]:
+        name = row["op"].split(" (rows of")[0]
+        if name not in largest or row["elements"] > largest[name]["elements"]:
+            largest[name] = row
+    assert set(profile.op_bandwidth) == set(fit.PTDP_OPERATORS)
+    for op_class, names in fit.PTDP_OPERATORS.items():
+        chosen = [largest[name] for name in names]
+        assert profile.op_bandwidth[op_class] == pytest.approx(
+            sum(r["planner_bytes"] for r in chosen) / sum(r["seconds"] for r in chosen))
+    calibrate_row = [r for r in sweep["launch"]["rows"] if "calibrate" in r["what"]][0]
+    assert profile.launch_overhead == calibrate_row["seconds"]
+    assert "e_max" in fit.report_text(base, profile, details)
+    path = fit.save_profile(profile, tmp_path / "fitted.json")
+    assert load_profile(path) == profile
+    import published_runs
+    original = published_runs.load_profile
+    some = [run for run in published_runs.RUNS if run.name.startswith("Llama 3.1 8B H100 BF16")]
+    table = fit.priced_with(profile, some)
+    assert table.count("| Llama 3.1 8B") == len(some) and "ptdp GPT 1.3B" in table
+    assert published_runs.load_profile is original      # the built-in profiles are back
