@@ -24,10 +24,11 @@
    equal to ptdp.perf.flops with recompute=None). The predicted figure is
    the row's FLOPs over the predicted iteration time.
    Software: Megatron-LM of 2021-2022 ran attention as two GEMMs around a
-   softmax pass and reduced its gradients after the backward
-   (calibration_point.paper_kernels); later runs use flash attention (the
-   profile's own kernels) and reduce gradient buckets during the backward,
-   as ptdp does. Where a source states overlaps ptdp does not run (the
+   softmax pass (calibration_point.paper_kernels), and reduced gradients
+   either in buckets during the backward (PyTorch's DDP: the paper's 1.7B
+   to 18B runs) or after it (its local DDP: the larger ones), as each row's
+   run script says; later runs use flash attention (the profile's own
+   kernels) and reduce gradient buckets during the backward, as ptdp does. Where a source states overlaps ptdp does not run (the
    parameter all-gather under the next forward, TP collectives pipelined
    with GEMMs) the row is priced with them (`PublishedRun.overlaps`,
    HardwareProfile's software fields) and says so.
@@ -144,6 +145,10 @@ class PublishedRun:
     # source states them (HardwareProfile's software fields): "param gather"
     # (--overlap-param-gather), "tp comm" (--tp-comm-overlap).
     overlaps: tuple[str, ...] = ()
+    # True where the run reduced its gradients only after the backward
+    # (Megatron-LM's local DDP); False: buckets during the backward, as
+    # ptdp and PyTorch's DistributedDataParallel do.
+    gradients_after_backward: bool = False
     out_of_scope: str = ""            # the reason it is not priced; "" = priced
     calibration: bool = False         # the one point a constant is fitted to
 
@@ -195,22 +200,24 @@ def _a100_2021() -> list[PublishedRun]:
     global batch and the layers per virtual stage of Megatron-LM's
     examples/academic_paper_scripts/sc21/run_table_1.sh (full recomputation
     of every layer: --activations-checkpoint-method uniform)."""
-    # name: (hidden, layers, heads, t, p, b, v, GPUs, batch, TFLOP/s)
-    table = {"1.7B": (2304, 24, 24, 1, 1, 16, 1, 32, 512, 137),
-             "3.6B": (3072, 30, 32, 2, 1, 16, 1, 64, 512, 138),
-             "7.5B": (4096, 36, 32, 4, 1, 16, 1, 128, 512, 142),
-             "18B": (6144, 40, 48, 8, 1, 8, 1, 256, 1024, 135),
-             "39B": (8192, 48, 64, 8, 2, 4, 1, 512, 1536, 138),
-             "76B": (10240, 60, 80, 8, 4, 2, 3, 1024, 1792, 140),
-             "145B": (12288, 80, 96, 8, 8, 2, 2, 1536, 2304, 148),
-             "310B": (16384, 96, 128, 8, 16, 1, 2, 1920, 2160, 155),
-             "530B": (20480, 105, 128, 8, 35, 1, 3, 2520, 2520, 163),
-             "1T": (25600, 128, 160, 8, 64, 1, 1, 3072, 3072, 163)}
+    # name: (hidden, layers, heads, t, p, b, v, GPUs, batch, TFLOP/s, the script's DDP)
+    table = {"1.7B": (2304, 24, 24, 1, 1, 16, 1, 32, 512, 137, "torch"),
+             "3.6B": (3072, 30, 32, 2, 1, 16, 1, 64, 512, 138, "torch"),
+             "7.5B": (4096, 36, 32, 4, 1, 16, 1, 128, 512, 142, "torch"),
+             "18B": (6144, 40, 48, 8, 1, 8, 1, 256, 1024, 135, "torch"),
+             "39B": (8192, 48, 64, 8, 2, 4, 1, 512, 1536, 138, "local"),
+             "76B": (10240, 60, 80, 8, 4, 2, 3, 1024, 1792, 140, "local"),
+             "145B": (12288, 80, 96, 8, 8, 2, 2, 1536, 2304, 148, "local"),
+             "310B": (16384, 96, 128, 8, 16, 1, 2, 1920, 2160, 155, "local"),
+             "530B": (20480, 105, 128, 8, 35, 1, 3, 2520, 2520, 163, "local"),
+             "1T": (25600, 128, 160, 8, 64, 1, 1, 3072, 3072, 163, "local")}
     rows = []
-    for name, (hidden, layers, heads, t, p, b, v, gpus, batch, tflops) in table.items():
+    for name, (hidden, layers, heads, t, p, b, v, gpus, batch, tflops, ddp) in table.items():
         calibration = name == "1.7B"
-        assumed = ("the calibration point (e_max fitted here)" if calibration else
-                   "layout from run_table_1.sh (" + SC21_SCRIPT + ")")
+        reduction = ("DDP=torch: gradient buckets during the backward" if ddp == "torch" else
+                     "DDP=local: gradients reduced after the backward")
+        assumed = ("the calibration point (e_max fitted here); " + reduction if calibration else
+                   "layout and " + reduction + " from run_table_1.sh (" + SC21_SCRIPT + ")")
         rows.append(PublishedRun(
             name=f"{name} A100 2021", source=A100_TABLE, hardware="a100", model="GPT",
             shape=_gpt(layers, hidden, heads, 51200, 2048), gpus=gpus, global_batch=batch,
@@ -218,7 +225,7 @@ def _a100_2021() -> list[PublishedRun]:
             d=gpus // (t * p), ep=1, etp="n/a", recompute="full", sequence_parallel=False,
             distributed_optimizer=False, precision="fp16", published_tflops=tflops,
             published_as="published", flops="paper", kernels="paper", assumptions=assumed,
-            calibration=calibration))
+            gradients_after_backward=ddp == "local", calibration=calibration))
     rows.append(PublishedRun(
         name="175B A100 README example", source=MEGATRON_2022 + " (GPT-3 175B example)",
         hardware="a100", model="GPT", shape=_gpt(96, 12288, 96, 51200, 2048), gpus=1024,
@@ -226,7 +233,9 @@ def _a100_2021() -> list[PublishedRun]:
         recompute="full", sequence_parallel=False, distributed_optimizer=False, precision="fp16",
         published_tflops=138, published_as="published", flops="paper", kernels="paper",
         assumptions="b = 1, full recomputation, the paper's FLOP count assumed (the README "
-                    "states t, p, B); v = 1"))
+                    "states t, p, B); v = 1; gradients reduced after the backward assumed "
+                    "(Megatron-LM's local DDP, its default then)",
+        gradients_after_backward=True))
     return rows
 
 
@@ -248,7 +257,10 @@ def _korthikanti() -> list[PublishedRun]:
             distributed_optimizer=False, precision="bf16", published_tflops=round(mfu * A100_PEAK, 1),
             published_as=f"derived: MFU {mfu:.1%} × {A100_PEAK:g}", flops="model", kernels="paper",
             assumptions="unverified config: heads, t, p, batch and micro batch recalled, not "
-                        "checked against the paper; v = 1 (interleaving not stated); bf16 assumed"))
+                        "checked against the paper; v = 1 (interleaving not stated); bf16 assumed; "
+                        "gradients reduced after the backward assumed (local DDP, Megatron-LM's "
+                        "default then)",
+            gradients_after_backward=True))
     rows.append(PublishedRun(
         name="530B SP+selective A100 2022 2240 GPUs",
         source="Korthikanti et al. 2022 abstract (MLSys 2023); config RECALLED", hardware="a100",
@@ -258,7 +270,9 @@ def _korthikanti() -> list[PublishedRun]:
         published_tflops=round(0.542 * A100_PEAK, 1),
         published_as=f"derived: MFU 54.2% × {A100_PEAK:g}", flops="model", kernels="paper",
         assumptions="unverified config: t, p recalled; global batch assumed 8 × the d = 1 "
-                    "row's; v = 1; bf16 assumed"))
+                    "row's; v = 1; bf16 assumed; gradients reduced after the backward assumed "
+                    "(local DDP, Megatron-LM's default then)",
+        gradients_after_backward=True))
     return rows
 
 
@@ -484,11 +498,12 @@ OVERLAP_FIELDS = {"param gather": "overlap_param_gather", "tp comm": "tensor_com
 
 def profile_of(run: PublishedRun):
     """The row's hardware running the row's software: the paper's kernels
-    and gradient reduction (2021-22 rows), the overlaps the source states."""
+    (2021-22 rows), its gradient reduction, the overlaps the source states."""
     profile = load_profile(run.hardware)
     if run.kernels == "paper":
         profile = paper_kernels(profile)
-    return dataclasses.replace(profile, **{OVERLAP_FIELDS[o]: True for o in run.overlaps})
+    return dataclasses.replace(profile, overlap_grad_reduce=not run.gradients_after_backward,
+                               **{OVERLAP_FIELDS[o]: True for o in run.overlaps})
 
 
 def predicted_tflops(run: PublishedRun, layout: Layout) -> tuple[float, object]:
@@ -711,9 +726,9 @@ def main(argv: list[str] | None = None) -> int:
              f"predicted / published - 1. FLOPs: \"paper\" counts the recomputed forward (the "
              f"paper's 96·B·s·l·h²·(1 + s/6h + V/16lh)), \"model\" none (Megatron-Core's "
              f"num_floating_point_operations, MFU); kernels: \"paper\" = attention as two "
-             f"GEMMs and a softmax pass and gradients reduced after the backward (Megatron-LM "
-             f"2021-22), \"flash\" = flash attention and gradient buckets reduced during the "
-             f"backward; overlaps a source states and ptdp does not run are priced as stated "
+             f"GEMMs and a softmax pass (Megatron-LM 2021-22), \"flash\" = flash attention; "
+             f"gradients reduced in buckets during the backward unless the row's note says after "
+             f"it; overlaps a source states and ptdp does not run are priced as stated "
              f"(the row's note).\n\n"
              f"{priced_table(priced)}\n\n{summary(priced)}\n")
     outside = [run for run in runs if not run.priced]

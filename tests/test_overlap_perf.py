@@ -55,10 +55,10 @@ def test_gradient_buckets_hide_under_the_last_backward_but_not_their_last_bucket
             1 + 1e-9)
 
 
-def test_the_paper_software_reduces_after_the_flush():
-    assert paper_kernels(H100).overlap_grad_reduce is False
+def test_ptdp_overlaps_its_gradient_buckets_and_nothing_it_does_not_run():
     assert H100.overlap_grad_reduce is True and not H100.overlap_param_gather
     assert not H100.tensor_comm_overlap
+    assert paper_kernels(H100).overlap_grad_reduce is True    # the row says how it reduced
 
 
 def test_a_weight_gather_under_the_next_forward_hides_all_but_its_first_bucket():
