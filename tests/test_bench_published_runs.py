@@ -45,7 +45,11 @@ def test_every_row_has_every_field_and_no_row_is_a_duplicate():
             assert isinstance(run.sequence_parallel, bool)
             assert isinstance(run.distributed_optimizer, bool)
             assert run.flops in ("paper", "model") and run.kernels in ("paper", "flash")
-            assert run.precision != "fp8" and run.etp == "n/a"
+            assert run.precision != "fp8"
+            # A mixture of experts is priced at its EP and ETP; a dense row has none.
+            assert (run.etp == "n/a") == (not run.shape.config().is_moe), run.name
+            assert (run.layout().ep, run.layout().etp) == (
+                (run.ep, run.etp) if run.shape.config().is_moe else (1, None)), run.name
             assert run.layout().valid_for(run.shape.config(), run.global_batch) == [], run.name
         else:
             assert len(run.out_of_scope) > 2, run.name
