@@ -5,8 +5,13 @@ same generator the executor runs (`build_schedule`), gives every action a
 cost in seconds from an operator model of ptdp's GPT, and plays the action
 lists against each other in an event simulation that respects every send /
 receive dependency (an Exchange completes only once the peers have posted
-its other ends, as in `ptdp.parallel.pipeline.simulate`). After the pipeline
-flush come the gradient reductions and the optimizer step.
+its other ends, as in `ptdp.parallel.pipeline.simulate`). The gradient
+reductions run bucket by bucket under each chunk's last backward (all
+after it where the profile says the run reduced after the backward), the
+tied embedding's sum after both ends have finished, then the optimizer
+step; its weight all-gather may hide under the next iteration's first
+forwards (`overlap_param_gather`). The "data-parallel reduction" category
+is what of them is exposed: what outlasts the backward.
 
 The pieces: operator prices (ptdp.perf.pricing, summed per stage in
 ptdp.perf.stage_costs), the ranks' links (ptdp.perf.machine), the event
