@@ -544,7 +544,11 @@ def profile_of(run: PublishedRun):
     profile = load_profile(run.hardware)
     if run.kernels == "paper":
         profile = paper_kernels(profile)
+    # The rows with rotary embeddings fuse them: the DGX Cloud recipes'
+    # apply_rope_fusion: true (llama3.1/llama3.1_*.yaml), AutoModel's
+    # rope_fusion: true. (The GPT rows have learned positions.)
     return dataclasses.replace(profile, overlap_grad_reduce=not run.gradients_after_backward,
+                               fused_rope=True,
                                **{OVERLAP_FIELDS[o]: True for o in run.overlaps})
 
 

@@ -118,3 +118,23 @@ def test_moe_layers_keep_their_tensor_collectives_whole():
     overlapping = dataclasses.replace(H100, tensor_comm_overlap=True)
     sp = Layout(t=2, b=1, d=1, sequence_parallel=True)
     assert _layer_comm(overlapping, sp, moe)[1:] == _layer_comm(H100, sp, moe)[1:]
+
+
+def test_rotary_embeddings_cost_ptdps_eager_passes_unless_the_run_fuses_them():
+    """ptdp rotates q and k eagerly: five passes (10 reads and writes of
+    the rotated elements each way, 12 launches forward); a run with a fused
+    RoPE kernel (published Megatron runs) one read and one write, 2 launches."""
+    llama = dataclasses.replace(GPT, normalization="RMSNorm", swiglu=True,
+                                position_embedding_type="rope", group_query_attention=True,
+                                num_query_groups=8, disable_bias_linear=True)
+    layout = Layout(t=2, b=1, d=1)
+    fused = dataclasses.replace(H100, fused_rope=True)
+    rotated = 1 * 2048 * (32 + 8) * 128 // 2
+    for profile, passes in ((H100, 10), (fused, 2)):
+        ops = OperatorModel(Workload(llama, 8, "bf16"), layout, profile, Machine(layout, profile))
+        rotary = [op for op in ops.layer_memory() if op[0] == "elementwise"][1]
+        assert rotary[1:] == (passes * rotated * 2, passes * rotated * 2)
+    eager = OperatorModel(Workload(llama, 8, "bf16"), layout, H100, Machine(layout, H100))
+    quick = OperatorModel(Workload(llama, 8, "bf16"), layout, fused, Machine(layout, fused))
+    assert eager._rotary_ops() == 12 and quick._rotary_ops() == 2
+    assert quick.layer_forward().total_work < eager.layer_forward().total_work

@@ -39,11 +39,17 @@ def swiglu_bytes(ffn: int, E: int) -> tuple[float, float]:
     return 3 * ffn * E, 5 * ffn * E
 
 
-def rotary_bytes(elements: int, E: int) -> tuple[float, float]:
-    """Rotating `elements` of q and k (x·cos + rotate_half(x)·sin): read x
-    twice and the half-rotated copy, write the copy and the result; backward
-    the same passes over the gradient."""
-    return 5 * elements * E, 5 * elements * E
+def rotary_bytes(elements: int, E: int, fused: bool = False) -> tuple[float, float]:
+    """Rotating `elements` of q and k as ptdp.model.rotary runs it, eagerly:
+    x·cos + cat(−x₂, x₁)·sin is five passes of N = `elements` (x·cos 2N,
+    the negated half N, the cat 2N, ·sin 2N, the add 3N: 10N reads and
+    writes; the tables are small and stay in cache). Backward the same
+    count: the gradient times sin and cos (2N each), the negated half (N),
+    the halves put back together (2N) and the two paths added (3N).
+    `fused` (a run with a fused RoPE kernel, HardwareProfile.fused_rope):
+    one read and one write each way."""
+    passes = 2 if fused else 10
+    return passes * elements * E, passes * elements * E
 
 
 def residual_bytes(n: int, E: int, dropout: bool) -> tuple[float, float]:
@@ -58,7 +64,7 @@ def copy_bytes(elements: int, E: int) -> tuple[float, float]:
 
 def layer_memory_ops(n: int, n_local: int, ffn: int, scores: int, E: int, *,
                      hidden_dropout: bool, attention_dropout: bool, heads_local: int | None = None,
-                     swiglu: bool = False, rotated: int = 0,
+                     swiglu: bool = False, rotated: int = 0, fused_rope: bool = False,
                      outside: int | None = None) -> list[tuple[str, float, float]]:
     """(class, forward bytes, backward bytes) of one transformer layer's
     memory-bound operators: n = b·s·h, n_local = n/t, ffn = b·s·f/t,
@@ -68,7 +74,8 @@ def layer_memory_ops(n: int, n_local: int, ffn: int, scores: int, E: int, *,
     + b·s·a·d/t, the q/k/v and context elements reshaped (4·n_local without
     grouped queries); `swiglu` prices the gated activation instead of GeLU
     (in the "gelu" class, the element-wise activation); `rotated` =
-    b·s·(a + g)·d/t, the q and k elements rotary embeddings rotate. RMSNorm
+    b·s·(a + g)·d/t, the q and k elements rotary embeddings rotate
+    (`fused_rope`: by one fused kernel). RMSNorm
     is priced as LayerNorm (one read and one write forward, as fused
     kernels do; its statistics are 1/h of that)."""
     reshaped = 4 * n_local if heads_local is None else heads_local
@@ -76,7 +83,7 @@ def layer_memory_ops(n: int, n_local: int, ffn: int, scores: int, E: int, *,
     ops = [("layer_norm", *layer_norm_bytes(outside, E)),
            ("elementwise", *copy_bytes(reshaped, E))]           # q/k/v to heads, context back
     if rotated:
-        ops.append(("elementwise", *rotary_bytes(rotated, E)))
+        ops.append(("elementwise", *rotary_bytes(rotated, E, fused_rope)))
     return ops + [("attention_core", *attention_core_bytes(scores, E, attention_dropout)),
                   ("layer_norm", *layer_norm_bytes(outside, E)),
                   ("gelu", *(swiglu_bytes if swiglu else gelu_bytes)(ffn, E)),

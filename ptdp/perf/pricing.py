@@ -295,13 +295,16 @@ class OperatorModel:
                                 heads_local=tokens * ((a + 2 * g) * d + a * d) // t,
                                 swiglu=model.swiglu,
                                 rotated=tokens * (a + g) * d // t if model.rope else 0,
+                                fused_rope=self.prof.fused_rope,
                                 outside=self.outside())
 
     def memory_ops_seconds(self, ops: list[tuple[str, float, float]], backward: bool) -> float:
         return sum(self.memory(bwd if backward else fwd, op) for op, fwd, bwd in ops)
 
     def _rotary_ops(self) -> int:
-        return ROTARY_FORWARD_OPS if self.w.model.rope else 0
+        if not self.w.model.rope:
+            return 0
+        return 2 if self.prof.fused_rope else ROTARY_FORWARD_OPS   # fused: one kernel for q, one for k
 
     def layer_parameters(self) -> int:
         return sum(analytic._layer_parameters(self.w.model, self.t))

@@ -126,10 +126,13 @@ class HardwareProfile:
     # all-gather of the updated weights under the next iteration's forward
     # (--overlap-param-gather; ptdp gathers after the step); the
     # sequence-parallel tensor collectives pipelined with the GEMM each
-    # feeds or follows (--tp-comm-overlap; ptdp runs them between GEMMs).
+    # feeds or follows (--tp-comm-overlap; ptdp runs them between GEMMs);
+    # rotary embeddings in one fused kernel (Megatron-Core's default rope
+    # fusion; ptdp rotates eagerly, five passes).
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False
     tensor_comm_overlap: bool = False
+    fused_rope: bool = False
     memory_bandwidth: float = 2039 * GB  # bytes/s for memory-bound operators
     op_bandwidth: dict[str, float] = field(default_factory=dict)  # bytes/s by operator class
     intra_bandwidth: float = 300 * GB    # bytes/s per device per direction inside a server
