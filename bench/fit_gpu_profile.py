@@ -19,7 +19,10 @@ measurements of kernels, none from a training run's throughput:
   attention_core, residual, optimizer): the bytes the planner counts for
   ptdp's own operators of that class over their measured time, at the
   largest size measured (where a launch is negligible);
-- `launch_overhead`: `ptdp calibrate`'s chain measurement (per operator).
+- `launch_overhead`: `ptdp calibrate`'s chain measurement (per operator);
+- `attention_efficiency`: the flash blocks' fraction of the per-SM peak for
+  which the profile's forward and backward attention times match the
+  measured causal scaled_dot_product_attention calls (median ratio 1).
 
 It prints the fitted numbers beside the built-in profile's, then
 bench/published_runs.py's table and ptdp's own runs priced with the fitted
@@ -99,6 +102,36 @@ def bandwidth_fit(sweep: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return fitted
 
 
+def attention_fit(sweep: dict[str, Any], base: HardwareProfile) -> dict[str, Any] | None:
+    """The flash blocks' fraction of the per-SM peak (`attention_efficiency`)
+    for which the profile's attention times, forward and backward of every
+    measured call, are too fast as often as too slow (their median ratio to
+    the measurements is 1; bisection: times fall as the fraction rises)."""
+    rows = [r for r in (sweep.get("attention") or {}).get("rows", [])
+            if r.get("forward_s") and r.get("backward_s")]
+    if not rows:
+        return None
+
+    def median_ratio(efficiency: float) -> float:
+        profile = dataclasses.replace(base, attention_efficiency=efficiency)
+        ratios = []
+        for r in rows:
+            forward, backward = profile.attention_seconds(r["heads"], r["seq"], r["head_dim"])
+            ratios += [forward / r["forward_s"], backward / r["backward_s"]]
+        return statistics.median(ratios)
+
+    low, high = 1e-6, 1.0               # bisection on the logarithm (a CPU's is tiny)
+    while high / low > 1 + 1e-6:
+        mid = (low * high) ** 0.5
+        if median_ratio(mid) > 1:       # predicted slower than measured: raise the fraction
+            low = mid
+        else:
+            high = mid
+    efficiency = (low * high) ** 0.5
+    return {"calls": len(rows), "attention_efficiency": efficiency,
+            "median_ratio": median_ratio(efficiency)}
+
+
 def launch_fit(sweep: dict[str, Any]) -> float | None:
     rows = [row for row in sweep["launch"]["rows"] if "calibrate" in row["what"] and
             _measured(row)]
@@ -115,18 +148,24 @@ def fitted_profile(report: dict[str, Any], name: str = "h200") -> tuple[Hardware
     gemm = gemm_fit(sweep, base)
     bandwidths = bandwidth_fit(sweep) if sweep.get("memory") else {}
     launch = launch_fit(sweep) if sweep.get("launch") else None
+    # The flash blocks share the GEMMs' fixed cost per tile: fit them with it.
+    attention = attention_fit(sweep, dataclasses.replace(
+        base, tile_overhead_seconds=gemm["tile_overhead_seconds"]))
     changes: dict[str, Any] = {
         "gemm_efficiency": gemm["gemm_efficiency"],
         "tile_overhead_seconds": gemm["tile_overhead_seconds"],
         "op_bandwidth": {c: fit["bandwidth"] for c, fit in bandwidths.items()}}
     if launch is not None:
         changes["launch_overhead"] = launch
+    if attention is not None:
+        changes["attention_efficiency"] = attention["attention_efficiency"]
     profile = dataclasses.replace(
         base, name=f"{name}-measured", **changes,
         notes=f"{base.notes}; GEMM tile model, memory-bound classes and launches fitted to "
               f"bench/gpu.py's kernel sweep on {sweep.get('device_name')} "
               f"(bench/fit_gpu_profile.py)")
-    return profile, {"gemm": gemm, "bandwidth": bandwidths, "launch": launch}
+    return profile, {"gemm": gemm, "bandwidth": bandwidths, "launch": launch,
+                     "attention": attention}
 
 
 def report_text(base: HardwareProfile, profile: HardwareProfile, details: dict) -> str:
@@ -141,6 +180,11 @@ def report_text(base: HardwareProfile, profile: HardwareProfile, details: dict) 
         lines.append(f"{op_class}: {fit['bandwidth'] / 1e9:.0f} GB/s of the planner's bytes "
                      f"({fit['bandwidth'] / base.memory_bandwidth:.0%} of "
                      f"{base.memory_bandwidth / 1e9:.0f}; {each})")
+    if details.get("attention"):
+        att = details["attention"]
+        lines.append(f"attention ({att['calls']} calls): flash blocks at "
+                     f"{att['attention_efficiency']:.4f} of the per-SM peak (built in: e_max, "
+                     f"{base.gemm_efficiency:.4f})")
     if details["launch"] is not None:
         lines.append(f"launch: {details['launch'] * 1e6:.2f} µs per operator (built in: "
                      f"{base.launch_overhead * 1e6:.2f})")

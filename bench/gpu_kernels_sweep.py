@@ -36,6 +36,10 @@ of one device, measured on it, beside what the planner predicts.
    15 s, its TFLOP/s per half second, first against last, and the SM clock
    where PyTorch can read it: the rows of 1 are bursts, a training run is
    not (`sustained_part`).
+5. Fused attention: causal bf16 scaled_dot_product_attention at the
+   attention calls of the published rows (b·a/t sequences of s, or of s/c
+   blocks), forward and backward against HardwareProfile.attention_seconds
+   (`attention_part`).
 
 Every case that raises is recorded with its message and the rest runs.
 bench/gpu.py runs this file as a child process (`run_isolated`), as it runs
@@ -69,10 +73,11 @@ from ptdp.perf.profiles import HardwareProfile, load_profile
 BENCH = Path(__file__).resolve().parent
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 GEMMS = ("qkv", "proj", "mlp_up", "mlp_down")    # OperatorModel.layer_gemms' names
-# The child's limit in bench/gpu.py (the sweep takes under a minute and a
-# half on an H200: GEMMs capped at 60 s, memory-bound operators at 30 s
-# with torch.compile's build of ptdp's fused kernels, launches a second).
-SECONDS = 150.0
+# The child's limit in bench/gpu.py (the sweep takes about two minutes on
+# an H200: GEMMs capped at 60 s, memory-bound operators at 30 s with
+# torch.compile's build of ptdp's fused kernels, launches a second, the
+# sustained GEMM 15 s, attention capped at 20 s).
+SECONDS = 180.0
 MIB, GIB = 2 ** 20, 2 ** 30
 # Cycle a small GEMM's operands through copies of at least this many bytes:
 # an H100/H200 has 50 MiB of L2, and in training a layer's operands come
@@ -101,6 +106,9 @@ class Sizes:
     rotation_bytes: int
     sustain_s: float = 0.0              # the sustained GEMM: seconds back to back (0: skipped)
     sustain_window_s: float = 0.5       # its throughput is sampled over windows this long
+    attention_cap: int = 0              # at most this many published attention shapes
+    attention_scale: int = 1            # their heads and lengths divided by this (--tiny)
+    attention_cap_s: float = 30.0
 
 
 GPU_SIZES = Sizes(
@@ -115,7 +123,8 @@ GPU_SIZES = Sizes(
     gemm_dtypes=("bf16", "fp16"), gemm_cap_s=60.0, case_budget_s=0.05, warmup=3, min_reps=5,
     max_reps=50, activation_bytes=(64 * MIB, 256 * MIB, GIB), row=4096,
     optimizer_params=(16 * 2 ** 20, 64 * 2 ** 20, 256 * 2 ** 20), memory_cap_s=30.0,
-    launches=1000, launch_budget_s=1.0, rotation_bytes=ROTATION_BYTES, sustain_s=15.0)
+    launches=1000, launch_budget_s=1.0, rotation_bytes=ROTATION_BYTES, sustain_s=15.0,
+    attention_cap=16, attention_cap_s=20.0)
 
 # Seconds on a CPU: the same steps on small shapes (published ones scaled
 # down); its figures are a check of the script, not results.
@@ -125,7 +134,8 @@ TINY_SIZES = Sizes(
     gemm_dtypes=("bf16", "fp16"), gemm_cap_s=20.0, case_budget_s=0.002, warmup=1, min_reps=2,
     max_reps=3, activation_bytes=(256 * 2 ** 10, MIB), row=256,
     optimizer_params=(2 ** 16,), memory_cap_s=10.0, launches=200, launch_budget_s=0.02,
-    rotation_bytes=0, sustain_s=0.2, sustain_window_s=0.05)
+    rotation_bytes=0, sustain_s=0.2, sustain_window_s=0.05, attention_cap=3, attention_scale=16,
+    attention_cap_s=10.0)
 
 
 def _failure(error: BaseException) -> str:
@@ -282,6 +292,117 @@ def gemm_part(device: torch.device, sizes: Sizes, profile: HardwareProfile) -> d
             "published_measured": sum(c["kind"] == "published" for c in cases),
             "seconds": time.monotonic() - started, "cap_s": sizes.gemm_cap_s,
             "skipped_cases": skipped, "error": problem}
+
+
+def published_attention(profile: HardwareProfile | None = None) -> list[dict[str, Any]]:
+    """The distinct fused-attention calls (sequences, length, head size) of
+    one layer of every priced flash-kernel row of bench/published_runs.py,
+    as the planner prices them (OperatorModel.attention_shape: b·a/t
+    sequences, split further by context parallelism), the most work first."""
+    from ptdp.perf.layout import Workload
+    from ptdp.perf.machine import Machine
+    from ptdp.perf.pricing import OperatorModel
+
+    runs = _bench_module("published_runs").RUNS
+    profile = profile or load_profile("h200")
+    shapes: dict[tuple[int, int, int], list[str]] = {}
+    for run in runs:
+        if not run.priced or run.kernels != "flash" or isinstance(run.shape, str):
+            continue
+        layout = run.layout()
+        model = OperatorModel(Workload(run.shape.config(), run.global_batch, "bf16"), layout,
+                              profile, Machine(layout, profile))
+        heads, length = model.attention_shape()
+        shapes.setdefault((heads, length, model.d), []).append(run.name)
+    ordered = sorted(shapes.items(), key=lambda item: (-item[0][0] * item[0][1] ** 2 * item[0][2],
+                                                       item[0]))
+    return [{"heads": h, "seq": s, "head_dim": d, "sources": sources}
+            for (h, s, d), sources in ordered]
+
+
+def measure_attention(heads: int, seq: int, head_dim: int, device: torch.device, sizes: Sizes,
+                      profile: HardwareProfile) -> dict[str, Any]:
+    """Causal bf16 scaled_dot_product_attention over `heads` sequences
+    (the fused kernel PyTorch picks): forward, and forward + backward, each
+    the median after warm-up; the backward is their difference. Beside
+    them the profile's attention_seconds."""
+    dtype = DTYPES["bf16"]
+    q, k, v = (torch.randn(1, heads, seq, head_dim, device=device, dtype=dtype,
+                           requires_grad=True) for _ in range(3))
+    grad = torch.randn(1, heads, seq, head_dim, device=device, dtype=dtype)
+
+    def forward():
+        with torch.no_grad():
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def both():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+
+    forward_s, reps = median_seconds(forward, device, sizes)
+    both_s, _ = median_seconds(both, device, sizes)
+    predicted_f, predicted_b = profile.attention_seconds(heads, seq, head_dim, causal=True)
+    backward_s = max(both_s - forward_s, 0.0)
+    flops = 4.0 * heads * seq * seq * head_dim / 2          # causal: half the block pairs
+    return {"forward_s": forward_s, "backward_s": backward_s, "reps": reps,
+            "forward_tflops": flops / forward_s / 1e12,
+            "backward_tflops": 2.5 * flops / backward_s / 1e12 if backward_s else None,
+            "predicted_forward_s": predicted_f, "predicted_backward_s": predicted_b,
+            "forward_ratio": forward_s / predicted_f if predicted_f else None,
+            "backward_ratio": backward_s / predicted_b if predicted_b and backward_s else None}
+
+
+def attention_part(device: torch.device, sizes: Sizes, profile: HardwareProfile
+                   ) -> dict[str, Any]:
+    """The published rows' attention calls (`published_attention`), scaled
+    down by `attention_scale` on a CPU, each measured against the profile."""
+    if sizes.attention_cap <= 0:
+        return {"rows": [], "skipped": "no attention shapes at these sizes"}
+    started = time.monotonic()
+    rows = []
+    for case in published_attention(profile)[:sizes.attention_cap]:
+        heads = max(1, case["heads"] // sizes.attention_scale)
+        seq = max(16, case["seq"] // sizes.attention_scale)
+        row: dict[str, Any] = {"heads": heads, "seq": seq, "head_dim": case["head_dim"],
+                               "sources": case["sources"]}
+        if time.monotonic() - started > sizes.attention_cap_s:
+            row["skipped"] = f"over the part's {sizes.attention_cap_s:g} s cap"
+        else:
+            try:
+                row.update(measure_attention(heads, seq, case["head_dim"], device, sizes, profile))
+            except Exception as error:  # noqa: BLE001 - one shape's failure must not lose the rest
+                row["error"] = _failure(error)
+        rows.append(row)
+        devices.release_cached_memory(device)
+    return {"rows": rows, "seconds": time.monotonic() - started}
+
+
+def attention_lines(part: dict[str, Any], report: dict[str, Any]) -> list[str]:
+    measured = [r for r in part["rows"] if r.get("forward_ratio")]
+    if not measured:
+        return [f"kernel sweep, attention: {part.get('skipped', 'nothing measured')}"]
+    forward = statistics.median(r["forward_ratio"] for r in measured)
+    backward = [r["backward_ratio"] for r in measured if r.get("backward_ratio")]
+    text = (f"kernel sweep, attention (causal bf16 SDPA, {len(measured)} published shapes): "
+            f"measured / predicted forward {forward:.2f}")
+    if backward:
+        text += f", backward {statistics.median(backward):.2f}"
+    return [text + " (medians)"]
+
+
+def attention_table(part: dict[str, Any]) -> list[str]:
+    lines = ["| sequences × length × head size | forward ms | TFLOP/s | predicted ms | "
+             "backward ms | TFLOP/s | predicted ms |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in part["rows"]:
+        label = f"{r['heads']} × {r['seq']} × {r['head_dim']}"
+        if "forward_s" not in r:
+            lines.append(f"| {label} | {r.get('error') or r.get('skipped')} | | | | | |")
+            continue
+        back = (f"{r['backward_s'] * 1e3:.3f} | {r['backward_tflops']:.0f}"
+                if r.get("backward_tflops") else "– | –")
+        lines.append(f"| {label} | {r['forward_s'] * 1e3:.3f} | {r['forward_tflops']:.0f} | "
+                     f"{r['predicted_forward_s'] * 1e3:.3f} | {back} | "
+                     f"{r['predicted_backward_s'] * 1e3:.3f} |")
+    return lines
 
 
 def _clock_mhz(device: torch.device) -> float | None:
@@ -564,7 +685,7 @@ def launch_part(device: torch.device, sizes: Sizes, profile: HardwareProfile) ->
 
 def section(device: torch.device, tiny: bool, say: Callable[[str], None],
             sizes: Sizes | None = None) -> dict[str, Any]:
-    """The four parts on `device`; a part or a case that fails is recorded, never raised."""
+    """The five parts on `device`; a part or a case that fails is recorded, never raised."""
     sizes = sizes or (TINY_SIZES if tiny else GPU_SIZES)
     name = devices.device_name(device) if device.type == "cuda" else "cpu"
     profile_name, profile = profile_for(device, name)
@@ -581,11 +702,13 @@ def section(device: torch.device, tiny: bool, say: Callable[[str], None],
         "reduced_precision_reduction": {   # None where this PyTorch has no such switch
             "bf16": getattr(matmul, "allow_bf16_reduced_precision_reduction", None),
             "fp16": getattr(matmul, "allow_fp16_reduced_precision_reduction", None)},
-        "gemm": None, "memory": None, "launch": None, "sustained": None, "errors": []}
+        "gemm": None, "memory": None, "launch": None, "sustained": None, "attention": None,
+        "errors": []}
 
     for part, run, lines in (("gemm", gemm_part, gemm_lines), ("memory", memory_part, memory_lines),
                              ("launch", launch_part, launch_lines),
-                             ("sustained", sustained_part, sustained_lines)):
+                             ("sustained", sustained_part, sustained_lines),
+                             ("attention", attention_part, attention_lines)):
         try:
             report[part] = run(device, sizes, profile)
         except Exception as error:  # noqa: BLE001 - the other parts still run
@@ -753,6 +876,10 @@ def markdown(report: dict[str, Any] | None) -> str:
         lines += ["", "Launch overhead:", ""] + launch_table(report["launch"])
     if report.get("sustained"):
         lines += ["", "Sustained GEMM: " + sustained_summary(report["sustained"]) + "."]
+    if report.get("attention") and report["attention"]["rows"]:
+        lines += ["", "Fused attention (causal bf16 scaled_dot_product_attention, the published "
+                  "rows' calls; TFLOP/s count the causal half, the backward 2.5× the forward):",
+                  ""] + attention_table(report["attention"])
     return "\n".join(lines) + "\n"
 
 

@@ -6,6 +6,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -340,6 +341,12 @@ def test_tiny_run_sweeps_kernels(tiny_run):
     assert len(sustained["tflops"]) >= 2 and all(map(_positive_and_finite, sustained["tflops"]))
     assert sustained["last_over_first"] == pytest.approx(sustained["last"] / sustained["first"])
     assert "kernel sweep, sustained GEMM: [" in stdout and "Sustained GEMM: [" in stdout
+    # Fused attention at the published rows' calls (scaled), against the profile.
+    calls = sweep["attention"]["rows"]
+    assert len(calls) == 3 and all(r["forward_s"] > 0 and r["predicted_forward_s"] > 0
+                                   for r in calls)
+    assert "kernel sweep, attention (causal bf16 SDPA, 3 published shapes)" in stdout
+    assert "| sequences × length × head size | forward ms |" in stdout
 
 
 def test_a_raising_sweep_case_is_recorded_and_the_rest_runs(sweep, monkeypatch):
@@ -440,6 +447,15 @@ def test_a_profile_fitted_to_the_sweep(tiny_run, tmp_path):
         chosen = [largest[name] for name in names]
         assert profile.op_bandwidth[op_class] == pytest.approx(
             sum(r["planner_bytes"] for r in chosen) / sum(r["seconds"] for r in chosen))
+    attention = [r for r in sweep["attention"]["rows"] if r.get("backward_s")]
+    assert attention and profile.attention_efficiency > 0
+    ratios = []
+    for r in attention:
+        forward, backward = profile.attention_seconds(r["heads"], r["seq"], r["head_dim"])
+        ratios += [forward / r["forward_s"], backward / r["backward_s"]]
+    # As close to 1 as the model's steps allow (waves, the bytes' floor).
+    assert statistics.median(ratios) == pytest.approx(1.0, rel=0.05)
+    assert details["attention"]["median_ratio"] == pytest.approx(statistics.median(ratios))
     calibrate_row = [r for r in sweep["launch"]["rows"] if "calibrate" in r["what"]][0]
     assert profile.launch_overhead == calibrate_row["seconds"]
     assert "e_max" in fit.report_text(base, profile, details)

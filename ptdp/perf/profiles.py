@@ -118,6 +118,9 @@ class HardwareProfile:
     gemm_tile: tuple[int, int] = (128, 128)  # output tile [m, n] of one thread block
     tile_overhead_seconds: float = 1e-6  # fixed cost per tile: prologue and epilogue
     fused_attention: bool = False        # attention core as one flash-attention kernel
+    # The fraction of the per-SM peak a flash-attention block pair reaches
+    # (0: e_max, the GEMMs'); measured by bench/gpu.py's kernel sweep.
+    attention_efficiency: float = 0.0
     # The priced run's software where it is not ptdp's (published runs of
     # Megatron-LM and NeMo, bench/published_runs.py; ptdp's own plans keep
     # these defaults): gradient buckets reduced during each chunk's last
@@ -222,7 +225,10 @@ class HardwareProfile:
                           ) -> tuple[float, float]:
         """(forward, backward) seconds of the fused attention kernel over
         `batch_heads` sequences of s positions, head size `head_dim`."""
-        return gemm.attention_seconds(self.tiled_device(precision), batch_heads, s, head_dim,
+        device = self.tiled_device(precision)
+        if self.attention_efficiency > 0:
+            device = replace(device, achievable_fraction=self.attention_efficiency)
+        return gemm.attention_seconds(device, batch_heads, s, head_dim,
                                       causal=causal, bytes_per_element=bytes_per_element)
 
     def memory_seconds(self, nbytes: float, op: str = "elementwise") -> float:
