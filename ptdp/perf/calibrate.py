@@ -193,7 +193,7 @@ def _operators(gemm_seconds: Callable[..., float], cold_bytes: int = COLD_BYTES,
     sets = _rotation(lambda: leaf(s, b, V), 3 * b * s * V * E)
     ops["cross_entropy"] = (_cycle(sets, lambda x: backward(
         vocab_parallel_cross_entropy(x, labels, 0, None), grad_loss)),
-        sum(operator_bytes.cross_entropy_bytes(b * s * V)), 0.0)
+        sum(operator_bytes.cross_entropy_bytes(b * s * V, E)), 0.0)
 
     elements = optimizer_elements
     main, grad = torch.randn(elements), torch.randn(elements)

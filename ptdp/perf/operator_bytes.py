@@ -91,8 +91,13 @@ def layer_memory_ops(n: int, n_local: int, ffn: int, scores: int, E: int, *,
                   ("residual", *residual_bytes(outside, E, hidden_dropout))]
 
 
-def cross_entropy_bytes(logits: int) -> tuple[float, float]:
-    """The vocabulary-parallel cross entropy over `logits` fp32 elements:
-    about six passes forward (max, subtract, exp, sum, log, gather) and three
-    backward (softmax, minus the one-hot, scale)."""
-    return 6 * logits * 4, 3 * logits * 4
+def cross_entropy_bytes(logits: int, E: int = 4) -> tuple[float, float]:
+    """ptdp's vocabulary-parallel cross entropy (ptdp.parallel.tensor) over
+    `logits` elements of E bytes, as it runs: forward the cast to fp32
+    (read E, write 4; none at E = 4), the max (read 4), the shift (read and
+    write 4), exp in place (8), the sum (4) and the softmax's division in
+    place (8); backward the scale in place (8) and the cast back (read 4,
+    write E; none at E = 4). The gather and the one-hot's scatter touch one
+    element per token."""
+    cast = E + 4 if E != 4 else 0
+    return (cast + 4 + 8 + 8 + 4 + 8) * logits, (8 + cast) * logits

@@ -489,13 +489,14 @@ class OperatorModel:
         return self.b * self.s * self.V // self.t
 
     def head_forward(self) -> Cost:
-        """Final LayerNorm, logits, cross entropy (about six passes over the
-        logits). Under sequence parallelism the norm runs on s/t positions
-        and the logits GEMM gathers the sequence first."""
+        """Final LayerNorm, logits, cross entropy (its passes over the logits:
+        operator_bytes.cross_entropy_bytes). Under sequence parallelism the
+        norm runs on s/t positions and the logits GEMM gathers the sequence
+        first."""
         logits = self._logit_elements()
         seconds = (self.gemm(self.b * self.s, self.V // self.t, self.h)
                    + self.memory(layer_norm_bytes(self.outside(), self.E)[0], "layer_norm")
-                   + self.memory(cross_entropy_bytes(logits)[0], "cross_entropy")
+                   + self.memory(cross_entropy_bytes(logits, self.E)[0], "cross_entropy")
                    + self.launches(20))
         cost = Cost().add("forward compute", seconds)
         cost.comm = 3 * self.machine.tensor_allreduce(self.b * self.s * 4)
@@ -508,7 +509,7 @@ class OperatorModel:
         table = self.V // self.t * self.h
         seconds = (self.gemm_backward(self.b * self.s, self.V // self.t, self.h)
                    + self.memory(layer_norm_bytes(self.outside(), self.E)[1], "layer_norm")
-                   + self.memory(cross_entropy_bytes(logits)[1], "cross_entropy")
+                   + self.memory(cross_entropy_bytes(logits, self.E)[1], "cross_entropy")
                    + self.memory(table * 2 * GRAD_BYTES)
                    + self.launches(HEAD_BACKWARD_OPS))
         cost = Cost().add("backward compute", seconds)
