@@ -124,11 +124,22 @@ PEERS_GPT = ModelConfig(num_layers=8, hidden_size=256, num_attention_heads=8, se
                         vocab_size=8192)
 
 
+# A mixture of experts (every layer but the first): its stages priced as the simulator prices them.
+SMALL_MOE = ModelConfig(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=2048,
+                        vocab_size=32000, swiglu=True, normalization="RMSNorm",
+                        position_embedding_type="rope", disable_bias_linear=True,
+                        hidden_dropout=0.0, attention_dropout=0.0, num_experts=16,
+                        moe_router_topk=2, moe_ffn_hidden_size=1024,
+                        moe_layer_freq="([0]+[1]*3)")
+
+
 @pytest.mark.parametrize("workload, devices, profile, priced", [
-    (Workload(GPT_18B, 64), 16, A100, 0.5),               # servers of 8: links of both kinds
+    # 8 layers of the 18B's width; servers of 8: links of both kinds.
+    (Workload(dataclasses.replace(GPT_18B, num_layers=8), 64), 16, A100, 0.5),
     # Contention stretches computes beyond the bound: it prunes less.
     (Workload(PEERS_GPT, 16, "fp32"), 8, SMALL_CPU, 0.75),
-], ids=["18B-a100", "small-cpu"])
+    (Workload(SMALL_MOE, 32), 4, load_profile("h100"), 0.25),
+], ids=["18B-wide-a100", "small-cpu", "moe-h100"])
 def test_the_lower_bound_holds_and_the_pruned_search_equals_pricing_everything(
         workload, devices, profile, priced):
     """No layout's simulated time is below its bound (the search's pruning
@@ -163,6 +174,13 @@ def test_the_lower_bound_is_the_makespan_when_only_compute_costs():
         bound = compute_lower_bound(workload, layout, free)
         assert bound <= predicted.iteration_seconds * (1 + 1e-12)
         assert bound == pytest.approx(predicted.iteration_seconds, rel=0.02), layout
+    # A mixture of experts: the bound prices its MoE layers as the simulator does.
+    moe = Workload(dataclasses.replace(SMALL_MOE, seq_length=1024, vocab_size=128), 16)
+    for layout in (Layout(p=2, b=1), Layout(p=4, b=1, ep=2, d=2)):
+        predicted = evaluate_layout(moe, layout, free).prediction
+        bound = compute_lower_bound(moe, layout, free)
+        assert bound <= predicted.iteration_seconds * (1 + 1e-12)
+        assert bound == pytest.approx(predicted.iteration_seconds, rel=0.05), layout
 
 
 def test_print_flags_is_a_whole_train_command_for_the_planned_model(capsys):

@@ -9,6 +9,7 @@ import functools
 from ptdp.parallel.pipeline.actions import virtual_stage_of
 from ptdp.perf.after_flush import after_flush
 from ptdp.perf.layout import Layout, Workload
+from ptdp.perf.moe_costs import stage_moe_layers
 from ptdp.perf.pricing import OperatorModel
 from ptdp.perf.profiles import HardwareProfile
 from ptdp.perf.stage_costs import operator_model, stage_costs
@@ -41,7 +42,9 @@ def compute_lower_bound(workload: Workload, layout: Layout, profile: HardwarePro
     layers = layout.stage_layers(ops.l)
     stage_of = _stage_table(kind, p, v)
     totals = [_stage_seconds(ops, layout.recompute, layout.zero_bubble, stage == 0,
-                             stage == p * v - 1, layers[stage]) for stage in range(p * v)]
+                             stage == p * v - 1, layers[stage],
+                             stage_moe_layers(ops.w.model, layers, stage), (layout.ep, layout.etp))
+              for stage in range(p * v)]
     after = after_flush(workload, layout, profile, ops)
     bound = 0.0
     head = tail = 0.0   # over the stages before rank r's first stage (stage r)
@@ -63,11 +66,14 @@ def _stage_table(kind: str, p: int, v: int) -> tuple[tuple[int, ...], ...]:
 
 
 def _stage_seconds(ops: OperatorModel, recompute: str | None, zero_bubble: bool, first: bool,
-                   last: bool, layers: int) -> tuple[float, ...]:
-    """Seconds (work and collectives) of a stage's F, B (and W): `stage_costs` summed."""
-    key = ("seconds", recompute, zero_bubble, first, last, layers)
+                   last: bool, layers: int, moe_layers: int = 0,
+                   experts: tuple[int, int | None] = (1, None)) -> tuple[float, ...]:
+    """Seconds (work and collectives) of a stage's F, B (and W): `stage_costs`
+    summed, its MoE layers priced as such (as simulate prices them)."""
+    key = ("seconds", recompute, zero_bubble, first, last, layers) + (
+        (moe_layers, experts) if moe_layers else ())
     if key not in ops.memo:
-        costs = stage_costs(ops, recompute, zero_bubble, first, last, layers)
+        costs = stage_costs(ops, recompute, zero_bubble, first, last, layers, moe_layers, experts)
         ops.memo[key] = tuple(costs.of(op).total_work + costs.of(op).comm
                               for op in (("F", "B", "W") if zero_bubble else ("F", "B")))
     return ops.memo[key]
