@@ -396,6 +396,17 @@ def assumptions(workload: Workload, devices: int, profile) -> str:
             f"{workload.precision}, global batch {workload.global_batch}, {devices} devices "
             f"of profile {profile.name}")
 
+def caveat(profile) -> str | None:
+    """What a user of this profile should know about its accuracy for
+    ptdp's own runs (README, "Planning a run, and how far to trust it")."""
+    if profile.name in ("h100", "h200"):
+        return ("note: on h100/h200 this model prices ptdp's operators beyond the matrix "
+                "products at the data sheet's bandwidth; ptdp's own runs on an H200 measured "
+                "slower than it predicts (14 to 27 %, README: \"Planning a run, and how far to "
+                "trust it\")")
+    return None
+
+
 # A mixture of experts' settings that shape its costs (ptdp.config.moe; ptdp train's flags).
 MOE_SETTINGS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk",
                 "moe_shared_expert_intermediate_size", "moe_layer_freq",
@@ -589,6 +600,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
     else:
         print(f"model: {parameter_count(model) / 1e9:.3g} B parameters")
         print(assumptions(workload, args.gpus, profile))
+        if caveat(profile):
+            print(caveat(profile))
         print(dimensions)
         print(table(results, args.top))
         print()
