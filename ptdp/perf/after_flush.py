@@ -59,7 +59,6 @@ class AfterFlush:
     reductions (the tied embedding's sum between the ranks in `ends`, the
     sequence-parallel partial sums `partial_sums`, the data-parallel
     reduction) and its optimizer step."""
-    reductions: list[float]
     partial_sums: list[float]
     optimizer: list[float]
     ends: tuple[int, int]          # ranks of the first and the last stage
@@ -75,12 +74,11 @@ class AfterFlush:
     # (HardwareProfile.overlap_param_gather; 0 otherwise): all of it but
     # the first bucket, which the first forward waits for.
     hideable_gather: list[float]
+    overlapped: bool               # buckets reduced during the backward (else after the flush)
 
     def optimizer_at_least(self, rank: int) -> float:
         """The least of rank `rank`'s optimizer step any schedule leaves exposed."""
         return self.optimizer[rank] - self.hideable_gather[rank]
-
-    overlapped: bool               # buckets reduced during the backward (else after the flush)
 
     def exposed_at_least(self, rank: int) -> float:
         """Reduction seconds rank `rank` spends after its last backward in
@@ -128,19 +126,20 @@ def _price_after_flush(workload: Workload, layout: Layout, profile: HardwareProf
                         for n in _partial_gradient_buckets(
                             ops.model_key, analytic.placement_of_parameters(layout), r))
                     for r in range(p)]
-    reductions, optimizer, bucketed, shares, last_bucket, hideable = [], [], [], [], [], []
+    optimizer, bucketed, shares, last_bucket, hideable = [], [], [], [], []
     parameters = parameter_counts(ops.model_key, analytic.placement_of_parameters(layout))
     bucket_size = TrainConfig().ddp_bucket_size
     for r in range(p):
         params = sum(parameters[r])
         seconds = machine.data_parallel(params * GRAD_BYTES, r,
                                         reduce_scatter_only=layout.distributed_optimizer)
-        reductions.append(seconds + (embedding if r in ends else 0.0) + partial_sums[r])
         bucketed.append(seconds + partial_sums[r])
         shares.append(tuple(n / params if params else 0.0 for n in parameters[r]))
+        # A bucket's share of the rank's parameters (its chunks' smallest
+        # holds at most one): the last reduced, the first gathered.
         smallest_chunk = min((n for n in parameters[r] if n), default=0)
-        last_bucket.append(bucketed[-1] * min(bucket_size, smallest_chunk) / params
-                           if params else 0.0)
+        one_bucket = min(bucket_size, smallest_chunk) / params if params else 0.0
+        last_bucket.append(bucketed[-1] * one_bucket)
         # The distributed optimizer shards over the d·c ranks holding the same parameters.
         owned = params / (d * layout.c) if layout.distributed_optimizer else params
         step_bytes = params * GRAD_BYTES + owned * OPTIMIZER_BYTES_PER_PARAMETER  # zero + step
@@ -153,10 +152,9 @@ def _price_after_flush(workload: Workload, layout: Layout, profile: HardwareProf
         if layout.distributed_optimizer:
             gather = machine.data_parallel(params * ops.E, r, reduce_scatter_only=True)
         optimizer.append(work + comm + gather)
-        first_bucket = gather * min(bucket_size, smallest_chunk) / params if params else 0.0
-        hideable.append(gather - first_bucket if profile.overlap_param_gather else 0.0)
-    return AfterFlush(reductions, partial_sums, optimizer, ends, embedding, bucketed, shares,
-                      last_bucket, hideable, profile.overlap_grad_reduce)
+        hideable.append(gather * (1 - one_bucket) if profile.overlap_param_gather else 0.0)
+    return AfterFlush(partial_sums, optimizer, ends, embedding, bucketed, shares, last_bucket,
+                      hideable, profile.overlap_grad_reduce)
 
 
 @functools.lru_cache(maxsize=65536)
