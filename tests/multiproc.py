@@ -118,15 +118,24 @@ class ProcessPool:
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.processes)
 
-    def close(self) -> None:
+    def ask_to_stop(self) -> None:
+        """Tell every rank to leave its loop (it then ends its process group)."""
         for conn, process in zip(self.conns, self.processes):
             try:
                 if process.is_alive():
                     conn.send(None)
             except (BrokenPipeError, OSError):
                 pass
+
+    def close(self, deadline: float | None = None) -> None:
+        """Stop the ranks: all of them asked at once, then joined until
+        `deadline` (time.monotonic(); default 2 s from now) together, not 2 s
+        each; a rank still alive then is killed."""
+        self.ask_to_stop()
+        deadline = time.monotonic() + 2 if deadline is None else deadline
         for process in self.processes:
-            process.join(2)
+            process.join(max(0.0, deadline - time.monotonic()))
+        for process in self.processes:
             if process.is_alive():
                 process.kill()
                 process.join()
@@ -146,5 +155,9 @@ class Pools:
         return pool
 
     def close(self) -> None:
+        # Every pool's ranks stop at once: their process groups end in parallel.
         for pool in self.pools.values():
-            pool.close()
+            pool.ask_to_stop()
+        deadline = time.monotonic() + 2
+        for pool in self.pools.values():
+            pool.close(deadline)
