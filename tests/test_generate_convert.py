@@ -57,8 +57,6 @@ def test_generation_is_the_same_under_every_layout(checkpoint):
     assert all(len(tokens) == 10 and all(t.isdigit() and int(t) < 32 for t in tokens)
                for tokens in reference.values())
     assert _generate(checkpoint, *greedy, "-t", "2", "-p", "2") == reference["greedy"]
-    assert _generate(checkpoint, *greedy, "-p", "2",
-                     "--num-layers-per-virtual-pipeline-stage", "1") == reference["greedy"]
     # Sampling on the last stage draws the same tokens under t, p and interleaving at once.
     assert _generate(checkpoint, *sampled, "-t", "2", "-p", "2",
                      "--num-layers-per-virtual-pipeline-stage", "1") == reference["sampled"]
