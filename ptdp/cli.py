@@ -532,7 +532,7 @@ def run_train(config: Config, explicit: Sequence[str] = (), accepted: Sequence =
     from ptdp.train.checkpoint_data import resolve_data
     from ptdp.device import resolve_kind
     from ptdp.distributed import LOOPBACK, DistEnv, detect_env
-    from ptdp.launch import LocalJobFailed, launch_local
+    from ptdp.launch import CPU_RANK_MODULES, LocalJobFailed, launch_local
     from ptdp.train.checkpoint import nothing_to_train
     from ptdp.train.checkpoint_args import with_checkpoint_shape
     from ptdp.train.loop import worker
@@ -583,7 +583,7 @@ def run_train(config: Config, explicit: Sequence[str] = (), accepted: Sequence =
     cores = os.cpu_count() or 1
     if kind == "cpu" and world > 2 * cores:
         print(f"ptdp: note: {plural(world, 'process')} share {plural(cores, 'CPU core')}: each "
-              f"waits for the others most of the time, so starting them takes minutes and every "
+              f"waits for the others most of the time, so every "
               f"iteration is slower than with fewer processes; such a layout checks equivalence, "
               f"it is not for speed", flush=True)
     if world == 1:
@@ -591,7 +591,8 @@ def run_train(config: Config, explicit: Sequence[str] = (), accepted: Sequence =
                        master_addr=LOOPBACK, master_port=0, source="local"), config)
         return 0
     try:
-        launch_local(world, worker, config, forward_signals=_forwarded_signals(config))
+        launch_local(world, worker, config, forward_signals=_forwarded_signals(config),
+                     preload=CPU_RANK_MODULES if kind == "cpu" else ())
     except LocalJobFailed as failure:
         others = world - 1
         print(f"ptdp: stopped the {others} other rank{'s' if others > 1 else ''}", file=sys.stderr)

@@ -339,7 +339,7 @@ def run_generate_command(args: argparse.Namespace) -> int:
     from ptdp import device as devices
     from ptdp.train.checkpoint_data import model_tokenizer
     from ptdp.data.tokenizer import TokenizerError
-    from ptdp.launch import LocalJobFailed, launch_local
+    from ptdp.launch import CPU_RANK_MODULES, LocalJobFailed, launch_local
     from ptdp.parallel.topology import ParallelContext
     from ptdp.train.checkpoint import CheckpointError
 
@@ -379,7 +379,8 @@ def run_generate_command(args: argparse.Namespace) -> int:
         print(text, flush=True)
         return 0
     try:
-        launch_local(world, _generate_worker, request)
+        launch_local(world, _generate_worker, request,
+                     preload=CPU_RANK_MODULES if kind == "cpu" else ())
     except LocalJobFailed as failure:
         failure.report()  # a user error as one paragraph, the cause on the last line
         return 1

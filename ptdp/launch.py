@@ -25,6 +25,12 @@ No rank outlives what started it: a local rank, and a worker under torchrun,
 asks the kernel for SIGTERM when its parent dies (`ptdp train`, or
 torchrun's agent), which the graceful-exit handler takes as "save and stop";
 one that starts after its parent already died stops at once.
+
+Local ranks on the CPU are forked from a server process that imported torch
+and ptdp once (multiprocessing's forkserver, which exits with the launcher;
+a rank's parent is that server), not each started afresh: eight ranks on two
+cores used to spend seconds importing the same modules eight times. On GPUs
+every rank is a fresh interpreter (spawn), as CUDA wants.
 """
 
 from __future__ import annotations
@@ -119,6 +125,16 @@ def die_with_parent(parent: int) -> bool:
     return os.getppid() == parent
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def follow_torchrun_agent(parent: int) -> bool:
     """In a worker that torchrun's agent started (it sets TORCHELASTIC_RUN_ID):
     PARENT_DEATH_SIGNAL when the agent dies, so that no worker trains on as
@@ -134,9 +150,17 @@ def follow_torchrun_agent(parent: int) -> bool:
 
 
 def _local_worker(env: DistEnv, entry: Callable[[DistEnv, Any], Any], payload: Any,
-                  reports: multiprocessing.connection.Connection, launcher: int) -> None:
-    if not die_with_parent(launcher):
+                  reports: multiprocessing.connection.Connection, launcher: int,
+                  start_method: str, environ: dict[str, str]) -> None:
+    # A forked rank's parent is the fork server, which exits when the
+    # launcher does (and so passes the signal on); a spawned rank's is the
+    # launcher itself.
+    parent = launcher if start_method == "spawn" else os.getppid()
+    if not die_with_parent(parent) or not _alive(launcher):
         os.kill(os.getpid(), PARENT_DEATH_SIGNAL)  # what the kernel would have sent
+    if os.environ != environ:  # a fork server keeps the environment it started with
+        os.environ.clear()
+        os.environ.update(environ)
     # Started with Ctrl-C ignored (and held back; see `_start_rank`): from
     # here on it stops this rank at once, as in a process of its own.
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -219,8 +243,13 @@ class LocalJobFailed(RuntimeError):
 
 # ------------------------------------------------------------------ launching
 
+# What a training or generating rank imports: forked ready from a server
+# that imported it once (CPU jobs).
+CPU_RANK_MODULES = ("ptdp.train.loop", "ptdp.generate")
+
+
 def launch_local(world_size: int, entry: Callable[[DistEnv, Any], Any], payload: Any, *,
-                 forward_signals: tuple[int, ...] = ()) -> None:
+                 forward_signals: tuple[int, ...] = (), preload: tuple[str, ...] = ()) -> None:
     """Run `entry(env, payload)` in `world_size` new local processes and wait.
 
     Raises LocalJobFailed for the rank where a failure began, after every
@@ -228,9 +257,12 @@ def launch_local(world_size: int, entry: Callable[[DistEnv, Any], Any], payload:
     Each of `forward_signals` that this process receives meanwhile is sent
     on to every rank (the ranks' graceful-exit signals): ranks that then
     exit 0 make a normal return. Call from the main thread when forwarding.
+    `preload`: modules to import once in a fork server that forks the ranks
+    (CPU jobs only: a process that forks must not have touched CUDA); empty,
+    every rank is a fresh interpreter.
     """
     store = _loopback_store(world_size)
-    context = mp.get_context("spawn")
+    context = _rank_context(preload)
     ranks: _Ranks | None = None
     processes: list = []
     report_pipes: list = []
@@ -243,7 +275,8 @@ def launch_local(world_size: int, entry: Callable[[DistEnv, Any], Any], payload:
                               master_port=store.port, source="local")
                 receiver, sender = context.Pipe(duplex=False)
                 process = context.Process(target=_local_worker,
-                                          args=(env, entry, payload, sender, os.getpid()),
+                                          args=(env, entry, payload, sender, os.getpid(),
+                                                context.get_start_method(), dict(os.environ)),
                                           name=f"ptdp-rank{rank}")
                 _start_rank(process, processes)
                 sender.close()
@@ -264,6 +297,15 @@ def launch_local(world_size: int, entry: Callable[[DistEnv, Any], Any], payload:
         for pipe in report_pipes:
             pipe.close()
         del store
+
+
+def _rank_context(preload: tuple[str, ...]):
+    if preload and "forkserver" in mp.get_all_start_methods():
+        context = mp.get_context("forkserver")
+        # (Read when the server starts: the first job of this process.)
+        context.set_forkserver_preload(list(preload))
+        return context
+    return mp.get_context("spawn")
 
 
 def _start_rank(process, processes: list) -> None:

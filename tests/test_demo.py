@@ -19,10 +19,10 @@ from ptdp.data.tokenizer import DEMO_TOKENIZER_FILE, DEMO_TOKENIZER_SHA256
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "examples" / "demo.yaml"
-# Measured (the note in README's demo paragraph): the shortened run below
-# reaches 3.03 bits/char; a unigram model of the training tokens gives 3.24 on
-# the same works, the whole demo 2.35.
-SHORT_RUN_BITS_PER_CHAR = 3.15
+# Measured (the note in README's demo paragraph): a unigram model of the
+# training tokens gives 3.24 bits/char on the held-out works, the whole demo
+# 2.35; the shortened run below (40 iterations) reaches 3.12, 60 reach 3.03.
+SHORT_RUN_BITS_PER_CHAR = 3.20
 
 
 def test_the_shipped_tokenizer_is_what_its_recipe_builds(tmp_path):
@@ -61,7 +61,7 @@ def test_a_shortened_demo_learns_in_bits_per_character(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     result = subprocess.run(
         [sys.executable, "-m", "ptdp", "train", "--config", str(DEMO), "--data-parallel-size", "1",
-         "--train-iters", "60", "--lr-warmup-iters", "10", "--eval-interval", "60",
+         "--train-iters", "40", "--lr-warmup-iters", "7", "--eval-interval", "40",
          "--eval-iters", "4", "--save", str(tmp_path / "checkpoint"), "--metrics-file",
          str(metrics), "--loss-curve", str(tmp_path / "loss.png")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

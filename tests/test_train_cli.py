@@ -109,8 +109,9 @@ def test_invalid_layout_is_refused_before_launch(tmp_path):
 
 
 def _spawned_children(parent_pid: int) -> list[int]:
-    """PIDs of the rank processes `parent_pid` spawned (Linux /proc)."""
-    children = []
+    """PIDs of the rank processes `parent_pid` started (Linux /proc): spawned
+    ones are its children, forked ones its fork server's."""
+    children: dict[int, list[tuple[int, bytes]]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -120,9 +121,12 @@ def _spawned_children(parent_pid: int) -> list[int]:
         except OSError:
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == parent_pid and b"spawn_main" in cmdline:
-            children.append(int(entry.name))
-    return sorted(children)
+        children.setdefault(ppid, []).append((int(entry.name), cmdline))
+    ranks = [pid for pid, cmdline in children.get(parent_pid, []) if b"spawn_main" in cmdline]
+    for server, cmdline in children.get(parent_pid, []):
+        if b"multiprocessing.forkserver" in cmdline:
+            ranks += [pid for pid, _ in children.get(server, [])]
+    return sorted(ranks)
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
