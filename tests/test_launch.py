@@ -10,9 +10,11 @@ import importlib
 import io
 import ipaddress
 import json
+import multiprocessing
 import os
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -28,7 +30,7 @@ from ptdp import cli
 from ptdp.errors import (USER_ERROR_TYPES, DivergenceError, RankFailure, describe,
                          is_lost_peer_text, is_user_error, print_user_error)
 from ptdp.distributed import detect_env, init_process_group
-from ptdp.launch import LocalJobFailed, _Ranks, _RepeatsAbsorbed, launch_local
+from ptdp.launch import CPU_RANK_MODULES, LocalJobFailed, _Ranks, _RepeatsAbsorbed, launch_local
 
 # Long enough that a job that relied on it to end would fail the test's bound.
 LONG_TIMEOUT = timedelta(minutes=10)
@@ -96,6 +98,29 @@ def test_a_lost_peer_ends_in_the_collective_timeout():
 
 def test_a_healthy_job_returns():
     launch_local(3, _succeeds, None)
+
+
+def _reports_its_start(env, folder):
+    Path(folder, f"rank{env.rank}.json").write_text(json.dumps(
+        {"value": os.environ.get("PTDP_TEST_LAUNCH_VALUE"), "parent": os.getppid(),
+         "loaded": "ptdp.train.loop" in sys.modules}))
+
+
+@pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(),
+                    reason="no fork server on this platform")
+def test_forked_ranks_take_the_launchers_environment_of_each_launch(tmp_path, monkeypatch):
+    """CPU ranks fork from a server that imported ptdp before they start; the
+    server outlives a launch and keeps the environment it started with, yet
+    every rank sees the launcher's as it is when that launch starts."""
+    for value in ("first", "second"):
+        monkeypatch.setenv("PTDP_TEST_LAUNCH_VALUE", value)
+        folder = tmp_path / value
+        folder.mkdir()
+        launch_local(2, _reports_its_start, str(folder), preload=CPU_RANK_MODULES)
+        for rank in range(2):
+            seen = json.loads((folder / f"rank{rank}.json").read_text())
+            assert seen["value"] == value and seen["loaded"]
+            assert seen["parent"] != os.getpid()  # the fork server's child, not this process's
 
 
 def test_cli_reports_the_failing_rank_and_exits_non_zero(monkeypatch, capsys):
