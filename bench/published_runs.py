@@ -160,6 +160,10 @@ class PublishedRun:
     # (Megatron-LM's local DDP); False: buckets during the backward, as
     # ptdp and PyTorch's DistributedDataParallel do.
     gradients_after_backward: bool = False
+    # The optimizer step in fused multi-tensor kernels, as Megatron-LM and
+    # NeMo run it (apex's or Transformer Engine's Adam); False: a PyTorch
+    # optimizer's element-wise passes, priced as ptdp's.
+    fused_optimizer: bool = True
     out_of_scope: str = ""            # the reason it is not priced; "" = priced
     calibration: bool = False         # the one point a constant is fitted to
 
@@ -457,7 +461,7 @@ def _qwen3_moe_automodel(source: str) -> PublishedRun:
         published_as=(f"derived: {QWEN3_TOKENS_PER_GPU:,} tokens/s per GPU × ptdp's "
                       f"{per_token / 1e9:.1f} GFLOP per token (the source's 277 TFLOP/s count "
                       f"about 23.0)"),
-        flops="model", kernels="flash",
+        flops="model", kernels="flash", fused_optimizer=False,
         assumptions="the recipe (Automodel 79d0ccfdb examples/benchmark/configs/"
                     "qwen3_moe_30b_te_deepep.yaml) checkpoints every layer's activations "
                     "(full recomputation) and balances the routing (fake_balanced_gate); FSDP2 "
@@ -548,7 +552,7 @@ def profile_of(run: PublishedRun):
     # apply_rope_fusion: true (llama3.1/llama3.1_*.yaml), AutoModel's
     # rope_fusion: true. (The GPT rows have learned positions.)
     return dataclasses.replace(profile, overlap_grad_reduce=not run.gradients_after_backward,
-                               fused_rope=True,
+                               fused_rope=True, fused_optimizer=run.fused_optimizer,
                                **{OVERLAP_FIELDS[o]: True for o in run.overlaps})
 
 
@@ -589,13 +593,18 @@ def note(priced: Priced) -> str:
     return "; ".join(parts)
 
 
+def signed(error: float) -> str:
+    """An error as +x.y % (a rounding of -0.04 % reads +0.0 %, not -0.0 %)."""
+    return f"{round(error, 3) + 0.0:+.1%}"
+
+
 def priced_table(priced: list[Priced]) -> str:
     lines = ["| row | source | model | layout | published TFLOP/s per GPU | predicted | error "
              "| note |", "|---|---|---|---|---:|---:|---:|---|"]
     for p in priced:
         run = p.run
         lines.append(f"| {run.name} | {run.source} | {run.shape.text()} | {run.layout_text()} | "
-                     f"{run.published_tflops:.1f} | {p.tflops:.1f} | {p.error:+.1%} | "
+                     f"{run.published_tflops:.1f} | {p.tflops:.1f} | {signed(p.error)} | "
                      f"{note(p)} |")
     return "\n".join(lines)
 
@@ -618,8 +627,8 @@ def summary(priced: list[Priced]) -> str:
     within = sum(e <= 0.10 for e in errors)
     low, high = min(checked, key=lambda p: p.error), max(checked, key=lambda p: p.error)
     return (f"{len(checked)} rows priced besides the calibration point: {within} within 10 %; "
-            f"median |error| {statistics.median(errors):.1%}; from {low.error:+.1%} "
-            f"({low.run.name}) to {high.error:+.1%} ({high.run.name}).")
+            f"median |error| {statistics.median(errors):.1%}; from {signed(low.error)} "
+            f"({low.run.name}) to {signed(high.error)} ({high.run.name}).")
 
 
 # --- ptdp's own runs -------------------------------------------------------------------------
@@ -680,7 +689,7 @@ def own_table() -> str:
         measured = " and ".join(f"{x:.1f}" for x in run.measured)
         lines.append(f"| {run.name} | {run.recompute or 'none'} | {run.micro_batch} × "
                      f"{run.microbatches} | {run.published_tflops:.1f} ({measured}) | "
-                     f"{tflops:.1f} | {error:+.1%} |")
+                     f"{tflops:.1f} | {signed(error)} |")
     return "\n".join(lines)
 
 
@@ -698,12 +707,12 @@ def readme_table(priced: list[Priced]) -> str:
     for p in priced:
         mark = " (calibration)" if p.run.calibration else ""
         lines.append(f"| {p.run.name}{mark} | {p.run.hardware}, {p.run.layout_text()} | "
-                     f"{p.run.published_tflops:.1f} | {p.tflops:.1f} | {p.error:+.1%} |")
+                     f"{p.run.published_tflops:.1f} | {p.tflops:.1f} | {signed(p.error)} |")
     for run in OWN_RUNS:
         tflops, error = price_own(run)
         lines.append(f"| ptdp {run.name} (bench/gpu.py) | h200, t=1 p=1 d=1 b={run.micro_batch} "
                      f"m={run.microbatches} recompute={run.recompute or 'none'}, bf16 | "
-                     f"{run.published_tflops:.1f} | {tflops:.1f} | {error:+.1%} |")
+                     f"{run.published_tflops:.1f} | {tflops:.1f} | {signed(error)} |")
     return "\n".join(lines)
 
 

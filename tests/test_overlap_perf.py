@@ -1,7 +1,9 @@
 """The performance model's communication overlaps: ptdp's gradient buckets
 under the last backward, and the two overlaps of other trainers that
 published runs are priced with (the weight all-gather under the next
-forward, tensor collectives pipelined with GEMMs)."""
+forward, tensor collectives pipelined with GEMMs); and the fused kernels
+such runs use where ptdp runs eager operators (rotary embeddings, the
+optimizer step)."""
 
 from __future__ import annotations
 
@@ -10,15 +12,17 @@ import dataclasses
 import pytest
 
 from ptdp.config import ModelConfig
+from ptdp.perf import analytic
 from ptdp.perf.after_flush import after_flush
 from ptdp.perf.bounds import compute_lower_bound
 from ptdp.perf.calibration_point import paper_kernels
 from ptdp.perf.layout import Layout, Workload
 from ptdp.perf.machine import Machine
+from ptdp.perf.operator_bytes import OPTIMIZER_BYTES_PER_PARAMETER, optimizer_bytes_per_parameter
 from ptdp.perf.predict import simulate
 from ptdp.perf.pricing import OperatorModel
 from ptdp.perf.profiles import load_profile
-from ptdp.perf.stage_costs import operator_model
+from ptdp.perf.stage_costs import operator_model, parameter_counts
 
 GPT = ModelConfig(num_layers=16, hidden_size=4096, num_attention_heads=32, seq_length=2048,
                   vocab_size=51200)
@@ -139,3 +143,26 @@ def test_rotary_embeddings_cost_ptdps_eager_passes_unless_the_run_fuses_them():
     quick = OperatorModel(Workload(llama, 8, "bf16"), layout, fused, Machine(layout, fused))
     assert eager._rotary_ops() == 12 and quick._rotary_ops() == 2
     assert quick.layer_forward().total_work < eager.layer_forward().total_work
+
+
+@pytest.mark.parametrize("precision,fused_bytes", [("bf16", 32), ("fp16", 40)])
+def test_a_fused_optimizer_moves_its_kernels_bytes_not_ptdps_eager_passes(precision, fused_bytes):
+    """Megatron-LM's step (fused multi-tensor Adam, the gradient norm, and
+    with fp16 the unscale) moves 32 bytes per owned parameter, 40 with fp16;
+    ptdp's eager AdamW 112. The difference is exactly those bytes at the
+    optimizer class's bandwidth, on the parameters each rank owns (1/d with
+    the distributed optimizer); the paper's software runs the fused one."""
+    assert optimizer_bytes_per_parameter(False, precision) == OPTIMIZER_BYTES_PER_PARAMETER == 112
+    assert optimizer_bytes_per_parameter(True, precision) == fused_bytes
+    assert paper_kernels(H100).fused_optimizer and not H100.fused_optimizer
+    fused = dataclasses.replace(H100, fused_optimizer=True)
+    workload = Workload(GPT, 32, precision)
+    for layout in (Layout(t=2, p=2, d=2, b=2), Layout(t=2, p=2, d=2, b=2, distributed_optimizer=True)):
+        ops = operator_model(workload, layout, H100)
+        params = parameter_counts(ops.model_key, analytic.placement_of_parameters(layout))
+        eager, quick = _after(workload, layout, H100), _after(workload, layout, fused)
+        for r in range(layout.p):
+            owned = sum(params[r]) / (layout.d if layout.distributed_optimizer else 1)
+            saved = H100.memory_seconds((112 - fused_bytes) * owned, "optimizer")
+            assert eager.optimizer[r] - quick.optimizer[r] == pytest.approx(saved, rel=1e-9)
+            assert saved > 0

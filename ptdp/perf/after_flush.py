@@ -13,7 +13,8 @@ embedding is summed over the embedding group (the first and the last
 stage, once both have finished; not with an untied output layer) after the
 buckets. Then every rank meets in the gradient-norm
 all-reduces and steps its optimizer: ptdp's element-wise AdamW, about 112
-bytes moved per parameter it owns (1/d of them with the distributed
+bytes moved per parameter it owns (32 for a run with fused multi-tensor
+kernels, HardwareProfile.fused_optimizer; 1/d of them with the distributed
 optimizer, followed by the all-gather of the updated weights; a run that
 overlaps that gather with the next iteration's forward, as Megatron-LM's
 --overlap-param-gather does, exposes only what its first forwards do not
@@ -36,7 +37,7 @@ from ptdp.parallel.pipeline.actions import virtual_stage_of
 from ptdp.perf import analytic
 from ptdp.perf.layout import ByIdentity, ByValue, Layout, Workload
 from ptdp.perf.machine import Machine
-from ptdp.perf.operator_bytes import OPTIMIZER_BYTES_PER_PARAMETER
+from ptdp.perf.operator_bytes import optimizer_bytes_per_parameter
 from ptdp.perf.pricing import GRAD_BYTES, OperatorModel
 from ptdp.perf.profiles import HardwareProfile
 from ptdp.perf.stage_costs import parameter_counts
@@ -129,6 +130,7 @@ def _price_after_flush(workload: Workload, layout: Layout, profile: HardwareProf
     optimizer, bucketed, shares, last_bucket, hideable = [], [], [], [], []
     parameters = parameter_counts(ops.model_key, analytic.placement_of_parameters(layout))
     bucket_size = TrainConfig().ddp_bucket_size
+    step_per_parameter = optimizer_bytes_per_parameter(profile.fused_optimizer, workload.precision)
     for r in range(p):
         params = sum(parameters[r])
         seconds = machine.data_parallel(params * GRAD_BYTES, r,
@@ -142,7 +144,7 @@ def _price_after_flush(workload: Workload, layout: Layout, profile: HardwareProf
         last_bucket.append(bucketed[-1] * one_bucket)
         # The distributed optimizer shards over the d·c ranks holding the same parameters.
         owned = params / (d * layout.c) if layout.distributed_optimizer else params
-        step_bytes = params * GRAD_BYTES + owned * OPTIMIZER_BYTES_PER_PARAMETER  # zero + step
+        step_bytes = params * GRAD_BYTES + owned * step_per_parameter  # zero + step
         if ops.E != 4:
             step_bytes += owned * (4 + ops.E)                 # main weights -> model weights
         work = ops.memory(step_bytes, "optimizer") + profile.launch_overhead * 30

@@ -29,14 +29,15 @@ def calibration_point():
 def paper_kernels(profile: HardwareProfile) -> HardwareProfile:
     """`profile` running the paper's kernels (Megatron-LM, 2021): attention
     as two batched GEMMs around a fused scale-mask-softmax kernel, which
-    writes and reads the s×s scores (flash attention came a year later).
+    writes and reads the s×s scores (flash attention came a year later),
+    and apex's fused multi-tensor Adam (operator_bytes.py).
     The paper's runs, the calibration point and any check against them, are
     priced so; ptdp's own runs use the profile's kernels. (How a run reduced
     its gradients is the row's own: the calibration point ran PyTorch's
     DistributedDataParallel, whose buckets overlap the backward as ptdp's
     do, `--DDP-impl torch` in Megatron-LM's run_table_1.sh; the larger
     models its local DDP, after the backward.)"""
-    return dataclasses.replace(profile, fused_attention=False)
+    return dataclasses.replace(profile, fused_attention=False, fused_optimizer=True)
 
 
 def fit_to_calibration_point(target_tflops: float = CALIBRATION_TFLOPS, *,

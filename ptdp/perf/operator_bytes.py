@@ -11,6 +11,24 @@ element of the workload's precision.
 from __future__ import annotations
 
 OPTIMIZER_BYTES_PER_PARAMETER = 112   # ptdp's eager AdamW + inf check + norm + clip (fp32 state)
+# Megatron-LM's and NeMo's step (HardwareProfile.fused_optimizer): fused
+# multi-tensor kernels (apex's or Transformer Engine's), per parameter the
+# gradient norm's read of the fp32 gradient (4) and Adam's read of weight,
+# gradient and both moments and write of weight and moments (28); with a
+# loss scale (fp16) the unscale and inf check read and write the gradient
+# first (8). Gradients are scaled for clipping only when the norm exceeds
+# the threshold, not counted.
+FUSED_OPTIMIZER_BYTES_PER_PARAMETER = 32
+FUSED_UNSCALE_BYTES_PER_PARAMETER = 8
+
+
+def optimizer_bytes_per_parameter(fused: bool, precision: str) -> int:
+    """Bytes the optimizer step moves per parameter a rank owns (fp32 state),
+    before the copy of the main weights into the model's."""
+    if not fused:
+        return OPTIMIZER_BYTES_PER_PARAMETER
+    return FUSED_OPTIMIZER_BYTES_PER_PARAMETER + (
+        FUSED_UNSCALE_BYTES_PER_PARAMETER if precision == "fp16" else 0)
 
 
 def attention_core_bytes(scores: int, E: int, dropout: bool) -> tuple[float, float]:

@@ -401,8 +401,8 @@ def caveat(profile) -> str | None:
     ptdp's own runs (README, "Planning a run, and how far to trust it")."""
     if profile.name in ("h100", "h200"):
         return ("note: on h100/h200 this model prices ptdp's operators beyond the matrix "
-                "products at the data sheet's bandwidth; ptdp's own runs on an H200 measured "
-                "slower than it predicts (14 to 27 %, README: \"Planning a run, and how far to "
+                "products at 88 % of the data sheet's bandwidth; ptdp's own runs on an H200 measured "
+                "slower than it predicts (12 to 25 %, README: \"Planning a run, and how far to "
                 "trust it\")")
     return None
 
