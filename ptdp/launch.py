@@ -26,11 +26,12 @@ asks the kernel for SIGTERM when its parent dies (`ptdp train`, or
 torchrun's agent), which the graceful-exit handler takes as "save and stop";
 one that starts after its parent already died stops at once.
 
-Local ranks on the CPU are forked from a server process that imported torch
-and ptdp once (multiprocessing's forkserver, which exits with the launcher;
-a rank's parent is that server), not each started afresh: eight ranks on two
-cores used to spend seconds importing the same modules eight times. On GPUs
-every rank is a fresh interpreter (spawn), as CUDA wants.
+Local ranks on the CPU are forked, on Linux, from a server process that
+imported torch and ptdp once (multiprocessing's forkserver, which exits with
+the launcher; a rank's parent is that server), not each started afresh:
+eight ranks on two cores used to spend seconds importing the same modules
+eight times. On GPUs, and on other systems, every rank is a fresh
+interpreter (spawn).
 """
 
 from __future__ import annotations
@@ -300,7 +301,10 @@ def launch_local(world_size: int, entry: Callable[[DistEnv, Any], Any], payload:
 
 
 def _rank_context(preload: tuple[str, ...]):
-    if preload and "forkserver" in mp.get_all_start_methods():
+    # Linux only: on macOS a process that forks without exec after loading
+    # the system's frameworks (torch does) may crash in the child, which is
+    # why Python spawns there by default.
+    if preload and sys.platform.startswith("linux") and "forkserver" in mp.get_all_start_methods():
         context = mp.get_context("forkserver")
         # (Read when the server starts: the first job of this process.)
         context.set_forkserver_preload(list(preload))

@@ -106,8 +106,9 @@ def _reports_its_start(env, folder):
          "loaded": "ptdp.train.loop" in sys.modules}))
 
 
-@pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(),
-                    reason="no fork server on this platform")
+@pytest.mark.skipif(not sys.platform.startswith("linux")
+                    or "forkserver" not in multiprocessing.get_all_start_methods(),
+                    reason="ranks fork from a server on Linux only")
 def test_forked_ranks_take_the_launchers_environment_of_each_launch(tmp_path, monkeypatch):
     """CPU ranks fork from a server that imported ptdp before they start; the
     server outlives a launch and keeps the environment it started with, yet
