@@ -183,8 +183,9 @@ def report_text(base: HardwareProfile, profile: HardwareProfile, details: dict) 
     if details.get("attention"):
         att = details["attention"]
         lines.append(f"attention ({att['calls']} calls): flash blocks at "
-                     f"{att['attention_efficiency']:.4f} of the per-SM peak (built in: e_max, "
-                     f"{base.gemm_efficiency:.4f})")
+                     f"{att['attention_efficiency']:.4f} of the per-SM peak (built in: "
+                     + (f"{base.attention_efficiency:.4f}, FlashAttention-2's published rate)"
+                        if base.attention_efficiency else f"e_max, {base.gemm_efficiency:.4f})"))
     if details["launch"] is not None:
         lines.append(f"launch: {details['launch'] * 1e6:.2f} µs per operator (built in: "
                      f"{base.launch_overhead * 1e6:.2f})")

@@ -64,7 +64,7 @@ from ptdp.perf.calibration_point import paper_kernels  # noqa: E402
 from ptdp.perf.flops import model_flops_per_iteration  # noqa: E402
 from ptdp.perf.layout import Layout, Workload  # noqa: E402
 from ptdp.perf.plan import MEMORY_HEADROOM, describe, evaluate_layout, search  # noqa: E402
-from ptdp.perf.profiles import load_profile  # noqa: E402
+from ptdp.perf.profiles import HOPPER_ATTENTION_EFFICIENCY, load_profile  # noqa: E402
 
 HEADING = "## The planner against published runs"
 NOT_STATED = "not stated"
@@ -550,7 +550,13 @@ def profile_of(run: PublishedRun):
         profile = paper_kernels(profile)
     # The rows with rotary embeddings fuse them: the DGX Cloud recipes'
     # apply_rope_fusion: true (llama3.1/llama3.1_*.yaml), AutoModel's
-    # rope_fusion: true. (The GPT rows have learned positions.)
+    # rope_fusion: true. (The GPT rows have learned positions.) Every
+    # flash-attention row runs Transformer Engine's attention (Megatron-Core,
+    # NeMo, AutoModel's `attn: te`), which picks cuDNN's fused kernel on
+    # Hopper ("give FusedAttention preference on Hopper+").
+    if run.kernels == "flash" and run.hardware in ("h100", "h200"):
+        profile = dataclasses.replace(profile,
+                                      attention_efficiency=HOPPER_ATTENTION_EFFICIENCY["cudnn"])
     return dataclasses.replace(profile, overlap_grad_reduce=not run.gradients_after_backward,
                                fused_rope=True, fused_optimizer=run.fused_optimizer,
                                **{OVERLAP_FIELDS[o]: True for o in run.overlaps})

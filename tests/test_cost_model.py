@@ -18,15 +18,16 @@ from ptdp.config import ModelConfig
 from ptdp.parallel.pipeline import simulate as unit
 from ptdp.parallel.pipeline.schedules import build_schedule
 from ptdp.parallel.pipeline.actions import Exchange, ScheduleError
-from ptdp.perf.calibration_point import (CALIBRATION_TFLOPS, calibration_point, fit_to_calibration_point,
-                                         fit_to_matmul,
+from ptdp.perf.calibration_point import (CALIBRATION_TFLOPS, attention_ratios, calibration_point,
+                                         fit_attention, fit_to_calibration_point, fit_to_matmul,
                                          paper_kernels)
 from ptdp.perf.machine import Machine
 from ptdp.perf.player import play
 from ptdp.perf.predict import CATEGORIES, simulate, simulate_uniform
 from ptdp.perf.pricing import OperatorModel
 from ptdp.perf.layout import Layout, Workload
-from ptdp.perf.profiles import (CALIBRATED_GEMM_EFFICIENCY, HOPPER_GEMM_EFFICIENCY, HOPPER_MATMUL,
+from ptdp.perf.profiles import (CALIBRATED_GEMM_EFFICIENCY, HOPPER_ATTENTION_EFFICIENCY,
+                                HOPPER_GEMM_EFFICIENCY, HOPPER_MATMUL,
                                  HardwareProfile, load_profile, save_profile)
 from ptdp.perf.flops import model_flops_per_iteration
 
@@ -111,6 +112,28 @@ def test_h100_and_h200_take_e_max_from_the_measured_matmul_and_run_faster():
         assert priced == pytest.approx(tflops, rel=1e-3)
         assert simulate(workload, layout, profile).iteration_seconds < a100.iteration_seconds
     assert load_profile("h200").memory_bytes > load_profile("h100").memory_bytes
+
+
+@pytest.mark.parametrize("kernel", ["flash2", "cudnn"])
+def test_hopper_attention_takes_its_fraction_from_published_kernel_benchmarks(kernel):
+    """Each kernel's attention_efficiency is the one for which the flash
+    block model prices the FlashAttention-3 paper's H100 benchmarks of it too
+    fast as often as too slow; at it, the points at 2k positions and more
+    are priced within 20 % of what was measured (shorter ones cost the
+    kernels more than the model's fixed cost per block; cuDNN's forward
+    without a mask peaks at 2k, which no block model follows). h100 and h200 price
+    ptdp's attention as PyTorch's default FlashAttention-2."""
+    fitted = fit_attention(kernel)
+    assert fitted == pytest.approx(HOPPER_ATTENTION_EFFICIENCY[kernel], abs=1e-4)
+    profile = dataclasses.replace(load_profile("h100"), attention_efficiency=fitted)
+    ratios = attention_ratios(profile, kernel)
+    assert sorted(ratios)[len(ratios) // 2] == pytest.approx(1.0, abs=0.02)
+    long_sequences = [r for i, r in enumerate(ratios) if i % 6 >= 2]   # s = 2k..16k of each series
+    assert all(0.8 < r < 1.2 for r in long_sequences), long_sequences
+    assert 0 < fitted < HOPPER_GEMM_EFFICIENCY
+    for name in ("h100", "h200"):
+        assert load_profile(name).attention_efficiency == HOPPER_ATTENTION_EFFICIENCY["flash2"]
+    assert HOPPER_ATTENTION_EFFICIENCY["flash2"] < HOPPER_ATTENTION_EFFICIENCY["cudnn"]
 
 
 # ------------------------------------------------------------------ placement of the ranks

@@ -1,14 +1,17 @@
 """The one calibration point: the paper's 1.7B run at 137 TFLOP/s per GPU,
-against which the a100 profile's GEMM efficiency is fitted.
+against which the a100 profile's GEMM efficiency is fitted; and the fits of
+the Hopper profiles to measurements of kernels, not of training runs (a
+matrix product, published attention benchmarks).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 
 from ptdp.perf.layout import Layout, Workload
 from ptdp.perf.predict import simulate
-from ptdp.perf.profiles import BUILTIN, HOPPER_MATMUL, HardwareProfile
+from ptdp.perf.profiles import BUILTIN, HOPPER_GEMM_EFFICIENCY, HOPPER_MATMUL, HardwareProfile
 
 CALIBRATION_TFLOPS = 137.0
 
@@ -65,6 +68,61 @@ def fit_to_matmul(profile: str = "h200", size: int = HOPPER_MATMUL[0],
                                                              precision="bf16") / 1e12
 
     return _e_max_reaching(priced, tflops, tolerance, "the tile model prices")
+
+
+# Published attention kernel throughput on one H100 SXM5 (TFLOP/s, bf16, head
+# dim 128, 16 heads, batch × sequence = 16k; forward with and without the
+# causal mask, backward as plotted): the FlashAttention-3 paper's figures 5
+# and 6 (Shah et al. 2024, arXiv 2407.08608), read off the bars' labels.
+# FLOPs as the paper counts them: 4·s²·d per head forward, half of it
+# causal; backward 2.5 times the forward.
+HOPPER_ATTENTION_SEQUENCES = (512, 1024, 2048, 4096, 8192, 16384)
+HOPPER_ATTENTION_BENCHMARKS = {
+    "flash2": {"forward causal": (191, 260, 298, 319, 333, 335),
+               "forward": (309, 350, 362, 368, 370, 370),
+               "backward": (214, 260, 291, 310, 318, 322)},
+    "cudnn": {"forward causal": (315, 410, 484, 518, 529, 539),
+              "forward": (497, 574, 617, 609, 600, 595),
+              "backward": (305, 408, 465, 499, 518, 516)},
+}
+
+
+def attention_ratios(profile: HardwareProfile, kernel: str) -> list[float]:
+    """Predicted over published seconds of every benchmark point of `kernel`
+    (HOPPER_ATTENTION_BENCHMARKS), as `profile` prices them."""
+    ratios = []
+    for series, tflops in HOPPER_ATTENTION_BENCHMARKS[kernel].items():
+        causal = series == "forward causal"
+        for s, measured in zip(HOPPER_ATTENTION_SEQUENCES, tflops):
+            batch_heads, head_dim = 16 * 16384 // s, 128
+            forward, backward = profile.attention_seconds(batch_heads, s, head_dim, causal=causal)
+            flops = 4.0 * s * s * head_dim * batch_heads * (0.5 if causal else 1.0)
+            if series == "backward":
+                ratios.append(backward / (2.5 * flops / (measured * 1e12)))
+            else:
+                ratios.append(forward / (flops / (measured * 1e12)))
+    return ratios
+
+
+def fit_attention(kernel: str, profile: str = "h100", *, tolerance: float = 1e-7) -> float:
+    """The `attention_efficiency` for which the built-in `profile` prices
+    the published benchmarks of `kernel` too fast as often as too slow
+    (their median ratio is 1; bisection on the logarithm, times falling as
+    the fraction rises)."""
+    base = BUILTIN[profile](HOPPER_GEMM_EFFICIENCY)   # (attention_efficiency stands in for e_max)
+
+    def median_ratio(efficiency: float) -> float:
+        return statistics.median(attention_ratios(
+            dataclasses.replace(base, attention_efficiency=efficiency), kernel))
+
+    low, high = 1e-3, 1.0
+    while high / low > 1 + tolerance:
+        mid = (low * high) ** 0.5
+        if median_ratio(mid) > 1:
+            low = mid
+        else:
+            high = mid
+    return (low * high) ** 0.5
 
 
 def _e_max_reaching(tflops_at, target: float, tolerance: float, what: str) -> float:

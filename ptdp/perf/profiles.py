@@ -104,6 +104,19 @@ CALIBRATED_GEMM_EFFICIENCY = 0.5905
 HOPPER_MATMUL = (8192, 686.15)            # (size of the square product, TFLOP/s measured)
 HOPPER_GEMM_EFFICIENCY = 0.7227
 
+# The flash blocks' fraction of the per-SM peak (`attention_efficiency`) on
+# Hopper, by kernel: fitted to the published H100 SXM5 benchmarks of the
+# FlashAttention-3 paper (Shah et al. 2024, arXiv 2407.08608, figures 5 and
+# 6: bf16, head dim 128, 16 heads, batch × sequence = 16k, sequences of 512
+# to 16k; `calibration_point.HOPPER_ATTENTION_BENCHMARKS`), which measure
+# kernels, not a training run. "flash2" is FlashAttention-2, the kernel
+# PyTorch's scaled_dot_product_attention picks by default (flash before
+# memory-efficient, math and cuDNN): ptdp's own runs. "cudnn" is cuDNN's
+# fused attention, which Transformer Engine prefers on Hopper: the
+# Megatron-Core and NeMo runs bench/published_runs.py prices.
+# `calibration_point.fit_attention` recomputes both; tests check them.
+HOPPER_ATTENTION_EFFICIENCY = {"flash2": 0.3445, "cudnn": 0.5686}
+
 
 @dataclass(frozen=True)
 class HardwareProfile:
@@ -308,6 +321,7 @@ def _a100(e_max: float) -> HardwareProfile:
 def _h100(e_max: float) -> HardwareProfile:
     return replace(
         _a100(e_max), name="h100", peak_tflops=989.0, peak_tflops_fp32=67.0,
+        attention_efficiency=HOPPER_ATTENTION_EFFICIENCY["flash2"],   # PyTorch's SDPA default
         sm_count=132,                        # H100 SXM: 132 SMs
         gemm_tile=(128, 256),                # assumption: CUTLASS's usual Hopper tile
         memory_bandwidth=ACHIEVED_HBM_FRACTION * 3350 * GB,   # H100 SXM HBM3
