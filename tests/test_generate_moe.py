@@ -83,7 +83,7 @@ def test_greedy_tokens_equal_transformers_under_expert_parallel_layouts(qwen2_mo
     assert _generate(capsys, checkpoint) == expected
     launched = []
 
-    def launch_on_the_pool(world, worker, request):
+    def launch_on_the_pool(world, worker, request, **options):  # (preload: the pool has it)
         grid = request_grid(request)
         launched.append((world, grid.tp, grid.pp, grid.ep, grid.expert_tp))
         texts = pools(4).run(_generate_on_rank, request)[:world]
