@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import published_runs  # noqa: E402  bench/published_runs.py
 
 from ptdp.perf.calibrate import fit_tile_model  # noqa: E402
+from ptdp.perf.calibration_point import efficiency_at_median_ratio_one  # noqa: E402
 from ptdp.perf.profiles import HardwareProfile, builtin_profile, save_profile  # noqa: E402
 
 # ptdp's own operators of each planner class, as the sweep names them (the
@@ -112,24 +113,17 @@ def attention_fit(sweep: dict[str, Any], base: HardwareProfile) -> dict[str, Any
     if not rows:
         return None
 
-    def median_ratio(efficiency: float) -> float:
+    def ratios(efficiency: float) -> list[float]:
         profile = dataclasses.replace(base, attention_efficiency=efficiency)
-        ratios = []
+        out = []
         for r in rows:
             forward, backward = profile.attention_seconds(r["heads"], r["seq"], r["head_dim"])
-            ratios += [forward / r["forward_s"], backward / r["backward_s"]]
-        return statistics.median(ratios)
+            out += [forward / r["forward_s"], backward / r["backward_s"]]
+        return out
 
-    low, high = 1e-6, 1.0               # bisection on the logarithm (a CPU's is tiny)
-    while high / low > 1 + 1e-6:
-        mid = (low * high) ** 0.5
-        if median_ratio(mid) > 1:       # predicted slower than measured: raise the fraction
-            low = mid
-        else:
-            high = mid
-    efficiency = (low * high) ** 0.5
+    efficiency = efficiency_at_median_ratio_one(ratios, tolerance=1e-6)
     return {"calls": len(rows), "attention_efficiency": efficiency,
-            "median_ratio": median_ratio(efficiency)}
+            "median_ratio": statistics.median(ratios(efficiency))}
 
 
 def launch_fit(sweep: dict[str, Any]) -> float | None:

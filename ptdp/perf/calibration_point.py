@@ -104,21 +104,25 @@ def attention_ratios(profile: HardwareProfile, kernel: str) -> list[float]:
     return ratios
 
 
-def fit_attention(kernel: str, profile: str = "h100", *, tolerance: float = 1e-7) -> float:
+def fit_attention(kernel: str, profile: str = "h100") -> float:
     """The `attention_efficiency` for which the built-in `profile` prices
-    the published benchmarks of `kernel` too fast as often as too slow
-    (their median ratio is 1; bisection on the logarithm, times falling as
-    the fraction rises)."""
+    the published benchmarks of `kernel` too fast as often as too slow."""
     base = BUILTIN[profile](HOPPER_GEMM_EFFICIENCY)   # (attention_efficiency stands in for e_max)
-
-    def median_ratio(efficiency: float) -> float:
-        return statistics.median(attention_ratios(
+    return efficiency_at_median_ratio_one(
+        lambda efficiency: attention_ratios(
             dataclasses.replace(base, attention_efficiency=efficiency), kernel))
 
-    low, high = 1e-3, 1.0
+
+def efficiency_at_median_ratio_one(ratios_at, *, low: float = 1e-6,
+                                   tolerance: float = 1e-7) -> float:
+    """The fraction of the per-SM peak in (`low`, 1] at which the median of
+    `ratios_at(fraction)` (predicted over measured seconds, which fall as
+    the fraction rises) is 1: bisection on the logarithm (a CPU's fraction
+    is tiny)."""
+    high = 1.0
     while high / low > 1 + tolerance:
         mid = (low * high) ** 0.5
-        if median_ratio(mid) > 1:
+        if statistics.median(ratios_at(mid)) > 1:   # predicted slower than measured: raise it
             low = mid
         else:
             high = mid
