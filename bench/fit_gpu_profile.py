@@ -22,7 +22,10 @@ measurements of kernels, none from a training run's throughput:
 - `launch_overhead`: `ptdp calibrate`'s chain measurement (per operator);
 - `attention_efficiency`: the flash blocks' fraction of the per-SM peak for
   which the profile's forward and backward attention times match the
-  measured causal scaled_dot_product_attention calls (median ratio 1).
+  measured causal scaled_dot_product_attention calls (median ratio 1);
+  the same for cuDNN's kernel where the sweep timed it, which prices the
+  published rows (bench/published_runs.py) in place of the rate fitted to
+  the FlashAttention-3 paper's benchmarks.
 
 It prints the fitted numbers beside the built-in profile's, then
 bench/published_runs.py's table and ptdp's own runs priced with the fitted
@@ -103,13 +106,17 @@ def bandwidth_fit(sweep: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return fitted
 
 
-def attention_fit(sweep: dict[str, Any], base: HardwareProfile) -> dict[str, Any] | None:
+def attention_fit(sweep: dict[str, Any], base: HardwareProfile,
+                  kernel: str = "") -> dict[str, Any] | None:
     """The flash blocks' fraction of the per-SM peak (`attention_efficiency`)
     for which the profile's attention times, forward and backward of every
     measured call, are too fast as often as too slow (their median ratio to
-    the measurements is 1; bisection: times fall as the fraction rises)."""
+    the measurements is 1; bisection: times fall as the fraction rises).
+    `kernel`: "" for the kernel PyTorch picks (ptdp's), "cudnn" for cuDNN's
+    (the published rows')."""
+    prefix = f"{kernel}_" if kernel else ""
     rows = [r for r in (sweep.get("attention") or {}).get("rows", [])
-            if r.get("forward_s") and r.get("backward_s")]
+            if r.get(f"{prefix}forward_s") and r.get(f"{prefix}backward_s")]
     if not rows:
         return None
 
@@ -118,7 +125,7 @@ def attention_fit(sweep: dict[str, Any], base: HardwareProfile) -> dict[str, Any
         out = []
         for r in rows:
             forward, backward = profile.attention_seconds(r["heads"], r["seq"], r["head_dim"])
-            out += [forward / r["forward_s"], backward / r["backward_s"]]
+            out += [forward / r[f"{prefix}forward_s"], backward / r[f"{prefix}backward_s"]]
         return out
 
     efficiency = efficiency_at_median_ratio_one(ratios, tolerance=1e-6)
@@ -143,8 +150,9 @@ def fitted_profile(report: dict[str, Any], name: str = "h200") -> tuple[Hardware
     bandwidths = bandwidth_fit(sweep) if sweep.get("memory") else {}
     launch = launch_fit(sweep) if sweep.get("launch") else None
     # The flash blocks share the GEMMs' fixed cost per tile: fit them with it.
-    attention = attention_fit(sweep, dataclasses.replace(
-        base, tile_overhead_seconds=gemm["tile_overhead_seconds"]))
+    tiled = dataclasses.replace(base, tile_overhead_seconds=gemm["tile_overhead_seconds"])
+    attention = attention_fit(sweep, tiled)
+    cudnn_attention = attention_fit(sweep, tiled, "cudnn")
     changes: dict[str, Any] = {
         "gemm_efficiency": gemm["gemm_efficiency"],
         "tile_overhead_seconds": gemm["tile_overhead_seconds"],
@@ -159,7 +167,7 @@ def fitted_profile(report: dict[str, Any], name: str = "h200") -> tuple[Hardware
               f"bench/gpu.py's kernel sweep on {sweep.get('device_name')} "
               f"(bench/fit_gpu_profile.py)")
     return profile, {"gemm": gemm, "bandwidth": bandwidths, "launch": launch,
-                     "attention": attention}
+                     "attention": attention, "cudnn_attention": cudnn_attention}
 
 
 def report_text(base: HardwareProfile, profile: HardwareProfile, details: dict) -> str:
@@ -180,26 +188,36 @@ def report_text(base: HardwareProfile, profile: HardwareProfile, details: dict) 
                      f"{att['attention_efficiency']:.4f} of the per-SM peak (built in: "
                      + (f"{base.attention_efficiency:.4f}, FlashAttention-2's published rate)"
                         if base.attention_efficiency else f"e_max, {base.gemm_efficiency:.4f})"))
+    if details.get("cudnn_attention"):
+        att = details["cudnn_attention"]
+        lines.append(f"cuDNN's attention ({att['calls']} calls, the published rows' kernel): "
+                     f"flash blocks at {att['attention_efficiency']:.4f} of the per-SM peak "
+                     f"(built in, from the FlashAttention-3 paper's H100 benchmarks: "
+                     f"{published_runs.HOPPER_ATTENTION_EFFICIENCY['cudnn']:.4f})")
     if details["launch"] is not None:
         lines.append(f"launch: {details['launch'] * 1e6:.2f} µs per operator (built in: "
                      f"{base.launch_overhead * 1e6:.2f})")
     return "\n".join(lines)
 
 
-def priced_with(profile: HardwareProfile, runs: list | None = None) -> str:
+def priced_with(profile: HardwareProfile, runs: list | None = None,
+                cudnn_attention: float | None = None) -> str:
     """bench/published_runs.py's rows (`runs`, default all) and ptdp's own,
     with `profile` standing for the h100 and the h200 (same compute; the
-    h100 keeps its own memory bandwidth and size)."""
+    h100 keeps its own memory bandwidth and size); the published rows'
+    attention at `cudnn_attention` (cuDNN's measured fraction) where given."""
     h100 = dataclasses.replace(profile, name="h100",
                                memory_bandwidth=builtin_profile("h100").memory_bandwidth,
                                memory_bytes=builtin_profile("h100").memory_bytes)
     profiles = {"h100": h100, "h200": profile}
-    original = published_runs.load_profile
+    original, rates = published_runs.load_profile, published_runs.HOPPER_ATTENTION_EFFICIENCY
 
     def load(name: str) -> HardwareProfile:
         return profiles.get(name) or original(name)
 
     published_runs.load_profile = load
+    if cudnn_attention is not None:
+        published_runs.HOPPER_ATTENTION_EFFICIENCY = {**rates, "cudnn": cudnn_attention}
     try:
         priced = [published_runs.price(run) for run in runs or published_runs.RUNS
                   if run.priced]
@@ -209,6 +227,7 @@ def priced_with(profile: HardwareProfile, runs: list | None = None) -> str:
                   f"10 %, median |error| {statistics.median(errors):.1%}")
     finally:
         published_runs.load_profile = original
+        published_runs.HOPPER_ATTENTION_EFFICIENCY = rates
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -221,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     profile, details = fitted_profile(report, args.profile)
     print(report_text(builtin_profile(args.profile), profile, details))
     print()
-    print(priced_with(profile))
+    cudnn = details.get("cudnn_attention")
+    print(priced_with(profile, cudnn_attention=cudnn["attention_efficiency"] if cudnn else None))
     if args.out:
         save_profile(profile, args.out)
         print(f"\nwrote {args.out}")

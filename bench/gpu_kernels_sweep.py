@@ -39,7 +39,8 @@ of one device, measured on it, beside what the planner predicts.
 5. Fused attention: causal bf16 scaled_dot_product_attention at the
    attention calls of the published rows (b·a/t sequences of s, or of s/c
    blocks), forward and backward against HardwareProfile.attention_seconds
-   (`attention_part`).
+   (`attention_part`): the kernel PyTorch picks (ptdp's), and on CUDA also
+   cuDNN's (the published rows').
 
 Every case that raises is recorded with its message and the rest runs.
 bench/gpu.py runs this file as a child process (`run_isolated`), as it runs
@@ -343,12 +344,37 @@ def measure_attention(heads: int, seq: int, head_dim: int, device: torch.device,
     predicted_f, predicted_b = profile.attention_seconds(heads, seq, head_dim, causal=True)
     backward_s = max(both_s - forward_s, 0.0)
     flops = 4.0 * heads * seq * seq * head_dim / 2          # causal: half the block pairs
-    return {"forward_s": forward_s, "backward_s": backward_s, "reps": reps,
-            "forward_tflops": flops / forward_s / 1e12,
-            "backward_tflops": 2.5 * flops / backward_s / 1e12 if backward_s else None,
-            "predicted_forward_s": predicted_f, "predicted_backward_s": predicted_b,
-            "forward_ratio": forward_s / predicted_f if predicted_f else None,
-            "backward_ratio": backward_s / predicted_b if predicted_b and backward_s else None}
+    row = {"forward_s": forward_s, "backward_s": backward_s, "reps": reps,
+           "forward_tflops": flops / forward_s / 1e12,
+           "backward_tflops": 2.5 * flops / backward_s / 1e12 if backward_s else None,
+           "predicted_forward_s": predicted_f, "predicted_backward_s": predicted_b,
+           "forward_ratio": forward_s / predicted_f if predicted_f else None,
+           "backward_ratio": backward_s / predicted_b if predicted_b and backward_s else None}
+    cudnn = _cudnn_backend() if device.type == "cuda" else None
+    if cudnn is not None:
+        # The kernel Transformer Engine picks on Hopper, which the published
+        # rows ran (bench/published_runs.py prices them at its rate).
+        try:
+            with cudnn():
+                cudnn_forward, _ = median_seconds(forward, device, sizes)
+                cudnn_both, _ = median_seconds(both, device, sizes)
+            row.update(cudnn_forward_s=cudnn_forward,
+                       cudnn_backward_s=max(cudnn_both - cudnn_forward, 0.0))
+        except Exception as error:  # noqa: BLE001 - a shape cuDNN refuses keeps PyTorch's figures
+            row["cudnn_error"] = _failure(error)
+    return row
+
+
+def _cudnn_backend() -> Callable[[], Any] | None:
+    """A context that makes scaled_dot_product_attention use cuDNN's fused
+    kernel, where this PyTorch has it (2.5 and newer); None elsewhere."""
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = SDPBackend.CUDNN_ATTENTION
+    except (ImportError, AttributeError):
+        return None
+    return lambda: sdpa_kernel(backend)
 
 
 def attention_part(device: torch.device, sizes: Sizes, profile: HardwareProfile
@@ -386,7 +412,18 @@ def attention_lines(part: dict[str, Any], report: dict[str, Any]) -> list[str]:
             f"measured / predicted forward {forward:.2f}")
     if backward:
         text += f", backward {statistics.median(backward):.2f}"
-    return [text + " (medians)"]
+    lines = [text + " (medians)"]
+    cudnn = [r for r in measured if r.get("cudnn_forward_s") and r.get("cudnn_backward_s")]
+    if cudnn:
+        speedup = [(r["forward_s"] + r["backward_s"]) / (r["cudnn_forward_s"] + r["cudnn_backward_s"])
+                   for r in cudnn]
+        lines.append(f"kernel sweep, attention: cuDNN's kernel on {len(cudnn)} shapes, forward + "
+                     f"backward {statistics.median(speedup):.2f}x PyTorch's default's speed (median)")
+    refused = [r for r in measured if r.get("cudnn_error")]
+    if refused:
+        lines.append(f"kernel sweep, attention: cuDNN refused {len(refused)} shapes "
+                     f"({refused[0]['cudnn_error']})")
+    return lines
 
 
 def attention_table(part: dict[str, Any]) -> list[str]:

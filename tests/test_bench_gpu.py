@@ -2,6 +2,7 @@
 its correctness checks pass, its figures are consistent with the model
 (exact parameter count, the paper's FLOPs), and a check can fail."""
 
+import copy
 import dataclasses
 import importlib.util
 import json
@@ -467,3 +468,36 @@ def test_a_profile_fitted_to_the_sweep(tiny_run, tmp_path):
     table = fit.priced_with(profile, some)
     assert table.count("| Llama 3.1 8B") == len(some) and "ptdp GPT 1.3B" in table
     assert published_runs.load_profile is original      # the built-in profiles are back
+    # No cuDNN on a CPU: its kernel is fitted only where the sweep timed it.
+    assert details["cudnn_attention"] is None and not any("cudnn_forward_s" in r for r in attention)
+
+
+def test_cudnns_attention_timed_by_the_sweep_prices_the_published_rows(tiny_run):
+    """Where the sweep timed cuDNN's kernel (on CUDA), its own fraction is
+    fitted the same way and the published rows are priced with it, not with
+    the rate fitted to the FlashAttention-3 paper; ptdp's own rows keep
+    PyTorch's default kernel's. (Timings here: the CPU run's, halved, as if
+    cuDNN's kernel were twice as fast.)"""
+    spec = importlib.util.spec_from_file_location("fit_gpu_profile",
+                                                  SCRIPT.parent / "fit_gpu_profile.py")
+    fit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fit)
+    report, _ = tiny_run
+    report = copy.deepcopy(report)
+    for r in report["kernels_sweep"]["attention"]["rows"]:
+        if r.get("backward_s"):
+            r.update(cudnn_forward_s=r["forward_s"] / 2, cudnn_backward_s=r["backward_s"] / 2)
+    profile, details = fit.fitted_profile(report)
+    ptdps, cudnn = details["attention"], details["cudnn_attention"]
+    assert cudnn["calls"] == ptdps["calls"] > 0
+    assert cudnn["attention_efficiency"] > ptdps["attention_efficiency"] == profile.attention_efficiency
+    assert cudnn["median_ratio"] == pytest.approx(1.0, rel=0.05)
+    assert "cuDNN's attention" in fit.report_text(fit.builtin_profile("h200"), profile, details)
+    import published_runs
+    rates = published_runs.HOPPER_ATTENTION_EFFICIENCY
+    llama = [run for run in published_runs.RUNS if run.name.startswith("Llama 3.1 8B H100 BF16")]
+    faster = fit.priced_with(profile, llama, cudnn_attention=cudnn["attention_efficiency"] * 2)
+    slower = fit.priced_with(profile, llama, cudnn_attention=cudnn["attention_efficiency"])
+    assert faster != slower                               # the rows take the rate given
+    assert faster.split("ptdp GPT")[1] == slower.split("ptdp GPT")[1]   # ptdp's own do not
+    assert published_runs.HOPPER_ATTENTION_EFFICIENCY is rates        # put back
