@@ -39,7 +39,9 @@ t tensor size, E bytes per element of the workload's precision):
   Recomputation: full = the layers' forward again in backward, except the
   last GEMM of each layer (PyTorch's non-re-entrant checkpoint stops once
   every saved tensor is rebuilt, see ptdp.train.report) and its
-  all-reduce; selective = the attention core again.
+  all-reduce, or all of it where the priced run reruns the whole layer
+  (`HardwareProfile.recompute_whole_layer`: Megatron-LM's re-entrant
+  checkpoint); selective = the attention core again.
 
   Sequence parallelism (Layout.sequence_parallel, t > 1): the LayerNorms
   and the two bias+dropout+adds run on b·s·h/t elements per rank, and so do
@@ -446,9 +448,11 @@ class OperatorModel:
                        + self.memory_ops_seconds(self.attention_core_ops(), False) + self.launches(8))
             return self._with_context_exchange(Cost().add("recompute", seconds), False)
         if kind == "full":
-            # The whole forward but its last GEMM (MLP 4h->h), whose all-reduce
-            # (reduce-scatter) and bias+dropout+add also do not run again.
             forward = self.layer_forward("recompute")
+            if self.prof.recompute_whole_layer:     # Megatron-LM's re-entrant checkpoint
+                return forward
+            # ptdp's: the whole forward but its last GEMM (MLP 4h->h), whose
+            # all-reduce (reduce-scatter) and bias+dropout+add also do not run again.
             shape = self.layer_gemms()["mlp_down"]
             skipped = (self.gemm(*shape[:3], shape[3])
                        + self.memory(residual_bytes(self.outside(), self.E,
