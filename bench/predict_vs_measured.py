@@ -65,6 +65,9 @@ LAYOUTS = [
     Layout(p=4, b=2, split=LayerSplit(first=1, last=1)),
     Layout(p=2, b=2, schedule="zb-h1"),
     Layout(p=2, v=2, b=2, schedule="zbv"),
+    # Full recomputation (with the model's hidden dropout, the whole layer reruns).
+    Layout(b=2, recompute="full"),
+    Layout(t=2, p=2, b=2, recompute="full"),
 ]
 
 
@@ -80,6 +83,8 @@ def describe(layout: Layout, num_layers: int) -> str:
         text += " layers " + ",".join(map(str, layout.stage_layers(num_layers)))
     if layout.distributed_optimizer:
         text += " dist-opt"
+    if layout.recompute:
+        text += f" recompute={layout.recompute}"
     return text
 
 

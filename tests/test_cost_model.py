@@ -128,26 +128,65 @@ def test_the_paper_attention_core_is_fitted_to_korthikanti_layer_and_prices_it()
 
 
 def test_full_recomputation_reruns_the_whole_layer_only_where_the_run_does():
-    """ptdp's non-re-entrant checkpoint stops before each layer's last GEMM
-    (and its all-reduce and residual add); a run whose checkpoint reruns the
+    """ptdp's non-re-entrant checkpoint stops once the last tensor the
+    backward needs is rebuilt: without hidden dropout before each layer's
+    last GEMM (and its all-reduce and residual add), with it after them
+    (the dropout's mask is saved last). A run whose checkpoint reruns the
     whole layer (Megatron-LM's re-entrant one, paper_kernels) recomputes
-    exactly the layer's forward."""
-    workload = Workload(BIG, global_batch=8, precision="bf16")
+    exactly the layer's forward either way."""
     layout = Layout(t=2, p=1, d=1, b=2, recompute="full")
     ours = load_profile("a100")
     theirs = dataclasses.replace(ours, recompute_whole_layer=True)
     assert not ours.recompute_whole_layer and paper_kernels(ours).recompute_whole_layer
     machine = Machine(layout, ours)
-    forward = OperatorModel(workload, layout, theirs, machine).layer_forward("recompute")
-    whole = OperatorModel(workload, layout, theirs, machine).layer_recompute("full")
-    assert whole.work == forward.work and whole.comm == forward.comm
-    stopped = OperatorModel(workload, layout, ours, machine)
-    last_gemm = stopped.gemm(*stopped.layer_gemms()["mlp_down"][:3])
-    partial = stopped.layer_recompute("full")
-    assert partial.total_work < whole.total_work - last_gemm * 0.99
-    assert partial.comm < whole.comm
+    no_dropout = dataclasses.replace(BIG, hidden_dropout=0.0)
+    for model, profile, whole in ((BIG, ours, True), (BIG, theirs, True),
+                                  (no_dropout, theirs, True), (no_dropout, ours, False)):
+        ops = OperatorModel(Workload(model, global_batch=8, precision="bf16"), layout, profile,
+                            machine)
+        forward, recomputed = ops.layer_forward("recompute"), ops.layer_recompute("full")
+        if whole:
+            assert recomputed.work == forward.work and recomputed.comm == forward.comm
+        else:
+            last_gemm = ops.gemm(*ops.layer_gemms()["mlp_down"][:3])
+            assert recomputed.total_work < forward.total_work - last_gemm * 0.99
+            assert recomputed.comm < forward.comm
+    workload = Workload(no_dropout, global_batch=8, precision="bf16")
     assert (simulate(workload, layout, theirs).iteration_seconds
             > simulate(workload, layout, ours).iteration_seconds)
+
+
+def test_ptdp_recomputes_the_last_gemm_exactly_when_hidden_dropout_is_on():
+    """What the pricing above assumes of ptdp's checkpoint, on a real layer:
+    the backward of a checkpointed layer runs its 8 gradient GEMMs and
+    recomputes 3 of its 4 forward GEMMs without hidden dropout, all 4 with it."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ptdp.model.gpt import TransformerLayer
+    from ptdp.model.recompute import checkpoint
+    from ptdp.parallel.tensor import RNGStreams
+    from ptdp.parallel.topology import ParallelContext
+
+    class CountProducts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func.__name__.split(".")[0] in ("mm", "addmm")
+            return func(*args, **(kwargs or {}))
+
+    for dropout, products in ((0.0, 8 + 3), (0.1, 8 + 4)):
+        config = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=16,
+                             vocab_size=128, hidden_dropout=dropout, attention_dropout=0.0)
+        rng = RNGStreams(torch.device("cpu"))
+        layer = TransformerLayer(config, ParallelContext.single(), rng)
+        out = checkpoint(layer, rng, torch.randn(16, 2, 64, requires_grad=True))
+        counter = CountProducts()
+        with counter:
+            out.sum().backward()
+        assert counter.count == products, (dropout, counter.count)
 
 
 def test_h100_and_h200_take_e_max_from_the_measured_matmul_and_run_faster():
@@ -226,23 +265,27 @@ def test_scatter_gather_cuts_pipeline_transfers_between_servers():
 
 # ------------------------------------------------------------------ recomputation
 
-def test_full_recomputation_adds_the_layers_forward_once_more():
-    workload = Workload(BIG, global_batch=32, precision="bf16")
+@pytest.mark.parametrize("hidden_dropout", [0.1, 0.0])
+def test_full_recomputation_adds_the_layers_forward_once_more(hidden_dropout):
+    model = dataclasses.replace(BIG, hidden_dropout=hidden_dropout)
+    workload = Workload(model, global_batch=32, precision="bf16")
     a100 = load_profile("a100")
     base = simulate(workload, Layout(b=2), a100)
     full = simulate(workload, Layout(b=2, recompute="full"), a100)
     added = full.iteration_seconds - base.iteration_seconds
     assert added == pytest.approx(full.seconds_by_category["recompute"], rel=1e-9)
     assert base.seconds_by_category["recompute"] == 0
-    # The layers' forward again, less the MLP's last GEMM (non-re-entrant checkpoint
-    # stops once every saved tensor is rebuilt) and what follows it.
+    # The layers' forward again; without hidden dropout less the MLP's last
+    # GEMM (the non-re-entrant checkpoint stops once every saved tensor is
+    # rebuilt, and the dropout's mask is what follows that GEMM).
     layout = Layout(b=2)
     ops = OperatorModel(workload, layout, a100, Machine(layout, a100))
-    m, l = layout.microbatches(32), BIG.num_layers
+    m, l = layout.microbatches(32), model.num_layers
     layers_forward = m * l * ops.layer_forward().total_work
     mlp_down = m * l * ops.gemm(*ops.layer_gemms()["mlp_down"][:3])
-    assert added == pytest.approx(layers_forward - mlp_down, rel=0.05)
-    assert added < layers_forward < base.seconds_by_category["forward compute"]
+    skipped = 0.0 if hidden_dropout else mlp_down
+    assert added == pytest.approx(layers_forward - skipped, rel=0.05)
+    assert added <= layers_forward * (1 + 1e-9) < base.seconds_by_category["forward compute"]
     # The paper's FLOPs count the recomputed forward: F_full / F_none = 4/3 without logits.
     assert full.flops_per_iteration > base.flops_per_iteration
 
@@ -268,15 +311,24 @@ def test_selective_recomputation_adds_the_attention_core_only(fused):
             == pytest.approx(m * BIG.num_layers * core))
 
 
-def test_full_recomputation_repeats_one_tensor_all_reduce_per_layer():
-    workload = Workload(BIG, global_batch=8, precision="bf16")
+@pytest.mark.parametrize("hidden_dropout, repeated", [(0.1, 2), (0.0, 1)])
+def test_full_recomputation_repeats_the_forward_all_reduces_it_reruns(hidden_dropout, repeated):
+    """Both of a layer's forward all-reduces with hidden dropout (the whole
+    layer reruns), the attention's alone without (the recomputation stops
+    before the MLP's second GEMM): analytic.py counts the same."""
+    from ptdp.perf.analytic import tensor_collectives_per_layer
+
+    model = dataclasses.replace(BIG, hidden_dropout=hidden_dropout)
+    workload = Workload(model, global_batch=8, precision="bf16")
     a100 = load_profile("a100")
     base = simulate(workload, Layout(t=4, b=1), a100)
     full = simulate(workload, Layout(t=4, b=1, recompute="full"), a100)
     layout = Layout(t=4, b=1)
-    one = Machine(layout, a100).tensor_allreduce(1 * BIG.seq_length * BIG.hidden_size * 2)
+    one = Machine(layout, a100).tensor_allreduce(1 * model.seq_length * model.hidden_size * 2)
     extra = full.seconds_by_category["tensor all-reduce"] - base.seconds_by_category["tensor all-reduce"]
-    assert extra == pytest.approx(8 * BIG.num_layers * one)
+    assert extra == pytest.approx(8 * model.num_layers * repeated * one)
+    counted = tensor_collectives_per_layer(workload, Layout(t=4, b=1, recompute="full"))
+    assert counted["all_reduce"] == 4 + repeated
 
 
 # ------------------------------------------------------------------ the rest of the iteration

@@ -402,7 +402,7 @@ def caveat(profile) -> str | None:
     if profile.name in ("h100", "h200"):
         return ("note: on h100/h200 this model prices ptdp's operators beyond the matrix "
                 "products at 88 % of the data sheet's bandwidth; ptdp's own runs on an H200 measured "
-                "slower than it predicts (4.5 to 17 %, README: \"Planning a run, and how far to "
+                "slower than it predicts (4.5 to 12 %, README: \"Planning a run, and how far to "
                 "trust it\")")
     return None
 

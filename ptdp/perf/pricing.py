@@ -36,12 +36,13 @@ t tensor size, E bytes per element of the workload's precision):
   vocabulary-parallel all-reduce. Output (last virtual stage): final
   LayerNorm, logits GEMM [b·s, h]×[h, V'/t], the cross entropy's passes
   over the b·s·V'/t logits and its three small all-reduces.
-  Recomputation: full = the layers' forward again in backward, except the
-  last GEMM of each layer (PyTorch's non-re-entrant checkpoint stops once
-  every saved tensor is rebuilt, see ptdp.train.report) and its
-  all-reduce, or all of it where the priced run reruns the whole layer
+  Recomputation: full = the layers' forward again in backward: all of it
+  with hidden dropout (PyTorch's non-re-entrant checkpoint stops once every
+  saved tensor is rebuilt, and the dropout's mask after the MLP's second
+  GEMM is the last) or where the priced run reruns the whole layer
   (`HardwareProfile.recompute_whole_layer`: Megatron-LM's re-entrant
-  checkpoint); selective = the attention core again.
+  checkpoint); without hidden dropout all but that last GEMM, its
+  all-reduce and the residual add; selective = the attention core again.
 
   Sequence parallelism (Layout.sequence_parallel, t > 1): the LayerNorms
   and the two bias+dropout+adds run on b·s·h/t elements per rank, and so do
@@ -449,10 +450,14 @@ class OperatorModel:
             return self._with_context_exchange(Cost().add("recompute", seconds), False)
         if kind == "full":
             forward = self.layer_forward("recompute")
-            if self.prof.recompute_whole_layer:     # Megatron-LM's re-entrant checkpoint
+            # Megatron-LM's re-entrant checkpoint reruns the whole forward;
+            # so does ptdp's non-re-entrant one under hidden dropout, whose
+            # mask, saved after the MLP's second GEMM and its all-reduce, is
+            # the last tensor the backward needs.
+            if self.prof.recompute_whole_layer or self.hidden_dropout:
                 return forward
-            # ptdp's: the whole forward but its last GEMM (MLP 4h->h), whose
-            # all-reduce (reduce-scatter) and bias+dropout+add also do not run again.
+            # Without it the recomputation stops before that GEMM, whose
+            # all-reduce (reduce-scatter) and residual add do not run again.
             shape = self.layer_gemms()["mlp_down"]
             skipped = (self.gemm(*shape[:3], shape[3])
                        + self.memory(residual_bytes(self.outside(), self.E,

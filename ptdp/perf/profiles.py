@@ -154,7 +154,8 @@ class HardwareProfile:
     # Adam; ptdp's AdamW runs element-wise operators, operator_bytes.py);
     # full recomputation rerunning each layer's whole forward (Megatron-LM's
     # re-entrant checkpoint function; ptdp's non-re-entrant one stops once
-    # every saved tensor is rebuilt, before the layer's last GEMM).
+    # every saved tensor is rebuilt, before the layer's last GEMM unless
+    # hidden dropout saves a mask after it).
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False
     tensor_comm_overlap: bool = False

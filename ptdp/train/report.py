@@ -47,9 +47,10 @@ matrix but does the same 2·B·s·h·V forward as the tied one.
 With full recomputation the formula counts every recomputed GEMM, as
 Megatron-LM's re-entrant checkpoint executes them. PyTorch's non-re-entrant
 checkpoint (ptdp.model.recompute) stops recomputing once every tensor the
-backward needs is rebuilt, so the last GEMM of each checkpointed group (the
-MLP's 4h→h projection, 2·B·s·h·f) is not re-run: the hardware executes that
-much less than F. TFLOP/s here is the paper's F over the measured time.
+backward needs is rebuilt: with hidden dropout that is the mask after the
+last GEMM of each checkpointed group, so everything is re-run; without it
+that GEMM (the MLP's 4h→h projection, 2·B·s·h·f) is not, and the hardware
+executes that much less than F. TFLOP/s here is the paper's F over the measured time.
 """
 
 from __future__ import annotations
