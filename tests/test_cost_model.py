@@ -20,7 +20,8 @@ from ptdp.parallel.pipeline.schedules import build_schedule
 from ptdp.parallel.pipeline.actions import Exchange, ScheduleError
 from ptdp.perf.calibration_point import (CALIBRATION_TFLOPS, KORTHIKANTI_LAYER_MS,
                                          attention_ratios, calibration_point, fit_attention,
-                                         fit_attention_core_fraction, fit_to_calibration_point,
+                                         fit_attention_core_fraction, fit_paper_kernels,
+                                         fit_to_calibration_point,
                                          fit_to_matmul, korthikanti_layer_ms, paper_kernels,
                                          selective_overhead_ms)
 from ptdp.perf.machine import Machine
@@ -112,6 +113,8 @@ def test_the_paper_attention_core_is_fitted_to_korthikanti_layer_and_prices_it()
     of what full recomputation does."""
     fraction = fit_attention_core_fraction(CALIBRATED_GEMM_EFFICIENCY)
     assert fraction == pytest.approx(PAPER_ATTENTION_CORE_FRACTION, abs=1e-3)
+    assert fit_paper_kernels() == pytest.approx(
+        (CALIBRATED_GEMM_EFFICIENCY, PAPER_ATTENTION_CORE_FRACTION), abs=1e-3)
     assert 0.3 < fraction < ACHIEVED_HBM_FRACTION     # slower than a streaming copy
     profile = paper_kernels(load_profile("a100"))
     assert profile.op_bandwidth["attention_core"] == pytest.approx(

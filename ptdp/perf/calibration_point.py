@@ -61,8 +61,8 @@ def paper_kernels(profile: HardwareProfile, *,
 # (t = 8), forward plus backward in milliseconds, as Korthikanti et al. 2022
 # timed it (arXiv 2205.05198, Table 4), by recomputation and sequence
 # parallelism. Forward alone: 7.7 without recomputation. The table's micro
-# batch is the 22B run's, b = 4 (Table 3, one microbatch per iteration):
-# the only one for which these are times an A100 runs, since a layer's
+# batch is taken as the 22B run's, b = 4 (one microbatch per iteration, as
+# recalled from Table 3): the only one for which these are times an A100 runs, since a layer's
 # GEMMs do 2.45e11·b FLOPs per rank forward, 127 TFLOP/s in 7.7 ms at b = 4
 # (41 % of peak, the 22B run's MFU), 64 at b = 2 and an impossible 254
 # (81 %, collectives included) at b = 8; and 48 layers of 20.3 ms make that
