@@ -408,6 +408,35 @@ def test_profile_json_round_trip(tmp_path):
         assert load_profile(save_profile(builtin, tmp_path / f"{name}.json")) == builtin
 
 
+def test_a_class_measured_by_direction_prices_each_direction_at_its_own_rate():
+    """A CPU profile's classes carry a forward and a backward rate where
+    `ptdp calibrate` measured them apart (a dropout mask is drawn in the
+    forward only): the layer's forward and its recomputation take the
+    forward rate, its backward the backward one; a class or direction not
+    measured falls back to the class's rate, then to memory_bandwidth."""
+    base = _cpu_profile(1)
+    classes = ("layer_norm", "gelu", "residual", "attention_core", "elementwise")
+    plain = dataclasses.replace(base, op_bandwidth={c: 1e9 for c in classes})
+    split = dataclasses.replace(base, op_bandwidth={
+        **{c: 1e9 for c in classes}, **{f"{c}:forward": 0.5e9 for c in classes},
+        **{f"{c}:backward": 2e9 for c in classes}})
+    assert split.memory_seconds(1e9, "gelu", "forward") == 2.0
+    assert split.memory_seconds(1e9, "gelu", "backward") == 0.5
+    assert split.memory_seconds(1e9, "gelu") == 1.0 == plain.memory_seconds(1e9, "gelu", "forward")
+    assert split.memory_seconds(1e9, "optimizer", "forward") == 1e9 / base.memory_bandwidth
+    workload, layout = Workload(BIG, 8, "fp32"), Layout(b=1, recompute="full")
+    machine = Machine(layout, base)
+    ours, theirs = (OperatorModel(workload, layout, p, machine) for p in (split, plain))
+    memory = ours.layer_memory()
+    forward_bytes, backward_bytes = sum(op[1] for op in memory), sum(op[2] for op in memory)
+    assert (ours.layer_forward().total_work - theirs.layer_forward().total_work
+            == pytest.approx(forward_bytes / 1e9))          # at 0.5 GB/s instead of 1
+    assert (theirs.layer_backward().total_work - ours.layer_backward().total_work
+            == pytest.approx(backward_bytes / 2e9))         # at 2 GB/s instead of 1
+    assert ours.layer_recompute("full").total_work == pytest.approx(
+        ours.layer_forward().total_work)                    # BIG has hidden dropout
+
+
 def test_profile_json_rejects_unknown_fields(tmp_path):
     path = tmp_path / "bad.json"
     path.write_text(json.dumps({"name": "x", "peak_tflopz": 3}))
@@ -439,8 +468,11 @@ def test_calibrate_quick_writes_a_loadable_profile(tmp_path):
     profile = load_profile(out)
     assert profile.kind == "cpu" and profile.cores >= 1
     assert profile.peak_tflops_fp32 > 0 and profile.memory_bandwidth > 0
-    assert set(profile.op_bandwidth) >= {"layer_norm", "gelu", "residual", "attention_core",
-                                         "elementwise", "cross_entropy", "optimizer"}
+    classes = {"layer_norm", "gelu", "residual", "attention_core", "elementwise", "cross_entropy"}
+    assert set(profile.op_bandwidth) == (classes | {"optimizer"}
+                                         | {f"{c}:{d}" for c in classes
+                                            for d in ("forward", "backward")})
+    assert all(rate > 0 for rate in profile.op_bandwidth.values())
     assert set(profile.collective_seconds) == {"allreduce", "exchange"}
     # How long calibration took, and what the profile predicts, depend on the
     # machine's speed and load: only their being real durations is checked.

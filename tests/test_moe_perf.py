@@ -64,6 +64,24 @@ def test_dense_layers_of_an_moe_model_price_as_dense():
     assert same.forward.work == dense.forward.work
 
 
+@pytest.mark.parametrize("hidden_dropout, whole", [(0.1, True), (0.0, False)])
+def test_full_recomputation_of_an_moe_layer_reruns_what_its_checkpoint_does(hidden_dropout,
+                                                                            whole):
+    """As for a dense layer (test_cost_model): under hidden dropout the
+    checkpoint reruns the whole layer, the experts' second products and the
+    return trip included; without it it stops before them."""
+    model = dataclasses.replace(MOE, hidden_dropout=hidden_dropout, attention_dropout=0.0)
+    ops = operator_model(Workload(model, 8, "bf16"), Layout(t=1, d=8, b=1, ep=8), H100)
+    assert ops.recomputes_whole_layer == whole
+    moe, dense = moe_costs.moe_mlp(ops, 8, 1), moe_costs.dense_mlp(ops)
+    if whole:
+        assert moe.recompute == moe.forward and moe.dispatch_recompute == moe.dispatch_forward
+        assert dense.recompute == pytest.approx(dense.forward)
+    else:
+        assert moe.recompute < moe.forward and moe.dispatch_recompute < moe.dispatch_forward
+        assert dense.recompute < dense.forward
+
+
 def test_capacity_prices_the_busiest_expert():
     layout = Layout(t=1, d=8, b=1, ep=8)
     capped = dataclasses.replace(MOE, moe_expert_capacity_factor=1.0)

@@ -16,7 +16,10 @@ What is measured (fp32, CPU, each rate per process with the thread counts
   dropout, less its GEMMs as the fitted GEMM model prices them), the
   vocabulary-parallel cross entropy, and ptdp's AdamW passes (optimizer);
   bytes as operator_bytes.py counts them over the time -> `op_bandwidth`
-  (`memory_bandwidth` = the elementwise rate);
+  (`memory_bandwidth` = the elementwise rate), and each class's forward
+  alone and the rest of the pair, its backward, likewise -> `op_bandwidth`
+  under "class:forward" and "class:backward" (dropout's mask is drawn in the
+  forward only, and on a CPU drawing it costs far more than its bytes);
 - the fixed cost of one eager operator with autograd (forward and backward
   of a chain of tiny operators) -> `launch_overhead`;
 - gloo between two local processes started by `ptdp.launch.launch_local`
@@ -142,10 +145,12 @@ def measure_gemms(shapes: list[tuple[int, int, int]], threads: int, budget: floa
 
 
 def _operators(gemm_seconds: Callable[..., float], cold_bytes: int = COLD_BYTES,
-               optimizer_elements: int = 1 << 22
-               ) -> dict[str, tuple[Callable[[], Any], float, float]]:
-    """class -> (forward + backward of ptdp's operator on REFERENCE-sized
-    inputs, bytes operator_bytes.py counts for it, seconds of GEMMs inside it)."""
+               optimizer_elements: int = 1 << 22) -> dict[str, dict[str, Any]]:
+    """class -> {"run": forward + backward of ptdp's operator on
+    REFERENCE-sized inputs, "bytes": what operator_bytes.py counts for both,
+    "gemms": seconds of GEMMs inside them, "forward": (its forward alone,
+    the forward's bytes, the forward's GEMM seconds) or None (the optimizer,
+    which has one direction)}."""
     import torch
     import torch.nn.functional as F
 
@@ -160,40 +165,39 @@ def _operators(gemm_seconds: Callable[..., float], cold_bytes: int = COLD_BYTES,
     def leaf(*shape):
         return torch.randn(*shape, requires_grad=True)
 
-    def backward(y, grad):
-        y.backward(grad)
-
     weight, bias_h, bias_f = torch.ones(h), torch.zeros(h), torch.zeros(f)
     g_n, g_f = torch.randn(s, b, h), torch.randn(s, b, f)
-    ops: dict[str, tuple[Callable[[], Any], float, float]] = {}
+    ops: dict[str, dict[str, Any]] = {}
 
-    sets = _rotation(lambda: leaf(s, b, h), 3 * n * E)
-    ops["layer_norm"] = (_cycle(sets, lambda x: backward(F.layer_norm(x, (h,), weight, bias_h), g_n)),
-                         sum(operator_bytes.layer_norm_bytes(n, E)), 0.0)
-    sets = _rotation(lambda: leaf(s, b, f), 3 * ffn * E)
-    ops["gelu"] = (_cycle(sets, lambda x: backward(bias_gelu(x, bias_f, True), g_f)),
-                   sum(operator_bytes.gelu_bytes(ffn, E)), 0.0)
-    sets = _rotation(lambda: (leaf(s, b, h), leaf(s, b, h)), 5 * n * E)
-    ops["residual"] = (_cycle(sets, lambda xr: backward(
-        bias_dropout_add(xr[0], bias_h, xr[1], 0.1, True, True), g_n)),
-        sum(operator_bytes.residual_bytes(n, E, True)), 0.0)
-    sets = _rotation(lambda: leaf(b, a, s, h // a), 3 * n * E)
-    ops["elementwise"] = (_cycle(sets, lambda x: backward(
-        x.permute(2, 0, 1, 3).reshape(s, b, h), g_n)), sum(operator_bytes.copy_bytes(n, E)), 0.0)
+    def add(name: str, sets: list[Any], forward: Callable[[Any], Any], grad: Any,
+            nbytes: tuple[float, float], gemms: tuple[float, float] = (0.0, 0.0)) -> None:
+        """The class measured as training runs it: `forward` with autograd
+        recording, then the backward of its output against `grad`."""
+        ops[name] = {"run": _cycle(sets, lambda x: forward(x).backward(grad)),
+                     "bytes": sum(nbytes), "gemms": sum(gemms),
+                     "forward": (_cycle(sets, forward), nbytes[0], gemms[0])}
+
+    add("layer_norm", _rotation(lambda: leaf(s, b, h), 3 * n * E),
+        lambda x: F.layer_norm(x, (h,), weight, bias_h), g_n, operator_bytes.layer_norm_bytes(n, E))
+    add("gelu", _rotation(lambda: leaf(s, b, f), 3 * ffn * E),
+        lambda x: bias_gelu(x, bias_f, True), g_f, operator_bytes.gelu_bytes(ffn, E))
+    add("residual", _rotation(lambda: (leaf(s, b, h), leaf(s, b, h)), 5 * n * E),
+        lambda xr: bias_dropout_add(xr[0], bias_h, xr[1], 0.1, True, True), g_n,
+        operator_bytes.residual_bytes(n, E, True))
+    add("elementwise", _rotation(lambda: leaf(b, a, s, h // a), 3 * n * E),
+        lambda x: x.permute(2, 0, 1, 3).reshape(s, b, h), g_n, operator_bytes.copy_bytes(n, E))
     g_ctx = torch.randn(b, a, s, h // a)
-    sets = _rotation(lambda: (leaf(b, a, s, h // a), leaf(b, a, s, h // a), leaf(b, a, s, h // a)),
-                     (3 * n + 3 * scores) * E)
-    attention_gemms = 3 * gemm_seconds(s, s, h // a, batch=b * a)     # QKᵀ, PV; 4 more backward
-    attention_gemms += 3 * gemm_seconds(s, h // a, s, batch=b * a)
-    ops["attention_core"] = (_cycle(sets, lambda qkv: backward(F.scaled_dot_product_attention(
-        *qkv, dropout_p=0.1, is_causal=True), g_ctx)),
-        sum(operator_bytes.attention_core_bytes(scores, E, True)), attention_gemms)
+    # QKᵀ and PV forward; four more backward (the fitted GEMM model's prices).
+    products = (gemm_seconds(s, s, h // a, batch=b * a) + gemm_seconds(s, h // a, s, batch=b * a))
+    add("attention_core",
+        _rotation(lambda: (leaf(b, a, s, h // a), leaf(b, a, s, h // a), leaf(b, a, s, h // a)),
+                  (3 * n + 3 * scores) * E),
+        lambda qkv: F.scaled_dot_product_attention(*qkv, dropout_p=0.1, is_causal=True), g_ctx,
+        operator_bytes.attention_core_bytes(scores, E, True), (products, 2 * products))
     labels = torch.randint(0, V, (s, b))
-    grad_loss = torch.ones(s, b)
-    sets = _rotation(lambda: leaf(s, b, V), 3 * b * s * V * E)
-    ops["cross_entropy"] = (_cycle(sets, lambda x: backward(
-        vocab_parallel_cross_entropy(x, labels, 0, None), grad_loss)),
-        sum(operator_bytes.cross_entropy_bytes(b * s * V, E)), 0.0)
+    add("cross_entropy", _rotation(lambda: leaf(s, b, V), 3 * b * s * V * E),
+        lambda x: vocab_parallel_cross_entropy(x, labels, 0, None), torch.ones(s, b),
+        operator_bytes.cross_entropy_bytes(b * s * V, E))
 
     elements = optimizer_elements
     main, grad = torch.randn(elements), torch.randn(elements)
@@ -209,8 +213,15 @@ def _operators(gemm_seconds: Callable[..., float], cold_bytes: int = COLD_BYTES,
         denom = (exp_avg_sq.sqrt() / 0.9).add_(1e-8)
         main.addcdiv_(exp_avg, denom, value=-1e-3)
 
-    ops["optimizer"] = (adamw, operator_bytes.OPTIMIZER_BYTES_PER_PARAMETER * elements, 0.0)
+    ops["optimizer"] = {"run": adamw, "bytes": operator_bytes.OPTIMIZER_BYTES_PER_PARAMETER * elements,
+                        "gemms": 0.0, "forward": None}
     return ops
+
+
+def _rate(nbytes: float, seconds: float, gemms: float) -> float:
+    """Bytes per second of `seconds` less the GEMMs inside (at least a tenth
+    of them left: the fitted GEMM price can exceed a noisy measurement)."""
+    return nbytes / max(seconds - gemms, 0.1 * seconds)
 
 
 def measure_memory_ops(budget: float, gemm_seconds: Callable[..., float], threads: int = 1, *,
@@ -218,27 +229,42 @@ def measure_memory_ops(budget: float, gemm_seconds: Callable[..., float], thread
                        optimizer_elements: int = 1 << 22) -> list[dict]:
     """Bytes per second of each class of memory-bound operator (1 thread):
     the bytes operator_bytes.py counts for it over the time its forward + backward
-    takes (less the time of the GEMMs inside, for the attention core). With
-    `threads` > 1 also its speed-up on that many threads ("speedup"), the two
-    measured in alternation so that both see the same background load."""
+    takes (less the time of the GEMMs inside, for the attention core), and the
+    same of its forward alone and of the rest, its backward: the two
+    directions can differ far more than their bytes do (on a CPU, drawing a
+    dropout mask costs more than the pass that applies it, and only the
+    forward, or a recomputation, draws one). With `threads` > 1 also its
+    speed-up on that many threads ("speedup"), the two measured in
+    alternation so that both see the same background load."""
     import torch
 
     previous = torch.get_num_threads()
     try:
         rows = []
         operators = _operators(gemm_seconds, cold_bytes, optimizer_elements)
-        for name, (fn, nbytes, gemms) in operators.items():
-            single, multi = [], []
+        for name, op in operators.items():
+            single, multi, forward = [], [], []
             for _ in range(rounds if threads > 1 else 1):
                 torch.set_num_threads(1)
-                single.append(_median_seconds(fn, budget=budget / rounds))
+                single.append(_median_seconds(op["run"], budget=budget / rounds))
+                if op["forward"]:
+                    forward.append(_median_seconds(op["forward"][0], budget=budget / rounds))
                 if threads > 1:
                     torch.set_num_threads(threads)
-                    multi.append(_median_seconds(fn, budget=budget / rounds))
-            seconds = statistics.median(single)
-            rest = max(seconds - gemms, 0.1 * seconds)
+                    multi.append(_median_seconds(op["run"], budget=budget / rounds))
+            seconds, nbytes, gemms = statistics.median(single), op["bytes"], op["gemms"]
             row = {"op": name, "seconds": seconds, "gemm_seconds": gemms, "bytes": nbytes,
-                   "gbytes_per_s": nbytes / rest / 1e9}
+                   "gbytes_per_s": _rate(nbytes, seconds, gemms) / 1e9}
+            if forward:
+                _, forward_bytes, forward_gemms = op["forward"]
+                # The backward: the rest of the pair (at least a tenth of it).
+                forward_seconds = min(statistics.median(forward), 0.9 * seconds)
+                row.update(forward_seconds=forward_seconds,
+                           forward_gbytes_per_s=_rate(forward_bytes, forward_seconds,
+                                                      forward_gemms) / 1e9,
+                           backward_gbytes_per_s=_rate(nbytes - forward_bytes,
+                                                       seconds - forward_seconds,
+                                                       gemms - forward_gemms) / 1e9)
             if multi:   # the least disturbed runs: others' load is available_cores' business
                 row["speedup"] = min(single) / min(multi)
             rows.append(row)
@@ -634,6 +660,10 @@ def calibrate(*, quick: bool = False, name: str = "local", log: Callable[[str], 
         rounds=1 if quick else 3, cold_bytes=cold_bytes,
         optimizer_elements=1 << (20 if quick else 22))
     op_bandwidth = {row["op"]: row["gbytes_per_s"] * 1e9 for row in memory_ops}
+    for row in memory_ops:      # each direction's own rate (HardwareProfile.memory_seconds)
+        if "forward_gbytes_per_s" in row:
+            op_bandwidth[f"{row['op']}:forward"] = row["forward_gbytes_per_s"] * 1e9
+            op_bandwidth[f"{row['op']}:backward"] = row["backward_gbytes_per_s"] * 1e9
     op_speedup = {row["op"]: max(1.0, min(float(cores), row["speedup"]))
                   for row in memory_ops if "speedup" in row}
     rates = ", ".join("{op} {gbytes_per_s:.1f}".format(**r) for r in memory_ops)

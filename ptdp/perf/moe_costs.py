@@ -179,7 +179,8 @@ class MLPPieces:
 def dense_mlp(ops) -> MLPPieces:
     """The dense MLP's share of OperatorModel's layer costs: its two GEMMs,
     its activation pass and its matrices' gradient accumulation (full
-    recomputation runs its first GEMM and the activation again)."""
+    recomputation runs its first GEMM and the activation again, and the
+    second GEMM too where the whole layer reruns)."""
     shapes = ops.layer_gemms()
     up, down = shapes["mlp_up"][:3], shapes["mlp_down"][:3]
     act = (swiglu_bytes if ops.w.model.swiglu else gelu_bytes)(ops.b * ops.s * ops.f // ops.t,
@@ -188,11 +189,13 @@ def dense_mlp(ops) -> MLPPieces:
     accumulate = ops.memory((up[1] * up[2] + down[1] * down[2]) * per_element)
     input_grads = ops.gemm(up[0], up[2], up[1]) + ops.gemm(down[0], down[2], down[1])
     weight_grads = ops.gemm(up[2], up[1], up[0]) + ops.gemm(down[2], down[1], down[0])
-    return MLPPieces(forward=ops.gemm(*up) + ops.gemm(*down) + ops.memory(act[0], "gelu"),
-                     backward=input_grads + weight_grads + ops.memory(act[1], "gelu") + accumulate,
-                     b=input_grads + ops.memory(act[1], "gelu"),
+    return MLPPieces(forward=ops.gemm(*up) + ops.gemm(*down) + ops.memory(act[0], "gelu", "forward"),
+                     backward=(input_grads + weight_grads + ops.memory(act[1], "gelu", "backward")
+                               + accumulate),
+                     b=input_grads + ops.memory(act[1], "gelu", "backward"),
                      w=weight_grads + accumulate,
-                     recompute=ops.gemm(*up) + ops.memory(act[0], "gelu"))
+                     recompute=ops.gemm(*up) + ops.memory(act[0], "gelu", "forward")
+                     + (ops.gemm(*down) if ops.recomputes_whole_layer else 0.0))
 
 
 def _all_to_all(machine, nbytes: float, ranks: list[int]) -> float:
@@ -307,11 +310,15 @@ def moe_mlp(ops, ep: int, etp: int | None, *, balanced: bool = False) -> MLPPiec
     w = weight_grads + expert_accumulate + shared_w + shared_acc
     dispatch_fwd, dispatch_bwd, back = dispatch_seconds(ops, load, ep, etp)
     # Full recomputation stops once every saved tensor is rebuilt: the
-    # experts' second products, the sum back and the return trip do not run.
-    recompute = forward - second_forward - ops.memory(2 * out_tokens * h * e)
+    # experts' second products, the sum back and the return trip do not
+    # run, unless the whole layer reruns (hidden dropout's mask comes after
+    # them; Megatron-LM's re-entrant checkpoint).
+    whole = ops.recomputes_whole_layer
+    recompute = forward if whole else forward - second_forward - ops.memory(2 * out_tokens * h * e)
     return MLPPieces(forward=forward, backward=b + w, b=b, w=w, recompute=recompute,
                      dispatch_forward=dispatch_fwd, dispatch_backward=dispatch_bwd,
-                     dispatch_recompute=dispatch_fwd - back, parts=parts)
+                     dispatch_recompute=dispatch_fwd if whole else dispatch_fwd - back,
+                     parts=parts)
 
 
 def _tensor_gathers(ops, count: int) -> float:

@@ -184,8 +184,9 @@ class OperatorModel:
         """Input gradient [m, n]×[n, k] and weight gradient [k, m]×[m, n]."""
         return self.gemm(m, k, n, batch) + self.gemm(k, n, m, batch)
 
-    def memory(self, nbytes: float, op: str = "elementwise") -> float:
-        return self.prof.memory_seconds(nbytes, op) / self.prof.thread_factor(self.threads, op)
+    def memory(self, nbytes: float, op: str = "elementwise", direction: str | None = None) -> float:
+        return (self.prof.memory_seconds(nbytes, op, direction)
+                / self.prof.thread_factor(self.threads, op))
 
     def launches(self, count: float) -> float:
         return count * self.prof.launch_overhead
@@ -302,7 +303,8 @@ class OperatorModel:
                                 outside=self.outside())
 
     def memory_ops_seconds(self, ops: list[tuple[str, float, float]], backward: bool) -> float:
-        return sum(self.memory(bwd if backward else fwd, op) for op, fwd, bwd in ops)
+        direction = "backward" if backward else "forward"
+        return sum(self.memory(bwd if backward else fwd, op, direction) for op, fwd, bwd in ops)
 
     def _rotary_ops(self) -> int:
         if not self.w.model.rope:
@@ -436,6 +438,15 @@ class OperatorModel:
         return (max(0.0, gather - self.gemm(m, k, n, batch))
                 + max(0.0, gather - self.gemm(k, n, m, batch)))
 
+    @property
+    def recomputes_whole_layer(self) -> bool:
+        """Whether full recomputation reruns a layer's whole forward:
+        Megatron-LM's re-entrant checkpoint always does; so does ptdp's
+        non-re-entrant one under hidden dropout, whose mask, saved after the
+        MLP's second GEMM and its all-reduce, is the last tensor the
+        backward needs."""
+        return self.prof.recompute_whole_layer or self.hidden_dropout
+
     def layer_recompute(self, kind: str | None) -> Cost:
         if kind is None:
             return Cost()
@@ -450,18 +461,14 @@ class OperatorModel:
             return self._with_context_exchange(Cost().add("recompute", seconds), False)
         if kind == "full":
             forward = self.layer_forward("recompute")
-            # Megatron-LM's re-entrant checkpoint reruns the whole forward;
-            # so does ptdp's non-re-entrant one under hidden dropout, whose
-            # mask, saved after the MLP's second GEMM and its all-reduce, is
-            # the last tensor the backward needs.
-            if self.prof.recompute_whole_layer or self.hidden_dropout:
+            if self.recomputes_whole_layer:
                 return forward
             # Without it the recomputation stops before that GEMM, whose
             # all-reduce (reduce-scatter) and residual add do not run again.
             shape = self.layer_gemms()["mlp_down"]
             skipped = (self.gemm(*shape[:3], shape[3])
                        + self.memory(residual_bytes(self.outside(), self.E,
-                                                    self.hidden_dropout)[0], "residual")
+                                                    self.hidden_dropout)[0], "residual", "forward")
                        + self.launches(6))
             forward.work["recompute"] -= skipped
             forward.comm = (self.tensor_collectives(gathers=3) if self.sp
@@ -478,7 +485,8 @@ class OperatorModel:
         n, kept = self.b * self.s * self.h, self.outside()
         positions = 0.0 if self.w.model.rope else self.memory(copy_bytes(kept, self.E)[0])
         seconds = (self.memory(3 * n * self.E) + positions                             # gather
-                   + self.memory(residual_bytes(kept, self.E, self.hidden_dropout)[0], "residual")
+                   + self.memory(residual_bytes(kept, self.E, self.hidden_dropout)[0], "residual",
+                                 "forward")
                    + self.launches(8))
         cost = Cost().add("forward compute", seconds)
         cost.comm = self.tensor_collectives(gathers=1) if self.sp else self.tensor_collectives(1)
@@ -504,8 +512,8 @@ class OperatorModel:
         first."""
         logits = self._logit_elements()
         seconds = (self.gemm(self.b * self.s, self.V // self.t, self.h)
-                   + self.memory(layer_norm_bytes(self.outside(), self.E)[0], "layer_norm")
-                   + self.memory(cross_entropy_bytes(logits, self.E)[0], "cross_entropy")
+                   + self.memory(layer_norm_bytes(self.outside(), self.E)[0], "layer_norm", "forward")
+                   + self.memory(cross_entropy_bytes(logits, self.E)[0], "cross_entropy", "forward")
                    + self.launches(20))
         cost = Cost().add("forward compute", seconds)
         cost.comm = 3 * self.machine.tensor_allreduce(self.b * self.s * 4)
@@ -517,8 +525,10 @@ class OperatorModel:
         logits = self._logit_elements()
         table = self.V // self.t * self.h
         seconds = (self.gemm_backward(self.b * self.s, self.V // self.t, self.h)
-                   + self.memory(layer_norm_bytes(self.outside(), self.E)[1], "layer_norm")
-                   + self.memory(cross_entropy_bytes(logits, self.E)[1], "cross_entropy")
+                   + self.memory(layer_norm_bytes(self.outside(), self.E)[1], "layer_norm",
+                                 "backward")
+                   + self.memory(cross_entropy_bytes(logits, self.E)[1], "cross_entropy",
+                                 "backward")
                    + self.memory(table * 2 * GRAD_BYTES)
                    + self.launches(HEAD_BACKWARD_OPS))
         cost = Cost().add("backward compute", seconds)

@@ -257,12 +257,18 @@ class HardwareProfile:
         return gemm.attention_seconds(device, batch_heads, s, head_dim,
                                       causal=causal, bytes_per_element=bytes_per_element)
 
-    def memory_seconds(self, nbytes: float, op: str = "elementwise") -> float:
+    def memory_seconds(self, nbytes: float, op: str = "elementwise",
+                       direction: str | None = None) -> float:
         """Time of a memory-bound operator of class `op` moving `nbytes` (read
-        + written): at `op_bandwidth[op]` when measured (CPU profiles:
-        elementwise, layer_norm, softmax, gelu, dropout, optimizer), else at
+        + written) in `direction` ("forward", "backward" or None): at
+        `op_bandwidth["op:direction"]` when that direction was measured (CPU
+        profiles, `ptdp calibrate`), else at `op_bandwidth[op]` (CPU
+        profiles: elementwise, layer_norm, attention_core, gelu, residual,
+        cross_entropy, optimizer; the paper's attention core), else at
         `memory_bandwidth`."""
-        return nbytes / self.op_bandwidth.get(op, self.memory_bandwidth)
+        rates = self.op_bandwidth
+        rate = rates.get(f"{op}:{direction}") if direction else None
+        return nbytes / (rate or rates.get(op, self.memory_bandwidth))
 
     def measured_seconds(self, kind: str, nbytes: float) -> float | None:
         """`collective_seconds[kind]` at `nbytes`: piecewise linear between the
