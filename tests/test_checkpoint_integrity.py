@@ -19,10 +19,12 @@ from safetensors.torch import load_file, save_file
 from ptdp.cli import main
 from ptdp.config import Config, DataConfig, ModelConfig, TrainConfig
 from ptdp.parallel.topology import ParallelContext
-from ptdp.train.checkpoint import CheckpointError, load_logical_model, read_metadata, resolve
+from ptdp.train.checkpoint import (CheckpointError, load_logical_model, load_summary,
+                                   read_metadata, resolve)
 from ptdp.train.checkpoint_args import with_checkpoint_shape
-from ptdp.train.checkpoint_integrity import seal
+from ptdp.train.checkpoint_integrity import seal, tensor_file_metadata
 from ptdp.train.loop import Trainer
+from tests.legacy_checkpoint import make_version_1
 
 MODEL = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
                     vocab_size=64, hidden_dropout=0.0, attention_dropout=0.0)
@@ -52,8 +54,10 @@ def trained(tmp_path_factory) -> Path:
         tensors = load_file(str(directory / "part-pp0-tp0.safetensors"))
         names = sorted(tensors)
         second = {n: tensors[n] for n in names[1::2]}
-        save_file({n: tensors[n] for n in names[0::2]}, str(directory / "part-pp0-tp0.safetensors"))
-        save_file(second, str(directory / "part-pp0-tp1.safetensors"))
+        marks = tensor_file_metadata()
+        save_file({n: tensors[n] for n in names[0::2]}, str(directory / "part-pp0-tp0.safetensors"),
+                  metadata=marks)
+        save_file(second, str(directory / "part-pp0-tp1.safetensors"), metadata=marks)
         for name in second:
             metadata["tensors"][name] = "part-pp0-tp1.safetensors"
     _reseal(directory, split)
@@ -235,13 +239,42 @@ def test_train_refuses_a_damaged_checkpoint_before_launch(save, capsys):
 
 def test_a_checkpoint_before_the_seal_still_loads(save):
     """Format version 1 (no seal, no arithmetic records) is checked for the
-    rest and loads."""
-    def as_version_1(metadata):
+    rest, loads, and the start-up line says it was believed as written."""
+    make_version_1(save / CHECKPOINT)
+    trainer = Trainer(_config(), ParallelContext.single(), CPU)
+    metadata = trainer.load(str(save))
+    assert metadata["iteration"] == 6
+    summary = load_summary(TRAIN, save / CHECKPOINT, metadata)
+    assert "note:" in summary and "before checkpoints were sealed" in summary
+    _edit(save / CHECKPOINT, lambda m: m["config"]["model"].update(num_layers=3))
+    _refused(save, "model/layers.3.")
+
+
+def test_a_sealed_checkpoint_cannot_pass_as_one_before_the_seal(save):
+    """Issue 38: declaring format version 1 skipped the seal, so edited
+    consumed samples and optimizer steps were believed."""
+    def downgrade(metadata):
         metadata["format_version"] = 1
+        metadata["consumed_samples"] += 8
+    _edit(save / CHECKPOINT, downgrade)
+    _refused(save, "declares format version 1")
+    _refused(save, "metadata_sha256, run_start, optimizer.started_at, which only sealed")
+
+    def thorough(metadata):  # every record of the seal removed as well
         for key in ("metadata_sha256", "run_start"):
             metadata.pop(key)
         metadata["optimizer"].pop("started_at")
-    _edit(save / CHECKPOINT, as_version_1)
-    assert Trainer(_config(), ParallelContext.single(), CPU).load(str(save))["iteration"] == 6
-    _edit(save / CHECKPOINT, lambda m: m["config"]["model"].update(num_layers=3))
-    _refused(save, "model/layers.3.")
+        metadata["optimizer"]["steps"] += 1
+    _edit(save / CHECKPOINT, thorough)
+    _refused(save, "its tensor file part-pp0-tp0.safetensors records format version 2")
+    assert main(["train", *FLAGS, "--load", str(save), "--train-iters", "7"]) == 2
+    assert not (save / "iter_0000007").exists()
+
+
+def test_tensor_files_record_the_format_version(trained):
+    from ptdp.train.checkpoint_integrity import FORMAT_VERSION
+    fresh = Trainer(_config(), ParallelContext.single(), CPU)
+    directory = fresh.save(str(trained.parent / "fresh"), 0)
+    from safetensors import safe_open
+    with safe_open(str(directory / "part-pp0-tp0.safetensors"), framework="pt") as file:
+        assert file.metadata()["format_version"] == str(FORMAT_VERSION)

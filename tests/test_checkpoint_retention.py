@@ -18,6 +18,7 @@ from ptdp.train import checkpoint, retention
 from ptdp.train.checkpoint import (CheckpointError, read_metadata, resolve, save_logical_model,
                                    verify_file)
 from ptdp.train.loop import Trainer
+from tests.legacy_checkpoint import make_version_1
 
 MODEL = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
                     vocab_size=64, hidden_dropout=0.0, attention_dropout=0.0)
@@ -201,13 +202,11 @@ def test_rollback_with_keep_last_1_keeps_latest_loadable(tmp_path):
 def _strip_lineage(directory: Path) -> None:
     """Make a checkpoint look written before lineages existed (format
     version 1: no seal, no arithmetic records either)."""
+    make_version_1(directory)
     path = directory / "metadata.json"
     metadata = json.loads(path.read_text())
     assert "metadata.json" not in metadata["files"]  # so the edit leaves it verifiable
-    for key in ("lineage", "metadata_sha256", "run_start"):
-        del metadata[key]
-    del metadata["optimizer"]["started_at"]
-    metadata["format_version"] = 1
+    del metadata["lineage"]
     path.write_text(json.dumps(metadata))
 
 

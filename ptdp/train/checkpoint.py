@@ -67,7 +67,8 @@ from ptdp.parallel.collectives import all_gather_flat
 from ptdp.parallel.sharding import COPY_ATTR, SHARD_ATTR, gather_logical, is_expert, shard, shard_group
 from ptdp.train.checkpoint_integrity import (CHECKPOINT_NAME, FORMAT, FORMAT_VERSION,
                                              OPTIMIZER_START, RUN_START, CheckpointError, damaged,
-                                             seal, verify)
+                                             UNSEALED_NOTE, is_unsealed, seal,
+                                             tensor_file_metadata, verify)
 from ptdp.train.checkpoint_layout import (layout_record, part_name, rng_file, writes_state_buffers,
                                           writes_tensor)
 from ptdp.train.loss_range import RECORD as LOSS_RANGE, LossRange
@@ -559,6 +560,8 @@ def load_summary(train, directory: Path, metadata: dict) -> str:
     if train.use_checkpoint_args:
         line += "; the model's settings are the checkpoint's (--use-checkpoint-args)"
     line += lr_resume.summary(train)
+    if is_unsealed(metadata):
+        line += f"\nptdp: note: {directory} was {UNSEALED_NOTE}"
     return line
 
 
@@ -726,7 +729,9 @@ def _named_state_buffers(trainer):
 def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
-    save_file(tensors, str(path), metadata={"format": FORMAT})
+    # The tensor files record the format version too, where an edit of
+    # metadata.json cannot reach: a sealed checkpoint cannot pass as an older one.
+    save_file(tensors, str(path), metadata=tensor_file_metadata())
     # safetensors writes through a private (0600) temporary file: give it the
     # mode of a normally created file, so whoever may read SAVE may read it.
     give_ordinary_mode(path)

@@ -14,7 +14,11 @@ what the directory holds before anything is loaded.
 * The data files' sha256 are checked as they are read (checkpoint._Reader).
 
 Checkpoints written before the seal (format version 1) are checked for
-everything but the seal and the arithmetic, whose records they lack.
+everything but the seal and the arithmetic, whose records they lack, and
+load with a note. A sealed checkpoint cannot pass as one of them: its
+tensor files' own headers record the format version (where an edit of
+metadata.json does not reach), and a metadata.json that declares version 1
+while holding the records only a sealing ptdp writes is refused too.
 Everything here reads metadata.json and the safetensors headers only: it is
 cheap, and `ptdp train` runs it before launching.
 """
@@ -41,6 +45,18 @@ CHECKPOINT_NAME = re.compile(r"iter_(\d{7})")
 FLOATING = {"F16", "BF16", "F32", "F64"}
 TRAINING_DTYPE = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+# What only a sealing ptdp (format version 2 on) writes into metadata.json.
+SEALED_ONLY_KEYS = (SEAL, RUN_START)
+# The key of the tensor files' safetensors header that records the version.
+TENSOR_FILE_VERSION = "format_version"
+UNSEALED_NOTE = ("written before checkpoints were sealed (format version 1): its metadata is "
+                 "believed as written, and its consumed samples and optimizer steps are not "
+                 "checked against the run's arithmetic")
+
+
+def tensor_file_metadata() -> dict[str, str]:
+    """The safetensors header metadata of a checkpoint's tensor files."""
+    return {"format": FORMAT, TENSOR_FILE_VERSION: str(FORMAT_VERSION)}
 
 
 class CheckpointError(ValueError):
@@ -76,6 +92,8 @@ def verify(directory: Path, metadata: Any) -> None:
                               f"({', '.join(map(str, READABLE_VERSIONS))}); format "
                               f"{metadata.get('format')!r}, version {metadata.get('format_version')!r}")
     sealed = metadata["format_version"] >= 2
+    if not sealed:
+        _check_truly_unsealed(directory, metadata)
     if sealed:
         if not isinstance(metadata.get(SEAL), str):
             raise damaged(directory, f"{where.name} has no {SEAL}")
@@ -91,6 +109,53 @@ def verify(directory: Path, metadata: Any) -> None:
     _check_tensors(directory, metadata, model)
     if sealed:
         _check_arithmetic(directory, metadata)
+
+
+def is_unsealed(metadata: dict) -> bool:
+    """A verified checkpoint from before the seal (load it with UNSEALED_NOTE)."""
+    return metadata.get("format_version") == 1
+
+
+def _check_truly_unsealed(directory: Path, metadata: dict) -> None:
+    """A metadata.json declaring format version 1 must be one: no record
+    that only a sealing ptdp writes, and tensor files whose headers do not
+    record a sealed version."""
+    def downgraded(evidence: str) -> CheckpointError:
+        return damaged(directory, f"metadata.json declares format version 1 (from before "
+                                  f"checkpoints were sealed), but {evidence}: it was written "
+                                  f"sealed and its seal was removed, so nothing it says can be "
+                                  f"believed")
+
+    records = [key for key in SEALED_ONLY_KEYS if key in metadata]
+    optimizer = metadata.get("optimizer")
+    if isinstance(optimizer, dict) and OPTIMIZER_START in optimizer:
+        records.append(f"optimizer.{OPTIMIZER_START}")
+    if records:
+        raise downgraded(f"it holds {', '.join(records)}, which only sealed checkpoints record")
+    tensors = metadata.get("tensors")
+    files = sorted(set(tensors.values())) if isinstance(tensors, dict) else []
+    for file in files:
+        if not (isinstance(file, str) and _inside(file)):
+            continue  # _check_fields names it
+        recorded = _tensor_file_version(directory / file)
+        if recorded is not None and recorded != "1":
+            raise downgraded(f"its tensor file {file} records format version {recorded}")
+
+
+def _tensor_file_version(path: Path) -> str | None:
+    """The format version a tensor file's safetensors header records (None:
+    none, or the file is unreadable, which the later checks report)."""
+    try:
+        with open(path, "rb") as file:
+            length = int.from_bytes(file.read(8), "little")
+            if not 0 < length <= min(path.stat().st_size - 8, MAX_HEADER_BYTES):
+                return None
+            header = json.loads(file.read(length))
+    except (OSError, ValueError):
+        return None
+    marks = header.get("__metadata__") if isinstance(header, dict) else None
+    recorded = marks.get(TENSOR_FILE_VERSION) if isinstance(marks, dict) else None
+    return recorded if isinstance(recorded, str) else None
 
 
 def _check_fields(directory: Path, metadata: dict) -> None:
