@@ -14,7 +14,7 @@ from ptdp.cli import build_parser, config_from_settings, main, settings_from_arg
 from ptdp.config import ConfigError, ModelConfig, validate
 from ptdp.parallel.topology import ParallelContext
 from ptdp.train.checkpoint import FINETUNED_FROM, check_model_fits, read_metadata, resolve
-from ptdp.train.checkpoint_args import with_checkpoint_shape
+from ptdp.train.checkpoint_args import changed_settings_note, with_checkpoint_shape
 from ptdp.train.loop import Trainer
 from ptdp.train.retention import LINEAGE
 from tests.test_checkpoint import CPU, MODEL, _config
@@ -274,3 +274,77 @@ def test_use_checkpoint_args_trains_from_a_command_line_without_shape_flags(llam
     assert [r["iteration"] for r in records] == [1, 2]
     saved = read_metadata(resolve(tmp_path / "ft"))
     assert ModelConfig(**saved["config"]["model"]) == LLAMA
+
+
+# --------------------------------------------------------------------------- MoE settings (issue 38)
+
+MOE = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=64,
+                  hidden_dropout=0.0, attention_dropout=0.0, num_experts=4, moe_router_topk=2,
+                  moe_ffn_hidden_size=16, moe_router_load_balancing_type="seq_aux_loss",
+                  moe_aux_loss_coeff=0.001, moe_z_loss_coeff=0.002,
+                  moe_router_bias_update_rate=0.01, moe_expert_capacity_factor=2.0,
+                  moe_token_drop_policy="position")
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    save = tmp_path_factory.mktemp("moe") / "ckpt"
+    trainer = Trainer(_config(model=MOE), _single(), CPU)
+    trainer.step(0)
+    trainer.save(str(save), 1)
+    return save
+
+
+MOE_SHAPE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+             "--seq-length", "16", "--vocab-size", "64", "--num-experts", "4",
+             "--moe-ffn-hidden-size", "16"]
+
+
+def test_use_checkpoint_args_takes_how_the_experts_were_trained(moe):
+    """An imported Qwen3-MoE's router_aux_loss_coef trained as 0: the
+    balancing settings were not taken."""
+    config = _resolved("--mock-data", "--load", str(moe), "--use-checkpoint-args")
+    assert config.model == MOE
+    given = _resolved("--mock-data", "--load", str(moe), "--use-checkpoint-args",
+                      "--moe-aux-loss-coeff", "0.01", "--moe-token-drop-policy", "probs")
+    assert given.model == dataclasses.replace(MOE, moe_aux_loss_coeff=0.01,
+                                              moe_token_drop_policy="probs")
+
+
+def test_a_resume_with_other_routing_says_what_changed(moe):
+    same = _resolved("--mock-data", "--load", str(moe), "--use-checkpoint-args")
+    assert changed_settings_note(same) == []
+    # With --use-checkpoint-args another routing is refused (above); another
+    # balancing loss is the run's own, and said.
+    other = _resolved("--mock-data", "--load", str(moe), "--use-checkpoint-args",
+                      "--moe-aux-loss-coeff", "0.01")
+    [note] = changed_settings_note(other)
+    assert note.startswith("ptdp: note: ") and "--moe-aux-loss-coeff 0.01 (checkpoint: 0.001)" in note
+    assert "drop those flags to take the checkpoint's" in note
+    # Without --use-checkpoint-args: every setting the run gives differently.
+    bare = _resolved("--mock-data", "--load", str(moe), *MOE_SHAPE, "--moe-router-topk", "3",
+                     "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias")
+    [note] = changed_settings_note(bare)
+    for change in ("--moe-router-topk 3 (checkpoint: 2)",
+                   "--moe-router-score-function sigmoid (checkpoint: softmax)",
+                   "--moe-router-enable-expert-bias on (checkpoint: off)",
+                   "--moe-aux-loss-coeff 0.0 (checkpoint: 0.001)",
+                   "--moe-expert-capacity-factor none (checkpoint: 2.0)",
+                   "--moe-router-load-balancing-type aux_loss (checkpoint: seq_aux_loss)"):
+        assert change in note, note
+    assert "--use-checkpoint-args takes the checkpoint's" in note
+    # Another model is refused elsewhere (check_model_fits), not noted.
+    assert changed_settings_note(_resolved("--mock-data", "--load", str(moe))) == []
+
+
+def test_ptdp_train_says_the_changed_routing_before_it_resumes(moe, capsys):
+    assert main(["train", "--mock-data", "--load", str(moe), *MOE_SHAPE, "--moe-router-topk", "3",
+                 "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff",
+                 "0.001", "--moe-z-loss-coeff", "0.002", "--moe-router-bias-update-rate", "0.01",
+                 "--moe-expert-capacity-factor", "2", "--moe-token-drop-policy", "position",
+                 "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "2",
+                 "--use-checkpoint-opt_param-scheduler"]) == 0
+    out = capsys.readouterr().out
+    assert "ptdp: note: this run's model differs from the one --load" in out
+    # the only change, said once
+    assert out.count("--moe-router-topk 3 (checkpoint: 2) (drop those flags") == 1

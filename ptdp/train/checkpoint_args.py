@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from ptdp.config import Config, ConfigError, ModelConfig, flag_of
-from ptdp.train.checkpoint import CheckpointError, read_metadata, resolve, saved_model_config
+from ptdp.train.checkpoint import (SHAPE_SETTINGS, CheckpointError, read_metadata, resolve,
+                                   saved_model_config)
 
 
 # --use-checkpoint-args: the model settings taken from the checkpoint. Each
@@ -47,6 +48,7 @@ CHECKPOINT_ARCHITECTURE = (
     (("use_rope_scaling",), lambda m: m.use_rope_scaling if m.rope else None),
     (("rope_scaling_factor",),
      lambda m: m.rope_scaling_factor if m.rope and m.use_rope_scaling else None),
+    (("rotary_percent",), lambda m: m.rotary_percent if m.rope else None),
     # Mixtures of experts: which layers, the experts, and how tokens are routed.
     (("num_experts",), lambda m: m.num_experts),
     (("moe_layer_freq",),
@@ -71,6 +73,14 @@ CHECKPOINT_ARCHITECTURE = (
 # off on save).
 CHECKPOINT_RUN_SETTINGS = ("seq_length", "make_vocab_size_divisible_by", "hidden_dropout",
                            "attention_dropout")
+# How the experts are trained: the balancing losses and their coefficients,
+# the expert-bias update, capacity and the router's precision. Taken only
+# where the user gave none (a fine-tune may change them, said in a note);
+# an imported model records its family's (Qwen3-MoE's router_aux_loss_coef).
+CHECKPOINT_TRAINING_SETTINGS = (
+    "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+    "moe_router_bias_update_rate", "moe_expert_capacity_factor", "moe_token_drop_policy",
+    "moe_pad_expert_input_to_capacity", "moe_router_dtype")
 
 
 def with_checkpoint_shape(config: Config, explicit) -> Config:
@@ -95,7 +105,9 @@ def with_checkpoint_shape(config: Config, explicit) -> Config:
     for fields, _ in CHECKPOINT_ARCHITECTURE:
         if not given.intersection(fields):
             run.update({name: getattr(saved, name) for name in fields})
-    run.update({name: getattr(saved, name) for name in CHECKPOINT_RUN_SETTINGS if name not in given})
+    run.update({name: getattr(saved, name)
+                for name in (*CHECKPOINT_RUN_SETTINGS, *CHECKPOINT_TRAINING_SETTINGS)
+                if name not in given})
     model = ModelConfig(**run)
     if "max_position_embeddings" not in given and not saved.rope \
             and model.max_positions != saved.max_positions:  # another --seq-length: the table stays
@@ -118,6 +130,49 @@ def with_checkpoint_shape(config: Config, explicit) -> Config:
         # derived from --num-virtual-stages-per-pipeline-rank and the layers: again
         sections["parallel"]["num_layers_per_virtual_pipeline_stage"] = None
     return Config.from_dict(sections)
+
+
+def changed_settings_note(config: Config) -> list[str]:
+    """One note when the run's model settings differ from those --load's
+    checkpoint was trained with in what the stored tensors do not show (a
+    difference in those is refused by checkpoint.check_model_fits): the
+    routing, the balancing losses, rotary and norm settings. The run uses
+    its own; the note says what changed and how to keep the checkpoint's."""
+    train = config.train
+    if not train.load:
+        return []
+    try:
+        directory = resolve(train.load)
+        saved = saved_model_config(read_metadata(directory))
+    except (CheckpointError, KeyError, TypeError, AttributeError, ValueError):
+        return []  # nothing to resume, or refused with the other checkpoint problems
+    model = config.model
+    if any(view(model) != view(saved) for _, view in SHAPE_SETTINGS):
+        return []  # another model: refused before launch
+    shapes = {flag for flag, _ in SHAPE_SETTINGS}
+    compared = [(fields[0], view) for fields, view in CHECKPOINT_ARCHITECTURE]
+    compared += [(name, _moe_view(name)) for name in CHECKPOINT_TRAINING_SETTINGS]
+    changes = [f"{flag_of('model', name)} {_value(view(model))} (checkpoint: "
+               f"{_value(view(saved))})" for name, view in compared
+               if flag_of("model", name) not in shapes and view(model) != view(saved)]
+    if not changes:
+        return []
+    how = ("drop those flags: --use-checkpoint-args takes the checkpoint's" if not
+           train.use_checkpoint_args else "drop those flags to take the checkpoint's")
+    return [f"ptdp: note: this run's model differs from the one --load {directory} was trained "
+            f"with, and the run uses its own: {'; '.join(changes)} ({how})"]
+
+
+def _moe_view(name: str):
+    return lambda m: getattr(m, name) if m.is_moe else None
+
+
+def _value(value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
 
 
 def _disagreement(flag: str, mine: Any, theirs: Any, directory: Path) -> str:
