@@ -535,6 +535,7 @@ def run_train(config: Config, explicit: Sequence[str] = (), accepted: Sequence =
     from ptdp.launch import CPU_RANK_MODULES, LocalJobFailed, launch_local
     from ptdp.train.checkpoint import nothing_to_train
     from ptdp.train.checkpoint_args import changed_settings_note, with_checkpoint_shape
+    from ptdp.config.moe import megatron_reading_notes
     from ptdp.train.loop import worker
 
     env = detect_env()
@@ -555,7 +556,8 @@ def run_train(config: Config, explicit: Sequence[str] = (), accepted: Sequence =
         raise ConfigError(problems)
     if env is None or env.rank == 0:
         for line in (notes(list(accepted)) + config_notes(config) + adjusted
-                     + _mock_data_notes(config, explicit) + changed_settings_note(config)):
+                     + _mock_data_notes(config, explicit) + changed_settings_note(config)
+                     + megatron_reading_notes(config.model, explicit)):
             print(line, flush=True)
     if env is None or env.rank == 0:
         _warn_about_free_space(config)

@@ -429,3 +429,15 @@ def test_every_command_prints_its_help(command, capsys):
         main([*command, "--help"])
     assert exit_info.value.code == 0
     assert "usage: ptdp" in capsys.readouterr().out
+
+
+def test_mock_data_with_a_tokenizer_path_that_names_nothing(tmp_path):
+    """Issue 38: with --mock-data a --tokenizer-model naming no file was ignored."""
+    with pytest.raises(ConfigError) as caught:
+        validate(parse("--mock-data", "--tokenizer-model", str(tmp_path / "none"), "--vocab-file",
+                       str(tmp_path / "vocab.json"), "--merge-file", str(tmp_path)))
+    assert caught.value.problems == [
+        f"{flag} {tmp_path / name}: no such file or directory; with --mock-data no tokenizer is "
+        f"used (generated data are token ids), so fix the path or drop {flag}"
+        for flag, name in (("--tokenizer-model", "none"), ("--vocab-file", "vocab.json"))]
+    validate(parse("--mock-data", "--tokenizer-model", str(tmp_path)))  # there: a script's path

@@ -108,6 +108,63 @@ def test_megatron_lms_readings_of_zero_experts_and_a_negative_capacity():
     assert m.num_experts is None and m.moe_expert_capacity_factor is None
 
 
+def test_megatron_lms_readings_are_said_before_launch(capsys):
+    """Issue 38: --num-experts 0 trained a dense model and a negative
+    capacity factor ran dropless, without a word."""
+    run = ["train", "--mock-data", *TINY, "--micro-batch-size", "2", "--global-batch-size", "2",
+           "--train-iters", "1"]
+    assert main([*run, "--num-experts", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "ptdp: note: --num-experts 0 is a dense model (Megatron-LM's reading)" in out
+    assert "capacity" not in out
+    assert main([*run, *MOE, "--moe-expert-capacity-factor", "-1"]) == 0
+    out = capsys.readouterr().out
+    assert "a negative --moe-expert-capacity-factor is dropless routing" in out
+    assert "--num-experts 0" not in out
+    assert main([*run, *MOE]) == 0
+    assert "Megatron-LM's reading" not in capsys.readouterr().out
+
+
+def test_experts_bounded_before_any_work():
+    """10**9 experts spun for a minute in the checks and ended in a MemoryError."""
+    import time
+    began = time.perf_counter()
+    found = problems("--num-experts", "1000000000")
+    assert time.perf_counter() - began < 5
+    assert found == ["--num-experts 1,000,000,000 is more than ptdp builds (65,536; the largest "
+                     "open models route over a few hundred): give the number of routed experts "
+                     "per MoE layer, e.g. 8, 64 or 256"]
+    assert problems("--num-experts", "65536", "--moe-router-topk", "2") == []
+
+
+def test_a_huge_capacity_factor_drops_nothing_and_prices():
+    """1e308 overflowed the capacity's arithmetic (OverflowError)."""
+    import torch
+    from ptdp.model.moe import Routing, _drop_over_capacity
+    from ptdp.perf.fits import memory_problems
+    m = parse(*MOE, "--moe-expert-capacity-factor", "1e308").model
+    routed = torch.rand(16, 4).argsort(dim=1) < 2
+    routing = Routing(torch.rand(16, 4) * routed, routed)
+    kept = _drop_over_capacity(routing, m)
+    assert torch.equal(kept.routed, routed) and torch.equal(kept.probs, routing.probs)
+    assert problems(*MOE, "--moe-expert-capacity-factor", "1e308") == []
+    config = parse(*MOE, "--moe-expert-capacity-factor", "1e308")
+    assert memory_problems(config, kind="cpu", local_processes=1, device_memory=None) == []
+
+
+def test_a_pattern_that_makes_no_layer_moe_is_refused():
+    assert problems(*MOE, "--moe-layer-freq", "([0]*4)") == [
+        "--moe-layer-freq ([0]*4) makes no layer MoE, so --num-experts 4 would build no expert: put "
+        "a 1 where a layer is MoE (e.g. \"([0]+[1]*3)\"), or drop --num-experts for a dense model"]
+
+
+def test_deeply_nested_and_long_patterns_are_one_short_paragraph():
+    text = "(" * 5000 + "[1,1]" + ")" * 5000
+    [problem] = problems(*MOE, "--moe-layer-freq", text)
+    assert "parentheses nested deeper than 100" in problem and len(problem) < 500
+    assert "(10,005 characters)" in problem
+
+
 def test_a_pattern_on_the_command_line():
     m = parse(*MOE, "--moe-layer-freq", "([0]+[1]*3)").model
     assert m.moe_layer_freq == "([0]+[1]*3)"
@@ -275,10 +332,10 @@ def test_negative_experts():
 
 def test_moe_settings_without_experts_are_named():
     assert problems("--moe-router-topk", "1", "--moe-grouped-gemm") == [
-        "--moe-router-topk, --moe-grouped-gemm are MoE settings, but --num-experts is not given (the "
+        "--moe-router-topk, --moe-grouped-gemm are MoE settings, but --num-experts is not given or is 0 (the "
         "model is dense): add --num-experts E or drop them"]
     assert problems("--num-experts", "0", "--moe-layer-freq", "2") == [
-        "--moe-layer-freq is an MoE setting, but --num-experts is not given (the model is dense): "
+        "--moe-layer-freq is an MoE setting, but --num-experts is not given or is 0 (the model is dense): "
         "add --num-experts E or drop it"]
     assert problems("--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1") == [
         "--expert-model-parallel-size 2 and --expert-tensor-parallel-size 1: expert parallelism is "

@@ -129,6 +129,10 @@ def test_train_errors(tmp_path, capsys):
     assert main(["tokenizer", "train", "--input", str(corpus), "--vocab-size", "100",
                  "--output", str(tmp_path / "o")]) == 2
     assert "--vocab-size=100 is below 257" in capsys.readouterr().err
+    assert main(["tokenizer", "train", "--input", str(corpus), "--vocab-size", "1000000000",
+                 "--output", str(tmp_path / "o")]) == 2  # once asked for 71 GB, then aborted
+    assert "--vocab-size=1,000,000,000 is more than ptdp trains (2,097,152;" in \
+        capsys.readouterr().err
     assert main(["tokenizer", "train", "--input", str(tmp_path / "missing.txt"), "--vocab-size",
                  "300", "--output", str(tmp_path / "o")]) == 2
     assert "no such file" in capsys.readouterr().err

@@ -36,7 +36,10 @@ class ConfigError(ValueError):
 
 
 def divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+    """n's divisors, ascending; pairs up to sqrt(n), so a huge n (an expert
+    count of 10**9 given by mistake) is checked in milliseconds."""
+    small = [k for k in range(1, math.isqrt(n) + 1) if n % k == 0] if n >= 1 else []
+    return small + [n // k for k in reversed(small) if k * k != n]
 
 
 def nearest_multiple(value: int, multiple: int) -> int:

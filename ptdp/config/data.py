@@ -77,4 +77,23 @@ def data_loading_problems(data: DataConfig) -> list[str]:
     if not isinstance(data.mmap_bin_files, bool):
         problems.append(f"--no-mmap-bin-files: mmap_bin_files={data.mmap_bin_files!r} must be true "
                         "or false")
+    if data.mock_data:
+        problems.extend(_unused_tokenizer_file_problems(data))
+    return problems
+
+
+def _unused_tokenizer_file_problems(data: DataConfig) -> list[str]:
+    """With --mock-data no tokenizer reads its files, so a path that names
+    nothing would pass silently; Megatron-LM builds the tokenizer even then
+    and fails. A path that is there is left alone (scripts pass it)."""
+    from pathlib import Path
+
+    problems = []
+    for name, flag_name in (("tokenizer_model", "--tokenizer-model"), ("vocab_file", "--vocab-file"),
+                            ("merge_file", "--merge-file")):
+        path = getattr(data, name)
+        if isinstance(path, str) and path and not Path(path).exists():
+            problems.append(f"{flag_name} {path}: no such file or directory; with --mock-data no "
+                            f"tokenizer is used (generated data are token ids), so fix the path "
+                            f"or drop {flag_name}")
     return problems

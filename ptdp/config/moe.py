@@ -21,8 +21,15 @@ _REFUSED_LOAD_BALANCING = {
     "quantile_balancing": "Megatron-LM's experimental quantile-balancing routing is not in ptdp",
 }
 # A pattern longer than this is refused before it is built ("[1]*10**9" would
-# take the memory of the machine).
+# take the memory of the machine), and one nested deeper than this before
+# Python's recursion limit is reached.
 _LONGEST_PATTERN = 100_000
+_DEEPEST_PATTERN = 100
+# The most routed experts ptdp builds: its checks, memory model and planner
+# treat each expert apart, so 10**9 (a typo) would take minutes and the
+# machine's memory before any message. The largest open models have 384
+# (Kimi K2); fine-grained research models a few thousand.
+MOST_EXPERTS = 1 << 16
 
 
 @dataclass
@@ -152,7 +159,7 @@ def layer_pattern(freq: Any, num_layers: int) -> list[int]:
                          f"layer) or a pattern such as \"([0]+[1]*{max(1, num_layers - 1)})\"")
     pattern = parse_layer_pattern(freq)
     if len(pattern) != num_layers:
-        raise ValueError(f"--moe-layer-freq {freq} gives {len(pattern)} layers, but --num-layers is "
+        raise ValueError(f"--moe-layer-freq {_shown_pattern(freq)} gives {len(pattern)} layers, but --num-layers is "
                          f"{num_layers}: give one 0/1 per layer, e.g. \"([0]+[1]*"
                          f"{max(1, num_layers - 1)})\"")
     return pattern
@@ -169,17 +176,24 @@ def parse_layer_pattern(text: str) -> list[int]:
     if parser.at < len(text):
         parser.fail(f"unexpected {text[parser.at]!r}")
     if not result:
-        raise ValueError(f"--moe-layer-freq {text}: the pattern is empty: give one 0/1 per layer")
+        raise ValueError(f"--moe-layer-freq {_shown_pattern(text)}: the pattern is empty: give one 0/1 per layer")
     return result
+
+
+def _shown_pattern(text: str, limit: int = 80) -> str:
+    """A pattern as a message quotes it: a long one cut in the middle."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit // 2]}...{text[-limit // 2:]} ({len(text):,} characters)"
 
 
 class _PatternParser:
     def __init__(self, text: str):
-        self.text, self.at = text, 0
+        self.text, self.at, self.depth = text, 0, 0
 
     def fail(self, what: str) -> None:
         raise ValueError(
-            f"--moe-layer-freq {self.text}: {what} at character {self.at + 1}: a pattern is lists "
+            f"--moe-layer-freq {_shown_pattern(self.text)}: {what} at character {self.at + 1}: a pattern is lists "
             f"of 0 and 1 joined by +, repeated by *N, in parentheses, such as \"([0]+[1]*23)\" or "
             f"\"([1]*3+[0]*1)*3\"; or give an int N (every N-th layer is MoE)")
 
@@ -226,9 +240,13 @@ class _PatternParser:
 
     def atom(self) -> list[int]:
         if self.peek() == "(":
+            self.depth += 1
+            if self.depth > _DEEPEST_PATTERN:
+                self.fail(f"parentheses nested deeper than {_DEEPEST_PATTERN}")
             self.at += 1
             result = self.expr()
             self.expect(")")
+            self.depth -= 1
             return result
         self.expect("[")
         items: list[int] = []
@@ -263,7 +281,13 @@ def moe_count_problems(m: Any) -> list[str]:
     """The MoE sizes that must be positive integers."""
     optional = ("num_experts", "moe_ffn_hidden_size", "moe_router_num_groups",
                 "moe_router_group_topk", "moe_shared_expert_intermediate_size")
-    return positive_integer_problems(m, optional + ("moe_router_topk",), optional=optional)
+    problems = positive_integer_problems(m, optional + ("moe_router_topk",), optional=optional)
+    E = m.num_experts
+    if is_count(E, 1) and E > MOST_EXPERTS:
+        problems.append(f"--num-experts {E:,} is more than ptdp builds ({MOST_EXPERTS:,}; the "
+                        f"largest open models route over a few hundred): give the number of "
+                        f"routed experts per MoE layer, e.g. 8, 64 or 256")
+    return problems
 
 
 def _given(m: Any, name: str) -> bool:
@@ -283,7 +307,7 @@ def moe_problems(m: Any) -> list[str]:
         if not given:
             return []
         return [f"{', '.join(given)} {'is an MoE setting' if len(given) == 1 else 'are MoE settings'}"
-                f", but --num-experts is not given (the model is dense): add --num-experts E or "
+                f", but --num-experts is not given or is 0 (the model is dense): add --num-experts E or "
                 f"drop {'it' if len(given) == 1 else 'them'}"]
     problems = []
     E, k = m.num_experts, m.moe_router_topk
@@ -334,10 +358,33 @@ def moe_problems(m: Any) -> list[str]:
                         "(DeepEP, HybridEP, NCCL-EP) ptdp does not use: use allgather or alltoall")
     if is_count(m.num_layers, 1):
         try:
-            layer_pattern(m.moe_layer_freq, m.num_layers)
+            pattern = layer_pattern(m.moe_layer_freq, m.num_layers)
         except ValueError as error:
             problems.append(str(error))
+        else:
+            if not any(pattern):
+                problems.append(f"--moe-layer-freq {_shown_pattern(str(m.moe_layer_freq))} makes "
+                                f"no layer MoE, so --num-experts {E} would build no expert: put a "
+                                f"1 where a layer is MoE (e.g. \"([0]+[1]*"
+                                f"{max(1, m.num_layers - 1)})\"), or drop --num-experts for a "
+                                f"dense model")
     return problems
+
+
+def megatron_reading_notes(m: Any, explicit) -> list[str]:
+    """What Megatron-LM's readings of --num-experts 0 and a negative
+    --moe-expert-capacity-factor (applied in MoEFields.__post_init__) did
+    to values the user gave, said before launch."""
+    notes = []
+    if "model.num_experts" in explicit and m.num_experts is None:
+        notes.append("ptdp: note: --num-experts 0 is a dense model (Megatron-LM's reading): no "
+                     "layer has experts; drop the flag, or give E > 0 for a mixture of experts")
+    if "model.moe_expert_capacity_factor" in explicit and m.moe_expert_capacity_factor is None \
+            and m.is_moe:
+        notes.append("ptdp: note: a negative --moe-expert-capacity-factor is dropless routing "
+                     "(Megatron-LM's reading): no token is dropped; give a factor > 0 to cap "
+                     "each expert's tokens")
+    return notes
 
 
 def _group_problems(m: Any, E: int, k: int) -> list[str]:

@@ -326,6 +326,8 @@ def check_tokenizer_settings(tokenizer_type: str, vocab_file, merge_file, tokeni
 
 # ---------------------------------------------------------------- ptdp tokenizer train
 
+LARGEST_TRAINED_VOCABULARY = 1 << 21
+
 def train_tokenizer(inputs: Sequence[str | Path], vocab_size: int, output_dir: str | Path, *,
                     min_frequency: int = 2) -> dict[str, str]:
     """Train a GPT-2 style byte-level BPE on text files. Writes
@@ -341,6 +343,12 @@ def train_tokenizer(inputs: Sequence[str | Path], vocab_size: int, output_dir: s
     if vocab_size < minimum:
         problems.append(f"--vocab-size={vocab_size} is below {minimum} (256 bytes + "
                         f"{GPT2_EOD_TEXT}); use at least {minimum}, e.g. 8192")
+    elif vocab_size > LARGEST_TRAINED_VOCABULARY:
+        # The trainer allocates for the requested size up front (about 70
+        # bytes a token: 10**9 aborted asking for 71 GB).
+        problems.append(f"--vocab-size={vocab_size:,} is more than ptdp trains "
+                        f"({LARGEST_TRAINED_VOCABULARY:,}; the largest open models' vocabularies "
+                        f"hold about 262,144): use e.g. 32768 or 131072")
     out = Path(output_dir)
     if out.exists() and not out.is_dir():
         problems.append(f"--output {out} exists and is not a directory")

@@ -184,7 +184,10 @@ def _drop_over_capacity(routing: Routing, c: ModelConfig) -> Routing:
     if factor is None:
         return routing
     tokens, experts = routing.routed.shape
-    capacity = math.ceil(tokens * c.moe_router_topk / experts * factor)
+    # At E/k an expert may take every token: a larger factor drops nothing
+    # more (and 1e308 would overflow the product).
+    k = c.moe_router_topk
+    capacity = math.ceil(tokens * k / experts * min(factor, experts / k))
     if capacity >= tokens:
         return routing
     if c.moe_token_drop_policy == "position":

@@ -429,7 +429,7 @@ def moe_saved_bytes(model: ModelConfig, t: int, b: int, e: int, *, sequence_para
         router += T * FP32
     factor = model.moe_expert_capacity_factor
     if factor is not None:
-        cap = math.ceil(T * k / E * factor)
+        cap = math.ceil(T * k / E * min(factor, E / k))  # E/k: every token fits
         if cap < T:
             router += T * E
     P, W = load.pairs, load.width
