@@ -269,3 +269,31 @@ def test_the_hopper_profiles_say_how_far_to_trust_them_for_ptdps_own_runs(capsys
     for gpu, noted in (("h100", True), ("h200", True), ("a100", False)):
         assert main([*args, "--gpu", gpu]) == 0
         assert ("ptdp's own runs on an H200 measured slower" in capsys.readouterr().out) is noted
+
+
+LONG_CONTEXT = ["plan", "--num-layers", "16", "--hidden-size", "2048", "--num-attention-heads", "16",
+                "--seq-length", "131072", "--max-position-embeddings", "131072",
+                "--position-embedding-type", "rope", "--gpus", "16", "--gpu", "h100",
+                "--global-batch-size", "8", "--json"]
+
+
+def test_attention_dropout_that_keeps_context_parallelism_out_is_said(capsys):
+    """Issue 38: under the default attention dropout the search left c out
+    saying only "one value here: c=1"; the plan it gave was slower than the
+    one without dropout."""
+    assert main(LONG_CONTEXT) == 0
+    with_dropout = json.loads(capsys.readouterr().out)
+    assert "c=1 (--attention-dropout: ptdp's context-parallel attention has no dropout yet)" in \
+        with_dropout["dimensions"]
+    assert all("c" not in row["layout"] for row in with_dropout["results"])  # c = 1
+    [note] = with_dropout["notes"]
+    assert note.startswith("note: context parallelism was not searched") and \
+        "--attention-dropout is 0.1 (the default, as in Megatron-LM)" in note
+    # The layout it names is what the plan without dropout finds, at that time.
+    assert main([*LONG_CONTEXT, "--attention-dropout", "0"]) == 0
+    without = json.loads(capsys.readouterr().out)
+    assert without["notes"] == []
+    best = without["results"][0]
+    assert best["layout"]["c"] > 1
+    assert f"takes {best['iteration_seconds']:.3f} s per iteration" in note
+    assert best["iteration_seconds"] * 1.05 <= with_dropout["results"][0]["iteration_seconds"]

@@ -269,7 +269,10 @@ def dimensions_line(fixed: FixedDimensions, candidates: list[Layout], model: Mod
         if len(values) > 1:
             searched.append(name)
         elif values:
-            single.append(f"{name}={values.pop()}")
+            value = values.pop()
+            why = (" (--attention-dropout: ptdp's context-parallel attention has no dropout yet)"
+                   if name == "c" and value == 1 and model.attention_dropout > 0 else "")
+            single.append(f"{name}={value}{why}")
     return (f"dimensions: fixed {given or 'none'}; searched {', '.join(searched) or 'none'}"
             + (f"; one value here: {', '.join(single)}" if single else ""))
 

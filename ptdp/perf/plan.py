@@ -63,6 +63,7 @@ from ptdp.perf.layout import Layout, Workload
 MEMORY_HEADROOM = 0.9      # leave 10 % of device memory to the allocator and workspaces
 EXACT_ROWS = 30            # search's first rows are exact (see search); plot draws as many
 PLOT_FORMATS = (".png", ".pdf", ".svg")   # --plot: matplotlib picks the format by the suffix
+NOTABLE_GAIN = 0.05        # a layout left out of the search is named when it is this much faster
 
 
 @dataclass
@@ -521,6 +522,39 @@ def model_from_args(args: argparse.Namespace) -> ModelConfig:
                        **{name: getattr(args, name) for name in MODEL_SETTINGS})
 
 
+def context_without_dropout(workload: Workload, devices: int, profile, fixed: FixedDimensions,
+                            best: Evaluation) -> str | None:
+    """A note when attention dropout kept context parallelism out of the
+    search (ptdp's context-parallel attention has no dropout yet) and
+    dropping it would give a faster plan that uses context parallelism:
+    the best such layout without dropout, against `best` and against
+    `best`'s own layout without dropout (the part of the gain that is
+    context parallelism's). None where c was given or would not help."""
+    model = workload.model
+    if not model.attention_dropout > 0 or "context_sizes" in fixed.restrictions:
+        return None
+    free = dataclasses.replace(model, attention_dropout=0.0)
+    cp_comm = fixed.restrictions.get("cp_comm", "p2p")
+    sizes = tuple(context_sizes_to_search(free, devices, cp_comm)[1:])
+    if not sizes:
+        return None
+    free_workload = dataclasses.replace(workload, model=free)
+    found = search(free_workload, devices, profile, top=1,
+                   **{**fixed.restrictions, "context_sizes": sizes})
+    same = evaluate_layout(free_workload, best.layout, profile)
+    if not found or found[0].seconds * (1 + NOTABLE_GAIN) > min(same.seconds, best.seconds):
+        return None
+    rival = found[0]
+    default = " (the default, as in Megatron-LM)" if model.attention_dropout == 0.1 else ""
+    return (f"note: context parallelism was not searched: ptdp's context-parallel attention has "
+            f"no dropout yet, and --attention-dropout is {model.attention_dropout:g}{default}. "
+            f"With --attention-dropout 0, {describe(rival.layout, free)} takes "
+            f"{rival.seconds:.3f} s per iteration ({rival.tflops:.1f} TFLOP/s per device): "
+            f"{best.seconds / rival.seconds - 1:.0%} faster than the best plan above, "
+            f"{same.seconds / rival.seconds - 1:.0%} faster than its layout without dropout "
+            f"({same.seconds:.3f} s); plan again with --attention-dropout 0 to see those layouts")
+
+
 def _layouts_to_price(args: argparse.Namespace, fixed: FixedDimensions, workload: Workload
                       ) -> tuple[Layout | None, list[Layout]]:
     """The one layout to price (--fix-all, or the only valid one), or None
@@ -589,13 +623,15 @@ def run_plan_command(args: argparse.Namespace) -> int:
                                "devices or shrink the model or batch"
                                + ("" if not fixed.given else ", or fix fewer dimensions")])
     dimensions = dimensions_line(fixed, candidates, model)
+    notes = [note for note in [None if layout is not None else context_without_dropout(
+        workload, args.gpus, profile, fixed, results[0])] if note]
     if args.json:
         print(json.dumps({"profile": profile.name, "devices": args.gpus,
                           "global_batch_size": args.global_batch_size,
                           "seq_length": model.seq_length, "vocab_size": model.vocab_size,
                           "precision": args.precision,
                           "parameters": parameter_count(model),
-                          "fixed": fixed.given, "dimensions": dimensions,
+                          "fixed": fixed.given, "dimensions": dimensions, "notes": notes,
                           "results": [e.summary() for e in results[:max(args.top, 1)]]}, indent=1))
     else:
         print(f"model: {parameter_count(model) / 1e9:.3g} B parameters")
@@ -615,6 +651,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
                 print(f"  {name:<24} {seconds:.4f} s")
         else:
             print("\n".join(explain(results, profile)))
+        for note in notes:
+            print(note)
     if args.print_flags:
         command = train_command(model, results[0].layout, args.global_batch_size, args.precision)
         print(("" if args.json else "\n") + command, file=sys.stdout)
