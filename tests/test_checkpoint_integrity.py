@@ -277,4 +277,4 @@ def test_tensor_files_record_the_format_version(trained):
     directory = fresh.save(str(trained.parent / "fresh"), 0)
     from safetensors import safe_open
     with safe_open(str(directory / "part-pp0-tp0.safetensors"), framework="pt") as file:
-        assert file.metadata()["format_version"] == str(FORMAT_VERSION)
+        assert file.metadata() == {"format": f"ptdp-checkpoint {FORMAT_VERSION}"}

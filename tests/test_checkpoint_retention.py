@@ -14,7 +14,7 @@ import torch
 from ptdp.config import Config, DataConfig, ModelConfig, TrainConfig
 from ptdp.interop.logical import logical_shapes
 from ptdp.parallel.topology import ParallelContext
-from ptdp.train import checkpoint, retention
+from ptdp.train import checkpoint, checkpoint_save, retention
 from ptdp.train.checkpoint import (CheckpointError, read_metadata, resolve, save_logical_model,
                                    verify_file)
 from ptdp.train.loop import Trainer
@@ -130,7 +130,7 @@ def test_a_killed_rollback_save_leaves_latest_on_a_complete_checkpoint(tmp_path,
     _train_and_save(_trainer(), tmp_path, range(4))
     rollback = _trainer()
     rollback.load(str(tmp_path / "iter_0000002"))
-    monkeypatch.setattr(checkpoint, "_publish", _killed)
+    monkeypatch.setattr(checkpoint_save, "publish_directory", _killed)
     with pytest.raises(KeyboardInterrupt):
         _train_and_save(rollback, tmp_path, [2])
     assert _latest(tmp_path) == "iter_0000002"
@@ -161,7 +161,7 @@ def test_fresh_run_moves_another_runs_checkpoints_aside(tmp_path, capsys):
 def test_a_killed_save_of_a_fresh_run_never_leaves_latest_on_a_moved_checkpoint(tmp_path,
                                                                                 monkeypatch):
     _train_and_save(_trainer(), tmp_path, range(2))
-    monkeypatch.setattr(checkpoint, "_publish", _killed)
+    monkeypatch.setattr(checkpoint_save, "publish_directory", _killed)
     with pytest.raises(KeyboardInterrupt):
         _train_and_save(_trainer(), tmp_path, [0])
     # Nothing of this lineage to name yet: no `latest` rather than a dangling one.
@@ -172,7 +172,7 @@ def test_a_killed_save_of_a_fresh_run_never_leaves_latest_on_a_moved_checkpoint(
 def test_publish_never_overwrites_another_lineage(tmp_path, monkeypatch):
     _train_and_save(_trainer(), tmp_path, [0])
     before = _weights_file(tmp_path / "iter_0000001")
-    monkeypatch.setattr(checkpoint, "set_aside_other_lineages", lambda *args: None)
+    monkeypatch.setattr(checkpoint_save, "set_aside_other_lineages", lambda *args: None)
     with pytest.raises(CheckpointError, match="not of this run's lineage"):
         _train_and_save(_trainer(seed=9), tmp_path, [0])
     assert _weights_file(tmp_path / "iter_0000001") == before

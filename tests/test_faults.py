@@ -80,7 +80,7 @@ KILL_WHILE_SAVING = textwrap.dedent("""
     import torch
     from ptdp.config import Config, DataConfig, ModelConfig, TrainConfig
     from ptdp.parallel.topology import ParallelContext
-    from ptdp.train import checkpoint
+    from ptdp.train import checkpoint_save
     from ptdp.train.loop import Trainer
 
     save, stage = sys.argv[1], sys.argv[2]
@@ -98,9 +98,9 @@ KILL_WHILE_SAVING = textwrap.dedent("""
     # Killed after the tensors are written but before the rename ("rename"),
     # or between the rename and moving `latest` ("latest").
     if stage == "rename":
-        checkpoint._finish = die
+        checkpoint_save.publish_directory = die
     else:
-        checkpoint.point_latest = die
+        checkpoint_save.point_latest = die
     trainer.save(save, 2)
 """)
 

@@ -321,7 +321,10 @@ def test_generate_from_a_damaged_checkpoint_names_the_file(checkpoint, capsys):
     data[-5] ^= 0xFF  # a flipped bit in a weight
     part.write_bytes(bytes(data))
     assert _generate(checkpoint) == 2
-    error = capsys.readouterr().err
+    # The line saying what is generated comes first; the weights are
+    # checked as they are read, after it, and the error is the rest.
+    announcement, error = capsys.readouterr().err.split("\n", 1)
+    assert announcement.startswith("ptdp: generating up to 2 tokens")
     assert error.startswith("ptdp: error:") and "damaged" in error
     assert str(part.parent) in error and part.name in error
     assert "Traceback" not in error

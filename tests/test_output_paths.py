@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from ptdp.cli import main
-from ptdp.config import Config, ModelConfig, ParallelConfig, TrainConfig
+from ptdp.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from ptdp.output_paths import PROBE_PREFIX, file_system_type, output_path_problems
 from ptdp.perf.fits import memory_problems
+from tests.test_fault_matrix import mount_tmpfs  # noqa: F401  (a fixture: a small tmpfs)
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "32", "--vocab-size", "512", "--micro-batch-size", "2",
@@ -291,3 +292,133 @@ def test_ordinary_runs_are_not_refused():
     for config in (Config(), tiny8, *demo):
         assert memory_problems(config, kind="cpu", local_processes=config.parallel.world_size,
                                host_memory=4 << 30) == []
+
+
+# --------------------------------------------------------------------------- `ptdp convert`
+# Its outputs are checked before the checkpoint or directory it converts is
+# read (the inputs named here do not exist: the output's paragraph comes
+# first); a write that fails (a full disk) leaves nothing behind.
+
+@pytest.fixture(scope="module")
+def small_checkpoint(tmp_path_factory) -> Path:
+    """A model-only checkpoint of a tiny GPT-2 (about 70 KB of weights)."""
+    import torch
+
+    from ptdp.interop.logical import logical_shapes
+    from ptdp.train.checkpoint import save_logical_model
+
+    model = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=16,
+                        vocab_size=512)
+    weights = {name: torch.randn(shape) for name, shape in logical_shapes(model).items()}
+    save = tmp_path_factory.mktemp("convert") / "ckpt"
+    save_logical_model(save, Config(model=model, data=DataConfig(mock_data=True)), weights)
+    return save
+
+
+def _convert_refused(capsys, *argv) -> str:
+    return _refused(capsys, ["convert", *argv])
+
+
+@pytest.mark.parametrize("direction", ["--save", "--to-hf"])
+def test_convert_refuses_a_dangling_link_before_reading(capsys, tmp_path, direction):
+    link = tmp_path / "out"
+    link.symlink_to(tmp_path / "gone" / "out")
+    source = ["--from-hf", str(tmp_path / "no-such-model")] if direction == "--save" else \
+        ["--load", str(tmp_path / "no-such-checkpoint")]
+    err = _convert_refused(capsys, *source, direction, str(link))
+    assert f"{direction} {link}: it is a symbolic link to {tmp_path}/gone/out" in err
+    assert "no-such" not in err   # the input was not read
+    assert _listing(tmp_path) == ["out"]
+
+
+@needs_proc
+@pytest.mark.parametrize("direction", ["--save", "--to-hf"])
+def test_convert_refuses_a_pseudo_file_system(capsys, tmp_path, direction):
+    source = ["--from-hf", str(tmp_path)] if direction == "--save" else ["--load", str(tmp_path)]
+    err = _convert_refused(capsys, *source, direction, "/proc/ptdp-convert")
+    assert f"{direction} /proc/ptdp-convert: /proc is on the kernel's proc file system" in err
+
+
+@pytest.mark.parametrize("direction", ["--save", "--to-hf"])
+def test_convert_refuses_a_file_where_its_directory_goes(capsys, tmp_path, direction):
+    (tmp_path / "a-file").write_text("kept")
+    source = ["--from-hf", str(tmp_path / "x")] if direction == "--save" else \
+        ["--load", str(tmp_path / "x")]
+    err = _convert_refused(capsys, *source, direction, str(tmp_path / "a-file"))
+    assert f"{direction} {tmp_path / 'a-file'}: is a file; give a directory" in err
+    err = _convert_refused(capsys, *source, direction, str(tmp_path / "a-file" / "under"))
+    assert f"{tmp_path / 'a-file'} is a file, so the directory cannot be created under it" in err
+    assert (tmp_path / "a-file").read_text() == "kept"
+
+
+def test_convert_never_writes_into_a_directory_that_holds_a_model(capsys, tmp_path,
+                                                                   small_checkpoint):
+    """An export writes a new directory: one that holds another model (or
+    anything) is refused before the checkpoint is read, and left as it was."""
+    other = tmp_path / "other-model"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    (other / "model.safetensors").write_bytes(b"theirs")
+    err = _convert_refused(capsys, "--load", str(tmp_path / "x"), "--to-hf", str(other))
+    assert f"--to-hf {other} is not an empty directory: it holds a model (config.json, " \
+           f"model.safetensors); an export writes a new directory and never replaces or mixes " \
+           f"with what is there" in err
+    assert _listing(other) == ["config.json", "model.safetensors"]
+    assert (other / "model.safetensors").read_bytes() == b"theirs"
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("")
+    err = _convert_refused(capsys, "--load", str(small_checkpoint), "--to-hf",
+                           str(tmp_path / "notes"))
+    assert f"--to-hf {tmp_path / 'notes'} is not an empty directory; an export" in err
+    (tmp_path / "empty").mkdir()   # an empty directory is a new one
+    assert main(["convert", "--load", str(small_checkpoint), "--to-hf",
+                 str(tmp_path / "empty")]) == 0
+    assert (tmp_path / "empty" / "model.safetensors").is_file()
+
+
+def test_convert_refuses_a_save_a_training_job_holds(capsys, tmp_path, small_checkpoint):
+    from ptdp.train.save_lock import SaveLock
+
+    hf = tmp_path / "hf"
+    assert main(["convert", "--load", str(small_checkpoint), "--to-hf", str(hf)]) == 0
+    save = tmp_path / "held"
+    with SaveLock(save):   # what a running `ptdp train --save` holds
+        before = _listing(save)
+        err = _convert_refused(capsys, "--from-hf", str(hf), "--save", str(save))
+        assert f"--save {save} is in use by another job, process {os.getpid()}" in err
+        assert "Wait for it to end, or give this run another --save" in err
+        assert _listing(save) == before   # no iter_0000000.partial
+    assert main(["convert", "--from-hf", str(hf), "--save", str(save)]) == 0   # once it ended
+
+
+def test_convert_refuses_a_save_inside_a_checkpoint(capsys, tmp_path, small_checkpoint):
+    inside = small_checkpoint / "iter_0000000"
+    err = _convert_refused(capsys, "--from-hf", str(tmp_path), "--save", str(inside))
+    assert f"--save {inside} is the checkpoint {inside}" in err
+
+
+def test_convert_to_a_read_only_directory(capsys, mount_tmpfs, small_checkpoint):
+    disk = mount_tmpfs("size=1m,ro")
+    err = _convert_refused(capsys, "--load", str(small_checkpoint), "--to-hf", str(disk / "hf"))
+    assert f"--to-hf {disk / 'hf'}: no file can be created in {disk} (Read-only file system)" in err
+    err = _convert_refused(capsys, "--from-hf", str(disk), "--save", str(disk / "ckpt"))
+    assert f"--save {disk / 'ckpt'}: no file can be created in {disk}" in err
+
+
+def test_a_full_disk_leaves_nothing_of_the_conversion(capsys, tmp_path, mount_tmpfs,
+                                                       small_checkpoint):
+    """Export and import onto a disk with room for neither: one paragraph
+    naming the output, and nothing of it on the disk (no partial directory,
+    no iter_0000000.partial, no lock file, no directory made for it)."""
+    disk = mount_tmpfs("size=16k")
+    err = _convert_refused(capsys, "--load", str(small_checkpoint), "--to-hf",
+                           str(disk / "a" / "hf"))
+    assert f"--to-hf {disk / 'a' / 'hf'}: writing the Hugging Face directory failed: No space " \
+           f"left on device" in err
+    assert "Nothing of it was kept; free space there (or choose another --to-hf)" in err
+    assert _listing(disk) == []
+    hf = tmp_path / "hf"
+    assert main(["convert", "--load", str(small_checkpoint), "--to-hf", str(hf)]) == 0
+    err = _convert_refused(capsys, "--from-hf", str(hf), "--save", str(disk / "ckpt"))
+    assert f"--save {disk / 'ckpt'}: writing the checkpoint failed: No space left on device" in err
+    assert _listing(disk) == []

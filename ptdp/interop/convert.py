@@ -13,7 +13,13 @@ for RMSNorm + SwiGLU + rotary embeddings, Qwen3 with --qk-layernorm, Qwen2
 with --add-qkv-bias and no other biases, else Llama (a Mistral directory
 imports as such a model, and exports as a Llama: the same architecture).
 A tokenizer.json travels both ways; export writes the checkpoint's
-tokenizer in the form AutoTokenizer reads (hf_tokenizer.py).
+tokenizer in the form AutoTokenizer reads (hf_tokenizer.py). An imported
+model keeps the rest of what its directory says of its use (chat template,
+special tokens, generation_config.json, config.json's bos/eos/pad ids:
+hf_carried.py), through training too, and its export writes them back.
+Every output is checked before anything is read or converted (a path that
+cannot be written, a --to-hf directory that is not empty, a --save another
+job holds), and a failed write (a full disk) leaves nothing half-written.
 Nothing of the Hugging Face directory is trusted: config.json is checked
 against the weight files' headers before anything is built from it, every
 weight must be floating point and finite (hf_weights.py), and the
@@ -26,15 +32,20 @@ imports scale - 1 for training with that flag.
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import shlex
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from ptdp.config import Config, ConfigError, DataConfig, ModelConfig, TrainConfig
 from ptdp.interop import hf_gpt2, hf_llama, hf_moe
 from ptdp.interop.hf_dense_families import DENSE_FAMILIES, dense_family_obstacles
-from ptdp.interop.hf_files import ConversionError, hf_tokenizer_file, read_hf_config
-from ptdp.interop.hf_tokenizer import exported_tokenizer, imported_tokenizer_ids
+from ptdp.interop.hf_carried import exported_files, read_carried_files, source_token_ids
+from ptdp.interop.hf_files import (ConversionError, export_directory_problem, hf_tokenizer_file,
+                                   read_hf_config)
+from ptdp.interop.hf_tokenizer import exported_tokenizer, imported_tokenizer
 # The flags live in a module without torch (the command line builds them at every start).
 from ptdp.interop.convert_flags import add_convert_parser  # noqa: F401
 
@@ -45,9 +56,10 @@ class Architecture:
 
     `load(directory, **overrides)` -> (ModelConfig, logical state);
     `save(directory, logical, model, *, bos_token_id, eos_token_id,
-    tokenizer_files)` writes the directory; `obstacles(model)` lists what
-    keeps a ModelConfig from this class (empty: export writes it), None for
-    a family that imports only (export writes it as another class)."""
+    tokenizer_files, token_ids)` writes the directory; `obstacles(model)`
+    lists what keeps a ModelConfig from this class (empty: export writes
+    it), None for a family that imports only (export writes it as another
+    class)."""
     name: str                     # as messages say it: "Qwen3"
     classes: tuple[str, ...]      # config.json's architectures: the ForCausalLM class first
     model_type: str
@@ -56,9 +68,10 @@ class Architecture:
     obstacles: Callable[[ModelConfig], list[str]] | None
 
 
-def _save_gpt2(directory, logical, model, *, bos_token_id, eos_token_id, tokenizer_files):
+def _save_gpt2(directory, logical, model, *, bos_token_id, eos_token_id, tokenizer_files,
+               token_ids=None):
     hf_gpt2.save_hf_directory(directory, logical, model, eod_token_id=eos_token_id,
-                              tokenizer_files=tokenizer_files)
+                              tokenizer_files=tokenizer_files, token_ids=token_ids)
 
 
 def _dense(family) -> Architecture:
@@ -92,12 +105,74 @@ def run_convert_command(args: argparse.Namespace) -> int:
     if exporting and one_plus:
         raise ConfigError(["--apply-layernorm-1p is for --from-hf: an exported checkpoint's norms "
                            "follow its own setting, and the Hugging Face files get plain scales"])
+    problems = _output_problems(args.to_hf if exporting else args.save, exporting)
+    if problems:  # before anything is read: an import or export of a large model takes long
+        raise ConfigError(problems)
     try:
         if exporting:
             return _export(args.load, args.to_hf)
         return _import(args.from_hf, args.save, one_plus)
     except ConversionError as error:
         raise ConfigError([str(error)]) from None
+
+
+def _output_problems(output: str, exporting: bool) -> list[str]:
+    """Why the command's output cannot be written: the shared check of every
+    output path (ptdp.output_paths: a link to nothing, /proc, a file where
+    the directory goes, a directory nobody may write), then an export's
+    directory that is not empty, or an import's --save that is a checkpoint
+    or that a training job holds."""
+    from ptdp.output_paths import output_path_problems
+
+    flag = "--to-hf" if exporting else "--save"
+    problems = output_path_problems(flag, output, directory=True)
+    if problems:
+        return problems
+    if exporting:
+        problem = export_directory_problem(output)
+        return [f"{flag} {problem}"] if problem else []
+    from ptdp.train import save_lock
+    from ptdp.train.checkpoint import save_inside_a_checkpoint
+
+    return [problem for problem in (save_inside_a_checkpoint(output), save_lock.problem(output))
+            if problem]
+
+
+def _missing_directories(path: str) -> list[Path]:
+    """`path` and the directories above it that do not exist yet, deepest
+    first: what a write makes, and what a failed one removes again."""
+    missing, current = [], Path(os.path.abspath(path))
+    while not current.exists() and current != current.parent:
+        missing.append(current)
+        current = current.parent
+    return missing
+
+
+def _remove_empty(directories: list[Path]) -> None:
+    for directory in directories:  # deepest first; a directory someone filled meanwhile stays
+        try:
+            directory.rmdir()
+        except FileNotFoundError:
+            continue  # never made (the write failed before), or removed with the partial output
+        except OSError:
+            return
+
+
+def _write_failure(error: Exception) -> str | None:
+    """What the system said when a write failed (an OSError, or safetensors'
+    error carrying one's code: "(os error 28)"); None for any other error,
+    which is a bug."""
+    if isinstance(error, OSError):
+        file = f" ({error.filename})" if error.filename else ""
+        return f"{error.strerror or error}{file}"
+    code = re.search(r"\(os error (\d+)\)", str(error))
+    return os.strerror(int(code.group(1))) if code else None
+
+
+def _write_failed(flag: str, output: str, what: str, failure: str) -> ConfigError:
+    return ConfigError([f"{flag} {output}: writing the {what} failed: {failure}. Nothing of it "
+                        f"was kept; free space there (or choose another {flag}) and convert "
+                        f"again"])
 
 
 # ------------------------------------------------------------------ which architecture
@@ -138,8 +213,11 @@ def architecture_of_model(model) -> str:
 # ------------------------------------------------------------------ directions
 
 def _export(load: str, directory: str) -> int:
+    from safetensors import SafetensorError
+
     from ptdp.data.tokenizer import TokenizerError
-    from ptdp.train.checkpoint import CheckpointError, load_logical_model
+    from ptdp.train.checkpoint import CheckpointError, load_logical_model, resolve
+    from ptdp.train.checkpoint_hf_files import checkpoint_hf_files
 
     try:
         config, weights, metadata = load_logical_model(load)
@@ -148,22 +226,45 @@ def _export(load: str, directory: str) -> int:
         tokenizer = exported_tokenizer(config, load)
     except (CheckpointError, TokenizerError) as error:
         raise ConfigError([str(error)]) from None
+    try:
+        carried = checkpoint_hf_files(resolve(load), metadata)
+    except CheckpointError as error:
+        raise ConfigError([str(error)]) from None
     specials, entry = tokenizer.specials, ARCHITECTURES[architecture]
-    entry.save(directory, weights, model, bos_token_id=specials.bos_id,
-               eos_token_id=specials.eos_id, tokenizer_files=tokenizer.files)
+    made = _missing_directories(directory)
+    try:
+        entry.save(directory, weights, model, bos_token_id=specials.bos_id,
+                   eos_token_id=specials.eos_id,
+                   tokenizer_files=exported_files(tokenizer.files, carried, model.vocab_size),
+                   token_ids=source_token_ids(carried, model.vocab_size,
+                                              tokenizer.files.get("tokenizer.json")))
+    except (OSError, SafetensorError) as error:  # its temporary directory is gone already
+        failure = _write_failure(error)
+        if failure is None:
+            raise
+        _remove_empty(made)
+        raise _write_failed("--to-hf", directory, "Hugging Face directory", failure) from None
     hf_class = entry.classes[0]
+    kept = [f"{name}'s token ids" if name == "config.json" else name for name in sorted(carried)]
+    kept = f"; kept from the original: {', '.join(kept)}" if kept else ""
     print(f"wrote {directory}: {hf_class} ({model.num_layers} layers, hidden "
-          f"{model.hidden_size}) from iteration {metadata['iteration']}, {tokenizer.note}")
+          f"{model.hidden_size}) from iteration {metadata['iteration']}, {tokenizer.note}{kept}")
     return 0
 
 
 def _import(directory: str, save: str, apply_layernorm_1p: bool = False) -> int:
-    from ptdp.train.checkpoint import CheckpointError, save_logical_model
+    from safetensors import SafetensorError
 
-    architecture = architecture_of_hf_config(read_hf_config(directory), directory)
+    from ptdp.train.checkpoint import CheckpointError, save_logical_model
+    from ptdp.train.save_lock import SaveDirectoryInUse
+
+    hf_config = read_hf_config(directory)
+    architecture = architecture_of_hf_config(hf_config, directory)
     tokenizer_file = hf_tokenizer_file(directory)
     # Parsed before the weights are read (which takes long for a large model).
-    tokenizer_ids = imported_tokenizer_ids(tokenizer_file) if tokenizer_file is not None else 0
+    tokenizer_ids, vocab = (imported_tokenizer(tokenizer_file) if tokenizer_file is not None
+                            else (0, None))
+    carried = read_carried_files(directory, vocab, hf_config.get("vocab_size"))
     model, weights = ARCHITECTURES[architecture].load(directory, apply_layernorm_1p=apply_layernorm_1p)
     if tokenizer_ids > model.vocab_size:
         raise ConversionError(f"{tokenizer_file} has {tokenizer_ids} token ids, more than the "
@@ -181,12 +282,23 @@ def _import(directory: str, save: str, apply_layernorm_1p: bool = False) -> int:
         data = DataConfig(mock_data=True)
     # Training settings are the run's business.
     config = Config(model=model, train=TrainConfig(), data=data)
+    made = _missing_directories(save)
     try:
-        path = save_logical_model(save, config, weights, tokenizer_file=tokenizer_file)
-    except CheckpointError as error:
+        path = save_logical_model(save, config, weights, tokenizer_file=tokenizer_file,
+                                  hf_files=carried)
+    except (CheckpointError, SaveDirectoryInUse) as error:  # (held since the check: a race)
         raise ConfigError([str(error)]) from None
+    except (OSError, SafetensorError) as error:  # the partial checkpoint is gone already
+        failure = _write_failure(error)
+        if failure is None:
+            raise
+        _remove_empty(made)
+        raise _write_failed("--save", save, "checkpoint", failure) from None
+    kept = [name for name in ("tokenizer.json" if tokenizer_file else None, *sorted(carried))
+            if name not in (None, "config.json")]  # (its token ids are kept too)
+    with_files = f" (with its {', '.join(kept)})" if kept else ""
     print(f"wrote {path}: {architecture}, {model.num_layers} layers, hidden {model.hidden_size}, "
-          f"vocabulary {model.vocab_size}{' (with its tokenizer.json)' if tokenizer_file else ''}; "
+          f"vocabulary {model.vocab_size}{with_files}; "
           f"{_next_steps(save, data, tokenizer_file is not None)}")
     return 0
 

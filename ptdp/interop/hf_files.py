@@ -142,6 +142,9 @@ def read_hf_config(directory: str | Path) -> dict[str, Any]:
         hf_config = json.loads(config_path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConversionError(f"{config_path} is not valid JSON: {e}") from None
+    except RecursionError:  # json's decoder recurses once per nesting level
+        raise ConversionError(f"{config_path} nests its values too deeply to be a model's "
+                              f"configuration (config.json is a flat JSON object)") from None
     if not isinstance(hf_config, dict):
         raise ConversionError(f"{config_path} does not hold a JSON object")
     return hf_config
@@ -155,20 +158,41 @@ def hf_tokenizer_file(directory: str | Path) -> Path | None:
 
 # ------------------------------------------------------------------ writing
 
+def export_directory_problem(directory: str | Path) -> str | None:
+    """Why an export cannot be written to `directory`: it exists and is not
+    an empty directory (an export never replaces or mixes with what is
+    there, another model's files most of all). None when it can."""
+    directory = Path(directory)
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        held = [name for name in (CONFIG_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
+                if (directory / name).exists()] if directory.is_dir() else []
+        what = ("is a file" if not directory.is_dir() else
+                f"is not an empty directory: it holds a model ({', '.join(held)})" if held else
+                "is not an empty directory")
+        return (f"{directory} {what}; an export writes a new directory and never replaces or "
+                f"mixes with what is there: give a new (or empty) directory, or remove this one "
+                f"first")
+    return None
+
+
 def write_hf_directory(directory: str | Path, hf_config: dict[str, Any],
                        state: dict[str, torch.Tensor], *,
-                       tokenizer_files: Mapping[str, bytes] | None = None) -> None:
+                       tokenizer_files: Mapping[str, bytes] | None = None,
+                       token_ids: Mapping[str, Any] | None = None) -> None:
     """Write `config.json` and `model.safetensors` (plus the tokenizer's
-    files, name -> contents, when given) into a new directory. Written into
-    a temporary sibling and renamed into place, so a failed export leaves
-    nothing half-written; an existing non-empty directory is refused. The
-    files and the directory get the modes the user's umask gives."""
+    files, name -> contents, when given) into a new directory; `token_ids`
+    (config.json's bos/eos/pad ids as an imported model's source had them)
+    replace those of `hf_config`. Written into a temporary sibling and
+    renamed into place, so a failed export leaves nothing half-written; an
+    existing non-empty directory is refused. The files and the directory
+    get the modes the user's umask gives."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
-    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
-        raise ConversionError(f"{directory} exists and is not an empty directory: choose a new one")
-    hf_config = dict(hf_config)
+    problem = export_directory_problem(directory)
+    if problem:
+        raise ConversionError(problem)
+    hf_config = {**hf_config, **(token_ids or {})}
     dtypes = {t.dtype for t in state.values()}
     if len(dtypes) == 1:
         hf_config["torch_dtype"] = str(dtypes.pop()).removeprefix("torch.")

@@ -301,15 +301,18 @@ def from_hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
 
 def save_hf_directory(directory: str | Path, logical: dict[str, torch.Tensor],
                       config: ModelConfig, *, eod_token_id: int | None = None,
-                      tokenizer_files: Mapping[str, bytes] | None = None) -> None:
+                      tokenizer_files: Mapping[str, bytes] | None = None,
+                      token_ids: Mapping[str, Any] | None = None) -> None:
     """Write `config.json` and `model.safetensors` (and the tokenizer files
-    when given) that `GPT2LMHeadModel.from_pretrained(directory)` loads.
-    The tied `lm_head.weight` is left out, as Hugging Face does. Refuses an
-    existing non-empty directory."""
+    when given) that `GPT2LMHeadModel.from_pretrained(directory)` loads;
+    `token_ids`: config.json's bos/eos/pad ids as the source had them,
+    which replace the written ones. The tied `lm_head.weight` is left out,
+    as Hugging Face does. Refuses an existing non-empty directory."""
     hf_config = hf_config_from_model_config(config, eod_token_id=eod_token_id)
     state = to_hf_state(logical, config)
     del state["lm_head.weight"]
-    write_hf_directory(directory, hf_config, state, tokenizer_files=tokenizer_files)
+    write_hf_directory(directory, hf_config, state, tokenizer_files=tokenizer_files,
+                       token_ids=token_ids)
 
 
 def load_hf_directory(directory: str | Path, **overrides: Any

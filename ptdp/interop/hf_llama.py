@@ -299,18 +299,21 @@ def from_hf_state(state: dict[str, torch.Tensor], config: ModelConfig,
 def save_hf_directory(directory: str | Path, logical: dict[str, torch.Tensor],
                       config: ModelConfig, *, bos_token_id: int | None = None,
                       eos_token_id: int | None = None,
-                      tokenizer_files: Mapping[str, bytes] | None = None) -> None:
+                      tokenizer_files: Mapping[str, bytes] | None = None,
+                      token_ids: Mapping[str, Any] | None = None) -> None:
     """Write `config.json` and `model.safetensors` (and the tokenizer files
     when given) that the family's `from_pretrained(directory)` loads
-    (LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM). A tied
-    `lm_head.weight` is left out, as Hugging Face does. Refuses an existing
-    non-empty directory."""
+    (LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM); `token_ids`:
+    config.json's bos/eos/pad ids as the source had them, which replace the
+    written ones. A tied `lm_head.weight` is left out, as Hugging Face
+    does. Refuses an existing non-empty directory."""
     hf_config = hf_config_from_model_config(config, bos_token_id=bos_token_id,
                                             eos_token_id=eos_token_id)
     state = to_hf_state(logical, config)
     if config.tied_output:
         del state[OUTPUT]
-    write_hf_directory(directory, hf_config, state, tokenizer_files=tokenizer_files)
+    write_hf_directory(directory, hf_config, state, tokenizer_files=tokenizer_files,
+                       token_ids=token_ids)
 
 
 def load_hf_directory(directory: str | Path, **overrides: Any

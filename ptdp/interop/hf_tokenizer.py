@@ -1,5 +1,5 @@
 """The tokenizer of an exported model, as the files Hugging Face reads, and
-the check of the tokenizer.json an import carries (imported_tokenizer_ids).
+the check of the tokenizer.json an import carries (imported_tokenizer).
 
 `AutoTokenizer.from_pretrained(DIR)` should give the ids the model was
 trained with, so an export writes the checkpoint's own tokenizer:
@@ -16,7 +16,8 @@ trained with, so an export writes the checkpoint's own tokenizer:
 Beside tokenizer.json goes a tokenizer_config.json, so that AutoTokenizer
 loads that file as it is (PreTrainedTokenizerFast) instead of guessing a
 class from the model type; Hugging Face wants the bos/eos ids in
-config.json too. One difference from ptdp's own tokenizers remains, as in
+config.json too. (An imported model's own tokenizer_config.json, chat
+template and ids take their place: hf_carried.py.) One difference from ptdp's own tokenizers remains, as in
 Hugging Face's GPT-2: a literal "<|endoftext|>" in a text becomes the
 end-of-document token there, while ptdp encodes it as ordinary text.
 """
@@ -82,10 +83,11 @@ def special_tokens(tokenizer_file: str | Path) -> SpecialTokens:
     return _special_tokens_of(tokenizer)
 
 
-def imported_tokenizer_ids(tokenizer_file: str | Path) -> int:
+def imported_tokenizer(tokenizer_file: str | Path) -> tuple[int, dict[str, int]]:
     """How many token ids the tokenizer.json that an import would carry into
     its checkpoint has (its size, or its largest id + 1 where ids are
-    missing: what the model's vocabulary must hold), refusing one that ptdp
+    missing: what the model's vocabulary must hold), and its tokens with
+    their ids (added ones included); refusing one that ptdp
     could not use there: a file the `tokenizers` library cannot load, or a
     vocabulary without an end-of-document token (generation stops at it,
     and training separates documents with it)."""
@@ -103,7 +105,7 @@ def imported_tokenizer_ids(tokenizer_file: str | Path) -> int:
                               f"{', '.join(EOS_CANDIDATES)}), which ptdp needs to train and "
                               f"generate with it; add one as a special token, or move the file "
                               f"out of the directory to import the model without a tokenizer")
-    return max(tokenizer.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1)
+    return max(tokenizer.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1), vocab
 
 
 def _special_tokens_of(tokenizer) -> SpecialTokens:

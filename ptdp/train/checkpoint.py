@@ -21,6 +21,10 @@ A checkpoint is a directory `SAVE/iter_0000005/` holding
 * `tokenizer.json`, where the model has a Hugging Face tokenizer (a run
   with HuggingFaceTokenizer, or an imported model): `metadata["tokenizer"]`
   names it, and `checkpoint_tokenizer` returns it, checked.
+* `hf/`, an imported model's other Hugging Face files (chat template,
+  special tokens, generation settings: ptdp/interop/hf_carried.py), kept
+  for export; `metadata["hf_files"]` names them. Training carries them on
+  while it keeps the tokenizer they describe (checkpoint_hf_files.py).
 
 `SAVE/latest` names the newest complete checkpoint. A checkpoint is written
 into `iter_0000005.partial/`, every file fsynced, renamed into place, and only
@@ -51,33 +55,32 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 
 from ptdp.config import Config, ModelConfig
 from ptdp.file_modes import give_ordinary_mode
-from ptdp.parallel.collectives import all_gather_flat
-from ptdp.parallel.sharding import COPY_ATTR, SHARD_ATTR, gather_logical, is_expert, shard, shard_group
+from ptdp.parallel.sharding import SHARD_ATTR, shard
 from ptdp.train.checkpoint_integrity import (CHECKPOINT_NAME, FORMAT, FORMAT_VERSION,
-                                             OPTIMIZER_START, RUN_START, CheckpointError, damaged,
-                                             UNSEALED_NOTE, is_unsealed, seal,
-                                             tensor_file_metadata, verify)
-from ptdp.train.checkpoint_layout import (layout_record, part_name, rng_file, writes_state_buffers,
-                                          writes_tensor)
-from ptdp.train.loss_range import RECORD as LOSS_RANGE, LossRange
+                                             OPTIMIZER_START, CheckpointError, damaged,
+                                             UNSEALED_NOTE, is_unsealed, seal, sha256_of,
+                                             tensor_file_metadata, verify, verify_file)
+from ptdp.train.checkpoint_hf_files import (HF_FILES_KEY, TOKENIZER_FILE, TOKENIZER_KEY,
+                                            hf_files_to_carry, write_hf_files)
+from ptdp.train.checkpoint_layout import (layout_record, rng_file)
+from ptdp.train.loss_range import LossRange
 from ptdp.train import lr_resume
 from ptdp.train.optimizer import LossScaler
 from ptdp.train.save_lock import SaveLock
 from ptdp.train.retention import (LATEST, LINEAGE, METADATA, Lineage, fsync_path, on_lineage,
-                                  point_latest, prune, recorded_lineage, remove_leftovers,
-                                  set_aside_other_lineages, stored_checkpoints, trainer_lineage)
+                                  point_latest, recorded_lineage, remove_leftovers,
+                                  set_aside_other_lineages, stored_checkpoints)
 
 # Model settings that decide the tensors' shapes: a checkpoint must agree on them.
 # The settings that decide which tensors a model has and their shapes, with
@@ -110,10 +113,6 @@ SHAPE_SETTINGS = (
     ("--moe-shared-expert-gate", lambda m: m.is_moe and m.moe_shared_expert_gate),
 )
 OPTIMIZER_KINDS = ("exp_avg", "exp_avg_sq", "main")
-# A checkpoint may carry the Hugging Face tokenizer.json its model was trained
-# with, so that generation, export and resumed training need no tokenizer flags.
-TOKENIZER_FILE = "tokenizer.json"
-TOKENIZER_KEY = "tokenizer"  # metadata key naming the carried file
 # Metadata key of a fine-tune's checkpoints: the checkpoint whose weights it
 # started from ({"checkpoint", "iteration", "lineage"}); a record only, which
 # retention never reads (a fine-tune's lineage is its own).
@@ -124,140 +123,11 @@ def iteration_dir(save: str | Path, iteration: int) -> Path:
     return Path(save) / f"iter_{iteration:07d}"
 
 
-# ------------------------------------------------------------------ saving
+# ------------------------------------------------------------------ publishing
 
-def save_checkpoint(trainer, save: str | Path, *, iteration: int, consumed_samples: int,
-                    keep_last: int | None = None) -> Path:
-    """Every rank calls this after iteration `iteration`; returns the directory."""
-    ctx = trainer.ctx
-    final = iteration_dir(save, iteration)
-    partial = final.with_name(final.name + ".partial")
-    lineage = trainer_lineage(trainer)
-    if ctx.rank == 0:
-        Path(save).mkdir(parents=True, exist_ok=True)
-        remove_leftovers(Path(save))
-        (partial / "rng").mkdir(parents=True)
-    _barrier(ctx)
-
-    tensors = _logical_tensors(trainer)  # collective over the tensor and data × context groups
-    if tensors:
-        name = part_name(ctx)
-        _write_safetensors(partial / f"{name}.safetensors", tensors)
-        _write_json(partial / f"{name}.json", sorted(tensors))
-    _write_json(partial / rng_file(ctx), _rng_state(trainer))
-    _barrier(ctx)
-
-    if ctx.rank == 0:
-        _finish(trainer, partial, final, iteration, consumed_samples)
-        point_latest(Path(save), final.name)
-        if keep_last:  # never the newest checkpoint known good (loss_range.py)
-            prune(Path(save), keep_last, lineage.at(iteration), keep=trainer.loss_range.good)
-    _barrier(ctx)
-    trainer.loss_range.saved(final)  # good once the next iteration's loss is in range
-    return final
-
-
-def _logical_tensors(trainer) -> dict[str, torch.Tensor]:
-    """The logical tensors this rank writes: the first data × context
-    replica's share of its stage's, spread over its tensor group (a routed
-    expert's: the first expert-data-parallel replica's, spread over its
-    expert tensor-parallel group): checkpoint_layout.writes_tensor."""
-    ctx, buffer, optimizer = trainer.ctx, trainer.buffer, trainer.optimizer
-    flats = {"exp_avg": _full_flat(optimizer.exp_avg, buffer, ctx),
-             "exp_avg_sq": _full_flat(optimizer.exp_avg_sq, buffer, ctx)}
-    if optimizer.main.data_ptr() != buffer.param_data.data_ptr():
-        flats["main"] = _full_flat(optimizer.main, buffer, ctx)
-    segments = {id(s.param): s for s in buffer.segments}
-    mine: dict[str, torch.Tensor] = {}
-    index = {False: 0, True: 0}  # per kind, so every rank of a group counts alike
-    for name, param in _named_parameters(trainer):
-        if getattr(param, COPY_ATTR, False):
-            continue  # the tied embedding's second copy: stored once
-        expert = is_expert(param)
-        segment = segments[id(param)]
-        spec = getattr(param, SHARD_ATTR, None)
-        sources = {"model": param.detach()}
-        sources.update({f"optimizer/{kind}": flat[segment.start:segment.end].view(param.shape)
-                        for kind, flat in flats.items()})
-        for prefix, local in sources.items():
-            logical = gather_logical(local, spec, shard_group(param, ctx))
-            if writes_tensor(ctx, expert, index[expert]):
-                mine[f"{prefix}/{name}"] = logical.detach().clone().contiguous().cpu()
-            index[expert] += 1
-    if writes_state_buffers(ctx):  # replicated over tensor, context and data ranks
-        for name, tensor in _named_state_buffers(trainer):
-            mine[f"model/{name}"] = tensor.detach().clone().contiguous().cpu()
-    return mine
-
-
-def _full_flat(tensor: torch.Tensor, buffer, ctx) -> torch.Tensor:
-    """An optimizer tensor in the coordinates of the whole flat buffer (the
-    distributed optimizer holds 1/replicas of each bucket: gathered here)."""
-    if not buffer.shard:
-        return tensor
-    full = torch.zeros(buffer.numel, dtype=tensor.dtype, device=tensor.device)
-    for bucket in buffer.buckets:
-        mine = tensor[bucket.shard_start:bucket.shard_start + bucket.size // bucket.replicas.size]
-        if bucket.replicas.group is None:
-            full[bucket.start:bucket.end].copy_(mine)
-        else:
-            all_gather_flat(full[bucket.start:bucket.end], mine, bucket.replicas.group)
-    return full
-
-
-def _finish(trainer, partial: Path, final: Path, iteration: int, consumed_samples: int) -> None:
-    """Rank 0, once every rank has written: metadata with checksums, fsync,
-    rename into place."""
-    config = trainer.config
-    lineage = trainer_lineage(trainer)
-    tensors: dict[str, str] = {}
-    files: dict[str, str] = {}
-    for listing in sorted(partial.glob("part-*.json")):
-        data_file = listing.with_suffix(".safetensors").name
-        for name in json.loads(listing.read_text()):
-            if name in tensors:  # each tensor has one writer (checkpoint_layout.writes_tensor)
-                raise RuntimeError(f"{name} was written by two ranks ({tensors[name]} and "
-                                   f"{data_file}): a bug in the choice of writers")
-            tensors[name] = data_file
-        listing.unlink()
-    tokenizer = _tokenizer_to_carry(trainer)
-    if tokenizer is not None:
-        (partial / TOKENIZER_FILE).write_bytes(tokenizer)
-    for path in sorted(partial.rglob("*")):
-        if path.is_file():
-            files[path.relative_to(partial).as_posix()] = _sha256(path)
-    metadata = {
-        "format": FORMAT, "format_version": FORMAT_VERSION,
-        "iteration": iteration, "consumed_samples": consumed_samples,
-        "config": config.to_dict(),
-        "layout": layout_record(trainer),
-        "optimizer": {"steps": trainer.optimizer.steps,
-                      "loss_scaler": trainer.optimizer.scaler.state_dict(),
-                      "skipped_iterations": trainer.skipped_iterations,
-                      OPTIMIZER_START: (None if trainer.optimizer_start is None
-                                        else list(trainer.optimizer_start))},
-        RUN_START: [trainer.start_iteration, trainer.start_consumed],
-        lr_resume.RECORD: lr_resume.record(trainer),
-        "tensors": tensors,
-        "files": files,
-        LINEAGE: lineage.at(iteration),
-        LOSS_RANGE: trainer.loss_range.record(),
-    }
-    finetuned_from = getattr(trainer, "finetuned_from", None)
-    if finetuned_from:
-        metadata[FINETUNED_FROM] = finetuned_from
-    if tokenizer is not None:
-        metadata[TOKENIZER_KEY] = TOKENIZER_FILE
-        # The run's path to it may be a resumed checkpoint's copy, soon pruned:
-        # the carried file is the tokenizer (as in an imported checkpoint).
-        metadata["config"]["data"]["tokenizer_model"] = None
-    set_aside_other_lineages(final.parent, metadata[LINEAGE], lineage.forked_at, final)
-    _publish(partial, final, metadata)
-
-
-def _publish(partial: Path, final: Path, metadata: dict) -> None:
+def publish_directory(partial: Path, final: Path, metadata: dict) -> None:
     """Metadata last (sealed), everything fsynced, then one rename makes it visible."""
-    _write_json(partial / METADATA, seal(metadata))
+    write_json(partial / METADATA, seal(metadata))
     for path in [*partial.rglob("*"), partial]:
         fsync_path(path)
     replaced = None
@@ -426,16 +296,6 @@ class _Reader:
         return self.handles[file].get_tensor(name)
 
 
-def verify_file(directory: Path, file: str, metadata: dict) -> None:
-    expected = metadata["files"].get(file)
-    path = directory / file
-    if expected is None or not path.is_file():
-        raise CheckpointError(f"{path}: missing; the checkpoint is incomplete")
-    if _sha256(path) != expected:
-        raise CheckpointError(f"{path}: sha256 differs from {METADATA}; the file is damaged "
-                              "(load an earlier checkpoint)")
-
-
 def load_checkpoint(trainer, load: str | Path) -> dict[str, Any]:
     """Load into this rank's model, optimizer and random streams; returns the
     metadata (iteration, consumed_samples, ...). Every rank calls it.
@@ -474,7 +334,7 @@ def load_checkpoint(trainer, load: str | Path) -> dict[str, Any]:
     flats = {kind: torch.zeros(buffer.numel, dtype=torch.float32, device=buffer.param_data.device)
              for kind in OPTIMIZER_KINDS}
     with torch.no_grad():
-        for name, param in _named_parameters(trainer):
+        for name, param in named_parameters(trainer):
             spec = getattr(param, SHARD_ATTR, None)
             segment = segments[id(param)]
             # The fp32 main weights, where saved, are the exact values.
@@ -488,7 +348,7 @@ def load_checkpoint(trainer, load: str | Path) -> dict[str, Any]:
                     moment = _local(reader.get(f"optimizer/{kind}/{name}"), spec, param.shape,
                                     name, directory)
                     flats[kind][segment.start:segment.end].copy_(moment.reshape(-1))
-        for name, tensor in _named_state_buffers(trainer):  # (absent: a fresh start's value)
+        for name, tensor in named_state_buffers(trainer):  # (absent: a fresh start's value)
             if reader.has(f"model/{name}"):
                 tensor.copy_(reader.get(f"model/{name}"))
         kinds = OPTIMIZER_KINDS if has_optimizer else ("main",)
@@ -523,8 +383,9 @@ def load_checkpoint(trainer, load: str | Path) -> dict[str, Any]:
         trainer.checkpoint_lineage = Lineage.loaded(directory, metadata)
         trainer.finetuned_from = metadata.get(FINETUNED_FROM)
     if ctx.rank == 0:
-        _tokenizer_to_carry(trainer)  # read now: --keep-last may prune the loaded checkpoint
-    _barrier(ctx)
+        tokenizer_to_carry(trainer)  # read now: --keep-last may prune the loaded checkpoint
+        trainer.carried_hf_files = hf_files_to_carry(trainer, directory, metadata)
+    barrier(ctx)
     return metadata
 
 
@@ -581,7 +442,7 @@ def _owned(full: torch.Tensor, buffer, ctx) -> torch.Tensor:
 
 
 def _first_name(trainer) -> str:
-    return next(name for name, _ in _named_parameters(trainer))
+    return next(name for name, _ in named_parameters(trainer))
 
 
 # ------------------------------------------------------------------ model only
@@ -601,36 +462,49 @@ def load_logical_model(load: str | Path) -> tuple[Config, dict[str, torch.Tensor
 
 
 def save_logical_model(save: str | Path, config: Config, weights: dict[str, torch.Tensor], *,
-                       iteration: int = 0, tokenizer_file: Path | str | None = None) -> Path:
+                       iteration: int = 0, tokenizer_file: Path | str | None = None,
+                       hf_files: Mapping[str, bytes] | None = None) -> Path:
     """A model-only checkpoint from logical weights (one process; e.g. an
     imported GPT-2), the start of a lineage of its own. Training from it
     starts a fresh optimizer. `tokenizer_file` (a Hugging Face
-    tokenizer.json) travels with it as TOKENIZER_FILE."""
+    tokenizer.json) travels with it as TOKENIZER_FILE, `hf_files` (name ->
+    contents: an imported model's other Hugging Face files) under
+    HF_FILES_DIR. A failed write (a full disk) leaves no partial checkpoint."""
     with SaveLock(save):  # no job may be saving there meanwhile
-        return _save_logical_model(save, config, weights, iteration, tokenizer_file)
+        return _save_logical_model(save, config, weights, iteration, tokenizer_file, hf_files)
 
 
 def _save_logical_model(save, config: Config, weights: dict[str, torch.Tensor], iteration: int,
-                        tokenizer_file: Path | str | None) -> Path:
+                        tokenizer_file: Path | str | None,
+                        hf_files: Mapping[str, bytes] | None) -> Path:
     final = iteration_dir(save, iteration)
     partial = final.with_name(final.name + ".partial")
     lineage = Lineage.fresh()
     remove_leftovers(Path(save))
     partial.mkdir(parents=True)
-    tensors = {f"model/{name}": tensor.detach().contiguous().cpu() for name, tensor in weights.items()}
-    _write_safetensors(partial / "part-pp0-tp0.safetensors", tensors)
-    carried = copy_tokenizer(tokenizer_file, partial)
-    files = {"part-pp0-tp0.safetensors": _sha256(partial / "part-pp0-tp0.safetensors")}
-    if carried:
-        files[carried] = _sha256(partial / carried)
-    metadata = {"format": FORMAT, "format_version": FORMAT_VERSION, "iteration": iteration,
-                "consumed_samples": 0, "config": config.to_dict(), "layout": None,
-                "optimizer": None, "tensors": {name: "part-pp0-tp0.safetensors" for name in tensors},
-                "files": files, LINEAGE: lineage.at(iteration)}
-    if carried:
-        metadata[TOKENIZER_KEY] = carried
-    set_aside_other_lineages(Path(save), metadata[LINEAGE], lineage.forked_at, final)
-    _publish(partial, final, metadata)
+    try:
+        tensors = {f"model/{name}": tensor.detach().contiguous().cpu()
+                   for name, tensor in weights.items()}
+        write_safetensors(partial / "part-pp0-tp0.safetensors", tensors)
+        carried = copy_tokenizer(tokenizer_file, partial)
+        carried_hf = write_hf_files(hf_files, partial)
+        files = {name: sha256_of(partial / name)
+                 for name in ["part-pp0-tp0.safetensors", *([carried] if carried else []),
+                              *carried_hf]}
+        metadata = {"format": FORMAT, "format_version": FORMAT_VERSION, "iteration": iteration,
+                    "consumed_samples": 0, "config": config.to_dict(), "layout": None,
+                    "optimizer": None,
+                    "tensors": {name: "part-pp0-tp0.safetensors" for name in tensors},
+                    "files": files, LINEAGE: lineage.at(iteration)}
+        if carried:
+            metadata[TOKENIZER_KEY] = carried
+        if carried_hf:
+            metadata[HF_FILES_KEY] = carried_hf
+        set_aside_other_lineages(Path(save), metadata[LINEAGE], lineage.forked_at, final)
+        publish_directory(partial, final, metadata)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)  # nothing half-written stays visible
+        raise
     point_latest(Path(save), final.name)
     return final
 
@@ -651,7 +525,7 @@ def copy_tokenizer(tokenizer_file: Path | str | None, directory: Path) -> str | 
     return TOKENIZER_FILE
 
 
-def _tokenizer_to_carry(trainer) -> bytes | None:
+def tokenizer_to_carry(trainer) -> bytes | None:
     """The tokenizer.json a training run's checkpoints carry: the run's own
     (HuggingFaceTokenizer), which may be the copy in the checkpoint it
     resumed from, so a chain of resumes keeps it. Read once, at --load or at
@@ -678,13 +552,6 @@ def checkpoint_tokenizer(load: str | Path) -> Path | None:
 
 # ------------------------------------------------------------------ random states
 
-def _rng_state(trainer) -> dict[str, str]:
-    states = trainer.chunks[0].rng.get_states()
-    states["cpu"] = torch.get_rng_state()
-    return {name: base64.b64encode(state.cpu().numpy().tobytes()).decode() for name, state in
-            states.items()}
-
-
 def _restore_rng(trainer, directory: Path, metadata: dict) -> None:
     file = rng_file(trainer.ctx)  # (another c: another layout, so reseeded)
     same_layout = metadata.get("layout") == layout_record(trainer)
@@ -705,7 +572,7 @@ def _restore_rng(trainer, directory: Path, metadata: dict) -> None:
 
 # ------------------------------------------------------------------ helpers
 
-def _named_parameters(trainer):
+def named_parameters(trainer):
     """(logical name, parameter) of every parameter of this rank, once each
     (under zbv rank 0's two chunks share the tied word embedding)."""
     seen: set[int] = set()
@@ -716,7 +583,7 @@ def _named_parameters(trainer):
                 yield name, param
 
 
-def _named_state_buffers(trainer):
+def named_state_buffers(trainer):
     """(name, tensor) of the model's saved state that is not a parameter:
     the MoE routers' expert biases (replicated on every tensor rank)."""
     for chunk in trainer.chunks:
@@ -726,7 +593,7 @@ def _named_state_buffers(trainer):
                 yield name, tensor
 
 
-def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
     # The tensor files record the format version too, where an edit of
@@ -737,18 +604,10 @@ def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     give_ordinary_mode(path)
 
 
-def _write_json(path: Path, data: Any) -> None:
+def write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=1, sort_keys=True))
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _barrier(ctx) -> None:
+def barrier(ctx) -> None:
     if ctx.grid.world_size > 1 and dist.is_initialized():
         dist.barrier()

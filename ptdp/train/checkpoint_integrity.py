@@ -47,8 +47,10 @@ TRAINING_DTYPE = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 # What only a sealing ptdp (format version 2 on) writes into metadata.json.
 SEALED_ONLY_KEYS = (SEAL, RUN_START)
-# The key of the tensor files' safetensors header that records the version.
-TENSOR_FILE_VERSION = "format_version"
+# The tensor files' safetensors header records "ptdp-checkpoint N" under
+# "format" (version 1 wrote the bare name). One key: safetensors writes a
+# header's keys in no fixed order, and the files of equal states are equal.
+TENSOR_FILE_FORMAT = "format"
 UNSEALED_NOTE = ("written before checkpoints were sealed (format version 1): its metadata is "
                  "believed as written, and its consumed samples and optimizer steps are not "
                  "checked against the run's arithmetic")
@@ -56,7 +58,7 @@ UNSEALED_NOTE = ("written before checkpoints were sealed (format version 1): its
 
 def tensor_file_metadata() -> dict[str, str]:
     """The safetensors header metadata of a checkpoint's tensor files."""
-    return {"format": FORMAT, TENSOR_FILE_VERSION: str(FORMAT_VERSION)}
+    return {TENSOR_FILE_FORMAT: f"{FORMAT} {FORMAT_VERSION}"}
 
 
 class CheckpointError(ValueError):
@@ -154,8 +156,10 @@ def _tensor_file_version(path: Path) -> str | None:
     except (OSError, ValueError):
         return None
     marks = header.get("__metadata__") if isinstance(header, dict) else None
-    recorded = marks.get(TENSOR_FILE_VERSION) if isinstance(marks, dict) else None
-    return recorded if isinstance(recorded, str) else None
+    recorded = marks.get(TENSOR_FILE_FORMAT) if isinstance(marks, dict) else None
+    match = re.fullmatch(re.escape(FORMAT) + r" (\d+)", recorded) if isinstance(recorded, str) \
+        else None
+    return match.group(1) if match else None
 
 
 def _check_fields(directory: Path, metadata: dict) -> None:
@@ -263,6 +267,26 @@ def _check_tensors(directory: Path, metadata: dict, model) -> None:
         if strays:
             raise damaged(directory, f"{file} holds {_few(strays)}, which metadata.json does not "
                                      f"place there")
+
+
+def verify_file(directory: Path, file: str, metadata: dict) -> None:
+    """A file of the checkpoint, as it is about to be read: present, and
+    with the sha256 metadata.json lists for it."""
+    expected = metadata["files"].get(file)
+    path = directory / file
+    if expected is None or not path.is_file():
+        raise CheckpointError(f"{path}: missing; the checkpoint is incomplete")
+    if sha256_of(path) != expected:
+        raise CheckpointError(f"{path}: sha256 differs from metadata.json; the file is damaged "
+                              "(load an earlier checkpoint)")
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def read_header(path: Path, directory: Path) -> dict[str, dict]:

@@ -131,7 +131,7 @@ def remove_leftovers(save: Path) -> None:
     `latest`."""
     for leftover in save.glob("iter_*.partial"):
         shutil.rmtree(leftover, ignore_errors=True)
-    # A re-save killed between its two renames (checkpoint._publish): the complete old
+    # A re-save killed between its two renames (checkpoint.publish_directory): the complete old
     # checkpoint goes back where `latest` expects it.
     for replaced in save.glob("iter_*.replaced"):
         final = replaced.with_suffix("")
