@@ -21,23 +21,36 @@ saved, never that a rank failed: the ranks it stopped did not fail. While
 the ranks start (minutes, with many processes on few cores), the launcher
 says every PROGRESS_SECONDS how many have.
 
-No rank outlives what started it: a local rank, and a worker under torchrun,
-asks the kernel for SIGTERM when its parent dies (`ptdp train`, or
-torchrun's agent), which the graceful-exit handler takes as "save and stop";
-one that starts after its parent already died stops at once.
+No rank outlives its job. A local rank watches a pipe whose other end only
+the launcher holds (`_watch_launcher`): when `ptdp train` ends however it
+ends, SIGKILL included, the pipe reads end-of-file and the rank takes that
+as SIGTERM, the graceful-exit handler's "save and stop" (before the handler
+is installed, SIGTERM ends the rank at once); one that has not left
+ORPHAN_SECONDS later exits without saving, so --save's lock is free for a
+requeued job. A pipe, not the kernel's parent-death signal: a forked rank's
+parent is the fork server, not the launcher, and the pipe works on macOS
+too. A worker under torchrun asks the kernel for SIGTERM when its parent
+(torchrun's agent) dies; one that starts after its parent already died
+stops at once.
 
 Local ranks on the CPU are forked, on Linux, from a server process that
-imported torch and ptdp once (multiprocessing's forkserver, which exits with
-the launcher; a rank's parent is that server), not each started afresh:
-eight ranks on two cores used to spend seconds importing the same modules
-eight times. On GPUs, and on other systems, every rank is a fresh
-interpreter (spawn).
+imported torch and ptdp once (multiprocessing's forkserver; a rank's parent
+is that server), not each started afresh: eight ranks on two cores used to
+spend seconds importing the same modules eight times. On GPUs, and on other
+systems, every rank is a fresh interpreter (spawn). The server (and
+multiprocessing's resource tracker) starts with the job's signals blocked:
+a signal to the whole process group (`timeout`, `kill -TERM -PGID`, a
+container's stop) is the ranks' and the launcher's to act on, and a server
+that died of it took the ranks' exit statuses with it (every rank then
+"failed (exit code 255)"). It exits once the launcher and every rank it
+forked are gone.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -69,6 +82,10 @@ PROGRESS_SECONDS = 10.0
 # What a rank sends its launcher as it starts running ptdp's code (torch
 # imported), before anything else it sends.
 STARTED = "started"
+# A rank whose launcher is gone saves and stops (SIGTERM); if it has not left
+# this long after (a long iteration, a peer that does not answer), it exits
+# without saving: a requeued job must find --save's lock free.
+ORPHAN_SECONDS = 30.0
 
 
 # ------------------------------------------------------------------ loopback only
@@ -96,7 +113,8 @@ def _loopback_store(world_size: int) -> dist.TCPStore:
 # ------------------------------------------------------------------ the rank process
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
-# What a rank gets when its parent dies. SIGTERM, not SIGKILL: a rank with the
+# What a rank gets when what started it dies (a local rank's launcher, a
+# worker's torchrun agent). SIGTERM, not SIGKILL: a rank with the
 # graceful-exit handler saves a checkpoint at the next iteration boundary and
 # exits (all ranks agree on the stop, so a job on several nodes saves too);
 # nobody waits for it any more, but the save is the work it keeps, and the
@@ -126,16 +144,6 @@ def die_with_parent(parent: int) -> bool:
     return os.getppid() == parent
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def follow_torchrun_agent(parent: int) -> bool:
     """In a worker that torchrun's agent started (it sets TORCHELASTIC_RUN_ID):
     PARENT_DEATH_SIGNAL when the agent dies, so that no worker trains on as
@@ -150,30 +158,67 @@ def follow_torchrun_agent(parent: int) -> bool:
     return die_with_parent(parent)
 
 
+def _signals_a_job_may_get() -> frozenset[int]:
+    """Every signal that asks a run to save and stop or that a user or a
+    scheduler may send the whole process group: each that --exit-signal
+    accepts (SIGTERM, SIGHUP, SIGUSR1, SIGUSR2, SIGQUIT, SIGALRM...) and
+    Ctrl-C's SIGINT."""
+    from ptdp.config.signals import exit_signal_problem
+
+    usable = {s for s in signal.Signals if exit_signal_problem(s.name) is None}
+    return frozenset({*usable, signal.SIGINT} - {signal.SIGCONT})
+
+
+def _watch_launcher(lifeline: multiprocessing.connection.Connection, rank: int,
+                    launcher: int) -> None:
+    """A rank's daemon thread: waits for the end of `lifeline`, whose sending
+    end only the launcher holds; at its end the launcher is gone. Then this
+    rank saves and stops as on SIGTERM, or, ORPHAN_SECONDS later, exits."""
+    try:
+        lifeline.recv_bytes()  # nothing is ever sent: returns at the end
+    except (EOFError, OSError):
+        pass
+    with contextlib.suppress(OSError, ValueError):  # (its stderr may have gone with it)
+        print(f"ptdp: rank {rank}: the launcher (process {launcher}) is gone: saving and "
+              f"stopping as on {PARENT_DEATH_SIGNAL.name}", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), PARENT_DEATH_SIGNAL)
+    time.sleep(ORPHAN_SECONDS)
+    os._exit(128 + int(PARENT_DEATH_SIGNAL))
+
+
+# What a rank that received SIGINT by itself (not a terminal's Ctrl-C, which
+# the launcher handles) reports: it stops at once, without saving.
+INTERRUPTED_ALONE = ("interrupted by SIGINT sent to this rank alone (a Ctrl-C in the terminal "
+                     "goes to every process, and the launcher handles it): it stopped at once, "
+                     "without saving, and the job with it")
+
+
 def _local_worker(env: DistEnv, entry: Callable[[DistEnv, Any], Any], payload: Any,
-                  reports: multiprocessing.connection.Connection, launcher: int,
-                  start_method: str, environ: dict[str, str]) -> None:
-    # A forked rank's parent is the fork server, which exits when the
-    # launcher does (and so passes the signal on); a spawned rank's is the
-    # launcher itself.
-    parent = launcher if start_method == "spawn" else os.getppid()
-    if not die_with_parent(parent) or not _alive(launcher):
-        os.kill(os.getpid(), PARENT_DEATH_SIGNAL)  # what the kernel would have sent
+                  reports: multiprocessing.connection.Connection,
+                  lifeline: multiprocessing.connection.Connection, launcher: int,
+                  environ: dict[str, str]) -> None:
+    threading.Thread(target=_watch_launcher, args=(lifeline, env.rank, launcher), daemon=True,
+                     name="ptdp-launcher-watch").start()
     if os.environ != environ:  # a fork server keeps the environment it started with
         os.environ.clear()
         os.environ.update(environ)
-    # Started with Ctrl-C ignored (and held back; see `_start_rank`): from
-    # here on it stops this rank at once, as in a process of its own.
+    # Started with Ctrl-C ignored and the job's signals held back (see
+    # `_start_rank` and `_start_rank_server`): from here on Ctrl-C stops this
+    # rank at once, as in a process of its own, and the others act by their
+    # defaults until the training loop's handler takes them.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _signals_a_job_may_get())
         reports.send(STARTED)
         entry(env, payload)
     except BaseException as error:  # noqa: BLE001 - reported to the supervisor, then exit 1
         if isinstance(error, SystemExit) and error.code in (None, 0):
             return
+        report = RankFailure.from_exception(env.rank, error)
+        if isinstance(error, KeyboardInterrupt) and not report.lost_peer:
+            report = dataclasses.replace(report, user_error=True, message=INTERRUPTED_ALONE)
         try:
-            reports.send(RankFailure.from_exception(env.rank, error))
+            reports.send(report)
         finally:
             sys.stderr.flush()
             os._exit(1)
@@ -218,6 +263,7 @@ class LocalJobFailed(RuntimeError):
         self.rank, self.exit_code, self.error = rank, exit_code, error
         self.message, self.user_error = message, user_error
         self.unresponsive = unresponsive is not None
+        self.stopped = stopped is not None
         if user_error:
             text = f"rank {rank}: {message}"
         elif unresponsive is not None or stopped is not None:
@@ -263,26 +309,31 @@ def launch_local(world_size: int, entry: Callable[[DistEnv, Any], Any], payload:
     every rank is a fresh interpreter.
     """
     store = _loopback_store(world_size)
-    context = _rank_context(preload)
     ranks: _Ranks | None = None
     processes: list = []
     report_pipes: list = []
     ended: set[int] = set()
+    # Each rank watches the receiving end; this process alone holds the other.
+    lifeline, lifeline_end = mp.Pipe(duplex=False)
     try:
-        with _forwarding(forward_signals, processes, ended):
+        with _forwarding(forward_signals, processes, ended) as pass_on_late:
+            context = _rank_context(preload)  # (a request meanwhile: forwarded once ranks start)
             for rank in range(world_size):
                 env = DistEnv(rank=rank, world_size=world_size, local_rank=rank,
                               local_world_size=world_size, master_addr=LOOPBACK,
                               master_port=store.port, source="local")
                 receiver, sender = context.Pipe(duplex=False)
                 process = context.Process(target=_local_worker,
-                                          args=(env, entry, payload, sender, os.getpid(),
-                                                context.get_start_method(), dict(os.environ)),
+                                          args=(env, entry, payload, sender, lifeline,
+                                                os.getpid(), dict(os.environ)),
                                           name=f"ptdp-rank{rank}")
-                _start_rank(process, processes)
-                sender.close()
+                try:
+                    _start_rank(process, processes)
+                finally:
+                    sender.close()
                 report_pipes.append(receiver)
-            ranks = _Ranks(processes, report_pipes, ended)
+                pass_on_late(process)
+            ranks = _Ranks(processes, report_pipes, ended, forward_signals)
             _supervise(ranks)
     except KeyboardInterrupt:
         # Ctrl-C: no verdict, the ranks stopped here did not fail. The
@@ -293,11 +344,32 @@ def launch_local(world_size: int, entry: Callable[[DistEnv, Any], Any], payload:
                 world_size, None if ranks is None else len(ranks.started))
         _stop_all(processes, interrupted=True)
         raise
+    except (EOFError, OSError) as error:
+        # Starting a rank failed: the fork server gone (SIGKILL), no more
+        # processes or memory. Said in a sentence, not as multiprocessing's
+        # traceback; a stop request that came meanwhile is what it was.
+        if ranks is not None:
+            raise
+        raise _not_started(max(0, len(processes) - 1), world_size, error) from None
     finally:
         _stop_all(processes)
         for pipe in report_pipes:
             pipe.close()
+        lifeline_end.close()
+        lifeline.close()
         del store
+
+
+def _not_started(rank: int, world_size: int, error: BaseException) -> LocalJobFailed:
+    requested = stopping.STOP_REQUESTS.first
+    if requested is not None:
+        return LocalJobFailed(rank, None, None, stopped=stopping.STOP_REQUESTS.stopped_while_starting(
+            requested.signal, f"the {plural(world_size, 'process')}"))
+    cause = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    return LocalJobFailed(rank, None, None, stopped=(
+        f"rank {rank} of {world_size} could not be started ({cause}): the process that forks the "
+        f"ranks ended, or this machine ran out of processes or memory; the ranks already started "
+        f"were stopped, and nothing was saved"))
 
 
 def _rank_context(preload: tuple[str, ...]):
@@ -308,8 +380,28 @@ def _rank_context(preload: tuple[str, ...]):
         context = mp.get_context("forkserver")
         # (Read when the server starts: the first job of this process.)
         context.set_forkserver_preload(list(preload))
+        _start_rank_server()
         return context
     return mp.get_context("spawn")
+
+
+def _start_rank_server() -> None:
+    """Start the fork server (and multiprocessing's resource tracker, which
+    it starts first) unless running, with every signal a job may get held
+    back: a process inherits its blocked signals, and Python's servers never
+    unblock them, so a signal to the whole process group passes them by
+    (see the module's notes). Signals that arrive here meanwhile are
+    delivered once the mask is back. The ranks it forks unblock them."""
+    from multiprocessing import forkserver, resource_tracker
+
+    held = _signals_a_job_may_get()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        resource_tracker.ensure_running()  # (which unblocks SIGINT and SIGTERM on its way out)
+        signal.pthread_sigmask(signal.SIG_BLOCK, held)
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _start_rank(process, processes: list) -> None:
@@ -333,8 +425,11 @@ def _start_rank(process, processes: list) -> None:
 
 
 @contextlib.contextmanager
-def _forwarding(signals: tuple[int, ...], processes: list, ended: set[int]) -> Iterator[None]:
+def _forwarding(signals: tuple[int, ...], processes: list,
+                ended: set[int]) -> Iterator[Callable[[Any], None]]:
     """While inside, each of `signals` is sent on to every rank not `ended`.
+    Yields `pass_on_late(process)`, which sends a rank started after the
+    first request that request (it would otherwise never hear of it).
 
     The handler only sends signals: it must not reap processes (is_alive
     would), which the supervising loop does. On the way out, a request's
@@ -342,18 +437,27 @@ def _forwarding(signals: tuple[int, ...], processes: list, ended: set[int]) -> I
     outlives the job: see `_RepeatsAbsorbed`."""
     first: list[float] = []  # when the first signal was forwarded
 
+    def send(process, signum: int) -> None:
+        if process.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signum)
+
     def forward(signum, frame) -> None:
         if not first:
             first.append(time.monotonic())
             stopping.STOP_REQUESTS.note(signum)
         for rank, process in enumerate(list(processes)):
-            if rank not in ended and process.pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(process.pid, signum)
+            if rank not in ended:
+                send(process, signum)
+
+    def pass_on_late(process) -> None:
+        requested = stopping.STOP_REQUESTS.first
+        if first and requested is not None:
+            send(process, requested.signal)
 
     previous = {signum: signal.signal(signum, forward) for signum in signals}
     try:
-        yield
+        yield pass_on_late
     finally:
         until = first[0] + stopping.REPEAT_WINDOW_SECONDS if first else 0.0
         for signum, handler in previous.items():
@@ -391,8 +495,10 @@ class _Ranks:
     """What the supervisor knows of its ranks: exits and failure reports, as
     they arrive."""
 
-    def __init__(self, processes: list, report_pipes: list, ended: set[int]):
+    def __init__(self, processes: list, report_pipes: list, ended: set[int],
+                 job_signals: tuple[int, ...] = ()):
         self.processes = processes
+        self.job_signals = job_signals                # those the ranks take as a stop request
         self.running = {p.sentinel: rank for rank, p in enumerate(processes)}
         self.open_pipes = {pipe: rank for rank, pipe in enumerate(report_pipes)}
         self.ended = ended                            # shared with the signal forwarder
@@ -444,33 +550,48 @@ class _Ranks:
     def verdict(self) -> LocalJobFailed:
         """The failure that is not a consequence of another: the earliest
         root cause; failing that, the rank the others gave up waiting for.
-        Ranks killed by the stop request the launcher passed on (before
-        their handler for it was in place: while starting) did not fail."""
+        Ranks that a stop request ended did not fail: killed by the request
+        the launcher passed on before their handler for it was in place
+        (while starting), or stopped at once by a second request (exit code
+        128 + the signal, the handler's)."""
         requested = stopping.STOP_REQUESTS.first
-        stopped = {rank for rank, (code, _) in self.exits.items()
-                   if requested is not None and code in (-requested.signal, 128 + requested.signal)
-                   and rank not in self.reports}
-        causes = [(report.time, LocalJobFailed.from_report(report, self._exit_code(rank)))
+        killed = {rank for rank, (code, _) in self.exits.items()
+                  if requested is not None and code == -requested.signal
+                  and rank not in self.reports}
+        at_once = {rank: code - 128 for rank, (code, _) in self.exits.items()
+                   if code - 128 in self.job_signals and rank not in self.reports}
+        causes = [(report.time, LocalJobFailed.from_report(_with_newest(report),
+                                                           self._exit_code(rank)))
                   for rank, report in self.reports.items() if not report.lost_peer]
         causes += [(seen, LocalJobFailed(rank, code, None))  # killed: no report
                    for rank, (code, seen) in self.exits.items()
-                   if code != 0 and rank not in self.reports and rank not in stopped]
+                   if code != 0 and rank not in self.reports and rank not in killed
+                   and rank not in at_once]
         if causes:
             return min(causes, key=lambda cause: cause[0])[1]
-        if stopped:
-            return self._stopped_on_request(sorted(stopped), requested.signal)
+        if at_once:
+            return self._stopped_at_once(at_once)
+        if killed:
+            return self._stopped_on_request(sorted(killed), requested.signal)
         silent = sorted(rank for rank in self.running.values() if rank not in self.reports)
         first = min(self.reports.values(), key=lambda report: report.time)
         if silent:
             return self._unresponsive(silent, first)
         return LocalJobFailed.from_report(first, self._exit_code(first.rank))
 
+    def _who(self, ranks: list[int]) -> str:
+        if len(ranks) == 1:
+            return f"rank {ranks[0]}"
+        return "every rank" if len(ranks) == len(self.processes) else f"{len(ranks)} ranks"
+
     def _stopped_on_request(self, stopped: list[int], signum: int) -> LocalJobFailed:
-        name = signal.Signals(signum).name
-        who = f"rank {stopped[0]}" if len(stopped) == 1 else f"{len(stopped)} ranks"
-        text = (f"{name} came while the ranks were starting, before they could take it as a "
-                f"request to save and stop: {who} stopped at once, so nothing was saved")
+        text = stopping.STOP_REQUESTS.stopped_while_starting(signum, self._who(stopped))
         return LocalJobFailed(stopped[0], self._exit_code(stopped[0]), None, stopped=text)
+
+    def _stopped_at_once(self, at_once: dict[int, int]) -> LocalJobFailed:
+        ranks = sorted(at_once)
+        text = stopping.STOP_REQUESTS.stopped_at_once(at_once[ranks[0]], self._who(ranks))
+        return LocalJobFailed(ranks[0], self._exit_code(ranks[0]), None, stopped=text)
 
     def _exit_code(self, rank: int) -> int | None:
         return self.exits[rank][0] if rank in self.exits else None
@@ -486,6 +607,14 @@ class _Ranks:
         text = (f"{who} stopped responding{state}; the other ranks gave up waiting "
                 f"(rank {witness.rank}: {witness.message})")
         return LocalJobFailed(suspects[0], None, witness.traceback, unresponsive=text)
+
+
+def _with_newest(report: RankFailure) -> RankFailure:
+    """A rank interrupted by itself: its report names the newest checkpoint."""
+    if report.message != INTERRUPTED_ALONE:
+        return report
+    return dataclasses.replace(report, message=report.message
+                               + stopping.STOP_REQUESTS.newest_checkpoint())
 
 
 def _is_stopped(pid: int | None) -> bool:

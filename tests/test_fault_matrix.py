@@ -1,9 +1,10 @@
 """The fault matrix of docs/reliability.md, run as real jobs of local
 processes: ranks killed in each phase, a stopped rank, graceful-exit signals
 to a rank, to the launcher and to torchrun (resumed bitwise), a full disk, a
-damaged checkpoint. Each case checks the exit status, the message's key
-words, that the job ends well inside a generous bound, that no rank is left
-behind, and that the newest complete checkpoint still loads."""
+damaged checkpoint, a planted lock file; SIGTERM to the whole process group
+under MoE and context parallelism. Each case checks the exit status, the
+message's key words, that the job ends well inside a generous bound, that no
+rank is left behind, and that the newest complete checkpoint still loads."""
 
 import json
 import os
@@ -233,6 +234,47 @@ def test_sigterm_saves_and_the_resumed_run_equals_the_uninterrupted_one_bitwise(
     _assert_same_tensors(_tensors(resolve(save)), _tensors(resolve(twins)))
 
 
+# Two layouts whose ranks exchange in every layer (all-to-all; the ring of
+# key/value blocks), short: a group SIGTERM lands in one of their collectives.
+GROUP_LAYOUTS = {
+    "moe": ["--num-experts", "4", "--expert-model-parallel-size", "2", "-d", "2"],
+    "context-parallel": ["--context-parallel-size", "2", "--attention-dropout", "0", "-d", "1"],
+}
+
+
+@pytest.mark.parametrize("layout", sorted(GROUP_LAYOUTS))
+def test_sigterm_to_the_whole_process_group_exits_0_and_resumes_bitwise(tmp_path, layout):
+    """What `timeout`, `kill -TERM -PGID` and a container's stop send: every
+    process of the job, the fork server included, gets SIGTERM. The job
+    saves, exits 0 and names the checkpoint (a server that died of it used
+    to turn every rank's exit into "failed (exit code 255)"), and the
+    resumed run ends where the uninterrupted one does, bitwise."""
+    argv = [*RESUMABLE[:-2], *GROUP_LAYOUTS[layout], "--train-iters", "8"]
+    whole = subprocess.run([sys.executable, "-m", "ptdp", "train", *argv, "--metrics-file",
+                            str(tmp_path / "whole.jsonl"), "--save", str(tmp_path / "whole")],
+                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert whole.returncode == 0, whole.stderr
+    save, first, second = tmp_path / "ckpt", tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    process = _start([*argv, "--save", str(save), "--metrics-file", str(first)])
+    at = random.Random().randint(2, 5)
+    _wait_until(lambda: _lines(first) >= at, process)
+    os.killpg(process.pid, signal.SIGTERM)
+    stdout, stderr, seconds = _finish(process, time.monotonic())
+    _record(f"SIGTERM to the process group ({layout})", seconds)
+    assert process.returncode == 0, stderr
+    assert "failed" not in stderr and "Traceback" not in stderr, stderr
+    stopped = read_metadata(resolve(save))["iteration"]
+    assert at <= stopped < 8
+    assert (f"stopped after iteration {stopped} of 8: SIGTERM received; saved "
+            f"{save}/iter_{stopped:07d}") in stdout
+    resumed = subprocess.run([sys.executable, "-m", "ptdp", "train", *argv, "--save", str(save),
+                              "--load", str(save), "--metrics-file", str(second)],
+                             cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+    assert _losses(first)[:stopped] + _losses(second) == _losses(tmp_path / "whole.jsonl")
+    _assert_same_tensors(_tensors(resolve(save)), _tensors(resolve(tmp_path / "whole")))
+
+
 def test_sighup_to_the_launcher_stops_gracefully(tmp_path):
     save, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     process = _start([*MODEL, "-d", "2", "--train-iters", "100000", "--save", str(save),
@@ -355,3 +397,33 @@ def test_a_read_only_save_directory_is_refused_before_launch(mount_tmpfs):
     assert result.returncode == 2, result.stderr
     assert f"--save {disk / 'ckpt'} cannot be created ({disk} is not writable)" in result.stderr
     assert "ptdp: 2 processes" not in result.stdout
+
+
+@pytest.mark.parametrize("planted", ["link", "directory"])
+def test_a_planted_lock_file_is_refused_before_launch_and_never_followed(tmp_path, planted):
+    """SAVE/.ptdp-save.lock as a symbolic link (to a file the job may
+    write) or a directory: one paragraph before launch, nothing followed,
+    and a rank that meets one planted after that check says the same."""
+    from ptdp.train.save_lock import LOCK_FILE, LockFileNotUsable, SaveLock
+
+    save, victim = tmp_path / "ckpt", tmp_path / "victim"
+    save.mkdir()
+    victim.write_text("precious")
+    if planted == "link":
+        (save / LOCK_FILE).symlink_to(victim)
+        what = f"is a symbolic link (to {victim}), which ptdp never follows there"
+    else:
+        (save / LOCK_FILE).mkdir()
+        what = "is not a regular file but a directory"
+    paragraph = (f"--save {save}: its lock file {save / LOCK_FILE} {what}; ptdp creates that "
+                 f"file itself, as a regular file, to keep a second job from saving into the same "
+                 f"directory. Remove it (no job's lock is a link or a directory) and run again")
+    with pytest.raises(LockFileNotUsable) as refused:
+        SaveLock(save)
+    assert str(refused.value) == paragraph
+    result = subprocess.run([sys.executable, "-m", "ptdp", "train", *MODEL, "-d", "2",
+                             "--train-iters", "2", "--save", str(save)], cwd=ROOT, env=_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == f"ptdp: error: invalid configuration:\n  - {paragraph}\n"
+    assert "ptdp: starting" not in result.stdout and victim.read_text() == "precious"

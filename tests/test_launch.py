@@ -124,6 +124,83 @@ def test_forked_ranks_take_the_launchers_environment_of_each_launch(tmp_path, mo
             assert seen["parent"] != os.getpid()  # the fork server's child, not this process's
 
 
+def _interrupted_on_rank_1(env, payload):
+    init_process_group(env, "gloo", LONG_TIMEOUT)
+    if env.rank == 1:
+        os.kill(os.getpid(), signal.SIGINT)  # to this process alone, not the terminal's group
+        time.sleep(60)
+    dist.barrier()  # (where a rank of an MoE job waits in its all-to-all)
+
+
+def test_sigint_to_one_rank_is_one_paragraph(monkeypatch, tmp_path):
+    """SIGINT sent to one rank (not a terminal's Ctrl-C, which the launcher
+    handles) stops that rank at once: a paragraph that says so and names the
+    newest checkpoint, its traceback in a file, not on the screen."""
+    from ptdp.launch import INTERRUPTED_ALONE
+    from ptdp.train import stopping
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    (save / "latest").write_text("iter_0000003\n")
+    requests = stopping.StopRequests()
+    requests.new_run(str(save))
+    monkeypatch.setattr(stopping, "STOP_REQUESTS", requests)
+    with pytest.raises(LocalJobFailed) as failure:
+        launch_local(2, _interrupted_on_rank_1, None)
+    assert failure.value.rank == 1 and failure.value.user_error
+    out = io.StringIO()
+    failure.value.report(out)
+    assert out.getvalue().splitlines()[-1] == (
+        f"ptdp: error: rank 1: {INTERRUPTED_ALONE}; the newest checkpoint is "
+        f"{save}/iter_0000003 (resume with --load {save})")
+    assert "Traceback" not in out.getvalue() and "KeyboardInterrupt" not in out.getvalue()
+
+
+def test_a_local_launch_the_machine_cannot_carry_is_refused_before_anything_starts(
+        monkeypatch, capsys):
+    """Ranks per core and memory per rank, held against the machine before
+    anything is forked: 8 or 32 ranks on 2 cores stay allowed (the tests'
+    and the README's equivalence checks), 33 or 1,024 are refused in one
+    paragraph with the estimate; --allow-oversubscribe insists; under
+    torchrun or SLURM their launcher decides."""
+    from ptdp.config.parallel import ParallelConfig
+    from ptdp.perf.local_processes import local_process_problems
+
+    gib = 2**30
+
+    def problems(env=None, memory=23 * gib, **layout):
+        return local_process_problems(ParallelConfig(device="cpu", **layout), env, cores=2,
+                                      memory=memory)
+
+    assert problems(data_parallel_size=8) == problems(data_parallel_size=32) == []
+    [cores] = problems(data_parallel_size=33)
+    assert "more than 16 per core (32 here)" in cores and "GiB (80 MiB each" not in cores
+    [memory] = problems(tensor_model_parallel_size=2, data_parallel_size=8, memory=gib)
+    assert ("starts 16 processes on this machine, which has 2 CPU cores and 1.0 GiB of memory: "
+            "the processes alone would need about 1.2 GiB (80 MiB each") in memory
+    assert problems(data_parallel_size=1024, allow_oversubscribe=True) == []
+    assert problems(SimpleNamespace(rank=0), data_parallel_size=1024) == []  # torchrun, SLURM
+    # The command: the paragraph, and nothing started.
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr("ptdp.perf.fits.host_memory_bytes", lambda: 23 * gib)
+    monkeypatch.setattr("ptdp.launch.launch_local", lambda *a, **k: pytest.fail("launched"))
+    code = cli.main(["train", "--mock-data", "--vocab-size", "64", "--num-layers", "1",
+                     "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
+                     "--micro-batch-size", "1", "--global-batch-size", "1024", "-d", "1024",
+                     "--train-iters", "1"])
+    out, err = capsys.readouterr()
+    assert code == 2 and "ptdp: starting" not in out
+    assert err == (
+        "ptdp: error: invalid configuration:\n  - the layout t=1 × c=1 × p=1 × d=1024 starts "
+        "1024 processes on this machine, which has 2 CPU cores and 23.0 GiB of memory: the "
+        "processes alone would need about 80.0 GiB (80 MiB each for Python, torch and gloo, "
+        "before the model); and that is more than 16 per core (32 here), where each waits for "
+        "the others nearly all the time. Start fewer (a smaller -d, -t, -p or "
+        "--context-parallel-size), spread the job over several machines with torchrun or "
+        "SLURM, or pass --allow-oversubscribe to start them anyway\n")
+
+
 def test_cli_reports_the_failing_rank_and_exits_non_zero(monkeypatch, capsys):
     """`ptdp train` turns a failed rank into exit code 1 and prints its error."""
     monkeypatch.setattr("ptdp.launch.launch_local", lambda world, entry, payload, **options:

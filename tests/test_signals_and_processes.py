@@ -6,7 +6,6 @@ ptdp's message; error reports are new private files, never a file someone
 planted a link at."""
 
 import io
-import json
 import os
 import signal
 import subprocess
@@ -23,7 +22,7 @@ from ptdp.errors import print_user_error, report_to_torchrun
 from ptdp.train import stopping
 from ptdp.train.checkpoint import read_metadata, resolve
 from ptdp.train.stopping import GracefulExit, StopRequests
-from tests.test_fault_matrix import _torchrun
+from tests.test_fault_matrix import INJECTOR, _torchrun
 from tests.test_train_cli import _spawned_children
 
 needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
@@ -58,10 +57,29 @@ def _env(**extra) -> dict:
 
 def _start(argv, launcher=None, **popen) -> subprocess.Popen:
     command = (launcher or [sys.executable, "-m", "ptdp"]) + ["train", *argv]
-    options = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    options = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env())
     options.update(popen)
-    return subprocess.Popen(command, cwd=ROOT, env=_env(), text=True, start_new_session=True,
-                            **options)
+    return subprocess.Popen(command, cwd=ROOT, text=True, start_new_session=True, **options)
+
+
+def _stalled_env(phase: str, stamp: Path) -> dict:
+    """Every rank sleeps 60 s on reaching `phase` (tests/fault_injection);
+    rank 0 writes the time it began to `stamp`."""
+    return _env(PTDP_TEST_STALL=f"{phase}:60", PTDP_TEST_FAULT_STAMP=str(stamp),
+                PYTHONPATH=os.pathsep.join([str(INJECTOR), os.environ.get("PYTHONPATH", "")]))
+
+
+def _servers(launcher: int) -> list[int]:
+    """The fork server and resource tracker `launcher` started (Linux /proc)."""
+    found = []
+    for pid in _children(launcher):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"multiprocessing.forkserver" in cmdline or b"resource_tracker" in cmdline:
+            found.append(pid)
+    return found
 
 
 def _lines(path: Path) -> int:
@@ -443,6 +461,104 @@ def test_workers_stop_and_save_when_torchrun_s_agent_is_killed(tmp_path):
     stopped = read_metadata(resolve(save))["iteration"]
     assert f"stopped after iteration {stopped} of 100000: SIGTERM received; saved" in text
     assert _lines(metrics) == stopped  # and nothing trained after
+
+
+@needs_proc
+@pytest.mark.parametrize("phase", ["start-up", "training"])
+def test_killing_the_launcher_leaves_nothing_behind_and_frees_the_save_lock(tmp_path, phase):
+    """SIGKILL gives `ptdp train` no time to stop its ranks, whose parent is
+    the fork server, not the launcher: each rank watches a pipe only the
+    launcher holds and takes its end as SIGTERM (saving in training, dying
+    at once while starting); the fork server then exits. Within 5 s no rank
+    and no server is left, and --save is free: a second job starts there."""
+    save, metrics, stamp = tmp_path / "ckpt", tmp_path / "m.jsonl", tmp_path / "stalled"
+    env = _stalled_env("startup", stamp) if phase == "start-up" else _env()
+    process = _start([*TINY, "-d", "2", "--train-iters", "100000", "--save", str(save),
+                      "--metrics-file", str(metrics)], env=env)
+    ranks, servers = [], []
+    try:
+        _wait_until(stamp.exists if phase == "start-up" else lambda: _lines(metrics) >= 2,
+                    process)
+        ranks, servers = _spawned_children(process.pid), _servers(process.pid)
+        assert len(ranks) == 2 and len(servers) == 2, (ranks, servers)
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+        killed = time.monotonic()
+        while not all(_gone(pid) for pid in ranks + servers) and time.monotonic() < killed + 5:
+            time.sleep(0.05)
+        left = [pid for pid in ranks + servers if not _gone(pid)]
+        assert not left, f"alive 5 s after the launcher's SIGKILL: {left}"
+    finally:
+        for pid in ranks + servers:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+    output = process.stdout.read()
+    assert f"the launcher (process {process.pid}) is gone" in output, output
+    assert "Traceback" not in output, output
+    if phase == "start-up":
+        assert not (save / "latest").exists()
+        from ptdp.train.save_lock import problem
+        assert problem(save) is None  # (the file a killed rank leaves locks nothing)
+        return
+    stopped = read_metadata(resolve(save))["iteration"]
+    assert f"SIGTERM received; saved {save}/iter_{stopped:07d}" in output, output
+    second = subprocess.run([sys.executable, "-m", "ptdp", "train", *TINY, "-d", "2", "--save",
+                             str(save), "--load", str(save), "--train-iters", str(stopped + 1),
+                             "--use-checkpoint-opt_param-scheduler"],
+                            cwd=ROOT, env=_env(), capture_output=True, text=True,
+                            timeout=BOUND_SECONDS)
+    assert second.returncode == 0, second.stderr
+    assert read_metadata(resolve(save))["iteration"] == stopped + 1
+
+
+@needs_proc
+@pytest.mark.parametrize("moment", ["fork server starting", "ranks building"])
+def test_sigterm_to_the_group_while_the_ranks_start_is_one_paragraph(tmp_path, moment):
+    """`timeout` or a container's stop signals every process of the job: the
+    fork server (while it imports torch) ignores it, so that no rank's start
+    fails with its EOFError; the ranks, which have no handler yet, stop; the
+    report is the documented paragraph, no traceback."""
+    save, stamp = tmp_path / "ckpt", tmp_path / "stalled"
+    process = _start([*TINY, "-d", "2", "--train-iters", "100000", "--save", str(save)],
+                     env=_stalled_env("startup", stamp))
+    if moment == "fork server starting":
+        _wait_until(lambda: any(b"forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes()
+                                for pid in _children(process.pid)), process)
+    else:
+        _wait_until(stamp.exists, process)
+    os.killpg(process.pid, signal.SIGTERM)
+    output = _finish(process)
+    assert process.returncode == 1, output
+    assert output.strip().splitlines()[-1] == (
+        "ptdp: error: SIGTERM came while the ranks were starting, before they could take it as "
+        "a request to save and stop: every rank stopped at once, so nothing was saved"), output
+    for wrong in ("Traceback", "EOFError", "failed", "exit code 255"):
+        assert wrong not in output, output
+
+
+@needs_proc
+def test_a_second_sigterm_during_evaluation_names_the_checkpoint_on_disk(tmp_path):
+    """The first SIGTERM comes while the ranks evaluate (after iteration 4,
+    iteration 2 saved), the second 3.5 s later: they stop at once, and the
+    last line says so and names the newest checkpoint on disk, never that
+    the ranks were starting or that nothing was saved."""
+    save, stamp = tmp_path / "ckpt", tmp_path / "stalled"
+    process = _start([*TINY, "-d", "2", "--train-iters", "100000", "--save", str(save),
+                      "--save-interval", "2", "--eval-interval", "4", "--eval-iters", "1"],
+                     env=_stalled_env("eval", stamp))
+    _wait_until(stamp.exists, process)
+    os.killpg(process.pid, signal.SIGTERM)
+    time.sleep(stopping.REPEAT_WINDOW_SECONDS + 0.5)
+    os.killpg(process.pid, signal.SIGTERM)
+    output = _finish(process)
+    assert process.returncode == 1, output
+    newest = resolve(save)
+    assert read_metadata(newest)["iteration"] in (2, 4)
+    assert output.strip().splitlines()[-1] == (
+        f"ptdp: error: a second SIGTERM came more than 3 s after the first request (SIGTERM) and "
+        f"stopped every rank at once, without saving; the newest checkpoint is {newest}, from "
+        f"before the first request (resume with --load {save})"), output
+    assert "Traceback" not in output and "starting" not in output.splitlines()[-1]
 
 
 def _children(parent: int) -> list[int]:

@@ -88,6 +88,11 @@ class ParallelConfig:
     distributed_timeout_minutes: float = flag(
         10.0, "--distributed-timeout-minutes",
         "a collective that waits longer than this fails instead of hanging")
+    allow_oversubscribe: bool = flag(
+        False, "--allow-oversubscribe",
+        "start a local CPU launch's processes even when this machine cannot carry them: more "
+        "than 16 per CPU core, or more than its memory holds at about 80 MiB each before the "
+        "model (ptdp.perf.local_processes); refused otherwise, before anything starts")
 
     @property
     def dp(self) -> int:

@@ -12,7 +12,10 @@ that ends removes the file; one that takes the lock checks that the file it
 locked is still the one at that path (another job may have removed it
 between the open and the lock), and otherwise tries again.
 Where the file system has no locks (some network file systems), a warning
-says so and the run goes on unguarded.
+says so and the run goes on unguarded. The lock file is never followed if it
+is a symbolic link (one planted there would have the job write where it
+points), nor used if it is not a regular file: either is refused in one
+paragraph, before launch.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -32,6 +36,31 @@ LOCK_FILE = ".ptdp-save.lock"
 
 class SaveDirectoryInUse(UserError):
     """Another job holds the --save directory."""
+
+
+class LockFileNotUsable(UserError):
+    """SAVE/.ptdp-save.lock is a symbolic link or not a regular file."""
+
+
+def _not_a_lock_file(path: Path) -> str | None:
+    """Why `path` cannot be the lock file (None: it can, or it is not there)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISLNK(mode):
+        try:
+            target = f" (to {os.readlink(path)})"
+        except OSError:
+            target = ""
+        what = f"is a symbolic link{target}, which ptdp never follows there"
+    else:
+        what = "is not a regular file" + (" but a directory" if stat.S_ISDIR(mode) else "")
+    return (f"--save {path.parent}: its lock file {path} {what}; ptdp creates that file itself, as "
+            f"a regular file, to keep a second job from saving into the same directory. Remove "
+            f"it (no job's lock is a link or a directory) and run again")
 
 
 def _holder(fd: int) -> str:
@@ -53,8 +82,11 @@ def _in_use(save: Path, holder: str) -> str:
 def problem(save: str | Path) -> str | None:
     """Before launch: why --save cannot be taken now (None: it can)."""
     path = Path(save) / LOCK_FILE
+    unusable = _not_a_lock_file(path)
+    if unusable:
+        return unusable
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return None  # no lock file (or unreadable: taking it will say)
     try:
@@ -85,7 +117,16 @@ class SaveLock:
         directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / LOCK_FILE
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            unusable = _not_a_lock_file(self.path)  # planted after the check before launch
+            if unusable:
+                raise LockFileNotUsable(unusable)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK,
+                             0o644)
+            except OSError as error:  # planted between the check and the open
+                raise LockFileNotUsable(_not_a_lock_file(self.path) or (
+                    f"--save {directory}: its lock file {self.path} cannot be opened "
+                    f"({error.strerror or error})")) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -44,7 +44,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -122,6 +122,59 @@ class StopRequests:
             return f"{head}: nothing was saved, and {self._save} holds no checkpoint"
         return (f"{head}: nothing was saved after the {name}; the newest checkpoint is "
                 f"{Path(self._save) / latest}, from before it (resume with --load {self._save})")
+
+    def newest_checkpoint(self) -> str:
+        """"; the newest checkpoint is SAVE/iter_N (resume with --load SAVE)",
+        or "" without --save or a checkpoint in it: the end of a report of
+        a job that stopped without saving."""
+        latest = self._latest()
+        if latest is None:
+            return ""
+        return (f"; the newest checkpoint is {Path(self._save) / latest} (resume with --load "
+                f"{self._save})")
+
+    def stopped_while_starting(self, signum: int, who: str) -> str:
+        """The local launcher's report when `who` (ranks) died of signal
+        `signum` by its default action: before the training loop's handler
+        was in place, while starting (or after a run that had ended).
+        What is on disk is named: a resumed run's checkpoint from before, or
+        one this run saved."""
+        name = signal.Signals(signum).name
+        latest = self._latest()
+        if latest is not None and latest != self._latest_at_start:
+            return (f"{name} came before the ranks could take it as a request to save and stop: "
+                    f"{who} stopped at once; the newest checkpoint is "
+                    f"{Path(self._save) / latest}, saved by this run (resume with --load "
+                    f"{self._save})")
+        text = (f"{name} came while the ranks were starting, before they could take it as a "
+                f"request to save and stop: {who} stopped at once, so nothing was saved")
+        if latest is not None:
+            text += (f"; the newest checkpoint is {Path(self._save) / latest}, from before this "
+                     f"run (resume with --load {self._save})")
+        return text
+
+    def stopped_at_once(self, signum: int, who: str) -> str:
+        """The local launcher's report when `who` (ranks) stopped at once on
+        a second signal `signum`, more than REPEAT_WINDOW_SECONDS after the
+        first request: what was saved since that request, and the newest
+        checkpoint on disk."""
+        name = signal.Signals(signum).name
+        first = self.first
+        head = (f"a second {name} came more than {REPEAT_WINDOW_SECONDS:g} s after the first "
+                f"request{'' if first is None else f' ({signal.Signals(first.signal).name})'} "
+                f"and stopped {who} at once, without saving")
+        if not self._save:
+            return f"{head}; no --save given, so nothing was saved"
+        latest = self._latest()
+        if latest is None:
+            return f"{head}; {self._save} holds no checkpoint"
+        newest = Path(self._save) / latest
+        before = first.latest_then if first is not None else self._latest_at_start
+        if latest != before:
+            return (f"{head}; the newest checkpoint is {newest}, saved by this run before that "
+                    f"second signal (resume with --load {self._save})")
+        return (f"{head}; the newest checkpoint is {newest}, from before the first request "
+                f"(resume with --load {self._save})")
 
 
     def _interrupted_by_the_user(self) -> str:
@@ -254,6 +307,9 @@ class Verdict:
     # The iteration's loss on every rank (computed on the last stage only; inf
     # when not finite; None when no rank had one), for the loss-range watch.
     loss: float | None = None
+    # The `memory` figures agree() was given, each its MAX over the ranks
+    # (ptdp.train.peak_memory: the job's peak memory rides on this all-reduce).
+    memory: tuple[float, ...] = ()
 
     @property
     def stop(self) -> bool:
@@ -282,8 +338,9 @@ class StopConditions:
             self.handler.close()
             self.handler = None
 
-    def agree(self, record: dict) -> Verdict:
-        """After an iteration's step: combine every rank's view (collective)."""
+    def agree(self, record: dict, memory: Sequence[float] = ()) -> Verdict:
+        """After an iteration's step: combine every rank's view (collective);
+        `memory`: numbers to take the MAX of over the ranks on the way."""
         loss, norm = record["loss"], record["grad_norm"]
         non_finite = self.check_non_finite and (
             (loss is not None and not math.isfinite(loss))
@@ -298,14 +355,14 @@ class StopConditions:
             out_of_time = needed > self.tr.exit_duration_in_mins * 60
         signum = self.handler.requested if self.handler is not None else 0
         own_loss = -math.inf if loss is None else loss if math.isfinite(loss) else math.inf
-        view = torch.tensor([float(signum), float(non_finite), float(out_of_time), own_loss],
-                            dtype=torch.float64, device=self.device)
+        view = torch.tensor([float(signum), float(non_finite), float(out_of_time), own_loss,
+                             *memory], dtype=torch.float64, device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(view, op=dist.ReduceOp.MAX)
-        *flags, job_loss = view.tolist()
-        signum, non_finite, out_of_time = (int(x) for x in flags)
+        signum, non_finite, out_of_time, job_loss, *job_memory = view.tolist()
+        signum, non_finite, out_of_time = int(signum), int(non_finite), int(out_of_time)
         return Verdict(signal=signum, non_finite=bool(non_finite), out_of_time=bool(out_of_time),
-                       loss=None if job_loss == -math.inf else job_loss)
+                       loss=None if job_loss == -math.inf else job_loss, memory=tuple(job_memory))
 
     def check_divergence(self, record: dict, verdict: Verdict, go_back: Callable[[], str]) -> None:
         """Raise DivergenceError when training can no longer make progress;

@@ -5,12 +5,18 @@ PTDP_TEST_FAULT = "PHASE:RANK" makes rank RANK kill itself (SIGKILL) when it
 reaches PHASE: `startup` (building its model), `train` (its third
 iteration), `eval` (its first evaluation) or `save` (writing its part of the
 checkpoint after iteration 2). With PTDP_TEST_FAULT_STAMP = PATH it writes
-the time of the kill there. Without the variables nothing is changed.
+the time of the kill there.
+
+PTDP_TEST_STALL = "PHASE:SECONDS" makes every rank sleep SECONDS when it
+reaches PHASE, `startup` or `eval` (as above): a signal sent meanwhile meets
+the rank in that phase. With PTDP_TEST_FAULT_STAMP = PATH, rank 0 writes the
+time the stall began there. Without the variables nothing is changed.
 """
 
 import os
 
 _FAULT = os.environ.get("PTDP_TEST_FAULT")
+_STALL = os.environ.get("PTDP_TEST_STALL")
 
 
 def _install(phase: str, rank: int) -> None:
@@ -46,9 +52,9 @@ def _install(phase: str, rank: int) -> None:
         import ptdp.train.evaluate as evaluate
         evaluate.evaluate = killing(evaluate.evaluate)
     elif phase == "save":
-        import ptdp.train.checkpoint as checkpoint
-        checkpoint._write_json = killing(
-            checkpoint._write_json,
+        import ptdp.train.checkpoint_save as checkpoint_save
+        checkpoint_save.write_json = killing(
+            checkpoint_save.write_json,
             when=lambda path, data: "iter_0000002" in str(path) and "rng" in str(path))
     elif phase == "train":
         import ptdp.train.loop as loop
@@ -57,6 +63,39 @@ def _install(phase: str, rank: int) -> None:
         raise ValueError(f"PTDP_TEST_FAULT: unknown phase {phase!r}")
 
 
+def _install_stall(phase: str, seconds: float) -> None:
+    import functools
+    import time
+
+    import torch.distributed as dist
+
+    def stalling(function):
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            stamp = os.environ.get("PTDP_TEST_FAULT_STAMP")
+            if stamp and (phase == "checks" or dist.is_initialized() and dist.get_rank() == 0):
+                with open(stamp, "w") as file:
+                    file.write(repr(time.time()))
+            time.sleep(seconds)
+            return function(*args, **kwargs)
+        return wrapper
+
+    if phase == "startup":
+        import ptdp.model.gpt as gpt
+        gpt.build_chunks = stalling(gpt.build_chunks)
+    elif phase == "eval":
+        import ptdp.train.evaluate as evaluate
+        evaluate.evaluate = stalling(evaluate.evaluate)
+    elif phase == "checks":  # `ptdp train`'s checks before launch, in the launcher
+        import ptdp.train.checkpoint_data as checkpoint_data
+        checkpoint_data.resolve_data = stalling(checkpoint_data.resolve_data)
+    else:
+        raise ValueError(f"PTDP_TEST_STALL: unknown phase {phase!r}")
+
+
 if _FAULT:
     _phase, _rank = _FAULT.split(":")
     _install(_phase, int(_rank))
+if _STALL:
+    _phase, _seconds = _STALL.split(":")
+    _install_stall(_phase, float(_seconds))
