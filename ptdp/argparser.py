@@ -15,6 +15,16 @@ reports instead, with exit status 2 as argparse does:
 Subcommand parsers made with `add_subparsers().add_parser` are of the
 parent's class, so making the top-level parser a `CommandParser` covers
 every command.
+
+A command whose parser `collects` (`ptdp train`'s) reports every problem of
+its command line in one round: each unknown flag, each value that does not
+parse, each missing value (`parse_collecting` returns them, and `parse_args`
+reports them together); the caller adds the settings' own problems to them.
+
+"Did you mean" names a flag only for a near miss, a typo (one or two
+letters changed, dropped, added or swapped; one for a flag that names a
+file or directory), never for a flag of Megatron-LM's parser: `--mscale`
+is not a misspelt `--save`, nor `--mtp-num-layers` a misspelt `--num-layers`.
 """
 
 from __future__ import annotations
@@ -28,13 +38,44 @@ from typing import NoReturn, Sequence
 _ARGUMENT = re.compile(r"argument (?P<names>[^:]+): (?P<rest>.*)", re.S)
 _INVALID_VALUE = re.compile(r"invalid (?P<type>\w+) value: (?P<value>.*)", re.S)
 _TYPE_WORDS = {"int": "not an integer", "float": "not a number"}
+# The namespace attribute that carries a collecting parser's problems, and
+# the value an action is given for a value that did not parse (removed).
+PROBLEMS = "_command_line_problems"
+_INVALID = object()
+# Metavars of flags that name a file or directory: a guess must be closer.
+_PATH_METAVARS = ("DIR", "FILE", "PATH", "CKPT", "PREFIX")
 
 
-def did_you_mean(name: str, known: Sequence[str]) -> str:
-    """' (did you mean --swiglu?)' for the closest of `known`, or ''. One
-    guess: a second one is rarely what was meant and makes the line long."""
-    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.7)
-    return f" (did you mean {close[0]}?)" if close else ""
+def edit_distance(a: str, b: str) -> int:
+    """Letters changed, dropped, added or swapped (adjacent) to turn a into b
+    (the optimal string alignment distance)."""
+    previous, row = None, list(range(len(b) + 1))
+    for i in range(1, len(a) + 1):
+        before, previous, row = previous, row, [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            row[j] = min(previous[j] + 1, row[j - 1] + 1,
+                         previous[j - 1] + (a[i - 1] != b[j - 1]))
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                row[j] = min(row[j], before[j - 2] + 1)
+    return row[len(b)]
+
+
+def did_you_mean(name: str, known: Sequence[str], paths: Sequence[str] = ()) -> str:
+    """' (did you mean --swiglu?)' for the closest of `known` if it is a near
+    miss, or ''. One guess: a second one is rarely what was meant and makes
+    the line long. `paths`: those of `known` that name a file or directory,
+    where a wrong guess would write or read elsewhere: one edit at most."""
+    from ptdp.megatron_flag_list import MEGATRON_LM_FLAGS
+
+    if name in MEGATRON_LM_FLAGS:  # a real flag of another program, never a typo of ours
+        return ""
+    scored = []
+    for candidate in known:
+        distance = edit_distance(name, candidate)
+        if distance <= (1 if candidate in paths else 2) and distance < len(candidate.lstrip("-")):
+            ratio = difflib.SequenceMatcher(None, name, candidate).ratio()
+            scored.append((distance, -ratio, candidate))
+    return f" (did you mean {min(scored)[2]}?)" if scored else ""
 
 
 def _is_flag(token: str) -> bool:
@@ -54,6 +95,7 @@ class CommandParser(argparse.ArgumentParser):
     prefixes, each with why this one does not, said instead of a guess."""
 
     not_taken: dict[str, str] = {}
+    collects: bool = False  # report every problem of the command line in one round
 
     def error(self, message: str) -> NoReturn:
         if message.startswith("the following arguments are required: "):
@@ -66,15 +108,60 @@ class CommandParser(argparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
         # Kept for error(): argparse checks required flags before it reports unknown ones.
         self._given = list(sys.argv[1:] if args is None else args)
-        return super().parse_known_args(args, namespace)
+        self._problems: list[str] = []
+        self._missing: set[int] = set()  # actions given without their value
+        parsed, extras = super().parse_known_args(args, namespace)
+        for name, value in list(vars(parsed).items()):
+            if value is _INVALID:  # reported instead: the setting keeps its default
+                delattr(parsed, name)
+        if self._problems:
+            setattr(parsed, PROBLEMS, getattr(parsed, PROBLEMS, []) + self._problems)
+        return parsed, extras
 
     def parse_args(self, args=None, namespace=None):  # type: ignore[override]
-        parsed, extras = self.parse_known_args(args, namespace)
-        if extras:
-            # The tokens that reached no parser: blame the (sub)command they were given to.
-            command = self._innermost(parsed)
-            command.error(command._unrecognized(extras))
+        parsed, problems, command = self.parse_collecting(args, namespace)
+        if problems:
+            command.error(problems_text(problems))
         return parsed
+
+    def parse_collecting(self, args=None, namespace=None
+                         ) -> tuple[argparse.Namespace, list[str], CommandParser]:
+        """The parsed command line, its problems (the unknown flags first)
+        and the parser of the command chosen. Without `collects`, a problem
+        other than unknown flags ends the parse at once, as argparse does."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        problems = getattr(parsed, PROBLEMS, [])
+        if hasattr(parsed, PROBLEMS):
+            delattr(parsed, PROBLEMS)
+        # The tokens that reached no parser: blame the (sub)command they were given to.
+        command = self._innermost(parsed)
+        if extras:
+            problems.insert(0, command._unrecognized(extras))
+        return parsed, problems, command
+
+    # ---- collecting, instead of stopping at the first problem
+
+    def _match_argument(self, action, arg_strings_pattern):
+        try:
+            return super()._match_argument(action, arg_strings_pattern)
+        except argparse.ArgumentError as error:  # a flag without its value
+            if not (self.collects and action.option_strings):
+                raise
+            self._problems.append(self._reworded(str(error)))
+            self._missing.add(id(action))
+            return 0
+
+    def _get_values(self, action, arg_strings):
+        if id(action) in self._missing and not arg_strings:
+            self._missing.discard(id(action))
+            return _INVALID
+        try:
+            return super()._get_values(action, arg_strings)
+        except argparse.ArgumentError as error:  # a value that does not parse, or is refused
+            if not (self.collects and action.option_strings):
+                raise
+            self._problems.append(self._reworded(str(error)))
+            return _INVALID
 
     # ---- unknown flags
 
@@ -106,6 +193,8 @@ class CommandParser(argparse.ArgumentParser):
 
     def _unrecognized(self, extras: list[str]) -> str:
         known = [name for action in self._actions for name in action.option_strings]
+        paths = [name for action in self._actions for name in action.option_strings
+                 if isinstance(action.metavar, str) and action.metavar.startswith(_PATH_METAVARS)]
         flags, strays, after_flag = [], [], False
         for token in extras:
             if _is_flag(token):
@@ -114,7 +203,7 @@ class CommandParser(argparse.ArgumentParser):
                                if name == flag or flag.endswith("-") and name.startswith(flag)), None)
                 if reason is not None:
                     return f"{name}: {reason}"
-                flags.append(name + did_you_mean(name, known))
+                flags.append(name + did_you_mean(name, known, paths))
                 after_flag = "=" not in token
             elif after_flag:  # most likely the unknown flag's value: not worth a word
                 after_flag = False
@@ -133,7 +222,13 @@ class CommandParser(argparse.ArgumentParser):
     # ---- invalid values
 
     def _check_value(self, action: argparse.Action, value) -> None:
-        """An invalid choice names the flag, the value and the choices, without quotes."""
+        """An invalid choice names the flag, the value and the choices, without
+        quotes; a value of Megatron-LM's that ptdp refuses (an action's
+        `refused_values`, ptdp.megatron_flags) says why."""
+        refused = getattr(action, "refused_values", {})
+        if value in refused:
+            raise argparse.ArgumentError(None, f"{_long_name(action.option_strings)} {value}: "
+                                               f"{refused[value]}")
         if action.choices is None or value in action.choices:
             return
         choices = ", ".join(map(str, action.choices))
@@ -177,6 +272,13 @@ class CommandParser(argparse.ArgumentParser):
         if rest.startswith("ignored explicit argument "):
             return f"{flag} takes no value (given {rest.removeprefix('ignored explicit argument ')})"
         return f"{flag}: {rest}"
+
+
+def problems_text(problems: Sequence[str]) -> str:
+    """One problem as it is; several as a list, one a line."""
+    if len(problems) == 1:
+        return problems[0]
+    return f"{len(problems)} problems:\n" + "\n".join(f"  - {problem}" for problem in problems)
 
 
 def _long_name(option_strings: Sequence[str]) -> str | None:

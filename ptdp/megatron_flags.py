@@ -1,4 +1,6 @@
-"""Megatron-LM flags that `ptdp train` accepts without a setting of its own.
+"""Megatron-LM flags that `ptdp train` takes without a setting of its own:
+every flag of Megatron-LM's parser (ptdp/megatron_flag_list.py) that is not
+a ptdp setting is here, by name or by family (ptdp/megatron_flag_classes.py).
 
 A Megatron-LM script carries flags that choose between implementations ptdp
 does not have (Transformer Engine or not, fused kernels or not) or that turn
@@ -6,10 +8,12 @@ on what ptdp always does. Refusing them would make every ported script fail
 for nothing, and ignoring them silently would leave the user guessing, so
 each one is accepted and explained in one line before the run starts.
 
-A few cannot be honoured (FP8, Megatron-LM's checkpoint formats, its newer
-batch-size schedule, the mixture-of-experts extras: flex dispatch, upcycling,
-quantile balancing...): those are refused before launch with what to use
-instead, together with any other invalid setting.
+The others cannot be honoured (FP8, multi-latent attention, Megatron-LM's
+checkpoint formats, its newer batch-size schedule, the mixture-of-experts
+extras: flex dispatch, upcycling, quantile balancing...): those are refused
+by name before launch with what they are and what to use instead, together
+with any other invalid setting; so are the values of Megatron-LM's choices
+that ptdp's settings lack (`REFUSED_VALUES`: --position-embedding-type yarn...).
 
 The flags whose meaning ptdp implements (--decoupled-lr, --manual-gc,
 --attention-backend's report, ...) are ordinary settings in ptdp.config.
@@ -21,6 +25,8 @@ import argparse
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ptdp.megatron_flag_classes import FAMILIES, YARN
+
 # Namespace attributes of these flags; no "." so they are not config settings.
 _DEST_PREFIX = "megatron_"
 
@@ -28,18 +34,20 @@ _DEST_PREFIX = "megatron_"
 @dataclass(frozen=True)
 class AcceptedFlag:
     """A flag accepted for compatibility: `values` is 0 for a switch, 1 for
-    one value; `choices` restricts the value as Megatron-LM does, and of
-    them `refused_choices` are refused with `refusal`. `alias_of`: the
-    setting ("section.field", an int) the flag is another name for; its
-    note says so, and a different value of that setting is refused."""
+    one value, "+" or "*" for a list (argparse's nargs); `choices` restricts
+    the value as Megatron-LM does, and of them `refused_choices` are refused
+    with `refusal`. `alias_of`: the setting ("section.field", an int) the
+    flag is another name for; its note says so, and a different value of
+    that setting is refused."""
     name: str
-    values: int
+    values: int | str
     explanation: str
     choices: tuple[str, ...] | None = None
     refused: bool = False
     refused_choices: tuple[str, ...] = ()
     refusal: str = ""
     alias_of: str | None = None
+    listed: bool = True  # in `ptdp train --help` (a family's flags are not: hundreds)
 
     @property
     def dest(self) -> str:
@@ -137,12 +145,80 @@ MOE_FLAGS: tuple[AcceptedFlag, ...] = (
          "inference", _DROP),
 )
 
+_FP32_STATE = ("ptdp keeps the main weights, the main gradients and Adam's moments in fp32: give fp32 "
+               "or drop the flag")
+_DTYPES = ("fp32", "fp16", "bf16", "fp8")
+_RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe",
+                      "shared_experts", "gdn_norm_out", "gdp_in_proj", "gdp_qkv", "mhc")
+
+# Megatron-LM's flags with a line of their own: their meaning in ptdp is
+# narrower than a family's, or some of their values are refused.
+OWN_LINES: tuple[AcceptedFlag, ...] = (
+    AcceptedFlag("--recompute-modules", "+",
+                 "with --recompute-granularity selective ptdp recomputes the attention core, "
+                 "Megatron-LM's core_attn (its default)", choices=_RECOMPUTE_MODULES,
+                 refused_choices=_RECOMPUTE_MODULES[1:],
+                 refusal="ptdp's selective recomputation recomputes the attention core only: give "
+                 "--recompute-modules core_attn, or --recompute-granularity full to recompute whole "
+                 "layers"),
+    AcceptedFlag("--softmax-type", 1, "ptdp's attention softmax is the vanilla one",
+                 choices=("vanilla", "off-by-one", "learnable"),
+                 refused_choices=("off-by-one", "learnable"),
+                 refusal="attention sinks (an off-by-one or learnable softmax, gpt-oss's) are not yet "
+                 "in ptdp: give --softmax-type vanilla or drop the flag"),
+    AcceptedFlag("--rope-type", 1, "ptdp's rotary embedding is rope (--position-embedding-type rope)",
+                 choices=("rope", "yarn"), refused_choices=("yarn",), refusal=YARN.explanation),
+    AcceptedFlag("--dataloader-type", 1,
+                 "ptdp's loader reads the dataset's (already shuffled) samples in order, once, as "
+                 "Megatron-LM's single sampler does", choices=("single", "cyclic", "external"),
+                 refused_choices=("cyclic", "external"),
+                 refusal="ptdp's loader is Megatron-LM's single sampler (the dataset's shuffled "
+                 "samples in order): give --dataloader-type single or drop the flag"),
+    AcceptedFlag("--weight-decay-incr-style", 1, "ptdp's weight decay is constant (--weight-decay)",
+                 choices=("constant", "linear", "cosine"), refused_choices=("linear", "cosine"),
+                 refusal="ptdp's weight decay is constant (--weight-decay): give constant or drop "
+                 "the flag"),
+    AcceptedFlag("--encoder-num-layers", 1,
+                 "Megatron-LM's other name for --num-layers (its GPT copies one into the other); "
+                 "the model's number of layers is this", alias_of="model.num_layers"),
+    AcceptedFlag("--use-precision-aware-optimizer", 0,
+                 "ptdp's Adam keeps fp32 main weights, gradients and moments, what that optimizer "
+                 "keeps by default; lower precisions for them are refused"),
+    *(AcceptedFlag(name, 1, "fp32 is what ptdp keeps", choices=choices,
+                   refused_choices=choices[1:], refusal=_FP32_STATE)
+      for name, choices in (("--main-grads-dtype", ("fp32", "bf16")),
+                            ("--main-params-dtype", ("fp32", "fp16")),
+                            ("--exp-avg-dtype", _DTYPES), ("--exp-avg-sq-dtype", _DTYPES))),
+    AcceptedFlag("--enable-experimental", 0,
+                 "ptdp keeps no features behind this switch: each has its own flag"),
+    AcceptedFlag("--logging-level", 1,
+                 "ptdp prints its log lines itself, not through Python's logging, so no level "
+                 "filters them"),
+    AcceptedFlag("--local-rank", 1,
+                 "ptdp takes each rank's place from the environment (LOCAL_RANK, as torchrun sets "
+                 "it), not from this flag"),
+    AcceptedFlag("--no-initialization", 0,
+                 "ptdp initialises the weights before --load's checkpoint replaces them; the loaded "
+                 "model is the same"),
+    AcceptedFlag("--exit-signal-handler-for-training", 0,
+                 "ptdp's --exit-signal-handler (on by default) saves and stops on SIGTERM and "
+                 "--exit-signal"),
+    AcceptedFlag("--exit-signal-handler-for-dataloader", 0,
+                 "ptdp's data-loading workers (--num-workers) stop with their rank"),
+    AcceptedFlag("--distributed-timeout-seconds-after-init", 1,
+                 "ptdp's process groups keep --distributed-timeout-minutes throughout"),
+)
+
 ACCEPTED: tuple[AcceptedFlag, ...] = (
     AcceptedFlag("--use-mcore-models", 0,
                  "ptdp has one model implementation, its own; there is nothing to choose"),
     AcceptedFlag("--transformer-impl", 1,
                  "ptdp's layers are its own PyTorch modules (it never uses Transformer Engine); "
-                 "either value trains the same model", choices=("local", "transformer_engine")),
+                 "either value trains the same model",
+                 choices=("local", "transformer_engine", "inference_optimized"),
+                 refused_choices=("inference_optimized",),
+                 refusal="Megatron-LM's inference-optimized layers serve its inference engine: give "
+                 "local or transformer_engine"),
     AcceptedFlag("--overlap-grad-reduce", 0,
                  "always on in ptdp: each gradient bucket's data-parallel reduction starts as "
                  "soon as its gradients are final, during the rest of the backward"),
@@ -252,31 +328,78 @@ ACCEPTED: tuple[AcceptedFlag, ...] = (
     AcceptedFlag("--step-batch-size-schedule", 1,
                  "Megatron-LM's newest batch-size schedule is not implemented: use "
                  "--rampup-batch-size START INCREMENT SAMPLES with --train-samples", refused=True),
-) + MOE_FLAGS
+) + MOE_FLAGS + OWN_LINES + tuple(
+    AcceptedFlag(name, arity, family.explanation, refused=family.refused, listed=False)
+    for family in FAMILIES for name, arity in family.flags())
+
+# Megatron-LM's newer spellings of ptdp's settings: the same setting.
+SPELLINGS = {"--override-opt-param-scheduler": "--override-opt_param-scheduler",
+             "--use-checkpoint-opt-param-scheduler": "--use-checkpoint-opt_param-scheduler",
+             "--disable-manual-gc-eval": "--no-manual-gc-eval"}
+
+# Values of Megatron-LM's choices that ptdp's settings do not have, each
+# refused by name (ptdp.argparser.CommandParser reads `refused_values`).
+_NOT_YET = "not yet in ptdp: give --position-embedding-type rope or learned_absolute"
+REFUSED_VALUES: dict[str, dict[str, str]] = {
+    "--position-embedding-type": {
+        "yarn": YARN.explanation,
+        "mrope": f"the multimodal rotary embedding (Qwen2-VL's) is {_NOT_YET}",
+        "relative": f"T5's relative position buckets are {_NOT_YET}",
+        "none": f"a model without position information (NoPE) is {_NOT_YET}"},
+    "--tokenizer-type": {
+        **dict.fromkeys(("BertWordPieceLowerCase", "BertWordPieceCase"),
+                        "BERT's WordPiece tokenizers are not in ptdp: give HuggingFaceTokenizer with "
+                        "the tokenizer's directory (--tokenizer-model)"),
+        "GPTSentencePieceTokenizer": "not in ptdp: give Llama2Tokenizer (the model's bos and eos) or "
+                                     "SentencePieceTokenizer (Megatron-LM's added tokens)",
+        **dict.fromkeys(("MultimodalTokenizer", "NullMultimodalTokenizer", "SFTTokenizer"),
+                        "Megatron-LM's multimodal and SFT tokenizers are not in ptdp: give "
+                        "HuggingFaceTokenizer or NullTokenizer")},
+}
 
 
 def add_accepted_flags(parser: argparse.ArgumentParser) -> None:
-    """The flags above, in a help group of their own."""
+    """The flags above, in a help group of their own; after the settings'
+    flags, whose Megatron-LM spellings and refused values it adds. A flag
+    that has become a setting of ptdp is the setting (tests/test_megatron_flags.py
+    asks for it to leave the table)."""
+    hidden = sum(not accepted.listed for accepted in ACCEPTED)
     group = parser.add_argument_group(
         "Megatron-LM flags accepted for compatibility",
-        "each is explained in one line when given; the refused ones say what to use instead")
+        f"each is explained in one line when given; the refused ones say what to use instead. "
+        f"{hidden} more of Megatron-LM's flags, not listed here, are accepted or refused the same "
+        f"way (docs/megatron-flags.md)")
+    taken = parser._option_string_actions
     for accepted in ACCEPTED:
+        if accepted.name in taken:
+            continue
         kind = ("refused: " if accepted.refused else "" if accepted.alias_of else "no effect: ")
         kwargs: dict[str, Any] = {"dest": accepted.dest, "default": argparse.SUPPRESS,
                                   "help": kind + accepted.explanation}
         if accepted.refused_choices:
             kwargs["help"] += (f"; {', '.join(accepted.refused_choices)} refused: "
                                f"{accepted.refusal}")
+        if not accepted.listed:
+            kwargs["help"] = argparse.SUPPRESS
         if accepted.alias_of:
             kwargs.update(action=_AliasAction, type=int, metavar="N", alias_of=accepted.alias_of)
         elif accepted.values == 0:
             kwargs["action"] = "store_true"
         else:
             kwargs["metavar"] = "VALUE"
+            if accepted.values != 1:
+                kwargs["nargs"] = accepted.values
             if accepted.choices:
                 kwargs["choices"] = accepted.choices
                 kwargs["metavar"] = "{" + ",".join(accepted.choices) + "}"
         group.add_argument(accepted.name, **kwargs)
+    for spelling, flag in SPELLINGS.items():
+        setting = taken[flag]
+        group.add_argument(spelling, dest=setting.dest, default=argparse.SUPPRESS,
+                           action="store_false" if isinstance(setting, argparse._StoreFalseAction)
+                           else "store_true", help=f"Megatron-LM's newer spelling of {flag}")
+    for flag, refused in REFUSED_VALUES.items():
+        taken[flag].refused_values = refused  # said by name, not as an invalid choice
 
 
 class _AliasAction(argparse.Action):
@@ -314,11 +437,14 @@ def given(args: argparse.Namespace) -> list[tuple[AcceptedFlag, Any]]:
 
 
 def _shown(accepted: AcceptedFlag, value: Any) -> str:
-    return accepted.name if accepted.values == 0 else f"{accepted.name} {value}"
+    if accepted.values == 0:
+        return accepted.name
+    return " ".join([accepted.name, *map(str, value if isinstance(value, list) else [value])])
 
 
 def _refused(accepted: AcceptedFlag, value: Any) -> bool:
-    return accepted.refused or value in accepted.refused_choices
+    values = value if isinstance(value, list) else [value]
+    return accepted.refused or any(v in accepted.refused_choices for v in values)
 
 
 def refusals(flags: list[tuple[AcceptedFlag, Any]]) -> list[str]:
@@ -352,6 +478,12 @@ def config_notes(config) -> list[str]:
                 shown = " ".join(value) if isinstance(value, list) else value
                 lines.append(f"ptdp: {name} {shown} has no effect: only --tokenizer-type "
                              f"TikTokenizer reads it, not the {data.tokenizer_type}")
+    train = config.train
+    if not train.load:  # Megatron-LM accepts them without --load too
+        lines += [f"ptdp: {name} has no effect without --load: no checkpoint is loaded, so "
+                  f"nothing is left out of one" for name, on in (
+                      ("--no-load-optim", train.load_optim is False),
+                      ("--no-load-rng", train.load_rng is False)) if on and not train.finetune]
     if config.model.use_flash_attn:
         lines.append(f"ptdp: --use-flash-attn has no effect: {_ATTENTION_NOTE}")
     if config.model.attention_backend != "auto":

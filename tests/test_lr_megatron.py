@@ -218,12 +218,13 @@ def test_a_resume_continues_the_schedule(stopped, tmp_path):
 def test_another_schedule_is_refused_with_megatrons_two_ways_out(stopped, tmp_path, capsys):
     save, _ = stopped
     code, _ = _train(tmp_path, "longer", "--train-iters", "12", "--load", str(save),
-                     "--lr", "2e-2", "--lr-decay-style", "cosine")
+                     "--lr", "2e-2", "--lr-decay-style", "cosine", "--lr-warmup-init", "1e-3")
     assert code == 2
     err = capsys.readouterr().err
     assert f"--load {resolve(save)} holds a learning-rate schedule other than this command " \
            "line's:" in err
     assert "--lr: checkpoint 0.01, requested 0.02" in err
+    assert "--lr-warmup-init: checkpoint 0.0, requested 0.001" in err
     assert ("decay length (--lr-decay-iters, default --train-iters): checkpoint 16 samples "
             "(8 iterations of 2), requested 24 samples (12 iterations of 2)") in err
     assert "--lr-decay-style: checkpoint linear, requested cosine" in err

@@ -2,7 +2,7 @@
 OptimizerParamScheduler.state_dict / load_state_dict.
 
 A checkpoint records the schedule it was trained with, in samples as the
-scheduler counts (peak and final rate, warm-up, decay style and length,
+scheduler counts (peak and final rate, warm-up and where it starts, decay style and length,
 WSD's annealing, --decoupled-lr's pair), and the scheduler's position
 (`num_steps`: the samples of the steps taken, those skipped for an fp16
 overflow left out), under metadata["lr_schedule"].
@@ -144,6 +144,7 @@ def _settings(iterations: bool) -> list[tuple[str, Callable, bool]]:
     return [
         ("--lr", lambda m, d: m.max_lr, False),
         ("--min-lr", lambda m, d: m.min_lr, False),
+        ("--lr-warmup-init", lambda m, d: m.init_lr, False),
         (f"warm-up (--lr-warmup-{unit} or --lr-warmup-fraction)", lambda m, d: m.warmup_steps, True),
         (f"decay length (--lr-decay-{unit}, default {length})", lambda m, d: m.decay_steps, True),
         ("--lr-decay-style", lambda m, d: m.style, False),

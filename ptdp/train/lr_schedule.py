@@ -75,7 +75,8 @@ class LRSchedule:
             warmup = train.lr_warmup_fraction * decay
         return cls(max_lr=float(train.lr), min_lr=train.min_lr, warmup_steps=warmup,
                    decay_steps=decay, style=train.lr_decay_style, wsd_decay_steps=wsd,
-                   wsd_style=train.lr_wsd_decay_style, iteration_samples=iteration_samples)
+                   wsd_style=train.lr_wsd_decay_style, init_lr=float(train.lr_warmup_init),
+                   iteration_samples=iteration_samples)
 
     @classmethod
     def decoupled_from_config(cls, train: "TrainConfig", global_batch: int) -> "LRSchedule | None":
