@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 
 import torch
 
@@ -49,6 +50,13 @@ def configure_threads(kind: str, local_world_size: int) -> None:
     threads than cores makes every rank slower on a small machine."""
     if kind == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world_size)))
+
+
+def configure_matmul(kind: str, exact_bf16_reductions: bool) -> None:
+    """--disable-bf16-reduced-precision-matmul: cuBLAS's bf16 products
+    reduce in full precision (PyTorch allows reduced precision by default)."""
+    if kind == "cuda" and exact_bf16_reductions:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
 
 
 def get_rng_state(device: torch.device) -> torch.Tensor:
@@ -106,6 +114,27 @@ def accelerator_shape(device: torch.device) -> tuple[int, int]:
     """(streaming multiprocessors, memory bytes) of a CUDA device."""
     properties = torch.cuda.get_device_properties(device)
     return properties.multi_processor_count, properties.total_memory
+
+
+def peak_memory(device: torch.device) -> tuple[int, int | None]:
+    """This process's peak memory so far, in bytes, as (peak, reserved).
+    On CUDA: the most the caching allocator held in tensors at once
+    (torch.cuda.max_memory_allocated, Megatron-LM's mem-max-allocated-bytes)
+    and the most it reserved from the driver. On CPU: the peak resident set
+    size of the process (tensors, the interpreter and its libraries, pages
+    shared with the process it was forked from), and None."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+    return peak_resident_bytes(), None
+
+
+def peak_resident_bytes() -> int:
+    """getrusage's ru_maxrss of this process in bytes: Linux and the BSDs
+    count it in KiB, macOS in bytes."""
+    import resource  # POSIX only; imported here so that importing ptdp does not need it
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024
 
 
 def release_cached_memory(device: torch.device) -> None:

@@ -303,8 +303,10 @@ def add_generate_parser(commands: argparse._SubParsersAction) -> None:
         description="Continue a prompt with a trained model, on one process or under a tensor / "
                     "pipeline layout (any layout: checkpoints reshard on load).")
     parser.add_argument("--load", required=True, metavar="DIR", help="checkpoint directory")
-    parser.add_argument("--prompt", help="text to continue (with the checkpoint's tokenizer; for a "
-                        "--mock-data model, token ids separated by spaces)")
+    parser.add_argument("--prompt", metavar="TEXT",
+                        help="text to continue, encoded with the checkpoint's tokenizer; to give "
+                             "token ids instead, use --prompt-ids (a --mock-data model, which has "
+                             "no tokenizer, also reads ids separated by spaces here)")
     parser.add_argument("--prompt-ids", metavar="IDS",
                         help="the prompt as token ids, comma-separated (e.g. 5,17,923), instead of "
                              "--prompt; for any model, also one trained with NullTokenizer")
@@ -371,6 +373,8 @@ def run_generate_command(args: argparse.Namespace) -> int:
                               output_ids=args.output_ids, echo_prompt=args.echo_prompt)
     world = layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size
     kind = _device_kind(args.device, world, layout)
+    if not args.output_ids:  # (ids are for a program: it gets them and nothing else)
+        _announce(args, prompt, settings)
     if world == 1:
         try:
             text = generate_text(request, ParallelContext.single(), devices.device_for(kind, 0))
@@ -385,6 +389,28 @@ def run_generate_command(args: argparse.Namespace) -> int:
         failure.report()  # a user error as one paragraph, the cause on the last line
         return 1
     return 0
+
+
+def _announce(args: argparse.Namespace, prompt: list[int], settings: SamplingSettings) -> None:
+    """What is generated from what, on stderr before the sample (stdout
+    carries the sample alone, for a program that reads the text)."""
+    import sys
+
+    from ptdp.plural import plural
+    from ptdp.train.checkpoint import resolve
+
+    given = (f"the ids {args.prompt_ids}" if args.prompt_ids is not None
+             else repr(args.prompt if len(args.prompt) <= 60 else args.prompt[:57] + "..."))
+    if settings.temperature == 0:
+        how = "greedily (temperature 0)"
+    else:
+        how = ", ".join([f"sampled at temperature {settings.temperature:g}"]
+                        + ([f"top-k {settings.top_k}"] if settings.top_k else [])
+                        + ([f"top-p {settings.top_p:g}"] if settings.top_p < 1 else [])
+                        + [f"seed {settings.seed}"])
+    print(f"ptdp: generating up to {plural(settings.max_new_tokens, 'token')} after {given} "
+          f"({plural(len(prompt), 'token')}) with the model of {resolve(args.load)}, {how}:",
+          file=sys.stderr, flush=True)
 
 
 def _checked_layout(args: argparse.Namespace, config: Config):

@@ -28,6 +28,8 @@ echo "ptdp demo: iterations 11-300 resumed with data parallelism only (2 process
 # 1-10 from the first phase, the change of layout marked.
 .venv/bin/python scripts/plot_loss_curve.py demo-output/loss.png \
     --phase "t=p=d=2" demo-output/metrics-3d.jsonl --phase "d=2" demo-output/metrics.jsonl
-echo "ptdp demo: a sample from demo-output/checkpoint:"
+# generate says on stderr what it continues with which model and settings,
+# then prints the sample (the prompt and its continuation) on stdout.
+echo "ptdp demo: a 200-token sample from the final checkpoint in demo-output/checkpoint"
 exec .venv/bin/ptdp generate --load demo-output/checkpoint --prompt "ROMEO:" --max-new-tokens 200 \
     --temperature 0.8 --top-k 40 --seed 1

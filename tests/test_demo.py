@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "examples" / "demo.yaml"
 # Measured (the note in README's demo paragraph): a unigram model of the
 # training tokens gives 3.24 bits/char on the held-out works, the whole demo
-# 2.35; the shortened run below (40 iterations) reaches 3.12, 60 reach 3.03.
+# 2.32; the shortened run below (40 iterations) reaches 3.12, 60 reach 3.03.
 SHORT_RUN_BITS_PER_CHAR = 3.20
 
 
@@ -54,7 +54,7 @@ def test_both_phases_of_the_demo_are_valid_and_use_what_they_say():
     assert first.train.train_iters == second.train.train_iters == 300
 
 
-def test_a_shortened_demo_learns_in_bits_per_character(tmp_path):
+def test_a_shortened_demo_learns_in_bits_per_character(tmp_path, capsys):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # (two threads on a busy machine spin)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
         env.pop(var, None)
@@ -70,3 +70,16 @@ def test_a_shortened_demo_learns_in_bits_per_character(tmp_path):
     assert last["val_bits_per_char"] < SHORT_RUN_BITS_PER_CHAR, last
     printed = re.findall(r"(\d+\.\d+) bits/char", result.stdout)
     assert printed and abs(float(printed[-1]) - last["val_bits_per_char"]) < 1e-3
+    # The demo's last step, shortened: what is generated from what comes
+    # first (stderr), then the sample alone on stdout.
+    from ptdp.cli import main
+
+    assert main(["generate", "--load", str(tmp_path / "checkpoint"), "--prompt", "ROMEO:",
+                 "--max-new-tokens", "8", "--temperature", "0.8", "--top-k", "40",
+                 "--seed", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert err.splitlines()[-1] == (
+        f"ptdp: generating up to 8 tokens after 'ROMEO:' (5 tokens) with the model of "
+        f"{tmp_path / 'checkpoint' / 'iter_0000040'}, sampled at temperature 0.8, top-k 40, "
+        f"seed 1:")
+    assert out.startswith("ROMEO:") and "ptdp" not in out

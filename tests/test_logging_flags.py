@@ -99,7 +99,7 @@ def test_interval_and_megatron_tags(tmp_path):
     assert plain["valid/perplexity"] == flags["valid/perplexity"]
 
 
-def test_a_run_writes_at_the_interval_and_the_perplexity_of_its_loss(one_rank, tmp_path):
+def test_a_run_writes_at_the_interval_and_the_perplexity_of_its_loss(one_rank, tmp_path, capsys):
     pytest.importorskip("tensorboard")
     board = tmp_path / "tb"
     config = _config(tensorboard_dir=str(board), tensorboard_log_interval=2, eval_interval=3,
@@ -121,6 +121,16 @@ def test_a_run_writes_at_the_interval_and_the_perplexity_of_its_loss(one_rank, t
                                          for i in (2, 4)]
     assert {"forward-backward-time", "iteration-time", "all-grads-sync-time",
             "throughput"} <= scalars.keys()
+    # The job's peak memory (here one rank's resident set: it imported torch),
+    # never shrinking, in the records, the log line and TensorBoard.
+    peaks = [r["peak_memory_gib"] for r in history]
+    assert peaks == sorted(peaks) and peaks[0] > 50 / 1024
+    assert {r["peak_memory_rank"] for r in history} == {0}
+    assert {r["peak_memory_measure"] for r in history} == {"resident set size"}
+    assert scalars["memory/peak_gib"] == [(i, pytest.approx(timings[i]["peak_memory_gib"]))
+                                          for i in (2, 4)]
+    assert "mem-max-allocated-bytes" not in scalars  # Megatron-LM's is CUDA's allocated bytes
+    assert f"peak memory {peaks[-1]:.3g} GiB (rank 0, resident set)" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ import dataclasses
 import io
 import math
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,8 @@ from ptdp.config import ModelConfig
 from ptdp.model.gpt import build_chunks
 from ptdp.parallel.topology import ParallelContext
 from ptdp.perf.flops import configured_flops_per_iteration, model_flops_per_iteration
+from ptdp import device as devices
+from ptdp.train import peak_memory
 from ptdp.train.report import (
     DEFAULT_PEAK_TFLOPS,
     Progress,
@@ -207,6 +210,94 @@ def test_log_line_minimal():
     assert "loss n/a" in line
 
 
+def test_log_line_carries_the_jobs_peak_memory():
+    cpu = peak_memory.job_fields((peak_memory.encode(412 * 2**20, 3, 4), -1.0), 4,
+                                 torch.device("cpu"))
+    assert cpu == {"peak_memory_gib": pytest.approx(412 / 1024), "peak_memory_rank": 3,
+                   "peak_memory_measure": "resident set size"}
+    assert format_log_line(dict(BASE, **cpu), 40).endswith(
+        " | peak memory 0.402 GiB (rank 3, resident set)")
+    cuda = peak_memory.job_fields((peak_memory.encode(12 * 2**30, 5, 8),
+                                   peak_memory.encode(14 * 2**30, 2, 8)), 8, torch.device("cuda"))
+    assert cuda["peak_reserved_memory_gib"] == 14.0 and cuda["peak_reserved_memory_rank"] == 2
+    assert format_log_line(dict(BASE, **cuda), 40).endswith(
+        " | peak memory 12 GiB (rank 5, allocated), reserved 14 GiB (rank 2)")
+
+
+def test_peak_memory_codes_take_the_largest_rank_with_its_number():
+    """The MAX all-reduce of the codes is the largest peak with its rank."""
+    world = 1000
+    peaks = [300 * 2**20, 7 * 2**40 + 5 * 1024, 64 * 2**20] + [2**30] * (world - 3)
+    codes = [peak_memory.encode(nbytes, rank, world) for rank, nbytes in enumerate(peaks)]
+    assert peak_memory.decode(max(codes), world) == (7 * 2**40 + 5 * 1024, 1)
+    assert peak_memory.decode(-1.0, world) is None
+    with pytest.raises(ValueError, match="rank 4 is not in 0..3"):
+        peak_memory.encode(1, 4, 4)
+
+
+def test_peak_resident_set_is_in_bytes_on_linux_and_macos(monkeypatch):
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    monkeypatch.setattr(sys, "platform", "linux")
+    linux = devices.peak_resident_bytes()
+    assert linux >= usage.ru_maxrss * 1024 > 50 * 2**20  # this process imported torch
+    monkeypatch.setattr(sys, "platform", "darwin")  # getrusage counts bytes there
+    assert devices.peak_resident_bytes() < linux / 1000
+
+
+def test_peak_memory_on_cuda_is_the_allocators(monkeypatch):
+    """(No GPU needed: torch's two counters stand in.)"""
+    asked = []
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated",
+                        lambda device: asked.append(device) or 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved",
+                        lambda device: asked.append(device) or 4 * 2**30)
+    gpu = torch.device("cuda", 1)
+    assert devices.peak_memory(gpu) == (3 * 2**30, 4 * 2**30) and asked == [gpu, gpu]
+    fields = peak_memory.job_fields(peak_memory.own_codes(gpu, 0, 1), 1, gpu)
+    assert fields == {"peak_memory_gib": 3.0, "peak_memory_rank": 0,
+                      "peak_memory_measure": "allocated by tensors",
+                      "peak_reserved_memory_gib": 4.0, "peak_reserved_memory_rank": 0}
+
+
+def _agreed_memory(rank: int) -> tuple[int, tuple[int, int], dict]:
+    """One rank of a job: the rank whose peak was the lower raises its peak
+    256 MiB above the other's; then (that rank, this rank's peak just before
+    and just after the all-reduce, the job's fields as the training loop
+    gets them)."""
+    from ptdp.config import TrainConfig
+    from ptdp.train.stopping import StopConditions
+
+    dist, cpu = torch.distributed, torch.device("cpu")
+    world = dist.get_world_size()
+    before = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(before, torch.tensor([float(devices.peak_resident_bytes())], dtype=torch.float64))
+    peaks = [float(t) for t in before]
+    lowest = peaks.index(min(peaks))
+    held = torch.ones(int(max(peaks) - min(peaks)) // 4 + 2**26) if rank == lowest else None
+    stopping = StopConditions(TrainConfig(exit_signal_handler=False), cpu, uses_loss_scaling=False,
+                              rank=rank, is_logger=rank == 0)
+    measured = devices.peak_resident_bytes()
+    verdict = stopping.agree({"loss": 1.0, "grad_norm": 1.0, "iteration_ms": 1.0},
+                             peak_memory.own_codes(cpu, rank, world))
+    fields = peak_memory.job_fields(verdict.memory, world, cpu)
+    del held
+    return lowest, (measured, devices.peak_resident_bytes()), fields
+
+
+def test_the_job_peak_is_the_largest_ranks(pools):
+    ranks = pools(2).run(_agreed_memory)
+    lowest, fields = ranks[0][0], ranks[0][2]
+    before = [own[0] for _, own, _ in ranks]
+    after = [own[1] for _, own, _ in ranks]
+    assert ranks[1][2] == fields  # every rank agrees
+    assert fields["peak_memory_rank"] == before.index(max(before)) == lowest
+    # (KiB, and a peak can only grow while it is measured)
+    assert max(before) - 1024 <= fields["peak_memory_gib"] * 2**30 <= max(after)
+    assert fields["peak_memory_gib"] > 0.25 + 50 / 1024  # the tensor, and torch
+
+
 # ------------------------------------------------------------------------------------------
 # Progress bar
 
@@ -322,3 +413,46 @@ def test_tensorboard_carries_megatron_lm_tag_names(tmp_path):
     assert scalars("num-zeros vs samples") == [(16 * i, 7) for i in (1, 2, 3)]
     assert scalars("lm loss validation") == [(2, 2.25)]
     assert scalars("lm loss validation vs samples") == [(32, 2.25)]
+
+
+def test_tensorboard_peak_memory_and_megatron_lm_allocated_bytes(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cuda = peak_memory.job_fields((peak_memory.encode(12 * 2**30, 5, 8),
+                                   peak_memory.encode(14 * 2**30, 2, 8)), 8, torch.device("cuda"))
+    cpu = peak_memory.job_fields((peak_memory.encode(2**30, 1, 2), -1.0), 2, torch.device("cpu"))
+    for name, fields in (("cuda", cuda), ("cpu", cpu)):
+        with TensorBoardLogger(tmp_path / name) as logger:
+            logger.log(dict(BASE, iteration=1, **fields))
+    events = {name: EventAccumulator(str(tmp_path / name)) for name in ("cuda", "cpu")}
+    for accumulator in events.values():
+        accumulator.Reload()
+
+    def scalars(name, tag):
+        return [(e.step, e.value) for e in events[name].Scalars(tag)]
+
+    assert scalars("cuda", "memory/peak_gib") == [(1, 12.0)]
+    assert scalars("cuda", "memory/peak_rank") == [(1, 5.0)]
+    assert scalars("cuda", "memory/peak_reserved_gib") == [(1, 14.0)]
+    assert scalars("cuda", "mem-max-allocated-bytes") == [(1, 12.0 * 2**30)]
+    assert scalars("cpu", "memory/peak_gib") == [(1, 1.0)]
+    # A resident set is not the allocator's bytes: no Megatron-LM tag for it.
+    assert "mem-max-allocated-bytes" not in events["cpu"].Tags()["scalars"]
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_metrics_file_that_cannot_be_written_is_named():
+    """Issue 38: a full disk under --metrics-file said "No space left on
+    device" without naming the file."""
+    from ptdp.errors import UserError
+    from ptdp.train.loop import _report
+
+    full = open("/dev/full", "w")
+    with pytest.raises(UserError) as caught:
+        _report({"iteration": 3, "loss": 1.0}, full, None, False, 10, force=False)
+    with pytest.raises(OSError):
+        full.close()  # (the loop's close: it would raise the same again)
+    assert str(caught.value) == (
+        "--metrics-file /dev/full: cannot write iteration 3's record (No space left on device); "
+        "free space there or give another --metrics-file")

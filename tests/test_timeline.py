@@ -13,7 +13,8 @@ from ptdp.parallel.pipeline.actions import Compute, Exchange
 from ptdp.parallel.pipeline.schedules import build_schedule
 from ptdp.parallel.pipeline.simulate import simulate
 from ptdp.perf.timeline import (Box, add_schedule_parser, boxes_from_simulation, colour,
-                                draw_timeline, run_schedule_command, timeline_figure)
+                                draw_timeline, run_schedule_command, separate_waits,
+                                timeline_figure)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -116,6 +117,38 @@ def test_draw_rejects_bad_boxes(tmp_path):
     with pytest.raises(ValueError, match="unknown box op"):
         draw_timeline([[("X", 0, 0, 0.0, 1.0)]], tmp_path / "x.png", v=1, title="t")
     assert not (tmp_path / "x.png").exists()
+
+
+def test_measured_exchanges_wait_for_the_peer_apart_from_communication():
+    """1F1B, p = 2, m = 1 as the trainer measures it (ms): rank 0 sends its
+    activation and waits for the gradient while rank 1 computes F and B; the
+    gradient's exchange on rank 1 starts at 12. Rank 0's exchange is waiting
+    until then, communication after; a send alone is communication."""
+    schedule = build_schedule("1f1b", 2, 1, 1)
+    assert [str(a) for a in schedule.ranks[0]] == ["F0.0", "[send a0|0 -> 1, recv g0|0 <- 1]",
+                                                   "B0.0"]
+    assert [str(a) for a in schedule.ranks[1]] == ["[recv a0|0 <- 0]", "F0.0", "B0.0",
+                                                   "[send g0|0 -> 0]"]
+    rows = [[("F", 0, 0, 0.0, 4.0), ("comm", -1, -1, 4.0, 13.0), ("B", 0, 0, 13.0, 21.0)],
+            [("comm", -1, -1, 0.0, 4.5), ("F", 0, 0, 4.5, 8.0), ("B", 0, 0, 8.0, 12.0),
+             ("comm", -1, -1, 12.0, 12.25)]]
+    assert separate_waits(rows, schedule) == [
+        [Box("F", 0, 0, 0.0, 4.0), Box("wait", -1, -1, 4.0, 12.0), Box("comm", -1, -1, 12.0, 13.0),
+         Box("B", 0, 0, 13.0, 21.0)],
+        [Box("wait", -1, -1, 0.0, 4.0), Box("comm", -1, -1, 4.0, 4.5), Box("F", 0, 0, 4.5, 8.0),
+         Box("B", 0, 0, 8.0, 12.0), Box("comm", -1, -1, 12.0, 12.25)]]
+    # A peer that posted before the exchange began (clocks a little apart):
+    # no wait; the data arrived after the box ended: all of it waiting.
+    early = [list(rows[0]), [("comm", -1, -1, 5.0, 6.0), *rows[1][1:]]]
+    assert separate_waits(early, schedule)[1][0] == Box("comm", -1, -1, 5.0, 6.0)
+    late = [[*rows[0][:1], ("comm", -1, -1, 4.0, 11.0), *rows[0][2:]], rows[1]]
+    assert separate_waits(late, schedule)[0][1:3] == [Box("wait", -1, -1, 4.0, 11.0),
+                                                     Box("B", 0, 0, 13.0, 21.0)]
+    figure = timeline_figure(separate_waits(rows, schedule), v=1, title="measured")
+    legend = [text.get_text() for text in figure.legends[0].get_texts()]
+    assert "waiting for a peer" in legend and "communication" in legend
+    with pytest.raises(ValueError, match="pipeline rank 1: 1 comm boxes for the 2 exchanges"):
+        separate_waits([rows[0], rows[1][:-1]], schedule)
 
 
 # ------------------------------------------------------------------ ptdp schedule

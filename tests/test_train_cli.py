@@ -52,6 +52,18 @@ def _assert_same_run(run, reference):
         assert got["consumed_samples"] == want["consumed_samples"]
 
 
+def _assert_job_peak_memory(run):
+    """Every record and log line carries the job's peak memory: the largest
+    rank's resident set (each rank imported torch: above 50 MiB), and which
+    rank of the job that is."""
+    records, printed, stdout = run
+    world = int(re.search(r"ptdp: (\d+) process", stdout).group(1))
+    for record in records:
+        assert record["peak_memory_gib"] > 50 / 1024 and 0 <= record["peak_memory_rank"] < world
+    lines = [line for line in stdout.splitlines() if line.startswith("iteration ")]
+    assert len(lines) == len(printed) and all(" | peak memory " in line for line in lines)
+
+
 def test_one_process_run_learns_and_writes_metrics(reference):
     records, printed, stdout = reference
     assert len(records) == 4 and len(printed) == 4
@@ -61,6 +73,7 @@ def test_one_process_run_learns_and_writes_metrics(reference):
             assert field in record
     assert records[-1]["loss"] < records[0]["loss"]
     assert "vocabulary 500 padded to 512" in stdout
+    _assert_job_peak_memory(reference)
 
 
 # Each a fresh job through the command line and the launcher: one per
@@ -78,7 +91,9 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
 def test_parallel_layouts_print_the_same_losses(tmp_path, reference, layout):
-    _assert_same_run(_ptdp(layout, tmp_path, "parallel"), reference)
+    run = _ptdp(layout, tmp_path, "parallel")
+    _assert_same_run(run, reference)
+    _assert_job_peak_memory(run)
 
 
 def test_torchrun_launch_takes_the_same_path(tmp_path, reference):

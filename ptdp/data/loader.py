@@ -25,6 +25,7 @@ import hashlib
 import multiprocessing.util
 import os
 import signal
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -278,12 +279,44 @@ def build_training_data(config: Config, *, num_samples: tuple[int, int, int], is
         data_path, data.split, num_samples, seq_length=model.seq_length, seed=seed,
         cache_dir=data.data_cache_path, is_builder=is_builder, barrier=barrier,
         mmap_bin_files=data.mmap_bin_files)
+    note = epochs_note(train, num_samples[0]) if is_builder and train is not None else None
+    if note:  # said once, by the rank that builds the indices
+        print(note, file=sys.stderr, flush=True)
     if not reads_tokens:  # middle pipeline stages: indices built, nothing to read
         train = valid = test = None
     # Built where labels are read (the first stage's copy is unused, and cheap).
     characters = character_table(tokenizer, model.vocab_size) if reads_tokens else None
     return TrainingData(train, valid, test, eod=tokenizer.eod, description=description,
                         characters=characters)
+
+
+def epochs_note(dataset, num_samples: int) -> str | None:
+    """One note when the training split will be read more than once
+    (`num_samples` samples asked of `dataset`, a GPTDataset or a blend of
+    them): how often, and in how many epochs; None when once is enough."""
+    from ptdp.data.gpt_dataset import BlendedDataset
+
+    parts = dataset.datasets if isinstance(dataset, BlendedDataset) else [dataset]
+    repeated = [part for part in parts if part.num_epochs > 1]
+    if not repeated:
+        return None
+
+    def times(part) -> str:
+        over = part.num_samples * part.seq_length / part.tokens_per_epoch
+        return f"{over:.3g} times over ({part.num_epochs} epochs, each in its own order)"
+
+    if len(parts) == 1:
+        part = parts[0]
+        what = (f"this run trains on {num_samples:,} samples of {part.seq_length} tokens, and the "
+                f"{part.split_name} split of {part.prefix} holds {part.tokens_per_epoch:,} tokens "
+                f"(about {part.tokens_per_epoch // part.seq_length:,} samples): it is read "
+                f"{times(part)}")
+    else:
+        what = ("this run reads part of its blend more than once: "
+                + "; ".join(f"the {part.split_name} split of {part.prefix} {times(part)}"
+                            for part in repeated))
+    return (f"ptdp: note: {what}. To see each token once, give more data or train for fewer "
+            f"samples (--train-iters, --train-samples)")
 
 
 def character_table(tokenizer, vocab_size: int) -> torch.Tensor | None:

@@ -4,11 +4,12 @@ A timeline is one list of boxes per pipeline rank (`list[list[Box]]`); a box
 is `(op, microbatch, chunk, start, end)` with op "F" (forward), "B"
 (backward; under a zero-bubble schedule only its input-gradient half) or "W"
 (weight-gradient half, zero-bubble schedules) of one microbatch through one
-model chunk, or "comm" / "wait"
-(drawn as thin grey hatched bars). Microbatches and chunks are 0-based in the
-boxes, as everywhere in ptdp; the picture, and `ptdp schedule`'s text with
-it, number microbatches from 1 like the paper and the trainer's measured
-timeline (see `draw_timeline(first_microbatch=...)`); chunks stay 0-based
+model chunk, or "comm" (a transfer) / "wait" (for a peer's data: the
+trainer's measured exchanges, see `separate_waits`, and `ptdp plan`'s
+predicted ones), drawn as thin grey bars, hatched and dotted. Microbatches
+and chunks are 0-based in the boxes, as everywhere in ptdp; the picture, and
+`ptdp schedule`'s text with it, number microbatches from 1 like the paper
+and the trainer's measured timeline (see `draw_timeline(first_microbatch=...)`); chunks stay 0-based
 ("chunk 0" in the legend).
 
 `boxes_from_simulation` turns a `SimulationResult` into boxes,
@@ -47,7 +48,7 @@ OTHER_OPS = ("comm", "wait")
 _SHADES = {"F": ("#1f4fa0", "#a9c9f2"), "B": ("#1c7a34", "#aee4a9"),
            "W": ("#b35806", "#fdc48a")}
 _OTHER_STYLE = {"comm": ("#8c8c8c", "////", "communication"),
-                "wait": ("#cfcfcf", "....", "waiting")}
+                "wait": ("#cfcfcf", "....", "waiting for a peer")}
 # Idle time (no box at all): a pale red, unlike any compute shade or the grey of communication.
 _IDLE_COLOUR = "#f7d4cf"
 _CHAR_WIDTH = 0.65  # a character's width over the font size, DejaVu Sans, with a margin
@@ -108,6 +109,53 @@ def boxes_from_simulation(result: SimulationResult, *, transfer_cost: float | Fr
             previous_end = interval.end
         rows.append(row)
     return rows
+
+
+def separate_waits(rows: Sequence[Sequence[Box]], schedule) -> list[list[Box]]:
+    """A measured timeline (the trainer's, `ptdp train --timeline`) with each
+    exchange's waiting for its peers apart from its communication.
+
+    The trainer records one "comm" box per exchange of a rank's actions in
+    `schedule`, from posting its transfers until its receives have arrived.
+    A receive cannot complete before the peer posts the matching send, which
+    it does as its own exchange begins (the rows' clocks are aligned by a
+    barrier before the iteration): until the latest such start among the
+    exchange's receives the rank waits for a peer still computing, the
+    pipeline's dependency and not the network's cost. Each box becomes a
+    "wait" box up to that point and a "comm" box for the rest (the transfer
+    itself). The wait is a lower bound (a peer posts its send a little after
+    its exchange begins); an exchange of sends alone stays "comm"."""
+    exchanges = [[a for a in schedule.ranks[rank] if isinstance(a, Exchange)]
+                 for rank in range(len(rows))]
+    for rank, row in enumerate(rows):
+        recorded = sum(1 for box in row if box[0] == "comm")
+        if recorded != len(exchanges[rank]):
+            raise ValueError(f"pipeline rank {rank}: {recorded} comm boxes for the "
+                             f"{len(exchanges[rank])} exchanges of its schedule")
+    posted: dict[tuple[int, tuple], float] = {}  # (sending rank, transfer) -> exchange start
+    for rank, row in enumerate(rows):
+        comm = (Box(*box) for box in row if box[0] == "comm")
+        for exchange, box in zip(exchanges[rank], comm):
+            for transfer in exchange.transfers:
+                if transfer.op == "send":
+                    posted[(rank, transfer.tag)] = box.start
+    separated: list[list[Box]] = []
+    for rank, row in enumerate(rows):
+        own = iter(exchanges[rank])
+        boxes: list[Box] = []
+        for box in (Box(*b) for b in row):
+            if box.op != "comm":
+                boxes.append(box)
+                continue
+            sent = [posted[key] for key in ((t.peer, t.tag) for t in next(own).transfers
+                                            if t.op == "recv") if key in posted]
+            ready = min(max([box.start, *sent]), box.end)
+            if ready > box.start:
+                boxes.append(Box("wait", -1, -1, box.start, ready))
+            if box.end > ready or ready == box.start:
+                boxes.append(Box("comm", -1, -1, ready, box.end))
+        separated.append(boxes)
+    return separated
 
 
 def format_fraction(x: Fraction | float) -> str:

@@ -64,7 +64,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from ptdp import device as devices
-from ptdp.config import ModelConfig
+from ptdp.train.peak_memory import GIB, MEASURES, log_text as memory_log_text
 
 # ------------------------------------------------------------------------------------------
 # Peak throughput
@@ -144,8 +144,9 @@ def format_log_line(record: dict[str, Any], train_iters: int) -> str:
     """One line per logged iteration. Uses the record's keys (see
     Trainer.step) and, when present: `val_loss` / `val_perplexity` /
     `val_bits_per_char` (the last evaluation), `skipped_iterations`
-    (cumulative count of skipped steps), `tflops_per_device` and
-    `peak_fraction`."""
+    (cumulative count of skipped steps), `tflops_per_device`,
+    `peak_fraction` and the job's peak memory (`peak_memory_gib`, ...:
+    ptdp.train.peak_memory)."""
     def number(key: str, fmt: str) -> str:
         value = record.get(key)
         return "n/a" if value is None else format(value, fmt)
@@ -188,6 +189,9 @@ def format_log_line(record: dict[str, Any], train_iters: int) -> str:
         if record.get("peak_fraction") is not None:
             text += f" ({100 * record['peak_fraction']:.1f}% of peak)"
         parts.append(text)
+    memory = memory_log_text(record)
+    if memory is not None:
+        parts.append(memory)
     return " | ".join(parts)
 
 
@@ -309,6 +313,12 @@ TENSORBOARD_TAGS: dict[str, str] = {
     "moe_busiest_expert_share": "moe/busiest_expert_share",
     "moe_idlest_expert_share": "moe/idlest_expert_share",
     "moe_dropped_fraction": "moe/dropped_fraction",
+    # The job's peak memory so far: the largest rank's (resident set on CPU,
+    # allocated by tensors on CUDA), which rank that is, and on CUDA the
+    # largest reserved by the caching allocator.
+    "peak_memory_gib": "memory/peak_gib",
+    "peak_memory_rank": "memory/peak_rank",
+    "peak_reserved_memory_gib": "memory/peak_reserved_gib",
 }
 # The balancing losses on the log line, as Megatron-LM names them there.
 BALANCING_KEYS = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss",
@@ -350,6 +360,8 @@ MEGATRON_VALIDATION_TAGS: dict[str, str] = {"val_loss": "lm loss validation"}
 VALIDATION_PPL_TAG = "lm loss validation ppl"
 # --log-throughput: Megatron-LM's tag, model TFLOP/s per device.
 THROUGHPUT_TAG = "throughput"
+# Megatron-LM's tag (--log-memory-to-tensorboard) for the peak bytes allocated by tensors (CUDA).
+MEGATRON_MAX_ALLOCATED_TAG = "mem-max-allocated-bytes"
 
 
 def _finite(value: Any) -> float | None:
@@ -442,6 +454,12 @@ class TensorBoardLogger:
         throughput = _finite(record.get("tflops_per_device"))
         if self.throughput and throughput is not None:
             self.writer.add_scalar(THROUGHPUT_TAG, throughput, step)
+        # Megatron-LM's --log-memory-to-tensorboard tag for the same quantity
+        # on CUDA (its logging rank's; here the largest rank's): no resident
+        # set on CPU passes for allocated bytes.
+        allocated = _finite(record.get("peak_memory_gib"))
+        if allocated is not None and record.get("peak_memory_measure") == MEASURES["cuda"]:
+            self.writer.add_scalar(MEGATRON_MAX_ALLOCATED_TAG, allocated * GIB, step)
 
     def flush(self) -> None:
         self.writer.flush()
