@@ -11,18 +11,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from ptdp.argparser import CommandParser
+from ptdp.argparser import CommandParser, problems_text
 from ptdp.megatron_flags import add_accepted_flags, config_notes, given, notes, refusals
 from ptdp.plural import plural
 from ptdp.config import SECTION_TYPES, Config, ConfigError, flag_fields, validate
+from ptdp.config.files import field_type, file_settings, load_config_file
 from ptdp.data.preprocess import add_preprocess_parser, run_preprocess
 from ptdp.data.tokenizer import TokenizerError, add_tokenizer_parser, run_tokenizer_command
 # Every command's flags are built at each start, so the modules named here
@@ -34,15 +35,9 @@ from ptdp.perf.calibrate import add_calibrate_parser, run_calibrate_command
 from ptdp.perf.plan import add_plan_parser, run_plan_command
 from ptdp.perf.timeline import add_schedule_parser, run_schedule_command
 
-_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 # How long a rank that leaves a shared configuration error to another rank
 # waits before exiting (see main).
 QUIET_RANK_WAIT_SECONDS = 10.0
-
-
-def _field_type(annotation: str) -> type:
-    kind = annotation.split("|")[0].strip()
-    return list if kind.startswith("list[") else _TYPES[kind]
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -51,7 +46,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
         meta = f.metadata
         names = [meta["flag"]] + ([meta["short"]] if "short" in meta else [])
         kwargs: dict[str, Any] = {"dest": f"{section}.{f.name}", "default": argparse.SUPPRESS}
-        kind = _field_type(f.type)
+        kind = field_type(f.type)
         if kind is bool:
             kwargs["action"] = "store_false" if meta.get("negate") else "store_true"
             kwargs["help"] = meta["help"]
@@ -73,158 +68,10 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
                                          default=argparse.SUPPRESS, help=f"turn {meta['flag']} off")
 
 
-def _load_file(path: str) -> dict[str, Any]:
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError([f"--config {path}: no such file"])
-    suffix = file.suffix.lower()
-    if suffix not in (".toml", ".yaml", ".yml"):
-        raise ConfigError([f"--config {path}: use a .yaml, .yml or .toml file"])
-    text = _read_config_text(file, path)
-    try:
-        data = _parse_toml(text) if suffix == ".toml" else _parse_yaml(text)
-    except _DuplicateKey as duplicate:
-        raise ConfigError([f"--config {path}: {duplicate}"]) from None
-    except Exception as error:  # parser errors carry line and column
-        message = str(error)
-        if suffix == ".toml" and ("overwrite a value" in message or "twice" in message):
-            message += ": a key or table is given twice; keep one"  # tomllib's words for it
-        raise ConfigError([f"--config {path}: cannot parse: {message}"]) from None
-    if not isinstance(data, dict):
-        raise ConfigError([f"--config {path}: expected a mapping of settings at the top level"])
-    return data
-
-
-def _read_config_text(file: Path, path: str) -> str:
-    """The file's text; a ConfigError that points at the first byte that is
-    not UTF-8 (a file saved in Latin-1 or UTF-16, say)."""
-    try:
-        data = file.read_bytes()
-    except OSError as error:
-        raise ConfigError([f"--config {path}: cannot read it ({error.strerror or error})"]) from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        line = data.count(b"\n", 0, error.start) + 1
-        raise ConfigError([f"--config {path}: not UTF-8 text (byte 0x{data[error.start]:02x} at "
-                           f"offset {error.start}, line {line}); save the file as UTF-8"]) from None
-    return text.removeprefix("\ufeff")  # a byte-order mark some editors write
-
-
-def _parse_toml(text: str) -> Any:
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        import tomli as tomllib  # type: ignore[no-redef]
-    return tomllib.loads(text)  # refuses a repeated key itself
-
-
-class _DuplicateKey(ValueError):
-    """A YAML mapping that sets one key twice."""
-
-
-def _parse_yaml(text: str) -> Any:
-    """safe_load, except that a key repeated in one mapping is an error:
-    PyYAML silently keeps the last value, so the first would be ignored."""
-    import yaml
-
-    class UniqueKeyLoader(yaml.SafeLoader):
-        def construct_mapping(self, node, deep=False):
-            if isinstance(node, yaml.MappingNode):
-                first_line: dict[Any, int] = {}
-                for key_node, _ in node.value:
-                    if key_node.tag == "tag:yaml.org,2002:merge":  # `<<:` merges are overridable
-                        continue
-                    key = self.construct_object(key_node, deep=True)
-                    line = key_node.start_mark.line + 1
-                    try:
-                        earlier = first_line.setdefault(key, line)
-                    except TypeError:  # an unhashable key: the base class reports it
-                        continue
-                    if earlier != line:
-                        raise _DuplicateKey(f"{key!r} is set twice (lines {earlier} and {line}); "
-                                            f"keep one")
-            return super().construct_mapping(node, deep=deep)
-
-    return yaml.load(text, Loader=UniqueKeyLoader) or {}
-
-
-def _file_settings(data: dict[str, Any], path: str) -> dict[str, Any]:
-    """Map a parsed config file to {"section.field": value}, checking names and types."""
-    by_key: dict[str, tuple[str, Any]] = {}
-    for section, f in flag_fields():
-        for key in (f.name, f.metadata["flag"].lstrip("-").replace("-", "_"),
-                    f.metadata.get("off_flag", "").lstrip("-").replace("-", "_")):
-            if key:
-                by_key[key] = (section, f)
-    flat: list[tuple[str, Any, str]] = []  # (key, value, the key as the file spells it)
-    for key, value in data.items():
-        if key in SECTION_TYPES and isinstance(value, dict):
-            flat.extend((inner, item, f"{key}.{inner}") for inner, item in value.items())
-        else:
-            flat.append((key, value, str(key)))
-    settings: dict[str, Any] = {}
-    set_by: dict[str, str] = {}  # "section.field" -> the key that set it
-    problems = []
-    for key, value, spelled in flat:
-        normal = str(key).lstrip("-").replace("-", "_")
-        if normal not in by_key:
-            close = difflib.get_close_matches(normal, list(by_key), n=3)
-            if "-" in str(key):
-                close = [c.replace("_", "-") for c in close]
-            problems.append(f"--config {path}: unknown setting {key!r}"
-                            + (f"; did you mean {', '.join(close)}?" if close else ""))
-            continue
-        section, f = by_key[normal]
-        target = f"{section}.{f.name}"
-        if target in set_by:  # e.g. hidden-size and hidden_size, or flat and under model:
-            problems.append(f"--config {path}: {set_by[target]} and {spelled} both set "
-                            f"{f.metadata['flag']}; keep one")
-            continue
-        set_by[target] = spelled
-        kind = _field_type(f.type)
-        inverted = (normal != f.name and f.metadata.get("negate")) or (
-            normal == f.metadata.get("off_flag", "").lstrip("-").replace("-", "_"))
-        if inverted:  # a "no-..." flag name: invert
-            value = not value if isinstance(value, bool) else value
-        if kind is float and isinstance(value, str):
-            # YAML 1.1 reads exponent notation without a dot (1e-3) as text.
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        if kind is list and isinstance(value, str):  # "0.7 A 0.3 B" as one string
-            value = value.split()
-        if kind is list and isinstance(value, list) and f.type.startswith("list[int]"):
-            value = [int(item) if isinstance(item, str) and item.strip().isdigit() else item
-                     for item in value]  # "16 8 300000" as one string; validate checks the rest
-        elif kind is list and isinstance(value, list):
-            value = [str(item) for item in value]  # YAML reads weights as numbers
-        optional = "None" in f.type
-        ok = (value is None and optional) or (
-            isinstance(value, list) if kind is list else
-            isinstance(value, bool) if kind is bool else
-            (isinstance(value, (int, float)) and not isinstance(value, bool)) if kind is float else
-            (isinstance(value, int) and not isinstance(value, bool)) if kind is int else
-            isinstance(value, str))
-        # A union of types ("str | int | list[int]", --moe-layer-freq): a value of any of them.
-        ok = ok or type(value).__name__ in [part.strip().split("[")[0] for part in f.type.split("|")]
-        if not ok:
-            problems.append(f"--config {path}: {key} = {value!r} should be of type {kind.__name__}")
-            continue
-        if "choices" in f.metadata and value not in f.metadata["choices"]:
-            problems.append(f"--config {path}: {key} = {value!r} is not one of {f.metadata['choices']}")
-            continue
-        settings[f"{section}.{f.name}"] = float(value) if kind is float and value is not None else value
-    if problems:
-        raise ConfigError(problems)
-    return settings
-
-
 def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """{"section.field": value} of every setting the user gave, in the
     config file or as a flag (flags win); defaults are not included."""
-    settings = _file_settings(_load_file(args.config), args.config) if args.config else {}
+    settings = file_settings(load_config_file(args.config), args.config) if args.config else {}
     settings.update({k: v for k, v in vars(args).items() if "." in k})
     return settings
 
@@ -270,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", metavar="FILE", help="YAML or TOML file of settings; flags override it")
     _add_config_flags(train)
     add_accepted_flags(train)
+    train.collects = True  # every problem of a training command line in one report
     add_schedule_parser(commands)
     add_tokenizer_parser(commands)
     add_generate_parser(commands)
@@ -522,17 +370,21 @@ def _mock_data_notes(config: Config, explicit: Sequence[str]) -> list[str]:
     return [note]
 
 
-def run_train(config: Config, explicit: Sequence[str] = (), accepted: Sequence = ()) -> int:
+def run_train(config: Config, explicit: Sequence[str] = (), accepted: Sequence = (),
+              before_launch=lambda: None) -> int:
     """`explicit`: the settings the user gave ("section.field"); a vocabulary
     size not among them is taken from the tokenizer, and without tokenizer
     settings among them, --load's checkpoint's tokenizer (if it carries one)
     is the run's. `accepted`: the Megatron-LM flags given that ptdp accepts
-    without a setting (ptdp.megatron_flags), with their values."""
+    without a setting (ptdp.megatron_flags), with their values.
+    `before_launch()` is called once the checks pass, before any rank or
+    the training loop starts."""
     from ptdp.data.loader import check_datasets
     from ptdp.train.checkpoint_data import resolve_data
     from ptdp.device import resolve_kind
     from ptdp.distributed import LOOPBACK, DistEnv, detect_env
     from ptdp.launch import CPU_RANK_MODULES, LocalJobFailed, launch_local
+    from ptdp.perf.local_processes import local_process_problems
     from ptdp.train.checkpoint import nothing_to_train
     from ptdp.train.checkpoint_args import changed_settings_note, with_checkpoint_shape
     from ptdp.config.moe import megatron_reading_notes
@@ -551,7 +403,8 @@ def run_train(config: Config, explicit: Sequence[str] = (), accepted: Sequence =
         raise ConfigError(refused + error.problems) from None
     problems = (refused + check_datasets(config) + _checkpoint_problems(config)
                 + _reporting_problems(config) + _output_path_problems(config)
-                + _memory_problems(config, env))  # after validate: the layout's arithmetic holds
+                + _memory_problems(config, env)  # after validate: the layout's arithmetic holds
+                + local_process_problems(config.parallel, env))
     if problems:
         raise ConfigError(problems)
     if env is None or env.rank == 0:
@@ -566,6 +419,7 @@ def run_train(config: Config, explicit: Sequence[str] = (), accepted: Sequence =
         if env is None or env.rank == 0:
             print(finished, flush=True)
         return 0
+    before_launch()  # the launcher's forwarding or the loop's handler takes the signals
     if env is not None:
         worker(env, config)
         return 0
@@ -596,34 +450,37 @@ def run_train(config: Config, explicit: Sequence[str] = (), accepted: Sequence =
         launch_local(world, worker, config, forward_signals=_forwarded_signals(config),
                      preload=CPU_RANK_MODULES if kind == "cpu" else ())
     except LocalJobFailed as failure:
-        others = world - 1
-        print(f"ptdp: stopped the {others} other rank{'s' if others > 1 else ''}", file=sys.stderr)
+        if not failure.stopped:  # (a stop request ended every rank: no others to stop)
+            others = world - 1
+            print(f"ptdp: stopped the {others} other rank{'s' if others > 1 else ''}",
+                  file=sys.stderr)
         failure.report()  # the cause on the last line
         return 1
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from ptdp.errors import (RankFailure, print_user_error, prints_shared_errors, process_rank,
-                             report_to_torchrun, set_process_rank)
+    from ptdp.errors import (RankFailure, print_user_error, process_rank, report_to_torchrun,
+                             set_process_rank)
 
     parent = os.getppid()  # first: under torchrun, its agent (launch.follow_torchrun_agent)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, problems, command = parser.parse_collecting(argv)
+    if problems:
+        if args.command != "train":
+            command.error(problems_text(problems))
+        # With the settings' own problems, in one report, said once per job.
+        _say_shared_error(f"{command.prog}: error: "
+                          f"{problems_text(problems + _settings_problems(args))}")
+        raise SystemExit(2)
     set_process_rank(None)  # set when this process joins a job as one of its ranks
     try:
         if args.command == "train":
-            from ptdp.launch import follow_torchrun_agent
-            from ptdp.train.stopping import STOP_REQUESTS
-
-            if not follow_torchrun_agent(parent):
-                print(f"ptdp: error: torchrun's agent (process {parent}) ended before this "
-                      f"worker could start, so it stops", file=sys.stderr)
-                return 1
-            settings = settings_from_args(args)
-            config = config_from_settings(settings)
-            STOP_REQUESTS.new_run(config.train.save)  # what a Ctrl-C names
-            return run_train(config, explicit=list(settings), accepted=given(args))
+            previous = _say_signals_before_launch()
+            try:
+                return _train(args, parent, before_launch=lambda: _restore_signals(previous))
+            finally:
+                _restore_signals(previous)
         if args.command == "schedule":
             return run_schedule_command(args)
         if args.command == "tokenizer":
@@ -642,6 +499,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_plan_command(args)
         if args.command == "calibrate":
             return run_calibrate_command(args)
+    except _SignalBeforeLaunch as stop:
+        stopping = sys.modules.get("ptdp.train.stopping")
+        print(f"ptdp: {signal.Signals(stop.signum).name} came while ptdp train was checking its "
+              f"settings, before any rank started: nothing was started or saved"
+              + (stopping.STOP_REQUESTS.newest_checkpoint() if stopping else ""),
+              file=sys.stderr, flush=True)
+        return 128 + stop.signum
     except KeyboardInterrupt:
         stopping = sys.modules.get("ptdp.train.stopping")  # imported by `train` only
         # After a graceful stop's request: what it saved, if anything.
@@ -662,20 +526,110 @@ def main(argv: Sequence[str] | None = None) -> int:
             report_to_torchrun(f"ptdp: error: rank {rank}: {failure.message}")
             return 1
         if isinstance(error, (ConfigError, TokenizerError)):  # found before launching
-            # Each rank of a torchrun or SLURM job finds it: one per node says it.
-            speaks = prints_shared_errors()
-            if speaks:
-                print(f"ptdp: error: {error}", file=sys.stderr)
-            report_to_torchrun(f"ptdp: error: {error}", echo=not speaks)
-            if not speaks:
-                # torchrun stops every worker when the first one exits: a
-                # quiet rank that ended first would stop the one that says
-                # why before it printed. It waits; the speaker's exit ends it.
-                time.sleep(QUIET_RANK_WAIT_SECONDS)
+            _say_shared_error(f"ptdp: error: {error}")
             return 2
         raise
     parser.error(f"unknown command {args.command}")
     return 2
+
+
+def _train(args: argparse.Namespace, parent: int, before_launch) -> int:
+    """`ptdp train` from its parsed command line."""
+    from ptdp.launch import follow_torchrun_agent
+    from ptdp.train.stopping import STOP_REQUESTS
+
+    if not follow_torchrun_agent(parent):
+        print(f"ptdp: error: torchrun's agent (process {parent}) ended before this "
+              f"worker could start, so it stops", file=sys.stderr)
+        return 1
+    settings = settings_from_args(args)
+    config = config_from_settings(settings)
+    STOP_REQUESTS.new_run(config.train.save)  # what a Ctrl-C names
+    return run_train(config, explicit=list(settings), accepted=given(args),
+                     before_launch=before_launch)
+
+
+class _SignalBeforeLaunch(BaseException):
+    """A graceful-exit signal while `ptdp train` checks its settings, before
+    any rank (or the training loop's own handler) exists: the job ends, with
+    its paragraph. BaseException: the checks' `except Exception` let it by."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_signal(signum: int, frame) -> None:
+    raise _SignalBeforeLaunch(signum)
+
+
+def _say_signals_before_launch() -> dict[int, Any]:
+    """Until the launch, a graceful-exit signal ends `ptdp train` with a
+    paragraph instead of silently (exit 128 + signal); returns the handlers
+    it replaced, for _restore_signals."""
+    from ptdp.graceful_signals import GRACEFUL_SIGNALS
+
+    numbers = [getattr(signal, name) for name in GRACEFUL_SIGNALS]
+    return {number: signal.signal(number, _raise_signal) for number in numbers}
+
+
+def _restore_signals(previous: dict[int, Any]) -> None:
+    """The handlers from before, where ours is still in place (the
+    launcher's forwarding and the loop's handler take over from them)."""
+    for number, handler in previous.items():
+        if signal.getsignal(number) is _raise_signal:
+            signal.signal(number, handler)
+
+
+def _say_shared_error(message: str) -> None:
+    """An error every rank of a torchrun or SLURM job finds alike, before
+    launching: one rank per node prints it (ptdp.errors.prints_shared_errors),
+    every rank's torchrun error file carries it."""
+    from ptdp.errors import prints_shared_errors, report_to_torchrun
+
+    speaks = prints_shared_errors()
+    if speaks:
+        print(message, file=sys.stderr, flush=True)
+    report_to_torchrun(message, echo=not speaks)
+    if not speaks:
+        # torchrun stops every worker when the first one exits: a quiet rank
+        # that ended first would stop the one that says why before it
+        # printed. It waits; the speaker's exit ends it.
+        time.sleep(QUIET_RANK_WAIT_SECONDS)
+
+
+def _settings_problems(args: argparse.Namespace) -> list[str]:
+    """The refused Megatron-LM flags and invalid settings of a training
+    command line that has problems of its own, reported with them (one
+    round). Only the checks that read no file but --config and import no
+    torch (the rest come once the command line is right)."""
+    try:
+        config = config_from_args(args)
+    except ConfigError as error:
+        return error.problems
+    problems = refusals(given(args))
+    config, _ = _as_megatron_does(config)
+    if config.train.use_checkpoint_args:  # the model's shape is the checkpoint's, not read here
+        return problems
+    try:
+        validate(config, world_size=_job_world_size())
+    except ConfigError as error:
+        problems += error.problems
+    return problems
+
+
+def _job_world_size() -> int | None:
+    """The job's process count under torchrun or SLURM, from the variables
+    ptdp.distributed.detect_env reads (None for a local launch, or where they
+    do not say)."""
+    environ = os.environ
+    name = ("WORLD_SIZE" if "RANK" in environ and "WORLD_SIZE" in environ else
+            "SLURM_NTASKS" if "SLURM_PROCID" in environ else None)
+    try:
+        world = int(environ[name]) if name else None
+    except ValueError:  # said where the job is joined
+        return None
+    return world if world is None or name == "WORLD_SIZE" or world > 1 else None
 
 
 if __name__ == "__main__":

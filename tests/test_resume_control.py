@@ -130,12 +130,13 @@ def test_finetune_into_the_loaded_directory_is_refused(tmp_path):
 
 def test_each_needs_load():
     for flags, name in (({"finetune": True}, "--finetune"),
-                        ({"load_optim": False}, "--no-load-optim"),
-                        ({"load_rng": False}, "--no-load-rng"),
                         ({"use_checkpoint_args": True}, "--use-checkpoint-args")):
         with pytest.raises(ConfigError, match=f"{name} needs --load DIR") as caught:
             validate(_config(**flags))
         assert len(caught.value.problems) == 1
+    # what leaves something out of a checkpoint has nothing to leave out of
+    # none: a note, as Megatron-LM accepts them (tests/test_megatron_flags.py)
+    validate(_config(load_optim=False, load_rng=False))
     # with --finetune the other two are implied, and fine to give
     validate(_config(finetune=True, load_optim=False, load_rng=False, load="somewhere"))
 

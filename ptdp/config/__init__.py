@@ -12,8 +12,9 @@ valid alternative, and all problems are reported together.
 The package, from the bottom: base.py (the flag field, ConfigError and the
 checks' helpers), model.py (with moe.py, its mixture-of-experts settings),
 parallel.py (with layer_split.py), train.py (with signals.py) and data.py (each section's fields and its own checks),
-sections.py (the whole Config and the flags across sections) and checks.py
-(`validate`, composing the sections' checks and the ones across sections).
+sections.py (the whole Config and the flags across sections), checks.py
+(`validate`, composing the sections' checks and the ones across sections)
+and files.py (a --config file's settings, read and coerced once).
 It imports nothing of ptdp above it, and never torch.
 """
 

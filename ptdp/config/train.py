@@ -39,6 +39,9 @@ class TrainConfig:
     lr_warmup_fraction: float | None = flag(
         None, "--lr-warmup-fraction",
         "warm up over this fraction of the decay length instead of --lr-warmup-iters/-samples")
+    lr_warmup_init: float = flag(
+        0.0, "--lr-warmup-init", "the learning rate the linear warm-up starts from (Megatron-LM's "
+        "OptimizerParamScheduler init_lr)")
     lr_decay_iters: int | None = flag(None, "--lr-decay-iters",
                                       "iteration at which the decay reaches --min-lr (default "
                                       "--train-iters)")
@@ -131,6 +134,11 @@ class TrainConfig:
         "tags (iteration-time, forward-backward-time, forward-compute-time, backward-compute-time, "
         "all-grads-sync-time, optimizer-time, and ptdp's pipeline-transfer-time); ptdp's time/*_ms "
         "are always written")
+    disable_bf16_reduced_precision_matmul: bool = flag(
+        False, "--disable-bf16-reduced-precision-matmul",
+        "on CUDA, bf16 matrix products accumulate without reduced-precision reductions "
+        "(cuBLAS's allow_bf16_reduced_precision_reduction off), as Megatron-LM's flag does; "
+        "nothing changes on a CPU")
     manual_gc: bool = flag(
         False, "--manual-gc",
         "turn Python's automatic garbage collection off and collect at fixed points instead "
@@ -213,6 +221,13 @@ class TrainConfig:
                                   "keep only the newest N checkpoints of this run's lineage (the "
                                   "checkpoints it was resumed from and wrote); others are moved "
                                   "to SAVE/abandoned/, never deleted")
+    async_save: bool = flag(
+        False, "--async-save",
+        "with --save: write checkpoints in the background (Megatron-LM's flag, here for ptdp's own "
+        "format): at a save each rank copies its share to host memory and training goes on while "
+        "a thread writes it; the checkpoint is published (sealed, renamed into place, `latest` "
+        "moved) only once every rank's part is complete. One save in flight at a time; a stop "
+        "and the end of training wait for it")
     eval_interval: int = flag(0, "--eval-interval",
                               "evaluate on the validation set every N iterations and after the "
                               "last (0: never)")
@@ -286,6 +301,9 @@ def precision_and_lr_problems(tr: TrainConfig) -> list[str]:
     problems = []
     if tr.bf16 and tr.fp16:
         problems.append("--bf16 and --fp16 exclude each other: choose one")
+    if finite_or_none(tr.lr_warmup_init) and tr.lr_warmup_init < 0:
+        problems.append(f"--lr-warmup-init={tr.lr_warmup_init} must be >= 0 (the learning rate the "
+                        f"warm-up starts from)")
     if finite_or_none(tr.loss_scale) and tr.loss_scale is not None and tr.loss_scale <= 0:
         problems.append(f"--loss-scale={tr.loss_scale} must be > 0")
     if finite_or_none(tr.min_loss_scale, tr.initial_loss_scale) and (
@@ -390,7 +408,8 @@ def optimizer_problems(tr: TrainConfig) -> list[str]:
 
 
 def stopping_problems(tr: TrainConfig) -> list[str]:
-    """--exit-interval, --exit-duration-in-mins, --max-consecutive-skipped-iterations, --exit-signal."""
+    """--exit-interval, --exit-duration-in-mins, --max-consecutive-skipped-iterations,
+    --exit-signal, and --async-save (whose save every stop waits for)."""
     problems = []
     interval = tr.exit_interval
     if interval is not None and (not isinstance(interval, int) or isinstance(interval, bool)
@@ -408,14 +427,22 @@ def stopping_problems(tr: TrainConfig) -> list[str]:
     signal_problem = exit_signal_problem(tr.exit_signal)
     if signal_problem:
         problems.append(signal_problem)
+    if tr.async_save and not tr.save:  # (checked with the stops, which wait for its save)
+        problems.append("--async-save writes checkpoints in the background, but no --save DIR is "
+                        "given to write them to: add --save DIR or drop --async-save")
     return problems
+
+
+# What --load's checkpoint leaves out: with nothing loaded there is nothing to
+# leave out, which ptdp.megatron_flags.config_notes says.
+LEAVE_OUT_FLAGS = ("--no-load-optim", "--no-load-rng")
 
 
 def resume_control_problems(tr: TrainConfig) -> list[str]:
     """--finetune, --no-load-optim, --no-load-rng, --use-checkpoint-args and
     the two schedule flags: each says what to take from --load's checkpoint,
-    so each needs --load (with --finetune, the other two are implied and fine
-    to give). A fine-tune is a new run from iteration 0: its --save must not
+    so each needs --load but the two that leave something out of it (with
+    --finetune, those two are implied and fine to give). A fine-tune is a new run from iteration 0: its --save must not
     be the directory of the checkpoint it loads, whose iter_* names and
     `latest` it would take over (the loaded run's checkpoints would be moved
     to SAVE/abandoned/). The schedule flags choose between the checkpoint's
@@ -433,9 +460,9 @@ def resume_control_problems(tr: TrainConfig) -> list[str]:
              "the checkpoint whose learning-rate schedule to replace"),
             (keep, "--use-checkpoint-opt_param-scheduler",
              "the checkpoint whose learning-rate schedule to continue")]
-    if not tr.load:
+    if not tr.load:  # (--no-load-optim/-rng without it: a note, as Megatron-LM accepts them)
         return [f"{name} needs --load DIR ({what}): add --load or drop {name}"
-                for given, name, what in uses if given]
+                for given, name, what in uses if given and name not in LEAVE_OUT_FLAGS]
     if override and keep:
         return ["--override-opt_param-scheduler (this command line's learning-rate schedule) and "
                 "--use-checkpoint-opt_param-scheduler (the checkpoint's) exclude each other: keep one"]

@@ -22,7 +22,7 @@ from ptdp.data.batches import ConsumedSamples, GlobalBatches
 from ptdp.data.loader import TrainingBatches, TrainingData, build_training_data, split_microbatch
 from ptdp.data.sampler import microbatch_indices, training_microbatches
 from ptdp.distributed import DistEnv, init_process_group
-from ptdp.errors import DivergenceError
+from ptdp.errors import DivergenceError, UserError
 from ptdp.megatron_flags import attention_kernel, reports_attention_kernel
 from ptdp.model.gpt import build_chunks
 from ptdp.parallel.context_attention import KERNEL_OPS, block_kernel
@@ -34,8 +34,9 @@ from ptdp.parallel.sharding import COPY_ATTR, logical_shape
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.perf.analytic import active_parameter_count, parameter_count
 from ptdp.perf.flops import configured_flops_per_iteration
-from ptdp.train.checkpoint import (load_checkpoint, load_summary, read_metadata, resolve,
-                                   save_checkpoint)
+from ptdp.train.async_save import RunSaves
+from ptdp.train.checkpoint import load_checkpoint, load_summary, read_metadata, resolve
+from ptdp.train.checkpoint_save import save_checkpoint
 from ptdp.train.evaluate import evaluate
 from ptdp.train.housekeeping import Housekeeping
 from ptdp.train.loss_range import LossRange
@@ -43,6 +44,7 @@ from ptdp.train.moe_metrics import balancing_metrics, moe_layers, set_aux_loss_s
     start_iteration as start_moe_iteration, update_expert_biases
 from ptdp.train.lr_schedule import LRSchedule
 from ptdp.train.optimizer import Optimizer, embedding_and_output_weights
+from ptdp.train.peak_memory import job_fields as memory_fields, own_codes as memory_codes
 from ptdp.train.report import (Progress, TensorBoardLogger, format_log_line, peak_tflops,
                                plot_loss_curve, throughput)
 from ptdp.train.retention import point_latest
@@ -56,6 +58,7 @@ def worker(env: DistEnv, config: Config) -> list[dict[str, Any]]:
     par = config.parallel
     kind = devices.resolve_kind(par.device, env.local_world_size)
     devices.configure_threads(kind, env.local_world_size)
+    devices.configure_matmul(kind, config.train.disable_bf16_reduced_precision_matmul)
     device = devices.device_for(kind, env.local_rank)
     timeout = timedelta(minutes=par.distributed_timeout_minutes)
     init_process_group(env, devices.backend_for(kind), timeout)
@@ -411,8 +414,10 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
     history: list[dict[str, Any]] = []
     stopping = StopConditions(tr, device, uses_loss_scaling=tr.fp16, rank=ctx.rank,
                               is_logger=is_logger)
-    # (a fine-tune's loaded checkpoint is another run's, not one of its own)
-    newest_checkpoint = str(resolve(tr.load)) if tr.load and not tr.finetune else None
+    # Synchronous or --async-save; the newest checkpoint this run can name
+    # (a fine-tune's loaded checkpoint is another run's, not one of its own).
+    saves = RunSaves(trainer, stopping, is_logger=is_logger,
+                     loaded=resolve(tr.load) if tr.load and not tr.finetune else None)
     try:
         if is_logger and tr.load:
             print(load_summary(tr, resolve(tr.load), metadata), flush=True)
@@ -433,13 +438,16 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
                 _report_placement(trainer)
             record.update(throughput(flops(iteration), record["iteration_ms"] / 1e3,
                                      ctx.grid.world_size, peak))
-            verdict = stopping.agree(record)  # the same on every rank
+            # The same on every rank; it carries the job's peak memory too (peak_memory.py).
+            verdict = stopping.agree(record, memory_codes(device, ctx.rank, ctx.grid.world_size))
+            record.update(memory_fields(verdict.memory, ctx.grid.world_size, device))
+            record.update(saves.at_boundary())  # publishes an asynchronous save written by all
             said = trainer.loss_range.observe(done, verdict.loss)
             if said and is_logger:
                 print(said, file=sys.stderr, flush=True)
             try:
                 stopping.check_divergence(record, verdict,
-                                          lambda: _go_back_to(trainer, newest_checkpoint))
+                                          lambda: _go_back_to(trainer, saves.settle()))
             except DivergenceError:
                 _report(record, metrics_out, tensorboard, is_logger, train_iters, force=True)
                 raise
@@ -465,14 +473,11 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
             stopping.longest_iteration = max(stopping.longest_iteration, time.monotonic() - began)
             if tr.save and (done == train_iters or exit_reason is not None
                             or (tr.save_interval and done % tr.save_interval == 0)):
-                saving = time.monotonic()
-                newest_checkpoint = str(trainer.save(tr.save, done))
-                stopping.longest_save = max(stopping.longest_save, time.monotonic() - saving)
-                if is_logger:
-                    print(f"ptdp: saved checkpoint {newest_checkpoint}", flush=True)
+                # The run's last save is waited for, so the last line names it published.
+                saves.save(done, last=done == train_iters or exit_reason is not None)
             if exit_reason is not None:
                 if is_logger:
-                    saved = (f"saved {newest_checkpoint}; resume with --load {tr.save}" if tr.save
+                    saved = (f"saved {saves.newest}; resume with --load {tr.save}" if tr.save
                              else "no --save given, so nothing was saved")
                     print(f"ptdp: stopped after iteration {done} of {train_iters}: {exit_reason}; "
                           f"{saved}", flush=True)
@@ -483,7 +488,10 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
         trainer.train_batches.close()  # --num-workers' processes end with the run
         progress.close()
         if metrics_out is not None:
-            metrics_out.close()
+            try:
+                metrics_out.close()
+            except OSError:  # what could not be written was reported (_report) or is lost
+                pass
         if tensorboard is not None:
             tensorboard.close()
     if is_logger and trainer.loss_range.left_at is not None:
@@ -565,8 +573,13 @@ def _report(record: dict, metrics_out: TextIO | None, tensorboard, is_logger: bo
     """One iteration's record to the metrics file, TensorBoard and (on log
     iterations, the last, evaluations and forced ones) the log line."""
     if metrics_out is not None:
-        metrics_out.write(json.dumps(record) + "\n")
-        metrics_out.flush()
+        try:
+            metrics_out.write(json.dumps(record) + "\n")
+            metrics_out.flush()
+        except OSError as error:  # a full disk, say: name the file, not just the errno
+            raise UserError(f"--metrics-file {metrics_out.name}: cannot write iteration "
+                            f"{record['iteration']}'s record ({error.strerror or error}); free "
+                            f"space there or give another --metrics-file") from None
     if tensorboard is not None:
         tensorboard.log(record)
     if is_logger and (force or record["iteration"] == train_iters or "val_loss" in record):
@@ -580,14 +593,14 @@ def _draw_measured_timeline(boxes: list, ctx: ParallelContext, schedule, path: s
     dist.all_gather_object(everyone, (ctx.coord, boxes))
     if not is_logger:
         return
-    from ptdp.perf.timeline import draw_timeline
+    from ptdp.perf.timeline import draw_timeline, separate_waits
 
     rows = [[] for _ in range(ctx.pp_size)]
     for coord, rank_boxes in everyone:
         if coord.tp == 0 and coord.dp == 0:
             rows[coord.pp] = [(op, mb, chunk, start * 1e3, end * 1e3)
                               for op, mb, chunk, start, end in rank_boxes]
-    draw_timeline(rows, path, v=schedule.v, time_unit="ms",
+    draw_timeline(separate_waits(rows, schedule), path, v=schedule.v, time_unit="ms",
                   title=f"measured {schedule.kind} timeline, p={schedule.p}, m={schedule.m}"
                         + (f", v={schedule.v}" if schedule.v > 1 else ""))
     print(f"ptdp: wrote the timeline of the last iteration to {path}", flush=True)
