@@ -323,7 +323,7 @@ class _IndexCache:
             raise _CacheInvalid(f"cannot read {self.description_path}: {error}") from None
         try:
             description = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise _CacheInvalid(f"{self.description_path} is not valid JSON") from None
         if not isinstance(description, dict) or description.get("settings") != self.settings:
             raise _CacheInvalid(f"{self.description_path} describes other settings")

@@ -131,6 +131,9 @@ def _texts_from_line(line: bytes, keys: Sequence[str]) -> list[str]:
         record = json.loads(line)
     except ValueError as error:  # includes invalid UTF-8
         raise ValueError(f"not valid JSON ({error}); each line must be one JSON object") from None
+    except RecursionError:  # json's decoder recurses once per nesting level
+        raise ValueError("values nested too deeply for a document; each line must be one JSON "
+                         "object whose text is a string") from None
     if not isinstance(record, dict):
         raise ValueError(f"a JSON {_json_type(record)}, not an object with key {keys[0]!r}")
     texts = []

@@ -91,7 +91,7 @@ def read_tiktoken_vocabulary(path: str | Path) -> list[bytes]:
             tokens.append(token)
         if len(set(tokens)) != len(tokens):
             raise ValueError("a token's bytes appear twice")
-    except (OSError, UnicodeDecodeError, ValueError, TypeError) as error:
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, RecursionError) as error:
         raise TokenizerError(f"{where} is not Megatron-LM's tiktoken vocabulary (a JSON list of "
                              f"rank, token_bytes, token_str): {error}") from None
     return tokens

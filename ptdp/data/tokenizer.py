@@ -185,7 +185,7 @@ def _check_vocab_and_merges(vocab_file: Path, merge_file: Path) -> None:
     tokens missing from the vocabulary) and say which line is wrong."""
     try:
         vocab = json.loads(vocab_file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
         raise TokenizerError(f"--vocab-file {vocab_file} is not a JSON vocabulary "
                              f"(token -> id): {error}") from None
     if not isinstance(vocab, dict) or not all(isinstance(i, int) for i in vocab.values()):

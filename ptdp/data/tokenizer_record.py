@@ -155,7 +155,7 @@ def read_record(prefix: str | Path) -> dict[str, Any] | None:
                 raise ValueError(f"{key!r} is missing or not a {kind.__name__}")
         if not isinstance(record.get("vocabulary_sha256"), (str, type(None))):
             raise ValueError("'vocabulary_sha256' is not a string")
-    except (OSError, ValueError) as error:  # JSON and UTF-8 errors are ValueErrors
+    except (OSError, ValueError, RecursionError) as error:  # JSON and UTF-8 errors are ValueErrors
         raise TokenizerRecordError(f"--data-path {prefix}: its tokenizer record {path} cannot be "
                                    f"read ({error}); {fix}") from None
     try:

@@ -154,7 +154,8 @@ def _weight_files(directory: Path, example_class: str) -> tuple[list[Path], dict
 def _read_weight_map(index: Path) -> dict[str, str]:
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,
+            RecursionError) as e:
         raise ConversionError(f"{index} is not a valid safetensors index ({e!r}); it needs a "
                               f"\"weight_map\" from tensor names to shard files") from None
     if not isinstance(weight_map, dict) or not weight_map or not all(

@@ -402,7 +402,7 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
                                 f"(ptdp calibrate --out FILE)")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
+    except (json.JSONDecodeError, RecursionError) as error:
         raise ValueError(f"{path}: not a JSON hardware profile: {error}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object")

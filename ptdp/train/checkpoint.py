@@ -208,7 +208,7 @@ def _holds_checkpoint_metadata(directory: Path) -> bool:
     that name is not)."""
     try:
         return json.loads((directory / METADATA).read_text()).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         return False
 
 
@@ -237,7 +237,9 @@ def read_metadata(directory: Path) -> dict[str, Any]:
     """The checkpoint's metadata, verified (checkpoint_integrity.verify)."""
     try:
         metadata = json.loads((directory / METADATA).read_text())
-    except (OSError, ValueError) as error:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+    # UnicodeDecodeError and JSONDecodeError are ValueErrors; RecursionError:
+    # nested too deeply for json's decoder
+    except (OSError, ValueError, RecursionError) as error:
         raise damaged(directory, f"{METADATA} is unreadable ({error})") from None
     verify(directory, metadata)
     return metadata

@@ -153,7 +153,7 @@ def _tensor_file_version(path: Path) -> str | None:
             if not 0 < length <= min(path.stat().st_size - 8, MAX_HEADER_BYTES):
                 return None
             header = json.loads(file.read(length))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     marks = header.get("__metadata__") if isinstance(header, dict) else None
     recorded = marks.get(TENSOR_FILE_FORMAT) if isinstance(marks, dict) else None
@@ -304,7 +304,7 @@ def read_header(path: Path, directory: Path) -> dict[str, dict]:
                               f"e.g. an earlier iter_* directory)") from None
     except OSError as error:
         raise damaged(directory, f"{path.name} cannot be read ({error.strerror or error})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         raise damaged(directory, f"{path.name} is not a safetensors file") from None
     if not isinstance(header, dict):
         raise damaged(directory, f"{path.name} is not a safetensors file")

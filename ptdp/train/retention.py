@@ -117,7 +117,8 @@ def stored_checkpoints(save: Path) -> list[Stored]:
         try:
             metadata = json.loads((path / METADATA).read_text())
             run_id, iteration = recorded_lineage(path, metadata)[-1]
-        except (OSError, AttributeError, KeyError, TypeError, ValueError):  # unreadable, not JSON
+        except (OSError, AttributeError, KeyError, TypeError, ValueError,
+                RecursionError):  # unreadable, not JSON
             continue
         found.append(Stored(path, run_id, int(iteration)))
     return sorted(found, key=lambda stored: stored.iteration)

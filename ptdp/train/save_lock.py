@@ -69,7 +69,7 @@ def _holder(fd: int) -> str:
         record = json.loads(os.read(fd, 65536) or b"{}")
         return (f"process {record['pid']} on {record['host']} (started {record['started']}: "
                 f"{record['command']})")
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return "another process (it has not said which yet)"
 
 
