@@ -222,7 +222,7 @@ def priced_with(profile: HardwareProfile, runs: list | None = None,
         priced = [published_runs.price(run) for run in runs or published_runs.RUNS
                   if run.priced]
         errors = [abs(p.error) for p in priced if not p.run.calibration]
-        return (published_runs.readme_table(priced) + "\n\n"
+        return (published_runs.validation_table(priced) + "\n\n"
                 + f"{sum(e <= 0.10 for e in errors)} of {len(errors)} published rows within "
                   f"10 %, median |error| {statistics.median(errors):.1%}")
     finally:

@@ -40,7 +40,8 @@
     python bench/published_runs.py                    # the table and both searches (minutes)
     python bench/published_runs.py --no-exhaustive    # the table and the search's time
     python bench/published_runs.py --rows 1.7B,1T --no-search   # some rows only
-    python bench/published_runs.py --write            # and append to bench/RESULTS.md
+    python bench/published_runs.py --write            # and append to bench/RESULTS.md,
+                                                      # the table in docs/planner.md
 """
 
 from __future__ import annotations
@@ -708,13 +709,13 @@ def own_table() -> str:
     return "\n".join(lines)
 
 
-README = ROOT / "README.md"
-README_BEGIN = "<!-- published-runs table: python bench/published_runs.py --write -->"
-README_END = "<!-- end of published-runs table -->"
+TABLE_PAGE = ROOT / "docs" / "planner.md"
+TABLE_BEGIN = "<!-- published-runs table: python bench/published_runs.py --write -->"
+TABLE_END = "<!-- end of published-runs table -->"
 
 
-def readme_table(priced: list[Priced]) -> str:
-    """The README's validation table: every priced published row and
+def validation_table(priced: list[Priced]) -> str:
+    """The planner page's validation table: every priced published row and
     ptdp's own runs, each with its layout, published (or measured)
     TFLOP/s per GPU, the prediction and the error."""
     lines = ["| run | hardware, layout | published | predicted | error |",
@@ -731,11 +732,11 @@ def readme_table(priced: list[Priced]) -> str:
     return "\n".join(lines)
 
 
-def write_readme_table(priced: list[Priced]) -> None:
-    """Replace the README's table between its markers."""
-    text = README.read_text()
-    begin, end = text.index(README_BEGIN) + len(README_BEGIN), text.index(README_END)
-    README.write_text(text[:begin] + "\n" + readme_table(priced) + "\n" + text[end:])
+def write_validation_table(priced: list[Priced]) -> None:
+    """Replace the planner page's table between its markers."""
+    text = TABLE_PAGE.read_text()
+    begin, end = text.index(TABLE_BEGIN) + len(TABLE_BEGIN), text.index(TABLE_END)
+    TABLE_PAGE.write_text(text[:begin] + "\n" + validation_table(priced) + "\n" + text[end:])
 
 
 def select(names: str | None) -> list[PublishedRun]:
@@ -870,7 +871,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{recompute_gain_table()}\n")
     publish(HEADING, block, write=args.write)
     if args.write and not args.rows:
-        write_readme_table(priced)
+        write_validation_table(priced)
     if not args.no_search:
         speed = search_speed(not args.no_exhaustive)
         publish("## Planner search time",

@@ -83,7 +83,7 @@ def test_a_context_rank_saves_half_and_the_report_renders(pools):
     assert "| p2p |" in text and "| 1.000 |" in text and "| a2a |" in text
 
 
-# ------------------------------------------------------------------ the README's command
+# ------------------------------------------------------------------ the training page's command
 
 def _train_on_rank(rank, config):
     from ptdp.parallel.topology import ParallelContext, RankGrid
@@ -93,8 +93,8 @@ def _train_on_rank(rank, config):
     return [record["loss"] for record in train(config, ctx, cp.CPU)]
 
 
-def test_the_readme_long_context_command_trains_as_one_process(pools):
-    """The README's c = 4 command, its flags through ptdp's own parser and
+def test_the_long_context_command_trains_as_one_process(pools):
+    """docs/training.md's c = 4 command, its flags through ptdp's own parser and
     checks, trained by ptdp's training loop on the session's four pooled
     ranks (a launch of four fresh processes costs 20 s on two cores; the
     launcher is tested on its own). Only the sequence is shortened, to a

@@ -163,13 +163,13 @@ def test_ptdp_own_rows_are_the_gpu_benchmark_runs_and_their_records():
         assert error == pytest.approx(predicted / own.published_tflops - 1)
 
 
-def test_the_readme_table_is_what_the_model_predicts_today():
-    """README.md's validation table is bench/published_runs.py's, regenerated
+def test_the_planner_page_table_is_what_the_model_predicts_today():
+    """docs/planner.md's validation table is bench/published_runs.py's, regenerated
     with --write whenever the model changes: every priced row and ptdp's own
     runs, their published figures and today's predictions."""
-    readme = pr.README.read_text()
-    begin = readme.index(pr.README_BEGIN) + len(pr.README_BEGIN)
-    lines = readme[begin:readme.index(pr.README_END)].strip().splitlines()
+    page = pr.TABLE_PAGE.read_text()
+    begin = page.index(pr.TABLE_BEGIN) + len(pr.TABLE_BEGIN)
+    lines = page[begin:page.index(pr.TABLE_END)].strip().splitlines()
     runs = [run for run in pr.RUNS if run.priced]
     assert len(lines) == 2 + len(runs) + len(pr.OWN_RUNS)
     # The rows of 32 stages or more take up to seconds each to simulate (hundreds
@@ -178,7 +178,7 @@ def test_the_readme_table_is_what_the_model_predicts_today():
     slow = [run.p >= 32 for run in runs]
     priced = [pr.price(run) if not s else pr.Priced(run, 1.0, 1.0, 0.0, True)
               for run, s in zip(runs, slow)]
-    expected = pr.readme_table(priced).splitlines()
+    expected = pr.validation_table(priced).splitlines()
     assert sum(slow) == 5
     for index, (line, want) in enumerate(zip(lines, expected)):
         if index >= 2 and index - 2 < len(runs) and slow[index - 2]:
