@@ -12,7 +12,7 @@ def wide(monkeypatch):
 
 
 def test_ptdp_help_names_every_family_convert_converts(wide):
-    from ptdp.interop.convert import ARCHITECTURES
+    from ptdp.interop.hf_directory import HF_FAMILIES as ARCHITECTURES
 
     line = next(line for line in build_parser().format_help().splitlines()
                 if line.strip().startswith("convert "))

@@ -14,14 +14,13 @@ import torch
 from torch.testing import assert_close
 
 from ptdp.config import ModelConfig
+from ptdp.interop.hf_directory import load_hf_directory, save_hf_directory
 from ptdp.interop.hf_gpt2 import (
     ConversionError,
     from_hf_state,
     hf_config_from_model_config,
-    load_hf_directory,
     logical_shapes,
     model_config_from_hf_config,
-    save_hf_directory,
     to_hf_state,
 )
 from ptdp.model.gpt import build_chunks

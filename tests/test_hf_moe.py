@@ -22,7 +22,8 @@ from torch.testing import assert_close
 
 from ptdp.cli import main
 from ptdp.config import Config, DataConfig, ModelConfig
-from ptdp.interop.hf_moe import from_hf_state, load_hf_directory, to_hf_state
+from ptdp.interop.hf_directory import load_hf_directory
+from ptdp.interop.hf_moe import from_hf_state, to_hf_state
 from ptdp.interop.hf_moe_config import (
     ConversionError,
     family_of_model,

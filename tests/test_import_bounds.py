@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from ptdp.cli import main
 from ptdp.config import Config, DataConfig, ModelConfig
 from ptdp.errors import is_user_error
-from ptdp.interop import hf_gpt2, hf_llama
+from ptdp.interop.hf_directory import save_hf_directory
 from ptdp.interop.logical import logical_shapes
 from ptdp.train.checkpoint import CheckpointError, save_logical_model
 
@@ -43,8 +43,8 @@ def _weights(config, seed=0):
 def _hf_directory(path, architecture="GPT-2", **config_changes):
     """A Hugging Face directory of a 2-layer model, config.json edited by
     `config_changes`."""
-    module, config = (hf_gpt2, GPT2) if architecture == "GPT-2" else (hf_llama, LLAMA)
-    module.save_hf_directory(path, _weights(config), config)
+    config = GPT2 if architecture == "GPT-2" else LLAMA
+    save_hf_directory(path, _weights(config), config)
     hf = json.loads((path / "config.json").read_text())
     hf.update(config_changes)
     (path / "config.json").write_text(json.dumps(hf))

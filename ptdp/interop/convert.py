@@ -5,10 +5,10 @@
 
 Both directions work on logical tensors, so the checkpoint's training layout
 does not matter; an imported model trains or generates under any layout.
-The families are the table ARCHITECTURES: import reads config.json's
-`architectures` and `model_type` and picks the entry that lists them;
-export writes the first entry whose obstacles (what its class cannot
-express) are none for the checkpoint's settings: GPT-2 for the defaults;
+The families are the table hf_directory.HF_FAMILIES: import reads
+config.json's `architectures` and `model_type` and picks the family that
+lists them; export writes the first family whose obstacles (what its class
+cannot express) are none for the checkpoint's settings: GPT-2 for the defaults;
 for RMSNorm + SwiGLU + rotary embeddings, Qwen3 with --qk-layernorm, Qwen2
 with --add-qkv-bias and no other biases, else Llama (a Mistral directory
 imports as such a model, and exports as a Llama: the same architecture).
@@ -35,64 +35,18 @@ import argparse
 import os
 import re
 import shlex
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
 
-from ptdp.config import Config, ConfigError, DataConfig, ModelConfig, TrainConfig
-from ptdp.interop import hf_gpt2, hf_llama, hf_moe
-from ptdp.interop.hf_dense_families import DENSE_FAMILIES, dense_family_obstacles
+from ptdp.config import Config, ConfigError, DataConfig, TrainConfig
 from ptdp.interop.hf_carried import exported_files, read_carried_files, source_token_ids
+from ptdp.interop.hf_directory import (family_for_export, family_for_import, load_hf_directory,
+                                       save_hf_directory)
 from ptdp.interop.hf_files import (ConversionError, export_directory_problem, hf_tokenizer_file,
                                    read_hf_config)
+from ptdp.interop.hf_gpt2 import GPT2, GPT2_VOCAB
 from ptdp.interop.hf_tokenizer import exported_tokenizer, imported_tokenizer
 # The flags live in a module without torch (the command line builds them at every start).
 from ptdp.interop.convert_flags import add_convert_parser  # noqa: F401
-
-
-@dataclass(frozen=True)
-class Architecture:
-    """One Hugging Face family ptdp converts.
-
-    `load(directory, **overrides)` -> (ModelConfig, logical state);
-    `save(directory, logical, model, *, bos_token_id, eos_token_id,
-    tokenizer_files, token_ids)` writes the directory; `obstacles(model)`
-    lists what keeps a ModelConfig from this class (empty: export writes
-    it), None for a family that imports only (export writes it as another
-    class)."""
-    name: str                     # as messages say it: "Qwen3"
-    classes: tuple[str, ...]      # config.json's architectures: the ForCausalLM class first
-    model_type: str
-    load: Callable[..., tuple[ModelConfig, dict]]
-    save: Callable[..., None]
-    obstacles: Callable[[ModelConfig], list[str]] | None
-
-
-def _save_gpt2(directory, logical, model, *, bos_token_id, eos_token_id, tokenizer_files,
-               token_ids=None):
-    hf_gpt2.save_hf_directory(directory, logical, model, eod_token_id=eos_token_id,
-                              tokenizer_files=tokenizer_files, token_ids=token_ids)
-
-
-def _dense(family) -> Architecture:
-    exported = family.name != "Mistral"  # a Mistral without a window is a Llama
-    return Architecture(family.name, (family.hf_class, family.bare_class), family.model_type,
-                        hf_llama.load_hf_directory, hf_llama.save_hf_directory,
-                        (lambda model: dense_family_obstacles(model, family)) if exported else None)
-
-
-# The families, in the order export tries them. Another module's family is
-# one more entry: ARCHITECTURES[name] = Architecture(...). The bare models
-# (GPT2Model, LlamaModel, ...) are read too: their keys lack the prefix.
-ARCHITECTURES: dict[str, Architecture] = {
-    "GPT-2": Architecture("GPT-2", ("GPT2LMHeadModel", "GPT2Model"), "gpt2",
-                          hf_gpt2.load_hf_directory, _save_gpt2, hf_gpt2.gpt2_obstacles),
-    **{family.name: _dense(family) for family in DENSE_FAMILIES},
-    # Mixtral, Qwen3-MoE, Qwen2-MoE (hf_moe.py)
-    **{name: Architecture(name, classes, model_type, hf_moe.load_hf_directory,
-                          hf_moe.save_hf_directory, obstacles)
-       for name, classes, model_type, obstacles in hf_moe.architectures()},
-}
 
 
 def run_convert_command(args: argparse.Namespace) -> int:
@@ -175,41 +129,6 @@ def _write_failed(flag: str, output: str, what: str, failure: str) -> ConfigErro
                         f"again"])
 
 
-# ------------------------------------------------------------------ which architecture
-
-def architecture_of_hf_config(hf_config: dict[str, Any], source: str) -> str:
-    """The ARCHITECTURES entry of config.json's `architectures` and
-    `model_type`; a config with neither is GPT-2's oldest form."""
-    classes = hf_config.get("architectures") or []
-    model_type = hf_config.get("model_type")
-    if not isinstance(classes, list):
-        classes = [classes]
-    if not classes and model_type is None:
-        return "GPT-2"  # the oldest GPT-2 config.json names neither
-    for name, entry in ARCHITECTURES.items():
-        if all(c in entry.classes for c in classes) and model_type in (entry.model_type, None):
-            return name
-    supported = "; ".join(f"{' or '.join(entry.classes)} (model_type {entry.model_type!r})"
-                          for entry in ARCHITECTURES.values())
-    raise ConversionError(f"{source}: architectures {classes} with model_type {model_type!r} is "
-                          f"not an architecture ptdp converts; supported: {supported}")
-
-
-def architecture_of_model(model) -> str:
-    """The ARCHITECTURES entry export writes for a ModelConfig: the first
-    whose class can express it; refuses a model none fits, listing what
-    keeps it from each."""
-    obstacles = {name: entry.obstacles(model) for name, entry in ARCHITECTURES.items()
-                 if entry.obstacles is not None}
-    fitting = [name for name, found in obstacles.items() if not found]
-    if fitting:
-        return fitting[0]
-    raise ConversionError(
-        f"this checkpoint's model fits none of the Hugging Face classes ptdp writes "
-        f"({', '.join(obstacles)}):\n" + "\n".join(f"  - not {name}: {'; '.join(found)}"
-                                                   for name, found in obstacles.items()))
-
-
 # ------------------------------------------------------------------ directions
 
 def _export(load: str, directory: str) -> int:
@@ -222,7 +141,7 @@ def _export(load: str, directory: str) -> int:
     try:
         config, weights, metadata = load_logical_model(load)
         model = config.model
-        architecture = architecture_of_model(model)
+        family = family_for_export(model)
         tokenizer = exported_tokenizer(config, load)
     except (CheckpointError, TokenizerError) as error:
         raise ConfigError([str(error)]) from None
@@ -230,21 +149,22 @@ def _export(load: str, directory: str) -> int:
         carried = checkpoint_hf_files(resolve(load), metadata)
     except CheckpointError as error:
         raise ConfigError([str(error)]) from None
-    specials, entry = tokenizer.specials, ARCHITECTURES[architecture]
+    specials = tokenizer.specials
     made = _missing_directories(directory)
     try:
-        entry.save(directory, weights, model, bos_token_id=specials.bos_id,
-                   eos_token_id=specials.eos_id,
-                   tokenizer_files=exported_files(tokenizer.files, carried, model.vocab_size),
-                   token_ids=source_token_ids(carried, model.vocab_size,
-                                              tokenizer.files.get("tokenizer.json")))
+        save_hf_directory(directory, weights, model, bos_token_id=specials.bos_id,
+                          eos_token_id=specials.eos_id,
+                          tokenizer_files=exported_files(tokenizer.files, carried,
+                                                         model.vocab_size),
+                          token_ids=source_token_ids(carried, model.vocab_size,
+                                                     tokenizer.files.get("tokenizer.json")))
     except (OSError, SafetensorError) as error:  # its temporary directory is gone already
         failure = _write_failure(error)
         if failure is None:
             raise
         _remove_empty(made)
         raise _write_failed("--to-hf", directory, "Hugging Face directory", failure) from None
-    hf_class = entry.classes[0]
+    hf_class = family.classes[0]
     kept = [f"{name}'s token ids" if name == "config.json" else name for name in sorted(carried)]
     kept = f"; kept from the original: {', '.join(kept)}" if kept else ""
     print(f"wrote {directory}: {hf_class} ({model.num_layers} layers, hidden "
@@ -259,13 +179,13 @@ def _import(directory: str, save: str, apply_layernorm_1p: bool = False) -> int:
     from ptdp.train.save_lock import SaveDirectoryInUse
 
     hf_config = read_hf_config(directory)
-    architecture = architecture_of_hf_config(hf_config, directory)
+    family = family_for_import(hf_config, directory)
     tokenizer_file = hf_tokenizer_file(directory)
     # Parsed before the weights are read (which takes long for a large model).
     tokenizer_ids, vocab = (imported_tokenizer(tokenizer_file) if tokenizer_file is not None
                             else (0, None))
     carried = read_carried_files(directory, vocab, hf_config.get("vocab_size"))
-    model, weights = ARCHITECTURES[architecture].load(directory, apply_layernorm_1p=apply_layernorm_1p)
+    model, weights = load_hf_directory(directory, apply_layernorm_1p=apply_layernorm_1p)
     if tokenizer_ids > model.vocab_size:
         raise ConversionError(f"{tokenizer_file} has {tokenizer_ids} token ids, more than the "
                               f"model's vocabulary of {model.vocab_size} (vocab_size in "
@@ -276,7 +196,7 @@ def _import(directory: str, save: str, apply_layernorm_1p: bool = False) -> int:
         # The checkpoint carries the file; its metadata names it, and
         # training and generation take it from there.
         data = DataConfig(tokenizer_type="HuggingFaceTokenizer")
-    elif architecture == "GPT-2" and model.vocab_size == hf_gpt2.GPT2_VOCAB:
+    elif family is GPT2 and model.vocab_size == GPT2_VOCAB:
         data = DataConfig()  # GPT-2's vocabulary implies GPT-2's tokenizer, which ptdp ships
     else:
         data = DataConfig(mock_data=True)
@@ -297,7 +217,7 @@ def _import(directory: str, save: str, apply_layernorm_1p: bool = False) -> int:
     kept = [name for name in ("tokenizer.json" if tokenizer_file else None, *sorted(carried))
             if name not in (None, "config.json")]  # (its token ids are kept too)
     with_files = f" (with its {', '.join(kept)})" if kept else ""
-    print(f"wrote {path}: {architecture}, {model.num_layers} layers, hidden {model.hidden_size}, "
+    print(f"wrote {path}: {family.name}, {model.num_layers} layers, hidden {model.hidden_size}, "
           f"vocabulary {model.vocab_size}{with_files}; "
           f"{_next_steps(save, data, tokenizer_file is not None)}")
     return 0

@@ -23,16 +23,14 @@ unsharded, unpadded tensors, as checkpoints hold them.
   `check_hf_tensors` checks such a state's names and shapes (or only the
   shapes a file's header gives) against the config, config.json's sizes
   first.
-* `save_hf_directory` / `load_hf_directory`: a directory that
-  `GPT2LMHeadModel.from_pretrained` reads (config.json + model.safetensors),
-  and reading one (also sharded safetensors; hf_weights.py). No pickle: a
-  directory that holds only `pytorch_model.bin` is refused.
+* `GPT2`: the family for the generic directory reader and writer
+  (hf_directory.py: a directory that `GPT2LMHeadModel.from_pretrained`
+  reads, and reading one, sharded too; no pickle).
 """
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any, Mapping
 
 import torch
@@ -44,17 +42,14 @@ from ptdp.interop.hf_files import (
     check_sizes,
     check_state,
     layer_disagreement,
-    read_hf_config,
     size_disagreement,
     split_state,
-    write_hf_directory,
 )
-from ptdp.interop.hf_weights import HFWeights
 from ptdp.interop.logical import logical_shapes, with_plain_norm_scales, with_stored_norm_scales
 
-__all__ = ["ConversionError", "check_hf_tensors", "from_hf_state", "gpt2_obstacles", "hf_config_from_model_config",
-           "load_hf_directory", "logical_shapes", "model_config_from_hf_config",
-           "save_hf_directory", "to_hf_state"]
+__all__ = ["GPT2", "ConversionError", "check_hf_tensors", "from_hf_state", "gpt2_obstacles",
+           "hf_config_from_model_config", "logical_shapes", "model_config_from_hf_config",
+           "to_hf_state"]
 
 # Hugging Face's names for the tanh approximation of GeLU that ptdp computes.
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
@@ -297,38 +292,39 @@ def from_hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
     return with_stored_norm_scales(logical, config)
 
 
-# ------------------------------------------------------------------ directories
+# ------------------------------------------------------------------ the family
 
-def save_hf_directory(directory: str | Path, logical: dict[str, torch.Tensor],
-                      config: ModelConfig, *, eod_token_id: int | None = None,
-                      tokenizer_files: Mapping[str, bytes] | None = None,
-                      token_ids: Mapping[str, Any] | None = None) -> None:
-    """Write `config.json` and `model.safetensors` (and the tokenizer files
-    when given) that `GPT2LMHeadModel.from_pretrained(directory)` loads;
-    `token_ids`: config.json's bos/eos/pad ids as the source had them,
-    which replace the written ones. The tied `lm_head.weight` is left out,
-    as Hugging Face does. Refuses an existing non-empty directory."""
-    hf_config = hf_config_from_model_config(config, eod_token_id=eod_token_id)
-    state = to_hf_state(logical, config)
-    del state["lm_head.weight"]
-    write_hf_directory(directory, hf_config, state, tokenizer_files=tokenizer_files,
-                       token_ids=token_ids)
+class GPT2HFFamily:
+    """GPT-2 as ptdp.interop.family.HFFamily: the functions above, for the
+    generic directory reader and writer (hf_directory.py)."""
+    name = "GPT-2"
+    classes = ("GPT2LMHeadModel", "GPT2Model")
+    model_type = "gpt2"
+    exported = True
+    prefix = "transformer."
+    ignored = _IGNORED
+
+    def obstacles(self, config: ModelConfig) -> list[str]:
+        return gpt2_obstacles(config)
+
+    def hf_config(self, config: ModelConfig, *, bos_token_id: int | None = None,
+                  eos_token_id: int | None = None) -> dict[str, Any]:
+        """GPT-2 has one token that begins and ends a text: the eos id is both."""
+        return hf_config_from_model_config(config, eod_token_id=eos_token_id)
+
+    def model_config(self, hf_config: dict[str, Any], **overrides: Any) -> ModelConfig:
+        return model_config_from_hf_config(hf_config, **overrides)
+
+    def to_hf_state(self, logical: dict[str, torch.Tensor],
+                    config: ModelConfig) -> dict[str, torch.Tensor]:
+        return to_hf_state(logical, config)
+
+    def check_hf_tensors(self, state: Mapping[str, Any], config: ModelConfig) -> None:
+        check_hf_tensors(state, config)
+
+    def from_hf_state(self, state: dict[str, torch.Tensor],
+                      config: ModelConfig) -> dict[str, torch.Tensor]:
+        return from_hf_state(state, config)
 
 
-def load_hf_directory(directory: str | Path, **overrides: Any
-                      ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(ModelConfig, logical state) of a Hugging Face GPT-2 directory:
-    `config.json` plus `model.safetensors` or sharded safetensors with
-    `model.safetensors.index.json`. config.json is checked against the
-    tensors' names and shapes before any data is read; the tensors the
-    model uses must be floating point and finite. `overrides` go to
-    model_config_from_hf_config."""
-    config = model_config_from_hf_config(read_hf_config(directory), **overrides)
-    weights = HFWeights(directory, "GPT2LMHeadModel")
-    try:
-        check_hf_tensors(weights.shapes, config)
-        state = weights.load(key for key in weights.tensors
-                             if not _IGNORED.match(key.removeprefix("transformer.")))
-        return config, from_hf_state(state, config)
-    except ConversionError as e:
-        raise ConversionError(f"{directory}: {e}") from None
+GPT2 = GPT2HFFamily()

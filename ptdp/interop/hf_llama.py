@@ -28,21 +28,25 @@ or splitting rows:
   `check_hf_tensors` checks such a state's names and shapes (or only the
   shapes a file's header gives) against the config, config.json's sizes
   first. All three take another name table (`pairs`) for other families.
-* `save_hf_directory` / `load_hf_directory`: a directory that the family's
-  `from_pretrained` reads, and reading one (sharded too; hf_weights.py).
+* `DENSE_HF_FAMILIES`: the families for the generic directory reader and
+  writer (hf_directory.py: a directory that the family's `from_pretrained`
+  reads, and reading one, sharded too).
 """
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 
 from ptdp.config import ModelConfig
 from ptdp.interop.hf_dense_families import (
+    DENSE_FAMILIES,
+    EXPORTED_FAMILIES,
     LLAMA,
+    DenseFamily,
     common_model_fields,
     dense_family_obstacles,
     dense_hf_config,
@@ -58,13 +62,10 @@ from ptdp.interop.hf_files import (
     check_sizes,
     check_state,
     layer_disagreement,
-    read_hf_config,
     shape_of,
     size_disagreement,
     split_state,
-    write_hf_directory,
 )
-from ptdp.interop.hf_weights import HFWeights
 from ptdp.interop.logical import logical_shapes, with_plain_norm_scales, with_stored_norm_scales
 
 ARCHITECTURE = LLAMA.hf_class
@@ -294,43 +295,59 @@ def from_hf_state(state: dict[str, torch.Tensor], config: ModelConfig,
     return with_stored_norm_scales(logical, config)
 
 
-# ------------------------------------------------------------------ directories
+# ------------------------------------------------------------------ the families
 
-def save_hf_directory(directory: str | Path, logical: dict[str, torch.Tensor],
-                      config: ModelConfig, *, bos_token_id: int | None = None,
-                      eos_token_id: int | None = None,
-                      tokenizer_files: Mapping[str, bytes] | None = None,
-                      token_ids: Mapping[str, Any] | None = None) -> None:
-    """Write `config.json` and `model.safetensors` (and the tokenizer files
-    when given) that the family's `from_pretrained(directory)` loads
-    (LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM); `token_ids`:
-    config.json's bos/eos/pad ids as the source had them, which replace the
-    written ones. A tied `lm_head.weight` is left out, as Hugging Face
-    does. Refuses an existing non-empty directory."""
-    hf_config = hf_config_from_model_config(config, bos_token_id=bos_token_id,
-                                            eos_token_id=eos_token_id)
-    state = to_hf_state(logical, config)
-    if config.tied_output:
-        del state[OUTPUT]
-    write_hf_directory(directory, hf_config, state, tokenizer_files=tokenizer_files,
-                       token_ids=token_ids)
+@dataclass(frozen=True)
+class DenseHFFamily:
+    """A Llama-like dense family (hf_dense_families.py) as
+    ptdp.interop.family.HFFamily: the functions above, for the generic
+    directory reader and writer (hf_directory.py). They share the name
+    table; config.json says which family a directory is."""
+    family: DenseFamily
+    prefix = "model."
+    ignored = _IGNORED
+
+    @property
+    def name(self) -> str:
+        return self.family.name
+
+    @property
+    def classes(self) -> tuple[str, ...]:
+        return (self.family.hf_class, self.family.bare_class)
+
+    @property
+    def model_type(self) -> str:
+        return self.family.model_type
+
+    @property
+    def exported(self) -> bool:
+        return self.family in EXPORTED_FAMILIES
+
+    def obstacles(self, config: ModelConfig) -> list[str]:
+        return dense_family_obstacles(config, self.family)
+
+    def hf_config(self, config: ModelConfig, *, bos_token_id: int | None = None,
+                  eos_token_id: int | None = None) -> dict[str, Any]:
+        obstacles = self.obstacles(config)
+        if obstacles:
+            raise ConversionError(f"this model is not a {self.name}: " + "; ".join(obstacles))
+        return dense_hf_config(config, self.family, bos_token_id=bos_token_id,
+                               eos_token_id=eos_token_id)
+
+    def model_config(self, hf_config: dict[str, Any], **overrides: Any) -> ModelConfig:
+        return model_config_from_hf_config(hf_config, **overrides)
+
+    def to_hf_state(self, logical: dict[str, torch.Tensor],
+                    config: ModelConfig) -> dict[str, torch.Tensor]:
+        return to_hf_state(logical, config)
+
+    def check_hf_tensors(self, state: Mapping[str, Any], config: ModelConfig) -> None:
+        check_hf_tensors(state, config)
+
+    def from_hf_state(self, state: dict[str, torch.Tensor],
+                      config: ModelConfig) -> dict[str, torch.Tensor]:
+        return from_hf_state(state, config)
 
 
-def load_hf_directory(directory: str | Path, **overrides: Any
-                      ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(ModelConfig, logical state) of a Hugging Face Llama, Mistral, Qwen2
-    or Qwen3 directory: `config.json` plus `model.safetensors` or sharded
-    safetensors with `model.safetensors.index.json`. config.json is checked
-    against the tensors' names and shapes before any data is read; the
-    tensors the model uses must be floating point and finite. `overrides`
-    go to model_config_from_hf_config."""
-    hf = read_hf_config(directory)
-    config = model_config_from_hf_config(hf, **overrides)
-    weights = HFWeights(directory, family_of_hf_config(hf).hf_class)
-    try:
-        check_hf_tensors(weights.shapes, config)
-        state = weights.load(key for key in weights.tensors
-                             if not _IGNORED.match(key.removeprefix("model.")))
-        return config, from_hf_state(state, config)
-    except ConversionError as e:
-        raise ConversionError(f"{directory}: {e}") from None
+# Llama, Mistral, Qwen2, Qwen3: the order export tries them in.
+DENSE_HF_FAMILIES = tuple(DenseHFFamily(family) for family in DENSE_FAMILIES)

@@ -23,15 +23,15 @@ is what transformers' own save_pretrained writes and every version loads.
 
 * `name_pairs`: hf_llama's name table with the MoE layers' pairs added.
 * `to_hf_state` / `from_hf_state`, `check_hf_tensors`: as hf_llama's.
-* `save_hf_directory` / `load_hf_directory`: as hf_llama's.
-* `architectures`: the three families' rows of convert.py's table.
+* `MOE_HF_FAMILIES`: the three families for the generic directory reader
+  and writer (hf_directory.py).
 """
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
-from typing import Any, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Mapping
 
 import torch
 
@@ -41,10 +41,8 @@ from ptdp.interop.hf_files import (
     ConversionError,
     carriers_matching,
     check_sizes,
-    read_hf_config,
     shape_of,
     size_disagreement,
-    write_hf_directory,
 )
 from ptdp.interop.hf_llama import NamePair, attention_name_pairs, mlp_name_pairs
 from ptdp.interop.hf_moe_config import (
@@ -52,11 +50,9 @@ from ptdp.interop.hf_moe_config import (
     MIXTRAL,
     family_obstacles,
     family_of_model,
-    family_of_model_type,
     hf_config_from_model_config,
     model_config_from_hf_config,
 )
-from ptdp.interop.hf_weights import HFWeights
 
 # Buffers some checkpoints carry; they are recomputed from the config.
 _IGNORED = re.compile(r"^(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq$")
@@ -204,49 +200,55 @@ def from_hf_state(state: Mapping[str, torch.Tensor], config: ModelConfig,
     return hf_llama.from_hf_state(published, config, name_pairs(config, family))
 
 
-# ------------------------------------------------------------------ directories
+# ------------------------------------------------------------------ the families
 
-def save_hf_directory(directory: str | Path, logical: dict[str, torch.Tensor],
-                      config: ModelConfig, *, bos_token_id: int | None = None,
-                      eos_token_id: int | None = None,
-                      tokenizer_files: Mapping[str, bytes] | None = None,
-                      token_ids: Mapping[str, Any] | None = None) -> None:
-    """Write `config.json` and `model.safetensors` (and the tokenizer files
-    when given) that the family's ForCausalLM.from_pretrained loads;
-    `token_ids`: config.json's bos/eos/pad ids as the source had them,
-    which replace the written ones. A tied `lm_head.weight` is left out;
-    an existing non-empty directory is refused."""
-    hf_config = hf_config_from_model_config(config, bos_token_id=bos_token_id,
-                                            eos_token_id=eos_token_id)
-    state = to_hf_state(logical, config)
-    if config.tied_output:
-        del state["lm_head.weight"]
-    write_hf_directory(directory, hf_config, state, tokenizer_files=tokenizer_files,
-                       token_ids=token_ids)
+@dataclass(frozen=True)
+class MoEHFFamily:
+    """Mixtral, Qwen3-MoE or Qwen2-MoE (`name`) as
+    ptdp.interop.family.HFFamily: the functions above and
+    hf_moe_config.py's, for the generic directory reader and writer
+    (hf_directory.py)."""
+    name: str
+    exported = True
+    prefix = "model."
+    ignored = _IGNORED
+
+    @property
+    def classes(self) -> tuple[str, ...]:
+        hf_class = FAMILIES[self.name][0]
+        return (hf_class, hf_class.removesuffix("ForCausalLM") + "Model")
+
+    @property
+    def model_type(self) -> str:
+        return FAMILIES[self.name][1]
+
+    def obstacles(self, config: ModelConfig) -> list[str]:
+        return family_obstacles(config)[self.name]
+
+    def hf_config(self, config: ModelConfig, *, bos_token_id: int | None = None,
+                  eos_token_id: int | None = None) -> dict[str, Any]:
+        """This family's config.json (the three exclude each other: one
+        without obstacles is the one family_of_model names)."""
+        obstacles = self.obstacles(config)
+        if obstacles:
+            raise ConversionError(f"this model is not a {self.name}: " + "; ".join(obstacles))
+        return hf_config_from_model_config(config, bos_token_id=bos_token_id,
+                                           eos_token_id=eos_token_id)
+
+    def model_config(self, hf_config: dict[str, Any], **overrides: Any) -> ModelConfig:
+        return model_config_from_hf_config(hf_config, **overrides)
+
+    def to_hf_state(self, logical: dict[str, torch.Tensor],
+                    config: ModelConfig) -> dict[str, torch.Tensor]:
+        return to_hf_state(logical, config)
+
+    def check_hf_tensors(self, state: Mapping[str, Any], config: ModelConfig) -> None:
+        check_hf_tensors(state, config, self.name)
+
+    def from_hf_state(self, state: dict[str, torch.Tensor],
+                      config: ModelConfig) -> dict[str, torch.Tensor]:
+        return from_hf_state(state, config, self.name)
 
 
-def load_hf_directory(directory: str | Path, **overrides: Any
-                      ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(ModelConfig, logical state) of a Mixtral / Qwen3-MoE / Qwen2-MoE
-    directory (config.json and one or sharded safetensors files), checked
-    as hf_llama.load_hf_directory checks a Llama's: config.json against the
-    files' headers before any data is read."""
-    hf_config = read_hf_config(directory)
-    family = family_of_model_type(hf_config.get("model_type"))
-    config = model_config_from_hf_config(hf_config, **overrides)
-    weights = HFWeights(directory, FAMILIES[family][0])
-    try:
-        check_hf_tensors(weights.shapes, config, family)
-        state = weights.load(key for key in weights.tensors
-                             if not _IGNORED.match(key.removeprefix("model.")))
-        return config, from_hf_state(state, config, family)
-    except ConversionError as e:
-        raise ConversionError(f"{directory}: {e}") from None
-
-
-def architectures() -> list[tuple[str, tuple[str, ...], str, Callable[[ModelConfig], list[str]]]]:
-    """convert.py's registry rows: (name, config.json's classes (the
-    ForCausalLM class, then the bare model's), model_type, obstacles)."""
-    return [(family, (hf_class, hf_class.removesuffix("ForCausalLM") + "Model"), model_type,
-             lambda model, family=family: family_obstacles(model)[family])
-            for family, (hf_class, model_type) in FAMILIES.items()]
+# Mixtral, Qwen3-MoE, Qwen2-MoE: the order export tries them in.
+MOE_HF_FAMILIES = tuple(MoEHFFamily(name) for name in FAMILIES)

@@ -1,0 +1,118 @@
+"""Hugging Face model directories, read and written for every family alike.
+
+A directory is `config.json` plus the weights as `model.safetensors`, or as
+shards listed in `model.safetensors.index.json` (hf_weights.py); a
+tokenizer's files may sit beside them. What differs between families is
+each family's (the contract: family.py's HFFamily); HF_FAMILIES is the
+table of them, and picks one each way:
+
+* import: the first family whose `classes` hold every name of
+  config.json's `architectures` and whose `model_type` is config.json's
+  (a config.json that names neither is the oldest GPT-2's);
+* export: the first exported family with no obstacles to the model's
+  settings: GPT-2 for the defaults; for RMSNorm + SwiGLU + rotary
+  embeddings Llama, Qwen2 with --add-qkv-bias and no other biases, Qwen3
+  with --qk-layernorm; for an MoE model Mixtral, Qwen3-MoE with
+  --qk-layernorm, Qwen2-MoE with a gated shared expert (a Mistral
+  directory imports, and exports as a Llama: the same architecture).
+
+The bare models (GPT2Model, LlamaModel, ...) are read too: their keys lack
+the family's prefix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from ptdp.config import ModelConfig
+from ptdp.interop.family import HFFamily
+from ptdp.interop.hf_files import ConversionError, read_hf_config, write_hf_directory
+from ptdp.interop.hf_gpt2 import GPT2
+from ptdp.interop.hf_llama import DENSE_HF_FAMILIES
+from ptdp.interop.hf_moe import MOE_HF_FAMILIES
+from ptdp.interop.hf_weights import HFWeights
+
+# The families, in the order export tries them. Another family is one more
+# entry: HF_FAMILIES[family.name] = family.
+HF_FAMILIES: dict[str, HFFamily] = {
+    family.name: family for family in (GPT2, *DENSE_HF_FAMILIES, *MOE_HF_FAMILIES)}
+# The tensor a ForCausalLM class keeps outside its base model; a tied one
+# is a copy of the word embedding, left out of the files.
+OUTPUT = "lm_head.weight"
+
+
+def family_for_import(hf_config: dict[str, Any], source: str | Path) -> HFFamily:
+    """The family of config.json's `architectures` and `model_type`; a
+    config with neither is GPT-2's oldest form. `source` names the
+    directory in the refusal of any other."""
+    classes = hf_config.get("architectures") or []
+    model_type = hf_config.get("model_type")
+    if not isinstance(classes, list):
+        classes = [classes]
+    if not classes and model_type is None:
+        return GPT2  # the oldest GPT-2 config.json names neither
+    for family in HF_FAMILIES.values():
+        if all(c in family.classes for c in classes) and model_type in (family.model_type, None):
+            return family
+    supported = "; ".join(f"{' or '.join(family.classes)} (model_type {family.model_type!r})"
+                          for family in HF_FAMILIES.values())
+    raise ConversionError(f"{source}: architectures {classes} with model_type {model_type!r} is "
+                          f"not an architecture ptdp converts; supported: {supported}")
+
+
+def family_for_export(model: ModelConfig) -> HFFamily:
+    """The family export writes for a ModelConfig: the first whose class can
+    express it; refuses a model none fits, listing what keeps it from each."""
+    obstacles = {name: family.obstacles(model) for name, family in HF_FAMILIES.items()
+                 if family.exported}
+    fitting = [name for name, found in obstacles.items() if not found]
+    if fitting:
+        return HF_FAMILIES[fitting[0]]
+    raise ConversionError(
+        f"this checkpoint's model fits none of the Hugging Face classes ptdp writes "
+        f"({', '.join(obstacles)}):\n" + "\n".join(f"  - not {name}: {'; '.join(found)}"
+                                                   for name, found in obstacles.items()))
+
+
+def save_hf_directory(directory: str | Path, logical: dict[str, torch.Tensor],
+                      config: ModelConfig, *, bos_token_id: int | None = None,
+                      eos_token_id: int | None = None,
+                      tokenizer_files: Mapping[str, bytes] | None = None,
+                      token_ids: Mapping[str, Any] | None = None) -> None:
+    """Write `config.json` and `model.safetensors` (and the tokenizer files
+    when given) that the family's `from_pretrained(directory)` loads, as
+    the family export picks for `config` (family_for_export); `token_ids`:
+    config.json's bos/eos/pad ids as the source had them, which replace the
+    written ones. A tied `lm_head.weight` is left out, as Hugging Face
+    does. Refuses an existing non-empty directory."""
+    family = family_for_export(config)
+    hf_config = family.hf_config(config, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+    state = family.to_hf_state(logical, config)
+    if config.tied_output:
+        del state[OUTPUT]
+    write_hf_directory(directory, hf_config, state, tokenizer_files=tokenizer_files,
+                       token_ids=token_ids)
+
+
+def load_hf_directory(directory: str | Path, **overrides: Any
+                      ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(ModelConfig, logical state) of a Hugging Face directory of any
+    family (family_for_import): `config.json` plus `model.safetensors` or
+    sharded safetensors with `model.safetensors.index.json`. config.json is
+    checked against the tensors' names and shapes before any data is read;
+    the tensors the model uses must be floating point and finite.
+    `overrides` go to the family's model_config."""
+    hf_config = read_hf_config(directory)
+    family = family_for_import(hf_config, directory)
+    config = family.model_config(hf_config, **overrides)
+    weights = HFWeights(directory, family.classes[0])
+    try:
+        family.check_hf_tensors(weights.shapes, config)
+        state = weights.load(key for key in weights.tensors
+                             if not family.ignored.match(key.removeprefix(family.prefix)))
+        return config, family.from_hf_state(state, config)
+    except ConversionError as e:
+        raise ConversionError(f"{directory}: {e}") from None
