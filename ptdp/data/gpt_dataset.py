@@ -57,6 +57,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ptdp.data.indexed import IndexedDataset, IndexedDatasetError
+from ptdp.errors import UserError
 from ptdp.status import phase
 
 # Bump when the index algorithm changes: old caches then hash differently.
@@ -67,7 +68,7 @@ _BOUNDARY_BLOCK = 1 << 22  # sample boundaries per searchsorted call: bounded te
 _RNG_DOCUMENTS, _RNG_SAMPLES = 0, 1  # SeedSequence streams: document vs sample permutations
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """Data settings or files that cannot work; the message says what is
     wrong and which flag or file to change."""
 

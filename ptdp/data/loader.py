@@ -39,9 +39,10 @@ from ptdp.data.mock import MockGPTDataset
 from ptdp.data.tiktoken_tokenizer import TiktokenSettings
 from ptdp.data.tokenizer import (TokenizerError, build_tokenizer, character_counts,
                                   check_tokenizer_settings)
+from ptdp.errors import UserError
 
 
-class DataSettingsError(ValueError):
+class DataSettingsError(UserError, ValueError):
     pass
 
 
