@@ -56,6 +56,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ptdp.data.cache import default_cache_dir
 from ptdp.data.indexed import IndexedDataset, IndexedDatasetError
 from ptdp.errors import UserError
 from ptdp.status import phase
@@ -264,10 +265,6 @@ def build_blend_index(weights: Sequence[float], num_samples: int) -> dict[str, n
 
 
 # ---------------------------------------------------------------- the cache
-
-def default_cache_dir(prefix: str) -> Path:
-    return Path(prefix).resolve().parent / "index-cache"
-
 
 def dataset_fingerprint(prefix: str) -> dict:
     """Identifies an indexed dataset by content, cheaply: file sizes and a hash
