@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ptdp.argparser import CommandParser, problems_text
-from ptdp.megatron_flags import add_accepted_flags, config_notes, given, notes, refusals
+from ptdp.config.megatron import add_accepted_flags, config_notes, given, notes, refusals
 from ptdp.plural import plural
 from ptdp.config import SECTION_TYPES, Config, ConfigError, flag_fields, validate
 from ptdp.config.files import field_type, file_settings, load_config_file
@@ -376,7 +376,7 @@ def run_train(config: Config, explicit: Sequence[str] = (), accepted: Sequence =
     size not among them is taken from the tokenizer, and without tokenizer
     settings among them, --load's checkpoint's tokenizer (if it carries one)
     is the run's. `accepted`: the Megatron-LM flags given that ptdp accepts
-    without a setting (ptdp.megatron_flags), with their values.
+    without a setting (ptdp.config.megatron), with their values.
     `before_launch()` is called once the checks pass, before any rank or
     the training loop starts."""
     from ptdp.data.loader import check_datasets
