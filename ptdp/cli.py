@@ -500,14 +500,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "calibrate":
             return run_calibrate_command(args)
     except _SignalBeforeLaunch as stop:
-        stopping = sys.modules.get("ptdp.train.stopping")
+        stopping = sys.modules.get("ptdp.stop_requests")
         print(f"ptdp: {signal.Signals(stop.signum).name} came while ptdp train was checking its "
               f"settings, before any rank started: nothing was started or saved"
               + (stopping.STOP_REQUESTS.newest_checkpoint() if stopping else ""),
               file=sys.stderr, flush=True)
         return 128 + stop.signum
     except KeyboardInterrupt:
-        stopping = sys.modules.get("ptdp.train.stopping")  # imported by `train` only
+        stopping = sys.modules.get("ptdp.stop_requests")  # imported by `train` only
         # After a graceful stop's request: what it saved, if anything.
         print(stopping.STOP_REQUESTS.interrupted() if stopping else "ptdp: interrupted",
               file=sys.stderr, flush=True)
@@ -536,7 +536,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _train(args: argparse.Namespace, parent: int, before_launch) -> int:
     """`ptdp train` from its parsed command line."""
     from ptdp.launch import follow_torchrun_agent
-    from ptdp.train.stopping import STOP_REQUESTS
+    from ptdp.stop_requests import STOP_REQUESTS
 
     if not follow_torchrun_agent(parent):
         print(f"ptdp: error: torchrun's agent (process {parent}) ended before this "

@@ -137,7 +137,7 @@ def test_sigint_to_one_rank_is_one_paragraph(monkeypatch, tmp_path):
     handles) stops that rank at once: a paragraph that says so and names the
     newest checkpoint, its traceback in a file, not on the screen."""
     from ptdp.launch import INTERRUPTED_ALONE
-    from ptdp.train import stopping
+    from ptdp import stop_requests as stopping
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     save = tmp_path / "ckpt"
