@@ -65,7 +65,7 @@ def did_you_mean(name: str, known: Sequence[str], paths: Sequence[str] = ()) -> 
     miss, or ''. One guess: a second one is rarely what was meant and makes
     the line long. `paths`: those of `known` that name a file or directory,
     where a wrong guess would write or read elsewhere: one edit at most."""
-    from ptdp.megatron_flag_list import MEGATRON_LM_FLAGS
+    from ptdp.config.megatron_flag_list import MEGATRON_LM_FLAGS
 
     if name in MEGATRON_LM_FLAGS:  # a real flag of another program, never a typo of ours
         return ""
@@ -224,7 +224,7 @@ class CommandParser(argparse.ArgumentParser):
     def _check_value(self, action: argparse.Action, value) -> None:
         """An invalid choice names the flag, the value and the choices, without
         quotes; a value of Megatron-LM's that ptdp refuses (an action's
-        `refused_values`, ptdp.megatron_flags) says why."""
+        `refused_values`, ptdp.config.megatron) says why."""
         refused = getattr(action, "refused_values", {})
         if value in refused:
             raise argparse.ArgumentError(None, f"{_long_name(action.option_strings)} {value}: "

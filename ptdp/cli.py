@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ptdp.argparser import CommandParser, problems_text
-from ptdp.megatron_flags import add_accepted_flags, config_notes, given, notes, refusals
+from ptdp.config.megatron import add_accepted_flags, config_notes, given, notes, refusals
 from ptdp.plural import plural
 from ptdp.config import SECTION_TYPES, Config, ConfigError, flag_fields, validate
 from ptdp.config.files import field_type, file_settings, load_config_file
@@ -376,7 +376,7 @@ def run_train(config: Config, explicit: Sequence[str] = (), accepted: Sequence =
     size not among them is taken from the tokenizer, and without tokenizer
     settings among them, --load's checkpoint's tokenizer (if it carries one)
     is the run's. `accepted`: the Megatron-LM flags given that ptdp accepts
-    without a setting (ptdp.megatron_flags), with their values.
+    without a setting (ptdp.config.megatron), with their values.
     `before_launch()` is called once the checks pass, before any rank or
     the training loop starts."""
     from ptdp.data.loader import check_datasets
@@ -500,14 +500,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "calibrate":
             return run_calibrate_command(args)
     except _SignalBeforeLaunch as stop:
-        stopping = sys.modules.get("ptdp.train.stopping")
+        stopping = sys.modules.get("ptdp.stop_requests")
         print(f"ptdp: {signal.Signals(stop.signum).name} came while ptdp train was checking its "
               f"settings, before any rank started: nothing was started or saved"
               + (stopping.STOP_REQUESTS.newest_checkpoint() if stopping else ""),
               file=sys.stderr, flush=True)
         return 128 + stop.signum
     except KeyboardInterrupt:
-        stopping = sys.modules.get("ptdp.train.stopping")  # imported by `train` only
+        stopping = sys.modules.get("ptdp.stop_requests")  # imported by `train` only
         # After a graceful stop's request: what it saved, if anything.
         print(stopping.STOP_REQUESTS.interrupted() if stopping else "ptdp: interrupted",
               file=sys.stderr, flush=True)
@@ -536,7 +536,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _train(args: argparse.Namespace, parent: int, before_launch) -> int:
     """`ptdp train` from its parsed command line."""
     from ptdp.launch import follow_torchrun_agent
-    from ptdp.train.stopping import STOP_REQUESTS
+    from ptdp.stop_requests import STOP_REQUESTS
 
     if not follow_torchrun_agent(parent):
         print(f"ptdp: error: torchrun's agent (process {parent}) ended before this "

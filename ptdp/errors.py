@@ -54,19 +54,6 @@ class DivergenceError(UserError):
     """Training can no longer make progress (non-finite loss or gradients)."""
 
 
-# ptdp's error types that predate UserError, named rather than imported: their
-# modules import torch and one another, and this module must stay importable
-# from anywhere. tests/test_launch.py checks that each one still exists.
-USER_ERROR_TYPES = frozenset({
-    "ptdp.config.ConfigError",
-    "ptdp.train.checkpoint.CheckpointError",
-    "ptdp.train.checkpoint_integrity.CheckpointError",  # defined there, imported by checkpoint
-    "ptdp.data.loader.DataSettingsError",
-    "ptdp.data.gpt_dataset.DataError",
-    "ptdp.data.tokenizer.TokenizerError",
-    "ptdp.data.indexed.IndexedDatasetError",
-})
-
 # Disk and permission problems: the user frees space, fixes a path or its
 # permissions. (ENOENT is left out: a path ptdp computed wrongly is a bug.)
 USER_ERRNOS = frozenset(code for code in (
@@ -142,8 +129,6 @@ def is_user_error(error: BaseException) -> bool:
     """A problem the user can fix: ptdp's own error types and disk or
     permission problems. Anything else is a bug and keeps its traceback."""
     if isinstance(error, UserError):
-        return True
-    if any(f"{cls.__module__}.{cls.__qualname__}" in USER_ERROR_TYPES for cls in type(error).__mro__):
         return True
     return _os_error_code(error) in USER_ERRNOS
 

@@ -64,10 +64,10 @@ from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
 
+from ptdp import stop_requests
 from ptdp.distributed import LOOPBACK, DistEnv
 from ptdp.errors import RankFailure, print_user_error
 from ptdp.plural import plural
-from ptdp.train import stopping
 
 # A rank with a graceful-exit handler outlives SIGTERM: SIGKILL after this.
 STOP_GRACE_SECONDS = 3.0
@@ -337,10 +337,10 @@ def launch_local(world_size: int, entry: Callable[[DistEnv, Any], Any], payload:
             _supervise(ranks)
     except KeyboardInterrupt:
         # Ctrl-C: no verdict, the ranks stopped here did not fail. The
-        # report (stopping.StopRequests.interrupted) says whether they were
+        # report (stop_requests.StopRequests.interrupted) says whether they were
         # still starting.
         if ranks is None or ranks.starting:
-            stopping.STOP_REQUESTS.note_start_up(
+            stop_requests.STOP_REQUESTS.note_start_up(
                 world_size, None if ranks is None else len(ranks.started))
         _stop_all(processes, interrupted=True)
         raise
@@ -361,10 +361,10 @@ def launch_local(world_size: int, entry: Callable[[DistEnv, Any], Any], payload:
 
 
 def _not_started(rank: int, world_size: int, error: BaseException) -> LocalJobFailed:
-    requested = stopping.STOP_REQUESTS.first
-    if requested is not None:
-        return LocalJobFailed(rank, None, None, stopped=stopping.STOP_REQUESTS.stopped_while_starting(
-            requested.signal, f"the {plural(world_size, 'process')}"))
+    requests = stop_requests.STOP_REQUESTS
+    if requests.first is not None:
+        return LocalJobFailed(rank, None, None, stopped=requests.stopped_while_starting(
+            requests.first.signal, f"the {plural(world_size, 'process')}"))
     cause = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
     return LocalJobFailed(rank, None, None, stopped=(
         f"rank {rank} of {world_size} could not be started ({cause}): the process that forks the "
@@ -433,7 +433,7 @@ def _forwarding(signals: tuple[int, ...], processes: list,
 
     The handler only sends signals: it must not reap processes (is_alive
     would), which the supervising loop does. On the way out, a request's
-    window (stopping.REPEAT_WINDOW_SECONDS from the first signal forwarded)
+    window (stop_requests.REPEAT_WINDOW_SECONDS from the first signal forwarded)
     outlives the job: see `_RepeatsAbsorbed`."""
     first: list[float] = []  # when the first signal was forwarded
 
@@ -445,13 +445,13 @@ def _forwarding(signals: tuple[int, ...], processes: list,
     def forward(signum, frame) -> None:
         if not first:
             first.append(time.monotonic())
-            stopping.STOP_REQUESTS.note(signum)
+            stop_requests.STOP_REQUESTS.note(signum)
         for rank, process in enumerate(list(processes)):
             if rank not in ended:
                 send(process, signum)
 
     def pass_on_late(process) -> None:
-        requested = stopping.STOP_REQUESTS.first
+        requested = stop_requests.STOP_REQUESTS.first
         if first and requested is not None:
             send(process, requested.signal)
 
@@ -459,13 +459,13 @@ def _forwarding(signals: tuple[int, ...], processes: list,
     try:
         yield pass_on_late
     finally:
-        until = first[0] + stopping.REPEAT_WINDOW_SECONDS if first else 0.0
+        until = first[0] + stop_requests.REPEAT_WINDOW_SECONDS if first else 0.0
         for signum, handler in previous.items():
             handler = handler if handler is not None else signal.SIG_DFL
             signal.signal(signum, _RepeatsAbsorbed(handler, until)
                           if time.monotonic() < until else handler)
         if time.monotonic() < until:
-            stopping.absorb_repeats_at_exit(tuple(previous), until)
+            stop_requests.absorb_repeats_at_exit(tuple(previous), until)
 
 
 class _RepeatsAbsorbed:
@@ -554,7 +554,7 @@ class _Ranks:
         the launcher passed on before their handler for it was in place
         (while starting), or stopped at once by a second request (exit code
         128 + the signal, the handler's)."""
-        requested = stopping.STOP_REQUESTS.first
+        requested = stop_requests.STOP_REQUESTS.first
         killed = {rank for rank, (code, _) in self.exits.items()
                   if requested is not None and code == -requested.signal
                   and rank not in self.reports}
@@ -585,12 +585,12 @@ class _Ranks:
         return "every rank" if len(ranks) == len(self.processes) else f"{len(ranks)} ranks"
 
     def _stopped_on_request(self, stopped: list[int], signum: int) -> LocalJobFailed:
-        text = stopping.STOP_REQUESTS.stopped_while_starting(signum, self._who(stopped))
+        text = stop_requests.STOP_REQUESTS.stopped_while_starting(signum, self._who(stopped))
         return LocalJobFailed(stopped[0], self._exit_code(stopped[0]), None, stopped=text)
 
     def _stopped_at_once(self, at_once: dict[int, int]) -> LocalJobFailed:
         ranks = sorted(at_once)
-        text = stopping.STOP_REQUESTS.stopped_at_once(at_once[ranks[0]], self._who(ranks))
+        text = stop_requests.STOP_REQUESTS.stopped_at_once(at_once[ranks[0]], self._who(ranks))
         return LocalJobFailed(ranks[0], self._exit_code(ranks[0]), None, stopped=text)
 
     def _exit_code(self, rank: int) -> int | None:
@@ -614,7 +614,7 @@ def _with_newest(report: RankFailure) -> RankFailure:
     if report.message != INTERRUPTED_ALONE:
         return report
     return dataclasses.replace(report, message=report.message
-                               + stopping.STOP_REQUESTS.newest_checkpoint())
+                               + stop_requests.STOP_REQUESTS.newest_checkpoint())
 
 
 def _is_stopped(pid: int | None) -> bool:

@@ -1,4 +1,4 @@
-"""Regenerate ptdp/megatron_flag_list.py: every flag of Megatron-LM's
+"""Regenerate ptdp/config/megatron_flag_list.py: every flag of Megatron-LM's
 `pretrain_gpt.py` parser, read from a Megatron-LM checkout without importing
 it (Megatron-LM imports torch, Transformer Engine, triton...).
 
@@ -34,7 +34,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-OUTPUT = Path(__file__).resolve().parent.parent / "ptdp" / "megatron_flag_list.py"
+OUTPUT = Path(__file__).resolve().parent.parent / "ptdp" / "config" / "megatron_flag_list.py"
 ENTRY_POINTS = (("megatron/training/arguments.py", "add_megatron_arguments"),
                 ("megatron/post_training/arguments.py", "add_modelopt_args"))
 
@@ -216,9 +216,10 @@ def render(flags: list[str], commit: str) -> str:
     return (f'"""Every flag of Megatron-LM\'s pretrain_gpt.py parser at its commit below\n'
             f"(add_megatron_arguments, and add_modelopt_args that joins it where NVIDIA Model\n"
             f"Optimizer is installed): {len(flags)} names, written by scripts/megatron_flag_list.py\n"
-            f"from a Megatron-LM checkout; do not edit by hand. ptdp/megatron_flag_classes.py\n"
-            f"and ptdp/megatron_flags.py say what ptdp does with each one that is not a setting\n"
-            f'of its own (tests/test_megatron_flags.py checks that each is one of them)."""\n\n'
+            f"from a Megatron-LM checkout; do not edit by hand.\n"
+            f"ptdp/config/megatron_flag_classes.py and ptdp/config/megatron.py say what ptdp\n"
+            f"does with each one that is not a setting of its own (tests/test_megatron_flags.py\n"
+            f'checks that each is one of them)."""\n\n'
             f'MEGATRON_LM_COMMIT = "{commit}"\n\n'
             f"MEGATRON_LM_FLAGS: tuple[str, ...] = (\n{body}\n)\n")
 
@@ -228,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkout", type=Path, help="a Megatron-LM checkout (git work tree)")
     parser.add_argument("--commit", help="the checkout's commit (default: git rev-parse HEAD there)")
     parser.add_argument("--check", action="store_true",
-                        help="compare with ptdp/megatron_flag_list.py instead of writing it")
+                        help="compare with ptdp/config/megatron_flag_list.py instead of writing it")
     args = parser.parse_args(argv)
     commit = args.commit or subprocess.run(["git", "-C", str(args.checkout), "rev-parse", "HEAD"],
                                            capture_output=True, text=True, check=True).stdout.strip()

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from ptdp import cli
-from ptdp.errors import (USER_ERROR_TYPES, DivergenceError, RankFailure, describe,
-                         is_lost_peer_text, is_user_error, print_user_error)
+from ptdp.errors import (DivergenceError, RankFailure, UserError, describe, is_lost_peer_text,
+                         is_user_error, print_user_error)
 from ptdp.distributed import detect_env, init_process_group
 from ptdp.launch import CPU_RANK_MODULES, LocalJobFailed, _Ranks, _RepeatsAbsorbed, launch_local
 
@@ -137,7 +137,7 @@ def test_sigint_to_one_rank_is_one_paragraph(monkeypatch, tmp_path):
     handles) stops that rank at once: a paragraph that says so and names the
     newest checkpoint, its traceback in a file, not on the screen."""
     from ptdp.launch import INTERRUPTED_ALONE
-    from ptdp.train import stopping
+    from ptdp import stop_requests as stopping
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     save = tmp_path / "ckpt"
@@ -323,9 +323,12 @@ def test_the_first_exception_of_a_chain_decides_and_the_real_cause_is_reported()
 
 
 def test_user_errors_are_ptdps_own_and_disk_or_permission_problems():
-    for dotted in USER_ERROR_TYPES:  # the registry names classes that exist
+    for dotted in ("ptdp.config.ConfigError", "ptdp.train.checkpoint.CheckpointError",
+                   "ptdp.data.loader.DataSettingsError", "ptdp.data.gpt_dataset.DataError",
+                   "ptdp.data.tokenizer.TokenizerError", "ptdp.data.indexed.IndexedDatasetError"):
         module, name = dotted.rsplit(".", 1)
         error_type = getattr(importlib.import_module(module), name)
+        assert issubclass(error_type, UserError) and issubclass(error_type, ValueError)
         assert is_user_error(error_type.__new__(error_type))
     assert is_user_error(DivergenceError("the loss is not finite"))
     assert is_user_error(PermissionError(errno.EACCES, "Permission denied", "ckpt"))

@@ -31,7 +31,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ptdp.cli import build_parser, main
 from ptdp.config import ModelConfig
 from ptdp.model.gpt import GPT, build_chunks
-from ptdp.parallel.data import GradBuffer
+from ptdp.parallel.data_parallel import GradBuffer
 from ptdp.parallel.tensor import RNGStreams
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.perf import analytic

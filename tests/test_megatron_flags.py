@@ -1,4 +1,4 @@
-"""Megatron-LM flags without a setting of their own (ptdp/megatron_flags.py)
+"""Megatron-LM flags without a setting of their own (ptdp/config/megatron.py)
 and the shape flags whose other values ptdp refuses: each accepted flag is
 explained in one line before the run, each refused one is reported with the
 other problems, before any process starts."""
@@ -17,8 +17,9 @@ import pytest
 from ptdp.argparser import did_you_mean
 from ptdp.cli import QUIET_RANK_WAIT_SECONDS, build_parser, config_from_args, main
 from ptdp.config import Config, ConfigError, ModelConfig, ParallelConfig, validate
-from ptdp.megatron_flag_list import MEGATRON_LM_COMMIT, MEGATRON_LM_FLAGS
-from ptdp.megatron_flags import ACCEPTED, attention_kernel, given, notes, refusals
+from ptdp.config.megatron import ACCEPTED, given, notes, refusals
+from ptdp.config.megatron_flag_list import MEGATRON_LM_COMMIT, MEGATRON_LM_FLAGS
+from ptdp.parallel.block_attention import attention_kernel
 from tests.test_config_hints import rank_environment  # noqa: F401 - a fixture
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -200,7 +201,7 @@ def test_log_params_norm_and_num_zeros_are_settings():
 
 
 def test_tiktoken_flags_for_another_tokenizer_are_noted():
-    from ptdp.megatron_flags import config_notes
+    from ptdp.config.megatron import config_notes
 
     config = config_from_args(_args("--tiktoken-pattern", "v2"))
     assert config.data.tiktoken_pattern == "v2"
@@ -256,7 +257,7 @@ def test_every_megatron_lm_flag_is_classified():
     """Each flag of Megatron-LM's parser is a setting of ptdp (implemented),
     another spelling of one, or in the flag table: accepted with a note or
     refused by name. None is unknown to `ptdp train`, none is in two places."""
-    from ptdp.megatron_flags import SPELLINGS
+    from ptdp.config.megatron import SPELLINGS
 
     options = _train_parser()._option_string_actions
     table = {accepted.name: accepted for accepted in ACCEPTED}
@@ -347,7 +348,7 @@ def test_harmless_megatron_lm_switches_are_accepted_with_a_note(flags, note):
 
 
 def test_no_load_optim_and_rng_without_load_are_a_note():
-    from ptdp.megatron_flags import config_notes
+    from ptdp.config.megatron import config_notes
 
     config = config_from_args(_args("--no-load-optim", "--no-load-rng"))
     validate(config)

@@ -13,7 +13,7 @@ import pytest
 from ptdp.cli import build_parser, config_from_args, main
 from ptdp.config import Config, ConfigError, ModelConfig, MoEFields, ParallelConfig, flag_fields, \
     parse_layer_pattern, validate
-from ptdp.megatron_flags import MOE_FLAGS, given, notes, refusals
+from ptdp.config.megatron import MOE_FLAGS, given, notes, refusals
 
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
         "--vocab-size", "64", "--seq-length", "16"]

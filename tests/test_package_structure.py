@@ -26,9 +26,13 @@ LAYERS = (
 )
 # Within the programs' layer, what each may still not import, and why.
 NOT_WITHIN_A_LAYER = {
-    # The launcher starts the ranks that train (it imports ptdp.train): a rank
-    # needs only its environment and process group, from ptdp.distributed.
+    # The launcher starts the ranks that train, and training never imports it
+    # back: a rank needs only its environment and process group, from
+    # ptdp.distributed.
     "ptdp.train": ("ptdp.launch",),
+    # Nor does the launcher import training (ptdp.perf.calibrate uses it): the
+    # stop requests it passes on live below both, in ptdp.stop_requests.
+    "ptdp.launch": ("ptdp.train",),
     # Training reports the paper's FLOPs from ptdp.perf (issue 15); perf never
     # imports training back.
     "ptdp.perf": ("ptdp.train",),
@@ -165,6 +169,7 @@ def test_the_rules_say_what_the_issue_asks():
                          ("ptdp.model", "ptdp.parallel")):
         assert layer_of(upper) < layer_of(lower), (upper, lower)
     assert "ptdp.launch" in NOT_WITHIN_A_LAYER["ptdp.train"]
+    assert "ptdp.train" in NOT_WITHIN_A_LAYER["ptdp.launch"]
 
 
 # ------------------------------------------------------------------ the checkers fail when they should
@@ -189,6 +194,15 @@ def test_the_layer_check_finds_upward_imports_in_a_synthetic_graph():
     ]
     exception = {("ptdp.data.loader", "ptdp.train.checkpoint"): "why"}
     assert len(upward_imports(graph, exceptions=exception)) == 4
+
+
+def test_the_layer_check_finds_the_launcher_importing_training_in_a_synthetic_graph():
+    graph = {"ptdp.launch": {"ptdp.train.stopping", "ptdp.stop_requests", "ptdp.distributed"},
+             "ptdp.train.stopping": {"ptdp.stop_requests"}}
+    assert upward_imports(graph) == [
+        "ptdp.launch (programs) imports ptdp.train.stopping (programs)"]
+    graph["ptdp.launch"].discard("ptdp.train.stopping")
+    assert upward_imports(graph) == []
 
 
 def test_the_graph_sees_imports_inside_functions_and_submodules(tmp_path):

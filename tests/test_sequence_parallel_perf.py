@@ -34,7 +34,7 @@ import ptdp.parallel.tensor as tensor_parallel
 from ptdp.cli import build_parser, config_from_args, main
 from ptdp.config import ModelConfig, validate
 from ptdp.model.gpt import GPT, build_chunks
-from ptdp.parallel.data import GradBuffer
+from ptdp.parallel.data_parallel import GradBuffer
 from ptdp.parallel.tensor import RNGStreams
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.perf import analytic

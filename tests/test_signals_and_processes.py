@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 
 from ptdp import cli
+from ptdp import stop_requests as stopping
 from ptdp.errors import print_user_error, report_to_torchrun
-from ptdp.train import stopping
+from ptdp.stop_requests import StopRequests
 from ptdp.train.checkpoint import read_metadata, resolve
-from ptdp.train.stopping import GracefulExit, StopRequests
+from ptdp.train.stopping import GracefulExit
 from tests.test_fault_matrix import INJECTOR, _torchrun
 from tests.test_train_cli import _spawned_children
 

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from ptdp.train import stopping
-from ptdp.train.stopping import StopRequests
+from ptdp import stop_requests as stopping
+from ptdp.stop_requests import StopRequests
 from tests.test_fault_matrix import INJECTOR
 from tests.test_signals_and_processes import ROOT, TINY, _env, _point_latest
 
@@ -19,6 +19,12 @@ from tests.test_signals_and_processes import ROOT, TINY, _env, _point_latest
 @pytest.fixture(autouse=True)
 def fresh_requests(monkeypatch):
     monkeypatch.setattr(stopping, "STOP_REQUESTS", StopRequests())
+
+
+def test_the_stop_requests_read_the_checkpoints_own_latest_pointer():
+    from ptdp.train.retention import LATEST
+
+    assert stopping.LATEST == LATEST
 
 
 def test_a_job_stopped_by_signals_reports_what_is_on_disk(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ptdp.model.gpt import GPT
-from ptdp.parallel.data import GradBuffer
+from ptdp.parallel.data_parallel import GradBuffer
 from ptdp.parallel.tensor import ColumnParallelLinear, RNGStreams, RowParallelLinear
 from ptdp.parallel.topology import ParallelContext
 from ptdp.parallel.weight_grad import DeferredWeightGrads

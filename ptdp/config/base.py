@@ -9,6 +9,8 @@ import math
 from dataclasses import field
 from typing import Any
 
+from ptdp.errors import UserError
+
 
 def flag(default: Any, name: str, help: str, **extra: Any) -> Any:
     """A dataclass field that is also the command-line flag `name`."""
@@ -23,12 +25,8 @@ def flag_in(section: Any, name: str) -> str:
     raise KeyError(f"{getattr(section, '__name__', type(section).__name__)}.{name}")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """One or more invalid settings; the message lists each with a fix."""
-
-    # Its public name, under which ptdp.errors registers it as a user's error
-    # (by name, not imported) and a pickled one is found again.
-    __module__ = "ptdp.config"
 
     def __init__(self, problems: list[str]):
         self.problems = problems

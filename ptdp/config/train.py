@@ -434,7 +434,7 @@ def stopping_problems(tr: TrainConfig) -> list[str]:
 
 
 # What --load's checkpoint leaves out: with nothing loaded there is nothing to
-# leave out, which ptdp.megatron_flags.config_notes says.
+# leave out, which ptdp.config.megatron.config_notes says.
 LEAVE_OUT_FLAGS = ("--no-load-optim", "--no-load-rng")
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import tarfile
 from pathlib import Path
 
@@ -49,15 +48,6 @@ def read_works(archive: Path = CORPUS_ARCHIVE, manifest: Path = CORPUS_MANIFEST)
     if missing:
         raise CorpusError(f"{archive} lacks {', '.join(missing)} (run scripts/fetch_assets.py)")
     return sorted(works.items())
-
-
-def default_cache_dir() -> Path:
-    """Where derived data (tokenized demo corpus) goes unless
-    --data-cache-path says otherwise: $PTDP_CACHE, else the user cache."""
-    if os.environ.get("PTDP_CACHE"):
-        return Path(os.environ["PTDP_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "ptdp"
 
 
 def demo_data_prefix(tokenizer, tokenizer_key: str, cache_dir: Path, *, build: bool = True) -> str:

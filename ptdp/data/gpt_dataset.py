@@ -56,7 +56,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ptdp.data.cache import default_cache_dir
 from ptdp.data.indexed import IndexedDataset, IndexedDatasetError
+from ptdp.errors import UserError
 from ptdp.status import phase
 
 # Bump when the index algorithm changes: old caches then hash differently.
@@ -67,7 +69,7 @@ _BOUNDARY_BLOCK = 1 << 22  # sample boundaries per searchsorted call: bounded te
 _RNG_DOCUMENTS, _RNG_SAMPLES = 0, 1  # SeedSequence streams: document vs sample permutations
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """Data settings or files that cannot work; the message says what is
     wrong and which flag or file to change."""
 
@@ -263,10 +265,6 @@ def build_blend_index(weights: Sequence[float], num_samples: int) -> dict[str, n
 
 
 # ---------------------------------------------------------------- the cache
-
-def default_cache_dir(prefix: str) -> Path:
-    return Path(prefix).resolve().parent / "index-cache"
-
 
 def dataset_fingerprint(prefix: str) -> dict:
     """Identifies an indexed dataset by content, cheaply: file sizes and a hash

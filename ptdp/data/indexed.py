@@ -36,6 +36,9 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from ptdp.errors import UserError
+
+
 MAGIC = b"MMIDIDX\x00\x00"
 LEGACY_MAGIC = b"TNTIDX\x00\x00"  # fairseq's older "cached"/"lazy" index format
 VERSION = 1
@@ -49,7 +52,7 @@ _BLOCK = 1 << 22  # sequences per validation block: 48 MiB of temporaries at mos
 _COPY_BUFFER = 1 << 22
 
 
-class IndexedDatasetError(ValueError):
+class IndexedDatasetError(UserError, ValueError):
     """An indexed dataset is unreadable or a write is invalid; the message
     names the file, what is wrong and what to do."""
 

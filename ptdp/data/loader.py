@@ -39,9 +39,10 @@ from ptdp.data.mock import MockGPTDataset
 from ptdp.data.tiktoken_tokenizer import TiktokenSettings
 from ptdp.data.tokenizer import (TokenizerError, build_tokenizer, character_counts,
                                   check_tokenizer_settings)
+from ptdp.errors import UserError
 
 
-class DataSettingsError(ValueError):
+class DataSettingsError(UserError, ValueError):
     pass
 
 
@@ -257,7 +258,8 @@ def build_training_data(config: Config, *, num_samples: tuple[int, int, int], is
         # Validation: other sequences of the same generator (same successor table).
         return TrainingData(train=mock, valid=_Offset(mock, MOCK_VALID_OFFSET),
                             test=_Offset(mock, 2 * MOCK_VALID_OFFSET), description="generated sequences")
-    from ptdp.data.corpus import default_cache_dir, demo_data_prefix
+    from ptdp.data.cache import default_cache_dir
+    from ptdp.data.corpus import demo_data_prefix
     from ptdp.data.gpt_dataset import build_gpt_datasets
 
     tokenizer = tokenizer_for(data, model.vocab_size)

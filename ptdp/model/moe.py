@@ -47,8 +47,9 @@ like the dense MLP (EP = 1, ETP = t) each tensor rank holds 1/t of every
 expert, runs it on all tokens, and one all-reduce (or reduce-scatter)
 completes them. Otherwise (expert parallelism, ptdp.parallel.topology's
 folding) a rank holds E/EP experts, 1/ETP of each, and its own s/t
-positions travel to them and back (`_dispatched_experts`: allgather or
-alltoall over the ETP × EP ranks that hold every expert once).
+positions travel to them and back (a token dispatcher of
+ptdp.parallel.expert: allgather or alltoall over the ETP × EP ranks that
+hold every expert once).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ from torch import nn
 from ptdp.config import ModelConfig
 from ptdp.model.fused import swiglu
 from ptdp.model.grouped_experts import grouped_experts, grouped_gemm_used
-from ptdp.parallel.expert import all_to_all, exchange_counts, gather_rows, scatter_rows
+from ptdp.parallel.expert import Dispatched, LocalExperts, token_dispatcher
 from ptdp.parallel.sharding import EXPERT_ATTR, SHARD_ATTR, TensorShard, set_init
 from ptdp.parallel.tensor import (
     RNGStreams,
@@ -306,6 +307,9 @@ class MoELayer(nn.Module):
             raise ValueError("expert parallelism (or ETP != t) at t > 1 needs sequence "
                              "parallelism: the tokens are dispatched from its shards")
         self.router = Router(config, tokens_are_replicated=ctx.tp_size > 1)
+        self.dispatcher = (token_dispatcher(config.moe_token_dispatcher_type, ctx,
+                                            config.num_experts)
+                           if self.dispatches else LocalExperts(ctx, config.num_experts))
         # This expert-parallel rank's E/EP experts, under their global numbers.
         per_rank = config.num_experts // ctx.ep_size
         first = ctx.ep_rank * per_rank
@@ -345,6 +349,17 @@ class MoELayer(nn.Module):
         its E/EP experts (its 1/ETP of each) on those routed to them, and a
         reduce-scatter over the group sums the experts' and the ETP shards'
         parts back onto the tokens' own ranks."""
+        flat, routing = self._route(x)
+        shared = self._shared(flat)
+        tokens, routing = self._own_tokens(x, flat, routing)
+        dispatched = self.dispatcher.dispatch(tokens, routing.probs, routing.routed)
+        out = self.dispatcher.combine(self._run_experts(dispatched), dispatched)
+        return self._completed(out, shared, x.shape), None
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, Routing]:
+        """The microbatch's tokens [T, h] (gathered from the sequence shards)
+        and their routing, with the balancing losses attached and the
+        tokens per expert counted."""
         group = self.ctx.tp_group
         tokens = (gather_from_sequence_region(x, group) if self.sequence_parallel
                   else copy_to_tensor_region(x, group))
@@ -362,22 +377,35 @@ class MoELayer(nn.Module):
             self.metrics.setdefault("tokens_per_expert", []).append(taken.detach())
             self.metrics.setdefault("assigned", []).append(
                 torch.tensor(float(s * b * self.config.moe_router_topk)))
-        shared = self._shared(flat)
+        return flat, routing
+
+    def _own_tokens(self, x: torch.Tensor, flat: torch.Tensor,
+                    routing: Routing) -> tuple[torch.Tensor, Routing]:
+        """The tokens this rank hands its dispatcher: all of the microbatch's
+        without dispatch, else its own positions, rows [r·T/t, (r+1)·T/t) of
+        the gathered microbatch."""
         if not self.dispatches:
-            out = self._experts(flat, routing)
-            out = out if shared is None else out + shared
-            if self.sequence_parallel:
-                return reduce_scatter_to_sequence_region(out.view(s, b, h), group), None
-            return reduce_from_tensor_region(out.view(s, b, h), group), None
-        # This rank's own positions: rows [r·T/t, (r+1)·T/t) of the gathered microbatch.
-        local = x.reshape(-1, h)
+            return flat, routing
+        local = x.reshape(-1, flat.shape[-1])
         rows = slice(self.ctx.tp_rank * local.shape[0], (self.ctx.tp_rank + 1) * local.shape[0]) \
             if self.sequence_parallel else slice(None)
-        out = self._dispatched_experts(local, Routing(routing.probs[rows], routing.routed[rows]))
+        return local, Routing(routing.probs[rows], routing.routed[rows])
+
+    def _completed(self, out: torch.Tensor, shared: torch.Tensor | None,
+                   shape: torch.Size) -> torch.Tensor:
+        """The layer's output in x's shape: the routed experts' part plus
+        the shared experts', both partial over the tensor group, reduced."""
+        group = self.ctx.tp_group
+        if not self.dispatches:
+            out = out if shared is None else out + shared
+            out = out.view(-1, *shape[1:])  # [s, b, h], the sequence gathered
+            if self.sequence_parallel:
+                return reduce_scatter_to_sequence_region(out, group)
+            return reduce_from_tensor_region(out, group)
         if shared is not None:
             out = out + (reduce_scatter_to_sequence_region(shared, group)
                          if self.sequence_parallel else shared)
-        return out.view(x.shape), None
+        return out.view(shape)
 
     def _shared(self, flat: torch.Tensor) -> torch.Tensor | None:
         """The shared experts' output (partial over the tensor group), gated."""
@@ -388,23 +416,14 @@ class MoELayer(nn.Module):
             shared = shared * torch.sigmoid(F.linear(flat, self.shared_expert_gate))
         return shared
 
-    def _experts(self, flat: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """Σ_e p_e · expert_e(x) for each token over this rank's experts."""
-        first = self.ctx.ep_rank * len(self.experts)
-        routed = routing.routed[:, first:first + len(self.experts)]
-        experts, tokens = routed.t().nonzero(as_tuple=True)  # the pairs, expert by expert
-        probs = routing.probs[:, first:first + len(self.experts)].t()[experts, tokens]
-        y = self._run_experts(flat.index_select(0, tokens), probs, experts, by_expert=True)
-        return torch.zeros_like(flat).index_add(0, tokens, y.to(flat.dtype))
-
-    def _run_experts(self, x: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor,
-                     by_expert: bool = False) -> torch.Tensor:
-        """Row i of x through local expert experts[i], scaled by probs[i]; the
-        rows in their order (`by_expert`: already sorted by expert). Every
-        expert runs, also on no rows: its gradient, zero, must reach the
-        data-parallel buckets on every replica alike."""
+    def _run_experts(self, dispatched: Dispatched) -> torch.Tensor:
+        """Row i of the dispatched rows through local expert experts[i],
+        scaled by probs[i]; the rows in their order. Every expert runs, also
+        on no rows: its gradient, zero, must reach the data-parallel buckets
+        on every replica alike."""
+        x, probs, experts = dispatched.tokens, dispatched.probs, dispatched.experts
         order = None
-        if not by_expert:
+        if not dispatched.by_expert:
             order = torch.argsort(experts, stable=True)
             x, probs = x.index_select(0, order), probs.index_select(0, order)
             experts = experts.index_select(0, order)
@@ -423,50 +442,6 @@ class MoELayer(nn.Module):
             y = torch.cat([expert(rows, row_probs) for expert, rows, row_probs
                            in zip(local, x.split(sizes), probs.split(sizes))])
         return y if order is None else torch.empty_like(y).index_copy(0, order, y)
-
-    def _dispatched_experts(self, local: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """The allgather dispatcher: this rank's tokens [T_l, h] with their
-        routing, gathered over the dispatch group (gradients reduce-scattered
-        back), through this rank's experts, and the group's partial outputs
-        reduce-scattered onto their own ranks (gradients gathered)."""
-        if self.config.moe_token_dispatcher_type == "alltoall":
-            return self._all_to_all_experts(local, routing)
-        group = self.ctx.expert_dispatch_group
-        tokens = gather_from_sequence_region(local, group)
-        probs = gather_from_sequence_region(routing.probs, group)
-        with torch.no_grad():
-            routed = gather_from_sequence_region(routing.routed.to(torch.uint8), group).bool()
-        out = self._experts(tokens, Routing(probs, routed))
-        return reduce_scatter_to_sequence_region(out, group)
-
-    def _all_to_all_experts(self, local: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """The alltoall dispatcher: each (token, expert) pair of this rank's
-        tokens goes, in expert order, to the expert-parallel rank holding the
-        expert (an all-to-all with variable splits over the EP group); the
-        expert tensor-parallel ranks gather what their peers received, run
-        their 1/ETP of each expert, reduce-scatter the partial outputs, and
-        the outputs return the same way, summed onto their tokens."""
-        ctx = self.ctx
-        per_rank = self.config.num_experts // ctx.ep_size
-        experts_of_pairs, tokens_of_pairs = routing.routed.t().nonzero(as_tuple=True)
-        probs = routing.probs.t()[experts_of_pairs, tokens_of_pairs]
-        sent = torch.bincount(experts_of_pairs, minlength=self.config.num_experts)
-        sent = sent.view(ctx.ep_size, per_rank)                  # to each EP rank, per expert
-        received = exchange_counts(sent, ctx.expert_group)       # from each EP rank, per expert
-        to_ranks, from_ranks = sent.sum(dim=1).tolist(), received.sum(dim=1).tolist()
-        tokens = all_to_all(local.index_select(0, tokens_of_pairs), from_ranks, to_ranks,
-                            ctx.expert_group)
-        probs = all_to_all(probs, from_ranks, to_ranks, ctx.expert_group)
-        with torch.no_grad():  # the local expert of each received row
-            expert_ids = torch.arange(per_rank, device=local.device).repeat(ctx.ep_size)
-            expert_ids = expert_ids.repeat_interleave(received.reshape(-1))
-            expert_ids, _ = gather_rows(expert_ids, ctx.expert_tensor_group)
-        tokens, sizes = gather_rows(tokens, ctx.expert_tensor_group)
-        probs, _ = gather_rows(probs, ctx.expert_tensor_group)
-        out = self._run_experts(tokens, probs, expert_ids).to(tokens.dtype)
-        out = scatter_rows(out, sizes, ctx.etp_rank, ctx.expert_tensor_group)
-        out = all_to_all(out, to_ranks, from_ranks, ctx.expert_group)
-        return torch.zeros_like(local).index_add(0, tokens_of_pairs, out.to(local.dtype))
 
     def _balance(self, logits: torch.Tensor, s: int, b: int) -> torch.Tensor:
         """Attach the load-balancing and z losses to the logits (training

@@ -241,3 +241,30 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
     block_weight = torch.exp(block_lse - finite).unsqueeze(-1)
     out.mul_(old_weight).add_(block_out * block_weight)
     lse.copy_(new_lse)
+
+
+def attention_kernel(config, device, dtype) -> str:
+    """The kernel PyTorch's scaled_dot_product_attention picks for one rank's
+    attention in this run (its shapes, precision and device), as PyTorch
+    names its backends; asked of PyTorch itself, not guessed (reported when
+    --use-flash-attn or --attention-backend is given)."""
+    m = config.model
+    t = config.parallel.tensor_model_parallel_size
+    heads, groups = m.num_attention_heads // t, max(1, m.query_groups // t)
+    shape = (config.train.micro_batch_size, heads, m.seq_length, m.head_dim)
+    q = torch.empty(shape, device=device, dtype=dtype)
+    kv = torch.empty((shape[0], groups, shape[2], shape[3]), device=device, dtype=dtype)
+    gqa = {"enable_gqa": True} if groups != heads else {}  # as ptdp's attention calls it
+    try:
+        from torch.nn.attention import SDPBackend
+
+        choice = torch._fused_sdp_choice(q, kv, kv, None, m.attention_dropout, True, **gqa)
+        name = SDPBackend(choice).name
+    except (AttributeError, RuntimeError, TypeError, ValueError):  # a PyTorch without the query
+        return "PyTorch's scaled_dot_product_attention (its kernel choice cannot be queried here)"
+    readable = {"FLASH_ATTENTION": "flash attention", "EFFICIENT_ATTENTION":
+                "memory-efficient attention", "CUDNN_ATTENTION": "cuDNN attention",
+                "MATH": "the unfused math path", "OVERRIDEABLE": "a device-specific kernel"}
+    return (f"PyTorch's scaled_dot_product_attention picks {readable.get(name, name)} ({name}) "
+            f"for {str(dtype).replace('torch.', '')} on {device.type}, {heads} heads of width "
+            f"{m.head_dim} per rank, sequence {m.seq_length}, causal")

@@ -16,7 +16,7 @@ gradient would still fire the parameters' post-accumulate hooks). W hands
 each gradient to autograd as the backward of the parameter itself
 (`torch.autograd.backward(param, grad)`), so it accumulates into `.grad`
 and fires those hooks exactly as a fused backward would: the data-parallel
-buckets (ptdp.parallel.data) become ready after the last W, with no change
+buckets (ptdp.parallel.data_parallel) become ready after the last W, with no change
 there. Layers without a store compute both parts in one backward, as before.
 """
 

@@ -5,7 +5,7 @@ A pipeline rank reduces its gradients (fp32, as ptdp keeps them) over the
 d replicas with a hierarchical ring (reduce-scatter inside the server,
 all-reduce between servers, all-gather inside); a reduce-scatter only with
 the distributed optimizer. Its buckets start as soon as their gradients are
-final, during each chunk's last backward (ptdp.parallel.data.GradBuffer),
+final, during each chunk's last backward (ptdp.parallel.data_parallel.GradBuffer),
 so the reduction overlaps that backward: predict.py plays it against the
 timeline from these per-chunk amounts (`chunk_shares`), and at least the
 last bucket's reduction (`last_bucket`) follows the flush. The tied

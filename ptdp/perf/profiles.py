@@ -379,7 +379,7 @@ def builtin_profile(name: str, gemm_efficiency: float | None = None) -> Hardware
 
 def default_profile_path() -> Path:
     """Where `ptdp calibrate` writes without --out and `load_profile("local")` reads."""
-    from ptdp.data.corpus import default_cache_dir
+    from ptdp.data.cache import default_cache_dir
 
     return default_cache_dir() / "local-profile.json"
 

@@ -32,6 +32,8 @@ import re
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from ptdp.errors import UserError
+
 FORMAT = "ptdp-checkpoint"
 FORMAT_VERSION = 2   # 2: the sealed metadata and its arithmetic records
 READABLE_VERSIONS = (1, 2)
@@ -61,7 +63,7 @@ def tensor_file_metadata() -> dict[str, str]:
     return {TENSOR_FILE_FORMAT: f"{FORMAT} {FORMAT_VERSION}"}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint that cannot be used; says what is wrong and what to do."""
 
 

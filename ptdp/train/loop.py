@@ -23,10 +23,11 @@ from ptdp.data.loader import TrainingBatches, TrainingData, build_training_data,
 from ptdp.data.sampler import microbatch_indices, training_microbatches
 from ptdp.distributed import DistEnv, init_process_group
 from ptdp.errors import DivergenceError, UserError
-from ptdp.megatron_flags import attention_kernel, reports_attention_kernel
+from ptdp.config.megatron import reports_attention_kernel
 from ptdp.model.gpt import build_chunks
+from ptdp.parallel.block_attention import attention_kernel
 from ptdp.parallel.context_attention import KERNEL_OPS, block_kernel
-from ptdp.parallel.data import GradBuffer
+from ptdp.parallel.data_parallel import GradBuffer
 from ptdp.parallel.pipeline.executor import PipelineExecutor, average_loss
 from ptdp.parallel.pipeline.schedules import build_schedule
 from ptdp.parallel.pipeline.split import stage_layer_counts

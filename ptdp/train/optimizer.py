@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ptdp.config import TrainConfig
-from ptdp.parallel.data import GradBuffer
+from ptdp.parallel.data_parallel import GradBuffer
 from ptdp.parallel.sharding import COPY_ATTR, SHARD_ATTR, is_expert
 from ptdp.parallel.topology import ParallelContext
 from ptdp.train.lr_schedule import LRSchedule

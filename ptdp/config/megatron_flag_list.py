@@ -1,9 +1,10 @@
 """Every flag of Megatron-LM's pretrain_gpt.py parser at its commit below
 (add_megatron_arguments, and add_modelopt_args that joins it where NVIDIA Model
 Optimizer is installed): 900 names, written by scripts/megatron_flag_list.py
-from a Megatron-LM checkout; do not edit by hand. ptdp/megatron_flag_classes.py
-and ptdp/megatron_flags.py say what ptdp does with each one that is not a setting
-of its own (tests/test_megatron_flags.py checks that each is one of them)."""
+from a Megatron-LM checkout; do not edit by hand.
+ptdp/config/megatron_flag_classes.py and ptdp/config/megatron.py say what ptdp
+does with each one that is not a setting of its own (tests/test_megatron_flags.py
+checks that each is one of them)."""
 
 MEGATRON_LM_COMMIT = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
 

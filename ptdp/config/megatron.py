@@ -1,6 +1,7 @@
 """Megatron-LM flags that `ptdp train` takes without a setting of its own:
-every flag of Megatron-LM's parser (ptdp/megatron_flag_list.py) that is not
-a ptdp setting is here, by name or by family (ptdp/megatron_flag_classes.py).
+every flag of Megatron-LM's parser (ptdp/config/megatron_flag_list.py) that is
+not a ptdp setting is here, by name or by family
+(ptdp/config/megatron_flag_classes.py).
 
 A Megatron-LM script carries flags that choose between implementations ptdp
 does not have (Transformer Engine or not, fused kernels or not) or that turn
@@ -25,7 +26,7 @@ import argparse
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ptdp.megatron_flag_classes import FAMILIES, YARN
+from ptdp.config.megatron_flag_classes import FAMILIES, YARN
 
 # Namespace attributes of these flags; no "." so they are not config settings.
 _DEST_PREFIX = "megatron_"
@@ -494,31 +495,3 @@ def config_notes(config) -> list[str]:
 
 def reports_attention_kernel(config) -> bool:
     return config.model.use_flash_attn or config.model.attention_backend != "auto"
-
-
-def attention_kernel(config, device, dtype) -> str:
-    """The kernel PyTorch's scaled_dot_product_attention picks for one rank's
-    attention in this run (its shapes, precision and device), as PyTorch
-    names its backends; asked of PyTorch itself, not guessed."""
-    import torch
-
-    m = config.model
-    t = config.parallel.tensor_model_parallel_size
-    heads, groups = m.num_attention_heads // t, max(1, m.query_groups // t)
-    shape = (config.train.micro_batch_size, heads, m.seq_length, m.head_dim)
-    q = torch.empty(shape, device=device, dtype=dtype)
-    kv = torch.empty((shape[0], groups, shape[2], shape[3]), device=device, dtype=dtype)
-    gqa = {"enable_gqa": True} if groups != heads else {}  # as ptdp's attention calls it
-    try:
-        from torch.nn.attention import SDPBackend
-
-        choice = torch._fused_sdp_choice(q, kv, kv, None, m.attention_dropout, True, **gqa)
-        name = SDPBackend(choice).name
-    except (AttributeError, RuntimeError, TypeError, ValueError):  # a PyTorch without the query
-        return "PyTorch's scaled_dot_product_attention (its kernel choice cannot be queried here)"
-    readable = {"FLASH_ATTENTION": "flash attention", "EFFICIENT_ATTENTION":
-                "memory-efficient attention", "CUDNN_ATTENTION": "cuDNN attention",
-                "MATH": "the unfused math path", "OVERRIDEABLE": "a device-specific kernel"}
-    return (f"PyTorch's scaled_dot_product_attention picks {readable.get(name, name)} ({name}) "
-            f"for {str(dtype).replace('torch.', '')} on {device.type}, {heads} heads of width "
-            f"{m.head_dim} per rank, sequence {m.seq_length}, causal")

@@ -2,8 +2,8 @@
 for, family by family: one line says what the family is in Megatron-LM and
 what ptdp does (accepted, no effect) or offers instead (refused).
 
-ptdp/megatron_flag_list.py pins every flag of Megatron-LM's parser;
-ptdp/megatron_flags.py turns each family into flags of `ptdp train` (and
+ptdp/config/megatron_flag_list.py pins every flag of Megatron-LM's parser;
+ptdp/config/megatron.py turns each family into flags of `ptdp train` (and
 holds the flags that need a note or a refusal of their own). A flag ptdp
 implements is an ordinary setting in ptdp.config, not here.
 
