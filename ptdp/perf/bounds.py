@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 
-from ptdp.parallel.pipeline.actions import virtual_stage_of
+from ptdp.schedules.kinds import virtual_stage_of
 from ptdp.perf.after_flush import after_flush
 from ptdp.perf.layout import Layout, Workload
 from ptdp.perf.moe_costs import stage_moe_layers

@@ -27,7 +27,7 @@ t dividing s): it divides the activations between the tensor-parallel
 regions and their element-wise work by t for the same tensor traffic plus
 the re-gathers of the saved inputs, so it mostly decides what fits.
 
-Uneven layer splits (ptdp.parallel.pipeline.split): for each pipeline
+Uneven layer splits (ptdp.schedules.split): for each pipeline
 layout with p >= 2 under 1f1b (v = 1), zb-h1 or zbv the search also tries
 the embedding/loss accounting flags and, for v = 1, first/last-rank layer
 counts that move one or two layers off the first and/or the last rank (the
@@ -53,6 +53,7 @@ from typing import Any
 
 from ptdp.config import Config, ConfigError, ModelConfig, validate
 from ptdp.output_paths import output_path_problems
+from ptdp.schedules.kinds import DEFAULT_SCHEDULE
 from ptdp.perf.candidates import (  # noqa: F401  (candidate_layouts & co. are plan's API too)
     MAX_CHUNKS, MAX_MICROBATCH, MIN_CONTEXT_POSITIONS, SCHEDULES, candidate_layouts,
     context_sizes_to_search, split_candidates)
@@ -299,7 +300,7 @@ def describe(layout: Layout, model: ModelConfig | None = None) -> str:
                 f"b={layout.b}")
     if layout.v > 1:
         text += f" v={layout.v}"
-    if layout.schedule != "1f1b":
+    if layout.schedule != DEFAULT_SCHEDULE:
         text += f" {layout.schedule}"
     if layout.recompute:
         text += f" recompute={layout.recompute}"

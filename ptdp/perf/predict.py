@@ -5,7 +5,7 @@ same generator the executor runs (`build_schedule`), gives every action a
 cost in seconds from an operator model of ptdp's GPT, and plays the action
 lists against each other in an event simulation that respects every send /
 receive dependency (an Exchange completes only once the peers have posted
-its other ends, as in `ptdp.parallel.pipeline.simulate`). The gradient
+its other ends, as in `ptdp.schedules.simulate`). The gradient
 reductions run bucket by bucket under each chunk's last backward (all
 after it where the profile says the run reduced after the backward), the
 tied embedding's sum after both ends have finished, then the optimizer
@@ -15,11 +15,11 @@ is what of them is exposed: what outlasts the backward.
 
 The pieces: operator prices (ptdp.perf.pricing, summed per stage in
 ptdp.perf.stage_costs), the ranks' links (ptdp.perf.machine), the event
-simulation (ptdp.perf.player) and what follows the flush
+simulation (ptdp.schedules.player) and what follows the flush
 (ptdp.perf.after_flush).
 
-Zero-bubble schedules (zb-h1, zbv): the schedule has no transfer across
-zbv's bottom (stages p−1 and p, both on rank p−1), so none is priced, and
+Zero-bubble schedules (ZB-H1, ZB-V): the schedule has no transfer across
+ZB-V's bottom (stages p−1 and p, both on rank p−1), so none is priced, and
 with both ends of the model on rank 0 the tied embedding needs no sum over
 an embedding group. The schedule is built with its exchanges placed for
 these predicted F, B and W costs (build_schedule's `costs`), as the trainer
@@ -52,7 +52,7 @@ Bubble fraction (from the priced timeline): the time from the start of the
 iteration to the pipeline flush, minus the compute time of the busiest
 pipeline rank, over that compute time: the paper's bubble time over ideal
 time. With uniform costs and free transfers it is exactly (p−1)/m, or
-(p−1)/(m·v) interleaved, (p−1)/(3m) zb-h1 and (p−1)/(6m) zbv under
+(p−1)/(m·v) interleaved, (p−1)/(3m) ZB-H1 and (p−1)/(6m) ZB-V under
 F = B = W (tested); exposed point-to-point time counts as
 bubble. `seconds_by_category` breaks the iteration down on that busiest
 rank and sums to `iteration_seconds`.
@@ -65,14 +65,14 @@ from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
-from ptdp.parallel.pipeline.actions import Compute, Exchange
-from ptdp.parallel.pipeline.schedules import build_schedule
-from ptdp.parallel.pipeline.simulate import compute_costs
+from ptdp.schedules.actions import Compute, Exchange
+from ptdp.schedules.build import build_schedule
+from ptdp.schedules.simulate import compute_costs
 from ptdp.perf.after_flush import after_flush
 from ptdp.perf.flops import model_flops_per_iteration
 from ptdp.perf.layout import Layout, Workload
 from ptdp.perf.machine import Machine
-from ptdp.perf.player import play
+from ptdp.schedules.player import play
 from ptdp.perf.profiles import HardwareProfile
 from ptdp.perf.stage_costs import layout_chunk_costs, operator_model
 from ptdp.perf.timeline import Box, draw_timeline
@@ -309,8 +309,8 @@ def simulate_uniform(kind: str, p: int, m: int, v: int = 1, *, forward: Fraction
     a chunk 1/v of that, transfers are free. The paper's assumption; the
     bubble is (p-1)/m, or (p-1)/(m·v) interleaved. Zero-bubble kinds: W
     costs `weight` of the backward (default half) and B the rest, as in
-    ptdp.parallel.pipeline.simulate (bubble (p-1)/(3m) for zb-h1 and
-    (p-1)/(6m) for zbv under F = B = W)."""
+    ptdp.schedules.simulate (bubble (p-1)/(3m) for ZB-H1 and
+    (p-1)/(6m) for ZB-V under F = B = W)."""
     schedule = build_schedule(kind, p, m, v)
     costs = compute_costs(schedule, forward, backward, weight)
     records = play(schedule, lambda r, a: (costs[a.op], 0), lambda r, a: 0)
