@@ -31,7 +31,7 @@ MIN_CONTEXT_POSITIONS = 1024   # the search's smallest s/c (see context_sizes_to
 # The schedules searched: the --pipeline-schedule values whose records are
 # `searched` (1F1B, interleaved with v > 1, and the two zero-bubble ones).
 # GPipe is never better than 1F1B here (same bubble, more memory): it is
-# priced only when --pipeline-schedule gpipe fixes it.
+# priced only when --pipeline-schedule fixes it (ScheduleKind.searched).
 SCHEDULES = SEARCHED
 
 

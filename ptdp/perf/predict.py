@@ -156,28 +156,7 @@ def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Pr
     def compute(rank: int, action: Compute) -> tuple[float, float]:
         return priced[(rank, action.chunk, action.op)]
 
-    activation = layout.b * ops.s * ops.h * ops.E   # ops.s: s/c positions per context rank
-    # Each tensor rank sends 1/t: scatter/gather (then the receivers
-    # all-gather it) or sequence parallelism (its own s/t positions, kept).
-    split = layout.sends_slices and activation % t == 0
-    gather = split and layout.gathers_received
-
-    exchange_costs: dict[tuple, float] = {}
-
-    def exchange(rank: int, action: Exchange) -> float:
-        key = (rank, *[(transfer.op, transfer.peer) for transfer in action.transfers])
-        if key not in exchange_costs:
-            slowest, gathers = 0.0, 0.0
-            for transfer in action.transfers:
-                if transfer.op == "send" and layout.zero_bubble:
-                    continue  # travels while the sender goes on; its receiver pays for it
-                nbytes = activation / t if split else activation
-                slowest = max(slowest, machine.p2p(nbytes, rank, transfer.peer))
-                if transfer.op == "recv" and gather:
-                    gathers += machine.tensor_allgather(activation)
-            exchange_costs[key] = slowest + gathers + profile.launch_overhead * len(action.transfers)
-        return exchange_costs[key]
-
+    exchange = _exchange_price(layout, ops, machine, profile)
     records = play(schedule, compute, exchange, speed if contended else None)
 
     # The gradient reductions, overlapping each chunk's last backward; the
@@ -212,35 +191,9 @@ def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Pr
     timelines: list[list[Box]] = []
     by_rank: list[dict[str, float]] = []
     for r, row in enumerate(records):
-        boxes: list[Box] = []
-        categories = {name: 0.0 for name in CATEGORIES}
-        for rec in row:
-            action = rec.action
-            if isinstance(action, Compute):
-                boxes.append(Box(action.op, action.microbatch, action.chunk,
-                                 float(rec.start), float(rec.end)))
-                cost = chunks[(r, action.chunk)].of(action.op)
-                stretched = float(rec.work_end - rec.start)
-                total = priced[(r, action.chunk, action.op)][0] or 1.0
-                for category, seconds in cost.work.items():
-                    # (.get: "context exchange" appears only with c > 1)
-                    categories[category] = (categories.get(category, 0.0)
-                                            + stretched * seconds / total)
-                categories["tensor all-reduce"] += float(rec.end - rec.work_end)
-            else:
-                if rec.ready > rec.start:
-                    boxes.append(Box("wait", -1, -1, float(rec.start), float(rec.ready)))
-                if rec.end > rec.ready:
-                    boxes.append(Box("comm", -1, -1, float(rec.ready), float(rec.end)))
-                categories["bubble/idle"] += float(rec.ready - rec.start)
-                categories["pipeline transfer"] += float(rec.end - rec.ready)
-        if exposed[r] > 0:
-            boxes.append(Box("comm", -1, -1, float(pipeline_end[r]),
-                             float(pipeline_end[r]) + exposed[r]))
         embedding = after.embedding if embedding_start is not None and r in ends else 0.0
-        if embedding:   # (waiting for the other end is idle time)
-            boxes.append(Box("comm", -1, -1, float(embedding_start),
-                             float(embedding_start) + embedding))
+        boxes, categories = _rank_boxes(row, r, chunks, priced, exposed[r], pipeline_end[r],
+                                        embedding_start, embedding)
         timelines.append(boxes)
         # The exposed part, split as the bucketed work is (the sequence-
         # parallel partial sums travel with their buckets).
@@ -263,6 +216,69 @@ def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Pr
         categories_by_rank=by_rank, timelines=timelines,
         pipeline_seconds=float(flush), microbatches=m, critical_rank=critical,
         flops_per_iteration=flops)
+
+
+def _exchange_price(layout: Layout, ops, machine: Machine, profile: HardwareProfile):
+    """exchange(rank, action) -> seconds of an Exchange once its other ends
+    are posted: the slowest of its transfers, the receivers' all-gather
+    under scatter/gather, a launch per transfer (cached by its shape)."""
+    t = layout.t
+    activation = layout.b * ops.s * ops.h * ops.E   # ops.s: s/c positions per context rank
+    # Each tensor rank sends 1/t: scatter/gather (then the receivers
+    # all-gather it) or sequence parallelism (its own s/t positions, kept).
+    split = layout.sends_slices and activation % t == 0
+    gather = split and layout.gathers_received
+    exchange_costs: dict[tuple, float] = {}
+
+    def exchange(rank: int, action: Exchange) -> float:
+        key = (rank, *[(transfer.op, transfer.peer) for transfer in action.transfers])
+        if key not in exchange_costs:
+            slowest, gathers = 0.0, 0.0
+            for transfer in action.transfers:
+                if transfer.op == "send" and layout.zero_bubble:
+                    continue  # travels while the sender goes on; its receiver pays for it
+                nbytes = activation / t if split else activation
+                slowest = max(slowest, machine.p2p(nbytes, rank, transfer.peer))
+                if transfer.op == "recv" and gather:
+                    gathers += machine.tensor_allgather(activation)
+            exchange_costs[key] = slowest + gathers + profile.launch_overhead * len(action.transfers)
+        return exchange_costs[key]
+
+    return exchange
+
+
+def _rank_boxes(row, r: int, chunks, priced, exposed: float, pipeline_end, embedding_start,
+                embedding: float) -> tuple[list[Box], dict[str, float]]:
+    """One rank's timeline boxes and its seconds by category (before the
+    reductions' and the optimizer's shares)."""
+    boxes: list[Box] = []
+    categories = {name: 0.0 for name in CATEGORIES}
+    for rec in row:
+        action = rec.action
+        if isinstance(action, Compute):
+            boxes.append(Box(action.op, action.microbatch, action.chunk,
+                             float(rec.start), float(rec.end)))
+            cost = chunks[(r, action.chunk)].of(action.op)
+            stretched = float(rec.work_end - rec.start)
+            total = priced[(r, action.chunk, action.op)][0] or 1.0
+            for category, seconds in cost.work.items():
+                # (.get: "context exchange" appears only with c > 1)
+                categories[category] = (categories.get(category, 0.0)
+                                        + stretched * seconds / total)
+            categories["tensor all-reduce"] += float(rec.end - rec.work_end)
+        else:
+            if rec.ready > rec.start:
+                boxes.append(Box("wait", -1, -1, float(rec.start), float(rec.ready)))
+            if rec.end > rec.ready:
+                boxes.append(Box("comm", -1, -1, float(rec.ready), float(rec.end)))
+            categories["bubble/idle"] += float(rec.ready - rec.start)
+            categories["pipeline transfer"] += float(rec.end - rec.ready)
+    if exposed > 0:
+        boxes.append(Box("comm", -1, -1, float(pipeline_end), float(pipeline_end) + exposed))
+    if embedding:   # (waiting for the other end is idle time)
+        boxes.append(Box("comm", -1, -1, float(embedding_start),
+                         float(embedding_start) + embedding))
+    return boxes, categories
 
 
 def _first_forwards(row) -> float:

@@ -213,19 +213,9 @@ def draw_timeline(rows: Sequence[Sequence[Box]], path: str | Path, *, v: int, ti
     fig.savefig(path, dpi=dpi)
 
 
-def timeline_figure(rows: Sequence[Sequence[Box]], *, v: int, title: str,
-                    time_unit: str = "unit time", bubble_fraction: Fraction | float | None = None,
-                    xmax: float | None = None, first_microbatch: int = 1):
-    """The matplotlib Figure `draw_timeline` saves (see there). Uses the Agg
-    canvas directly: no pyplot, no global state."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.collections import PatchCollection
-    from matplotlib.figure import Figure
-    from matplotlib.patches import Patch, Rectangle
-    from matplotlib.ticker import MaxNLocator
-
-    p = len(rows)
-    if p == 0:
+def _check_boxes(rows: Sequence[Sequence[Box]], v: int) -> None:
+    """ValueError for what timeline_figure cannot draw."""
+    if len(rows) == 0:
         raise ValueError("draw_timeline needs at least one rank")
     if v < 1:
         raise ValueError(f"v = {v} must be at least 1")
@@ -238,6 +228,56 @@ def timeline_figure(rows: Sequence[Sequence[Box]], *, v: int, title: str,
             if box[4] < box[3]:
                 raise ValueError(f"rank {rank}: box {tuple(box)} ends before it starts")
 
+
+def _draw_boxes(ax, rows: list[list[Box]], gaps, v: int, points_per_unit: float,
+                label_width_pt: float, fontsize: float, first_microbatch: int) -> None:
+    """The idle gaps, the compute boxes (labelled with their microbatch where
+    the label fits) and the thin communication and waiting bars."""
+    from matplotlib.collections import PatchCollection
+    from matplotlib.patches import Rectangle
+
+    for rank, row_gaps in enumerate(gaps):
+        ax.add_collection(PatchCollection(
+            [Rectangle((start, rank - 0.4), stop - start, 0.8) for start, stop in row_gaps],
+            facecolors=_IDLE_COLOUR, edgecolors="none", zorder=1))
+    # One collection per style: thousands of single patches draw slowly.
+    rectangles, fills, line_widths = [], [], []
+    thin: dict[str, list] = {op: [] for op in OTHER_OPS}
+    for rank, row in enumerate(rows):
+        for box in row:
+            if box.op in OTHER_OPS:
+                thin[box.op].append(Rectangle((box.start, rank - 0.1), box.end - box.start, 0.2))
+                continue
+            fill = colour(box.op, box.chunk, v)
+            box_width_pt = (box.end - box.start) * points_per_unit
+            rectangles.append(Rectangle((box.start, rank - 0.4), box.end - box.start, 0.8))
+            fills.append(fill)
+            line_widths.append(0.6 if box_width_pt >= 6 else 0.25)
+            if label_width_pt <= box_width_pt and fontsize >= 6:  # smaller is not legible
+                ax.text((box.start + box.end) / 2, rank, str(box.microbatch + first_microbatch),
+                        ha="center", va="center", fontsize=fontsize, color=_text_colour(fill),
+                        zorder=4)
+    ax.add_collection(PatchCollection(rectangles, facecolors=fills, edgecolors="black",
+                                      linewidths=line_widths, zorder=3))
+    for op, patches in thin.items():
+        if patches:
+            edge, hatch, _ = _OTHER_STYLE[op]
+            ax.add_collection(PatchCollection(patches, facecolors="white", edgecolors=edge,
+                                              hatch=hatch, linewidths=0.5, zorder=2))
+
+
+def timeline_figure(rows: Sequence[Sequence[Box]], *, v: int, title: str,
+                    time_unit: str = "unit time", bubble_fraction: Fraction | float | None = None,
+                    xmax: float | None = None, first_microbatch: int = 1):
+    """The matplotlib Figure `draw_timeline` saves (see there). Uses the Agg
+    canvas directly: no pyplot, no global state."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
+
+    p = len(rows)
+    _check_boxes(rows, v)
     rows = [[Box(*box) for box in row] for row in rows]
     boxes = [box for row in rows for box in row]
     end = max((b.end for b in boxes), default=1.0)
@@ -319,34 +359,7 @@ def timeline_figure(rows: Sequence[Sequence[Box]], *, v: int, title: str,
     # Label all boxes of a width or none: the fit test uses the widest label.
     label_width_pt = _CHAR_WIDTH * fontsize * digits + 2
 
-    for rank, row_gaps in enumerate(gaps):
-        ax.add_collection(PatchCollection(
-            [Rectangle((start, rank - 0.4), stop - start, 0.8) for start, stop in row_gaps],
-            facecolors=_IDLE_COLOUR, edgecolors="none", zorder=1))
-    # One collection per style: thousands of single patches draw slowly.
-    rectangles, fills, line_widths = [], [], []
-    thin: dict[str, list] = {op: [] for op in OTHER_OPS}
-    for rank, row in enumerate(rows):
-        for box in row:
-            if box.op in OTHER_OPS:
-                thin[box.op].append(Rectangle((box.start, rank - 0.1), box.end - box.start, 0.2))
-                continue
-            fill = colour(box.op, box.chunk, v)
-            box_width_pt = (box.end - box.start) * points_per_unit
-            rectangles.append(Rectangle((box.start, rank - 0.4), box.end - box.start, 0.8))
-            fills.append(fill)
-            line_widths.append(0.6 if box_width_pt >= 6 else 0.25)
-            if label_width_pt <= box_width_pt and fontsize >= 6:  # smaller is not legible
-                ax.text((box.start + box.end) / 2, rank, str(box.microbatch + first_microbatch),
-                        ha="center", va="center", fontsize=fontsize, color=_text_colour(fill),
-                        zorder=4)
-    ax.add_collection(PatchCollection(rectangles, facecolors=fills, edgecolors="black",
-                                      linewidths=line_widths, zorder=3))
-    for op, patches in thin.items():
-        if patches:
-            edge, hatch, _ = _OTHER_STYLE[op]
-            ax.add_collection(PatchCollection(patches, facecolors="white", edgecolors=edge,
-                                              hatch=hatch, linewidths=0.5, zorder=2))
+    _draw_boxes(ax, rows, gaps, v, points_per_unit, label_width_pt, fontsize, first_microbatch)
     if computes:
         ax.axvline(end, color="#555555", linestyle=(0, (4, 3)), linewidth=0.8, zorder=1)
     return fig
@@ -360,6 +373,11 @@ def _cost(text: str) -> Fraction:
         return Fraction(text)
     except (ValueError, ZeroDivisionError):
         raise argparse.ArgumentTypeError(f"{text!r} is not a number (e.g. 1, 0.5, 1/3)") from None
+
+
+def _interleaving() -> str:
+    """The kinds that run interleaved with chunks (ScheduleKind.with_chunks)."""
+    return " or ".join(k.name for k in KINDS.values() if k.with_chunks)
 
 
 def add_schedule_parser(subparsers) -> argparse.ArgumentParser:
@@ -378,8 +396,8 @@ def add_schedule_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--kind", "--pipeline-schedule", dest="kind", required=True,
                         choices=KIND_NAMES,
                         help="schedule kind (--pipeline-schedule as in ptdp train, which also "
-                             "takes 1f1b with --num-layers-per-virtual-pipeline-stage for "
-                             "interleaved)")
+                             f"takes {_interleaving()} with --num-layers-per-virtual-pipeline-stage "
+                             f"for {any_chunks_kind().name})")
     parser.add_argument("-p", "--pipeline-model-parallel-size", dest="p", type=int, required=True,
                         metavar="P", help="pipeline ranks p")
     parser.add_argument("-m", "--num-microbatches", dest="m", type=int, required=True, metavar="M",
@@ -387,8 +405,8 @@ def add_schedule_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--num-layers-per-virtual-pipeline-stage", dest="layers_per_chunk",
                         type=int, default=None, metavar="K",
                         help="layers per model chunk, with --num-layers, as in ptdp train: v = "
-                             "num-layers / (p·K) chunks per rank; with --kind 1f1b it selects "
-                             "interleaved 1F1B")
+                             f"num-layers / (p·K) chunks per rank; with --kind {_interleaving()} "
+                             f"it selects {lower_first(any_chunks_kind().title)}")
     parser.add_argument("--num-layers", dest="num_layers", type=int, default=None, metavar="L",
                         help="transformer layers, for --num-layers-per-virtual-pipeline-stage")
     parser.add_argument("-v", "--num-model-chunks", dest="v", type=int, default=None, metavar="V",
@@ -434,7 +452,7 @@ def kind_and_chunks(kind: str, p: int, v: int | None, num_layers: int | None,
                     layers_per_chunk: int | None) -> tuple[str, int]:
     """The schedule kind and chunks per rank v that `ptdp schedule`'s flags
     mean, read as `ptdp train` reads them: --num-layers-per-virtual-pipeline-stage
-    K with --num-layers L gives v = L / (p·K), and turns 1f1b into interleaved
+    K with --num-layers L gives v = L / (p·K), and turns 1F1B into interleaved
     1F1B. ValueError, naming the flags, when they cannot work or disagree."""
     record = kind_named(kind)
     default = record.chunks or 2
