@@ -104,13 +104,13 @@ def test_the_timeline_shows_a_registered_kind_with_its_title(toy_kind, capsys):
 def test_the_executor_runs_a_registered_kind(toy_kind):
     """On one pipeline rank, in this process: the loss and gradients of the
     one-process model."""
-    m, ctx = 2, ParallelContext.single()
-    chunks = build_chunks(CONFIG, ctx, torch.device("cpu"), SEED, 1, kind=TOY)
-    executor = PipelineExecutor(chunks, ctx, activation_shape=(CONFIG.seq_length, B_MICRO,
-                                                               CONFIG.hidden_size),
+    m, ctx, config = 2, ParallelContext.single(), dataclasses.replace(CONFIG, num_layers=2)
+    chunks = build_chunks(config, ctx, torch.device("cpu"), SEED, 1, kind=TOY)
+    executor = PipelineExecutor(chunks, ctx, activation_shape=(config.seq_length, B_MICRO,
+                                                               config.hidden_size),
                                 dtype=torch.float32, device=torch.device("cpu"))
-    stats = executor.run(build_schedule(TOY, 1, m), _microbatch_fn(_tokens(m)))
-    serial, serial_loss = _serial_reference(m)
+    stats = executor.run(build_schedule(TOY, 1, m), _microbatch_fn(_tokens(m, config)))
+    serial, serial_loss = _serial_reference(m, config)
     assert_close(torch.stack(stats.losses).mean(), serial_loss.detach(), **LOSS_TOL)
     reference = dict(serial.named_parameters())
     for name, param in chunks[0].named_parameters():

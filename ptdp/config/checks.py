@@ -318,11 +318,10 @@ def _pipeline_problems(m: ModelConfig, par: ParallelConfig, tr: TrainConfig, d: 
     record = KINDS.get(schedule)   # (an unknown schedule is the choices' problem)
     fixed = record.fixed_chunks if record is not None else None   # a fixed v > 1 (a V)
     if record is not None and record.keeps_its_chunks and not fixed and k is not None:
-        other = KINDS[record.other_chunks]
         problems.append(
             f"--pipeline-schedule {schedule} has one model chunk per rank, so "
-            f"--num-layers-per-virtual-pipeline-stage {k} does not apply: drop it, or use "
-            f"--pipeline-schedule {other.name} ({other.chunks_words})")
+            f"--num-layers-per-virtual-pipeline-stage {k} does not apply: drop it"
+            + _other_chunks_hint(record, ", or use"))
     split = par.layer_split
     if not split.even and interleaved:
         problems.append(
@@ -460,16 +459,24 @@ def _fewer_microbatches_hint(record: ScheduleKind, m: int, p: int) -> str:
             if m >= other.fewest_microbatches(p) else "")
 
 
+def _other_chunks_hint(record: ScheduleKind, before: str, after: str = "") -> str:
+    """' --pipeline-schedule zbv (two chunks per rank in a V)': the kind of
+    the other chunk count, if the record names one."""
+    if record.other_chunks is None:
+        return ""
+    other = KINDS[record.other_chunks]
+    return f"{before} --pipeline-schedule {other.name} ({other.chunks_words}){after}"
+
+
 def _fixed_chunks_layer_problems(record: ScheduleKind, l: int, p: int, k: int | None) -> list[str]:
     """A schedule with a fixed v > 1 (two chunks per rank in a V), so p
     >= its fewest stages and v·p equal chunks of layers."""
     name, n, words = record.name, record.fixed_chunks, record.chunks_word
     if p < record.fewest_stages:
-        other = KINDS[record.other_chunks]
         return [f"--pipeline-schedule {name} places {words} model chunks per rank{record.in_a_v} "
                 f"across the pipeline, so it needs --pipeline-model-parallel-size >= "
-                f"{record.fewest_stages}, not {p}: use --pipeline-schedule {other.name} "
-                f"({other.chunks_words}) or a larger p"]
+                f"{record.fewest_stages}, not {p}: use" + _other_chunks_hint(record, "", " or")
+                + " a larger p"]
     if l % (n * p):
         options = [x for x in divisors(l) if x >= record.fewest_stages and l % (n * x) == 0]
         return [f"--pipeline-schedule {name} splits --num-layers {l} into {n}p = {n * p} equal "

@@ -37,7 +37,7 @@ def _pipeline_bubble(p: int, m: int, v: int) -> Fraction:
 
 
 def looped_forward_only(p: int, m: int, v: int) -> Schedule:
-    check_arguments(INTERLEAVED if v > 1 else FIRST_KIND, p, m, v)
+    check_arguments(INTERLEAVED if v > 1 else GPIPE, p, m, v)
     return build_looped_forward_only(p, m, v)
 
 
@@ -165,10 +165,10 @@ def _zero_bubble(name: str, **fields) -> ScheduleKind:
         **fields)
 
 
-FIRST_KIND = "gpipe"
+GPIPE = "gpipe"
 DEFAULT_SCHEDULE = "1f1b"   # --pipeline-schedule's default
 KINDS: dict[str, ScheduleKind] = {k.name: k for k in (
-    _looped(FIRST_KIND, title="GPipe", searched=False,
+    _looped(GPIPE, title="GPipe", searched=False,
             help="gpipe (all forwards, then all backwards)"),
     _looped(DEFAULT_SCHEDULE, title="1F1B (PipeDream-Flush)", with_chunks=INTERLEAVED,
             help=DEFAULT_SCHEDULE),
