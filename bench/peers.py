@@ -56,7 +56,7 @@ from results import cpu_name, publish  # noqa: E402
 from torch_reference import TorchGPT, cross_entropy, load_logical  # noqa: E402
 
 from ptdp.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
-from ptdp.parallel.pipeline.split import LayerSplit, stage_layer_counts  # noqa: E402
+from ptdp.schedules.split import LayerSplit, stage_layer_counts  # noqa: E402
 from ptdp.perf.flops import configured_flops_per_iteration  # noqa: E402
 
 HEADING = "## Peer benchmarks: ptdp against PyTorch's own parallelism"
@@ -191,8 +191,8 @@ class TorchSide:
 
     def __init__(self, row: Row, model: ModelConfig, logical: dict, ctx, microbatch_fn):
         from torch.distributed.device_mesh import init_device_mesh
-        from ptdp.parallel.pipeline.actions import virtual_stage_of
-        from ptdp.parallel.pipeline.schedules import layers_of
+        from ptdp.schedules.kinds import virtual_stage_of
+        from ptdp.schedules.build import layers_of
 
         self.row, self.ctx, self.microbatch_fn = row, ctx, microbatch_fn
         mesh = init_device_mesh("cpu", (row.p, row.d, row.t), mesh_dim_names=("pp", "dp", "tp"))

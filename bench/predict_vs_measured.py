@@ -35,7 +35,7 @@ from results import cpu_name, publish  # noqa: E402  bench/results.py: the scrip
 
 from ptdp.config import ModelConfig  # noqa: E402
 from ptdp.perf.predict import simulate  # noqa: E402
-from ptdp.parallel.pipeline.split import LayerSplit  # noqa: E402
+from ptdp.schedules.split import LayerSplit  # noqa: E402
 from ptdp.perf.layout import Layout, Workload  # noqa: E402
 from ptdp.perf.profiles import load_profile, save_profile  # noqa: E402
 

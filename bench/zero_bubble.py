@@ -18,7 +18,7 @@
    ratio PyTorch's time / ours, and ours' gain over ours 1F1B in the same
    run (time of 1F1B / time of the row - 1).
 2. Prediction. ptdp's unit-time simulator
-   (ptdp.parallel.pipeline.simulate) prices each of our schedules with this
+   (ptdp.schedules.simulate) prices each of our schedules with this
    run's own costs: per rank, the mean per microbatch of the executor's
    forward time (F), backward time less W (B; under 1F1B the whole
    backward) and weight-gradient time (W), averaged over the ranks (the
@@ -83,8 +83,8 @@ from memory import _reset_peak, _status_bytes  # noqa: E402  bench/memory.py
 from results import cpu_name, publish  # noqa: E402
 
 from ptdp.config import ModelConfig  # noqa: E402
-from ptdp.parallel.pipeline.schedules import build_schedule, uniform_costs  # noqa: E402
-from ptdp.parallel.pipeline.simulate import compute_costs, simulate  # noqa: E402
+from ptdp.schedules.build import build_schedule, uniform_costs  # noqa: E402
+from ptdp.schedules.simulate import compute_costs, simulate  # noqa: E402
 
 HEADING = "## Zero-bubble schedules: against 1F1B and PyTorch's zero-bubble schedules (CPU)"
 SCHEDULES = (("1f1b", 1), ("1f1b", 2), ("zb-h1", 1), ("zbv", 2))   # (schedule, v); 1f1b v=2: interleaved

@@ -32,8 +32,8 @@ import torch
 
 from ptdp.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from ptdp.model.gpt import GPT
-from ptdp.parallel.pipeline.schedules import build_schedule
-from ptdp.parallel.pipeline.simulate import simulate
+from ptdp.schedules.build import build_schedule
+from ptdp.schedules.simulate import simulate
 from ptdp.parallel.tensor import RNGStreams
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.perf import analytic

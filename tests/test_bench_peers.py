@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import peers  # noqa: E402  bench/peers.py
 
-from ptdp.parallel.pipeline.split import LayerSplit  # noqa: E402
+from ptdp.schedules.split import LayerSplit  # noqa: E402
 from ptdp.perf.profiles import HardwareProfile  # noqa: E402
 
 

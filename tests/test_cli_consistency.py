@@ -201,8 +201,8 @@ def _measured_like_rows(scale: float = 1.0):
     """A 1F1B timeline with communication, scaled like a measured one in ms."""
     from fractions import Fraction
 
-    from ptdp.parallel.pipeline.schedules import build_schedule
-    from ptdp.parallel.pipeline.simulate import simulate
+    from ptdp.schedules.build import build_schedule
+    from ptdp.schedules.simulate import simulate
     from ptdp.perf.timeline import Box, boxes_from_simulation
 
     cost = Fraction(1, 4)
@@ -275,8 +275,8 @@ def test_figure_size_follows_rows_and_boxes_not_the_time_unit():
 
 def test_pictures_drawn_to_one_scale_have_one_width():
     """--xmax: pictures of schedules with boxes of different lengths compare directly."""
-    from ptdp.parallel.pipeline.schedules import build_schedule
-    from ptdp.parallel.pipeline.simulate import simulate
+    from ptdp.schedules.build import build_schedule
+    from ptdp.schedules.simulate import simulate
     from ptdp.perf.timeline import boxes_from_simulation, timeline_figure
 
     widths = {timeline_figure(boxes_from_simulation(simulate(build_schedule(kind, 4, 8, v))), v=v,

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from ptdp.config import ModelConfig
-from ptdp.parallel.pipeline import simulate as unit
-from ptdp.parallel.pipeline.schedules import build_schedule
-from ptdp.parallel.pipeline.actions import Exchange, ScheduleError
+from ptdp.schedules import simulate as unit
+from ptdp.schedules.build import build_schedule
+from ptdp.schedules.actions import Exchange, ScheduleError
 from ptdp.perf.calibration_point import (CALIBRATION_TFLOPS, KORTHIKANTI_LAYER_MS,
                                          attention_ratios, calibration_point, fit_attention,
                                          fit_attention_core_fraction, fit_paper_kernels,
@@ -25,7 +25,7 @@ from ptdp.perf.calibration_point import (CALIBRATION_TFLOPS, KORTHIKANTI_LAYER_M
                                          fit_to_matmul, korthikanti_layer_ms, paper_kernels,
                                          selective_overhead_ms)
 from ptdp.perf.machine import Machine
-from ptdp.perf.player import play
+from ptdp.schedules.player import play
 from ptdp.perf.predict import CATEGORIES, simulate, simulate_uniform
 from ptdp.perf.pricing import OperatorModel
 from ptdp.perf.layout import Layout, Workload

@@ -22,7 +22,7 @@ LAYERS = (
     ("programs", ("ptdp.launch", "ptdp.train", "ptdp.perf", "ptdp.interop", "ptdp.generate")),
     ("model and data", ("ptdp.model", "ptdp.data")),
     ("parallel", ("ptdp.parallel",)),
-    ("foundation", ("ptdp.config", "ptdp.device")),
+    ("foundation", ("ptdp.config", "ptdp.schedules", "ptdp.device")),
 )
 # Within the programs' layer, what each may still not import, and why.
 NOT_WITHIN_A_LAYER = {
@@ -78,6 +78,21 @@ def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
             for name, paths in files.items()}
 
 
+def external_imports(root: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the top-level names of what it imports from outside the
+    package at `root`, at any depth of its code (inside functions too)."""
+    found: dict[str, set[str]] = {}
+    for path in root.rglob("*.py"):
+        names = found.setdefault(module_name(path, root), set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+            elif isinstance(node, ast.Import):
+                names.update(alias.name.split(".")[0] for alias in node.names)
+        names.discard(root.name)
+    return found
+
+
 # ------------------------------------------------------------------ the checkers
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -105,6 +120,27 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
             if cycle:
                 return cycle
     return None
+
+
+def reaches(graph: dict[str, set[str]], external: dict[str, set[str]], package: str,
+            forbidden: str) -> list[str]:
+    """Each module of `package` that imports `forbidden`, itself or through
+    the modules it imports (at any depth), as the chain of imports."""
+    found = []
+    for start in sorted(m for m in graph if _within(m, package)):
+        trail, seen = {start: [start]}, {start}
+        queue = [start]
+        while queue:
+            module = queue.pop(0)
+            if forbidden in external.get(module, ()):
+                found.append(" -> ".join(trail[module] + [forbidden]))
+                break
+            for nxt in sorted(graph.get(module, ())):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    trail[nxt] = trail[module] + [nxt]
+                    queue.append(nxt)
+    return found
 
 
 def _within(module: str, prefix: str) -> bool:
@@ -148,6 +184,12 @@ def test_no_import_cycle_among_ptdp_modules():
 
 def test_imports_run_down_the_layers():
     assert upward_imports(import_graph()) == []
+
+
+def test_the_schedules_import_no_torch():
+    """ptdp.schedules is data: no module of it imports torch, itself or
+    through what it imports."""
+    assert reaches(import_graph(), external_imports(), "ptdp.schedules", "torch") == []
 
 
 def test_the_layer_order_names_every_package_and_the_exceptions_exist():
@@ -203,6 +245,22 @@ def test_the_layer_check_finds_the_launcher_importing_training_in_a_synthetic_gr
         "ptdp.launch (programs) imports ptdp.train.stopping (programs)"]
     graph["ptdp.launch"].discard("ptdp.train.stopping")
     assert upward_imports(graph) == []
+
+
+def test_the_torch_check_finds_torch_at_any_depth_in_a_synthetic_package(tmp_path):
+    package = tmp_path / "ptdp"
+    (package / "schedules").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "schedules" / "__init__.py").write_text("")
+    (package / "schedules" / "kinds.py").write_text("from ptdp import helpers\n")
+    (package / "schedules" / "plain.py").write_text("import math\n")
+    (package / "helpers.py").write_text("def f():\n    import torch.nn\n    return torch\n")
+    graph, external = import_graph(package), external_imports(package)
+    assert reaches(graph, external, "ptdp.schedules", "torch") == [
+        "ptdp.schedules.kinds -> ptdp.helpers -> torch"]
+    (package / "helpers.py").write_text("import math\n")
+    assert reaches(import_graph(package), external_imports(package), "ptdp.schedules",
+                   "torch") == []
 
 
 def test_the_graph_sees_imports_inside_functions_and_submodules(tmp_path):

@@ -22,8 +22,8 @@ from torch.testing import assert_close
 from ptdp.config import ModelConfig
 from ptdp.model.gpt import GPT, build_chunks
 from ptdp.parallel.pipeline.executor import PipelineExecutor
-from ptdp.parallel.pipeline.actions import Exchange
-from ptdp.parallel.pipeline.schedules import build_forward_only, build_schedule
+from ptdp.schedules.actions import Exchange
+from ptdp.schedules.build import build_forward_only, build_schedule
 from ptdp.parallel.sharding import PARTIAL_GRAD_ATTR, SHARD_ATTR, gather_logical
 from ptdp.parallel.tensor import RNGStreams, sum_partial_grads
 from ptdp.parallel.topology import ParallelContext, RankGrid

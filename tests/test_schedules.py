@@ -16,11 +16,10 @@ from fractions import Fraction
 
 import pytest
 
-from ptdp.parallel.pipeline.actions import (Compute, Exchange, Schedule, ScheduleError, Transfer,
-                                            warmup_forwards)
-from ptdp.parallel.pipeline.one_f_one_b import backward_order, forward_order, with_exchanges
-from ptdp.parallel.pipeline.schedules import build_forward_only, build_schedule, layers_of
-from ptdp.parallel.pipeline.simulate import check_complete, check_transfer_order, simulate
+from ptdp.schedules.actions import Compute, Exchange, Schedule, ScheduleError, Transfer
+from ptdp.schedules.build import build_forward_only, build_schedule, layers_of
+from ptdp.schedules.one_f_one_b import backward_order, forward_order, warmup_forwards, with_exchanges
+from ptdp.schedules.simulate import check_complete, check_transfer_order, simulate
 
 # --------------------------------------------------------------------------- configurations
 

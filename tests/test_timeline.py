@@ -9,9 +9,9 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from ptdp.parallel.pipeline.actions import Compute, Exchange
-from ptdp.parallel.pipeline.schedules import build_schedule
-from ptdp.parallel.pipeline.simulate import simulate
+from ptdp.schedules.actions import Compute, Exchange
+from ptdp.schedules.build import build_schedule
+from ptdp.schedules.simulate import simulate
 from ptdp.perf.timeline import (Box, add_schedule_parser, boxes_from_simulation, colour,
                                 draw_timeline, run_schedule_command, separate_waits,
                                 timeline_figure)

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from ptdp.config import ConfigError, validate
-from ptdp.parallel.pipeline.actions import location_of
-from ptdp.parallel.pipeline.schedules import layers_of
-from ptdp.parallel.pipeline.split import LayerSplit, stage_layer_counts
+from ptdp.schedules.kinds import location_of
+from ptdp.schedules.build import layers_of
+from ptdp.schedules.split import LayerSplit, stage_layer_counts
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.train.loop import Trainer
 from tests.test_ptdp_step import MODEL, _config

@@ -1,5 +1,5 @@
 """The performance model under uneven pipeline splits (issue 15): per-stage
-layer counts from ptdp.parallel.pipeline.split in the simulator, the
+layer counts from ptdp.schedules.split in the simulator, the
 parameter and memory counts, Layout.valid_for and the planner."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from ptdp.config import ModelConfig
-from ptdp.parallel.pipeline.split import LayerSplit
+from ptdp.schedules.split import LayerSplit
 from ptdp.perf.analytic import parameters_per_rank
 from ptdp.perf.memory import memory_per_rank
 from ptdp.perf.predict import simulate

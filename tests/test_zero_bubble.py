@@ -30,8 +30,8 @@ from torch.testing import assert_close
 from ptdp.config import ConfigError, validate
 from ptdp.model.gpt import build_chunks
 from ptdp.parallel.pipeline.executor import PipelineExecutor
-from ptdp.parallel.pipeline.actions import peak_stored
-from ptdp.parallel.pipeline.schedules import build_forward_only, build_schedule
+from ptdp.schedules.actions import peak_stored
+from ptdp.schedules.build import build_forward_only, build_schedule
 from ptdp.parallel.sharding import PARTIAL_GRAD_ATTR, SHARD_ATTR, gather_logical
 from ptdp.parallel.tensor import sum_partial_grads
 from ptdp.parallel.topology import ParallelContext, RankGrid

@@ -9,8 +9,8 @@ import pytest
 
 from ptdp.cli import main
 from ptdp.config import ModelConfig
-from ptdp.parallel.pipeline.schedules import build_schedule
-from ptdp.parallel.pipeline.simulate import simulate as simulate_unit_time
+from ptdp.schedules.build import build_schedule
+from ptdp.schedules.simulate import simulate as simulate_unit_time
 from ptdp.perf import analytic, plan
 from ptdp.perf.machine import Machine
 from ptdp.perf.memory import activation_bytes, memory_per_rank

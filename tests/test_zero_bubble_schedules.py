@@ -16,9 +16,10 @@ from fractions import Fraction
 
 import pytest
 
-from ptdp.parallel.pipeline.actions import Exchange, ScheduleError, location_of, virtual_stage_of
-from ptdp.parallel.pipeline.schedules import build_schedule, layers_of
-from ptdp.parallel.pipeline.simulate import simulate
+from ptdp.schedules.actions import Exchange, ScheduleError
+from ptdp.schedules.kinds import location_of, virtual_stage_of
+from ptdp.schedules.build import build_schedule, layers_of
+from ptdp.schedules.simulate import simulate
 
 
 def m_values(kind, p):
@@ -186,9 +187,9 @@ def test_schedule_command_prints_and_draws_zero_bubble(tmp_path, capsys):
 
 # Exchanges placed for the costs the computes really take --------------------------------
 
-from ptdp.parallel.pipeline.schedules import uniform_costs  # noqa: E402
-from ptdp.parallel.pipeline.simulate import compute_costs  # noqa: E402
-from ptdp.parallel.pipeline.zero_bubble import costs_from_table, plan_timed  # noqa: E402
+from ptdp.schedules.build import uniform_costs  # noqa: E402
+from ptdp.schedules.simulate import compute_costs  # noqa: E402
+from ptdp.schedules.zero_bubble import costs_from_table, plan_timed  # noqa: E402
 
 
 @pytest.mark.parametrize("kind,p,m", [("zb-h1", 4, 16), ("zbv", 4, 16), ("zb-h1", 2, 6), ("zbv", 3, 9)])

@@ -15,7 +15,9 @@ from ptdp.plural import plural
 from ptdp.config.base import ConfigError, divisors, is_count, is_finite_number, nearest_multiple
 from ptdp.config.context import context_parallel_problems
 from ptdp.config.data import data_loading_problems
-from ptdp.config.layer_split import split_problems
+from ptdp.schedules.kinds import (KINDS, SEARCHED, ScheduleKind, any_chunks_kind, lower_first,
+                                  or_list)
+from ptdp.schedules.split import split_problems
 from ptdp.config.model import ModelConfig, architecture_problems, dropout_problems, \
     initialisation_problems, model_count_problems, position_problems, recompute_problems
 from ptdp.config.moe import expert_parallel_problems, moe_count_problems, moe_problems
@@ -145,9 +147,8 @@ def _megatron_shape_problems(config: Config) -> list[str]:
 
 def _interleaved(par: ParallelConfig) -> bool:
     """Whether each pipeline rank's layers are in chunks of
-    --num-layers-per-virtual-pipeline-stage under gpipe or 1f1b (interleaving)."""
-    return par.num_layers_per_virtual_pipeline_stage is not None \
-        and par.pipeline_schedule in ("gpipe", "1f1b")
+    --num-layers-per-virtual-pipeline-stage (interleaving)."""
+    return par.interleaved
 
 
 def _data_parallel_size(par: ParallelConfig, world_size: int | None) -> tuple[int, list[str]]:
@@ -314,29 +315,31 @@ def _pipeline_problems(m: ModelConfig, par: ParallelConfig, tr: TrainConfig, d: 
 
     # Layers over pipeline stages and model chunks (k layers per chunk).
     chunk = k if interleaved else 1
-    if schedule == "zb-h1" and k is not None:
+    record = KINDS.get(schedule)   # (an unknown schedule is the choices' problem)
+    fixed = record.fixed_chunks if record is not None else None   # a fixed v > 1 (a V)
+    if record is not None and record.keeps_its_chunks and not fixed and k is not None:
         problems.append(
-            f"--pipeline-schedule zb-h1 has one model chunk per rank, so "
-            f"--num-layers-per-virtual-pipeline-stage {k} does not apply: drop it, or use "
-            f"--pipeline-schedule zbv (two chunks per rank in a V)")
+            f"--pipeline-schedule {schedule} has one model chunk per rank, so "
+            f"--num-layers-per-virtual-pipeline-stage {k} does not apply: drop it"
+            + _other_chunks_hint(record, ", or use"))
     split = par.layer_split
     if not split.even and interleaved:
         problems.append(
             "an uneven split (--decoder-first/last-pipeline-num-layers, --account-for-embedding/"
             "loss-in-pipeline-split) is not supported with the interleaved schedule "
             "(--num-layers-per-virtual-pipeline-stage fixes every chunk's size): drop one of them, "
-            "or use --pipeline-schedule 1f1b, zb-h1 or zbv")
+            f"or use --pipeline-schedule {or_list(SEARCHED)}")
     elif not split.even:
         if k is not None:
             problems.append(
                 f"--num-layers-per-virtual-pipeline-stage {k} fixes every chunk's size, which an "
                 f"uneven split changes: drop it")
-        if schedule == "zbv" and p < 2:
-            problems.extend(_zbv_layer_problems(l, p, k))
+        if fixed and p < record.fewest_stages:
+            problems.extend(_fixed_chunks_layer_problems(record, l, p, k))
         else:
-            problems.extend(split_problems(l, p, 2 if schedule == "zbv" else 1, schedule, split))
-    elif schedule == "zbv":
-        problems.extend(_zbv_layer_problems(l, p, k))
+            problems.extend(split_problems(l, p, fixed or 1, schedule, split))
+    elif fixed:
+        problems.extend(_fixed_chunks_layer_problems(record, l, p, k))
     elif interleaved and p < 2:
         stage_options = [x for x in divisors(l) if x >= 2 and (l // x) % chunk == 0 and p_fits(x)][:6]
         offered += stage_options
@@ -365,10 +368,12 @@ def _pipeline_problems(m: ModelConfig, par: ParallelConfig, tr: TrainConfig, d: 
                 f"--num-layers-per-virtual-pipeline-stage in {divisors(l // p)} or --num-layers "
                 f"{nearest_multiple(l, p * k)}")
 
-    if interleaved and par.pipeline_schedule == "gpipe":
+    if interleaved and record.with_chunks is None:
+        title = lower_first(any_chunks_kind().title)
         problems.append(
-            "--pipeline-schedule gpipe cannot be combined with --num-layers-per-virtual-pipeline-"
-            "stage (interleaving uses the interleaved 1F1B schedule): drop one of them")
+            f"--pipeline-schedule {schedule} cannot be combined with --num-layers-per-virtual-"
+            f"pipeline-stage (interleaving uses the {title} schedule): drop "
+            f"one of them")
     return problems, offered
 
 
@@ -379,7 +384,7 @@ def _batch_fits(tr: TrainConfig, par: ParallelConfig, d: int, p: int) -> bool:
     if B % (b * d):
         return False
     group = p if _interleaved(par) and p >= 2 else 1
-    fewest = {"zb-h1": p, "zbv": 2 * p}.get(par.pipeline_schedule, 1)
+    fewest = _fewest_microbatches(par.pipeline_schedule, p)
     return (B // (b * d)) % group == 0 and B // (b * d) >= fewest
 
 
@@ -395,18 +400,19 @@ def _batch_problems(tr: TrainConfig, par: ParallelConfig, d: int,
     # pipeline, to be a multiple of p.
     b, B = tr.micro_batch_size, tr.batch_size(d)
     group = p if interleaved and p >= 2 else 1
-    fewest = {"zb-h1": p, "zbv": 2 * p}.get(schedule, 1)  # zero-bubble: m >= p or 2p
+    record = KINDS.get(schedule)
+    fewest = _fewest_microbatches(schedule, p)   # zero-bubble: m >= p or 2p
     # What a hinted batch must hold: every pipeline size that may be chosen.
     hinted_group = math.lcm(group, *offered_pipeline_sizes) if interleaved else 1
-    hinted_fewest = {"zb-h1": 1, "zbv": 2}.get(schedule, 0) * max([p, *offered_pipeline_sizes]) or 1
+    per_rank = record.microbatches_per_rank if record is not None else 0
+    hinted_fewest = per_rank * max([p, *offered_pipeline_sizes]) or 1
     if fewest > 1 and B % (b * d) == 0 and B // (b * d) < fewest:
         problems.append(
             f"--pipeline-schedule {schedule} needs at least {fewest} microbatches per iteration "
-            f"({'p' if schedule == 'zb-h1' else '2p'} with --pipeline-model-parallel-size {p}), "
+            f"({record.fewest_text} with --pipeline-model-parallel-size {p}), "
             f"not --global-batch-size {B} / (--micro-batch-size {b} × d {d}) = {B // (b * d)}: use "
             f"--global-batch-size {hinted_fewest * b * d} or more"
-            + (" or --pipeline-schedule 1f1b" if schedule == "zb-h1" else
-               " or --pipeline-schedule zb-h1 (needs p)" if B // (b * d) >= p else ""))
+            + _fewer_microbatches_hint(record, B // (b * d), p))
 
     if tr.rampup_batch_size is not None and tr.train_samples is not None:  # (else: refused above)
         problems.extend(_rampup_problems(tr.rampup_batch_size, B, b, d, group, fewest, schedule, p))
@@ -437,22 +443,50 @@ def _batch_problems(tr: TrainConfig, par: ParallelConfig, d: int,
     return problems
 
 
-def _zbv_layer_problems(l: int, p: int, k: int | None) -> list[str]:
-    """zbv: two chunks per rank in a V, so p >= 2 and 2p equal chunks of layers."""
-    if p < 2:
-        return [f"--pipeline-schedule zbv places two model chunks per rank in a V across the "
-                f"pipeline, so it needs --pipeline-model-parallel-size >= 2, not {p}: use "
-                f"--pipeline-schedule zb-h1 (one chunk per rank) or a larger p"]
-    if l % (2 * p):
-        options = [x for x in divisors(l) if x >= 2 and l % (2 * x) == 0]
-        return [f"--pipeline-schedule zbv splits --num-layers {l} into 2p = {2 * p} equal chunks "
-                f"(two per rank): use --num-layers {nearest_multiple(l, 2 * p)}"
+def _fewest_microbatches(schedule: str, p: int) -> int:
+    record = KINDS.get(schedule)
+    return record.fewest_microbatches(p) if record is not None else 1
+
+
+def _fewer_microbatches_hint(record: ScheduleKind, m: int, p: int) -> str:
+    """The schedule to offer where m microbatches are too few for `record`'s."""
+    other = KINDS.get(record.fewer_microbatches) if record.fewer_microbatches else None
+    if other is None:
+        return ""
+    if other.microbatches_per_rank == 0:
+        return f" or --pipeline-schedule {other.name}"
+    return (f" or --pipeline-schedule {other.name} (needs {other.fewest_text})"
+            if m >= other.fewest_microbatches(p) else "")
+
+
+def _other_chunks_hint(record: ScheduleKind, before: str, after: str = "") -> str:
+    """' --pipeline-schedule zbv (two chunks per rank in a V)': the kind of
+    the other chunk count, if the record names one."""
+    if record.other_chunks is None:
+        return ""
+    other = KINDS[record.other_chunks]
+    return f"{before} --pipeline-schedule {other.name} ({other.chunks_words}){after}"
+
+
+def _fixed_chunks_layer_problems(record: ScheduleKind, l: int, p: int, k: int | None) -> list[str]:
+    """A schedule with a fixed v > 1 (two chunks per rank in a V), so p
+    >= its fewest stages and v·p equal chunks of layers."""
+    name, n, words = record.name, record.fixed_chunks, record.chunks_word
+    if p < record.fewest_stages:
+        return [f"--pipeline-schedule {name} places {words} model chunks per rank{record.in_a_v} "
+                f"across the pipeline, so it needs --pipeline-model-parallel-size >= "
+                f"{record.fewest_stages}, not {p}: use" + _other_chunks_hint(record, "", " or")
+                + " a larger p"]
+    if l % (n * p):
+        options = [x for x in divisors(l) if x >= record.fewest_stages and l % (n * x) == 0]
+        return [f"--pipeline-schedule {name} splits --num-layers {l} into {n}p = {n * p} equal "
+                f"chunks ({words} per rank): use --num-layers {nearest_multiple(l, n * p)}"
                 + (f" or --pipeline-model-parallel-size in {options}" if options else "")]
-    if k is not None and k * 2 * p != l:
-        return [f"--pipeline-schedule zbv has two chunks per rank, {l // (2 * p)} layers each with "
-                f"--num-layers {l} and --pipeline-model-parallel-size {p}, so "
+    if k is not None and k * n * p != l:
+        return [f"--pipeline-schedule {name} has {words} chunks per rank, {l // (n * p)} layers "
+                f"each with --num-layers {l} and --pipeline-model-parallel-size {p}, so "
                 f"--num-layers-per-virtual-pipeline-stage {k} disagrees: drop it or use "
-                f"{l // (2 * p)}"]
+                f"{l // (n * p)}"]
     return []
 
 
@@ -491,7 +525,7 @@ def _rampup_problems(ramp: Any, B: int, b: int, d: int, group: int, fewest: int,
     if first < fewest:
         problems.append(
             f"--pipeline-schedule {schedule} needs at least {fewest} microbatches per iteration "
-            f"({'p' if schedule == 'zb-h1' else '2p'} with --pipeline-model-parallel-size {p}), but "
+            f"({KINDS[schedule].fewest_text} with --pipeline-model-parallel-size {p}), but "
             f"--rampup-batch-size starts at {start} / (--micro-batch-size {b} × d {d}) = {first}: "
             f"use START {fewest * unit} or more")
     if group > 1 and (first % group or (increment // unit) % group):

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ptdp.config.base import finite_or_none, flag, positive_integer_problems
-from ptdp.config.layer_split import LayerSplit
+from ptdp.schedules.kinds import DEFAULT_SCHEDULE, FLAG_CHOICES, KINDS, any_chunks_kind, flag_help
+from ptdp.schedules.split import LayerSplit
 
 
 @dataclass
@@ -30,14 +31,8 @@ class ParallelConfig:
         "model chunks v per pipeline rank (Megatron-LM's newer alternative to "
         "--num-layers-per-virtual-pipeline-stage: L / (p·v) layers per chunk); enables the "
         "interleaved 1F1B schedule")
-    pipeline_schedule: str = flag(
-        "1f1b", "--pipeline-schedule",
-        "gpipe (all forwards, then all backwards), 1f1b, or a zero-bubble schedule (backward "
-        "split into input and weight gradients, the weight gradients filling the bubbles): zb-h1 "
-        "(one chunk per rank, 1F1B's memory, needs m >= p microbatches) or zbv (two chunks per "
-        "rank in a V, needs m >= 2p); --num-layers-per-virtual-pipeline-stage with 1f1b selects "
-        "the interleaved 1F1B schedule",
-        choices=("gpipe", "1f1b", "zb-h1", "zbv"))
+    pipeline_schedule: str = flag(DEFAULT_SCHEDULE, "--pipeline-schedule", flag_help(),
+                                  choices=FLAG_CHOICES)
     decoder_first_pipeline_num_layers: int | None = flag(
         None, "--decoder-first-pipeline-num-layers",
         "transformer layers on the first pipeline rank (it also computes the embedding); the "
@@ -117,25 +112,37 @@ class ParallelConfig:
         return self.ranks_per_replica * self.dp
 
     @property
+    def interleaved(self) -> bool:
+        """Whether each pipeline rank's layers are in chunks of
+        --num-layers-per-virtual-pipeline-stage under a schedule that does
+        not keep its own chunks (interleaving; refused under one that cannot interleave)."""
+        record = KINDS.get(self.pipeline_schedule)
+        return (self.num_layers_per_virtual_pipeline_stage is not None and record is not None
+                and record.flag and not record.keeps_its_chunks)
+
+    @property
     def schedule_kind(self) -> str:
-        if self.pipeline_schedule in ("zb-h1", "zbv"):
+        record = KINDS.get(self.pipeline_schedule)
+        if record is not None and record.keeps_its_chunks:
             return self.pipeline_schedule
         if self.num_layers_per_virtual_pipeline_stage is not None:
-            return "interleaved"
+            return any_chunks_kind().name
         return self.pipeline_schedule
 
     @property
     def layer_split(self) -> LayerSplit:
-        """How the layers are split over the stages (ptdp.config.layer_split)."""
+        """How the layers are split over the stages (ptdp.schedules.split)."""
         return LayerSplit(self.decoder_first_pipeline_num_layers,
                           self.decoder_last_pipeline_num_layers,
                           self.account_for_embedding_in_pipeline_split,
                           self.account_for_loss_in_pipeline_split)
 
     def virtual_stages(self, num_layers: int) -> int:
-        """Model chunks per pipeline rank (v); 1 without interleaving, 2 under zbv."""
-        if self.pipeline_schedule in ("zb-h1", "zbv"):
-            return 2 if self.pipeline_schedule == "zbv" else 1
+        """Model chunks per pipeline rank (v); 1 without interleaving, its own
+        under a schedule that keeps its chunks (ScheduleKind.keeps_its_chunks)."""
+        record = KINDS.get(self.pipeline_schedule)
+        if record is not None and record.keeps_its_chunks:
+            return record.chunks or 1
         k = self.num_layers_per_virtual_pipeline_stage
         if k is None:
             return 1

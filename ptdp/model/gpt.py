@@ -48,8 +48,8 @@ from ptdp.model.recompute import checkpoint, recompute_active
 from ptdp.model.rotary import Rotary
 from ptdp.parallel.context_attention import context_attention
 from ptdp.parallel.context_layout import rank_positions, split_sequence
-from ptdp.parallel.pipeline.actions import virtual_stage_of
-from ptdp.parallel.pipeline.schedules import layers_of
+from ptdp.schedules.kinds import virtual_stage_of
+from ptdp.schedules.build import layers_of
 from ptdp.parallel.sharding import COPY_ATTR, initialize_parameters, set_init
 from ptdp.parallel.tensor import (
     ColumnParallelLinear,
@@ -325,7 +325,7 @@ class GPT(nn.Module):
         (ptdp.parallel.weight_grad); None: one fused backward again. The
         embedding lookups and the norms (cheap) keep theirs in the backward,
         and so does the output layer: deferring it would hold its [s, b, V/t]
-        logits gradient until W, and zb-h1's last rank holds p - 1 pending
+        logits gradient until W, and ZB-H1's last rank holds p - 1 pending
         W's (measured: +12 % peak RSS over 1F1B at p = 4 on bench/peers.py's
         GPT; +6 % with the output layer in B, bench/zero_bubble.py)."""
         for module in self.modules():
@@ -429,15 +429,16 @@ def _run_group(layers: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
 
 def build_chunks(config: ModelConfig, ctx: ParallelContext, device: torch.device, seed: int,
                  num_chunks: int = 1, *, sequence_parallel: bool = False,
-                 kind: str = "interleaved", split=None, cp_comm_type: str = "p2p") -> list[GPT]:
+                 kind: str | None = None, split=None, cp_comm_type: str = "p2p") -> list[GPT]:
     """This rank's model chunks, initialised from `seed`, with its dropout
     streams seeded. Chunk c of pipeline rank r is virtual stage c·p + r and
     holds layers c·(l/v) + r·(l/(p·v)) onwards (the paper's interleaving),
-    or with kind="zbv" the V placement (stages r and 2p - 1 - r); the first
-    virtual stage has the embeddings, the last the output layer. Under zbv
-    rank 0 holds both, and a tied output layer is the same parameter as the
-    embedding (no copy to keep in step). `split`: a LayerSplit
-    (ptdp.parallel.pipeline.split) for stages of unequal layer counts."""
+    or under a kind of the V placement (ptdp.schedules.kinds) stages r and
+    2p - 1 - r; the first virtual stage has the embeddings, the last the
+    output layer. Under a V rank 0 holds both, and a tied output layer is
+    the same parameter as the embedding (no copy to keep in step). `kind`
+    None: the looped placement. `split`: a LayerSplit
+    (ptdp.schedules.split) for stages of unequal layer counts."""
     rng = RNGStreams(device)
     rng.seed(seed, ctx)
     p, last = ctx.pp_size, ctx.pp_size * num_chunks - 1

@@ -33,7 +33,7 @@ import functools
 from dataclasses import dataclass
 
 from ptdp.config.train import TrainConfig
-from ptdp.parallel.pipeline.actions import virtual_stage_of
+from ptdp.schedules.kinds import virtual_stage_of
 from ptdp.perf import analytic
 from ptdp.perf.layout import ByIdentity, ByValue, Layout, Workload
 from ptdp.perf.machine import Machine

@@ -69,10 +69,7 @@ from typing import Iterator, NamedTuple
 
 from ptdp.config import ModelConfig, TrainConfig
 from ptdp.model.shapes import logical_shapes
-from ptdp.parallel.pipeline.actions import (ZERO_BUBBLE_KINDS, check_arguments, location_of,
-                                            virtual_stage_of, warmup_forwards)
-from ptdp.parallel.pipeline.one_f_one_b import backward_order, forward_order
-from ptdp.parallel.pipeline.zero_bubble import zb_h1_order, zbv_order
+from ptdp.schedules.kinds import check_arguments, kind_named, location_of, virtual_stage_of
 from ptdp.perf.layout import ByValue, Layout, Workload
 from ptdp.perf.flops import model_flops_per_iteration
 
@@ -245,9 +242,11 @@ def _stage_parameters(model: ModelConfig, t: int, layers: int, first: bool, last
 
 def _ends_share_a_rank(layout: Layout) -> bool:
     """The first and the last virtual stage are on one pipeline rank: p = 1,
-    or zbv's V (rank 0 holds both; a tied output layer is then the
-    embedding's own parameter, not a copy)."""
-    return layout.p == 1 or layout.schedule_kind == "zbv"
+    or a V (rank 0 holds both; a tied output layer is then the embedding's
+    own parameter, not a copy)."""
+    p, v = layout.p, layout.v
+    return p == 1 or location_of(layout.schedule_kind, p, v, 0)[0] == \
+        location_of(layout.schedule_kind, p, v, p * v - 1)[0]
 
 
 def chunk_stage(layout: Layout, rank: int, chunk: int) -> tuple[bool, bool]:
@@ -259,7 +258,7 @@ def chunk_stage(layout: Layout, rank: int, chunk: int) -> tuple[bool, bool]:
 
 def _chunk_parameters(model: ModelConfig, layout: Layout, rank: int, chunk: int) -> list[Param]:
     """The parameters of (rank, chunk) on one tensor rank (`_stage_parameters`
-    of its virtual stage). Under zbv rank 0's last-stage chunk uses the
+    of its virtual stage). Under ZB-V rank 0's last-stage chunk uses the
     first chunk's word embedding as its tied output layer: no copy."""
     first, last = chunk_stage(layout, rank, chunk)
     shared = model.tied_output and not _ends_share_a_rank(layout)
@@ -424,25 +423,9 @@ def bubble_fraction(layout: Layout, m: int) -> float:
 
 def _compute_order(kind: str, p: int, m: int, v: int, rank: int) -> Iterator[tuple[str, int]]:
     """(op, chunk) of rank `rank`'s computes in schedule order, from the
-    generators in one_f_one_b.py: the warm-up forwards, then one forward and
-    one backward per step, then the remaining backwards (build_schedule's
-    computes without its exchanges, which are slow to build for large m)."""
-    forwards, backwards = forward_order(kind, p, m, v), backward_order(kind, p, m, v)
-    warmup = warmup_forwards(kind, p, m, v, rank)
-    for _, chunk in forwards[:warmup]:
-        yield "F", chunk
-    for k in range(len(forwards) - warmup):
-        yield "F", forwards[warmup + k][1]
-        yield "B", backwards[k][1]
-    for _, chunk in backwards[len(forwards) - warmup:]:
-        yield "B", chunk
-
-
-def _zero_bubble_order(kind: str, p: int, m: int, rank: int) -> Iterator[tuple[str, int]]:
-    """(op, chunk) of rank `rank`'s computes under zb-h1 or zbv, in the
-    order build_schedule gives them (zero_bubble.py's orders)."""
-    order = zbv_order(p, m, rank) if kind == "zbv" else zb_h1_order(p, m, rank)
-    return ((c.op, c.chunk) for c in order)
+    kind's generator (its record's `order`: build_schedule's computes
+    without its exchanges, which are slow to build for large m)."""
+    return ((c.op, c.chunk) for c in kind_named(kind).order(p, m, v, rank))
 
 
 @lru_cache(maxsize=65536)
@@ -470,9 +453,8 @@ def _held_states(kind: str, p: int, m: int, v: int, rank: int) -> tuple[tuple[in
     peak of any weighted sum is one of theirs. Walked once per schedule;
     `stash_peaks` prices it for any weights."""
     check_arguments(kind, p, m, v)
-    zero_bubble = kind in ZERO_BUBBLE_KINDS
-    order = _zero_bubble_order(kind, p, m, rank) if zero_bubble else \
-        _compute_order(kind, p, m, v, rank)
+    zero_bubble = kind_named(kind).splits_backward
+    order = _compute_order(kind, p, m, v, rank)
     held = [0] * (2 * v)
     states = set()
     for op, chunk in order:
@@ -498,7 +480,7 @@ def _held_states(kind: str, p: int, m: int, v: int, rank: int) -> tuple[tuple[in
 def peak_in_flight_per_rank(layout: Layout, m: int) -> list[int]:
     """For each pipeline rank, the most (microbatch, chunk) activations it
     stores at once under the layout's schedule (what the executor measures
-    as peak_stored; under zb-h1 and zbv counted from F until W, as
+    as peak_stored; under ZB-H1 and ZB-V counted from F until W, as
     Schedule.in_flight_bound and the executor's peak_awaiting_weight_grads)."""
     kind, ones = layout.schedule_kind, (1,) * layout.v
     return [stash_peaks(kind, layout.p, m, layout.v, r, ones)[0] for r in range(layout.p)]
@@ -611,7 +593,7 @@ def communication_per_rank(workload: Workload, layout: Layout, *,
                activation (unless last virtual stage) and the input gradient
                (unless first): b·s·h·e each, b·s·h·e/t with scatter/gather
                or sequence parallelism (each rank's own s/t positions).
-               None across zbv's stages p−1 and p, which rank p−1 both holds.
+               None across ZB-V's stages p−1 and p, which rank p−1 both holds.
     pipeline_all_gather
                scatter/gather's all-gather of every received tensor in the
                tensor group: (t−1)/t·b·s·h·e sent per received tensor. None
@@ -624,7 +606,7 @@ def communication_per_rank(workload: Workload, layout: Layout, *,
     embedding  p > 1: the tied word embedding's gradient summed over its two
                copies (first and last stage), fp32: V'·h/t·4. None with an
                untied output layer (each stage's matrix is its own), nor
-               under zbv (rank 0 holds both ends and one matrix).
+               under ZB-V (rank 0 holds both ends and one matrix).
     total      their sum.
     Scalar collectives (gradient norm, inf check) are left out.
     """
@@ -659,7 +641,7 @@ def communication_per_rank(workload: Workload, layout: Layout, *,
             if last:
                 tensor += m * (_tensor_bytes_sent(t, sbh, output_layer, e)
                                + 3 * _ring(t, sb) * FP32)
-            # Sends (receives are as many); none across zbv's boundary inside a rank.
+            # Sends (receives are as many); none across ZB-V's boundary inside a rank.
             transfers = ((not last and not local(stage)) + (not first and not local(stage - 1)))
             pipeline += m * transfers * sent * e
             if layout.gathers_received:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 
-from ptdp.parallel.pipeline.actions import virtual_stage_of
+from ptdp.schedules.kinds import virtual_stage_of
 from ptdp.perf.after_flush import after_flush
 from ptdp.perf.layout import Layout, Workload
 from ptdp.perf.moe_costs import stage_moe_layers
@@ -26,7 +26,7 @@ def compute_lower_bound(workload: Workload, layout: Layout, profile: HardwarePro
     its chunks' F and B, and W); head_r the forwards of the stages before
     r's first stage, which the first microbatch passes through before r
     can start; tail_r, under the schedules whose every rank ends with the
-    backward of its first stage (gpipe, 1f1b, interleaved), the backwards
+    backward of its first stage (GPipe, 1F1B, interleaved), the backwards
     of the stages before it, which the last microbatch still passes
     through (zero-bubble ranks may end with a W: no tail); reduction_r is
     what of the gradient reductions follows r's last backward in any

@@ -21,16 +21,18 @@ from typing import Iterable
 from ptdp.config import ModelConfig, ParallelConfig
 from ptdp.config.base import divisors
 from ptdp.config.context import context_parallel_problems
-from ptdp.parallel.pipeline.split import LayerSplit, split_problems
+from ptdp.schedules.kinds import DEFAULT_SCHEDULE, KINDS, SEARCHED
+from ptdp.schedules.split import LayerSplit, split_problems
 from ptdp.perf.layout import Layout, Workload
 
 MAX_MICROBATCH = 32        # larger microbatches only add memory at these sizes
 MAX_CHUNKS = 8             # interleaving beyond this only adds transfers
 MIN_CONTEXT_POSITIONS = 1024   # the search's smallest s/c (see context_sizes_to_search)
-# The schedules searched: 1F1B (interleaved with v > 1) and the two zero-bubble
-# ones. GPipe is never better than 1F1B here (same bubble, more memory): it is
-# priced only when --pipeline-schedule gpipe fixes it.
-SCHEDULES = ("1f1b", "zb-h1", "zbv")
+# The schedules searched: the --pipeline-schedule values whose records are
+# `searched` (1F1B, interleaved with v > 1, and the two zero-bubble ones).
+# GPipe is never better than 1F1B here (same bubble, more memory): it is
+# priced only when --pipeline-schedule fixes it (ScheduleKind.searched).
+SCHEDULES = SEARCHED
 
 
 def candidate_layouts(workload: Workload, devices: int, *, tensor_sizes=None,
@@ -46,11 +48,12 @@ def candidate_layouts(workload: Workload, devices: int, *, tensor_sizes=None,
     restricted to the given values of each dimension (None: searched):
     `tensor_sizes`, `pipeline_sizes`, `data_sizes`, `microbatch_sizes`,
     `chunk_counts` (v), `layers_per_chunk` (--num-layers-per-virtual-
-    pipeline-stage: v = l/(p·k), 1f1b or, where v = 2, zbv), `recompute`,
-    `distributed_optimizer`, `sequence_parallel` (only where t > 1 divides
-    s), `schedules` (1f1b with v > 1 is the interleaved schedule; zb-h1 and
-    gpipe have v = 1, zbv v = 2, each only where its microbatch and layer
-    rules hold), `context_sizes` (default: each that
+    pipeline-stage: v = l/(p·k), a schedule that interleaves or one whose
+    fixed v it is), `recompute`, `distributed_optimizer`,
+    `sequence_parallel` (only where t > 1 divides s), `schedules`
+    (--pipeline-schedule values; each runs at the v of its record: one that
+    interleaves at any v, the others at their own, each only where its
+    microbatch and layer rules hold), `context_sizes` (default: each that
     `context_sizes_to_search` keeps) with the comm type `cp_comm`, and for a
     mixture of experts `expert_sizes` (EP) and `expert_tensor_sizes` (ETP; an
     entry None is ptdp train's default, ETP = t). `layer_splits`: also the
@@ -136,21 +139,33 @@ def _kept(values: list[int], allowed) -> list[int]:
 def _pipelines(num_layers: int, p: int, schedules, chunk_counts,
                layers_per_chunk: int | None) -> list[tuple[str, int]]:
     """The (schedule, v) pairs to try at pipeline size p."""
-    if layers_per_chunk is not None:   # v follows from k: interleaved 1f1b, or zbv's v = 2
+    if layers_per_chunk is not None:   # v follows from k: interleaved, or a fixed v (a V's 2)
         k = layers_per_chunk
         if p < 2 or k < 1 or num_layers % (p * k):
             return []
         v = num_layers // (p * k)
-        pairs = [(s, v) for s in schedules if s == "1f1b" or (s == "zbv" and v == 2)]
+        pairs = [(s, v) for s in schedules if s in KINDS and (KINDS[s].with_chunks is not None
+                                                              or KINDS[s].fixed_chunks == v)]
         return [(s, v) for s, v in pairs if chunk_counts is None or v in chunk_counts]
     if chunk_counts is None:
         chunks = [1] + (list(range(2, MAX_CHUNKS + 1)) if p > 1 else [])
     else:
         chunks = [v for v in chunk_counts if v == 1 or (v > 1 and p > 1)]
     return [(s, v) for v in chunks for s in schedules
-            if (s == "1f1b" or (s in ("gpipe", "zb-h1") and v == 1) or (s == "zbv" and v == 2))
-            # with p = 1 all are one schedule: 1f1b's, unless another is fixed
-            and (p > 1 or s == "1f1b" or "1f1b" not in schedules)]
+            if _takes_chunks(s, v)
+            # with p = 1 all are one schedule: the default's, unless another is fixed
+            and (p > 1 or s == DEFAULT_SCHEDULE or DEFAULT_SCHEDULE not in schedules)]
+
+
+def _takes_chunks(schedule: str, v: int) -> bool:
+    """Whether the --pipeline-schedule value runs with v chunks per rank: its
+    own (fixed) v, or any v where it interleaves."""
+    record = KINDS.get(schedule)
+    if record is None:
+        return False
+    if record.with_chunks is not None:
+        return True
+    return v == (record.fixed_chunks or 1)
 
 
 def _expert_layouts(model: ModelConfig, t: int, ranks: int, expert_sizes,
@@ -182,11 +197,11 @@ def _uneven_splits(num_layers: int, p: int, v: int, schedule: str) -> tuple[Laye
     distinct cut, none cutting as the even split does where that is valid."""
     layout = Layout(p=p, v=v, schedule=schedule)
     kind = layout.schedule_kind
-    even = num_layers % (2 * p if kind == "zbv" else p * v) == 0
+    even = num_layers % (p * v) == 0
     seen = {tuple(layout.stage_layers(num_layers))} if even else set()
     splits = []
     for split in split_candidates(layout, num_layers):
-        if kind == "interleaved" or split_problems(num_layers, p, v, kind, split):
+        if KINDS[kind].chunks is None or split_problems(num_layers, p, v, kind, split):
             continue
         counts = tuple(dataclasses.replace(layout, split=split).stage_layers(num_layers))
         if counts not in seen:
@@ -197,11 +212,11 @@ def _uneven_splits(num_layers: int, p: int, v: int, schedule: str) -> tuple[Laye
 
 def split_candidates(layout: Layout, num_layers: int) -> list[LayerSplit]:
     """The uneven splits the search tries for `layout` (not checked: the
-    caller keeps the valid ones). Only p >= 2 under 1f1b or gpipe with
-    v = 1, zb-h1 or zbv: the three nontrivial combinations of the accounting
+    caller keeps the valid ones). Only p >= 2 under a kind of fixed chunks
+    (not the interleaved one): the three nontrivial combinations of the accounting
     flags, and for v = 1 first/last-rank layer counts one or two below the
     even share (ceil(l/p)) on the first and/or the last rank."""
-    if layout.p < 2 or layout.schedule_kind not in ("1f1b", "gpipe", "zb-h1", "zbv"):
+    if layout.p < 2 or layout.schedule_kind not in KINDS or KINDS[layout.schedule_kind].chunks is None:
         return []
     splits = [LayerSplit(embedding=True), LayerSplit(loss=True),
               LayerSplit(embedding=True, loss=True)]

@@ -38,7 +38,8 @@ from typing import Any
 from ptdp.config import Config, ConfigError, ModelConfig, ParallelConfig, validate
 from ptdp.config.context import context_parallel_problems
 from ptdp.config.train import TrainConfig
-from ptdp.parallel.pipeline.split import LayerSplit
+from ptdp.schedules.kinds import DEFAULT_SCHEDULE, KINDS, PLAN_CHOICES, any_chunks_kind
+from ptdp.schedules.split import LayerSplit
 from ptdp.perf.candidates import MIN_CONTEXT_POSITIONS
 from ptdp.perf.layout import Layout
 
@@ -68,11 +69,13 @@ def add_layout_flags(parser: argparse.ArgumentParser) -> None:
                         help="as for `ptdp train` (default: --gpus / (t·c·p))")
     layout.add_argument("--micro-batch-size", type=int, metavar="N")
     layout.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, metavar="N",
-                        help="fixes v = l / (p·N) (interleaved 1F1B, or zbv where v = 2)")
-    layout.add_argument("--pipeline-schedule", choices=("1f1b", "gpipe", "zb-h1", "zbv"),
-                        help="as for `ptdp train` (zbv: two chunks per rank; 1f1b is "
-                             "interleaved with --num-layers-per-virtual-pipeline-stage; gpipe is "
-                             "priced only when given)")
+                        help=f"fixes v = l / (p·N) (interleaved 1F1B, or {_v_kinds()} where "
+                             f"v = 2)")
+    layout.add_argument("--pipeline-schedule", choices=PLAN_CHOICES,
+                        help=f"as for `ptdp train` ({_v_kinds()}: two chunks per rank; "
+                             f"{DEFAULT_SCHEDULE} is interleaved with "
+                             f"--num-layers-per-virtual-pipeline-stage; {_unsearched()} is priced "
+                             f"only when given)")
     layout.add_argument("--recompute-granularity", choices=("full", "selective"),
                         help="as for `ptdp train` (no recomputation, its default, has no flag: "
                              "it is searched, or fixed by --fix-all)")
@@ -190,23 +193,33 @@ def _context_restrictions(args: argparse.Namespace, model: ModelConfig,
     return {"context_sizes": (c,), "cp_comm": comm}
 
 
+def _v_kinds() -> str:
+    return " or ".join(k.name for k in KINDS.values() if k.flag and k.fixed_chunks)
+
+
+def _unsearched() -> str:
+    return " or ".join(k.name for k in KINDS.values() if k.flag and not k.searched)
+
+
 def fix_all_layout(args: argparse.Namespace, model: ModelConfig, devices: int) -> Layout:
     """The one layout the flags give, every dimension not given at `ptdp
     train`'s default (b = 1, the plan's default)."""
     t = args.tensor_model_parallel_size or 1
     p = args.pipeline_model_parallel_size or 1
     c = args.context_parallel_size or 1
-    schedule = args.pipeline_schedule or "1f1b"
-    v = 2 if schedule == "zbv" else 1
+    schedule = args.pipeline_schedule or DEFAULT_SCHEDULE
+    record = KINDS[schedule]
+    fixed = record.fixed_chunks
+    v = fixed or 1
     k = args.num_layers_per_virtual_pipeline_stage
-    if k and schedule == "zbv" and k * 2 * p != model.num_layers:
-        raise ConfigError([f"--pipeline-schedule zbv has two chunks per rank, so "
-                           f"--num-layers-per-virtual-pipeline-stage {k} must be --num-layers / 2p "
-                           f"= {model.num_layers / (2 * p):g}: drop it"])
-    if k and schedule in ("gpipe", "zb-h1"):
+    if k and fixed and k * fixed * p != model.num_layers:
+        raise ConfigError([f"--pipeline-schedule {schedule} has {record.chunks_word} chunks per "
+                           f"rank, so --num-layers-per-virtual-pipeline-stage {k} must be "
+                           f"--num-layers / {fixed}p = {model.num_layers / (fixed * p):g}: drop it"])
+    if k and not record.takes_layers_per_chunk:
         raise ConfigError([f"--pipeline-schedule {schedule} has one chunk per rank: drop "
                            f"--num-layers-per-virtual-pipeline-stage"])
-    if k and schedule != "zbv":
+    if k and not fixed:
         per = p * k
         if model.num_layers % per:
             raise ConfigError([f"--num-layers {model.num_layers} is not a multiple of p × "
@@ -226,7 +239,7 @@ def train_problems(model: ModelConfig, layout: Layout, global_batch: int, device
                    precision: str) -> list[str]:
     """What `ptdp train` says of this layout on `devices` processes (its own
     checks and messages; empty when it would start)."""
-    interleaved = layout.schedule_kind == "interleaved"
+    interleaved = layout.schedule_kind == any_chunks_kind().name
     config = Config(
         model=dataclasses.replace(model, recompute_granularity=layout.recompute),
         parallel=ParallelConfig(

@@ -64,7 +64,7 @@ def recomputed_layer_count(config: ModelConfig, num_model_chunks: int,
     """Layers whose forward is recomputed under `config`'s full
     recomputation; `num_model_chunks` is p·v, the model chunks of one
     pipeline, and `stage_layers` their layer counts when uneven
-    (ptdp.parallel.pipeline.split). Uniform checkpoints every layer; block
+    (ptdp.schedules.split). Uniform checkpoints every layer; block
     the first --recompute-num-layers layers of each chunk."""
     if config.recompute_granularity != "full":
         return 0

@@ -15,12 +15,13 @@ from functools import lru_cache
 from ptdp.config import ModelConfig, ParallelConfig
 from ptdp.config.context import context_parallel_problems
 from ptdp.config.moe import expert_parallel_problems
-from ptdp.parallel.pipeline.actions import ZERO_BUBBLE_KINDS, virtual_stage_of
-from ptdp.parallel.pipeline.split import LayerSplit, split_problems, stage_layer_counts
+from ptdp.schedules.kinds import (DEFAULT_SCHEDULE, FLAG_CHOICES, KINDS, or_list, running_kind,
+                                  virtual_stage_of)
+from ptdp.schedules.split import LayerSplit, split_problems, stage_layer_counts
 
 RECOMPUTE_KINDS = (None, "selective", "full")
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a")  # --cp-comm-type (ptdp.parallel.context_attention)
-SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zbv")   # Layout.schedule (v > 1 without zbv: interleaved)
+SCHEDULES = FLAG_CHOICES   # Layout.schedule: a --pipeline-schedule value (ptdp.schedules.kinds)
 BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -30,19 +31,20 @@ class Layout:
     p: int = 1                      # pipeline-parallel size
     d: int = 1                      # data-parallel size
     b: int = 1                      # microbatch size
-    v: int = 1                      # chunks per pipeline rank (v > 1: interleaved 1F1B or zbv)
+    v: int = 1                      # chunks per pipeline rank (v > 1: interleaved 1F1B or a V)
     recompute: str | None = None    # None, "selective" or "full" (uniform, 1 layer per group)
     distributed_optimizer: bool = False
     scatter_gather: bool = True
-    # "gpipe", "1f1b" or "zb-h1" when v == 1; interleaved 1F1B when v > 1,
-    # or "zbv" (v = 2, the V placement; zero-bubble kinds split the backward
-    # into B and W, see ptdp.parallel.pipeline.zero_bubble).
-    schedule: str = "1f1b"
+    # A --pipeline-schedule value (ptdp.schedules.kinds): one of one chunk
+    # per rank when v == 1; interleaved 1F1B when v > 1, unless the kind has
+    # its own fixed v (the V placement, v = 2; zero-bubble kinds split the
+    # backward into B and W, see ptdp.schedules.zero_bubble).
+    schedule: str = DEFAULT_SCHEDULE
     # --sequence-parallel: the activations outside the tensor-parallel
     # regions split over the t ranks along the sequence (t > 1, s % t == 0).
     sequence_parallel: bool = False
     # How the layers are cut over the virtual stages (even by default; see
-    # ptdp.parallel.pipeline.split): Megatron-LM's first/last-rank layer
+    # ptdp.schedules.split): Megatron-LM's first/last-rank layer
     # counts (v = 1 schedules) or the embedding/loss accounting flags.
     split: LayerSplit = LayerSplit()
     # Expert parallelism (MoE models): a stage's t·d ranks folded into
@@ -79,16 +81,15 @@ class Layout:
 
     @property
     def schedule_kind(self) -> str:
-        """The kind build_schedule takes: "zbv" as it is; "interleaved" for
-        any other schedule with v > 1."""
-        if self.schedule == "zbv":
-            return "zbv"
-        return "interleaved" if self.v > 1 else self.schedule
+        """The kind build_schedule takes: one with a fixed v > 1 as it is;
+        the interleaved kind for any other schedule with v > 1."""
+        return running_kind(self.schedule, self.v)
 
     @property
     def zero_bubble(self) -> bool:
         """The backward is split into B (input gradient) and W (weight gradients)."""
-        return self.schedule_kind in ZERO_BUBBLE_KINDS
+        record = KINDS.get(self.schedule_kind)
+        return record is not None and record.splits_backward
 
     @property
     def splits_sequence(self) -> bool:
@@ -134,36 +135,11 @@ class Layout:
             problems.append(f"t={self.t} does not divide the key/value groups "
                             f"({model.query_groups})")
         m = self.microbatches(global_batch)
-        if self.schedule not in SCHEDULES:
-            problems.append(f"unknown schedule {self.schedule!r}: use one of "
-                            f"{', '.join(SCHEDULES)}")
-        elif self.schedule == "zbv" and self.v != 2:
-            problems.append(f"zbv has v=2 chunks per rank in a V, not v={self.v}")
-        elif self.schedule == "zbv" and self.p < 2:
-            problems.append(f"zbv needs p >= 2 (it places two chunks per rank in a V), not "
-                            f"p={self.p}")
-        elif self.schedule in ("gpipe", "zb-h1") and self.v != 1:
-            problems.append(f"{self.schedule} has one chunk per rank, not v={self.v}")
-        elif not self.split.even:
-            if self.schedule_kind == "interleaved":
-                problems.append("an uneven layer split (" + " ".join(self.split.flags())
-                                + ") is not supported with the interleaved schedule: use v=1 "
-                                "(1f1b, gpipe, zb-h1) or zbv")
-            else:
-                problems += split_problems(model.num_layers, self.p, self.v,
-                                           self.schedule_kind, self.split)
-        elif self.schedule == "zbv" and model.num_layers % (2 * self.p):
-            problems.append(f"zbv needs 2p={2 * self.p} to divide the {model.num_layers} layers")
-        elif model.num_layers % (self.p * self.v):
-            problems.append(f"p·v={self.p * self.v} does not divide the {model.num_layers} layers")
+        problems += self._schedule_problems(model)
         if global_batch % (self.b * self.d):
             problems.append(f"b·d={self.b * self.d} does not divide the global batch {global_batch}")
-        elif self.schedule == "zb-h1" and m < self.p:
-            problems.append(f"zb-h1 needs m={m} to be at least p={self.p}")
-        elif self.schedule == "zbv" and m < 2 * self.p:
-            problems.append(f"zbv needs m={m} to be at least 2p={2 * self.p}")
-        elif self.schedule_kind == "interleaved" and m % self.p:
-            problems.append(f"interleaving needs m={m} to be a multiple of p={self.p}")
+        else:
+            problems += self._microbatch_problems(m)
         if self.sequence_parallel and self.t == 1:
             problems.append("sequence parallelism needs t > 1")
         elif self.sequence_parallel and model.seq_length % self.t:
@@ -184,6 +160,45 @@ class Layout:
             problems += expert_parallel_problems(model, self._parallel_config(), self.devices)
         return problems
 
+    def _schedule_problems(self, model: ModelConfig) -> list[str]:
+        """The schedule's chunks, stages and layers (its record's rules)."""
+        if self.schedule not in SCHEDULES:
+            return [f"unknown schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)}"]
+        record, l = KINDS[self.schedule], model.num_layers
+        fixed = record.fixed_chunks
+        if fixed and self.v != fixed:
+            return [f"{self.schedule} has v={fixed} chunks per rank{record.in_a_v}, not v={self.v}"]
+        if fixed and self.p < record.fewest_stages:
+            return [f"{self.schedule} needs p >= {record.fewest_stages} (it places "
+                    f"{record.chunks_words}), not p={self.p}"]
+        if not fixed and record.with_chunks is None and self.v != 1:
+            return [f"{self.schedule} has one chunk per rank, not v={self.v}"]
+        if not self.split.even:
+            if KINDS[self.schedule_kind].chunks is None:
+                plain = [k.name for k in KINDS.values() if k.flag and not k.fixed_chunks]
+                fixed_names = [k.name for k in KINDS.values() if k.flag and k.fixed_chunks]
+                return ["an uneven layer split (" + " ".join(self.split.flags())
+                        + ") is not supported with the interleaved schedule: use v=1 "
+                        f"({', '.join(sorted(plain, key=lambda n: n != DEFAULT_SCHEDULE))}) or "
+                        f"{or_list(fixed_names)}"]
+            return split_problems(l, self.p, self.v, self.schedule_kind, self.split)
+        if fixed and l % (fixed * self.p):
+            return [f"{self.schedule} needs {fixed}p={fixed * self.p} to divide the {l} layers"]
+        if l % (self.p * self.v):
+            return [f"p·v={self.p * self.v} does not divide the {l} layers"]
+        return []
+
+    def _microbatch_problems(self, m: int) -> list[str]:
+        """m against the schedule's record (whole microbatches)."""
+        record = KINDS.get(self.schedule)
+        fewest = record.fewest_microbatches(self.p) if record is not None else 1
+        if m < fewest:
+            return [f"{self.schedule} needs m={m} to be at least {record.fewest_text}={fewest}"]
+        running = KINDS.get(self.schedule_kind)
+        if running is not None and running.microbatches_multiple_of_p and m % self.p:
+            return [f"interleaving needs m={m} to be a multiple of p={self.p}"]
+        return []
+
     def _parallel_config(self) -> ParallelConfig:
         """The parallel settings `ptdp train` checks the expert layout against."""
         return ParallelConfig(tensor_model_parallel_size=self.t,
@@ -202,7 +217,7 @@ class Layout:
                  "--global-batch-size", str(global_batch)]
         if self.c > 1:
             flags += ["--context-parallel-size", str(self.c), "--cp-comm-type", self.cp_comm]
-        if self.schedule in ("gpipe", "zb-h1", "zbv"):   # zbv: two chunks per rank, implied
+        if self.schedule != DEFAULT_SCHEDULE:   # a fixed v (a V) is implied by the schedule
             flags += ["--pipeline-schedule", self.schedule]
         elif self.v > 1:
             flags += ["--num-layers-per-virtual-pipeline-stage",

@@ -138,7 +138,7 @@ and dropout on. Two kernel sets:
   schedule (the generators' order) and takes the peak of the sum, so the
   embedding and output extras count only for the chunks that have them.
 
-  Zero-bubble schedules (zb-h1, zbv): B frees what the forward saved except
+  Zero-bubble schedules (ZB-H1, ZB-V): B frees what the forward saved except
   what the deferred weight gradients hold (ptdp.parallel.weight_grad's
   closures keep each linear layer's input and output gradient; autograd
   frees the rest as B runs), so a (microbatch, chunk) weighs the figures
@@ -157,7 +157,7 @@ and dropout on. Two kernel sets:
   With full recomputation B rebuilds these inputs, so they are held from B
   to W although F kept only the layer input. The walk follows
   zero_bubble.py's per-rank orders; the count of activations held at once
-  (F until W) is Schedule.in_flight_bound. Under zbv rank 0 holds the first
+  (F until W) is Schedule.in_flight_bound. Under ZB-V rank 0 holds the first
   and the last stage (the embedding and the output extras) and one word
   embedding (a tied output layer is the same parameter), and no activation
   or gradient crosses between stages p−1 and p (both on rank p−1).

@@ -463,7 +463,7 @@ def moe_layer_activation_delta(model: ModelConfig, t: int, b: int, e: int, *,
 
 def chunk_moe_layers(model: ModelConfig, layout, rank: int, chunk: int) -> int:
     """The MoE layers of (rank, chunk) of `layout` (its virtual stage's)."""
-    from ptdp.parallel.pipeline.actions import virtual_stage_of
+    from ptdp.schedules.kinds import virtual_stage_of
 
     if not model.is_moe:
         return 0

@@ -14,21 +14,22 @@ layout flag (`ptdp train`'s) fixes its dimension and the search covers the
 rest; `--fix-all`, or flags that leave one valid layout, price that one
 layout (fixed_dimensions.py).
 
-Schedules: 1F1B, interleaved 1F1B (v = 2 ... MAX_CHUNKS) and the
-zero-bubble zb-h1 (v = 1, m >= p) and zbv (v = 2, m >= 2p, l divisible by
-2p), priced by the same simulator with the backward split into B and W
-(pricing.py) and their memory counted from F to B to W (memory.py).
-`--print-flags`
-prints `--pipeline-schedule zb-h1` or `--pipeline-schedule zbv` for them
-(zbv's two chunks per rank are implied).
+Schedules: those whose records (ptdp.schedules.kinds) are searched: 1F1B,
+interleaved 1F1B (v = 2 ... MAX_CHUNKS) and the zero-bubble ZB-H1 (v = 1,
+m >= p) and ZB-V (v = 2, m >= 2p, l divisible by 2p), priced by the same
+simulator with the backward split into B and W (pricing.py) and their
+memory counted from F to B to W (memory.py). `--print-flags` prints
+`--pipeline-schedule` with the kind's name for them (a V's two chunks per
+rank are implied).
 
 Sequence parallelism is searched on and off wherever it is valid (t > 1 and
 t dividing s): it divides the activations between the tensor-parallel
 regions and their element-wise work by t for the same tensor traffic plus
 the re-gathers of the saved inputs, so it mostly decides what fits.
 
-Uneven layer splits (ptdp.parallel.pipeline.split): for each pipeline
-layout with p >= 2 under 1f1b (v = 1), zb-h1 or zbv the search also tries
+Uneven layer splits (ptdp.schedules.split): for each pipeline
+layout with p >= 2 under a kind of fixed chunks (1F1B with v = 1, ZB-H1,
+ZB-V; candidates.split_candidates) the search also tries
 the embedding/loss accounting flags and, for v = 1, first/last-rank layer
 counts that move one or two layers off the first and/or the last rank (the
 output layer of a large-vocabulary model can cost several layers);
@@ -53,6 +54,7 @@ from typing import Any
 
 from ptdp.config import Config, ConfigError, ModelConfig, validate
 from ptdp.output_paths import output_path_problems
+from ptdp.schedules.kinds import DEFAULT_SCHEDULE
 from ptdp.perf.candidates import (  # noqa: F401  (candidate_layouts & co. are plan's API too)
     MAX_CHUNKS, MAX_MICROBATCH, MIN_CONTEXT_POSITIONS, SCHEDULES, candidate_layouts,
     context_sizes_to_search, split_candidates)
@@ -210,7 +212,7 @@ ASPECTS = {  # what differs, and how to say it
     "ep": "expert-parallel size", "etp": "expert-tensor-parallel size",
 }
 # Sequence parallelism exists only with t > 1: a rival of another t may differ in it too.
-# zbv fixes v = 2: a rival of another schedule may differ in v too.
+# A V's kind fixes v = 2: a rival of another schedule may differ in v too.
 # An uneven split is valid for some p, v and schedules only: their rivals may differ in it too.
 # Sequence parallelism's rule (s/c divisible by t) involves c too.
 # Expert layouts are valid for some t·c·d only (EP·ETP divides it; ETP None means t), and
@@ -299,7 +301,7 @@ def describe(layout: Layout, model: ModelConfig | None = None) -> str:
                 f"b={layout.b}")
     if layout.v > 1:
         text += f" v={layout.v}"
-    if layout.schedule != "1f1b":
+    if layout.schedule != DEFAULT_SCHEDULE:
         text += f" {layout.schedule}"
     if layout.recompute:
         text += f" recompute={layout.recompute}"

@@ -5,7 +5,7 @@ same generator the executor runs (`build_schedule`), gives every action a
 cost in seconds from an operator model of ptdp's GPT, and plays the action
 lists against each other in an event simulation that respects every send /
 receive dependency (an Exchange completes only once the peers have posted
-its other ends, as in `ptdp.parallel.pipeline.simulate`). The gradient
+its other ends, as in `ptdp.schedules.simulate`). The gradient
 reductions run bucket by bucket under each chunk's last backward (all
 after it where the profile says the run reduced after the backward), the
 tied embedding's sum after both ends have finished, then the optimizer
@@ -15,11 +15,11 @@ is what of them is exposed: what outlasts the backward.
 
 The pieces: operator prices (ptdp.perf.pricing, summed per stage in
 ptdp.perf.stage_costs), the ranks' links (ptdp.perf.machine), the event
-simulation (ptdp.perf.player) and what follows the flush
+simulation (ptdp.schedules.player) and what follows the flush
 (ptdp.perf.after_flush).
 
-Zero-bubble schedules (zb-h1, zbv): the schedule has no transfer across
-zbv's bottom (stages p−1 and p, both on rank p−1), so none is priced, and
+Zero-bubble schedules (ZB-H1, ZB-V): the schedule has no transfer across
+ZB-V's bottom (stages p−1 and p, both on rank p−1), so none is priced, and
 with both ends of the model on rank 0 the tied embedding needs no sum over
 an embedding group. The schedule is built with its exchanges placed for
 these predicted F, B and W costs (build_schedule's `costs`), as the trainer
@@ -52,7 +52,7 @@ Bubble fraction (from the priced timeline): the time from the start of the
 iteration to the pipeline flush, minus the compute time of the busiest
 pipeline rank, over that compute time: the paper's bubble time over ideal
 time. With uniform costs and free transfers it is exactly (p−1)/m, or
-(p−1)/(m·v) interleaved, (p−1)/(3m) zb-h1 and (p−1)/(6m) zbv under
+(p−1)/(m·v) interleaved, (p−1)/(3m) ZB-H1 and (p−1)/(6m) ZB-V under
 F = B = W (tested); exposed point-to-point time counts as
 bubble. `seconds_by_category` breaks the iteration down on that busiest
 rank and sums to `iteration_seconds`.
@@ -65,14 +65,14 @@ from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
-from ptdp.parallel.pipeline.actions import Compute, Exchange
-from ptdp.parallel.pipeline.schedules import build_schedule
-from ptdp.parallel.pipeline.simulate import compute_costs
+from ptdp.schedules.actions import Compute, Exchange
+from ptdp.schedules.build import build_schedule
+from ptdp.schedules.simulate import compute_costs
 from ptdp.perf.after_flush import after_flush
 from ptdp.perf.flops import model_flops_per_iteration
 from ptdp.perf.layout import Layout, Workload
 from ptdp.perf.machine import Machine
-from ptdp.perf.player import play
+from ptdp.schedules.player import play
 from ptdp.perf.profiles import HardwareProfile
 from ptdp.perf.stage_costs import layout_chunk_costs, operator_model
 from ptdp.perf.timeline import Box, draw_timeline
@@ -156,28 +156,7 @@ def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Pr
     def compute(rank: int, action: Compute) -> tuple[float, float]:
         return priced[(rank, action.chunk, action.op)]
 
-    activation = layout.b * ops.s * ops.h * ops.E   # ops.s: s/c positions per context rank
-    # Each tensor rank sends 1/t: scatter/gather (then the receivers
-    # all-gather it) or sequence parallelism (its own s/t positions, kept).
-    split = layout.sends_slices and activation % t == 0
-    gather = split and layout.gathers_received
-
-    exchange_costs: dict[tuple, float] = {}
-
-    def exchange(rank: int, action: Exchange) -> float:
-        key = (rank, *[(transfer.op, transfer.peer) for transfer in action.transfers])
-        if key not in exchange_costs:
-            slowest, gathers = 0.0, 0.0
-            for transfer in action.transfers:
-                if transfer.op == "send" and layout.zero_bubble:
-                    continue  # travels while the sender goes on; its receiver pays for it
-                nbytes = activation / t if split else activation
-                slowest = max(slowest, machine.p2p(nbytes, rank, transfer.peer))
-                if transfer.op == "recv" and gather:
-                    gathers += machine.tensor_allgather(activation)
-            exchange_costs[key] = slowest + gathers + profile.launch_overhead * len(action.transfers)
-        return exchange_costs[key]
-
+    exchange = _exchange_price(layout, ops, machine, profile)
     records = play(schedule, compute, exchange, speed if contended else None)
 
     # The gradient reductions, overlapping each chunk's last backward; the
@@ -212,35 +191,9 @@ def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Pr
     timelines: list[list[Box]] = []
     by_rank: list[dict[str, float]] = []
     for r, row in enumerate(records):
-        boxes: list[Box] = []
-        categories = {name: 0.0 for name in CATEGORIES}
-        for rec in row:
-            action = rec.action
-            if isinstance(action, Compute):
-                boxes.append(Box(action.op, action.microbatch, action.chunk,
-                                 float(rec.start), float(rec.end)))
-                cost = chunks[(r, action.chunk)].of(action.op)
-                stretched = float(rec.work_end - rec.start)
-                total = priced[(r, action.chunk, action.op)][0] or 1.0
-                for category, seconds in cost.work.items():
-                    # (.get: "context exchange" appears only with c > 1)
-                    categories[category] = (categories.get(category, 0.0)
-                                            + stretched * seconds / total)
-                categories["tensor all-reduce"] += float(rec.end - rec.work_end)
-            else:
-                if rec.ready > rec.start:
-                    boxes.append(Box("wait", -1, -1, float(rec.start), float(rec.ready)))
-                if rec.end > rec.ready:
-                    boxes.append(Box("comm", -1, -1, float(rec.ready), float(rec.end)))
-                categories["bubble/idle"] += float(rec.ready - rec.start)
-                categories["pipeline transfer"] += float(rec.end - rec.ready)
-        if exposed[r] > 0:
-            boxes.append(Box("comm", -1, -1, float(pipeline_end[r]),
-                             float(pipeline_end[r]) + exposed[r]))
         embedding = after.embedding if embedding_start is not None and r in ends else 0.0
-        if embedding:   # (waiting for the other end is idle time)
-            boxes.append(Box("comm", -1, -1, float(embedding_start),
-                             float(embedding_start) + embedding))
+        boxes, categories = _rank_boxes(row, r, chunks, priced, exposed[r], pipeline_end[r],
+                                        embedding_start, embedding)
         timelines.append(boxes)
         # The exposed part, split as the bucketed work is (the sequence-
         # parallel partial sums travel with their buckets).
@@ -263,6 +216,69 @@ def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Pr
         categories_by_rank=by_rank, timelines=timelines,
         pipeline_seconds=float(flush), microbatches=m, critical_rank=critical,
         flops_per_iteration=flops)
+
+
+def _exchange_price(layout: Layout, ops, machine: Machine, profile: HardwareProfile):
+    """exchange(rank, action) -> seconds of an Exchange once its other ends
+    are posted: the slowest of its transfers, the receivers' all-gather
+    under scatter/gather, a launch per transfer (cached by its shape)."""
+    t = layout.t
+    activation = layout.b * ops.s * ops.h * ops.E   # ops.s: s/c positions per context rank
+    # Each tensor rank sends 1/t: scatter/gather (then the receivers
+    # all-gather it) or sequence parallelism (its own s/t positions, kept).
+    split = layout.sends_slices and activation % t == 0
+    gather = split and layout.gathers_received
+    exchange_costs: dict[tuple, float] = {}
+
+    def exchange(rank: int, action: Exchange) -> float:
+        key = (rank, *[(transfer.op, transfer.peer) for transfer in action.transfers])
+        if key not in exchange_costs:
+            slowest, gathers = 0.0, 0.0
+            for transfer in action.transfers:
+                if transfer.op == "send" and layout.zero_bubble:
+                    continue  # travels while the sender goes on; its receiver pays for it
+                nbytes = activation / t if split else activation
+                slowest = max(slowest, machine.p2p(nbytes, rank, transfer.peer))
+                if transfer.op == "recv" and gather:
+                    gathers += machine.tensor_allgather(activation)
+            exchange_costs[key] = slowest + gathers + profile.launch_overhead * len(action.transfers)
+        return exchange_costs[key]
+
+    return exchange
+
+
+def _rank_boxes(row, r: int, chunks, priced, exposed: float, pipeline_end, embedding_start,
+                embedding: float) -> tuple[list[Box], dict[str, float]]:
+    """One rank's timeline boxes and its seconds by category (before the
+    reductions' and the optimizer's shares)."""
+    boxes: list[Box] = []
+    categories = {name: 0.0 for name in CATEGORIES}
+    for rec in row:
+        action = rec.action
+        if isinstance(action, Compute):
+            boxes.append(Box(action.op, action.microbatch, action.chunk,
+                             float(rec.start), float(rec.end)))
+            cost = chunks[(r, action.chunk)].of(action.op)
+            stretched = float(rec.work_end - rec.start)
+            total = priced[(r, action.chunk, action.op)][0] or 1.0
+            for category, seconds in cost.work.items():
+                # (.get: "context exchange" appears only with c > 1)
+                categories[category] = (categories.get(category, 0.0)
+                                        + stretched * seconds / total)
+            categories["tensor all-reduce"] += float(rec.end - rec.work_end)
+        else:
+            if rec.ready > rec.start:
+                boxes.append(Box("wait", -1, -1, float(rec.start), float(rec.ready)))
+            if rec.end > rec.ready:
+                boxes.append(Box("comm", -1, -1, float(rec.ready), float(rec.end)))
+            categories["bubble/idle"] += float(rec.ready - rec.start)
+            categories["pipeline transfer"] += float(rec.end - rec.ready)
+    if exposed > 0:
+        boxes.append(Box("comm", -1, -1, float(pipeline_end), float(pipeline_end) + exposed))
+    if embedding:   # (waiting for the other end is idle time)
+        boxes.append(Box("comm", -1, -1, float(embedding_start),
+                         float(embedding_start) + embedding))
+    return boxes, categories
 
 
 def _first_forwards(row) -> float:
@@ -309,8 +325,8 @@ def simulate_uniform(kind: str, p: int, m: int, v: int = 1, *, forward: Fraction
     a chunk 1/v of that, transfers are free. The paper's assumption; the
     bubble is (p-1)/m, or (p-1)/(m·v) interleaved. Zero-bubble kinds: W
     costs `weight` of the backward (default half) and B the rest, as in
-    ptdp.parallel.pipeline.simulate (bubble (p-1)/(3m) for zb-h1 and
-    (p-1)/(6m) for zbv under F = B = W)."""
+    ptdp.schedules.simulate (bubble (p-1)/(3m) for ZB-H1 and
+    (p-1)/(6m) for ZB-V under F = B = W)."""
     schedule = build_schedule(kind, p, m, v)
     costs = compute_costs(schedule, forward, backward, weight)
     records = play(schedule, lambda r, a: (costs[a.op], 0), lambda r, a: 0)

@@ -74,7 +74,7 @@ t tensor size, E bytes per element of the workload's precision):
   one does, except that no embedding gradient is summed between the first
   and the last stage.
 
-Zero-bubble schedules (zb-h1, zbv; Layout.zero_bubble): the backward is
+Zero-bubble schedules (ZB-H1, ZB-V; Layout.zero_bubble): the backward is
 two computes, priced so that B + W is the fused backward's work exactly
 (the model FLOPs do not change). W (`layer_backward_parts`): the
 weight-gradient GEMMs of QKV, the projection and the two MLP GEMMs

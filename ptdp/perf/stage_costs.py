@@ -5,7 +5,7 @@ its output layer.
 Every layer of a shape costs the same, so a stage is one layer's costs
 times its layers. Costs are keyed by (rank, chunk); whether a chunk has the
 embedding or the output layer follows its virtual stage
-(`virtual_stage_of`: under zbv rank 0 holds stage 0 and stage 2p−1). What
+(`virtual_stage_of`: under ZB-V rank 0 holds stage 0 and stage 2p−1). What
 one microbatch costs on one tensor rank depends only on t, b, sequence
 parallelism and the threads each process gets, so a search shares one
 OperatorModel (`operator_model`) among every layout that has them.
@@ -16,7 +16,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from ptdp.parallel.pipeline.actions import ScheduleError, virtual_stage_of
+from ptdp.schedules.actions import ScheduleError
+from ptdp.schedules.kinds import virtual_stage_of
 from ptdp.perf import analytic
 from ptdp.perf.layout import ByIdentity, ByValue, Layout, Workload
 from ptdp.perf.machine import Machine
@@ -42,7 +43,7 @@ class ChunkCosts:
 
 def chunk_costs(ops: OperatorModel, layout: Layout, rank: int, chunk: int) -> ChunkCosts:
     """The costs of (rank, chunk): its virtual stage under the layout's
-    schedule (zbv's V places rank 0's chunk 1 at the last stage) decides
+    schedule (ZB-V's V places rank 0's chunk 1 at the last stage) decides
     whether it has the embedding or the output layer. Zero-bubble kinds
     split the backward into B and W (OperatorModel.layer_backward_parts)."""
     return layout_chunk_costs(ops, layout)[(rank, chunk)]

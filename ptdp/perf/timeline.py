@@ -28,9 +28,11 @@ from fractions import Fraction
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
-from ptdp.parallel.pipeline.actions import KINDS, Compute, Exchange, ScheduleError
-from ptdp.parallel.pipeline.schedules import build_schedule, uniform_costs
-from ptdp.parallel.pipeline.simulate import SimulationResult, compute_costs, simulate
+from ptdp.schedules.actions import Compute, Exchange, ScheduleError
+from ptdp.schedules.kinds import (KIND_NAMES, KINDS, SPLIT_BACKWARD, any_chunks_kind, kind_named,
+                                  lower_first, or_list)
+from ptdp.schedules.build import build_schedule, uniform_costs
+from ptdp.schedules.simulate import SimulationResult, compute_costs, simulate
 
 
 class Box(NamedTuple):
@@ -52,9 +54,6 @@ _OTHER_STYLE = {"comm": ("#8c8c8c", "////", "communication"),
 # Idle time (no box at all): a pale red, unlike any compute shade or the grey of communication.
 _IDLE_COLOUR = "#f7d4cf"
 _CHAR_WIDTH = 0.65  # a character's width over the font size, DejaVu Sans, with a margin
-
-KIND_TITLES = {"gpipe": "GPipe", "1f1b": "1F1B (PipeDream-Flush)", "interleaved": "Interleaved 1F1B",
-               "zb-h1": "ZB-H1 (zero bubble)", "zbv": "ZB-V (zero bubble, V placement)"}
 
 
 def _mix(dark: str, light: str, t: float) -> str:
@@ -214,19 +213,9 @@ def draw_timeline(rows: Sequence[Sequence[Box]], path: str | Path, *, v: int, ti
     fig.savefig(path, dpi=dpi)
 
 
-def timeline_figure(rows: Sequence[Sequence[Box]], *, v: int, title: str,
-                    time_unit: str = "unit time", bubble_fraction: Fraction | float | None = None,
-                    xmax: float | None = None, first_microbatch: int = 1):
-    """The matplotlib Figure `draw_timeline` saves (see there). Uses the Agg
-    canvas directly: no pyplot, no global state."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.collections import PatchCollection
-    from matplotlib.figure import Figure
-    from matplotlib.patches import Patch, Rectangle
-    from matplotlib.ticker import MaxNLocator
-
-    p = len(rows)
-    if p == 0:
+def _check_boxes(rows: Sequence[Sequence[Box]], v: int) -> None:
+    """ValueError for what timeline_figure cannot draw."""
+    if len(rows) == 0:
         raise ValueError("draw_timeline needs at least one rank")
     if v < 1:
         raise ValueError(f"v = {v} must be at least 1")
@@ -239,6 +228,56 @@ def timeline_figure(rows: Sequence[Sequence[Box]], *, v: int, title: str,
             if box[4] < box[3]:
                 raise ValueError(f"rank {rank}: box {tuple(box)} ends before it starts")
 
+
+def _draw_boxes(ax, rows: list[list[Box]], gaps, v: int, points_per_unit: float,
+                label_width_pt: float, fontsize: float, first_microbatch: int) -> None:
+    """The idle gaps, the compute boxes (labelled with their microbatch where
+    the label fits) and the thin communication and waiting bars."""
+    from matplotlib.collections import PatchCollection
+    from matplotlib.patches import Rectangle
+
+    for rank, row_gaps in enumerate(gaps):
+        ax.add_collection(PatchCollection(
+            [Rectangle((start, rank - 0.4), stop - start, 0.8) for start, stop in row_gaps],
+            facecolors=_IDLE_COLOUR, edgecolors="none", zorder=1))
+    # One collection per style: thousands of single patches draw slowly.
+    rectangles, fills, line_widths = [], [], []
+    thin: dict[str, list] = {op: [] for op in OTHER_OPS}
+    for rank, row in enumerate(rows):
+        for box in row:
+            if box.op in OTHER_OPS:
+                thin[box.op].append(Rectangle((box.start, rank - 0.1), box.end - box.start, 0.2))
+                continue
+            fill = colour(box.op, box.chunk, v)
+            box_width_pt = (box.end - box.start) * points_per_unit
+            rectangles.append(Rectangle((box.start, rank - 0.4), box.end - box.start, 0.8))
+            fills.append(fill)
+            line_widths.append(0.6 if box_width_pt >= 6 else 0.25)
+            if label_width_pt <= box_width_pt and fontsize >= 6:  # smaller is not legible
+                ax.text((box.start + box.end) / 2, rank, str(box.microbatch + first_microbatch),
+                        ha="center", va="center", fontsize=fontsize, color=_text_colour(fill),
+                        zorder=4)
+    ax.add_collection(PatchCollection(rectangles, facecolors=fills, edgecolors="black",
+                                      linewidths=line_widths, zorder=3))
+    for op, patches in thin.items():
+        if patches:
+            edge, hatch, _ = _OTHER_STYLE[op]
+            ax.add_collection(PatchCollection(patches, facecolors="white", edgecolors=edge,
+                                              hatch=hatch, linewidths=0.5, zorder=2))
+
+
+def timeline_figure(rows: Sequence[Sequence[Box]], *, v: int, title: str,
+                    time_unit: str = "unit time", bubble_fraction: Fraction | float | None = None,
+                    xmax: float | None = None, first_microbatch: int = 1):
+    """The matplotlib Figure `draw_timeline` saves (see there). Uses the Agg
+    canvas directly: no pyplot, no global state."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
+
+    p = len(rows)
+    _check_boxes(rows, v)
     rows = [[Box(*box) for box in row] for row in rows]
     boxes = [box for row in rows for box in row]
     end = max((b.end for b in boxes), default=1.0)
@@ -320,34 +359,7 @@ def timeline_figure(rows: Sequence[Sequence[Box]], *, v: int, title: str,
     # Label all boxes of a width or none: the fit test uses the widest label.
     label_width_pt = _CHAR_WIDTH * fontsize * digits + 2
 
-    for rank, row_gaps in enumerate(gaps):
-        ax.add_collection(PatchCollection(
-            [Rectangle((start, rank - 0.4), stop - start, 0.8) for start, stop in row_gaps],
-            facecolors=_IDLE_COLOUR, edgecolors="none", zorder=1))
-    # One collection per style: thousands of single patches draw slowly.
-    rectangles, fills, line_widths = [], [], []
-    thin: dict[str, list] = {op: [] for op in OTHER_OPS}
-    for rank, row in enumerate(rows):
-        for box in row:
-            if box.op in OTHER_OPS:
-                thin[box.op].append(Rectangle((box.start, rank - 0.1), box.end - box.start, 0.2))
-                continue
-            fill = colour(box.op, box.chunk, v)
-            box_width_pt = (box.end - box.start) * points_per_unit
-            rectangles.append(Rectangle((box.start, rank - 0.4), box.end - box.start, 0.8))
-            fills.append(fill)
-            line_widths.append(0.6 if box_width_pt >= 6 else 0.25)
-            if label_width_pt <= box_width_pt and fontsize >= 6:  # smaller is not legible
-                ax.text((box.start + box.end) / 2, rank, str(box.microbatch + first_microbatch),
-                        ha="center", va="center", fontsize=fontsize, color=_text_colour(fill),
-                        zorder=4)
-    ax.add_collection(PatchCollection(rectangles, facecolors=fills, edgecolors="black",
-                                      linewidths=line_widths, zorder=3))
-    for op, patches in thin.items():
-        if patches:
-            edge, hatch, _ = _OTHER_STYLE[op]
-            ax.add_collection(PatchCollection(patches, facecolors="white", edgecolors=edge,
-                                              hatch=hatch, linewidths=0.5, zorder=2))
+    _draw_boxes(ax, rows, gaps, v, points_per_unit, label_width_pt, fontsize, first_microbatch)
     if computes:
         ax.axvline(end, color="#555555", linestyle=(0, (4, 3)), linewidth=0.8, zorder=1)
     return fig
@@ -363,6 +375,11 @@ def _cost(text: str) -> Fraction:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number (e.g. 1, 0.5, 1/3)") from None
 
 
+def _interleaving() -> str:
+    """The kinds that run interleaved with chunks (ScheduleKind.with_chunks)."""
+    return " or ".join(k.name for k in KINDS.values() if k.with_chunks)
+
+
 def add_schedule_parser(subparsers) -> argparse.ArgumentParser:
     """Add the `schedule` subcommand to an argparse subparsers object."""
     parser = subparsers.add_parser(
@@ -372,13 +389,15 @@ def add_schedule_parser(subparsers) -> argparse.ArgumentParser:
                     "print its makespan, bubble fraction, peak in-flight microbatches and the "
                     "order of computes on every rank; --out draws it like the paper's "
                     "Figures 3 and 4. Time is in units of one stage's forward pass by default "
-                    "(forward 1, backward 2; a chunk costs 1/v of that). Under zb-h1 and zbv "
+                    "(forward 1, backward 2; a chunk costs 1/v of that). Under "
+                    f"{' and '.join(SPLIT_BACKWARD)} "
                     "the backward is split into B (input gradient) and W (weight gradients), "
                     "by default 1 each.")
-    parser.add_argument("--kind", "--pipeline-schedule", dest="kind", required=True, choices=KINDS,
+    parser.add_argument("--kind", "--pipeline-schedule", dest="kind", required=True,
+                        choices=KIND_NAMES,
                         help="schedule kind (--pipeline-schedule as in ptdp train, which also "
-                             "takes 1f1b with --num-layers-per-virtual-pipeline-stage for "
-                             "interleaved)")
+                             f"takes {_interleaving()} with --num-layers-per-virtual-pipeline-stage "
+                             f"for {any_chunks_kind().name})")
     parser.add_argument("-p", "--pipeline-model-parallel-size", dest="p", type=int, required=True,
                         metavar="P", help="pipeline ranks p")
     parser.add_argument("-m", "--num-microbatches", dest="m", type=int, required=True, metavar="M",
@@ -386,13 +405,14 @@ def add_schedule_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--num-layers-per-virtual-pipeline-stage", dest="layers_per_chunk",
                         type=int, default=None, metavar="K",
                         help="layers per model chunk, with --num-layers, as in ptdp train: v = "
-                             "num-layers / (p·K) chunks per rank; with --kind 1f1b it selects "
-                             "interleaved 1F1B")
+                             f"num-layers / (p·K) chunks per rank; with --kind {_interleaving()} "
+                             f"it selects {lower_first(any_chunks_kind().title)}")
     parser.add_argument("--num-layers", dest="num_layers", type=int, default=None, metavar="L",
                         help="transformer layers, for --num-layers-per-virtual-pipeline-stage")
     parser.add_argument("-v", "--num-model-chunks", dest="v", type=int, default=None, metavar="V",
                         help="model chunks per rank directly, instead of the two flags above "
-                             "(default: 2 for interleaved and zbv, else 1)")
+                             f"(default: 2 for {' and '.join(k.name for k in KINDS.values() if k.chunks != 1)}, "
+                             "else 1)")
     parser.add_argument("--out", metavar="FILE.png",
                         help="draw the timeline to this file (.png; .svg and .pdf also work)")
     parser.add_argument("--forward-cost", type=_cost, default=Fraction(1), metavar="X",
@@ -400,7 +420,8 @@ def add_schedule_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--backward-cost", type=_cost, default=Fraction(2), metavar="X",
                         help="time of a backward through one rank's layers (default: 2)")
     parser.add_argument("--weight-cost", type=_cost, default=None, metavar="X",
-                        help="zb-h1 and zbv only: the weight-gradient (W) share of the backward "
+                        help=f"{' and '.join(SPLIT_BACKWARD)} only: the weight-gradient (W) share "
+                             "of the backward "
                              "cost; B costs the rest (default: half the backward cost)")
     parser.add_argument("--transfer-cost", type=_cost, default=Fraction(0), metavar="X",
                         help="time of one batched point-to-point exchange (default: 0)")
@@ -412,17 +433,10 @@ def add_schedule_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def paper_bubble_fraction(kind: str, p: int, m: int, v: int) -> Fraction:
-    """(p-1)/m for GPipe and 1F1B, (p-1)/(m·v) for interleaved 1F1B; under
-    F = B = W, (p-1)/(3m) for zb-h1 and (p-1)/(6m) for zbv (zero_bubble.py)."""
-    if kind == "zb-h1":
-        return Fraction(p - 1, 3 * m)
-    if kind == "zbv":
-        return Fraction(p - 1, 6 * m)
-    return Fraction(p - 1, m * (v if kind == "interleaved" else 1))
-
-
-BUBBLE_FORMULAS = {"interleaved": "(p-1)/(m·v)", "zb-h1": "(p-1)/(3m) at F = B = W",
-                   "zbv": "(p-1)/(6m) at F = B = W"}
+    """The kind's record's bubble under unit costs: (p-1)/m for GPipe and
+    1F1B, (p-1)/(m·v) for interleaved 1F1B; under F = B = W, (p-1)/(3m) for
+    ZB-H1 and (p-1)/(6m) for ZB-V (zero_bubble.py)."""
+    return kind_named(kind).bubble(p, m, v)
 
 
 def _number(x: Fraction) -> float | int:
@@ -438,21 +452,24 @@ def kind_and_chunks(kind: str, p: int, v: int | None, num_layers: int | None,
                     layers_per_chunk: int | None) -> tuple[str, int]:
     """The schedule kind and chunks per rank v that `ptdp schedule`'s flags
     mean, read as `ptdp train` reads them: --num-layers-per-virtual-pipeline-stage
-    K with --num-layers L gives v = L / (p·K), and turns 1f1b into interleaved
+    K with --num-layers L gives v = L / (p·K), and turns 1F1B into interleaved
     1F1B. ValueError, naming the flags, when they cannot work or disagree."""
-    default = 2 if kind in ("interleaved", "zbv") else 1
+    record = kind_named(kind)
+    default = record.chunks or 2
     if layers_per_chunk is None:
         return kind, v if v is not None else default
     k, flag = layers_per_chunk, "--num-layers-per-virtual-pipeline-stage"
     if num_layers is None:
         raise ValueError(f"{flag} {k} needs --num-layers L: ranks hold v = L / (p·{k}) chunks, "
                          f"as in ptdp train (or give -v/--num-model-chunks V instead)")
-    if kind == "gpipe":
-        raise ValueError(f"--kind gpipe cannot be combined with {flag} (interleaving uses the "
-                         f"interleaved 1F1B schedule): drop one of them")
-    if kind == "zb-h1":
-        raise ValueError(f"--kind zb-h1 has one model chunk per rank, so {flag} {k} does not "
-                         f"apply: drop it, or use --kind zbv (two chunks per rank in a V)")
+    if not record.takes_layers_per_chunk and record.other_chunks is not None:
+        other = kind_named(record.other_chunks)
+        raise ValueError(f"--kind {kind} has one model chunk per rank, so {flag} {k} does not "
+                         f"apply: drop it, or use --kind {other.name} ({other.chunks_words})")
+    if not record.takes_layers_per_chunk:
+        title = lower_first(any_chunks_kind().title)
+        raise ValueError(f"--kind {kind} cannot be combined with {flag} (interleaving uses the "
+                         f"{title} schedule): drop one of them")
     if k < 1 or num_layers < 1 or p < 1:
         raise ValueError(f"{flag} {k}, --num-layers {num_layers} and -p {p} must be positive")
     if num_layers % (p * k):
@@ -462,7 +479,7 @@ def kind_and_chunks(kind: str, p: int, v: int | None, num_layers: int | None,
     if v is not None and v != chunks:
         raise ValueError(f"-v/--num-model-chunks {v} disagrees with --num-layers {num_layers} / "
                          f"(-p {p} × {flag} {k}) = {chunks} chunks per rank: give one of them")
-    return ("interleaved" if kind == "1f1b" else kind), chunks
+    return record.with_chunks or kind, chunks
 
 
 def compute_label(compute: Compute) -> str:
@@ -493,9 +510,9 @@ def run_schedule_command(args: argparse.Namespace) -> int:
         if (value <= 0) if least is not None else (value < 0):
             return _error(f"{name} {value} must be {'positive' if least is not None else '0 or more'}")
     weight_cost = getattr(args, "weight_cost", None)
-    if weight_cost is not None and kind not in ("zb-h1", "zbv"):
-        return _error(f"--weight-cost applies only to --kind zb-h1 or zbv, whose backward is split "
-                      f"into B and W; {kind}'s backward is one compute")
+    if weight_cost is not None and not kind_named(kind).splits_backward:
+        return _error(f"--weight-cost applies only to --kind {or_list(SPLIT_BACKWARD)}, whose "
+                      f"backward is split into B and W; {kind}'s backward is one compute")
     if weight_cost is not None and not 0 < weight_cost < args.backward_cost:
         return _error(f"--weight-cost {weight_cost} must lie strictly between 0 and the backward "
                       f"cost {args.backward_cost}")
@@ -514,7 +531,7 @@ def run_schedule_command(args: argparse.Namespace) -> int:
     paper = paper_bubble_fraction(kind, p, m, v)
     actions = [[str(c) for c in schedule.computes(rank)] for rank in range(p)]  # JSON: 0-based data
     if out is not None:
-        title = f"{KIND_TITLES[kind]}: p = {p}, m = {m}" + (f", v = {v}" if v > 1 else "")
+        title = f"{kind_named(kind).title}: p = {p}, m = {m}" + (f", v = {v}" if v > 1 else "")
         title += f" · makespan {float(result.makespan):g}"
         try:
             draw_timeline(boxes_from_simulation(result, transfer_cost=args.transfer_cost), out,
@@ -544,7 +561,16 @@ def run_schedule_command(args: argparse.Namespace) -> int:
         }))
         return 0
 
-    formula = BUBBLE_FORMULAS.get(kind, "(p-1)/m")
+    print("\n".join(_text_report(args, kind, schedule, result, paper, weight_cost, out)))
+    return 0
+
+
+def _text_report(args: argparse.Namespace, kind: str, schedule, result: SimulationResult,
+                 paper: Fraction, weight_cost, out: Path | None) -> list[str]:
+    """`ptdp schedule`'s text: the kind, the costs, makespan and bubble, the
+    peaks and every rank's computes."""
+    p, m, v = schedule.p, schedule.m, schedule.v
+    formula = kind_named(kind).bubble_formula
     if schedule.zero_bubble:
         w = weight_cost if weight_cost is not None else args.backward_cost / 2
         costs = (f"costs per rank: forward {args.forward_cost}, backward {args.backward_cost} = "
@@ -553,7 +579,7 @@ def run_schedule_command(args: argparse.Namespace) -> int:
         costs = (f"costs per rank: forward {args.forward_cost}, backward {args.backward_cost}, "
                  f"transfer {args.transfer_cost}")
     lines = [
-        f"{KIND_TITLES[kind]} schedule: p = {p} rank{'s' * (p > 1)}, m = {m} "
+        f"{kind_named(kind).title} schedule: p = {p} rank{'s' * (p > 1)}, m = {m} "
         f"microbatch{'es' * (m > 1)}, v = {v} chunk{'s' * (v > 1)} per rank",
         costs + (" (one chunk: 1/v of these)" if v > 1 else ""),
         f"makespan {float(result.makespan):g} (ideal m·(forward + backward) = "
@@ -575,5 +601,4 @@ def run_schedule_command(args: argparse.Namespace) -> int:
               for rank in range(p)]
     if out is not None:
         lines.append(f"wrote {out}")
-    print("\n".join(lines))
-    return 0
+    return lines

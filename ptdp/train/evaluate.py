@@ -50,7 +50,7 @@ import torch.distributed as dist
 from ptdp.data.loader import collate, split_microbatch
 from ptdp.data.sampler import microbatch_indices
 from ptdp.parallel.pipeline.executor import average_loss
-from ptdp.parallel.pipeline.schedules import build_forward_only
+from ptdp.schedules.build import build_forward_only
 
 
 def validation_microbatch_fn(trainer, dataset, iteration: int, start_sample: int = 0):

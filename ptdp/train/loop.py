@@ -29,8 +29,8 @@ from ptdp.parallel.block_attention import attention_kernel
 from ptdp.parallel.context_attention import KERNEL_OPS, block_kernel
 from ptdp.parallel.data_parallel import GradBuffer
 from ptdp.parallel.pipeline.executor import PipelineExecutor, average_loss
-from ptdp.parallel.pipeline.schedules import build_schedule
-from ptdp.parallel.pipeline.split import stage_layer_counts
+from ptdp.schedules.build import build_schedule
+from ptdp.schedules.split import stage_layer_counts
 from ptdp.parallel.sharding import COPY_ATTR, logical_shape
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.perf.analytic import active_parameter_count, parameter_count
@@ -194,7 +194,7 @@ class Trainer:
         data-parallel replica of each pipeline rank; every rank gets the same
         table, so every rank builds the same schedule). The order of the
         computes, and so every number computed, does not change; only where
-        ranks wait for transfers does (see ptdp.parallel.pipeline.zero_bubble)."""
+        ranks wait for transfers does (see ptdp.schedules.zero_bubble)."""
         ctx, schedule = self.ctx, self.schedule
         table = torch.zeros(ctx.pp_size, self.num_chunks, 3, dtype=torch.float64, device=self.device)
         for (op, chunk), seconds in stats.compute_seconds.items():

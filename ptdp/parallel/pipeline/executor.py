@@ -1,4 +1,4 @@
-"""Runs one pipeline rank's action list (see actions.py).
+"""Runs one pipeline rank's action list (see ptdp.schedules.actions).
 
 - Compute F: take the microbatch's tokens (first virtual stage) or the
   received activation, run the chunk, keep (input, output) for the backward.
@@ -19,7 +19,7 @@
   these schedules every chunk's matrix products leave their weight gradients
   to a per-chunk store, and after each B the executor moves what the store
   holds into that microbatch's W.
-- A boundary inside the rank (zbv's bottom of the V, stages p-1 and p on
+- A boundary inside the rank (the bottom of a V, stages p-1 and p on
   rank p-1) passes its activation and gradient locally, with no transfer.
 - Exchange: all its sends and receives are posted as one batch
   (batch_isend_irecv), so two neighbours that send to each other at the same
@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from ptdp.parallel.collectives import all_gather_flat
-from ptdp.parallel.pipeline.actions import Exchange, Schedule, Transfer
+from ptdp.schedules.actions import Exchange, Schedule, Transfer
 from ptdp.parallel.topology import ParallelContext
 from ptdp.parallel.weight_grad import DeferredWeightGrads
 
@@ -79,6 +79,13 @@ class PipelineStats:
     weight_grad_seconds: float = 0.0     # of which in W (zero-bubble schedules)
     compute_seconds: dict[tuple[str, int], float] = field(default_factory=dict)  # (op, chunk) -> s
     released_bytes: int = 0              # storage of sent activations freed before their backward
+
+    def count_stored(self, stored: int, awaiting_weight_grads: int) -> None:
+        """A forward stored its activation: `stored` held until B, and
+        `awaiting_weight_grads` more (B done) until W."""
+        self.peak_stored = max(self.peak_stored, stored)
+        self.peak_awaiting_weight_grads = max(self.peak_awaiting_weight_grads,
+                                              stored + awaiting_weight_grads)
 
 
 MicrobatchFn = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
@@ -128,6 +135,22 @@ def average_loss(losses: list[torch.Tensor], tokens: list[torch.Tensor] | None, 
         dist.all_reduce(totals, group=group)
     loss_sum, count = totals.tolist()
     return loss_sum / max(count, 1.0)
+
+
+def _count_time(stats: "PipelineStats", op: str, chunk: int, began: float,
+                synchronize: Callable[[], None] | None) -> None:
+    """Add a compute's time to the stats. Host time: exact on CPU; on GPUs
+    it measures kernel launches unless the device is synchronised."""
+    if synchronize is not None:
+        synchronize()
+    elapsed = time.perf_counter() - began
+    stats.compute_seconds[(op, chunk)] = stats.compute_seconds.get((op, chunk), 0.0) + elapsed
+    if op == "F":
+        stats.forward_seconds += elapsed
+    else:
+        stats.backward_seconds += elapsed
+        if op == "W":
+            stats.weight_grad_seconds += elapsed
 
 
 class PipelineExecutor:
@@ -182,15 +205,9 @@ class PipelineExecutor:
         ctx, m = self.ctx, schedule.m
         last_stage = schedule.num_stages - 1
         batch_tokens = None
-        loss_rank = schedule.location(last_stage)[0]
-        if per_token_loss and not forward_only and loss_rank == ctx.pp_rank:
-            microbatch, batch_tokens = read_and_count(microbatch, m, ctx.dp_group)
-        if per_token_loss and not forward_only and on_batch_tokens is not None:
-            counted = batch_tokens if batch_tokens is not None else \
-                torch.zeros((), dtype=torch.float32, device=self.device)
-            if ctx.pp_group is not None:
-                dist.broadcast(counted, src=self._global_rank(loss_rank), group=ctx.pp_group)
-            on_batch_tokens(counted)
+        if per_token_loss and not forward_only:
+            microbatch, batch_tokens = self._count_batch_tokens(schedule, microbatch,
+                                                                on_batch_tokens)
         stats = PipelineStats()
         stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         outgoing: dict[tuple, torch.Tensor] = {}
@@ -245,9 +262,7 @@ class PipelineExecutor:
                         outgoing[("activation", i, stage)] = out
                 if not forward_only:
                     stash[(i, c)] = (x if stage > 0 else None, out)
-                    stats.peak_stored = max(stats.peak_stored, len(stash))
-                    stats.peak_awaiting_weight_grads = max(stats.peak_awaiting_weight_grads,
-                                                           len(stash) + len(deferred))
+                    stats.count_stored(len(stash), len(deferred))
             elif action.op == "B":
                 x, out = stash.pop((i, c))
                 if stage == last_stage:
@@ -260,18 +275,7 @@ class PipelineExecutor:
                     deferred[(i, c)] = self._stores[c].take()
             else:  # W
                 deferred.pop((i, c)).run()
-            # Host time: exact on CPU; on GPUs it measures kernel launches
-            # unless the device is synchronised.
-            if synchronize is not None:
-                synchronize()
-            elapsed = time.perf_counter() - began
-            stats.compute_seconds[(action.op, c)] = stats.compute_seconds.get((action.op, c), 0.0) + elapsed
-            if action.op == "F":
-                stats.forward_seconds += elapsed
-            else:
-                stats.backward_seconds += elapsed
-                if action.op == "W":
-                    stats.weight_grad_seconds += elapsed
+            _count_time(stats, action.op, c, began, synchronize)
             record(action.op, i, c, began)
             # Drop this action's references now: through its autograd graph a
             # finished microbatch's output would otherwise keep its stage
@@ -279,11 +283,32 @@ class PipelineExecutor:
             x = out = loss = batch = None
 
         self._finish_sends(stats)
+        self._check_done(stash, outgoing, received, deferred)
+        return stats
+
+    def _check_done(self, stash: dict, outgoing: dict, received: dict, deferred: dict) -> None:
         if stash or outgoing or received or deferred:
-            raise RuntimeError(f"pipeline rank {ctx.pp_rank}: the schedule left work undone "
+            raise RuntimeError(f"pipeline rank {self.ctx.pp_rank}: the schedule left work undone "
                                f"(stashed {list(stash)}, unsent {list(outgoing)}, unused "
                                f"{list(received)}, weight gradients {list(deferred)})")
-        return stats
+
+    def _count_batch_tokens(self, schedule: Schedule, microbatch: MicrobatchFn,
+                            on_batch_tokens: Callable[[torch.Tensor], None] | None
+                            ) -> tuple[MicrobatchFn, torch.Tensor | None]:
+        """--calculate-per-token-loss: the rank that computes the loss reads
+        its microbatches and counts the global batch's tokens; with
+        `on_batch_tokens` every rank of the pipeline receives the count."""
+        ctx, batch_tokens = self.ctx, None
+        loss_rank = schedule.location(schedule.num_stages - 1)[0]
+        if loss_rank == ctx.pp_rank:
+            microbatch, batch_tokens = read_and_count(microbatch, schedule.m, ctx.dp_group)
+        if on_batch_tokens is not None:
+            counted = batch_tokens if batch_tokens is not None else \
+                torch.zeros((), dtype=torch.float32, device=self.device)
+            if ctx.pp_group is not None:
+                dist.broadcast(counted, src=self._global_rank(loss_rank), group=ctx.pp_group)
+            on_batch_tokens(counted)
+        return microbatch, batch_tokens
 
     # Point-to-point -------------------------------------------------------------
 

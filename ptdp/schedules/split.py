@@ -1,13 +1,37 @@
-"""How the transformer layers are split over the pipeline's stages, as the
-parallel section's settings give it (--decoder-first/last-pipeline-num-layers,
---account-for-embedding/loss-in-pipeline-split), and why a split cannot cut a
-model's layers. What each stage then builds is ptdp.parallel.pipeline.split's
-(which re-exports these names); they live here, below the parallel package,
-because the configuration's checks need them."""
+"""How the transformer layers are split over the pipeline's virtual stages.
+
+By default evenly: l/(p·v) layers per virtual stage. The first stage also
+computes the embedding and the last the output layer and the loss, which in
+a small-width, large-vocabulary model can cost several layers (bench/peers.py's
+GPT: the output layer about 2.7 layers), so Megatron-LM's flags can move
+layers away from them:
+
+- `--decoder-first-pipeline-num-layers N` / `--decoder-last-pipeline-num-layers N`:
+  the first (last) pipeline rank holds N layers, the other ranks split the
+  rest evenly. With v > 1 chunks per rank (interleaved) each rank's layers
+  are split evenly over its chunks, as in Megatron-LM.
+- `--account-for-embedding-in-pipeline-split` / `--account-for-loss-in-pipeline-split`:
+  the embedding (the output layer with the loss) counts as one layer: the
+  l + 1 (+ 1) "layers" split evenly over the p·v virtual stages, and the
+  first (last) virtual stage builds one transformer layer fewer.
+
+The two kinds of flags exclude each other (as in Megatron-LM). Under the V
+placement, whose rank 0 holds both the first and the last virtual stage,
+only the accounting flags are defined. Layer indices stay global, so
+parameter names, and with them checkpoints, are the same under every split.
+
+LayerSplit is what the parallel section's settings give
+(ptdp.config.parallel's layer_split); `split_problems` is why a split cannot
+cut a model's layers, which the configuration's checks ask before any
+process starts; `stage_layer_counts` is what each stage then builds.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from ptdp.schedules.actions import V_SHAPE
+from ptdp.schedules.kinds import location_of, placement_of
 
 
 @dataclass(frozen=True)
@@ -38,7 +62,8 @@ class LayerSplit:
 EVEN = LayerSplit()
 
 
-def split_problems(num_layers: int, p: int, v: int, kind: str, split: LayerSplit) -> list[str]:
+def split_problems(num_layers: int, p: int, v: int, kind: str | None,
+                   split: LayerSplit) -> list[str]:
     """Why `split` cannot cut `num_layers` layers over p ranks × v chunks
     (empty when it can); each message names the flag and a valid value."""
     if split.even:
@@ -54,10 +79,10 @@ def split_problems(num_layers: int, p: int, v: int, kind: str, split: LayerSplit
                     f"must split evenly over the {stages} virtual stages (p·v): use --num-layers "
                     f"{_next_multiple(total, stages) - (total - l)}"]
         return []
-    if kind == "zbv":
-        return ["--decoder-first/last-pipeline-num-layers are not defined under zbv, whose rank 0 "
-                "holds both the first and the last stage of the V: use "
-                "--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split"]
+    if placement_of(kind) is V_SHAPE:
+        return [f"--decoder-first/last-pipeline-num-layers are not defined under {kind}, whose "
+                f"rank 0 holds both the first and the last stage of the V: use "
+                f"--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split"]
     if p < 2:
         return ["--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size >= 2 "
                 "(with one stage there is nothing to balance)"]
@@ -96,3 +121,26 @@ def _accounted(split: LayerSplit) -> str:
 
 def _next_multiple(n: int, k: int) -> int:
     return -(-n // k) * k
+
+
+def stage_layer_counts(num_layers: int, p: int, v: int, kind: str | None,
+                       split: LayerSplit = EVEN) -> list[int]:
+    """Layers of each virtual stage, in stage order (split already checked)."""
+    stages = p * v
+    if split.first is None and split.last is None:
+        total = num_layers + split.embedding + split.loss
+        counts = [total // stages] * stages
+        counts[0] -= split.embedding
+        counts[-1] -= split.loss
+        return counts
+    rest, middle = num_layers, p
+    for value in (split.first, split.last):
+        if value is not None:
+            rest -= value
+            middle -= 1
+    per_rank = [rest // middle if middle else 0] * p
+    if split.first is not None:
+        per_rank[0] = split.first
+    if split.last is not None:
+        per_rank[-1] = split.last
+    return [per_rank[location_of(kind, p, v, stage)[0]] // v for stage in range(stages)]

@@ -1,11 +1,12 @@
 """Pipeline schedules as data: the vocabulary every schedule is written in.
 
 A schedule is one list of actions per pipeline rank for one iteration (one
-flush). The executor runs these lists, the simulator (simulate.py) prices and
-checks them, the plotter draws them; nothing here touches torch. The
-generators (one_f_one_b.py: GPipe, 1F1B, interleaved; zero_bubble.py: zb-h1,
-zbv) and the layer split (split.py) import this module, never the reverse;
-schedules.py picks a generator by kind.
+flush). The executor runs these lists, the player (player.py) times them,
+the invariant checker (simulate.py) checks them, the plotter draws them;
+nothing in this package touches torch. The generators (one_f_one_b.py: the
+looped kinds; zero_bubble.py: the kinds that split the backward) import this
+module, never the reverse; kinds.py holds one record per kind (its rules,
+its generator, its placement) and build.py builds a kind's schedule.
 
 Vocabulary. Rank r holds v model chunks; chunk c of rank r is *virtual
 stage* c·p + r of the p·v stages the model is cut into (so with 4 ranks,
@@ -18,24 +19,29 @@ sending to each other at the same time cannot deadlock. A tensor crossing
 the boundary between virtual stages k and k+1 is an activation (forward,
 k -> k+1) or a gradient (backward, k+1 -> k).
 
-Under the zero-bubble kinds (ZERO_BUBBLE_KINDS) "B" computes only the
-gradient with respect to the chunk's input and "W" the weight gradients;
-under the other kinds "B" is the whole backward and there is no "W".
+Under the kinds that split the backward (ScheduleKind.splits_backward) "B"
+computes only the gradient with respect to the chunk's input and "W" the
+weight gradients; under the other kinds "B" is the whole backward and there
+is no "W".
+
+Placement. Where the virtual stages sit on the ranks is a Placement: LOOPED
+(chunk c of rank r is stage c·p + r) or V_SHAPE (rank r holds stages r and
+2p - 1 - r, so a microbatch goes down the ranks on chunk 0 and back up on
+chunk 1, and rank 0 holds the first and the last stage).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Callable, Union
 
-KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
-# Kinds whose "B" is the input-gradient half of a backward and that have "W" computes.
-ZERO_BUBBLE_KINDS = ("zb-h1", "zbv")
+# Schedule.kind of an evaluation schedule: every forward, no backward.
+FORWARD_ONLY = "forward-only"
 
 
 @dataclass(frozen=True)
 class Compute:
-    op: str          # "F", "B" or "W" (W only under ZERO_BUBBLE_KINDS)
+    op: str          # "F", "B" or "W" (W only under kinds that split the backward)
     microbatch: int
     chunk: int
 
@@ -81,16 +87,50 @@ class ScheduleError(ValueError):
 
 
 @dataclass(frozen=True)
+class Placement:
+    """Where the virtual stages sit on the ranks: `stage(p, v, rank, chunk)`
+    and its inverse `location(p, v, stage)` -> (rank, chunk)."""
+    name: str
+    stage: Callable[[int, int, int, int], int]
+    location: Callable[[int, int, int], tuple[int, int]]
+
+
+def _looped_stage(p: int, v: int, rank: int, chunk: int) -> int:
+    return chunk * p + rank
+
+
+def _looped_location(p: int, v: int, stage: int) -> tuple[int, int]:
+    return stage % p, stage // p
+
+
+def _v_stage(p: int, v: int, rank: int, chunk: int) -> int:
+    return rank if chunk == 0 else 2 * p - 1 - rank
+
+
+def _v_location(p: int, v: int, stage: int) -> tuple[int, int]:
+    return (stage, 0) if stage < p else (2 * p - 1 - stage, 1)
+
+
+# Module-level functions, so that a Schedule pickles (it crosses process pools).
+LOOPED = Placement("looped", _looped_stage, _looped_location)
+V_SHAPE = Placement("V", _v_stage, _v_location)
+
+
+@dataclass(frozen=True)
 class Schedule:
     kind: str
     p: int
     m: int
     v: int
     ranks: tuple[tuple[Action, ...], ...]
-    # Which kind's placement of virtual stages on ranks (virtual_stage_of);
-    # None: this schedule's own kind. Evaluation under zbv is "forward-only"
-    # with the V placement.
-    placement: str | None = None
+    # Where the virtual stages sit on the ranks (an evaluation schedule:
+    # its training kind's placement).
+    placement: Placement = LOOPED
+    # B is the input-gradient half of a backward and W computes exist.
+    splits_backward: bool = False
+    # Each rank's warm-up forwards where the generator counts them (the
+    # looped kinds); None: read off the data (the orders are not closed-form).
+    warmups: tuple[int, ...] | None = None
 
     @property
     def num_stages(self) -> int:
@@ -99,35 +139,37 @@ class Schedule:
     @property
     def zero_bubble(self) -> bool:
         """B is the input-gradient half of a backward and W computes exist."""
-        return self.kind in ZERO_BUBBLE_KINDS
+        return self.splits_backward
 
     def virtual_stage(self, rank: int, chunk: int) -> int:
-        return virtual_stage_of(self.placement or self.kind, self.p, self.v, rank, chunk)
+        return self.placement.stage(self.p, self.v, rank, chunk)
 
     def location(self, stage: int) -> tuple[int, int]:
         """(rank, chunk) that holds virtual stage `stage`."""
-        return location_of(self.placement or self.kind, self.p, self.v, stage)
+        return self.placement.location(self.p, self.v, stage)
 
     def is_local_boundary(self, boundary: int) -> bool:
         """Stages `boundary` and `boundary + 1` are on the same rank (the
-        bottom of zbv's V): the tensor crossing it never leaves the rank, so
-        the schedule has no Transfer for it; the consumer takes the producer's
+        bottom of a V): the tensor crossing it never leaves the rank, so the
+        schedule has no Transfer for it; the consumer takes the producer's
         output (or input gradient) directly."""
         return self.location(boundary)[0] == self.location(boundary + 1)[0]
 
     def warmup(self, rank: int) -> int:
-        if self.zero_bubble:  # read off the data: the orders are not closed-form
+        if self.warmups is None:
             computes = self.computes(rank)
             return next((k for k, c in enumerate(computes) if c.op != "F"), len(computes))
-        return warmup_forwards(self.kind, self.p, self.m, self.v, rank)
+        return self.warmups[rank]
 
     def in_flight_bound(self, rank: int) -> int:
         """Most (microbatch, chunk) activations rank holds at once: the warm-up
-        forwards plus the one of the first steady-state forward. Under a
-        zero-bubble kind an activation is held from its F until its W (W
+        forwards plus the one of the first steady-state forward. When the
+        backward is split an activation is held from its F until its W (W
         needs the stored inputs) and the bound is counted off the data."""
         if self.zero_bubble:
             return peak_stored(self.computes(rank), release_op="W")
+        if self.warmups is None:  # built by hand: count it off the data
+            return peak_stored(self.computes(rank), release_op="B")
         return min(self.warmup(rank) + 1, self.m * self.v)
 
     def computes(self, rank: int) -> list[Compute]:
@@ -156,75 +198,19 @@ def peak_stored(computes: list[Compute], release_op: str) -> int:
     return peak
 
 
-def virtual_stage_of(kind: str, p: int, v: int, rank: int, chunk: int) -> int:
-    """Virtual stage of (rank, chunk). zbv places its two chunks in a V: rank
-    r holds stages r and 2p - 1 - r, so a microbatch goes down the ranks on
-    chunk 0 and back up on chunk 1 (rank 0 holds the first and last stage).
-    Every other kind loops: chunk c of rank r is stage c·p + r."""
-    if kind == "zbv":
-        return rank if chunk == 0 else 2 * p - 1 - rank
-    return chunk * p + rank
-
-
-def location_of(kind: str, p: int, v: int, stage: int) -> tuple[int, int]:
-    """(rank, chunk) holding virtual stage `stage`: the inverse of virtual_stage_of."""
-    if kind == "zbv":
-        return (stage, 0) if stage < p else (2 * p - 1 - stage, 1)
-    return stage % p, stage // p
-
-
-def check_arguments(kind: str, p: int, m: int, v: int) -> None:
-    if kind not in KINDS:
-        raise ScheduleError(f"unknown schedule kind {kind!r}: use one of {', '.join(KINDS)}")
-    for name, value in (("p", p), ("m", m), ("v", v)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ScheduleError(f"{name} = {value!r} must be a positive integer")
-    if v > 1 and p < 2:
-        raise ScheduleError(f"v = {v} chunks per rank need p >= 2 ranks: with one rank the chunks "
-                            f"would pass activations to themselves")
-    if kind == "zbv" and v != 2:
-        raise ScheduleError(f"the zbv schedule has two chunks per rank in a V (v = 2), not v = {v}")
-    if kind == "zb-h1" and m < p:
-        raise ScheduleError(f"the zb-h1 schedule needs at least p = {p} microbatches, not m = {m}: "
-                            f"use m = {p} (or any m >= {p})")
-    if kind == "zbv" and m < 2 * p:
-        raise ScheduleError(f"the zbv schedule needs at least 2p = {2 * p} microbatches, not "
-                            f"m = {m}: use m = {2 * p} (or any m >= {2 * p})")
-    if kind not in ("interleaved", "zbv") and v != 1:
-        raise ScheduleError(f"the {kind} schedule has one chunk per rank (v = 1), not v = {v}; "
-                            f"use kind 'interleaved' for v > 1")
-    if kind == "interleaved" and m % p:
-        lower, upper = (m // p) * p, (m // p + 1) * p
-        raise ScheduleError(
-            f"the interleaved schedule runs microbatches in groups of p = {p}, so m = {m} must be "
-            f"a multiple of {p}: use m = " + (f"{lower} or {upper}" if lower else f"{upper}"))
-
-
-def warmup_forwards(kind: str, p: int, m: int, v: int, rank: int) -> int:
-    if kind in ("gpipe", "forward-only"):
-        return m * v
-    if kind == "1f1b":
-        return min(p - rank - 1, m)
-    if m == p:
-        # One group of p microbatches: the steady phase would stall on every
-        # chunk change, so (as Megatron-LM does) run all forwards first.
-        return m * v
-    return min((p - rank - 1) * 2 + (v - 1) * p, m * v)
-
-
 def transfers_of(compute: Compute, rank: int, p: int, v: int,
-               kind: str = "interleaved") -> tuple[Transfer | None, Transfer | None]:
+                 placement: Placement = LOOPED) -> tuple[Transfer | None, Transfer | None]:
     """(the receive this compute needs, the send it produces), either may be
     None: at the ends of the model, for W (it sends nothing), and across a
     boundary whose two stages share a rank."""
     if compute.op == "W":
         return None, None
-    stage = virtual_stage_of(kind, p, v, rank, compute.chunk)
+    stage = placement.stage(p, v, rank, compute.chunk)
     last = p * v - 1
     mb = compute.microbatch
 
     def peer(other_stage: int) -> int | None:
-        other = location_of(kind, p, v, other_stage)[0]
+        other = placement.location(p, v, other_stage)[0]
         return None if other == rank else other
 
     recv = send = None

@@ -1,7 +1,7 @@
 """GPipe, 1F1B and interleaved 1F1B: the looped kinds' orders and exchanges.
 
 All three kinds are one loop (`_one_forward_one_backward`) with a different
-number of warm-up forwards (actions.warmup_forwards):
+number of warm-up forwards (`warmup_forwards`):
 - GPipe: all m forwards first, then all m backwards.
 - 1F1B (PipeDream-Flush): rank r warms up with min(p - r - 1, m) forwards,
   then alternates one forward and one backward, then drains the backwards.
@@ -11,18 +11,33 @@ number of warm-up forwards (actions.warmup_forwards):
   (all of them if that reaches m·v, or when m = p). p = 2 is supported
   (Megatron-LM refuses it). m must be a multiple of p: with a partial last
   group these warm-up counts deadlock (the simulator finds it), so such m is
-  rejected with the nearest valid values (actions.check_arguments).
+  rejected with the nearest valid values (kinds.check_arguments).
+Their records (kinds.py) name these generators.
 """
 
 from __future__ import annotations
 
-from ptdp.parallel.pipeline.actions import (Action, Compute, Exchange, Schedule, Transfer,
-                                            transfers_of, warmup_forwards)
+from ptdp.schedules.actions import (FORWARD_ONLY, Action, Compute, Exchange, Schedule, Transfer,
+                                    transfers_of)
+
+INTERLEAVED = "interleaved"
+
+
+def warmup_forwards(kind: str, p: int, m: int, v: int, rank: int) -> int:
+    if kind in ("gpipe", FORWARD_ONLY):
+        return m * v
+    if kind == "1f1b":
+        return min(p - rank - 1, m)
+    if m == p:
+        # One group of p microbatches: the steady phase would stall on every
+        # chunk change, so (as Megatron-LM does) run all forwards first.
+        return m * v
+    return min((p - rank - 1) * 2 + (v - 1) * p, m * v)
 
 
 def forward_order(kind: str, p: int, m: int, v: int) -> list[tuple[int, int]]:
     """(microbatch, chunk) in the order every rank runs its forwards."""
-    if kind != "interleaved":
+    if kind != INTERLEAVED:
         return [(i, 0) for i in range(m)]
     order = []
     for first in range(0, m, p):  # microbatches in groups of p (m is a multiple of p)
@@ -73,24 +88,35 @@ def with_exchanges(steps: list[list[Compute]], rank: int, p: int, v: int) -> tup
     return tuple(actions)
 
 
+def looped_steps(kind: str, p: int, m: int, v: int, rank: int) -> list[list[Compute]]:
+    """Rank `rank`'s computes in steps: single computes, or under the
+    interleaved kind (forward, backward) pairs in the steady state."""
+    forwards, backwards = forward_order(kind, p, m, v), backward_order(kind, p, m, v)
+    steps = _one_forward_one_backward(forwards, backwards, warmup_forwards(kind, p, m, v, rank))
+    if kind != INTERLEAVED:
+        steps = [[compute] for step in steps for compute in step]
+    return steps
+
+
+def looped_order(kind: str, p: int, m: int, v: int, rank: int) -> list[Compute]:
+    """Rank `rank`'s computes in the order build_looped gives them (without
+    the exchanges, which are slow to build for large m)."""
+    return [compute for step in looped_steps(kind, p, m, v, rank) for compute in step]
+
+
 def build_looped(kind: str, p: int, m: int, v: int) -> Schedule:
     """Every rank's actions for one iteration of gpipe, 1f1b or interleaved
-    (arguments already checked by actions.check_arguments)."""
-    forwards, backwards = forward_order(kind, p, m, v), backward_order(kind, p, m, v)
-    ranks = []
-    for rank in range(p):
-        steps = _one_forward_one_backward(forwards, backwards, warmup_forwards(kind, p, m, v, rank))
-        if kind != "interleaved":
-            steps = [[compute] for step in steps for compute in step]
-        ranks.append(with_exchanges(steps, rank, p, v))
-    return Schedule(kind, p, m, v, tuple(ranks))
+    (arguments already checked by kinds.check_arguments)."""
+    ranks = tuple(with_exchanges(looped_steps(kind, p, m, v, rank), rank, p, v)
+                  for rank in range(p))
+    warmups = tuple(warmup_forwards(kind, p, m, v, rank) for rank in range(p))
+    return Schedule(kind, p, m, v, ranks, warmups=warmups)
 
 
 def build_looped_forward_only(p: int, m: int, v: int) -> Schedule:
     """Evaluation under the looped placement: every forward, no backward, in
     training's microbatch order (arguments already checked)."""
-    kind = "interleaved" if v > 1 else "gpipe"
-    forwards = forward_order(kind, p, m, v)
+    forwards = forward_order(INTERLEAVED if v > 1 else FORWARD_ONLY, p, m, v)
     ranks = tuple(with_exchanges([[Compute("F", i, c)] for i, c in forwards], r, p, v)
                   for r in range(p))
-    return Schedule("forward-only", p, m, v, ranks)
+    return Schedule(FORWARD_ONLY, p, m, v, ranks, warmups=(m * v,) * p)

@@ -45,16 +45,29 @@ from __future__ import annotations
 from bisect import bisect_left
 from typing import Callable, Mapping
 
-from ptdp.parallel.pipeline.actions import (
+from ptdp.schedules.actions import (
+    FORWARD_ONLY,
+    LOOPED,
+    V_SHAPE,
     Action,
     Compute,
     Exchange,
+    Placement,
     Schedule,
     ScheduleError,
     Transfer,
     transfers_of,
-    virtual_stage_of,
 )
+
+ZB_H1, ZBV = "zb-h1", "zbv"
+
+
+def _placement(kind: str) -> Placement:
+    return V_SHAPE if kind == ZBV else LOOPED
+
+
+def chunks_of(kind: str) -> int:
+    return 2 if kind == ZBV else 1
 
 
 def zb_h1_order(p: int, m: int, rank: int) -> list[Compute]:
@@ -106,6 +119,11 @@ def zbv_order(p: int, m: int, rank: int) -> list[Compute]:
     return order
 
 
+def zero_bubble_order(kind: str, p: int, m: int, rank: int) -> list[Compute]:
+    """Rank `rank`'s computes under zb-h1 or zbv, in schedule order."""
+    return (zbv_order if kind == ZBV else zb_h1_order)(p, m, rank)
+
+
 # Seconds (or units) of one compute on a rank: cost(rank, compute).
 ComputeCost = Callable[[int, Compute], float]
 
@@ -124,10 +142,10 @@ def plan_timed(kind: str, p: int, m: int, orders: list[list[Compute]] | None = N
     """Per rank, (compute, start, end) in order: every compute as early as
     its rank and its inputs allow, taking cost(rank, compute). `orders`:
     each rank's computes (default: the kind's training orders)."""
-    v = 2 if kind == "zbv" else 1
+    v, placement = chunks_of(kind), _placement(kind)
     last = p * v - 1
     if orders is None:
-        orders = [(zbv_order if kind == "zbv" else zb_h1_order)(p, m, rank) for rank in range(p)]
+        orders = [zero_bubble_order(kind, p, m, rank) for rank in range(p)]
     end: dict[tuple[str, int, int], float] = {}   # (op, microbatch, stage) -> end time
     plan: list[list[tuple[Compute, float, float]]] = [[] for _ in range(p)]
     free = [0] * p
@@ -136,7 +154,7 @@ def plan_timed(kind: str, p: int, m: int, orders: list[list[Compute]] | None = N
         for rank in range(p):
             while len(plan[rank]) < len(orders[rank]):
                 compute = orders[rank][len(plan[rank])]
-                i, stage = compute.microbatch, virtual_stage_of(kind, p, v, rank, compute.chunk)
+                i, stage = compute.microbatch, placement.stage(p, v, rank, compute.chunk)
                 needs = {"F": [("F", i, stage - 1)] if stage > 0 else [],
                          "B": [("F", i, stage)] + ([("B", i, stage + 1)] if stage < last else []),
                          "W": [("B", i, stage)]}[compute.op]
@@ -160,7 +178,7 @@ def _with_timed_exchanges(kind: str, p: int, v: int,
     starts = [[start for _, start, _ in row] for row in plan]
     for rank, row in enumerate(plan):
         for k, (compute, _, produced) in enumerate(row):
-            _, send = transfers_of(compute, rank, p, v, kind)
+            _, send = transfers_of(compute, rank, p, v, _placement(kind))
             if send is None:
                 continue
             slots[rank][k + 1].append((produced, send))
@@ -186,15 +204,16 @@ def build_zbv_forward_only(p: int, m: int) -> Schedule:
     """Evaluation under the V placement: every rank runs its chunk-0
     forwards, then its chunk-1 forwards, microbatches in order."""
     orders = [[Compute("F", i, c) for c in (0, 1) for i in range(m)] for _ in range(p)]
-    plan = plan_timed("zbv", p, m, orders)
-    return Schedule("forward-only", p, m, 2, _with_timed_exchanges("zbv", p, 2, plan),
-                    placement="zbv")
+    plan = plan_timed(ZBV, p, m, orders)
+    return Schedule(FORWARD_ONLY, p, m, 2, _with_timed_exchanges(ZBV, p, 2, plan),
+                    placement=V_SHAPE, warmups=(2 * m,) * p)
 
 
 def build_zero_bubble(kind: str, p: int, m: int, cost: ComputeCost = unit_cost) -> Schedule:
     """Every rank's actions for one iteration of zb-h1 or zbv (arguments
-    already checked by actions.check_arguments), the exchanges placed for
+    already checked by kinds.check_arguments), the exchanges placed for
     computes that take cost(rank, compute)."""
-    v = 2 if kind == "zbv" else 1
+    v = chunks_of(kind)
     plan = plan_timed(kind, p, m, cost=cost)
-    return Schedule(kind, p, m, v, _with_timed_exchanges(kind, p, v, plan))
+    return Schedule(kind, p, m, v, _with_timed_exchanges(kind, p, v, plan),
+                    placement=_placement(kind), splits_backward=True)
