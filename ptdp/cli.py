@@ -11,12 +11,16 @@ import argparse
 import os
 import sys
 import time
+from importlib import metadata
 from typing import Sequence
 
+from ptdp import __version__
 from ptdp.argparser import CommandParser, problems_text
 from ptdp.commands import convert, generate, preprocess, tokenizer, train
 from ptdp.config import ConfigError
 from ptdp.data.tokenizer_error import TokenizerError
+from ptdp.errors import (RankFailure, print_user_error, prints_shared_errors, process_rank,
+                         report_to_torchrun, set_process_rank)
 # Every command's flags are built at each start, so the modules named here
 # must not import torch (a --help, `ptdp plan` and an argument error start in
 # a fraction of the time); the commands that need it import it when they run.
@@ -31,10 +35,6 @@ QUIET_RANK_WAIT_SECONDS = 10.0
 
 def version_text() -> str:
     """`ptdp --version`: this package's version and torch's, the two a bug report needs."""
-    from importlib import metadata
-
-    from ptdp import __version__
-
     try:
         torch_version = metadata.version("torch")
     except metadata.PackageNotFoundError:  # torch from a source build, say
@@ -63,9 +63,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from ptdp.errors import (RankFailure, print_user_error, process_rank, report_to_torchrun,
-                             set_process_rank)
-
     parent = os.getppid()  # first: under torchrun, its agent (launch.follow_torchrun_agent)
     parser = build_parser()
     args, problems, command = parser.parse_collecting(argv)
@@ -125,8 +122,6 @@ def _say_shared_error(message: str) -> None:
     """An error every rank of a torchrun or SLURM job finds alike, before
     launching: one rank per node prints it (ptdp.errors.prints_shared_errors),
     every rank's torchrun error file carries it."""
-    from ptdp.errors import prints_shared_errors, report_to_torchrun
-
     speaks = prints_shared_errors()
     if speaks:
         print(message, file=sys.stderr, flush=True)

@@ -18,9 +18,11 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from ptdp.config import SECTION_TYPES, Config, ConfigError, flag_fields, validate
+from ptdp.config import SECTION_TYPES, Config, ConfigError, flag_fields, signal_from_name, validate
 from ptdp.config.files import field_type, file_settings, load_config_file
 from ptdp.config.megatron import add_accepted_flags, config_notes, given, notes, refusals
+from ptdp.config.moe import megatron_reading_notes
+from ptdp.graceful_signals import GRACEFUL_SIGNALS
 from ptdp.plural import plural
 
 
@@ -136,7 +138,6 @@ def run_train(config: Config, explicit: Sequence[str] = (), accepted: Sequence =
     from ptdp.perf.local_processes import local_process_problems
     from ptdp.train.checkpoint import nothing_to_train
     from ptdp.train.checkpoint_args import changed_settings_note, with_checkpoint_shape
-    from ptdp.config.moe import megatron_reading_notes
     from ptdp.train.loop import worker
 
     env = detect_env()
@@ -210,9 +211,6 @@ def run_train(config: Config, explicit: Sequence[str] = (), accepted: Sequence =
 def _forwarded_signals(config: Config) -> tuple[int, ...]:
     """The signals `ptdp train` passes on to its ranks: those that ask them to
     save and stop (with the handler off, the supervisor's default applies)."""
-    from ptdp.config import signal_from_name
-    from ptdp.graceful_signals import GRACEFUL_SIGNALS
-
     if not config.train.exit_signal_handler:
         return ()
     names = (*GRACEFUL_SIGNALS, config.train.exit_signal)
@@ -322,8 +320,6 @@ def _say_signals_before_launch() -> dict[int, Any]:
     """Until the launch, a graceful-exit signal ends `ptdp train` with a
     paragraph instead of silently (exit 128 + signal); returns the handlers
     it replaced, for _restore_signals."""
-    from ptdp.graceful_signals import GRACEFUL_SIGNALS
-
     numbers = [getattr(signal, name) for name in GRACEFUL_SIGNALS]
     return {number: signal.signal(number, _raise_signal) for number in numbers}
 

@@ -2,17 +2,20 @@
 machine (the settings' own checks are ptdp.config.validate's): --save,
 --load and their checkpoints, the output paths, the reporting settings,
 whether the model fits this machine's memory, and the free space a
-checkpoint needs. Imported by the command's run, never at start-up; what
-they need beyond the standard library is imported where it is used."""
+checkpoint needs. Torch, the checkpoint code and the planner's memory
+model are imported where they are used, so that the command line starts
+without them."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import sys
 from pathlib import Path
 
 from ptdp.config import Config
+from ptdp.output_paths import output_path_problems
 
 
 def launch_problems(config: Config, env) -> list[str]:
@@ -29,8 +32,6 @@ def _output_path_problems(config: Config) -> list[str]:
     --save's own rules are `_save_directory_problems`'s; this adds what they
     leave to the shared check (a dangling link, a pseudo file system, a
     directory where no file can be created), once they pass."""
-    from ptdp.output_paths import output_path_problems
-
     tr, data = config.train, config.data
     problems = []
     if isinstance(tr.save, str) and not _save_directory_problems(tr.save):
@@ -78,8 +79,6 @@ def _reporting_problems(config: Config) -> list[str]:
     if tr.peak_tflops is not None and not tr.peak_tflops > 0:
         problems.append(f"--peak-tflops={tr.peak_tflops!r} must be positive")
     if tr.tensorboard_dir:
-        import importlib.util
-
         if importlib.util.find_spec("tensorboard") is None:
             problems.append("--tensorboard-dir needs the tensorboard package: pip install tensorboard")
     return problems
