@@ -54,7 +54,8 @@ from ptdp.model.gpt import build_chunks
 from ptdp.parallel.sharding import SHARD_ATTR, shard
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.sampling import SamplingSettings, generate
-from ptdp.train.checkpoint import CheckpointError, load_logical_model
+from ptdp.train import checkpoint
+from ptdp.train.checkpoint import CheckpointError
 from ptdp.train.checkpoint_data import model_tokenizer
 
 
@@ -238,7 +239,7 @@ def read_checkpoint_model(load: str) -> tuple[Config, dict[str, torch.Tensor]]:
     libraries beneath it (safetensors, JSON) becomes one too, so that a
     damaged checkpoint is a user error, one paragraph, on any rank."""
     try:
-        config, weights, _ = load_logical_model(load)
+        config, weights, _ = checkpoint.load_logical_model(load)
     except (SafetensorError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError,
             AttributeError) as error:
         raise CheckpointError(f"--load {load}: the checkpoint cannot be read "
