@@ -282,7 +282,8 @@ def test_the_graph_sees_imports_inside_functions_and_submodules(tmp_path):
 # ------------------------------------------------------------------ earlier rules (issue 15)
 
 def _perf_graph() -> dict[str, set[str]]:
-    modules = {f"ptdp.perf.{p.stem}": p for p in (ROOT / "perf").glob("*.py") if p.stem != "__init__"}
+    """ptdp.perf's modules, its sub-packages' included, and what each imports of them."""
+    modules = {module_name(p, ROOT): p for p in (ROOT / "perf").rglob("*.py")}
     return {name: {m for m in _imports(path) if m in modules and m != name}
             for name, path in modules.items()}
 
@@ -307,9 +308,9 @@ def test_perf_modules_import_each_other_without_a_cycle():
 def test_the_flop_formula_lives_in_perf():
     report = (ROOT / "train" / "report.py").read_text()
     assert "def model_flops_per_iteration" not in report
-    assert "def model_flops_per_iteration" in (ROOT / "perf" / "flops.py").read_text()
-    for path in (ROOT / "perf").glob("*.py"):
-        assert not any(m.startswith("ptdp.train") for m in _imports(path)), path.name
+    assert "def model_flops_per_iteration" in (ROOT / "perf" / "analytic" / "flops.py").read_text()
+    for path in (ROOT / "perf").rglob("*.py"):
+        assert not any(m.startswith("ptdp.train") for m in _imports(path)), path
 
 
 def test_training_does_not_import_the_command_line():

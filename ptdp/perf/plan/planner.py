@@ -55,10 +55,10 @@ from typing import Any
 from ptdp.config import Config, ConfigError, ModelConfig, validate
 from ptdp.output_paths import output_path_problems
 from ptdp.schedules.kinds import DEFAULT_SCHEDULE
-from ptdp.perf.candidates import (  # noqa: F401  (candidate_layouts & co. are plan's API too)
+from ptdp.perf.plan.candidates import (  # noqa: F401  (candidate_layouts & co. are plan's API too)
     MAX_CHUNKS, MAX_MICROBATCH, MIN_CONTEXT_POSITIONS, SCHEDULES, candidate_layouts,
     context_sizes_to_search, split_candidates)
-from ptdp.perf.fixed_dimensions import FixedDimensions, add_layout_flags, dimensions_line, \
+from ptdp.perf.plan.fixed_dimensions import FixedDimensions, add_layout_flags, dimensions_line, \
     fix_all_layout, fixed_dimensions, train_problems
 from ptdp.perf.layout import Layout, Workload
 
@@ -84,7 +84,7 @@ class Evaluation:
         return self.prediction.iteration_seconds
 
     def summary(self) -> dict[str, Any]:
-        from ptdp.perf.analytic import parameters_per_device
+        from ptdp.perf.analytic.counts import parameters_per_device
 
         layout = asdict(self.layout)
         if self.layout.c == 1:   # (as before context parallelism: no c, no comm type)
@@ -103,8 +103,8 @@ class Evaluation:
 
 
 def evaluate_layout(workload: Workload, layout: Layout, profile) -> Evaluation:
-    from ptdp.perf.memory import memory_per_device
-    from ptdp.perf.predict import simulate
+    from ptdp.perf.analytic.memory import memory_per_device
+    from ptdp.perf.simulate.predict import simulate
 
     memory = memory_per_device(workload, layout, kernels=_kernels(profile))
     fits = memory["total"] <= MEMORY_HEADROOM * profile.memory_bytes
@@ -137,7 +137,7 @@ def search(workload: Workload, devices: int, profile, *, top: int | None = None,
     added to the results. `progress(stage, done, total)`, if given, hears
     how far it is ("bounding", "pricing", then "done" with the layouts
     priced)."""
-    from ptdp.perf.bounds import compute_lower_bound
+    from ptdp.perf.simulate.bounds import compute_lower_bound
 
     report = progress or (lambda stage, done, total: None)
     if candidates is None:
@@ -173,8 +173,8 @@ def search(workload: Workload, devices: int, profile, *, top: int | None = None,
 def _evaluate_if_fits(workload: Workload, layout: Layout, profile) -> Evaluation | None:
     """The layout's Evaluation, or None (without pricing it) if its memory
     does not fit the device."""
-    from ptdp.perf.memory import memory_per_device
-    from ptdp.perf.predict import simulate
+    from ptdp.perf.analytic.memory import memory_per_device
+    from ptdp.perf.simulate.predict import simulate
 
     memory = memory_per_device(workload, layout, kernels=_kernels(profile))
     if memory["total"] > MEMORY_HEADROOM * profile.memory_bytes:
@@ -273,7 +273,7 @@ def explain(results: list[Evaluation], profile) -> list[str]:
 def _unsplit_memory(best: Evaluation, profile) -> str:
     """What the winner would need without sequence parallelism, when no
     such layout is among the results (it did not fit)."""
-    from ptdp.perf.memory import memory_per_device
+    from ptdp.perf.analytic.memory import memory_per_device
 
     unsplit = dataclasses.replace(best.layout, sequence_parallel=False)
     memory = memory_per_device(best.prediction.workload, unsplit, kernels=_kernels(profile))
@@ -591,8 +591,8 @@ def _layouts_to_price(args: argparse.Namespace, fixed: FixedDimensions, workload
 
 
 def run_plan_command(args: argparse.Namespace) -> int:
-    from ptdp.perf.analytic import parameter_count
-    from ptdp.perf.profiles import load_profile
+    from ptdp.perf.analytic.counts import parameter_count
+    from ptdp.perf.price.profiles import load_profile
 
     model = model_from_args(args)
     problems = [f"{flag} must be positive" for flag, value in

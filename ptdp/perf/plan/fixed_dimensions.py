@@ -40,7 +40,7 @@ from ptdp.config.context import context_parallel_problems
 from ptdp.config.train import TrainConfig
 from ptdp.schedules.kinds import DEFAULT_SCHEDULE, KINDS, PLAN_CHOICES, any_chunks_kind
 from ptdp.schedules.split import LayerSplit
-from ptdp.perf.candidates import MIN_CONTEXT_POSITIONS
+from ptdp.perf.plan.candidates import MIN_CONTEXT_POSITIONS
 from ptdp.perf.layout import Layout
 
 # The dimensions, in the order the plan names them ("ep" and "etp" for MoE models only).

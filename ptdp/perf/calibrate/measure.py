@@ -47,7 +47,7 @@ On a GPU (CUDA available) it measures what the GPU profiles' model needs
 instead (`calibrate_gpu`), starting from the built-in profile of that chip
 (data sheet; the a100 one with this device's SM count and memory for
 others): 16-bit GEMMs over a grid of shapes, to which the tile model of
-ptdp.perf.gemm is fitted (least squares on relative error over the
+ptdp.perf.price.gemm is fitted (least squares on relative error over the
 compute-bound shapes: `tile_overhead_seconds` and e_max, see
 `fit_tile_model`), the memory bandwidth (a large copy), the eager operator
 overhead, and with two or more GPUs NCCL between two processes: all-reduce,
@@ -68,7 +68,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ptdp.perf.profiles import default_profile_path
+from ptdp.perf.price.profiles import default_profile_path
 
 LOCAL_DEVICES = 256     # local processes all share one machine: every link is loopback
 
@@ -156,7 +156,7 @@ def _operators(gemm_seconds: Callable[..., float], cold_bytes: int = COLD_BYTES,
 
     from ptdp.model.fused import bias_dropout_add, bias_gelu
     from ptdp.parallel.tensor import vocab_parallel_cross_entropy
-    from ptdp.perf import operator_bytes
+    from ptdp.perf.price import operator_bytes
 
     b, s, h, a, f, V = (REFERENCE[k] for k in ("b", "s", "h", "a", "f", "V"))
     n, ffn, scores = b * s * h, b * s * f, b * a * s * s
@@ -458,7 +458,7 @@ NCCL_SIZES = [1 << 10, 1 << 16, 1 << 20, 1 << 24, 1 << 27]       # bytes
 def fit_tile_model(rows: list[dict], peak_flops: float, sm_count: int,
                    tile: tuple[int, int], memory_bandwidth: float) -> tuple[float, float]:
     """(tile_overhead_seconds, achievable_fraction) of the tile model
-    (ptdp.perf.gemm) fitted to measured GEMMs {m, n, k, batch?, seconds}:
+    (ptdp.perf.price.gemm) fitted to measured GEMMs {m, n, k, batch?, seconds}:
 
         seconds = waves · overhead + waves · 2·tile_m·tile_n·k · sm_count / peak / fraction
 
@@ -466,7 +466,7 @@ def fit_tile_model(rows: list[dict], peak_flops: float, sm_count: int,
     (weights 1/seconds²) over the rows that are not memory-bound (their
     bytes take under half their time at `memory_bandwidth`). The overhead is
     kept non-negative."""
-    from ptdp.perf import gemm
+    from ptdp.perf.price import gemm
 
     points = []
     for row in rows:
@@ -580,7 +580,7 @@ def calibrate_gpu(*, quick: bool = False, name: str = "local",
     from dataclasses import replace
 
     from ptdp.device import accelerator_shape, cuda_device_count, device_for, device_name
-    from ptdp.perf.profiles import BUILTIN, builtin_profile
+    from ptdp.perf.price.profiles import BUILTIN, builtin_profile
 
     started = time.perf_counter()
     budget = 0.05 if quick else 0.2
@@ -627,7 +627,7 @@ def calibrate(*, quick: bool = False, name: str = "local", log: Callable[[str], 
     import torch
 
     from ptdp.device import cuda_device_count
-    from ptdp.perf.profiles import HardwareProfile
+    from ptdp.perf.price.profiles import HardwareProfile
 
     if cuda_device_count() > 0:
         return calibrate_gpu(quick=quick, name=name, log=log)
@@ -736,7 +736,7 @@ def add_calibrate_parser(commands) -> argparse.ArgumentParser:
         description="Measure matrix-multiply rates, memory-bound operator throughput, eager "
                     "operator overhead and gloo communication between two local processes, and "
                     "write them as a hardware profile (JSON) that `ptdp plan --gpu` and "
-                    "ptdp.perf.predict.simulate read. Takes under a minute (--quick: under 20 s).")
+                    "ptdp.perf.simulate.predict.simulate read. Takes under a minute (--quick: under 20 s).")
     parser.add_argument("--out", metavar="FILE.json", default=None,
                         help=f"where to write the profile (default: {default_profile_path()}, "
                              f"which the profile name 'local' loads)")
@@ -746,7 +746,7 @@ def add_calibrate_parser(commands) -> argparse.ArgumentParser:
 
 
 def run_calibrate_command(args: argparse.Namespace) -> int:
-    from ptdp.perf.profiles import save_profile
+    from ptdp.perf.price.profiles import save_profile
 
     out = Path(args.out) if args.out else default_profile_path()
     if out.is_dir():

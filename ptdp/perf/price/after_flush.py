@@ -34,13 +34,13 @@ from dataclasses import dataclass
 
 from ptdp.config.train import TrainConfig
 from ptdp.schedules.kinds import virtual_stage_of
-from ptdp.perf import analytic
+from ptdp.perf.analytic import counts as analytic
 from ptdp.perf.layout import ByIdentity, ByValue, Layout, Workload
-from ptdp.perf.machine import Machine
-from ptdp.perf.operator_bytes import optimizer_bytes_per_parameter
-from ptdp.perf.pricing import GRAD_BYTES, OperatorModel
-from ptdp.perf.profiles import HardwareProfile
-from ptdp.perf.stage_costs import parameter_counts
+from ptdp.perf.price.machine import Machine
+from ptdp.perf.price.operator_bytes import optimizer_bytes_per_parameter
+from ptdp.perf.price.pricing import GRAD_BYTES, OperatorModel
+from ptdp.perf.price.profiles import HardwareProfile
+from ptdp.perf.price.stage_costs import parameter_counts
 
 
 

@@ -7,7 +7,7 @@ t tensor size, E bytes per element of the workload's precision):
 
   GEMMs, priced by `HardwareProfile.gemm_seconds` (GPUs: output tiles over
   the SMs in waves, a fixed cost per tile plus k steps, at least the bytes
-  over the bandwidth, see ptdp.perf.gemm; CPUs: a roofline with a
+  over the bandwidth, see ptdp.perf.price.gemm; CPUs: a roofline with a
   saturating efficiency): QKV [b·s, h]×[h, 3h/t]; scores b·a/t ×
   [s, h/a]×[h/a, s]; context b·a/t × [s, s]×[s, h/a]; projection
   [b·s, h/t]×[h/t, h]; MLP [b·s, h]×[h, f/t] and [b·s, f/t]×[f/t, h].
@@ -97,13 +97,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ptdp.perf import analytic
-from ptdp.perf.context_exchange import CONTEXT_EXCHANGE, context_exchange_seconds
+from ptdp.perf.analytic import counts as analytic
+from ptdp.perf.price.context_exchange import CONTEXT_EXCHANGE, context_exchange_seconds
 from ptdp.perf.layout import ByValue, Layout, Workload
-from ptdp.perf.machine import Machine
-from ptdp.perf.operator_bytes import (attention_core_bytes, copy_bytes, cross_entropy_bytes,
+from ptdp.perf.price.machine import Machine
+from ptdp.perf.price.operator_bytes import (attention_core_bytes, copy_bytes, cross_entropy_bytes,
                                       layer_memory_ops, layer_norm_bytes, residual_bytes)
-from ptdp.perf.profiles import HardwareProfile
+from ptdp.perf.price.profiles import HardwareProfile
 
 FORWARD_OPS_PER_LAYER = 40        # operators one layer's forward launches (ptdp.model.gpt, eager)
 BACKWARD_OPS_PER_LAYER = 80
