@@ -11,7 +11,7 @@ measurements of kernels, none from a training run's throughput:
 
 - the tile model's `gemm_efficiency` (e_max) and `tile_overhead_seconds`:
   least squares on relative error over every compute-bound bf16 GEMM
-  measured (`ptdp.perf.calibrate.measure.fit_tile_model`, as `ptdp calibrate` fits
+  measured (`ptdp.perf.calibrate.gpu.fit_tile_model`, as `ptdp calibrate` fits
   them), then e_max scaled by the sustained GEMM's last window over its
   first where that is below 1 (a training run keeps the chip busy; its
   clocks are the sustained ones);
@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import published_runs  # noqa: E402  bench/published_runs.py
 
-from ptdp.perf.calibrate.measure import fit_tile_model  # noqa: E402
+from ptdp.perf.calibrate.gpu import fit_tile_model  # noqa: E402
 from ptdp.perf.calibrate.calibration_point import efficiency_at_median_ratio_one  # noqa: E402
 from ptdp.perf.price.profiles import HardwareProfile, builtin_profile, save_profile  # noqa: E402
 

@@ -516,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
             from ptdp.perf.price.profiles import load_profile
             profile = load_profile(args.profile)
         else:
-            from ptdp.perf.calibrate.measure import calibrate
+            from ptdp.perf.calibrate.profile import calibrate
             profile = calibrate(quick=args.tiny, log=lambda line: print(f"calibrate: {line}",
                                                                         file=sys.stderr))
         # Each balanced row after its even one.

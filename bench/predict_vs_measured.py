@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         profile = load_profile(args.profile)
         source = f"profile {args.profile}"
     else:
-        from ptdp.perf.calibrate.measure import calibrate
+        from ptdp.perf.calibrate.profile import calibrate
 
         profile = calibrate(log=lambda line: print(f"calibrate: {line}", file=sys.stderr))
         source = "ptdp calibrate, in this run"

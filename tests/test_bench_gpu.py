@@ -420,7 +420,7 @@ def test_a_profile_fitted_to_the_sweep(tiny_run, tmp_path):
     GEMM's fall), each planner class's bandwidth from ptdp's own operators
     at their largest size, the calibrate chain's launch cost; and prices
     the published rows with it."""
-    from ptdp.perf.calibrate.measure import fit_tile_model
+    from ptdp.perf.calibrate.gpu import fit_tile_model
     from ptdp.perf.price.profiles import builtin_profile, load_profile
 
     spec = importlib.util.spec_from_file_location("fit_gpu_profile",

@@ -1,6 +1,6 @@
 """The schedule-pricing simulator (ptdp/perf/simulate/predict.py and the modules it
 prices with: pricing, stage_costs, machine, player, after_flush), hardware profiles
-(ptdp/perf/price/profiles.py) and `ptdp calibrate` (ptdp/perf/calibrate/measure.py)."""
+(ptdp/perf/price/profiles.py) and `ptdp calibrate` (ptdp/perf/calibrate/, ptdp/commands/calibrate.py)."""
 
 from __future__ import annotations
 
@@ -461,7 +461,7 @@ def test_measured_collective_tables_interpolate():
 
 def test_calibrate_quick_writes_a_loadable_profile(tmp_path):
     out = tmp_path / "local.json"
-    result = subprocess.run([sys.executable, "-m", "ptdp.perf.calibrate.measure", "calibrate", "--quick",
+    result = subprocess.run([sys.executable, "-m", "ptdp.commands.calibrate", "calibrate", "--quick",
                              "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
                             timeout=900)  # a hang guard: about 10 s on 2 idle cores
     assert result.returncode == 0, result.stderr

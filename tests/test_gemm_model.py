@@ -1,6 +1,6 @@
 """The shape-based GEMM and fused-attention model (ptdp/perf/price/gemm.py), its use
 in the GPU profiles (ptdp/perf/price/profiles.py) and the GPU calibration's fit
-(ptdp/perf/calibrate.fit_tile_model)."""
+(ptdp/perf/calibrate/gpu.fit_tile_model)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from ptdp.config import ModelConfig
 from ptdp.perf.price import gemm
-from ptdp.perf.calibrate.measure import fit_tile_model
+from ptdp.perf.calibrate.gpu import fit_tile_model
 from ptdp.perf.price.machine import Machine
 from ptdp.perf.price.pricing import OperatorModel
 from ptdp.perf.layout import Layout, Workload

@@ -40,7 +40,7 @@ from ptdp.perf.analytic.memory import activation_bytes, memory_per_device, memor
 from ptdp.perf.simulate.predict import simulate
 from ptdp.perf.price.pricing import OperatorModel
 from ptdp.perf.layout import Layout, Workload
-from ptdp.perf.plan.planner import model_from_args
+from ptdp.commands.plan import model_from_args
 from ptdp.perf.analytic.saved import SavedTensorBytes
 from ptdp.perf.price.profiles import load_profile
 from ptdp.train.loop import count_parameters

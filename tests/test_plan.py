@@ -12,7 +12,8 @@ from ptdp.config import ModelConfig
 from ptdp.perf.analytic.counts import parameter_count
 from ptdp.perf.simulate.bounds import compute_lower_bound
 from ptdp.perf.layout import Layout, Workload
-from ptdp.perf.plan.planner import EXACT_ROWS, candidate_layouts, evaluate_layout, model_from_args, search
+from ptdp.commands.plan import model_from_args
+from ptdp.perf.plan.planner import EXACT_ROWS, candidate_layouts, evaluate_layout, search
 from ptdp.perf.price.profiles import HardwareProfile, load_profile
 
 A100 = load_profile("a100")

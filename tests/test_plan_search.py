@@ -16,7 +16,8 @@ from ptdp.config.moe import expert_parallel_problems
 from ptdp.perf.plan.candidates import candidate_layouts
 from ptdp.perf.plan.fixed_dimensions import fixed_dimensions
 from ptdp.perf.layout import Layout, Workload
-from ptdp.perf.plan.planner import evaluate_layout, model_from_args
+from ptdp.commands.plan import model_from_args
+from ptdp.perf.plan.planner import evaluate_layout
 from ptdp.perf.price.profiles import load_profile
 
 # A long-sequence model without attention dropout, so that c is searched too.
