@@ -64,8 +64,8 @@ from ptdp.parallel.sharding import initialize_parameters, is_expert  # noqa: E40
 from ptdp.parallel.tensor import RNGStreams  # noqa: E402
 from ptdp.parallel.topology import ParallelContext, RankGrid  # noqa: E402
 from ptdp.perf.analytic.counts import (active_parameter_count, cut_placed_buckets,  # noqa: E402
-                                owned_elements, padded_elements, parameter_count,
-                                placement_of_parameters)
+                                       owned_elements, padded_elements, parameter_count,
+                                       placement_of_parameters)
 from ptdp.perf.layout import ByValue, Layout, Workload  # noqa: E402
 from ptdp.perf.analytic.memory import memory_per_rank  # noqa: E402
 

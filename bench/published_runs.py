@@ -61,14 +61,15 @@ sys.path.insert(0, str(ROOT))
 from results import cpu_name, publish  # noqa: E402  bench/results.py
 
 from ptdp.config import ModelConfig  # noqa: E402
-from ptdp.perf.calibrate.calibration_point import (KORTHIKANTI_LAYER, KORTHIKANTI_LAYER_MS,  # noqa: E402
-                                         korthikanti_layer_ms, paper_kernels,
-                                         selective_overhead_ms)
+from ptdp.perf.calibrate.calibration_point import (  # noqa: E402
+    KORTHIKANTI_LAYER, KORTHIKANTI_LAYER_MS, korthikanti_layer_ms, paper_kernels,
+    selective_overhead_ms)
 from ptdp.perf.analytic.flops import model_flops_per_iteration  # noqa: E402
 from ptdp.perf.layout import Layout, Workload  # noqa: E402
 from ptdp.perf.plan.planner import MEMORY_HEADROOM, describe, evaluate_layout, search  # noqa: E402
-from ptdp.perf.price.profiles import (CALIBRATED_GEMM_EFFICIENCY, HOPPER_ATTENTION_EFFICIENCY,  # noqa: E402
-                                PAPER_ATTENTION_CORE_FRACTION, load_profile)
+from ptdp.perf.price.profiles import (  # noqa: E402
+    CALIBRATED_GEMM_EFFICIENCY, HOPPER_ATTENTION_EFFICIENCY, PAPER_ATTENTION_CORE_FRACTION,
+    load_profile)
 
 HEADING = "## The planner against published runs"
 NOT_STATED = "not stated"

@@ -38,7 +38,7 @@ from ptdp.parallel.tensor import RNGStreams
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.perf.analytic import counts as analytic
 from ptdp.perf.analytic.memory import (activation_bytes, korthikanti_activation_bytes_per_layer,
-                               memory_per_device, memory_per_rank)
+                                       memory_per_device, memory_per_rank)
 from ptdp.perf.layout import Layout, Workload
 from ptdp.perf.analytic.saved import SavedTensorBytes
 from ptdp.train.loop import Trainer, count_parameters

@@ -11,7 +11,7 @@ import pytest
 from ptdp.cli import main
 from ptdp.config import ModelConfig
 from ptdp.perf.price.context_exchange import (context_exchange_seconds, kv_block_bytes,
-                                        ring_step_exposed)
+                                              ring_step_exposed)
 from ptdp.perf.layout import Layout, Workload
 from ptdp.perf.price.machine import Machine
 from ptdp.perf.analytic.memory import activation_bytes, memory_per_device

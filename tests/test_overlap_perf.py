@@ -18,7 +18,8 @@ from ptdp.perf.simulate.bounds import compute_lower_bound
 from ptdp.perf.calibrate.calibration_point import paper_kernels
 from ptdp.perf.layout import Layout, Workload
 from ptdp.perf.price.machine import Machine
-from ptdp.perf.price.operator_bytes import OPTIMIZER_BYTES_PER_PARAMETER, optimizer_bytes_per_parameter
+from ptdp.perf.price.operator_bytes import (OPTIMIZER_BYTES_PER_PARAMETER,
+                                           optimizer_bytes_per_parameter)
 from ptdp.perf.simulate.predict import simulate
 from ptdp.perf.price.pricing import OperatorModel
 from ptdp.perf.price.profiles import load_profile

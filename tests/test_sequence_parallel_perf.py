@@ -39,8 +39,9 @@ from ptdp.parallel.tensor import RNGStreams
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.perf.analytic import counts as analytic
 from ptdp.perf.price.machine import Machine
-from ptdp.perf.analytic.memory import (_norm_saved_bytes, activation_bytes, korthikanti_activation_bytes_per_layer,
-                               layer_activation_bytes, memory_per_device)
+from ptdp.perf.analytic.memory import (_norm_saved_bytes, activation_bytes,
+                                       korthikanti_activation_bytes_per_layer,
+                                       layer_activation_bytes, memory_per_device)
 from ptdp.perf.simulate.predict import simulate
 from ptdp.perf.price.pricing import OperatorModel
 from ptdp.perf.layout import Layout, Workload

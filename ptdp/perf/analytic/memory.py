@@ -177,7 +177,7 @@ from typing import Any
 
 from ptdp.config import ModelConfig, TrainConfig
 from ptdp.perf.analytic.counts import (FP32, chunk_stage, cut_placed_buckets, owned_elements,
-                                padded_elements, placement_of_parameters, stash_peaks)
+                                       padded_elements, placement_of_parameters, stash_peaks)
 from ptdp.perf.layout import BYTES_PER_ELEMENT, ByValue, Layout, Workload
 from ptdp.perf.analytic.moe import chunk_moe_layers, moe_layer_activation_delta
 

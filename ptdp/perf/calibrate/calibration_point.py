@@ -13,8 +13,8 @@ import statistics
 from ptdp.perf.layout import Layout, Workload
 from ptdp.perf.simulate.predict import simulate
 from ptdp.perf.price.profiles import (ACHIEVED_HBM_FRACTION, BUILTIN, CALIBRATED_GEMM_EFFICIENCY,
-                                HOPPER_GEMM_EFFICIENCY, HOPPER_MATMUL,
-                                PAPER_ATTENTION_CORE_FRACTION, HardwareProfile)
+                                      HOPPER_GEMM_EFFICIENCY, HOPPER_MATMUL,
+                                      PAPER_ATTENTION_CORE_FRACTION, HardwareProfile)
 
 CALIBRATION_TFLOPS = 137.0
 
@@ -40,7 +40,7 @@ def paper_kernels(profile: HardwareProfile, *,
     and PyTorch's dropout, which write and read the s×s scores (flash
     attention came later), those passes at `attention_core_fraction` of the
     data sheet's HBM bandwidth (profiles.PAPER_ATTENTION_CORE_FRACTION);
-    apex's fused multi-tensor Adam (operator_bytes.py); full recomputation
+    apex's fused multi-tensor Adam (price/operator_bytes.py); full recomputation
     rerunning each layer's whole forward (Megatron-LM's re-entrant
     checkpoint function; Korthikanti et al.'s Table 4 shows it: full
     recomputation adds 7.6 ms to a layer whose forward takes 7.7).

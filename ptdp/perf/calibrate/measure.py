@@ -16,7 +16,7 @@ What is measured (fp32, CPU, each rate per process with the thread counts
   (residual), a permute copy (elementwise), the attention core (SDPA with
   dropout, less its GEMMs as the fitted GEMM model prices them), the
   vocabulary-parallel cross entropy, and ptdp's AdamW passes (optimizer);
-  bytes as operator_bytes.py counts them over the time -> `op_bandwidth`
+  bytes as price/operator_bytes.py counts them over the time -> `op_bandwidth`
   (`memory_bandwidth` = the elementwise rate), and each class's forward
   alone and the rest of the pair, its backward, likewise -> `op_bandwidth`
   under "class:forward" and "class:backward" (dropout's mask is drawn in the
@@ -121,7 +121,7 @@ def measure_gemms(shapes: list[tuple[int, int, int]], threads: int, budget: floa
 def _operators(gemm_seconds: Callable[..., float], cold_bytes: int = COLD_BYTES,
                optimizer_elements: int = 1 << 22) -> dict[str, dict[str, Any]]:
     """class -> {"run": forward + backward of ptdp's operator on
-    REFERENCE-sized inputs, "bytes": what operator_bytes.py counts for both,
+    REFERENCE-sized inputs, "bytes": what price/operator_bytes.py counts for both,
     "gemms": seconds of GEMMs inside them, "forward": (its forward alone,
     the forward's bytes, the forward's GEMM seconds) or None (the optimizer,
     which has one direction)}."""
@@ -202,7 +202,7 @@ def measure_memory_ops(budget: float, gemm_seconds: Callable[..., float], thread
                        rounds: int = 3, cold_bytes: int = COLD_BYTES,
                        optimizer_elements: int = 1 << 22) -> list[dict]:
     """Bytes per second of each class of memory-bound operator (1 thread):
-    the bytes operator_bytes.py counts for it over the time its forward + backward
+    the bytes price/operator_bytes.py counts for it over the time its forward + backward
     takes (less the time of the GEMMs inside, for the attention core), and the
     same of its forward alone and of the rest, its backward: the two
     directions can differ far more than their bytes do (on a CPU, drawing a

@@ -6,9 +6,9 @@ the run will cost.
 The search enumerates every valid layout (candidates.py: the rules `ptdp
 train` enforces), bounds each one's iteration time from below without building its schedule
 (bounds.compute_lower_bound), and prices the layouts cheapest bound first
-with the schedule simulator (predict.py: the same action lists the executor
+with the schedule simulator (simulate/predict.py: the same action lists the executor
 runs, costed with a hardware profile), those whose memory per device
-(memory.py) fits the profile's device memory, until no bound can reach
+(analytic/memory.py) fits the profile's device memory, until no bound can reach
 the top EXACT_ROWS rows; it ranks them by predicted throughput. Each
 layout flag (`ptdp train`'s) fixes its dimension and the search covers the
 rest; `--fix-all`, or flags that leave one valid layout, price that one
@@ -17,8 +17,8 @@ layout (fixed_dimensions.py).
 Schedules: those whose records (ptdp.schedules.kinds) are searched: 1F1B,
 interleaved 1F1B (v = 2 ... MAX_CHUNKS) and the zero-bubble ZB-H1 (v = 1,
 m >= p) and ZB-V (v = 2, m >= 2p, l divisible by 2p), priced by the same
-simulator with the backward split into B and W (pricing.py) and their
-memory counted from F to B to W (memory.py). `--print-flags` prints
+simulator with the backward split into B and W (price/pricing.py) and their
+memory counted from F to B to W (analytic/memory.py). `--print-flags` prints
 `--pipeline-schedule` with the kind's name for them (a V's two chunks per
 rank are implied).
 

@@ -6,7 +6,7 @@ d replicas with a hierarchical ring (reduce-scatter inside the server,
 all-reduce between servers, all-gather inside); a reduce-scatter only with
 the distributed optimizer. Its buckets start as soon as their gradients are
 final, during each chunk's last backward (ptdp.parallel.data_parallel.GradBuffer),
-so the reduction overlaps that backward: predict.py plays it against the
+so the reduction overlaps that backward: simulate/predict.py plays it against the
 timeline from these per-chunk amounts (`chunk_shares`), and at least the
 last bucket's reduction (`last_bucket`) follows the flush. The tied
 embedding is summed over the embedding group (the first and the last
@@ -18,7 +18,7 @@ kernels, HardwareProfile.fused_optimizer; 1/d of them with the distributed
 optimizer, followed by the all-gather of the updated weights; a run that
 overlaps that gather with the next iteration's forward, as Megatron-LM's
 --overlap-param-gather does, exposes only what its first forwards do not
-cover, `hideable_gather` and predict.py).
+cover, `hideable_gather` and simulate/predict.py).
 
 Sequence parallelism: each gradient bucket holding partial gradients
 (norms, row-parallel biases, the position table) all-reduces them over the

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from typing import Any
 
-CONTEXT_EXCHANGE = "context exchange"   # the time category (predict.py's seconds_by_category)
+# the time category (simulate/predict.py's seconds_by_category)
+CONTEXT_EXCHANGE = "context exchange"
 
 
 def kv_block_bytes(ops: Any) -> float:

@@ -297,7 +297,8 @@ def moe_layer_costs(ops, dense_forward, dense_backward, dense_weight, recompute:
 
 
 def _copy(cost):
-    """A copy of a ptdp.perf.price.pricing.Cost (not imported: pricing's users import this module)."""
+    """A copy of a ptdp.perf.price.pricing.Cost (not imported: pricing's users
+    import this module)."""
     out = type(cost)()
     out += cost
     return out

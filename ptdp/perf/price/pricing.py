@@ -25,7 +25,7 @@ t tensor size, E bytes per element of the workload's precision):
   LayerNorms ("layer_norm"), scale+mask+softmax and dropout over the
   b·(a/t)·s² scores ("attention_core"), the q/k/v and context reshapes
   ("elementwise"), bias+GeLU ("gelu"), two bias+dropout+add ("residual");
-  the byte counts are the functions below (calibrate.py uses the same), and
+  the byte counts are the functions below (calibrate/measure.py uses the same), and
   the weight gradients' accumulation into the fp32 buffer. A fixed
   `launch_overhead` per operator (40 forward, 80 backward per layer, counted
   on ptdp's eager layer). Tensor parallelism: two all-reduces of b·s·h·E
@@ -102,7 +102,7 @@ from ptdp.perf.price.context_exchange import CONTEXT_EXCHANGE, context_exchange_
 from ptdp.perf.layout import ByValue, Layout, Workload
 from ptdp.perf.price.machine import Machine
 from ptdp.perf.price.operator_bytes import (attention_core_bytes, copy_bytes, cross_entropy_bytes,
-                                      layer_memory_ops, layer_norm_bytes, residual_bytes)
+                                            layer_memory_ops, layer_norm_bytes, residual_bytes)
 from ptdp.perf.price.profiles import HardwareProfile
 
 FORWARD_OPS_PER_LAYER = 40        # operators one layer's forward launches (ptdp.model.gpt, eager)
@@ -542,7 +542,7 @@ class OperatorModel:
 
     # -- parameters --------------------------------------------------------------------------
     def stage_parameters(self, first: bool, last: bool, layers: int) -> int:
-        """Parameters of one virtual stage on one tensor rank (analytic.py's count)."""
+        """Parameters of one virtual stage on one tensor rank (analytic/counts.py's count)."""
         shared = self.w.model.tied_output and self.lay.p > 1
         return sum(param.numel for param in analytic._stage_parameters(
             self.w.model, self.t, layers, first, last, shared))

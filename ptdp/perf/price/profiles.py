@@ -1,4 +1,5 @@
-"""Hardware profiles: what the simulator (predict.py) needs to know about a machine.
+"""Hardware profiles: what the simulator (simulate/predict.py) needs to know
+about a machine.
 
 A `HardwareProfile` describes one kind of server and its devices: peak
 matrix-multiply rate, how close real GEMMs come to it, memory bandwidth for
@@ -40,7 +41,7 @@ recomputed):
 `CALIBRATED_GEMM_EFFICIENCY`, the fraction of the per-SM peak a tile's
 main loop reaches; the rest of the gap to 44% is tile overheads, wave
 quantisation, the attention kernel, memory-bound operators, the gradient
-all-reduce and the optimizer as predict.py prices them. Nothing else from
+all-reduce and the optimizer as simulate/predict.py prices them. Nothing else from
 the paper is fitted. That fit may still carry what the 2021 software spent
 beyond what the model prices (published matmul measurements put the A100's
 best product at 87 % of peak, the fit at 69 %), so h100 and h200 do not borrow it:
@@ -59,7 +60,7 @@ efficiency:
 time per GEMM on top of the ideal time), with e_max = 1 and the ramp
 measured by `ptdp calibrate`.
 
-CPU profiles come from `ptdp calibrate` (calibrate.py), which measures this
+CPU profiles come from `ptdp calibrate` (ptdp.perf.calibrate), which measures this
 machine: besides the fields above, memory-bound throughput per operator
 class (`op_bandwidth`), the speed-up of each class on all cores
 (`thread_speedup`, `op_thread_speedup`) and tables of measured gloo times
