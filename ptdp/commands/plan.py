@@ -12,6 +12,7 @@ import sys
 
 from ptdp.config import Config, ConfigError, ModelConfig, validate
 from ptdp.output_paths import output_path_problems
+from ptdp.perf.analytic.counts import parameter_count
 from ptdp.perf.layout import Layout, Workload
 from ptdp.perf.plan.candidates import MIN_CONTEXT_POSITIONS, candidate_layouts
 from ptdp.perf.plan.fixed_dimensions import (FixedDimensions, dimensions_line, fix_all_layout,
@@ -19,6 +20,7 @@ from ptdp.perf.plan.fixed_dimensions import (FixedDimensions, dimensions_line, f
 from ptdp.perf.plan.planner import (EXACT_ROWS, MODEL_SETTINGS, MOE_SETTINGS, PLOT_FORMATS,
                                     assumptions, caveat, context_without_dropout, describe,
                                     evaluate_layout, explain, plot, search, table, train_command)
+from ptdp.perf.price.profiles import load_profile
 from ptdp.schedules.kinds import DEFAULT_SCHEDULE, KINDS, PLAN_CHOICES
 
 PLAN_SEQ_LENGTH = 2048     # the paper's
@@ -156,9 +158,6 @@ def _layouts_to_price(args: argparse.Namespace, fixed: FixedDimensions, workload
 
 
 def run_plan_command(args: argparse.Namespace) -> int:
-    from ptdp.perf.analytic.counts import parameter_count
-    from ptdp.perf.price.profiles import load_profile
-
     model = model_from_args(args)
     problems = [f"{flag} must be positive" for flag, value in
                 (("--gpus", args.gpus), ("--global-batch-size", args.global_batch_size),
