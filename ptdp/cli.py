@@ -31,9 +31,9 @@ from ptdp.data.tokenizer import TokenizerError, add_tokenizer_parser, run_tokeni
 # a fraction of the time); the commands that need it import it when they run.
 from ptdp.generate import add_generate_parser
 from ptdp.interop.convert_flags import add_convert_parser
-from ptdp.perf.calibrate import add_calibrate_parser, run_calibrate_command
-from ptdp.perf.plan import add_plan_parser, run_plan_command
-from ptdp.perf.timeline import add_schedule_parser, run_schedule_command
+from ptdp.commands.calibrate import add_calibrate_parser, run_calibrate_command
+from ptdp.commands.plan import add_plan_parser, run_plan_command
+from ptdp.commands.schedule import add_schedule_parser, run_schedule_command
 
 # How long a rank that leaves a shared configuration error to another rank
 # waits before exiting (see main).
@@ -243,7 +243,7 @@ def checkpoint_bytes(config: Config) -> int:
     """What one checkpoint takes on disk: every logical weight in its
     training precision, the two Adam moments in fp32 and, with --bf16 or
     --fp16, the fp32 main weights."""
-    from ptdp.perf.analytic import parameter_count
+    from ptdp.perf.analytic.counts import parameter_count
 
     tr = config.train
     mixed = tr.bf16 or tr.fp16
