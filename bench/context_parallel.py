@@ -19,7 +19,7 @@ of the three ways its attention exchanges keys and values (CPU, gloo).
    doubling search from --start finds the longest --seq-length within
    --budget-mib at each c, then --refine bisection steps between the last
    length that fit and the first that did not. Each trial also reports the
-   bytes autograd saves for backward (ptdp.perf.saved) and the whole
+   bytes autograd saves for backward (ptdp.perf.analytic.saved) and the whole
    resident peak.
 2. Time. The same c (one thread per process), one model and sequence
    length, one Trainer per --cp-comm-type (p2p, all_gather, a2a); iterations
@@ -60,7 +60,7 @@ from ptdp.config.checks import validate
 from ptdp.parallel.block_attention import block_kernel
 from ptdp.parallel.context_attention import COMM_TYPES, KERNEL_OPS
 from ptdp.parallel.topology import ParallelContext, RankGrid
-from ptdp.perf.saved import SavedTensorBytes
+from ptdp.perf.analytic.saved import SavedTensorBytes
 from ptdp.train.loop import Trainer
 
 HEADING = "## Context parallelism: longest sequence within a memory per rank, and its exchanges (CPU)"

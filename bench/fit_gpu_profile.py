@@ -11,7 +11,7 @@ measurements of kernels, none from a training run's throughput:
 
 - the tile model's `gemm_efficiency` (e_max) and `tile_overhead_seconds`:
   least squares on relative error over every compute-bound bf16 GEMM
-  measured (`ptdp.perf.calibrate.fit_tile_model`, as `ptdp calibrate` fits
+  measured (`ptdp.perf.calibrate.gpu.fit_tile_model`, as `ptdp calibrate` fits
   them), then e_max scaled by the sustained GEMM's last window over its
   first where that is below 1 (a training run keeps the chip busy; its
   clocks are the sustained ones);
@@ -30,7 +30,7 @@ measurements of kernels, none from a training run's throughput:
 It prints the fitted numbers beside the built-in profile's, then
 bench/published_runs.py's table and ptdp's own runs priced with the fitted
 profile (as h100 and h200), so the effect on every row is seen before the
-numbers go into ptdp/perf/profiles.py. `--out` writes the profile as JSON
+numbers go into ptdp/perf/price/profiles.py. `--out` writes the profile as JSON
 (`ptdp plan --gpu PATH` takes it).
 """
 
@@ -50,9 +50,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import published_runs  # noqa: E402  bench/published_runs.py
 
-from ptdp.perf.calibrate import fit_tile_model  # noqa: E402
-from ptdp.perf.calibration_point import efficiency_at_median_ratio_one  # noqa: E402
-from ptdp.perf.profiles import HardwareProfile, builtin_profile, save_profile  # noqa: E402
+from ptdp.perf.calibrate.gpu import fit_tile_model  # noqa: E402
+from ptdp.perf.calibrate.calibration_point import efficiency_at_median_ratio_one  # noqa: E402
+from ptdp.perf.price.profiles import HardwareProfile, builtin_profile, save_profile  # noqa: E402
 
 # ptdp's own operators of each planner class, as the sweep names them (the
 # eager bias + GeLU and the two AdamW kernels alone are not what ptdp runs

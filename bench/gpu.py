@@ -33,7 +33,7 @@ one-process layout (t = p = d = 1):
      rope, 4 key/value groups, untied output, no biases), no recomputation;
    - a GPT of 2.7 B parameters (l = 32, h = 2560, a = 32, s = 2048) at micro
      batch 24, which needs recomputation: without it (or with selective
-     recomputation only) the memory model (ptdp.perf.memory) predicts more
+     recomputation only) the memory model (ptdp.perf.analytic.memory) predicts more
      memory than the card has, so those runs are reported as skipped with
      the prediction, and the run with full recomputation is measured;
    - the 1.3 B GPT again with full recomputation (what recomputation costs
@@ -90,10 +90,10 @@ from ptdp.config import Config, DataConfig, ModelConfig, TrainConfig, validate
 from ptdp.data.loader import TrainingData
 from ptdp.data.mock import MockGPTDataset
 from ptdp.parallel.topology import ParallelContext
-from ptdp.perf.analytic import parameter_count
-from ptdp.perf.flops import configured_flops_per_iteration
+from ptdp.perf.analytic.counts import parameter_count
+from ptdp.perf.analytic.flops import configured_flops_per_iteration
 from ptdp.perf.layout import Layout, Workload
-from ptdp.perf.memory import memory_per_device
+from ptdp.perf.analytic.memory import memory_per_device
 from ptdp.train.loop import Trainer, count_parameters
 from ptdp.train.report import peak_tflops
 
@@ -486,7 +486,7 @@ def measure_matmul_peak(device: torch.device, size: int, dtype: torch.dtype = to
 
 def predicted_memory_bytes(model: ModelConfig, micro_batch: int, microbatches: int,
                            recompute: str | None) -> int:
-    """Peak bytes on the GPU: ptdp.perf.memory's weights, gradients,
+    """Peak bytes on the GPU: ptdp.perf.analytic.memory's weights, gradients,
     optimizer state and stored activations, plus the two transients it
     leaves out that matter at this size: the output layer's (bf16 logits,
     their masked copy and an fp32 copy beside the fp32 softmax it does
@@ -634,7 +634,7 @@ def markdown_block(report: dict[str, Any]) -> str:
                 if report["device_memory_bytes"] else "")
     if report["device"] == "cuda":
         memory = ("Peak memory: max_memory_allocated over the timed iterations; predicted: "
-                  "ptdp.perf.memory plus the output layer's transient logits (and one "
+                  "ptdp.perf.analytic.memory plus the output layer's transient logits (and one "
                   "rebuilt layer with full recomputation).")
     else:
         memory = (f"Peak memory: n/a on a CPU (the process's peak RSS was "
@@ -780,7 +780,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def count_parameters_of(model: ModelConfig) -> int:
-    """Parameters of a model without building it (ptdp.perf.analytic's
+    """Parameters of a model without building it (ptdp.perf.analytic.counts's
     exact count; the measured runs replace it with the built model's)."""
     return parameter_count(model)
 

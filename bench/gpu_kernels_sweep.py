@@ -5,7 +5,7 @@ of one device, measured on it, beside what the planner predicts.
    F.linear runs them: x [m, k] times the weight [n, k] transposed). The
    shapes are the forward GEMMs of one transformer layer of every priced
    row of bench/published_runs.py (QKV, projection, MLP up, MLP down, as
-   ptdp.perf.pricing.OperatorModel.layer_gemms gives them for the row's
+   ptdp.perf.price.pricing.OperatorModel.layer_gemms gives them for the row's
    layout: m = b·s/c tokens, n or k split by t), deduplicated, the largest
    first; then square sizes, and skinny ones (k = 128 and n = 128 as the
    unfused attention products, n = E as a router). For each: the median
@@ -25,9 +25,9 @@ of one device, measured on it, beside what the planner predicts.
    are the traffic the operator cannot avoid (each input read and each
    output written once; see `memory_ops`); achieved bandwidth = bytes /
    median time, against the profile's memory_bandwidth, and the planner's
-   time (HardwareProfile.memory_seconds over ptdp.perf.operator_bytes'
+   time (HardwareProfile.memory_seconds over ptdp.perf.price.operator_bytes'
    counts of the operator's class; for the optimizer step, the bytes and
-   launches ptdp/perf/after_flush.py prices).
+   launches ptdp/perf/price/after_flush.py prices).
 3. Launch overhead: a loop of tiny kernels (x.add_(1) on one element),
    host-timed, and `ptdp calibrate`'s own measurement
    (calibrate.measure_launch_overhead), seconds per launch against the
@@ -69,7 +69,7 @@ import torch.nn.functional as F
 
 from child_section import run_in_child, section_main  # bench/child_section.py, beside this file
 from ptdp import device as devices
-from ptdp.perf.profiles import HardwareProfile, load_profile
+from ptdp.perf.price.profiles import HardwareProfile, load_profile
 
 BENCH = Path(__file__).resolve().parent
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -213,8 +213,8 @@ def published_shapes(profile: HardwareProfile | None = None) -> list[dict[str, A
     (OperatorModel.layer_gemms on the row's layout), the most FLOPs first;
     each with the rows and GEMM names it stands for."""
     from ptdp.perf.layout import Workload
-    from ptdp.perf.machine import Machine
-    from ptdp.perf.pricing import OperatorModel
+    from ptdp.perf.price.machine import Machine
+    from ptdp.perf.price.pricing import OperatorModel
 
     runs = _bench_module("published_runs").RUNS
     profile = profile or load_profile("h200")
@@ -301,8 +301,8 @@ def published_attention(profile: HardwareProfile | None = None) -> list[dict[str
     as the planner prices them (OperatorModel.attention_shape: b·a/t
     sequences, split further by context parallelism), the most work first."""
     from ptdp.perf.layout import Workload
-    from ptdp.perf.machine import Machine
-    from ptdp.perf.pricing import OperatorModel
+    from ptdp.perf.price.machine import Machine
+    from ptdp.perf.price.pricing import OperatorModel
 
     runs = _bench_module("published_runs").RUNS
     profile = profile or load_profile("h200")
@@ -534,12 +534,12 @@ def memory_ops(count: int, row: int, device: torch.device
     bf16 activation (E = 2) of rows of `row`, or fp32 parameters for the
     optimizer cases. Bytes moved: each input read, each output written once
     (the dropout mask one byte an element); the planner's: the forward
-    counts of ptdp.perf.operator_bytes (the same), and for the optimizer
+    counts of ptdp.perf.price.operator_bytes (the same), and for the optimizer
     step after_flush.py's (gradients zeroed, OPTIMIZER_BYTES_PER_PARAMETER,
     the main weights copied to bf16) with its 30 launches."""
     from ptdp.model.fused import bias_dropout_add, bias_gelu, swiglu
-    from ptdp.perf.operator_bytes import OPTIMIZER_BYTES_PER_PARAMETER
-    from ptdp.perf.pricing import GRAD_BYTES
+    from ptdp.perf.price.operator_bytes import OPTIMIZER_BYTES_PER_PARAMETER
+    from ptdp.perf.price.pricing import GRAD_BYTES
     from ptdp.train.optimizer import PIECE, _adam, _fused_adamw, sum_of_squares
 
     E, n, rows = 2, count, max(1, count // row)
@@ -689,7 +689,7 @@ def memory_part(device: torch.device, sizes: Sizes, profile: HardwareProfile) ->
 # ------------------------------------------------------------------ 3. launches
 
 def launch_part(device: torch.device, sizes: Sizes, profile: HardwareProfile) -> dict[str, Any]:
-    from ptdp.perf.calibrate import measure_launch_overhead
+    from ptdp.perf.calibrate.measure import measure_launch_overhead
 
     rows = []
     x = torch.zeros(1, device=device)

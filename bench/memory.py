@@ -84,7 +84,7 @@ def worker(spec: dict) -> dict:
     from ptdp.model.gpt import GPT
     from ptdp.parallel.tensor import RNGStreams
     from ptdp.parallel.topology import ParallelContext
-    from ptdp.perf.saved import SavedTensorBytes
+    from ptdp.perf.analytic.saved import SavedTensorBytes
 
     torch.set_num_threads(spec.pop("threads"))
     batch = spec.pop("micro_batch")

@@ -5,7 +5,7 @@ token dispatchers and grouped against looped expert GEMMs, in one run (CPU).
 1. Throughput. An MoE GPT (E experts, top-k, SwiGLU experts of width F, no
    shared expert, every layer an MoE layer) against the dense GPT whose
    SwiGLU MLP width f gives the same active parameters
-   (ptdp.perf.analytic.active_parameter_count: the router and k routed
+   (ptdp.perf.analytic.counts.active_parameter_count: the router and k routed
    experts per layer against the dense MLP; f is the integer width that
    comes closest, the difference is printed). One process (all cores),
    then 2 processes (gloo, one thread each) with the same global batch: the
@@ -21,7 +21,7 @@ token dispatchers and grouped against looped expert GEMMs, in one run (CPU).
    parameters (ptdp.parallel.sharding.is_expert) and, from GradBuffer's
    expert buckets, the bf16 weights, fp32 gradients (plus the gradient
    shard) and the optimizer state's share (fp32 main weights and Adam
-   moments); against ptdp.perf.memory's model for the same Layout(ep=...)
+   moments); against ptdp.perf.analytic.memory's model for the same Layout(ep=...)
    (its expert buckets; expert and dense parts together must give
    memory_per_rank's figures, which the rank totals are compared with too).
 3. Dispatchers: allgather against alltoall, iteration time at EP = 2 (the
@@ -63,11 +63,11 @@ from ptdp.model.moe import MoELayer  # noqa: E402
 from ptdp.parallel.sharding import initialize_parameters, is_expert  # noqa: E402
 from ptdp.parallel.tensor import RNGStreams  # noqa: E402
 from ptdp.parallel.topology import ParallelContext, RankGrid  # noqa: E402
-from ptdp.perf.analytic import (active_parameter_count, cut_placed_buckets,  # noqa: E402
-                                owned_elements, padded_elements, parameter_count,
-                                placement_of_parameters)
+from ptdp.perf.analytic.counts import (active_parameter_count, cut_placed_buckets,  # noqa: E402
+                                       owned_elements, padded_elements, parameter_count,
+                                       placement_of_parameters)
 from ptdp.perf.layout import ByValue, Layout, Workload  # noqa: E402
-from ptdp.perf.memory import memory_per_rank  # noqa: E402
+from ptdp.perf.analytic.memory import memory_per_rank  # noqa: E402
 
 HEADING = ("## Mixture of experts: against the dense model, expert memory per rank, "
            "dispatchers, grouped GEMMs (CPU)")
@@ -281,7 +281,7 @@ def expert_bytes_held(trainer) -> dict:
 
 
 def modelled_expert_bytes(moe: ModelConfig, layout: Layout, precision: str = "bf16") -> dict:
-    """ptdp.perf.memory's figures for one rank, split into the expert
+    """ptdp.perf.analytic.memory's figures for one rank, split into the expert
     buckets' part and the rest (memory_per_rank's formulas on each); their
     sum is checked against memory_per_rank itself."""
     workload = Workload(moe, global_batch=layout.d, precision=precision)
@@ -466,7 +466,7 @@ def report(moe: ModelConfig, dense: ModelConfig, run: Run, one: dict, ep: dict |
         f"{run.global_batch}, micro batch {run.micro_batch}; median of {run.iters} iterations per "
         f"side after {run.warmup} warm-up ones, the sides of a job alternating (ABBA). The dense "
         f"model's MLP width f = {dense.ffn_hidden_size} is the integer that brings its parameters "
-        f"(ptdp.perf.analytic.active_parameter_count) closest to the MoE model's active ones: "
+        f"(ptdp.perf.analytic.counts.active_parameter_count) closest to the MoE model's active ones: "
         f"{active_parameter_count(dense):,} against {active_parameter_count(moe):,} "
         f"({diff:+,}; per layer the router's h·E = {h * e:,} against 3h·(f - k·F) = "
         f"{3 * h * (dense.ffn_hidden_size - k * f):,}).",
@@ -497,7 +497,7 @@ def report(moe: ModelConfig, dense: ModelConfig, run: Run, one: dict, ep: dict |
         blocks.append(
             "Expert memory per rank (routed experts only: bf16 weights, fp32 gradients and "
             "gradient shard, fp32 main weights and Adam moments), measured from built Trainers "
-            "(t = 1; EDP = d / EP), against ptdp.perf.memory's model of the same Layout(d, ep); "
+            "(t = 1; EDP = d / EP), against ptdp.perf.analytic.memory's model of the same Layout(d, ep); "
             "the rank totals (all parameters) against memory_per_rank:\n\n"
             + memory_table(memory) + "\n\n" + memory_verdict(memory))
     blocks.append(f"Run time {seconds:.0f} s.")

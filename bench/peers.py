@@ -57,7 +57,7 @@ from torch_reference import TorchGPT, cross_entropy, load_logical  # noqa: E402
 
 from ptdp.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from ptdp.schedules.split import LayerSplit, stage_layer_counts  # noqa: E402
-from ptdp.perf.flops import configured_flops_per_iteration  # noqa: E402
+from ptdp.perf.analytic.flops import configured_flops_per_iteration  # noqa: E402
 
 HEADING = "## Peer benchmarks: ptdp against PyTorch's own parallelism"
 LOSS_RTOL = 1e-4
@@ -133,9 +133,9 @@ def balanced_rows(rows: list[Row], model: ModelConfig, profile) -> list[Row]:
     layer split the planner predicts fastest on `profile` (this machine's
     calibration), where that is not the even split: `ptdp plan`'s split
     candidates, each priced with cost.simulate."""
-    from ptdp.perf.predict import simulate
+    from ptdp.perf.simulate.predict import simulate
     from ptdp.perf.layout import Layout, Workload
-    from ptdp.perf.plan import split_candidates
+    from ptdp.perf.plan.planner import split_candidates
 
     workload = Workload(model, rows[0].global_batch if rows else 16, "fp32")
     balanced = []
@@ -513,10 +513,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = {section: list(SECTIONS[section]) for section in SECTIONS}
     if "pipeline" in args.sections and not args.no_balanced:
         if args.profile:
-            from ptdp.perf.profiles import load_profile
+            from ptdp.perf.price.profiles import load_profile
             profile = load_profile(args.profile)
         else:
-            from ptdp.perf.calibrate import calibrate
+            from ptdp.perf.calibrate.profile import calibrate
             profile = calibrate(quick=args.tiny, log=lambda line: print(f"calibrate: {line}",
                                                                         file=sys.stderr))
         # Each balanced row after its even one.

@@ -4,11 +4,11 @@ Calibrates this machine (`ptdp calibrate`, or reads `--profile PATH`), then
 for each layout runs `ptdp train --mock-data` in a subprocess (a small GPT,
 fp32, --metrics-file), takes the median `iteration_ms` of the iterations
 after the warm-up, and predicts the same iteration with
-`ptdp.perf.predict.simulate` on the calibrated profile. Prints a Markdown table
+`ptdp.perf.simulate.predict.simulate` on the calibrated profile. Prints a Markdown table
 (layout, measured, predicted, ratio) and the median absolute relative error;
 with --write appends it to bench/RESULTS.md under "Predicted vs measured
 iteration time". Nothing is fitted per layout: the only inputs are the
-profile's measured constants (see ptdp/perf/calibrate.py).
+profile's measured constants (see ptdp/perf/calibrate/measure.py).
 
     python bench/predict_vs_measured.py                 # calibrate, then 10 layouts
     python bench/predict_vs_measured.py --profile local.json --layouts 3 --write
@@ -34,10 +34,10 @@ sys.path.insert(0, str(ROOT))
 from results import cpu_name, publish  # noqa: E402  bench/results.py: the script folder is on sys.path
 
 from ptdp.config import ModelConfig  # noqa: E402
-from ptdp.perf.predict import simulate  # noqa: E402
+from ptdp.perf.simulate.predict import simulate  # noqa: E402
 from ptdp.schedules.split import LayerSplit  # noqa: E402
 from ptdp.perf.layout import Layout, Workload  # noqa: E402
-from ptdp.perf.profiles import load_profile, save_profile  # noqa: E402
+from ptdp.perf.price.profiles import load_profile, save_profile  # noqa: E402
 
 HEADING = "## Predicted vs measured iteration time"
 # Per-phase times in the metrics (of the logging rank: the last pipeline stage) and the
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         profile = load_profile(args.profile)
         source = f"profile {args.profile}"
     else:
-        from ptdp.perf.calibrate import calibrate
+        from ptdp.perf.calibrate.profile import calibrate
 
         profile = calibrate(log=lambda line: print(f"calibrate: {line}", file=sys.stderr))
         source = "ptdp calibrate, in this run"
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
              f"measured = median iteration_ms of iterations {args.warmup + 1}..{args.iterations} "
              f"(logged by the last pipeline stage)"
              + (f", the lowest of {args.passes} passes" if args.passes > 1 else "")
-             + "; predicted = ptdp.perf.predict.simulate.",
+             + "; predicted = ptdp.perf.simulate.predict.simulate.",
              "",
              "| layout | processes | m | measured ms | predicted ms | predicted / measured |",
              "|---|---:|---:|---:|---:|---:|"]

@@ -7,7 +7,7 @@
    `ptdp plan --fix-all` prices it), and its predicted TFLOP/s per GPU is
    set against the published one: error = predicted / published - 1.
    Only the paper's 1.7B row is a calibration point (the a100 profile's
-   e_max is fitted to it, ptdp/perf/calibration_point.py; the h100's is
+   e_max is fitted to it, ptdp/perf/calibrate/calibration_point.py; the h100's is
    fitted to a measured matmul, not to a run); nothing is tuned to any
    other row. After them, ptdp's own runs on one H200 (bench/gpu.py) against
    the same model (`OWN_RUNS`). Rows the model cannot price (FP8, FSDP, DeepEP,
@@ -18,10 +18,10 @@
    FLOP conventions, compared like with like: "paper" rows count the
    recomputed forward (Narayanan et al. 2021: 96·B·s·l·h²·(1 + s/6h +
    V/16lh) with full recomputation, which is ptdp's own count,
-   ptdp.perf.flops); "model" rows count no recomputation (Megatron-Core's
+   ptdp.perf.analytic.flops); "model" rows count no recomputation (Megatron-Core's
    num_floating_point_operations, Korthikanti et al.'s MFU and the DGX Cloud
    recipes' formula seq·(12·l·h²·(1 + g/a + s/h) + 18·l·f·h + 6·V·h), all
-   equal to ptdp.perf.flops with recompute=None). The predicted figure is
+   equal to ptdp.perf.analytic.flops with recompute=None). The predicted figure is
    the row's FLOPs over the predicted iteration time.
    Software: Megatron-LM of 2021-2022 ran attention as two GEMMs around a
    softmax pass (calibration_point.paper_kernels), and reduced gradients
@@ -61,18 +61,19 @@ sys.path.insert(0, str(ROOT))
 from results import cpu_name, publish  # noqa: E402  bench/results.py
 
 from ptdp.config import ModelConfig  # noqa: E402
-from ptdp.perf.calibration_point import (KORTHIKANTI_LAYER, KORTHIKANTI_LAYER_MS,  # noqa: E402
-                                         korthikanti_layer_ms, paper_kernels,
-                                         selective_overhead_ms)
-from ptdp.perf.flops import model_flops_per_iteration  # noqa: E402
+from ptdp.perf.calibrate.calibration_point import (  # noqa: E402
+    KORTHIKANTI_LAYER, KORTHIKANTI_LAYER_MS, korthikanti_layer_ms, paper_kernels,
+    selective_overhead_ms)
+from ptdp.perf.analytic.flops import model_flops_per_iteration  # noqa: E402
 from ptdp.perf.layout import Layout, Workload  # noqa: E402
-from ptdp.perf.plan import MEMORY_HEADROOM, describe, evaluate_layout, search  # noqa: E402
-from ptdp.perf.profiles import (CALIBRATED_GEMM_EFFICIENCY, HOPPER_ATTENTION_EFFICIENCY,  # noqa: E402
-                                PAPER_ATTENTION_CORE_FRACTION, load_profile)
+from ptdp.perf.plan.planner import MEMORY_HEADROOM, describe, evaluate_layout, search  # noqa: E402
+from ptdp.perf.price.profiles import (  # noqa: E402
+    CALIBRATED_GEMM_EFFICIENCY, HOPPER_ATTENTION_EFFICIENCY, PAPER_ATTENTION_CORE_FRACTION,
+    load_profile)
 
 HEADING = "## The planner against published runs"
 NOT_STATED = "not stated"
-PROFILES = ("a100", "h100")          # ptdp/perf/profiles.py's names; other hardware is out of scope
+PROFILES = ("a100", "h100")          # ptdp/perf/price/profiles.py's names; other hardware is out of scope
 A100_PEAK, H100_PEAK, H100_FP8_PEAK = 312.0, 989.0, 1979.0   # TFLOP/s, as the sources divide by
 
 
@@ -153,7 +154,7 @@ class PublishedRun:
     kernels: str                      # "paper" (attention as GEMMs + softmax) or "flash"
     # The source's own model FLOPs per sequence where it states a number
     # (the DGX Cloud READMEs; their MFU divides by it); 0: the source's
-    # formula, which ptdp.perf.flops computes.
+    # formula, which ptdp.perf.analytic.flops computes.
     flops_per_sequence: float = 0.0
     assumptions: str = ""             # recalled / assumed fields, pricing assumptions
     # The run's communication overlaps that ptdp does not run, priced as the
@@ -573,7 +574,7 @@ def profile_of(run: PublishedRun):
 
 
 def predicted_tflops(run: PublishedRun, layout: Layout) -> tuple[float, object]:
-    """TFLOP/s per GPU in the row's convention: its FLOPs (ptdp.perf.flops,
+    """TFLOP/s per GPU in the row's convention: its FLOPs (ptdp.perf.analytic.flops,
     recomputation counted for "paper" rows only) over the predicted time."""
     model = run.shape.config()
     workload = Workload(model, run.global_batch, run.precision)

@@ -5,9 +5,9 @@ with and without it, in one run (CPU, gloo).
    (a pipeline piece without embedding or output layer) with and without
    --sequence-parallel, run a training-mode forward on the layer input (s/t
    positions with it, s without) and count the bytes autograd saves for
-   backward on tensor rank 0 (ptdp.perf.saved: distinct storages,
+   backward on tensor rank 0 (ptdp.perf.analytic.saved: distinct storages,
    parameters excluded), with and without selective recomputation. Next to
-   each figure: the analytic model's (ptdp.perf.memory) for the same
+   each figure: the analytic model's (ptdp.perf.analytic.memory) for the same
    shape, and the one-process layer's bytes divided by t, which is what
    sequence parallelism should reach: every activation of a layer is then
    either split over the tensor ranks by the tensor-parallel regions or by
@@ -44,8 +44,8 @@ from ptdp.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainCo
 from ptdp.model.gpt import GPT
 from ptdp.parallel.tensor import RNGStreams
 from ptdp.parallel.topology import ParallelContext, RankGrid
-from ptdp.perf.memory import layer_activation_bytes
-from ptdp.perf.saved import SavedTensorBytes
+from ptdp.perf.analytic.memory import layer_activation_bytes
+from ptdp.perf.analytic.saved import SavedTensorBytes
 from ptdp.train.loop import Trainer
 
 HEADING = "## Sequence parallelism: activation memory per layer and iteration time (CPU)"

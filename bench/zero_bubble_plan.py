@@ -23,8 +23,8 @@ import time
 
 from ptdp.config import ModelConfig
 from ptdp.perf.layout import Layout, Workload
-from ptdp.perf.plan import MEMORY_HEADROOM, evaluate_layout
-from ptdp.perf.profiles import load_profile
+from ptdp.perf.plan.planner import MEMORY_HEADROOM, evaluate_layout
+from ptdp.perf.price.profiles import load_profile
 
 # name: (layers, hidden, heads, p, GPUs, global batch, interleaved v)
 PAPER = {"145B": (80, 12288, 96, 8, 1536, 2304, 2),

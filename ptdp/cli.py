@@ -1,8 +1,8 @@
 """`ptdp` command line: the top-level parser, built from each command's
-parser (ptdp/commands/, one module per command, and the planner's three),
-the routing of `main` to the command's run, `--version`, and the error
-reporting every command shares (a user's error as one paragraph, exit 2;
-under torchrun or SLURM said once per job).
+parser (ptdp/commands/, one module per command), the routing of `main` to
+the command's run, `--version`, and the error reporting every command
+shares (a user's error as one paragraph, exit 2; under torchrun or SLURM
+said once per job).
 """
 
 from __future__ import annotations
@@ -16,17 +16,17 @@ from typing import Sequence
 
 from ptdp import __version__
 from ptdp.argparser import CommandParser, problems_text
+# Every command's flags are built at each start, so the modules named here
+# must not import torch (a --help, `ptdp plan` and an argument error start in
+# a fraction of the time); the commands that need it import it when they run.
 from ptdp.commands import convert, generate, preprocess, tokenizer, train
+from ptdp.commands.calibrate import add_calibrate_parser, run_calibrate_command
+from ptdp.commands.plan import add_plan_parser, run_plan_command
+from ptdp.commands.schedule import add_schedule_parser, run_schedule_command
 from ptdp.config import ConfigError
 from ptdp.data.tokenizer_error import TokenizerError
 from ptdp.errors import (RankFailure, print_user_error, prints_shared_errors, process_rank,
                          report_to_torchrun, set_process_rank)
-# Every command's flags are built at each start, so the modules named here
-# must not import torch (a --help, `ptdp plan` and an argument error start in
-# a fraction of the time); the commands that need it import it when they run.
-from ptdp.perf.calibrate import add_calibrate_parser, run_calibrate_command
-from ptdp.perf.plan import add_plan_parser, run_plan_command
-from ptdp.perf.timeline import add_schedule_parser, run_schedule_command
 
 # How long a rank that leaves a shared configuration error to another rank
 # waits before exiting (see main).

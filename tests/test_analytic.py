@@ -1,4 +1,4 @@
-"""The analytic performance model (ptdp.perf.analytic) against PAPER.md's
+"""The analytic performance model (ptdp.perf.analytic.counts) against PAPER.md's
 formulas and against measurements of real CPU runs.
 
 Formulas: parameters P, FLOPs F (72 and 96 forms), bubble fractions, the
@@ -36,13 +36,13 @@ from ptdp.schedules.build import build_schedule
 from ptdp.schedules.simulate import simulate
 from ptdp.parallel.tensor import RNGStreams
 from ptdp.parallel.topology import ParallelContext, RankGrid
-from ptdp.perf import analytic
-from ptdp.perf.memory import (activation_bytes, korthikanti_activation_bytes_per_layer,
-                               memory_per_device, memory_per_rank)
+from ptdp.perf.analytic import counts as analytic
+from ptdp.perf.analytic.memory import (activation_bytes, korthikanti_activation_bytes_per_layer,
+                                       memory_per_device, memory_per_rank)
 from ptdp.perf.layout import Layout, Workload
-from ptdp.perf.saved import SavedTensorBytes
+from ptdp.perf.analytic.saved import SavedTensorBytes
 from ptdp.train.loop import Trainer, count_parameters
-from ptdp.perf.flops import model_flops_per_iteration
+from ptdp.perf.analytic.flops import model_flops_per_iteration
 
 ACTIVATION_TOLERANCE = 0.01   # relative; the brief allows 20 %; the model is exact on torch 2.13
 

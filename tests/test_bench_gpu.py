@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from ptdp.config import ModelConfig
-from ptdp.perf.analytic import active_parameter_count, parameter_count
-from ptdp.perf.flops import model_flops_per_iteration
+from ptdp.perf.analytic.counts import active_parameter_count, parameter_count
+from ptdp.perf.analytic.flops import model_flops_per_iteration
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu.py"
@@ -298,7 +298,7 @@ def test_sweep_shapes_are_the_published_layers(sweep):
 def test_tiny_run_sweeps_kernels(tiny_run):
     """The kernel sweep, a child process of gpu.py: its four parts, each
     measured case beside the h200 profile's prediction of it."""
-    from ptdp.perf.profiles import load_profile
+    from ptdp.perf.price.profiles import load_profile
 
     report, stdout = tiny_run
     sweep = report["kernels_sweep"]
@@ -420,8 +420,8 @@ def test_a_profile_fitted_to_the_sweep(tiny_run, tmp_path):
     GEMM's fall), each planner class's bandwidth from ptdp's own operators
     at their largest size, the calibrate chain's launch cost; and prices
     the published rows with it."""
-    from ptdp.perf.calibrate import fit_tile_model
-    from ptdp.perf.profiles import builtin_profile, load_profile
+    from ptdp.perf.calibrate.gpu import fit_tile_model
+    from ptdp.perf.price.profiles import builtin_profile, load_profile
 
     spec = importlib.util.spec_from_file_location("fit_gpu_profile",
                                                   SCRIPT.parent / "fit_gpu_profile.py")

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import moe  # noqa: E402  bench/moe.py
 
-from ptdp.perf.analytic import active_parameter_count  # noqa: E402
+from ptdp.perf.analytic.counts import active_parameter_count  # noqa: E402
 
 TINY = moe.moe_model(hidden=32, heads=4, layers=2, seq=16, vocab=128, experts=4, topk=2,
                      expert_ffn=32)

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import peers  # noqa: E402  bench/peers.py
 
 from ptdp.schedules.split import LayerSplit  # noqa: E402
-from ptdp.perf.profiles import HardwareProfile  # noqa: E402
+from ptdp.perf.price.profiles import HardwareProfile  # noqa: E402
 
 
 # The 3-D row (pipelining + DTensor + FSDP2, 8 processes a side) is left to

@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import published_runs as pr  # noqa: E402  bench/published_runs.py
 
-from ptdp.perf.calibration_point import calibration_point  # noqa: E402
-from ptdp.perf.flops import model_flops_per_iteration  # noqa: E402
+from ptdp.perf.calibrate.calibration_point import calibration_point  # noqa: E402
+from ptdp.perf.analytic.flops import model_flops_per_iteration  # noqa: E402
 from ptdp.perf.layout import Layout  # noqa: E402
 
 OPTIONAL_TEXT = {"assumptions", "out_of_scope"}   # "" means: none

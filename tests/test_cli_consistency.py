@@ -118,7 +118,7 @@ def test_version_prints_ptdp_and_torch(capsys):
 
 def _schedule(capsys, monkeypatch, *argv):
     """`ptdp schedule argv`'s text, and the boxes and figure its picture drew."""
-    import ptdp.perf.timeline as timeline
+    import ptdp.perf.simulate.timeline as timeline
 
     drawn = {}
     build = timeline.timeline_figure
@@ -203,7 +203,7 @@ def _measured_like_rows(scale: float = 1.0):
 
     from ptdp.schedules.build import build_schedule
     from ptdp.schedules.simulate import simulate
-    from ptdp.perf.timeline import Box, boxes_from_simulation
+    from ptdp.perf.simulate.timeline import Box, boxes_from_simulation
 
     cost = Fraction(1, 4)
     rows = boxes_from_simulation(simulate(build_schedule("1f1b", 4, 8), transfer_cost=cost),
@@ -213,7 +213,7 @@ def _measured_like_rows(scale: float = 1.0):
 
 
 def test_idle_gaps():
-    from ptdp.perf.timeline import Box, idle_gaps
+    from ptdp.perf.simulate.timeline import Box, idle_gaps
 
     row = [Box("F", 0, 0, 1.0, 2.0), Box("comm", -1, -1, 2.0, 2.5), Box("B", 0, 0, 3.0, 5.0)]
     assert idle_gaps(row, 6.0) == [(0.0, 1.0), (2.5, 3.0), (5.0, 6.0)]
@@ -224,7 +224,7 @@ def test_idle_gaps():
 def test_measured_timeline_is_labelled_and_legible(tmp_path):
     import matplotlib.image
 
-    from ptdp.perf.timeline import _IDLE_COLOUR, draw_timeline, timeline_figure
+    from ptdp.perf.simulate.timeline import _IDLE_COLOUR, draw_timeline, timeline_figure
 
     rows = _measured_like_rows(scale=0.37)
     drawing = dict(v=1, title="measured 1f1b timeline, p=4, m=8", time_unit="ms")
@@ -263,7 +263,7 @@ def test_measured_timeline_is_labelled_and_legible(tmp_path):
 
 
 def test_figure_size_follows_rows_and_boxes_not_the_time_unit():
-    from ptdp.perf.timeline import timeline_figure
+    from ptdp.perf.simulate.timeline import timeline_figure
 
     def size(rows):
         return tuple(timeline_figure(rows, v=1, title="t").get_size_inches())
@@ -277,7 +277,7 @@ def test_pictures_drawn_to_one_scale_have_one_width():
     """--xmax: pictures of schedules with boxes of different lengths compare directly."""
     from ptdp.schedules.build import build_schedule
     from ptdp.schedules.simulate import simulate
-    from ptdp.perf.timeline import boxes_from_simulation, timeline_figure
+    from ptdp.perf.simulate.timeline import boxes_from_simulation, timeline_figure
 
     widths = {timeline_figure(boxes_from_simulation(simulate(build_schedule(kind, 4, 8, v))), v=v,
                               title=kind, xmax=33).get_size_inches()[0]

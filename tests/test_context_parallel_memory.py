@@ -1,8 +1,8 @@
 """Activation memory under context parallelism (issue 28): the bytes one
 transformer layer and a whole model save for backward on each rank of a
 context group of c ∈ {1, 2, 4}, measured with saved-tensor hooks
-(ptdp.perf.saved.SavedTensorBytes, as tests/test_sequence_parallel_perf.py
-measures tensor ranks), against the analytic model (ptdp.perf.memory)
+(ptdp.perf.analytic.saved.SavedTensorBytes, as tests/test_sequence_parallel_perf.py
+measures tensor ranks), against the analytic model (ptdp.perf.analytic.memory)
 exactly: each --cp-comm-type (p2p, all_gather, a2a), a grouped-query
 rotary Llama-style model and a learned-position GPT, without, selective and
 full recomputation, fp32 and bf16, and t = 2 with sequence parallelism at
@@ -25,8 +25,8 @@ from ptdp.model.gpt import GPT, Attention, build_chunks
 from ptdp.parallel.tensor import RNGStreams
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.perf.layout import Layout, Workload
-from ptdp.perf.memory import activation_bytes, layer_activation_bytes
-from ptdp.perf.saved import SavedTensorBytes
+from ptdp.perf.analytic.memory import activation_bytes, layer_activation_bytes
+from ptdp.perf.analytic.saved import SavedTensorBytes
 
 SEED = 7
 B = 2

@@ -10,14 +10,14 @@ import pytest
 
 from ptdp.cli import main
 from ptdp.config import ModelConfig
-from ptdp.perf.context_exchange import (context_exchange_seconds, kv_block_bytes,
-                                        ring_step_exposed)
+from ptdp.perf.price.context_exchange import (context_exchange_seconds, kv_block_bytes,
+                                              ring_step_exposed)
 from ptdp.perf.layout import Layout, Workload
-from ptdp.perf.machine import Machine
-from ptdp.perf.memory import activation_bytes, memory_per_device
-from ptdp.perf.plan import context_sizes_to_search, evaluate_layout
-from ptdp.perf.pricing import OperatorModel
-from ptdp.perf.profiles import load_profile
+from ptdp.perf.price.machine import Machine
+from ptdp.perf.analytic.memory import activation_bytes, memory_per_device
+from ptdp.perf.plan.planner import context_sizes_to_search, evaluate_layout
+from ptdp.perf.price.pricing import OperatorModel
+from ptdp.perf.price.profiles import load_profile
 
 A100, H100 = load_profile("a100"), load_profile("h100")
 GPT_39B = ModelConfig(num_layers=48, hidden_size=8192, num_attention_heads=64, seq_length=2048,

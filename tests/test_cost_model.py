@@ -1,6 +1,7 @@
-"""The schedule-pricing simulator (ptdp/perf/predict.py and the modules it
-prices with: pricing, stage_costs, machine, player, after_flush), hardware profiles
-(ptdp/perf/profiles.py) and `ptdp calibrate` (ptdp/perf/calibrate.py)."""
+"""The schedule-pricing simulator (ptdp/perf/simulate/predict.py and the
+modules it prices with: pricing, stage_costs, machine, player, after_flush),
+hardware profiles (ptdp/perf/price/profiles.py) and `ptdp calibrate`
+(ptdp/perf/calibrate/, ptdp/commands/calibrate.py)."""
 
 from __future__ import annotations
 
@@ -18,22 +19,22 @@ from ptdp.config import ModelConfig
 from ptdp.schedules import simulate as unit
 from ptdp.schedules.build import build_schedule
 from ptdp.schedules.actions import Exchange, ScheduleError
-from ptdp.perf.calibration_point import (CALIBRATION_TFLOPS, KORTHIKANTI_LAYER_MS,
-                                         attention_ratios, calibration_point, fit_attention,
-                                         fit_attention_core_fraction, fit_paper_kernels,
-                                         fit_to_calibration_point,
-                                         fit_to_matmul, korthikanti_layer_ms, paper_kernels,
-                                         selective_overhead_ms)
-from ptdp.perf.machine import Machine
+from ptdp.perf.calibrate.calibration_point import (CALIBRATION_TFLOPS, KORTHIKANTI_LAYER_MS,
+                                                   attention_ratios, calibration_point,
+                                                   fit_attention, fit_attention_core_fraction,
+                                                   fit_paper_kernels, fit_to_calibration_point,
+                                                   fit_to_matmul, korthikanti_layer_ms,
+                                                   paper_kernels, selective_overhead_ms)
+from ptdp.perf.price.machine import Machine
 from ptdp.schedules.player import play
-from ptdp.perf.predict import CATEGORIES, simulate, simulate_uniform
-from ptdp.perf.pricing import OperatorModel
+from ptdp.perf.simulate.predict import CATEGORIES, simulate, simulate_uniform
+from ptdp.perf.price.pricing import OperatorModel
 from ptdp.perf.layout import Layout, Workload
-from ptdp.perf.profiles import (ACHIEVED_HBM_FRACTION, CALIBRATED_GEMM_EFFICIENCY,
-                                HOPPER_ATTENTION_EFFICIENCY, HOPPER_GEMM_EFFICIENCY, HOPPER_MATMUL,
-                                PAPER_ATTENTION_CORE_FRACTION, HardwareProfile, load_profile,
-                                save_profile)
-from ptdp.perf.flops import model_flops_per_iteration
+from ptdp.perf.price.profiles import (ACHIEVED_HBM_FRACTION, CALIBRATED_GEMM_EFFICIENCY,
+                                      HOPPER_ATTENTION_EFFICIENCY, HOPPER_GEMM_EFFICIENCY,
+                                      HOPPER_MATMUL, PAPER_ATTENTION_CORE_FRACTION, HardwareProfile,
+                                      load_profile, save_profile)
+from ptdp.perf.analytic.flops import model_flops_per_iteration
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -318,8 +319,8 @@ def test_selective_recomputation_adds_the_attention_core_only(fused):
 def test_full_recomputation_repeats_the_forward_all_reduces_it_reruns(hidden_dropout, repeated):
     """Both of a layer's forward all-reduces with hidden dropout (the whole
     layer reruns), the attention's alone without (the recomputation stops
-    before the MLP's second GEMM): analytic.py counts the same."""
-    from ptdp.perf.analytic import tensor_collectives_per_layer
+    before the MLP's second GEMM): analytic/counts.py counts the same."""
+    from ptdp.perf.analytic.counts import tensor_collectives_per_layer
 
     model = dataclasses.replace(BIG, hidden_dropout=hidden_dropout)
     workload = Workload(model, global_batch=8, precision="bf16")
@@ -461,8 +462,8 @@ def test_measured_collective_tables_interpolate():
 
 def test_calibrate_quick_writes_a_loadable_profile(tmp_path):
     out = tmp_path / "local.json"
-    result = subprocess.run([sys.executable, "-m", "ptdp.perf.calibrate", "calibrate", "--quick",
-                             "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "ptdp.commands.calibrate", "calibrate",
+                             "--quick", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
                             timeout=900)  # a hang guard: about 10 s on 2 idle cores
     assert result.returncode == 0, result.stderr
     profile = load_profile(out)

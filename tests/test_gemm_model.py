@@ -1,6 +1,6 @@
-"""The shape-based GEMM and fused-attention model (ptdp/perf/gemm.py), its use
-in the GPU profiles (ptdp/perf/profiles.py) and the GPU calibration's fit
-(ptdp/perf/calibrate.fit_tile_model)."""
+"""The shape-based GEMM and fused-attention model (ptdp/perf/price/gemm.py), its use
+in the GPU profiles (ptdp/perf/price/profiles.py) and the GPU calibration's fit
+(ptdp/perf/calibrate/gpu.fit_tile_model)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ import math
 import pytest
 
 from ptdp.config import ModelConfig
-from ptdp.perf import gemm
-from ptdp.perf.calibrate import fit_tile_model
-from ptdp.perf.machine import Machine
-from ptdp.perf.pricing import OperatorModel
+from ptdp.perf.price import gemm
+from ptdp.perf.calibrate.gpu import fit_tile_model
+from ptdp.perf.price.machine import Machine
+from ptdp.perf.price.pricing import OperatorModel
 from ptdp.perf.layout import Layout, Workload
-from ptdp.perf.profiles import HardwareProfile, load_profile
+from ptdp.perf.price.profiles import HardwareProfile, load_profile
 
 A100 = load_profile("a100")
 DEVICE = A100.tiled_device("bf16")

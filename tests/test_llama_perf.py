@@ -34,17 +34,17 @@ from ptdp.model.gpt import GPT, build_chunks
 from ptdp.parallel.data_parallel import GradBuffer
 from ptdp.parallel.tensor import RNGStreams
 from ptdp.parallel.topology import ParallelContext, RankGrid
-from ptdp.perf import analytic
-from ptdp.perf.machine import Machine
-from ptdp.perf.memory import activation_bytes, memory_per_device, memory_per_rank
-from ptdp.perf.predict import simulate
-from ptdp.perf.pricing import OperatorModel
+from ptdp.perf.analytic import counts as analytic
+from ptdp.perf.price.machine import Machine
+from ptdp.perf.analytic.memory import activation_bytes, memory_per_device, memory_per_rank
+from ptdp.perf.simulate.predict import simulate
+from ptdp.perf.price.pricing import OperatorModel
 from ptdp.perf.layout import Layout, Workload
-from ptdp.perf.plan import model_from_args
-from ptdp.perf.saved import SavedTensorBytes
-from ptdp.perf.profiles import load_profile
+from ptdp.commands.plan import model_from_args
+from ptdp.perf.analytic.saved import SavedTensorBytes
+from ptdp.perf.price.profiles import load_profile
 from ptdp.train.loop import count_parameters
-from ptdp.perf.flops import configured_flops_per_iteration, model_flops_per_iteration
+from ptdp.perf.analytic.flops import configured_flops_per_iteration, model_flops_per_iteration
 from tests.test_analytic import _saved_bytes_of_one_layer
 from tests.test_report import CPU_ATTENTION
 

@@ -309,7 +309,7 @@ def test_flops_count_the_active_experts():
     """Per MoE layer the MLP's 6·B·s·h·(up + 1)·f becomes 6·B·s·h·(E +
     k·(up + 1)·f_moe + (up + 1)·f_shared): the router, the k routed experts
     and the shared expert (SwiGLU: up = 2)."""
-    from ptdp.perf.flops import model_flops_per_iteration
+    from ptdp.perf.analytic.flops import model_flops_per_iteration
 
     moe = _config(num_layers=2, moe_layer_freq="[0,1]", moe_shared_expert_intermediate_size=8)
     dense = dataclasses.replace(moe, num_experts=None, moe_ffn_hidden_size=None,
@@ -323,7 +323,7 @@ def test_flops_count_the_active_experts():
 
 def test_parameter_count_counts_every_expert():
     from ptdp.model.gpt import GPT
-    from ptdp.perf.analytic import parameter_count
+    from ptdp.perf.analytic.counts import parameter_count
 
     config = _config(num_layers=3, moe_layer_freq=2, moe_shared_expert_intermediate_size=8,
                      moe_shared_expert_gate=True, untie_embeddings_and_output_weights=True)

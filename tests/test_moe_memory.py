@@ -1,5 +1,5 @@
 """The performance model's parameters and memory for MoE models under expert
-parallelism (ptdp.perf.analytic, ptdp.perf.memory) against built Trainers,
+parallelism (ptdp.perf.analytic.counts, ptdp.perf.analytic.memory) against built Trainers,
 and its total and active parameter counts against a hand computation.
 
 Each rank holds E/EP routed experts of every MoE layer, split over ETP; their
@@ -22,9 +22,9 @@ from ptdp.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainCo
 from ptdp.config.checks import validate
 from ptdp.parallel.sharding import is_expert
 from ptdp.parallel.topology import ParallelContext, RankGrid
-from ptdp.perf import analytic
+from ptdp.perf.analytic import counts as analytic
 from ptdp.perf.layout import Layout, Workload
-from ptdp.perf.memory import memory_per_rank
+from ptdp.perf.analytic.memory import memory_per_rank
 from ptdp.train.loop import Trainer, count_parameters
 
 # E = 8 SwiGLU experts, top-2, a gated shared expert, a dense first layer.

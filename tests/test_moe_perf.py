@@ -1,4 +1,4 @@
-"""The performance model's MoE terms (ptdp.perf.moe_costs): limits,
+"""The performance model's MoE terms (ptdp.perf.price.moe, ptdp.perf.analytic.moe): limits,
 monotonicity, Megatron-LM's FLOP count, and the saved activations of a
 real MoE layer on the CPU against the model, byte for byte."""
 
@@ -13,13 +13,14 @@ from ptdp.config import ModelConfig
 from ptdp.model.moe import MoELayer
 from ptdp.parallel.tensor import RNGStreams
 from ptdp.parallel.topology import ParallelContext
-from ptdp.perf import moe_costs
-from ptdp.perf.flops import model_flops_per_iteration, router_flops_per_iteration
+from ptdp.perf.analytic import moe as moe_counts
+from ptdp.perf.price import moe as moe_costs
+from ptdp.perf.analytic.flops import model_flops_per_iteration, router_flops_per_iteration
 from ptdp.perf.layout import Layout, Workload
-from ptdp.perf.memory import memory_per_rank
-from ptdp.perf.profiles import builtin_profile
-from ptdp.perf.saved import SavedTensorBytes
-from ptdp.perf.stage_costs import operator_model, stage_costs
+from ptdp.perf.analytic.memory import memory_per_rank
+from ptdp.perf.price.profiles import builtin_profile
+from ptdp.perf.analytic.saved import SavedTensorBytes
+from ptdp.perf.price.stage_costs import operator_model, stage_costs
 
 H100 = builtin_profile("h100")
 DENSE = ModelConfig(num_layers=8, hidden_size=2048, num_attention_heads=16, seq_length=2048,
@@ -93,9 +94,9 @@ def test_capacity_prices_the_busiest_expert():
     assert moe_costs.moe_mlp(ops2, 8, 1).forward > balanced
     # Rows: at most the capacity, never more than every token (f ≥ E/k).
     T = 2048
-    assert moe_costs.expert_load(loose, 1, T, False, 8, 1).rows == 2 * 2 * 8 * T // 8
+    assert moe_counts.expert_load(loose, 1, T, False, 8, 1).rows == 2 * 2 * 8 * T // 8
     huge = dataclasses.replace(MOE, moe_expert_capacity_factor=100.0)
-    assert moe_costs.expert_load(huge, 1, T, False, 8, 1).rows == 8 * T
+    assert moe_counts.expert_load(huge, 1, T, False, 8, 1).rows == 8 * T
 
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
@@ -104,7 +105,7 @@ def test_dispatch_traffic_is_zero_without_expert_parallelism(dispatcher):
     for layout, zero in [(Layout(t=1, d=8, b=1), True), (Layout(t=2, d=4, b=1, sequence_parallel=True), True),
                          (Layout(t=1, d=8, b=1, ep=2), False), (Layout(t=1, d=8, b=1, ep=8), False)]:
         ops = operator_model(Workload(model, 8, "bf16"), layout, H100)
-        load = moe_costs.expert_load(model, layout.t, ops.b * ops.s, ops.sp, layout.ep, layout.etp)
+        load = moe_counts.expert_load(model, layout.t, ops.b * ops.s, ops.sp, layout.ep, layout.etp)
         seconds = moe_costs.dispatch_seconds(ops, load, layout.ep, layout.expert_tensor)
         assert (seconds == (0.0, 0.0, 0.0)) == zero, layout
 
@@ -113,8 +114,8 @@ def test_dispatch_across_servers_pays_the_slower_link():
     model = dataclasses.replace(MOE, moe_token_dispatcher_type="alltoall")
     layout = Layout(t=1, d=16, b=1)
     ops = operator_model(Workload(model, 16, "bf16"), layout, H100)
-    inside = moe_costs.expert_load(model, 1, ops.b * ops.s, False, 8, 1)
-    across = moe_costs.expert_load(model, 1, ops.b * ops.s, False, 8, 2)  # EP 8 × ETP 2: 16 ranks
+    inside = moe_counts.expert_load(model, 1, ops.b * ops.s, False, 8, 1)
+    across = moe_counts.expert_load(model, 1, ops.b * ops.s, False, 8, 2)  # EP 8 × ETP 2: 16 ranks
     assert H100.devices_per_server == 8
     assert ops.machine.spans_servers(moe_costs.expert_group(8, 2))
     assert not ops.machine.spans_servers(moe_costs.expert_group(8, 1))
@@ -174,7 +175,7 @@ def test_active_flops_match_megatron_lm(name):
     assert ptdp == pytest.approx(megatron + causal_half + router, rel=1e-15)
     # And by hand, Mixtral's routed experts: 2 of 8, 3 matrices of 4096 × 14336.
     if name == "mixtral-8x7b":
-        assert moe_costs.mlp_columns(model)[0] == 8 + 2 * 3 * 14336
+        assert moe_counts.mlp_columns(model)[0] == 8 + 2 * 3 * 14336
 
 
 SMALL = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
@@ -208,7 +209,7 @@ def test_saved_bytes_equal_the_model(name):
         x = torch.randn(model.seq_length, b, model.hidden_size, dtype=dtype, requires_grad=True)
         with SavedTensorBytes(layer.parameters()) as saved:
             layer(x)
-        expected = moe_costs.moe_saved_bytes(model, 1, b, e, sequence_parallel=False,
+        expected = moe_counts.moe_saved_bytes(model, 1, b, e, sequence_parallel=False,
                                              recompute=None)
         # Under a capacity the per-expert top-k's indices are packed by a
         # node freed at once (its values are unused): the hooks see them
@@ -230,7 +231,7 @@ def test_a_capacity_that_drops_keeps_at_most_the_model():
     with SavedTensorBytes(layer.parameters()) as saved:
         out, _ = layer(x)
     assert layer.metrics["tokens_per_expert"][0].sum() < 2 * model.seq_length * 2  # some dropped
-    bound = moe_costs.moe_saved_bytes(model, 1, 2, 4, sequence_parallel=False, recompute=None)
+    bound = moe_counts.moe_saved_bytes(model, 1, 2, 4, sequence_parallel=False, recompute=None)
     assert bound / 2 < saved.bytes <= bound
 
 
@@ -242,7 +243,7 @@ def test_moe_activations_in_memory_per_rank():
         layout = Layout(b=1, d=8, recompute=recompute)
         moe = memory_per_rank(Workload(MOE, 8, "bf16"), layout)[0]["activations"]
         dense = memory_per_rank(Workload(dense_model, 8, "bf16"), layout)[0]["activations"]
-        delta = moe_costs.moe_layer_activation_delta(MOE, 1, 1, 2, sequence_parallel=False,
+        delta = moe_counts.moe_layer_activation_delta(MOE, 1, 1, 2, sequence_parallel=False,
                                                      recompute=recompute)
         assert moe - dense == 7 * delta
         assert (delta == 0) == (recompute == "full")

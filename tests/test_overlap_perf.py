@@ -12,17 +12,18 @@ import dataclasses
 import pytest
 
 from ptdp.config import ModelConfig
-from ptdp.perf import analytic
-from ptdp.perf.after_flush import after_flush
-from ptdp.perf.bounds import compute_lower_bound
-from ptdp.perf.calibration_point import paper_kernels
+from ptdp.perf.analytic import counts as analytic
+from ptdp.perf.price.after_flush import after_flush
+from ptdp.perf.simulate.bounds import compute_lower_bound
+from ptdp.perf.calibrate.calibration_point import paper_kernels
 from ptdp.perf.layout import Layout, Workload
-from ptdp.perf.machine import Machine
-from ptdp.perf.operator_bytes import OPTIMIZER_BYTES_PER_PARAMETER, optimizer_bytes_per_parameter
-from ptdp.perf.predict import simulate
-from ptdp.perf.pricing import OperatorModel
-from ptdp.perf.profiles import load_profile
-from ptdp.perf.stage_costs import operator_model, parameter_counts
+from ptdp.perf.price.machine import Machine
+from ptdp.perf.price.operator_bytes import (OPTIMIZER_BYTES_PER_PARAMETER,
+                                           optimizer_bytes_per_parameter)
+from ptdp.perf.simulate.predict import simulate
+from ptdp.perf.price.pricing import OperatorModel
+from ptdp.perf.price.profiles import load_profile
+from ptdp.perf.price.stage_costs import operator_model, parameter_counts
 
 GPT = ModelConfig(num_layers=16, hidden_size=4096, num_attention_heads=32, seq_length=2048,
                   vocab_size=51200)

@@ -9,11 +9,12 @@ import pytest
 
 from ptdp.cli import build_parser, main
 from ptdp.config import ModelConfig
-from ptdp.perf.analytic import parameter_count
-from ptdp.perf.bounds import compute_lower_bound
+from ptdp.perf.analytic.counts import parameter_count
+from ptdp.perf.simulate.bounds import compute_lower_bound
 from ptdp.perf.layout import Layout, Workload
-from ptdp.perf.plan import EXACT_ROWS, candidate_layouts, evaluate_layout, model_from_args, search
-from ptdp.perf.profiles import HardwareProfile, load_profile
+from ptdp.commands.plan import model_from_args
+from ptdp.perf.plan.planner import EXACT_ROWS, candidate_layouts, evaluate_layout, search
+from ptdp.perf.price.profiles import HardwareProfile, load_profile
 
 A100 = load_profile("a100")
 GPT_18B = ModelConfig(num_layers=40, hidden_size=6144, num_attention_heads=48, seq_length=2048,

@@ -14,11 +14,12 @@ from ptdp.commands.train import config_from_settings, settings_from_args
 from ptdp.config import ModelConfig, ParallelConfig, validate
 from ptdp.config.base import divisors
 from ptdp.config.moe import expert_parallel_problems
-from ptdp.perf.candidates import candidate_layouts
-from ptdp.perf.fixed_dimensions import fixed_dimensions
+from ptdp.perf.plan.candidates import candidate_layouts
+from ptdp.perf.plan.fixed_dimensions import fixed_dimensions
 from ptdp.perf.layout import Layout, Workload
-from ptdp.perf.plan import evaluate_layout, model_from_args
-from ptdp.perf.profiles import load_profile
+from ptdp.commands.plan import model_from_args
+from ptdp.perf.plan.planner import evaluate_layout
+from ptdp.perf.price.profiles import load_profile
 
 # A long-sequence model without attention dropout, so that c is searched too.
 MODEL = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16",

@@ -50,7 +50,7 @@ from ptdp.model import recompute as recompute_module
 from ptdp.model.gpt import GPT
 from ptdp.parallel.tensor import RNGStreams
 from ptdp.parallel.topology import ParallelContext, RankGrid
-from ptdp.perf.saved import SavedTensorBytes
+from ptdp.perf.analytic.saved import SavedTensorBytes
 
 SEED = 7
 LAYERS = 4

@@ -15,7 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 from ptdp.config import ModelConfig
 from ptdp.model.gpt import build_chunks
 from ptdp.parallel.topology import ParallelContext
-from ptdp.perf.flops import configured_flops_per_iteration, model_flops_per_iteration
+from ptdp.perf.analytic.flops import configured_flops_per_iteration, model_flops_per_iteration
 from ptdp import device as devices
 from ptdp.train import peak_memory
 from ptdp.train.report import (

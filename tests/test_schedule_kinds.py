@@ -19,9 +19,9 @@ from ptdp.config import ConfigError, validate
 from ptdp.model.gpt import build_chunks
 from ptdp.parallel.pipeline.executor import PipelineExecutor
 from ptdp.parallel.topology import ParallelContext
-from ptdp.perf.candidates import candidate_layouts
+from ptdp.perf.plan.candidates import candidate_layouts
 from ptdp.perf.layout import Layout, Workload
-from ptdp.perf.timeline import add_schedule_parser, run_schedule_command
+from ptdp.commands.schedule import add_schedule_parser, run_schedule_command
 from ptdp.schedules.actions import Compute, Schedule, ScheduleError
 from ptdp.schedules.build import build_schedule
 from ptdp.schedules.kinds import KINDS, ScheduleKind, kind_named, register, unregister

@@ -38,16 +38,17 @@ from ptdp.model.gpt import GPT, build_chunks
 from ptdp.parallel.data_parallel import GradBuffer
 from ptdp.parallel.tensor import RNGStreams
 from ptdp.parallel.topology import ParallelContext, RankGrid
-from ptdp.perf import analytic
-from ptdp.perf.machine import Machine
-from ptdp.perf.memory import (_norm_saved_bytes, activation_bytes, korthikanti_activation_bytes_per_layer,
-                               layer_activation_bytes, memory_per_device)
-from ptdp.perf.predict import simulate
-from ptdp.perf.pricing import OperatorModel
+from ptdp.perf.analytic import counts as analytic
+from ptdp.perf.price.machine import Machine
+from ptdp.perf.analytic.memory import (_norm_saved_bytes, activation_bytes,
+                                       korthikanti_activation_bytes_per_layer,
+                                       layer_activation_bytes, memory_per_device)
+from ptdp.perf.simulate.predict import simulate
+from ptdp.perf.price.pricing import OperatorModel
 from ptdp.perf.layout import Layout, Workload
-from ptdp.perf.plan import candidate_layouts, evaluate_layout, explain, search
-from ptdp.perf.profiles import load_profile
-from ptdp.perf.saved import SavedTensorBytes
+from ptdp.perf.plan.planner import candidate_layouts, evaluate_layout, explain, search
+from ptdp.perf.price.profiles import load_profile
+from ptdp.perf.analytic.saved import SavedTensorBytes
 
 SEED = 5
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

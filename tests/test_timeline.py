@@ -1,4 +1,4 @@
-"""Timeline pictures and the `ptdp schedule` subcommand (ptdp/perf/timeline.py)."""
+"""Timeline pictures and the `ptdp schedule` subcommand (ptdp/perf/simulate/timeline.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 from ptdp.schedules.actions import Compute, Exchange
 from ptdp.schedules.build import build_schedule
 from ptdp.schedules.simulate import simulate
-from ptdp.perf.timeline import (Box, add_schedule_parser, boxes_from_simulation, colour,
-                                draw_timeline, run_schedule_command, separate_waits,
-                                timeline_figure)
+from ptdp.commands.schedule import add_schedule_parser, run_schedule_command
+from ptdp.perf.simulate.timeline import (Box, boxes_from_simulation, colour, draw_timeline,
+                                         separate_waits, timeline_figure)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -214,7 +214,7 @@ def test_schedule_command_invalid_schedule(capsys):
 
 
 def test_schedule_command_out_in_missing_directory(tmp_path, capsys, monkeypatch):
-    import ptdp.perf.timeline as timeline
+    import ptdp.commands.schedule as timeline
 
     def fail(*args, **kwargs):
         raise AssertionError("computed the schedule before checking --out")

@@ -114,7 +114,7 @@ def test_checkpoints_reshard_between_splits(pools, tmp_path):
 def test_block_recomputation_flops_follow_the_stage_counts():
     """--recompute-method block recomputes the first n layers of each chunk:
     with layers 1, 3 and n = 2 that is 1 + 2 layers, not 2 + 2."""
-    from ptdp.perf.flops import recomputed_layer_count
+    from ptdp.perf.analytic.flops import recomputed_layer_count
 
     model = dataclasses.replace(MODEL, recompute_granularity="full", recompute_method="block",
                                 recompute_num_layers=2)

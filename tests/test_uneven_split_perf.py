@@ -10,12 +10,12 @@ import pytest
 
 from ptdp.config import ModelConfig
 from ptdp.schedules.split import LayerSplit
-from ptdp.perf.analytic import parameters_per_rank
-from ptdp.perf.memory import memory_per_rank
-from ptdp.perf.predict import simulate
+from ptdp.perf.analytic.counts import parameters_per_rank
+from ptdp.perf.analytic.memory import memory_per_rank
+from ptdp.perf.simulate.predict import simulate
 from ptdp.perf.layout import Layout, Workload
-from ptdp.perf.plan import describe, search, table
-from ptdp.perf.profiles import HardwareProfile
+from ptdp.perf.plan.planner import describe, search, table
+from ptdp.perf.price.profiles import HardwareProfile
 
 # bench/peers.py's GPT: the output layer (V = 8192, h = 256) costs several layers.
 PEERS = ModelConfig(num_layers=8, hidden_size=256, num_attention_heads=8, seq_length=128,

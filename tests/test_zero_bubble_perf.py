@@ -11,14 +11,15 @@ from ptdp.cli import main
 from ptdp.config import ModelConfig
 from ptdp.schedules.build import build_schedule
 from ptdp.schedules.simulate import simulate as simulate_unit_time
-from ptdp.perf import analytic, plan
-from ptdp.perf.machine import Machine
-from ptdp.perf.memory import activation_bytes, memory_per_rank
-from ptdp.perf.predict import simulate, simulate_uniform
-from ptdp.perf.pricing import OperatorModel
-from ptdp.perf.stage_costs import chunk_costs
+from ptdp.perf.analytic import counts as analytic
+from ptdp.perf.plan import planner as plan
+from ptdp.perf.price.machine import Machine
+from ptdp.perf.analytic.memory import activation_bytes, memory_per_rank
+from ptdp.perf.simulate.predict import simulate, simulate_uniform
+from ptdp.perf.price.pricing import OperatorModel
+from ptdp.perf.price.stage_costs import chunk_costs
 from ptdp.perf.layout import Layout, Workload
-from ptdp.perf.profiles import load_profile
+from ptdp.perf.price.profiles import load_profile
 
 A100 = load_profile("a100")
 GPT_18B = ModelConfig(num_layers=40, hidden_size=6144, num_attention_heads=48, seq_length=2048,

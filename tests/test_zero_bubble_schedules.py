@@ -164,7 +164,7 @@ def test_schedule_command_prints_and_draws_zero_bubble(tmp_path, capsys):
     import argparse
     import json
 
-    from ptdp.perf.timeline import add_schedule_parser, run_schedule_command
+    from ptdp.commands.schedule import add_schedule_parser, run_schedule_command
 
     parser = argparse.ArgumentParser()
     add_schedule_parser(parser.add_subparsers())

@@ -1,5 +1,3 @@
-"""One module per `ptdp` command: its parser and its run function (argument
-handling, printing, exit codes). Each imports no torch at import time, so
-that every --help, an argument error and the commands that need no model
-start fast; a command imports the code it runs when it runs. ptdp.cli
-builds the top-level parser from them and routes to them."""
+"""The `ptdp` commands, one module each: its parser and its run function
+(argument checks, printing, exit codes). Torch-free at import, so that the
+command line starts fast; ptdp.cli routes to them."""

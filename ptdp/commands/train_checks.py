@@ -137,7 +137,7 @@ def checkpoint_bytes(config: Config) -> int:
     """What one checkpoint takes on disk: every logical weight in its
     training precision, the two Adam moments in fp32 and, with --bf16 or
     --fp16, the fp32 main weights."""
-    from ptdp.perf.analytic import parameter_count
+    from ptdp.perf.analytic.counts import parameter_count
 
     tr = config.train
     mixed = tr.bf16 or tr.fp16

@@ -1,5 +1,5 @@
 """Whether a training run can fit this machine's memory, by the analytic
-memory model (ptdp.perf.memory.memory_per_rank), before any process starts.
+memory model (ptdp.perf.analytic.memory.memory_per_rank), before any process starts.
 
 A run whose estimate exceeds what the machine has would only fail in a
 rank's first large allocation (a 1.28 TB embedding), or be killed by the
@@ -65,7 +65,7 @@ class Estimate:
 def estimate(config: Config, kernels: str) -> Estimate | None:
     """The memory model's figures for the run; None for settings it does not
     model (a check that cannot estimate must not stop a run)."""
-    from ptdp.perf.memory import memory_per_rank
+    from ptdp.perf.analytic.memory import memory_per_rank
 
     try:
         return Estimate(tuple(memory_per_rank(workload_of(config), layout_of(config),

@@ -2,8 +2,8 @@
 
 `Layout` is one way to run a model (the planner's unit of search);
 `Workload` is what is being trained. Both are plain, hashable data shared by
-the analytic model (analytic.py, memory.py), the simulator (predict.py) and
-the planner (plan.py).
+the analytic model (analytic/), the simulator (simulate/predict.py) and
+the planner (plan/).
 """
 
 from __future__ import annotations

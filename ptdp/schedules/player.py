@@ -11,7 +11,7 @@ profiles: processor sharing, simulated exactly: a rank's remaining work
 drains at the current share).
 
 The prices are the caller's: the invariant checker (simulate.py) plays with
-unit costs, the performance model (ptdp.perf.predict) with predicted seconds.
+unit costs, the performance model (ptdp.perf.simulate.predict) with predicted seconds.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class Record:
     """One action of a rank as played. Computes: start, work_end (the
     processor part, stretched by contention), end (after collectives).
     Exchanges: start (posted), ready (every other end posted), end. `cost`:
-    the caller's price breakdown, if it keeps one (ptdp.perf.predict)."""
+    the caller's price breakdown, if it keeps one (ptdp.perf.simulate.predict)."""
     action: Compute | Exchange
     start: Any
     end: Any = 0.0

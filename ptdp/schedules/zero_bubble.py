@@ -36,7 +36,7 @@ when the computes take the costs the plan assumed, so the simulator
 reproduces the plan; with other costs the order is unchanged and only the
 waiting differs, which is why the trainer re-places the exchanges for the
 costs it measures (ptdp.train.loop) and the planner for the costs it
-predicts (ptdp.perf.predict). Transfers in one exchange are sorted by (T, tag),
+predicts (ptdp.perf.simulate.predict). Transfers in one exchange are sorted by (T, tag),
 the same order on both sides of every pair of ranks.
 """
 

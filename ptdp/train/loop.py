@@ -33,8 +33,8 @@ from ptdp.schedules.build import build_schedule
 from ptdp.schedules.split import stage_layer_counts
 from ptdp.parallel.sharding import COPY_ATTR, logical_shape
 from ptdp.parallel.topology import ParallelContext, RankGrid
-from ptdp.perf.analytic import active_parameter_count, parameter_count
-from ptdp.perf.flops import configured_flops_per_iteration
+from ptdp.perf.analytic.counts import active_parameter_count, parameter_count
+from ptdp.perf.analytic.flops import configured_flops_per_iteration
 from ptdp.train.async_save import RunSaves
 from ptdp.train.checkpoint import load_checkpoint, load_summary, read_metadata, resolve
 from ptdp.train.checkpoint_save import save_checkpoint
@@ -594,7 +594,7 @@ def _draw_measured_timeline(boxes: list, ctx: ParallelContext, schedule, path: s
     dist.all_gather_object(everyone, (ctx.coord, boxes))
     if not is_logger:
         return
-    from ptdp.perf.timeline import draw_timeline, separate_waits
+    from ptdp.perf.simulate.timeline import draw_timeline, separate_waits
 
     rows = [[] for _ in range(ctx.pp_size)]
     for coord, rank_boxes in everyone:

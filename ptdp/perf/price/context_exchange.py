@@ -19,7 +19,7 @@ s/c positions of each sequence; its K and V are 2·b·(s/c)·g·d/t elements.
     back), each moving (c − 1)/c of its tensor; backward four more. Not
     overlapped.
 
-The link is the context group's slowest (ptdp.perf.machine.Machine.link):
+The link is the context group's slowest (ptdp.perf.price.machine.Machine.link):
 the fast intra-server one while the t·c ranks it spans fit in a server.
 """
 
@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from typing import Any
 
-CONTEXT_EXCHANGE = "context exchange"   # the time category (predict.py's seconds_by_category)
+# the time category (simulate/predict.py's seconds_by_category)
+CONTEXT_EXCHANGE = "context exchange"
 
 
 def kv_block_bytes(ops: Any) -> float:

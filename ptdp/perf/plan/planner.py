@@ -6,9 +6,9 @@ the run will cost.
 The search enumerates every valid layout (candidates.py: the rules `ptdp
 train` enforces), bounds each one's iteration time from below without building its schedule
 (bounds.compute_lower_bound), and prices the layouts cheapest bound first
-with the schedule simulator (predict.py: the same action lists the executor
+with the schedule simulator (simulate/predict.py: the same action lists the executor
 runs, costed with a hardware profile), those whose memory per device
-(memory.py) fits the profile's device memory, until no bound can reach
+(analytic/memory.py) fits the profile's device memory, until no bound can reach
 the top EXACT_ROWS rows; it ranks them by predicted throughput. Each
 layout flag (`ptdp train`'s) fixes its dimension and the search covers the
 rest; `--fix-all`, or flags that leave one valid layout, price that one
@@ -17,8 +17,8 @@ layout (fixed_dimensions.py).
 Schedules: those whose records (ptdp.schedules.kinds) are searched: 1F1B,
 interleaved 1F1B (v = 2 ... MAX_CHUNKS) and the zero-bubble ZB-H1 (v = 1,
 m >= p) and ZB-V (v = 2, m >= 2p, l divisible by 2p), priced by the same
-simulator with the backward split into B and W (pricing.py) and their
-memory counted from F to B to W (memory.py). `--print-flags` prints
+simulator with the backward split into B and W (price/pricing.py) and their
+memory counted from F to B to W (analytic/memory.py). `--print-flags` prints
 `--pipeline-schedule` with the kind's name for them (a V's two chunks per
 rank are implied).
 
@@ -43,23 +43,18 @@ make the difference.
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import dataclasses
-import json
 import shlex
-import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ptdp.config import Config, ConfigError, ModelConfig, validate
-from ptdp.output_paths import output_path_problems
+from ptdp.config import ModelConfig
 from ptdp.schedules.kinds import DEFAULT_SCHEDULE
-from ptdp.perf.candidates import (  # noqa: F401  (candidate_layouts & co. are plan's API too)
+from ptdp.perf.plan.candidates import (  # noqa: F401  (candidate_layouts & co. are plan's API too)
     MAX_CHUNKS, MAX_MICROBATCH, MIN_CONTEXT_POSITIONS, SCHEDULES, candidate_layouts,
     context_sizes_to_search, split_candidates)
-from ptdp.perf.fixed_dimensions import FixedDimensions, add_layout_flags, dimensions_line, \
-    fix_all_layout, fixed_dimensions, train_problems
+from ptdp.perf.plan.fixed_dimensions import FixedDimensions
 from ptdp.perf.layout import Layout, Workload
 
 MEMORY_HEADROOM = 0.9      # leave 10 % of device memory to the allocator and workspaces
@@ -84,7 +79,7 @@ class Evaluation:
         return self.prediction.iteration_seconds
 
     def summary(self) -> dict[str, Any]:
-        from ptdp.perf.analytic import parameters_per_device
+        from ptdp.perf.analytic.counts import parameters_per_device
 
         layout = asdict(self.layout)
         if self.layout.c == 1:   # (as before context parallelism: no c, no comm type)
@@ -103,8 +98,8 @@ class Evaluation:
 
 
 def evaluate_layout(workload: Workload, layout: Layout, profile) -> Evaluation:
-    from ptdp.perf.memory import memory_per_device
-    from ptdp.perf.predict import simulate
+    from ptdp.perf.analytic.memory import memory_per_device
+    from ptdp.perf.simulate.predict import simulate
 
     memory = memory_per_device(workload, layout, kernels=_kernels(profile))
     fits = memory["total"] <= MEMORY_HEADROOM * profile.memory_bytes
@@ -137,7 +132,7 @@ def search(workload: Workload, devices: int, profile, *, top: int | None = None,
     added to the results. `progress(stage, done, total)`, if given, hears
     how far it is ("bounding", "pricing", then "done" with the layouts
     priced)."""
-    from ptdp.perf.bounds import compute_lower_bound
+    from ptdp.perf.simulate.bounds import compute_lower_bound
 
     report = progress or (lambda stage, done, total: None)
     if candidates is None:
@@ -173,8 +168,8 @@ def search(workload: Workload, devices: int, profile, *, top: int | None = None,
 def _evaluate_if_fits(workload: Workload, layout: Layout, profile) -> Evaluation | None:
     """The layout's Evaluation, or None (without pricing it) if its memory
     does not fit the device."""
-    from ptdp.perf.memory import memory_per_device
-    from ptdp.perf.predict import simulate
+    from ptdp.perf.analytic.memory import memory_per_device
+    from ptdp.perf.simulate.predict import simulate
 
     memory = memory_per_device(workload, layout, kernels=_kernels(profile))
     if memory["total"] > MEMORY_HEADROOM * profile.memory_bytes:
@@ -273,7 +268,7 @@ def explain(results: list[Evaluation], profile) -> list[str]:
 def _unsplit_memory(best: Evaluation, profile) -> str:
     """What the winner would need without sequence parallelism, when no
     such layout is among the results (it did not fit)."""
-    from ptdp.perf.memory import memory_per_device
+    from ptdp.perf.analytic.memory import memory_per_device
 
     unsplit = dataclasses.replace(best.layout, sequence_parallel=False)
     memory = memory_per_device(best.prediction.workload, unsplit, kernels=_kernels(profile))
@@ -361,10 +356,8 @@ def plot(results: list[Evaluation], path: str, rows: int = EXACT_ROWS) -> None:
     figure.savefig(path, dpi=120)
 
 
-# ------------------------------------------------------------------ command line
+# ------------------------------------------------------------------ the command's words
 
-PLAN_SEQ_LENGTH = 2048     # the paper's
-PLAN_VOCAB_SIZE = 51200    # the paper's
 PRECISION_FLAGS = {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp32": []}
 
 
@@ -416,10 +409,6 @@ MOE_SETTINGS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk",
                 "moe_expert_capacity_factor", "moe_token_dispatcher_type")
 
 
-def _flag(name: str) -> str:
-    return {f.name: f for f in dataclasses.fields(ModelConfig)}[name].metadata["flag"]
-
-
 # The ModelConfig settings `plan` takes besides the shape, with `ptdp train`'s
 # flags, defaults and help (from the dataclass): what decides the model's
 # parameters, FLOPs and memory (the Llama family's options among them). The
@@ -431,97 +420,6 @@ MODEL_SETTINGS = ("max_position_embeddings", "make_vocab_size_divisible_by", "hi
                   "num_query_groups", "untie_embeddings_and_output_weights", "disable_bias_linear",
                   "kv_channels", "qk_layernorm", "add_qkv_bias", "use_rope_scaling",
                   "rope_scaling_factor") + MOE_SETTINGS
-_TYPES = {"int": int, "float": float, "str": str}
-
-
-def _add_model_settings(group: argparse._ArgumentGroup) -> None:
-    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
-    for name in MODEL_SETTINGS:
-        f = fields[name]
-        meta = f.metadata
-        if f.type == "bool":
-            group.add_argument(meta["flag"], dest=name, action="store_true", help=meta["help"])
-            continue
-        kind = _TYPES[f.type.split("|")[0].strip()]
-        group.add_argument(meta["flag"], dest=name, type=kind, default=f.default,
-                           choices=meta.get("choices"),
-                           metavar=None if "choices" in meta else meta.get("metavar") or {
-                               int: "N", float: "X", str: "TEXT"}[kind],
-                           help=meta["help"] + ("" if f.default is None
-                                                else f" (default: {f.default})"))
-
-
-def add_plan_parser(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
-        "plan", help="choose and predict a layout (t, c, p, d, b, v, schedule, split, "
-                     "recomputation, sequence parallelism, optimizer sharding, EP, ETP)",
-        description="Search the layouts of a GPT (or a Llama-style model: --normalization "
-                    "RMSNorm --swiglu --position-embedding-type rope --group-query-attention "
-                    "--untie-embeddings-and-output-weights --disable-bias-linear; or a mixture of "
-                    "experts: --num-experts ...) on N devices, each layout flag fixing its "
-                    "dimension (--fix-all: evaluate exactly the given layout), and predict "
-                    "iteration time, TFLOP/s per device and memory.")
-    parser.not_taken = {"--moe-": "ptdp plan takes the MoE flags that shape its costs ("
-                        + ", ".join(_flag(name) for name in MOE_SETTINGS)
-                        + "); this one does not change them: drop it"}
-    model = parser.add_argument_group("model")
-    for flag, default, words in (
-            ("--num-layers", None, None), ("--hidden-size", None, None),
-            ("--num-attention-heads", None, None),
-            ("--seq-length", PLAN_SEQ_LENGTH, "sequence length the plan assumes"),
-            ("--vocab-size", PLAN_VOCAB_SIZE, "vocabulary the plan assumes (GPT-2's 50257 pads "
-                                              "to 50304; the paper's runs used 51200)"),
-            ("--ffn-hidden-size", None, "MLP width (default 4·h)")):
-        model.add_argument(flag, type=int, default=default, required=default is None
-                           and flag != "--ffn-hidden-size", metavar="N",
-                           help=None if words is None else words + (
-                               f" (default: {default})" if default else ""))
-    _add_model_settings(model)
-    parser.add_argument("--gpus", type=int, required=True, metavar="N", help="devices in all")
-    parser.add_argument("--gpu", default="a100", help="a100, h100, h200, local (the profile "
-                        "`ptdp calibrate` wrote) or a profile JSON path (default: a100)")
-    parser.add_argument("--global-batch-size", type=int, required=True, metavar="B")
-    parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16",
-                        help="the precision the plan assumes (default: bf16; `ptdp train "
-                             "--bf16`, `--fp16`, or neither for fp32)")
-    for precision in ("bf16", "fp16"):
-        parser.add_argument(f"--{precision}", dest="precision", action="store_const",
-                            const=precision, help=f"--precision {precision}, as `ptdp train` "
-                                                  "spells it")
-    add_layout_flags(parser)
-    parser.add_argument("--top", type=int, default=10, metavar="N", help="rows in the table")
-    parser.add_argument("--json", action="store_true", help="print the results as JSON")
-    parser.add_argument("--plot", metavar="PATH", help="draw throughput across layouts to this "
-                        ".png, .pdf or .svg file (the suffix picks the format)")
-    parser.add_argument("--print-flags", action="store_true",
-                        help="print the winner as a whole `ptdp train` command (model, "
-                             "precision, layout, batch, recomputation)")
-
-
-def _progress_printer():
-    """Reports the search's progress on stderr: a counter redrawn in place on
-    a terminal, a line at the start and the end elsewhere (logs)."""
-    terminal = sys.stderr.isatty()
-
-    def report(stage: str, done: int, total: int) -> None:
-        if terminal:
-            end = "\n" if stage == "done" else ""
-            print(f"\rptdp plan: {stage} {done:,}/{total:,} layouts" + " " * 8, end=end,
-                  file=sys.stderr, flush=True)
-        elif stage == "bounding" and done == 0:
-            print(f"ptdp plan: searching {total:,} layouts", file=sys.stderr, flush=True)
-        elif stage == "done":
-            print(f"ptdp plan: priced {done:,} of {total:,} layouts (the others cannot reach "
-                  f"the top {EXACT_ROWS})", file=sys.stderr, flush=True)
-    return report
-
-
-def model_from_args(args: argparse.Namespace) -> ModelConfig:
-    """The ModelConfig `plan`'s flags describe."""
-    return ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                       num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
-                       vocab_size=args.vocab_size, ffn_hidden_size=args.ffn_hidden_size,
-                       **{name: getattr(args, name) for name in MODEL_SETTINGS})
 
 
 def context_without_dropout(workload: Workload, devices: int, profile, fixed: FixedDimensions,
@@ -555,112 +453,3 @@ def context_without_dropout(workload: Workload, devices: int, profile, fixed: Fi
             f"{best.seconds / rival.seconds - 1:.0%} faster than the best plan above, "
             f"{same.seconds / rival.seconds - 1:.0%} faster than its layout without dropout "
             f"({same.seconds:.3f} s); plan again with --attention-dropout 0 to see those layouts")
-
-
-def _layouts_to_price(args: argparse.Namespace, fixed: FixedDimensions, workload: Workload
-                      ) -> tuple[Layout | None, list[Layout]]:
-    """The one layout to price (--fix-all, or the only valid one), or None
-    and the candidates to search; a fixed value no valid layout has is
-    refused here, before any pricing, with `ptdp train`'s own message."""
-    model, batch, devices = workload.model, workload.global_batch, args.gpus
-    if fixed.fix_all:
-        layout = fix_all_layout(args, model, devices)
-        problems = (train_problems(model, layout, batch, devices, args.precision)
-                    or layout.valid_for(model, batch))
-        if problems:
-            raise ConfigError(problems)
-        return layout, [layout]
-    candidates = list(candidate_layouts(workload, devices, **fixed.restrictions))
-    if not candidates:
-        # No layout has these values: say why, as `ptdp train` would of the
-        # layout with every other dimension at its default.
-        try:
-            layout = fix_all_layout(args, model, devices)
-            problems = (train_problems(model, layout, batch, devices, args.precision)
-                        or layout.valid_for(model, batch))
-        except ConfigError as error:
-            problems = error.problems
-        given = ", ".join(fixed.given.values())
-        raise ConfigError(problems or [
-            f"no layout with {given} is valid for this model and batch on {devices} devices "
-            f"(ptdp train would accept it with the other dimensions at their defaults, but the "
-            f"search's limits exclude it): price it with --fix-all, or fix fewer dimensions"])
-    if len(candidates) == 1:   # every dimension given (or determined): that layout
-        return candidates[0], candidates
-    return None, candidates
-
-
-def run_plan_command(args: argparse.Namespace) -> int:
-    from ptdp.perf.analytic import parameter_count
-    from ptdp.perf.profiles import load_profile
-
-    model = model_from_args(args)
-    problems = [f"{flag} must be positive" for flag, value in
-                (("--gpus", args.gpus), ("--global-batch-size", args.global_batch_size),
-                 ("--context-parallel-size", args.context_parallel_size))
-                if value is not None and value < 1]
-    if args.plot is not None:  # checked now, not after the search
-        problems += output_path_problems("--plot", args.plot, suffix=PLOT_FORMATS)
-    try:   # the model's own rules, as `ptdp train` checks them (with t = p = d = 1)
-        validate(Config(model=model))
-    except ConfigError as error:
-        problems += error.problems
-    if problems:
-        raise ConfigError(problems)
-    try:
-        profile = load_profile(args.gpu)
-    except (OSError, ValueError) as error:
-        raise ConfigError([f"--gpu {args.gpu}: {error}"]) from None
-    workload = Workload(model, args.global_batch_size, args.precision)
-    fixed = fixed_dimensions(args, model, args.gpus)
-    layout, candidates = _layouts_to_price(args, fixed, workload)
-    if layout is not None:
-        results = [evaluate_layout(workload, layout, profile)]
-    else:
-        results = search(workload, args.gpus, profile, progress=_progress_printer(),
-                         candidates=candidates)
-        if not results:
-            raise ConfigError([f"no layout of this model fits {args.gpus} × "
-                               f"{profile.memory_bytes / 2**30:.0f} GiB ({profile.name}); add "
-                               "devices or shrink the model or batch"
-                               + ("" if not fixed.given else ", or fix fewer dimensions")])
-    dimensions = dimensions_line(fixed, candidates, model)
-    notes = [note for note in [None if layout is not None else context_without_dropout(
-        workload, args.gpus, profile, fixed, results[0])] if note]
-    if args.json:
-        print(json.dumps({"profile": profile.name, "devices": args.gpus,
-                          "global_batch_size": args.global_batch_size,
-                          "seq_length": model.seq_length, "vocab_size": model.vocab_size,
-                          "precision": args.precision,
-                          "parameters": parameter_count(model),
-                          "fixed": fixed.given, "dimensions": dimensions, "notes": notes,
-                          "results": [e.summary() for e in results[:max(args.top, 1)]]}, indent=1))
-    else:
-        print(f"model: {parameter_count(model) / 1e9:.3g} B parameters")
-        print(assumptions(workload, args.gpus, profile))
-        if caveat(profile):
-            print(caveat(profile))
-        print(dimensions)
-        print(table(results, args.top))
-        print()
-        if layout is not None:   # one layout: its breakdown
-            e = results[0]
-            print(f"{describe(e.layout, model)}: {e.seconds:.3f} s per iteration, "
-                  f"{e.tflops:.1f} TFLOP/s per device, {e.memory['total'] / 2**30:.1f} GiB per device"
-                  + ("" if e.fits else f" (does NOT fit {profile.memory_bytes / 2**30:.0f} GiB)"))
-            for name, seconds in sorted(e.prediction.seconds_by_category.items(),
-                                        key=lambda kv: -kv[1]):
-                print(f"  {name:<24} {seconds:.4f} s")
-        else:
-            print("\n".join(explain(results, profile)))
-        for note in notes:
-            print(note)
-    if args.print_flags:
-        command = train_command(model, results[0].layout, args.global_batch_size, args.precision)
-        print(("" if args.json else "\n") + command, file=sys.stdout)
-    if args.plot:
-        plot(results, args.plot)
-        if not args.json:
-            print(f"drew {args.plot}")
-    return 0
-

@@ -1,5 +1,5 @@
 """F, B (and W) of every (rank, chunk) of a layout: the operator prices of
-ptdp.perf.pricing summed over a virtual stage's layers, its embedding and
+ptdp.perf.price.pricing summed over a virtual stage's layers, its embedding and
 its output layer.
 
 Every layer of a shape costs the same, so a stage is one layer's costs
@@ -18,12 +18,13 @@ from dataclasses import dataclass
 
 from ptdp.schedules.actions import ScheduleError
 from ptdp.schedules.kinds import virtual_stage_of
-from ptdp.perf import analytic
+from ptdp.perf.analytic import counts as analytic
 from ptdp.perf.layout import ByIdentity, ByValue, Layout, Workload
-from ptdp.perf.machine import Machine
-from ptdp.perf.moe_costs import moe_layer_costs, stage_moe_layers
-from ptdp.perf.pricing import Cost, OperatorModel
-from ptdp.perf.profiles import HardwareProfile
+from ptdp.perf.price.machine import Machine
+from ptdp.perf.analytic.moe import stage_moe_layers
+from ptdp.perf.price.moe import moe_layer_costs
+from ptdp.perf.price.pricing import Cost, OperatorModel
+from ptdp.perf.price.profiles import HardwareProfile
 
 
 @dataclass
@@ -74,7 +75,7 @@ def stage_costs(ops: OperatorModel, recompute: str | None, zero_bubble: bool, fi
     the embedding (`first`) and the output layer (`last`), priced once per
     OperatorModel: one layer's costs times `layers` (the parameters are
     left 0; chunk_costs fills them in). `moe_layers` of them are MoE layers
-    under the expert layout `experts` = (EP, ETP) (ptdp.perf.moe_costs)."""
+    under the expert layout `experts` = (EP, ETP) (ptdp.perf.price.moe)."""
     key = (recompute, zero_bubble, first, last, layers) + ((moe_layers, experts) if moe_layers
                                                           else ())
     if key in ops.memo:

@@ -6,7 +6,7 @@ both use it."""
 from __future__ import annotations
 
 from ptdp.config import ModelConfig
-from ptdp.perf.moe_costs import mlp_columns, router_columns
+from ptdp.perf.analytic.moe import mlp_columns, router_columns
 
 
 def model_flops_per_iteration(config: ModelConfig, global_batch: int, *, recompute: str | None,
@@ -46,7 +46,7 @@ def mlp_widths(config: ModelConfig) -> list[int]:
     [2f, h]); in an MoE layer the router's E, the k routed experts' and the
     shared expert's (active parameters only). Megatron-LM's
     num_floating_point_operations counts the same experts and dense layers
-    but not the router (ptdp.perf.moe_costs.mlp_columns,
+    but not the router (ptdp.perf.analytic.moe.mlp_columns,
     `router_flops_per_iteration`)."""
     return mlp_columns(config)
 

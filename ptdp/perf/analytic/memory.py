@@ -2,7 +2,7 @@
 activations each pipeline rank keeps at its peak, for one `Workload` under
 one `Layout`, from what ptdp's code actually allocates and saves (tests
 compare it with measurements of real CPU runs). Notation as in
-ptdp.perf.analytic, which counts the parameters and walks the schedules'
+ptdp.perf.analytic.counts, which counts the parameters and walks the schedules'
 compute orders this module sums over.
 
 Memory (bytes on one device; GradBuffer and Optimizer in ptdp):
@@ -126,7 +126,7 @@ and dropout on. Two kernel sets:
   exactly for c = 1, 2, 4 (tests/test_context_parallel_memory.py).
 
   Mixture of experts: each MoE layer saves, instead of the dense MLP's
-  input and activations, what ptdp.perf.moe_costs.moe_saved_bytes lists
+  input and activations, what ptdp.perf.analytic.moe.moe_saved_bytes lists
   (the router's tensors, the routed pairs and their experts' activations,
   the shared expert), measured exactly on one CPU process
   (tests/test_moe_perf.py); `moe_activation_bytes` adds the difference for
@@ -176,10 +176,10 @@ from functools import lru_cache
 from typing import Any
 
 from ptdp.config import ModelConfig, TrainConfig
-from ptdp.perf.analytic import (FP32, chunk_stage, cut_placed_buckets, owned_elements,
-                                padded_elements, placement_of_parameters, stash_peaks)
+from ptdp.perf.analytic.counts import (FP32, chunk_stage, cut_placed_buckets, owned_elements,
+                                       padded_elements, placement_of_parameters, stash_peaks)
 from ptdp.perf.layout import BYTES_PER_ELEMENT, ByValue, Layout, Workload
-from ptdp.perf.moe_costs import chunk_moe_layers, moe_layer_activation_delta
+from ptdp.perf.analytic.moe import chunk_moe_layers, moe_layer_activation_delta
 
 KERNELS = ("cuda", "cpu")
 INT64 = 8
@@ -353,7 +353,7 @@ def layer_activation_bytes(model: ModelConfig, b: int, t: int = 1, *,
     """Bytes one transformer layer's forward saves for its backward on one
     tensor (and context) rank, per microbatch of `b` sequences of
     `model.seq_length`: what saved-tensor hooks
-    (ptdp.perf.saved.SavedTensorBytes) measure around one layer built with
+    (ptdp.perf.analytic.saved.SavedTensorBytes) measure around one layer built with
     `GPT(..., pre_process=False, post_process=False, sequence_parallel=...,
     cp_comm_type=...)`; with `c` context ranks (--cp-comm-type `cp_comm`)
     it is fed the rank's [s/c, b, h] ([s/(c·t), b, h] under sequence
@@ -425,7 +425,7 @@ def memory_per_rank(workload: Workload, layout: Layout, *, kernels: str = "cuda"
 
 def moe_activation_bytes(workload: Workload, layout: Layout, rank: int, chunk: int) -> int:
     """What the MoE layers of (rank, chunk) save beyond the dense layers'
-    figure (ptdp.perf.moe_costs; 0 for a dense model)."""
+    figure (ptdp.perf.analytic.moe; 0 for a dense model)."""
     moe_layers = chunk_moe_layers(workload.model, layout, rank, chunk)
     if not moe_layers:
         return 0

@@ -2,7 +2,7 @@
 
 The cost model prices these operators as their bytes over the bandwidth of
 their class (`HardwareProfile.memory_seconds`); `ptdp calibrate` measures
-each class with the same byte counts (ptdp.perf.calibrate), so a class's
+each class with the same byte counts (ptdp.perf.calibrate.measure), so a class's
 measured bandwidth and its predicted bytes agree by construction. Each
 function returns (forward bytes, backward bytes); E is the bytes per
 element of the workload's precision.

@@ -1,4 +1,5 @@
-"""Hardware profiles: what the simulator (predict.py) needs to know about a machine.
+"""Hardware profiles: what the simulator (simulate/predict.py) needs to know
+about a machine.
 
 A `HardwareProfile` describes one kind of server and its devices: peak
 matrix-multiply rate, how close real GEMMs come to it, memory bandwidth for
@@ -8,7 +9,7 @@ memory, the fixed cost of launching one operator, and for CPU profiles the
 cores the local processes share. Profiles are plain JSON (`save_profile`,
 `load_profile`); nothing is pickled.
 
-GEMM time (`gemm_seconds`) on GPU profiles follows the shape (ptdp.perf.gemm,
+GEMM time (`gemm_seconds`) on GPU profiles follows the shape (ptdp.perf.price.gemm,
 docs/cost-model.md): the output in tiles of `gemm_tile` spread over the
 `sm_count` SMs in waves, a part-empty last wave costing a whole one; each
 tile a fixed `tile_overhead_seconds` (prologue and epilogue) plus k steps
@@ -30,7 +31,7 @@ the 1.7B-parameter GPT (h = 2304, a = 24, l = 24, s = 2048, V = 51200)
 with t = p = 1 on 32 A100s, B = 512, b = 16 at 137 TFLOP/s per GPU (44% of
 peak), end to end. The fit assumes 16-bit training with full
 recomputation, whose FLOPs the paper's 96·B·s·l·h²·(...) counts.
-`ptdp.perf.calibration_point.fit_to_calibration_point()` redoes it
+`ptdp.perf.calibrate.calibration_point.fit_to_calibration_point()` redoes it
 (bisection on e_max until `predict.simulate` predicts 137 TFLOP/s for that
 run, priced with the software the paper ran,
 `calibration_point.paper_kernels`: attention as explicit GEMMs
@@ -40,7 +41,7 @@ recomputed):
 `CALIBRATED_GEMM_EFFICIENCY`, the fraction of the per-SM peak a tile's
 main loop reaches; the rest of the gap to 44% is tile overheads, wave
 quantisation, the attention kernel, memory-bound operators, the gradient
-all-reduce and the optimizer as predict.py prices them. Nothing else from
+all-reduce and the optimizer as simulate/predict.py prices them. Nothing else from
 the paper is fitted. That fit may still carry what the 2021 software spent
 beyond what the model prices (published matmul measurements put the A100's
 best product at 87 % of peak, the fit at 69 %), so h100 and h200 do not borrow it:
@@ -59,7 +60,7 @@ efficiency:
 time per GEMM on top of the ideal time), with e_max = 1 and the ramp
 measured by `ptdp calibrate`.
 
-CPU profiles come from `ptdp calibrate` (calibrate.py), which measures this
+CPU profiles come from `ptdp calibrate` (ptdp.perf.calibrate), which measures this
 machine: besides the fields above, memory-bound throughput per operator
 class (`op_bandwidth`), the speed-up of each class on all cores
 (`thread_speedup`, `op_thread_speedup`) and tables of measured gloo times
@@ -79,14 +80,14 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from ptdp.perf import gemm
+from ptdp.perf.price import gemm
 
 GB = 1e9
 GIB = 2 ** 30
 
 # e_max of the built-in GPU profiles: calibration_point.fit_to_calibration_point() returns
 # 0.6939 (bisection on e_max until predict.simulate predicts 137 TFLOP/s per GPU for the
-# paper's 1.7B run on a100, with the tile model of ptdp.perf.gemm and the paper's kernels:
+# paper's 1.7B run on a100, with the tile model of ptdp.perf.price.gemm and the paper's kernels:
 # attention as two GEMMs and a softmax pass at PAPER_ATTENTION_CORE_FRACTION, a fused Adam,
 # whole layers recomputed, calibration_point.paper_kernels; the other memory-bound passes
 # at ACHIEVED_HBM_FRACTION of the data sheet); rounded here. It and
@@ -131,7 +132,7 @@ class HardwareProfile:
     peak_tflops_fp32: float = 19.5       # fp32 peak per device (CPU: per process at 1 thread)
     gemm_efficiency: float = 0.7         # e_max: fraction of peak a large GEMM reaches
     gemm_ramp_seconds: float = 4e-6      # CPU: W0 = peak · this: GEMM work at half of e_max
-    # GPU: the tile model of ptdp.perf.gemm (defaults: A100's SMs and tile).
+    # GPU: the tile model of ptdp.perf.price.gemm (defaults: A100's SMs and tile).
     sm_count: int = 108                  # streaming multiprocessors
     gemm_tile: tuple[int, int] = (128, 128)  # output tile [m, n] of one thread block
     tile_overhead_seconds: float = 1e-6  # fixed cost per tile: prologue and epilogue
@@ -238,7 +239,7 @@ class HardwareProfile:
         return max(compute, traffic)
 
     def tiled_device(self, precision: str = "bf16") -> gemm.TiledDevice:
-        """This GPU as ptdp.perf.gemm's tile model sees it."""
+        """This GPU as ptdp.perf.price.gemm's tile model sees it."""
         return gemm.TiledDevice(
             peak_flops=self.peak_flops(precision), sm_count=self.sm_count,
             tile_m=self.gemm_tile[0], tile_n=self.gemm_tile[1],
@@ -343,7 +344,7 @@ def _a100(e_max: float) -> HardwareProfile:
         inter_latency=10e-6,
         memory_bytes=80 * GIB, launch_overhead=4e-6,
         notes="DGX A100 80 GB (data sheet); gemm_efficiency fitted to the paper's 1.7B run "
-              "(ptdp.perf.calibration_point.fit_to_calibration_point)")
+              "(ptdp.perf.calibrate.calibration_point.fit_to_calibration_point)")
 
 
 def _h100(e_max: float) -> HardwareProfile:

@@ -7,12 +7,12 @@ from __future__ import annotations
 import functools
 
 from ptdp.schedules.kinds import virtual_stage_of
-from ptdp.perf.after_flush import after_flush
+from ptdp.perf.price.after_flush import after_flush
 from ptdp.perf.layout import Layout, Workload
-from ptdp.perf.moe_costs import stage_moe_layers
-from ptdp.perf.pricing import OperatorModel
-from ptdp.perf.profiles import HardwareProfile
-from ptdp.perf.stage_costs import operator_model, stage_costs
+from ptdp.perf.analytic.moe import stage_moe_layers
+from ptdp.perf.price.pricing import OperatorModel
+from ptdp.perf.price.profiles import HardwareProfile
+from ptdp.perf.price.stage_costs import operator_model, stage_costs
 
 
 def compute_lower_bound(workload: Workload, layout: Layout, profile: HardwareProfile) -> float:

@@ -6,7 +6,7 @@ d replicas with a hierarchical ring (reduce-scatter inside the server,
 all-reduce between servers, all-gather inside); a reduce-scatter only with
 the distributed optimizer. Its buckets start as soon as their gradients are
 final, during each chunk's last backward (ptdp.parallel.data_parallel.GradBuffer),
-so the reduction overlaps that backward: predict.py plays it against the
+so the reduction overlaps that backward: simulate/predict.py plays it against the
 timeline from these per-chunk amounts (`chunk_shares`), and at least the
 last bucket's reduction (`last_bucket`) follows the flush. The tied
 embedding is summed over the embedding group (the first and the last
@@ -18,7 +18,7 @@ kernels, HardwareProfile.fused_optimizer; 1/d of them with the distributed
 optimizer, followed by the all-gather of the updated weights; a run that
 overlaps that gather with the next iteration's forward, as Megatron-LM's
 --overlap-param-gather does, exposes only what its first forwards do not
-cover, `hideable_gather` and predict.py).
+cover, `hideable_gather` and simulate/predict.py).
 
 Sequence parallelism: each gradient bucket holding partial gradients
 (norms, row-parallel biases, the position table) all-reduces them over the
@@ -34,13 +34,13 @@ from dataclasses import dataclass
 
 from ptdp.config.train import TrainConfig
 from ptdp.schedules.kinds import virtual_stage_of
-from ptdp.perf import analytic
+from ptdp.perf.analytic import counts as analytic
 from ptdp.perf.layout import ByIdentity, ByValue, Layout, Workload
-from ptdp.perf.machine import Machine
-from ptdp.perf.operator_bytes import optimizer_bytes_per_parameter
-from ptdp.perf.pricing import GRAD_BYTES, OperatorModel
-from ptdp.perf.profiles import HardwareProfile
-from ptdp.perf.stage_costs import parameter_counts
+from ptdp.perf.price.machine import Machine
+from ptdp.perf.price.operator_bytes import optimizer_bytes_per_parameter
+from ptdp.perf.price.pricing import GRAD_BYTES, OperatorModel
+from ptdp.perf.price.profiles import HardwareProfile
+from ptdp.perf.price.stage_costs import parameter_counts
 
 
 

@@ -10,7 +10,7 @@ are views of one projection output), and the parameters' own storages are
 left out: they live whether or not a backward follows. Tensors that
 non-reentrant checkpointing keeps behind its own inner hooks are counted as
 what really stays stored: the checkpointed region's inputs. This is the
-measurement the analytic activation model (ptdp.perf.analytic) is checked
+measurement the analytic activation model (ptdp.perf.analytic.counts) is checked
 against, in tests and in bench/memory.py.
 """
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 
 from ptdp.perf.layout import Layout
-from ptdp.perf.profiles import HardwareProfile
+from ptdp.perf.price.profiles import HardwareProfile
 
 
 def ring_allreduce_seconds(nbytes: float, n: int, bandwidth: float, latency: float) -> float:

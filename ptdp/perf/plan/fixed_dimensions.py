@@ -1,7 +1,8 @@
-"""`ptdp plan`'s layout flags: each is `ptdp train`'s flag of one dimension
-and fixes it; the search covers the others (candidates.py). `--fix-all`
-prices exactly the given layout, every dimension not given at `ptdp
-train`'s default (b at 1).
+"""`ptdp plan`'s layout flags (ptdp.commands.plan adds them to its parser;
+the functions here read them from the parsed arguments): each is `ptdp
+train`'s flag of one dimension and fixes it; the search covers the others
+(candidates.py). `--fix-all` prices exactly the given layout, every
+dimension not given at `ptdp train`'s default (b at 1).
 
 What each flag fixes:
 
@@ -30,7 +31,6 @@ can be planned again as it is.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,9 +38,8 @@ from typing import Any
 from ptdp.config import Config, ConfigError, ModelConfig, ParallelConfig, validate
 from ptdp.config.context import context_parallel_problems
 from ptdp.config.train import TrainConfig
-from ptdp.schedules.kinds import DEFAULT_SCHEDULE, KINDS, PLAN_CHOICES, any_chunks_kind
+from ptdp.schedules.kinds import DEFAULT_SCHEDULE, KINDS, any_chunks_kind
 from ptdp.schedules.split import LayerSplit
-from ptdp.perf.candidates import MIN_CONTEXT_POSITIONS
 from ptdp.perf.layout import Layout
 
 # The dimensions, in the order the plan names them ("ep" and "etp" for MoE models only).
@@ -57,65 +56,14 @@ class FixedDimensions:
     fix_all: bool = False
 
 
-def add_layout_flags(parser: argparse.ArgumentParser) -> None:
-    layout = parser.add_argument_group(
-        "layout (each flag fixes its dimension, the search covers the others)")
-    layout.add_argument("--fix-all", action="store_true",
-                        help="price exactly the given layout, every dimension not given at "
-                             "`ptdp train`'s default (b = 1): no search")
-    layout.add_argument("--tensor-model-parallel-size", "-t", type=int, metavar="N")
-    layout.add_argument("--pipeline-model-parallel-size", "-p", type=int, metavar="N")
-    layout.add_argument("--data-parallel-size", type=int, metavar="N",
-                        help="as for `ptdp train` (default: --gpus / (t·c·p))")
-    layout.add_argument("--micro-batch-size", type=int, metavar="N")
-    layout.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, metavar="N",
-                        help=f"fixes v = l / (p·N) (interleaved 1F1B, or {_v_kinds()} where "
-                             f"v = 2)")
-    layout.add_argument("--pipeline-schedule", choices=PLAN_CHOICES,
-                        help=f"as for `ptdp train` ({_v_kinds()}: two chunks per rank; "
-                             f"{DEFAULT_SCHEDULE} is interleaved with "
-                             f"--num-layers-per-virtual-pipeline-stage; {_unsearched()} is priced "
-                             f"only when given)")
-    layout.add_argument("--recompute-granularity", choices=("full", "selective"),
-                        help="as for `ptdp train` (no recomputation, its default, has no flag: "
-                             "it is searched, or fixed by --fix-all)")
-    layout.add_argument("--recompute-method", choices=("uniform",),
-                        help="the plan prices full recomputation as uniform, 1 layer per group")
-    layout.add_argument("--recompute-num-layers", type=int, choices=(1,), metavar="1")
-    layout.add_argument("--sequence-parallel", action="store_true",
-                        help="fixes sequence parallelism on (needs t > 1 dividing --seq-length); "
-                             "off has no flag: it is searched, or fixed by --fix-all")
-    layout.add_argument("--use-distributed-optimizer", action="store_true",
-                        help="fixes the sharded optimizer on (off: searched, or --fix-all)")
-    layout.add_argument("--no-scatter-gather-tensors-in-pipeline", dest="scatter_gather",
-                        action="store_false", help="as for `ptdp train`")
-    layout.add_argument("--decoder-first-pipeline-num-layers", type=int, metavar="N",
-                        help="as for `ptdp train`: layers on the first pipeline rank")
-    layout.add_argument("--decoder-last-pipeline-num-layers", type=int, metavar="N",
-                        help="as for `ptdp train`: layers on the last pipeline rank")
-    layout.add_argument("--account-for-embedding-in-pipeline-split", action="store_true")
-    layout.add_argument("--account-for-loss-in-pipeline-split", action="store_true")
-    layout.add_argument("--expert-model-parallel-size", type=int, metavar="N",
-                        help="as for `ptdp train`: EP (an MoE model's experts over EP ranks)")
-    layout.add_argument("--expert-tensor-parallel-size", type=int, metavar="N",
-                        help="as for `ptdp train`: ETP (default t)")
-    context = parser.add_argument_group("context parallelism (searched unless given)")
-    context.add_argument("--context-parallel-size", type=int, metavar="N",
-                         help="as for `ptdp train`: c ranks each holding s/c of every sequence "
-                              "(default: c is searched from 1 "
-                              f"while s/c >= {MIN_CONTEXT_POSITIONS})")
-    context.add_argument("--cp-comm-type", choices=("p2p", "all_gather", "a2a"),
-                         help="as for `ptdp train` (default: p2p)")
-
-
-def _split_of(args: argparse.Namespace) -> LayerSplit:
+def _split_of(args: Any) -> LayerSplit:
     return LayerSplit(first=args.decoder_first_pipeline_num_layers,
                       last=args.decoder_last_pipeline_num_layers,
                       embedding=args.account_for_embedding_in_pipeline_split,
                       loss=args.account_for_loss_in_pipeline_split)
 
 
-def fixed_dimensions(args: argparse.Namespace, model: ModelConfig, devices: int) -> FixedDimensions:
+def fixed_dimensions(args: Any, model: ModelConfig, devices: int) -> FixedDimensions:
     """The dimensions the flags fix, checked as far as they go alone
     (positive sizes, t·c·p·d against --gpus, c's own rules); ConfigError
     otherwise."""
@@ -179,7 +127,7 @@ def fixed_dimensions(args: argparse.Namespace, model: ModelConfig, devices: int)
     return fixed
 
 
-def _context_restrictions(args: argparse.Namespace, model: ModelConfig,
+def _context_restrictions(args: Any, model: ModelConfig,
                           devices: int) -> dict[str, Any]:
     """The search's context-parallel restrictions from --context-parallel-size
     and --cp-comm-type (checked against the rules that do not involve t)."""
@@ -193,15 +141,7 @@ def _context_restrictions(args: argparse.Namespace, model: ModelConfig,
     return {"context_sizes": (c,), "cp_comm": comm}
 
 
-def _v_kinds() -> str:
-    return " or ".join(k.name for k in KINDS.values() if k.flag and k.fixed_chunks)
-
-
-def _unsearched() -> str:
-    return " or ".join(k.name for k in KINDS.values() if k.flag and not k.searched)
-
-
-def fix_all_layout(args: argparse.Namespace, model: ModelConfig, devices: int) -> Layout:
+def fix_all_layout(args: Any, model: ModelConfig, devices: int) -> Layout:
     """The one layout the flags give, every dimension not given at `ptdp
     train`'s default (b = 1, the plan's default)."""
     t = args.tensor_model_parallel_size or 1

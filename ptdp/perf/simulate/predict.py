@@ -13,10 +13,10 @@ step; its weight all-gather may hide under the next iteration's first
 forwards (`overlap_param_gather`). The "data-parallel reduction" category
 is what of them is exposed: what outlasts the backward.
 
-The pieces: operator prices (ptdp.perf.pricing, summed per stage in
-ptdp.perf.stage_costs), the ranks' links (ptdp.perf.machine), the event
+The pieces: operator prices (ptdp.perf.price.pricing, summed per stage in
+ptdp.perf.price.stage_costs), the ranks' links (ptdp.perf.price.machine), the event
 simulation (ptdp.schedules.player) and what follows the flush
-(ptdp.perf.after_flush).
+(ptdp.perf.price.after_flush).
 
 Zero-bubble schedules (ZB-H1, ZB-V): the schedule has no transfer across
 ZB-V's bottom (stages p−1 and p, both on rank p−1), so none is priced, and
@@ -68,14 +68,14 @@ from pathlib import Path
 from ptdp.schedules.actions import Compute, Exchange
 from ptdp.schedules.build import build_schedule
 from ptdp.schedules.simulate import compute_costs
-from ptdp.perf.after_flush import after_flush
-from ptdp.perf.flops import model_flops_per_iteration
+from ptdp.perf.price.after_flush import after_flush
+from ptdp.perf.analytic.flops import model_flops_per_iteration
 from ptdp.perf.layout import Layout, Workload
-from ptdp.perf.machine import Machine
+from ptdp.perf.price.machine import Machine
 from ptdp.schedules.player import play
-from ptdp.perf.profiles import HardwareProfile
-from ptdp.perf.stage_costs import layout_chunk_costs, operator_model
-from ptdp.perf.timeline import Box, draw_timeline
+from ptdp.perf.price.profiles import HardwareProfile
+from ptdp.perf.price.stage_costs import layout_chunk_costs, operator_model
+from ptdp.perf.simulate.timeline import Box, draw_timeline
 
 CATEGORIES = ("forward compute", "backward compute", "recompute", "tensor all-reduce",
               "pipeline transfer", "data-parallel reduction", "optimizer", "bubble/idle")
@@ -105,7 +105,7 @@ class Prediction:
         return self.categories_by_rank[rank]
 
     def draw(self, path: str | Path, *, time_unit: str = "ms") -> Path:
-        """The priced timeline as a picture (ptdp.perf.timeline.draw_timeline)."""
+        """The priced timeline as a picture (ptdp.perf.simulate.timeline.draw_timeline)."""
         scale = {"s": 1.0, "ms": 1e3, "us": 1e6}[time_unit]
         rows = [[Box(b.op, b.microbatch, b.chunk, b.start * scale, b.end * scale) for b in row]
                 for row in self.timelines]

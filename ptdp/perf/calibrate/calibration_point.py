@@ -11,10 +11,10 @@ import dataclasses
 import statistics
 
 from ptdp.perf.layout import Layout, Workload
-from ptdp.perf.predict import simulate
-from ptdp.perf.profiles import (ACHIEVED_HBM_FRACTION, BUILTIN, CALIBRATED_GEMM_EFFICIENCY,
-                                HOPPER_GEMM_EFFICIENCY, HOPPER_MATMUL,
-                                PAPER_ATTENTION_CORE_FRACTION, HardwareProfile)
+from ptdp.perf.simulate.predict import simulate
+from ptdp.perf.price.profiles import (ACHIEVED_HBM_FRACTION, BUILTIN, CALIBRATED_GEMM_EFFICIENCY,
+                                      HOPPER_GEMM_EFFICIENCY, HOPPER_MATMUL,
+                                      PAPER_ATTENTION_CORE_FRACTION, HardwareProfile)
 
 CALIBRATION_TFLOPS = 137.0
 
@@ -40,7 +40,7 @@ def paper_kernels(profile: HardwareProfile, *,
     and PyTorch's dropout, which write and read the s×s scores (flash
     attention came later), those passes at `attention_core_fraction` of the
     data sheet's HBM bandwidth (profiles.PAPER_ATTENTION_CORE_FRACTION);
-    apex's fused multi-tensor Adam (operator_bytes.py); full recomputation
+    apex's fused multi-tensor Adam (price/operator_bytes.py); full recomputation
     rerunning each layer's whole forward (Megatron-LM's re-entrant
     checkpoint function; Korthikanti et al.'s Table 4 shows it: full
     recomputation adds 7.6 ms to a layer whose forward takes 7.7).
@@ -80,7 +80,7 @@ def korthikanti_layer_ms(profile: HardwareProfile) -> dict[tuple[str | None, boo
     (each exposed, as Megatron-LM ran them in 2022), in milliseconds, for
     each of the table's settings."""
     from ptdp.config import ModelConfig
-    from ptdp.perf.stage_costs import operator_model
+    from ptdp.perf.price.stage_costs import operator_model
 
     shape = KORTHIKANTI_LAYER
     model = ModelConfig(num_layers=1, hidden_size=shape["hidden"],
@@ -150,7 +150,7 @@ def fit_paper_kernels(*, rounds: int = 20, tolerance: float = 1e-6) -> tuple[flo
 def fit_to_calibration_point(target_tflops: float = CALIBRATION_TFLOPS, *,
                              attention_core_fraction: float = PAPER_ATTENTION_CORE_FRACTION,
                              tolerance: float = 1e-6) -> float:
-    """The e_max for which `ptdp.perf.predict.simulate` predicts `target_tflops` per GPU
+    """The e_max for which `ptdp.perf.simulate.predict.simulate` predicts `target_tflops` per GPU
     for the paper's 1.7B run on `a100` with the paper's kernels
     (`paper_kernels`)."""
     workload, layout = calibration_point()

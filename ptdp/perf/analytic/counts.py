@@ -1,7 +1,7 @@
 """The paper's performance analysis as pure functions: parameters, FLOPs,
 pipeline bubble, microbatches in flight and communication volume, for one
 `Workload` under one `Layout` (ptdp.perf.layout); memory per device, which
-sums these, is ptdp.perf.memory.
+sums these, is ptdp.perf.analytic.memory.
 
 Nothing here starts a process or allocates a tensor. Where PAPER.md gives a
 formula it is used as written (and tests reproduce it); the rest is derived
@@ -56,7 +56,7 @@ router [E, h] (+ [E] with biases), E/EP routed experts each split over ETP
 expert split over t; GradBuffer keeps the routed experts' parameters in
 buckets of their own, replicated over EDP = t·d/(ETP·EP) ranks instead of d.
 
-Memory per device and the activations a rank keeps: ptdp.perf.memory.
+Memory per device and the activations a rank keeps: ptdp.perf.analytic.memory.
 
 Communication: see `communication_per_rank`.
 """
@@ -71,7 +71,7 @@ from ptdp.config import ModelConfig, TrainConfig
 from ptdp.model.shapes import logical_shapes
 from ptdp.schedules.kinds import check_arguments, kind_named, location_of, virtual_stage_of
 from ptdp.perf.layout import ByValue, Layout, Workload
-from ptdp.perf.flops import model_flops_per_iteration
+from ptdp.perf.analytic.flops import model_flops_per_iteration
 
 FP32 = 4
 
@@ -193,7 +193,7 @@ def active_parameter_count(model: ModelConfig) -> int:
     """The parameters one token uses: `parameter_count` less, in each MoE
     layer, the E − k routed experts it is not sent to (the router, the k
     routed experts and the shared expert count, as Megatron-LM and
-    ptdp.perf.flops count). The total for a dense model."""
+    ptdp.perf.analytic.flops count). The total for a dense model."""
     if not model.is_moe:
         return parameter_count(model)
     unused = (model.num_experts - model.moe_router_topk) * _expert_parameters(model)
@@ -404,7 +404,7 @@ def owned_elements(buckets: tuple[Bucket, ...], layout: Layout) -> int:
 
 def flops_per_iteration(workload: Workload, layout: Layout) -> float:
     """The paper's model FLOPs of one iteration, all devices together
-    (ptdp.perf.flops: 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)) without
+    (ptdp.perf.analytic.flops: 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)) without
     recomputation, 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) with full; under
     the Llama family's options 6·B·s·h·(l·((a + 2g)·d + h + (k + 1)·f + 2s)
     + V) and 8·B·s·h·(l·(…) + 3V/4), k = 2 with SwiGLU)."""

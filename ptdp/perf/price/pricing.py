@@ -7,7 +7,7 @@ t tensor size, E bytes per element of the workload's precision):
 
   GEMMs, priced by `HardwareProfile.gemm_seconds` (GPUs: output tiles over
   the SMs in waves, a fixed cost per tile plus k steps, at least the bytes
-  over the bandwidth, see ptdp.perf.gemm; CPUs: a roofline with a
+  over the bandwidth, see ptdp.perf.price.gemm; CPUs: a roofline with a
   saturating efficiency): QKV [b·s, h]×[h, 3h/t]; scores b·a/t ×
   [s, h/a]×[h/a, s]; context b·a/t × [s, s]×[s, h/a]; projection
   [b·s, h/t]×[h/t, h]; MLP [b·s, h]×[h, f/t] and [b·s, f/t]×[f/t, h].
@@ -25,7 +25,7 @@ t tensor size, E bytes per element of the workload's precision):
   LayerNorms ("layer_norm"), scale+mask+softmax and dropout over the
   b·(a/t)·s² scores ("attention_core"), the q/k/v and context reshapes
   ("elementwise"), bias+GeLU ("gelu"), two bias+dropout+add ("residual");
-  the byte counts are the functions below (calibrate.py uses the same), and
+  the byte counts are the functions below (calibrate/measure.py uses the same), and
   the weight gradients' accumulation into the fp32 buffer. A fixed
   `launch_overhead` per operator (40 forward, 80 backward per layer, counted
   on ptdp's eager layer). Tensor parallelism: two all-reduces of b·s·h·E
@@ -97,13 +97,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ptdp.perf import analytic
-from ptdp.perf.context_exchange import CONTEXT_EXCHANGE, context_exchange_seconds
+from ptdp.perf.analytic import counts as analytic
+from ptdp.perf.price.context_exchange import CONTEXT_EXCHANGE, context_exchange_seconds
 from ptdp.perf.layout import ByValue, Layout, Workload
-from ptdp.perf.machine import Machine
-from ptdp.perf.operator_bytes import (attention_core_bytes, copy_bytes, cross_entropy_bytes,
-                                      layer_memory_ops, layer_norm_bytes, residual_bytes)
-from ptdp.perf.profiles import HardwareProfile
+from ptdp.perf.price.machine import Machine
+from ptdp.perf.price.operator_bytes import (attention_core_bytes, copy_bytes, cross_entropy_bytes,
+                                            layer_memory_ops, layer_norm_bytes, residual_bytes)
+from ptdp.perf.price.profiles import HardwareProfile
 
 FORWARD_OPS_PER_LAYER = 40        # operators one layer's forward launches (ptdp.model.gpt, eager)
 BACKWARD_OPS_PER_LAYER = 80
@@ -542,7 +542,7 @@ class OperatorModel:
 
     # -- parameters --------------------------------------------------------------------------
     def stage_parameters(self, first: bool, last: bool, layers: int) -> int:
-        """Parameters of one virtual stage on one tensor rank (analytic.py's count)."""
+        """Parameters of one virtual stage on one tensor rank (analytic/counts.py's count)."""
         shared = self.w.model.tied_output and self.lay.p > 1
         return sum(param.numel for param in analytic._stage_parameters(
             self.w.model, self.t, layers, first, last, shared))

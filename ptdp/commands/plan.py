@@ -1,0 +1,288 @@
+"""`ptdp plan`: its flags (the model's shape and settings, the devices and
+the profile, each layout flag fixing its dimension) and its run: check them,
+search or price the layouts (ptdp.perf.plan), and print the table, the
+explanation, JSON, a `ptdp train` command or a plot. Torch-free at import."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from ptdp.config import Config, ConfigError, ModelConfig, validate
+from ptdp.output_paths import output_path_problems
+from ptdp.perf.analytic.counts import parameter_count
+from ptdp.perf.layout import Layout, Workload
+from ptdp.perf.plan.candidates import MIN_CONTEXT_POSITIONS, candidate_layouts
+from ptdp.perf.plan.fixed_dimensions import (FixedDimensions, dimensions_line, fix_all_layout,
+                                             fixed_dimensions, train_problems)
+from ptdp.perf.plan.planner import (EXACT_ROWS, MODEL_SETTINGS, MOE_SETTINGS, PLOT_FORMATS,
+                                    assumptions, caveat, context_without_dropout, describe,
+                                    evaluate_layout, explain, plot, search, table, train_command)
+from ptdp.perf.price.profiles import load_profile
+from ptdp.schedules.kinds import DEFAULT_SCHEDULE, KINDS, PLAN_CHOICES
+
+PLAN_SEQ_LENGTH = 2048     # the paper's
+PLAN_VOCAB_SIZE = 51200    # the paper's
+
+
+def _flag(name: str) -> str:
+    return {f.name: f for f in dataclasses.fields(ModelConfig)}[name].metadata["flag"]
+
+
+_TYPES = {"int": int, "float": float, "str": str}
+
+
+def _add_model_settings(group: argparse._ArgumentGroup) -> None:
+    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    for name in MODEL_SETTINGS:
+        f = fields[name]
+        meta = f.metadata
+        if f.type == "bool":
+            group.add_argument(meta["flag"], dest=name, action="store_true", help=meta["help"])
+            continue
+        kind = _TYPES[f.type.split("|")[0].strip()]
+        group.add_argument(meta["flag"], dest=name, type=kind, default=f.default,
+                           choices=meta.get("choices"),
+                           metavar=None if "choices" in meta else meta.get("metavar") or {
+                               int: "N", float: "X", str: "TEXT"}[kind],
+                           help=meta["help"] + ("" if f.default is None
+                                                else f" (default: {f.default})"))
+
+
+def add_plan_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "plan", help="choose and predict a layout (t, c, p, d, b, v, schedule, split, "
+                     "recomputation, sequence parallelism, optimizer sharding, EP, ETP)",
+        description="Search the layouts of a GPT (or a Llama-style model: --normalization "
+                    "RMSNorm --swiglu --position-embedding-type rope --group-query-attention "
+                    "--untie-embeddings-and-output-weights --disable-bias-linear; or a mixture of "
+                    "experts: --num-experts ...) on N devices, each layout flag fixing its "
+                    "dimension (--fix-all: evaluate exactly the given layout), and predict "
+                    "iteration time, TFLOP/s per device and memory.")
+    parser.not_taken = {"--moe-": "ptdp plan takes the MoE flags that shape its costs ("
+                        + ", ".join(_flag(name) for name in MOE_SETTINGS)
+                        + "); this one does not change them: drop it"}
+    model = parser.add_argument_group("model")
+    for flag, default, words in (
+            ("--num-layers", None, None), ("--hidden-size", None, None),
+            ("--num-attention-heads", None, None),
+            ("--seq-length", PLAN_SEQ_LENGTH, "sequence length the plan assumes"),
+            ("--vocab-size", PLAN_VOCAB_SIZE, "vocabulary the plan assumes (GPT-2's 50257 pads "
+                                              "to 50304; the paper's runs used 51200)"),
+            ("--ffn-hidden-size", None, "MLP width (default 4·h)")):
+        model.add_argument(flag, type=int, default=default, required=default is None
+                           and flag != "--ffn-hidden-size", metavar="N",
+                           help=None if words is None else words + (
+                               f" (default: {default})" if default else ""))
+    _add_model_settings(model)
+    parser.add_argument("--gpus", type=int, required=True, metavar="N", help="devices in all")
+    parser.add_argument("--gpu", default="a100", help="a100, h100, h200, local (the profile "
+                        "`ptdp calibrate` wrote) or a profile JSON path (default: a100)")
+    parser.add_argument("--global-batch-size", type=int, required=True, metavar="B")
+    parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16",
+                        help="the precision the plan assumes (default: bf16; `ptdp train "
+                             "--bf16`, `--fp16`, or neither for fp32)")
+    for precision in ("bf16", "fp16"):
+        parser.add_argument(f"--{precision}", dest="precision", action="store_const",
+                            const=precision, help=f"--precision {precision}, as `ptdp train` "
+                                                  "spells it")
+    add_layout_flags(parser)
+    parser.add_argument("--top", type=int, default=10, metavar="N", help="rows in the table")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--plot", metavar="PATH", help="draw throughput across layouts to this "
+                        ".png, .pdf or .svg file (the suffix picks the format)")
+    parser.add_argument("--print-flags", action="store_true",
+                        help="print the winner as a whole `ptdp train` command (model, "
+                             "precision, layout, batch, recomputation)")
+
+
+def _progress_printer():
+    """Reports the search's progress on stderr: a counter redrawn in place on
+    a terminal, a line at the start and the end elsewhere (logs)."""
+    terminal = sys.stderr.isatty()
+
+    def report(stage: str, done: int, total: int) -> None:
+        if terminal:
+            end = "\n" if stage == "done" else ""
+            print(f"\rptdp plan: {stage} {done:,}/{total:,} layouts" + " " * 8, end=end,
+                  file=sys.stderr, flush=True)
+        elif stage == "bounding" and done == 0:
+            print(f"ptdp plan: searching {total:,} layouts", file=sys.stderr, flush=True)
+        elif stage == "done":
+            print(f"ptdp plan: priced {done:,} of {total:,} layouts (the others cannot reach "
+                  f"the top {EXACT_ROWS})", file=sys.stderr, flush=True)
+    return report
+
+
+def model_from_args(args: argparse.Namespace) -> ModelConfig:
+    """The ModelConfig `plan`'s flags describe."""
+    return ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                       num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
+                       vocab_size=args.vocab_size, ffn_hidden_size=args.ffn_hidden_size,
+                       **{name: getattr(args, name) for name in MODEL_SETTINGS})
+
+
+def _layouts_to_price(args: argparse.Namespace, fixed: FixedDimensions, workload: Workload
+                      ) -> tuple[Layout | None, list[Layout]]:
+    """The one layout to price (--fix-all, or the only valid one), or None
+    and the candidates to search; a fixed value no valid layout has is
+    refused here, before any pricing, with `ptdp train`'s own message."""
+    model, batch, devices = workload.model, workload.global_batch, args.gpus
+    if fixed.fix_all:
+        layout = fix_all_layout(args, model, devices)
+        problems = (train_problems(model, layout, batch, devices, args.precision)
+                    or layout.valid_for(model, batch))
+        if problems:
+            raise ConfigError(problems)
+        return layout, [layout]
+    candidates = list(candidate_layouts(workload, devices, **fixed.restrictions))
+    if not candidates:
+        # No layout has these values: say why, as `ptdp train` would of the
+        # layout with every other dimension at its default.
+        try:
+            layout = fix_all_layout(args, model, devices)
+            problems = (train_problems(model, layout, batch, devices, args.precision)
+                        or layout.valid_for(model, batch))
+        except ConfigError as error:
+            problems = error.problems
+        given = ", ".join(fixed.given.values())
+        raise ConfigError(problems or [
+            f"no layout with {given} is valid for this model and batch on {devices} devices "
+            f"(ptdp train would accept it with the other dimensions at their defaults, but the "
+            f"search's limits exclude it): price it with --fix-all, or fix fewer dimensions"])
+    if len(candidates) == 1:   # every dimension given (or determined): that layout
+        return candidates[0], candidates
+    return None, candidates
+
+
+def run_plan_command(args: argparse.Namespace) -> int:
+    model = model_from_args(args)
+    problems = [f"{flag} must be positive" for flag, value in
+                (("--gpus", args.gpus), ("--global-batch-size", args.global_batch_size),
+                 ("--context-parallel-size", args.context_parallel_size))
+                if value is not None and value < 1]
+    if args.plot is not None:  # checked now, not after the search
+        problems += output_path_problems("--plot", args.plot, suffix=PLOT_FORMATS)
+    try:   # the model's own rules, as `ptdp train` checks them (with t = p = d = 1)
+        validate(Config(model=model))
+    except ConfigError as error:
+        problems += error.problems
+    if problems:
+        raise ConfigError(problems)
+    try:
+        profile = load_profile(args.gpu)
+    except (OSError, ValueError) as error:
+        raise ConfigError([f"--gpu {args.gpu}: {error}"]) from None
+    workload = Workload(model, args.global_batch_size, args.precision)
+    fixed = fixed_dimensions(args, model, args.gpus)
+    layout, candidates = _layouts_to_price(args, fixed, workload)
+    if layout is not None:
+        results = [evaluate_layout(workload, layout, profile)]
+    else:
+        results = search(workload, args.gpus, profile, progress=_progress_printer(),
+                         candidates=candidates)
+        if not results:
+            raise ConfigError([f"no layout of this model fits {args.gpus} × "
+                               f"{profile.memory_bytes / 2**30:.0f} GiB ({profile.name}); add "
+                               "devices or shrink the model or batch"
+                               + ("" if not fixed.given else ", or fix fewer dimensions")])
+    dimensions = dimensions_line(fixed, candidates, model)
+    notes = [note for note in [None if layout is not None else context_without_dropout(
+        workload, args.gpus, profile, fixed, results[0])] if note]
+    if args.json:
+        print(json.dumps({"profile": profile.name, "devices": args.gpus,
+                          "global_batch_size": args.global_batch_size,
+                          "seq_length": model.seq_length, "vocab_size": model.vocab_size,
+                          "precision": args.precision,
+                          "parameters": parameter_count(model),
+                          "fixed": fixed.given, "dimensions": dimensions, "notes": notes,
+                          "results": [e.summary() for e in results[:max(args.top, 1)]]}, indent=1))
+    else:
+        print(f"model: {parameter_count(model) / 1e9:.3g} B parameters")
+        print(assumptions(workload, args.gpus, profile))
+        if caveat(profile):
+            print(caveat(profile))
+        print(dimensions)
+        print(table(results, args.top))
+        print()
+        if layout is not None:   # one layout: its breakdown
+            e = results[0]
+            print(f"{describe(e.layout, model)}: {e.seconds:.3f} s per iteration, "
+                  f"{e.tflops:.1f} TFLOP/s per device, {e.memory['total'] / 2**30:.1f} GiB per device"
+                  + ("" if e.fits else f" (does NOT fit {profile.memory_bytes / 2**30:.0f} GiB)"))
+            for name, seconds in sorted(e.prediction.seconds_by_category.items(),
+                                        key=lambda kv: -kv[1]):
+                print(f"  {name:<24} {seconds:.4f} s")
+        else:
+            print("\n".join(explain(results, profile)))
+        for note in notes:
+            print(note)
+    if args.print_flags:
+        command = train_command(model, results[0].layout, args.global_batch_size, args.precision)
+        print(("" if args.json else "\n") + command, file=sys.stdout)
+    if args.plot:
+        plot(results, args.plot)
+        if not args.json:
+            print(f"drew {args.plot}")
+    return 0
+
+
+def add_layout_flags(parser: argparse.ArgumentParser) -> None:
+    layout = parser.add_argument_group(
+        "layout (each flag fixes its dimension, the search covers the others)")
+    layout.add_argument("--fix-all", action="store_true",
+                        help="price exactly the given layout, every dimension not given at "
+                             "`ptdp train`'s default (b = 1): no search")
+    layout.add_argument("--tensor-model-parallel-size", "-t", type=int, metavar="N")
+    layout.add_argument("--pipeline-model-parallel-size", "-p", type=int, metavar="N")
+    layout.add_argument("--data-parallel-size", type=int, metavar="N",
+                        help="as for `ptdp train` (default: --gpus / (t·c·p))")
+    layout.add_argument("--micro-batch-size", type=int, metavar="N")
+    layout.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, metavar="N",
+                        help=f"fixes v = l / (p·N) (interleaved 1F1B, or {_v_kinds()} where "
+                             f"v = 2)")
+    layout.add_argument("--pipeline-schedule", choices=PLAN_CHOICES,
+                        help=f"as for `ptdp train` ({_v_kinds()}: two chunks per rank; "
+                             f"{DEFAULT_SCHEDULE} is interleaved with "
+                             f"--num-layers-per-virtual-pipeline-stage; {_unsearched()} is priced "
+                             f"only when given)")
+    layout.add_argument("--recompute-granularity", choices=("full", "selective"),
+                        help="as for `ptdp train` (no recomputation, its default, has no flag: "
+                             "it is searched, or fixed by --fix-all)")
+    layout.add_argument("--recompute-method", choices=("uniform",),
+                        help="the plan prices full recomputation as uniform, 1 layer per group")
+    layout.add_argument("--recompute-num-layers", type=int, choices=(1,), metavar="1")
+    layout.add_argument("--sequence-parallel", action="store_true",
+                        help="fixes sequence parallelism on (needs t > 1 dividing --seq-length); "
+                             "off has no flag: it is searched, or fixed by --fix-all")
+    layout.add_argument("--use-distributed-optimizer", action="store_true",
+                        help="fixes the sharded optimizer on (off: searched, or --fix-all)")
+    layout.add_argument("--no-scatter-gather-tensors-in-pipeline", dest="scatter_gather",
+                        action="store_false", help="as for `ptdp train`")
+    layout.add_argument("--decoder-first-pipeline-num-layers", type=int, metavar="N",
+                        help="as for `ptdp train`: layers on the first pipeline rank")
+    layout.add_argument("--decoder-last-pipeline-num-layers", type=int, metavar="N",
+                        help="as for `ptdp train`: layers on the last pipeline rank")
+    layout.add_argument("--account-for-embedding-in-pipeline-split", action="store_true")
+    layout.add_argument("--account-for-loss-in-pipeline-split", action="store_true")
+    layout.add_argument("--expert-model-parallel-size", type=int, metavar="N",
+                        help="as for `ptdp train`: EP (an MoE model's experts over EP ranks)")
+    layout.add_argument("--expert-tensor-parallel-size", type=int, metavar="N",
+                        help="as for `ptdp train`: ETP (default t)")
+    context = parser.add_argument_group("context parallelism (searched unless given)")
+    context.add_argument("--context-parallel-size", type=int, metavar="N",
+                         help="as for `ptdp train`: c ranks each holding s/c of every sequence "
+                              "(default: c is searched from 1 "
+                              f"while s/c >= {MIN_CONTEXT_POSITIONS})")
+    context.add_argument("--cp-comm-type", choices=("p2p", "all_gather", "a2a"),
+                         help="as for `ptdp train` (default: p2p)")
+
+
+def _v_kinds() -> str:
+    return " or ".join(k.name for k in KINDS.values() if k.flag and k.fixed_chunks)
+
+
+def _unsearched() -> str:
+    return " or ".join(k.name for k in KINDS.values() if k.flag and not k.searched)
