@@ -59,8 +59,7 @@ class DivergenceError(UserError):
 # from anywhere. tests/test_launch.py checks that each one still exists.
 USER_ERROR_TYPES = frozenset({
     "ptdp.config.ConfigError",
-    "ptdp.train.checkpoint.CheckpointError",
-    "ptdp.train.checkpoint_integrity.CheckpointError",  # defined there, imported by checkpoint
+    "ptdp.checkpoint.errors.CheckpointError",
     "ptdp.data.loader.DataSettingsError",
     "ptdp.data.gpt_dataset.DataError",
     "ptdp.data.tokenizer.TokenizerError",

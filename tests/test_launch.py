@@ -456,7 +456,7 @@ def test_under_torchrun_a_user_error_is_one_paragraph_and_a_bug_keeps_its_traceb
         monkeypatch, capsys, tmp_path):
     """Under torchrun the rank itself prints: `main` knows the rank it joined as."""
     import ptdp.train.loop
-    from ptdp.train.checkpoint import CheckpointError
+    from ptdp.checkpoint.store import CheckpointError
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.delenv("PTDP_TRACEBACK", raising=False)

@@ -17,6 +17,11 @@ import torch.distributed as dist
 from ptdp import device as devices
 from ptdp.plural import plural
 from ptdp.status import phase
+from ptdp.checkpoint.lock import SaveLock
+from ptdp.checkpoint.retention import Lineage, point_latest
+from ptdp.checkpoint.snapshot import save_checkpoint
+from ptdp.checkpoint.state import TrainingState
+from ptdp.checkpoint.store import read_metadata, resolve
 from ptdp.config import Config
 from ptdp.data.batches import ConsumedSamples, GlobalBatches
 from ptdp.data.loader import TrainingBatches, TrainingData, build_training_data, split_microbatch
@@ -34,12 +39,10 @@ from ptdp.parallel.sharding import COPY_ATTR, logical_shape
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.perf.analytic import active_parameter_count, parameter_count
 from ptdp.perf.flops import configured_flops_per_iteration
-from ptdp.train.async_save import RunSaves
-from ptdp.train.checkpoint import load_checkpoint, load_summary, read_metadata, resolve
-from ptdp.train.checkpoint_save import save_checkpoint
 from ptdp.train.evaluate import evaluate
 from ptdp.train.housekeeping import Housekeeping
-from ptdp.train.loss_range import LossRange
+from ptdp.train import lr_resume
+from ptdp.train.loss_range import RECORD as LOSS_RANGE, LossRange
 from ptdp.train.moe_metrics import balancing_metrics, moe_layers, set_aux_loss_scale, \
     start_iteration as start_moe_iteration, update_expert_biases
 from ptdp.train.lr_schedule import LRSchedule
@@ -47,8 +50,8 @@ from ptdp.train.optimizer import Optimizer, embedding_and_output_weights
 from ptdp.train.peak_memory import job_fields as memory_fields, own_codes as memory_codes
 from ptdp.train.report import (Progress, TensorBoardLogger, format_log_line, peak_tflops,
                                plot_loss_curve, throughput)
-from ptdp.train.retention import point_latest
-from ptdp.train.save_lock import SaveLock
+from ptdp.train.resume import load_checkpoint, load_summary
+from ptdp.train.saves import RunSaves
 from ptdp.train.stopping import StopConditions
 
 
@@ -64,7 +67,7 @@ def worker(env: DistEnv, config: Config) -> list[dict[str, Any]]:
     init_process_group(env, devices.backend_for(kind), timeout)
     lock = None
     try:
-        # One job at a time saves into --save (save_lock.py): the first rank holds it.
+        # One job at a time saves into --save (ptdp.checkpoint.lock): the first rank holds it.
         lock = SaveLock(config.train.save) if config.train.save and env.rank == 0 else None
         t, c, p = (par.tensor_model_parallel_size, par.context_parallel_size,
                    par.pipeline_model_parallel_size)
@@ -110,6 +113,15 @@ class Trainer:
         # its step count is the iterations since, less those skipped.
         self.optimizer_start: tuple[int, int] | None = (self.start_iteration, 0)
         self.loss_range = LossRange()  # which checkpoints are good (a load replaces it)
+        # The run's place in the history of checkpoints, and what a fine-tune
+        # started from (a load replaces both: ptdp.checkpoint.retention).
+        self.checkpoint_lineage = Lineage.fresh()
+        self.finetuned_from: dict | None = None
+        # What the run's checkpoints carry: its tokenizer.json (read once, at
+        # --load or the first save: a later save may find the loaded
+        # checkpoint pruned) and a loaded checkpoint's other Hugging Face files.
+        self.carried_tokenizer: bytes | None = None
+        self.carried_hf_files: dict[str, bytes] | None = None
         self.config, self.ctx, self.device = config, ctx, device
         p, d, b = ctx.pp_size, ctx.dp_size, tr.micro_batch_size
         self.num_chunks = par.virtual_stages(model_cfg.num_layers)
@@ -223,9 +235,40 @@ class Trainer:
 
     def save(self, directory: str, iteration: int):
         """Checkpoint after `iteration` iterations (every rank calls it); returns its directory."""
-        return save_checkpoint(self, directory, iteration=iteration,
-                               consumed_samples=self.consumed_before(iteration),
+        return save_checkpoint(self.training_state(iteration), directory,
                                keep_last=self.config.train.keep_last)
+
+    def training_state(self, iteration: int | None = None) -> TrainingState:
+        """This rank's training state, as ptdp.checkpoint writes and reads it:
+        after `iteration` iterations for a save (rank 0 then reads the
+        tokenizer its checkpoints carry), or as the run starts (None) for a
+        load, which fills its model and optimizer."""
+        saving = iteration is not None
+        iteration = self.start_iteration if iteration is None else iteration
+        return TrainingState(
+            ctx=self.ctx, config=self.config, chunks=self.chunks, num_chunks=self.num_chunks,
+            buffer=self.buffer, optimizer=self.optimizer, device=self.device,
+            iteration=iteration, consumed_samples=self.consumed_before(iteration),
+            run_start=(self.start_iteration, self.start_consumed),
+            optimizer_start=self.optimizer_start, skipped_iterations=self.skipped_iterations,
+            lineage=self.checkpoint_lineage, loss_watch=self.loss_range,
+            records={lr_resume.RECORD: lr_resume.record(self),
+                     LOSS_RANGE: self.loss_range.record()},
+            finetuned_from=self.finetuned_from,
+            carried_tokenizer=self.tokenizer_to_carry() if saving and self.ctx.rank == 0 else None,
+            carried_hf_files=self.carried_hf_files)
+
+    def tokenizer_to_carry(self) -> bytes | None:
+        """The tokenizer.json the run's checkpoints carry: its own
+        (HuggingFaceTokenizer), which may be the copy in the checkpoint it
+        resumed from, so a chain of resumes keeps it. Read once, at --load
+        or at the first save: a later save may find the loaded checkpoint pruned."""
+        data = self.config.data
+        if data.mock_data or data.tokenizer_type != "HuggingFaceTokenizer" or not data.tokenizer_model:
+            return None
+        if self.carried_tokenizer is None:
+            self.carried_tokenizer = Path(data.tokenizer_model).read_bytes()
+        return self.carried_tokenizer
 
     def load(self, directory: str) -> dict[str, Any]:
         """Weights, optimizer state and random streams from a checkpoint,

@@ -54,7 +54,7 @@ from ptdp.config import signal_from_name
 from ptdp.errors import DivergenceError
 from ptdp.graceful_signals import GRACEFUL_SIGNALS
 from ptdp.plural import plural
-from ptdp.train.retention import latest_name
+from ptdp.checkpoint.retention import latest_name
 
 REPEAT_WINDOW_SECONDS = 3.0
 # --exit-duration-in-mins counts from here: a scheduler's time limit runs
