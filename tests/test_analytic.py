@@ -41,7 +41,8 @@ from ptdp.perf.memory import (activation_bytes, korthikanti_activation_bytes_per
                                memory_per_device, memory_per_rank)
 from ptdp.perf.layout import Layout, Workload
 from ptdp.perf.saved import SavedTensorBytes
-from ptdp.train.loop import Trainer, count_parameters
+from ptdp.train.banner import count_parameters
+from ptdp.train.loop import Trainer
 from ptdp.perf.flops import model_flops_per_iteration
 
 ACTIVATION_TOLERANCE = 0.01   # relative; the brief allows 20 %; the model is exact on torch 2.13

@@ -28,6 +28,13 @@ class RunSaves:
                                  announce=trainer.ctx.rank == 0)
                       if tr.save and tr.async_save else None)
 
+    def due(self, done: int, stopping: bool) -> bool:
+        """Whether the run saves after iteration `done`: with --save, at its
+        last iteration, at a stop (`stopping`) and every --save-interval."""
+        tr = self.trainer.config.train
+        return bool(tr.save) and (done == self.trainer.train_iters or stopping
+                                  or bool(tr.save_interval and done % tr.save_interval == 0))
+
     def at_boundary(self) -> dict[str, float]:
         """After an iteration's step: publish an asynchronous save whose
         writers are all done; the record's `save_blocked_ms` (the seconds
