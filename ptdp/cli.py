@@ -192,7 +192,7 @@ def _reporting_problems(config: Config) -> list[str]:
 
 def _checkpoint_problems(config: Config) -> list[str]:
     """--save/--load/--save-interval/--keep-last, checked before launching."""
-    from ptdp.train.checkpoint import CheckpointError, check_model_fits, read_metadata, resolve
+    from ptdp.checkpoint.store import CheckpointError, check_model_fits, read_metadata, resolve
 
     tr, problems = config.train, []
     for flag_name, value in (("--save-interval", tr.save_interval), ("--keep-last", tr.keep_last)):
@@ -201,13 +201,13 @@ def _checkpoint_problems(config: Config) -> list[str]:
         elif value is not None and not tr.save:
             problems.append(f"{flag_name} needs --save DIR")
     if tr.save:
-        from ptdp.train.checkpoint import save_inside_a_checkpoint
-        from ptdp.train.save_lock import problem as save_in_use
+        from ptdp.checkpoint.store import save_inside_a_checkpoint
+        from ptdp.checkpoint.lock import problem as save_in_use
 
         problems.extend(_save_directory_problems(tr.save))
         problems.extend(p for p in (save_inside_a_checkpoint(tr.save), save_in_use(tr.save)) if p)
     if tr.load:
-        from ptdp.train.checkpoint import nothing_to_train
+        from ptdp.checkpoint.store import nothing_to_train
         from ptdp.train.lr_resume import schedule_problems
 
         try:
@@ -289,7 +289,7 @@ def _nothing_to_resume(load: str) -> bool:
     """Whether --load's directory holds no checkpoint at all: missing, or
     without `latest`, metadata or any iter_* directory (a directory with some
     of them is a damaged one, which loading reports)."""
-    from ptdp.train.retention import LATEST, METADATA
+    from ptdp.checkpoint.retention import LATEST, METADATA
 
     directory = Path(load)
     if not directory.exists():
@@ -380,13 +380,13 @@ def run_train(config: Config, explicit: Sequence[str] = (), accepted: Sequence =
     `before_launch()` is called once the checks pass, before any rank or
     the training loop starts."""
     from ptdp.data.loader import check_datasets
-    from ptdp.train.checkpoint_data import resolve_data
+    from ptdp.checkpoint.data_settings import resolve_data
     from ptdp.device import resolve_kind
     from ptdp.distributed import LOOPBACK, DistEnv, detect_env
     from ptdp.launch import CPU_RANK_MODULES, LocalJobFailed, launch_local
     from ptdp.perf.local_processes import local_process_problems
-    from ptdp.train.checkpoint import nothing_to_train
-    from ptdp.train.checkpoint_args import changed_settings_note, with_checkpoint_shape
+    from ptdp.checkpoint.store import nothing_to_train
+    from ptdp.checkpoint.args import changed_settings_note, with_checkpoint_shape
     from ptdp.config.moe import megatron_reading_notes
     from ptdp.train.loop import worker
 

@@ -226,7 +226,7 @@ def generate_text(request: GenerateRequest, ctx: ParallelContext, device: torch.
     """The request's prompt and its continuation as text (the continuation
     alone without `echo_prompt`), or with `output_ids` the new token ids,
     comma-separated. Every rank of the layout calls it."""
-    from ptdp.train.checkpoint_data import model_tokenizer
+    from ptdp.checkpoint.data_settings import model_tokenizer
     from ptdp.sampling import generate
 
     config, weights = read_checkpoint_model(request.load)
@@ -244,7 +244,7 @@ def generate_text(request: GenerateRequest, ctx: ParallelContext, device: torch.
 
 
 def read_checkpoint_model(load: str) -> tuple[Config, dict[str, torch.Tensor]]:
-    """The settings and logical weights of checkpoint `load`. checkpoint.py
+    """The settings and logical weights of checkpoint `load`. ptdp.checkpoint
     refuses a damaged checkpoint with a CheckpointError; an error of the
     libraries beneath it (safetensors, JSON) becomes one too, so that a
     damaged checkpoint is a user error, one paragraph, on any rank."""
@@ -252,7 +252,7 @@ def read_checkpoint_model(load: str) -> tuple[Config, dict[str, torch.Tensor]]:
 
     from safetensors import SafetensorError
 
-    from ptdp.train.checkpoint import CheckpointError, load_logical_model
+    from ptdp.checkpoint.store import CheckpointError, load_logical_model
 
     try:
         config, weights, _ = load_logical_model(load)
@@ -339,11 +339,11 @@ def add_generate_parser(commands: argparse._SubParsersAction) -> None:
 
 def run_generate_command(args: argparse.Namespace) -> int:
     from ptdp import device as devices
-    from ptdp.train.checkpoint_data import model_tokenizer
+    from ptdp.checkpoint.data_settings import model_tokenizer
     from ptdp.data.tokenizer import TokenizerError
     from ptdp.launch import CPU_RANK_MODULES, LocalJobFailed, launch_local
     from ptdp.parallel.topology import ParallelContext
-    from ptdp.train.checkpoint import CheckpointError
+    from ptdp.checkpoint.store import CheckpointError
 
     if (args.prompt is None) == (args.prompt_ids is None):
         raise ConfigError(["give the prompt either as text, --prompt TEXT, or as token ids, "
@@ -397,7 +397,7 @@ def _announce(args: argparse.Namespace, prompt: list[int], settings: SamplingSet
     import sys
 
     from ptdp.plural import plural
-    from ptdp.train.checkpoint import resolve
+    from ptdp.checkpoint.store import resolve
 
     given = (f"the ids {args.prompt_ids}" if args.prompt_ids is not None
              else repr(args.prompt if len(args.prompt) <= 60 else args.prompt[:57] + "..."))
@@ -494,7 +494,7 @@ def _check_context(prompt: list[int], new: int, model, layout) -> None:
 def _checkpoint_config(load: str) -> Config:
     """The settings a checkpoint was saved with; a ConfigError naming the
     file when the checkpoint is missing or damaged."""
-    from ptdp.train.checkpoint import METADATA, CheckpointError, read_metadata, resolve
+    from ptdp.checkpoint.store import METADATA, CheckpointError, read_metadata, resolve
 
     try:
         directory = resolve(load)

@@ -85,8 +85,8 @@ def _output_problems(output: str, exporting: bool) -> list[str]:
     if exporting:
         problem = export_directory_problem(output)
         return [f"{flag} {problem}"] if problem else []
-    from ptdp.train import save_lock
-    from ptdp.train.checkpoint import save_inside_a_checkpoint
+    from ptdp.checkpoint import lock as save_lock
+    from ptdp.checkpoint.store import save_inside_a_checkpoint
 
     return [problem for problem in (save_inside_a_checkpoint(output), save_lock.problem(output))
             if problem]
@@ -135,8 +135,8 @@ def _export(load: str, directory: str) -> int:
     from safetensors import SafetensorError
 
     from ptdp.data.tokenizer import TokenizerError
-    from ptdp.train.checkpoint import CheckpointError, load_logical_model, resolve
-    from ptdp.train.checkpoint_hf_files import checkpoint_hf_files
+    from ptdp.checkpoint.store import CheckpointError, load_logical_model, resolve
+    from ptdp.checkpoint.carry import checkpoint_hf_files
 
     try:
         config, weights, metadata = load_logical_model(load)
@@ -175,8 +175,8 @@ def _export(load: str, directory: str) -> int:
 def _import(directory: str, save: str, apply_layernorm_1p: bool = False) -> int:
     from safetensors import SafetensorError
 
-    from ptdp.train.checkpoint import CheckpointError, save_logical_model
-    from ptdp.train.save_lock import SaveDirectoryInUse
+    from ptdp.checkpoint.store import CheckpointError, save_logical_model
+    from ptdp.checkpoint.lock import SaveDirectoryInUse
 
     hf_config = read_hf_config(directory)
     family = family_for_import(hf_config, directory)
