@@ -94,7 +94,8 @@ from ptdp.perf.analytic.counts import parameter_count
 from ptdp.perf.analytic.flops import configured_flops_per_iteration
 from ptdp.perf.layout import Layout, Workload
 from ptdp.perf.analytic.memory import memory_per_device
-from ptdp.train.loop import Trainer, count_parameters
+from ptdp.train.banner import count_parameters
+from ptdp.train.loop import Trainer
 from ptdp.train.report import peak_tflops
 
 HEADING = "## GPU benchmark (one GPU, bf16)"

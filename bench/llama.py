@@ -27,7 +27,8 @@ from results import cpu_name, publish  # bench/results.py: the script folder is 
 
 from ptdp.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from ptdp.parallel.topology import ParallelContext
-from ptdp.train.loop import Trainer, count_parameters
+from ptdp.train.banner import count_parameters
+from ptdp.train.loop import Trainer
 from ptdp.perf.analytic.flops import model_flops_per_iteration
 
 HEADING = "## GPT and Llama-style model, same width and depth (CPU, one process)"

@@ -48,15 +48,15 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 
 from ptdp import device as devices
+from ptdp.checkpoint import store
+from ptdp.checkpoint.data_settings import model_tokenizer
+from ptdp.checkpoint.store import CheckpointError
 from ptdp.config import Config, ConfigError
 from ptdp.distributed import init_process_group
 from ptdp.model.gpt import build_chunks
 from ptdp.parallel.sharding import SHARD_ATTR, shard
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.sampling import SamplingSettings, generate
-from ptdp.train import checkpoint
-from ptdp.train.checkpoint import CheckpointError
-from ptdp.train.checkpoint_data import model_tokenizer
 
 
 @dataclass
@@ -234,12 +234,12 @@ def generate_text(request: GenerateRequest, ctx: ParallelContext, device: torch.
 
 
 def read_checkpoint_model(load: str) -> tuple[Config, dict[str, torch.Tensor]]:
-    """The settings and logical weights of checkpoint `load`. checkpoint.py
+    """The settings and logical weights of checkpoint `load`. ptdp.checkpoint
     refuses a damaged checkpoint with a CheckpointError; an error of the
     libraries beneath it (safetensors, JSON) becomes one too, so that a
     damaged checkpoint is a user error, one paragraph, on any rank."""
     try:
-        config, weights, _ = checkpoint.load_logical_model(load)
+        config, weights, _ = store.load_logical_model(load)
     except (SafetensorError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError,
             AttributeError) as error:
         raise CheckpointError(f"--load {load}: the checkpoint cannot be read "

@@ -38,7 +38,7 @@ REPEAT_WINDOW_SECONDS = 3.0
 # process starts, and by `ptdp train` before its checks).
 PROCESS_STARTED = time.monotonic()
 # The file in a --save directory that names its newest checkpoint (the
-# checkpoint format's pointer, ptdp.train.retention.LATEST, which
+# checkpoint format's pointer, ptdp.checkpoint.retention.LATEST, which
 # tests/test_stop_reports.py holds equal): read here directly, so that the
 # launcher needs nothing from training.
 LATEST = "latest"

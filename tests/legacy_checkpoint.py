@@ -9,7 +9,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from ptdp.train.checkpoint_integrity import FORMAT
+from ptdp.checkpoint.integrity import FORMAT
 
 
 def make_version_1(directory: Path) -> None:

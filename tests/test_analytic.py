@@ -41,7 +41,8 @@ from ptdp.perf.analytic.memory import (activation_bytes, korthikanti_activation_
                                        memory_per_device, memory_per_rank)
 from ptdp.perf.layout import Layout, Workload
 from ptdp.perf.analytic.saved import SavedTensorBytes
-from ptdp.train.loop import Trainer, count_parameters
+from ptdp.train.banner import count_parameters
+from ptdp.train.loop import Trainer
 from ptdp.perf.analytic.flops import model_flops_per_iteration
 
 ACTIVATION_TOLERANCE = 0.01   # relative; the brief allows 20 %; the model is exact on torch 2.13

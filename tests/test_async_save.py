@@ -19,15 +19,15 @@ from pathlib import Path
 import pytest
 import torch
 
-import ptdp.train.checkpoint_save as checkpoint_save
+import ptdp.checkpoint.snapshot as checkpoint_save
 from ptdp.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, validate
 from ptdp.errors import RankFailure
 from ptdp.parallel.topology import ParallelContext, RankGrid
-from ptdp.train.async_save import AsyncSaveError, AsyncSaver
-from ptdp.train.checkpoint import read_metadata, resolve
-from ptdp.train.checkpoint_integrity import SEAL
+from ptdp.checkpoint.async_writer import AsyncSaveError, AsyncSaver
+from ptdp.checkpoint.store import read_metadata, resolve
+from ptdp.checkpoint.integrity import SEAL
 from ptdp.train.loop import Trainer
-from ptdp.train.retention import LINEAGE
+from ptdp.checkpoint.retention import LINEAGE
 from tests.test_checkpoint import CPU, MODEL, _config
 from tests.test_fault_matrix import mount_tmpfs, small_disk  # noqa: F401 - fixtures
 
@@ -256,7 +256,7 @@ SLOW_WRITES = textwrap.dedent('''
     import time
 
     def _install():
-        import ptdp.train.checkpoint_save as checkpoint_save
+        import ptdp.checkpoint.snapshot as checkpoint_save
         write = checkpoint_save.Snapshot.write
 
         def slow(self, durable=False):

@@ -9,7 +9,7 @@ import torch
 from ptdp.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from ptdp.parallel.sharding import SHARD_ATTR, gather_logical
 from ptdp.parallel.topology import ParallelContext, RankGrid
-from ptdp.train.checkpoint import (CheckpointError, load_logical_model, read_metadata, resolve,
+from ptdp.checkpoint.store import (CheckpointError, load_logical_model, read_metadata, resolve,
                                    save_logical_model)
 from ptdp.train.loop import Trainer
 

@@ -19,11 +19,11 @@ from safetensors.torch import load_file, save_file
 from ptdp.cli import main
 from ptdp.config import Config, DataConfig, ModelConfig, TrainConfig
 from ptdp.parallel.topology import ParallelContext
-from ptdp.train.checkpoint import (CheckpointError, load_logical_model, load_summary,
-                                   read_metadata, resolve)
-from ptdp.train.checkpoint_args import with_checkpoint_shape
-from ptdp.train.checkpoint_integrity import seal, tensor_file_metadata
+from ptdp.checkpoint.store import CheckpointError, load_logical_model, read_metadata, resolve
+from ptdp.checkpoint.args import with_checkpoint_shape
+from ptdp.checkpoint.integrity import seal, tensor_file_metadata
 from ptdp.train.loop import Trainer
+from ptdp.train.resume import load_summary
 from tests.legacy_checkpoint import make_version_1
 
 MODEL = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
@@ -272,7 +272,7 @@ def test_a_sealed_checkpoint_cannot_pass_as_one_before_the_seal(save):
 
 
 def test_tensor_files_record_the_format_version(trained):
-    from ptdp.train.checkpoint_integrity import FORMAT_VERSION
+    from ptdp.checkpoint.integrity import FORMAT_VERSION
     fresh = Trainer(_config(), ParallelContext.single(), CPU)
     directory = fresh.save(str(trained.parent / "fresh"), 0)
     from safetensors import safe_open

@@ -15,9 +15,10 @@ import torch
 
 from ptdp.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from ptdp.parallel.topology import ParallelContext, RankGrid
-from ptdp.train.checkpoint import _restore_rng, read_metadata, resolve
-from ptdp.train.checkpoint_integrity import seal
-from ptdp.train.checkpoint_layout import (layout_record, part_name, rng_file, writes_state_buffers,
+from ptdp.checkpoint.state import restore_rng as _restore_rng
+from ptdp.checkpoint.store import read_metadata, resolve
+from ptdp.checkpoint.integrity import seal
+from ptdp.checkpoint.layout import (layout_record, part_name, rng_file, writes_state_buffers,
                                           writes_tensor)
 from ptdp.train.loop import Trainer
 

@@ -14,8 +14,8 @@ import torch
 from ptdp.config import Config, DataConfig, ModelConfig, TrainConfig
 from ptdp.interop.logical import logical_shapes
 from ptdp.parallel.topology import ParallelContext
-from ptdp.train import checkpoint, checkpoint_save, retention
-from ptdp.train.checkpoint import (CheckpointError, read_metadata, resolve, save_logical_model,
+from ptdp.checkpoint import retention, snapshot as checkpoint_save, store as checkpoint
+from ptdp.checkpoint.store import (CheckpointError, read_metadata, resolve, save_logical_model,
                                    verify_file)
 from ptdp.train.loop import Trainer
 from tests.legacy_checkpoint import make_version_1

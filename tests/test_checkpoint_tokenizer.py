@@ -12,11 +12,11 @@ import torch
 
 from ptdp.cli import main
 from ptdp.config import Config, ConfigError, DataConfig, ModelConfig
-from ptdp.train.checkpoint_data import model_tokenizer, resolve_data
+from ptdp.checkpoint.data_settings import model_tokenizer, resolve_data
 from ptdp.data.preprocess import TokenizerSpec, preprocess
 from ptdp.data.tokenizer import build_tokenizer, train_tokenizer
 from ptdp.interop.logical import logical_shapes
-from ptdp.train.checkpoint import (CheckpointError, checkpoint_tokenizer, load_logical_model,
+from ptdp.checkpoint.store import (CheckpointError, checkpoint_tokenizer, load_logical_model,
                                    read_metadata, resolve, save_logical_model)
 
 TEXT = "".join(f"the {animal} sat on the mat number {i}. "

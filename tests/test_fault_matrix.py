@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ptdp.train.checkpoint import load_logical_model, read_metadata, resolve
+from ptdp.checkpoint.store import load_logical_model, read_metadata, resolve
 from tests.test_train_cli import _spawned_children
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
@@ -405,7 +405,7 @@ def test_a_planted_lock_file_is_refused_before_launch_and_never_followed(tmp_pat
     """SAVE/.ptdp-save.lock as a symbolic link (to a file the job may
     write) or a directory: one paragraph before launch, nothing followed,
     and a rank that meets one planted after that check says the same."""
-    from ptdp.train.save_lock import LOCK_FILE, LockFileNotUsable, SaveLock
+    from ptdp.checkpoint.lock import LOCK_FILE, LockFileNotUsable, SaveLock
 
     save, victim = tmp_path / "ckpt", tmp_path / "victim"
     save.mkdir()

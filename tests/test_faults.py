@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ptdp.train.checkpoint import read_metadata, resolve, verify_file
+from ptdp.checkpoint.store import read_metadata, resolve, verify_file
 from tests.test_train_cli import _spawned_children
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
@@ -80,7 +80,7 @@ KILL_WHILE_SAVING = textwrap.dedent("""
     import torch
     from ptdp.config import Config, DataConfig, ModelConfig, TrainConfig
     from ptdp.parallel.topology import ParallelContext
-    from ptdp.train import checkpoint_save
+    from ptdp.checkpoint import snapshot as checkpoint_save
     from ptdp.train.loop import Trainer
 
     save, stage = sys.argv[1], sys.argv[2]

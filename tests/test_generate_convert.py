@@ -13,7 +13,7 @@ from ptdp.cli import main
 from ptdp.config import Config, DataConfig, ModelConfig, TrainConfig
 from ptdp.generate import PipelinedModel
 from ptdp.parallel.topology import ParallelContext
-from ptdp.train.checkpoint import load_logical_model
+from ptdp.checkpoint.store import load_logical_model
 from ptdp.train.loop import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]

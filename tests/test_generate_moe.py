@@ -22,7 +22,7 @@ from ptdp.generate import generate_text, request_grid
 from ptdp.model.gpt import GPT
 from ptdp.parallel.tensor import RNGStreams
 from ptdp.parallel.topology import ParallelContext
-from ptdp.train.checkpoint import load_logical_model, save_logical_model
+from ptdp.checkpoint.store import load_logical_model, save_logical_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -16,8 +16,8 @@ import torch
 
 from ptdp.cli import main
 from ptdp.data.preprocess import TokenizerSpec, preprocess
-from ptdp.train.checkpoint import read_metadata, resolve
-from ptdp.train.checkpoint_hf_files import checkpoint_hf_files, hf_files_to_carry
+from ptdp.checkpoint.store import read_metadata, resolve
+from ptdp.checkpoint.carry import checkpoint_hf_files, hf_files_to_carry
 
 transformers = pytest.importorskip("transformers")
 

@@ -38,7 +38,7 @@ from ptdp.interop.hf_llama import (
     to_hf_state,
 )
 from ptdp.interop.logical import logical_shapes
-from ptdp.train.checkpoint import load_logical_model, save_logical_model
+from ptdp.checkpoint.store import load_logical_model, save_logical_model
 from tests.test_hf_llama import (
     _exported,
     TOL,

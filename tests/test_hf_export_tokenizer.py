@@ -14,7 +14,7 @@ from ptdp.config import Config, DataConfig, ModelConfig
 from ptdp.data.corpus import read_works
 from ptdp.data.tokenizer import build_tokenizer, dump_vocab_and_merges, load_gpt2_ranks
 from ptdp.interop.logical import logical_shapes
-from ptdp.train.checkpoint import save_logical_model
+from ptdp.checkpoint.store import save_logical_model
 
 transformers = pytest.importorskip("transformers")
 

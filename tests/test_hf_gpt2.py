@@ -272,7 +272,7 @@ def test_convert_carries_the_directory_tokenizer(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     from ptdp.cli import main
-    from ptdp.train.checkpoint import checkpoint_tokenizer, load_logical_model
+    from ptdp.checkpoint.store import checkpoint_tokenizer, load_logical_model
 
     directory, save, export = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "back"
     _hf_model().save_pretrained(str(directory))

@@ -34,7 +34,7 @@ from ptdp.interop.hf_llama import (
 from ptdp.interop.logical import logical_shapes
 from ptdp.model.gpt import build_chunks
 from ptdp.parallel.topology import ParallelContext
-from ptdp.train.checkpoint import load_logical_model, save_logical_model
+from ptdp.checkpoint.store import load_logical_model, save_logical_model
 
 transformers = pytest.importorskip("transformers")
 

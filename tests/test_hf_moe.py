@@ -31,7 +31,7 @@ from ptdp.interop.hf_moe_config import (
     model_config_from_hf_config,
 )
 from ptdp.interop.logical import logical_shapes
-from ptdp.train.checkpoint import load_logical_model, save_logical_model
+from ptdp.checkpoint.store import load_logical_model, save_logical_model
 from tests.test_hf_llama import TOL, VOCAB, _hf_logits, _logical_of, _our_logits, _ours, _tokens
 
 transformers = pytest.importorskip("transformers")

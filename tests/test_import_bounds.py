@@ -24,7 +24,7 @@ from ptdp.config import Config, DataConfig, ModelConfig
 from ptdp.errors import is_user_error
 from ptdp.interop.hf_directory import save_hf_directory
 from ptdp.interop.logical import logical_shapes
-from ptdp.train.checkpoint import CheckpointError, save_logical_model
+from ptdp.checkpoint.store import CheckpointError, save_logical_model
 
 GPT2 = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=100,
                    seq_length=16)
@@ -211,7 +211,7 @@ def test_a_tokenizer_ptdp_could_not_use_with_the_model_is_refused(tmp_path, caps
 
 
 def test_a_good_tokenizer_is_carried(tmp_path, capsys):
-    from ptdp.train.checkpoint import checkpoint_tokenizer
+    from ptdp.checkpoint.store import checkpoint_tokenizer
 
     directory = _hf_directory(tmp_path / "hf")
     _tokenizer(directory / "tokenizer.json")
@@ -349,7 +349,7 @@ def test_library_errors_beneath_the_checkpoint_read_become_checkpoint_errors(che
     safetensors or json) is still one paragraph naming the checkpoint."""
     from safetensors import SafetensorError
 
-    import ptdp.train.checkpoint as checkpoints
+    import ptdp.checkpoint.store as checkpoints
 
     def unreadable(load):
         raise SafetensorError("Error while deserializing header: HeaderTooLarge")

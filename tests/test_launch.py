@@ -323,7 +323,7 @@ def test_the_first_exception_of_a_chain_decides_and_the_real_cause_is_reported()
 
 
 def test_user_errors_are_ptdps_own_and_disk_or_permission_problems():
-    for dotted in ("ptdp.config.ConfigError", "ptdp.train.checkpoint.CheckpointError",
+    for dotted in ("ptdp.config.ConfigError", "ptdp.checkpoint.errors.CheckpointError",
                    "ptdp.data.loader.DataSettingsError", "ptdp.data.gpt_dataset.DataError",
                    "ptdp.data.tokenizer.TokenizerError", "ptdp.data.indexed.IndexedDatasetError"):
         module, name = dotted.rsplit(".", 1)
@@ -459,7 +459,7 @@ def test_under_torchrun_a_user_error_is_one_paragraph_and_a_bug_keeps_its_traceb
         monkeypatch, capsys, tmp_path):
     """Under torchrun the rank itself prints: `main` knows the rank it joined as."""
     import ptdp.train.loop
-    from ptdp.train.checkpoint import CheckpointError
+    from ptdp.checkpoint.store import CheckpointError
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.delenv("PTDP_TRACEBACK", raising=False)

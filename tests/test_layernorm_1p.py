@@ -34,7 +34,7 @@ from ptdp.model.fused import zero_centred_norm
 from ptdp.model.gpt import GPT, LayerNorm1p, RMSNorm1p
 from ptdp.parallel.tensor import RNGStreams
 from ptdp.parallel.topology import ParallelContext, RankGrid
-from ptdp.train.checkpoint import (CheckpointError, check_model_fits, load_logical_model,
+from ptdp.checkpoint.store import (CheckpointError, check_model_fits, load_logical_model,
                                    read_metadata, resolve, save_logical_model)
 from ptdp.train.loop import Trainer
 from tests import test_ptdp_step

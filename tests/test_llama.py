@@ -24,7 +24,7 @@ from ptdp.model.fused import swiglu
 from ptdp.model.gpt import GPT
 from ptdp.parallel.tensor import RNGStreams
 from ptdp.parallel.topology import ParallelContext, RankGrid
-from ptdp.train.checkpoint import CheckpointError, check_model_fits, read_metadata, resolve
+from ptdp.checkpoint.store import CheckpointError, check_model_fits, read_metadata, resolve
 from ptdp.train.loop import Trainer
 from tests import test_gpt, test_pipeline, test_ptdp_step
 

@@ -43,7 +43,7 @@ from ptdp.perf.layout import Layout, Workload
 from ptdp.commands.plan import model_from_args
 from ptdp.perf.analytic.saved import SavedTensorBytes
 from ptdp.perf.price.profiles import load_profile
-from ptdp.train.loop import count_parameters
+from ptdp.train.banner import count_parameters
 from ptdp.perf.analytic.flops import configured_flops_per_iteration, model_flops_per_iteration
 from tests.test_analytic import _saved_bytes_of_one_layer
 from tests.test_report import CPU_ATTENTION

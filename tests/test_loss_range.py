@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ptdp.cli import main
-from ptdp.train.checkpoint import read_metadata, resolve
+from ptdp.checkpoint.store import read_metadata, resolve
 from ptdp.train.loss_range import WINDOW, LossRange
 
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length",

@@ -30,7 +30,7 @@ import torch
 from ptdp.cli import main
 from ptdp.config import Config, ConfigError, DataConfig, ModelConfig, TrainConfig, validate
 from ptdp.parallel.topology import ParallelContext
-from ptdp.train.checkpoint import read_metadata, resolve
+from ptdp.checkpoint.store import read_metadata, resolve
 from ptdp.train.loop import Trainer
 from ptdp.train.lr_schedule import LRSchedule
 from tests.test_megatron_schedules import MEGATRON_REPO, megatron  # noqa: F401 - the fixture

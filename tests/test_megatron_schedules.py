@@ -39,7 +39,7 @@ from ptdp.config import (Config, ConfigError, DataConfig, ModelConfig, ParallelC
                          validate)
 from ptdp.data.batches import ConsumedSamples, GlobalBatches
 from ptdp.parallel.topology import ParallelContext, RankGrid
-from ptdp.train.checkpoint import read_metadata, resolve
+from ptdp.checkpoint.store import read_metadata, resolve
 from tests.test_checkpoint import stop_save_resume
 from ptdp.train.loop import Trainer
 from ptdp.train.lr_schedule import LRSchedule

@@ -336,7 +336,7 @@ def test_expert_biases_are_saved_loaded_and_used_by_generation(tmp_path):
     """Aux-loss-free balancing's biases are model state: a checkpoint holds
     them (as model/<name>), a resumed run and `ptdp generate`'s model get them."""
     from ptdp.generate import PipelinedModel
-    from ptdp.train.checkpoint import load_logical_model
+    from ptdp.checkpoint.store import load_logical_model
 
     model = _config(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
                     vocab_size=128, ffn_hidden_size=64, moe_ffn_hidden_size=32,
@@ -466,7 +466,7 @@ def test_a_checkpoint_of_other_experts_is_refused_with_what_differs(tmp_path):
     """E, the MoE layers and the experts' widths are part of the model's
     shape: a checkpoint of other ones is refused, the settings named, and the
     message names --use-checkpoint-args."""
-    from ptdp.train.checkpoint import CheckpointError, check_model_fits, read_metadata, resolve
+    from ptdp.checkpoint.store import CheckpointError, check_model_fits, read_metadata, resolve
 
     model = _config(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
                     vocab_size=128, ffn_hidden_size=64, moe_ffn_hidden_size=32,

@@ -25,7 +25,8 @@ from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.perf.analytic import counts as analytic
 from ptdp.perf.layout import Layout, Workload
 from ptdp.perf.analytic.memory import memory_per_rank
-from ptdp.train.loop import Trainer, count_parameters
+from ptdp.train.banner import count_parameters
+from ptdp.train.loop import Trainer
 
 # E = 8 SwiGLU experts, top-2, a gated shared expert, a dense first layer.
 MOE = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,

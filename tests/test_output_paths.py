@@ -306,7 +306,7 @@ def small_checkpoint(tmp_path_factory) -> Path:
     import torch
 
     from ptdp.interop.logical import logical_shapes
-    from ptdp.train.checkpoint import save_logical_model
+    from ptdp.checkpoint.store import save_logical_model
 
     model = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=16,
                         vocab_size=512)
@@ -378,7 +378,7 @@ def test_convert_never_writes_into_a_directory_that_holds_a_model(capsys, tmp_pa
 
 
 def test_convert_refuses_a_save_a_training_job_holds(capsys, tmp_path, small_checkpoint):
-    from ptdp.train.save_lock import SaveLock
+    from ptdp.checkpoint.lock import SaveLock
 
     hf = tmp_path / "hf"
     assert main(["convert", "--load", str(small_checkpoint), "--to-hf", str(hf)]) == 0

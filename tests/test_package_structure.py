@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1] / "ptdp"
 LAYERS = (
     ("command line", ("ptdp.__main__", "ptdp.cli", "ptdp.commands")),
     ("programs", ("ptdp.launch", "ptdp.train", "ptdp.perf", "ptdp.interop", "ptdp.generate")),
-    ("model and data", ("ptdp.model", "ptdp.data")),
+    ("model and data", ("ptdp.model", "ptdp.data", "ptdp.checkpoint")),
     ("parallel", ("ptdp.parallel",)),
     ("foundation", ("ptdp.config", "ptdp.schedules", "ptdp.device")),
 )
@@ -36,6 +36,10 @@ NOT_WITHIN_A_LAYER = {
     # Training reports the paper's FLOPs from ptdp.perf (issue 15); perf never
     # imports training back.
     "ptdp.perf": ("ptdp.train",),
+    # Conversion and generation read and write checkpoints through
+    # ptdp.checkpoint, the format below the programs, never through training.
+    "ptdp.interop": ("ptdp.train",),
+    "ptdp.generate": ("ptdp.train",),
 }
 # Nothing imports the command line: ptdp.__main__ (`python -m ptdp`) is its
 # only way in, and ptdp.cli the only way to the commands (ptdp.commands,
@@ -207,15 +211,21 @@ def test_the_layer_order_names_every_package_and_the_exceptions_exist():
 
 
 def test_the_rules_say_what_the_issue_asks():
-    """cli above launch, train, perf; train above model, data and parallel;
-    model above parallel; the training loop below the launcher."""
+    """cli above launch, train, perf; train above model, data, checkpoint and
+    parallel; model above parallel; the training loop below the launcher;
+    checkpoints beside the model (never importing training), and conversion
+    and generation beside training without importing it."""
     for upper, lower in (("ptdp.cli", "ptdp.launch"), ("ptdp.cli", "ptdp.train"),
                          ("ptdp.cli", "ptdp.perf"), ("ptdp.train", "ptdp.model"),
                          ("ptdp.train", "ptdp.data"), ("ptdp.train", "ptdp.parallel"),
-                         ("ptdp.model", "ptdp.parallel")):
+                         ("ptdp.model", "ptdp.parallel"), ("ptdp.train", "ptdp.checkpoint"),
+                         ("ptdp.interop", "ptdp.checkpoint"), ("ptdp.checkpoint", "ptdp.parallel")):
         assert layer_of(upper) < layer_of(lower), (upper, lower)
+    assert layer_of("ptdp.checkpoint") == layer_of("ptdp.model") == layer_of("ptdp.data")
     assert "ptdp.launch" in NOT_WITHIN_A_LAYER["ptdp.train"]
     assert "ptdp.train" in NOT_WITHIN_A_LAYER["ptdp.launch"]
+    assert "ptdp.train" in NOT_WITHIN_A_LAYER["ptdp.interop"]
+    assert "ptdp.train" in NOT_WITHIN_A_LAYER["ptdp.generate"]
 
 
 # ------------------------------------------------------------------ the checkers fail when they should
@@ -282,6 +292,21 @@ def test_the_torch_check_finds_torch_at_any_depth_in_a_synthetic_package(tmp_pat
     (package / "helpers.py").write_text("import math\n")
     assert reaches(import_graph(package), external_imports(package), "ptdp.schedules",
                    "torch") == []
+
+
+def test_the_layer_check_finds_checkpoints_or_conversion_importing_training():
+    """A checkpoint module importing training is an upward import; conversion
+    or generation importing training breaks their rule within the layer,
+    while their imports of ptdp.checkpoint pass."""
+    graph = {"ptdp.checkpoint.snapshot": {"ptdp.train.loss_range", "ptdp.model.gpt"},
+             "ptdp.interop.convert": {"ptdp.train.checkpoint", "ptdp.checkpoint.store"},
+             "ptdp.generate": {"ptdp.train.loop", "ptdp.checkpoint.store"},
+             "ptdp.train.resume": {"ptdp.checkpoint.state"}}
+    assert upward_imports(graph) == [
+        "ptdp.checkpoint.snapshot (model and data) imports ptdp.train.loss_range (programs)",
+        "ptdp.generate (programs) imports ptdp.train.loop (programs)",
+        "ptdp.interop.convert (programs) imports ptdp.train.checkpoint (programs)",
+    ]
 
 
 def test_the_graph_sees_imports_inside_functions_and_submodules(tmp_path):

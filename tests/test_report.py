@@ -446,7 +446,7 @@ def test_a_metrics_file_that_cannot_be_written_is_named():
     """Issue 38: a full disk under --metrics-file said "No space left on
     device" without naming the file."""
     from ptdp.errors import UserError
-    from ptdp.train.loop import _report
+    from ptdp.train.run_log import _report
 
     full = open("/dev/full", "w")
     with pytest.raises(UserError) as caught:

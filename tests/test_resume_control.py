@@ -14,10 +14,10 @@ from ptdp.cli import build_parser, main
 from ptdp.commands.train import config_from_settings, settings_from_args
 from ptdp.config import ConfigError, ModelConfig, validate
 from ptdp.parallel.topology import ParallelContext
-from ptdp.train.checkpoint import FINETUNED_FROM, check_model_fits, read_metadata, resolve
-from ptdp.train.checkpoint_args import changed_settings_note, with_checkpoint_shape
+from ptdp.checkpoint.store import FINETUNED_FROM, check_model_fits, read_metadata, resolve
+from ptdp.checkpoint.args import changed_settings_note, with_checkpoint_shape
 from ptdp.train.loop import Trainer
-from ptdp.train.retention import LINEAGE
+from ptdp.checkpoint.retention import LINEAGE
 from tests.test_checkpoint import CPU, MODEL, _config
 
 DROPOUT = dataclasses.replace(MODEL, hidden_dropout=0.1, attention_dropout=0.1)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ptdp.cli import main
-from ptdp.train.save_lock import LOCK_FILE, SaveDirectoryInUse, SaveLock
+from ptdp.checkpoint.lock import LOCK_FILE, SaveDirectoryInUse, SaveLock
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length",
         "32", "--vocab-size", "512", "--micro-batch-size", "2", "--global-batch-size", "8",
@@ -72,7 +72,7 @@ def test_save_inside_a_checkpoint_is_refused(trained, capsys):
     assert not (save / "iter_0000002" / "more").exists()
     # Another program's metadata.json above --save is no checkpoint.
     (save.parent / "metadata.json").write_text('{"format": "something else"}')
-    from ptdp.train.checkpoint import save_inside_a_checkpoint
+    from ptdp.checkpoint.store import save_inside_a_checkpoint
     assert save_inside_a_checkpoint(save.parent / "runs" / "ckpt") is None
     (save.parent / "metadata.json").unlink()
 
@@ -80,7 +80,7 @@ def test_save_inside_a_checkpoint_is_refused(trained, capsys):
 def test_a_save_directory_in_use_is_refused_naming_its_holder(tmp_path, capsys):
     save = tmp_path / "ckpt"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from ptdp.train.save_lock import SaveLock; "
+        [sys.executable, "-c", "import sys, time; from ptdp.checkpoint.lock import SaveLock; "
          f"lock = SaveLock({str(save)!r}); print('held', flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE, text=True)
     try:

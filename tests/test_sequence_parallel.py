@@ -28,7 +28,7 @@ from ptdp.parallel.sharding import PARTIAL_GRAD_ATTR, SHARD_ATTR, gather_logical
 from ptdp.parallel.tensor import RNGStreams, sum_partial_grads
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from tests import test_checkpoint, test_gpt, test_pipeline, test_ptdp_step
-from ptdp.train.checkpoint import read_metadata, resolve
+from ptdp.checkpoint.store import read_metadata, resolve
 from ptdp.train.loop import Trainer
 from tests.test_llama import LLAMA
 

@@ -21,7 +21,7 @@ from ptdp import cli
 from ptdp import stop_requests as stopping
 from ptdp.errors import print_user_error, report_to_torchrun
 from ptdp.stop_requests import StopRequests
-from ptdp.train.checkpoint import read_metadata, resolve
+from ptdp.checkpoint.store import read_metadata, resolve
 from ptdp.train.stopping import GracefulExit
 from tests.test_fault_matrix import INJECTOR, _torchrun
 from tests.test_train_cli import _spawned_children
@@ -498,7 +498,7 @@ def test_killing_the_launcher_leaves_nothing_behind_and_frees_the_save_lock(tmp_
     assert "Traceback" not in output, output
     if phase == "start-up":
         assert not (save / "latest").exists()
-        from ptdp.train.save_lock import problem
+        from ptdp.checkpoint.lock import problem
         assert problem(save) is None  # (the file a killed rank leaves locks nothing)
         return
     stopped = read_metadata(resolve(save))["iteration"]
@@ -586,7 +586,7 @@ def test_torchrun_s_summary_carries_ptdp_s_message(monkeypatch, tmp_path, capsys
     import ptdp.train.loop
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from ptdp.train.checkpoint import CheckpointError
+    from ptdp.checkpoint.store import CheckpointError
     from tests.test_launch import _raising_worker
 
     monkeypatch.delenv("PTDP_TRACEBACK", raising=False)

@@ -22,7 +22,7 @@ def fresh_requests(monkeypatch):
 
 
 def test_the_stop_requests_read_the_checkpoints_own_latest_pointer():
-    from ptdp.train.retention import LATEST
+    from ptdp.checkpoint.retention import LATEST
 
     assert stopping.LATEST == LATEST
 

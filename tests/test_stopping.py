@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ptdp.train.checkpoint import read_metadata, resolve
+from ptdp.checkpoint.store import read_metadata, resolve
 from ptdp.config import signal_from_name
 from ptdp.train.stopping import GracefulExit
 

@@ -84,7 +84,7 @@ def test_null_tokenizer_settings_are_checked_before_launch(tmp_path, capsys, no_
 
 
 def test_null_tokenizer_trains_and_records_its_vocabulary(null_checkpoint):
-    from ptdp.train.checkpoint import load_logical_model
+    from ptdp.checkpoint.store import load_logical_model
 
     config, weights, metadata = load_logical_model(null_checkpoint)
     assert metadata["iteration"] == 3 and "tokenizer" not in metadata  # no file to carry

@@ -276,7 +276,7 @@ def train_leg(rank, save, leg, legs):
     """Leg `leg` of `legs` [(t, p, d, config)]: load the previous leg's
     checkpoint (after the first), train two iterations, save. Returns the
     losses on the rank that holds them."""
-    from ptdp.train.checkpoint import read_metadata, resolve
+    from ptdp.checkpoint.store import read_metadata, resolve
 
     t, p, d, config = legs[leg]
     ctx = ParallelContext.build(RankGrid(tp=t, dp=d, pp=p))
@@ -308,7 +308,7 @@ def test_checkpoints_reshard_between_zero_bubble_layouts(pools, tmp_path):
     """zbv, t = 1, p = 2, d = 2 (rank 0 holds both ends of the V and one
     shared word embedding), then zb-h1, t = 2, p = 2 with the distributed
     optimizer, loading its checkpoint."""
-    from ptdp.train.checkpoint import load_logical_model
+    from ptdp.checkpoint.store import load_logical_model
 
     legs = [(1, 2, 2, _zero_bubble_config("zbv", 1, 2, 2)),
             (2, 2, 1, _zero_bubble_config("zb-h1", 2, 2, 1, use_distributed_optimizer=True))]

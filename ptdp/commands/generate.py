@@ -57,13 +57,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ptdp import device as devices
-    from ptdp.train.checkpoint_data import model_tokenizer
+    from ptdp.checkpoint.data_settings import model_tokenizer
     from ptdp.data.tokenizer import TokenizerError
     from ptdp.generate import (GenerateRequest, generate_text, generate_worker, parse_prompt_ids,
                                prompt_tokens)
     from ptdp.launch import CPU_RANK_MODULES, LocalJobFailed, launch_local
     from ptdp.parallel.topology import ParallelContext
-    from ptdp.train.checkpoint import CheckpointError
+    from ptdp.checkpoint.store import CheckpointError
 
     if (args.prompt is None) == (args.prompt_ids is None):
         raise ConfigError(["give the prompt either as text, --prompt TEXT, or as token ids, "
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
 def _announce(args: argparse.Namespace, prompt: list[int], settings: SamplingSettings) -> None:
     """What is generated from what, on stderr before the sample (stdout
     carries the sample alone, for a program that reads the text)."""
-    from ptdp.train.checkpoint import resolve
+    from ptdp.checkpoint.store import resolve
 
     given = (f"the ids {args.prompt_ids}" if args.prompt_ids is not None
              else repr(args.prompt if len(args.prompt) <= 60 else args.prompt[:57] + "..."))
@@ -207,7 +207,7 @@ def _checkpoint_config(load: str) -> Config:
     """The settings a checkpoint was saved with; a ConfigError naming the
     file when the checkpoint is missing or damaged."""
     from ptdp.generate import error_text
-    from ptdp.train.checkpoint import METADATA, CheckpointError, read_metadata, resolve
+    from ptdp.checkpoint.store import METADATA, CheckpointError, read_metadata, resolve
 
     try:
         directory = resolve(load)

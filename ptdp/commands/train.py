@@ -130,14 +130,14 @@ def run_train(config: Config, explicit: Sequence[str] = (), accepted: Sequence =
     `before_launch()` is called once the checks pass, before any rank or
     the training loop starts."""
     from ptdp.data.loader import check_datasets
-    from ptdp.train.checkpoint_data import resolve_data
+    from ptdp.checkpoint.data_settings import resolve_data
     from ptdp.device import resolve_kind
     from ptdp.distributed import LOOPBACK, DistEnv, detect_env
     from ptdp.commands.train_checks import launch_problems, warn_about_free_space
     from ptdp.launch import CPU_RANK_MODULES, LocalJobFailed, launch_local
     from ptdp.perf.local_processes import local_process_problems
-    from ptdp.train.checkpoint import nothing_to_train
-    from ptdp.train.checkpoint_args import changed_settings_note, with_checkpoint_shape
+    from ptdp.checkpoint.store import nothing_to_train
+    from ptdp.checkpoint.args import changed_settings_note, with_checkpoint_shape
     from ptdp.train.loop import worker
 
     env = detect_env()
@@ -221,7 +221,7 @@ def _nothing_to_resume(load: str) -> bool:
     """Whether --load's directory holds no checkpoint at all: missing, or
     without `latest`, metadata or any iter_* directory (a directory with some
     of them is a damaged one, which loading reports)."""
-    from ptdp.train.retention import LATEST, METADATA
+    from ptdp.checkpoint.retention import LATEST, METADATA
 
     directory = Path(load)
     if not directory.exists():

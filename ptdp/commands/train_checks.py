@@ -86,7 +86,7 @@ def _reporting_problems(config: Config) -> list[str]:
 
 def _checkpoint_problems(config: Config) -> list[str]:
     """--save/--load/--save-interval/--keep-last, checked before launching."""
-    from ptdp.train.checkpoint import CheckpointError, check_model_fits, read_metadata, resolve
+    from ptdp.checkpoint.store import CheckpointError, check_model_fits, read_metadata, resolve
 
     tr, problems = config.train, []
     for flag_name, value in (("--save-interval", tr.save_interval), ("--keep-last", tr.keep_last)):
@@ -95,13 +95,13 @@ def _checkpoint_problems(config: Config) -> list[str]:
         elif value is not None and not tr.save:
             problems.append(f"{flag_name} needs --save DIR")
     if tr.save:
-        from ptdp.train.checkpoint import save_inside_a_checkpoint
-        from ptdp.train.save_lock import problem as save_in_use
+        from ptdp.checkpoint.store import save_inside_a_checkpoint
+        from ptdp.checkpoint.lock import problem as save_in_use
 
         problems.extend(_save_directory_problems(tr.save))
         problems.extend(p for p in (save_inside_a_checkpoint(tr.save), save_in_use(tr.save)) if p)
     if tr.load:
-        from ptdp.train.checkpoint import nothing_to_train
+        from ptdp.checkpoint.store import nothing_to_train
         from ptdp.train.lr_resume import schedule_problems
 
         try:

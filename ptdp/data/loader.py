@@ -1,6 +1,6 @@
 """From the data settings to the tensors a microbatch trains on.
 
-Before any process starts, ptdp.train.checkpoint_data.resolve_data decides
+Before any process starts, ptdp.checkpoint.data_settings.resolve_data decides
 the run's tokenizer (its flags, else the one --load's checkpoint carries)
 and vocabulary (`resolve_vocab_size`), and checks the data flags
 (`check_data_settings`: files exist, the split parses, the tokenizer's
@@ -54,7 +54,7 @@ TOKENIZER_SETTINGS = ("data.tokenizer_type", "data.vocab_file", "data.merge_file
 
 def tokenizer_for(data: DataConfig, model_vocab_size: int | None = None):
     """The tokenizer of resolved data settings (see
-    ptdp.train.checkpoint_data.resolve_tokenizer and `resolve_vocab_size`). NullTokenizer has no files: its size is the
+    ptdp.checkpoint.data_settings.resolve_tokenizer and `resolve_vocab_size`). NullTokenizer has no files: its size is the
     model's vocabulary, `model_vocab_size` = N + 1."""
     return build_tokenizer(data.tokenizer_type, vocab_file=data.vocab_file,
                            merge_file=data.merge_file, tokenizer_model=data.tokenizer_model,

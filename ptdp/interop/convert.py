@@ -38,6 +38,11 @@ from pathlib import Path
 
 from safetensors import SafetensorError
 
+from ptdp.checkpoint import lock as save_lock
+from ptdp.checkpoint.carry import checkpoint_hf_files
+from ptdp.checkpoint.lock import SaveDirectoryInUse
+from ptdp.checkpoint.store import (CheckpointError, load_logical_model, resolve,
+                                   save_inside_a_checkpoint, save_logical_model)
 from ptdp.config import Config, ConfigError, DataConfig, TrainConfig
 from ptdp.data.tokenizer import TokenizerError
 from ptdp.interop.hf_carried import exported_files, read_carried_files, source_token_ids
@@ -48,11 +53,6 @@ from ptdp.interop.hf_files import (ConversionError, export_directory_problem, hf
 from ptdp.interop.hf_gpt2 import GPT2, GPT2_VOCAB
 from ptdp.interop.hf_tokenizer import exported_tokenizer, imported_tokenizer
 from ptdp.output_paths import output_path_problems
-from ptdp.train import save_lock
-from ptdp.train.checkpoint import (CheckpointError, load_logical_model, resolve,
-                                   save_inside_a_checkpoint, save_logical_model)
-from ptdp.train.checkpoint_hf_files import checkpoint_hf_files
-from ptdp.train.save_lock import SaveDirectoryInUse
 
 
 def output_problems(output: str, exporting: bool) -> list[str]:

@@ -7,7 +7,7 @@ An import reads, where the directory has them, tokenizer_config.json
 chat_template.jinja or chat_template.json (where transformers 5 keeps the
 template), special_tokens_map.json, generation_config.json (the eos ids
 `generate` stops at: a chat model's end of turn among them, and the pad id)
-and config.json; the checkpoint carries them as they are (checkpoint.py,
+and config.json; the checkpoint carries them as they are (checkpoint/carry.py,
 `HF_FILES_KEY`), through training too, as long as the run keeps the
 tokenizer they describe. An export writes them back byte for byte beside
 the tokenizer.json, and config.json gets the source's bos/eos/pad ids

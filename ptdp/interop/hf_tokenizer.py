@@ -121,7 +121,7 @@ def exported_tokenizer(config: Config, load: str | Path) -> ExportedTokenizer:
     """The tokenizer files of checkpoint `load` (whose settings are
     `config`) for a Hugging Face directory. Raises TokenizerError when the
     files the run named are gone."""
-    from ptdp.train.checkpoint import checkpoint_tokenizer
+    from ptdp.checkpoint.store import checkpoint_tokenizer
 
     data, max_length = config.data, config.model.max_positions
     carried = checkpoint_tokenizer(load)

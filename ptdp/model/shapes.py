@@ -3,7 +3,7 @@
 A *logical state* is what ptdp's layout-independent checkpoints hold: the
 one-process model's parameter names with unsharded, unpadded shapes (the
 word embedding is [vocab_size, h]; ptdp pads it per layout when loading).
-Checkpoints are verified against this table (train/checkpoint_integrity.py),
+Checkpoints are verified against this table (checkpoint/integrity.py),
 and every converter checks the states it reads and writes against it.
 """
 

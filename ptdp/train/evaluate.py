@@ -160,3 +160,30 @@ def bits_per_character(losses: list[torch.Tensor], tokens: list[torch.Tensor],
         dist.all_reduce(totals, group=group)
     nats, chars = totals.tolist()
     return nats / math.log(2) / chars if chars > 0 else None
+
+
+class Evaluator:
+    """When a run evaluates, and its evaluation into the iteration's record."""
+
+    def __init__(self, trainer, housekeeping, evaluation=evaluate):
+        """`evaluation`: the function that evaluates (`evaluate`'s signature)."""
+        self.trainer, self.housekeeping, self.evaluation = trainer, housekeeping, evaluation
+
+    def due(self, done: int, verdict) -> bool:
+        """Every rank evaluates (the pipeline needs them all), decided by the
+        settings alone (never with --eval-iters 0, the last iteration's
+        included); not when a signal gives little time left (`verdict`: the
+        ranks' agreed view, ptdp.train.stopping.Verdict)."""
+        tr = self.trainer.config.train
+        return bool(tr.evaluates and (done % tr.eval_interval == 0
+                                      or done == self.trainer.train_iters) and not verdict.signal)
+
+    def run(self, record: dict) -> None:
+        """Evaluate now; the validation loss, perplexity and (text data only)
+        bits per character into `record`."""
+        trainer = self.trainer
+        with self.housekeeping.evaluation():
+            result = self.evaluation(trainer, trainer.data.valid, trainer.config.train.eval_iters)
+        record["val_loss"], record["val_perplexity"] = result["loss"], result["perplexity"]
+        if "bits_per_char" in result:  # text data only (absent with --mock-data)
+            record["val_bits_per_char"] = result["bits_per_char"]

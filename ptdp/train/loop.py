@@ -3,53 +3,45 @@
 from __future__ import annotations
 
 import contextlib
-import json
-import math
-import sys
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ptdp import device as devices
-from ptdp.plural import plural
 from ptdp.status import phase
+from ptdp.checkpoint.lock import SaveLock
+from ptdp.checkpoint.retention import Lineage, point_latest
+from ptdp.checkpoint.snapshot import save_checkpoint
+from ptdp.checkpoint.state import TrainingState
+from ptdp.checkpoint.store import read_metadata, resolve
 from ptdp.config import Config
 from ptdp.data.batches import ConsumedSamples, GlobalBatches
 from ptdp.data.loader import TrainingBatches, TrainingData, build_training_data, split_microbatch
 from ptdp.data.sampler import microbatch_indices, training_microbatches
 from ptdp.distributed import DistEnv, init_process_group
-from ptdp.errors import DivergenceError, UserError
-from ptdp.config.megatron import reports_attention_kernel
+from ptdp.errors import DivergenceError
 from ptdp.model.gpt import build_chunks
-from ptdp.parallel.block_attention import attention_kernel
-from ptdp.parallel.context_attention import KERNEL_OPS, block_kernel
 from ptdp.parallel.data_parallel import GradBuffer
 from ptdp.parallel.pipeline.executor import PipelineExecutor, average_loss
 from ptdp.schedules.build import build_schedule
-from ptdp.schedules.split import stage_layer_counts
-from ptdp.parallel.sharding import COPY_ATTR, logical_shape
 from ptdp.parallel.topology import ParallelContext, RankGrid
-from ptdp.perf.analytic.counts import active_parameter_count, parameter_count
-from ptdp.perf.analytic.flops import configured_flops_per_iteration
-from ptdp.train.async_save import RunSaves
-from ptdp.train.checkpoint import load_checkpoint, load_summary, read_metadata, resolve
-from ptdp.train.checkpoint_save import save_checkpoint
-from ptdp.train.evaluate import evaluate
+from ptdp.train import lr_resume
+from ptdp.train.banner import print_load, report_placement
+from ptdp.train.evaluate import Evaluator, evaluate
 from ptdp.train.housekeeping import Housekeeping
-from ptdp.train.loss_range import LossRange
+from ptdp.train.loss_range import RECORD as LOSS_RANGE, LossRange
 from ptdp.train.moe_metrics import balancing_metrics, moe_layers, set_aux_loss_scale, \
     start_iteration as start_moe_iteration, update_expert_biases
 from ptdp.train.lr_schedule import LRSchedule
 from ptdp.train.optimizer import Optimizer, embedding_and_output_weights
 from ptdp.train.peak_memory import job_fields as memory_fields, own_codes as memory_codes
-from ptdp.train.report import (Progress, TensorBoardLogger, format_log_line, peak_tflops,
-                               plot_loss_curve, throughput)
-from ptdp.train.retention import point_latest
-from ptdp.train.save_lock import SaveLock
+from ptdp.train.resume import load_checkpoint
+from ptdp.train.run_log import RunLog
+from ptdp.train.saves import RunSaves
 from ptdp.train.stopping import StopConditions
 
 
@@ -65,7 +57,7 @@ def worker(env: DistEnv, config: Config) -> list[dict[str, Any]]:
     init_process_group(env, devices.backend_for(kind), timeout)
     lock = None
     try:
-        # One job at a time saves into --save (save_lock.py): the first rank holds it.
+        # One job at a time saves into --save (ptdp.checkpoint.lock): the first rank holds it.
         lock = SaveLock(config.train.save) if config.train.save and env.rank == 0 else None
         t, c, p = (par.tensor_model_parallel_size, par.context_parallel_size,
                    par.pipeline_model_parallel_size)
@@ -90,12 +82,6 @@ def _tied_accumulations(chunks: list, tied_output: bool) -> dict:
     return {}
 
 
-def count_parameters(model: torch.nn.Module) -> int:
-    """Logical (unsharded, unpadded) parameters of this pipeline stage."""
-    return sum(math.prod(logical_shape(p)) for p in model.parameters()
-               if not getattr(p, COPY_ATTR, False))
-
-
 class Trainer:
     """One rank's share of training: its model chunks, gradient buffer,
     optimizer, schedule and data. `step` runs one iteration."""
@@ -111,6 +97,15 @@ class Trainer:
         # its step count is the iterations since, less those skipped.
         self.optimizer_start: tuple[int, int] | None = (self.start_iteration, 0)
         self.loss_range = LossRange()  # which checkpoints are good (a load replaces it)
+        # The run's place in the history of checkpoints, and what a fine-tune
+        # started from (a load replaces both: ptdp.checkpoint.retention).
+        self.checkpoint_lineage = Lineage.fresh()
+        self.finetuned_from: dict | None = None
+        # What the run's checkpoints carry: its tokenizer.json (read once, at
+        # --load or the first save: a later save may find the loaded
+        # checkpoint pruned) and a loaded checkpoint's other Hugging Face files.
+        self.carried_tokenizer: bytes | None = None
+        self.carried_hf_files: dict[str, bytes] | None = None
         self.config, self.ctx, self.device = config, ctx, device
         p, d, b = ctx.pp_size, ctx.dp_size, tr.micro_batch_size
         self.num_chunks = par.virtual_stages(model_cfg.num_layers)
@@ -224,9 +219,40 @@ class Trainer:
 
     def save(self, directory: str, iteration: int):
         """Checkpoint after `iteration` iterations (every rank calls it); returns its directory."""
-        return save_checkpoint(self, directory, iteration=iteration,
-                               consumed_samples=self.consumed_before(iteration),
+        return save_checkpoint(self.training_state(iteration), directory,
                                keep_last=self.config.train.keep_last)
+
+    def training_state(self, iteration: int | None = None) -> TrainingState:
+        """This rank's training state, as ptdp.checkpoint writes and reads it:
+        after `iteration` iterations for a save (rank 0 then reads the
+        tokenizer its checkpoints carry), or as the run starts (None) for a
+        load, which fills its model and optimizer."""
+        saving = iteration is not None
+        iteration = self.start_iteration if iteration is None else iteration
+        return TrainingState(
+            ctx=self.ctx, config=self.config, chunks=self.chunks, num_chunks=self.num_chunks,
+            buffer=self.buffer, optimizer=self.optimizer, device=self.device,
+            iteration=iteration, consumed_samples=self.consumed_before(iteration),
+            run_start=(self.start_iteration, self.start_consumed),
+            optimizer_start=self.optimizer_start, skipped_iterations=self.skipped_iterations,
+            lineage=self.checkpoint_lineage, loss_watch=self.loss_range,
+            records={lr_resume.RECORD: lr_resume.record(self),
+                     LOSS_RANGE: self.loss_range.record()},
+            finetuned_from=self.finetuned_from,
+            carried_tokenizer=self.tokenizer_to_carry() if saving and self.ctx.rank == 0 else None,
+            carried_hf_files=self.carried_hf_files)
+
+    def tokenizer_to_carry(self) -> bytes | None:
+        """The tokenizer.json the run's checkpoints carry: its own
+        (HuggingFaceTokenizer), which may be the copy in the checkpoint it
+        resumed from, so a chain of resumes keeps it. Read once, at --load
+        or at the first save: a later save may find the loaded checkpoint pruned."""
+        data = self.config.data
+        if data.mock_data or data.tokenizer_type != "HuggingFaceTokenizer" or not data.tokenizer_model:
+            return None
+        if self.carried_tokenizer is None:
+            self.carried_tokenizer = Path(data.tokenizer_model).read_bytes()
+        return self.carried_tokenizer
 
     def load(self, directory: str) -> dict[str, Any]:
         """Weights, optimizer state and random streams from a checkpoint,
@@ -345,15 +371,14 @@ class Trainer:
 def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[dict[str, Any]]:
     """Train on this rank; returns the per-iteration metrics (the loss only
     on the last pipeline stage, where it is computed)."""
-    model_cfg, tr = config.model, config.train
+    tr = config.train
     # One collective over every rank before any point-to-point transfer: NCCL
     # wants the world's communicator created by all ranks together.
     dist.barrier()
-    start = (0, 0)
-    if tr.load:
-        metadata = read_metadata(resolve(tr.load))
-        if not tr.finetune:  # a fine-tune is a run of its own from iteration 0
-            start = (int(metadata["iteration"]), int(metadata["consumed_samples"]))
+    metadata = read_metadata(resolve(tr.load)) if tr.load else None
+    start = (0, 0)  # a fine-tune is a run of its own from iteration 0
+    if metadata is not None and not tr.finetune:
+        start = (int(metadata["iteration"]), int(metadata["consumed_samples"]))
     # --manual-gc, --empty-unused-memory-level, --profile; refuses a profile
     # this job cannot record before the model is built.
     housekeeping = Housekeeping(tr, device, rank=ctx.rank, world_size=ctx.grid.world_size,
@@ -365,143 +390,74 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
                 else contextlib.nullcontext():
             trainer.load(tr.load)
     is_logger = trainer.holds_loss and ctx.tp_rank == 0 and ctx.dp_rank == 0 and ctx.cp_rank == 0
-    metrics_out = (_open_metrics(tr.metrics_file, trainer.start_iteration,
-                                 resolve(tr.load) if tr.load else None)
-                   if is_logger and tr.metrics_file else None)
-    parameters = count_parameters(trainer.model)
-    if ctx.pp_group is not None:
-        total = torch.tensor([float(parameters)], device=device)
-        dist.all_reduce(total, group=ctx.pp_group)
-        parameters = int(total.item())
-    described = f"{parameters:,} parameters"
-    experts = ""
-    if model_cfg.is_moe:  # a stage holds only its expert-parallel rank's experts: count them all
-        described = (f"{parameter_count(model_cfg):,} parameters "
-                     f"({active_parameter_count(model_cfg):,} active per token)")
-        if (ctx.ep_size, ctx.etp_size) != (1, ctx.tp_size):
-            experts = f", experts over EP={ctx.ep_size} × ETP={ctx.etp_size}"
-    if is_logger:
-        schedule = trainer.schedule
-        context = f", c={ctx.cp_size} {trainer.config.parallel.cp_comm_type}" \
-            if ctx.cp_size > 1 else ""
-        print(f"ptdp: {plural(ctx.grid.world_size, 'process')} (t={ctx.tp_size}, p={ctx.pp_size}, "
-              f"d={ctx.dp_size}{context}){experts} on {device.type}; {described}; vocabulary "
-              f"{model_cfg.vocab_size} padded to {model_cfg.padded_vocab_size(ctx.tp_size)} (padding "
-              f"is masked out of the loss); {plural(trainer.num_micro, 'microbatch')} of "
-              f"{tr.micro_batch_size} per pipeline per iteration; {schedule.kind} schedule"
-              + (f" with {schedule.v} chunks per rank" if schedule.v > 1 else "")
-              + _split_note(config, ctx.pp_size, schedule) + _length_note(trainer)
-              + f"; data: {trainer.data.description}", flush=True)
-        if reports_attention_kernel(config):  # --use-flash-attn / --attention-backend given
-            print(f"ptdp: attention: {attention_kernel(config, device, trainer.dtype)}", flush=True)
-        if ctx.cp_size > 1:
-            kernel = block_kernel(device, trainer.dtype, model_cfg.head_dim)
-            print(f"ptdp: context parallelism: each sequence in {2 * ctx.cp_size} chunks, "
-                  f"{model_cfg.seq_length // ctx.cp_size} positions per rank; attention "
-                  f"{CP_COMM_WORDS[config.parallel.cp_comm_type]}, each block on {kernel} "
-                  f"({KERNEL_OPS[kernel]})", flush=True)
-
-    train_iters = trainer.train_iters
-    stage_layers = stage_layer_counts(model_cfg.num_layers, ctx.pp_size, trainer.num_chunks,
-                                      trainer.schedule.kind, config.parallel.layer_split)
-
-    def flops(iteration: int) -> float:  # a ramp-up's smaller batches do less work
-        return configured_flops_per_iteration(model_cfg, trainer.batch_of(iteration),
-                                              ctx.pp_size * trainer.num_chunks, stage_layers)
-    peak = peak_tflops(device, trainer.dtype, tr.peak_tflops)
-    tensorboard = TensorBoardLogger.for_run(tr) if is_logger and tr.tensorboard_dir else None
-    progress = Progress(train_iters, start=trainer.start_iteration,
-                        enabled=None if is_logger else False)
+    log = RunLog(trainer, is_logger)  # the metrics file, the banner, TensorBoard, the progress bar
     history: list[dict[str, Any]] = []
-    stopping = StopConditions(tr, device, uses_loss_scaling=tr.fp16, rank=ctx.rank,
-                              is_logger=is_logger)
+    stopper = StopConditions(tr, device, uses_loss_scaling=tr.fp16, rank=ctx.rank,
+                             is_logger=is_logger)
     # Synchronous or --async-save; the newest checkpoint this run can name
     # (a fine-tune's loaded checkpoint is another run's, not one of its own).
-    saves = RunSaves(trainer, stopping, is_logger=is_logger,
+    saves = RunSaves(trainer, stopper, is_logger=is_logger,
                      loaded=resolve(tr.load) if tr.load and not tr.finetune else None)
+    evaluator, last = Evaluator(trainer, housekeeping, evaluate), trainer.train_iters
     try:
         if is_logger and tr.load:
-            print(load_summary(tr, resolve(tr.load), metadata), flush=True)
-            warning = trainer.loss_range.load_warning(resolve(tr.load))
-            if warning:
-                print(warning, file=sys.stderr, flush=True)
+            print_load(trainer, metadata)
         housekeeping.start_training()
-        for iteration in range(trainer.start_iteration, train_iters):
-            done = iteration + 1
-            began = time.monotonic()
-            record_timeline = bool(tr.timeline) and done == train_iters
-            if record_timeline:
-                dist.barrier()  # align the ranks' clocks for the picture
-            housekeeping.before_iteration(iteration)
-            record, stats = trainer.step(iteration, record_timeline)
-            housekeeping.after_iteration(done)
-            if is_logger and trainer.measured_costs is not None and iteration == trainer.start_iteration + 1:
-                _report_placement(trainer)
-            record.update(throughput(flops(iteration), record["iteration_ms"] / 1e3,
-                                     ctx.grid.world_size, peak))
-            # The same on every rank; it carries the job's peak memory too (peak_memory.py).
-            verdict = stopping.agree(record, memory_codes(device, ctx.rank, ctx.grid.world_size))
-            record.update(memory_fields(verdict.memory, ctx.grid.world_size, device))
+        for iteration in range(trainer.start_iteration, last):
+            done, began = iteration + 1, time.monotonic()
+            record_timeline = bool(tr.timeline) and done == last
+            record, stats, verdict = _step(trainer, iteration, record_timeline, housekeeping,
+                                           stopper, log)
             record.update(saves.at_boundary())  # publishes an asynchronous save written by all
-            said = trainer.loss_range.observe(done, verdict.loss)
-            if said and is_logger:
-                print(said, file=sys.stderr, flush=True)
+            log.warn(trainer.loss_range.observe(done, verdict.loss))
             try:
-                stopping.check_divergence(record, verdict,
-                                          lambda: _go_back_to(trainer, saves.settle()))
+                stopper.check_divergence(record, verdict,
+                                         lambda: _go_back_to(trainer, saves.settle()))
             except DivergenceError:
-                _report(record, metrics_out, tensorboard, is_logger, train_iters, force=True)
+                log.report(record, force=True)
                 raise
-            exit_reason = stopping.exit_reason(done, verdict) if done < train_iters else None
-            # Every rank evaluates (the pipeline needs them all), decided by
-            # the settings alone (never with --eval-iters 0, the last
-            # iteration's included); not when a signal gives little time left.
-            if tr.evaluates and (done % tr.eval_interval == 0 or done == train_iters) \
-                    and not verdict.signal:
-                with housekeeping.evaluation():
-                    result = evaluate(trainer, trainer.data.valid, tr.eval_iters)
-                record["val_loss"], record["val_perplexity"] = result["loss"], result["perplexity"]
-                if "bits_per_char" in result:  # text data only (absent with --mock-data)
-                    record["val_bits_per_char"] = result["bits_per_char"]
+            exit_reason = stopper.stops_after(done, last, verdict)
+            if evaluator.due(done, verdict):
+                evaluator.run(record)
             history.append(record)
-            progress.update(done, record["loss"])
-            _report(record, metrics_out, tensorboard, is_logger, train_iters,
-                    force=done % tr.log_interval == 0 or exit_reason is not None)
+            log.iteration(done, record, force=done % tr.log_interval == 0 or exit_reason is not None)
             if record_timeline:
-                schedule = trainer.schedule_for(trainer.batch_of(iteration)
-                                                // trainer.batches.per_microbatch)
-                _draw_measured_timeline(stats.timeline, ctx, schedule, tr.timeline, is_logger)
-            stopping.longest_iteration = max(stopping.longest_iteration, time.monotonic() - began)
-            if tr.save and (done == train_iters or exit_reason is not None
-                            or (tr.save_interval and done % tr.save_interval == 0)):
+                log.timeline(iteration, stats)
+            stopper.longest_iteration = max(stopper.longest_iteration, time.monotonic() - began)
+            if saves.due(done, stopping=exit_reason is not None):
                 # The run's last save is waited for, so the last line names it published.
-                saves.save(done, last=done == train_iters or exit_reason is not None)
+                saves.save(done, last=done == last or exit_reason is not None)
             if exit_reason is not None:
-                if is_logger:
-                    saved = (f"saved {saves.newest}; resume with --load {tr.save}" if tr.save
-                             else "no --save given, so nothing was saved")
-                    print(f"ptdp: stopped after iteration {done} of {train_iters}: {exit_reason}; "
-                          f"{saved}", flush=True)
+                log.stopped(done, exit_reason, saves.newest)
                 break
     finally:
         housekeeping.finish(history[-1]["iteration"] if history else None)
-        stopping.close()
+        stopper.close()
         trainer.train_batches.close()  # --num-workers' processes end with the run
-        progress.close()
-        if metrics_out is not None:
-            try:
-                metrics_out.close()
-            except OSError:  # what could not be written was reported (_report) or is lost
-                pass
-        if tensorboard is not None:
-            tensorboard.close()
-    if is_logger and trainer.loss_range.left_at is not None:
-        print(f"ptdp: warning: the loss has been outside its normal range since iteration "
-              f"{trainer.loss_range.left_at}; {trainer.loss_range.kept()}", file=sys.stderr, flush=True)
-    if is_logger and tr.loss_curve and history:
-        plot_loss_curve(history, tr.loss_curve)
-        print(f"ptdp: drew the loss curve to {tr.loss_curve}", flush=True)
+        log.close()
+    log.finish(history)
     return history
+
+
+def _step(trainer: Trainer, iteration: int, record_timeline: bool, housekeeping, stopper,
+          log: RunLog):
+    """Iteration `iteration`'s step between its housekeeping, its record with
+    the throughput and the job's peak memory, and the ranks' agreed verdict
+    (stopping.Verdict)."""
+    ctx, device = trainer.ctx, trainer.device
+    if record_timeline:
+        dist.barrier()  # align the ranks' clocks for the picture
+    housekeeping.before_iteration(iteration)
+    record, stats = trainer.step(iteration, record_timeline)
+    housekeeping.after_iteration(iteration + 1)
+    if log.is_logger and trainer.measured_costs is not None \
+            and iteration == trainer.start_iteration + 1:
+        report_placement(trainer)
+    log.add_throughput(record, iteration)
+    # The same on every rank; it carries the job's peak memory too (peak_memory.py).
+    verdict = stopper.agree(record, memory_codes(device, ctx.rank, ctx.grid.world_size))
+    record.update(memory_fields(verdict.memory, ctx.grid.world_size, device))
+    return record, stats, verdict
 
 
 def _go_back_to(trainer: Trainer, newest: str | None) -> str:
@@ -514,94 +470,3 @@ def _go_back_to(trainer: Trainer, newest: str | None) -> str:
     if moved and trainer.ctx.rank == 0:
         point_latest(Path(tr.save), good.name)
     return trainer.loss_range.after_divergence(None if newest is None else Path(newest), moved)
-
-
-CP_COMM_WORDS = {"p2p": "by a ring of key/value blocks (p2p)",
-                 "all_gather": "over keys and values gathered from the group (all_gather)",
-                 "a2a": "over all heads' whole sequences after an all-to-all (a2a)"}
-
-
-def _length_note(trainer: Trainer) -> str:
-    """The run's length when --train-samples sets it, and a ramp-up's first batch."""
-    tr, note = trainer.config.train, ""
-    if tr.train_samples is not None:
-        iterations = trainer.train_iters
-        note += (f"; --train-samples {tr.train_samples:,} gives {iterations} "
-                 f"iteration{'' if iterations == 1 else 's'}")
-    if tr.rampup_batch_size is not None:
-        first = trainer.batches.size_at(0)
-        note += (f"; global batch ramped up from {first} ({first // trainer.batches.per_microbatch} "
-                 f"microbatch(es)) to {trainer.global_batch} over {tr.rampup_batch_size[2]:,} "
-                 f"samples")
-    return note
-
-
-def _split_note(config: Config, p: int, schedule) -> str:
-    split = config.parallel.layer_split
-    if split.even:
-        return ""
-    counts = stage_layer_counts(config.model.num_layers, p, schedule.v, schedule.kind, split)
-    return f"; layers per virtual stage {', '.join(map(str, counts))}"
-
-
-def _report_placement(trainer: Trainer) -> None:
-    costs = dict(trainer.measured_costs)
-    per_op = {op: max(seconds for (_, _, o), seconds in costs.items() if o == op) * 1e3
-              for op in "FBW"}
-    print(f"ptdp: {trainer.schedule.kind}: exchanges placed for the measured times per microbatch "
-          f"and chunk (slowest: F {per_op['F']:.3g} ms, B {per_op['B']:.3g} ms, W {per_op['W']:.3g} "
-          f"ms)", flush=True)
-
-
-def _open_metrics(path: str, start_iteration: int, loaded) -> TextIO:
-    """--metrics-file, appended to: a resumed run (or another run) adds its
-    records after the earlier ones, behind a marker line saying where it
-    starts ({"event": "resume"|"start", ...}: it has no "loss"), so no
-    earlier line is lost; a reader takes each iteration's last record."""
-    out = open(path, "a", encoding="utf-8")
-    if out.seekable() and out.tell() > 0:  # (a stream, /dev/stdout say, has no earlier lines)
-        marker = {"event": "resume" if loaded is not None else "start",
-                  "iteration": start_iteration,
-                  "checkpoint": None if loaded is None else str(loaded),
-                  "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-        out.write(json.dumps(marker) + "\n")
-        out.flush()
-    return out
-
-
-def _report(record: dict, metrics_out: TextIO | None, tensorboard, is_logger: bool,
-            train_iters: int, *, force: bool) -> None:
-    """One iteration's record to the metrics file, TensorBoard and (on log
-    iterations, the last, evaluations and forced ones) the log line."""
-    if metrics_out is not None:
-        try:
-            metrics_out.write(json.dumps(record) + "\n")
-            metrics_out.flush()
-        except OSError as error:  # a full disk, say: name the file, not just the errno
-            raise UserError(f"--metrics-file {metrics_out.name}: cannot write iteration "
-                            f"{record['iteration']}'s record ({error.strerror or error}); free "
-                            f"space there or give another --metrics-file") from None
-    if tensorboard is not None:
-        tensorboard.log(record)
-    if is_logger and (force or record["iteration"] == train_iters or "val_loss" in record):
-        print(format_log_line(record, train_iters), flush=True)
-
-
-def _draw_measured_timeline(boxes: list, ctx: ParallelContext, schedule, path: str,
-                            is_logger: bool) -> None:
-    """Collect every pipeline rank's boxes (tensor rank 0, data rank 0) and draw them."""
-    everyone: list = [None] * ctx.grid.world_size
-    dist.all_gather_object(everyone, (ctx.coord, boxes))
-    if not is_logger:
-        return
-    from ptdp.perf.simulate.timeline import draw_timeline, separate_waits
-
-    rows = [[] for _ in range(ctx.pp_size)]
-    for coord, rank_boxes in everyone:
-        if coord.tp == 0 and coord.dp == 0:
-            rows[coord.pp] = [(op, mb, chunk, start * 1e3, end * 1e3)
-                              for op, mb, chunk, start, end in rank_boxes]
-    draw_timeline(separate_waits(rows, schedule), path, v=schedule.v, time_unit="ms",
-                  title=f"measured {schedule.kind} timeline, p={schedule.p}, m={schedule.m}"
-                        + (f", v={schedule.v}" if schedule.v > 1 else ""))
-    print(f"ptdp: wrote the timeline of the last iteration to {path}", flush=True)

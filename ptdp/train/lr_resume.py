@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from ptdp.plural import plural
-from ptdp.train.checkpoint_integrity import CheckpointError
+from ptdp.checkpoint.integrity import CheckpointError
 from ptdp.train.lr_schedule import LRSchedule
 
 if TYPE_CHECKING:

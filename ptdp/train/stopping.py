@@ -216,6 +216,11 @@ class StopConditions:
                     f"--bf16, resume from an earlier checkpoint, or raise "
                     f"--max-consecutive-skipped-iterations (0: never stop)")
 
+    def stops_after(self, done: int, last: int, verdict: Verdict) -> str | None:
+        """Why the run stops after iteration `done` before its `last`; None
+        when it goes on (or `done` is its last)."""
+        return self.exit_reason(done, verdict) if done < last else None
+
     def exit_reason(self, done: int, verdict: Verdict) -> str | None:
         """Why the run stops after iteration `done` although --train-iters is not reached."""
         if verdict.signal:

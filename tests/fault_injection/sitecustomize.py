@@ -52,7 +52,7 @@ def _install(phase: str, rank: int) -> None:
         import ptdp.train.evaluate as evaluate
         evaluate.evaluate = killing(evaluate.evaluate)
     elif phase == "save":
-        import ptdp.train.checkpoint_save as checkpoint_save
+        import ptdp.checkpoint.snapshot as checkpoint_save
         checkpoint_save.write_json = killing(
             checkpoint_save.write_json,
             when=lambda path, data: "iter_0000002" in str(path) and "rng" in str(path))
@@ -87,7 +87,7 @@ def _install_stall(phase: str, seconds: float) -> None:
         import ptdp.train.evaluate as evaluate
         evaluate.evaluate = stalling(evaluate.evaluate)
     elif phase == "checks":  # `ptdp train`'s checks before launch, in the launcher
-        import ptdp.train.checkpoint_data as checkpoint_data
+        import ptdp.checkpoint.data_settings as checkpoint_data
         checkpoint_data.resolve_data = stalling(checkpoint_data.resolve_data)
     else:
         raise ValueError(f"PTDP_TEST_STALL: unknown phase {phase!r}")

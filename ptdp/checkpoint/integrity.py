@@ -11,7 +11,7 @@ what the directory holds before anything is loaded.
   that says 3 layers over files that hold 4 is refused); files named inside
   the directory only; the consumed samples and the optimizer's step count
   equal to what the run's own arithmetic gives from where the run began.
-* The data files' sha256 are checked as they are read (checkpoint._Reader).
+* The data files' sha256 are checked as they are read (store.Reader).
 
 Checkpoints written before the seal (format version 1) are checked for
 everything but the seal and the arithmetic, whose records they lack, and
@@ -32,7 +32,7 @@ import re
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from ptdp.errors import UserError
+from ptdp.checkpoint.errors import CheckpointError
 
 FORMAT = "ptdp-checkpoint"
 FORMAT_VERSION = 2   # 2: the sealed metadata and its arithmetic records
@@ -61,10 +61,6 @@ UNSEALED_NOTE = ("written before checkpoints were sealed (format version 1): its
 def tensor_file_metadata() -> dict[str, str]:
     """The safetensors header metadata of a checkpoint's tensor files."""
     return {TENSOR_FILE_FORMAT: f"{FORMAT} {FORMAT_VERSION}"}
-
-
-class CheckpointError(UserError, ValueError):
-    """A checkpoint that cannot be used; says what is wrong and what to do."""
 
 
 def seal(metadata: dict) -> dict:

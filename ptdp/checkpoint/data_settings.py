@@ -3,9 +3,9 @@
 Before any process starts, `resolve_data` decides the run's tokenizer (its
 flags, else the one --load's checkpoint carries) and vocabulary, and checks
 the data flags; `model_tokenizer` finds a saved model's tokenizer for
-`ptdp generate`. Both read the checkpoint (ptdp.train.checkpoint) and the
-data settings (ptdp.data.loader), so they live here, above both: ptdp.data
-never imports train.
+`ptdp generate`. Both read the checkpoint (store.py) and the data settings
+(ptdp.data.loader), so they live here, with the checkpoint: ptdp.data never
+imports checkpoints.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Sequence
 from ptdp.config import Config, ConfigError, DataConfig
 from ptdp.data.loader import (TOKENIZER_SETTINGS, DataSettingsError, carried_tokenizer_data,
                               check_data_settings, resolve_vocab_size, tokenizer_for)
-from ptdp.train.checkpoint import (CheckpointError, checkpoint_tokenizer, read_metadata, resolve,
+from ptdp.checkpoint.store import (CheckpointError, checkpoint_tokenizer, read_metadata, resolve,
                                    saved_model_config)
 
 

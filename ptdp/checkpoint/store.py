@@ -17,14 +17,14 @@ A checkpoint is a directory `SAVE/iter_0000005/` holding
 * `metadata.json`: the configuration, iteration, consumed samples, layout,
   optimizer step count, loss scaler, where each tensor is, every file's
   sha256 (checked on load), and its own sha256: a checkpoint proves itself
-  before it is loaded (checkpoint_integrity.py).
+  before it is loaded (integrity.py).
 * `tokenizer.json`, where the model has a Hugging Face tokenizer (a run
   with HuggingFaceTokenizer, or an imported model): `metadata["tokenizer"]`
   names it, and `checkpoint_tokenizer` returns it, checked.
 * `hf/`, an imported model's other Hugging Face files (chat template,
   special tokens, generation settings: ptdp/interop/hf_carried.py), kept
   for export; `metadata["hf_files"]` names them. Training carries them on
-  while it keeps the tokenizer they describe (checkpoint_hf_files.py).
+  while it keeps the tokenizer they describe (carry.py).
 
 `SAVE/latest` names the newest complete checkpoint. A checkpoint is written
 into `iter_0000005.partial/`, every file fsynced, renamed into place, and only
@@ -37,7 +37,8 @@ get the modes the process's umask gives (0644 and 0755 under umask 022).
 deletes or overwrites a checkpoint it should keep (`--keep-last`, rollbacks,
 another run's checkpoints in the same directory): see retention.py.
 
-Loading cuts each logical tensor into this rank's shard (padding the
+A training run saves and loads through a typed TrainingState (state.py,
+snapshot.py). Loading cuts each logical tensor into this rank's shard (padding the
 vocabulary for this t), so a checkpoint written under one (t, c, p, d, v,
 distributed optimizer or not) loads under any other. The random states are
 restored when the layout is the same (resume is then bitwise exact); under
@@ -47,13 +48,12 @@ in safetensors, everything else JSON.
 
 Megatron-LM's load controls: --finetune (the weights only, for a new run
 from iteration 0 with a lineage of its own), --no-load-optim and
---no-load-rng (load_checkpoint), and --use-checkpoint-args (the model's
-settings from metadata.json, before validation: checkpoint_args.py).
+--no-load-rng (ptdp.train.resume.load_checkpoint), and --use-checkpoint-args (the
+model's settings from metadata.json, before validation: args.py).
 """
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import json
 import os
@@ -64,23 +64,16 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
+from ptdp.checkpoint.carry import HF_FILES_KEY, TOKENIZER_FILE, TOKENIZER_KEY, write_hf_files
+from ptdp.checkpoint.errors import CheckpointError
+from ptdp.checkpoint.integrity import (CHECKPOINT_NAME, FORMAT, FORMAT_VERSION, damaged, seal,
+                                       sha256_of, tensor_file_metadata, verify, verify_file)
+from ptdp.checkpoint.lock import SaveLock
+from ptdp.checkpoint.retention import (LATEST, LINEAGE, METADATA, Lineage, fsync_path, on_lineage,
+                                       point_latest, remove_leftovers, set_aside_other_lineages,
+                                       stored_checkpoints)
 from ptdp.config import Config, ModelConfig
 from ptdp.file_modes import give_ordinary_mode
-from ptdp.parallel.sharding import SHARD_ATTR, shard
-from ptdp.train.checkpoint_integrity import (CHECKPOINT_NAME, FORMAT, FORMAT_VERSION,
-                                             OPTIMIZER_START, CheckpointError, damaged,
-                                             UNSEALED_NOTE, is_unsealed, seal, sha256_of,
-                                             tensor_file_metadata, verify, verify_file)
-from ptdp.train.checkpoint_hf_files import (HF_FILES_KEY, TOKENIZER_FILE, TOKENIZER_KEY,
-                                            hf_files_to_carry, write_hf_files)
-from ptdp.train.checkpoint_layout import (layout_record, rng_file)
-from ptdp.train.loss_range import LossRange
-from ptdp.train import lr_resume
-from ptdp.train.optimizer import LossScaler
-from ptdp.train.save_lock import SaveLock
-from ptdp.train.retention import (LATEST, LINEAGE, METADATA, Lineage, fsync_path, on_lineage,
-                                  point_latest, recorded_lineage, remove_leftovers,
-                                  set_aside_other_lineages, stored_checkpoints)
 
 # Model settings that decide the tensors' shapes: a checkpoint must agree on them.
 # The settings that decide which tensors a model has and their shapes, with
@@ -234,7 +227,7 @@ def nothing_to_train(config: Config) -> str | None:
 
 
 def read_metadata(directory: Path) -> dict[str, Any]:
-    """The checkpoint's metadata, verified (checkpoint_integrity.verify)."""
+    """The checkpoint's metadata, verified (integrity.verify)."""
     try:
         metadata = json.loads((directory / METADATA).read_text())
     # UnicodeDecodeError and JSONDecodeError are ValueErrors; RecursionError:
@@ -274,7 +267,7 @@ def saved_model_config(metadata: dict) -> ModelConfig:
     return ModelConfig(**{k: v for k, v in metadata["config"]["model"].items() if k in known})
 
 
-class _Reader:
+class Reader:
     """Opens the checkpoint's safetensors files on demand, each verified
     against its sha256 the first time."""
 
@@ -298,155 +291,6 @@ class _Reader:
         return self.handles[file].get_tensor(name)
 
 
-def load_checkpoint(trainer, load: str | Path) -> dict[str, Any]:
-    """Load into this rank's model, optimizer and random streams; returns the
-    metadata (iteration, consumed_samples, ...). Every rank calls it.
-
-    The weights are the fp32 main weights where the checkpoint saved them
-    (the exact values), else the model's. What else is taken follows the
-    run's settings, as Megatron-LM's load_checkpoint does:
-
-    * --finetune: the weights only. The optimizer starts afresh (zero Adam
-      moments, step count 0, the configured loss scale), the random streams
-      are left as at a fresh run's start (below), and the trainer begins a
-      lineage of its own (retention.py): none of its checkpoints continues
-      the loaded run's. The caller starts the run at iteration 0 with no
-      sample consumed (Trainer's `start`), so the learning-rate schedule and
-      the data order are a fresh run's too.
-    * --no-load-optim: no optimizer state (as --finetune), and the
-      learning-rate schedule starts again from its beginning at the loaded
-      iteration (lr_resume.py): Megatron-LM keeps the scheduler's state
-      with the optimizer's and skips both. The iteration, the consumed
-      samples (so the data position and a batch ramp-up) and the lineage
-      continue.
-    * --no-load-rng: the random streams are left as building the model from
-      --seed left them, a fresh run's at its start (as Megatron-LM leaves
-      the states its initialisation left); the trainer is a new one.
-    """
-    tr = trainer.config.train
-    take_optimizer = tr.load_optim and not tr.finetune
-    take_rng = tr.load_rng and not tr.finetune
-    directory = resolve(load)
-    metadata = read_metadata(directory)
-    check_model_fits(metadata, trainer.config.model, directory)
-    reader = _Reader(directory, metadata)
-    ctx, buffer, optimizer = trainer.ctx, trainer.buffer, trainer.optimizer
-    segments = {id(s.param): s for s in buffer.segments}
-    has_optimizer = take_optimizer and reader.has(f"optimizer/exp_avg/{_first_name(trainer)}")
-    flats = {kind: torch.zeros(buffer.numel, dtype=torch.float32, device=buffer.param_data.device)
-             for kind in OPTIMIZER_KINDS}
-    with torch.no_grad():
-        for name, param in named_parameters(trainer):
-            spec = getattr(param, SHARD_ATTR, None)
-            segment = segments[id(param)]
-            # The fp32 main weights, where saved, are the exact values.
-            main_name = f"optimizer/main/{name}"
-            weights = reader.get(main_name if reader.has(main_name) else f"model/{name}")
-            local = _local(weights, spec, param.shape, name, directory)
-            param.copy_(local.to(param.dtype))
-            flats["main"][segment.start:segment.end].copy_(local.reshape(-1))
-            if has_optimizer:
-                for kind in ("exp_avg", "exp_avg_sq"):
-                    moment = _local(reader.get(f"optimizer/{kind}/{name}"), spec, param.shape,
-                                    name, directory)
-                    flats[kind][segment.start:segment.end].copy_(moment.reshape(-1))
-        for name, tensor in named_state_buffers(trainer):  # (absent: a fresh start's value)
-            if reader.has(f"model/{name}"):
-                tensor.copy_(reader.get(f"model/{name}"))
-        kinds = OPTIMIZER_KINDS if has_optimizer else ("main",)
-        for kind in kinds:
-            target = getattr(optimizer, kind)
-            if kind == "main" and target.data_ptr() == buffer.param_data.data_ptr():
-                continue  # fp32 without sharding: the main weights are the model's
-            target.copy_(_owned(flats[kind], buffer, ctx))
-    if not tr.finetune and metadata.get("optimizer"):  # the run's count goes on
-        trainer.skipped_iterations = int(metadata["optimizer"].get("skipped_iterations", 0))
-    if has_optimizer:
-        optimizer.steps = int(metadata["optimizer"]["steps"])
-        optimizer.scaler.load_state_dict(metadata["optimizer"]["loss_scaler"])
-        began = metadata["optimizer"].get(OPTIMIZER_START)  # None: a checkpoint before the record
-        trainer.optimizer_start = None if began is None else tuple(began)
-    else:
-        _fresh_optimizer(optimizer)
-        trainer.optimizer_start = (0 if tr.finetune else int(metadata["iteration"]),
-                                   trainer.skipped_iterations)
-    # Where the schedule stands, and whose it is (--no-load-optim: from its start).
-    lr_resume.continue_schedule(trainer, metadata, directory)
-    if take_rng:  # (else the streams stay as building the model from --seed left them)
-        _restore_rng(trainer, directory, metadata)
-    # A fine-tune's loss is another run's: its window starts empty.
-    trainer.loss_range = LossRange() if tr.finetune else LossRange.loaded(directory, metadata)
-    if tr.finetune:
-        trainer.checkpoint_lineage = Lineage.fresh()
-        trainer.finetuned_from = {"checkpoint": str(directory.absolute()),
-                                  "iteration": int(metadata["iteration"]),
-                                  LINEAGE: recorded_lineage(directory, metadata)}
-    else:
-        trainer.checkpoint_lineage = Lineage.loaded(directory, metadata)
-        trainer.finetuned_from = metadata.get(FINETUNED_FROM)
-    if ctx.rank == 0:
-        tokenizer_to_carry(trainer)  # read now: --keep-last may prune the loaded checkpoint
-        trainer.carried_hf_files = hf_files_to_carry(trainer, directory, metadata)
-    barrier(ctx)
-    return metadata
-
-
-def _fresh_optimizer(optimizer) -> None:
-    """Adam as before its first step: zero moments, step count 0 (so the bias
-    correction starts again), the loss scale the settings give. The main
-    weights are left: they are the loaded ones."""
-    optimizer.exp_avg.zero_()
-    optimizer.exp_avg_sq.zero_()
-    optimizer.steps = 0
-    optimizer.scaler = LossScaler.from_config(optimizer.config)
-
-
-def load_summary(train, directory: Path, metadata: dict) -> str:
-    """The start-up line saying what `--load` took (rank 0 prints it)."""
-    iteration, consumed = int(metadata["iteration"]), int(metadata["consumed_samples"])
-    if train.finetune:
-        line = (f"ptdp: fine-tuning from {directory} (the weights of iteration {iteration}; "
-                f"starting at iteration 0 with a fresh optimizer, learning-rate schedule and data "
-                f"order, random streams from --seed {train.seed}, and checkpoints of a run of its "
-                f"own)")
-    else:
-        line = (f"ptdp: resumed from {directory} after iteration {iteration} ({consumed:,} samples "
-                f"consumed)")
-        if not train.load_optim:
-            line += ("; optimizer state not loaded (--no-load-optim): Adam's moments start at "
-                     "zero and the learning-rate schedule starts again from its beginning")
-        elif not any(name.startswith("optimizer/exp_avg/") for name in metadata["tensors"]):
-            line += "; the checkpoint holds no optimizer state: Adam's moments start at zero"
-        if not train.load_rng:
-            line += (f"; random states not restored (--no-load-rng): the streams of --seed "
-                     f"{train.seed}, as at a fresh run's start")
-    if train.use_checkpoint_args:
-        line += "; the model's settings are the checkpoint's (--use-checkpoint-args)"
-    line += lr_resume.summary(train)
-    if is_unsealed(metadata):
-        line += f"\nptdp: note: {directory} was {UNSEALED_NOTE}"
-    return line
-
-
-def _local(logical: torch.Tensor, spec, shape: torch.Size, name: str, directory: Path) -> torch.Tensor:
-    local = shard(logical, spec) if spec is not None else logical
-    if tuple(local.shape) != tuple(shape):
-        raise CheckpointError(f"{directory}: {name} has shape {tuple(logical.shape)}, which does "
-                              f"not fit this model (this rank's piece is {tuple(shape)})")
-    return local
-
-
-def _owned(full: torch.Tensor, buffer, ctx) -> torch.Tensor:
-    """The inverse of _full_flat: this rank's part in the optimizer's coordinates."""
-    if not buffer.shard:
-        return full
-    return torch.cat([full[slice(*buffer.owned_range(bucket))] for bucket in buffer.buckets])
-
-
-def _first_name(trainer) -> str:
-    return next(name for name, _ in named_parameters(trainer))
-
-
 # ------------------------------------------------------------------ model only
 
 def load_logical_model(load: str | Path) -> tuple[Config, dict[str, torch.Tensor], dict]:
@@ -454,7 +298,7 @@ def load_logical_model(load: str | Path) -> tuple[Config, dict[str, torch.Tensor
     and export), in fp32 where the main weights were saved."""
     directory = resolve(load)
     metadata = read_metadata(directory)
-    reader = _Reader(directory, metadata)
+    reader = Reader(directory, metadata)
     names = sorted(n[len("model/"):] for n in metadata["tensors"] if n.startswith("model/"))
     weights = {}
     for name in names:
@@ -527,19 +371,6 @@ def copy_tokenizer(tokenizer_file: Path | str | None, directory: Path) -> str | 
     return TOKENIZER_FILE
 
 
-def tokenizer_to_carry(trainer) -> bytes | None:
-    """The tokenizer.json a training run's checkpoints carry: the run's own
-    (HuggingFaceTokenizer), which may be the copy in the checkpoint it
-    resumed from, so a chain of resumes keeps it. Read once, at --load or at
-    the first save: a later save may find the loaded checkpoint pruned."""
-    data = trainer.config.data
-    if data.mock_data or data.tokenizer_type != "HuggingFaceTokenizer" or not data.tokenizer_model:
-        return None
-    if getattr(trainer, "carried_tokenizer", None) is None:
-        trainer.carried_tokenizer = Path(data.tokenizer_model).read_bytes()
-    return trainer.carried_tokenizer
-
-
 def checkpoint_tokenizer(load: str | Path) -> Path | None:
     """The tokenizer file a checkpoint carries (`--load` SAVE or an iter_*
     directory), checked against its sha256; None if it carries none."""
@@ -552,48 +383,7 @@ def checkpoint_tokenizer(load: str | Path) -> Path | None:
     return directory / name
 
 
-# ------------------------------------------------------------------ random states
-
-def _restore_rng(trainer, directory: Path, metadata: dict) -> None:
-    file = rng_file(trainer.ctx)  # (another c: another layout, so reseeded)
-    same_layout = metadata.get("layout") == layout_record(trainer)
-    rng = trainer.chunks[0].rng
-    if same_layout and file in metadata["files"]:
-        verify_file(directory, file, metadata)
-        saved = json.loads((directory / file).read_text())
-        states = {name: torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
-                  for name, text in saved.items()}
-        torch.set_rng_state(states.pop("cpu"))
-        rng.set_states(states)
-    else:
-        # No counterpart for this rank's streams: a fresh, reproducible seed.
-        seed = trainer.config.train.seed + int(metadata["iteration"])
-        rng.seed(seed, trainer.ctx)
-        torch.manual_seed(seed)
-
-
 # ------------------------------------------------------------------ helpers
-
-def named_parameters(trainer):
-    """(logical name, parameter) of every parameter of this rank, once each
-    (under zbv rank 0's two chunks share the tied word embedding)."""
-    seen: set[int] = set()
-    for chunk in trainer.chunks:
-        for name, param in chunk.named_parameters():
-            if id(param) not in seen:
-                seen.add(id(param))
-                yield name, param
-
-
-def named_state_buffers(trainer):
-    """(name, tensor) of the model's saved state that is not a parameter:
-    the MoE routers' expert biases (replicated on every tensor rank)."""
-    for chunk in trainer.chunks:
-        parameters = {name for name, _ in chunk.named_parameters()}
-        for name, tensor in chunk.state_dict(keep_vars=True).items():
-            if name not in parameters:
-                yield name, tensor
-
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file

@@ -1,9 +1,9 @@
 """The --save directory: which checkpoints it keeps and which one `latest` names.
 
-A checkpoint (ptdp/train/checkpoint.py) records its lineage in metadata.json:
+A checkpoint (ptdp/checkpoint/store.py) records its lineage in metadata.json:
 `[run id, last iteration]` pairs from the origin to itself (run B loaded run
 A's iteration 5 and saved iteration 8: `[[A, 5], [B, 8]]`). A trainer gets a
-new run id at its first save and at every load; a load inherits the loaded
+new run id when it is built and at every load; a load inherits the loaded
 checkpoint's pairs, except a --finetune load: a fine-tune is a new run from
 iteration 0 whose lineage is its own (its checkpoints record the loaded one
 under "finetuned_from", which nothing here reads), so --keep-last never
@@ -68,13 +68,6 @@ class Lineage:
         return self.inherited + [[self.run_id, iteration]]
 
 
-def trainer_lineage(trainer) -> Lineage:
-    lineage = getattr(trainer, "checkpoint_lineage", None)
-    if lineage is None:
-        lineage = trainer.checkpoint_lineage = Lineage.fresh()
-    return lineage
-
-
 def recorded_lineage(directory: Path, metadata: dict) -> list[list]:
     """The checkpoint's lineage; one written before lineages existed (or with
     a malformed one) is a lineage of its own, named by its metadata's hash."""
@@ -132,7 +125,7 @@ def remove_leftovers(save: Path) -> None:
     `latest`."""
     for leftover in save.glob("iter_*.partial"):
         shutil.rmtree(leftover, ignore_errors=True)
-    # A re-save killed between its two renames (checkpoint.publish_directory): the complete old
+    # A re-save killed between its two renames (store.publish_directory): the complete old
     # checkpoint goes back where `latest` expects it.
     for replaced in save.glob("iter_*.replaced"):
         final = replaced.with_suffix("")

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ptdp.config import Config, ConfigError, ModelConfig, flag_of
-from ptdp.train.checkpoint import (SHAPE_SETTINGS, CheckpointError, read_metadata, resolve,
+from ptdp.checkpoint.store import (SHAPE_SETTINGS, CheckpointError, read_metadata, resolve,
                                    saved_model_config)
 
 

@@ -1,18 +1,18 @@
-"""Saving a training run's checkpoint (the format: checkpoint.py).
+"""Saving a training run's checkpoint (the format: store.py).
 
 A save is three steps, every rank taking part: `take_snapshot` copies what
 this rank writes to host memory (a collective: the tensors are gathered to
 their logical shapes), `Snapshot.write` writes its files into
 `iter_N.partial/`, and rank 0's `Snapshot.publish`, once every rank has
 written, adds the sealed metadata with every file's sha256 and makes the
-checkpoint visible (checkpoint.publish_directory), moves `latest` and
-prunes for --keep-last. `save_checkpoint` runs them in line; --async-save
-runs the middle one in the background (async_save.py).
+checkpoint visible (store.publish_directory), moves `latest` and prunes for
+--keep-last. `save_checkpoint` runs them in line; --async-save runs the
+middle one in the background (async_writer.py). What is saved is the
+training state the trainer hands down (state.TrainingState).
 """
 
 from __future__ import annotations
 
-import base64
 import copy
 import dataclasses
 import json
@@ -20,58 +20,54 @@ from pathlib import Path
 
 import torch
 
+from ptdp.checkpoint.carry import TOKENIZER_FILE, TOKENIZER_KEY, carry_hf_files
+from ptdp.checkpoint.integrity import FORMAT, FORMAT_VERSION, OPTIMIZER_START, RUN_START, sha256_of
+from ptdp.checkpoint.layout import (layout_record, part_name, rng_file, writes_state_buffers,
+                                    writes_tensor)
+from ptdp.checkpoint.retention import (LINEAGE, fsync_path, point_latest, prune, remove_leftovers,
+                                       set_aside_other_lineages)
+from ptdp.checkpoint.state import TrainingState, named_parameters, named_state_buffers, rng_state
+from ptdp.checkpoint.store import (FINETUNED_FROM, barrier, iteration_dir, publish_directory,
+                                   write_json, write_safetensors)
 from ptdp.parallel.collectives import all_gather_flat
 from ptdp.parallel.sharding import COPY_ATTR, SHARD_ATTR, gather_logical, is_expert, shard_group
-from ptdp.train import lr_resume
-from ptdp.train.checkpoint import (FINETUNED_FROM, barrier, iteration_dir, named_parameters,
-                                   named_state_buffers, publish_directory, tokenizer_to_carry,
-                                   write_json, write_safetensors)
-from ptdp.train.checkpoint_hf_files import TOKENIZER_FILE, TOKENIZER_KEY, carry_hf_files
-from ptdp.train.checkpoint_integrity import (FORMAT, FORMAT_VERSION, OPTIMIZER_START, RUN_START,
-                                             sha256_of)
-from ptdp.train.checkpoint_layout import (layout_record, part_name, rng_file, writes_state_buffers,
-                                          writes_tensor)
-from ptdp.train.loss_range import RECORD as LOSS_RANGE
-from ptdp.train.retention import (LINEAGE, fsync_path, point_latest, prune, remove_leftovers,
-                                  set_aside_other_lineages, trainer_lineage)
 
 
-def save_checkpoint(trainer, save: str | Path, *, iteration: int, consumed_samples: int,
+def save_checkpoint(state: TrainingState, save: str | Path, *,
                     keep_last: int | None = None) -> Path:
-    """Every rank calls this after iteration `iteration`; returns the directory.
-    (--async-save takes the same three steps, the writing in the background:
-    async_save.py.)"""
-    ctx = trainer.ctx
-    snapshot = take_snapshot(trainer, save, iteration=iteration,
-                             consumed_samples=consumed_samples, keep_last=keep_last)
+    """Every rank calls this with the state after iteration `state.iteration`;
+    returns the directory. (--async-save takes the same three steps, the
+    writing in the background: async_writer.py.)"""
+    ctx = state.ctx
+    snapshot = take_snapshot(state, save, keep_last=keep_last)
     snapshot.write()
     barrier(ctx)
     if ctx.rank == 0:
-        snapshot.publish(keep=trainer.loss_range.good)
+        snapshot.publish(keep=state.loss_watch.good)
     barrier(ctx)
     return snapshot.final
 
 
-def take_snapshot(trainer, save: str | Path, *, iteration: int, consumed_samples: int,
+def take_snapshot(state: TrainingState, save: str | Path, *,
                   keep_last: int | None = None) -> "Snapshot":
     """Every rank (collective): rank 0 clears a killed save's leftovers and
     makes `iter_N.partial/`; each rank copies what it writes to host memory.
     The trainer may change its tensors as soon as this returns."""
-    ctx = trainer.ctx
-    final = iteration_dir(save, iteration)
+    ctx = state.ctx
+    final = iteration_dir(save, state.iteration)
     snapshot = Snapshot(final=final, part=part_name(ctx), rng_file=rng_file(ctx))
     if ctx.rank == 0:
         Path(save).mkdir(parents=True, exist_ok=True)
         remove_leftovers(Path(save))
         (snapshot.partial / "rng").mkdir(parents=True)
     barrier(ctx)
-    snapshot.tensors = _logical_tensors(trainer)  # collective over the tensor and data × context groups
-    snapshot.rng = rng_state(trainer)
+    snapshot.tensors = _logical_tensors(state)  # collective over the tensor and data × context groups
+    snapshot.rng = rng_state(state)
     if ctx.rank == 0:
-        snapshot.metadata, snapshot.tokenizer = _metadata_draft(trainer, iteration, consumed_samples)
-        carry_hf_files(trainer, snapshot.partial, snapshot.metadata)  # beside the tokenizer
-        snapshot.forked_at, snapshot.keep_last = trainer_lineage(trainer).forked_at, keep_last
-    trainer.loss_range.saved(final)  # good once the next iteration's loss is in range
+        snapshot.metadata, snapshot.tokenizer = _metadata_draft(state)
+        carry_hf_files(state.carried_hf_files, snapshot.partial, snapshot.metadata)  # beside the tokenizer
+        snapshot.forked_at, snapshot.keep_last = state.lineage.forked_at, keep_last
+    state.loss_watch.saved(final)  # good once the next iteration's loss is in range
     return snapshot
 
 
@@ -98,7 +94,7 @@ class Snapshot:
     def write(self, durable: bool = False) -> dict[str, str]:
         """This rank's files into `iter_N.partial/`; the host copy is freed.
         `durable`: also fsync each file and return its sha256 by name, so
-        that publishing need not read it back (async_save.py)."""
+        that publishing need not read it back (async_writer.py)."""
         written = []
         if self.tensors:
             written.append(self.partial / f"{self.part}.safetensors")
@@ -123,7 +119,7 @@ class Snapshot:
         for listing in sorted(partial.glob("part-*.json")):
             data_file = listing.with_suffix(".safetensors").name
             for name in json.loads(listing.read_text()):
-                if name in tensors:  # each tensor has one writer (checkpoint_layout.writes_tensor)
+                if name in tensors:  # each tensor has one writer (layout.writes_tensor)
                     raise RuntimeError(f"{name} was written by two ranks ({tensors[name]} and "
                                        f"{data_file}): a bug in the choice of writers")
                 tensors[name] = data_file
@@ -145,12 +141,12 @@ class Snapshot:
         return final
 
 
-def _logical_tensors(trainer) -> dict[str, torch.Tensor]:
+def _logical_tensors(state: TrainingState) -> dict[str, torch.Tensor]:
     """The logical tensors this rank writes: the first data × context
     replica's share of its stage's, spread over its tensor group (a routed
     expert's: the first expert-data-parallel replica's, spread over its
-    expert tensor-parallel group): checkpoint_layout.writes_tensor."""
-    ctx, buffer, optimizer = trainer.ctx, trainer.buffer, trainer.optimizer
+    expert tensor-parallel group): layout.writes_tensor."""
+    ctx, buffer, optimizer = state.ctx, state.buffer, state.optimizer
     flats = {"exp_avg": _full_flat(optimizer.exp_avg, buffer, ctx),
              "exp_avg_sq": _full_flat(optimizer.exp_avg_sq, buffer, ctx)}
     if optimizer.main.data_ptr() != buffer.param_data.data_ptr():
@@ -158,7 +154,7 @@ def _logical_tensors(trainer) -> dict[str, torch.Tensor]:
     segments = {id(s.param): s for s in buffer.segments}
     mine: dict[str, torch.Tensor] = {}
     index = {False: 0, True: 0}  # per kind, so every rank of a group counts alike
-    for name, param in named_parameters(trainer):
+    for name, param in named_parameters(state.chunks):
         if getattr(param, COPY_ATTR, False):
             continue  # the tied embedding's second copy: stored once
         expert = is_expert(param)
@@ -173,7 +169,7 @@ def _logical_tensors(trainer) -> dict[str, torch.Tensor]:
                 mine[f"{prefix}/{name}"] = logical.detach().clone().contiguous().cpu()
             index[expert] += 1
     if writes_state_buffers(ctx):  # replicated over tensor, context and data ranks
-        for name, tensor in named_state_buffers(trainer):
+        for name, tensor in named_state_buffers(state.chunks):
             mine[f"model/{name}"] = tensor.detach().clone().contiguous().cpu()
     return mine
 
@@ -193,40 +189,30 @@ def _full_flat(tensor: torch.Tensor, buffer, ctx) -> torch.Tensor:
     return full
 
 
-def _metadata_draft(trainer, iteration: int, consumed_samples: int) -> tuple[dict, bytes | None]:
-    """Rank 0: the checkpoint's metadata as the trainer stands now, but for
-    its files (listed when published), and the tokenizer file it carries."""
-    lineage = trainer_lineage(trainer)
-    tokenizer = tokenizer_to_carry(trainer)
+def _metadata_draft(state: TrainingState) -> tuple[dict, bytes | None]:
+    """Rank 0: the checkpoint's metadata as the run stands now, but for its
+    files (listed when published), and the tokenizer file it carries."""
+    tokenizer = state.carried_tokenizer
+    optimizer = state.optimizer
     metadata = {
         "format": FORMAT, "format_version": FORMAT_VERSION,
-        "iteration": iteration, "consumed_samples": consumed_samples,
-        "config": trainer.config.to_dict(),
-        "layout": layout_record(trainer),
-        "optimizer": {"steps": trainer.optimizer.steps,
-                      "loss_scaler": trainer.optimizer.scaler.state_dict(),
-                      "skipped_iterations": trainer.skipped_iterations,
-                      OPTIMIZER_START: (None if trainer.optimizer_start is None
-                                        else list(trainer.optimizer_start))},
-        RUN_START: [trainer.start_iteration, trainer.start_consumed],
-        lr_resume.RECORD: lr_resume.record(trainer),
-        LINEAGE: lineage.at(iteration),
-        LOSS_RANGE: trainer.loss_range.record(),
+        "iteration": state.iteration, "consumed_samples": state.consumed_samples,
+        "config": state.config.to_dict(),
+        "layout": layout_record(state),
+        "optimizer": {"steps": optimizer.steps,
+                      "loss_scaler": optimizer.scaler.state_dict(),
+                      "skipped_iterations": state.skipped_iterations,
+                      OPTIMIZER_START: (None if state.optimizer_start is None
+                                        else list(state.optimizer_start))},
+        RUN_START: list(state.run_start),
+        **state.records,
+        LINEAGE: state.lineage.at(state.iteration),
     }
-    finetuned_from = getattr(trainer, "finetuned_from", None)
-    if finetuned_from:
-        metadata[FINETUNED_FROM] = finetuned_from
+    if state.finetuned_from:
+        metadata[FINETUNED_FROM] = state.finetuned_from
     if tokenizer is not None:
         metadata[TOKENIZER_KEY] = TOKENIZER_FILE
         # The run's path to it may be a resumed checkpoint's copy, soon pruned:
         # the carried file is the tokenizer (as in an imported checkpoint).
         metadata["config"]["data"]["tokenizer_model"] = None
     return copy.deepcopy(metadata), tokenizer  # (a copy: training goes on changing the records)
-
-
-
-def rng_state(trainer) -> dict[str, str]:
-    states = trainer.chunks[0].rng.get_states()
-    states["cpu"] = torch.get_rng_state()
-    return {name: base64.b64encode(state.cpu().numpy().tobytes()).decode() for name, state in
-            states.items()}

@@ -54,13 +54,14 @@ def writes_state_buffers(ctx) -> bool:
     return ctx.dp_cp_rank == 0 and ctx.tp_rank == 0
 
 
-def layout_record(trainer) -> dict[str, Any]:
-    """The layout a checkpoint records: its random states are restored only
-    under the same one (any other reseeds the streams)."""
-    ctx = trainer.ctx
+def layout_record(state) -> dict[str, Any]:
+    """The layout a checkpoint of `state` (a state.TrainingState) records:
+    its random states are restored only under the same one (any other
+    reseeds the streams)."""
+    ctx = state.ctx
     layout = {"tensor": ctx.tp_size, "pipeline": ctx.pp_size, "data": ctx.dp_size,
-              "chunks": trainer.num_chunks,
-              "distributed_optimizer": bool(trainer.buffer.shard)}
+              "chunks": state.num_chunks,
+              "distributed_optimizer": bool(state.buffer.shard)}
     if ctx.cp_size > 1:  # (absent: no context parallelism, as before it existed)
         layout["context"] = ctx.cp_size
     if (ctx.ep_size, ctx.etp_size) != (1, ctx.tp_size):  # (absent: the dense folding)

@@ -2,7 +2,7 @@
 
 Megatron-LM's flag (its torch_dist checkpoints only; here ptdp's own format,
 under every layout). A save takes the same three steps as a synchronous one
-(checkpoint_save.save_checkpoint), with the middle one moved off the training
+(snapshot.save_checkpoint), with the middle one moved off the training
 thread:
 
 1. The snapshot, on every rank (collective, blocking): rank 0 clears a killed
@@ -33,7 +33,7 @@ what failed and what `latest` still names; the partial directory is removed.
 The time training is blocked by each save, everything its main thread spends
 on it (the snapshot copy, the per-iteration checks, the wait and the
 publication), is in the one line printed when it is published, and the
-metrics file's `save_blocked_ms` (ptdp.train.loop).
+metrics file's `save_blocked_ms` (ptdp.train.saves).
 """
 
 from __future__ import annotations
@@ -43,17 +43,25 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
+from ptdp.checkpoint.retention import latest_name
+from ptdp.checkpoint.snapshot import Snapshot, take_snapshot
+from ptdp.checkpoint.state import TrainingState
 from ptdp.errors import UserError, describe
-from ptdp.train.checkpoint_save import Snapshot, take_snapshot
-from ptdp.train.retention import latest_name
 
 
 class AsyncSaveError(UserError):
     """A background checkpoint write failed; nothing was published."""
+
+
+class StateSource(Protocol):
+    """What an AsyncSaver saves (the trainer): the training state after an iteration."""
+
+    def training_state(self, iteration: int) -> TrainingState: ...
 
 
 class _Writer(threading.Thread):
@@ -80,6 +88,7 @@ class _Writer(threading.Thread):
 @dataclass
 class _InFlight:
     snapshot: Snapshot
+    state: TrainingState           # what was saved (its device, its loss watch)
     writer: _Writer
     started: float                 # time.monotonic() when the snapshot began
     size: int                      # bytes this rank copied to host memory
@@ -90,9 +99,9 @@ class AsyncSaver:
     """Every rank holds one; every rank calls `save`, `poll` and `wait` at
     the same points (each may run a collective)."""
 
-    def __init__(self, trainer, save: str | Path, *, keep_last: int | None = None,
+    def __init__(self, source: StateSource, save: str | Path, *, keep_last: int | None = None,
                  announce: bool = True):
-        self.trainer, self.save_dir, self.keep_last = trainer, Path(save), keep_last
+        self.source, self.save_dir, self.keep_last = source, Path(save), keep_last
         self.announce = announce  # print each published save's line (rank 0 only prints)
         self.in_flight: _InFlight | None = None
         self.newest: Path | None = None   # the newest checkpoint this run published
@@ -104,14 +113,12 @@ class AsyncSaver:
         directory of the save waited for (None: none was in flight)."""
         previous = self.wait()
         started = time.monotonic()
-        trainer = self.trainer
-        snapshot = take_snapshot(trainer, self.save_dir, iteration=iteration,
-                                 consumed_samples=trainer.consumed_before(iteration),
-                                 keep_last=self.keep_last)
+        state = self.source.training_state(iteration)
+        snapshot = take_snapshot(state, self.save_dir, keep_last=self.keep_last)
         size = sum(t.numel() * t.element_size() for t in snapshot.tensors.values())
         writer = _Writer(snapshot)
         writer.start()
-        self.in_flight = _InFlight(snapshot, writer, started, size)
+        self.in_flight = _InFlight(snapshot, state, writer, started, size)
         self._spent(self.in_flight, started)
         return previous
 
@@ -121,7 +128,7 @@ class AsyncSaver:
         flight, began = self.in_flight, time.monotonic()
         if flight is None:
             return None
-        if not self._everyone_done(flight.writer.is_alive()):
+        if not self._everyone_done(flight.writer.is_alive(), flight.state.device):
             self._spent(flight, began)
             return None
         return self._publish(flight, began)
@@ -144,11 +151,12 @@ class AsyncSaver:
     def _spent(flight: _InFlight, began: float) -> None:
         flight.blocked += time.monotonic() - began
 
-    def _everyone_done(self, writing: bool) -> bool:
+    @staticmethod
+    def _everyone_done(writing: bool, device: torch.device) -> bool:
         """Whether no rank's writer is still writing (one all-reduce)."""
         if not _distributed():
             return not writing
-        busy = torch.tensor([float(writing)], device=self.trainer.device)
+        busy = torch.tensor([float(writing)], device=device)
         dist.all_reduce(busy)
         return busy.item() == 0
 
@@ -170,7 +178,7 @@ class AsyncSaver:
         if rank == 0:
             digests = {name: digest for _, files in reports for name, digest in files.items()}
             try:
-                flight.snapshot.publish(keep=self.trainer.loss_range.good, digests=digests)
+                flight.snapshot.publish(keep=flight.state.loss_watch.good, digests=digests)
             except OSError as error:  # a full disk as the metadata is written, say
                 raise self._failure(flight.snapshot, [(0, describe(error))], rank) from error
         self._spent(flight, began)
@@ -208,76 +216,3 @@ def _distributed() -> bool:
 def _barrier() -> None:
     if _distributed():
         dist.barrier()
-
-
-class RunSaves:
-    """The training loop's checkpoints, synchronous or --async-save: the
-    newest one this run can name, the time saves blocked training, what the
-    run's last save may take (for --exit-duration-in-mins), and the waits a
-    stop needs. Every rank calls each method at the same point."""
-
-    def __init__(self, trainer, stopping, *, is_logger: bool, loaded: Path | None):
-        tr = trainer.config.train
-        self.trainer, self.stopping, self.is_logger, self.save_dir = \
-            trainer, stopping, is_logger, tr.save
-        # (a fine-tune's loaded checkpoint is another run's, not one of its own)
-        self.newest: str | None = None if loaded is None else str(loaded)
-        self.unreported = 0.0  # seconds saves blocked training since the last record
-        self.saver = (AsyncSaver(trainer, tr.save, keep_last=tr.keep_last,
-                                 announce=trainer.ctx.rank == 0)
-                      if tr.save and tr.async_save else None)
-
-    def at_boundary(self) -> dict[str, float]:
-        """After an iteration's step: publish an asynchronous save whose
-        writers are all done; the record's `save_blocked_ms` (the seconds
-        saves blocked training since the previous record), if any."""
-        if self.saver is not None and self.saver.in_flight is not None:
-            self._published(self._timed(self.saver.poll))
-            self._tell_stopping()
-        blocked, self.unreported = self.unreported, 0.0
-        return {"save_blocked_ms": blocked * 1e3} if blocked else {}
-
-    def save(self, iteration: int, *, last: bool) -> None:
-        """Checkpoint after `iteration`; `last`: the run stops after it, so
-        an asynchronous save is waited for."""
-        if self.saver is None:
-            took = self._timed(lambda: self.trainer.save(self.save_dir, iteration))
-            self.newest = str(took[0])
-            self.stopping.longest_save = max(self.stopping.longest_save, took[1])
-            if self.is_logger:
-                print(f"ptdp: saved checkpoint {self.newest} (training was blocked "
-                      f"{took[1]:.3f} s)", flush=True)
-            return
-        self._published(self._timed(lambda: self.saver.save(iteration))[0])
-        if last:
-            self.settle()
-        self._tell_stopping()
-
-    def settle(self) -> str | None:
-        """Wait for the save in flight (a stop, a divergence's way back);
-        the newest checkpoint, published."""
-        if self.saver is not None:
-            self._published(self._timed(self.saver.wait)[0])
-        return self.newest
-
-    def _tell_stopping(self) -> None:
-        """What a stop's save may take under --async-save: waiting for the
-        save in flight, then a whole save (the longest yet, or the one in
-        flight so far)."""
-        flight = self.saver.in_flight
-        so_far = 0.0 if flight is None else time.monotonic() - flight.started
-        whole = max(self.saver.longest, so_far)
-        self.stopping.longest_save = whole + (0.0 if flight is None else whole - so_far)
-
-    def _timed(self, call) -> tuple:
-        began = time.monotonic()
-        try:
-            result = call()
-        finally:
-            took = time.monotonic() - began
-            self.unreported += took
-        return result, took
-
-    def _published(self, directory: Path | None) -> None:
-        if directory is not None:
-            self.newest = str(directory)

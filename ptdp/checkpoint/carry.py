@@ -41,12 +41,12 @@ def write_hf_files(hf_files: Mapping[str, bytes] | None, directory: Path) -> lis
     return written
 
 
-def carry_hf_files(trainer, partial: Path, metadata: dict) -> None:
+def carry_hf_files(carried: Mapping[str, bytes] | None, partial: Path, metadata: dict) -> None:
     """Rank 0, at a training run's save: the files the run carries (from
     the checkpoint it loaded: hf_files_to_carry) into the checkpoint being
     written (`partial`, whose file list and checksums come later), listed
     in its `metadata`."""
-    written = write_hf_files(getattr(trainer, "carried_hf_files", None), partial)
+    written = write_hf_files(carried, partial)
     if written:
         metadata[HF_FILES_KEY] = written
 
@@ -55,7 +55,7 @@ def checkpoint_hf_files(directory: Path, metadata: dict) -> dict[str, bytes]:
     """The other Hugging Face files the checkpoint in `directory` (whose
     verified `metadata` is given) carries, name -> contents, each checked
     against its sha256; empty if it carries none."""
-    from ptdp.train.checkpoint_integrity import damaged, verify_file
+    from ptdp.checkpoint.integrity import damaged, verify_file
 
     listed = metadata.get(HF_FILES_KEY) or []
     if not isinstance(listed, list) or not all(isinstance(path, str) for path in listed):
@@ -67,13 +67,14 @@ def checkpoint_hf_files(directory: Path, metadata: dict) -> dict[str, bytes]:
     return files
 
 
-def hf_files_to_carry(trainer, directory: Path, metadata: dict) -> dict[str, bytes]:
+def hf_files_to_carry(state, directory: Path, metadata: dict) -> dict[str, bytes]:
     """The loaded checkpoint's other Hugging Face files, for the run's
     checkpoints: they describe the checkpoint's tokenizer, so a run that
-    trains with another drops them, and says so."""
+    trains with another (`state.carried_tokenizer`, a state.TrainingState's:
+    none under --mock-data) drops them, and says so."""
     files = checkpoint_hf_files(directory, metadata)
     loaded = metadata.get(TOKENIZER_KEY)
-    ours = getattr(trainer, "carried_tokenizer", None)
+    ours = getattr(state, "carried_tokenizer", None)
     if files and (hashlib.sha256(ours).hexdigest() if ours is not None else None) != \
             (metadata["files"].get(loaded) if loaded else None):
         print(f"ptdp: note: --load {directory} carries its Hugging Face tokenizer settings (chat "
