@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from ptdp.cli import build_parser, config_from_args, main
+from ptdp.cli import build_parser, main
+from ptdp.commands.train import config_from_args
 from ptdp.config import Config, ConfigError, DataConfig, ModelConfig, TrainConfig, flag_fields, validate
 
 ROOT = Path(__file__).resolve().parents[1]

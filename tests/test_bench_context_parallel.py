@@ -103,6 +103,7 @@ def test_the_long_context_command_trains_as_one_process(pools):
     import shlex
 
     from ptdp import cli
+    from ptdp.commands.train import config_from_args
     from ptdp.config import validate
     from ptdp.parallel.topology import ParallelContext
     from ptdp.train.loop import Trainer
@@ -111,7 +112,7 @@ def test_the_long_context_command_trains_as_one_process(pools):
     (command,) = commands("long-context")
     words = shlex.split(command, comments=True)
     assert Path(words[0]).name == "ptdp" and words[1] == "train"
-    config = cli.config_from_args(cli.build_parser().parse_args(words[1:]))
+    config = config_from_args(cli.build_parser().parse_args(words[1:]))
     parallel, model = config.parallel, config.model
     assert (parallel.context_parallel_size, parallel.cp_comm_type, parallel.world_size) == \
         (4, "p2p", 4)

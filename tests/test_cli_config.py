@@ -11,7 +11,8 @@ import textwrap
 
 import pytest
 
-from ptdp.cli import build_parser, config_from_args, main
+from ptdp.cli import build_parser, main
+from ptdp.commands.train import config_from_args
 from ptdp.config import Config, ConfigError, flag_fields, validate
 
 

@@ -10,7 +10,8 @@ import re
 
 import pytest
 
-from ptdp.cli import build_parser, config_from_settings, settings_from_args
+from ptdp.cli import build_parser
+from ptdp.commands.train import config_from_settings, settings_from_args
 from ptdp.config import ConfigError, validate
 
 PARSER = build_parser()

@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ptdp.cli import _mock_data_notes, main
+from ptdp.cli import main
+from ptdp.commands.train import _mock_data_notes
 from ptdp.config import Config, DataConfig, ModelConfig
 from ptdp.data.gpt_dataset import GPTDataset
 from ptdp.data.indexed import IndexedDataset, IndexedDatasetError, write_documents

@@ -12,7 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ptdp.cli import build_parser, config_from_args
+from ptdp.cli import build_parser
+from ptdp.commands.train import config_from_args
 from ptdp.config import validate
 from ptdp.data.corpus import build_demo_tokenizer
 from ptdp.data.tokenizer import DEMO_TOKENIZER_FILE, DEMO_TOKENIZER_SHA256

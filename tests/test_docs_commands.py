@@ -22,6 +22,7 @@ import pytest
 
 from tests.doc_commands import COMMAND, ROOT, Block, blocks, commands, session
 from ptdp import cli
+from ptdp.commands.train import config_from_args
 from ptdp.config import validate
 
 TESTS = Path(__file__).resolve().parent
@@ -194,7 +195,7 @@ def test_the_launching_commands_are_valid_for_the_world_they_start():
     assert len(shown) == 4
     for command in shown:
         flags, world = _launched(command)
-        config = cli.config_from_args(cli.build_parser().parse_args(["train", *flags]))
+        config = config_from_args(cli.build_parser().parse_args(["train", *flags]))
         par = config.parallel
         model_parallel = par.tensor_model_parallel_size * par.pipeline_model_parallel_size
         assert world % model_parallel == 0, command

@@ -293,7 +293,8 @@ def test_sighup_to_the_launcher_stops_gracefully(tmp_path):
 
 def _checkpoint_size(tmp_path: Path) -> int:
     """Bytes of one checkpoint of MODEL (written once here, in this process)."""
-    from ptdp.cli import build_parser, config_from_args
+    from ptdp.cli import build_parser
+    from ptdp.commands.train import config_from_args
     from ptdp.parallel.topology import ParallelContext
     from ptdp.train.loop import Trainer
 

@@ -24,7 +24,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from ptdp.cli import build_parser, config_from_args, main
+from ptdp.cli import build_parser, main
+from ptdp.commands.train import config_from_args
 from ptdp.config import Config, DataConfig
 from ptdp.interop.hf_llama import (
     ConversionError,

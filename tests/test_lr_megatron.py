@@ -284,7 +284,8 @@ def test_the_schedule_flags_are_checked():
 
 
 def test_the_schedule_flags_are_config_keys(tmp_path):
-    from ptdp.cli import build_parser, config_from_settings, settings_from_args
+    from ptdp.cli import build_parser
+    from ptdp.commands.train import config_from_settings, settings_from_args
 
     def train_of(text):
         path = tmp_path / "run.yaml"

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from ptdp.argparser import did_you_mean
-from ptdp.cli import QUIET_RANK_WAIT_SECONDS, build_parser, config_from_args, main
+from ptdp.cli import QUIET_RANK_WAIT_SECONDS, build_parser, main
+from ptdp.commands.train import config_from_args
 from ptdp.config import Config, ConfigError, ModelConfig, ParallelConfig, validate
 from ptdp.config.megatron import ACCEPTED, given, notes, refusals
 from ptdp.config.megatron_flag_list import MEGATRON_LM_COMMIT, MEGATRON_LM_FLAGS
@@ -213,7 +214,7 @@ def test_tiktoken_flags_for_another_tokenizer_are_noted():
 def test_pretrained_checkpoint_is_a_fine_tune_only_without_a_checkpoint_to_resume(tmp_path):
     """Megatron-LM's --pretrained-checkpoint: the weights to start from when
     --load has nothing to resume; a checkpoint in --load is resumed instead."""
-    from ptdp.cli import _pretrained_checkpoint
+    from ptdp.commands.train import _pretrained_checkpoint
 
     config = config_from_args(_args("--pretrained-checkpoint", str(tmp_path / "base")))
     train, said = _pretrained_checkpoint(config.train)

@@ -368,7 +368,8 @@ def test_valid_settings_pass():
 
 
 def test_flags_reach_the_config_and_bad_ones_stop_before_launch(no_launch, capsys):
-    from ptdp.cli import build_parser, config_from_args, main
+    from ptdp.cli import build_parser, main
+    from ptdp.commands.train import config_from_args
 
     config = config_from_args(build_parser().parse_args([
         "train", "--train-samples", "1000", "--global-batch-size", "32", "--rampup-batch-size", "8",
@@ -384,7 +385,8 @@ def test_flags_reach_the_config_and_bad_ones_stop_before_launch(no_launch, capsy
 
 
 def test_config_file_ramp(tmp_path):
-    from ptdp.cli import build_parser, config_from_args
+    from ptdp.cli import build_parser
+    from ptdp.commands.train import config_from_args
 
     path = tmp_path / "run.yaml"
     for text in ("rampup-batch-size: [8, 8, 300]\n", "rampup-batch-size: 8 8 300\n"):

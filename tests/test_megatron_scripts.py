@@ -238,7 +238,7 @@ def _sentencepiece_data(folder: Path) -> tuple[Path, Path]:
 
 def _script_model(flags: list[str]):
     """The model a script's flags describe, as `ptdp train` reads them."""
-    from ptdp.cli import config_from_args
+    from ptdp.commands.train import config_from_args
 
     return config_from_args(build_parser().parse_args(["train", *flags])).model
 

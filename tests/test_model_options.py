@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from ptdp.cli import build_parser, config_from_args
+from ptdp.cli import build_parser
+from ptdp.commands.train import config_from_args
 from ptdp.config import ConfigError, validate
 from ptdp.model.rotary import Rotary, llama3_frequencies
 from ptdp.model.shapes import logical_shapes

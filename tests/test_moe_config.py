@@ -10,7 +10,8 @@ import textwrap
 
 import pytest
 
-from ptdp.cli import build_parser, config_from_args, main
+from ptdp.cli import build_parser, main
+from ptdp.commands.train import config_from_args
 from ptdp.config import Config, ConfigError, ModelConfig, MoEFields, ParallelConfig, flag_fields, \
     parse_layer_pattern, validate
 from ptdp.config.megatron import MOE_FLAGS, given, notes, refusals

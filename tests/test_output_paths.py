@@ -280,7 +280,8 @@ def test_on_a_cuda_machine_the_gpu_is_asked_for_its_memory(no_launch, capsys):
 def test_ordinary_runs_are_not_refused():
     """The default model, the tiny test model on 8 ranks and both phases of
     the demo fit in 4 GiB (the refusal is for clearly impossible runs only)."""
-    from ptdp.cli import build_parser, config_from_args
+    from ptdp.cli import build_parser
+    from ptdp.commands.train import config_from_args
     from tests.test_demo import _phases
 
     demo = [config_from_args(build_parser().parse_args(["train", *phase])) for phase in _phases()]

@@ -190,7 +190,8 @@ def test_print_flags_is_a_whole_train_command_for_the_planned_model(capsys):
     sequence, vocabulary, the Llama options), its precision and layout."""
     import shlex
 
-    from ptdp.cli import build_parser, config_from_settings, settings_from_args
+    from ptdp.cli import build_parser
+    from ptdp.commands.train import config_from_settings, settings_from_args
 
     shape = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16",
              "--seq-length", "1024", "--vocab-size", "32000", "--ffn-hidden-size", "2816",

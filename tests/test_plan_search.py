@@ -9,7 +9,8 @@ import shlex
 
 import pytest
 
-from ptdp.cli import build_parser, config_from_settings, main, settings_from_args
+from ptdp.cli import build_parser, main
+from ptdp.commands.train import config_from_settings, settings_from_args
 from ptdp.config import ModelConfig, ParallelConfig, validate
 from ptdp.config.base import divisors
 from ptdp.config.moe import expert_parallel_problems

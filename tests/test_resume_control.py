@@ -10,7 +10,8 @@ import json
 import pytest
 import torch
 
-from ptdp.cli import build_parser, config_from_settings, main, settings_from_args
+from ptdp.cli import build_parser, main
+from ptdp.commands.train import config_from_settings, settings_from_args
 from ptdp.config import ConfigError, ModelConfig, validate
 from ptdp.parallel.topology import ParallelContext
 from ptdp.checkpoint.store import FINETUNED_FROM, check_model_fits, read_metadata, resolve

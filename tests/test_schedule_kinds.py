@@ -13,7 +13,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from ptdp.cli import build_parser, config_from_args
+from ptdp.cli import build_parser
+from ptdp.commands.train import config_from_args
 from ptdp.config import ConfigError, validate
 from ptdp.model.gpt import build_chunks
 from ptdp.parallel.pipeline.executor import PipelineExecutor

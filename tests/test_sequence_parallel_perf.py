@@ -31,7 +31,8 @@ import pytest
 import torch
 
 import ptdp.parallel.tensor as tensor_parallel
-from ptdp.cli import build_parser, config_from_args, main
+from ptdp.cli import build_parser, main
+from ptdp.commands.train import config_from_args
 from ptdp.config import ModelConfig, validate
 from ptdp.model.gpt import GPT, build_chunks
 from ptdp.parallel.data_parallel import GradBuffer

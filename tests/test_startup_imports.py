@@ -53,12 +53,37 @@ def test_commands_without_a_model_do_not_import_torch():
     assert not importing, f"torch was imported by: ptdp {importing[0]}"
 
 
-def test_the_heavy_commands_keep_their_entry_points():
-    """generate and convert import torch when they run; their flags moved or
-    stayed light, the commands themselves are where they were."""
-    from ptdp.generate import run_generate_command
-    from ptdp.interop.convert import add_convert_parser, run_convert_command
-    from ptdp.interop.convert_flags import add_convert_parser as light
+# Imports every module of ptdp.commands in turn and reports, after each,
+# whether torch has been imported by then.
+COMMAND_MODULES_PROBE = """
+import importlib, json, pkgutil, sys
+import ptdp.commands
+report = []
+for module in pkgutil.iter_modules(ptdp.commands.__path__):
+    importlib.import_module("ptdp.commands." + module.name)
+    report.append([module.name, "torch" in sys.modules])
+print(json.dumps(report))
+"""
 
-    assert add_convert_parser is light and callable(run_convert_command)
-    assert callable(run_generate_command)
+
+def test_every_command_module_imports_without_torch():
+    """Each command's module (its parser and run: ptdp/commands/) imports
+    no torch, directly or through what it imports; the commands that need
+    it import it when they run."""
+    done = subprocess.run([sys.executable, "-c", COMMAND_MODULES_PROBE], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert {"train", "train_checks", "generate", "convert", "preprocess", "tokenizer"} <= \
+        {name for name, _ in report}
+    importing = [name for name, torch_loaded in report if torch_loaded]
+    assert not importing, f"torch was imported by: ptdp.commands.{importing[0]}"
+
+
+def test_the_heavy_commands_keep_their_entry_points():
+    """generate and convert import torch when they run; their modules in
+    ptdp.commands hold their flags and their run."""
+    from ptdp.commands import convert, generate, preprocess, tokenizer, train
+
+    for command in (convert, generate, preprocess, tokenizer, train):
+        assert callable(command.add_parser) and callable(command.run), command.__name__

@@ -30,7 +30,6 @@ SentencePieceTokenizer, as in Megatron-LM).
 
 from __future__ import annotations
 
-import argparse
 import base64
 import hashlib
 import json
@@ -38,8 +37,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Protocol, Sequence
 
-from ptdp.data.tiktoken_tokenizer import TiktokenEncoded
+from ptdp.data.tiktoken_tokenizer import TiktokenEncoded, TikTokenizer, TiktokenSettings
 from ptdp.data.tokenizer_error import TokenizerError
+from ptdp.output_paths import output_path_problems
 
 # Tokenizers that turn text into ids (what `ptdp preprocess` can use) ...
 TEXT_TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "ByteLevelTokenizer",
@@ -95,8 +95,6 @@ class GPT2Tokenizer(TiktokenEncoded):
 def _check_demo_tokenizer(path: Path) -> None:
     """The shipped demo tokenizer is the one its hash names (a damaged copy
     would tokenize the corpus differently without failing)."""
-    import hashlib
-
     if hashlib.sha256(path.read_bytes()).hexdigest() != DEMO_TOKENIZER_SHA256:
         raise TokenizerError(f"{path} does not match its sha256 (damaged file); rebuild it with "
                              f"`python -m ptdp.data.corpus --demo-tokenizer DIR` (then copy DIR/tokenizer.json there) or "
@@ -265,8 +263,6 @@ def build_tokenizer(tokenizer_type: str = "GPT2BPETokenizer", *, vocab_file: str
     if tokenizer_type != "TikTokenizer":
         tiktoken = None
     elif tiktoken is None:
-        from ptdp.data.tiktoken_tokenizer import TiktokenSettings
-
         tiktoken = TiktokenSettings()
     return _build(tokenizer_type, vocab_file and str(vocab_file), merge_file and str(merge_file),
                   tokenizer_model and str(tokenizer_model), tiktoken)
@@ -284,8 +280,6 @@ def _build(tokenizer_type, vocab_file, merge_file, tokenizer_model, tiktoken=Non
     if tokenizer_type == "HuggingFaceTokenizer":
         return HFTokenizer.from_file(tokenizer_model)
     if tokenizer_type == "TikTokenizer":
-        from ptdp.data.tiktoken_tokenizer import TikTokenizer
-
         return TikTokenizer(tokenizer_model, tiktoken)
     if tokenizer_type in ("Llama2Tokenizer", "SentencePieceTokenizer"):
         from ptdp.data import sentencepiece_tokenizers
@@ -353,8 +347,6 @@ def train_tokenizer(inputs: Sequence[str | Path], vocab_size: int, output_dir: s
     if out.exists() and not out.is_dir():
         problems.append(f"--output {out} exists and is not a directory")
     else:  # checked before the training, not at the first write after it
-        from ptdp.output_paths import output_path_problems
-
         problems += output_path_problems("--output", str(out), directory=True)
     if problems:
         raise TokenizerError("; ".join(problems))
@@ -371,31 +363,6 @@ def train_tokenizer(inputs: Sequence[str | Path], vocab_size: int, output_dir: s
     vocab_file, merge_file = tokenizer.model.save(str(out))
     paths.update(vocab_file=vocab_file, merge_file=merge_file)
     return paths
-
-
-def add_tokenizer_parser(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("tokenizer", help="tokenizer tools (train a byte-level BPE)")
-    actions = parser.add_subparsers(dest="tokenizer_command", required=True, metavar="ACTION")
-    train = actions.add_parser("train", help="train a GPT-2 style byte-level BPE on text files",
-                               description="Train a byte-level BPE (GPT-2's pre-tokenisation) on "
-                               "text files and write tokenizer.json, vocab.json and merges.txt.")
-    train.add_argument("--input", nargs="+", required=True, metavar="FILE", help="text files")
-    train.add_argument("--vocab-size", type=int, required=True, metavar="N",
-                       help="tokens in the vocabulary, including 256 bytes and <|endoftext|>")
-    train.add_argument("--output", required=True, metavar="DIR", help="directory for the files")
-    train.add_argument("--min-frequency", type=int, default=2, metavar="N",
-                       help="merges seen fewer times are not learned (default: 2)")
-
-
-def run_tokenizer_command(args: argparse.Namespace) -> int:
-    paths = train_tokenizer(args.input, args.vocab_size, args.output, min_frequency=args.min_frequency)
-    tokenizer = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=paths["tokenizer_model"])
-    print(f"trained a byte-level BPE of {tokenizer.vocab_size} tokens (end of document: "
-          f"{tokenizer.eod}); use it with\n"
-          f"  --tokenizer-type HuggingFaceTokenizer --tokenizer-model {paths['tokenizer_model']}\n"
-          f"or\n  --tokenizer-type GPT2BPETokenizer --vocab-file {paths['vocab_file']} "
-          f"--merge-file {paths['merge_file']}")
-    return 0
 
 
 def gpt2_vocab_and_merges(ranks: dict[bytes, int], eod_id: int

@@ -31,13 +31,20 @@ imports scale - 1 for training with that flag.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shlex
 from pathlib import Path
 
+from safetensors import SafetensorError
+
+from ptdp.checkpoint import lock as save_lock
+from ptdp.checkpoint.carry import checkpoint_hf_files
+from ptdp.checkpoint.lock import SaveDirectoryInUse
+from ptdp.checkpoint.store import (CheckpointError, load_logical_model, resolve,
+                                   save_inside_a_checkpoint, save_logical_model)
 from ptdp.config import Config, ConfigError, DataConfig, TrainConfig
+from ptdp.data.tokenizer import TokenizerError
 from ptdp.interop.hf_carried import exported_files, read_carried_files, source_token_ids
 from ptdp.interop.hf_directory import (family_for_export, family_for_import, load_hf_directory,
                                        save_hf_directory)
@@ -45,39 +52,15 @@ from ptdp.interop.hf_files import (ConversionError, export_directory_problem, hf
                                    read_hf_config)
 from ptdp.interop.hf_gpt2 import GPT2, GPT2_VOCAB
 from ptdp.interop.hf_tokenizer import exported_tokenizer, imported_tokenizer
-# The flags live in a module without torch (the command line builds them at every start).
-from ptdp.interop.convert_flags import add_convert_parser  # noqa: F401
+from ptdp.output_paths import output_path_problems
 
 
-def run_convert_command(args: argparse.Namespace) -> int:
-    exporting, importing = bool(args.load or args.to_hf), bool(args.from_hf or args.save)
-    if exporting == importing or (exporting and not (args.load and args.to_hf)) \
-            or (importing and not (args.from_hf and args.save)):
-        raise ConfigError(["give either --load CKPT --to-hf DIR (export) or --from-hf DIR "
-                           "--save CKPT (import)"])
-    one_plus = getattr(args, "apply_layernorm_1p", False)
-    if exporting and one_plus:
-        raise ConfigError(["--apply-layernorm-1p is for --from-hf: an exported checkpoint's norms "
-                           "follow its own setting, and the Hugging Face files get plain scales"])
-    problems = _output_problems(args.to_hf if exporting else args.save, exporting)
-    if problems:  # before anything is read: an import or export of a large model takes long
-        raise ConfigError(problems)
-    try:
-        if exporting:
-            return _export(args.load, args.to_hf)
-        return _import(args.from_hf, args.save, one_plus)
-    except ConversionError as error:
-        raise ConfigError([str(error)]) from None
-
-
-def _output_problems(output: str, exporting: bool) -> list[str]:
+def output_problems(output: str, exporting: bool) -> list[str]:
     """Why the command's output cannot be written: the shared check of every
     output path (ptdp.output_paths: a link to nothing, /proc, a file where
     the directory goes, a directory nobody may write), then an export's
     directory that is not empty, or an import's --save that is a checkpoint
     or that a training job holds."""
-    from ptdp.output_paths import output_path_problems
-
     flag = "--to-hf" if exporting else "--save"
     problems = output_path_problems(flag, output, directory=True)
     if problems:
@@ -85,9 +68,6 @@ def _output_problems(output: str, exporting: bool) -> list[str]:
     if exporting:
         problem = export_directory_problem(output)
         return [f"{flag} {problem}"] if problem else []
-    from ptdp.checkpoint import lock as save_lock
-    from ptdp.checkpoint.store import save_inside_a_checkpoint
-
     return [problem for problem in (save_inside_a_checkpoint(output), save_lock.problem(output))
             if problem]
 
@@ -131,13 +111,7 @@ def _write_failed(flag: str, output: str, what: str, failure: str) -> ConfigErro
 
 # ------------------------------------------------------------------ directions
 
-def _export(load: str, directory: str) -> int:
-    from safetensors import SafetensorError
-
-    from ptdp.data.tokenizer import TokenizerError
-    from ptdp.checkpoint.store import CheckpointError, load_logical_model, resolve
-    from ptdp.checkpoint.carry import checkpoint_hf_files
-
+def export_to_hf(load: str, directory: str) -> int:
     try:
         config, weights, metadata = load_logical_model(load)
         model = config.model
@@ -172,12 +146,7 @@ def _export(load: str, directory: str) -> int:
     return 0
 
 
-def _import(directory: str, save: str, apply_layernorm_1p: bool = False) -> int:
-    from safetensors import SafetensorError
-
-    from ptdp.checkpoint.store import CheckpointError, save_logical_model
-    from ptdp.checkpoint.lock import SaveDirectoryInUse
-
+def import_from_hf(directory: str, save: str, apply_layernorm_1p: bool = False) -> int:
     hf_config = read_hf_config(directory)
     family = family_for_import(hf_config, directory)
     tokenizer_file = hf_tokenizer_file(directory)

@@ -1,13 +1,16 @@
-"""`ptdp convert`'s flags, apart from the conversion code (convert.py), which
-needs torch: the command line builds every command's flags at start, and
-`ptdp plan`, `--help` and the others start without importing torch."""
+"""`ptdp convert`: its flags and its run. The conversion itself
+(ptdp.interop.convert) needs torch and is imported when the command runs:
+the command line builds every command's flags at start, and `ptdp plan`,
+`--help` and the others start without importing torch."""
 
 from __future__ import annotations
 
 import argparse
 
+from ptdp.config import ConfigError
 
-def add_convert_parser(commands: argparse._SubParsersAction) -> None:
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "convert", help="convert checkpoints to or from Hugging Face (GPT-2, Llama, Mistral, "
                         "Qwen2, Qwen3; MoE: Mixtral, Qwen3-MoE, Qwen2-MoE)",
@@ -29,3 +32,27 @@ def add_convert_parser(commands: argparse._SubParsersAction) -> None:
                         help="with --from-hf: store the norms' scales zero-centred (scale - 1), "
                              "for training the imported model with --apply-layernorm-1p (export "
                              "needs no flag: the checkpoint records it)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ptdp.interop.convert import export_to_hf, import_from_hf, output_problems
+    from ptdp.interop.hf_files import ConversionError
+
+    exporting, importing = bool(args.load or args.to_hf), bool(args.from_hf or args.save)
+    if exporting == importing or (exporting and not (args.load and args.to_hf)) \
+            or (importing and not (args.from_hf and args.save)):
+        raise ConfigError(["give either --load CKPT --to-hf DIR (export) or --from-hf DIR "
+                           "--save CKPT (import)"])
+    one_plus = getattr(args, "apply_layernorm_1p", False)
+    if exporting and one_plus:
+        raise ConfigError(["--apply-layernorm-1p is for --from-hf: an exported checkpoint's norms "
+                           "follow its own setting, and the Hugging Face files get plain scales"])
+    problems = output_problems(args.to_hf if exporting else args.save, exporting)
+    if problems:  # before anything is read: an import or export of a large model takes long
+        raise ConfigError(problems)
+    try:
+        if exporting:
+            return export_to_hf(args.load, args.to_hf)
+        return import_from_hf(args.from_hf, args.save, one_plus)
+    except ConversionError as error:
+        raise ConfigError([str(error)]) from None
