@@ -8,7 +8,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from ptdp.perf.calibrate.profile import calibrate
 from ptdp.perf.price.profiles import default_profile_path, save_profile
 
 
@@ -37,6 +36,8 @@ def run_calibrate_command(args: argparse.Namespace) -> int:
         print(f"ptdp: error: --out {out}: directory {out.resolve().parent} does not exist",
               file=sys.stderr)
         return 2
+    from ptdp.perf.calibrate.profile import calibrate  # the measurements import torch
+
     profile = calibrate(quick=args.quick, name=args.name,
                         log=lambda line: print(f"ptdp: {line}", flush=True))
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -17,10 +17,20 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+import torch.distributed as dist
+
+from ptdp.device import (accelerator_shape, cuda_device_count, device_for, device_name,
+                         synchronize)
+from ptdp.distributed import init_process_group
 from ptdp.perf.calibrate.measure import measure_launch_overhead, timed_by_two_processes
+from ptdp.perf.price import gemm
+from ptdp.perf.price.profiles import BUILTIN, builtin_profile
 
 # [m, n, k] of the GEMMs timed on a GPU: small to large, square and skinny
 # (k = 64..128 like the attention products), all compute-bound in 16 bits.
@@ -41,7 +51,6 @@ def fit_tile_model(rows: list[dict], peak_flops: float, sm_count: int,
     (weights 1/seconds²) over the rows that are not memory-bound (their
     bytes take under half their time at `memory_bandwidth`). The overhead is
     kept non-negative."""
-    from ptdp.perf.price import gemm
 
     points = []
     for row in rows:
@@ -72,7 +81,6 @@ def _gpu_seconds(fn: Callable[[], Any], device, budget: float) -> float:
     """Seconds per call of `fn` on the GPU: batches of calls between two
     synchronisations (so the launch overlaps the previous kernel, as in
     training), the fastest batch's mean."""
-    from ptdp.device import synchronize
 
     fn()
     synchronize(device)
@@ -88,7 +96,6 @@ def _gpu_seconds(fn: Callable[[], Any], device, budget: float) -> float:
 
 
 def measure_gpu_gemms(shapes: list[tuple[int, int, int]], device, budget: float) -> list[dict]:
-    import torch
 
     rows = []
     for m, n, k in shapes:
@@ -102,7 +109,6 @@ def measure_gpu_gemms(shapes: list[tuple[int, int, int]], device, budget: float)
 
 def measure_gpu_bandwidth(device, budget: float, nbytes: int = 1 << 30) -> float:
     """Bytes/s of a large device-to-device copy (read + write)."""
-    import torch
 
     source = torch.empty(nbytes // 2, device=device, dtype=torch.bfloat16)
     target = torch.empty_like(source)
@@ -110,12 +116,7 @@ def measure_gpu_bandwidth(device, budget: float, nbytes: int = 1 << 30) -> float
 
 
 def _nccl_worker(env, payload) -> None:
-    import torch
-    import torch.distributed as dist
-    from datetime import timedelta
 
-    from ptdp.device import device_for
-    from ptdp.distributed import init_process_group
 
     out, sizes, budget = payload
     device = device_for("cuda", env.local_rank)
@@ -151,11 +152,7 @@ def measure_nccl(sizes: list[int], budget: float) -> dict:
 def calibrate_gpu(*, quick: bool = False, name: str = "local",
                   log: Callable[[str], None] = print):
     """Measure GPU 0 (and NCCL with GPU 1); returns a HardwareProfile."""
-    import torch
-    from dataclasses import replace
 
-    from ptdp.device import accelerator_shape, cuda_device_count, device_for, device_name
-    from ptdp.perf.price.profiles import BUILTIN, builtin_profile
 
     started = time.perf_counter()
     budget = 0.05 if quick else 0.2

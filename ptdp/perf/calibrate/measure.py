@@ -42,7 +42,18 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from datetime import timedelta
 from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ptdp.device import synchronize
+from ptdp.distributed import init_process_group
+from ptdp.model.fused import bias_dropout_add, bias_gelu
+from ptdp.parallel.tensor import vocab_parallel_cross_entropy
+from ptdp.perf.price import operator_bytes
 
 LOCAL_DEVICES = 256     # local processes all share one machine: every link is loopback
 
@@ -101,7 +112,6 @@ def _cycle(sets: list[Any], fn: Callable[[Any], Any]) -> Callable[[], Any]:
 
 def measure_gemms(shapes: list[tuple[int, int, int]], threads: int, budget: float,
                   cold_bytes: int = COLD_BYTES) -> list[dict]:
-    import torch
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -125,12 +135,7 @@ def _operators(gemm_seconds: Callable[..., float], cold_bytes: int = COLD_BYTES,
     "gemms": seconds of GEMMs inside them, "forward": (its forward alone,
     the forward's bytes, the forward's GEMM seconds) or None (the optimizer,
     which has one direction)}."""
-    import torch
-    import torch.nn.functional as F
 
-    from ptdp.model.fused import bias_dropout_add, bias_gelu
-    from ptdp.parallel.tensor import vocab_parallel_cross_entropy
-    from ptdp.perf.price import operator_bytes
 
     b, s, h, a, f, V = (REFERENCE[k] for k in ("b", "s", "h", "a", "f", "V"))
     n, ffn, scores = b * s * h, b * s * f, b * a * s * s
@@ -210,7 +215,6 @@ def measure_memory_ops(budget: float, gemm_seconds: Callable[..., float], thread
     forward, or a recomputation, draws one). With `threads` > 1 also its
     speed-up on that many threads ("speedup"), the two measured in
     alternation so that both see the same background load."""
-    import torch
 
     previous = torch.get_num_threads()
     try:
@@ -250,7 +254,6 @@ def measure_memory_ops(budget: float, gemm_seconds: Callable[..., float], thread
 def measure_gemm_speedup(threads: int, budget: float, cold_bytes: int = COLD_BYTES) -> dict:
     """A mid-sized GEMM ([b·s, h]×[h, 4h] of REFERENCE) on `threads` threads
     over 1 thread, measured alternately."""
-    import torch
 
     m, k, n = REFERENCE["b"] * REFERENCE["s"], REFERENCE["h"], REFERENCE["f"]
     sets = _rotation(lambda: (torch.randn(m, k), torch.randn(k, n)), 4 * (m * k + k * n), cold_bytes)
@@ -274,9 +277,7 @@ def measure_launch_overhead(budget: float, ops: int = 100, device=None) -> dict:
     """Seconds per tiny eager operator: forward and backward of `ops`
     multiplications on a 16-element tensor, over 3·ops (one forward and
     about two backward operators each); on `device` (default: the CPU)."""
-    import torch
 
-    from ptdp.device import synchronize
 
     x = torch.randn(16, requires_grad=True, device=device)
 
@@ -296,10 +297,7 @@ def measure_launch_overhead(budget: float, ops: int = 100, device=None) -> dict:
 def _mlp_block() -> Callable[[], None]:
     """Forward + backward of a small MLP block (REFERENCE's activations, an
     h -> h MLP: a few ms), as a closure."""
-    import torch
-    import torch.nn.functional as F
 
-    from ptdp.model.fused import bias_gelu
 
     b, s, h = (REFERENCE[k] for k in ("b", "s", "h"))
     f = h
@@ -320,8 +318,6 @@ def _parallel_capacity(block: Callable[[], None], rank: int, rounds: int = 3,
     `blocks` runs of `block` alone (the other waiting in a barrier) and with
     the other computing too; the sum over the ranks of alone / together is
     2 on two free cores and 1 when they share one (other load)."""
-    import torch
-    import torch.distributed as dist
 
     def timed() -> float:
         start = time.perf_counter()
@@ -345,11 +341,7 @@ def _parallel_capacity(block: Callable[[], None], rank: int, rounds: int = 3,
 
 
 def _comm_worker(env, payload) -> None:
-    import torch
-    import torch.distributed as dist
-    from datetime import timedelta
 
-    from ptdp.distributed import init_process_group
 
     out, sizes, repeats = payload
     torch.set_num_threads(1)
