@@ -99,3 +99,40 @@ def test_the_checkers_find_what_breaks_the_shape_in_a_synthetic_package(tmp_path
     assert modules_spelling(package, "zb") == []
     assert len(top_level_modules(package / "perf")) == 11
     assert re.fullmatch(r"m\d+\.py", top_level_modules(package / "perf")[0])
+
+
+# ------------------------------------------------------------------ docs/architecture.md
+
+def modules_named_in_the_map(text: str) -> set[str]:
+    """The module paths of docs/architecture.md's tree ("## Every module"):
+    an entry is a line indented two spaces per level whose first word ends
+    in / (a package) or .py; deeper-indented lines continue a description."""
+    block = text.split("## Every module", 1)[1].split("```", 2)[1]
+    named, stack = set(), []
+    for line in block.splitlines():
+        match = re.match(r"^( *)(\S+)", line)
+        if not match or len(match.group(1)) >= 20 or len(match.group(1)) % 2:
+            continue
+        depth, word = len(match.group(1)) // 2, match.group(2)
+        if not (word.endswith("/") or word.endswith(".py")):
+            continue
+        stack[depth:] = [word]
+        if word.endswith(".py") and stack[0] == "ptdp/":
+            named.add("".join(stack))
+    return named
+
+
+def test_the_architecture_page_names_every_module():
+    modules = {str(path.relative_to(ROOT.parent)) for path in ROOT.rglob("*.py")
+               if path.name != "__init__.py"}
+    named = modules_named_in_the_map((ROOT.parent / "docs" / "architecture.md").read_text())
+    assert sorted(modules - named) == [], "modules docs/architecture.md does not name"
+    assert sorted(named - modules) == [], "docs/architecture.md names modules that do not exist"
+
+
+def test_the_map_reader_follows_the_tree():
+    text = ("## Every module\n```\nptdp/\n  cli.py    routes\n  train/    the loop\n"
+            "    loop.py   the loop; it calls\n                       model.py's forward\n"
+            "  model/\n    gpt.py\nbench/\n  gpu.py\n```\n")
+    assert modules_named_in_the_map(text) == {"ptdp/cli.py", "ptdp/train/loop.py",
+                                              "ptdp/model/gpt.py"}
