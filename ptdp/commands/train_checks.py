@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from ptdp.config import Config
+from ptdp.config.base import is_count
 from ptdp.output_paths import output_path_problems
 
 
@@ -73,7 +74,7 @@ def _reporting_problems(config: Config) -> list[str]:
     tr, problems = config.train, []
     if not isinstance(tr.eval_interval, int) or tr.eval_interval < 0:
         problems.append(f"--eval-interval={tr.eval_interval!r} must be 0 (never) or a positive integer")
-    if not isinstance(tr.eval_iters, int) or isinstance(tr.eval_iters, bool) or tr.eval_iters < 0:
+    if not is_count(tr.eval_iters, 0):
         problems.append(f"--eval-iters={tr.eval_iters!r} must be 0 (no evaluation) or a positive "
                         f"integer")
     if tr.peak_tflops is not None and not tr.peak_tflops > 0:

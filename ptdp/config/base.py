@@ -69,6 +69,6 @@ def positive_integer_problems(section: Any, names: tuple[str, ...],
         value = getattr(section, name)
         if value is None and name in optional:
             continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        if not is_count(value, 1):
             problems.append(f"{flag_in(section, name)}={value!r} must be a positive integer")
     return problems

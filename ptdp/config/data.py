@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ptdp.config.base import flag
+from ptdp.config.base import flag, is_count
 
 
 @dataclass
@@ -71,7 +71,7 @@ def data_loading_problems(data: DataConfig) -> list[str]:
     """--num-workers, --no-mmap-bin-files."""
     problems = []
     workers = data.num_workers
-    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
+    if not is_count(workers, 0):
         problems.append(f"--num-workers={workers!r} must be 0 (read in the training process) or a "
                         "positive number of background processes")
     if not isinstance(data.mmap_bin_files, bool):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ptdp.config.base import divisors, finite_or_none, flag, flag_in, is_finite_number, \
+from ptdp.config.base import divisors, finite_or_none, flag, flag_in, is_count, is_finite_number, \
     positive_integer_problems
 from ptdp.config.moe import MoEFields
 
@@ -267,7 +267,7 @@ def architecture_problems(m: ModelConfig) -> list[str]:
                         f"quotient")
     problems += _position_option_problems(m)
     groups = m.num_query_groups
-    if groups is not None and (not isinstance(groups, int) or isinstance(groups, bool) or groups < 1):
+    if groups is not None and not is_count(groups, 1):
         pass  # reported with the other positive integers
     elif groups is not None and not m.group_query_attention:
         problems.append(f"--num-query-groups {groups} is only used with --group-query-attention: "

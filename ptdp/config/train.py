@@ -412,8 +412,7 @@ def stopping_problems(tr: TrainConfig) -> list[str]:
     --exit-signal, and --async-save (whose save every stop waits for)."""
     problems = []
     interval = tr.exit_interval
-    if interval is not None and (not isinstance(interval, int) or isinstance(interval, bool)
-                                 or interval < 1):
+    if interval is not None and not is_count(interval, 1):
         problems.append(f"--exit-interval={interval!r} must be a positive integer (or leave it out: "
                         f"no stop by iteration count)")
     minutes = tr.exit_duration_in_mins
@@ -421,7 +420,7 @@ def stopping_problems(tr: TrainConfig) -> list[str]:
         problems.append(f"--exit-duration-in-mins={minutes} must be > 0 (or leave it out: no time "
                         f"limit)")
     skipped = tr.max_consecutive_skipped_iterations
-    if not isinstance(skipped, int) or isinstance(skipped, bool) or skipped < 0:
+    if not is_count(skipped, 0):
         problems.append(f"--max-consecutive-skipped-iterations={skipped!r} must be an integer >= 0 "
                         f"(0: never stop)")
     signal_problem = exit_signal_problem(tr.exit_signal)
