@@ -3,14 +3,16 @@ and masked as transformers' apply_chat_template renders and masks them,
 and packed whole into sequences that keep their documents apart."""
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from ptdp.data.sft.packing import pack_conversations
+from ptdp.data.sft.packing import first_fit, pack_conversations, stack_sequences
 from ptdp.data.sft.rows import ConversationError, read_records
-from ptdp.data.sft.template import ChatTemplate, TokenizedConversation, tokenize_record
+from ptdp.data.sft.template import (ChatTemplate, TokenizedConversation, tokenize_record,
+                                    tokenize_rows)
 from ptdp.data.sft.template_files import CHATML_TEMPLATE_FILE, ChatTemplateError
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>",
@@ -176,7 +178,7 @@ def test_a_conversation_the_template_refuses_names_file_and_row(tmp_path, qwen_d
     path.write_text(json.dumps({"messages": [{"role": "narrator", "content": "once"},
                                              {"role": "assistant", "content": "upon"}]}) + "\n")
     (row, record), = read_records(path)
-    with pytest.raises(ChatTemplateError, match=rf"{path}, row 1: the chat template refuses.*"
+    with pytest.raises(ChatTemplateError, match=rf"{re.escape(str(path))}, row 1: the chat template refuses.*"
                                                 r"unknown role \"narrator\""):
         tokenize_record(ChatTemplate.for_tokenizer(qwen_dir), record, path, row)
 
@@ -246,15 +248,17 @@ def test_every_layout_is_read_from_parquet(tmp_path):
 ])
 def test_a_bad_row_is_refused_naming_file_and_row(tmp_path, rows, row, message):
     path = _jsonl(tmp_path / "bad.jsonl", rows)
-    with pytest.raises(ConversationError, match=rf"^{path}, row {row}: .*{message}"):
+    with pytest.raises(ConversationError, match=rf"^{re.escape(str(path))}, row {row}: .*{message}"):
         list(read_records(path))
 
 
 def test_a_parquet_file_that_is_not_one_is_refused(tmp_path):
     fake = tmp_path / "chat.parquet"
     fake.write_text('{"messages": []}\n')
-    with pytest.raises(ConversationError, match=rf"{fake} is not a Parquet file"):
+    with pytest.raises(ConversationError, match=rf"{re.escape(str(fake))} is not a Parquet file"):
         list(read_records(fake))
+    with pytest.raises(ConversationError, match="no such file"):
+        list(read_records(tmp_path / "missing.jsonl"))
 
 
 def test_parquet_columns_of_no_layout_are_refused(tmp_path):
@@ -263,7 +267,7 @@ def test_parquet_columns_of_no_layout_are_refused(tmp_path):
 
     path = tmp_path / "odd.parquet"
     parquet.write_table(pyarrow.table({"a": [1], "b": [2]}), str(path))
-    with pytest.raises(ConversationError, match=rf"{path}, row 1: .*keys \(a, b\)"):
+    with pytest.raises(ConversationError, match=rf"{re.escape(str(path))}, row 1: .*keys \(a, b\)"):
         list(read_records(path))
 
 
@@ -315,11 +319,33 @@ def test_packing_is_deterministic_and_unpacked_is_one_per_sequence():
     assert stats.padding_fraction == pytest.approx(1 - 21 / 48)
 
 
+def test_first_fit_takes_the_first_bin_with_room_as_a_scan_does():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        seq_length = int(rng.integers(1, 30))
+        lengths = rng.integers(1, seq_length + 1, size=int(rng.integers(0, 40))).tolist()
+        bins, room = [], []
+        for index, length in enumerate(lengths):
+            b = next((b for b, r in enumerate(room) if length <= r), len(bins))
+            if b == len(bins):
+                bins.append([])
+                room.append(seq_length)
+            bins[b].append(index)
+            room[b] -= length
+        assert first_fit(lengths, seq_length) == bins
+
+
 def test_tokenized_rows_pack_with_their_assistant_mask(tmp_path, qwen_dir):
     path = _jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION[1:3]},
-                                            {"instruction": "how is the dog", "output": "fine"}])
-    template = ChatTemplate.for_tokenizer(qwen_dir)
-    tokenized = [tokenize_record(template, record, path, row) for row, record in read_records(path)]
-    (sequence,), stats = pack_conversations(tokenized, 128, pad_id=0)
-    assert sequence.num_conversations == 2
-    assert stats.loss_tokens == sum(int(t.loss_mask[1:].sum()) for t in tokenized)
+                                            {"instruction": "how is the dog", "output": "fine"},
+                                            {"text": "the cat"}])
+    tokenized = list(tokenize_rows(path, ChatTemplate.for_tokenizer(qwen_dir)))
+    assert tokenized[2].loss_mask.all() and tokenized[2].ids[-1] == 0   # text ends with <|endoftext|>
+    sequences, stats = pack_conversations(tokenized + tokenized, 64, pad_id=0)
+    assert stats.loss_tokens == 2 * sum(int(t.loss_mask[1:].sum()) for t in tokenized)
+    batch = stack_sequences(sequences)
+    assert batch["tokens"].shape == (len(sequences), 64) and batch["cu_seqlens"].shape[1] == 65
+    for row, sequence in enumerate(sequences):
+        segments = int(batch["num_segments"][row])
+        assert batch["cu_seqlens"][row, :segments + 1].tolist() == sequence.cu_seqlens.tolist()
+        assert (batch["cu_seqlens"][row, segments + 1:] == 64).all()

@@ -96,20 +96,30 @@ def _truncated(conversations: Iterable[TokenizedConversation], seq_length: int,
 
 def first_fit(lengths: Sequence[int], seq_length: int) -> list[list[int]]:
     """Indices of the items of these lengths (each <= seq_length) per bin,
-    first fit in the given order. The space left in each bin is kept in a
-    list scanned from the start: quadratic in the worst case, but the bins
-    that can still take anything are few once the early ones fill."""
+    first fit in the given order: each item goes into the lowest-numbered
+    bin with room. The room of every bin that can exist (at most one per
+    item; bins not yet opened have all of seq_length) sits in the leaves of
+    a max-tree, so finding the first bin with room is a walk down from the
+    root, O(log n) an item instead of a scan of the open bins (a million
+    short conversations open hundreds of thousands of bins)."""
+    leaves = 1
+    while leaves < max(len(lengths), 1):
+        leaves *= 2
+    room = [seq_length] * (2 * leaves)  # room[1] is the root; a list: fast scalar reads
     bins: list[list[int]] = []
-    room: list[int] = []
     for index, length in enumerate(lengths):
-        for b, space in enumerate(room):
-            if length <= space:
-                bins[b].append(index)
-                room[b] -= length
-                break
-        else:
-            bins.append([index])
-            room.append(seq_length - length)
+        node = 1
+        while node < leaves:  # the leftmost child that has room
+            node = 2 * node if room[2 * node] >= length else 2 * node + 1
+        b = node - leaves
+        if b == len(bins):
+            bins.append([])
+        bins[b].append(index)
+        room[node] -= length
+        node //= 2
+        while node:
+            room[node] = max(room[2 * node], room[2 * node + 1])
+            node //= 2
     return bins
 
 
@@ -154,3 +164,20 @@ def pack_conversations(conversations: Iterable[TokenizedConversation], seq_lengt
     stats.conversation_tokens = sum(lengths)
     stats.loss_tokens = int(sum(s.loss_mask.sum() for s in sequences))
     return sequences, stats
+
+
+def stack_sequences(sequences: Sequence[PackedSequence]) -> dict[str, np.ndarray]:
+    """A microbatch of sequences as [b, s] arrays, and `cu_seqlens` as
+    [b, s + 1] with each row's unused tail holding s (Megatron-LM's SFT
+    dataset pads it so): every shape is fixed by b and s, so pipeline
+    stages can exchange the boundaries as a static message.
+    `num_segments` [b] says how many entries of each row are boundaries."""
+    seq_length = len(sequences[0].tokens)
+    cu_seqlens = np.full((len(sequences), seq_length + 1), seq_length, dtype=np.int32)
+    for row, sequence in enumerate(sequences):
+        cu_seqlens[row, :len(sequence.cu_seqlens)] = sequence.cu_seqlens
+    stacked = {name: np.stack([getattr(s, name) for s in sequences])
+               for name in ("tokens", "labels", "loss_mask", "position_ids", "document_ids")}
+    stacked["cu_seqlens"] = cu_seqlens
+    stacked["num_segments"] = np.asarray([len(s.cu_seqlens) - 1 for s in sequences], np.int32)
+    return stacked

@@ -206,7 +206,14 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:
     if layout is None:
         raise _unknown_layout(path, 1, columns)
     row = 0
-    for batch in reader.iter_batches(batch_size=PARQUET_BATCH_ROWS):
+    batches = reader.iter_batches(batch_size=PARQUET_BATCH_ROWS)
+    while True:
+        try:
+            batch = next(batches, None)
+        except (pyarrow.ArrowException, OSError) as error:  # a damaged row group
+            raise _row_error(path, row + 1, f"cannot be read ({error}); rewrite the file") from None
+        if batch is None:
+            return
         for sample in batch.to_pylist():
             row += 1
             yield row, sample, layout
@@ -217,6 +224,9 @@ def read_records(path: str | Path) -> Iterator[tuple[int, Record]]:
     .json) or a Parquet file (.parquet), streamed. Raises ConversationError
     at the first row that is not a conversation."""
     path = Path(path)
+    if not path.is_file():
+        raise ConversationError(f"{path}: no such file; give a JSON lines (.jsonl) or Parquet "
+                                "(.parquet) file of conversations")
     if path.suffix.lower() == ".parquet":
         for row, sample, layout in _parquet_rows(path):
             yield row, normalise_row(path, row, sample, layout)

@@ -27,11 +27,11 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
-from ptdp.data.sft.rows import Record
+from ptdp.data.sft.rows import Record, read_records
 from ptdp.data.sft.template_files import (TOKENIZER_JSON, ChatTemplateError, chat_template_text,
                                           special_tokens, tokenizer_directory)
 
@@ -263,3 +263,12 @@ def tokenize_record(template: ChatTemplate, record: Record, path: str | Path, ro
                                 "accepts, or pass another template file") from None
     except ChatTemplateError as error:
         raise ChatTemplateError(f"{path}, row {row}: {error}") from None
+
+
+def tokenize_rows(path: str | Path, template: ChatTemplate, train_on_prompt: bool = False
+                  ) -> Iterator[TokenizedConversation]:
+    """Each row of a JSON lines or Parquet file, tokenized, in file order
+    (streamed); the first bad row raises its ConversationError or
+    ChatTemplateError."""
+    for row, record in read_records(path):
+        yield tokenize_record(template, record, path, row, train_on_prompt)
