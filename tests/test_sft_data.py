@@ -108,7 +108,8 @@ def _auto(directory: Path):
 
 # ------------------------------------------------------------------ templates against transformers
 
-@pytest.mark.parametrize("messages", [CONVERSATION, CONVERSATION[1:3]])
+@pytest.mark.parametrize("messages", [CONVERSATION, CONVERSATION[1:3], [
+    {"role": "user", "content": "café ✓ how?"}, {"role": "assistant", "content": "très fine ✓"}]])
 def test_marked_template_gives_transformers_ids_and_assistant_mask(qwen_dir, messages):
     theirs = _auto(qwen_dir).apply_chat_template(messages, tokenize=True, return_dict=True,
                                                  return_assistant_tokens_mask=True)
@@ -257,6 +258,9 @@ def test_a_parquet_file_that_is_not_one_is_refused(tmp_path):
     fake.write_text('{"messages": []}\n')
     with pytest.raises(ConversationError, match=rf"{re.escape(str(fake))} is not a Parquet file"):
         list(read_records(fake))
+    fake.write_bytes(b"PAR1 but nothing after")
+    with pytest.raises(ConversationError, match="is not a Parquet file"):
+        list(read_records(fake))
     with pytest.raises(ConversationError, match="no such file"):
         list(read_records(tmp_path / "missing.jsonl"))
 
@@ -349,3 +353,14 @@ def test_tokenized_rows_pack_with_their_assistant_mask(tmp_path, qwen_dir):
         segments = int(batch["num_segments"][row])
         assert batch["cu_seqlens"][row, :segments + 1].tolist() == sequence.cu_seqlens.tolist()
         assert (batch["cu_seqlens"][row, segments + 1:] == 64).all()
+
+
+def test_an_unmarked_template_that_rewrites_earlier_turns_asks_for_markers(tmp_path, qwen_dir):
+    template_file = tmp_path / "last-only.jinja"
+    template_file.write_text("{% for m in messages %}{{ m.role }}: {{ m.content if loop.last else "
+                             "'...' }}<|im_end|>{% endfor %}"
+                             "{% if add_generation_prompt %}assistant: {% endif %}")
+    path = _jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION[1:3]}])
+    with pytest.raises(ChatTemplateError, match=r"row 1: cannot find assistant turn 2 .*"
+                                                r"\{% generation %\}"):
+        list(tokenize_rows(path, ChatTemplate.for_tokenizer(qwen_dir, template_file)))

@@ -193,14 +193,16 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:
     import pyarrow.parquet as parquet
 
     with path.open("rb") as probe:
-        magic = probe.read(4)
-    try:
-        if magic != PARQUET_MAGIC:
-            raise pyarrow.ArrowInvalid(f"it starts with {magic!r}, not {PARQUET_MAGIC!r}")
-        reader = parquet.ParquetFile(str(path))
-    except (pyarrow.ArrowException, OSError) as error:
-        raise ConversationError(f"{path} is not a Parquet file ({error}); give a Parquet file, or "
-                                "name JSON lines with the .jsonl suffix") from None
+        magic = probe.read(len(PARQUET_MAGIC))
+    problem = None if magic == PARQUET_MAGIC else f"it starts with {magic!r}, not {PARQUET_MAGIC!r}"
+    if problem is None:
+        try:
+            reader = parquet.ParquetFile(str(path))
+        except (pyarrow.ArrowException, OSError) as error:
+            problem = str(error)
+    if problem is not None:
+        raise ConversationError(f"{path} is not a Parquet file ({problem}); give a Parquet file, or "
+                                "name JSON lines with the .jsonl suffix")
     columns = reader.schema_arrow.names
     layout = detect_layout(columns)
     if layout is None:
