@@ -128,6 +128,19 @@ def test_bad_rows_are_refused_with_file_and_row_or_counted(tmp_path, template):
     assert len(skipped) == 2 and skipped.skipped_rows == 3
     reloaded = tokenized_file(path, template, skip_bad_rows=True)
     assert not reloaded.built and reloaded.skipped_rows == 3
+    with pytest.raises(ConversationError, match=r"row 2: is not valid JSON.*3 rows"):
+        tokenized_file(path, template)  # the cache that skipped them is not served as clean
+    clean = _write(tmp_path / "clean.jsonl", [_conversation(0)])
+    assert tokenized_file(clean, template).built
+    assert not tokenized_file(clean, template, skip_bad_rows=True).built
+
+
+def test_tokenizing_reports_progress(tmp_path, template, monkeypatch, capsys):
+    monkeypatch.setattr(sft_cache, "PROGRESS_INTERVAL_S", 0.0)
+    path = _write(tmp_path / "chat.jsonl", [_conversation(k) for k in range(2)])
+    tokenized_file(path, template)
+    err = capsys.readouterr().err
+    assert f"ptdp: tokenizing {path}: 2/2 rows (100%)" in err and ": done in" in err
 
 
 def test_an_unwritable_directory_caches_in_ptdps_cache(tmp_path, template, monkeypatch):
@@ -187,6 +200,15 @@ def test_resuming_at_n_continues_with_the_same_samples(tokenized):
     short, longer = _dataset(tokenized, num_samples=6), _dataset(tokenized, num_samples=40)
     assert len(longer) >= 40
     assert all(_same(short[i], longer[i]) for i in range(len(short)))
+
+
+def test_conversations_longer_than_a_sample_are_cut_and_counted(tokenized):
+    dataset = _dataset(tokenized, seq_length=8, num_samples=1)
+    assert dataset.stats.truncated == dataset.stats.conversations == len(dataset) == 20
+    sample = dataset[0]
+    ids = tokenized.conversation(int(dataset.conversations_of(0)[0])).ids
+    assert sample["tokens"].tolist() == ids[:8].tolist()
+    assert sample["cu_seqlens"].tolist() == [0] + [8] * 8 and sample["loss_mask"][-1] == 0
 
 
 def test_unpacked_mode_holds_one_conversation_per_sample(tokenized):

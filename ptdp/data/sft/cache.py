@@ -5,8 +5,9 @@ The cache sits in index-cache/ beside the file (ptdp.data.cache), or in
 ptdp's own cache directory when that is not writable. Its name is a digest
 of everything the tokens depend on: the file's size and the SHA-256 of its
 whole content, the tokenizer.json's SHA-256, the chat template's text and
-the special tokens it renders with, train_on_prompt, skip_bad_rows and
-FORMAT_VERSION. The whole file is hashed, not its head and tail as the GPT
+the special tokens it renders with, train_on_prompt and FORMAT_VERSION.
+Not skip_bad_rows: the rows kept are the same either way, and a cache that
+left bad rows out refuses to serve a caller that does not skip them. The whole file is hashed, not its head and tail as the GPT
 dataset's fingerprint does, because a conversation file is edited in the
 middle (a reply fixed) without changing its size, and a stale cache would
 train on the old text silently; hashing reads the file at hundreds of MB/s,
@@ -106,8 +107,8 @@ def _rows_expected(path: Path, lines: int) -> int:
 
 
 def _tokenize_file(path: Path, template: ChatTemplate, train_on_prompt: bool,
-                   skip_bad_rows: bool, rows_expected: int) -> tuple[dict, int]:
-    """The arrays of every good row, and how many rows were bad (skipped)."""
+                   skip_bad_rows: bool, rows_expected: int) -> tuple[dict, list]:
+    """The arrays of every good row, and the errors of the bad ones (skipped)."""
     bad_rows: list = [] if skip_bad_rows else None
     ids, masks, lengths = [], [], []
     progress = Periodic(f"tokenizing {path}", rows_expected, "rows",
@@ -127,14 +128,14 @@ def _tokenize_file(path: Path, template: ChatTemplate, train_on_prompt: bool,
     if not lengths:
         raise ConversationError(f"{path} holds no conversation to train on"
                                 + (f" ({len(bad_rows)} bad rows skipped)" if bad_rows else ""))
-    vocabulary = int(max(int(chunk.max()) for chunk in ids if len(chunk)))
+    vocabulary = max((int(chunk.max()) for chunk in ids if len(chunk)), default=0)
     dtype = np.int32 if vocabulary < np.iinfo(np.int32).max else np.int64
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     arrays = {"ids": np.concatenate(ids).astype(dtype, copy=False),
               "offsets": offsets,
               "loss_mask": np.concatenate(masks).astype(np.int8, copy=False)}
-    return arrays, len(bad_rows or ())
+    return arrays, bad_rows or []
 
 
 def _check(arrays: dict) -> None:
@@ -167,7 +168,7 @@ def tokenized_file(path: str | Path, template: ChatTemplate, *, train_on_prompt:
                                                  if template.tokenizer_path.is_dir()
                                                  else template.tokenizer_path),
                 "template_sha256": _template_digest(template),
-                "train_on_prompt": bool(train_on_prompt), "skip_bad_rows": bool(skip_bad_rows)}
+                "train_on_prompt": bool(train_on_prompt)}
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:32]
     directory = Path(cache_dir) if cache_dir is not None else _cache_directory(path)
     cache = _IndexCache(directory, f"{key}-sft-{_safe_label(path.stem)}", settings,
@@ -176,23 +177,32 @@ def tokenized_file(path: str | Path, template: ChatTemplate, *, train_on_prompt:
     def build_arrays() -> dict:
         with (phase(f"tokenizing {path} into {directory}") if announce is None
               else contextlib.nullcontext()):
-            arrays, skipped = _tokenize_file(path, template, train_on_prompt, skip_bad_rows,
+            arrays, bad_rows = _tokenize_file(path, template, train_on_prompt, skip_bad_rows,
                                              _rows_expected(path, lines))
-        cache.info.update(skipped_rows=skipped, conversations=len(arrays["offsets"]) - 1,
+        cache.info.update(skipped_rows=len(bad_rows),
+                          first_bad_row=str(bad_rows[0]) if bad_rows else None,
+                          conversations=len(arrays["offsets"]) - 1,
                           tokens=int(arrays["offsets"][-1]))
         return arrays
 
     # The build announces itself as tokenizing (above), not as an index.
     arrays, built = _cached_or_built(cache, ARRAYS, _check, build_arrays if build else None,
                                      announce or (lambda directory: None))
-    skipped = cache.info.get("skipped_rows") if built else _recorded_skipped(cache)
+    info = cache.info if built else _recorded_info(cache)
+    skipped = int(info["skipped_rows"])
+    if skipped and not skip_bad_rows:
+        raise ConversationError(f"{info['first_bad_row']} ({skipped} rows of {path} are not "
+                                "conversations; fix them, or skip and count them with "
+                                "--sft-skip-bad-rows)")
     return TokenizedFile(path, arrays["ids"], arrays["offsets"], arrays["loss_mask"],
-                         int(skipped), key, directory, built)
+                         skipped, key, directory, built)
 
 
-def _recorded_skipped(cache: _IndexCache) -> int:
+def _recorded_info(cache: _IndexCache) -> dict:
     try:
-        return int(json.loads(cache.description_path.read_text())["info"]["skipped_rows"])
+        info = json.loads(cache.description_path.read_text())["info"]
+        int(info["skipped_rows"])
+        return info
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise DataError(f"{cache.description_path} does not say how many rows were skipped "
                         f"({error}); delete it and run again") from None
