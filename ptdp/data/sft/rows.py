@@ -174,8 +174,9 @@ def normalise_row(path: Path, row: int, sample: Any, layout: str | None = None) 
     return Record(layout, messages=tuple(messages))
 
 
-def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
-    """(1-based row, parsed JSON) per non-blank line, one line in memory at a time."""
+def _jsonl_rows(path: Path, bad_rows: list | None = None) -> Iterator[tuple[int, Any]]:
+    """(1-based row, parsed JSON) per non-blank line, one line in memory at a
+    time; a line that is not JSON is appended to `bad_rows` when given."""
     with path.open("rb") as file:
         for row, line in enumerate(file, 1):
             if not line.strip():
@@ -183,8 +184,11 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
             try:
                 yield row, json.loads(line)
             except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
-                raise _row_error(path, row, f"is not valid JSON ({error}); write one JSON object "
-                                            "per line") from None
+                bad = _row_error(path, row, f"is not valid JSON ({error}); write one JSON object "
+                                            "per line")
+                if bad_rows is None:
+                    raise bad from None
+                bad_rows.append(bad)
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:
@@ -221,17 +225,27 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:
             yield row, sample, layout
 
 
-def read_records(path: str | Path) -> Iterator[tuple[int, Record]]:
+def read_records(path: str | Path, bad_rows: list | None = None
+                 ) -> Iterator[tuple[int, Record]]:
     """(1-based row, Record) for each row of a JSON lines file (.jsonl,
     .json) or a Parquet file (.parquet), streamed. Raises ConversationError
-    at the first row that is not a conversation."""
+    at the first row that is not a conversation; with `bad_rows` (a list)
+    appends the row's ConversationError to it and goes on instead. A file
+    that cannot be read at all raises either way."""
     path = Path(path)
     if not path.is_file():
         raise ConversationError(f"{path}: no such file; give a JSON lines (.jsonl) or Parquet "
                                 "(.parquet) file of conversations")
     if path.suffix.lower() == ".parquet":
-        for row, sample, layout in _parquet_rows(path):
-            yield row, normalise_row(path, row, sample, layout)
-        return
-    for row, sample in _jsonl_rows(path):
-        yield row, normalise_row(path, row, sample)
+        samples = _parquet_rows(path)
+    else:
+        samples = ((row, sample, None) for row, sample in _jsonl_rows(path, bad_rows))
+    for row, sample, layout in samples:
+        try:
+            record = normalise_row(path, row, sample, layout)
+        except ConversationError as error:
+            if bad_rows is None:
+                raise
+            bad_rows.append(error)
+            continue
+        yield row, record

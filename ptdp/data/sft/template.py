@@ -145,6 +145,7 @@ class ChatTemplate:
         import jinja2
 
         self.source = source
+        self.tokenizer_path = Path(tokenizer_path)
         self.has_generation_markers = bool(GENERATION_MARKER.search(source))
         directory = tokenizer_directory(tokenizer_path)
         self.special_tokens = special_tokens(directory)
