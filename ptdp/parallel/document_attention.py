@@ -120,33 +120,46 @@ def dense_masked_attention(q, k, v, document_ids, scale=None, dropout=0.0):
                                           scale=scale, **_gqa(q, k))
 
 
-def _stacked(x: torch.Tensor, picked: list[Segment]) -> torch.Tensor:
-    """[n, heads, length, d]: the picked documents (all of one length) of x."""
-    return torch.stack([x[row, :, start:start + length] for row, start, length in picked])
+def _grouped_by_length(found: list[Segment], seq: int) -> tuple[list[tuple[int, int]],
+                                                                  torch.Tensor]:
+    """The documents reordered so that equal lengths are adjacent: [(length,
+    how many)] in that order, and the permutation of the b·s positions
+    (row-major) that lists their positions in it."""
+    by_length: dict[int, list[Segment]] = {}
+    for segment in found:
+        by_length.setdefault(segment[2], []).append(segment)
+    groups, starts = [], []
+    for length, members in by_length.items():
+        groups.append((length, len(members)))
+        starts += [row * seq + start for row, start, _ in members]
+    lengths = torch.tensor([length for length, n in groups for _ in range(n)])
+    offsets = torch.repeat_interleave(torch.tensor(starts), lengths)
+    within = torch.arange(len(offsets)) - torch.repeat_interleave(lengths.cumsum(0) - lengths,
+                                                                   lengths)
+    return groups, offsets + within
 
 
 def per_document_attention(q, k, v, document_ids, scale=None, dropout=0.0):
     """Each document through causal scaled_dot_product_attention; documents
-    of the same length (in any row) run as one batch. The outputs are put
-    back in order by concatenation, so autograd carries the gradients."""
-    b = q.shape[0]
-    found = segments(document_ids, b)
-    by_length: dict[int, list[int]] = {}
-    for index, (_, _, length) in enumerate(found):
-        by_length.setdefault(length, []).append(index)
-    outputs: list[torch.Tensor | None] = [None] * len(found)
-    for length, indices in by_length.items():
-        picked = [found[i] for i in indices]
-        out = F.scaled_dot_product_attention(_stacked(q, picked), _stacked(k, picked),
-                                             _stacked(v, picked),
-                                             dropout_p=dropout, is_causal=True, scale=scale,
-                                             **_gqa(q, k))
-        for position, index in enumerate(indices):
-            outputs[index] = out[position]
-    rows = [[] for _ in range(b)]
-    for (row, _, _), out in zip(found, outputs):
-        rows[row].append(out)
-    return torch.stack([torch.cat(parts, dim=1) for parts in rows])
+    of the same length (in any row) run as one batch. Positions are gathered
+    into that order with one permutation and scattered back with its inverse,
+    so the backward costs O(s), whatever the number of documents."""
+    b, heads, s, d = q.shape
+    groups, order = _grouped_by_length(segments(document_ids, b), s)
+    order = order.to(q.device)
+
+    def pieces(x):  # [b, n, s, d] -> per group [documents, n, length, d]
+        flat = x.transpose(1, 2).reshape(b * s, x.shape[1], d)[order]
+        chunks = torch.split(flat, [length * n for length, n in groups])
+        return [chunk.view(n, length, x.shape[1], d).transpose(1, 2)
+                for chunk, (length, n) in zip(chunks, groups)]
+
+    outputs = [F.scaled_dot_product_attention(qg, kg, vg, dropout_p=dropout, is_causal=True,
+                                              scale=scale, **_gqa(q, k)).transpose(1, 2)
+               .reshape(-1, heads, d)
+               for qg, kg, vg in zip(pieces(q), pieces(k), pieces(v))]
+    restored = torch.cat(outputs)[torch.argsort(order)]
+    return restored.view(b, s, heads, d).transpose(1, 2)
 
 
 @functools.lru_cache(maxsize=None)
