@@ -86,17 +86,17 @@ def test_cache_is_built_once_reused_and_rebuilt_on_change(tmp_path, counted):
 def test_an_interrupted_build_leaves_no_cache_that_is_reused(tmp_path, counted, monkeypatch):
     template, calls = counted
     path = _write(tmp_path / "chat.jsonl", [_conversation(k) for k in range(4)])
-    saved = sft_cache._IndexCache.save
+    saved = sft_cache.IndexCache.save
 
     def interrupted(self, arrays):
         self.directory.mkdir(parents=True, exist_ok=True)
         np.save(self.array_path("ids"), arrays["ids"])  # one array written, then Ctrl-C
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(sft_cache._IndexCache, "save", interrupted)
+    monkeypatch.setattr(sft_cache.IndexCache, "save", interrupted)
     with pytest.raises(KeyboardInterrupt):
         tokenized_file(path, template)
-    monkeypatch.setattr(sft_cache._IndexCache, "save", saved)
+    monkeypatch.setattr(sft_cache.IndexCache, "save", saved)
     calls.clear()
     assert tokenized_file(path, template).built and len(calls) == 4
     assert not any(".tmp-" in name for name in os.listdir(tmp_path / "index-cache"))

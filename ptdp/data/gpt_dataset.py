@@ -283,11 +283,11 @@ def dataset_fingerprint(prefix: str) -> dict:
             "idx_head_tail_sha256": digest.hexdigest()}
 
 
-def _settings_hash(settings: dict) -> str:
+def settings_hash(settings: dict) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def _safe_label(label: str) -> str:
+def safe_label(label: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in label)[:64]
 
 
@@ -295,7 +295,7 @@ class _CacheInvalid(Exception):
     pass
 
 
-class _IndexCache:
+class IndexCache:
     """The files of one index: STEM-NAME.npy per array and STEM-description.json."""
 
     def __init__(self, directory: Path, stem: str, settings: dict, info: dict):
@@ -363,7 +363,7 @@ def _write_atomically(path: Path, write: Callable) -> None:
         raise
 
 
-def _cached_or_built(cache: _IndexCache, names: Sequence[str], check: Callable[[dict], None],
+def cached_or_built(cache: IndexCache, names: Sequence[str], check: Callable[[dict], None],
                      build: Callable[[], dict] | None,
                      announce: Callable[[Path], None] | None = None) -> tuple[dict, bool]:
     """Load the index; when `build` is given (the builder rank) build and
@@ -428,12 +428,12 @@ class GPTDataset:
                     "dataset": dataset_fingerprint(self.prefix),
                     "documents": [documents.start, documents.stop], "seq_length": seq_length,
                     "seed": seed, "epochs": self.num_epochs}
-        self.cache_key = _settings_hash(settings)
+        self.cache_key = settings_hash(settings)
         info = {"prefix": self.prefix, "split": split_name, "tokens_per_epoch": self.tokens_per_epoch,
                 "samples": len(self)}
-        cache = _IndexCache(self.cache_dir, f"{self.cache_key}-GPTDataset-{_safe_label(split_name)}",
+        cache = IndexCache(self.cache_dir, f"{self.cache_key}-GPTDataset-{safe_label(split_name)}",
                             settings, info)
-        arrays, self.built = _cached_or_built(
+        arrays, self.built = cached_or_built(
             cache, ("document_index", "sample_index", "shuffle_index"), self._check_index,
             (lambda: build_gpt_index(lengths, seq_length=seq_length, seed=seed,
                                      num_epochs=self.num_epochs)) if build else None, announce)
@@ -526,12 +526,12 @@ class BlendedDataset:
         settings = {"kind": "BlendedDataset", "index_format": INDEX_FORMAT,
                     "datasets": [dataset.cache_key for dataset in datasets],
                     "weights": self.weights, "num_samples": num_samples, "seed": seed}
-        self.cache_key = _settings_hash(settings)
-        stem = f"{self.cache_key}-BlendedDataset-{_safe_label(description)}"
+        self.cache_key = settings_hash(settings)
+        stem = f"{self.cache_key}-BlendedDataset-{safe_label(description)}"
         info = {"description": description,
                 "prefixes": [getattr(dataset, "prefix", None) for dataset in datasets]}
-        cache = _IndexCache(self.cache_dir, stem, settings, info)
-        arrays, self.built = _cached_or_built(cache, ("dataset_index", "dataset_sample_index"),
+        cache = IndexCache(self.cache_dir, stem, settings, info)
+        arrays, self.built = cached_or_built(cache, ("dataset_index", "dataset_sample_index"),
                                               self._check_index, self._build if build else None,
                                               announce)
         self.dataset_index = arrays["dataset_index"]

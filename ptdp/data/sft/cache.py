@@ -32,7 +32,7 @@ from typing import Callable
 import numpy as np
 
 from ptdp.data.cache import default_cache_dir
-from ptdp.data.gpt_dataset import DataError, _cached_or_built, _IndexCache, _safe_label
+from ptdp.data.gpt_dataset import DataError, cached_or_built, IndexCache, safe_label
 from ptdp.data.sft.rows import ConversationError, read_records
 from ptdp.data.sft.template import ChatTemplate, TokenizedConversation, tokenize_record
 from ptdp.data.sft.template_files import TOKENIZER_JSON, ChatTemplateError
@@ -171,7 +171,7 @@ def tokenized_file(path: str | Path, template: ChatTemplate, *, train_on_prompt:
                 "train_on_prompt": bool(train_on_prompt)}
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:32]
     directory = Path(cache_dir) if cache_dir is not None else _cache_directory(path)
-    cache = _IndexCache(directory, f"{key}-sft-{_safe_label(path.stem)}", settings,
+    cache = IndexCache(directory, f"{key}-sft-{safe_label(path.stem)}", settings,
                         {"file": str(path), "file_mtime_ns": stat.st_mtime_ns})
 
     def build_arrays() -> dict:
@@ -186,7 +186,7 @@ def tokenized_file(path: str | Path, template: ChatTemplate, *, train_on_prompt:
         return arrays
 
     # The build announces itself as tokenizing (above), not as an index.
-    arrays, built = _cached_or_built(cache, ARRAYS, _check, build_arrays if build else None,
+    arrays, built = cached_or_built(cache, ARRAYS, _check, build_arrays if build else None,
                                      announce or (lambda directory: None))
     info = cache.info if built else _recorded_info(cache)
     skipped = int(info["skipped_rows"])
@@ -198,7 +198,7 @@ def tokenized_file(path: str | Path, template: ChatTemplate, *, train_on_prompt:
                          skipped, key, directory, built)
 
 
-def _recorded_info(cache: _IndexCache) -> dict:
+def _recorded_info(cache: IndexCache) -> dict:
     try:
         info = json.loads(cache.description_path.read_text())["info"]
         int(info["skipped_rows"])

@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ptdp.data.gpt_dataset import (BLEND_MARGIN, SPLIT_NAMES, BlendedDataset, DataError,
-                                   _cached_or_built, _IndexCache, _safe_label, _settings_hash,
+                                   cached_or_built, IndexCache, safe_label, settings_hash,
                                    split_document_ranges)
 from ptdp.data.sft.cache import TokenizedFile, tokenized_file
 from ptdp.data.sft.packing import PackingStats, build_sequence, first_fit
@@ -121,11 +121,11 @@ class SFTDataset:
                     "split": split, "split_name": split_name, "num_samples": num_samples,
                     "seq_length": seq_length, "seed": seed, "packing": packing,
                     "pack_window": pack_window}
-        self.cache_key = _settings_hash(settings)
-        cache = _IndexCache(self.cache_dir, f"{self.cache_key}-SFTDataset-"
-                            f"{_safe_label(tokenized.path.stem)}-{split_name}", settings,
+        self.cache_key = settings_hash(settings)
+        cache = IndexCache(self.cache_dir, f"{self.cache_key}-SFTDataset-"
+                            f"{safe_label(tokenized.path.stem)}-{split_name}", settings,
                             {"file": str(tokenized.path)})
-        self.index, self.built = _cached_or_built(
+        self.index, self.built = cached_or_built(
             cache, ("pack_offsets", "pack_conversations", "epochs"), self._check_index,
             (lambda: build_pack_index(tokenized.lengths, conversations, seq_length=seq_length,
                                       seed=seed, file_key=tokenized.cache_key,
