@@ -127,15 +127,13 @@ def _collecting(blocks: list[str], spans: list[tuple[int, int]]):
         _generation_spans.reset(token)
 
 
-def _load_encoder(tokenizer_path: Path):
+def _load_tokenizer(tokenizer_path: Path):
     """The tokenizer.json as ptdp's HuggingFaceTokenizer loads it (its checks
-    and messages), and the `tokenizers` object inside, whose offsets map
-    tokens back to the rendered text."""
+    and messages)."""
     from ptdp.data.tokenizer import HFTokenizer
 
     path = tokenizer_path / TOKENIZER_JSON if tokenizer_path.is_dir() else tokenizer_path
-    wrapped = HFTokenizer.from_file(path)
-    return wrapped, wrapped._tokenizer
+    return HFTokenizer.from_file(path)
 
 
 class ChatTemplate:
@@ -149,7 +147,7 @@ class ChatTemplate:
         self.has_generation_markers = bool(GENERATION_MARKER.search(source))
         directory = tokenizer_directory(tokenizer_path)
         self.special_tokens = special_tokens(directory)
-        self.text_tokenizer, self._encoder = _load_encoder(Path(tokenizer_path))
+        self.text_tokenizer = _load_tokenizer(Path(tokenizer_path))
         try:
             self._template = _environment().from_string(source)
         except jinja2.TemplateSyntaxError as error:
@@ -220,11 +218,11 @@ class ChatTemplate:
         else:
             text = self.render(messages)
             spans = [] if train_on_prompt else self._assistant_spans_by_rendering(messages, text)
-        encoding = self._encoder.encode(text, add_special_tokens=False)
-        ids = np.asarray(encoding.ids, dtype=np.int64)
+        token_ids, offsets = self.text_tokenizer.encode_with_offsets(text)
+        ids = np.asarray(token_ids, dtype=np.int64)
         if train_on_prompt:
             return TokenizedConversation(ids, np.ones(len(ids), dtype=np.int8))
-        return TokenizedConversation(ids, spans_to_token_mask(encoding.offsets, spans))
+        return TokenizedConversation(ids, spans_to_token_mask(offsets, spans))
 
     def tokenize_text(self, text: str) -> TokenizedConversation:
         """Plain text: its tokens and the end-of-document token, all in the loss."""
