@@ -83,27 +83,34 @@ def parse_data_path(data_path: Sequence[str]) -> list[tuple[float, str]]:
     if not values:
         raise DataError("--data-path is empty; give a dataset prefix (PREFIX for PREFIX.bin/.idx) "
                         "or weight-prefix pairs such as 0.7 A 0.3 B")
-    if len(values) == 1:
-        pairs = [(1.0, values[0])]
-    else:
-        if len(values) % 2:
-            raise DataError(f"--data-path takes one prefix or weight-prefix pairs (0.7 A 0.3 B); got "
-                            f"{len(values)} values {values}: one weight or prefix is missing")
-        pairs = []
-        for weight_text, prefix in zip(values[::2], values[1::2]):
-            try:
-                weight = float(weight_text)
-            except ValueError:
-                raise DataError(f"--data-path: {weight_text!r} should be the weight of {prefix!r}; "
-                                f"give weight-prefix pairs such as 0.7 A 0.3 B") from None
-            if not math.isfinite(weight) or weight <= 0:
-                raise DataError(f"--data-path: the weight of {prefix!r} is {weight_text}; weights "
-                                f"must be positive numbers (leave a dataset out to give it none)")
-            pairs.append((weight, prefix))
+    pairs = parse_weighted_paths(values, "prefix")
     for _, prefix in pairs:
         _check_prefix_files(prefix)
+    return pairs
+
+
+def parse_weighted_paths(values: Sequence[str], what: str) -> list[tuple[float, str]]:
+    """--data-path's one `what` (a prefix, a file) or weight-`what` pairs
+    (0.7 A 0.3 B), the weights normalised to sum to 1."""
+    values = list(values)
+    if len(values) == 1:
+        return [(1.0, values[0])]
+    if not values or len(values) % 2:
+        raise DataError(f"--data-path takes one {what} or weight-{what} pairs (0.7 A 0.3 B); got "
+                        f"{len(values)} values {values}: one weight or {what} is missing")
+    pairs = []
+    for weight_text, path in zip(values[::2], values[1::2]):
+        try:
+            weight = float(weight_text)
+        except ValueError:
+            raise DataError(f"--data-path: {weight_text!r} should be the weight of {path!r}; "
+                            f"give weight-{what} pairs such as 0.7 A 0.3 B") from None
+        if not math.isfinite(weight) or weight <= 0:
+            raise DataError(f"--data-path: the weight of {path!r} is {weight_text}; weights "
+                            f"must be positive numbers (leave a dataset out to give it none)")
+        pairs.append((weight, path))
     total = sum(weight for weight, _ in pairs)
-    return [(weight / total, prefix) for weight, prefix in pairs]
+    return [(weight / total, path) for weight, path in pairs]
 
 
 def _check_prefix_files(prefix: str) -> None:

@@ -28,8 +28,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ptdp.data.gpt_dataset import (BLEND_MARGIN, SPLIT_NAMES, BlendedDataset, DataError,
-                                   cached_or_built, IndexCache, safe_label, settings_hash,
-                                   split_document_ranges)
+                                   IndexCache, cached_or_built, parse_weighted_paths, safe_label,
+                                   settings_hash, split_document_ranges)
 from ptdp.data.sft.cache import TokenizedFile, tokenized_file
 from ptdp.data.sft.packing import PackingStats, build_sequence, first_fit
 from ptdp.data.sft.template import ChatTemplate, TokenizedConversation
@@ -174,29 +174,6 @@ class SFTDataset:
         return f"SFTDataset({self.tokenized.path}, {self.split_name}: {len(self)} samples)"
 
 
-def parse_weighted_files(data_path: Sequence[str]) -> list[tuple[float, str]]:
-    """One file, or weight-file pairs (0.7 A 0.3 B) as --data-path takes
-    them; weights normalised to sum to 1."""
-    values = list(data_path)
-    if len(values) == 1:
-        return [(1.0, values[0])]
-    if not values or len(values) % 2:
-        raise DataError(f"--data-path takes one file or weight-file pairs (0.7 A 0.3 B); got "
-                        f"{values}")
-    pairs = []
-    for weight_text, path in zip(values[::2], values[1::2]):
-        try:
-            weight = float(weight_text)
-        except ValueError:
-            weight = math.nan
-        if not math.isfinite(weight) or weight <= 0:
-            raise DataError(f"--data-path: the weight of {path!r} is {weight_text!r}; give "
-                            "positive weights, as 0.7 A 0.3 B")
-        pairs.append((weight, path))
-    total = sum(weight for weight, _ in pairs)
-    return [(weight / total, path) for weight, path in pairs]
-
-
 def build_sft_datasets(data_path: Sequence[str], template: ChatTemplate, *, split: str,
                        num_samples: tuple[int, int, int], seq_length: int, pad_id: int, seed: int,
                        packing: bool = True, train_on_prompt: bool = False,
@@ -204,7 +181,7 @@ def build_sft_datasets(data_path: Sequence[str], template: ChatTemplate, *, spli
                        cache_dir: str | Path | None = None, build: bool = True) -> list:
     """Train, valid and test datasets (None where no samples are asked):
     an SFTDataset, or a BlendedDataset of one per file."""
-    weighted = parse_weighted_files(data_path)
+    weighted = parse_weighted_paths(data_path, "file")
     files = [tokenized_file(path, template, train_on_prompt=train_on_prompt,
                             skip_bad_rows=skip_bad_rows, cache_dir=cache_dir, build=build)
              for _, path in weighted]
