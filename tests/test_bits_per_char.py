@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from ptdp.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
-from ptdp.data.loader import TrainingData, character_table, collate, split_microbatch
+from ptdp.data.loader import TrainingData, character_table, collate
+from ptdp.data.microbatch import split_microbatch
 from ptdp.data.tokenizer import (ByteTokenizer, NullTokenizer, build_tokenizer, character_counts,
                                  train_tokenizer)
 from ptdp.parallel.topology import ParallelContext, RankGrid

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from ptdp.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
-from ptdp.data.loader import collate, split_microbatch
+from ptdp.data.loader import collate
+from ptdp.data.microbatch import split_microbatch
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.train.evaluate import evaluate
 from ptdp.train.loop import Trainer

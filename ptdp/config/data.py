@@ -61,6 +61,34 @@ class DataConfig:
         negate=True)
     eod_mask_loss: bool = flag(False, "--eod-mask-loss",
                                "leave positions whose input is the end-of-document token out of the loss")
+    reset_position_ids: bool = flag(
+        False, "--reset-position-ids",
+        "positions restart at 0 after each end-of-document token (Megatron-LM's)")
+    reset_attention_mask: bool = flag(
+        False, "--reset-attention-mask",
+        "no token attends across an end-of-document token: each document of a sequence attends "
+        "only to itself (Megatron-LM's)")
+    sft: bool = flag(
+        False, "--sft",
+        "fine-tune on conversations: --data-path names JSONL or Parquet files of one conversation "
+        "per row (messages, ShareGPT conversations, Alpaca/Dolly fields or text), rendered with "
+        "the tokenizer's chat template, the loss on the assistant's tokens only, conversations "
+        "packed whole into sequences that attend within each (docs/fine-tuning.md)")
+    chat_template: str | None = flag(
+        None, "--chat-template",
+        "with --sft: a jinja2 chat template file to render conversations with, instead of the "
+        "tokenizer's own (ptdp ships a ChatML one: ptdp/data/assets/chatml.jinja)", metavar="FILE")
+    sft_train_on_prompt: bool = flag(
+        False, "--sft-train-on-prompt",
+        "with --sft: the loss covers every token of a conversation, not only the assistant's")
+    sft_packing: bool = flag(
+        True, "--no-sft-packing",
+        "with --sft: one conversation per sequence, padded, instead of packing several whole "
+        "conversations into each", negate=True)
+    sft_skip_bad_rows: bool = flag(
+        False, "--sft-skip-bad-rows",
+        "with --sft: skip and count rows that are not a conversation the template renders, "
+        "instead of stopping at the first with its file and row")
 
     @property
     def uses_demo_corpus(self) -> bool:
@@ -79,6 +107,33 @@ def data_loading_problems(data: DataConfig) -> list[str]:
                         "or false")
     if data.mock_data:
         problems.extend(_unused_tokenizer_file_problems(data))
+    return problems + sft_flag_problems(data)
+
+
+def sft_flag_problems(data: DataConfig) -> list[str]:
+    """--sft's companions without it, and what --sft cannot take."""
+    if not data.sft:
+        given = [name for name, on in (("--chat-template", data.chat_template is not None),
+                                       ("--sft-train-on-prompt", data.sft_train_on_prompt),
+                                       ("--no-sft-packing", not data.sft_packing),
+                                       ("--sft-skip-bad-rows", data.sft_skip_bad_rows)) if on]
+        return [f"{name} is a setting of --sft (fine-tuning on conversations); give --sft or drop "
+                f"{name}" for name in given]
+    problems = []
+    if data.mock_data:
+        problems.append("--sft trains on conversation files and --mock-data on generated tokens; "
+                        "drop one")
+    elif not data.data_path:
+        problems.append("--sft needs --data-path: a JSON lines (.jsonl) or Parquet (.parquet) file "
+                        "of conversations, or weight-file pairs to blend (0.7 A.jsonl 0.3 B.jsonl)")
+    if data.eod_mask_loss:
+        problems.append("--eod-mask-loss does not apply to --sft, whose loss mask covers the "
+                        "assistant's tokens (all tokens with --sft-train-on-prompt); drop it")
+    if data.tokenizer_type != "HuggingFaceTokenizer":
+        problems.append(f"--sft renders conversations with a Hugging Face tokenizer and its chat "
+                        f"template, not {data.tokenizer_type}: give --tokenizer-type "
+                        "HuggingFaceTokenizer --tokenizer-model DIR/tokenizer.json (or --load a "
+                        "checkpoint that carries its tokenizer)")
     return problems
 
 

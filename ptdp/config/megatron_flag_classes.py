@@ -227,7 +227,7 @@ TOKENIZER_ENCODING = Family(
         --tokenizer-hf-no-include-special-tokens --tokenizer-hf-no-use-fast
         --tokenizer-sentencepiece-legacy --trust-remote-code --use-gigatoken""",
     values="""
-        --chat-template --tokenizer-metadata""")
+        --tokenizer-metadata""")
 
 FAULT_TOLERANCE = Family(
     "NVIDIA's cluster auto-resume, fault-tolerance or in-process restart service",
@@ -507,14 +507,13 @@ PROCESS_GROUP = Family(
         --fake-process-group --lazy-mpu-init""")
 
 DATA_FEATURES = Family(
-    "a data feature ptdp's GPT dataset does not have (document-wise attention or positions, "
-    "fill-in-the-middle, SFT, data phases, skipped iterations)",
-    "drop it: ptdp trains on packed sequences that attend across documents, as Megatron-LM does by"
-    " default",
+    "a data feature ptdp's GPT dataset does not have (fill-in-the-middle, data phases, "
+    "skipped iterations, Megatron-LM's own inter-document masking and SFT prompt formats)",
+    "drop it; for document-wise attention and positions give --reset-attention-mask and "
+    "--reset-position-ids, for conversations --sft with the tokenizer's chat template",
     refused=True,
     switches="""
-        --dataloader-inter-document-masking --fim-data --reset-attention-mask --reset-position-ids
-        --sft""",
+        --dataloader-inter-document-masking --fim-data""",
     values="""
         --fim-eod-token --fim-fragment-rate --fim-middle-token --fim-no-prefix --fim-pad-token
         --fim-prefix-token --fim-rate --fim-split-sample --fim-spm-rate --fim-suffix-token

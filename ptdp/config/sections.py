@@ -22,6 +22,10 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
 
     def __post_init__(self) -> None:
+        # --calculate-per-token-loss: the default under --sft (Megatron-LM's
+        # per-microbatch mean weighs a short answer's tokens more), off otherwise.
+        if self.train.calculate_per_token_loss is None:
+            self.train.calculate_per_token_loss = bool(self.data.sft)
         # --num-virtual-stages-per-pipeline-rank v is L/(p·v) layers per chunk,
         # what every consumer reads; v = 1 is one chunk per rank (no
         # interleaving). validate reports values that do not divide.

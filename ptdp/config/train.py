@@ -97,10 +97,12 @@ class TrainConfig:
     decoupled_min_lr: float | None = flag(
         None, "--decoupled-min-lr",
         "with --decoupled-lr: their rate at the end of the decay (default --min-lr)")
-    calculate_per_token_loss: bool = flag(
-        False, "--calculate-per-token-loss",
+    calculate_per_token_loss: bool | None = flag(
+        None, "--calculate-per-token-loss",
         "average the loss over every counted token of the global batch, not per microbatch "
-        "(they differ when --eod-mask-loss leaves a different number of tokens in each)")
+        "(they differ when --eod-mask-loss or --sft's mask leaves a different number of tokens "
+        "in each); the default with --sft, where --no-calculate-per-token-loss turns it off",
+        off_flag="--no-calculate-per-token-loss")
     grad_reduce_in_bf16: bool = flag(
         False, "--grad-reduce-in-bf16",
         "with --bf16: reduce gradients over the data-parallel ranks in bf16 (half the bytes, "

@@ -95,7 +95,8 @@ def check_data_settings(config: Config) -> list[str]:
         problems.append("--tokenizer-type NullTokenizer is for data that is token ids already, and "
                         "the demo corpus is text: give --data-path PREFIX (.bin/.idx) or another "
                         "--tokenizer-type")
-    for check, value in ((parse_split, data.split), (parse_data_path, data.data_path)):
+    paths = _sft_files if data.sft else parse_data_path
+    for check, value in ((parse_split, data.split), (paths, data.data_path)):
         if value is None:
             continue
         try:
@@ -103,6 +104,18 @@ def check_data_settings(config: Config) -> list[str]:
         except DataError as error:
             problems.append(str(error))
     return problems
+
+
+def _sft_files(data_path: Sequence[str]) -> list[tuple[float, str]]:
+    """--sft's --data-path: one file or weight-file pairs, each file there."""
+    from ptdp.data.gpt_dataset import DataError, parse_weighted_paths
+
+    pairs = parse_weighted_paths(data_path, "file")
+    for _, path in pairs:
+        if not Path(path).is_file():
+            raise DataError(f"--data-path {path}: no such file; --sft reads JSON lines (.jsonl) or "
+                            "Parquet (.parquet) files of conversations")
+    return pairs
 
 
 def check_datasets(config: Config) -> list[str]:
@@ -113,6 +126,10 @@ def check_datasets(config: Config) -> list[str]:
     data, train = config.data, config.train
     if data.mock_data or not data.data_path:
         return []
+    if data.sft:
+        from ptdp.data.sft import run_data
+
+        return run_data.prepare(config)
     batches = GlobalBatches(train, config.parallel.dp)
     batch = batches.final
     samples = (batches.consumed_after(0, batches.train_iters),
@@ -262,6 +279,8 @@ def build_training_data(config: Config, *, num_samples: tuple[int, int, int], is
     from ptdp.data.corpus import demo_data_prefix
     from ptdp.data.gpt_dataset import build_gpt_datasets
 
+    if data.sft:
+        return _sft_training_data(config, num_samples, is_builder, reads_tokens, barrier)
     tokenizer = tokenizer_for(data, model.vocab_size)
     if tokenizer.vocab_size > model.vocab_size:
         raise DataSettingsError(f"the {tokenizer.name} has {tokenizer.vocab_size} tokens but "
@@ -289,6 +308,21 @@ def build_training_data(config: Config, *, num_samples: tuple[int, int, int], is
     # Built where labels are read (the first stage's copy is unused, and cheap).
     characters = character_table(tokenizer, model.vocab_size) if reads_tokens else None
     return TrainingData(train, valid, test, eod=tokenizer.eod, description=description,
+                        characters=characters)
+
+
+def _sft_training_data(config: Config, num_samples: tuple[int, int, int], is_builder: bool,
+                       reads_tokens: bool, barrier: Callable[[], None] | None) -> TrainingData:
+    """--sft: packed conversations (ptdp.data.sft.run_data)."""
+    from ptdp.data.sft import run_data
+
+    (train, valid, test), description, eod = run_data.build(
+        config, num_samples=num_samples, is_builder=is_builder, barrier=barrier)
+    if not reads_tokens:
+        train = valid = test = None
+    tokenizer = tokenizer_for(config.data, config.model.vocab_size)
+    characters = character_table(tokenizer, config.model.vocab_size) if reads_tokens else None
+    return TrainingData(train, valid, test, eod=eod, description=description,
                         characters=characters)
 
 
@@ -345,19 +379,29 @@ class _Offset:
         return self.dataset[self.offset + i]
 
 
-def collate(dataset, indices: range, vocab_size: int) -> torch.Tensor:
-    """[b, s + 1] int64 tokens of the given samples."""
+def collate(dataset, indices: range, vocab_size: int):
+    """[b, s + 1] int64 tokens of the given samples (SFT samples: a dict of
+    [b, s] tensors; see read_samples)."""
     tokens = read_samples(dataset, indices)
     check_token_ids(tokens, indices, vocab_size)
     return tokens
 
 
-def read_samples(dataset, indices: range) -> torch.Tensor:
-    """[b, s + 1] int64 tokens of the given samples, unchecked."""
-    return torch.stack([torch.as_tensor(np.asarray(dataset[i]), dtype=torch.long) for i in indices])
+def read_samples(dataset, indices: range):
+    """[b, s + 1] int64 tokens of the given samples, unchecked; for samples
+    that are dicts of arrays (SFT packs), a dict of the stacked tensors."""
+    samples = [dataset[i] for i in indices]
+    if samples and isinstance(samples[0], dict):
+        return {key: torch.stack([torch.as_tensor(np.asarray(sample[key])) for sample in samples])
+                for key in samples[0]}
+    return torch.stack([torch.as_tensor(np.asarray(sample), dtype=torch.long) for sample in samples])
 
 
-def check_token_ids(tokens: torch.Tensor, indices: range, vocab_size: int) -> None:
+def check_token_ids(tokens, indices: range, vocab_size: int) -> None:
+    if isinstance(tokens, dict):  # an SFT microbatch: its inputs and labels
+        for key in ("tokens", "labels"):
+            check_token_ids(tokens[key], indices, vocab_size)
+        return
     if tokens.numel() and (int(tokens.max()) >= vocab_size or int(tokens.min()) < 0):
         bad = int(tokens.max()) if int(tokens.max()) >= vocab_size else int(tokens.min())
         raise DataSettingsError(
@@ -365,16 +409,6 @@ def check_token_ids(tokens: torch.Tensor, indices: range, vocab_size: int) -> No
             f"vocabulary of {vocab_size}: the data was tokenized with another tokenizer than "
             "--tokenizer-type (and its files) say (with NullTokenizer: --vocab-size N must be "
             "above every id but the end-of-document id N)")
-
-
-def split_microbatch(tokens: torch.Tensor, eod: int | None, eod_mask_loss: bool):
-    """(inputs, labels) or (inputs, labels, loss_mask) from [b, s + 1] tokens.
-    With --eod-mask-loss a position whose input is the end-of-document token
-    is left out (predicting the next document from its end), as Megatron-LM."""
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    if not eod_mask_loss or eod is None:
-        return inputs, labels
-    return inputs, labels, (inputs != eod).to(torch.float32)
 
 
 # ---------------------------------------------------------------- background reading (--num-workers)
@@ -406,7 +440,7 @@ class TrainingBatches:
                                                        exitpriority=100)
             atexit.register(self._stop)
 
-    def read(self, indices: range) -> torch.Tensor:
+    def read(self, indices: range):
         tokens = self._prefetched(indices) if self._workers is not None else None
         if tokens is None:
             tokens = read_samples(self.dataset, indices)

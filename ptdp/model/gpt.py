@@ -48,6 +48,7 @@ from ptdp.model.recompute import checkpoint, recompute_active
 from ptdp.model.rotary import Rotary
 from ptdp.parallel.context_attention import context_attention
 from ptdp.parallel.context_layout import rank_positions, split_sequence
+from ptdp.parallel.document_attention import Documents, document_causal_attention
 from ptdp.schedules.kinds import virtual_stage_of
 from ptdp.schedules.build import layers_of
 from ptdp.parallel.sharding import COPY_ATTR, initialize_parameters, set_init
@@ -122,27 +123,35 @@ class Embedding(nn.Module):
                 mark_partial_grad(self.position_embeddings.weight)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [b, s] -> hidden [s, b, h] ([s/t, b, h] under sequence parallelism)."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [b, s] -> hidden [s, b, h] ([s/t, b, h] under sequence
+        parallelism). `positions` [b, s]: the tokens' own (packed
+        documents'), else their places in the sequence."""
         if self.sequence_parallel:
-            return self._sequence_parallel_forward(tokens)
+            return self._sequence_parallel_forward(tokens, positions)
         x = self.word_embeddings(tokens)
         if hasattr(self, "position_embeddings"):
-            x = x + self.position_embeddings(self._positions(tokens.shape[1], tokens.device))
+            x = x + (self.position_embeddings(self._positions(tokens.shape[1], tokens.device))
+                     if positions is None else self.position_embeddings(positions))
         # Replicated activation: the default stream drops the same elements on
         # every tensor rank.
         return self.dropout(x.transpose(0, 1).contiguous())
 
-    def _sequence_parallel_forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def _sequence_parallel_forward(self, tokens: torch.Tensor,
+                                   positions: torch.Tensor | None) -> torch.Tensor:
         """The vocabulary-parallel lookup's parts reduce-scattered straight to
         s/t positions (half an all-reduce's traffic), then this rank's
         positions added and dropped from its own stream."""
         partial = self.word_embeddings.partial(tokens).transpose(0, 1).contiguous()
         x = reduce_scatter_to_sequence_region(partial, self.ctx.tp_group)
         if hasattr(self, "position_embeddings"):
-            positions = self._positions(tokens.shape[1], tokens.device,
-                                        first=self.ctx.tp_rank * x.shape[0], count=x.shape[0])
-            x = x + self.position_embeddings(positions).unsqueeze(1)
+            first, count = self.ctx.tp_rank * x.shape[0], x.shape[0]
+            if positions is None:
+                own = self._positions(tokens.shape[1], tokens.device, first=first, count=count)
+                x = x + self.position_embeddings(own).unsqueeze(1)
+            else:
+                own = positions[:, first:first + count].transpose(0, 1).contiguous()
+                x = x + self.position_embeddings(own)
         with self.rng.fork("tensor"):
             return self.dropout(x)
 
@@ -194,7 +203,12 @@ class Attention(nn.Module):
                                                                 config.num_layers),
                                        sequence_parallel=sequence_parallel)
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None):
+        """`positions` [b, s/c]: this rank's tokens' positions in their
+        documents (None: their places in the sequence); `document_ids` [b,
+        s]: the whole sequence's documents, attention keeping inside each
+        (None: causal over the whole sequence)."""
         heads, groups, d = self.local_heads, self.local_groups, self.head_dim
         qkv = self.query_key_value(x)  # the whole sequence, also under sequence parallelism
         s, b = qkv.shape[:2]
@@ -205,25 +219,36 @@ class Attention(nn.Module):
         if hasattr(self, "q_layernorm"):  # --qk-layernorm: before the rotation, as Qwen3
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if self.rotary is not None:
-            q, k = self.rotary(q, self.context), self.rotary(k, self.context)
+            q = self.rotary(q, self.context, positions)
+            k = self.rotary(k, self.context, positions)
         if self.selective_recompute and recompute_active(self):
             # Selective recomputation: keep q, k, v; rebuild the s×s scores,
             # softmax and dropout mask in backward.
-            out = checkpoint(self._core, self.rng, q, k, v)
+            out = checkpoint(self._core, self.rng, q, k, v, document_ids)
         else:
-            out = self._core(q, k, v)
+            out = self._core(q, k, v, document_ids)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
         return self.dense(out)
 
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """softmax(q kᵀ/√d, causal) with dropout, times v: [b, heads, s, d]
         (under context parallelism this rank's rows of it, over the whole
-        sequence).
+        sequence). With `document_ids` each query sees only the earlier
+        keys of its own document (ptdp.parallel.document_attention).
         Under grouped-query attention k and v have fewer heads; query head j
         uses group j // (heads/groups)."""
         if self.context[0] > 1:  # attention dropout is refused before launch
-            return context_attention(q, k, v, self.cp_group, self.cp_comm_type)
+            if document_ids is None:
+                return context_attention(q, k, v, self.cp_group, self.cp_comm_type)
+            return context_attention(q, k, v, self.cp_group, self.cp_comm_type,
+                                     document_ids=document_ids)
         dropout = self.dropout if self.training else 0.0
+        if document_ids is not None:
+            if dropout > 0.0:
+                with self.rng.fork("tensor"):
+                    return document_causal_attention(q, k, v, document_ids, dropout=dropout)
+            return document_causal_attention(q, k, v, document_ids)
         # Passed only when needed: the flag exists from torch 2.5.
         gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
         if dropout > 0.0:
@@ -275,8 +300,9 @@ class TransformerLayer(nn.Module):
         else:
             self.mlp = MLP(config, ctx, sequence_parallel)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out, bias = self.attention(self.input_layernorm(x))
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        out, bias = self.attention(self.input_layernorm(x), positions, document_ids)
         x = self._residual(out, bias, x)
         out, bias = self.mlp(self.post_attention_layernorm(x))
         return self._residual(out, bias, x)
@@ -333,7 +359,8 @@ class GPT(nn.Module):
                 module.weight_grads = store
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
-                loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+                loss_mask: torch.Tensor | None = None,
+                documents: Documents | None = None) -> torch.Tensor:
         """First stage: x is tokens [b, s]; otherwise hidden [s, b, h]
         ([s/t, b, h] under sequence parallelism, also as returned). Under
         context parallelism tokens, labels and loss mask are the whole
@@ -341,13 +368,21 @@ class GPT(nn.Module):
         rank keeps its s/c positions (ptdp.parallel.context_layout); the
         hidden states are [s/c, b, h] ([s/(c·t), b, h]).
 
+        `documents` (packed sequences, every stage): the microbatch's
+        positions and documents (ptdp.parallel.document_attention.Documents),
+        whole like the labels.
+
         Returns hidden [s, b, h] unless this is the last stage; there it
         returns the mean loss over unmasked tokens when `labels` [b, s] are
         given, else this rank's logits [s, b, V'/t].
         """
+        positions = document_ids = None
+        if documents is not None:
+            positions = self._own_positions(documents.position_ids)
+            document_ids = documents.document_ids
         if self.pre_process:
-            x = self.embedding(self._own_positions(x))
-        x = self._run_layers(x)
+            x = self.embedding(self._own_positions(x), positions)
+        x = self._run_layers(x, positions, document_ids)
         if not self.post_process:
             return x
         logits = self.logits(self.final_layernorm(x))
@@ -355,7 +390,8 @@ class GPT(nn.Module):
             return logits
         return self.loss(logits, labels, loss_mask)
 
-    def _run_layers(self, x: torch.Tensor) -> torch.Tensor:
+    def _run_layers(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                    document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """This chunk's transformer layers, with full recomputation if
         configured: uniform checkpoints consecutive groups of
         `recompute_num_layers` layers (the last may be shorter), block
@@ -363,17 +399,17 @@ class GPT(nn.Module):
         layers = list(self.layers.values())
         config = self.config
         if config.recompute_granularity != "full" or not recompute_active(self):
-            for layer in layers:
-                x = layer(x)
-            return x
+            return _run_group(layers, x, positions, document_ids)
         n = config.recompute_num_layers
         if config.recompute_method == "uniform":
             for start in range(0, len(layers), n):
-                x = checkpoint(_run_group, self.rng, layers[start:start + n], x)
+                x = checkpoint(_run_group, self.rng, layers[start:start + n], x, positions,
+                               document_ids)
             return x
         if config.recompute_method == "block":
             for i, layer in enumerate(layers):
-                x = checkpoint(layer, self.rng, x) if i < n else layer(x)
+                x = (checkpoint(layer, self.rng, x, positions, document_ids) if i < n
+                     else layer(x, positions, document_ids))
             return x
         raise ValueError(f"unknown recompute_method {config.recompute_method!r}: "
                          f"use 'uniform' or 'block'")
@@ -421,9 +457,10 @@ class GPT(nn.Module):
         return (losses * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def _run_group(layers: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
+def _run_group(layers: Sequence[nn.Module], x: torch.Tensor, positions: torch.Tensor | None = None,
+               document_ids: torch.Tensor | None = None) -> torch.Tensor:
     for layer in layers:
-        x = layer(x)
+        x = layer(x, positions, document_ids)
     return x
 
 

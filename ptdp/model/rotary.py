@@ -53,6 +53,14 @@ class Rotary:
         self.head_dim, self.base, self.scaling_factor = head_dim, base, scaling_factor
         self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def inverse_frequencies(self, device: torch.device) -> torch.Tensor:
+        """Pair i's turn per position, base^(-2i/d) (rescaled for Llama 3.1), fp32."""
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device)
+        inverse_frequencies = 1.0 / (self.base ** (exponents / self.head_dim))
+        if self.scaling_factor is not None:
+            inverse_frequencies = llama3_frequencies(inverse_frequencies, self.scaling_factor)
+        return inverse_frequencies
+
     def tables(self, length: int, device: torch.device, dtype: torch.dtype,
                context: tuple[int, int] = (1, 0)):
         """cos and sin, each [length, d], for positions 0 .. length - 1; with
@@ -60,10 +68,7 @@ class Rotary:
         holds of a c·length sequence (ptdp.parallel.context_layout)."""
         key = (length, device, dtype, context)
         if key not in self._tables:
-            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device)
-            inverse_frequencies = 1.0 / (self.base ** (exponents / self.head_dim))
-            if self.scaling_factor is not None:
-                inverse_frequencies = llama3_frequencies(inverse_frequencies, self.scaling_factor)
+            inverse_frequencies = self.inverse_frequencies(device)
             cp_size, cp_rank = context
             positions = (torch.arange(length, device=device) if cp_size == 1 else
                          rank_positions(length * cp_size, cp_size, cp_rank, device))
@@ -72,8 +77,20 @@ class Rotary:
             self._tables[key] = (angles.cos().to(dtype), angles.sin().to(dtype))
         return self._tables[key]
 
-    def __call__(self, x: torch.Tensor, context: tuple[int, int] = (1, 0)) -> torch.Tensor:
-        """x [b, heads, s, d], rotated by position (`context`: see `tables`)."""
-        cos, sin = self.tables(x.shape[-2], x.device, x.dtype, context)
+    def position_tables(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos and sin, each [b, 1, s, d], for the positions [b, s] of packed
+        documents (each restarting at 0): the same products as `tables`,
+        row by row, so a document rotates as it would alone."""
+        inverse_frequencies = self.inverse_frequencies(positions.device)
+        angles = positions.to(torch.float32).unsqueeze(-1) * inverse_frequencies
+        angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def __call__(self, x: torch.Tensor, context: tuple[int, int] = (1, 0),
+                 positions: torch.Tensor | None = None) -> torch.Tensor:
+        """x [b, heads, s, d], rotated by position (`context`: see `tables`;
+        `positions` [b, s]: these positions instead)."""
+        cos, sin = (self.tables(x.shape[-2], x.device, x.dtype, context) if positions is None
+                    else self.position_tables(positions, x.dtype))
         first, second = x.chunk(2, dim=-1)
         return x * cos + torch.cat([-second, first], dim=-1) * sin

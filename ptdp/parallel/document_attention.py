@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,23 @@ DOCUMENT_KERNELS = (PER_DOCUMENT, FLEX, DENSE)
 
 # A document in a pack: (batch row, first position, length).
 Segment = tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class Documents:
+    """Where a microbatch's documents lie, travelling with it to every
+    pipeline stage: `position_ids` [b, s] (each position's distance from
+    its document's first token, or 0..s-1) and `document_ids` [b, s]
+    (runs of equal ids are documents, attention keeps inside each; None:
+    attention runs across them, as --reset-position-ids alone asks). Both
+    cover the whole sequence; under context parallelism each rank takes its
+    own positions of them."""
+    position_ids: torch.Tensor
+    document_ids: torch.Tensor | None = None
+
+    def to(self, device: torch.device | str) -> "Documents":
+        ids = None if self.document_ids is None else self.document_ids.to(device)
+        return Documents(self.position_ids.to(device), ids)
 
 
 # ------------------------------------------------------------------ describing the documents

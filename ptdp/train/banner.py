@@ -15,6 +15,7 @@ from ptdp.config import Config
 from ptdp.config.megatron import reports_attention_kernel
 from ptdp.parallel.block_attention import attention_kernel
 from ptdp.parallel.context_attention import KERNEL_OPS, block_kernel
+from ptdp.parallel.document_attention import document_kernel
 from ptdp.schedules.split import stage_layer_counts
 from ptdp.parallel.sharding import COPY_ATTR, logical_shape
 from ptdp.perf.analytic.counts import active_parameter_count, parameter_count
@@ -59,6 +60,11 @@ def print_banner(trainer, is_logger: bool) -> None:
               + f"; data: {trainer.data.description}", flush=True)
         if reports_attention_kernel(config):  # --use-flash-attn / --attention-backend given
             print(f"ptdp: attention: {attention_kernel(config, device, trainer.dtype)}", flush=True)
+        if config.data.sft or config.data.reset_attention_mask:
+            kernel = "masked blocks across the context ranks" if ctx.cp_size > 1 else \
+                document_kernel(device, model_cfg.attention_dropout)
+            print(f"ptdp: attention: within each document of a packed sequence ({kernel})",
+                  flush=True)
         if ctx.cp_size > 1:
             kernel = block_kernel(device, trainer.dtype, model_cfg.head_dim)
             print(f"ptdp: context parallelism: each sequence in {2 * ctx.cp_size} chunks, "

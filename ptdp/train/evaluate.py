@@ -47,7 +47,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ptdp.data.loader import collate, split_microbatch
+from ptdp.data.loader import collate
+from ptdp.data.microbatch import MicrobatchSettings, to_microbatch
 from ptdp.data.sampler import microbatch_indices
 from ptdp.parallel.pipeline.executor import average_loss
 from ptdp.schedules.build import build_forward_only
@@ -58,15 +59,15 @@ def validation_microbatch_fn(trainer, dataset, iteration: int, start_sample: int
     microbatch i of evaluation iteration `iteration`, from `dataset`."""
     config, ctx = trainer.config, trainer.ctx
     tr = config.train
+    settings = MicrobatchSettings.from_config(config, trainer.data.eod)
 
     def microbatch(i: int) -> tuple[torch.Tensor, ...]:
         indices = microbatch_indices(start_sample + iteration * trainer.global_batch, i, ctx.dp_rank,
                                      micro_batch_size=tr.micro_batch_size,
                                      global_batch_size=trainer.global_batch,
                                      data_parallel_size=ctx.dp_size)
-        tokens = collate(dataset, indices, config.model.vocab_size)
-        return tuple(t.to(trainer.device) for t in split_microbatch(
-            tokens, trainer.data.eod, config.data.eod_mask_loss))
+        return to_microbatch(collate(dataset, indices, config.model.vocab_size), settings,
+                             trainer.device)
     return microbatch
 
 

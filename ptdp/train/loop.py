@@ -20,7 +20,8 @@ from ptdp.checkpoint.state import TrainingState
 from ptdp.checkpoint.store import read_metadata, resolve
 from ptdp.config import Config
 from ptdp.data.batches import ConsumedSamples, GlobalBatches
-from ptdp.data.loader import TrainingBatches, TrainingData, build_training_data, split_microbatch
+from ptdp.data.loader import TrainingBatches, TrainingData, build_training_data
+from ptdp.data.microbatch import MicrobatchSettings, carries_documents, to_microbatch
 from ptdp.data.sampler import microbatch_indices, training_microbatches
 from ptdp.distributed import DistEnv, init_process_group
 from ptdp.errors import DivergenceError
@@ -157,14 +158,18 @@ class Trainer:
         # context rank holds s/c of them.
         positions = model_cfg.seq_length // ctx.cp_size
         positions //= ctx.tp_size if sequence_parallel else 1
+        # Packed sequences: every stage reads its microbatches' documents.
+        documents = carries_documents(config)
         self.executor = PipelineExecutor(
             self.chunks, ctx, activation_shape=(positions, b, model_cfg.hidden_size),
             dtype=self.dtype, device=device,
-            scatter_gather=par.scatter_gather_tensors_in_pipeline and not sequence_parallel)
+            scatter_gather=par.scatter_gather_tensors_in_pipeline and not sequence_parallel,
+            documents_on_every_stage=documents)
         self.data = data if data is not None else build_training_data(
             config, num_samples=(self.consumed_before(self.train_iters),
                                  tr.eval_iters * self.global_batch if tr.evaluates else 0, 0),
-            is_builder=ctx.rank == 0, reads_tokens=ctx.is_first_stage or self.holds_loss,
+            is_builder=ctx.rank == 0,
+            reads_tokens=ctx.is_first_stage or self.holds_loss or documents,
             barrier=dist.barrier if dist.is_initialized() else None)
         # --num-workers N: N processes read this run's microbatches ahead of the steps.
         self.train_batches = TrainingBatches(self.data.train, config, training_microbatches(
@@ -263,13 +268,13 @@ class Trainer:
     def microbatch_fn(self, iteration: int):
         tr, ctx = self.config.train, self.ctx
         global_batch = self.batch_of(iteration)
+        settings = MicrobatchSettings.from_config(self.config, self.data.eod)
 
         def microbatch(i: int) -> tuple[torch.Tensor, ...]:
-            tokens = self.train_batches.read(microbatch_indices(
+            samples = self.train_batches.read(microbatch_indices(
                 self.consumed_before(iteration), i, ctx.dp_rank, micro_batch_size=tr.micro_batch_size,
                 global_batch_size=global_batch, data_parallel_size=ctx.dp_size))
-            return tuple(t.to(self.device) for t in split_microbatch(
-                tokens, self.data.eod, self.config.data.eod_mask_loss))
+            return to_microbatch(samples, settings, self.device)
         return microbatch
 
     def step(self, iteration: int, record_timeline: bool = False) -> tuple[dict[str, Any], Any]:
@@ -356,6 +361,11 @@ class Trainer:
             "peak_stored_activations": stats.peak_stored,
             "optimizer_state_bytes": self.optimizer.state_bytes,
         }
+        if self.config.data.sft and stats.batch_tokens is not None:
+            # Packing efficiency: the share of the batch's positions that train.
+            tokens = int(stats.batch_tokens.item())
+            record["loss_tokens"] = tokens
+            record["loss_token_fraction"] = tokens / (global_batch * self.config.model.seq_length)
         if self.config.model.is_moe:
             record.update(balancing_metrics(self.moe_layers, self.config.model, ctx, self.device))
         if tr.rampup_batch_size is not None:

@@ -6,7 +6,7 @@ positions: input token i predicts label token i + 1 of the same
 conversation, so no position predicts across a boundary, and the last
 position of each conversation has no label (masked). This is ptdp's
 sample shape (inputs, labels, a float loss mask over the inputs'
-positions; see ptdp.data.loader.split_microbatch) with the shift done per
+positions; see ptdp.data.microbatch.split_microbatch) with the shift done per
 conversation rather than over the whole window: the loss mask at i is the
 conversation's mask of token i + 1 (the token being predicted).
 

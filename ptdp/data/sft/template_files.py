@@ -59,9 +59,18 @@ def _token_text(value: Any) -> str | None:
 
 
 def tokenizer_directory(path: str | Path) -> Path:
-    """The directory of a tokenizer given as its directory or its tokenizer.json."""
+    """The directory of a tokenizer given as its directory or its
+    tokenizer.json; for the tokenizer.json a checkpoint carries, the
+    checkpoint's Hugging Face files beside it (ptdp.checkpoint.carry)."""
+    from ptdp.checkpoint.carry import HF_FILES_DIR
+
     path = Path(path)
-    return path if path.is_dir() else path.parent
+    directory = path if path.is_dir() else path.parent
+    carried = directory / HF_FILES_DIR
+    if not any((directory / name).is_file() for name in (TOKENIZER_CONFIG, CHAT_TEMPLATE_JINJA)) \
+            and any((carried / name).is_file() for name in (TOKENIZER_CONFIG, CHAT_TEMPLATE_JINJA)):
+        return carried
+    return directory
 
 
 def special_tokens(directory: Path) -> dict[str, str]:

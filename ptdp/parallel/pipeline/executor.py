@@ -37,6 +37,12 @@ rank sends only its 1/t slice and the receiving tensor group all-gathers the
 slices over its fast links. It falls back to whole tensors when the size
 does not divide by t.
 
+Packed sequences: a microbatch may carry its documents
+(ptdp.parallel.document_attention.Documents: positions and document ids),
+which every stage's chunk takes, so every stage reads its microbatches; the
+boundaries travel with the microbatch and the activations sent between
+stages keep their fixed shape.
+
 Memory: a sent activation's storage is released once the send completes;
 autograd needs only its shape to backpropagate into it.
 """
@@ -79,6 +85,9 @@ class PipelineStats:
     weight_grad_seconds: float = 0.0     # of which in W (zero-bubble schedules)
     compute_seconds: dict[tuple[str, int], float] = field(default_factory=dict)  # (op, chunk) -> s
     released_bytes: int = 0              # storage of sent activations freed before their backward
+    # Per-token loss, on the rank that computes it: the global batch's loss
+    # tokens, summed over the data-parallel replicas (None otherwise).
+    batch_tokens: torch.Tensor | None = None
 
     def count_stored(self, stored: int, awaiting_weight_grads: int) -> None:
         """A forward stored its activation: `stored` held until B, and
@@ -156,8 +165,11 @@ def _count_time(stats: "PipelineStats", op: str, chunk: int, began: float,
 class PipelineExecutor:
     def __init__(self, chunks: list[torch.nn.Module], ctx: ParallelContext, *,
                  activation_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                 scatter_gather: bool = True):
+                 scatter_gather: bool = True, documents_on_every_stage: bool = False):
+        """`documents_on_every_stage`: the microbatches carry their documents
+        (packed sequences): every stage reads them, not only the first and last."""
         self.chunks, self.ctx = chunks, ctx
+        self.documents = documents_on_every_stage
         self.activation_shape, self.dtype, self.device = activation_shape, dtype, device
         numel = 1
         for size in activation_shape:
@@ -193,8 +205,9 @@ class PipelineExecutor:
             per_token_loss: bool = False,
             on_batch_tokens: Callable[[torch.Tensor], None] | None = None) -> PipelineStats:
         """Execute this rank's actions of `schedule`. `microbatch(i)` gives the
-        tokens and labels [b, s] of microbatch i, and optionally its loss mask
-        (used on the first and last virtual stage only). Backward starts from loss · loss_scale / m;
+        tokens and labels [b, s] of microbatch i, optionally its loss mask
+        (first and last virtual stage; may be None) and its documents (every
+        stage; see the module's docstring). Backward starts from loss · loss_scale / m;
         with `per_token_loss` from loss · tokens · loss_scale / (the global
         batch's tokens, counted over this rank's data-parallel group).
         `synchronize`, called after every compute, makes the measured times
@@ -208,7 +221,7 @@ class PipelineExecutor:
         if per_token_loss and not forward_only:
             microbatch, batch_tokens = self._count_batch_tokens(schedule, microbatch,
                                                                 on_batch_tokens)
-        stats = PipelineStats()
+        stats = PipelineStats(batch_tokens=batch_tokens)
         stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         outgoing: dict[tuple, torch.Tensor] = {}
         received: dict[tuple, torch.Tensor] = {}
@@ -240,7 +253,8 @@ class PipelineExecutor:
             stage = schedule.virtual_stage(ctx.pp_rank, c)
             if action.op == "F":
                 # Read once: a stage that is first and last needs tokens and labels.
-                batch = microbatch(i) if stage in (0, last_stage) else None
+                batch = microbatch(i) if stage in (0, last_stage) or self.documents else None
+                documents = batch[3] if batch is not None and len(batch) > 3 else None
                 if stage == 0:
                     x = batch[0]
                 else:
@@ -258,7 +272,7 @@ class PipelineExecutor:
                         else:  # the microbatch's token sum over the batch's tokens
                             out = loss * tokens * (loss_scale / batch_tokens)
                     else:
-                        out = self.chunks[c](x)
+                        out = self._middle_forward(c, x, documents)
                         outgoing[("activation", i, stage)] = out
                 if not forward_only:
                     stash[(i, c)] = (x if stage > 0 else None, out)
@@ -280,11 +294,16 @@ class PipelineExecutor:
             # Drop this action's references now: through its autograd graph a
             # finished microbatch's output would otherwise keep its stage
             # input alive until the next action reassigns the names.
-            x = out = loss = batch = None
+            x = out = loss = batch = documents = None
 
         self._finish_sends(stats)
         self._check_done(stash, outgoing, received, deferred)
         return stats
+
+    def _middle_forward(self, c: int, x: torch.Tensor, documents) -> torch.Tensor:
+        """Chunk `c` on `x`, not the last stage (no loss); chunks other than
+        the GPT's (in tests) take x alone."""
+        return self.chunks[c](x) if documents is None else self.chunks[c](x, documents=documents)
 
     def _check_done(self, stash: dict, outgoing: dict, received: dict, deferred: dict) -> None:
         if stash or outgoing or received or deferred:
