@@ -26,22 +26,44 @@ each step sees the last max-positions tokens (the prompt's oldest first drop
 out), as a model trained on windows of that length reads text.
 
 The prompt is text (`--prompt`, encoded by the checkpoint's tokenizer: the
-tokenizer.json it carries, else the one its data settings name) or token
+tokenizer.json it carries, else the one its data settings name), token
 ids (`--prompt-ids`, for any model, and the only way for a NullTokenizer
-model); it is turned into ids and checked before any rank starts, as are
+model) or a chat model's user message (`--chat`: see below); it is turned
+into ids and checked before any rank starts, as are
 `--device` (against the GPUs this machine has) and the checkpoint's
 settings. A damaged checkpoint is one paragraph naming what is wrong, from
 the launcher or from a rank, never a traceback. The output is the prompt
 followed by its continuation, as text (without the prompt with
 `--no-echo-prompt`), or with `--output-ids` the ids of the generated tokens
 only (a program that asked for ids knows the prompt's).
+
+With `--chat`, the conversation (an optional system message, then the
+user's) is rendered with the chat template of the checkpoint's tokenizer,
+with the generation prompt (transformers' `apply_chat_template(..., add_generation_prompt=True)`),
+and encoded as transformers encodes it (ptdp.data.sft.template). The
+template and the special tokens are those of the Hugging Face files the
+checkpoint carries beside its tokenizer.json (ptdp/checkpoint/carry.py: a
+model imported with `ptdp convert --from-hf`, and the fine-tunes that keep
+its tokenizer), or a template file given with `--chat-template`.
+
+Generation stops at the end of the assistant's turn: at the eos ids of the
+carried generation_config.json (what transformers' `generate` stops at),
+else at the tokenizer's eos token; and at the end-of-turn marker the
+template writes (`<|im_end|>`, `<|eot_id|>`, ...) when it is one token of
+the tokenizer, so that a template given with --chat-template (ChatML on a
+base model whose eos is `<|endoftext|>`) stops where its turns end too. The
+output is then the assistant's reply alone (or its ids), without the token
+it stopped at.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -74,6 +96,9 @@ class GenerateRequest:
     device: str = "auto"
     output_ids: bool = False
     echo_prompt: bool = True
+    # The tokens generation stops at (a chat model's ends of turn:
+    # ptdp.chat_prompt); None: the tokenizer's end of document.
+    stop_ids: list[int] | None = None
 
 
 class PipelinedModel:
@@ -222,9 +247,10 @@ def generate_text(request: GenerateRequest, ctx: ParallelContext, device: torch.
     config, weights = read_checkpoint_model(request.load)
     tokenizer = model_tokenizer(config, request.load)
     model = PipelinedModel(config, ctx, device, weights, request.chunks)
+    stop = request.stop_ids if request.stop_ids is not None else \
+        [tokenizer.eod] if tokenizer is not None else []
     new = generate(model, request.prompt_ids, request.settings,
-                   max_context=config.model.max_positions,
-                   eod=tokenizer.eod if tokenizer is not None else None)
+                   max_context=config.model.max_positions, stop=stop)
     if request.output_ids:
         return ",".join(map(str, new))
     # Prompt and continuation decoded together: a character whose bytes span
@@ -271,3 +297,138 @@ def generate_worker(env, request: GenerateRequest) -> None:
             print(text, flush=True)
     finally:
         dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ --chat
+
+GENERATION_CONFIG = "generation_config.json"
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    ids: list[int]          # the rendered conversation with the generation prompt, encoded
+    stop_ids: list[int]     # the tokens that end the assistant's turn
+    stop_tokens: list[str]  # the same, as text (for the announcement)
+    template: str           # where the template came from, in words
+
+
+def chat_messages(message: str, system: str | None = None) -> list[dict[str, str]]:
+    return ([{"role": "system", "content": system}] if system is not None else []) + \
+        [{"role": "user", "content": message}]
+
+
+def chat_prompt(load: str, config: Config, message: str, system: str | None = None,
+                template_file: str | None = None) -> ChatPrompt:
+    """The prompt and stop tokens of `--chat message` for checkpoint `load`
+    (whose settings are `config`); a ConfigError, one paragraph, for a
+    checkpoint that cannot chat (no Hugging Face tokenizer, no template) or
+    a template that refuses the conversation."""
+    from ptdp.checkpoint.carry import checkpoint_hf_files
+    from ptdp.data.sft.template_files import ChatTemplateError
+
+    tokenizer_file = store.checkpoint_tokenizer(load)
+    directory = store.resolve(load)
+    if tokenizer_file is None:
+        has = ("no tokenizer (it was trained on generated data)" if config.data.mock_data
+               else f"no tokenizer.json (its model's tokenizer is {config.data.tokenizer_type})")
+        raise ConfigError([f"--chat renders the conversation with the chat template of the "
+                           f"model's Hugging Face tokenizer, and the checkpoint {directory} "
+                           f"carries {has}; chat with a model imported from Hugging Face (ptdp "
+                           f"convert --from-hf) or trained with --tokenizer-type "
+                           f"HuggingFaceTokenizer, or give the text to continue with --prompt"])
+    carried = checkpoint_hf_files(directory, store.read_metadata(directory))
+    try:
+        template = _template(tokenizer_file, carried, template_file, directory)
+    except ChatTemplateError as error:
+        raise ConfigError([f"--chat-template {template_file}: {error}" if template_file
+                           else f"--chat: {error}"]) from None
+    ids = _render(template, chat_messages(message, system), template_file)
+    ids = check_prompt_ids(ids, config, "--chat",
+                           "the checkpoint's tokenizer does not fit this model")
+    stop_ids = _stop_ids(template, carried, config.model.vocab_size)
+    if not stop_ids:
+        raise ConfigError([
+            "--chat: cannot tell where the assistant's turn ends: the checkpoint carries no "
+            f"{GENERATION_CONFIG} with eos ids, its tokenizer names no eos token, and the chat "
+            "template writes no end-of-turn token of this tokenizer (such as <|im_end|> or "
+            "<|eot_id|>); give a template whose turns end with one of the tokenizer's special "
+            "tokens (--chat-template FILE)"])
+    return ChatPrompt(ids, stop_ids, [template.text_tokenizer.decode([i]) for i in stop_ids],
+                      f"the template {template_file}" if template_file
+                      else "the checkpoint's chat template")
+
+
+def _template(tokenizer_file: Path, carried: dict[str, bytes], template_file: str | None,
+              checkpoint: Path):
+    """The ChatTemplate of the checkpoint's tokenizer: its tokenizer.json
+    with the tokenizer files it carries (tokenizer_config.json's template
+    and special tokens, chat_template.jinja, special_tokens_map.json), put
+    together in one directory as a Hugging Face tokenizer directory is,
+    since ChatTemplate reads them there (it keeps what it needs: the
+    directory goes when it is built)."""
+    from ptdp.data.sft.template import ChatTemplate
+    from ptdp.data.sft.template_files import (CHATML_TEMPLATE_FILE, TOKENIZER_JSON,
+                                              directory_template)
+    from ptdp.interop.hf_carried import TOKENIZER_SIDE
+
+    with tempfile.TemporaryDirectory(prefix="ptdp-chat-") as folder:
+        folder = Path(folder)
+        shutil.copyfile(tokenizer_file, folder / TOKENIZER_JSON)
+        for name in TOKENIZER_SIDE:
+            if name in carried:
+                (folder / name).write_bytes(carried[name])
+        if template_file is None and directory_template(folder) is None:
+            raise ConfigError([
+                f"--chat: the checkpoint {checkpoint} has no chat template (it carries neither "
+                f"chat_template.jinja nor a \"chat_template\" in tokenizer_config.json: models "
+                f"imported from a Hugging Face chat model carry theirs), so the conversation "
+                f"cannot be rendered; give a Jinja chat template with "
+                f"--chat-template FILE, e.g. ptdp's ChatML template {CHATML_TEMPLATE_FILE} (its "
+                f"tokenizer needs <|im_start|> and <|im_end|> as special tokens)"])
+        return ChatTemplate.for_tokenizer(folder, template_file)
+
+
+def _render(template, messages: list[dict[str, str]], template_file: str | None) -> list[int]:
+    """The conversation with the generation prompt, as token ids (one
+    string, special tokens recognised, none added: as transformers)."""
+    import jinja2
+
+    try:
+        text = template.render(messages, add_generation_prompt=True)
+    except jinja2.TemplateError as error:
+        which = f"the template {template_file}" if template_file else "the checkpoint's chat template"
+        raise ConfigError([f"--chat: {which} refuses the conversation ({error}); change the "
+                           f"message{' or drop --system' if len(messages) > 1 else ''}, or give "
+                           f"another template with --chat-template FILE"]) from None
+    return template.text_tokenizer.encode(text)
+
+
+def _stop_ids(template, carried: dict[str, bytes], vocab_size: int) -> list[int]:
+    """The generation config's eos ids, else the tokenizer's eos token's;
+    then the template's end-of-turn markers (see the module's notes)."""
+    from ptdp.data.sft.template import END_OF_TURN_TOKENS
+
+    ids = _generation_config_eos(carried.get(GENERATION_CONFIG))
+    eos = template.special_tokens.get("eos_token")
+    if not ids and eos:
+        ids = _single_token(template, eos)
+    for marker in END_OF_TURN_TOKENS:
+        if marker in template.source:
+            ids += [i for i in _single_token(template, marker) if i not in ids]
+    return [i for i in ids if 0 <= i < vocab_size]
+
+
+def _generation_config_eos(contents: bytes | None) -> list[int]:
+    """generation_config.json's eos_token_id (an id or a list of them; the
+    import checked the file), as a list."""
+    if contents is None:
+        return []
+    eos = json.loads(contents).get("eos_token_id")
+    eos = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
+    return [i for i in dict.fromkeys(eos) if isinstance(i, int) and not isinstance(i, bool)]
+
+
+def _single_token(template, text: str) -> list[int]:
+    """[its id] where `text` is one token of the template's tokenizer, else []."""
+    ids = template.text_tokenizer.encode(text)
+    return ids if len(ids) == 1 else []

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Collection
 
 if TYPE_CHECKING:
     import torch
@@ -96,13 +96,15 @@ def sample_next(logits: torch.Tensor, settings: SamplingSettings,
 
 
 def generate(next_logits: Callable[[torch.Tensor], torch.Tensor], prompt: list[int],
-             settings: SamplingSettings, *, max_context: int, eod: int | None = None) -> list[int]:
+             settings: SamplingSettings, *, max_context: int, eod: int | None = None,
+             stop: Collection[int] = ()) -> list[int]:
     """Sample up to `settings.max_new_tokens` tokens after `prompt`.
 
     `next_logits(tokens)` gets int64 tokens [1, s] on the CPU (the last
     `max_context` tokens so far) and returns the logits of the last position,
-    [1, V] or [V], unpadded. Stops after `eod` when given; returns the new
-    tokens only, without the `eod`.
+    [1, V] or [V], unpadded. Stops after `eod` when given, or after any token
+    of `stop` (a chat model's ends of turn); returns the new tokens only,
+    without the one it stopped at.
     """
     import torch
 
@@ -112,6 +114,7 @@ def generate(next_logits: Callable[[torch.Tensor], torch.Tensor], prompt: list[i
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token")
     generator = torch.Generator().manual_seed(settings.seed)
+    stops = set(stop) | ({eod} if eod is not None else set())
     tokens = list(prompt)
     new: list[int] = []
     for _ in range(settings.max_new_tokens):
@@ -123,7 +126,7 @@ def generate(next_logits: Callable[[torch.Tensor], torch.Tensor], prompt: list[i
             raise ValueError(f"next_logits must return logits [1, vocab], got shape "
                              f"{tuple(logits.shape)}")
         token = int(sample_next(logits.float().cpu(), settings, generator)[0])
-        if eod is not None and token == eod:
+        if token in stops:
             break
         tokens.append(token)
         new.append(token)

@@ -28,6 +28,16 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--prompt-ids", metavar="IDS",
                         help="the prompt as token ids, comma-separated (e.g. 5,17,923), instead of "
                              "--prompt; for any model, also one trained with NullTokenizer")
+    parser.add_argument("--chat", metavar="TEXT",
+                        help="instead of --prompt: a user message to a chat model, rendered with "
+                             "the chat template its checkpoint carries (one imported from Hugging "
+                             "Face) and the assistant's turn begun; generation stops at the end "
+                             "of the turn, and the reply alone is printed")
+    parser.add_argument("--system", metavar="TEXT",
+                        help="with --chat: a system message before the user's")
+    parser.add_argument("--chat-template", metavar="FILE",
+                        help="with --chat: a Jinja chat template to render with instead of the "
+                             "checkpoint's (ptdp ships ChatML's: ptdp/data/assets/chatml.jinja)")
     parser.add_argument("--output-ids", action="store_true",
                         help="print the generated token ids, comma-separated on one line, "
                              "instead of text (without the prompt's)")
@@ -59,16 +69,13 @@ def run(args: argparse.Namespace) -> int:
     from ptdp import device as devices
     from ptdp.checkpoint.data_settings import model_tokenizer
     from ptdp.data.tokenizer import TokenizerError
-    from ptdp.generate import (GenerateRequest, generate_text, generate_worker, parse_prompt_ids,
-                               prompt_tokens)
+    from ptdp.generate import (GenerateRequest, chat_prompt, generate_text, generate_worker,
+                               parse_prompt_ids, prompt_tokens)
     from ptdp.launch import CPU_RANK_MODULES, LocalJobFailed, launch_local
     from ptdp.parallel.topology import ParallelContext
     from ptdp.checkpoint.store import CheckpointError
 
-    if (args.prompt is None) == (args.prompt_ids is None):
-        raise ConfigError(["give the prompt either as text, --prompt TEXT, or as token ids, "
-                           "--prompt-ids 5,17,923" + (", not both" if args.prompt is not None
-                                                      else "")])
+    _check_prompt_flags(args)
     settings = SamplingSettings(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                 max_new_tokens=args.max_new_tokens, seed=args.seed)
     try:
@@ -83,18 +90,30 @@ def run(args: argparse.Namespace) -> int:
         tokenizer = model_tokenizer(config, args.load)  # the ranks need its end of document
     except (CheckpointError, TokenizerError) as error:
         raise ConfigError([str(error)]) from None
-    prompt = (parse_prompt_ids(args.prompt_ids, config) if args.prompt_ids is not None
-              else prompt_tokens(args.prompt, tokenizer, config))
+    chat = None
+    if args.chat is not None:
+        try:
+            chat = chat_prompt(args.load, config, args.chat, args.system, args.chat_template)
+        except CheckpointError as error:
+            raise ConfigError([str(error)]) from None
+        prompt = chat.ids
+    elif args.prompt_ids is not None:
+        prompt = parse_prompt_ids(args.prompt_ids, config)
+    else:
+        prompt = prompt_tokens(args.prompt, tokenizer, config)
     _check_context(prompt, settings.max_new_tokens, config.model, layout)
     request = GenerateRequest(args.load, prompt, settings, layout.tensor_model_parallel_size,
                               layout.pipeline_model_parallel_size,
                               layout.expert_model_parallel_size, layout.expert_tensor_parallel_size,
                               layout.virtual_stages(config.model.num_layers), args.device,
-                              output_ids=args.output_ids, echo_prompt=args.echo_prompt)
+                              output_ids=args.output_ids,
+                              # a chat prints the assistant's reply, not the rendered template
+                              echo_prompt=args.echo_prompt and chat is None,
+                              stop_ids=chat.stop_ids if chat is not None else None)
     world = layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size
     kind = _device_kind(args.device, world, layout)
     if not args.output_ids:  # (ids are for a program: it gets them and nothing else)
-        _announce(args, prompt, settings)
+        _announce(args, prompt, settings, chat)
     if world == 1:
         try:
             text = generate_text(request, ParallelContext.single(), devices.device_for(kind, 0))
@@ -111,13 +130,46 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _announce(args: argparse.Namespace, prompt: list[int], settings: SamplingSettings) -> None:
+def _check_prompt_flags(args: argparse.Namespace) -> None:
+    """One prompt: --prompt, --prompt-ids or --chat; --system and
+    --chat-template only with --chat."""
+    if args.chat is None:
+        extras = [flag for flag, value in (("--system", args.system),
+                                           ("--chat-template", args.chat_template))
+                  if value is not None]
+        if extras:
+            raise ConfigError([f"{' and '.join(extras)} {'go' if len(extras) > 1 else 'goes'} "
+                               f"with --chat TEXT (a message to a chat model): add --chat, or "
+                               f"drop {' and '.join(extras)}"])
+    elif args.prompt is not None or args.prompt_ids is not None:
+        given = "--prompt" if args.prompt is not None else "--prompt-ids"
+        raise ConfigError([f"--chat and {given} are two prompts: give --chat TEXT to talk to a "
+                           f"chat model (the message rendered with its chat template), or "
+                           f"{given} to continue a text, not both"])
+    if args.chat is None and (args.prompt is None) == (args.prompt_ids is None):
+        raise ConfigError(["give the prompt either as text, --prompt TEXT, or as token ids, "
+                           "--prompt-ids 5,17,923" + (", not both" if args.prompt is not None
+                                                      else "; or a message to a chat model, "
+                                                           "--chat TEXT")])
+
+
+def _quoted(text: str) -> str:
+    return repr(text if len(text) <= 60 else text[:57] + "...")
+
+
+def _announce(args: argparse.Namespace, prompt: list[int], settings: SamplingSettings,
+              chat=None) -> None:
     """What is generated from what, on stderr before the sample (stdout
     carries the sample alone, for a program that reads the text)."""
     from ptdp.checkpoint.store import resolve
 
-    given = (f"the ids {args.prompt_ids}" if args.prompt_ids is not None
-             else repr(args.prompt if len(args.prompt) <= 60 else args.prompt[:57] + "..."))
+    if chat is not None:
+        given = (f"the chat message {_quoted(args.chat)}"
+                 + (f" (system {_quoted(args.system)})" if args.system is not None else "")
+                 + f" rendered with {chat.template}")
+    else:
+        given = (f"the ids {args.prompt_ids}" if args.prompt_ids is not None
+                 else _quoted(args.prompt))
     if settings.temperature == 0:
         how = "greedily (temperature 0)"
     else:
@@ -126,7 +178,9 @@ def _announce(args: argparse.Namespace, prompt: list[int], settings: SamplingSet
                         + ([f"top-p {settings.top_p:g}"] if settings.top_p < 1 else [])
                         + [f"seed {settings.seed}"])
     print(f"ptdp: generating up to {plural(settings.max_new_tokens, 'token')} after {given} "
-          f"({plural(len(prompt), 'token')}) with the model of {resolve(args.load)}, {how}:",
+          f"({plural(len(prompt), 'token')}) with the model of {resolve(args.load)}, {how}"
+          + (f", until the end of the turn ({' or '.join(chat.stop_tokens)})" if chat else "")
+          + ":",
           file=sys.stderr, flush=True)
 
 
