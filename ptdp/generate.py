@@ -59,8 +59,6 @@ it stopped at.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -338,7 +336,7 @@ def chat_prompt(load: str, config: Config, message: str, system: str | None = No
                            f"HuggingFaceTokenizer, or give the text to continue with --prompt"])
     carried = checkpoint_hf_files(directory, store.read_metadata(directory))
     try:
-        template = _template(tokenizer_file, carried, template_file, directory)
+        template = _template(tokenizer_file, template_file, directory)
     except ChatTemplateError as error:
         raise ConfigError([f"--chat-template {template_file}: {error}" if template_file
                            else f"--chat: {error}"]) from None
@@ -358,34 +356,24 @@ def chat_prompt(load: str, config: Config, message: str, system: str | None = No
                       else "the checkpoint's chat template")
 
 
-def _template(tokenizer_file: Path, carried: dict[str, bytes], template_file: str | None,
-              checkpoint: Path):
+def _template(tokenizer_file: Path, template_file: str | None, checkpoint: Path):
     """The ChatTemplate of the checkpoint's tokenizer: its tokenizer.json
-    with the tokenizer files it carries (tokenizer_config.json's template
-    and special tokens, chat_template.jinja, special_tokens_map.json), put
-    together in one directory as a Hugging Face tokenizer directory is,
-    since ChatTemplate reads them there (it keeps what it needs: the
-    directory goes when it is built)."""
+    with the tokenizer files it carries beside it (tokenizer_config.json's
+    template and special tokens, chat_template.jinja,
+    special_tokens_map.json), which ChatTemplate finds there."""
     from ptdp.data.sft.template import ChatTemplate
-    from ptdp.data.sft.template_files import (CHATML_TEMPLATE_FILE, TOKENIZER_JSON,
-                                              directory_template)
-    from ptdp.interop.hf_carried import TOKENIZER_SIDE
+    from ptdp.data.sft.template_files import (CHATML_TEMPLATE_FILE, directory_template,
+                                              tokenizer_directory)
 
-    with tempfile.TemporaryDirectory(prefix="ptdp-chat-") as folder:
-        folder = Path(folder)
-        shutil.copyfile(tokenizer_file, folder / TOKENIZER_JSON)
-        for name in TOKENIZER_SIDE:
-            if name in carried:
-                (folder / name).write_bytes(carried[name])
-        if template_file is None and directory_template(folder) is None:
-            raise ConfigError([
-                f"--chat: the checkpoint {checkpoint} has no chat template (it carries neither "
-                f"chat_template.jinja nor a \"chat_template\" in tokenizer_config.json: models "
-                f"imported from a Hugging Face chat model carry theirs), so the conversation "
-                f"cannot be rendered; give a Jinja chat template with "
-                f"--chat-template FILE, e.g. ptdp's ChatML template {CHATML_TEMPLATE_FILE} (its "
-                f"tokenizer needs <|im_start|> and <|im_end|> as special tokens)"])
-        return ChatTemplate.for_tokenizer(folder, template_file)
+    if template_file is None and directory_template(tokenizer_directory(tokenizer_file)) is None:
+        raise ConfigError([
+            f"--chat: the checkpoint {checkpoint} has no chat template (it carries neither "
+            f"chat_template.jinja nor a \"chat_template\" in tokenizer_config.json: models "
+            f"imported from a Hugging Face chat model carry theirs), so the conversation "
+            f"cannot be rendered; give a Jinja chat template with "
+            f"--chat-template FILE, e.g. ptdp's ChatML template {CHATML_TEMPLATE_FILE} (its "
+            f"tokenizer needs <|im_start|> and <|im_end|> as special tokens)"])
+    return ChatTemplate.for_tokenizer(tokenizer_file, template_file)
 
 
 def _render(template, messages: list[dict[str, str]], template_file: str | None) -> list[int]:
