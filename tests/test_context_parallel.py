@@ -68,6 +68,7 @@ class Layout:
     model: str = "rotary"
     masked: bool = True
     steps: int = STEPS
+    reset: bool = False                  # --reset-position-ids and --reset-attention-mask
 
     @property
     def name(self) -> str:
@@ -75,12 +76,12 @@ class Layout:
         parts += ["sp"] * self.sequence_parallel + [self.schedule] * (self.p > 1)
         parts += [f"{self.recompute}-recompute"] * bool(self.recompute)
         parts += ["distopt"] * self.distributed + ["per-token"] * self.per_token_loss
-        parts += ["unmasked"] * (not self.masked)
+        parts += ["unmasked"] * (not self.masked) + ["reset"] * self.reset
         return "-".join(parts)
 
     @property
-    def reference(self) -> tuple[str, bool, bool, int]:
-        return self.model, self.masked, self.per_token_loss, self.steps
+    def reference(self) -> tuple[str, bool, bool, int, bool]:
+        return self.model, self.masked, self.per_token_loss, self.steps, self.reset
 
 
 def _config(layout: Layout) -> Config:
@@ -92,7 +93,8 @@ def _config(layout: Layout) -> Config:
     config.parallel = dataclasses.replace(
         config.parallel, context_parallel_size=layout.c, cp_comm_type=layout.comm,
         pipeline_schedule="1f1b" if layout.schedule == "interleaved" else layout.schedule)
-    config.data = DataConfig(mock_data=True, eod_mask_loss=layout.masked)
+    config.data = DataConfig(mock_data=True, eod_mask_loss=layout.masked,
+                             reset_position_ids=layout.reset, reset_attention_mask=layout.reset)
     validate(config, world_size=layout.t * layout.c * layout.p * layout.d)
     return config
 
@@ -108,16 +110,16 @@ def _masked(microbatch_fn):
     def build(iteration: int):
         def microbatch(i: int):
             batch = microbatch_fn(iteration)(i)
-            if len(batch) < 3:
+            if len(batch) < 3 or batch[2] is None:
                 return batch
-            inputs, labels, mask = batch
+            inputs, labels, mask = batch[:3]
             mask = mask.clone()
             quarter = inputs.shape[1] // 4
             sums = inputs.sum(dim=1) % 4
             mask[sums == 1, :quarter] = 0
             mask[sums == 1, -quarter:] = 0
             mask[sums == 3] = 0
-            return inputs, labels, mask
+            return (inputs, labels, mask) + tuple(batch[3:])
         return microbatch
     return build
 
@@ -155,7 +157,8 @@ def _one_process(layout: Layout):
     key = layout.reference
     if key not in _serial:
         reference = Layout(c=1, model=layout.model, masked=layout.masked,
-                           per_token_loss=layout.per_token_loss, steps=layout.steps)
+                           per_token_loss=layout.per_token_loss, steps=layout.steps,
+                           reset=layout.reset)
         ctx = ParallelContext.single()
         trainer = _trainer(_config(reference), ctx)
         first, stats = trainer.step(0)
@@ -164,6 +167,9 @@ def _one_process(layout: Layout):
             assert 0 in counts and any(0 < n <= MODELS[layout.model].seq_length // 2
                                        for n in counts), counts
         grads = _logical(trainer, ctx, grads=True)
+        if layout.reset:  # the sequences hold several documents, which the flags separate
+            whole = _one_process(dataclasses.replace(layout, reset=False))[0][0]["loss"]
+            assert first["loss"] != pytest.approx(whole, rel=1e-4)
         records = [first] + [trainer.step(i)[0] for i in range(1, layout.steps)]
         _serial[key] = (records, grads, _logical(trainer, ctx, grads=False),
                         evaluate(trainer, trainer.data.valid, 1)["loss"])
@@ -229,6 +235,10 @@ LAYOUTS = [
            recompute="full"),
     Layout(c=2, p=2, schedule="zb-h1", recompute="full", masked=False),
     Layout(c=2, p=2, schedule="zbv", comm="a2a"),
+    # Pretraining sequences split at the end-of-document token: positions
+    # and attention per document through the ring and the all-to-all.
+    Layout(c=2, d=2, reset=True),
+    Layout(c=4, comm="a2a", model="learned", reset=True),
 ]
 
 

@@ -235,3 +235,41 @@ def test_packed_conversations_train_as_one_per_sequence_under_every_layout(pools
         every = {name for chunk in reference.chunks for name, _ in chunk.named_parameters()}
         assert names == every, layout.name      # every parameter compared on some rank
         assert max(results[i][2] for results in per_rank) < 1e-5, layout.name
+
+
+# ------------------------------------------------------------------ pretraining text split at EOD
+
+def test_reset_flags_run_the_document_after_an_eod_as_if_alone():
+    """Megatron-LM's --reset-position-ids --reset-attention-mask: the tokens
+    after an end-of-document token neither see it nor anything before it,
+    and count positions from 0, so the document's loss and gradients are
+    those of the document run alone; with --reset-position-ids only, the
+    attention still crosses and they are not."""
+    from ptdp.data.documents import documents_from_eod
+    from ptdp.model.gpt import build_chunks
+
+    eod, ctx = 5, ParallelContext.single()
+    model = build_chunks(cp.LEARNED, ctx, CPU, seed=3)[0]
+    first = torch.tensor([11, 12, 13, 14, 15, 16, 17, eod])
+    second = torch.arange(30, 30 + SEQ - len(first) + 1)
+    tokens = torch.cat([first, second]).unsqueeze(0)      # [1, s + 1]
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    mask = torch.zeros(1, SEQ)
+    mask[0, len(first):] = 1.0                             # the second document's labels
+
+    def loss_and_grads(*args, **kwargs):
+        model.zero_grad()
+        loss = model(*args, **kwargs)
+        loss.backward()
+        return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()
+                             if p.grad is not None}
+
+    found = documents_from_eod(inputs, eod)
+    split = loss_and_grads(inputs, labels, mask,
+                           Documents(found["position_ids"], found["document_ids"]))
+    alone = loss_and_grads(second[:-1].unsqueeze(0), second[1:].unsqueeze(0))
+    assert split[0] == pytest.approx(alone[0], rel=1e-6)
+    for name, grad in alone[1].items():
+        torch.testing.assert_close(split[1][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    positions_only = loss_and_grads(inputs, labels, mask, Documents(found["position_ids"], None))
+    assert positions_only[0] != pytest.approx(alone[0], rel=1e-4)

@@ -151,9 +151,12 @@ def run_train(config: Config, explicit: Sequence[str] = (), accepted: Sequence =
         validate(config, world_size=env.world_size if env is not None else None)
     except ConfigError as error:  # reported together with the refused flags
         raise ConfigError(refused + error.problems) from None
-    problems = (refused + check_datasets(config)
+    # --sft tokenizes its files while checking them: only once all else holds.
+    problems = (refused + ([] if config.data.sft else check_datasets(config))
                 + launch_problems(config, env)  # after validate: the layout's arithmetic holds
                 + local_process_problems(config.parallel, env))
+    if not problems and config.data.sft:
+        problems = check_datasets(config)
     if problems:
         raise ConfigError(problems)
     if env is None or env.rank == 0:
