@@ -1,0 +1,52 @@
+"""docs/fine-tuning.md's workflow, as the page shows it, on a tiny Qwen2
+chat model from transformers: import, --sft fine-tune on a chat file, chat
+with the result, export; the export is a model transformers loads with the
+original's chat template and generation config. The page's sizes are a real
+run's; here the same commands run with a small sequence, batch and length
+appended (the last value of a flag wins)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+
+from ptdp.cli import main
+from tests.doc_commands import commands
+
+transformers = pytest.importorskip("transformers")
+
+SMALL = ["--seq-length", "64", "--global-batch-size", "4", "--train-iters", "2",
+         "--eval-interval", "1", "--eval-iters", "1"]
+
+
+def test_the_fine_tuning_workflow_runs_as_documented(tmp_path, monkeypatch, capsys):
+    from tests import test_hf_chat_export as chat
+
+    original = chat._chat_model(tmp_path / "qwen", transformers.Qwen2Config,
+                                transformers.Qwen2ForCausalLM)
+    words = chat.WORDS[4:-1]
+    rows = [{"messages": [{"role": "user", "content": " ".join(words[k % 7:k % 7 + 3])},
+                          {"role": "assistant", "content": " ".join(words[k % 5:k % 5 + 2])}]}
+            for k in range(80)]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    monkeypatch.chdir(tmp_path)
+    shown = commands("fine-tuning-workflow")
+    assert [shlex.split(c, comments=True)[:2] for c in shown] == [
+        ["ptdp", "convert"], ["ptdp", "train"], ["ptdp", "generate"], ["ptdp", "convert"]]
+    for command in shown:
+        argv = [str(original) if word == "QWEN_DIR" else word
+                for word in shlex.split(command, comments=True)[1:]]
+        if argv[0] == "train":
+            argv += SMALL
+        if argv[0] == "generate":
+            argv += ["--max-new-tokens", "4"]
+        assert main(argv) == 0, (command, capsys.readouterr().err)
+    printed = capsys.readouterr().out
+    assert "conversations in" in printed and "within each document" in printed
+    export = tmp_path / "tuned-hf"
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(export), local_files_only=True)
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    for name in ("chat_template.jinja", "generation_config.json", "tokenizer_config.json"):
+        assert (export / name).read_bytes() == (original / name).read_bytes(), name
