@@ -19,13 +19,25 @@ from ptdp.data.sft.cache import tokenized_file
 from ptdp.data.sft.dataset import blend_stats, build_sft_datasets, split_conversations
 from ptdp.data.sft.rows import ConversationError
 from ptdp.data.sft.template import ChatTemplate
-from ptdp.data.sft.template_files import ChatTemplateError
+from ptdp.data.sft.template_files import (CHATML_TEMPLATE_FILE, ChatTemplateError,
+                                          directory_template, tokenizer_directory)
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
 def run_template(config) -> ChatTemplate:
     data = config.data
+    if data.chat_template is None and data.tokenizer_model is not None:
+        # refused here rather than by chat_template_text, to name the flag that gives one
+        directory = tokenizer_directory(data.tokenizer_model)
+        if directory_template(directory) is None:
+            raise ChatTemplateError(
+                f"--sft: the tokenizer in {directory} has no chat template (no "
+                "chat_template.jinja, no \"chat_template\" in tokenizer_config.json), so "
+                "conversations cannot be rendered; give one with --chat-template FILE, e.g. "
+                "ptdp's ChatML template "
+                f"--chat-template {CHATML_TEMPLATE_FILE} (its tokenizer needs <|im_start|> and "
+                "<|im_end|> as special tokens)")
     return ChatTemplate.for_tokenizer(data.tokenizer_model, data.chat_template)
 
 
@@ -94,7 +106,10 @@ def build(config, *, num_samples: tuple[int, int, int], is_builder: bool,
     description = f"conversations of {' '.join(data.data_path)}"
     if train is not None:
         stats = blend_stats(train)
-        description += f" ({stats.summary()})"
+        skipped = sum(part.tokenized.skipped_rows for part in getattr(train, "datasets", [train]))
+        description += f" ({stats.summary()}" + (
+            f"; {skipped} bad row{'s' if skipped != 1 else ''} skipped (--sft-skip-bad-rows))"
+            if skipped else ")")
         if is_builder and stats.truncated:
             print(f"ptdp: note: {stats.truncated} conversations are longer than --seq-length "
                   f"{model.seq_length} and are cut to it ({stats.truncated_tokens} tokens "
