@@ -168,8 +168,6 @@ def test_chat_template_without_sft_says_to_give_sft(tmp_path, capfd, no_launch, 
                        "--sft or drop --chat-template")
 
 
-@pytest.mark.xfail(strict=True, reason="ptdp.data.loader.check_data_settings reads a "
-                   "conversation file as a .bin/.idx prefix before the --sft flags are checked")
 def test_chat_template_without_sft_on_a_conversation_file_says_to_give_sft(
         tmp_path, capfd, no_launch, tokenizers):
     data = _jsonl(tmp_path / "chats.jsonl", [GOOD] * 4)

@@ -84,7 +84,12 @@ def check_data_settings(config: Config) -> list[str]:
     """Problems with the data flags, found before launching."""
     from ptdp.data.gpt_dataset import DataError, parse_data_path, parse_split
 
+    from ptdp.config.data import sft_flag_problems
+
     data = config.data
+    misplaced = sft_flag_problems(data) if not data.sft else []
+    if misplaced:  # (before reading a conversation file as a .bin/.idx prefix)
+        return misplaced
     if data.mock_data:
         if data.data_path:
             return ["--mock-data and --data-path exclude each other; drop one"]

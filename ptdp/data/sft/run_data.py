@@ -19,25 +19,15 @@ from ptdp.data.sft.cache import tokenized_file
 from ptdp.data.sft.dataset import blend_stats, build_sft_datasets, split_conversations
 from ptdp.data.sft.rows import ConversationError
 from ptdp.data.sft.template import ChatTemplate
-from ptdp.data.sft.template_files import (CHATML_TEMPLATE_FILE, ChatTemplateError,
-                                          directory_template, tokenizer_directory)
+from ptdp.data.sft.template_files import ChatTemplateError
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
 def run_template(config) -> ChatTemplate:
+    """The run's template: --chat-template's file, else the tokenizer's own
+    (a tokenizer without one is refused, naming --chat-template)."""
     data = config.data
-    if data.chat_template is None and data.tokenizer_model is not None:
-        # refused here rather than by chat_template_text, to name the flag that gives one
-        directory = tokenizer_directory(data.tokenizer_model)
-        if directory_template(directory) is None:
-            raise ChatTemplateError(
-                f"--sft: the tokenizer in {directory} has no chat template (no "
-                "chat_template.jinja, no \"chat_template\" in tokenizer_config.json), so "
-                "conversations cannot be rendered; give one with --chat-template FILE, e.g. "
-                "ptdp's ChatML template "
-                f"--chat-template {CHATML_TEMPLATE_FILE} (its tokenizer needs <|im_start|> and "
-                "<|im_end|> as special tokens)")
     return ChatTemplate.for_tokenizer(data.tokenizer_model, data.chat_template)
 
 

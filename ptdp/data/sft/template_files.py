@@ -115,7 +115,8 @@ def chat_template_text(tokenizer_path: str | Path, template_file: str | Path | N
     if template is None:
         raise ChatTemplateError(
             f"the tokenizer in {directory} has no chat template ({CHAT_TEMPLATE_JINJA} or "
-            f"\"chat_template\" in {TOKENIZER_CONFIG}), so conversations cannot be rendered; pass a "
-            f"chat template file, e.g. ptdp's ChatML template {CHATML_TEMPLATE_FILE} (its "
-            "tokenizer needs <|im_start|> and <|im_end|> as special tokens)")
+            f"\"chat_template\" in {TOKENIZER_CONFIG}), so conversations cannot be rendered; give "
+            f"one with --chat-template FILE, e.g. ptdp's ChatML template --chat-template "
+            f"{CHATML_TEMPLATE_FILE} (its tokenizer needs <|im_start|> and <|im_end|> as special "
+            "tokens)")
     return template
