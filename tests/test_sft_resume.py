@@ -72,3 +72,26 @@ def test_packing_and_the_prompt_flags_change_what_trains(chat, tmp_path):
     assert padded["loss_token_fraction"] < packed["loss_token_fraction"]
     # The prompt in the loss: more of the same packs' tokens train.
     assert prompt["loss_tokens"] > packed["loss_tokens"]
+
+
+def test_the_checkpoint_carries_the_template_the_run_trained_with(chat, tmp_path, capsys):
+    """A run given a tokenizer.json carries the chat template beside it (or
+    --chat-template's) into its checkpoints: `ptdp generate --chat` then
+    renders as training did, with no template flag."""
+    from ptdp.checkpoint.store import resolve
+    from ptdp.data.sft.template_files import CHATML_TEMPLATE_FILE
+
+    tokenizer, _ = chat
+    _train(chat, tmp_path / "own", "--train-iters", "1")
+    carried = resolve(tmp_path / "own" / "ck") / "hf"
+    assert (carried / "chat_template.jinja").read_text() == QWEN_TEMPLATE
+    assert (carried / "tokenizer_config.json").read_bytes() == \
+        (tokenizer.parent / "tokenizer_config.json").read_bytes()
+    capsys.readouterr()
+    assert main(["generate", "--load", str(tmp_path / "own" / "ck"), "--chat", "hello",
+                 "--max-new-tokens", "2", "--temperature", "0"]) == 0
+    assert "the checkpoint's chat template" in capsys.readouterr().err
+    _train(chat, tmp_path / "chatml", "--train-iters", "1", "--chat-template",
+           str(CHATML_TEMPLATE_FILE))
+    carried = resolve(tmp_path / "chatml" / "ck") / "hf"
+    assert (carried / "chat_template.jinja").read_bytes() == CHATML_TEMPLATE_FILE.read_bytes()

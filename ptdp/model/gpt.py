@@ -204,11 +204,11 @@ class Attention(nn.Module):
                                        sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None):
+                documents: Documents | None = None):
         """`positions` [b, s/c]: this rank's tokens' positions in their
-        documents (None: their places in the sequence); `document_ids` [b,
-        s]: the whole sequence's documents, attention keeping inside each
-        (None: causal over the whole sequence)."""
+        documents (None: their places in the sequence); `documents`: the
+        microbatch's, whose ids [b, s] cover the whole sequence, attention
+        keeping inside each (None: causal over the whole sequence)."""
         heads, groups, d = self.local_heads, self.local_groups, self.head_dim
         qkv = self.query_key_value(x)  # the whole sequence, also under sequence parallelism
         s, b = qkv.shape[:2]
@@ -224,31 +224,32 @@ class Attention(nn.Module):
         if self.selective_recompute and recompute_active(self):
             # Selective recomputation: keep q, k, v; rebuild the s×s scores,
             # softmax and dropout mask in backward.
-            out = checkpoint(self._core, self.rng, q, k, v, document_ids)
+            out = checkpoint(self._core, self.rng, q, k, v, documents)
         else:
-            out = self._core(q, k, v, document_ids)
+            out = self._core(q, k, v, documents)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
         return self.dense(out)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              document_ids: torch.Tensor | None = None) -> torch.Tensor:
+              documents: Documents | None = None) -> torch.Tensor:
         """softmax(q kᵀ/√d, causal) with dropout, times v: [b, heads, s, d]
         (under context parallelism this rank's rows of it, over the whole
-        sequence). With `document_ids` each query sees only the earlier
-        keys of its own document (ptdp.parallel.document_attention).
+        sequence). With `documents` each query sees only the earlier keys
+        of its own document (ptdp.parallel.document_attention).
         Under grouped-query attention k and v have fewer heads; query head j
         uses group j // (heads/groups)."""
         if self.context[0] > 1:  # attention dropout is refused before launch
-            if document_ids is None:
+            if documents is None:
                 return context_attention(q, k, v, self.cp_group, self.cp_comm_type)
             return context_attention(q, k, v, self.cp_group, self.cp_comm_type,
-                                     document_ids=document_ids)
+                                     document_ids=documents.document_ids)
         dropout = self.dropout if self.training else 0.0
-        if document_ids is not None:
+        if documents is not None:
+            ids, plans = documents.document_ids, documents.plans
             if dropout > 0.0:
                 with self.rng.fork("tensor"):
-                    return document_causal_attention(q, k, v, document_ids, dropout=dropout)
-            return document_causal_attention(q, k, v, document_ids)
+                    return document_causal_attention(q, k, v, ids, dropout=dropout, plans=plans)
+            return document_causal_attention(q, k, v, ids, plans=plans)
         # Passed only when needed: the flag exists from torch 2.5.
         gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
         if dropout > 0.0:
@@ -301,8 +302,8 @@ class TransformerLayer(nn.Module):
             self.mlp = MLP(config, ctx, sequence_parallel)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        out, bias = self.attention(self.input_layernorm(x), positions, document_ids)
+                documents: Documents | None = None) -> torch.Tensor:
+        out, bias = self.attention(self.input_layernorm(x), positions, documents)
         x = self._residual(out, bias, x)
         out, bias = self.mlp(self.post_attention_layernorm(x))
         return self._residual(out, bias, x)
@@ -376,13 +377,14 @@ class GPT(nn.Module):
         returns the mean loss over unmasked tokens when `labels` [b, s] are
         given, else this rank's logits [s, b, V'/t].
         """
-        positions = document_ids = None
+        positions = None
         if documents is not None:
             positions = self._own_positions(documents.position_ids)
-            document_ids = documents.document_ids
+            if documents.document_ids is None:  # positions only: attention crosses documents
+                documents = None
         if self.pre_process:
             x = self.embedding(self._own_positions(x), positions)
-        x = self._run_layers(x, positions, document_ids)
+        x = self._run_layers(x, positions, documents)
         if not self.post_process:
             return x
         logits = self.logits(self.final_layernorm(x))
@@ -391,7 +393,7 @@ class GPT(nn.Module):
         return self.loss(logits, labels, loss_mask)
 
     def _run_layers(self, x: torch.Tensor, positions: torch.Tensor | None = None,
-                    document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                    documents: Documents | None = None) -> torch.Tensor:
         """This chunk's transformer layers, with full recomputation if
         configured: uniform checkpoints consecutive groups of
         `recompute_num_layers` layers (the last may be shorter), block
@@ -399,17 +401,17 @@ class GPT(nn.Module):
         layers = list(self.layers.values())
         config = self.config
         if config.recompute_granularity != "full" or not recompute_active(self):
-            return _run_group(layers, x, positions, document_ids)
+            return _run_group(layers, x, positions, documents)
         n = config.recompute_num_layers
         if config.recompute_method == "uniform":
             for start in range(0, len(layers), n):
                 x = checkpoint(_run_group, self.rng, layers[start:start + n], x, positions,
-                               document_ids)
+                               documents)
             return x
         if config.recompute_method == "block":
             for i, layer in enumerate(layers):
-                x = (checkpoint(layer, self.rng, x, positions, document_ids) if i < n
-                     else layer(x, positions, document_ids))
+                x = (checkpoint(layer, self.rng, x, positions, documents) if i < n
+                     else layer(x, positions, documents))
             return x
         raise ValueError(f"unknown recompute_method {config.recompute_method!r}: "
                          f"use 'uniform' or 'block'")
@@ -458,9 +460,9 @@ class GPT(nn.Module):
 
 
 def _run_group(layers: Sequence[nn.Module], x: torch.Tensor, positions: torch.Tensor | None = None,
-               document_ids: torch.Tensor | None = None) -> torch.Tensor:
+               documents: Documents | None = None) -> torch.Tensor:
     for layer in layers:
-        x = layer(x, positions, document_ids)
+        x = layer(x, positions, documents)
     return x
 
 

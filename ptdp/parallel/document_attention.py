@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +59,9 @@ class Documents:
     own positions of them."""
     position_ids: torch.Tensor
     document_ids: torch.Tensor | None = None
+    # What the kernels derive from the ids (the per-document grouping, the
+    # block mask), kept for the microbatch's other layers and its recomputation.
+    plans: dict = field(default_factory=dict, compare=False, repr=False)
 
     def to(self, device: torch.device | str) -> "Documents":
         ids = None if self.document_ids is None else self.document_ids.to(device)
@@ -157,14 +160,29 @@ def _grouped_by_length(found: list[Segment], seq: int) -> tuple[list[tuple[int, 
     return groups, offsets + within
 
 
-def per_document_attention(q, k, v, document_ids, scale=None, dropout=0.0):
+def _planned(plans: dict | None, key: tuple, build):
+    """`build()`, or what it gave for `key` before in `plans` (None: no memory)."""
+    if plans is None:
+        return build()
+    if key not in plans:
+        plans[key] = build()
+    return plans[key]
+
+
+def per_document_attention(q, k, v, document_ids, scale=None, dropout=0.0, plans=None):
     """Each document through causal scaled_dot_product_attention; documents
     of the same length (in any row) run as one batch. Positions are gathered
     into that order with one permutation and scattered back with its inverse,
-    so the backward costs O(s), whatever the number of documents."""
+    so the backward costs O(s), whatever the number of documents. `plans`: a
+    dict that keeps the grouping for other calls on the same ids."""
     b, heads, s, d = q.shape
-    groups, order = _grouped_by_length(segments(document_ids, b), s)
-    order = order.to(q.device)
+
+    def plan():
+        groups, order = _grouped_by_length(segments(document_ids, b), s)
+        order = order.to(q.device)
+        return groups, order, torch.argsort(order)
+
+    groups, order, inverse = _planned(plans, (PER_DOCUMENT, b, s, q.device), plan)
 
     def pieces(x):  # [b, n, s, d] -> per group [documents, n, length, d]
         flat = x.transpose(1, 2).reshape(b * s, x.shape[1], d)[order]
@@ -176,7 +194,7 @@ def per_document_attention(q, k, v, document_ids, scale=None, dropout=0.0):
                                               scale=scale, **_gqa(q, k)).transpose(1, 2)
                .reshape(-1, heads, d)
                for qg, kg, vg in zip(pieces(q), pieces(k), pieces(v))]
-    restored = torch.cat(outputs)[torch.argsort(order)]
+    restored = torch.cat(outputs)[inverse]
     return restored.view(b, s, heads, d).transpose(1, 2)
 
 
@@ -197,8 +215,9 @@ def _flex_functions(device_type: str):
 # forward (its CPU backward is not implemented), which the tests compare
 # with the dense path; on CUDA the compiled kernel with this block mask is
 # torch's documented document-masking recipe.
-def flex_document_attention(q, k, v, document_ids, scale=None):
-    """FlexAttention with a block mask from the document ids (no dropout)."""
+def flex_document_attention(q, k, v, document_ids, scale=None, plans=None):
+    """FlexAttention with a block mask from the document ids (no dropout);
+    `plans` keeps the block mask for other calls on the same ids."""
     functions = _flex_functions(q.device.type)
     if functions is None:
         raise RuntimeError("this torch has no torch.nn.attention.flex_attention")
@@ -209,7 +228,8 @@ def flex_document_attention(q, k, v, document_ids, scale=None):
     def same_document_causal(batch, head, q_index, kv_index):
         return (seg[batch, q_index] == seg[batch, kv_index]) & (q_index >= kv_index)
 
-    block_mask = create_block_mask(same_document_causal, b, None, s, s, device=q.device)
+    block_mask = _planned(plans, (FLEX, b, s, q.device), lambda: create_block_mask(
+        same_document_causal, b, None, s, s, device=q.device))
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale,
                           enable_gqa=k.shape[1] != q.shape[1])
 
@@ -232,23 +252,25 @@ def document_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               document_ids: torch.Tensor | None = None,
                               cu_seqlens: torch.Tensor | None = None, *,
                               scale: float | None = None, dropout: float = 0.0,
-                              kernel: str = "auto") -> torch.Tensor:
+                              kernel: str = "auto", plans: dict | None = None) -> torch.Tensor:
     """softmax(q kᵀ·scale) v with each query seeing only the earlier keys of
     its own document: [b, heads, s, d]. `scale` defaults to 1/√d; `dropout`
     is the attention dropout probability (the caller passes 0 in eval);
-    `kernel` is "auto" or a name of DOCUMENT_KERNELS."""
+    `kernel` is "auto" or a name of DOCUMENT_KERNELS; `plans` (a
+    Documents' own) keeps what the kernel derives from the ids for the
+    microbatch's other layers."""
     ids = _documents(q, document_ids, cu_seqlens)
     if kernel == "auto":
         kernel = document_kernel(q.device, dropout)
     if kernel == PER_DOCUMENT:
-        return per_document_attention(q, k, v, ids, scale, dropout)
+        return per_document_attention(q, k, v, ids, scale, dropout, plans)
     if kernel == DENSE:
         return dense_masked_attention(q, k, v, ids, scale, dropout)
     if kernel == FLEX:
         if dropout:
             raise ValueError("FlexAttention has no attention dropout; use the per-document "
                              "kernel")
-        return flex_document_attention(q, k, v, ids, scale)
+        return flex_document_attention(q, k, v, ids, scale, plans)
     raise ValueError(f"unknown document attention kernel {kernel!r}; use auto or one of "
                      f"{', '.join(DOCUMENT_KERNELS)}")
 

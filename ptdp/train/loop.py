@@ -22,6 +22,7 @@ from ptdp.config import Config
 from ptdp.data.batches import ConsumedSamples, GlobalBatches
 from ptdp.data.loader import TrainingBatches, TrainingData, build_training_data
 from ptdp.data.microbatch import MicrobatchSettings, carries_documents, to_microbatch
+from ptdp.data.sft.template_files import tokenizer_side_files
 from ptdp.data.sampler import microbatch_indices, training_microbatches
 from ptdp.distributed import DistEnv, init_process_group
 from ptdp.errors import DivergenceError
@@ -245,7 +246,24 @@ class Trainer:
                      LOSS_RANGE: self.loss_range.record()},
             finetuned_from=self.finetuned_from,
             carried_tokenizer=self.tokenizer_to_carry() if saving and self.ctx.rank == 0 else None,
-            carried_hf_files=self.carried_hf_files)
+            carried_hf_files=self.hf_files_to_carry() if saving and self.ctx.rank == 0
+            else self.carried_hf_files)
+
+    def hf_files_to_carry(self) -> dict[str, bytes] | None:
+        """The Hugging Face files the run's checkpoints carry beside its
+        tokenizer.json: those of the checkpoint it loaded (where it trains
+        with that tokenizer), else those beside the tokenizer.json it was
+        given; --chat-template's file as the chat template."""
+        data = self.config.data
+        if self.tokenizer_to_carry() is None:
+            return self.carried_hf_files
+        files = dict(self.carried_hf_files or {})
+        if not files:
+            files = tokenizer_side_files(data.tokenizer_model)
+        if data.sft and data.chat_template:
+            files.pop("chat_template.json", None)
+            files["chat_template.jinja"] = Path(data.chat_template).read_bytes()
+        return files or self.carried_hf_files
 
     def tokenizer_to_carry(self) -> bytes | None:
         """The tokenizer.json the run's checkpoints carry: its own

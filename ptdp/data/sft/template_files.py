@@ -120,3 +120,14 @@ def chat_template_text(tokenizer_path: str | Path, template_file: str | Path | N
             f"{CHATML_TEMPLATE_FILE} (its tokenizer needs <|im_start|> and <|im_end|> as special "
             "tokens)")
     return template
+
+
+def tokenizer_side_files(tokenizer_path: str | Path) -> dict[str, bytes]:
+    """The files beside a run's tokenizer.json that say how it is used
+    (tokenizer_config.json, special_tokens_map.json, chat_template.jinja or
+    .json), name -> contents: what the run's checkpoints carry, so that
+    `ptdp generate --chat` and an export render conversations as training did."""
+    directory = tokenizer_directory(tokenizer_path)
+    return {name: (directory / name).read_bytes()
+            for name in (TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP, CHAT_TEMPLATE_JINJA,
+                         "chat_template.json") if (directory / name).is_file()}
