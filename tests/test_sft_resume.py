@@ -60,6 +60,8 @@ def test_a_stopped_sft_run_resumes_exactly(chat, tmp_path, capsys):
         assert got["val_loss"] == want["val_loss"]
     printed = capsys.readouterr().out
     assert "conversations in" in printed and "of the tokens in the loss" in printed
+    tokens = straight[0]["loss_tokens"]
+    assert f"| loss tokens {tokens} ({tokens / (4 * 48):.1%} of the batch) |" in printed
 
 
 def test_packing_and_the_prompt_flags_change_what_trains(chat, tmp_path):

@@ -156,6 +156,9 @@ def format_log_line(record: dict[str, Any], train_iters: int) -> str:
     if record.get("global_batch_size") is not None:  # during and after a ramp-up
         parts.append(f"global batch size {record['global_batch_size']:>5}")
     parts.append(f"loss {number('loss', '.4f')}")
+    if record.get("loss_tokens") is not None:  # --sft: how much of the batch trains
+        parts.append(f"loss tokens {record['loss_tokens']} "
+                     f"({record['loss_token_fraction']:.1%} of the batch)")
     if record.get("val_loss") is not None:
         text = f"val loss {record['val_loss']:.4f}"
         details = []
@@ -293,6 +296,8 @@ TENSORBOARD_TAGS: dict[str, str] = {
     "loss_scale": "train/loss_scale",
     "skipped_iterations": "train/skipped_iterations",
     "tokens_per_s": "throughput/tokens_per_s",
+    "loss_tokens": "train/loss_tokens",                   # --sft
+    "loss_token_fraction": "train/loss_token_fraction",
     "tflops_per_device": "throughput/tflops_per_device",
     "peak_fraction": "throughput/peak_fraction",
     "iteration_ms": "time/iteration_ms",
