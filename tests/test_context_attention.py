@@ -42,12 +42,14 @@ LONG = [("long-mha", 1, 2, 2, 8192, 16, "auto"), ("long-gqa", 1, 4, 2, 8192, 8, 
 # other boundaries, a long document over 4..23 and six short ones at the end.
 PACKED = torch.tensor([[0] * 3 + [1] + [2] * 13 + [0] * 6 + [3] * 9,
                        [7] * 2 + [8] + [7] + [9] * 20 + [1, 2, 3, 4, 5, 6] + [7] * 2])
-# (name, document ids, kernel, MAX_DOCUMENT_BLOCKS): rows that differ, rows
-# alike (blocks over the whole batch), and every diagonal as a masked block.
-DOCUMENT_CASES = [("documents", PACKED, "auto", context_module.MAX_DOCUMENT_BLOCKS),
-                  ("documents-alike", PACKED[:1].expand(2, -1), "auto",
-                   context_module.MAX_DOCUMENT_BLOCKS),
-                  ("documents-masked", PACKED, "plain", 0)]
+# (name, document ids, kernel, MASKED_BLOCK_AREA): rows that differ, rows
+# alike (blocks over the whole batch), both with a call per document, and
+# every diagonal with several documents as one masked block.
+PER_DOCUMENT = dict.fromkeys(("cpu", "cuda"), 0)
+MASKED = dict.fromkeys(("cpu", "cuda"), math.inf)
+DOCUMENT_CASES = [("documents", PACKED, "auto", PER_DOCUMENT),
+                  ("documents-alike", PACKED[:1].expand(2, -1), "auto", PER_DOCUMENT),
+                  ("documents-masked", PACKED, "plain", MASKED)]
 DOCUMENT_SHAPE = (2, 8, 4, 32, 8)   # batch, heads, groups, seq, head_dim: as SMALL's gqa
 
 
@@ -70,14 +72,19 @@ def _reference(batch, heads, groups, seq, head_dim, dtype=torch.float32):
 
 @functools.lru_cache(maxsize=None)
 def _document_reference(name):
-    """One process, the whole sequence: the dense block-diagonal causal mask."""
+    """One process, the whole sequence: the dense block-diagonal causal mask
+    (in fp64, returned as fp32)."""
     ids = next(case[1] for case in DOCUMENT_CASES if case[0] == name)
-    batch, heads, groups, seq, head_dim = DOCUMENT_SHAPE
-    q, k, v, dout = (t.requires_grad_() for t in _inputs(*DOCUMENT_SHAPE))
+    return _dense_document_attention(_inputs(*DOCUMENT_SHAPE), ids)
+
+
+def _dense_document_attention(inputs, ids):
+    heads, groups = DOCUMENT_SHAPE[1:3]
+    q, k, v, dout = (t.double().requires_grad_() for t in inputs)
     out = dense_masked_attention(q, k.repeat_interleave(heads // groups, 1),
                                  v.repeat_interleave(heads // groups, 1), ids)
     out.backward(dout)
-    return out.detach(), q.grad, k.grad, v.grad
+    return tuple(t.float() for t in (out.detach(), q.grad, k.grad, v.grad))
 
 
 def _local_run(inputs, size, rank, group, comm_type, kernel, document_ids=None):
@@ -94,15 +101,15 @@ def _local_run(inputs, size, rank, group, comm_type, kernel, document_ids=None):
 
 def _document_cases(results, size, context_rank, group):
     inputs = _inputs(*DOCUMENT_SHAPE)
-    default = context_module.MAX_DOCUMENT_BLOCKS
+    default = context_module.MASKED_BLOCK_AREA
     try:
-        for name, ids, kernel, max_blocks in DOCUMENT_CASES:
-            context_module.MAX_DOCUMENT_BLOCKS = max_blocks
+        for name, ids, kernel, area in DOCUMENT_CASES:
+            context_module.MASKED_BLOCK_AREA = area
             for comm_type in COMM_TYPES:
                 results[size, name, comm_type] = (context_rank, _local_run(
                     inputs, size, context_rank, group, comm_type, kernel, ids))
     finally:
-        context_module.MAX_DOCUMENT_BLOCKS = default
+        context_module.MASKED_BLOCK_AREA = default
 
 
 def _cases_on_four_ranks(rank):
@@ -334,9 +341,20 @@ def test_masked_block_row_without_keys_is_empty_not_nan():
     assert not any(g.isnan().any() for g in (dq, dk, dv)) and dq[:, :, 2].abs().max() == 0
 
 
-def test_document_blocks_by_hand():
+def test_document_blocks_by_hand(monkeypatch):
     """s = 32, c = 2 (chunks of 8), PACKED's row 0: documents 0..2, 3, 4..16, 17..22, 23..31."""
     docs = context_module._Documents(PACKED[:1], 1, torch.device("cpu"))
+    # CPU's measured rule: chunk 2's three documents in 8 positions as one masked
+    # block; two documents in 128 positions as two causal calls.
+    (rows, *bounds, mask), = context_module._diagonal_blocks(docs, (8, 16, 8), 8)
+    assert bounds == [8, 16, 8, 16, True] and mask.shape == (1, 1, 8, 8)
+    assert mask[0, 0].int().tolist()[:3] == [[1, 0, 0, 0, 0, 0, 0, 0], [0, 1, 1, 1, 1, 1, 1, 0],
+                                              [0, 1, 1, 1, 1, 1, 1, 0]]
+    long_docs = context_module._Documents(torch.tensor([[0] * 100 + [1] * 28]), 1,
+                                          torch.device("cpu"))
+    assert [block[1:7] for block in context_module._diagonal_blocks(long_docs, (0, 0, 128), 0)] \
+        == [(0, 100, 0, 100, True, None), (100, 128, 100, 128, True, None)]
+    monkeypatch.setattr(context_module, "MASKED_BLOCK_AREA", PER_DOCUMENT)
     everything = slice(0, 1)
     # Rank 0 (chunks 0, 3) against rank 1 (chunks 1, 2): only chunk 3's queries see
     # earlier keys, all 8 of them the last key of chunk 2 (position 23, their document).
@@ -357,15 +375,8 @@ def test_document_blocks_by_hand():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_rank_documents_equal_dense_mask(dtype):
     inputs = _inputs(*DOCUMENT_SHAPE, dtype=dtype)
-    expected = _document_reference("documents")
+    expected = _dense_document_attention(inputs, PACKED)   # on the same (rounded) inputs
     tolerance = TOLERANCE if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    if dtype == torch.bfloat16:   # the reference on the same (rounded) inputs
-        q, k, v, dout = (t.float().requires_grad_() for t in inputs)
-        heads, groups = DOCUMENT_SHAPE[1:3]
-        out = dense_masked_attention(q, k.repeat_interleave(heads // groups, 1),
-                                     v.repeat_interleave(heads // groups, 1), PACKED)
-        out.backward(dout)
-        expected = (out.detach(), q.grad, k.grad, v.grad)
     for comm_type in COMM_TYPES:
         for kernel in ("plain", "auto"):
             got = _local_run(inputs, 1, 0, None, comm_type, kernel, PACKED)

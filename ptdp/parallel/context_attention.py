@@ -23,6 +23,22 @@ gradients for q, k and v.
   split (heads/c query heads, groups/c key/value groups per rank, whole
   sequences), plain causal attention, and all-to-all back.
 
+Packed documents (`document_ids` [b, s]: the whole sequence's ids in natural
+order, the same on every context rank; a document is a run of equal
+consecutive ids, as ptdp.parallel.document_attention.segment_ids): a query
+sees only the earlier keys of its own document. Every rank plans its blocks
+from the ids alone (a key block's positions follow from its source rank, so
+no ids travel), a query chunk against a key chunk (all_gather: against all
+earlier positions). Later keys are skipped. Earlier keys share at most one
+document with the queries: one unmasked rectangle (the first queries
+against the last keys), or nothing. A chunk against itself is one causal
+block per document, or one masked "plain" block where that is cheaper
+(MASKED_BLOCK_AREA). Batch rows whose documents lie alike share blocks;
+rows that differ get their own. A row that sees nothing of a block keeps
+LSE −inf and output 0 there. a2a, whose ranks hold whole sequences, plans
+the same way over the 2c chunks. The work per rank then follows the
+documents, no longer evenly balanced by the layout.
+
 The attention of each block runs on ptdp.parallel.block_attention's kernel
 (`block_kernel` names it). Attention dropout is refused: it would have to
 replay the same mask in the backward ring and under recomputation.
@@ -30,6 +46,7 @@ replay the same mask in the backward ring and under recomputation.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -61,10 +78,14 @@ Pair = tuple[int, int, int, int, bool]
 Block = tuple[slice, int, int, int, int, bool, "torch.Tensor | None"]
 # Positions held in a row of local rows: (first local row, first natural position, count).
 Span = tuple[int, int, int]
-# A causal diagonal range with more documents than this (summed over batch
-# rows that differ) runs as one masked "plain" block rather than one fused
-# kernel call per document: many tiny calls cost more than one small dense block.
-MAX_DOCUMENT_BLOCKS = 8
+# A causal diagonal range of n positions holding several documents runs as
+# one kernel call per document, or as one masked "plain" n × n block where
+# that is cheaper: when calls × area > n², area being the score entries a
+# masked block computes (forward and backward) for the cost of one more call.
+# CPU measured (8 heads of 64, fp32, cpu_flash: ~0.12 ms a call, crossover
+# near 64 documents in 256 positions and past 256 in 1024); CUDA an estimate
+# (launch-bound small calls against fast dense products), not yet measured.
+MASKED_BLOCK_AREA = {"cpu": 1024, "cuda": 65536}
 
 
 def _group_size_rank(group: Any) -> tuple[int, int]:
@@ -110,12 +131,16 @@ def _gathered_pairs(rank: int, size: int, half: int) -> list[Pair]:
 
 class _Documents:
     """The document (run) index of every position of the whole sequence in
-    natural order, [b, s]: on the CPU to plan blocks, on q's device for masks."""
+    natural order, [b, s]: on the CPU to plan blocks (ids given on the CPU
+    cost no device synchronisation), on q's device only for masks."""
 
     def __init__(self, document_ids: torch.Tensor, batch: int, device: torch.device):
-        runs = segment_ids(document_ids).expand(batch, -1)
-        self.cpu = runs.cpu()
-        self.device = runs.to(device)
+        self.cpu = segment_ids(document_ids.cpu()).expand(batch, -1)
+        self.device = torch.device(device)
+
+    @functools.cached_property
+    def on_device(self) -> torch.Tensor:
+        return self.cpu.to(self.device)
 
 
 def _row_groups(keys: list) -> list[tuple[slice, Any]]:
@@ -149,8 +174,11 @@ def _diagonal_blocks(docs: _Documents, queries: Span, col: int) -> list[Block]:
     ids = docs.cpu[:, start:start + length]
     runs = [tuple(torch.unique_consecutive(r, return_counts=True)[1].tolist()) for r in ids]
     groups = _row_groups(runs)
-    if sum(len(lengths) for _, lengths in groups) > MAX_DOCUMENT_BLOCKS:
-        local = docs.device[:, start:start + length]
+    calls = sum(len(lengths) for _, lengths in groups)
+    area = MASKED_BLOCK_AREA.get(docs.device.type)
+    area = MASKED_BLOCK_AREA["cuda"] if area is None else area   # other accelerators as CUDA
+    if calls > 1 and calls * area > length * length:
+        local = docs.on_device[:, start:start + length]
         mask = (local.unsqueeze(-1) == local.unsqueeze(-2)).unsqueeze(1)
         return [(slice(None), row, row + length, col, col + length, True, mask)]
     blocks = []
