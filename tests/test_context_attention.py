@@ -19,11 +19,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ptdp.parallel.block_attention import block_kernel, merge_into
+from ptdp.parallel import context_attention as context_module
+from ptdp.parallel.block_attention import block_backward, block_forward, block_kernel, merge_into
 from ptdp.parallel.context_attention import (COMM_TYPES, KERNEL_OPS, check_a2a_heads,
                                              context_attention)
 from ptdp.parallel.context_layout import (check_sequence_length, join_sequence, layout_order,
                                           natural_order, rank_positions, split_sequence)
+from ptdp.parallel.document_attention import dense_masked_attention
 
 TOLERANCE = dict(atol=1e-5, rtol=1e-5)
 # (name, batch, heads, groups, seq, head_dim, kernel)
@@ -33,6 +35,22 @@ SMALL = [(f"{shape}-{kernel}", 2, heads, groups, 32, 8, kernel)
 # The issue's acceptance: causal, s = 8192, several head shapes (kept small
 # so that it stays fast on CPU), with the ring.
 LONG = [("long-mha", 1, 2, 2, 8192, 16, "auto"), ("long-gqa", 1, 4, 2, 8192, 8, "auto")]
+
+# Packed documents over s = 32 (chunks of 4 positions at c = 4, of 8 at c = 2).
+# Row 0: a one-token document at 3, a document over 4..16 that crosses chunk
+# and rank boundaries, id 0 again at 17..22 (a new document), 23..31. Row 1:
+# other boundaries, a long document over 4..23 and six short ones at the end.
+PACKED = torch.tensor([[0] * 3 + [1] + [2] * 13 + [0] * 6 + [3] * 9,
+                       [7] * 2 + [8] + [7] + [9] * 20 + [1, 2, 3, 4, 5, 6] + [7] * 2])
+# (name, document ids, kernel, MASKED_BLOCK_AREA): rows that differ, rows
+# alike (blocks over the whole batch), both with a call per document, and
+# every diagonal with several documents as one masked block.
+PER_DOCUMENT = dict.fromkeys(("cpu", "cuda"), 0)
+MASKED = dict.fromkeys(("cpu", "cuda"), math.inf)
+DOCUMENT_CASES = [("documents", PACKED, "auto", PER_DOCUMENT),
+                  ("documents-alike", PACKED[:1].expand(2, -1), "auto", PER_DOCUMENT),
+                  ("documents-masked", PACKED, "plain", MASKED)]
+DOCUMENT_SHAPE = (2, 8, 4, 32, 8)   # batch, heads, groups, seq, head_dim: as SMALL's gqa
 
 
 def _inputs(batch, heads, groups, seq, head_dim, dtype=torch.float32):
@@ -52,15 +70,46 @@ def _reference(batch, heads, groups, seq, head_dim, dtype=torch.float32):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _local_run(inputs, size, rank, group, comm_type, kernel):
+@functools.lru_cache(maxsize=None)
+def _document_reference(name):
+    """One process, the whole sequence: the dense block-diagonal causal mask
+    (in fp64, returned as fp32)."""
+    ids = next(case[1] for case in DOCUMENT_CASES if case[0] == name)
+    return _dense_document_attention(_inputs(*DOCUMENT_SHAPE), ids)
+
+
+def _dense_document_attention(inputs, ids):
+    heads, groups = DOCUMENT_SHAPE[1:3]
+    q, k, v, dout = (t.double().requires_grad_() for t in inputs)
+    out = dense_masked_attention(q, k.repeat_interleave(heads // groups, 1),
+                                 v.repeat_interleave(heads // groups, 1), ids)
+    out.backward(dout)
+    return tuple(t.float() for t in (out.detach(), q.grad, k.grad, v.grad))
+
+
+def _local_run(inputs, size, rank, group, comm_type, kernel, document_ids=None):
     """This rank's (out, dq, dk, dv) pieces."""
     pieces = [split_sequence(t, size, rank, seq_dim=2).clone() for t in inputs]
     q, k, v, dout = pieces
     for t in (q, k, v):
         t.requires_grad_()
-    out = context_attention(q, k, v, group, comm_type, kernel=kernel)
+    out = context_attention(q, k, v, group, comm_type, kernel=kernel,
+                            document_ids=document_ids)
     out.backward(dout)
     return out.detach(), q.grad, k.grad, v.grad
+
+
+def _document_cases(results, size, context_rank, group):
+    inputs = _inputs(*DOCUMENT_SHAPE)
+    default = context_module.MASKED_BLOCK_AREA
+    try:
+        for name, ids, kernel, area in DOCUMENT_CASES:
+            context_module.MASKED_BLOCK_AREA = area
+            for comm_type in COMM_TYPES:
+                results[size, name, comm_type] = (context_rank, _local_run(
+                    inputs, size, context_rank, group, comm_type, kernel, ids))
+    finally:
+        context_module.MASKED_BLOCK_AREA = default
 
 
 def _cases_on_four_ranks(rank):
@@ -76,6 +125,7 @@ def _cases_on_four_ranks(rank):
                 for comm_type in COMM_TYPES:
                     results[size, name, comm_type] = (context_rank, _local_run(
                         inputs, size, context_rank, group, comm_type, kernel))
+            _document_cases(results, size, context_rank, group)
             inputs = _inputs(2, 4, 2, 32, 8, torch.bfloat16)
             results[size, "bf16", "p2p"] = (context_rank, _local_run(
                 inputs, size, context_rank, group, "p2p", "auto"))
@@ -131,6 +181,20 @@ def _assert_equal_to_one_process(got, case, **tolerance):
 def test_equals_one_process(four_ranks, size, comm_type, case):
     joined = four_ranks[0]
     _assert_equal_to_one_process(joined[size, case[0], comm_type], case)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("comm_type", COMM_TYPES)
+@pytest.mark.parametrize("name", [c[0] for c in DOCUMENT_CASES])
+def test_packed_documents_equal_one_process(four_ranks, size, comm_type, name):
+    """Output and gradients equal the dense document mask on one process,
+    and differ from causal attention across documents on the same inputs."""
+    joined = four_ranks[0]
+    expected = _document_reference(name)
+    for team, across in zip(joined[size, name, comm_type], joined[size, "gqa-auto", comm_type]):
+        for what, a, b in zip(("output", "dq", "dk", "dv"), team, expected):
+            torch.testing.assert_close(a, b, **TOLERANCE, msg=what)
+        assert (team[0] - across[0]).abs().max() > 0.1
 
 
 @pytest.mark.parametrize("size", [2, 4])
@@ -252,3 +316,80 @@ def test_a_fused_kernel_that_disagrees_is_not_used(monkeypatch):
         assert block_kernel("cpu", torch.float32, 12) == "plain"
     finally:
         block_attention._chosen.cache_clear()
+
+
+# ------------------------------------------------------------------ packed documents, one process
+
+def test_masked_block_row_without_keys_is_empty_not_nan():
+    """A row the mask leaves no key: LSE −inf, output 0 and zero gradients,
+    no NaN; the other rows as softmax over their allowed keys (GQA)."""
+    generator = torch.Generator().manual_seed(3)
+    q, dout = torch.randn(2, 2, 4, 4, 8, generator=generator)   # [b, heads, sq, d]
+    k, v = torch.randn(2, 2, 1, 6, 8, generator=generator)      # one key/value group
+    mask = torch.rand(1, 1, 4, 6, generator=generator) > 0.4
+    mask[..., 0, :] = True
+    mask[..., 2, :] = False
+    out, lse = block_forward(q, k, v, False, 0.5, "cpu_flash", mask)
+    assert torch.isneginf(lse[:, :, 2]).all() and not out.isnan().any()
+    assert out[:, :, 2].abs().max() == 0
+    scores = (q @ k.repeat_interleave(4, 1).transpose(-1, -2) * 0.5).masked_fill(~mask, -math.inf)
+    seen = [0, 1, 3]
+    torch.testing.assert_close(lse[:, :, seen], scores.logsumexp(-1)[:, :, seen])
+    probs = scores[:, :, seen].softmax(-1)
+    torch.testing.assert_close(out[:, :, seen], probs @ v.repeat_interleave(4, 1))
+    dq, dk, dv = block_backward(dout, q, k, v, out, lse, False, 0.5, "cpu_flash", mask)
+    assert not any(g.isnan().any() for g in (dq, dk, dv)) and dq[:, :, 2].abs().max() == 0
+
+
+def test_document_blocks_by_hand(monkeypatch):
+    """s = 32, c = 2 (chunks of 8), PACKED's row 0: documents 0..2, 3, 4..16, 17..22, 23..31."""
+    docs = context_module._Documents(PACKED[:1], 1, torch.device("cpu"))
+    # CPU's measured rule: chunk 2's three documents in 8 positions as one masked
+    # block; two documents in 128 positions as two causal calls.
+    (rows, *bounds, mask), = context_module._diagonal_blocks(docs, (8, 16, 8), 8)
+    assert bounds == [8, 16, 8, 16, True] and mask.shape == (1, 1, 8, 8)
+    assert mask[0, 0].int().tolist()[:3] == [[1, 0, 0, 0, 0, 0, 0, 0], [0, 1, 1, 1, 1, 1, 1, 0],
+                                              [0, 1, 1, 1, 1, 1, 1, 0]]
+    long_docs = context_module._Documents(torch.tensor([[0] * 100 + [1] * 28]), 1,
+                                          torch.device("cpu"))
+    assert [block[1:7] for block in context_module._diagonal_blocks(long_docs, (0, 0, 128), 0)] \
+        == [(0, 100, 0, 100, True, None), (100, 128, 100, 128, True, None)]
+    monkeypatch.setattr(context_module, "MASKED_BLOCK_AREA", PER_DOCUMENT)
+    everything = slice(0, 1)
+    # Rank 0 (chunks 0, 3) against rank 1 (chunks 1, 2): only chunk 3's queries see
+    # earlier keys, all 8 of them the last key of chunk 2 (position 23, their document).
+    assert context_module._ring_blocks(0, 1, 2, 8, docs) == [
+        (everything, 8, 16, 15, 16, False, None)]
+    # Rank 1 (chunks 1, 2) against rank 0: chunk 1 (8..15) sees 4..7 of chunk 0,
+    # chunk 2's first row (16) too; chunk 3 is later than both.
+    assert context_module._ring_blocks(1, 0, 2, 8, docs) == [
+        (everything, 0, 8, 4, 8, False, None), (everything, 8, 9, 4, 8, False, None)]
+    # Its own block: chunk 1 is one document (causal); chunk 2 holds three
+    # (16, 17..22, 23); chunk 2 sees position 16's document 8..15 of chunk 1.
+    assert context_module._ring_blocks(1, 1, 2, 8, docs) == [
+        (everything, 0, 8, 0, 8, True, None), (everything, 8, 9, 0, 8, False, None),
+        (everything, 8, 9, 8, 9, True, None), (everything, 9, 15, 9, 15, True, None),
+        (everything, 15, 16, 15, 16, True, None)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_rank_documents_equal_dense_mask(dtype):
+    inputs = _inputs(*DOCUMENT_SHAPE, dtype=dtype)
+    expected = _dense_document_attention(inputs, PACKED)   # on the same (rounded) inputs
+    tolerance = TOLERANCE if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for comm_type in COMM_TYPES:
+        for kernel in ("plain", "auto"):
+            got = _local_run(inputs, 1, 0, None, comm_type, kernel, PACKED)
+            assert got[0].dtype == dtype
+            for what, a, b in zip(("output", "dq", "dk", "dv"), got, expected):
+                torch.testing.assert_close(a.float(), b, **tolerance, msg=what)
+
+
+def test_document_ids_must_cover_the_whole_sequence():
+    q = torch.zeros(2, 2, 4, 8)
+    with pytest.raises(ValueError, match=r"document_ids must be integer ids of the whole "
+                                         r"sequence in natural order, \[2, 4\] .* got "
+                                         r"torch.int64 \(2, 3\)"):
+        context_attention(q, q, q, None, document_ids=torch.zeros(2, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="got torch.float32"):
+        context_attention(q, q, q, None, document_ids=torch.zeros(2, 4))

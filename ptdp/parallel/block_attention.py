@@ -8,7 +8,10 @@ softmax from the final LSE, so nothing of size s × s is kept.
 Shapes: q [b, heads, sq, d]; k, v [b, groups, sk, d] with heads a multiple of
 groups (GQA: head i reads key/value group i // (heads / groups), as
 torch's scaled_dot_product_attention with enable_gqa). `causal` blocks are
-square (sq == sk) and aligned on the diagonal: query i sees keys 0..i.
+square (sq == sk) and aligned on the diagonal: query i sees keys 0..i. A
+boolean `mask` [b or 1, 1, sq, sk] (packed documents, ptdp.parallel.
+context_attention) narrows that further and runs "plain"; a row it leaves
+without keys gets LSE −inf and output 0, which `merge_into` takes as nothing.
 
 Kernels, by name:
 - "plain": matrix products in fp32 (fp64 for fp64 inputs), any device;
@@ -55,25 +58,34 @@ def _above_diagonal(n: int, device: torch.device) -> torch.Tensor:
 
 # ------------------------------------------------------------------ plain
 
-def _plain_scores(q, k, causal, scale, acc):
+def _plain_scores(q, k, causal, scale, acc, mask=None):
     scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)).mul_(scale)
     if causal:
         scores.masked_fill_(_above_diagonal(q.shape[2], q.device), -math.inf)
+    if mask is not None:
+        scores.masked_fill_(~mask, -math.inf)
     return scores
 
 
-def _plain_forward(q, k, v, causal, scale):
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """lse with −inf (a row that sees no key) as 0, so exp(scores − lse) is
+    exp(−inf) = 0 in that row rather than NaN."""
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def _plain_forward(q, k, v, causal, scale, mask=None):
     acc = accumulation_dtype(q.dtype)
-    scores = _plain_scores(q, k, causal, scale, acc)
+    scores = _plain_scores(q, k, causal, scale, acc, mask)
     lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(scores.sub_(lse.unsqueeze(-1)).exp_(), v.to(acc))
+    out = torch.matmul(scores.sub_(_finite(lse).unsqueeze(-1)).exp_(), v.to(acc))
     return out, lse
 
 
-def _plain_backward(dout, q, k, v, out, lse, causal, scale):
+def _plain_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
     acc = accumulation_dtype(q.dtype)
     dout, out = dout.to(acc), out.to(acc)
-    probs = _plain_scores(q, k, causal, scale, acc).sub_(lse.to(acc).unsqueeze(-1)).exp_()
+    probs = _plain_scores(q, k, causal, scale, acc, mask)
+    probs.sub_(_finite(lse.to(acc)).unsqueeze(-1)).exp_()
     dv = torch.matmul(probs.transpose(-1, -2), dout)
     dprobs = torch.matmul(dout, v.to(acc).transpose(-1, -2))
     delta = (dout * out).sum(dim=-1, keepdim=True)     # the softmax's Jacobian, row by row
@@ -208,24 +220,36 @@ def resolve_kernel(kernel: str, q: torch.Tensor) -> str:
 
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                  scale: float, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+                  scale: float, kernel: str,
+                  mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [b, heads, sq, d], lse [b, heads, sq]) of softmax(q kᵀ·scale) v,
-    both in the accumulation dtype (fp32 for 16-bit inputs)."""
+    both in the accumulation dtype (fp32 for 16-bit inputs). `mask`, a bool
+    [b or 1, 1, sq, sk] (True: the query sees the key), runs "plain"
+    whatever `kernel` says; a row it leaves no key gets lse −inf and out 0."""
     heads = q.shape[1]
-    out, lse = _FORWARD[kernel](q, expand_groups(k, heads), expand_groups(v, heads), causal, scale)
+    k, v = expand_groups(k, heads), expand_groups(v, heads)
+    if mask is not None:
+        out, lse = _plain_forward(q, k, v, causal, scale, mask)
+    else:
+        out, lse = _FORWARD[kernel](q, k, v, causal, scale)
     acc = accumulation_dtype(q.dtype)
     return out.to(acc), lse.to(acc)
 
 
 def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
-                   kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   kernel: str, mask: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This block's share of (dq, dk, dv), in the accumulation dtype, given
     the FINAL output and LSE of the rows (over all key blocks): the block's
-    probabilities are recomputed as exp(scores − lse)."""
+    probabilities are recomputed as exp(scores − lse). `mask` as in
+    `block_forward` (then "plain"; rows with lse −inf get zero gradients)."""
     heads, groups = q.shape[1], k.shape[1]
-    dq, dk, dv = _BACKWARD[kernel](dout, q, expand_groups(k, heads), expand_groups(v, heads),
-                                   out, lse, causal, scale)
+    k, v = expand_groups(k, heads), expand_groups(v, heads)
+    if mask is not None:
+        dq, dk, dv = _plain_backward(dout, q, k, v, out, lse, causal, scale, mask)
+    else:
+        dq, dk, dv = _BACKWARD[kernel](dout, q, k, v, out, lse, causal, scale)
     acc = accumulation_dtype(q.dtype)
     return dq.to(acc), fold_groups(dk.to(acc), groups), fold_groups(dv.to(acc), groups)
 

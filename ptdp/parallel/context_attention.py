@@ -23,6 +23,22 @@ gradients for q, k and v.
   split (heads/c query heads, groups/c key/value groups per rank, whole
   sequences), plain causal attention, and all-to-all back.
 
+Packed documents (`document_ids` [b, s]: the whole sequence's ids in natural
+order, the same on every context rank; a document is a run of equal
+consecutive ids, as ptdp.parallel.document_attention.segment_ids): a query
+sees only the earlier keys of its own document. Every rank plans its blocks
+from the ids alone (a key block's positions follow from its source rank, so
+no ids travel), a query chunk against a key chunk (all_gather: against all
+earlier positions). Later keys are skipped. Earlier keys share at most one
+document with the queries: one unmasked rectangle (the first queries
+against the last keys), or nothing. A chunk against itself is one causal
+block per document, or one masked "plain" block where that is cheaper
+(MASKED_BLOCK_AREA). Batch rows whose documents lie alike share blocks;
+rows that differ get their own. A row that sees nothing of a block keeps
+LSE −inf and output 0 there. a2a, whose ranks hold whole sequences, plans
+the same way over the 2c chunks. The work per rank then follows the
+documents, no longer evenly balanced by the layout.
+
 The attention of each block runs on ptdp.parallel.block_attention's kernel
 (`block_kernel` names it). Attention dropout is refused: it would have to
 replay the same mask in the backward ring and under recomputation.
@@ -30,6 +46,7 @@ replay the same mask in the backward ring and under recomputation.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -40,6 +57,7 @@ from ptdp.parallel.block_attention import (KERNELS, accumulation_dtype, block_ba
                                            block_forward, block_kernel, merge_into,
                                            resolve_kernel)
 from ptdp.parallel.context_layout import layout_order, natural_order
+from ptdp.parallel.document_attention import segment_ids
 from ptdp.parallel.expert import all_to_all
 from ptdp.parallel.tensor import gather_from_sequence_region
 
@@ -55,6 +73,19 @@ __all__ = ["COMM_TYPES", "KERNELS", "KERNEL_OPS", "block_kernel", "context_atten
 
 # A block pair: query rows [q0, q1) against key rows [k0, k1), causal or not.
 Pair = tuple[int, int, int, int, bool]
+# What runs: batch rows `rows`, query rows [q0, q1) against key rows [k0, k1),
+# causal or not, with a bool mask [b, 1, q1 − q0, k1 − k0] or None.
+Block = tuple[slice, int, int, int, int, bool, "torch.Tensor | None"]
+# Positions held in a row of local rows: (first local row, first natural position, count).
+Span = tuple[int, int, int]
+# A causal diagonal range of n positions holding several documents runs as
+# one kernel call per document, or as one masked "plain" n × n block where
+# that is cheaper: when calls × area > n², area being the score entries a
+# masked block computes (forward and backward) for the cost of one more call.
+# CPU measured (8 heads of 64, fp32, cpu_flash: ~0.12 ms a call, crossover
+# near 64 documents in 256 positions and past 256 in 1024); CUDA an estimate
+# (launch-bound small calls against fast dense products), not yet measured.
+MASKED_BLOCK_AREA = {"cpu": 1024, "cuda": 65536}
 
 
 def _group_size_rank(group: Any) -> tuple[int, int]:
@@ -96,21 +127,131 @@ def _gathered_pairs(rank: int, size: int, half: int) -> list[Pair]:
     return pairs
 
 
-def _forward_pairs(q, k, v, pairs, scale, kernel, out, lse) -> None:
-    for q0, q1, k0, k1, causal in pairs:
-        block_out, block_lse = block_forward(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1],
-                                             causal, scale, kernel)
-        merge_into(out[:, :, q0:q1], lse[:, :, q0:q1], block_out, block_lse)
+# ------------------------------------------------------------------ packed documents
+
+class _Documents:
+    """The document (run) index of every position of the whole sequence in
+    natural order, [b, s]: on the CPU to plan blocks (ids given on the CPU
+    cost no device synchronisation), on q's device only for masks."""
+
+    def __init__(self, document_ids: torch.Tensor, batch: int, device: torch.device):
+        self.cpu = segment_ids(document_ids.cpu()).expand(batch, -1)
+        self.device = torch.device(device)
+
+    @functools.cached_property
+    def on_device(self) -> torch.Tensor:
+        return self.cpu.to(self.device)
 
 
-def _backward_pairs(dout, q, k, v, out, lse, pairs, scale, kernel, dq, dk, dv) -> None:
-    for q0, q1, k0, k1, causal in pairs:
-        gq, gk, gv = block_backward(dout[:, :, q0:q1], q[:, :, q0:q1], k[:, :, k0:k1],
-                                    v[:, :, k0:k1], out[:, :, q0:q1], lse[:, :, q0:q1],
-                                    causal, scale, kernel)
-        dq[:, :, q0:q1] += gq
-        dk[:, :, k0:k1] += gk
-        dv[:, :, k0:k1] += gv
+def _row_groups(keys: list) -> list[tuple[slice, Any]]:
+    """Runs of consecutive batch rows with equal keys, as (rows, key)."""
+    groups, start = [], 0
+    for row in range(1, len(keys) + 1):
+        if row == len(keys) or keys[row] != keys[start]:
+            groups.append((slice(start, row), keys[start]))
+            start = row
+    return groups
+
+
+def _earlier_blocks(docs: _Documents, queries: Span, keys: Span) -> list[Block]:
+    """Queries against keys that all lie before them: only the document that
+    holds both the last key and the first query is seen, as one rectangle of
+    the first queries and last keys in each batch row, with no mask."""
+    (row, q_start, q_len), (col, k_start, k_len) = queries, keys
+    ids = docs.cpu
+    shared = ids[:, q_start] == ids[:, k_start + k_len - 1]
+    seen_queries = (ids[:, q_start:q_start + q_len] == ids[:, q_start:q_start + 1]).sum(1)
+    seen_keys = (ids[:, k_start:k_start + k_len] == ids[:, k_start + k_len - 1:k_start + k_len]).sum(1)
+    sizes = list(zip((seen_queries * shared).tolist(), (seen_keys * shared).tolist()))
+    return [(rows, row, row + n_q, col + k_len - n_k, col + k_len, False, None)
+            for rows, (n_q, n_k) in _row_groups(sizes) if n_q]
+
+
+def _diagonal_blocks(docs: _Documents, queries: Span, col: int) -> list[Block]:
+    """Queries against the same positions, causal: one causal block per
+    document, or one masked block where that would be many small calls."""
+    row, start, length = queries
+    ids = docs.cpu[:, start:start + length]
+    runs = [tuple(torch.unique_consecutive(r, return_counts=True)[1].tolist()) for r in ids]
+    groups = _row_groups(runs)
+    calls = sum(len(lengths) for _, lengths in groups)
+    area = MASKED_BLOCK_AREA.get(docs.device.type)
+    area = MASKED_BLOCK_AREA["cuda"] if area is None else area   # other accelerators as CUDA
+    if calls > 1 and calls * area > length * length:
+        local = docs.on_device[:, start:start + length]
+        mask = (local.unsqueeze(-1) == local.unsqueeze(-2)).unsqueeze(1)
+        return [(slice(None), row, row + length, col, col + length, True, mask)]
+    blocks = []
+    for rows, lengths in groups:
+        offset = 0
+        for n in lengths:
+            blocks.append((rows, row + offset, row + offset + n, col + offset, col + offset + n,
+                           True, None))
+            offset += n
+    return blocks
+
+
+def _document_blocks(docs: _Documents, pairs: list[tuple[Span, Span]]) -> list[Block]:
+    """The blocks that compute each (queries, keys) span pair under the
+    document mask. The keys of a pair are either the queries' own positions
+    (causal) or lie before them or after them (nothing seen: skipped)."""
+    blocks: list[Block] = []
+    for queries, keys in pairs:
+        if keys[1] == queries[1]:
+            blocks += _diagonal_blocks(docs, queries, keys[0])
+        elif keys[1] + keys[2] <= queries[1]:
+            blocks += _earlier_blocks(docs, queries, keys)
+    return blocks
+
+
+def _chunk_spans(rank: int, size: int, half: int) -> list[Span]:
+    """A rank's two chunks as spans of its local rows."""
+    return [(0, rank * half, half), (half, (2 * size - 1 - rank) * half, half)]
+
+
+def _ring_blocks(rank: int, source: int, size: int, half: int,
+                 docs: _Documents | None) -> list[Block]:
+    """This rank's queries against context rank `source`'s key/value block."""
+    if docs is None:
+        return _whole_batch(_ring_pairs(rank, source, half))
+    return _document_blocks(docs, [(queries, keys) for queries in _chunk_spans(rank, size, half)
+                                   for keys in _chunk_spans(source, size, half)])
+
+
+def _whole_sequence_blocks(query_spans: list[Span], docs: _Documents | None,
+                           fallback: list[Pair]) -> list[Block]:
+    """Queries (spans of their rows) against the whole sequence in natural
+    order: each span against its own positions and against all before it."""
+    if docs is None:
+        return _whole_batch(fallback)
+    pairs = []
+    for queries in query_spans:
+        start = queries[1]
+        pairs.append((queries, (start, start, queries[2])))
+        if start:
+            pairs.append((queries, (0, 0, start)))
+    return _document_blocks(docs, pairs)
+
+
+def _whole_batch(pairs: list[Pair]) -> list[Block]:
+    return [(slice(None), *pair, None) for pair in pairs]
+
+
+def _forward_blocks(q, k, v, blocks, scale, kernel, out, lse) -> None:
+    for rows, q0, q1, k0, k1, causal, mask in blocks:
+        block_out, block_lse = block_forward(q[rows, :, q0:q1], k[rows, :, k0:k1],
+                                             v[rows, :, k0:k1], causal, scale, kernel, mask)
+        merge_into(out[rows, :, q0:q1], lse[rows, :, q0:q1], block_out, block_lse)
+
+
+def _backward_blocks(dout, q, k, v, out, lse, blocks, scale, kernel, dq, dk, dv) -> None:
+    for rows, q0, q1, k0, k1, causal, mask in blocks:
+        gq, gk, gv = block_backward(dout[rows, :, q0:q1], q[rows, :, q0:q1], k[rows, :, k0:k1],
+                                    v[rows, :, k0:k1], out[rows, :, q0:q1], lse[rows, :, q0:q1],
+                                    causal, scale, kernel, mask)
+        dq[rows, :, q0:q1] += gq
+        dk[rows, :, k0:k1] += gk
+        dv[rows, :, k0:k1] += gv
 
 
 def _empty_result(q):
@@ -125,15 +266,15 @@ def _empty_result(q):
 
 
 class _LocalAttention(torch.autograd.Function):
-    """Attention of q over (k, v) made of the given block pairs, no communication."""
+    """Attention of q over (k, v) made of the given blocks, no communication."""
 
     @staticmethod
-    def forward(ctx, q, k, v, pairs, scale, kernel):
+    def forward(ctx, q, k, v, blocks, scale, kernel):
         out, lse = _empty_result(q)
-        _forward_pairs(q, k, v, pairs, scale, kernel, out, lse)
+        _forward_blocks(q, k, v, blocks, scale, kernel, out, lse)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.pairs, ctx.scale, ctx.kernel = pairs, scale, kernel
+        ctx.blocks, ctx.scale, ctx.kernel = blocks, scale, kernel
         return out
 
     @staticmethod
@@ -141,7 +282,7 @@ class _LocalAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         acc = accumulation_dtype(q.dtype)
         dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
-        _backward_pairs(dout, q, k, v, out, lse, ctx.pairs, ctx.scale, ctx.kernel, dq, dk, dv)
+        _backward_blocks(dout, q, k, v, out, lse, ctx.blocks, ctx.scale, ctx.kernel, dq, dk, dv)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
@@ -182,20 +323,20 @@ _KEY_VALUES, _GRADIENTS = 0, 1   # message tags: the two streams around the ring
 class _RingAttention(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, kernel):
+    def forward(ctx, q, k, v, group, scale, kernel, docs):
         ring = _Ring(group)
         half = q.shape[2] // 2
         out, lse = _empty_result(q)
         kv = torch.stack([k, v])
         for step in range(ring.size):
             coming = ring.shift(kv, _KEY_VALUES) if step + 1 < ring.size else None
-            pairs = _ring_pairs(ring.rank, (ring.rank - step) % ring.size, half)
-            _forward_pairs(q, kv[0], kv[1], pairs, scale, kernel, out, lse)
+            blocks = _ring_blocks(ring.rank, (ring.rank - step) % ring.size, ring.size, half, docs)
+            _forward_blocks(q, kv[0], kv[1], blocks, scale, kernel, out, lse)
             if coming is not None:
                 kv = coming.wait()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale, ctx.kernel = group, scale, kernel
+        ctx.group, ctx.scale, ctx.kernel, ctx.docs = group, scale, kernel, docs
         return out
 
     @staticmethod
@@ -210,8 +351,9 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             coming = ring.shift(kv, _KEY_VALUES) if step + 1 < ring.size else None
             dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
-            pairs = _ring_pairs(ring.rank, (ring.rank - step) % ring.size, half)
-            _backward_pairs(dout, q, kv[0], kv[1], out, lse, pairs, ctx.scale, ctx.kernel,
+            blocks = _ring_blocks(ring.rank, (ring.rank - step) % ring.size, ring.size, half,
+                                  ctx.docs)
+            _backward_blocks(dout, q, kv[0], kv[1], out, lse, blocks, ctx.scale, ctx.kernel,
                             dq, dkv[0], dkv[1])
             if gradients_coming is not None:
                 # The previous rank's sums for the block in hand, one step behind it.
@@ -221,19 +363,21 @@ class _RingAttention(torch.autograd.Function):
                 kv = coming.wait()
         # After the last step the sums for this rank's own block arrive.
         dkv = gradients_coming.wait() if gradients_coming is not None else dkv
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
 # ------------------------------------------------------------------ all_gather
 
-def _all_gather_attention(q, k, v, group, scale, kernel):
+def _all_gather_attention(q, k, v, group, scale, kernel, docs):
     size, rank = _group_size_rank(group)
     seq = q.shape[2] * size
     kv = torch.stack([k, v]).permute(3, 0, 1, 2, 4)             # [s/c, 2, b, groups, d]
     whole = gather_from_sequence_region(kv, group)              # ranks' pieces one after another
     whole = whole.index_select(0, natural_order(seq, size, q.device)).permute(1, 2, 3, 0, 4)
-    pairs = _gathered_pairs(rank, size, q.shape[2] // 2)
-    return _LocalAttention.apply(q, whole[0], whole[1], pairs, scale, kernel)
+    half = q.shape[2] // 2
+    blocks = _whole_sequence_blocks(_chunk_spans(rank, size, half), docs,
+                                    _gathered_pairs(rank, size, half))
+    return _LocalAttention.apply(q, whole[0], whole[1], blocks, scale, kernel)
 
 
 # ------------------------------------------------------------------ a2a (Ulysses)
@@ -257,15 +401,19 @@ def _heads_to_sequence(x, group, size, layout):
     return all_to_all(y, parts, parts, group).movedim(0, -3)
 
 
-def _a2a_attention(q, k, v, group, scale, kernel):
+def _a2a_attention(q, k, v, group, scale, kernel, docs):
     size, _ = _group_size_rank(group)
     check_a2a_heads(q.shape[1], k.shape[1], size)
     seq = q.shape[2] * size
     order = natural_order(seq, size, q.device)
     whole_q = _sequence_to_heads(q, group, size, order)
     whole_kv = _sequence_to_heads(torch.stack([k, v]), group, size, order)
-    out = _LocalAttention.apply(whole_q, whole_kv[0], whole_kv[1], [(0, seq, 0, seq, True)],
-                                scale, kernel)
+    # With documents the sequence is taken in the 2c chunks of the layout, so
+    # that a masked block (many small documents) is at most a chunk square.
+    half = q.shape[2] // 2
+    chunks = [(start, start, half) for start in range(0, seq, half)]
+    blocks = _whole_sequence_blocks(chunks, docs, [(0, seq, 0, seq, True)])
+    out = _LocalAttention.apply(whole_q, whole_kv[0], whole_kv[1], blocks, scale, kernel)
     return _heads_to_sequence(out, group, size, layout_order(seq, size, q.device))
 
 
@@ -290,22 +438,43 @@ def _check_inputs(q, k, v, comm_type, dropout_p):
                          f"even; got {s}")
 
 
+def _check_documents(document_ids, q, size):
+    b, seq = q.shape[0], q.shape[2] * size
+    shape = tuple(document_ids.shape)
+    if document_ids.dim() not in (1, 2) or shape[-1] != seq or \
+            (document_ids.dim() == 2 and shape[0] not in (1, b)) or \
+            document_ids.is_floating_point():
+        raise ValueError(f"document_ids must be integer ids of the whole sequence in natural "
+                         f"order, [{b}, {seq}] (batch by {size} context ranks × {q.shape[2]} "
+                         f"local positions), the same tensor on every context rank; got "
+                         f"{document_ids.dtype} {shape}")
+
+
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any,
                       comm_type: str = "p2p", *, scale: float | None = None,
-                      dropout_p: float = 0.0, kernel: str = "auto") -> torch.Tensor:
+                      dropout_p: float = 0.0, kernel: str = "auto",
+                      document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention over sequences split across the context group.
 
     q [b, heads, s/c, d], k and v [b, groups, s/c, d]: this rank's two chunks
     (context_layout.split_sequence), heads a multiple of groups. `group` is
     the context group (its rank order is the context rank; None is one
     rank). `scale` defaults to 1/sqrt(d). `kernel`: "auto" (see
-    block_kernel) or a name of KERNELS. Returns [b, heads, s/c, d] in q's
-    dtype, differentiable in q, k and v."""
+    block_kernel) or a name of KERNELS. `document_ids`: packed documents,
+    integer ids [b, s] (or [s] for every row) of the WHOLE sequence in
+    natural order, the same on every context rank; a document is a run of
+    equal consecutive ids, and a query sees only the earlier keys of its own
+    document. Returns [b, heads, s/c, d] in q's dtype, differentiable in q,
+    k and v."""
     _check_inputs(q, k, v, comm_type, dropout_p)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     kernel = resolve_kernel(kernel, q)
+    docs = None
+    if document_ids is not None:
+        _check_documents(document_ids, q, _group_size_rank(group)[0])
+        docs = _Documents(document_ids, q.shape[0], q.device)
     if comm_type == "p2p":
-        return _RingAttention.apply(q, k, v, group, scale, kernel)
+        return _RingAttention.apply(q, k, v, group, scale, kernel, docs)
     if comm_type == "all_gather":
-        return _all_gather_attention(q, k, v, group, scale, kernel)
-    return _a2a_attention(q, k, v, group, scale, kernel)
+        return _all_gather_attention(q, k, v, group, scale, kernel, docs)
+    return _a2a_attention(q, k, v, group, scale, kernel, docs)
