@@ -283,9 +283,9 @@ def emulate_ring(device: torch.device, sizes: Sizes, dtype_name: str,
                 out, lse = ring._empty_result(qs[rank])
                 for step in range(c):
                     source = (rank - step) % c
-                    ring._forward_pairs(qs[rank], ks[source], vs[source],
-                                        ring._ring_pairs(rank, source, half), scale, kernel,
-                                        out, lse)
+                    ring._forward_blocks(qs[rank], ks[source], vs[source],
+                                         ring._ring_blocks(rank, source, c, half, None), scale,
+                                         kernel, out, lse)
                 outs.append(out.to(dtype))
                 lses.append(lse)
             grads = {name: [torch.zeros(t.shape, dtype=lses[0].dtype, device=device)
@@ -293,11 +293,11 @@ def emulate_ring(device: torch.device, sizes: Sizes, dtype_name: str,
                      for name, pieces_of in (("dq", qs), ("dk", ks), ("dv", vs))}
             for rank in range(c):
                 for source in range(c):
-                    ring._backward_pairs(douts[rank], qs[rank], ks[source], vs[source],
-                                         outs[rank], lses[rank],
-                                         ring._ring_pairs(rank, source, half), scale, kernel,
-                                         grads["dq"][rank], grads["dk"][source],
-                                         grads["dv"][source])
+                    ring._backward_blocks(douts[rank], qs[rank], ks[source], vs[source],
+                                          outs[rank], lses[rank],
+                                          ring._ring_blocks(rank, source, c, half, None), scale,
+                                          kernel, grads["dq"][rank], grads["dk"][source],
+                                          grads["dv"][source])
             got = {"out": join_sequence(outs, seq_dim=2)}
             got.update({name: join_sequence([g.to(dtype) for g in parts], seq_dim=2)
                         for name, parts in grads.items()})

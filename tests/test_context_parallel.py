@@ -147,6 +147,19 @@ def _logical(trainer: Trainer, ctx: ParallelContext, grads: bool) -> dict[str, t
     return found
 
 
+def compare_weights(trainer: Trainer, ctx: ParallelContext, want: dict[str, torch.Tensor],
+                    name: str) -> tuple[set, float]:
+    """This rank's weights against the one-process run's `want`: (the names
+    compared, the largest difference)."""
+    worst, compared = 0.0, set()
+    for param, weight in _logical(trainer, ctx, grads=False).items():
+        assert_close(weight, want[param], **step.WEIGHT_TOL,
+                     msg=lambda m, param=param: f"{name}: {param}: {m}")
+        worst = max(worst, (weight - want[param]).abs().max().item())
+        compared.add(param)
+    return compared, worst
+
+
 _serial: dict[tuple, tuple] = {}
 
 
@@ -210,13 +223,8 @@ def _layouts_vs_one_process(rank: int, layouts: list[Layout]) -> list[tuple[str,
         evaluated = evaluate(trainer, trainer.data.valid, 1)["loss"]
         if trainer.holds_loss:
             assert evaluated == pytest.approx(validation, rel=1e-5), layout.name
-        worst, compared = 0.0, set()
-        for name, weight in _logical(trainer, ctx, grads=False).items():
-            assert_close(weight, serial_weights[name], **step.WEIGHT_TOL,
-                         msg=lambda m, name=name: f"{layout.name}: {name}: {m}")
-            worst = max(worst, (weight - serial_weights[name]).abs().max().item())
-            compared.add(name)
-        results.append((layout.name, compared, worst))
+        results.append((layout.name, *compare_weights(trainer, ctx, serial_weights,
+                                                      layout.name)))
         del trainer
         ctx.destroy()
     return results

@@ -101,10 +101,10 @@ class _SplitAtTheCore(SavedTensorBytes):
         original = self._original = Attention._core
         split = self
 
-        def core(attention, q, k, v):
+        def core(attention, q, k, v, documents=None):
             split.inside = True
             try:
-                return original(attention, q, k, v)
+                return original(attention, q, k, v, documents)
             finally:
                 split.inside = False
 

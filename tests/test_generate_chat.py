@@ -36,13 +36,9 @@ MAX_NEW = 12
 
 
 def _tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tests.test_hf_chat_export import _tokenizer as word_level
 
-    tokenizer = Tokenizer(models.WordLevel({t: i for i, t in enumerate(SPECIALS + WORDS)},
-                                           unk_token="<|endoftext|>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.add_special_tokens(SPECIALS)
-    return tokenizer
+    return word_level(WORDS)
 
 
 def _greedy(model, prompt: list[int], eos: list[int]) -> list[int]:

@@ -39,10 +39,12 @@ TINY = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_l
             tie_word_embeddings=True)
 
 
-def _tokenizer():
+def _tokenizer(words=None):
+    """A word-level tokenizer: the special tokens, then `words` (default WORDS)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    tokenizer = Tokenizer(models.WordLevel({t: i for i, t in enumerate(SPECIALS + WORDS)},
+    vocabulary = SPECIALS + (WORDS if words is None else words)
+    tokenizer = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocabulary)},
                                            unk_token="<|endoftext|>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.add_special_tokens(SPECIALS)

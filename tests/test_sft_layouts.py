@@ -197,13 +197,7 @@ def _layouts_vs_one_process(rank: int, layouts: list[Layout]) -> list[tuple[str,
             if trainer.holds_loss:
                 assert record["loss"] == pytest.approx(want["loss"], rel=1e-5), layout.name
                 assert record["loss_tokens"] == want["loss_tokens"], layout.name
-        worst, compared = 0.0, set()
-        for name, weight in cp._logical(trainer, ctx, grads=False).items():
-            torch.testing.assert_close(weight, weights[name], **step.WEIGHT_TOL,
-                                       msg=lambda m, name=name: f"{layout.name}: {name}: {m}")
-            worst = max(worst, (weight - weights[name]).abs().max().item())
-            compared.add(name)
-        results.append((layout.name, compared, worst))
+        results.append((layout.name, *cp.compare_weights(trainer, ctx, weights, layout.name)))
         del trainer
         ctx.destroy()
     return results
