@@ -12,8 +12,8 @@ first gradients equal to the unpacked run's. Attention allowed across the
 documents of a pack changes the result, so the document masks are really
 what makes the two agree.
 
-One pool of four processes runs every layout in one call; each process
-computes the one-process references once per model.
+One pool of four processes runs every layout in one call, against the
+one-process references the test computes once per model.
 """
 
 from __future__ import annotations
@@ -179,10 +179,14 @@ def _one_process(model: str):
     return _serial[model]
 
 
-def _layouts_vs_one_process(rank: int, layouts: list[Layout]) -> list[tuple[str, set, float]]:
+def _layouts_vs_one_process(rank: int, layouts: list[Layout], references: dict
+                            ) -> list[tuple[str, set, float]]:
+    """Each layout against `references` (model -> _one_process(model),
+    computed once by the caller): (name, parameters compared, the largest
+    weight difference)."""
     results = []
     for layout in layouts:
-        unpacked_grads, records, _, weights = _one_process(layout.model)
+        unpacked_grads, records, _, weights = references[layout.model]
         ctx = ParallelContext.build(RankGrid(tp=layout.t, dp=layout.d, pp=layout.p, cp=layout.c,
                                              ep=layout.ep))
         trainer = _trainer(layout, ctx, _packed())
@@ -221,7 +225,9 @@ LAYOUTS = [
 
 
 def test_packed_conversations_train_as_one_per_sequence_under_every_layout(pools):
-    per_rank = pools(4).run(_layouts_vs_one_process, LAYOUTS)
+    # The references once, here, rather than on each of the four ranks.
+    references = {layout.model: _one_process(layout.model) for layout in LAYOUTS}
+    per_rank = pools(4).run(_layouts_vs_one_process, LAYOUTS, references)
     serial = ParallelContext.single()
     for i, layout in enumerate(LAYOUTS):
         names = set().union(*(results[i][1] for results in per_rank))
