@@ -194,9 +194,12 @@ def _close(got: torch.Tensor, want: torch.Tensor, tol: float, what: str) -> None
     assert_close(got, want, rtol=0.0, atol=tol * max(want.abs().max().item(), 1e-3), msg=what)
 
 
-def _layouts_vs_one_process(rank: int, layouts: list[Layout]) -> list[tuple[str, set, float]]:
+def _layouts_vs_one_process(rank: int, layouts: list[Layout], references: dict | None = None
+                            ) -> list[tuple[str, set, float]]:
     """Each layout in turn against the one-process run: (name, names of the
-    parameters this rank compared, the largest weight difference)."""
+    parameters this rank compared, the largest weight difference).
+    `references`: one-process runs the caller computed (_serial's entries)."""
+    _serial.update(references or {})
     results = []
     for layout in layouts:
         records, serial_grads, serial_weights, validation = _one_process(layout)
@@ -252,7 +255,9 @@ LAYOUTS = [
 
 
 def test_context_parallel_layouts_train_like_one_process(pools):
-    per_rank = pools(4).run(_layouts_vs_one_process, LAYOUTS)
+    for layout in LAYOUTS:  # the references once, here, rather than on each of the four ranks
+        _one_process(layout)
+    per_rank = pools(4).run(_layouts_vs_one_process, LAYOUTS, dict(_serial))
     for i, layout in enumerate(LAYOUTS):
         names = set().union(*(results[i][1] for results in per_rank))
         every = {name for name, _ in _reference_names(layout.model)}

@@ -171,12 +171,14 @@ def _one_process(model: str = "moe", steps: int = STEPS, per_token_loss: bool = 
     return _serial[key]
 
 
-def _layouts_vs_one_process(rank: int, layouts: list[Layout], models: dict | None = None
-                            ) -> list[tuple[str, set, float]]:
+def _layouts_vs_one_process(rank: int, layouts: list[Layout], models: dict | None = None,
+                            references: dict | None = None) -> list[tuple[str, set, float]]:
     """Each layout in turn against the one-process run: (name, names of the
     weights this rank compared, the largest weight difference). `models`:
-    more MODELS for the layouts to name (a Megatron-LM script's model)."""
+    more MODELS for the layouts to name (a Megatron-LM script's model).
+    `references`: one-process runs the caller computed (_serial's entries)."""
     MODELS.update(models or {})
+    _serial.update(references or {})
     results = []
     for layout in layouts:
         expected, serial_weights, serial_biases, validation = _one_process(
@@ -254,7 +256,9 @@ LAYOUTS = [
 
 
 def test_expert_parallel_layouts_train_like_one_process(pools):
-    per_rank = pools(4).run(_layouts_vs_one_process, LAYOUTS)
+    for layout in LAYOUTS:  # the references once, here, rather than on each of the four ranks
+        _one_process(layout.model, layout.steps, layout.per_token_loss)
+    per_rank = pools(4).run(_layouts_vs_one_process, LAYOUTS, None, dict(_serial))
     for i, layout in enumerate(LAYOUTS):
         every_name = set(logical_shapes(MODELS[layout.model]))
         if layout.model == "biased":
