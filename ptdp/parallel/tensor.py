@@ -300,6 +300,7 @@ class ColumnParallelLinear(nn.Module):
         # A DeferredWeightGrads store (zero-bubble schedules) or None: weight
         # gradients computed in the same backward.
         self.weight_grads = None
+        self.lora = None  # a low-rank adapter (ptdp.parallel.lora.attach)
         t = ctx.tp_size
         sizes = (out_features // blocks,) * blocks if isinstance(blocks, int) else blocks
         if sum(sizes) != out_features:
@@ -318,17 +319,20 @@ class ColumnParallelLinear(nn.Module):
         if self.sequence_parallel:  # x: this rank's s/t positions
             return self._sequence_parallel_forward(x)
         x = copy_to_tensor_region(x, self.group)
+        deferred = self.skip_bias_add and defers_bias(x.device)
+        y = deferrable_linear(x, self.weight, None if deferred else self.bias, self.weight_grads)
+        if self.lora is not None:
+            y = y + self.lora.column_delta(x)
         if self.skip_bias_add:
-            if defers_bias(x.device):
-                return deferrable_linear(x, self.weight, None, self.weight_grads), self.bias
-            return deferrable_linear(x, self.weight, self.bias, self.weight_grads), None
-        y = deferrable_linear(x, self.weight, self.bias, self.weight_grads)
+            return (y, self.bias) if deferred else (y, None)
         return gather_from_tensor_region(y, self.group) if self.gather_output else y
 
     def _sequence_parallel_forward(self, x: torch.Tensor):
         deferred = self.skip_bias_add and defers_bias(x.device)
         y = sequence_parallel_linear(x, self.weight, None if deferred else self.bias, self.group,
                                      self.weight_grads)
+        if self.lora is not None:
+            y = y + self.lora.column_delta(x)
         if self.skip_bias_add:
             return (y, self.bias) if deferred else (y, None)
         return gather_from_tensor_region(y, self.group) if self.gather_output else y
@@ -353,6 +357,7 @@ class RowParallelLinear(nn.Module):
         if self.sequence_parallel and not input_is_parallel:
             raise ValueError("sequence parallelism needs a row-parallel input already split")
         self.weight_grads = None  # as in ColumnParallelLinear
+        self.lora = None
         local_in = _divide(in_features, ctx.tp_size, "input features")
         self.weight = set_init(nn.Parameter(torch.empty(out_features, local_in)), "normal", init_std)
         setattr(self.weight, SHARD_ATTR, TensorShard(dim=1, parts=ctx.tp_size, index=ctx.tp_rank))
@@ -371,12 +376,16 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor):
         if not self.input_is_parallel:
             x = scatter_to_tensor_region(x, self.group)
-        if self.skip_bias_add and defers_bias(x.device):
-            return self._reduce(deferrable_linear(x, self.weight, None, self.weight_grads)), self.bias
-        if self.group is None:
-            y = deferrable_linear(x, self.weight, self.bias, self.weight_grads)
-        else:
-            y = self._reduce(deferrable_linear(x, self.weight, None, self.weight_grads))
+        deferred = self.skip_bias_add and defers_bias(x.device)
+        # The bias rides in the product only where nothing is reduced after it.
+        inside = self.bias if self.group is None and not deferred else None
+        y = deferrable_linear(x, self.weight, inside, self.weight_grads)
+        if self.lora is not None:  # partial like the product: reduced with it
+            y = y + self.lora.row_delta(x)
+        if deferred:
+            return self._reduce(y), self.bias
+        if self.group is not None:
+            y = self._reduce(y)
             if self.bias is not None:
                 y = y + self.bias
         return (y, None) if self.skip_bias_add else y
