@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ptdp.data.documents import documents_from_eod
+from ptdp.data.documents import document_ids, reset_position_ids
 from ptdp.parallel.document_attention import Documents
 
 
@@ -63,7 +63,10 @@ def to_microbatch(samples, settings: MicrobatchSettings, device: torch.device) -
                                                           settings.eod_mask_loss))
     if not (settings.reset_position_ids or settings.reset_attention_mask) or settings.eod is None:
         return parts
-    found = documents_from_eod(parts[0], settings.eod, reset_positions=settings.reset_position_ids)
-    documents = Documents(found["position_ids"],
-                          found["document_ids"] if settings.reset_attention_mask else None)
+    # (not documents_from_eod: its cu_seqlens, a loop over the rows, no kernel here reads)
+    inputs = parts[0]
+    positions = (reset_position_ids(inputs, settings.eod) if settings.reset_position_ids
+                 else torch.arange(inputs.shape[1], device=inputs.device).expand(inputs.shape))
+    documents = Documents(positions, document_ids(inputs, settings.eod)
+                          if settings.reset_attention_mask else None)
     return parts[0], parts[1], parts[2] if len(parts) > 2 else None, documents
