@@ -47,10 +47,10 @@ def _layers(ctx: ParallelContext, values: dict, sequence_parallel: bool = False)
     column = ColumnParallelLinear(IN, OUT, ctx, blocks=BLOCKS, sequence_parallel=sequence_parallel)
     row = RowParallelLinear(OUT, IN, ctx, sequence_parallel=sequence_parallel)
     for name, layer in (("column", column), ("row", row)):
-        lora = attach(layer, RANK, ALPHA, tp_size=ctx.tp_size, tp_rank=ctx.tp_rank)
+        lora = attach(layer, RANK, ALPHA)
         with torch.no_grad():
             for param, key in ((layer.weight, "weight"), (layer.bias, "bias"),
-                               (lora.lora_A, "A"), (lora.lora_B, "B")):
+                               (lora.A, "A"), (lora.B, "B")):
                 spec = getattr(param, SHARD_ATTR, None)
                 full = values[f"{name}.{key}"]
                 param.copy_(full if spec is None else shard(full, spec))
@@ -97,8 +97,8 @@ def test_an_adapted_layer_computes_what_peft_computes(kind):
     got.backward(grad)
     want.backward(grad)
     for mine, peft_grad, what in ((x_ours.grad, x_theirs.grad, "input"),
-                                  (ours.lora.lora_A.grad, a.grad, "A"),
-                                  (ours.lora.lora_B.grad, b.grad, "B")):
+                                  (ours.lora.A.grad, a.grad, "A"),
+                                  (ours.lora.B.grad, b.grad, "B")):
         torch.testing.assert_close(mine, peft_grad, rtol=1e-5, atol=1e-6, msg=what)
     # The adapter changed the layer: without it the output differs.
     ours.lora = None
@@ -112,18 +112,18 @@ def test_b_starts_at_zero_so_the_adapted_layer_starts_as_the_base():
     from ptdp.parallel.sharding import initialize_parameters
 
     initialize_parameters(layer, seed=3)
-    assert torch.count_nonzero(lora.lora_B) == 0 and torch.count_nonzero(lora.lora_A) > 0
+    assert torch.count_nonzero(lora.B) == 0 and torch.count_nonzero(lora.A) > 0
     x = torch.randn(SEQ, BATCH, IN)
     expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
     torch.testing.assert_close(layer(x), expected)
     # peft's default A: kaiming_uniform_(a=√5), bound 1/√in: variance 1/(3·in).
-    assert lora.lora_A.var().item() == pytest.approx(1 / (3 * IN), rel=0.5)
+    assert lora.A.var().item() == pytest.approx(1 / (3 * IN), rel=0.5)
 
 
 def test_a_rank_larger_than_the_layer_is_refused():
     layer = RowParallelLinear(OUT, IN, ParallelContext.single())
     with pytest.raises(ValueError, match=f"larger than the layer it adapts .* use at most {IN}"):
-        LoRA(layer, IN + 1, 1.0, 0.0, column=False, tp_size=1, tp_rank=0)
+        LoRA(layer, IN + 1, 1.0, 0.0, column=False)
     with pytest.raises(TypeError, match="not Linear"):
         attach(nn.Linear(2, 2), 1, 1.0)
 
@@ -164,7 +164,7 @@ def _tensor_parallel_run(ctx: ParallelContext, values: dict, sequence_parallel: 
         for key in ("row.out", "column.x_grad"):
             found[key] = gather_from_sequence_region(found[key], group)
     for name, layer in (("column", column), ("row", row)):
-        for key, param in (("A", layer.lora.lora_A), ("B", layer.lora.lora_B)):
+        for key, param in (("A", layer.lora.A), ("B", layer.lora.B)):
             found[f"{name}.{key}_grad"] = gather_logical(param.grad,
                                                          getattr(param, SHARD_ATTR, None), group)
     return found

@@ -11,7 +11,8 @@ valid alternative, and all problems are reported together.
 
 The package, from the bottom: base.py (the flag field, ConfigError and the
 checks' helpers), model.py (with moe.py, its mixture-of-experts settings),
-parallel.py (its layer split is ptdp.schedules.split's), train.py (with signals.py) and data.py (each section's fields and its own checks),
+parallel.py (its layer split is ptdp.schedules.split's), train.py (with signals.py), data.py and
+lora.py (each section's fields and its own checks),
 sections.py (the whole Config and the flags across sections), checks.py
 (`validate`, composing the sections' checks and the ones across sections)
 and files.py (a --config file's settings, read and coerced once).
@@ -21,6 +22,7 @@ It imports nothing of ptdp above it but the torch-free ptdp.schedules, and never
 from ptdp.config.base import ConfigError, flag
 from ptdp.config.checks import validate
 from ptdp.config.data import DataConfig
+from ptdp.config.lora import LoRAConfig
 from ptdp.config.model import ModelConfig
 from ptdp.config.moe import MoEFields, parse_layer_pattern
 from ptdp.config.parallel import ParallelConfig
@@ -28,6 +30,6 @@ from ptdp.config.sections import SECTION_TYPES, Config, flag_fields, flag_of
 from ptdp.config.signals import signal_from_name
 from ptdp.config.train import TrainConfig
 
-__all__ = ["Config", "ConfigError", "DataConfig", "ModelConfig", "MoEFields",
+__all__ = ["Config", "ConfigError", "DataConfig", "LoRAConfig", "ModelConfig", "MoEFields",
            "ParallelConfig", "SECTION_TYPES", "TrainConfig", "flag", "flag_fields", "flag_of",
            "parse_layer_pattern", "signal_from_name", "validate"]

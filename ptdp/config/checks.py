@@ -15,6 +15,7 @@ from ptdp.plural import plural
 from ptdp.config.base import ConfigError, divisors, is_count, is_finite_number, nearest_multiple
 from ptdp.config.context import context_parallel_problems
 from ptdp.config.data import data_loading_problems
+from ptdp.config.lora import lora_problems
 from ptdp.schedules.kinds import (KINDS, SEARCHED, ScheduleKind, any_chunks_kind, lower_first,
                                   or_list)
 from ptdp.schedules.split import split_problems
@@ -59,6 +60,7 @@ def validate(config: Config, world_size: int | None = None) -> None:
     problems.extend(loss_and_rate_problems(tr))
     problems.extend(logging_problems(tr))
     problems.extend(data_loading_problems(config.data))
+    problems.extend(lora_problems(config.lora))
     if count_problems:  # the structural checks below would only repeat these problems
         raise ConfigError(problems)
 

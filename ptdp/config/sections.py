@@ -1,4 +1,4 @@
-"""The whole configuration: its four sections together, and the flags across
+"""The whole configuration: its five sections together, and the flags across
 them (the command line and config files are generated from these)."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from typing import Any
 
 from ptdp.config.base import is_count
 from ptdp.config.data import DataConfig
+from ptdp.config.lora import LoRAConfig
 from ptdp.config.model import ModelConfig
 from ptdp.config.parallel import ParallelConfig
 from ptdp.config.train import TrainConfig
@@ -20,6 +21,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         # --calculate-per-token-loss: the default under --sft (Megatron-LM's
@@ -46,7 +48,8 @@ class Config:
 
 
 SECTION_TYPES: dict[str, type] = {
-    "model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig}
+    "model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig,
+    "lora": LoRAConfig}
 
 
 def flag_fields() -> list[tuple[str, dataclasses.Field]]:

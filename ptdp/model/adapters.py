@@ -165,3 +165,64 @@ def merged(base: dict, adapters: dict, config: ModelConfig, lora: LoRAConfig) ->
         delta = adapters[f"{owner}.B"].float() @ adapters[f"{owner}.A"].float()
         out[name] = (weight.float() + lora.scale * delta).to(weight.dtype)
     return out
+
+
+
+def attach_adapters(chunk, config: ModelConfig, lora: LoRAConfig, tensor_parallel: int,
+                    rng=None) -> int:
+    """Freeze every parameter of a built model chunk (ptdp.model.gpt.GPT) and
+    put the --lora-* adapters on its layers, before its `initialize`, which
+    draws their initial values by logical name as every parameter's; returns
+    how many adapters it holds. A routed expert's matrix is split over the
+    tensor group only where its MoE layer does not dispatch (EP = 1,
+    ETP = t), and its adapter's gradient is partial there; a shared
+    expert's always is at t > 1 (its layer reduces once)."""
+    from ptdp.parallel.lora import attach
+
+    for param in chunk.parameters():
+        param.requires_grad_(False)
+    modules = dict(chunk.named_modules())
+    owners = set()
+    for layer in adapted_layers(config, lora):
+        base = modules.get(layer.name)
+        if base is None:
+            continue  # another chunk's layer, or another expert-parallel rank's expert
+        settings = (lora.lora_rank, lora.lora_alpha, lora.lora_dropout)
+        owners.add(adapter_owner(layer, lora))
+        if layer.expert is None:
+            attach(base, *settings, rng=rng, partial=".shared_expert." in layer.name
+                   and tensor_parallel > 1)
+            continue
+        moe = modules[f"layers.{layer.layer}.mlp"]
+        moe.grouped_gemm = False  # the adapters run beside each expert's own product
+        if lora.lora_share_expert_adapters:
+            _share(moe, base, layer.name.rsplit(".", 1)[1], settings, rng,
+                   partial=tensor_parallel > 1)
+        else:
+            attach(base, *settings, rng=rng, partial=tensor_parallel > 1 and not moe.dispatches)
+    return len(owners)
+
+
+def _share(moe, base, matrix: str, settings: tuple, rng, partial: bool) -> None:
+    """--lora-share-expert-adapters: the MoE layer's one adapter for this
+    matrix of all its routed experts (built on the first, registered on the
+    layer; each expert's matrix refers to it without owning it). It is not a
+    routed expert's parameter: every rank holds it, and its gradient, summed
+    over the tokens every local expert took, is reduced over the replicas
+    (and the tensor group, where tokens or rows were split there) as a
+    dense weight's."""
+    from torch import nn
+
+    from ptdp.parallel.lora import LoRA
+    from ptdp.parallel.sharding import EXPERT_ATTR, SHARD_ATTR
+
+    if not hasattr(moe, SHARED_EXPERT_ADAPTER):
+        setattr(moe, SHARED_EXPERT_ADAPTER, nn.ModuleDict())
+    shared = getattr(moe, SHARED_EXPERT_ADAPTER)
+    if matrix not in shared:
+        spec = getattr(base.weight, SHARD_ATTR)
+        shared[matrix] = LoRA(base, *settings, column=spec.dim == 0, rng=rng, partial=partial)
+        for param in shared[matrix].parameters():
+            if hasattr(param, EXPERT_ATTR):
+                delattr(param, EXPERT_ATTR)
+    base.__dict__["lora"] = shared[matrix]  # referred to, not registered a second time

@@ -42,6 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ptdp.config import ModelConfig
+from ptdp.config.lora import LoRAConfig
+from ptdp.model.adapters import attach_adapters
 from ptdp.model.fused import bias_dropout_add, bias_gelu, swiglu, zero_centred_norm
 from ptdp.model.moe import ExpertLinear, MoELayer
 from ptdp.model.recompute import checkpoint, recompute_active
@@ -468,7 +470,8 @@ def _run_group(layers: Sequence[nn.Module], x: torch.Tensor, positions: torch.Te
 
 def build_chunks(config: ModelConfig, ctx: ParallelContext, device: torch.device, seed: int,
                  num_chunks: int = 1, *, sequence_parallel: bool = False,
-                 kind: str | None = None, split=None, cp_comm_type: str = "p2p") -> list[GPT]:
+                 kind: str | None = None, split=None, cp_comm_type: str = "p2p",
+                 lora: LoRAConfig | None = None) -> list[GPT]:
     """This rank's model chunks, initialised from `seed`, with its dropout
     streams seeded. Chunk c of pipeline rank r is virtual stage c·p + r and
     holds layers c·(l/v) + r·(l/(p·v)) onwards (the paper's interleaving),
@@ -477,7 +480,9 @@ def build_chunks(config: ModelConfig, ctx: ParallelContext, device: torch.device
     output layer. Under a V rank 0 holds both, and a tied output layer is
     the same parameter as the embedding (no copy to keep in step). `kind`
     None: the looped placement. `split`: a LayerSplit
-    (ptdp.schedules.split) for stages of unequal layer counts."""
+    (ptdp.schedules.split) for stages of unequal layer counts. `lora`: with
+    --lora-rank, every parameter frozen but the adapters it puts on
+    (ptdp.model.adapters)."""
     rng = RNGStreams(device)
     rng.seed(seed, ctx)
     p, last = ctx.pp_size, ctx.pp_size * num_chunks - 1
@@ -488,6 +493,8 @@ def build_chunks(config: ModelConfig, ctx: ParallelContext, device: torch.device
                                                           config.num_layers, kind, split),
                     pre_process=stage == 0, post_process=stage == last,
                     sequence_parallel=sequence_parallel, cp_comm_type=cp_comm_type)
+        if lora is not None and lora.enabled:
+            attach_adapters(model, config, lora, ctx.tp_size, rng)
         model.initialize(seed)
         first = next((c for c in chunks if c.pre_process), None)
         if model.post_process and config.tied_output and first is not None:

@@ -58,7 +58,9 @@ class _GroupedLinear(torch.autograd.Function):
             grads = _grouped_mm(grad.t(), x, offs=offsets)
             torch.autograd.backward(list(params), [g.to(p.dtype) for g, p in zip(grads, params)])
 
-        if ctx.store is not None:
+        if not any(param.requires_grad for param in params):
+            pass  # frozen experts (LoRA's base): the input's gradient only
+        elif ctx.store is not None:
             ctx.store.add(weight_grads)
         else:
             with torch.no_grad():

@@ -250,6 +250,7 @@ class ExpertLinear(nn.Module):
         setattr(self.weight, SHARD_ATTR, TensorShard(dim=dim, parts=t, index=split.index,
                                                      blocks=blocks))
         self.weight_grads = None
+        self.lora = None  # a low-rank adapter (ptdp.model.adapters), its own or shared
         if bias:
             self.bias = set_init(nn.Parameter(torch.empty(local[0])), "zeros")
             if dim == 0:
@@ -262,7 +263,8 @@ class ExpertLinear(nn.Module):
                 setattr(param, EXPERT_ATTR, True)
 
     def forward(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
-        return deferrable_linear(x, self.weight, self.bias if bias else None, self.weight_grads)
+        y = deferrable_linear(x, self.weight, self.bias if bias else None, self.weight_grads)
+        return y if self.lora is None else y + self.lora.delta(x)
 
 
 class Expert(nn.Module):

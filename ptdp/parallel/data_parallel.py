@@ -102,17 +102,20 @@ class GradBuffer:
     def __init__(self, params: list[nn.Parameter], ctx: ParallelContext, *, param_dtype: torch.dtype,
                  bucket_size: int, shard: bool, tied: set[nn.Parameter] = frozenset(),
                  accumulations: dict[nn.Parameter, int] | None = None, average: bool = True,
-                 reduce_dtype: torch.dtype = torch.float32):
+                 reduce_dtype: torch.dtype = torch.float32, device: torch.device | None = None):
         """`accumulations`: for a parameter that autograd accumulates into
         more than once per microbatch (separate backward passes, e.g. zbv's
         shared word embedding: the lookup's gradient in one chunk's backward,
         the output layer's in another's), how many times; 1 otherwise.
         `average`: divide the reduced gradients by d (else sum them).
-        `reduce_dtype`: what the data-parallel reduction sends (fp32 or bf16)."""
+        `reduce_dtype`: what the data-parallel reduction sends (fp32 or bf16).
+        `device`: where the buffers live (default: the parameters'; needed
+        where a rank has no trainable parameter, as a LoRA stage without
+        adapters)."""
         self.ctx, self.shard = ctx, shard
         self.average, self.reduce_dtype = average, reduce_dtype
         self._accumulations = dict(accumulations or {})
-        device = params[0].device
+        device = device if device is not None else params[0].device
         ordered = list(reversed(params))  # backward finishes the last layers first
 
         # Cut into buckets; tied parameters each in a bucket of their own,

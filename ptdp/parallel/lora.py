@@ -42,21 +42,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ptdp.parallel.sharding import SHARD_ATTR, TensorShard, set_init
+from ptdp.parallel.sharding import EXPERT_ATTR, SHARD_ATTR, TensorShard, set_init
 from ptdp.parallel.tensor import gather_from_sequence_region, mark_partial_grad
 
 
 class LoRA(nn.Module):
-    """The adapter of one column- or row-parallel layer (`attach` builds it)."""
+    """The adapter of one column- or row-parallel layer, or of an MoE
+    expert's matrix (`attach` builds it). Its split follows the base
+    weight's (TensorShard): `column` bases split by output rows, the others
+    by input columns. `partial_group`: the tensor group over which the
+    whole matrix's gradient is partial (None: the adapter is whole here)."""
 
     def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float, *,
-                 column: bool, tp_size: int, tp_rank: int, rng: Any = None):
+                 column: bool, rng: Any = None, partial: bool = False):
         super().__init__()
         if rank < 1:
             raise ValueError(f"a LoRA rank must be at least 1, not {rank}")
+        spec = getattr(base.weight, SHARD_ATTR, None)
+        parts, index = (spec.parts, spec.index) if spec is not None else (1, 0)
         out_local, in_local = base.weight.shape
-        in_features = in_local if column else in_local * tp_size
-        out_features = out_local * tp_size if column else out_local
+        in_features = in_local if column else in_local * parts
+        out_features = out_local * parts if column else out_local
         if rank > min(in_features, out_features):
             raise ValueError(f"a LoRA rank of {rank} is larger than the layer it adapts "
                              f"({out_features} × {in_features}); use at most "
@@ -65,20 +71,24 @@ class LoRA(nn.Module):
         self.column, self.rng = column, rng
         self.dropout = nn.Dropout(dropout) if dropout > 0 else None
         self.sequence_parallel = getattr(base, "sequence_parallel", False)
-        self.group = base.group
-        self.lora_A = nn.Parameter(torch.empty(rank, in_local))
-        self.lora_B = nn.Parameter(torch.empty(out_local, rank))
-        set_init(self.lora_A, "normal", 1.0 / math.sqrt(3 * in_features))
-        set_init(self.lora_B, "zeros")
-        if column:
-            # B split as the base's rows are (its blocks too); A whole, partial gradients.
-            setattr(self.lora_B, SHARD_ATTR, getattr(base.weight, SHARD_ATTR))
-            if self.group is not None:
-                mark_partial_grad(self.lora_A)
-        else:
-            setattr(self.lora_A, SHARD_ATTR, TensorShard(dim=1, parts=tp_size, index=tp_rank))
-            if self.group is not None:
-                mark_partial_grad(self.lora_B)
+        self.group = getattr(base, "group", None)
+        dtype = base.weight.dtype
+        self.A = nn.Parameter(torch.empty(rank, in_local, dtype=dtype, device=base.weight.device))
+        self.B = nn.Parameter(torch.empty(out_local, rank, dtype=dtype, device=base.weight.device))
+        set_init(self.A, "normal", 1.0 / math.sqrt(3 * in_features))
+        set_init(self.B, "zeros")
+        if parts > 1:
+            if column:  # B split as the base's rows are (its blocks too); A whole
+                setattr(self.B, SHARD_ATTR, spec)
+            else:
+                setattr(self.A, SHARD_ATTR, TensorShard(dim=1, parts=parts, index=index))
+        if partial or (parts > 1 and self.group is not None):
+            # column: each rank's A gradient covers its own output rows; row:
+            # each rank's B gradient comes from its partial x_t A_tᵀ.
+            mark_partial_grad(self.A if column else self.B)
+        if getattr(base.weight, EXPERT_ATTR, False):
+            for param in (self.A, self.B):
+                setattr(param, EXPERT_ATTR, True)
 
     def _dropped(self, x: torch.Tensor) -> torch.Tensor:
         if self.dropout is None or not self.training:
@@ -92,29 +102,43 @@ class LoRA(nn.Module):
         """A column-parallel base's adapter term, [.., out/t]: `x` is the
         base's input after f, or under sequence parallelism its own s/t
         positions (the down projection gathered, not x)."""
-        down = F.linear(self._dropped(x), self.lora_A)
+        down = F.linear(self._dropped(x), self.A)
         if self.sequence_parallel:
             down = gather_from_sequence_region(down, self.group)
-        return F.linear(down, self.lora_B) * self.scale
+        return F.linear(down, self.B) * self.scale
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        """An expert's adapter term (no sequence gather: its rows are whole
+        tokens), partial over the tensor ranks where the expert is split."""
+        return self.row_delta(x)
 
     def row_delta(self, x: torch.Tensor) -> torch.Tensor:
         """A row-parallel base's adapter term, partial over the tensor ranks
         like the base's own product, [.., out]: added before its reduction."""
-        return F.linear(F.linear(self._dropped(x), self.lora_A), self.lora_B) * self.scale
+        return F.linear(F.linear(self._dropped(x), self.A), self.B) * self.scale
 
     def extra_repr(self) -> str:
         return f"rank={self.rank}, alpha={self.alpha}, {'column' if self.column else 'row'}-parallel"
 
 
 def attach(layer: nn.Module, rank: int, alpha: float, dropout: float = 0.0, *,
-           tp_size: int = 1, tp_rank: int = 0, rng: Any = None) -> LoRA:
-    """Give a ColumnParallelLinear or RowParallelLinear an adapter (its
-    `lora`), which its forward adds; returns it."""
-    from ptdp.parallel.tensor import ColumnParallelLinear, RowParallelLinear
-
-    if not isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
-        raise TypeError(f"LoRA adapts column- and row-parallel linear layers, not "
-                        f"{type(layer).__name__}")
-    layer.lora = LoRA(layer, rank, alpha, dropout, column=isinstance(layer, ColumnParallelLinear),
-                      tp_size=tp_size, tp_rank=tp_rank, rng=rng)
+           rng: Any = None, partial: bool = False, expert: bool | None = None) -> LoRA:
+    """Give a linear layer whose weight knows its split (ColumnParallelLinear,
+    RowParallelLinear, an MoE expert's matrix) an adapter, its `lora`, which
+    its forward adds; returns it. `partial`: the gradients are partial over
+    the tensor group although the layer has no group of its own (an MoE
+    layer's experts, which it reduces once). `expert`: override whether the
+    adapter's parameters are a routed expert's (default: as the base's)."""
+    spec = getattr(layer.weight, SHARD_ATTR, None) if hasattr(layer, "weight") else None
+    if spec is None or not hasattr(layer, "lora"):
+        raise TypeError(f"LoRA adapts the tensor-parallel linear layers and the experts' "
+                        f"matrices, not {type(layer).__name__}")
+    layer.lora = LoRA(layer, rank, alpha, dropout, column=spec.dim == 0, rng=rng,
+                      partial=partial)
+    if expert is not None:
+        for param in (layer.lora.A, layer.lora.B):
+            if expert:
+                setattr(param, EXPERT_ATTR, True)
+            elif hasattr(param, EXPERT_ATTR):
+                delattr(param, EXPERT_ATTR)
     return layer.lora

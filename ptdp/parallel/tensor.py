@@ -177,9 +177,12 @@ class _SequenceParallelLinear(torch.autograd.Function):
         grad = grad.contiguous()
         if ctx.store is not None:
             group, (real_weight, real_bias) = ctx.group, ctx.params
-            ctx.store.add(lambda: accumulate_weight_grads(_gather_sequence(x, group), grad, real_weight,
-                                               real_bias))
+            if real_weight.requires_grad or (real_bias is not None and real_bias.requires_grad):
+                ctx.store.add(lambda: accumulate_weight_grads(_gather_sequence(x, group), grad,
+                                                              real_weight, real_bias))
             return _reduce_scatter_sequence(grad.matmul(weight), group), None, None, None, None, None
+        if not ctx.needs_input_grad[1]:  # a frozen weight (LoRA's base): the input's gradient only
+            return _reduce_scatter_sequence(grad.matmul(weight), ctx.group), None, None, None, None, None
         gathered, gathering = _gather_sequence(x, ctx.group, async_op=True)
         partial_input = grad.matmul(weight)
         gathering.wait()

@@ -57,14 +57,18 @@ class DeferredWeightGrads:
 def accumulate_weight_grads(x: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None) -> None:
     """Accumulate W's and b's gradients of y = x Wᵀ + b through autograd on
-    the parameters (so their post-accumulate hooks fire)."""
+    the parameters (so their post-accumulate hooks fire). A frozen parameter
+    (LoRA's base) gets none: its product is not computed."""
     grad_2d = grad.reshape(-1, grad.shape[-1])
-    grad_weight = grad_2d.t().matmul(x.reshape(-1, x.shape[-1])).to(weight.dtype)
-    params, grads = [weight], [grad_weight]
-    if bias is not None:
+    params, grads = [], []
+    if weight.requires_grad:
+        params.append(weight)
+        grads.append(grad_2d.t().matmul(x.reshape(-1, x.shape[-1])).to(weight.dtype))
+    if bias is not None and bias.requires_grad:
         params.append(bias)
         grads.append(grad_2d.sum(dim=0).to(bias.dtype))
-    torch.autograd.backward(params, grads)
+    if params:
+        torch.autograd.backward(params, grads)
 
 
 class _DeferredLinear(torch.autograd.Function):
@@ -81,7 +85,8 @@ class _DeferredLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         real_weight, real_bias = ctx.params
-        ctx.store.add(lambda: accumulate_weight_grads(x, grad, real_weight, real_bias))
+        if real_weight.requires_grad or (real_bias is not None and real_bias.requires_grad):
+            ctx.store.add(lambda: accumulate_weight_grads(x, grad, real_weight, real_bias))
         return grad.matmul(weight), None, None, None, None
 
 

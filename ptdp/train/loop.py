@@ -132,13 +132,20 @@ class Trainer:
         self.measured_costs = None  # zero-bubble: what place_exchanges measured
         self.chunks = build_chunks(model_cfg, ctx, device, tr.seed, self.num_chunks,
                                    sequence_parallel=sequence_parallel, kind=par.schedule_kind,
-                                   split=par.layer_split, cp_comm_type=par.cp_comm_type)
+                                   split=par.layer_split, cp_comm_type=par.cp_comm_type,
+                                   lora=config.lora)
         self.model = torch.nn.ModuleList(self.chunks)
         self.moe_layers = moe_layers(self.chunks)
         # The rank of the last virtual stage, which computes the loss (rank 0 under zbv).
         loss_rank = self.schedule.location(self.schedule.num_stages - 1)[0]
         self.holds_loss = loss_rank == ctx.pp_rank
-        params = list(self.model.parameters())
+        # The trained parameters: all, or with --lora-rank the adapters only,
+        # the frozen base kept in the training precision outside the buffers.
+        params = [param for param in self.model.parameters() if param.requires_grad]
+        with torch.no_grad():
+            for param in self.model.parameters():
+                if not param.requires_grad:
+                    param.data = param.data.to(self.dtype)
         # The first and last stage's copies of a tied word embedding, whose
         # gradients are summed over the embedding group; none where one rank
         # holds both ends (under zbv rank 0's chunks share one parameter).
@@ -151,7 +158,7 @@ class Trainer:
                                  accumulations=_tied_accumulations(self.chunks, model_cfg.tied_output),
                                  average=not tr.calculate_per_token_loss,
                                  reduce_dtype=torch.bfloat16 if tr.grad_reduce_in_bf16
-                                 else torch.float32)
+                                 else torch.float32, device=device)
         self.optimizer = Optimizer(self.buffer, ctx, tr,
                                    decoupled=embedding_and_output_weights(self.chunks))
         # Under sequence parallelism each tensor rank sends its own s/t

@@ -279,10 +279,10 @@ class PipelineExecutor:
                     stats.count_stored(len(stash), len(deferred))
             elif action.op == "B":
                 x, out = stash.pop((i, c))
-                if stage == last_stage:
-                    out.backward()
-                else:
-                    out.backward(incoming("grad", i, stage))
+                grad = None if stage == last_stage else incoming("grad", i, stage)
+                # (A LoRA stage with no adapter and no trained input has nothing to differentiate.)
+                if out.requires_grad:
+                    out.backward(grad)
                 if stage > 0:
                     outgoing[("grad", i, stage - 1)] = x.grad
                 if schedule.zero_bubble:
@@ -294,7 +294,7 @@ class PipelineExecutor:
             # Drop this action's references now: through its autograd graph a
             # finished microbatch's output would otherwise keep its stage
             # input alive until the next action reassigns the names.
-            x = out = loss = batch = documents = None
+            x = out = loss = batch = documents = grad = None
 
         self._finish_sends(stats)
         self._check_done(stash, outgoing, received, deferred)

@@ -1,0 +1,164 @@
+"""LoRA trains as one process does, under every layout (issue 41's acceptance).
+
+A Llama-style model (adapters on attention and the MLP) and an MoE model
+(adapters on attention, each routed expert and the shared expert; or one
+adapter per matrix shared by a layer's routed experts) fine-tune on packed
+conversations (the --sft data path) for three AdamW steps. Under each
+layout the losses, gradient norms, first gradients of every adapter and
+final adapter weights equal the one-process run's; every base parameter
+ends bitwise equal to its initial value, on every rank; and the gradient
+buffers hold the adapters only.
+
+One pool of four processes runs every layout in one call, against the
+one-process references the test computes once per model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from ptdp.config.lora import LoRAConfig
+from ptdp.parallel.sharding import SHARD_ATTR, gather_logical, shard_group
+from ptdp.parallel.topology import ParallelContext, RankGrid
+from ptdp.train.loop import Trainer
+from tests import test_context_parallel as cp
+from tests import test_ptdp_step as step
+from tests import test_sft_layouts as sft
+
+CPU = torch.device("cpu")
+STEPS = sft.STEPS
+GRAD_TOL = sft.GRAD_TOL
+ADAPTERS = {
+    "all": LoRAConfig(lora_rank=4, lora_alpha=8.0),
+    # layers 1-3 only: layer 0 (and under p = 2 a whole stage) has none
+    "some": LoRAConfig(lora_rank=4, lora_alpha=8.0,
+                       lora_target_modules=["*.layers.[1-3].*", "linear_proj"]),
+    "shared": LoRAConfig(lora_rank=4, lora_alpha=8.0, lora_share_expert_adapters=True),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    layout: sft.Layout
+    adapters: str = "all"
+
+    @property
+    def name(self) -> str:
+        return f"{self.layout.name}-{self.adapters}"
+
+    @property
+    def reference(self) -> tuple[str, str]:
+        return self.layout.model, self.adapters
+
+
+def _trainer(case: Case, ctx: ParallelContext) -> Trainer:
+    config = sft._config(case.layout, sft.PACKS)
+    config.lora = ADAPTERS[case.adapters]
+    return Trainer(config, ctx, CPU, data=sft.TrainingData(train=sft._packed(), eod=sft.PAD))
+
+
+def _logical(trainer: Trainer, ctx: ParallelContext) -> tuple[dict, dict]:
+    """(every parameter's logical value, every trained one's gradient as the
+    optimizer steps it), gathered over the tensor shards."""
+    weights, grads = {}, {}
+    segments = {id(s.param): s for s in trainer.buffer.segments}
+    for chunk in trainer.chunks:
+        for name, param in chunk.named_parameters():
+            spec, group = getattr(param, SHARD_ATTR, None), shard_group(param, ctx)
+            weights[name] = gather_logical(param.detach().float().clone(), spec, group)
+            if id(param) in segments:
+                segment = segments[id(param)]
+                grad = trainer.buffer.grad_data[segment.start:segment.end].view(param.shape)
+                grads[name] = gather_logical(grad.clone(), spec, group)
+    return weights, grads
+
+
+def _run(trainer: Trainer, ctx: ParallelContext, gradients: bool = True):
+    """Three steps: the records, the first step's gradients, the final weights."""
+    records = [trainer.step(0)[0]]
+    first = _logical(trainer, ctx)[1] if gradients else {}
+    records += [trainer.step(i)[0] for i in range(1, STEPS)]
+    return records, first, _logical(trainer, ctx)[0]
+
+
+_serial: dict[tuple, tuple] = {}
+
+
+def _one_process(model: str, adapters: str):
+    """A model's one-process run with these adapters, and its initial weights.
+    Checked here: only adapters train, their B starts at zero, the base
+    stays as it was drawn, and the adapters change the loss after a step."""
+    key = (model, adapters)
+    if key not in _serial:
+        ctx = ParallelContext.single()
+        trainer = _trainer(Case(sft.Layout(model=model), adapters), ctx)
+        initial = _logical(trainer, ctx)[0]
+        trained = {s.param for s in trainer.buffer.segments}
+        names = {name for chunk in trainer.chunks for name, p in chunk.named_parameters()
+                 if p in trained}
+        assert names and all(".lora." in n or ".experts_adapter." in n for n in names), key
+        assert all(initial[n].count_nonzero() == 0 for n in names if n.endswith(".B")), key
+        records, first, final = _run(trainer, ctx)
+        assert all(first[n].abs().max() > 0 for n in names if n.endswith(".B")), key
+        for name, weight in final.items():
+            assert (name in names) != torch.equal(weight, initial[name]), (key, name)
+        assert records[2]["loss"] != pytest.approx(records[0]["loss"], rel=1e-4), key
+        _serial[key] = records, first, final, initial
+    return _serial[key]
+
+
+def _cases_vs_one_process(rank: int, cases: list[Case], references: dict) -> list[tuple]:
+    """Each case against `references` ((model, adapters) -> _one_process's):
+    (name, the parameters this rank compared, the largest weight difference)."""
+    results = []
+    for case in cases:
+        records, first, final, initial = references[case.reference]
+        layout = case.layout
+        ctx = ParallelContext.build(RankGrid(tp=layout.t, dp=layout.d, pp=layout.p, cp=layout.c,
+                                             ep=layout.ep))
+        trainer = _trainer(case, ctx)
+        got, grads, weights = _run(trainer, ctx, gradients=not layout.distributed)
+        for name, grad in grads.items():  # (sharded optimizer: each rank holds a part)
+            cp._close(grad, first[name], GRAD_TOL, f"{case.name}: {name} gradient")
+        for record, want in zip(got, records):
+            assert not record["skipped"], case.name
+            assert record["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), case.name
+            if trainer.holds_loss:
+                assert record["loss"] == pytest.approx(want["loss"], rel=1e-5), case.name
+        worst = 0.0
+        for name, weight in weights.items():
+            if ".lora." in name or ".experts_adapter." in name:
+                torch.testing.assert_close(weight, final[name], **step.WEIGHT_TOL,
+                                           msg=lambda m, n=name: f"{case.name}: {n}: {m}")
+                worst = max(worst, (weight - final[name]).abs().max().item())
+            else:
+                assert torch.equal(weight, initial[name]), (case.name, name)
+        results.append((case.name, set(weights), worst))
+        del trainer
+        ctx.destroy()
+    return results
+
+
+Layout = sft.Layout
+CASES = [
+    Case(Layout(t=2, d=2, sequence_parallel=True, recompute="selective")),
+    Case(Layout(p=2, d=2, schedule="interleaved", k=1, recompute="full"), "some"),
+    Case(Layout(t=2, p=2, schedule="zbv", sequence_parallel=True)),
+    Case(Layout(c=2, d=2)),
+    Case(Layout(d=4, distributed=True, model="moe")),
+    Case(Layout(d=4, ep=2, model="moe")),
+    Case(Layout(t=2, d=2, sequence_parallel=True, model="moe")),
+    Case(Layout(t=2, d=2, ep=2, sequence_parallel=True, model="moe"), "shared"),
+]
+
+
+def test_lora_trains_as_one_process_under_every_layout(pools):
+    references = {case.reference: _one_process(*case.reference) for case in CASES}
+    per_rank = pools(4).run(_cases_vs_one_process, CASES, references)
+    for i, case in enumerate(CASES):
+        names = set().union(*(results[i][1] for results in per_rank))
+        assert names == set(references[case.reference][3]), case.name  # every parameter, some rank
+        assert max(results[i][2] for results in per_rank) < 1e-5, case.name
