@@ -211,11 +211,19 @@ def _model_config(directory: Path, metadata: dict):
 def _check_tensors(directory: Path, metadata: dict, model) -> None:
     """The stored tensors are the model's, each where the metadata says,
     with its logical shape and a dtype the checkpoint can have written."""
+    from ptdp.config.lora import LoRAConfig
+    from ptdp.model.adapters import adapter_shapes
     from ptdp.model.shapes import logical_shapes, state_shapes
 
     try:
-        state = state_shapes(model)
-        expected = {**logical_shapes(model), **state}
+        known = {f.name for f in dataclasses.fields(LoRAConfig)}
+        lora = LoRAConfig(**{k: v for k, v in (metadata["config"].get("lora") or {}).items()
+                             if k in known})
+        if lora.enabled:  # adapters only (ptdp.checkpoint.adapters): the base is elsewhere
+            state, expected = {}, adapter_shapes(model, lora)
+        else:
+            state = state_shapes(model)
+            expected = {**logical_shapes(model), **state}
     except (TypeError, ValueError, ArithmeticError) as error:
         raise damaged(directory, f"metadata.json: the model settings do not describe a model "
                                  f"({error})") from None

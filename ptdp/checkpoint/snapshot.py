@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ptdp.checkpoint.adapters import LORA_BASE
 from ptdp.checkpoint.carry import TOKENIZER_FILE, TOKENIZER_KEY, carry_hf_files
 from ptdp.checkpoint.integrity import FORMAT, FORMAT_VERSION, OPTIMIZER_START, RUN_START, sha256_of
 from ptdp.checkpoint.layout import (layout_record, part_name, rng_file, writes_state_buffers,
@@ -155,8 +156,8 @@ def _logical_tensors(state: TrainingState) -> dict[str, torch.Tensor]:
     mine: dict[str, torch.Tensor] = {}
     index = {False: 0, True: 0}  # per kind, so every rank of a group counts alike
     for name, param in named_parameters(state.chunks):
-        if getattr(param, COPY_ATTR, False):
-            continue  # the tied embedding's second copy: stored once
+        if getattr(param, COPY_ATTR, False) or id(param) not in segments:
+            continue  # the tied embedding's second copy, stored once; LoRA's frozen base
         expert = is_expert(param)
         segment = segments[id(param)]
         spec = getattr(param, SHARD_ATTR, None)
@@ -168,7 +169,7 @@ def _logical_tensors(state: TrainingState) -> dict[str, torch.Tensor]:
             if writes_tensor(ctx, expert, index[expert]):
                 mine[f"{prefix}/{name}"] = logical.detach().clone().contiguous().cpu()
             index[expert] += 1
-    if writes_state_buffers(ctx):  # replicated over tensor, context and data ranks
+    if writes_state_buffers(ctx) and not state.config.lora.enabled:  # (LoRA: the base's)
         for name, tensor in named_state_buffers(state.chunks):
             mine[f"model/{name}"] = tensor.detach().clone().contiguous().cpu()
     return mine
@@ -210,6 +211,8 @@ def _metadata_draft(state: TrainingState) -> tuple[dict, bytes | None]:
     }
     if state.finetuned_from:
         metadata[FINETUNED_FROM] = state.finetuned_from
+    if state.config.lora.enabled:
+        metadata[LORA_BASE] = state.lora_base
     if tokenizer is not None:
         metadata[TOKENIZER_KEY] = TOKENIZER_FILE
         # The run's path to it may be a resumed checkpoint's copy, soon pruned:

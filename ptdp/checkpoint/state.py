@@ -86,6 +86,7 @@ class TrainingState:
     finetuned_from: dict | None = None           # FINETUNED_FROM's record
     carried_tokenizer: bytes | None = None       # rank 0: the tokenizer.json carried
     carried_hf_files: dict[str, bytes] | None = None   # rank 0: carry.hf_files_to_carry
+    lora_base: dict | None = None                # LoRA: the base's identity (adapters.py)
 
 
 # ------------------------------------------------------------------ the model's tensors
@@ -123,12 +124,14 @@ def load_model_state(state: TrainingState, directory: Path, metadata: dict,
     reader = Reader(directory, metadata)
     ctx, buffer, optimizer = state.ctx, state.buffer, state.optimizer
     segments = {id(s.param): s for s in buffer.segments}
-    first = next(name for name, _ in named_parameters(state.chunks))
+    trained = [(name, param) for name, param in named_parameters(state.chunks)
+               if id(param) in segments]  # (LoRA: the adapters; the base is frozen)
+    first = trained[0][0] if trained else None
     has_optimizer = take_optimizer and reader.has(f"optimizer/exp_avg/{first}")
     flats = {kind: torch.zeros(buffer.numel, dtype=torch.float32, device=buffer.param_data.device)
              for kind in OPTIMIZER_KINDS}
     with torch.no_grad():
-        for name, param in named_parameters(state.chunks):
+        for name, param in trained:
             spec = getattr(param, SHARD_ATTR, None)
             segment = segments[id(param)]
             # The fp32 main weights, where saved, are the exact values.

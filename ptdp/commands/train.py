@@ -137,12 +137,14 @@ def run_train(config: Config, explicit: Sequence[str] = (), accepted: Sequence =
     from ptdp.launch import CPU_RANK_MODULES, LocalJobFailed, launch_local
     from ptdp.perf.local_processes import local_process_problems
     from ptdp.checkpoint.store import nothing_to_train
+    from ptdp.checkpoint.adapters import with_checkpoint_lora
     from ptdp.checkpoint.args import changed_settings_note, with_checkpoint_shape
     from ptdp.train.loop import worker
 
     env = detect_env()
     config, adjusted = _as_megatron_does(config)
     config = with_checkpoint_shape(config, explicit)  # --use-checkpoint-args: the checkpoint's model
+    config = with_checkpoint_lora(config, explicit)  # adapters loaded: their LoRA settings
     # The tokenizer (the flags', else the one --load's checkpoint carries) and
     # the vocabulary it gives, resolved once here: every rank gets the result.
     config = resolve_data(config, explicit)
@@ -264,26 +266,34 @@ def _as_megatron_does(config: Config) -> tuple[Config, list[str]]:
                     f"at iteration 0 (it is also --save: the next run resumes from what this one "
                     f"saves)" + (f"; {', '.join(unused)} {'has' if len(unused) == 1 else 'have'} "
                                  f"nothing to apply to" if unused else ""))
-    train, pretrained_note = _pretrained_checkpoint(train)
+    train, pretrained_note = _pretrained_checkpoint(train, config.lora.enabled)
     said += pretrained_note
     return dataclasses.replace(config, parallel=parallel, train=train), said
 
 
-def _pretrained_checkpoint(train) -> tuple[Any, list[str]]:
+def _pretrained_checkpoint(train, lora: bool = False) -> tuple[Any, list[str]]:
     """--pretrained-checkpoint DIR, Megatron-LM's fine-tuning start: with no
-    checkpoint to resume in --load, the run is --load DIR --finetune."""
+    checkpoint to resume in --load, the run is --load DIR --finetune. With
+    LoRA it is always the base, and --load's checkpoint the adapters."""
     pretrained = train.pretrained_checkpoint
     if not isinstance(pretrained, str):
         return train, []
+    if lora and isinstance(train.load, str) and not _nothing_to_resume(train.load):
+        return train, [f"ptdp: --pretrained-checkpoint {pretrained}: the base model the adapters "
+                       f"of --load {train.load} resume on (its seal must be the one they record)"]
     if isinstance(train.load, str) and not _nothing_to_resume(train.load):
         return train, [f"ptdp: --pretrained-checkpoint {pretrained}: not used, --load "
                        f"{train.load} holds a checkpoint, which the run resumes (as Megatron-LM "
                        f"does)"]
+    what = ("the frozen base model's weights come from it; the adapters start afresh (B = 0, "
+            "so the first step computes the base model), at iteration 0 with a fresh optimizer "
+            "and schedule" if lora else
+            "the model's weights come from it, as with --load DIR --finetune (iteration 0, a "
+            "fresh optimizer and schedule), as Megatron-LM does")
     return dataclasses.replace(train, load=pretrained, finetune=True), [
         f"ptdp: --pretrained-checkpoint {pretrained}: "
         + (f"--load {train.load} holds no checkpoint, so " if isinstance(train.load, str) else "")
-        + "the model's weights come from it, as with --load DIR --finetune (iteration 0, a fresh "
-          "optimizer and schedule), as Megatron-LM does"]
+        + what]
 
 
 def _mock_data_notes(config: Config, explicit: Sequence[str]) -> list[str]:

@@ -23,7 +23,7 @@ def launch_problems(config: Config, env) -> list[str]:
     """Every problem these checks find, in the order they are reported:
     the checkpoint's, the reporting settings', the output paths', then the
     memory's (whose arithmetic needs a validated layout)."""
-    return (_checkpoint_problems(config) + _reporting_problems(config)
+    return (_lora_problems(config) + _checkpoint_problems(config) + _reporting_problems(config)
             + _output_path_problems(config) + _memory_problems(config, env))
 
 
@@ -109,12 +109,65 @@ def _checkpoint_problems(config: Config) -> list[str]:
             directory = resolve(tr.load)
             metadata = read_metadata(directory)
             check_model_fits(metadata, config.model, directory)
+            problems.extend(_adapter_checkpoint_problems(config, directory, metadata))
             if nothing_to_train(config) is None:  # (a finished run resumed: said, a success)
                 problems.extend(schedule_problems(tr, tr.batch_size(config.parallel.dp),
                                                   metadata, directory))
         except CheckpointError as error:
             problems.append(str(error))
     return problems
+
+
+def _lora_problems(config: Config) -> list[str]:
+    """--lora-*: the targets against this model and layout (a name that
+    matches nothing, a rank larger than a layer, an expert split the
+    adapters do not support) and, where no --load gives the base, whether
+    --pretrained-checkpoint's checkpoint is a base model."""
+    from ptdp.model.adapters import adapter_problems
+
+    par = config.parallel
+    return adapter_problems(config.model, config.lora,
+                            tensor_parallel=par.tensor_model_parallel_size,
+                            expert_parallel=par.expert_model_parallel_size,
+                            expert_tensor_parallel=par.expert_tensor_size)
+
+
+def _adapter_checkpoint_problems(config: Config, directory, metadata: dict) -> list[str]:
+    """--load's checkpoint against the run's LoRA settings: adapters need
+    --lora-rank (or none of the --lora-* flags), a full model under LoRA is
+    the base only with --finetune (--pretrained-checkpoint's way), and the
+    adapters' base must still be there when --pretrained-checkpoint does not
+    name it."""
+    from ptdp.checkpoint.adapters import (base_directory, base_identity, check_lora_fits,
+                                          check_same_base, is_adapter_checkpoint, recorded_base)
+    from ptdp.checkpoint.store import CheckpointError, read_metadata
+
+    tr, lora = config.train, config.lora
+    adapters = is_adapter_checkpoint(metadata)
+    if adapters and not lora.enabled:
+        return [f"--load {directory} holds LoRA adapters, but --lora-rank is 0: leave every "
+                f"--lora-* flag out to take the checkpoint's settings, or give them"]
+    if lora.enabled and not adapters and not tr.finetune:
+        return [f"--load {directory} holds a full model, not LoRA adapters: to train adapters "
+                f"on it, give it as --pretrained-checkpoint {tr.load} (or --load it with "
+                f"--finetune)"]
+    if not adapters:
+        return []
+    check_lora_fits(metadata, lora, directory)
+    base = base_directory(tr, metadata)
+    base_metadata = None
+    if base is not None:
+        try:
+            base_metadata = read_metadata(base)
+        except (CheckpointError, OSError) as error:
+            if tr.pretrained_checkpoint:
+                raise
+            return [f"--load {directory} holds adapters whose base, {base} (iteration "
+                    f"{recorded_base(metadata).get('iteration')}), cannot be read ({error}): give "
+                    f"the base as --pretrained-checkpoint BASE"]
+    flag = "--pretrained-checkpoint" if tr.pretrained_checkpoint else "the recorded base"
+    check_same_base(directory, metadata, base_identity(base, base_metadata, tr.seed), flag)
+    return []
 
 
 def _save_directory_problems(save: str) -> list[str]:

@@ -61,6 +61,9 @@ def validate(config: Config, world_size: int | None = None) -> None:
     problems.extend(logging_problems(tr))
     problems.extend(data_loading_problems(config.data))
     problems.extend(lora_problems(config.lora))
+    if config.lora.enabled and tr.decoupled_lr is not None:
+        problems.append("--decoupled-lr sets the word embedding's and output layer's rate, but "
+                        "--lora-rank freezes them (only the adapters train): leave it out")
     if count_problems:  # the structural checks below would only repeat these problems
         raise ConfigError(problems)
 

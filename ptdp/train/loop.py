@@ -26,6 +26,7 @@ from ptdp.data.sft.template_files import tokenizer_side_files
 from ptdp.data.sampler import microbatch_indices, training_microbatches
 from ptdp.distributed import DistEnv, init_process_group
 from ptdp.errors import DivergenceError
+from ptdp.checkpoint.adapters import base_identity
 from ptdp.model.gpt import build_chunks
 from ptdp.parallel.data_parallel import GradBuffer
 from ptdp.parallel.pipeline.executor import PipelineExecutor, average_loss
@@ -103,6 +104,10 @@ class Trainer:
         # started from (a load replaces both: ptdp.checkpoint.retention).
         self.checkpoint_lineage = Lineage.fresh()
         self.finetuned_from: dict | None = None
+        # LoRA: the base the adapters train on (a load replaces it), as its
+        # checkpoints record it (ptdp.checkpoint.adapters); else drawn from --seed.
+        self.lora_base: dict | None = base_identity(None, None, config.train.seed) \
+            if config.lora.enabled else None
         # What the run's checkpoints carry: its tokenizer.json (read once, at
         # --load or the first save: a later save may find the loaded
         # checkpoint pruned) and a loaded checkpoint's other Hugging Face files.
@@ -251,7 +256,7 @@ class Trainer:
             lineage=self.checkpoint_lineage, loss_watch=self.loss_range,
             records={lr_resume.RECORD: lr_resume.record(self),
                      LOSS_RANGE: self.loss_range.record()},
-            finetuned_from=self.finetuned_from,
+            finetuned_from=self.finetuned_from, lora_base=self.lora_base,
             carried_tokenizer=self.tokenizer_to_carry() if saving and self.ctx.rank == 0 else None,
             carried_hf_files=self.hf_files_to_carry() if saving and self.ctx.rank == 0
             else self.carried_hf_files)
@@ -340,7 +345,8 @@ class Trainer:
         forward_backward_done = time.perf_counter()
 
         self.buffer.finish()
-        if self.config.model.moe_router_enable_expert_bias:
+        # (LoRA: the expert biases are the frozen base's, kept as loaded.)
+        if self.config.model.moe_router_enable_expert_bias and not self.config.lora.enabled:
             update_expert_biases(self.moe_layers, self.config.model.moe_router_bias_update_rate, ctx)
         loss = None
         if self.holds_loss:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ptdp.checkpoint.adapters import (base_directory, base_identity, check_lora_fits,
+                                     check_same_base, is_adapter_checkpoint, load_base_weights)
 from ptdp.checkpoint.carry import hf_files_to_carry
 from ptdp.checkpoint.integrity import OPTIMIZER_START, UNSEALED_NOTE, is_unsealed
 from ptdp.checkpoint.retention import LINEAGE, Lineage, recorded_lineage
@@ -51,7 +53,12 @@ def load_checkpoint(trainer, load: str | Path) -> dict[str, Any]:
     metadata = read_metadata(directory)
     check_model_fits(metadata, trainer.config.model, directory)
     state = trainer.training_state()
-    has_optimizer = load_model_state(state, directory, metadata, take_optimizer)
+    if trainer.config.lora.enabled:
+        _load_lora_base(trainer, directory, metadata)
+    if trainer.config.lora.enabled and not is_adapter_checkpoint(metadata):
+        has_optimizer = False  # the base itself (--finetune): the adapters start afresh
+    else:
+        has_optimizer = load_model_state(state, directory, metadata, take_optimizer)
     optimizer = trainer.optimizer
     if not tr.finetune and metadata.get("optimizer"):  # the run's count goes on
         trainer.skipped_iterations = int(metadata["optimizer"].get("skipped_iterations", 0))
@@ -84,6 +91,25 @@ def load_checkpoint(trainer, load: str | Path) -> dict[str, Any]:
         trainer.carried_hf_files = hf_files_to_carry(state, directory, metadata)
     barrier(trainer.ctx)
     return metadata
+
+
+def _load_lora_base(trainer, directory: Path, metadata: dict) -> None:
+    """LoRA: the frozen base's weights, from --load itself where it is a full
+    checkpoint (with --finetune: checked before launch), else from the base
+    the adapters record or --pretrained-checkpoint, refused where its seal
+    is not the recorded one. The base's identity goes into the run's saves."""
+    tr = trainer.config.train
+    if not is_adapter_checkpoint(metadata):
+        base, base_metadata = directory, metadata
+    else:
+        check_lora_fits(metadata, trainer.config.lora, directory)
+        base = base_directory(tr, metadata)
+        base_metadata = read_metadata(base) if base is not None else None
+        flag = "--pretrained-checkpoint" if tr.pretrained_checkpoint else "the recorded base"
+        check_same_base(directory, metadata, base_identity(base, base_metadata, tr.seed), flag)
+    if base is not None:
+        load_base_weights(trainer.chunks, base, base_metadata, trainer.config.model)
+    trainer.lora_base = base_identity(base, base_metadata, tr.seed)
 
 
 def _fresh_optimizer(optimizer) -> None:

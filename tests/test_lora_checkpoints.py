@@ -1,0 +1,103 @@
+"""LoRA checkpoints (issue 41, item 3): a run with --lora-rank saves its
+adapters and their optimizer state only, with its base's identity; it
+resumes exactly from them on the base they record (named again with
+--pretrained-checkpoint, or found from the record), and refuses another
+base, other adapter settings, or a full model given as --load."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ptdp.checkpoint.adapters import LORA_BASE
+from ptdp.checkpoint.integrity import SEAL
+from ptdp.checkpoint.store import read_metadata, resolve
+from ptdp.cli import main
+
+MODEL = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--seq-length", "16", "--vocab-size", "64", "--normalization", "RMSNorm", "--swiglu",
+         "--ffn-hidden-size", "64", "--position-embedding-type", "rope", "--disable-bias-linear",
+         "--untie-embeddings-and-output-weights", "--micro-batch-size", "2",
+         "--global-batch-size", "4", "--lr", "1e-2", "--log-interval", "1"]
+LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-dropout", "0.1"]
+
+
+def _train(folder, name: str, *extra: str) -> list[dict]:
+    metrics = folder / f"{name}.jsonl"
+    assert main(["train", *MODEL, "--metrics-file", str(metrics), *extra]) == 0
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bases")
+    for name, seed in (("base", "1234"), ("other", "99")):
+        _train(folder, name, "--train-iters", "2", "--seed", seed, "--save", str(folder / name))
+    return folder / "base", folder / "other"
+
+
+def test_adapters_save_alone_and_resume_exactly_on_their_base(bases, tmp_path, capsys):
+    base, _ = bases
+    straight = _train(tmp_path, "straight", *LORA, "--pretrained-checkpoint", str(base),
+                      "--train-iters", "4", "--save", str(tmp_path / "straight"))
+    first = _train(tmp_path, "first", *LORA, "--pretrained-checkpoint", str(base),
+                   "--train-iters", "4", "--exit-interval", "2", "--save", str(tmp_path / "ad"))
+    assert [r["iteration"] for r in first] == [1, 2]
+
+    adapters = resolve(tmp_path / "ad")
+    metadata = read_metadata(adapters)
+    names = {name.split("/", 1)[1] for name in metadata["tensors"]}
+    assert names and all(".lora." in name for name in names)
+    assert any(name.startswith("optimizer/exp_avg/") for name in metadata["tensors"])
+    base_metadata = read_metadata(resolve(base))
+    record = metadata[LORA_BASE]
+    assert record[SEAL] == base_metadata[SEAL] and record["iteration"] == 2
+    adapter_bytes = sum(f.stat().st_size for f in adapters.glob("*.safetensors"))
+    base_bytes = sum(f.stat().st_size for f in resolve(base).glob("*.safetensors"))
+    assert adapter_bytes < base_bytes / 4
+
+    # No --lora-* flag and no --pretrained-checkpoint: both from the adapters' record.
+    second = _train(tmp_path, "second", "--train-iters", "4", "--load", str(tmp_path / "ad"),
+                    "--save", str(tmp_path / "ad"))
+    resumed = first + second
+    assert [r["iteration"] for r in resumed] == [1, 2, 3, 4]
+    for got, want in zip(resumed, straight):
+        assert got["loss"] == want["loss"], got["iteration"]  # bitwise, dropout included
+    assert "resumed from" in capsys.readouterr().out
+
+
+def _refused(argv: list[str], capsys) -> str:
+    capsys.readouterr()
+    assert main(argv) == 2
+    return " ".join(capsys.readouterr().err.split())
+
+
+def test_adapters_refuse_another_base_and_other_settings(bases, tmp_path, capsys):
+    base, other = bases
+    _train(tmp_path, "ad", *LORA, "--pretrained-checkpoint", str(base), "--train-iters", "1",
+           "--save", str(tmp_path / "ad"))
+    resume = ["train", *MODEL, "--train-iters", "1", "--load", str(tmp_path / "ad")]
+    said = _refused([*resume, "--pretrained-checkpoint", str(other)], capsys)
+    assert "holds adapters for another base model: they were trained on" in said
+    assert "give that base as --pretrained-checkpoint" in said
+    said = _refused([*resume, "--lora-rank", "8", "--lora-alpha", "8", "--lora-dropout", "0.1"],
+                    capsys)
+    assert "holds other adapters: --lora-rank: checkpoint 4, requested 8" in said
+    said = _refused(["train", *MODEL, *LORA, "--train-iters", "3", "--load", str(base)], capsys)
+    assert "holds a full model, not LoRA adapters: to train adapters on it, give it as " \
+           "--pretrained-checkpoint" in said
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lora-target-modules", "linear_q"], "'linear_q' matches no layer of this model"),
+    (["--lora-target-modules", "*.layers.7.*"], "'*.layers.7.*' matches no layer"),
+    (["--lora-rank", "40"], "--lora-rank 40 is larger than"),
+    (["--decoupled-lr", "1e-3"], "--lora-rank freezes them"),
+    (["--lora-rank", "0", "--lora-dropout", "0.1"], "--lora-dropout set without adapters"),
+    (["--lora-alpha", "0"], "--lora-alpha must be a positive number"),
+    (["--lora-share-expert-adapters"], "no routed expert's layer is adapted"),
+])
+def test_bad_lora_settings_are_refused_before_launch(argv, message, capsys):
+    said = _refused(["train", *MODEL, "--lora-rank", "4", "--train-iters", "1", *argv], capsys)
+    assert message in said
