@@ -73,6 +73,7 @@ from ptdp.checkpoint.data_settings import model_tokenizer
 from ptdp.checkpoint.store import CheckpointError
 from ptdp.config import Config, ConfigError
 from ptdp.distributed import init_process_group
+from ptdp.checkpoint.adapters import load_adapted_model
 from ptdp.model.gpt import build_chunks
 from ptdp.parallel.sharding import SHARD_ATTR, shard
 from ptdp.parallel.topology import ParallelContext, RankGrid
@@ -97,6 +98,8 @@ class GenerateRequest:
     # The tokens generation stops at (a chat model's ends of turn:
     # ptdp.chat_prompt); None: the tokenizer's end of document.
     stop_ids: list[int] | None = None
+    # --load holds LoRA adapters: their base (None: the one they record).
+    pretrained: str | None = None
 
 
 class PipelinedModel:
@@ -109,7 +112,7 @@ class PipelinedModel:
         self.sequence_parallel = dispatches_tokens(config.model, ctx.tp_size, ctx.ep_size,
                                                    ctx.etp_size)
         self.chunks = build_chunks(config.model, ctx, device, config.train.seed, num_chunks,
-                                   sequence_parallel=self.sequence_parallel)
+                                   sequence_parallel=self.sequence_parallel, lora=config.lora)
         with torch.no_grad():
             for chunk in self.chunks:
                 for name, param in chunk.named_parameters():
@@ -242,7 +245,7 @@ def generate_text(request: GenerateRequest, ctx: ParallelContext, device: torch.
     """The request's prompt and its continuation as text (the continuation
     alone without `echo_prompt`), or with `output_ids` the new token ids,
     comma-separated. Every rank of the layout calls it."""
-    config, weights = read_checkpoint_model(request.load)
+    config, weights = read_checkpoint_model(request.load, request.pretrained)
     tokenizer = model_tokenizer(config, request.load)
     model = PipelinedModel(config, ctx, device, weights, request.chunks)
     stop = request.stop_ids if request.stop_ids is not None else \
@@ -257,13 +260,15 @@ def generate_text(request: GenerateRequest, ctx: ParallelContext, device: torch.
     return tokenizer.decode(shown) if tokenizer is not None else " ".join(map(str, shown))
 
 
-def read_checkpoint_model(load: str) -> tuple[Config, dict[str, torch.Tensor]]:
-    """The settings and logical weights of checkpoint `load`. ptdp.checkpoint
+def read_checkpoint_model(load: str, pretrained: str | None = None
+                          ) -> tuple[Config, dict[str, torch.Tensor]]:
+    """The settings and logical weights of checkpoint `load` (LoRA adapters:
+    the base's weights and the adapters', ptdp.checkpoint.adapters). ptdp.checkpoint
     refuses a damaged checkpoint with a CheckpointError; an error of the
     libraries beneath it (safetensors, JSON) becomes one too, so that a
     damaged checkpoint is a user error, one paragraph, on any rank."""
     try:
-        config, weights, _ = store.load_logical_model(load)
+        config, weights, _, _ = load_adapted_model(load, pretrained)
     except (SafetensorError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError,
             AttributeError) as error:
         raise CheckpointError(f"--load {load}: the checkpoint cannot be read "

@@ -101,3 +101,45 @@ def test_adapters_refuse_another_base_and_other_settings(bases, tmp_path, capsys
 def test_bad_lora_settings_are_refused_before_launch(argv, message, capsys):
     said = _refused(["train", *MODEL, "--lora-rank", "4", "--train-iters", "1", *argv], capsys)
     assert message in said
+
+
+# ------------------------------------------------------------------ merging, generation
+
+def test_merged_adapters_compute_base_plus_adapters_and_generate_alike(bases, tmp_path, capfd):
+    """--merge-lora writes W + (α/R)·B A: its logits equal those of the base
+    with its adapters attached (the model training runs) within 1e-5, and
+    `ptdp generate` gives the same tokens from the adapters on their base
+    (one process and t = 2) as from the merged checkpoint."""
+    import torch
+
+    from ptdp.generate import PipelinedModel, read_checkpoint_model
+    from ptdp.parallel.topology import ParallelContext
+
+    base, _ = bases
+    _train(tmp_path, "ad", *LORA, "--pretrained-checkpoint", str(base), "--train-iters", "3",
+           "--save", str(tmp_path / "ad"))
+    assert main(["convert", "--merge-lora", "--load", str(tmp_path / "ad"),
+                 "--save", str(tmp_path / "merged")]) == 0
+    assert "adapters of rank 4 merged" in capfd.readouterr().out
+
+    prompt = torch.tensor([[3, 17, 9, 40, 2, 33]])
+    ctx, cpu = ParallelContext.single(), torch.device("cpu")
+
+    def logits(load: str) -> torch.Tensor:
+        config, weights = read_checkpoint_model(load)
+        return PipelinedModel(config, ctx, cpu, weights)(prompt)
+
+    adapted, merged = logits(str(tmp_path / "ad")), logits(str(tmp_path / "merged"))
+    torch.testing.assert_close(merged, adapted, rtol=0, atol=1e-5)
+    assert (logits(str(base)) - adapted).abs().max() > 1e-3  # the adapters did train
+
+    def generated(load, *layout: str) -> str:
+        capfd.readouterr()
+        assert main(["generate", "--load", str(load), "--prompt-ids", "3,17,9,40",
+                     "--max-new-tokens", "6", "--temperature", "0", "--output-ids",
+                     *layout]) == 0
+        return capfd.readouterr().out.strip().splitlines()[-1]
+
+    want = generated(tmp_path / "merged")
+    assert generated(tmp_path / "ad") == want
+    assert generated(tmp_path / "ad", "--pretrained-checkpoint", str(base), "-t", "2") == want

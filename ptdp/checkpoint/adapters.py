@@ -150,3 +150,58 @@ def with_checkpoint_lora(config, explicit) -> Any:
     if not is_adapter_checkpoint(metadata):
         return config
     return dataclasses.replace(config, lora=saved_lora(metadata))
+
+
+def load_adapted_model(load: str | Path, pretrained: str | Path | None = None
+                       ) -> tuple[Any, dict[str, torch.Tensor], dict, dict | None]:
+    """For generation and conversion: (config, logical weights, metadata,
+    the adapters' logical tensors or None). For adapters, the weights are
+    their base's (--pretrained-checkpoint's, else the recorded one's, its
+    seal checked) and the config the adapted model's; a full model's are
+    its own."""
+    from ptdp.checkpoint.store import load_logical_model
+
+    config, weights, metadata = load_logical_model(load)
+    directory = resolve(load)
+    if not is_adapter_checkpoint(metadata):
+        if pretrained is not None:
+            raise CheckpointError(f"--pretrained-checkpoint {pretrained} is the base of LoRA "
+                                  f"adapters, but --load {directory} holds a full model: leave "
+                                  f"--pretrained-checkpoint out")
+        return config, weights, metadata, None
+    recorded = recorded_base(metadata).get("checkpoint")
+    base = resolve(pretrained) if pretrained is not None else Path(recorded) if recorded else None
+    if base is None:
+        raise CheckpointError(f"--load {directory} holds adapters trained on a model drawn from "
+                              f"--seed {recorded_base(metadata).get('seed')}, with no base "
+                              f"checkpoint to load: there is nothing to apply them to")
+    base_config, base_weights, base_metadata = load_logical_model(base)
+    check_same_base(directory, metadata, base_identity(base, base_metadata, config.train.seed),
+                    "--pretrained-checkpoint" if pretrained is not None else "the recorded base")
+    return config, {**base_weights, **weights}, metadata, weights
+
+
+def check_adapter_base(load: str | Path, pretrained: str | Path | None) -> None:
+    """load_adapted_model's checks, on the metadata alone (before any rank starts)."""
+    directory = resolve(load)
+    metadata = read_metadata(directory)
+    if not is_adapter_checkpoint(metadata):
+        if pretrained is not None:
+            raise CheckpointError(f"--pretrained-checkpoint {pretrained} is the base of LoRA "
+                                  f"adapters, but --load {directory} holds a full model: leave "
+                                  f"--pretrained-checkpoint out")
+        return
+    recorded = recorded_base(metadata).get("checkpoint")
+    base = resolve(pretrained) if pretrained is not None else Path(recorded) if recorded else None
+    if base is None:
+        raise CheckpointError(f"--load {directory} holds adapters trained on a model drawn from "
+                              f"--seed {recorded_base(metadata).get('seed')}, with no base "
+                              f"checkpoint to load: there is nothing to apply them to")
+    try:
+        base_metadata = read_metadata(base)
+    except OSError as error:
+        raise CheckpointError(f"--load {directory} holds adapters whose base, {base}, cannot be "
+                              f"read ({error}): give the base as --pretrained-checkpoint BASE")
+    seed = int(metadata["config"].get("train", {}).get("seed", 1234))
+    check_same_base(directory, metadata, base_identity(base, base_metadata, seed),
+                    "--pretrained-checkpoint" if pretrained is not None else "the recorded base")

@@ -28,6 +28,19 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--from-hf", metavar="DIR", help="Hugging Face directory to import "
                         "(config.json + model.safetensors or sharded safetensors)")
     parser.add_argument("--save", metavar="CKPT", help="where to write the imported checkpoint")
+    parser.add_argument("--merge-lora", action="store_true",
+                        help="with --load ADAPTERS --save CKPT: write the base model with the LoRA "
+                             "adapters folded in (W + alpha/R·B A), an ordinary checkpoint")
+    parser.add_argument("--pretrained-checkpoint", metavar="BASE",
+                        help="the base model of the LoRA adapters of --load (default: the one "
+                             "they record) or of --from-hf-peft")
+    parser.add_argument("--to-hf-peft", metavar="DIR",
+                        help="with --load ADAPTERS: write them as a Hugging Face PEFT adapter "
+                             "(adapter_config.json, adapter_model.safetensors) for the base "
+                             "model --to-hf exports")
+    parser.add_argument("--from-hf-peft", metavar="DIR",
+                        help="with --pretrained-checkpoint BASE --save CKPT: import a Hugging "
+                             "Face PEFT LoRA adapter of that base as ptdp adapters")
     parser.add_argument("--apply-layernorm-1p", action="store_true",
                         help="with --from-hf: store the norms' scales zero-centred (scale - 1), "
                              "for training the imported model with --apply-layernorm-1p (export "
@@ -38,6 +51,11 @@ def run(args: argparse.Namespace) -> int:
     from ptdp.interop.convert import export_to_hf, import_from_hf, output_problems
     from ptdp.interop.hf_files import ConversionError
 
+    if args.merge_lora or args.to_hf_peft or args.from_hf_peft:
+        return _run_lora(args)
+    if args.pretrained_checkpoint:
+        raise ConfigError(["--pretrained-checkpoint names the base of LoRA adapters: it goes "
+                           "with --merge-lora, --to-hf-peft or --from-hf-peft"])
     exporting, importing = bool(args.load or args.to_hf), bool(args.from_hf or args.save)
     if exporting == importing or (exporting and not (args.load and args.to_hf)) \
             or (importing and not (args.from_hf and args.save)):
@@ -54,5 +72,43 @@ def run(args: argparse.Namespace) -> int:
         if exporting:
             return export_to_hf(args.load, args.to_hf)
         return import_from_hf(args.from_hf, args.save, one_plus)
+    except ConversionError as error:
+        raise ConfigError([str(error)]) from None
+
+
+LORA_USAGE = ("give one of: --merge-lora --load ADAPTERS --save CKPT; --to-hf-peft DIR --load "
+              "ADAPTERS; --from-hf-peft DIR --pretrained-checkpoint BASE --save CKPT (with the "
+              "first two, --pretrained-checkpoint BASE names the base when it is not the one "
+              "the adapters record)")
+
+
+def _run_lora(args: argparse.Namespace) -> int:
+    """The LoRA conversions (ptdp.interop.lora_convert): one at a time, each
+    with its own inputs and outputs, checked before anything is read."""
+    from ptdp.interop.convert import output_problems
+    from ptdp.interop.hf_files import ConversionError
+    from ptdp.interop import lora_convert
+
+    modes = [flag for flag, on in (("--merge-lora", args.merge_lora),
+                                   ("--to-hf-peft", args.to_hf_peft),
+                                   ("--from-hf-peft", args.from_hf_peft)) if on]
+    needs = {"--merge-lora": ("load", "save"), "--to-hf-peft": ("load",),
+             "--from-hf-peft": ("pretrained_checkpoint", "save")}
+    mode = modes[0]
+    forbidden = {"--merge-lora": ("to_hf", "from_hf"), "--to-hf-peft": ("to_hf", "from_hf", "save"),
+                 "--from-hf-peft": ("to_hf", "from_hf", "load")}[mode]
+    if len(modes) > 1 or any(not getattr(args, name) for name in needs[mode]) \
+            or any(getattr(args, name) for name in forbidden) or args.apply_layernorm_1p:
+        raise ConfigError([LORA_USAGE])
+    output = args.to_hf_peft if mode == "--to-hf-peft" else args.save
+    problems = output_problems(output, mode == "--to-hf-peft")
+    if problems:
+        raise ConfigError(problems)
+    try:
+        if mode == "--merge-lora":
+            return lora_convert.merge_lora(args.load, args.pretrained_checkpoint, args.save)
+        if mode == "--to-hf-peft":
+            return lora_convert.export_peft(args.load, args.pretrained_checkpoint, args.to_hf_peft)
+        return lora_convert.import_peft(args.from_hf_peft, args.pretrained_checkpoint, args.save)
     except ConversionError as error:
         raise ConfigError([str(error)]) from None

@@ -21,6 +21,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         description="Continue a prompt with a trained model, on one process or under a tensor / "
                     "pipeline layout (any layout: checkpoints reshard on load).")
     parser.add_argument("--load", required=True, metavar="DIR", help="checkpoint directory")
+    parser.add_argument("--pretrained-checkpoint", metavar="BASE",
+                        help="with --load of LoRA adapters: the base model they apply to "
+                             "(default: the base they record; its seal must match)")
     parser.add_argument("--prompt", metavar="TEXT",
                         help="text to continue, encoded with the checkpoint's tokenizer; to give "
                              "token ids instead, use --prompt-ids (a --mock-data model, which has "
@@ -73,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
                                parse_prompt_ids, prompt_tokens)
     from ptdp.launch import CPU_RANK_MODULES, LocalJobFailed, launch_local
     from ptdp.parallel.topology import ParallelContext
+    from ptdp.checkpoint.adapters import check_adapter_base
     from ptdp.checkpoint.store import CheckpointError
 
     _check_prompt_flags(args)
@@ -83,6 +87,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise ConfigError([line.strip().removeprefix("- ")
                            for line in str(error).splitlines()[1:]]) from None
+    try:
+        check_adapter_base(args.load, args.pretrained_checkpoint)
+    except CheckpointError as error:
+        raise ConfigError([str(error)]) from None
     config = _checkpoint_config(args.load)
     layout = _checked_layout(args, config)
     # Checked here, before any rank starts: in a rank it would be a traceback.
@@ -109,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
                               output_ids=args.output_ids,
                               # a chat prints the assistant's reply, not the rendered template
                               echo_prompt=args.echo_prompt and chat is None,
-                              stop_ids=chat.stop_ids if chat is not None else None)
+                              stop_ids=chat.stop_ids if chat is not None else None,
+                              pretrained=args.pretrained_checkpoint)
     world = layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size
     kind = _device_kind(args.device, world, layout)
     if not args.output_ids:  # (ids are for a program: it gets them and nothing else)

@@ -114,6 +114,10 @@ def _write_failed(flag: str, output: str, what: str, failure: str) -> ConfigErro
 def export_to_hf(load: str, directory: str) -> int:
     try:
         config, weights, metadata = load_logical_model(load)
+        if config.lora.enabled:
+            raise CheckpointError(f"--load {resolve(load)} holds LoRA adapters, not a model: "
+                                  f"write them for peft with --to-hf-peft DIR, or merge them into "
+                                  f"their base first (--merge-lora --save CKPT) and export that")
         model = config.model
         family = family_for_export(model)
         tokenizer = exported_tokenizer(config, load)
