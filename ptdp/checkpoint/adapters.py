@@ -81,8 +81,8 @@ def check_same_base(adapters: Path, adapter_metadata: dict, base: dict[str, Any]
             f"{recorded.get('checkpoint')} (iteration {recorded.get('iteration')}, metadata seal "
             f"{str(recorded.get(SEAL))[:12]}…), but the base given is {given}"
             + (f" (seal {str(base.get(SEAL))[:12]}…)" if base.get(SEAL) else "")
-            + f"; give that base as --pretrained-checkpoint, or train new adapters on this one "
-              f"(leave --load out)")
+            + "; give that base as --pretrained-checkpoint, or train new adapters on this one "
+              "(leave --load out)")
 
 
 def check_lora_fits(metadata: dict, lora: LoRAConfig, directory: Path) -> None:
