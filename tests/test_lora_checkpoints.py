@@ -143,3 +143,21 @@ def test_merged_adapters_compute_base_plus_adapters_and_generate_alike(bases, tm
     want = generated(tmp_path / "merged")
     assert generated(tmp_path / "ad") == want
     assert generated(tmp_path / "ad", "--pretrained-checkpoint", str(base), "-t", "2") == want
+
+
+def test_adapters_reshard_to_another_layout(bases, tmp_path):
+    """Adapters saved by one process resume under t = 2 with sequence
+    parallelism (column adapters' B split by the q/k/v and gate/up blocks,
+    row adapters' A by columns) as one process resumes them."""
+    base, _ = bases
+    lora = ["--lora-rank", "4", "--lora-alpha", "8", "--pretrained-checkpoint", str(base),
+            "--hidden-dropout", "0", "--attention-dropout", "0"]  # (no stream to match)
+    straight = _train(tmp_path, "straight", *lora, "--train-iters", "4")
+    _train(tmp_path, "first", *lora, "--train-iters", "4", "--exit-interval", "2",
+           "--save", str(tmp_path / "ad"))
+    resumed = _train(tmp_path, "t2", "--train-iters", "4", "--load", str(tmp_path / "ad"),
+                     "--tensor-model-parallel-size", "2", "--sequence-parallel", *lora[6:])
+    assert [r["iteration"] for r in resumed] == [3, 4]
+    for got, want in zip(resumed, straight[2:]):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), got["iteration"]
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), got["iteration"]
