@@ -128,21 +128,18 @@ def fused_parameter(layer: AdaptableLayer) -> str:
 
 def shortest_targets(chosen: Iterable[str], candidates: Iterable[str], leaf_parts: int) -> list[str]:
     """PEFT target names (it matches a name equal to the target or ending
-    in "." + target) that pick exactly `chosen` among `candidates`: for
-    each chosen name the shortest suffix of at least `leaf_parts` dotted
-    parts that picks no candidate outside `chosen` (`q_proj` when every
-    q_proj is adapted, the full name otherwise)."""
+    in "." + target) that pick exactly `chosen` among `candidates`: the
+    last `leaf_parts` dotted parts of a chosen name (`q_proj`) where they
+    pick no candidate outside `chosen` (every q_proj is adapted), else the
+    full name."""
     chosen, candidates = sorted(set(chosen)), set(candidates)
     targets: list[str] = []
     for name in chosen:
-        parts = name.split(".")
-        for length in range(leaf_parts, len(parts) + 1):
-            suffix = ".".join(parts[-length:])
-            picked = {c for c in candidates if c == suffix or c.endswith("." + suffix)}
-            if picked <= set(chosen):
-                break
-        if suffix not in targets:
-            targets.append(suffix)
+        suffix = ".".join(name.split(".")[-leaf_parts:])
+        picked = {c for c in candidates if c == suffix or c.endswith("." + suffix)}
+        target = suffix if picked <= set(chosen) else name
+        if target not in targets:
+            targets.append(target)
     return targets
 
 
