@@ -36,6 +36,9 @@ def _hf_model(kind: str):
             **SMALL, intermediate_size=48, max_position_embeddings=16384,
             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}))
+    if kind == "mixtral":
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **SMALL, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2))
     if kind == "qwen3_moe":
         return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             **SMALL, intermediate_size=48, moe_intermediate_size=16, head_dim=8, num_experts=4,
@@ -47,7 +50,7 @@ def _hf_model(kind: str):
         mlp_only_layers=[1], num_experts=4, num_experts_per_tok=2))
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3_moe", "qwen2_moe"])
+@pytest.fixture(scope="module", params=["llama", "mixtral", "qwen3_moe", "qwen2_moe"])
 def base(request, tmp_path_factory):
     """(ModelConfig, logical state, the --to-hf directory of the base model)."""
     root = tmp_path_factory.mktemp(request.param)
@@ -64,7 +67,8 @@ def _random_adapters(config, lora, seed=2):
 
 
 def _logits(model, seed=3):
-    ids = torch.randint(0, SMALL["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(seed))
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 12), generator=generator)
     with torch.no_grad():
         return model.eval()(ids).logits
 
@@ -128,7 +132,8 @@ def _trained_in_peft(base, directory):
                         target_parameters=parameters + (dense if "qwen2" in str(root) else []))
     else:
         settings = dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj", *mlp])
-    model = peft.get_peft_model(_load(root / "base"), peft.LoraConfig(r=2, lora_alpha=5, **settings))
+    model = peft.get_peft_model(_load(root / "base"),
+                                peft.LoraConfig(r=2, lora_alpha=5, **settings))
     generator = torch.Generator().manual_seed(4)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -212,3 +217,40 @@ def test_export_refuses_some_of_a_layers_experts(tmp_path):
     lora = LoRAConfig(lora_rank=2, lora_target_modules=["*.local_experts.[01].linear_fc1"])
     with pytest.raises(ConversionError, match="adapts 2 of the 4 routed experts' linear_fc1"):
         to_peft(_random_adapters(config, lora), config, lora)
+
+
+def test_import_of_an_adapter_with_experts_per_expert(base, tmp_path):
+    """Adapters saved before transformers 5 fused the experts name each
+    expert's layers (`mlp.experts.3.gate_proj`); PEFT converts them on
+    load, ptdp reads them as they are."""
+    config, _, root = base
+    if "qwen3_moe" not in str(root):
+        pytest.skip("Qwen3-MoE's per-expert names")
+    lora = LoRAConfig(lora_rank=2, lora_alpha=6.0, lora_target_modules=["linear_fc1", "linear_fc2"])
+    adapters = _random_adapters(config, lora)
+    f = config.moe_ffn_size
+    tensors = {}
+    for i in range(config.num_layers):
+        for e in range(config.num_experts):
+            ours = f"layers.{i}.mlp.experts.{e}."
+            theirs = f"base_model.model.model.layers.{i}.mlp.experts.{e}."
+            fc1_a = adapters[ours + "dense_h_to_4h.lora.A"]
+            fc1_b = adapters[ours + "dense_h_to_4h.lora.B"]
+            for name, rows in (("gate_proj", fc1_b[:f]), ("up_proj", fc1_b[f:])):
+                tensors[theirs + f"{name}.lora_A.weight"] = fc1_a.clone()
+                tensors[theirs + f"{name}.lora_B.weight"] = rows.clone()
+            tensors[theirs + "down_proj.lora_A.weight"] = adapters[ours + "dense_4h_to_h.lora.A"]
+            tensors[theirs + "down_proj.lora_B.weight"] = adapters[ours + "dense_4h_to_h.lora.B"]
+    directory = tmp_path / "peft"
+    directory.mkdir()
+    (directory / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 2, "lora_alpha": 6,
+        "target_modules": ["gate_proj", "up_proj", "down_proj"]}))
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    back, settings = from_peft(directory, config)
+    assert adapted_layers(config, settings) == adapted_layers(config, lora)
+    assert settings.lora_rank == 2 and back.keys() == adapters.keys()
+    assert all(torch.equal(back[name], tensor) for name, tensor in adapters.items())
+    adapted = peft.PeftModel.from_pretrained(_load(root / "base"), directory)
+    expected = _merged_logits(base, adapters, lora, tmp_path / "merged")
+    torch.testing.assert_close(_logits(adapted), expected, atol=TOLERANCE, rtol=0)

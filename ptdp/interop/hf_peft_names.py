@@ -66,7 +66,8 @@ class Piece:
     rows: int
 
 
-def base_name_table(config: ModelConfig, family: HFFamily) -> dict[str, tuple[tuple[str, int], ...]]:
+def base_name_table(config: ModelConfig,
+                    family: HFFamily) -> dict[str, tuple[tuple[str, int], ...]]:
     """ptdp logical name -> ((Hugging Face tensor name, rows), ...) of the
     family's base model (hf_llama's or hf_moe's table); refuses a family
     whose layers PEFT adapts in another form (GPT-2's Conv1D)."""
@@ -126,7 +127,8 @@ def fused_parameter(layer: AdaptableLayer) -> str:
     return _FUSED_OF[layer.name.rsplit(".", 1)[1]]
 
 
-def shortest_targets(chosen: Iterable[str], candidates: Iterable[str], leaf_parts: int) -> list[str]:
+def shortest_targets(chosen: Iterable[str], candidates: Iterable[str],
+                     leaf_parts: int) -> list[str]:
     """PEFT target names (it matches a name equal to the target or ending
     in "." + target) that pick exactly `chosen` among `candidates`: the
     last `leaf_parts` dotted parts of a chosen name (`q_proj`) where they
