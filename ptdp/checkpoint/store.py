@@ -309,20 +309,23 @@ def load_logical_model(load: str | Path) -> tuple[Config, dict[str, torch.Tensor
 
 def save_logical_model(save: str | Path, config: Config, weights: dict[str, torch.Tensor], *,
                        iteration: int = 0, tokenizer_file: Path | str | None = None,
-                       hf_files: Mapping[str, bytes] | None = None) -> Path:
+                       hf_files: Mapping[str, bytes] | None = None,
+                       records: Mapping[str, Any] | None = None) -> Path:
     """A model-only checkpoint from logical weights (one process; e.g. an
     imported GPT-2), the start of a lineage of its own. Training from it
     starts a fresh optimizer. `tokenizer_file` (a Hugging Face
     tokenizer.json) travels with it as TOKENIZER_FILE, `hf_files` (name ->
     contents: an imported model's other Hugging Face files) under
-    HF_FILES_DIR. A failed write (a full disk) leaves no partial checkpoint."""
+    HF_FILES_DIR. `records`: more metadata under their keys (an imported
+    adapter's base). A failed write (a full disk) leaves no partial checkpoint."""
     with SaveLock(save):  # no job may be saving there meanwhile
-        return _save_logical_model(save, config, weights, iteration, tokenizer_file, hf_files)
+        return _save_logical_model(save, config, weights, iteration, tokenizer_file, hf_files,
+                                   records or {})
 
 
 def _save_logical_model(save, config: Config, weights: dict[str, torch.Tensor], iteration: int,
                         tokenizer_file: Path | str | None,
-                        hf_files: Mapping[str, bytes] | None) -> Path:
+                        hf_files: Mapping[str, bytes] | None, records: Mapping[str, Any]) -> Path:
     final = iteration_dir(save, iteration)
     partial = final.with_name(final.name + ".partial")
     lineage = Lineage.fresh()
@@ -341,7 +344,7 @@ def _save_logical_model(save, config: Config, weights: dict[str, torch.Tensor], 
                     "consumed_samples": 0, "config": config.to_dict(), "layout": None,
                     "optimizer": None,
                     "tensors": {name: "part-pp0-tp0.safetensors" for name in tensors},
-                    "files": files, LINEAGE: lineage.at(iteration)}
+                    "files": files, LINEAGE: lineage.at(iteration), **records}
         if carried:
             metadata[TOKENIZER_KEY] = carried
         if carried_hf:

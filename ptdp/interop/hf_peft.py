@@ -125,8 +125,9 @@ def to_peft(adapters: dict[str, torch.Tensor], model_cfg: ModelConfig, lora: LoR
         owner = adapter_owner(layer, lora)
         a, b = adapters[f"{owner}.A"], adapters[f"{owner}.B"]
         for piece in pieces[layer.name]:
-            put(piece.module, a.detach().contiguous().clone(),
-                b[piece.start:piece.start + piece.rows].detach().contiguous().clone())
+            # (clones, not detached: the map stays differentiable, which the tests use)
+            put(piece.module, a.contiguous().clone(),
+                b[piece.start:piece.start + piece.rows].contiguous().clone())
             in_mlp = ".mlp." in piece.module
             (parameters if parameter_targets and in_mlp else modules).append(piece.module)
     by_layer: dict[int, list[str]] = defaultdict(list)

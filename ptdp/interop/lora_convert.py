@@ -18,10 +18,11 @@ import dataclasses
 
 from safetensors import SafetensorError
 
-from ptdp.checkpoint.adapters import load_adapted_model
+from ptdp.checkpoint.adapters import check_adapter_base, load_adapted_model
 from ptdp.checkpoint.carry import checkpoint_hf_files
 from ptdp.checkpoint.lock import SaveDirectoryInUse
-from ptdp.checkpoint.store import CheckpointError, checkpoint_tokenizer, resolve, save_logical_model
+from ptdp.checkpoint.store import (CheckpointError, checkpoint_tokenizer, load_logical_model,
+                                   resolve, save_logical_model)
 from ptdp.config import ConfigError
 from ptdp.config.lora import LoRAConfig
 from ptdp.model.adapters import merged
@@ -60,4 +61,74 @@ def merge_lora(load: str, pretrained: str | None, save: str) -> int:
           f"(W + {lora.lora_alpha:g}/{lora.lora_rank}·B A) from iteration "
           f"{metadata['iteration']} of {resolve(load)}; it loads as any checkpoint (--load, "
           f"--to-hf, ptdp generate)")
+    return 0
+
+
+def export_peft(load: str, pretrained: str | None, directory: str) -> int:
+    """The adapters of `load` as a PEFT directory for the base --to-hf
+    exports (their base is checked, not read: PEFT files hold adapters only)."""
+    from ptdp.interop.hf_peft import save_peft_directory
+
+    try:
+        check_adapter_base(load, pretrained)
+        config, adapters, metadata = load_logical_model(load)
+        if not config.lora.enabled:
+            raise CheckpointError(f"--load {resolve(load)} holds a full model, not LoRA "
+                                  f"adapters: export it with --to-hf DIR")
+    except CheckpointError as error:
+        raise ConfigError([str(error)]) from None
+    save_peft_directory(directory, adapters, config.model, config.lora)
+    lora = config.lora
+    print(f"wrote {directory}: {len(adapters) // 2} LoRA adapters of rank {lora.lora_rank} "
+          f"(alpha {lora.lora_alpha:g}) from iteration {metadata['iteration']} of "
+          f"{resolve(load)}; load them with peft.PeftModel.from_pretrained(base, "
+          f"{directory!r}) on the base model exported with --to-hf")
+    return 0
+
+
+def import_peft(directory: str, pretrained: str, save: str) -> int:
+    """A PEFT LoRA directory as ptdp adapters on the base `pretrained`:
+    an adapter checkpoint (no optimizer state) that --load resumes
+    training from, and that generate and --merge-lora take."""
+    from ptdp.checkpoint.adapters import LORA_BASE, base_identity
+    from ptdp.checkpoint.store import read_metadata
+    from ptdp.config import Config
+    from ptdp.interop.convert import _missing_directories, _remove_empty, _write_failed, \
+        _write_failure
+    from ptdp.interop.hf_peft import from_peft
+    from ptdp.model.adapters import adapter_problems
+
+    try:
+        base = resolve(pretrained)
+        base_metadata = read_metadata(base)
+        config = Config.from_dict(base_metadata["config"])
+        if config.lora.enabled:
+            raise CheckpointError(f"--pretrained-checkpoint {base} holds LoRA adapters, not a "
+                                  f"base model: give the base's checkpoint")
+        carried = checkpoint_hf_files(base, base_metadata)
+        tokenizer = checkpoint_tokenizer(base)
+    except CheckpointError as error:
+        raise ConfigError([str(error)]) from None
+    adapters, lora = from_peft(directory, config.model)
+    problems = adapter_problems(config.model, lora)
+    if problems:
+        raise ConfigError([f"{directory}: {problem}" for problem in problems])
+    adapted = dataclasses.replace(config, lora=lora)
+    made = _missing_directories(save)
+    try:
+        path = save_logical_model(
+            save, adapted, {name: tensor.float() for name, tensor in adapters.items()},
+            tokenizer_file=tokenizer, hf_files=carried,
+            records={LORA_BASE: base_identity(base, base_metadata, config.train.seed)})
+    except (CheckpointError, SaveDirectoryInUse) as error:
+        raise ConfigError([str(error)]) from None
+    except (OSError, SafetensorError) as error:
+        failure = _write_failure(error)
+        if failure is None:
+            raise
+        _remove_empty(made)
+        raise _write_failed("--save", save, "checkpoint", failure) from None
+    print(f"wrote {path}: {len(adapters) // 2} LoRA adapters of rank {lora.lora_rank} (alpha "
+          f"{lora.lora_alpha:g}) on the base {base}; train on with --load {save} (their "
+          f"--lora-* settings and base come from it), or generate and --merge-lora with it")
     return 0
