@@ -162,3 +162,62 @@ def test_lora_trains_as_one_process_under_every_layout(pools):
         names = set().union(*(results[i][1] for results in per_rank))
         assert names == set(references[case.reference][3]), case.name  # every parameter, some rank
         assert max(results[i][2] for results in per_rank) < 1e-5, case.name
+
+
+# ------------------------------------------------------------------ one process: precision, kernels
+
+def _one_process_run(adapters: str, model: str = "rotary", **settings):
+    """Three steps of a one-process LoRA run with some settings changed."""
+    ctx = ParallelContext.single()
+    config = sft._config(sft.Layout(model=model), sft.PACKS)
+    config.lora = ADAPTERS[adapters]
+    model_settings = {k: v for k, v in settings.items() if k.startswith("moe_")}
+    config.model = dataclasses.replace(config.model, **model_settings)
+    config.train = dataclasses.replace(config.train, **{k: v for k, v in settings.items()
+                                                         if k not in model_settings})
+    trainer = Trainer(config, ctx, CPU, data=sft.TrainingData(train=sft._packed(), eod=sft.PAD))
+    before = {name: p.detach().clone() for chunk in trainer.chunks
+              for name, p in chunk.named_parameters() if not p.requires_grad}
+    records = [trainer.step(i)[0] for i in range(STEPS)]
+    after = {name: p for chunk in trainer.chunks for name, p in chunk.named_parameters()}
+    assert all(torch.equal(after[name], value) for name, value in before.items())
+    return records, trainer
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_lora_in_half_precision_follows_fp32_to_its_rounding(precision):
+    """bf16/fp16: the frozen base held in the half type (no fp32 copy: it
+    never steps), the adapters with fp32 main weights and Adam states; the
+    losses follow the fp32 run's to half precision's rounding, no step skipped."""
+    if "fp32" not in _serial:
+        _serial["fp32"] = _one_process_run("all")[0]
+    want = _serial["fp32"]
+    got, trainer = _one_process_run("all", **{precision: True}, initial_loss_scale=2.0 ** 12)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    frozen = [p for chunk in trainer.chunks for p in chunk.parameters() if not p.requires_grad]
+    assert frozen and all(p.dtype == dtype for p in frozen)
+    assert trainer.optimizer.main.dtype == torch.float32
+    assert trainer.optimizer.main.numel() == trainer.buffer.numel  # the adapters only
+    for record, reference in zip(got, want):
+        assert not record["skipped"]
+        assert record["loss"] == pytest.approx(reference["loss"], rel=1e-2)
+
+
+def test_lora_on_attention_keeps_grouped_expert_products_and_their_numbers():
+    """Frozen experts under --moe-grouped-gemm (adapters on attention only):
+    the grouped products compute no weight gradient and the run equals the
+    one-product-per-expert run; adapted experts run one product each."""
+    from ptdp.model.grouped_experts import grouped_gemm_used
+
+    if not grouped_gemm_used((32, 32, 64), torch.float32):
+        pytest.skip("this torch has no grouped_mm")
+    ADAPTERS["attention"] = LoRAConfig(lora_rank=4, lora_alpha=8.0,
+                                       lora_target_modules=["*.self_attention.*"])
+    want, _ = _one_process_run("attention", model="moe")
+    got, trainer = _one_process_run("attention", model="moe", moe_grouped_gemm=True)
+    assert all(layer.grouped_gemm for layer in trainer.moe_layers)
+    for record, reference in zip(got, want):
+        assert record["loss"] == pytest.approx(reference["loss"], rel=1e-6)
+        assert record["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
+    _, adapted = _one_process_run("all", model="moe", moe_grouped_gemm=True)
+    assert not any(layer.grouped_gemm for layer in adapted.moe_layers)
