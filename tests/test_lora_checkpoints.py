@@ -161,3 +161,21 @@ def test_adapters_reshard_to_another_layout(bases, tmp_path):
     for got, want in zip(resumed, straight[2:]):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), got["iteration"]
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), got["iteration"]
+
+
+def test_expert_adapters_saved_under_expert_parallelism_resume_in_one_process(tmp_path):
+    """An MoE model's adapters (each routed expert's on its expert-parallel
+    rank) saved at d = 2 with EP = 2 resume in one process as a run that
+    never stopped continues."""
+    moe = ["--num-experts", "4", "--moe-ffn-hidden-size", "16", "--moe-router-topk", "2",
+           "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "5"]
+    straight = _train(tmp_path, "straight", *moe, *LORA[:4], "--train-iters", "4")
+    _train(tmp_path, "first", *moe, *LORA[:4], "--train-iters", "4", "--exit-interval", "2",
+           "--data-parallel-size", "2", "--expert-model-parallel-size", "2",
+           "--save", str(tmp_path / "ad"))
+    metadata = read_metadata(resolve(tmp_path / "ad"))
+    assert {f"model/layers.1.mlp.experts.{e}.dense_h_to_4h.lora.B" for e in range(4)} \
+        <= set(metadata["tensors"])
+    resumed = _train(tmp_path, "one", *moe, "--train-iters", "4", "--load", str(tmp_path / "ad"))
+    for got, want in zip(resumed, straight[2:]):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), got["iteration"]
