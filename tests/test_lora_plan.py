@@ -168,6 +168,6 @@ def test_banner_counts_trainable_and_frozen_parameters_of_the_whole_model():
     frozen -= (model.padded_vocab_size(1) - model.vocab_size) * model.hidden_size
     line = lora_line(Config(model=model, lora=lora))
     assert trainable == 3 * (8 * 48 + 144 * 8 + 8 * 48 + 48 * 8)
-    assert f"rank 8, alpha 16, 6 adapted layers on linear_qkv linear_proj" in line
+    assert "rank 8, alpha 16, 6 adapted layers on linear_qkv linear_proj" in line
     assert f"trainable {trainable:,} ({100 * trainable / (trainable + frozen):.2g} %)" in line
     assert f"frozen {frozen:,}" in line or f"frozen {frozen / 1e6:.3g} M" in line

@@ -58,7 +58,7 @@ import math
 from functools import lru_cache
 
 from ptdp.config import ModelConfig
-from ptdp.perf.analytic.counts import Param, chunk_stage, parameter_count
+from ptdp.perf.analytic.counts import Param, parameter_count
 from ptdp.perf.layout import ByValue, Layout, LoRAWork, Workload
 from ptdp.schedules.kinds import virtual_stage_of
 

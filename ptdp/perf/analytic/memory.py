@@ -5,6 +5,10 @@ compare it with measurements of real CPU runs). Notation as in
 ptdp.perf.analytic.counts, which counts the parameters and walks the schedules'
 compute orders this module sums over.
 
+With low-rank adapters (Workload.lora) the buffer holds the adapters only
+and the frozen base is N_base·e beside it; activations change as
+ptdp.perf.analytic.lora describes (measured like the rest).
+
 Memory (bytes on one device; GradBuffer and Optimizer in ptdp):
     weights     N·e                  the flat parameter buffer (N: its
                                      elements, parameters plus bucket padding)
