@@ -13,7 +13,8 @@ import sys
 from ptdp.config import Config, ConfigError, ModelConfig, validate
 from ptdp.output_paths import output_path_problems
 from ptdp.perf.analytic.counts import parameter_count
-from ptdp.perf.layout import Layout, Workload
+from ptdp.config.lora import TARGET_NAMES, LoRAConfig, lora_problems
+from ptdp.perf.layout import Layout, LoRAWork, Workload
 from ptdp.perf.plan.candidates import MIN_CONTEXT_POSITIONS, candidate_layouts
 from ptdp.perf.plan.fixed_dimensions import (FixedDimensions, dimensions_line, fix_all_layout,
                                              fixed_dimensions, train_problems)
@@ -89,6 +90,7 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
                             const=precision, help=f"--precision {precision}, as `ptdp train` "
                                                   "spells it")
     add_layout_flags(parser)
+    add_lora_flags(parser)
     parser.add_argument("--top", type=int, default=10, metavar="N", help="rows in the table")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="draw throughput across layouts to this "
@@ -175,7 +177,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
         profile = load_profile(args.gpu)
     except (OSError, ValueError) as error:
         raise ConfigError([f"--gpu {args.gpu}: {error}"]) from None
-    workload = Workload(model, args.global_batch_size, args.precision)
+    lora = lora_from_args(args, model)
+    workload = Workload(model, args.global_batch_size, args.precision, LoRAWork.of(lora))
     fixed = fixed_dimensions(args, model, args.gpus)
     layout, candidates = _layouts_to_price(args, fixed, workload)
     if layout is not None:
@@ -197,10 +200,13 @@ def run_plan_command(args: argparse.Namespace) -> int:
                           "seq_length": model.seq_length, "vocab_size": model.vocab_size,
                           "precision": args.precision,
                           "parameters": parameter_count(model),
+                          "lora": lora_summary(model, lora),
                           "fixed": fixed.given, "dimensions": dimensions, "notes": notes,
                           "results": [e.summary() for e in results[:max(args.top, 1)]]}, indent=1))
     else:
         print(f"model: {parameter_count(model) / 1e9:.3g} B parameters")
+        if workload.lora:
+            print(lora_line(model, lora))
         print(assumptions(workload, args.gpus, profile))
         if caveat(profile):
             print(caveat(profile))
@@ -221,6 +227,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
             print(note)
     if args.print_flags:
         command = train_command(model, results[0].layout, args.global_batch_size, args.precision)
+        command += "".join(" " + flag for flag in lora_flags(lora))
         print(("" if args.json else "\n") + command, file=sys.stdout)
     if args.plot:
         plot(results, args.plot)
@@ -278,6 +285,77 @@ def add_layout_flags(parser: argparse.ArgumentParser) -> None:
                               f"while s/c >= {MIN_CONTEXT_POSITIONS})")
     context.add_argument("--cp-comm-type", choices=("p2p", "all_gather", "a2a"),
                          help="as for `ptdp train` (default: p2p)")
+
+
+def add_lora_flags(parser: argparse.ArgumentParser) -> None:
+    """`ptdp train`'s --lora-* flags (ptdp.config.lora): the plan prices
+    adapters on a frozen base; --lora-alpha and --lora-dropout's rate change
+    no cost (a dropout's mask and copy do: any p > 0 counts them)."""
+    fields = {f.name: f for f in dataclasses.fields(LoRAConfig)}
+    group = parser.add_argument_group("low-rank adapters (as for `ptdp train`)")
+    for name in ("lora_rank", "lora_alpha", "lora_dropout"):
+        meta = fields[name].metadata
+        group.add_argument(meta["flag"], dest=name, type=int if name == "lora_rank" else float,
+                           default=fields[name].default, metavar=meta.get("metavar"),
+                           help=meta["help"])
+    meta = fields["lora_target_modules"].metadata
+    group.add_argument(meta["flag"], dest="lora_target_modules", nargs="+",
+                       default=list(TARGET_NAMES), metavar=meta["metavar"], help=meta["help"])
+    meta = fields["lora_share_expert_adapters"].metadata
+    group.add_argument(meta["flag"], dest="lora_share_expert_adapters", action="store_true",
+                       help=meta["help"])
+
+
+def lora_from_args(args: argparse.Namespace, model: ModelConfig) -> LoRAConfig:
+    """The --lora-* settings, checked as `ptdp train` checks them against the model."""
+    from ptdp.model.adapters import adapter_problems
+
+    lora = LoRAConfig(**{name: getattr(args, name) for name in (
+        "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules",
+        "lora_share_expert_adapters")})
+    problems = lora_problems(lora)
+    if not problems:
+        problems = adapter_problems(model, lora)
+    if problems:
+        raise ConfigError(problems)
+    return lora
+
+
+def lora_summary(model: ModelConfig, lora: LoRAConfig) -> dict | None:
+    """The adapters' settings and the trainable and frozen parameters (logical)."""
+    work = LoRAWork.of(lora)
+    if work is None:
+        return None
+    from ptdp.perf.analytic.lora import adapter_parameter_count, adapter_shapes_of
+
+    trainable = adapter_parameter_count(model, work)
+    return {"rank": lora.lora_rank, "target_modules": list(lora.lora_target_modules),
+            "adapters": len(adapter_shapes_of(model, work)) // 2, "trainable": trainable,
+            "frozen": parameter_count(model)}
+
+
+def lora_line(model: ModelConfig, lora: LoRAConfig) -> str:
+    summary = lora_summary(model, lora)
+    return (f"LoRA: rank {summary['rank']} on {' '.join(summary['target_modules'])}, "
+            f"{summary['adapters']} adapters; trainable {summary['trainable'] / 1e6:.3g} M "
+            f"({100 * summary['trainable'] / summary['frozen']:.2g} % of the frozen "
+            f"{summary['frozen'] / 1e9:.3g} B): priced with a frozen base (no weight gradients, "
+            f"optimizer state or reduction for it)")
+
+
+def lora_flags(lora: LoRAConfig) -> list[str]:
+    """The `ptdp train` flags of these --lora-* settings (none without adapters)."""
+    if not lora.enabled:
+        return []
+    flags = ["--lora-rank", str(lora.lora_rank), "--lora-alpha", f"{lora.lora_alpha:g}"]
+    if lora.lora_dropout:
+        flags += ["--lora-dropout", f"{lora.lora_dropout:g}"]
+    if list(lora.lora_target_modules) != list(TARGET_NAMES):
+        flags += ["--lora-target-modules", *(f"'{name}'" if "*" in name or "[" in name else name
+                                             for name in lora.lora_target_modules)]
+    if lora.lora_share_expert_adapters:
+        flags.append("--lora-share-expert-adapters")
+    return flags
 
 
 def _v_kinds() -> str:

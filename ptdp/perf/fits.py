@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ptdp.config import Config
-from ptdp.perf.layout import Layout, Workload
+from ptdp.perf.layout import Layout, LoRAWork, Workload
 
 
 def layout_of(config: Config) -> Layout:
@@ -46,7 +46,8 @@ def layout_of(config: Config) -> Layout:
 def workload_of(config: Config) -> Workload:
     tr = config.train
     precision = "bf16" if tr.bf16 else "fp16" if tr.fp16 else "fp32"
-    return Workload(config.model, tr.batch_size(config.parallel.dp), precision)
+    return Workload(config.model, tr.batch_size(config.parallel.dp), precision,
+                    LoRAWork.of(getattr(config, "lora", None)))
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from functools import lru_cache
 
 from ptdp.config import ModelConfig, ParallelConfig
 from ptdp.config.context import context_parallel_problems
+from ptdp.config.lora import TARGET_NAMES, LoRAConfig
 from ptdp.config.moe import expert_parallel_problems
 from ptdp.schedules.kinds import (DEFAULT_SCHEDULE, FLAG_CHOICES, KINDS, or_list, running_kind,
                                   virtual_stage_of)
@@ -246,10 +247,38 @@ def _stage_layers(num_layers: int, p: int, v: int, kind: str, split: LayerSplit)
 
 
 @dataclass(frozen=True)
+class LoRAWork:
+    """What the performance model needs of --lora-* (ptdp.config.lora): the
+    adapters' rank, the target patterns (which layers: ptdp.model.adapters),
+    whether routed experts share one adapter per MoE layer and matrix, and
+    whether the adapters' input is dropped out (its mask and copy are saved).
+    The base model is frozen (ptdp.perf.analytic.lora prices what that saves)."""
+    rank: int
+    targets: tuple[str, ...] = TARGET_NAMES
+    share_expert_adapters: bool = False
+    dropout: bool = False
+
+    @classmethod
+    def of(cls, lora: LoRAConfig | None) -> "LoRAWork | None":
+        """The settings of a config's `lora` section; None without adapters."""
+        if lora is None or not lora.enabled:
+            return None
+        return cls(lora.lora_rank, tuple(lora.lora_target_modules),
+                   lora.lora_share_expert_adapters, lora.lora_dropout > 0)
+
+    def config(self) -> LoRAConfig:
+        """A LoRAConfig with these settings (alpha does not change any cost)."""
+        return LoRAConfig(lora_rank=self.rank, lora_target_modules=list(self.targets),
+                          lora_share_expert_adapters=self.share_expert_adapters,
+                          lora_dropout=0.1 if self.dropout else 0.0)
+
+
+@dataclass(frozen=True)
 class Workload:
     model: ModelConfig
     global_batch: int
     precision: str = "bf16"         # "bf16", "fp16" or "fp32": weights and activations
+    lora: LoRAWork | None = None    # low-rank adapters on a frozen base (None: every weight trained)
 
     @property
     def bytes_per_element(self) -> int:

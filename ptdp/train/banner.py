@@ -58,6 +58,8 @@ def print_banner(trainer, is_logger: bool) -> None:
               + (f" with {schedule.v} chunks per rank" if schedule.v > 1 else "")
               + _split_note(config, ctx.pp_size, schedule) + _length_note(trainer)
               + f"; data: {trainer.data.description}", flush=True)
+        if config.lora.enabled:
+            print(lora_line(config), flush=True)
         if reports_attention_kernel(config):  # --use-flash-attn / --attention-backend given
             print(f"ptdp: attention: {attention_kernel(config, device, trainer.dtype)}", flush=True)
         if config.data.sft or config.data.reset_attention_mask:
@@ -71,6 +73,29 @@ def print_banner(trainer, is_logger: bool) -> None:
                   f"{model_cfg.seq_length // ctx.cp_size} positions per rank; attention "
                   f"{CP_COMM_WORDS[config.parallel.cp_comm_type]}, each block on {kernel} "
                   f"({KERNEL_OPS[kernel]})", flush=True)
+
+
+def lora_line(config: Config) -> str:
+    """The adapters and the trainable and frozen parameters, counted over
+    the whole model (logical shapes, every rank's share), not this rank's."""
+    from ptdp.model.adapters import adapter_shapes, adapted_layers
+
+    lora, model_cfg = config.lora, config.model
+    shapes = adapter_shapes(model_cfg, lora)
+    trainable = sum(math.prod(shape) for shape in shapes.values())
+    frozen = parameter_count(model_cfg)
+    layers = len(adapted_layers(model_cfg, lora))
+    adapters = len(shapes) // 2
+    shared = (f" ({plural(adapters, 'adapter')}: routed experts share one per layer and matrix)"
+              if adapters != layers else "")
+    return (f"ptdp: LoRA: rank {lora.lora_rank}, alpha {lora.lora_alpha:g}, "
+            f"{plural(layers, 'adapted layer')}{shared} on {' '.join(lora.lora_target_modules)}; "
+            f"trainable {_millions(trainable)} ({100 * trainable / (trainable + frozen):.2g} %), "
+            f"frozen {_millions(frozen)}")
+
+
+def _millions(count: int) -> str:
+    return f"{count:,}" if count < 10**5 else f"{count / 1e6:.3g} M"
 
 
 def print_load(trainer, metadata: dict) -> None:

@@ -330,8 +330,13 @@ def cut_placed_buckets(key: ByValue, layout: Layout, rank: int,
     (routed expert or not), each tied word embedding a bucket of its own.
     Partial elements: the gradients a bucket sums over the tensor group
     first (sequence parallelism)."""
+    return cut_params(_rank_parameters(key.value, layout, rank), bucket_size)
+
+
+def cut_params(params: list[Param], bucket_size: int) -> tuple[Bucket, ...]:
+    """`params` (in module order) cut into GradBuffer's buckets."""
     cut, size, partial, expert = [], 0, 0, False
-    for param in reversed(_rank_parameters(key.value, layout, rank)):
+    for param in reversed(params):
         if param.tied:
             cut.append(Bucket(param.numel, 0))
             continue
@@ -409,7 +414,7 @@ def flops_per_iteration(workload: Workload, layout: Layout) -> float:
     the Llama family's options 6·B·s·h·(l·((a + 2g)·d + h + (k + 1)·f + 2s)
     + V) and 8·B·s·h·(l·(…) + 3V/4), k = 2 with SwiGLU)."""
     return model_flops_per_iteration(workload.model, workload.global_batch,
-                                     recompute=layout.recompute)
+                                     recompute=layout.recompute, lora=workload.lora)
 
 
 # ------------------------------------------------------------------------------------------

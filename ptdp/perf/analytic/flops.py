@@ -1,7 +1,24 @@
 """The paper's FLOP count (its Appendix formula, generalised to the Llama
 family's options): model FLOPs of one training iteration, with what
 activation recomputation adds. Training's report and the performance model
-both use it."""
+both use it.
+
+With low-rank adapters on a frozen base (`lora`, ptdp.perf.layout.LoRAWork)
+the paper's definition is kept, model FLOPs of the products the iteration
+needs, counted for what is really computed: the base's linear layers and
+the output layer run forward and their input gradients only (2× their
+forward instead of 3×: no weight gradient for a frozen weight), the
+attention's score and context products forward and both halves of their
+backward (3×, as before: both operands carry gradients), and the adapters'
+two products per adapted layer 3× (2·R·(in + out) per token forward; a
+routed expert's adapter for the k of E experts a token visits, a shared one
+for each of its k copies). The layers before the first adapter, whose
+backward a first stage skips, are still counted with their input
+gradients: a simplification of at most one stage's backward. So a LoRA
+run's MFU compares what it computes with the machine's peak, not the 6·N·D
+of full training. (Megatron-LM's num_floating_point_operations, which
+Megatron-Bridge reports, has no adapter term: it reports a LoRA run as if
+it trained every weight; we did not find a Bridge convention that differs.)"""
 
 from __future__ import annotations
 
@@ -10,14 +27,14 @@ from ptdp.perf.analytic.moe import mlp_columns, router_columns
 
 
 def model_flops_per_iteration(config: ModelConfig, global_batch: int, *, recompute: str | None,
-                              recomputed_layers: int | None = None) -> float:
+                              recomputed_layers: int | None = None, lora=None) -> float:
     """The paper's FLOPs of one iteration (forward and backward of
     `global_batch` sequences over all devices together).
 
     `recompute` is None, "full" or "selective". With "full", every layer is
     recomputed unless `recomputed_layers` says how many are (the block
     method recomputes only the first --recompute-num-layers of each chunk;
-    see `recomputed_layer_count`)."""
+    see `recomputed_layer_count`). `lora`: a LoRAWork (see the module docstring)."""
     B, s, h, l = global_batch, config.seq_length, config.hidden_size, config.num_layers
     V = config.vocab_size
     a, g, d = config.num_attention_heads, config.query_groups, config.head_dim
@@ -28,6 +45,10 @@ def model_flops_per_iteration(config: ModelConfig, global_batch: int, *, recompu
     layer = sum(layers) / l   # (the mean layer: MoE and dense layers differ)
     output_layer = 2 * B * s * h * V
     total = 3 * sum(layers) + 3 * output_layer
+    if lora is not None:   # frozen base: input gradients only; adapters trained
+        adapters = adapter_flops_forward(config, lora, B)
+        total = 2 * (sum(layers) + output_layer) + l * layer_attention + 3 * adapters
+        layer += adapters / l
     if recompute is None:
         return float(total)
     if recompute == "selective":
@@ -38,6 +59,25 @@ def model_flops_per_iteration(config: ModelConfig, global_batch: int, *, recompu
             raise ValueError(f"recomputed_layers = {recomputed} is not in 0..{l}")
         return float(total + recomputed * layer)
     raise ValueError(f"unknown recompute {recompute!r}: use None, 'full' or 'selective'")
+
+
+def adapter_flops_forward(config: ModelConfig, lora, global_batch: int) -> float:
+    """The adapters' forward FLOPs over `global_batch` sequences: 2 per
+    multiply-add of A and B for each token that passes the adapted layer
+    (k/E of the tokens through each routed expert's own adapter, k copies
+    of each through a shared one)."""
+    from ptdp.model.adapters import SHARED_EXPERT_ADAPTER, adapter_shapes
+
+    tokens = global_batch * config.seq_length
+    total = 0.0
+    for name, shape in adapter_shapes(config, lora.config()).items():
+        per_token = shape[0] * shape[1]
+        if f".{SHARED_EXPERT_ADAPTER}." in name:
+            per_token *= config.moe_router_topk
+        elif ".mlp.experts." in name:
+            per_token *= config.moe_router_topk / config.num_experts
+        total += 2 * tokens * per_token
+    return total
 
 
 def mlp_widths(config: ModelConfig) -> list[int]:
@@ -75,8 +115,14 @@ def recomputed_layer_count(config: ModelConfig, num_model_chunks: int,
 
 
 def configured_flops_per_iteration(config: ModelConfig, global_batch: int, num_model_chunks: int,
-                                   stage_layers: list[int] | None = None) -> float:
-    """`model_flops_per_iteration` with the recomputation `config` asks for."""
+                                   stage_layers: list[int] | None = None, lora=None) -> float:
+    """`model_flops_per_iteration` with the recomputation `config` asks for;
+    `lora`: a LoRAConfig or LoRAWork (None or rank 0: every weight trained)."""
+    from ptdp.perf.layout import LoRAWork
+
+    if lora is not None and not isinstance(lora, LoRAWork):
+        lora = LoRAWork.of(lora)
     return model_flops_per_iteration(
         config, global_batch, recompute=config.recompute_granularity,
-        recomputed_layers=recomputed_layer_count(config, num_model_chunks, stage_layers))
+        recomputed_layers=recomputed_layer_count(config, num_model_chunks, stage_layers),
+        lora=lora)

@@ -5,6 +5,10 @@ compare it with measurements of real CPU runs). Notation as in
 ptdp.perf.analytic.counts, which counts the parameters and walks the schedules'
 compute orders this module sums over.
 
+With low-rank adapters (Workload.lora) the buffer holds the adapters only
+and the frozen base is N_base·e beside it; activations change as
+ptdp.perf.analytic.lora describes (measured like the rest).
+
 Memory (bytes on one device; GradBuffer and Optimizer in ptdp):
     weights     N·e                  the flat parameter buffer (N: its
                                      elements, parameters plus bucket padding)
@@ -177,7 +181,11 @@ from typing import Any
 
 from ptdp.config import ModelConfig, TrainConfig
 from ptdp.perf.analytic.counts import (FP32, chunk_stage, cut_placed_buckets, owned_elements,
-                                       padded_elements, placement_of_parameters, stash_peaks)
+                                       padded_elements, parameters_per_rank,
+                                       placement_of_parameters, stash_peaks)
+from ptdp.perf.analytic.lora import (adapted_targets, cut_adapter_buckets, first_adapted_layer,
+                                     layer_delta_bytes)
+from ptdp.schedules.kinds import virtual_stage_of
 from ptdp.perf.layout import BYTES_PER_ELEMENT, ByValue, Layout, Workload
 from ptdp.perf.analytic.moe import chunk_moe_layers, moe_layer_activation_delta
 
@@ -185,7 +193,8 @@ KERNELS = ("cuda", "cpu")
 INT64 = 8
 
 
-def _norm_saved_bytes(model: ModelConfig, tokens: int, e: int, cpu: bool) -> int:
+def _norm_saved_bytes(model: ModelConfig, tokens: int, e: int, cpu: bool,
+                      frozen: bool = False) -> int:
     """Bytes a normalization layer saves for backward over `tokens` = s·b
     positions, besides its output (which the next layer saves as its
     input). LayerNorm: its input and the mean and rstd per position
@@ -196,8 +205,8 @@ def _norm_saved_bytes(model: ModelConfig, tokens: int, e: int, cpu: bool) -> int
     h = model.hidden_size
     if model.normalization == "LayerNorm":
         return tokens * h * e + 2 * tokens * (e if cpu else FP32)
-    if cpu:
-        return 2 * tokens * h * FP32 + tokens * FP32
+    if cpu:   # a frozen weight's product keeps no normalized input (LoRA's base)
+        return (1 if frozen else 2) * tokens * h * FP32 + tokens * FP32
     return tokens * h * e + tokens * FP32
 
 
@@ -391,10 +400,15 @@ def memory_per_rank(workload: Workload, layout: Layout, *, kernels: str = "cuda"
     results = []
     model_key, placement = ByValue(model), placement_of_parameters(layout)
     bucket_size = bucket_size or TrainConfig().ddp_bucket_size
+    lora = workload.lora
+    frozen = parameters_per_rank(model, layout) if lora else None
     for rank in range(p):
-        buckets = cut_placed_buckets(model_key, placement, rank, bucket_size)
+        if lora:   # the adapters in the buffer; the frozen base outside it, in the dtype
+            buckets = cut_adapter_buckets(model_key, lora, placement, rank, bucket_size)
+        else:
+            buckets = cut_placed_buckets(model_key, placement, rank, bucket_size)
         n, owned = padded_elements(buckets, layout), owned_elements(buckets, layout)
-        weights = n * e
+        weights = n * e + (frozen[rank] * e if lora else 0)
         gradients = n * FP32 + (owned * FP32 if sharded else 0)
         if sharded:
             optimizer = 3 * owned * FP32
@@ -406,6 +420,10 @@ def memory_per_rank(workload: Workload, layout: Layout, *, kernels: str = "cuda"
         # Rotary tables: made once per layer, kept for every microbatch.
         layers = [layout.chunk_layers(model.num_layers, rank, chunk) for chunk in range(v)]
         tables = sum(layers) * acts["rotary_tables"]
+        if lora:
+            chunk_bytes, tables = _lora_chunk_bytes(workload, layout, acts, kernels, rank)
+            deferred = (0,) * v if layout.zero_bubble else None   # no weight gradient deferred
+            layers = []
         for chunk, per_chunk in enumerate(layers):
             first, last = chunk_stage(layout, rank, chunk)
             chunk_bytes.append(per_chunk * acts["layer"] + moe_activation_bytes(
@@ -413,7 +431,8 @@ def memory_per_rank(workload: Workload, layout: Layout, *, kernels: str = "cuda"
                                + (acts["embedding"] if first else 0)
                                + (acts["output"] if last else 0))
             deferred_bytes.append(per_chunk * acts["weight_grad_layer"])
-        deferred = tuple(deferred_bytes) if layout.zero_bubble else None
+        if not lora:
+            deferred = tuple(deferred_bytes) if layout.zero_bubble else None
         activations = (stash_peaks(layout.schedule_kind, p, m, v, rank, tuple(chunk_bytes),
                                     deferred)[1] + tables)
         memory = {"weights": weights, "gradients": gradients, "optimizer": optimizer,
@@ -421,6 +440,52 @@ def memory_per_rank(workload: Workload, layout: Layout, *, kernels: str = "cuda"
         memory["total"] = sum(memory.values())
         results.append(memory)
     return results
+
+
+def _lora_chunk_bytes(workload: Workload, layout: Layout, acts: dict[str, int], kernels: str,
+                      rank: int) -> tuple[list[int], int]:
+    """With adapters on a frozen base (ptdp.perf.analytic.lora): what each
+    chunk of pipeline rank `rank` saves per microbatch, and the rotary
+    tables its layers keep. Nothing before the first adapter (the input
+    carries no gradient); the first adapted layer without its first norm's
+    tensors; the output layer without the final norm's output (kept as the
+    s/t slice under sequence parallelism)."""
+    model, e, cpu = workload.model, workload.bytes_per_element, kernels == "cpu"
+    targets = adapted_targets(model, workload.lora)
+    start = first_adapted_layer(model, workload.lora)
+    pattern = model.moe_layer_pattern if model.is_moe else [False] * model.num_layers
+    moe = (moe_layer_activation_delta(
+        model, layout.t, layout.b, e, sequence_parallel=layout.splits_sequence,
+        recompute=layout.recompute, ep=layout.ep, etp=layout.etp, c=layout.c)
+        if model.is_moe else 0)
+    sb = model.seq_length // layout.c * layout.b
+    rows = sb // layout.t if layout.splits_sequence else sb
+    stages = layout.stage_layers(model.num_layers)
+    full = layout.recompute == "full"   # every checkpoint keeps its layer's input
+    # RMSNorm on the CPU: a frozen weight keeps no fp32 normalized input.
+    norm = _norm_saved_bytes(model, rows, e, cpu)
+    norm_change = _norm_saved_bytes(model, rows, e, cpu, frozen=True) - norm
+    norms = 2 + (2 if model.qk_layernorm else 0)
+    chunk_bytes, tables = [], 0
+    for chunk in range(layout.v):
+        stage = virtual_stage_of(layout.schedule_kind, layout.p, layout.v, rank, chunk)
+        first_layer = sum(stages[:stage])
+        total = 0
+        for i in range(first_layer if full else max(first_layer, start),
+                       first_layer + stages[stage]):
+            total += acts["layer"] + (moe if pattern[i] else 0) + layer_delta_bytes(
+                workload, layout, targets[i], kernels=kernels, zero_bubble=layout.zero_bubble,
+                moe=pattern[i]) + (0 if full else norms * norm_change)
+            if i == start and not full:   # its first norm's input carries no gradient
+                total -= norm + norm_change
+                if "linear_qkv" in targets[i] and workload.lora.dropout and model.hidden_dropout:
+                    total -= rows * model.hidden_size * (e if cpu else 1)   # nor its dropout's
+            tables += 0 if full else acts["rotary_tables"]
+        if stage == layout.p * layout.v - 1:
+            total += acts["output"] + norm_change - (0 if layout.splits_sequence
+                                                     else rows * model.hidden_size * e)
+        chunk_bytes.append(total)
+    return chunk_bytes, tables
 
 
 def moe_activation_bytes(workload: Workload, layout: Layout, rank: int, chunk: int) -> int:

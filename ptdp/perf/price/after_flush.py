@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from ptdp.config.train import TrainConfig
 from ptdp.schedules.kinds import virtual_stage_of
 from ptdp.perf.analytic import counts as analytic
+from ptdp.perf.analytic.lora import chunk_adapter_parameters, cut_adapter_buckets
 from ptdp.perf.layout import ByIdentity, ByValue, Layout, Workload
 from ptdp.perf.price.machine import Machine
 from ptdp.perf.price.operator_bytes import optimizer_bytes_per_parameter
@@ -93,7 +94,7 @@ def after_flush(workload: Workload, layout: Layout, profile: HardwareProfile,
                  ops: OperatorModel) -> AfterFlush:
     # The microbatch size and the recomputation change none of it: a search
     # prices it once for all of them.
-    key = (ops.model_key, workload.precision, ByIdentity(profile), ops.threads, layout.t,
+    key = (ops.model_key, workload.lora, workload.precision, ByIdentity(profile), ops.threads, layout.t,
            layout.p, layout.d, layout.c, layout.v, layout.schedule, layout.distributed_optimizer,
            layout.sequence_parallel, layout.split)
     after = _AFTER_FLUSH.get(key)
@@ -116,20 +117,26 @@ def _price_after_flush(workload: Workload, layout: Layout, profile: HardwareProf
     kind = layout.schedule_kind
     ends = (_stage_location(kind, p, v, 0)[0], _stage_location(kind, p, v, p * v - 1)[0])
     embedding = 0.0
-    if ends[0] != ends[1] and workload.model.tied_output:
+    lora = workload.lora   # adapters: their buffer only is reduced and stepped
+    if ends[0] != ends[1] and workload.model.tied_output and not lora:
         # The tied embedding's gradient: the first and the last stage sum it together.
         embedding = machine.allreduce(ops.V // t * ops.h * GRAD_BYTES,
                                       [machine.rank(0, 0, ends[0]), machine.rank(0, 0, ends[1])])
     # Sequence parallelism: each bucket holding partial gradients (norms,
     # row-parallel biases, positions) all-reduces them over the tensor group first.
     tensor_allreduce = functools.cache(machine.tensor_allreduce)   # buckets repeat sizes
-    partial_sums = [sum(tensor_allreduce(n * GRAD_BYTES)
-                        for n in _partial_gradient_buckets(
-                            ops.model_key, analytic.placement_of_parameters(layout), r))
-                    for r in range(p)]
-    optimizer, bucketed, shares, last_bucket, hideable = [], [], [], [], []
-    parameters = parameter_counts(ops.model_key, analytic.placement_of_parameters(layout))
+    placement = analytic.placement_of_parameters(layout)
     bucket_size = TrainConfig().ddp_bucket_size
+    if lora:
+        partial = [tuple(bucket.partial for bucket in cut_adapter_buckets(
+            ops.model_key, lora, placement, r, bucket_size) if bucket.partial) for r in range(p)]
+        parameters = tuple(tuple(sum(param.numel for param in chunk_adapter_parameters(
+            workload.model, lora, placement, r, chunk)) for chunk in range(v)) for r in range(p))
+    else:
+        partial = [_partial_gradient_buckets(ops.model_key, placement, r) for r in range(p)]
+        parameters = parameter_counts(ops.model_key, placement)
+    partial_sums = [sum(tensor_allreduce(n * GRAD_BYTES) for n in partial[r]) for r in range(p)]
+    optimizer, bucketed, shares, last_bucket, hideable = [], [], [], [], []
     step_per_parameter = optimizer_bytes_per_parameter(profile.fused_optimizer, workload.precision)
     for r in range(p):
         params = sum(parameters[r])

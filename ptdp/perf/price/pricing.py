@@ -100,6 +100,7 @@ from dataclasses import dataclass, field
 from ptdp.perf.analytic import counts as analytic
 from ptdp.perf.price.context_exchange import CONTEXT_EXCHANGE, context_exchange_seconds
 from ptdp.perf.layout import ByValue, Layout, Workload
+from ptdp.perf.price import lora
 from ptdp.perf.price.machine import Machine
 from ptdp.perf.price.operator_bytes import (attention_core_bytes, copy_bytes, cross_entropy_bytes,
                                             layer_memory_ops, layer_norm_bytes, residual_bytes)
@@ -317,6 +318,8 @@ class OperatorModel:
     def layer_forward(self, category: str = "forward compute") -> Cost:
         gemms = sum(self.gemm(*shape[:3], shape[3]) for shape in self.unfused_gemms().values())
         gemms += self.fused_attention_seconds()[0]
+        if self.w.lora:
+            gemms += lora.adapter_forward_seconds(self)
         cost = Cost().add(category, gemms + self.memory_ops_seconds(self.unfused_memory(), False)
                           + self.launches(FORWARD_OPS_PER_LAYER + self._rotary_ops()))
         # g after attention and after the MLP; under sequence parallelism an
@@ -358,12 +361,17 @@ class OperatorModel:
         return cost
 
     def layer_backward(self) -> Cost:
-        gemms = sum(self.gemm_backward(*shape[:3], shape[3])
-                    for shape in self.unfused_gemms().values())
+        trained = self.layer_parameters()
+        if self.w.lora:   # a frozen base: input gradients; the adapters (price/lora.py)
+            gemms = (lora.frozen_base_backward_gemm_seconds(self, LINEAR_GEMMS)
+                     + lora.adapter_backward_seconds(self))
+            trained = lora.adapter_parameters(self)
+        else:
+            gemms = sum(self.gemm_backward(*shape[:3], shape[3])
+                        for shape in self.unfused_gemms().values())
         gemms += self.fused_attention_seconds()[1]
         # Accumulating into the fp32 buffer: read it and the new gradient, write it.
-        grad_accumulation = self.layer_parameters() * (2 * GRAD_BYTES + (GRAD_BYTES if self.E == 4
-                                                                          else self.E))
+        grad_accumulation = trained * (2 * GRAD_BYTES + (GRAD_BYTES if self.E == 4 else self.E))
         cost = Cost().add("backward compute",
                           gemms + self.memory_ops_seconds(self.unfused_memory(), True)
                           + self.memory(grad_accumulation)
@@ -397,7 +405,10 @@ class OperatorModel:
         _SequenceParallelLinear): B all-gathers the row-parallel layers'
         output gradients and reduce-scatters the column-parallel layers'
         input gradients, W re-gathers their saved s/t inputs, each exposed.
-        A fused attention kernel's backward (no weights) is all in B."""
+        A fused attention kernel's backward (no weights) is all in B. With
+        adapters on a frozen base nothing waits for W (price/lora.py)."""
+        if self.w.lora:
+            return self.layer_backward(), Cost()
         shapes = self.unfused_gemms()
         input_grads = sum(self.gemm(m, k, n, batch) for m, n, k, batch in shapes.values())
         input_grads += self.fused_attention_seconds()[1]
@@ -493,6 +504,8 @@ class OperatorModel:
         return cost
 
     def embedding_backward(self) -> Cost:
+        if self.w.lora:   # a frozen table: its output carries no gradient
+            return Cost()
         n = self.b * self.s * self.h
         table = self.V // self.t * self.h
         cost = Cost().add("backward compute",
@@ -523,8 +536,10 @@ class OperatorModel:
 
     def head_backward(self) -> Cost:
         logits = self._logit_elements()
-        table = self.V // self.t * self.h
-        seconds = (self.gemm_backward(self.b * self.s, self.V // self.t, self.h)
+        table = 0 if self.w.lora else self.V // self.t * self.h   # frozen: no table gradient
+        logits_gemm = (self.gemm(self.b * self.s, self.h, self.V // self.t) if self.w.lora
+                       else self.gemm_backward(self.b * self.s, self.V // self.t, self.h))
+        seconds = (logits_gemm
                    + self.memory(layer_norm_bytes(self.outside(), self.E)[1], "layer_norm",
                                  "backward")
                    + self.memory(cross_entropy_bytes(logits, self.E)[1], "cross_entropy",

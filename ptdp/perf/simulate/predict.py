@@ -207,7 +207,8 @@ def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Pr
 
     flops = model_flops_per_iteration(
         workload.model, workload.global_batch, recompute=layout.recompute,
-        recomputed_layers=workload.model.num_layers if layout.recompute == "full" else None)
+        recomputed_layers=workload.model.num_layers if layout.recompute == "full" else None,
+        lora=workload.lora)
     iteration = float(iteration)
     return Prediction(
         workload=workload, layout=layout, profile=profile, iteration_seconds=iteration,
