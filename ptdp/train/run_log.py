@@ -47,7 +47,7 @@ class RunLog:
         trainer = self.trainer
         flops = configured_flops_per_iteration(trainer.config.model, trainer.batch_of(iteration),
                                                trainer.ctx.pp_size * trainer.num_chunks,
-                                               self.stage_layers)
+                                               self.stage_layers, lora=trainer.config.lora)
         record.update(throughput(flops, record["iteration_ms"] / 1e3,
                                  trainer.ctx.grid.world_size, self.peak))
 
