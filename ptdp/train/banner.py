@@ -102,7 +102,15 @@ def print_load(trainer, metadata: dict) -> None:
     """The logger's lines on what --load took, and a warning when the loaded
     run's loss had left its normal range."""
     tr = trainer.config.train
-    print(load_summary(tr, resolve(tr.load), metadata), flush=True)
+    line = load_summary(tr, resolve(tr.load), metadata)
+    base = (trainer.lora_base or {}).get("checkpoint")
+    if trainer.config.lora.enabled and base is not None:
+        if str(resolve(tr.load).absolute()) == base:  # --load is the base itself
+            line = line.replace("ptdp: fine-tuning from", "ptdp: LoRA adapters on the frozen base",
+                                1)
+        else:
+            line += f"; the adapters' frozen base: {base}"
+    print(line, flush=True)
     warning = trainer.loss_range.load_warning(resolve(tr.load))
     if warning:
         print(warning, file=sys.stderr, flush=True)
