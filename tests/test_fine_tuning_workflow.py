@@ -21,7 +21,8 @@ SMALL = ["--seq-length", "64", "--global-batch-size", "4", "--train-iters", "2",
          "--eval-interval", "1", "--eval-iters", "1"]
 
 
-def test_the_fine_tuning_workflow_runs_as_documented(tmp_path, monkeypatch, capsys):
+def _model_and_chats(tmp_path, monkeypatch, conversations: int):
+    """A tiny Qwen2 chat model's directory, and chat.jsonl in the working directory."""
     from tests import test_hf_chat_export as chat
 
     original = chat._chat_model(tmp_path / "qwen", transformers.Qwen2Config,
@@ -29,9 +30,14 @@ def test_the_fine_tuning_workflow_runs_as_documented(tmp_path, monkeypatch, caps
     words = chat.WORDS[4:-1]
     rows = [{"messages": [{"role": "user", "content": " ".join(words[k % 7:k % 7 + 3])},
                           {"role": "assistant", "content": " ".join(words[k % 5:k % 5 + 2])}]}
-            for k in range(80)]
+            for k in range(conversations)]
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     monkeypatch.chdir(tmp_path)
+    return original
+
+
+def test_the_fine_tuning_workflow_runs_as_documented(tmp_path, monkeypatch, capsys):
+    original = _model_and_chats(tmp_path, monkeypatch, conversations=80)
     shown = commands("fine-tuning-workflow")
     assert [shlex.split(c, comments=True)[:2] for c in shown] == [
         ["ptdp", "convert"], ["ptdp", "train"], ["ptdp", "generate"], ["ptdp", "convert"]]
@@ -56,17 +62,8 @@ def test_the_lora_workflow_runs_as_documented(tmp_path, monkeypatch, capsys):
     """The LoRA block: adapters trained on the imported model, chatted with,
     exported for peft (which loads them on the original model) and merged
     into a checkpoint that exports to transformers."""
-    from tests import test_hf_chat_export as chat
-
     peft = pytest.importorskip("peft")
-    original = chat._chat_model(tmp_path / "qwen", transformers.Qwen2Config,
-                                transformers.Qwen2ForCausalLM)
-    words = chat.WORDS[4:-1]
-    rows = [{"messages": [{"role": "user", "content": " ".join(words[k % 7:k % 7 + 3])},
-                          {"role": "assistant", "content": " ".join(words[k % 5:k % 5 + 2])}]}
-            for k in range(40)]
-    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    monkeypatch.chdir(tmp_path)
+    original = _model_and_chats(tmp_path, monkeypatch, conversations=40)
     shown = commands("lora-workflow")
     for command in shown:
         argv = [str(original) if word == "QWEN_DIR" else word

@@ -152,37 +152,12 @@ def with_checkpoint_lora(config, explicit) -> Any:
     return dataclasses.replace(config, lora=saved_lora(metadata))
 
 
-def load_adapted_model(load: str | Path, pretrained: str | Path | None = None
-                       ) -> tuple[Any, dict[str, torch.Tensor], dict, dict | None]:
-    """For generation and conversion: (config, logical weights, metadata,
-    the adapters' logical tensors or None). For adapters, the weights are
-    their base's (--pretrained-checkpoint's, else the recorded one's, its
-    seal checked) and the config the adapted model's; a full model's are
-    its own."""
-    from ptdp.checkpoint.store import load_logical_model
-
-    config, weights, metadata = load_logical_model(load)
-    directory = resolve(load)
-    if not is_adapter_checkpoint(metadata):
-        if pretrained is not None:
-            raise CheckpointError(f"--pretrained-checkpoint {pretrained} is the base of LoRA "
-                                  f"adapters, but --load {directory} holds a full model: leave "
-                                  f"--pretrained-checkpoint out")
-        return config, weights, metadata, None
-    recorded = recorded_base(metadata).get("checkpoint")
-    base = resolve(pretrained) if pretrained is not None else Path(recorded) if recorded else None
-    if base is None:
-        raise CheckpointError(f"--load {directory} holds adapters trained on a model drawn from "
-                              f"--seed {recorded_base(metadata).get('seed')}, with no base "
-                              f"checkpoint to load: there is nothing to apply them to")
-    base_config, base_weights, base_metadata = load_logical_model(base)
-    check_same_base(directory, metadata, base_identity(base, base_metadata, config.train.seed),
-                    "--pretrained-checkpoint" if pretrained is not None else "the recorded base")
-    return config, {**base_weights, **weights}, metadata, weights
-
-
-def check_adapter_base(load: str | Path, pretrained: str | Path | None) -> None:
-    """load_adapted_model's checks, on the metadata alone (before any rank starts)."""
+def adapters_base(load: str | Path, pretrained: str | Path | None
+                  ) -> tuple[Path, dict, Path | None, dict | None]:
+    """(the adapters' directory and metadata, their base's directory and
+    metadata) for `load`, checked: the base is --pretrained-checkpoint's,
+    else the recorded one, and its seal the recorded one. A full model's
+    checkpoint has no base (None, None), and refuses a --pretrained-checkpoint."""
     directory = resolve(load)
     metadata = read_metadata(directory)
     if not is_adapter_checkpoint(metadata):
@@ -190,7 +165,7 @@ def check_adapter_base(load: str | Path, pretrained: str | Path | None) -> None:
             raise CheckpointError(f"--pretrained-checkpoint {pretrained} is the base of LoRA "
                                   f"adapters, but --load {directory} holds a full model: leave "
                                   f"--pretrained-checkpoint out")
-        return
+        return directory, metadata, None, None
     recorded = recorded_base(metadata).get("checkpoint")
     base = resolve(pretrained) if pretrained is not None else Path(recorded) if recorded else None
     if base is None:
@@ -205,3 +180,25 @@ def check_adapter_base(load: str | Path, pretrained: str | Path | None) -> None:
     seed = int(metadata["config"].get("train", {}).get("seed", 1234))
     check_same_base(directory, metadata, base_identity(base, base_metadata, seed),
                     "--pretrained-checkpoint" if pretrained is not None else "the recorded base")
+    return directory, metadata, base, base_metadata
+
+
+def check_adapter_base(load: str | Path, pretrained: str | Path | None) -> None:
+    """load_adapted_model's checks, on the metadata alone (before any rank starts)."""
+    adapters_base(load, pretrained)
+
+
+def load_adapted_model(load: str | Path, pretrained: str | Path | None = None
+                       ) -> tuple[Any, dict[str, torch.Tensor], dict, dict | None]:
+    """For generation and conversion: (config, logical weights, metadata,
+    the adapters' logical tensors or None). For adapters, the weights are
+    their base's (adapters_base) and the config the adapted model's; a full
+    model's are its own."""
+    from ptdp.checkpoint.store import load_logical_model
+
+    _, _, base, _ = adapters_base(load, pretrained)
+    config, weights, metadata = load_logical_model(load)
+    if base is None:
+        return config, weights, metadata, None
+    _, base_weights, _ = load_logical_model(base)
+    return config, {**base_weights, **weights}, metadata, weights

@@ -175,10 +175,23 @@ def import_from_hf(directory: str, save: str, apply_layernorm_1p: bool = False) 
         data = DataConfig(mock_data=True)
     # Training settings are the run's business.
     config = Config(model=model, train=TrainConfig(), data=data)
+    path = save_checkpoint(save, config, weights, tokenizer_file=tokenizer_file, hf_files=carried)
+    kept = [name for name in ("tokenizer.json" if tokenizer_file else None, *sorted(carried))
+            if name not in (None, "config.json")]  # (its token ids are kept too)
+    with_files = f" (with its {', '.join(kept)})" if kept else ""
+    print(f"wrote {path}: {family.name}, {model.num_layers} layers, hidden {model.hidden_size}, "
+          f"vocabulary {model.vocab_size}{with_files}; "
+          f"{_next_steps(save, data, tokenizer_file is not None)}")
+    return 0
+
+
+def save_checkpoint(save: str, config: Config, weights: dict, **options) -> Path:
+    """save_logical_model(save, config, weights, **options), its failures
+    one paragraph each: a --save another job took since the check, or a
+    write that failed (a full disk), which leaves nothing behind."""
     made = _missing_directories(save)
     try:
-        path = save_logical_model(save, config, weights, tokenizer_file=tokenizer_file,
-                                  hf_files=carried)
+        return save_logical_model(save, config, weights, **options)
     except (CheckpointError, SaveDirectoryInUse) as error:  # (held since the check: a race)
         raise ConfigError([str(error)]) from None
     except (OSError, SafetensorError) as error:  # the partial checkpoint is gone already
@@ -187,13 +200,6 @@ def import_from_hf(directory: str, save: str, apply_layernorm_1p: bool = False) 
             raise
         _remove_empty(made)
         raise _write_failed("--save", save, "checkpoint", failure) from None
-    kept = [name for name in ("tokenizer.json" if tokenizer_file else None, *sorted(carried))
-            if name not in (None, "config.json")]  # (its token ids are kept too)
-    with_files = f" (with its {', '.join(kept)})" if kept else ""
-    print(f"wrote {path}: {family.name}, {model.num_layers} layers, hidden {model.hidden_size}, "
-          f"vocabulary {model.vocab_size}{with_files}; "
-          f"{_next_steps(save, data, tokenizer_file is not None)}")
-    return 0
 
 
 def _next_steps(save: str, data: DataConfig, has_tokenizer: bool) -> str:

@@ -15,7 +15,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Mapping, TypeVar
+from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 import torch
 
@@ -196,9 +196,8 @@ def write_hf_directory(directory: str | Path, hf_config: dict[str, Any],
     dtypes = {t.dtype for t in state.values()}
     if len(dtypes) == 1:
         hf_config["torch_dtype"] = str(dtypes.pop()).removeprefix("torch.")
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkdtemp(prefix=f".{directory.name}.partial-", dir=directory.parent))
-    try:
+
+    def write(partial: Path) -> None:
         save_file({k: v.detach().contiguous().cpu() for k, v in state.items()},
                   str(partial / WEIGHTS_NAME), metadata={"format": "pt"})
         _write_json(partial / CONFIG_NAME, hf_config)
@@ -206,7 +205,19 @@ def write_hf_directory(directory: str | Path, hf_config: dict[str, Any],
             if Path(name).name != name or name in (WEIGHTS_NAME, CONFIG_NAME):
                 raise ValueError(f"{name!r} is not a tokenizer file name")
             (partial / name).write_bytes(contents)
-        # mkdtemp's directory is private (0700) and safetensors' file too (0600).
+
+    write_new_directory(directory, write)
+
+
+def write_new_directory(directory: Path, write: Callable[[Path], None]) -> None:
+    """`write(partial)` fills a temporary sibling of `directory` (new, or
+    empty: checked by the caller), renamed into place when done; a failure
+    leaves nothing. The files get the modes the user's umask gives."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{directory.name}.partial-", dir=directory.parent))
+    try:
+        write(partial)
+        # mkdtemp's directory is private (0700) and safetensors' files too (0600).
         give_ordinary_mode(partial, *partial.iterdir())
         if directory.exists():
             directory.rmdir()  # empty, checked above

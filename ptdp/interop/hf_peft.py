@@ -28,9 +28,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -39,9 +36,9 @@ import torch
 
 from ptdp.config import ModelConfig
 from ptdp.config.lora import TARGET_NAMES, LoRAConfig
-from ptdp.file_modes import give_ordinary_mode
 from ptdp.interop.family import HFFamily
-from ptdp.interop.hf_files import ConversionError, check_state, export_directory_problem
+from ptdp.interop.hf_files import (ConversionError, check_state, export_directory_problem,
+                                   write_new_directory)
 from ptdp.interop.hf_peft_names import (
     FUSED_EXPERTS,
     PEFT_PREFIX,
@@ -184,21 +181,15 @@ def save_peft_directory(directory: str | Path, adapters: dict[str, torch.Tensor]
     problem = export_directory_problem(directory)
     if problem:
         raise ConversionError(problem)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkdtemp(prefix=f".{directory.name}.partial-", dir=directory.parent))
-    try:
+
+    def write(partial: Path) -> None:
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
                   str(partial / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
         with open(partial / ADAPTER_CONFIG_NAME, "w") as f:
             json.dump(adapter_config, f, indent=2, sort_keys=True)
             f.write("\n")
-        give_ordinary_mode(partial, *partial.iterdir())  # mkdtemp's and safetensors' are private
-        if directory.exists():
-            directory.rmdir()  # empty, checked above
-        os.rename(partial, directory)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
+
+    write_new_directory(directory, write)
 
 
 # ------------------------------------------------------------------ import

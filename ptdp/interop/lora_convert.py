@@ -16,22 +16,16 @@ from __future__ import annotations
 
 import dataclasses
 
-from safetensors import SafetensorError
-
 from ptdp.checkpoint.adapters import check_adapter_base, load_adapted_model
 from ptdp.checkpoint.carry import checkpoint_hf_files
-from ptdp.checkpoint.lock import SaveDirectoryInUse
-from ptdp.checkpoint.store import (CheckpointError, checkpoint_tokenizer, load_logical_model,
-                                   resolve, save_logical_model)
+from ptdp.checkpoint.store import CheckpointError, checkpoint_tokenizer, load_logical_model, resolve
 from ptdp.config import ConfigError
 from ptdp.config.lora import LoRAConfig
+from ptdp.interop.convert import save_checkpoint
 from ptdp.model.adapters import merged
 
 
 def merge_lora(load: str, pretrained: str | None, save: str) -> int:
-    from ptdp.interop.convert import _missing_directories, _remove_empty, _write_failed, \
-        _write_failure
-
     try:
         config, weights, metadata, adapters = load_adapted_model(load, pretrained)
         if adapters is None:
@@ -44,17 +38,7 @@ def merge_lora(load: str, pretrained: str | None, save: str) -> int:
     base = {name: tensor for name, tensor in weights.items() if name not in adapters}
     model = merged(base, adapters, config.model, config.lora)
     plain = dataclasses.replace(config, lora=LoRAConfig())
-    made = _missing_directories(save)
-    try:
-        path = save_logical_model(save, plain, model, tokenizer_file=tokenizer, hf_files=carried)
-    except (CheckpointError, SaveDirectoryInUse) as error:
-        raise ConfigError([str(error)]) from None
-    except (OSError, SafetensorError) as error:
-        failure = _write_failure(error)
-        if failure is None:
-            raise
-        _remove_empty(made)
-        raise _write_failed("--save", save, "checkpoint", failure) from None
+    path = save_checkpoint(save, plain, model, tokenizer_file=tokenizer, hf_files=carried)
     lora = config.lora
     layers = len({name.rsplit(".", 1)[0] for name in adapters})
     print(f"wrote {path}: the base with {layers} adapters of rank {lora.lora_rank} merged "
@@ -93,8 +77,6 @@ def import_peft(directory: str, pretrained: str, save: str) -> int:
     from ptdp.checkpoint.adapters import LORA_BASE, base_identity
     from ptdp.checkpoint.store import read_metadata
     from ptdp.config import Config
-    from ptdp.interop.convert import _missing_directories, _remove_empty, _write_failed, \
-        _write_failure
     from ptdp.interop.hf_peft import from_peft
     from ptdp.model.adapters import adapter_problems
 
@@ -114,20 +96,10 @@ def import_peft(directory: str, pretrained: str, save: str) -> int:
     if problems:
         raise ConfigError([f"{directory}: {problem}" for problem in problems])
     adapted = dataclasses.replace(config, lora=lora)
-    made = _missing_directories(save)
-    try:
-        path = save_logical_model(
-            save, adapted, {name: tensor.float() for name, tensor in adapters.items()},
-            tokenizer_file=tokenizer, hf_files=carried,
-            records={LORA_BASE: base_identity(base, base_metadata, config.train.seed)})
-    except (CheckpointError, SaveDirectoryInUse) as error:
-        raise ConfigError([str(error)]) from None
-    except (OSError, SafetensorError) as error:
-        failure = _write_failure(error)
-        if failure is None:
-            raise
-        _remove_empty(made)
-        raise _write_failed("--save", save, "checkpoint", failure) from None
+    path = save_checkpoint(save, adapted, {name: t.float() for name, t in adapters.items()},
+                           tokenizer_file=tokenizer, hf_files=carried,
+                           records={LORA_BASE: base_identity(base, base_metadata,
+                                                             config.train.seed)})
     print(f"wrote {path}: {len(adapters) // 2} LoRA adapters of rank {lora.lora_rank} (alpha "
           f"{lora.lora_alpha:g}) on the base {base}; train on with --load {save} (their "
           f"--lora-* settings and base come from it), or generate and --merge-lora with it")
