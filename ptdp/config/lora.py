@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ptdp.config.base import flag, is_count, is_finite_number
+from ptdp.config.base import finite_or_none, flag, is_count, is_finite_number
 
 TARGET_NAMES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
@@ -66,14 +66,15 @@ def lora_problems(lora: LoRAConfig) -> list[str]:
             ("--lora-dropout", lora.lora_dropout, 0.0),
             ("--lora-target-modules", lora.lora_target_modules, list(TARGET_NAMES)),
             ("--lora-share-expert-adapters", lora.lora_share_expert_adapters, False))
-            if value != default]
+            if value != default and finite_or_none(value if isinstance(value, float) else None)]
+        # (a nan or inf is reported once, as such: checks._float_problems)
         if changed and is_count(lora.lora_rank, 0):
             problems.append(f"{', '.join(changed)} set without adapters: give --lora-rank R "
                             f"(R ≥ 1) to train adapters, or leave these out")
         return problems
-    if not is_finite_number(lora.lora_alpha) or lora.lora_alpha <= 0:
+    if is_finite_number(lora.lora_alpha) and lora.lora_alpha <= 0:
         problems.append(f"--lora-alpha must be a positive number, not {lora.lora_alpha!r}")
-    if not is_finite_number(lora.lora_dropout) or not 0 <= lora.lora_dropout < 1:
+    if is_finite_number(lora.lora_dropout) and not 0 <= lora.lora_dropout < 1:
         problems.append(f"--lora-dropout must be in [0, 1), not {lora.lora_dropout!r}")
     targets = lora.lora_target_modules
     if not isinstance(targets, list) or not targets \
