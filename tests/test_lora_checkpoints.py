@@ -105,7 +105,26 @@ def test_bad_lora_settings_are_refused_before_launch(argv, message, capsys):
 
 # ------------------------------------------------------------------ merging, generation
 
-def test_merged_adapters_compute_base_plus_adapters_and_generate_alike(bases, tmp_path, capfd):
+def _generate_at_t2(rank: int, load: str, base: str) -> list[int]:
+    """Greedy ids from adapters on their base under t = 2 (a pool's two ranks)."""
+    import torch
+
+    from ptdp.generate import GenerateRequest, generate_text
+    from ptdp.parallel.topology import ParallelContext, RankGrid
+    from ptdp.sampling import SamplingSettings
+
+    ctx = ParallelContext.build(RankGrid(tp=2, dp=1, pp=1))
+    request = GenerateRequest(load, [3, 17, 9, 40], SamplingSettings(temperature=0.0,
+                                                                     max_new_tokens=6),
+                              tensor_parallel=2, output_ids=True, pretrained=base)
+    try:
+        return [int(i) for i in generate_text(request, ctx, torch.device("cpu")).split(",")]
+    finally:
+        ctx.destroy()
+
+
+def test_merged_adapters_compute_base_plus_adapters_and_generate_alike(bases, tmp_path, capfd,
+                                                                      pools):
     """--merge-lora writes W + (α/R)·B A: its logits equal those of the base
     with its adapters attached (the model training runs) within 1e-5, and
     `ptdp generate` gives the same tokens from the adapters on their base
@@ -142,7 +161,9 @@ def test_merged_adapters_compute_base_plus_adapters_and_generate_alike(bases, tm
 
     want = generated(tmp_path / "merged")
     assert generated(tmp_path / "ad") == want
-    assert generated(tmp_path / "ad", "--pretrained-checkpoint", str(base), "-t", "2") == want
+    # t = 2 (two ranks of the test pool), the base named
+    ids = [int(i) for i in want.split(",")]
+    assert pools(2).run(_generate_at_t2, str(tmp_path / "ad"), str(base)) == [ids, ids]
 
 
 def test_adapters_reshard_to_another_layout(bases, tmp_path):
