@@ -243,12 +243,13 @@ def test_train_evaluate_save_and_generate_from_the_command_line(tmp_path, capsys
     assert _run(*generate, "--load", str(tmp_path / "sp"), "-t", "2") == expected
 
 
-def test_invalid_layouts_are_refused_before_launch(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "ptdp", "train", *COMMON, "-t", "2",
-                             "--sequence-parallel", "--seq-length", "33"],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode != 0, result.stderr
-    assert "--seq-length 33 divisible by --tensor-model-parallel-size 2" in result.stderr
+def test_invalid_layouts_are_refused_before_launch(no_launch, capsys):
+    from tests.test_train_cli import _refused
+
+    status, _, err = _refused([*COMMON, "-t", "2", "--sequence-parallel", "--seq-length", "33"],
+                              capsys)
+    assert status != 0, err
+    assert "--seq-length 33 divisible by --tensor-model-parallel-size 2" in err
 
 
 def test_at_one_tensor_rank_it_is_turned_off_with_a_note_as_megatron_does(no_launch, capsys):
