@@ -11,10 +11,7 @@ no figure; the log line and the metrics file show it.
 
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -210,23 +207,27 @@ def test_log_line_and_tensorboard_tag():
     assert TENSORBOARD_TAGS["val_bits_per_char"] == "valid/bits_per_char"
 
 
-def test_training_run_reports_bits_per_char(tmp_path):
+def test_training_run_reports_bits_per_char(tmp_path, capsys):
     """`ptdp train` on the demo corpus with the byte tokenizer: the log line
-    and the metrics file carry the figure where validation ran."""
+    and the metrics file carry the figure where validation ran. (One
+    process: through ptdp's entry point in this process, no launch.)"""
+    from ptdp.cli import main
+
     metrics = tmp_path / "metrics.jsonl"
-    command = [sys.executable, "-m", "ptdp", "train", "--tokenizer-type", "ByteLevelTokenizer",
+    command = ["train", "--tokenizer-type", "ByteLevelTokenizer",
                "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
                "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
                "--train-iters", "2", "--eval-interval", "2", "--eval-iters", "2",
                "--log-interval", "1", "--metrics-file", str(metrics)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600,  # hang guard
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stdout + result.stderr
+    capsys.readouterr()
+    status = main(command)
+    result = capsys.readouterr()
+    assert status == 0, result.out + result.err
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert "val_bits_per_char" not in records[0]
     value = records[1]["val_bits_per_char"]
     # Shakespeare is ASCII: one byte token per character, so bits/char is
     # about the loss per token in bits (the end-of-document tokens aside).
     assert value == pytest.approx(records[1]["val_loss"] / math.log(2), rel=0.02)
-    printed = re.findall(r"val loss (\d+\.\d+) \(ppl [\d.]+, (\d+\.\d+) bits/char\)", result.stdout)
+    printed = re.findall(r"val loss (\d+\.\d+) \(ppl [\d.]+, (\d+\.\d+) bits/char\)", result.out)
     assert printed == [(f"{records[1]['val_loss']:.4f}", f"{value:.4g}")]

@@ -166,26 +166,30 @@ def test_parallel_training_on_real_data_matches_one_process(pools, tmp_path, p, 
             assert losses == pytest.approx(serial_losses, rel=1e-5)
 
 
-def _run(*argv, cwd=ROOT):
-    return subprocess.run([sys.executable, "-m", "ptdp", *argv], cwd=cwd, capture_output=True,
-                          text=True, timeout=900)
+def _run_here(capsys, *argv) -> subprocess.CompletedProcess:
+    """A one-process `ptdp` command through ptdp's entry point in this
+    process (one rank needs no launch), with its status and output."""
+    capsys.readouterr()
+    status = main(list(argv))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["ptdp", *argv], status, out, err)
 
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length",
         "32", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2"]
 
 
-def test_train_on_a_blend_from_the_command_line(tmp_path):
+def test_train_on_a_blend_from_the_command_line(tmp_path, capsys):
     a, b = _write_corpus(tmp_path / "a", seed=1), _write_corpus(tmp_path / "b", seed=2)
-    result = _run("train", *TINY, "--data-path", "0.7", a, "0.3", b, "--tokenizer-type",
+    result = _run_here(capsys, "train", *TINY, "--data-path", "0.7", a, "0.3", b, "--tokenizer-type",
                   "ByteLevelTokenizer", "--data-cache-path", str(tmp_path / "cache"))
     assert result.returncode == 0, result.stderr
     assert "vocabulary 257" in result.stdout and f"data: 0.7 {a} 0.3 {b}" in result.stdout
     assert "iteration     2/2" in result.stdout
 
 
-def test_train_on_the_demo_corpus_by_default(tmp_path):
-    result = _run("train", *TINY, "--hidden-size", "16")
+def test_train_on_the_demo_corpus_by_default(tmp_path, capsys):
+    result = _run_here(capsys, "train", *TINY, "--hidden-size", "16")
     assert result.returncode == 0, result.stderr
     assert "vocabulary 50257" in result.stdout and "the demo corpus" in result.stdout
     assert "iteration     2/2" in result.stdout

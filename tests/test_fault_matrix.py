@@ -74,6 +74,21 @@ def _record(case: str, seconds: float) -> None:
     print(f"\n[fault matrix] {case}: the job ended {seconds:.1f} s after the fault")
 
 
+def _refused(argv, capsys) -> tuple[int, str, str]:
+    """`ptdp train ARGV` through ptdp's entry point in this process, for a
+    job refused before launch (the test's `no_launch` fails it if a rank
+    would start): (exit status, stdout, stderr)."""
+    from ptdp.cli import main
+
+    capsys.readouterr()
+    try:
+        status = main(["train", *argv])
+    except SystemExit as leaving:  # a usage error, as `python -m ptdp` exits with it
+        status = leaving.code
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
 def _gone(pids) -> bool:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
@@ -365,15 +380,14 @@ def test_a_damaged_checkpoint_is_the_reported_cause(tmp_path):
     assert seconds < EXIT_BOUND_SECONDS + 30
 
 
-def test_a_save_path_under_a_regular_file_is_refused_before_launch(tmp_path):
+def test_a_save_path_under_a_regular_file_is_refused_before_launch(tmp_path, no_launch, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    result = subprocess.run([sys.executable, "-m", "ptdp", "train", *MODEL, "-d", "2",
-                             "--train-iters", "2", "--save", str(blocker / "ckpt")], cwd=ROOT,
-                            env=_env(), capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2
-    assert f"--save {blocker / 'ckpt'}: {blocker} is a file" in result.stderr
-    assert "ptdp: 2 processes" not in result.stdout
+    status, out, err = _refused([*MODEL, "-d", "2", "--train-iters", "2", "--save",
+                                 str(blocker / "ckpt")], capsys)
+    assert status == 2
+    assert f"--save {blocker / 'ckpt'}: {blocker} is a file" in err
+    assert "ptdp: 2 processes" not in out
 
 
 def test_too_little_space_is_warned_before_launch_and_one_process_reports_the_cause(
@@ -390,18 +404,18 @@ def test_too_little_space_is_warned_before_launch_and_one_process_reports_the_ca
     assert "Traceback" not in result.stderr
 
 
-def test_a_read_only_save_directory_is_refused_before_launch(mount_tmpfs):
+def test_a_read_only_save_directory_is_refused_before_launch(mount_tmpfs, no_launch, capsys):
     disk = mount_tmpfs("size=1m,ro")
-    result = subprocess.run([sys.executable, "-m", "ptdp", "train", *MODEL, "-d", "2",
-                             "--train-iters", "2", "--save", str(disk / "ckpt")], cwd=ROOT,
-                            env=_env(), capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2, result.stderr
-    assert f"--save {disk / 'ckpt'} cannot be created ({disk} is not writable)" in result.stderr
-    assert "ptdp: 2 processes" not in result.stdout
+    status, out, err = _refused([*MODEL, "-d", "2", "--train-iters", "2", "--save",
+                                 str(disk / "ckpt")], capsys)
+    assert status == 2, err
+    assert f"--save {disk / 'ckpt'} cannot be created ({disk} is not writable)" in err
+    assert "ptdp: 2 processes" not in out
 
 
 @pytest.mark.parametrize("planted", ["link", "directory"])
-def test_a_planted_lock_file_is_refused_before_launch_and_never_followed(tmp_path, planted):
+def test_a_planted_lock_file_is_refused_before_launch_and_never_followed(tmp_path, planted,
+                                                                        no_launch, capsys):
     """SAVE/.ptdp-save.lock as a symbolic link (to a file the job may
     write) or a directory: one paragraph before launch, nothing followed,
     and a rank that meets one planted after that check says the same."""
@@ -422,9 +436,8 @@ def test_a_planted_lock_file_is_refused_before_launch_and_never_followed(tmp_pat
     with pytest.raises(LockFileNotUsable) as refused:
         SaveLock(save)
     assert str(refused.value) == paragraph
-    result = subprocess.run([sys.executable, "-m", "ptdp", "train", *MODEL, "-d", "2",
-                             "--train-iters", "2", "--save", str(save)], cwd=ROOT, env=_env(),
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2, result.stderr
-    assert result.stderr == f"ptdp: error: invalid configuration:\n  - {paragraph}\n"
-    assert "ptdp: starting" not in result.stdout and victim.read_text() == "precious"
+    status, out, err = _refused([*MODEL, "-d", "2", "--train-iters", "2", "--save", str(save)],
+                                capsys)
+    assert status == 2, err
+    assert err == f"ptdp: error: invalid configuration:\n  - {paragraph}\n"
+    assert "ptdp: starting" not in out and victim.read_text() == "precious"

@@ -39,21 +39,32 @@ def checkpoint(tmp_path_factory):
     return save, chain
 
 
-def _generate(checkpoint, *flags):
-    result = subprocess.run([sys.executable, "-m", "ptdp", "generate", "--load", str(checkpoint),
-                             "--prompt", "5 6 7", "--max-new-tokens", "10", *flags], cwd=ROOT,
-                            capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr
-    tokens = result.stdout.split()
+def _generate(checkpoint, *flags, capsys=None):
+    """`ptdp generate`'s continuation of "5 6 7". With `capsys` (one process:
+    no launch), through ptdp's entry point in this process; else as a
+    command of its own."""
+    argv = ["generate", "--load", str(checkpoint), "--prompt", "5 6 7", "--max-new-tokens", "10",
+            *flags]
+    if capsys is not None:
+        capsys.readouterr()
+        status = main(argv)
+        out, err = capsys.readouterr()
+        assert status == 0, err
+    else:
+        result = subprocess.run([sys.executable, "-m", "ptdp", *argv], cwd=ROOT,
+                                capture_output=True, text=True, timeout=900)
+        assert result.returncode == 0, result.stderr
+        out = result.stdout
+    tokens = out.split()
     assert tokens[:3] == ["5", "6", "7"]  # the prompt is echoed before the continuation
     return tokens[3:]
 
 
-def test_generation_is_the_same_under_every_layout(checkpoint):
+def test_generation_is_the_same_under_every_layout(checkpoint, capsys):
     checkpoint, chain = checkpoint
     greedy, sampled = ["--temperature", "0"], ["--temperature", "0.9", "--top-k", "20", "--seed", "3"]
-    reference = {"greedy": _generate(checkpoint, *greedy),
-                 "sampled": _generate(checkpoint, *sampled)}
+    reference = {"greedy": _generate(checkpoint, *greedy, capsys=capsys),
+                 "sampled": _generate(checkpoint, *sampled, capsys=capsys)}
     assert all(len(tokens) == 10 and all(t.isdigit() and int(t) < 32 for t in tokens)
                for tokens in reference.values())
     assert _generate(checkpoint, *greedy, "-t", "2", "-p", "2") == reference["greedy"]
@@ -65,7 +76,7 @@ def test_generation_is_the_same_under_every_layout(checkpoint):
     assert reference["greedy"] == chain
 
 
-def test_export_to_hugging_face_and_back(checkpoint, tmp_path):
+def test_export_to_hugging_face_and_back(checkpoint, tmp_path, capsys):
     checkpoint, _ = checkpoint
     transformers = pytest.importorskip("transformers")
     export, reimported = tmp_path / "hf", tmp_path / "back"
@@ -82,7 +93,8 @@ def test_export_to_hugging_face_and_back(checkpoint, tmp_path):
     config_back, weights_back, metadata = load_logical_model(reimported)
     assert config_back.model.num_layers == 4 and metadata["iteration"] == 0
     assert all(torch.equal(weights_back[name], w) for name, w in weights.items())
-    assert _generate(reimported, "--temperature", "0") == _generate(checkpoint, "--temperature", "0")
+    assert _generate(reimported, "--temperature", "0", capsys=capsys) == \
+        _generate(checkpoint, "--temperature", "0", capsys=capsys)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -312,15 +312,24 @@ def _word_tokenizer(path, size):
     return tokenizer
 
 
-def _generate(checkpoint, prompt, *flags):
-    result = subprocess.run([sys.executable, "-m", "ptdp", "generate", "--load", str(checkpoint),
-                             "--prompt", prompt, "--max-new-tokens", "12", "--temperature", "0",
-                             *flags], cwd=ROOT, capture_output=True, text=True, timeout=600)
+def _generate(checkpoint, prompt, *flags, capsys=None):
+    """`ptdp generate`'s greedy text. With `capsys` (one process: no launch),
+    through ptdp's entry point in this process; else as a command of its own."""
+    argv = ["generate", "--load", str(checkpoint), "--prompt", prompt, "--max-new-tokens", "12",
+            "--temperature", "0", *flags]
+    if capsys is not None:
+        capsys.readouterr()
+        status = main(argv)
+        out, err = capsys.readouterr()
+        assert status == 0, err
+        return out.strip()
+    result = subprocess.run([sys.executable, "-m", "ptdp", *argv], cwd=ROOT, capture_output=True,
+                            text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     return result.stdout.strip()
 
 
-def test_greedy_generation_and_the_tokenizer_travel(tmp_path):
+def test_greedy_generation_and_the_tokenizer_travel(tmp_path, capsys):
     hf = _hf_model(_hf_config(num_key_value_heads=2, intermediate_size=48, tie_word_embeddings=False,
                               rope_theta=5000.0, bos_token_id=0, eos_token_id=1), seed=4)
     directory, save, export = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "back"
@@ -338,7 +347,8 @@ def test_greedy_generation_and_the_tokenizer_travel(tmp_path):
     assert len(new) >= 6
     expected = tokenizer.decode(new, skip_special_tokens=False)
     # The prompt is echoed before the continuation (--no-echo-prompt: the continuation alone).
-    assert _generate(save, prompt) == tokenizer.decode(ids + new, skip_special_tokens=False)
+    assert _generate(save, prompt, capsys=capsys) == tokenizer.decode(ids + new,
+                                                                      skip_special_tokens=False)
     assert _generate(save, prompt, "-t", "2", "-p", "2", "--no-echo-prompt") == expected
 
     # exported again: the tokenizer goes along, with bos/eos in both configs

@@ -36,6 +36,20 @@ from ptdp.launch import CPU_RANK_MODULES, LocalJobFailed, _Ranks, _RepeatsAbsorb
 LONG_TIMEOUT = timedelta(minutes=10)
 # Generous for a loaded 2-core machine, far below LONG_TIMEOUT.
 PROMPT_SECONDS = 60
+# The launcher's waits shortened where a test's verdict cannot depend on
+# them: no report is still to come (the silent rank never sends one), and a
+# rank that outlives SIGTERM is killed after the grace, however long.
+SHORT_WAIT_SECONDS = 1.0
+
+
+@pytest.fixture
+def short_launcher_waits(monkeypatch):
+    """COLLECT_SECONDS and STOP_GRACE_SECONDS (5 s and 3 s) cut to
+    SHORT_WAIT_SECONDS: what the test checks happens either way, sooner."""
+    import ptdp.launch
+
+    monkeypatch.setattr(ptdp.launch, "COLLECT_SECONDS", SHORT_WAIT_SECONDS)
+    monkeypatch.setattr(ptdp.launch, "STOP_GRACE_SECONDS", SHORT_WAIT_SECONDS)
 
 
 def _raise_on_rank_1(env, payload):
@@ -84,7 +98,7 @@ def test_a_killed_rank_is_reported_with_its_signal():
         launch_local(3, _killed_on_rank_2, None)
 
 
-def test_a_lost_peer_ends_in_the_collective_timeout():
+def test_a_lost_peer_ends_in_the_collective_timeout(short_launcher_waits):
     """Rank 0 times out waiting for rank 1, which is alive but never joins:
     rank 1 is named, with what rank 0 saw."""
     start = time.monotonic()
@@ -489,8 +503,8 @@ def _classifies_real_failures(env, folder):
     dist.barrier()
     if env.rank == 1:
         os._exit(0)  # leaves without a word: its connections close
-    if env.rank == 2:
-        time.sleep(8)  # alive, but never sends
+    if env.rank == 2:  # alive, but never sends, until rank 0 has seen its timeout
+        _wait_for(lambda: Path(folder, "seen.json").exists())
         os._exit(0)
     seen = {}
     for name, peer in (("left", 1), ("silent", 2)):
@@ -499,7 +513,9 @@ def _classifies_real_failures(env, folder):
         except Exception as error:  # noqa: BLE001 - classified below
             report = RankFailure.from_exception(env.rank, error)
             seen[name] = [report.lost_peer, report.user_error, report.message]
-    Path(folder, "seen.json").write_text(json.dumps(seen))
+    written = Path(folder, "seen.json.partial")
+    written.write_text(json.dumps(seen))
+    written.rename(Path(folder, "seen.json"))  # whole when rank 2 sees it
     os._exit(0)
 
 
@@ -520,7 +536,7 @@ def _stops_on_rank_1(env, payload):
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
-def test_a_stopped_rank_is_named_when_the_others_time_out():
+def test_a_stopped_rank_is_named_when_the_others_time_out(short_launcher_waits):
     start = time.monotonic()
     with pytest.raises(LocalJobFailed) as failure:
         launch_local(2, _stops_on_rank_1, None)
@@ -597,7 +613,7 @@ def _fails_while_rank_1_outlives_sigterm(env, folder):
     raise ValueError("rank 0 fails")
 
 
-def test_a_failed_job_ends_ranks_that_outlive_sigterm(tmp_path):
+def test_a_failed_job_ends_ranks_that_outlive_sigterm(tmp_path, short_launcher_waits):
     start = time.monotonic()
     with pytest.raises(LocalJobFailed, match="ValueError: rank 0 fails"):
         launch_local(2, _fails_while_rank_1_outlives_sigterm, str(tmp_path))

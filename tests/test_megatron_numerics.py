@@ -41,7 +41,7 @@ from ptdp.train.loop import Trainer
 from ptdp.train.lr_schedule import LRSchedule
 from ptdp.train.optimizer import embedding_and_output_weights
 from tests.test_megatron_schedules import megatron  # noqa: F401 - the fixture
-from tests.test_ptdp_step import MODEL, _logical_weights
+from tests.test_ptdp_step import MODEL, _logical_weights, computed_once
 
 CPU = torch.device("cpu")
 EOD = 7
@@ -177,20 +177,24 @@ def _parallel_vs_serial(rank, t, d, kind="1f1b", k=None, distributed=False, unti
     ctx = ParallelContext.build(RankGrid(tp=t, dp=d, pp=2))
     trainer = _trainer(config, ctx)
     records = [trainer.step(i)[0] for i in range(3)]
-    serial = _trainer(_config(model=model, **flags))
-    serial_records = [serial.step(i)[0] for i in range(3)]
+
+    def serial_run():
+        serial = _trainer(_config(model=model, **flags))
+        serial_records = [serial.step(i)[0] for i in range(3)]
+        return (serial_records, _logical_weights(serial, ParallelContext.single()),
+                evaluate(serial, serial.data.valid, 1)["loss"])
+    serial_records, reference, serial_validation = computed_once(serial_run)
     for got, want in zip(records, serial_records):
         assert not got["skipped"]
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
         if trainer.holds_loss:
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
-    reference = _logical_weights(serial, ParallelContext.single())
     for name, weight in _logical_weights(trainer, ctx).items():
         assert_close(weight, reference[name], rtol=0.0, atol=1e-6,
                      msg=lambda msg, name=name: f"{name}: {msg}")
     validation = evaluate(trainer, trainer.data.valid, 1)["loss"]
     if trainer.holds_loss:
-        assert validation == pytest.approx(evaluate(serial, serial.data.valid, 1)["loss"], rel=1e-5)
+        assert validation == pytest.approx(serial_validation, rel=1e-5)
     return trainer.holds_loss
 
 

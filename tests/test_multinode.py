@@ -75,7 +75,7 @@ def test_a_node_that_never_arrives_ends_the_wait_after_the_join_timeout(tmp_path
     process."""
     started = time.monotonic()
     node = _node(_free_port(), tmp_path / "node0.log", "train", *COMMON, "-p", "2",
-                 rendezvous=("--rdzv-conf", "join_timeout=3"))
+                 rendezvous=("--rdzv-conf", "join_timeout=1"))
     code = node.wait(timeout=300)
     output = (tmp_path / "node0.log").read_text()
     assert code != 0, output

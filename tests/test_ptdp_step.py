@@ -53,15 +53,35 @@ def _logical_weights(trainer, ctx):
     return weights
 
 
+def computed_once(compute):
+    """`compute()`, a one-process reference that every rank of a pooled
+    call would compute alike, run on rank 0 only and its result sent to the
+    others, which wait instead of repeating it (the pool has more ranks than
+    the machine has cores)."""
+    result = [compute() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(result, src=0)
+    return result[0]
+
+
+def _serial_run(model, distributed):
+    """The one-process run _ptdp_vs_serial compares with: its records, its
+    weights after 5 steps and the initial weights."""
+    serial = Trainer(_config(model=model, use_distributed_optimizer=distributed),
+                     ParallelContext.single(), torch.device("cpu"))
+    serial_records = [serial.step(i)[0] for i in range(5)]
+    initial = Trainer(_config(model=model), ParallelContext.single(), torch.device("cpu"))
+    return (serial_records, _logical_weights(serial, ParallelContext.single()),
+            _logical_weights(initial, ParallelContext.single()))
+
+
 def _ptdp_vs_serial(rank, k, distributed, model=MODEL, weight_tol=WEIGHT_TOL,
                     sequence_parallel=False):
     ctx = ParallelContext.build(RankGrid(tp=2, dp=2, pp=2))
     trainer = Trainer(_config(2, 2, 2, k, model, sequence_parallel,
                               use_distributed_optimizer=distributed), ctx, torch.device("cpu"))
     records = [trainer.step(i)[0] for i in range(5)]
-    serial = Trainer(_config(model=model, use_distributed_optimizer=distributed),
-                     ParallelContext.single(), torch.device("cpu"))
-    serial_records = [serial.step(i)[0] for i in range(5)]
+    serial_records, serial_weights, initial_weights = computed_once(
+        lambda: _serial_run(model, distributed))
 
     for got, want in zip(records, serial_records):
         assert got["lr"] == want["lr"] and not got["skipped"]
@@ -77,9 +97,6 @@ def _ptdp_vs_serial(rank, k, distributed, model=MODEL, weight_tol=WEIGHT_TOL,
             assert got["loss"] == pytest.approx(want["loss"], **LOSS_TOL)
     assert any(r["grad_norm"] > 0.5 for r in serial_records)  # clipping was active
 
-    serial_weights = _logical_weights(serial, ParallelContext.single())
-    initial = Trainer(_config(model=model), ParallelContext.single(), torch.device("cpu"))
-    initial_weights = _logical_weights(initial, ParallelContext.single())
     worst = 0.0
     for name, weight in _logical_weights(trainer, ctx).items():
         assert_close(weight, serial_weights[name], **weight_tol,

@@ -14,6 +14,7 @@ are reordered: the sequence is split and gathered, norms' gradients summed).
 """
 
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -206,15 +207,30 @@ def _run(*args):
     return result.stdout
 
 
-def test_train_evaluate_save_and_generate_from_the_command_line(tmp_path):
+def _in_this_process(capsys, *args) -> str:
+    """A one-process `ptdp` command through ptdp's own entry point here (one
+    rank needs no launch): its stdout, as _run returns it."""
+    from ptdp.cli import main
+
+    capsys.readouterr()
+    status = main(list(args))
+    output = capsys.readouterr()
+    assert status == 0, output.out + output.err
+    return output.out
+
+
+def test_train_evaluate_save_and_generate_from_the_command_line(tmp_path, capsys):
     """`ptdp train --sequence-parallel` at t = p = 2: the training and
     validation losses of one process; its checkpoint generates at t = 2 what
-    the one-process checkpoint generates on one process."""
+    the one-process checkpoint generates on one process. (The one-process
+    runs go through `ptdp`'s entry point in this process: no interpreter to
+    start.)"""
     outputs = {}
     for name, layout in (("serial", []), ("sp", ["-t", "2", "-p", "2", "--sequence-parallel"])):
         metrics = tmp_path / f"{name}.jsonl"
-        _run("train", *COMMON, *layout, "--metrics-file", str(metrics),
-             "--save", str(tmp_path / name))
+        run = _run if layout else functools.partial(_in_this_process, capsys)
+        run("train", *COMMON, *layout, "--metrics-file", str(metrics),
+            "--save", str(tmp_path / name))
         outputs[name] = [json.loads(line) for line in metrics.read_text().splitlines()]
     for got, want in zip(outputs["sp"], outputs["serial"]):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
@@ -223,16 +239,17 @@ def test_train_evaluate_save_and_generate_from_the_command_line(tmp_path):
             assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5)
     assert sum("val_loss" in r for r in outputs["sp"]) == 2
     generate = ["generate", "--prompt", "1 2 3", "--max-new-tokens", "6", "--temperature", "0"]
-    expected = _run(*generate, "--load", str(tmp_path / "serial"))
+    expected = _in_this_process(capsys, *generate, "--load", str(tmp_path / "serial"))
     assert _run(*generate, "--load", str(tmp_path / "sp"), "-t", "2") == expected
 
 
-def test_invalid_layouts_are_refused_before_launch(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "ptdp", "train", *COMMON, "-t", "2",
-                             "--sequence-parallel", "--seq-length", "33"],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode != 0, result.stderr
-    assert "--seq-length 33 divisible by --tensor-model-parallel-size 2" in result.stderr
+def test_invalid_layouts_are_refused_before_launch(no_launch, capsys):
+    from tests.test_train_cli import _refused
+
+    status, _, err = _refused([*COMMON, "-t", "2", "--sequence-parallel", "--seq-length", "33"],
+                              capsys)
+    assert status != 0, err
+    assert "--seq-length 33 divisible by --tensor-model-parallel-size 2" in err
 
 
 def test_at_one_tensor_rank_it_is_turned_off_with_a_note_as_megatron_does(no_launch, capsys):

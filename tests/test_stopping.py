@@ -40,6 +40,25 @@ def _train(*argv, timeout=300) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.fixture
+def train_here(tmp_path, monkeypatch, capsys):
+    """_train for a one-process run that needs no process of its own (no
+    signal, no clock from the process's start): through ptdp's entry point
+    in this process, its error reports in this test's folder as well."""
+    import tempfile
+
+    from ptdp.cli import main
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def train(*argv) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        status = main([*TRAIN, *argv])
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["ptdp", *TRAIN, *argv], status, out, err)
+    return train
+
+
 def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -96,16 +115,16 @@ def test_a_second_signal_after_the_window_stops_at_once():
     assert time.monotonic() - started < 300  # long before the 600 s sleep ends
 
 
-def test_exit_interval_stops_saving_and_the_run_resumes(tmp_path):
+def test_exit_interval_stops_saving_and_the_run_resumes(tmp_path, train_here):
     save = tmp_path / "ckpt"
-    result = _train("--train-iters", "10", "--exit-interval", "3", "--save", str(save))
+    result = train_here("--train-iters", "10", "--exit-interval", "3", "--save", str(save))
     assert result.returncode == 0, result.stderr
     assert ("ptdp: stopped after iteration 3 of 10: --exit-interval 3 reached; saved "
             f"{save}/iter_0000003; resume with --load {save}") in result.stdout
     assert read_metadata(resolve(save))["iteration"] == 3
     # Megatron-LM's meaning: stop whenever the iteration is a multiple of N.
-    again = _train("--train-iters", "10", "--exit-interval", "3", "--load", str(save),
-                   "--save", str(save))
+    again = train_here("--train-iters", "10", "--exit-interval", "3", "--load", str(save),
+                       "--save", str(save))
     assert again.returncode == 0, again.stderr
     assert "stopped after iteration 6 of 10" in again.stdout
 
@@ -122,10 +141,10 @@ def test_exit_duration_stops_before_the_limit(tmp_path):
     assert [r["iteration"] for r in _records(metrics)] == [1]
 
 
-def test_divergence_stops_the_run_without_saving_over_good_checkpoints(tmp_path):
+def test_divergence_stops_the_run_without_saving_over_good_checkpoints(tmp_path, train_here):
     save, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
-    result = _train("--train-iters", "20", "--lr", "1e6", "--clip-grad", "0", "--save", str(save),
-                    "--save-interval", "1", "--metrics-file", str(metrics))
+    result = train_here("--train-iters", "20", "--lr", "1e6", "--clip-grad", "0", "--save",
+                        str(save), "--save-interval", "1", "--metrics-file", str(metrics))
     assert result.returncode == 1, result.stdout + result.stderr
     records = _records(metrics)
     bad = records[-1]
@@ -142,20 +161,21 @@ def _finite(value) -> bool:
     return value is not None and abs(value) != float("inf") and value == value
 
 
-def test_divergence_check_can_be_turned_off(tmp_path):
+def test_divergence_check_can_be_turned_off(tmp_path, train_here):
     metrics = tmp_path / "metrics.jsonl"
-    result = _train("--train-iters", "5", "--lr", "1e6", "--clip-grad", "0",
-                    "--no-check-for-nan-in-loss-and-grad", "--metrics-file", str(metrics))
+    result = train_here("--train-iters", "5", "--lr", "1e6", "--clip-grad", "0",
+                        "--no-check-for-nan-in-loss-and-grad", "--metrics-file", str(metrics))
     assert result.returncode == 0, result.stderr
     records = _records(metrics)
     assert len(records) == 5 and records[-1]["skipped"]
 
 
-def test_fp16_stops_after_too_many_skipped_steps_in_a_row(tmp_path):
+def test_fp16_stops_after_too_many_skipped_steps_in_a_row(tmp_path, train_here):
     metrics = tmp_path / "metrics.jsonl"
-    result = _train("--train-iters", "40", "--fp16", "--lr", "1e6", "--clip-grad", "0",
-                    "--initial-loss-scale", "1024", "--hysteresis", "1",
-                    "--max-consecutive-skipped-iterations", "4", "--metrics-file", str(metrics))
+    result = train_here("--train-iters", "40", "--fp16", "--lr", "1e6", "--clip-grad", "0",
+                        "--initial-loss-scale", "1024", "--hysteresis", "1",
+                        "--max-consecutive-skipped-iterations", "4", "--metrics-file",
+                        str(metrics))
     assert result.returncode == 1, result.stdout + result.stderr
     records = _records(metrics)
     assert [r["skipped"] for r in records[-4:]] == [True] * 4

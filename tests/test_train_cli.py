@@ -115,12 +115,26 @@ def test_config_file_with_flag_override(tmp_path, reference):
     _assert_same_run((records, re.findall(r"loss (\d+\.\d{4})", stdout), stdout), reference)
 
 
-def test_invalid_layout_is_refused_before_launch(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "ptdp", "train", *COMMON, "-t", "3"],
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 2
-    assert "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3" in result.stderr
-    assert "ptdp: 3 processes" not in result.stdout
+def _refused(argv, capsys) -> tuple[int, str, str]:
+    """`ptdp train ARGV` through ptdp's entry point in this process, for a
+    job refused before launch (the test's `no_launch` fails it if a rank
+    would start): (exit status, stdout, stderr)."""
+    from ptdp.cli import main
+
+    capsys.readouterr()
+    try:
+        status = main(["train", *argv])
+    except SystemExit as leaving:  # a usage error, as `python -m ptdp` exits with it
+        status = leaving.code
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_invalid_layout_is_refused_before_launch(no_launch, capsys):
+    status, out, err = _refused([*COMMON, "-t", "3"], capsys)
+    assert status == 2
+    assert "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3" in err
+    assert "ptdp: 3 processes" not in out
 
 
 def _spawned_children(parent_pid: int) -> list[int]:
@@ -191,8 +205,7 @@ def test_timeline_picture_of_the_last_iteration(tmp_path, reference):
     assert all(r["peak_stored_activations"] == 3 for r in run[0])
 
 
-def test_timeline_path_is_checked_before_launch(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "ptdp", "train", *COMMON, "-p", "2",
-                             "--timeline", str(tmp_path / "missing" / "t.png")],
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 2 and "--timeline" in result.stderr and "does not exist" in result.stderr
+def test_timeline_path_is_checked_before_launch(tmp_path, no_launch, capsys):
+    missing = tmp_path / "missing" / "t.png"
+    status, _, err = _refused([*COMMON, "-p", "2", "--timeline", str(missing)], capsys)
+    assert status == 2 and "--timeline" in err and "does not exist" in err

@@ -38,7 +38,7 @@ from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.train.loop import Trainer
 from tests.test_pipeline import (B_MICRO, CONFIG, GRAD_TOL, LOSS_TOL, SEED, _microbatch_fn,
                                  _serial_reference, _tokens, all_reduce_tied_embedding_grads)
-from tests.test_ptdp_step import MODEL, WEIGHT_TOL, _config, _logical_weights
+from tests.test_ptdp_step import MODEL, WEIGHT_TOL, _config, _logical_weights, computed_once
 
 
 def _zero_bubble_vs_serial(rank, t, p, kind, m, sequence_parallel=False, config=CONFIG):
@@ -141,14 +141,17 @@ def trains_like_one_process(trainer, ctx, serial_config, iterations=5):
     no step skipped, gradient norms, losses (where held) and final weights
     equal. Returns the trainer's records."""
     records = [trainer.step(i)[0] for i in range(iterations)]
-    serial = Trainer(serial_config, ParallelContext.single(), torch.device("cpu"))
-    serial_records = [serial.step(i)[0] for i in range(iterations)]
+
+    def serial_run():
+        serial = Trainer(serial_config, ParallelContext.single(), torch.device("cpu"))
+        serial_records = [serial.step(i)[0] for i in range(iterations)]
+        return serial_records, _logical_weights(serial, ParallelContext.single())
+    serial_records, serial_weights = computed_once(serial_run)
     for got, want in zip(records, serial_records):
         assert not got["skipped"]
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
         if trainer.holds_loss:
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
-    serial_weights = _logical_weights(serial, ParallelContext.single())
     for name, weight in _logical_weights(trainer, ctx).items():
         assert_close(weight, serial_weights[name], **WEIGHT_TOL,
                      msg=lambda msg, name=name: f"{name}: {msg}")
