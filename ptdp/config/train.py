@@ -73,6 +73,17 @@ class TrainConfig:
     use_distributed_optimizer: bool = flag(
         False, "--use-distributed-optimizer",
         "shard fp32 main weights and Adam states over the data-parallel ranks (ZeRO stage 1)")
+    use_megatron_fsdp: bool = flag(
+        False, "--use-megatron-fsdp",
+        "shard over the data-parallel ranks what --data-parallel-sharding-strategy says "
+        "(Megatron-LM's Megatron-FSDP)")
+    data_parallel_sharding_strategy: str = flag(
+        "optim_grads_params", "--data-parallel-sharding-strategy",
+        "with --use-megatron-fsdp: what is sharded over the data-parallel ranks: no_shard "
+        "(nothing), optim (optimizer state: --use-distributed-optimizer's ZeRO-1), optim_grads "
+        "(and gradients, reduce-scattered per microbatch as buckets complete: ZeRO-2), "
+        "optim_grads_params (and parameters: ZeRO-3)",
+        choices=("no_shard", "optim", "optim_grads", "optim_grads_params"))
     ddp_bucket_size: int = flag(
         40_000_000, "--ddp-bucket-size",
         "elements per gradient bucket; a bucket's data-parallel reduction starts as soon as its "
@@ -280,6 +291,14 @@ class TrainConfig:
         neither 0 (Megatron-LM turns evaluation off with --eval-iters 0)."""
         return bool(self.eval_interval) and bool(self.eval_iters)
 
+    @property
+    def sharding_strategy(self) -> str:
+        """What is sharded over the data-parallel ranks: no_shard, optim
+        (--use-distributed-optimizer), optim_grads, optim_grads_params."""
+        if self.use_megatron_fsdp:
+            return self.data_parallel_sharding_strategy
+        return "optim" if self.use_distributed_optimizer else "no_shard"
+
     def batch_size(self, data_parallel_size: int) -> int:
         """B: --global-batch-size, after any ramp-up (ptdp.data.batches)."""
         return self.global_batch_size or self.micro_batch_size * data_parallel_size
@@ -406,6 +425,11 @@ def optimizer_problems(tr: TrainConfig) -> list[str]:
                         f"the second moment is 0; the default is 1e-08)")
     if finite_or_none(tr.weight_decay) and tr.weight_decay < 0:
         problems.append(f"--weight-decay={tr.weight_decay} must be >= 0 (0 turns weight decay off)")
+    if tr.use_megatron_fsdp and tr.data_parallel_sharding_strategy == "optim_grads_params":
+        problems.append("--data-parallel-sharding-strategy optim_grads_params (ZeRO-3, sharded "
+                        "parameters; also --use-megatron-fsdp's default) is not built yet: give "
+                        "--data-parallel-sharding-strategy optim_grads (gradients and optimizer "
+                        "state sharded, ZeRO-2) or optim (--use-distributed-optimizer's ZeRO-1)")
     return problems
 
 

@@ -84,6 +84,8 @@ class Bucket:
     handles: list[Any] = field(default_factory=list)
     # --grad-reduce-in-bf16: (reduced bf16 copy, its fp32 destination), copied when the handles are.
     unpack: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # Its fp32 gradients: a view of grad_data (None while a ZeRO-2 bucket holds none: sharded_grads.py).
+    grads: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -175,6 +177,7 @@ class GradBuffer:
                 method(param)
 
         for bucket in self.buckets:
+            bucket.grads = self.grad_data[bucket.start:bucket.end]
             for param in bucket.params:
                 self._bucket_of[param] = bucket
         for segment in self.segments:
@@ -225,7 +228,7 @@ class GradBuffer:
         """Start this bucket's reduction (asynchronously)."""
         bucket.launched = True
         sum_partial_grads([p.main_grad for p in bucket.partial], self.ctx.tp_group)
-        view = self.grad_data[bucket.start:bucket.end]
+        view = bucket.grads
         if bucket.tied and self.ctx.embedding_group is not None:
             # Sum the two copies first; the replica reduction follows in finish().
             bucket.handles.append(dist.all_reduce(view, group=self.ctx.embedding_group,
@@ -234,7 +237,7 @@ class GradBuffer:
         self._reduce_over_replicas(bucket, async_op=True)
 
     def _reduce_over_replicas(self, bucket: Bucket, async_op: bool) -> None:
-        view = self.grad_data[bucket.start:bucket.end]
+        view = bucket.grads
         group = bucket.replicas.group
         # The mean over the d data-parallel replicas' losses: an expert's
         # bucket too, whose gradient holds several replicas' tokens.

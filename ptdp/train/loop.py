@@ -29,6 +29,7 @@ from ptdp.errors import DivergenceError
 from ptdp.checkpoint.adapters import base_identity
 from ptdp.model.gpt import build_chunks
 from ptdp.parallel.data_parallel import GradBuffer
+from ptdp.parallel.sharded_grads import ShardedGradBuffer
 from ptdp.parallel.pipeline.executor import PipelineExecutor, average_loss
 from ptdp.schedules.build import build_schedule
 from ptdp.parallel.topology import ParallelContext, RankGrid
@@ -158,8 +159,9 @@ class Trainer:
                  if hasattr(chunk, "embedding")}
                 if ctx.embedding_group is not None and model_cfg.tied_output and loss_rank != 0
                 else set())
-        self.buffer = GradBuffer(params, ctx, param_dtype=self.dtype, bucket_size=tr.ddp_bucket_size,
-                                 shard=tr.use_distributed_optimizer, tied=tied,
+        buffer_type = ShardedGradBuffer if tr.sharding_strategy == "optim_grads" else GradBuffer
+        self.buffer = buffer_type(params, ctx, param_dtype=self.dtype, bucket_size=tr.ddp_bucket_size,
+                                 shard=tr.sharding_strategy != "no_shard", tied=tied,
                                  accumulations=_tied_accumulations(self.chunks, model_cfg.tied_output),
                                  average=not tr.calculate_per_token_loss,
                                  reduce_dtype=torch.bfloat16 if tr.grad_reduce_in_bf16
