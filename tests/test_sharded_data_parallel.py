@@ -186,3 +186,32 @@ def _skipped_step(rank: int, strategy: str) -> list:
 def test_fp16_overflow_on_one_replica_skips_the_step_everywhere(pools, strategy):
     for result in pools(2).run(_skipped_step, strategy):
         assert result == [(False, 1024.0), (True, 1024.0), (False, 512.0)]
+
+
+def test_a_zero_3_checkpoint_resumes_under_zero_1_and_in_one_process(tmp_path):
+    """Saved at d = 4 under optim_grads_params, resumed at t = 2, d = 2 with
+    the distributed optimizer and in one process: the losses go on as the
+    run that never stopped (the same logical checkpoint under any strategy)."""
+    import json
+
+    from ptdp.cli import main
+
+    model = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
+             "4", "--seq-length", "16", "--vocab-size", "64", "--hidden-dropout", "0",
+             "--attention-dropout", "0", "--micro-batch-size", "1", "--global-batch-size", "8",
+             "--lr", "1e-2", "--train-iters", "4", "--ddp-bucket-size", "1000"]
+
+    def losses(name: str, *flags: str) -> list[float]:
+        metrics = tmp_path / f"{name}.jsonl"
+        assert main(["train", *model, "--metrics-file", str(metrics), *flags]) == 0
+        return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+
+    straight = losses("straight")
+    first = losses("zero3", "--use-megatron-fsdp", "--data-parallel-size", "4",
+                   "--exit-interval", "2", "--save", str(tmp_path / "ck"))
+    assert first == pytest.approx(straight[:2], rel=1e-5)
+    resumed = [losses("zero1", "--load", str(tmp_path / "ck"), "--tensor-model-parallel-size", "2",
+                      "--data-parallel-size", "2", "--use-distributed-optimizer"),
+               losses("one", "--load", str(tmp_path / "ck"))]
+    for run in resumed:
+        assert run == pytest.approx(straight[2:], rel=1e-5)
