@@ -449,17 +449,17 @@ OFFLOADING = Family(
         --offload-modules""")
 
 FSDP = Family(
-    'fully sharded data parallelism (Megatron-FSDP, torch FSDP2) and its settings',
-    'use --use-distributed-optimizer (the optimizer state sharded over the data-parallel ranks)',
+    'Megatron-FSDP\'s and torch FSDP2\'s other settings (buffers, registration, dtypes, HSDP)',
+    'ptdp shards with --use-megatron-fsdp --data-parallel-sharding-strategy; leave these out',
     refused=True,
     switches="""
         --ddp-reduce-scatter-with-fp32-accumulation --enable-full-sharding-in-hsdp
         --fsdp-db-use-persist-buf-on-alloc-fail --fsdp-double-buffer --fsdp-manual-registration
         --init-model-with-meta-device --megatron-fsdp-enable-fine-grained-param-gather
         --megatron-fsdp-max-pool-double-buffer --torch-fsdp2-no-reshard-after-forward
-        --use-megatron-fsdp --use-torch-fsdp2""",
+        --use-torch-fsdp2""",
     values="""
-        --data-parallel-sharding-strategy --megatron-fsdp-grad-comm-dtype
+        --megatron-fsdp-grad-comm-dtype
         --megatron-fsdp-main-grads-dtype --megatron-fsdp-main-params-dtype --megatron-fsdp-version
         --num-distributed-optimizer-instances --outer-dp-sharding-strategy
         --suggested-communication-unit-size""",

@@ -73,6 +73,24 @@ class TrainConfig:
     use_distributed_optimizer: bool = flag(
         False, "--use-distributed-optimizer",
         "shard fp32 main weights and Adam states over the data-parallel ranks (ZeRO stage 1)")
+    use_megatron_fsdp: bool = flag(
+        False, "--use-megatron-fsdp",
+        "shard over the data-parallel ranks what --data-parallel-sharding-strategy says "
+        "(Megatron-LM's Megatron-FSDP)")
+    data_parallel_sharding_strategy: str = flag(
+        "optim_grads_params", "--data-parallel-sharding-strategy",
+        "with --use-megatron-fsdp: what is sharded over the data-parallel ranks: no_shard "
+        "(nothing), optim (optimizer state: --use-distributed-optimizer's ZeRO-1), optim_grads "
+        "(and gradients, reduce-scattered per microbatch as buckets complete: ZeRO-2), "
+        "optim_grads_params (and parameters: ZeRO-3)",
+        choices=("no_shard", "optim", "optim_grads", "optim_grads_params"))
+    fsdp_reshard_after_forward: bool = flag(
+        True, "--fsdp-reshard-after-forward",
+        "optim_grads_params: let a unit's (a layer's) gathered parameters go after its forward and "
+        "gather them again for its backward, per microbatch (the least memory); off "
+        "(--no-fsdp-reshard-after-forward): keep each gathered from its first use to the "
+        "iteration's end (one gather per unit and iteration, a stage's whole parameters held)",
+        off_flag="--no-fsdp-reshard-after-forward")
     ddp_bucket_size: int = flag(
         40_000_000, "--ddp-bucket-size",
         "elements per gradient bucket; a bucket's data-parallel reduction starts as soon as its "
@@ -279,6 +297,14 @@ class TrainConfig:
         """Whether the run evaluates: --eval-interval N and --eval-iters K,
         neither 0 (Megatron-LM turns evaluation off with --eval-iters 0)."""
         return bool(self.eval_interval) and bool(self.eval_iters)
+
+    @property
+    def sharding_strategy(self) -> str:
+        """What is sharded over the data-parallel ranks: no_shard, optim
+        (--use-distributed-optimizer), optim_grads, optim_grads_params."""
+        if self.use_megatron_fsdp:
+            return self.data_parallel_sharding_strategy
+        return "optim" if self.use_distributed_optimizer else "no_shard"
 
     def batch_size(self, data_parallel_size: int) -> int:
         """B: --global-batch-size, after any ramp-up (ptdp.data.batches)."""

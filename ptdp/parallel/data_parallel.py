@@ -39,9 +39,10 @@ bucket's such gradients, once per iteration), then reduced like the rest.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -84,6 +85,8 @@ class Bucket:
     handles: list[Any] = field(default_factory=list)
     # --grad-reduce-in-bf16: (reduced bf16 copy, its fp32 destination), copied when the handles are.
     unpack: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # Its fp32 gradients: a view of grad_data (None while a ZeRO-2 bucket holds none: sharded_grads.py).
+    grads: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -102,7 +105,8 @@ class GradBuffer:
     def __init__(self, params: list[nn.Parameter], ctx: ParallelContext, *, param_dtype: torch.dtype,
                  bucket_size: int, shard: bool, tied: set[nn.Parameter] = frozenset(),
                  accumulations: dict[nn.Parameter, int] | None = None, average: bool = True,
-                 reduce_dtype: torch.dtype = torch.float32, device: torch.device | None = None):
+                 reduce_dtype: torch.dtype = torch.float32, device: torch.device | None = None,
+                 unit_of: dict[nn.Parameter, int] | None = None):
         """`accumulations`: for a parameter that autograd accumulates into
         more than once per microbatch (separate backward passes, e.g. zbv's
         shared word embedding: the lookup's gradient in one chunk's backward,
@@ -111,7 +115,8 @@ class GradBuffer:
         `reduce_dtype`: what the data-parallel reduction sends (fp32 or bf16).
         `device`: where the buffers live (default: the parameters'; needed
         where a rank has no trainable parameter, as a LoRA stage without
-        adapters)."""
+        adapters). `unit_of`: a bucket holds parameters of one unit only
+        (ZeRO-3 gathers a unit's buckets together: sharded_params.py)."""
         self.ctx, self.shard = ctx, shard
         self.average, self.reduce_dtype = average, reduce_dtype
         self._accumulations = dict(accumulations or {})
@@ -126,7 +131,8 @@ class GradBuffer:
             if param in tied:
                 groups.append(([param], True))
                 continue
-            if current and is_expert(param) != is_expert(current[0]):
+            if current and (is_expert(param) != is_expert(current[0]) or unit_of is not None
+                            and unit_of[param] != unit_of[current[0]]):
                 groups.append((current, False))
                 current = []
             current.append(param)
@@ -175,6 +181,7 @@ class GradBuffer:
                 method(param)
 
         for bucket in self.buckets:
+            bucket.grads = self.grad_data[bucket.start:bucket.end]
             for param in bucket.params:
                 self._bucket_of[param] = bucket
         for segment in self.segments:
@@ -225,7 +232,7 @@ class GradBuffer:
         """Start this bucket's reduction (asynchronously)."""
         bucket.launched = True
         sum_partial_grads([p.main_grad for p in bucket.partial], self.ctx.tp_group)
-        view = self.grad_data[bucket.start:bucket.end]
+        view = bucket.grads
         if bucket.tied and self.ctx.embedding_group is not None:
             # Sum the two copies first; the replica reduction follows in finish().
             bucket.handles.append(dist.all_reduce(view, group=self.ctx.embedding_group,
@@ -234,7 +241,7 @@ class GradBuffer:
         self._reduce_over_replicas(bucket, async_op=True)
 
     def _reduce_over_replicas(self, bucket: Bucket, async_op: bool) -> None:
-        view = self.grad_data[bucket.start:bucket.end]
+        view = bucket.grads
         group = bucket.replicas.group
         # The mean over the d data-parallel replicas' losses: an expert's
         # bucket too, whose gradient holds several replicas' tokens.
@@ -280,6 +287,12 @@ class GradBuffer:
             self._unpack(bucket)
             if bucket.tied and self.ctx.embedding_group is not None:
                 self._reduce_over_replicas(bucket, async_op=False)
+
+    @contextlib.contextmanager
+    def gathered(self, write_back: bool = False) -> Iterator[None]:
+        """Every parameter whole inside: always, here (ZeRO-3's gathers them:
+        sharded_params.py)."""
+        yield
 
     @property
     def reduced_grads(self) -> torch.Tensor:

@@ -37,7 +37,7 @@ def layout_of(config: Config) -> Layout:
     v = par.virtual_stages(model.num_layers)
     return Layout(t=par.tensor_model_parallel_size, p=par.pipeline_model_parallel_size,
                   d=par.dp, b=tr.micro_batch_size, v=v, recompute=model.recompute_granularity,
-                  distributed_optimizer=tr.use_distributed_optimizer,
+                  distributed_optimizer=tr.sharding_strategy != "no_shard",
                   scatter_gather=par.scatter_gather_tensors_in_pipeline,
                   schedule=par.pipeline_schedule, sequence_parallel=par.sequence_parallel,
                   split=par.layer_split, c=par.context_parallel_size, cp_comm=par.cp_comm_type)
