@@ -72,9 +72,10 @@ SHARDED_NOTE = (
     "True for optim_grads_params). \"layer buckets\": ptdp's --ddp-bucket-size set to one "
     "layer's parameters, FSDP2's unit; otherwise ptdp's default (40M elements: this model in "
     "one bucket). Memory per rank in MiB, the most any rank has, counted from each side's own "
-    "tensors (both sides share each process, so its peak RSS tells them apart no better than "
-    "nothing, and torch keeps no allocator statistics on CPU): held = the distinct storages of "
+    "tensors (both sides share each process, so its peak RSS cannot tell them apart, and torch "
+    "keeps no allocator statistics on CPU): held = the distinct storages of "
     "parameters, gradients and optimizer state after a step; step peak = the most tensor "
     "storage alive at once during one more (untimed) step, counted through a dispatch mode "
     "from that held state plus every tensor the step creates until it is freed "
-    "(bench/tensor_memory.py); gloo's own buffers are not in either.")
+    "(bench/tensor_memory.py); gloo's own buffers are not in either. Load: os.getloadavg()'s "
+    "one-minute figure before and after the row.")

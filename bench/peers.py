@@ -245,7 +245,7 @@ def refusal(row: Row, model: ModelConfig) -> str | None:
     """Why ptdp's configuration check refuses `row` (its ConfigError), or
     None: a row is skipped, not failed, for a strategy not built yet."""
     try:
-        validate(config_for(row, model))
+        validate(config_for(row, model), world_size=row.world)
     except ConfigError as error:
         return str(error)
     return None
@@ -407,55 +407,62 @@ def _logical_weights(model: ModelConfig, seed: int) -> dict:
 
 def _worker(rank: int, world: int, port: int, row: Row, model: ModelConfig, iters: int,
             warmup: int, threads: int, out: str) -> None:
-    from ptdp.parallel.topology import ParallelContext, RankGrid
-    from ptdp.train.loop import Trainer
-
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     try:
-        ctx = ParallelContext.build(RankGrid(tp=row.t, dp=row.d, pp=row.p))
-        config = config_for(row, model)
-        ours = Trainer(config, ctx, torch.device("cpu"))
-        theirs = None
-        if row.peer:
-            theirs = TorchSide(row, model, _logical_weights(model, config.train.seed), ctx,
-                               ours.microbatch_fn)
-        times: dict[str, list[float]] = {"ours": [], "theirs": []}
-        losses: dict[str, list[float | None]] = {"ours": [], "theirs": []}
-
-        def timed(side: str, iteration: int) -> None:
-            dist.barrier()
-            start = time.perf_counter()
-            if side == "ours":
-                loss = ours.step(iteration)[0]["loss"]
-            else:
-                loss = theirs.step(iteration)
-            dist.barrier()
-            elapsed = time.perf_counter() - start
-            if iteration >= warmup:
-                times[side].append(elapsed)
-            losses[side].append(loss)
-
-        sides = ["ours", "theirs"] if theirs is not None else ["ours"]
-        for iteration in range(warmup + iters):
-            for side in (sides if iteration % 2 == 0 else sides[::-1]):  # ABBA
-                timed(side, iteration)
-        memory = _measure_memory(ours, theirs, warmup + iters, losses) if row.memory else None
-        if theirs is not None and row.d > 1:
-            # theirs reports its dp shard's loss: average over data-parallel ranks
-            for i, value in enumerate(losses["theirs"]):
-                if value is not None:
-                    mean = torch.tensor([value], dtype=torch.float64)
-                    dist.all_reduce(mean, group=ctx.dp_group)
-                    losses["theirs"][i] = mean.item() / row.d
-        gathered = [None] * world
-        dist.all_gather_object(gathered, {"times": times, "losses": losses,
-                                          "last": ctx.is_last_stage, "memory": memory})
+        gathered = run_sides(row, model, iters, warmup)
         if rank == 0:
             Path(out).write_text(json.dumps(gathered))
     finally:
         dist.destroy_process_group()
+
+
+def run_sides(row: Row, model: ModelConfig, iters: int, warmup: int) -> list[dict]:
+    """This rank's part of a row, in a process group of row.world ranks
+    already started: every rank's times, losses and memory."""
+    from ptdp.parallel.topology import ParallelContext, RankGrid
+    from ptdp.train.loop import Trainer
+
+    ctx = ParallelContext.build(RankGrid(tp=row.t, dp=row.d, pp=row.p))
+    config = config_for(row, model)
+    ours = Trainer(config, ctx, torch.device("cpu"))
+    theirs = None
+    if row.peer:
+        theirs = TorchSide(row, model, _logical_weights(model, config.train.seed), ctx,
+                           ours.microbatch_fn)
+    times: dict[str, list[float]] = {"ours": [], "theirs": []}
+    losses: dict[str, list[float | None]] = {"ours": [], "theirs": []}
+
+    def timed(side: str, iteration: int) -> None:
+        dist.barrier()
+        start = time.perf_counter()
+        if side == "ours":
+            loss = ours.step(iteration)[0]["loss"]
+        else:
+            loss = theirs.step(iteration)
+        dist.barrier()
+        elapsed = time.perf_counter() - start
+        if iteration >= warmup:
+            times[side].append(elapsed)
+        losses[side].append(loss)
+
+    sides = ["ours", "theirs"] if theirs is not None else ["ours"]
+    for iteration in range(warmup + iters):
+        for side in (sides if iteration % 2 == 0 else sides[::-1]):  # ABBA
+            timed(side, iteration)
+    memory = _measure_memory(ours, theirs, warmup + iters, losses) if row.memory else None
+    if theirs is not None and row.d > 1:
+        # theirs reports its dp shard's loss: average over data-parallel ranks
+        for i, value in enumerate(losses["theirs"]):
+            if value is not None:
+                mean = torch.tensor([value], dtype=torch.float64)
+                dist.all_reduce(mean, group=ctx.dp_group)
+                losses["theirs"][i] = mean.item() / row.d
+    gathered = [None] * row.world
+    dist.all_gather_object(gathered, {"times": times, "losses": losses,
+                                      "last": ctx.is_last_stage, "memory": memory})
+    return gathered
 
 
 def _measure_memory(ours, theirs, iteration: int, losses: dict) -> dict:
@@ -501,10 +508,16 @@ def run_row(row: Row, model: ModelConfig, iters: int, warmup: int) -> dict:
                                           threads, out),
                            nprocs=row.world, join=True, start_method="spawn")
         ranks = json.loads(Path(out).read_text())
+    return summarise(row, model, ranks, (load_before, os.getloadavg()))
+
+
+def summarise(row: Row, model: ModelConfig, ranks: list[dict], load: tuple) -> dict:
+    """A row's figures from every rank's run_sides; `load`: the load
+    averages before and after it."""
     times = ranks[0]["times"]
     [last] = [r for r in ranks if r["last"]][:1]
     result = {"row": asdict(row), "layout": row.describe(), "peer": row.peer_name() if row.peer else None,
-              "ours_s": statistics.median(times["ours"]), "load": (load_before, os.getloadavg())}
+              "ours_s": statistics.median(times["ours"]), "load": load}
     if row.memory:
         # The most any rank holds, per side and figure.
         result["memory"] = {side: {key: max(r["memory"][side][key] for r in ranks)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,49 @@ def test_both_sides_compute_the_same_losses(row):
     assert ours[-1] < ours[0]                    # training moves: the losses compared are not a constant
     assert result["ours_tokens_per_s"] > 0 and result["theirs_tokens_per_s"] > 0
     assert result["ratio"] == pytest.approx(result["theirs_s"] / result["ours_s"])
+
+
+SHARDED_ROW = peers.Row("sharded", d=2, strategy="optim_grads", memory=True)
+SHARDED_MODEL = replace(peers.TINY_MODEL, num_layers=2)
+
+
+def _sharded_row(rank):
+    return peers.run_sides(SHARDED_ROW, SHARDED_MODEL, iters=1, warmup=0)
+
+
+def test_the_sharded_row_measures_what_each_side_holds(pools):
+    """ptdp's ZeRO-2 against FSDP2 (reshard_after_forward=False) at d = 2 on
+    a two-layer GPT, on the test pool's two ranks: the same losses, and each
+    side's bytes against the parameter count N of the one-process model
+    (fp32, Adam): ours holds every parameter, half the gradients and half of
+    main weights + two moments; FSDP2 half of each. Its step peak holds every
+    gathered parameter on top (counted through its storages' resize_), ours
+    the full gradients its buffer reports."""
+    ranks = pools(2).run(_sharded_row)[0]
+    result = peers.summarise(SHARDED_ROW, SHARDED_MODEL, ranks, load=((0.0,) * 3,) * 2)
+    assert len(result["ours_losses"]) == 2 and result["same_loss"], result
+    n = sum(t.numel() for t in peers._logical_weights(SHARDED_MODEL, seed=1234).values())
+    ours, theirs = result["memory"]["ours"], result["memory"]["theirs"]
+    expected = {"ours": {"params": 4 * n, "grads": 2 * n, "optimizer": 6 * n},
+                "theirs": {"params": 2 * n, "grads": 2 * n, "optimizer": 4 * n}}
+    for side, figures in expected.items():
+        for key, nbytes in figures.items():
+            # padding to a multiple of d, and torch's step counters
+            assert result["memory"][side][key] == pytest.approx(nbytes, rel=1e-3), (side, key)
+    assert ours["total"] == ours["params"] + ours["grads"] + ours["optimizer"] == ours["start"]
+    assert ours["peak"] >= ours["start"] + ours["peak_full_grad_bytes"] >= ours["start"] + 4 * n
+    assert theirs["peak"] >= theirs["start"] + 4 * n
+
+
+def test_a_row_ptdp_refuses_is_skipped_with_its_reason():
+    reason = peers.refusal(peers.Row("sharded", d=3, strategy="optim_grads"), peers.TINY_MODEL)
+    assert reason is not None and "--global-batch-size 16 is not divisible" in reason
+    assert peers.refusal(peers.Row("sharded", d=2, strategy="optim_grads"), peers.TINY_MODEL) is None
+    zero3 = [row for row in peers.SECTIONS["sharded"] if row.strategy == "optim_grads_params"]
+    assert {row.d for row in zero3} == {2, 4} and all(row.reshard_after_forward for row in zero3)
+    assert peers.Row("3d", d=2, distributed_optimizer=True).strategy == "optim"
+    with pytest.raises(ValueError, match="choose from"):
+        peers.Row("sharded", d=2, strategy="zero3")
 
 
 def test_a_loss_difference_is_caught():
