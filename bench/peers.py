@@ -66,7 +66,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from results import cpu_name, publish  # noqa: E402
 from peer_tables import SHARDED_NOTE, fmt_rate, peer_table, scaling_table, sharded_table  # noqa: E402
 from torch_reference import TorchGPT, cross_entropy, load_logical  # noqa: E402
-from tensor_memory import held_bytes, measured_step, ptdp_state, torch_state  # noqa: E402
+from tensor_memory import measure_sides  # noqa: E402
 
 from ptdp.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from ptdp.config.base import ConfigError  # noqa: E402
@@ -451,7 +451,7 @@ def run_sides(row: Row, model: ModelConfig, iters: int, warmup: int) -> list[dic
     for iteration in range(warmup + iters):
         for side in (sides if iteration % 2 == 0 else sides[::-1]):  # ABBA
             timed(side, iteration)
-    memory = _measure_memory(ours, theirs, warmup + iters, losses) if row.memory else None
+    memory = measure_sides(ours, theirs, warmup + iters, losses) if row.memory else None
     if theirs is not None and row.d > 1:
         # theirs reports its dp shard's loss: average over data-parallel ranks
         for i, value in enumerate(losses["theirs"]):
@@ -463,33 +463,6 @@ def run_sides(row: Row, model: ModelConfig, iters: int, warmup: int) -> list[dic
     dist.all_gather_object(gathered, {"times": times, "losses": losses,
                                       "last": ctx.is_last_stage, "memory": memory})
     return gathered
-
-
-def _measure_memory(ours, theirs, iteration: int, losses: dict) -> dict:
-    """One more step of each side (untimed: the counting slows it), its loss
-    kept for the comparison: the bytes each side holds after it, and its
-    peak during it (bench/tensor_memory.py)."""
-    def flat(categories):
-        return [t for tensors in categories.values() for t in tensors]
-
-    def ours_state():
-        return ptdp_state(ours)
-
-    def theirs_state():
-        return torch_state([m for _, m in theirs.modules], theirs.optimizer)
-
-    memory = {}
-    for side, step, state in (("ours", lambda: ours.step(iteration)[0]["loss"], ours_state),
-                              ("theirs", lambda: theirs.step(iteration), theirs_state)):
-        if side == "theirs" and theirs is None:
-            break
-        dist.barrier()
-        loss, peak = measured_step(step, lambda: flat(state()))
-        losses[side].append(loss)
-        memory[side] = {**held_bytes(state()), **peak}
-    if getattr(ours.buffer, "peak_full_grad_bytes", None) is not None:
-        memory["ours"]["peak_full_grad_bytes"] = ours.buffer.peak_full_grad_bytes
-    return memory
 
 
 def _free_port() -> int:

@@ -28,6 +28,7 @@ from functools import wraps
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -155,3 +156,31 @@ def measured_step(step, held_before) -> tuple[object, dict[str, int]]:
     with StepPeak(held_before()) as tracker:
         result = step()
     return result, {"start": tracker.start, "peak": tracker.peak}
+
+
+def measure_sides(ours, theirs, iteration: int, losses: dict) -> dict:
+    """bench/peers.py's memory step: one more step of ptdp's Trainer `ours`
+    and of PyTorch's side `theirs` (None: none), untimed (the counting slows
+    it), each loss appended to `losses` for the comparison; per side the
+    bytes it holds after the step (held_bytes) and its StepPeak."""
+    def flat(categories):
+        return [t for tensors in categories.values() for t in tensors]
+
+    def ours_state():
+        return ptdp_state(ours)
+
+    def theirs_state():
+        return torch_state([m for _, m in theirs.modules], theirs.optimizer)
+
+    memory = {}
+    for side, step, state in (("ours", lambda: ours.step(iteration)[0]["loss"], ours_state),
+                              ("theirs", lambda: theirs.step(iteration), theirs_state)):
+        if side == "theirs" and theirs is None:
+            break
+        dist.barrier()
+        loss, peak = measured_step(step, lambda: flat(state()))
+        losses[side].append(loss)
+        memory[side] = {**held_bytes(state()), **peak}
+    if getattr(ours.buffer, "peak_full_grad_bytes", None) is not None:
+        memory["ours"]["peak_full_grad_bytes"] = ours.buffer.peak_full_grad_bytes
+    return memory
