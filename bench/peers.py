@@ -164,12 +164,13 @@ SECTIONS = {
                  for p in (2, 4) for schedule, v in (("gpipe", 1), ("1f1b", 1), ("1f1b", 2))],
     "tensor": [Row("tensor", t=t) for t in (2, 4)],
     "3d": [Row("3d", t=2, p=2, d=2), Row("3d", t=2, p=2, d=2, strategy="optim")],
-    # ZeRO-2 against FSDP2 with parameters kept gathered, ZeRO-3 against FSDP2
-    # resharding after forward (skipped while ptdp refuses optim_grads_params).
-    # ptdp's buckets at its default (here the whole model in one) and at
-    # one layer each, FSDP2's unit.
-    "sharded": [Row("sharded", d=d, strategy=strategy, memory=True, layer_buckets=layer)
-                for strategy in FSDP_STRATEGIES for d in (2, 4) for layer in (False, True)],
+    # ZeRO-2 against FSDP2 with parameters kept gathered, ptdp's buckets at
+    # its default (here the whole model in one) and at one layer each,
+    # FSDP2's unit; ZeRO-3 (whose buckets are its units, a layer each)
+    # against FSDP2 resharding after forward. A row ptdp refuses is skipped.
+    "sharded": [Row("sharded", d=d, strategy="optim_grads", memory=True, layer_buckets=layer)
+                for d in (2, 4) for layer in (False, True)]
+    + [Row("sharded", d=d, strategy="optim_grads_params", memory=True) for d in (2, 4)],
 }
 ALL_SECTIONS = ("pipeline", "tensor", "3d", "sharded", "scaling")
 SCALING = [Row("scaling", **layout, peer=False) for layout in (
@@ -213,7 +214,8 @@ def torch_schedule_name(row: Row) -> str:
 
 
 def config_for(row: Row, model: ModelConfig) -> Config:
-    sharding = (dict(use_megatron_fsdp=True, data_parallel_sharding_strategy=row.strategy)
+    sharding = (dict(use_megatron_fsdp=True, data_parallel_sharding_strategy=row.strategy,
+                     fsdp_reshard_after_forward=row.reshard_after_forward)
                 if row.strategy in FSDP_STRATEGIES
                 else dict(use_distributed_optimizer=row.strategy == "optim"))
     return Config(
