@@ -39,36 +39,51 @@ def test_both_sides_compute_the_same_losses(row):
     assert result["ratio"] == pytest.approx(result["theirs_s"] / result["ours_s"])
 
 
-SHARDED_ROW = peers.Row("sharded", d=2, strategy="optim_grads", memory=True)
 SHARDED_MODEL = replace(peers.TINY_MODEL, num_layers=2)
 
 
-def _sharded_row(rank):
-    return peers.run_sides(SHARDED_ROW, SHARDED_MODEL, iters=1, warmup=0)
+def _sharded_row(rank, strategy):
+    row = peers.Row("sharded", d=2, strategy=strategy, memory=True)
+    return peers.run_sides(row, SHARDED_MODEL, iters=1, warmup=0)
 
 
-def test_the_sharded_row_measures_what_each_side_holds(pools):
-    """ptdp's ZeRO-2 against FSDP2 (reshard_after_forward=False) at d = 2 on
-    a two-layer GPT, on the test pool's two ranks: the same losses, and each
-    side's bytes against the parameter count N of the one-process model
-    (fp32, Adam): ours holds every parameter, half the gradients and half of
-    main weights + two moments; FSDP2 half of each. Its step peak holds every
-    gathered parameter on top (counted through its storages' resize_), ours
-    the full gradients its buffer reports."""
-    ranks = pools(2).run(_sharded_row)[0]
-    result = peers.summarise(SHARDED_ROW, SHARDED_MODEL, ranks, load=((0.0,) * 3,) * 2)
+# Bytes per parameter of the one-process model each side holds at d = 2
+# (fp32, Adam): FSDP2 half of parameters, gradients and two moments under
+# either setting; ours under ZeRO-2 every parameter, half the gradients and
+# half of main weights + moments, under ZeRO-3 half of each (its fp32
+# parameter shard is the optimizer's main copy).
+@pytest.mark.parametrize("strategy, ours_per_param", [
+    ("optim_grads", {"params": 4, "grads": 2, "optimizer": 6}),
+    ("optim_grads_params", {"params": 2, "grads": 2, "optimizer": 4}),
+])
+def test_the_sharded_rows_measure_what_each_side_holds(pools, strategy, ours_per_param):
+    """ptdp's ZeRO-2/3 against FSDP2 at d = 2 on a two-layer GPT, on the
+    test pool's two ranks: the same losses, each side's bytes against the
+    parameter count N of the one-process model, and step peaks that hold
+    what each side gathers: FSDP2's root unit (the word embedding, counted
+    through its storages' resize_), ours its full gradients (the buffer's
+    own count) and under ZeRO-3 its gathered ends too."""
+    row = peers.Row("sharded", d=2, strategy=strategy, memory=True)
+    ranks = pools(2).run(_sharded_row, strategy)[0]
+    result = peers.summarise(row, SHARDED_MODEL, ranks, load=((0.0,) * 3,) * 2)
     assert len(result["ours_losses"]) == 2 and result["same_loss"], result
     n = sum(t.numel() for t in peers._logical_weights(SHARDED_MODEL, seed=1234).values())
     ours, theirs = result["memory"]["ours"], result["memory"]["theirs"]
-    expected = {"ours": {"params": 4 * n, "grads": 2 * n, "optimizer": 6 * n},
-                "theirs": {"params": 2 * n, "grads": 2 * n, "optimizer": 4 * n}}
-    for side, figures in expected.items():
-        for key, nbytes in figures.items():
+    expected = {"ours": ours_per_param, "theirs": {"params": 2, "grads": 2, "optimizer": 4}}
+    for side, per_param in expected.items():
+        for key, nbytes in per_param.items():
             # padding to a multiple of d, and torch's step counters
-            assert result["memory"][side][key] == pytest.approx(nbytes, rel=1e-3), (side, key)
-    assert ours["total"] == ours["params"] + ours["grads"] + ours["optimizer"] == ours["start"]
-    assert ours["peak"] >= ours["start"] + ours["peak_full_grad_bytes"] >= ours["start"] + 4 * n
-    assert theirs["peak"] >= theirs["start"] + 4 * n
+            assert result["memory"][side][key] == pytest.approx(nbytes * n, rel=1e-3), (side, key)
+    for side in (ours, theirs):
+        assert side["total"] == side["params"] + side["grads"] + side["optimizer"] == side["start"]
+    word_embedding = 4 * SHARDED_MODEL.vocab_size * SHARDED_MODEL.hidden_size
+    assert ours["peak"] >= ours["start"] + ours["peak_full_grad_bytes"] > ours["start"]
+    assert theirs["peak"] >= theirs["start"] + word_embedding
+    if strategy == "optim_grads":  # FSDP2 keeps every layer gathered to its backward
+        assert theirs["peak"] >= theirs["start"] + 4 * n
+        assert ours["peak_full_grad_bytes"] >= 4 * n  # one bucket: the whole model
+    else:
+        assert ours["peak"] >= ours["start"] + word_embedding
 
 
 def test_a_row_ptdp_refuses_is_skipped_with_its_reason():
