@@ -11,6 +11,16 @@ Every process builds both sides from the same logical weights:
   ScheduleInterleaved1F1B), DTensor `ColwiseParallel`/`RowwiseParallel` with
   `loss_parallel`, FSDP2 `fully_shard` on a DeviceMesh, torch.optim.AdamW.
 
+Each row names what ptdp shards over the data-parallel ranks (`strategy`,
+Megatron-LM's names: no_shard, optim, optim_grads, optim_grads_params).
+PyTorch's side shards with FSDP2 whenever d > 1: `reshard_after_forward`
+False (parameters kept gathered from a unit's forward to its backward, what
+FSDP2 has closest to ZeRO-2) except under optim_grads_params, where it is
+True (ZeRO-3). The "sharded" section compares the two at d = 2 and d = 4,
+with the memory each side holds and its peak during a step
+(bench/tensor_memory.py says how these are measured inside one process).
+A row ptdp's configuration check refuses is skipped with its reason.
+
 Both train on the same batches with the same optimizer settings (AdamW,
 weight decay on matrices only, constant learning rate, no clipping, dropout
 off). Iterations alternate between the two sides (ABBA order, a barrier
@@ -26,6 +36,7 @@ on the same global batch, measured in the same run.
 
     python bench/peers.py                      # every section
     python bench/peers.py pipeline --iters 6   # one section
+    python bench/peers.py sharded              # ptdp's ZeRO-2/3 against FSDP2
     python bench/peers.py --write              # append the tables to bench/RESULTS.md
 """
 
@@ -53,9 +64,13 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from results import cpu_name, publish  # noqa: E402
+from peer_tables import SHARDED_NOTE, fmt_rate, peer_table, scaling_table, sharded_table  # noqa: E402
 from torch_reference import TorchGPT, cross_entropy, load_logical  # noqa: E402
+from tensor_memory import measure_sides  # noqa: E402
 
 from ptdp.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
+from ptdp.config.base import ConfigError  # noqa: E402
+from ptdp.config.checks import validate  # noqa: E402
 from ptdp.schedules.split import LayerSplit, stage_layer_counts  # noqa: E402
 from ptdp.perf.analytic.flops import configured_flops_per_iteration  # noqa: E402
 
@@ -69,6 +84,10 @@ MODEL = ModelConfig(num_layers=8, hidden_size=256, num_attention_heads=8, seq_le
 # For checking the harness in seconds (tests): its figures are not results.
 TINY_MODEL = replace(MODEL, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=512)
 
+# What ptdp shards over the data-parallel ranks (--data-parallel-sharding-strategy).
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+FSDP_STRATEGIES = ("optim_grads", "optim_grads_params")  # need --use-megatron-fsdp
+
 
 @dataclass(frozen=True)
 class Row:
@@ -80,9 +99,28 @@ class Row:
     schedule: str = "1f1b"          # gpipe | 1f1b (v > 1: interleaved) | zb-h1 | zbv (v = 2)
     micro_batch: int = 2
     global_batch: int = 16
-    distributed_optimizer: bool = False
+    distributed_optimizer: bool = False  # the same as strategy="optim"
     peer: bool = True               # also run PyTorch's side
     split: LayerSplit = LayerSplit()  # layers per stage (both sides split alike)
+    strategy: str = "no_shard"      # one of STRATEGIES
+    memory: bool = False            # also measure each side's tensor memory (one more step)
+    # ptdp's --ddp-bucket-size: one transformer layer's parameters, the
+    # granularity of PyTorch's FSDP2 units here (False: ptdp's default)
+    layer_buckets: bool = False
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"Row strategy {self.strategy!r}: choose from {', '.join(STRATEGIES)}")
+        if self.distributed_optimizer:
+            if self.strategy not in ("no_shard", "optim"):
+                raise ValueError(f"Row: distributed_optimizer is strategy='optim', not "
+                                 f"{self.strategy!r}: give one of them")
+            object.__setattr__(self, "strategy", "optim")
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """FSDP2's setting on PyTorch's side: True only for ZeRO-3."""
+        return self.strategy == "optim_grads_params"
 
     @property
     def world(self) -> int:
@@ -97,8 +135,12 @@ class Row:
         if self.p > 1:
             parts.append(f"interleaved v={self.v}" if self.v > 1 and self.schedule == "1f1b"
                          else self.schedule)
-        if self.distributed_optimizer:
+        if self.strategy == "optim":
             parts.append("dist-opt")
+        elif self.strategy != "no_shard":
+            parts.append(self.strategy)
+        if self.layer_buckets:
+            parts.append("layer buckets")
         if not self.split.even:
             parts.append("layers " + ",".join(map(str, stage_layer_counts(
                 MODEL.num_layers, self.p, self.v, "zbv" if self.schedule == "zbv" else
@@ -112,7 +154,8 @@ class Row:
         if self.t > 1:
             names.append("DTensor Colwise/Rowwise")
         if self.d > 1:
-            names.append("FSDP2")
+            names.append(f"FSDP2 reshard_after_forward={self.reshard_after_forward}"
+                         if self.section == "sharded" else "FSDP2")
         return " + ".join(names) or "plain module"
 
 
@@ -120,9 +163,16 @@ SECTIONS = {
     "pipeline": [Row("pipeline", p=p, schedule=schedule, v=v)
                  for p in (2, 4) for schedule, v in (("gpipe", 1), ("1f1b", 1), ("1f1b", 2))],
     "tensor": [Row("tensor", t=t) for t in (2, 4)],
-    "3d": [Row("3d", t=2, p=2, d=2), Row("3d", t=2, p=2, d=2, distributed_optimizer=True)],
+    "3d": [Row("3d", t=2, p=2, d=2), Row("3d", t=2, p=2, d=2, strategy="optim")],
+    # ZeRO-2 against FSDP2 with parameters kept gathered, ptdp's buckets at
+    # its default (here the whole model in one) and at one layer each,
+    # FSDP2's unit; ZeRO-3 (whose buckets are its units, a layer each)
+    # against FSDP2 resharding after forward. A row ptdp refuses is skipped.
+    "sharded": [Row("sharded", d=d, strategy="optim_grads", memory=True, layer_buckets=layer)
+                for d in (2, 4) for layer in (False, True)]
+    + [Row("sharded", d=d, strategy="optim_grads_params", memory=True) for d in (2, 4)],
 }
-ALL_SECTIONS = ("pipeline", "tensor", "3d", "scaling")
+ALL_SECTIONS = ("pipeline", "tensor", "3d", "sharded", "scaling")
 SCALING = [Row("scaling", **layout, peer=False) for layout in (
     dict(t=2), dict(p=2), dict(d=2), dict(t=2, p=2), dict(t=2, d=2), dict(p=2, d=2),
     dict(t=2, p=2, d=2))]
@@ -164,6 +214,10 @@ def torch_schedule_name(row: Row) -> str:
 
 
 def config_for(row: Row, model: ModelConfig) -> Config:
+    sharding = (dict(use_megatron_fsdp=True, data_parallel_sharding_strategy=row.strategy,
+                     fsdp_reshard_after_forward=row.reshard_after_forward)
+                if row.strategy in FSDP_STRATEGIES
+                else dict(use_distributed_optimizer=row.strategy == "optim"))
     return Config(
         model=model,
         parallel=ParallelConfig(
@@ -178,8 +232,25 @@ def config_for(row: Row, model: ModelConfig) -> Config:
             account_for_loss_in_pipeline_split=row.split.loss),
         train=TrainConfig(micro_batch_size=row.micro_batch, global_batch_size=row.global_batch,
                           lr=1e-4, lr_decay_style="constant", weight_decay=0.01, clip_grad=0.0,
-                          use_distributed_optimizer=row.distributed_optimizer, seed=1234),
+                          seed=1234, **sharding,
+                          **({"ddp_bucket_size": layer_parameters(model)} if row.layer_buckets else {})),
         data=DataConfig(mock_data=True))
+
+
+def layer_parameters(model: ModelConfig) -> int:
+    """The parameters of one transformer layer (PyTorch's side's Block)."""
+    from torch_reference import Block
+    return sum(param.numel() for param in Block(model).parameters())
+
+
+def refusal(row: Row, model: ModelConfig) -> str | None:
+    """Why ptdp's configuration check refuses `row` (its ConfigError), or
+    None: a row is skipped, not failed, for a strategy not built yet."""
+    try:
+        validate(config_for(row, model), world_size=row.world)
+    except ConfigError as error:
+        return str(error)
+    return None
 
 
 # ------------------------------------------------------------------------------------------
@@ -211,11 +282,13 @@ class TorchSide:
                 parallelize_tensor(module, self.tp_mesh)
             if row.d > 1:
                 from torch.distributed.fsdp import fully_shard
-                # Pipelining: keep parameters gathered between a microbatch's
-                # forward and backward (as torchtitan does with pipelining).
+                # Keep parameters gathered between a microbatch's forward and
+                # backward (as torchtitan does with pipelining; FSDP2's ZeRO-2),
+                # unless the row is ZeRO-3.
+                reshard = row.reshard_after_forward
                 for layer in module.layers.values():
-                    fully_shard(layer, mesh=self.dp_mesh, reshard_after_forward=False)
-                fully_shard(module, mesh=self.dp_mesh, reshard_after_forward=False)
+                    fully_shard(layer, mesh=self.dp_mesh, reshard_after_forward=reshard)
+                fully_shard(module, mesh=self.dp_mesh, reshard_after_forward=reshard)
             self.modules.append((stage, module))
         self.has_first = any(stage == 0 for stage, _ in self.modules)
         self.has_last = any(stage == stages - 1 for stage, _ in self.modules)
@@ -336,54 +409,62 @@ def _logical_weights(model: ModelConfig, seed: int) -> dict:
 
 def _worker(rank: int, world: int, port: int, row: Row, model: ModelConfig, iters: int,
             warmup: int, threads: int, out: str) -> None:
-    from ptdp.parallel.topology import ParallelContext, RankGrid
-    from ptdp.train.loop import Trainer
-
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     try:
-        ctx = ParallelContext.build(RankGrid(tp=row.t, dp=row.d, pp=row.p))
-        config = config_for(row, model)
-        ours = Trainer(config, ctx, torch.device("cpu"))
-        theirs = None
-        if row.peer:
-            theirs = TorchSide(row, model, _logical_weights(model, config.train.seed), ctx,
-                               ours.microbatch_fn)
-        times: dict[str, list[float]] = {"ours": [], "theirs": []}
-        losses: dict[str, list[float | None]] = {"ours": [], "theirs": []}
-
-        def timed(side: str, iteration: int) -> None:
-            dist.barrier()
-            start = time.perf_counter()
-            if side == "ours":
-                loss = ours.step(iteration)[0]["loss"]
-            else:
-                loss = theirs.step(iteration)
-            dist.barrier()
-            elapsed = time.perf_counter() - start
-            if iteration >= warmup:
-                times[side].append(elapsed)
-            losses[side].append(loss)
-
-        sides = ["ours", "theirs"] if theirs is not None else ["ours"]
-        for iteration in range(warmup + iters):
-            for side in (sides if iteration % 2 == 0 else sides[::-1]):  # ABBA
-                timed(side, iteration)
-        if theirs is not None and row.d > 1:
-            # theirs reports its dp shard's loss: average over data-parallel ranks
-            for i, value in enumerate(losses["theirs"]):
-                if value is not None:
-                    mean = torch.tensor([value], dtype=torch.float64)
-                    dist.all_reduce(mean, group=ctx.dp_group)
-                    losses["theirs"][i] = mean.item() / row.d
-        gathered = [None] * world
-        dist.all_gather_object(gathered, {"times": times, "losses": losses,
-                                          "last": ctx.is_last_stage})
+        gathered = run_sides(row, model, iters, warmup)
         if rank == 0:
             Path(out).write_text(json.dumps(gathered))
     finally:
         dist.destroy_process_group()
+
+
+def run_sides(row: Row, model: ModelConfig, iters: int, warmup: int) -> list[dict]:
+    """This rank's part of a row, in a process group of row.world ranks
+    already started: every rank's times, losses and memory."""
+    from ptdp.parallel.topology import ParallelContext, RankGrid
+    from ptdp.train.loop import Trainer
+
+    ctx = ParallelContext.build(RankGrid(tp=row.t, dp=row.d, pp=row.p))
+    config = config_for(row, model)
+    ours = Trainer(config, ctx, torch.device("cpu"))
+    theirs = None
+    if row.peer:
+        theirs = TorchSide(row, model, _logical_weights(model, config.train.seed), ctx,
+                           ours.microbatch_fn)
+    times: dict[str, list[float]] = {"ours": [], "theirs": []}
+    losses: dict[str, list[float | None]] = {"ours": [], "theirs": []}
+
+    def timed(side: str, iteration: int) -> None:
+        dist.barrier()
+        start = time.perf_counter()
+        if side == "ours":
+            loss = ours.step(iteration)[0]["loss"]
+        else:
+            loss = theirs.step(iteration)
+        dist.barrier()
+        elapsed = time.perf_counter() - start
+        if iteration >= warmup:
+            times[side].append(elapsed)
+        losses[side].append(loss)
+
+    sides = ["ours", "theirs"] if theirs is not None else ["ours"]
+    for iteration in range(warmup + iters):
+        for side in (sides if iteration % 2 == 0 else sides[::-1]):  # ABBA
+            timed(side, iteration)
+    memory = measure_sides(ours, theirs, warmup + iters, losses) if row.memory else None
+    if theirs is not None and row.d > 1:
+        # theirs reports its dp shard's loss: average over data-parallel ranks
+        for i, value in enumerate(losses["theirs"]):
+            if value is not None:
+                mean = torch.tensor([value], dtype=torch.float64)
+                dist.all_reduce(mean, group=ctx.dp_group)
+                losses["theirs"][i] = mean.item() / row.d
+    gathered = [None] * row.world
+    dist.all_gather_object(gathered, {"times": times, "losses": losses,
+                                      "last": ctx.is_last_stage, "memory": memory})
+    return gathered
 
 
 def _free_port() -> int:
@@ -395,16 +476,28 @@ def _free_port() -> int:
 def run_row(row: Row, model: ModelConfig, iters: int, warmup: int) -> dict:
     cores = os.cpu_count() or 1
     threads = max(1, cores // row.world)
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         mp.start_processes(_worker, args=(row.world, _free_port(), row, model, iters, warmup,
                                           threads, out),
                            nprocs=row.world, join=True, start_method="spawn")
         ranks = json.loads(Path(out).read_text())
+    return summarise(row, model, ranks, (load_before, os.getloadavg()))
+
+
+def summarise(row: Row, model: ModelConfig, ranks: list[dict], load: tuple) -> dict:
+    """A row's figures from every rank's run_sides; `load`: the load
+    averages before and after it."""
     times = ranks[0]["times"]
     [last] = [r for r in ranks if r["last"]][:1]
     result = {"row": asdict(row), "layout": row.describe(), "peer": row.peer_name() if row.peer else None,
-              "ours_s": statistics.median(times["ours"])}
+              "ours_s": statistics.median(times["ours"]), "load": load}
+    if row.memory:
+        # The most any rank holds, per side and figure.
+        result["memory"] = {side: {key: max(r["memory"][side][key] for r in ranks)
+                                   for key in ranks[0]["memory"][side]}
+                            for side in ranks[0]["memory"]}
     tokens = row.global_batch * model.seq_length
     flops = configured_flops_per_iteration(model, row.global_batch, row.p * row.v)
     result["ours_tokens_per_s"] = tokens / result["ours_s"]
@@ -455,37 +548,38 @@ def matmul_peak_gflops(size: int = 2048, repeats: int = 5) -> float:
 # Report
 
 
-def _fmt_rate(x: float) -> str:
-    return f"{x:,.0f}"
-
-
-def peer_table(results: list[dict], peak: float) -> str:
-    lines = ["| section | layout | PyTorch side | ours tokens/s | PyTorch tokens/s | ours / PyTorch "
-             "| losses agree (max rel. diff) | ours utilisation | PyTorch utilisation |",
-             "|---|---|---|---:|---:|---:|---|---:|---:|"]
-    for r in results:
-        agree = ("yes" if r["same_loss"] else "**NO**") + f" ({r['loss_max_rel_diff']:.1e})"
-        ratio = f"{r['ratio']:.2f}" if r["same_loss"] else "not counted"
-        lines.append(f"| {r['row']['section']} | {r['layout']} | {r['peer']} | "
-                     f"{_fmt_rate(r['ours_tokens_per_s'])} | {_fmt_rate(r['theirs_tokens_per_s'])} | "
-                     f"{ratio} | {agree} | {r['ours_gflops'] / peak:.1%} | "
-                     f"{r['theirs_gflops'] / peak:.1%} |")
-    return "\n".join(lines)
-
-
-def scaling_table(results: list[dict], baseline_s: float, peak: float) -> str:
-    lines = ["| layout | processes | ours tokens/s | vs one process | utilisation |",
-             "|---|---:|---:|---:|---:|"]
-    for r in results:
-        lines.append(f"| {r['layout']} | {Row(**r['row']).world} | {_fmt_rate(r['ours_tokens_per_s'])} | "
-                     f"{baseline_s / r['ours_s']:.2f} | {r['ours_gflops'] / peak:.1%} |")
-    return "\n".join(lines)
+def run_peer_sections(rows: dict[str, list[Row]], sections: list[str], model: ModelConfig, iters: int,
+                      warmup: int) -> tuple[list[dict], list[dict], list[tuple[Row, str]]]:
+    """Every row of the chosen peer sections: the results of the pipeline,
+    tensor and 3d rows, those of the sharded rows, and the rows skipped
+    because ptdp refuses them (with its reason)."""
+    peer_results: list[dict] = []
+    sharded_results: list[dict] = []
+    skipped: list[tuple[Row, str]] = []
+    for section in ("pipeline", "tensor", "3d", "sharded"):
+        if section not in sections:
+            continue
+        for row in rows[section]:
+            reason = refusal(row, model)
+            if reason is not None:
+                skipped.append((row, reason))
+                print(f"{section}: {row.describe()}: skipped, ptdp refuses it: {reason}",
+                      file=sys.stderr)
+                continue
+            result = run_row(row, model, iters, warmup)
+            (sharded_results if section == "sharded" else peer_results).append(result)
+            print(f"{section}: {result['layout']}: ours {result['ours_s']:.3f} s, PyTorch "
+                  f"{result['theirs_s']:.3f} s, ratio {result['ratio']:.2f}, losses agree "
+                  f"{result['same_loss']}, load {result['load'][1][0]:.1f}"
+                  + (f", memory {json.dumps(result['memory'])}" if row.memory else ""),
+                  file=sys.stderr)
+    return peer_results, sharded_results, skipped
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("sections", nargs="*", metavar="SECTION",
-                        help="pipeline, tensor, 3d, scaling (default: all)")
+                        help="pipeline, tensor, 3d, sharded, scaling (default: all)")
     parser.add_argument("--iters", type=int, default=6, help="timed iterations per side and row")
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations first")
     parser.add_argument("--tiny", action="store_true",
@@ -509,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     peak = matmul_peak_gflops()
     print(f"matmul peak of this machine: {peak:.1f} GFLOP/s (fp32, {os.cpu_count()} cores)",
           file=sys.stderr)
-    peer_results, scaling_results, baseline = [], [], []
+    scaling_results, baseline = [], []
     rows = {section: list(SECTIONS[section]) for section in SECTIONS}
     if "pipeline" in args.sections and not args.no_balanced:
         if args.profile:
@@ -523,15 +617,8 @@ def main(argv: list[str] | None = None) -> int:
         even = rows["pipeline"]
         extra = {replace(row, split=LayerSplit()): row for row in balanced_rows(even, model, profile)}
         rows["pipeline"] = [r for row in even for r in ([row, extra[row]] if row in extra else [row])]
-    for section in ("pipeline", "tensor", "3d"):
-        if section not in args.sections:
-            continue
-        for row in rows[section]:
-            result = run_row(row, model, args.iters, args.warmup)
-            peer_results.append(result)
-            print(f"{section}: {result['layout']}: ours {result['ours_s']:.3f} s, PyTorch "
-                  f"{result['theirs_s']:.3f} s, ratio {result['ratio']:.2f}, losses agree "
-                  f"{result['same_loss']}", file=sys.stderr)
+    peer_results, sharded_results, skipped = run_peer_sections(rows, args.sections, model, args.iters,
+                                                               args.warmup)
     if "scaling" in args.sections:
         one = Row("scaling", peer=False)
         baseline.append(run_row(one, model, args.iters, args.warmup))
@@ -557,12 +644,14 @@ def main(argv: list[str] | None = None) -> int:
               f"iterations per side, alternating; ratio = PyTorch's time / ours (> 1: ours faster); "
               f"utilisation = model FLOP/s of the job / the machine's matmul peak.\n")
     blocks = [header]
-    failed = [r for r in peer_results if not r["same_loss"]]
+    failed = [r for r in peer_results + sharded_results if not r["same_loss"]]
     if peer_results:
         blocks.append(peer_table(peer_results, peak))
+    if sharded_results or skipped:
+        blocks.append(SHARDED_NOTE + "\n\n" + sharded_table(sharded_results, [(row.describe(), row.peer_name(), why) for row, why in skipped]))
     if scaling_results:
         baseline_s = statistics.mean(b["ours_s"] for b in baseline)
-        blocks.append(f"Scaling: one process {_fmt_rate(16 * model.seq_length / baseline_s)} tokens/s "
+        blocks.append(f"Scaling: one process {fmt_rate(16 * model.seq_length / baseline_s)} tokens/s "
                       f"(median {baseline[0]['ours_s']:.3f} s before the layouts, "
                       f"{baseline[1]['ours_s']:.3f} s after), utilisation "
                       f"{statistics.mean(b['ours_gflops'] for b in baseline) / peak:.1%}.\n\n"
@@ -577,6 +666,8 @@ def main(argv: list[str] | None = None) -> int:
     publish(HEADING, "\n\n".join(blocks) + "\n", write=args.write)
     if args.json:
         Path(args.json).write_text(json.dumps({"peak_gflops": peak, "peers": peer_results,
+                                               "sharded": sharded_results,
+                                               "skipped": [(asdict(row), why) for row, why in skipped],
                                                "scaling": scaling_results, "baseline": baseline},
                                               indent=1))
     if failed:
