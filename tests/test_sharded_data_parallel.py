@@ -215,3 +215,20 @@ def test_a_zero_3_checkpoint_resumes_under_zero_1_and_in_one_process(tmp_path):
                losses("one", "--load", str(tmp_path / "ck"))]
     for run in resumed:
         assert run == pytest.approx(straight[2:], rel=1e-5)
+
+
+def _default_buckets(rank: int) -> tuple[int, int]:
+    ctx = ParallelContext.build(RankGrid(tp=1, dp=2, pp=1))
+    trainer = Trainer(_config(Layout(d=2), ddp_bucket_size=40_000_000), ctx, CPU)
+    trainer.step(0)
+    result = trainer.buffer.peak_full_grad_bytes, trainer.buffer.numel * 4
+    ctx.destroy()
+    return result
+
+
+def test_zero_2_holds_less_than_zero_1s_gradients_with_the_default_bucket_size(pools):
+    """A bucket is one layer's parameters whatever --ddp-bucket-size allows:
+    the full gradients held at once (a layer being filled, two being reduced,
+    the tied embedding's) stay below ZeRO-1's whole buffer."""
+    for peak, full in pools(2).run(_default_buckets):
+        assert 0 < peak < full, (peak, full)

@@ -9,10 +9,12 @@ across the backward: a bucket's fp32 gradients are allocated when its first
 gradient of a microbatch arrives, and as soon as every parameter of the
 bucket has its gradient of that microbatch they are reduce-scattered into
 this rank's shard (`grad_shard`, where they accumulate over the
-microbatches) and the bucket's storage is let go. At most IN_FLIGHT
-reductions wait at a time, so the full gradients in memory at once are a few
-buckets', whatever the model's size; the price is one reduce-scatter per
-bucket per microbatch instead of per iteration (Megatron-FSDP pays the same).
+microbatches) and the bucket's storage is let go. A bucket holds one
+unit's parameters (a layer's: the trainer passes `unit_of`, and
+--ddp-bucket-size may cut a unit further) and at most IN_FLIGHT reductions
+wait at a time, so the full gradients in memory at once are a few layers',
+whatever the model's size; the price is one reduce-scatter per bucket per
+microbatch instead of per iteration (Megatron-FSDP pays the same).
 
 Summing per microbatch and then over them is the same sum as reducing the
 accumulated gradient once, in another order: the numbers agree to fp32

@@ -199,21 +199,23 @@ class Trainer:
                        average=not tr.calculate_per_token_loss,
                        reduce_dtype=torch.bfloat16 if tr.grad_reduce_in_bf16 else torch.float32,
                        device=self.device)
+        if tr.sharding_strategy not in ("optim_grads", "optim_grads_params"):
+            return GradBuffer(params, ctx, **options)
+        # ZeRO-2 and ZeRO-3: buckets of one unit (a layer) each, so that the
+        # full gradients held at once are a few layers', not the model's.
+        units, ends, seen = [], set(), set()
+        for chunk in self.chunks:
+            for module, unit, end in chunk.sharding_units():
+                unit = [p for p in unit if p.requires_grad and id(p) not in seen]
+                seen.update(id(p) for p in unit)
+                if end:
+                    ends.add(len(units))
+                units.append((module, unit))
         if tr.sharding_strategy == "optim_grads":
-            return ShardedGradBuffer(params, ctx, **options)
-        if tr.sharding_strategy == "optim_grads_params":
-            units, ends, seen = [], set(), set()
-            for chunk in self.chunks:
-                for module, unit, end in chunk.sharding_units():
-                    unit = [p for p in unit if p.requires_grad and id(p) not in seen]
-                    seen.update(id(p) for p in unit)
-                    if end:
-                        ends.add(len(units))
-                    units.append((module, unit))
-            return ShardedParamBuffer(params, ctx, units=units, ends=ends,
-                                      reshard_after_forward=tr.fsdp_reshard_after_forward,
-                                      **options)
-        return GradBuffer(params, ctx, **options)
+            unit_of = {param: i for i, (_, unit) in enumerate(units) for param in unit}
+            return ShardedGradBuffer(params, ctx, unit_of=unit_of, **options)
+        return ShardedParamBuffer(params, ctx, units=units, ends=ends,
+                                  reshard_after_forward=tr.fsdp_reshard_after_forward, **options)
 
     def schedule_for(self, num_micro: int):
         """The pipeline schedule of an iteration of `num_micro` microbatches:
