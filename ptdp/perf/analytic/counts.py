@@ -314,6 +314,7 @@ class Bucket(NamedTuple):
     size: int               # elements
     partial: int            # of which partial: summed over the tensor group first
     expert: bool = False    # routed experts' parameters: replicated over EDP ranks, not d
+    tied: bool = False      # a tied word embedding's bucket of its own (summed over the ends first)
 
 
 def _cut_buckets(model: ModelConfig, layout: Layout, rank: int,
@@ -338,7 +339,7 @@ def cut_params(params: list[Param], bucket_size: int) -> tuple[Bucket, ...]:
     cut, size, partial, expert = [], 0, 0, False
     for param in reversed(params):
         if param.tied:
-            cut.append(Bucket(param.numel, 0))
+            cut.append(Bucket(param.numel, 0, tied=True))
             continue
         if size and param.expert != expert:
             cut.append(Bucket(size, partial, expert))
