@@ -20,6 +20,18 @@ overlaps that gather with the next iteration's forward, as Megatron-LM's
 --overlap-param-gather does, exposes only what its first forwards do not
 cover, `hideable_gather` and simulate/predict.py).
 
+Sharded gradients (ZeRO-2 and 3, Layout.shards_gradients;
+ptdp.parallel.sharded_grads): every bucket is reduce-scattered once per
+microbatch, as it completes in that microbatch's backward, instead of once
+per iteration: `bucketed` is then one microbatch's reductions
+(`per_microbatch`), which simulate/predict.py releases under every backward
+of each chunk, m times ZeRO-1's volume in all. The zeroing counts the shard
+and one allocation of every bucket. ZeRO-3 (Layout.shards_parameters) gathers no updated
+weights after the step; instead each unit is all-gathered before its
+forward and before its backward (`chunk_gathers`: a chunk's parameters
+gathered once, in `chunk_units` units; see simulate/predict.py for how
+they overlap the computation).
+
 Sequence parallelism: each gradient bucket holding partial gradients
 (norms, row-parallel biases, the position table) all-reduces them over the
 tensor group (fp32) before the data-parallel reduction. None of it depends
@@ -77,6 +89,12 @@ class AfterFlush:
     # the first bucket, which the first forward waits for.
     hideable_gather: list[float]
     overlapped: bool               # buckets reduced during the backward (else after the flush)
+    # ZeRO-2/3: `bucketed` is one microbatch's reductions, run under each backward.
+    per_microbatch: bool = False
+    # ZeRO-3: seconds to all-gather each chunk's parameters once, [rank][chunk],
+    # and the units they are gathered in (ptdp.perf.analytic.sharding.unit_elements).
+    chunk_gathers: tuple[tuple[float, ...], ...] = ()
+    chunk_units: tuple[tuple[int, ...], ...] = ()
 
     def optimizer_at_least(self, rank: int) -> float:
         """The least of rank `rank`'s optimizer step any schedule leaves exposed."""
@@ -95,8 +113,9 @@ def after_flush(workload: Workload, layout: Layout, profile: HardwareProfile,
     # The microbatch size and the recomputation change none of it: a search
     # prices it once for all of them.
     key = (ops.model_key, workload.lora, workload.precision, ByIdentity(profile), ops.threads, layout.t,
-           layout.p, layout.d, layout.c, layout.v, layout.schedule, layout.distributed_optimizer,
-           layout.sequence_parallel, layout.split)
+           layout.p, layout.d, layout.c, layout.v, layout.schedule, layout.sharding,
+           layout.reshard_after_forward, layout.sequence_parallel, layout.split, layout.ep,
+           layout.etp)
     after = _AFTER_FLUSH.get(key)
     if after is None:
         if len(_AFTER_FLUSH) > 65536:
@@ -140,6 +159,7 @@ def _price_after_flush(workload: Workload, layout: Layout, profile: HardwareProf
     step_per_parameter = optimizer_bytes_per_parameter(profile.fused_optimizer, workload.precision)
     for r in range(p):
         params = sum(parameters[r])
+        # (ZeRO-2/3: one microbatch's reduce-scatters; see per_microbatch)
         seconds = machine.data_parallel(params * GRAD_BYTES, r,
                                         reduce_scatter_only=layout.distributed_optimizer)
         bucketed.append(seconds + partial_sums[r])
@@ -151,19 +171,42 @@ def _price_after_flush(workload: Workload, layout: Layout, profile: HardwareProf
         last_bucket.append(bucketed[-1] * one_bucket)
         # The distributed optimizer shards over the d·c ranks holding the same parameters.
         owned = params / (d * layout.c) if layout.distributed_optimizer else params
-        step_bytes = params * GRAD_BYTES + owned * step_per_parameter  # zero + step
+        # Zeroed: the gradient buffer; under ZeRO-2/3 the shard, and each
+        # bucket's storage as it is allocated (once per microbatch: the m − 1
+        # further fills, under the backward, are left out).
+        zeroed = params + (owned if layout.shards_gradients else 0)
+        step_bytes = zeroed * GRAD_BYTES + owned * step_per_parameter  # zero + step
         if ops.E != 4:
             step_bytes += owned * (4 + ops.E)                 # main weights -> model weights
         work = ops.memory(step_bytes, "optimizer") + profile.launch_overhead * 30
         work /= profile.share(layout.devices, threads) if contended else 1
         comm = 2 * machine.world_latency()                     # inf check, gradient norm
         gather = 0.0
-        if layout.distributed_optimizer:
+        if layout.distributed_optimizer and not layout.shards_parameters:
             gather = machine.data_parallel(params * ops.E, r, reduce_scatter_only=True)
         optimizer.append(work + comm + gather)
         hideable.append(gather * (1 - one_bucket) if profile.overlap_param_gather else 0.0)
+    gathers, units = _parameter_gathers(workload, layout, machine, ops) \
+        if layout.shards_parameters else ((), ())
     return AfterFlush(partial_sums, optimizer, ends, embedding, bucketed, shares, last_bucket,
-                      hideable, profile.overlap_grad_reduce)
+                      hideable, profile.overlap_grad_reduce, layout.shards_gradients, gathers,
+                      units)
+
+
+def _parameter_gathers(workload: Workload, layout: Layout, machine: Machine, ops: OperatorModel
+                       ) -> tuple[tuple[tuple[float, ...], ...], tuple[tuple[int, ...], ...]]:
+    """ZeRO-3: seconds to all-gather each (rank, chunk)'s parameters once in
+    the model dtype over its replicas (a frozen base's too: LoRA's base is
+    sharded), and the units each chunk gathers them in."""
+    from ptdp.perf.analytic.sharding import unit_elements
+
+    gathers, units = [], []
+    for r in range(layout.p):
+        chunks = unit_elements(workload.model, layout, r)
+        gathers.append(tuple(machine.data_parallel(sum(chunk) * ops.E, r, reduce_scatter_only=True)
+                             for chunk in chunks))
+        units.append(tuple(len(chunk) for chunk in chunks))
+    return tuple(gathers), tuple(units)
 
 
 @functools.lru_cache(maxsize=65536)
