@@ -16,14 +16,19 @@ import dataclasses
 import pytest
 import torch
 
-from ptdp.config import Config, ModelConfig, ParallelConfig, TrainConfig
+from ptdp.cli import main
+from ptdp.config import Config, ModelConfig, TrainConfig
 from ptdp.parallel import sharded_grads
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.perf.analytic import sharding as model_sharding
 from ptdp.perf.analytic.counts import (cut_placed_buckets, owned_elements, padded_elements,
                                        parameters_per_rank, placement_of_parameters)
 from ptdp.perf.analytic.memory import memory_per_rank
+from ptdp.perf import layout as perf_layout
 from ptdp.perf.layout import ByValue, Layout, Workload
+from ptdp.perf.plan.candidates import candidate_layouts
+from ptdp.perf.plan.planner import search, train_command
+from ptdp.perf.price.profiles import load_profile
 from ptdp.train.loop import Trainer
 from tests import test_ptdp_step as step
 
@@ -102,3 +107,106 @@ def test_each_strategy_holds_less_than_the_one_before(measured):
                               bucket_size=BUCKET)[0]["total"]
               for strategy in (*STRATEGIES, "optim_grads_params")]
     assert totals == sorted(totals, reverse=True) and len(set(totals)) == 4
+
+
+# A 1.3B GPT on 8 devices, t = p = 1, d = 8 (the planner's other dimensions fixed).
+GPT_1B = ModelConfig(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=1024,
+                     vocab_size=51200)
+FIXED = dict(tensor_sizes=(1,), pipeline_sizes=(1,), microbatch_sizes=(1,), recompute=("full",),
+             context_sizes=(1,), sequence_parallel=(False,))
+
+
+def _profile(gib: float):
+    return dataclasses.replace(load_profile("a100"), memory_bytes=gib * 2**30)
+
+
+def _zero3(d: int, reshard: bool = True) -> Layout:
+    return Layout(d=d, b=1, recompute="full", sharding="optim_grads_params",
+                  reshard_after_forward=reshard)
+
+
+def test_zero3_keeps_a_shard_and_the_units_it_gathers():
+    """ZeRO-3 against the model's own parameter counts: 1/d of every padded
+    bucket of weights, gradients and optimizer state, plus the two largest
+    adjacent units gathered (the embedding, word and positions, with the
+    first layer; the last layer with the final norm and the tied output
+    matrix, gathered again, is smaller) or, without reshard-after-forward,
+    the whole model; gradients as ZeRO-2's."""
+    workload, d = Workload(GPT_1B, 64, "bf16"), 4
+    h, word = GPT_1B.hidden_size, GPT_1B.padded_vocab_size(1) * GPT_1B.hidden_size
+    layer = 12 * h * h + 13 * h                                     # f = 4h, biases, LayerNorms
+    buckets = cut_placed_buckets(ByValue(GPT_1B), placement_of_parameters(_zero3(d)), 0,
+                                 TrainConfig().ddp_bucket_size)
+    sizes = [bucket.size for bucket in buckets]
+    shard = sum(-(-size // d) for size in sizes)                    # each bucket padded to d
+    positions = GPT_1B.seq_length * h
+    assert sum(sizes) == parameters_per_rank(GPT_1B, _zero3(d))[0] == \
+        word + positions + 24 * layer + 2 * h
+    (zero3,) = memory_per_rank(workload, _zero3(d))
+    (zero2,) = memory_per_rank(workload, dataclasses.replace(_zero3(d), sharding="optim_grads"))
+    (kept,) = memory_per_rank(workload, _zero3(d, reshard=False))
+    (replicated,) = memory_per_rank(workload, dataclasses.replace(_zero3(d), sharding="no_shard"))
+    gathered = 2 * (word + positions + layer)
+    assert zero3["weights"] == 2 * shard + gathered
+    assert kept["weights"] == 2 * (shard + sum(sizes))
+    assert zero3["gradients"] == zero2["gradients"] and zero3["optimizer"] == 12 * shard
+    # Parameters, gradients and optimizer state are 1/d of the replicated ones
+    # but for the buckets' padding, the gathered units and the buckets in flight.
+    transient = 4 * model_sharding.transient_gradient_elements(buckets, _zero3(d))
+    state = zero3["weights"] + zero3["gradients"] + zero3["optimizer"] - transient - gathered
+    whole = replicated["weights"] + replicated["gradients"] + replicated["optimizer"]
+    assert whole / d <= state <= whole / d + 18 * len(sizes) * d
+
+
+def test_the_planner_shards_gradients_when_the_optimizer_alone_does_not_fit(monkeypatch):
+    workload = Workload(GPT_1B, 64, "bf16")
+    profile = _profile(8)   # ZeRO-1 needs 10.1 GiB, ZeRO-2 6.2 of the 7.2 usable
+    found = search(workload, 8, profile, **FIXED)
+    assert found and {e.layout.sharding for e in found} == {"optim_grads"}
+    assert not search(workload, 8, profile, sharding=("no_shard", "optim"), **FIXED)
+    command = train_command(GPT_1B, found[0].layout, 64, "bf16")
+    assert command.endswith("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads")
+    # ZeRO-3 (4.3 GiB) is not proposed while ptdp train refuses it ...
+    small = _profile(6)
+    assert not search(workload, 8, small, **FIXED)
+    assert "optim_grads_params" not in {layout.sharding for layout in
+                                        candidate_layouts(workload, 8, **FIXED)}
+    # ... and is, with its reshard policy, once it trains.
+    monkeypatch.setattr(perf_layout, "PARAMETER_SHARDING_TRAINS", True)
+    found = search(workload, 8, small, **FIXED)
+    assert found and {(e.layout.sharding, e.layout.reshard_after_forward)
+                      for e in found} == {("optim_grads_params", True)}
+    assert "--data-parallel-sharding-strategy optim_grads_params --fsdp-reshard-after-forward" \
+        in train_command(GPT_1B, found[0].layout, 64, "bf16")
+    assert found[0].prediction.seconds_by_category["parameter all-gather"] > 0
+
+
+PLAN = ["plan", "--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
+        "--seq-length", "1024", "--gpus", "8", "--global-batch-size", "64", "-t", "1", "-p", "1",
+        "--micro-batch-size", "1", "--recompute-granularity", "full"]
+
+
+def test_plan_takes_the_sharding_flags_and_prints_them(capsys):
+    assert main([*PLAN, "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads",
+                 "--print-flags"]) == 0
+    out = capsys.readouterr().out
+    assert "| optim_grads |" in out and "sharding=optim_grads" in out
+    assert out.rstrip().endswith("--use-megatron-fsdp --data-parallel-sharding-strategy "
+                                 "optim_grads")
+    assert main([*PLAN, "--use-distributed-optimizer", "--fix-all", "--print-flags"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("--use-distributed-optimizer")
+    # Searched: every strategy ptdp train runs is in the table.
+    assert main([*PLAN, "--top", "20"]) == 0
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ")]
+    column = [cell.strip() for cell in rows[0]].index("sharding")
+    assert {row[column].strip() for row in rows[1:]} == {"-", "optim", "optim_grads"}
+    # ZeRO-3 (--use-megatron-fsdp's default strategy) is refused as ptdp train refuses it.
+    for flags in (["--use-megatron-fsdp"], ["--use-megatron-fsdp", "--fix-all"],
+                  ["--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+                   "optim_grads_params"]):
+        assert main([*PLAN, *flags]) == 2
+        err = capsys.readouterr().err
+        assert "optim_grads_params (ZeRO-3" in err and "not built yet" in err, flags
+    assert main([*PLAN, "--data-parallel-sharding-strategy", "optim_grads"]) == 2
+    assert "add --use-megatron-fsdp" in capsys.readouterr().err

@@ -47,7 +47,7 @@ from __future__ import annotations
 from ptdp.config import ModelConfig
 from ptdp.perf.analytic.counts import (FP32, Bucket, _layer_parameter_list, _norm_parameters,
                                        _position_parameters, chunk_stage, owned_elements,
-                                       padded_elements)
+                                       padded_elements, parameters_per_rank)
 from ptdp.perf.layout import Layout
 from ptdp.schedules.kinds import virtual_stage_of
 
@@ -95,9 +95,9 @@ def gathered_elements(model: ModelConfig, layout: Layout, rank: int) -> int:
     """ZeRO-3: elements of whole (gathered) parameters alive at once on
     pipeline rank `rank`: two adjacent units of a chunk at most with
     reshard-after-forward; every chunk's parameters without."""
+    if not layout.reshard_after_forward:   # (a tied output layer on the rank: one matrix)
+        return parameters_per_rank(model, layout)[rank]
     chunks = unit_elements(model, layout, rank)
-    if not layout.reshard_after_forward:
-        return sum(map(sum, chunks))
     return max((max([units[0]] + [a + b for a, b in zip(units, units[1:])])
                 for units in chunks if units), default=0)
 
