@@ -1,7 +1,7 @@
 """The memory model of the sharding strategies (issue 42, item 4:
 ptdp.perf.analytic.sharding) against a real Trainer's tensors at d = 2, its
 ordering across strategies, ZeRO-3's figures, and the planner and the
-memory check choosing a strategy that fits.
+memory check before launch choosing a strategy that fits.
 
 Measured (bf16 model, small buckets so that a microbatch's backward runs
 through many of them): the flat parameter buffer, the fp32 gradient buffer
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ptdp.cli import main
-from ptdp.config import Config, ModelConfig, TrainConfig
+from ptdp.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from ptdp.parallel import sharded_grads
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.perf.analytic import sharding as model_sharding
@@ -25,6 +25,7 @@ from ptdp.perf.analytic.counts import (cut_placed_buckets, owned_elements, padde
                                        parameters_per_rank, placement_of_parameters)
 from ptdp.perf.analytic.memory import memory_per_rank
 from ptdp.perf import layout as perf_layout
+from ptdp.perf.fits import memory_problems
 from ptdp.perf.layout import ByValue, Layout, Workload
 from ptdp.perf.plan.candidates import candidate_layouts
 from ptdp.perf.plan.planner import search, train_command
@@ -210,3 +211,31 @@ def test_plan_takes_the_sharding_flags_and_prints_them(capsys):
         assert "optim_grads_params (ZeRO-3" in err and "not built yet" in err, flags
     assert main([*PLAN, "--data-parallel-sharding-strategy", "optim_grads"]) == 2
     assert "add --use-megatron-fsdp" in capsys.readouterr().err
+
+
+def test_the_memory_check_names_the_sharding_that_fits():
+    """fits.memory_problems on 8 GPUs, d = 8: the weakest strategy under
+    which the model's estimate fits the GPU (ZeRO-1 needs 10.1 GiB, ZeRO-2
+    6.2 GiB; no sharding 22.4 GiB), as `ptdp train`'s flags."""
+    config = Config(model=dataclasses.replace(GPT_1B, recompute_granularity="full"),
+                    parallel=ParallelConfig(data_parallel_size=8),
+                    train=TrainConfig(micro_batch_size=1, global_batch_size=64, bf16=True))
+    (problem,) = memory_problems(config, kind="cuda", local_processes=8, device_memory=12 << 30)
+    assert "--use-distributed-optimizer (shards the optimizer state" in problem
+    assert "the run then fits" in problem and "--use-megatron-fsdp" not in problem
+    (problem,) = memory_problems(config, kind="cuda", local_processes=8, device_memory=8 << 30)
+    assert ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads (shards "
+            "gradients and optimizer state") in problem and "the run then fits" in problem
+    assert "--use-distributed-optimizer" not in problem
+    # Under ZeRO-1 already: ZeRO-2 is what is left to name.
+    config.train.use_distributed_optimizer = True
+    (problem,) = memory_problems(config, kind="cuda", local_processes=8, device_memory=8 << 30)
+    assert "--data-parallel-sharding-strategy optim_grads" in problem
+    # Nothing fits 4 GiB but ZeRO-3, which ptdp train does not run yet: ZeRO-2
+    # is named as what shrinks the state, without a promise.
+    (problem,) = memory_problems(config, kind="cuda", local_processes=8, device_memory=4 << 30)
+    assert "--data-parallel-sharding-strategy optim_grads (shards" in problem
+    assert "optim_grads_params" not in problem and "then fits" not in problem
+    config.train = dataclasses.replace(config.train, use_megatron_fsdp=True,
+                                       data_parallel_sharding_strategy="optim_grads")
+    assert memory_problems(config, kind="cuda", local_processes=8, device_memory=7 << 30) == []

@@ -609,6 +609,11 @@ def communication_per_rank(workload: Workload, layout: Layout, *,
                fp32: ring all-reduce 2·(d−1)/d·N·4; distributed optimizer:
                reduce-scatter (d−1)/d·N·4 plus the all-gather of updated
                weights in the model dtype (d−1)/d·N·e (N: buffer elements).
+               ZeRO-2 (Layout.shards_gradients) reduce-scatters every
+               microbatch: (d−1)/d·N·(4m + e). ZeRO-3 gathers no updated
+               weights but each unit before its forward and its backward,
+               every microbatch with reshard-after-forward (d−1)/d·N·(4m +
+               2m·e), once an iteration without (d−1)/d·N·(4m + e).
     embedding  p > 1: the tied word embedding's gradient summed over its two
                copies (first and last stage), fp32: V'·h/t·4. None with an
                untied output layer (each stage's matrix is its own), nor
@@ -656,6 +661,11 @@ def communication_per_rank(workload: Workload, layout: Layout, *,
         n = buffer_elements(model, layout, rank, bucket_size)
         if d == 1:
             data = 0.0
+        elif layout.shards_parameters:   # per microbatch: its reduce-scatter and its gathers
+            gathers = 2 * m if layout.reshard_after_forward else 1
+            data = (d - 1) / d * n * (m * FP32 + gathers * e)
+        elif layout.shards_gradients:
+            data = (d - 1) / d * n * (m * FP32 + e)
         elif layout.distributed_optimizer:
             data = (d - 1) / d * n * (FP32 + e)
         else:
