@@ -43,6 +43,45 @@ def _config(d: int, strategy: str) -> Config:
                         use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy)
 
 
+def state_tensors(trainer: Trainer) -> dict:
+    """The bytes of a Trainer's model state (after an iteration): its flat
+    parameter buffer, fp32 gradient buffer and shard, optimizer state, and
+    under ZeRO-2 the most full gradients it held at once."""
+    buffer = trainer.buffer
+    return {"weights": buffer.param_data.nbytes,
+            "grad_data": 0 if buffer.grad_data is None else buffer.grad_data.nbytes,
+            "grad_shard": 0 if buffer.grad_shard is None else buffer.grad_shard.nbytes,
+            "optimizer": trainer.optimizer.state_bytes,
+            "peak_full_grads": getattr(buffer, "peak_full_grad_bytes", None)}
+
+
+def check_state_tensors(measured: dict, workload: Workload, layout: Layout, pipeline_rank: int,
+                        bucket_size: int) -> None:
+    """`state_tensors` of one device against the memory model (kernels and
+    activations aside): weights and optimizer state exact, gradients exact
+    but for ZeRO-2's buckets in flight, which the model bounds. (A pooled run
+    of another layout can call it with its own Trainer's tensors.)"""
+    figures = memory_per_rank(workload, layout, kernels="cpu",
+                              bucket_size=bucket_size)[pipeline_rank]
+    where = f"{layout.sharding} p={layout.p} v={layout.v} {layout.schedule} rank {pipeline_rank}"
+    assert figures["weights"] == measured["weights"], where
+    assert figures["optimizer"] == measured["optimizer"], where
+    buckets = cut_placed_buckets(ByValue(workload.model), placement_of_parameters(layout),
+                                 pipeline_rank, bucket_size)
+    if not layout.shards_gradients:
+        assert measured["peak_full_grads"] is None
+        assert figures["gradients"] == measured["grad_data"] + measured["grad_shard"], where
+        return
+    # ZeRO-2: no full buffer; the shard exact, the buckets in flight bounded.
+    assert measured["grad_data"] == 0
+    assert measured["grad_shard"] == 4 * owned_elements(buckets, layout), where
+    transient = 4 * model_sharding.transient_gradient_elements(buckets, layout)
+    assert figures["gradients"] == measured["grad_shard"] + transient
+    assert 0 < measured["peak_full_grads"] <= transient, where
+    # ... and below the full buffer ZeRO-1 keeps beside its shard.
+    assert measured["peak_full_grads"] < 4 * padded_elements(buckets, layout), where
+
+
 def _measured(rank: int, d: int) -> list[dict]:
     """Each strategy's tensors on this rank after an iteration (ZeRO-2's
     peak is reached in every iteration alike)."""
@@ -51,16 +90,8 @@ def _measured(rank: int, d: int) -> list[dict]:
     for strategy in STRATEGIES:
         trainer = Trainer(_config(d, strategy), ctx, torch.device("cpu"))
         trainer.step(0)
-        buffer = trainer.buffer
-        grad_data = buffer.grad_data
-        results.append({
-            "strategy": strategy,
-            "weights": buffer.param_data.nbytes,
-            "grad_data": 0 if grad_data is None else grad_data.nbytes,
-            "grad_shard": 0 if buffer.grad_shard is None else buffer.grad_shard.nbytes,
-            "optimizer": trainer.optimizer.state_bytes,
-            "peak_full_grads": getattr(buffer, "peak_full_grad_bytes", None),
-            "in_flight": sharded_grads.IN_FLIGHT})
+        results.append({"strategy": strategy, "in_flight": sharded_grads.IN_FLIGHT,
+                        **state_tensors(trainer)})
     return results
 
 
@@ -73,26 +104,8 @@ def measured(pools):
 def test_the_model_counts_what_each_strategy_holds(measured):
     workload = Workload(step.MODEL, BATCH, "bf16")
     for row in measured:
-        layout = Layout(d=2, sharding=row["strategy"])
-        (figures,) = memory_per_rank(workload, layout, kernels="cpu", bucket_size=BUCKET)
-        where = row["strategy"]
         assert row["in_flight"] == model_sharding.IN_FLIGHT
-        assert figures["weights"] == row["weights"], where
-        assert figures["optimizer"] == row["optimizer"], where
-        buckets = cut_placed_buckets(ByValue(step.MODEL), placement_of_parameters(layout), 0,
-                                     BUCKET)
-        if row["strategy"] != "optim_grads":
-            assert row["peak_full_grads"] is None
-            assert figures["gradients"] == row["grad_data"] + row["grad_shard"], where
-            continue
-        # ZeRO-2: no full buffer; the shard exact, the buckets in flight bounded.
-        assert row["grad_data"] == 0
-        assert row["grad_shard"] == 4 * owned_elements(buckets, layout), where
-        transient = 4 * model_sharding.transient_gradient_elements(buckets, layout)
-        assert figures["gradients"] == row["grad_shard"] + transient
-        assert 0 < row["peak_full_grads"] <= transient, where
-        # ... and well below the full buffer ZeRO-1 keeps beside its shard.
-        assert row["peak_full_grads"] < 4 * padded_elements(buckets, layout), where
+        check_state_tensors(row, workload, Layout(d=2, sharding=row["strategy"]), 0, BUCKET)
 
 
 def test_each_strategy_holds_less_than_the_one_before(measured):
