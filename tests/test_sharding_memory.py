@@ -21,7 +21,8 @@ from ptdp.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from ptdp.parallel import sharded_grads
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.perf.analytic import sharding as model_sharding
-from ptdp.perf.analytic.counts import (cut_placed_buckets, owned_elements, padded_elements,
+from ptdp.perf.analytic.counts import (buffer_elements, communication_per_rank,
+                                       cut_placed_buckets, owned_elements, padded_elements,
                                        parameters_per_rank, placement_of_parameters)
 from ptdp.perf.analytic.memory import memory_per_rank
 from ptdp.perf import layout as perf_layout
@@ -30,6 +31,8 @@ from ptdp.perf.layout import ByValue, Layout, Workload
 from ptdp.perf.plan.candidates import candidate_layouts
 from ptdp.perf.plan.planner import search, train_command
 from ptdp.perf.price.profiles import load_profile
+from ptdp.perf.simulate.bounds import compute_lower_bound
+from ptdp.perf.simulate.predict import simulate
 from ptdp.train.loop import Trainer
 from tests import test_ptdp_step as step
 
@@ -252,3 +255,42 @@ def test_the_memory_check_names_the_sharding_that_fits():
     config.train = dataclasses.replace(config.train, use_megatron_fsdp=True,
                                        data_parallel_sharding_strategy="optim_grads")
     assert memory_problems(config, kind="cuda", local_processes=8, device_memory=7 << 30) == []
+
+
+def test_zero2_and_zero3_pay_their_collectives():
+    """ZeRO-2 reduce-scatters every microbatch (m times ZeRO-1's volume),
+    ZeRO-3 also gathers each unit per forward and backward (once an
+    iteration without reshard-after-forward) instead of the updated weights;
+    on links slow enough that the computation cannot hide them they cost
+    time, and the planner's lower bound stays below the simulation."""
+    workload, d, m = Workload(GPT_1B, 64, "bf16"), 16, 4
+    a100 = load_profile("a100")
+    slow = dataclasses.replace(a100, inter_bandwidth=a100.inter_bandwidth / 20,
+                               intra_bandwidth=a100.intra_bandwidth / 20)
+    layouts = {name: dataclasses.replace(_zero3(d), sharding=strategy, reshard_after_forward=reshard)
+               for name, strategy, reshard in (("zero1", "optim", True),
+                                               ("zero2", "optim_grads", True),
+                                               ("zero3", "optim_grads_params", True),
+                                               ("zero3-keep", "optim_grads_params", False))}
+    n = buffer_elements(GPT_1B, layouts["zero1"], 0)
+    ring = (d - 1) / d * n
+    volume = {name: communication_per_rank(workload, layout)[0]["data"]
+              for name, layout in layouts.items()}
+    assert volume == pytest.approx({"zero1": ring * (4 + 2), "zero2": ring * (4 * m + 2),
+                                    "zero3": ring * (4 * m + 2 * m * 2),
+                                    "zero3-keep": ring * (4 * m + 2)})
+    predicted = {name: simulate(workload, layout, slow) for name, layout in layouts.items()}
+    for name, prediction in predicted.items():
+        assert compute_lower_bound(workload, layouts[name], slow) <= prediction.iteration_seconds
+        assert ("parameter all-gather" in prediction.seconds_by_category) == name.startswith("zero3")
+    seconds = {name: prediction.iteration_seconds for name, prediction in predicted.items()}
+    assert seconds["zero1"] < seconds["zero2"]
+    reduction = {name: p.seconds_by_category["data-parallel reduction"]
+                 for name, p in predicted.items()}
+    assert reduction["zero2"] > 2 * reduction["zero1"]
+    gathers = {name: predicted[name].seconds_by_category["parameter all-gather"]
+               for name in ("zero3", "zero3-keep")}
+    assert gathers["zero3"] > 4 * gathers["zero3-keep"] > 0
+    # ZeRO-3 gathers no updated weights after the step.
+    assert predicted["zero3"].seconds_by_category["optimizer"] < \
+        predicted["zero2"].seconds_by_category["optimizer"] / 4

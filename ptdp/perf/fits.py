@@ -19,6 +19,12 @@ Full recomputation is estimated as one layer per checkpointed group (what
 rebuild k layers' activations at once in the backward, so the estimate
 stays below the peak; `--recompute-method block` keeps more than the
 estimate. Nothing here imports torch: the caller gives the device's memory.
+
+The estimate is of the run's sharding strategy (TrainConfig.sharding_strategy;
+ptdp.perf.analytic.sharding), and where the model state dominates the
+advice names the weakest stronger strategy `ptdp train` runs under which the
+estimate fits, as its flags (--use-distributed-optimizer, or
+--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads).
 """
 
 from __future__ import annotations
