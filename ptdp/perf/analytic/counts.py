@@ -659,17 +659,7 @@ def communication_per_rank(workload: Workload, layout: Layout, *,
                 gathered += m * transfers * (t - 1) / t * sbh * e
         partial = sum(partial_gradient_buckets(model, layout, rank, bucket_size))
         n = buffer_elements(model, layout, rank, bucket_size)
-        if d == 1:
-            data = 0.0
-        elif layout.shards_parameters:   # per microbatch: its reduce-scatter and its gathers
-            gathers = 2 * m if layout.reshard_after_forward else 1
-            data = (d - 1) / d * n * (m * FP32 + gathers * e)
-        elif layout.shards_gradients:
-            data = (d - 1) / d * n * (m * FP32 + e)
-        elif layout.distributed_optimizer:
-            data = (d - 1) / d * n * (FP32 + e)
-        else:
-            data = _ring(d, n) * FP32
+        data = _data_parallel_bytes(layout, n, e, m)
         embedding = 0.0
         if not _ends_share_a_rank(layout) and holds_word and model.tied_output:
             padded = -(-word // d) * d if layout.distributed_optimizer else word
@@ -680,6 +670,22 @@ def communication_per_rank(workload: Workload, layout: Layout, *,
         volume["total"] = sum(volume.values())
         results.append(volume)
     return results
+
+
+def _data_parallel_bytes(layout: Layout, n: int, e: int, m: int) -> float:
+    """`communication_per_rank`'s "data": the gradient reduction (and the
+    weights' gathers) of n buffer elements over the d replicas, per strategy."""
+    d = layout.d
+    if d == 1:
+        return 0.0
+    if layout.shards_parameters:   # per microbatch: its reduce-scatter and its gathers
+        gathers = 2 * m if layout.reshard_after_forward else 1
+        return (d - 1) / d * n * (m * FP32 + gathers * e)
+    if layout.shards_gradients:
+        return (d - 1) / d * n * (m * FP32 + e)
+    if layout.distributed_optimizer:
+        return (d - 1) / d * n * (FP32 + e)
+    return _ring(d, n) * FP32
 
 
 def communication_volume(workload: Workload, layout: Layout, *,
