@@ -17,6 +17,7 @@ import torch
 from torch.testing import assert_close
 
 from ptdp.parallel.sharded_grads import ShardedGradBuffer
+from ptdp.parallel.sharded_params import ShardedParamBuffer
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.train.loop import Trainer
 from tests import test_moe_parallel as moe
@@ -39,18 +40,22 @@ class Layout:
     schedule: str = "1f1b"
     sequence_parallel: bool = False
     model: str = "gpt"
+    strategy: str = "optim_grads"
+    reshard: bool = True          # optim_grads_params: --fsdp-reshard-after-forward
+    recompute: str | None = None
 
     @property
     def name(self) -> str:
-        return (f"t{self.t}p{self.p}d{self.d}c{self.c}ep{self.ep}-{self.schedule}"
-                f"{'-sp' if self.sequence_parallel else ''}-{self.model}")
+        return (f"{self.strategy}-t{self.t}p{self.p}d{self.d}c{self.c}ep{self.ep}-{self.schedule}"
+                f"{'-sp' if self.sequence_parallel else ''}-{self.model}"
+                f"{'' if self.reshard else '-kept'}{'-' + self.recompute if self.recompute else ''}")
 
 
-def _config(layout: Layout | None, strategy: str | None = "optim_grads", **train):
-    layout = layout or Layout(d=1)
-    fsdp = {} if strategy is None else dict(use_megatron_fsdp=True,
-                                            data_parallel_sharding_strategy=strategy)
-    config = step._config(layout.t, layout.p, layout.d, layout.k, MODELS[layout.model],
+def _config(layout: Layout, sharded: bool = True, **train):
+    fsdp = dict(use_megatron_fsdp=True, data_parallel_sharding_strategy=layout.strategy,
+                fsdp_reshard_after_forward=layout.reshard) if sharded else {}
+    model = dataclasses.replace(MODELS[layout.model], recompute_granularity=layout.recompute)
+    config = step._config(layout.t, layout.p, layout.d, layout.k, model,
                           layout.sequence_parallel, **fsdp, **train)
     config.parallel = dataclasses.replace(config.parallel, context_parallel_size=layout.c,
                                           expert_model_parallel_size=layout.ep,
@@ -63,12 +68,21 @@ _serial: dict[str, tuple] = {}
 
 def _one_process(model: str):
     if model not in _serial:
-        trainer = Trainer(_config(Layout(d=1, model=model), strategy=None), ParallelContext.single(),
-                          CPU)
+        trainer = Trainer(_config(Layout(d=1, model=model), sharded=False),
+                          ParallelContext.single(), CPU)
         records = [trainer.step(i)[0] for i in range(STEPS)]
         assert any(r["grad_norm"] > step.TRAIN.clip_grad for r in records)  # clipping acts
         _serial[model] = records, step._logical_weights(trainer, ParallelContext.single())
     return _serial[model]
+
+
+def _persistent_bytes(trainer: Trainer) -> int:
+    """The bytes a rank holds across iterations for its parameters,
+    gradients and optimizer state (ZeRO-3: the shards)."""
+    buffer = trainer.buffer
+    params = getattr(buffer, "param_shards", buffer.param_data)
+    grads = buffer.grad_shard if buffer.grad_data is None else buffer.grad_data
+    return params.nbytes + grads.nbytes + trainer.optimizer.state_bytes
 
 
 def _layouts_vs_one_process(rank: int, layouts: list[Layout], references: dict) -> list:
@@ -79,6 +93,7 @@ def _layouts_vs_one_process(rank: int, layouts: list[Layout], references: dict) 
                                              ep=layout.ep))
         trainer = Trainer(_config(layout), ctx, CPU)
         assert isinstance(trainer.buffer, ShardedGradBuffer) and trainer.buffer.grad_data is None
+        assert isinstance(trainer.buffer, ShardedParamBuffer) == (layout.strategy == ZERO_3)
         for i, want in enumerate(records):
             got = trainer.step(i)[0]
             assert not got["skipped"], layout.name
@@ -87,36 +102,52 @@ def _layouts_vs_one_process(rank: int, layouts: list[Layout], references: dict) 
             if trainer.holds_loss:
                 assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), layout.name
         worst, compared = 0.0, set()
-        for name, weight in step._logical_weights(trainer, ctx).items():
+        with trainer.buffer.gathered():  # (ZeRO-3: the parameters whole while read, copied)
+            logical = {n: w.clone() for n, w in step._logical_weights(trainer, ctx).items()}
+        for name, weight in logical.items():
             assert_close(weight, weights[name], **step.WEIGHT_TOL,
                          msg=lambda m, n=name: f"{layout.name}: {n}: {m}")
             worst, _ = max(worst, (weight - weights[name]).abs().max().item()), compared.add(name)
         results.append((layout.name, compared, worst, trainer.buffer.peak_full_grad_bytes,
-                        len(trainer.buffer.buckets), trainer.buffer.numel * 4))
+                        len(trainer.buffer.buckets), trainer.buffer.numel * 4,
+                        _persistent_bytes(trainer), _persistent_bytes(Trainer(
+                            _config(layout, sharded=False), ctx, CPU))))
         del trainer
         ctx.destroy()
     return results
 
 
+ZERO_3 = "optim_grads_params"
 LAYOUTS = [
     Layout(d=4),
     Layout(t=2, d=2, sequence_parallel=True),
-    Layout(p=2, d=2),
-    Layout(p=2, d=2, k=1),
     Layout(p=2, d=2, schedule="zbv"),
-    Layout(c=2, d=2),
     Layout(d=4, ep=2, model="moe"),
+    Layout(d=4, strategy=ZERO_3),
+    Layout(t=2, d=2, sequence_parallel=True, strategy=ZERO_3, recompute="full"),
+    Layout(p=2, d=2, strategy=ZERO_3),
+    Layout(p=2, d=2, k=1, strategy=ZERO_3, reshard=False),
+    Layout(p=2, d=2, schedule="zbv", strategy=ZERO_3),
+    Layout(c=2, d=2, strategy=ZERO_3, recompute="selective"),
+    Layout(d=4, ep=2, model="moe", strategy=ZERO_3),
 ]
 
 
-def test_zero_2_trains_like_one_process_under_every_layout(pools):
+def test_zero_2_and_3_train_like_one_process_under_every_layout(pools):
     references = {layout.model: _one_process(layout.model) for layout in LAYOUTS}
     per_rank = pools(4).run(_layouts_vs_one_process, LAYOUTS, references)
     for i, layout in enumerate(LAYOUTS):
         names = set().union(*(results[i][1] for results in per_rank))
         assert names == set(references[layout.model][1]), layout.name
         assert max(results[i][2] for results in per_rank) < 1e-5, layout.name
-        for _, _, _, peak, buckets, full in (results[i] for results in per_rank):
+        for _, _, _, peak, buckets, full, persistent, replicated in (r[i] for r in per_rank):
+            if layout.strategy == ZERO_3 and layout.model == "gpt":
+                # 1/(d·c) of the replicated state, but for each bucket's padding
+                # (under d - 1 elements); the MoE's experts shard over fewer ranks.
+                shards = layout.d * layout.c
+                padding = 1 + shards * 16 * buckets / replicated
+                assert replicated / shards <= persistent <= replicated / shards * padding, \
+                    (layout.name, persistent, replicated)
             # The full gradients held at once: the buckets being filled and
             # those being reduced (at most IN_FLIGHT), and the tied embedding's,
             # never the whole buffer ZeRO-1 keeps; at most half of it where a
@@ -126,12 +157,12 @@ def test_zero_2_trains_like_one_process_under_every_layout(pools):
                 assert peak <= full / 2, (layout.name, peak, full)
 
 
-def _skipped_step(rank: int) -> list:
+def _skipped_step(rank: int, strategy: str) -> list:
     """fp16, d = 2: an inf in one replica's gradient shard skips the step on
     every rank, halves the scale and changes no weight."""
     ctx = ParallelContext.build(RankGrid(tp=1, dp=2, pp=1))
-    trainer = Trainer(_config(Layout(d=2), fp16=True, initial_loss_scale=1024.0, hysteresis=1),
-                      ctx, CPU)
+    trainer = Trainer(_config(Layout(d=2, strategy=strategy), fp16=True,
+                              initial_loss_scale=1024.0, hysteresis=1), ctx, CPU)
     records = [trainer.step(0)[0]]
     before = trainer.buffer.param_data.clone()
     finish = trainer.buffer.finish
@@ -151,6 +182,36 @@ def _skipped_step(rank: int) -> list:
     return [(r["skipped"], r["loss_scale"]) for r in records]
 
 
-def test_fp16_overflow_on_one_replica_skips_the_step_everywhere(pools):
-    for result in pools(2).run(_skipped_step):
+@pytest.mark.parametrize("strategy", ["optim_grads", ZERO_3])
+def test_fp16_overflow_on_one_replica_skips_the_step_everywhere(pools, strategy):
+    for result in pools(2).run(_skipped_step, strategy):
         assert result == [(False, 1024.0), (True, 1024.0), (False, 512.0)]
+
+
+def test_a_zero_3_checkpoint_resumes_under_zero_1_and_in_one_process(tmp_path):
+    """Saved at d = 4 under optim_grads_params, resumed at t = 2, d = 2 with
+    the distributed optimizer and in one process: the losses go on as the
+    run that never stopped (the same logical checkpoint under any strategy)."""
+    import json
+
+    from ptdp.cli import main
+
+    model = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
+             "4", "--seq-length", "16", "--vocab-size", "64", "--hidden-dropout", "0",
+             "--attention-dropout", "0", "--micro-batch-size", "1", "--global-batch-size", "8",
+             "--lr", "1e-2", "--train-iters", "4", "--ddp-bucket-size", "1000"]
+
+    def losses(name: str, *flags: str) -> list[float]:
+        metrics = tmp_path / f"{name}.jsonl"
+        assert main(["train", *model, "--metrics-file", str(metrics), *flags]) == 0
+        return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+
+    straight = losses("straight")
+    first = losses("zero3", "--use-megatron-fsdp", "--data-parallel-size", "4",
+                   "--exit-interval", "2", "--save", str(tmp_path / "ck"))
+    assert first == pytest.approx(straight[:2], rel=1e-5)
+    resumed = [losses("zero1", "--load", str(tmp_path / "ck"), "--tensor-model-parallel-size", "2",
+                      "--data-parallel-size", "2", "--use-distributed-optimizer"),
+               losses("one", "--load", str(tmp_path / "ck"))]
+    for run in resumed:
+        assert run == pytest.approx(straight[2:], rel=1e-5)

@@ -153,6 +153,13 @@ def _logical_tensors(state: TrainingState) -> dict[str, torch.Tensor]:
     if optimizer.main.data_ptr() != buffer.param_data.data_ptr():
         flats["main"] = _full_flat(optimizer.main, buffer, ctx)
     segments = {id(s.param): s for s in buffer.segments}
+    with buffer.gathered():  # (ZeRO-3: the parameters whole while they are read)
+        return _logical_tensors_gathered(state, flats, segments)
+
+
+def _logical_tensors_gathered(state: TrainingState, flats: dict, segments: dict
+                              ) -> dict[str, torch.Tensor]:
+    ctx = state.ctx
     mine: dict[str, torch.Tensor] = {}
     index = {False: 0, True: 0}  # per kind, so every rank of a group counts alike
     for name, param in named_parameters(state.chunks):

@@ -130,7 +130,7 @@ def load_model_state(state: TrainingState, directory: Path, metadata: dict,
     has_optimizer = take_optimizer and reader.has(f"optimizer/exp_avg/{first}")
     flats = {kind: torch.zeros(buffer.numel, dtype=torch.float32, device=buffer.param_data.device)
              for kind in OPTIMIZER_KINDS}
-    with torch.no_grad():
+    with torch.no_grad(), buffer.gathered(write_back=True):  # (ZeRO-3: written whole, re-sharded)
         for name, param in trained:
             spec = getattr(param, SHARD_ATTR, None)
             segment = segments[id(param)]

@@ -84,6 +84,13 @@ class TrainConfig:
         "(and gradients, reduce-scattered per microbatch as buckets complete: ZeRO-2), "
         "optim_grads_params (and parameters: ZeRO-3)",
         choices=("no_shard", "optim", "optim_grads", "optim_grads_params"))
+    fsdp_reshard_after_forward: bool = flag(
+        True, "--fsdp-reshard-after-forward",
+        "optim_grads_params: let a unit's (a layer's) gathered parameters go after its forward and "
+        "gather them again for its backward, per microbatch (the least memory); off "
+        "(--no-fsdp-reshard-after-forward): keep each gathered from its first use to the "
+        "iteration's end (one gather per unit and iteration, a stage's whole parameters held)",
+        off_flag="--no-fsdp-reshard-after-forward")
     ddp_bucket_size: int = flag(
         40_000_000, "--ddp-bucket-size",
         "elements per gradient bucket; a bucket's data-parallel reduction starts as soon as its "
@@ -425,11 +432,6 @@ def optimizer_problems(tr: TrainConfig) -> list[str]:
                         f"the second moment is 0; the default is 1e-08)")
     if finite_or_none(tr.weight_decay) and tr.weight_decay < 0:
         problems.append(f"--weight-decay={tr.weight_decay} must be >= 0 (0 turns weight decay off)")
-    if tr.use_megatron_fsdp and tr.data_parallel_sharding_strategy == "optim_grads_params":
-        problems.append("--data-parallel-sharding-strategy optim_grads_params (ZeRO-3, sharded "
-                        "parameters; also --use-megatron-fsdp's default) is not built yet: give "
-                        "--data-parallel-sharding-strategy optim_grads (gradients and optimizer "
-                        "state sharded, ZeRO-2) or optim (--use-distributed-optimizer's ZeRO-1)")
     return problems
 
 

@@ -348,6 +348,21 @@ class GPT(nn.Module):
         initialize_parameters(self, seed)
         return self
 
+    def sharding_units(self) -> list[tuple[nn.Module, list[nn.Parameter], bool]]:
+        """ZeRO-3's units in forward order (ptdp.parallel.sharded_params):
+        (the module whose forward first uses them, their parameters, whether
+        they are one of the chunk's ends: the embeddings; the final norm and
+        output layer)."""
+        units: list[tuple[nn.Module, list[nn.Parameter], bool]] = []
+        if self.pre_process:
+            units.append((self.embedding, list(self.embedding.parameters()), True))
+        units += [(layer, list(layer.parameters()), False) for layer in self.layers.values()]
+        if self.post_process:
+            taken = {id(p) for _, params, _ in units for p in params}
+            units.append((self.final_layernorm,
+                          [p for p in self.parameters() if id(p) not in taken], True))
+        return units
+
     def defer_weight_grads(self, store: DeferredWeightGrads | None) -> None:
         """Zero-bubble schedules: the column- and row-parallel layers of this
         chunk leave their weight gradients to `store`

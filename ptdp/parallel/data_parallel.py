@@ -39,9 +39,10 @@ bucket's such gradients, once per iteration), then reduced like the rest.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -104,7 +105,8 @@ class GradBuffer:
     def __init__(self, params: list[nn.Parameter], ctx: ParallelContext, *, param_dtype: torch.dtype,
                  bucket_size: int, shard: bool, tied: set[nn.Parameter] = frozenset(),
                  accumulations: dict[nn.Parameter, int] | None = None, average: bool = True,
-                 reduce_dtype: torch.dtype = torch.float32, device: torch.device | None = None):
+                 reduce_dtype: torch.dtype = torch.float32, device: torch.device | None = None,
+                 unit_of: dict[nn.Parameter, int] | None = None):
         """`accumulations`: for a parameter that autograd accumulates into
         more than once per microbatch (separate backward passes, e.g. zbv's
         shared word embedding: the lookup's gradient in one chunk's backward,
@@ -113,7 +115,8 @@ class GradBuffer:
         `reduce_dtype`: what the data-parallel reduction sends (fp32 or bf16).
         `device`: where the buffers live (default: the parameters'; needed
         where a rank has no trainable parameter, as a LoRA stage without
-        adapters)."""
+        adapters). `unit_of`: a bucket holds parameters of one unit only
+        (ZeRO-3 gathers a unit's buckets together: sharded_params.py)."""
         self.ctx, self.shard = ctx, shard
         self.average, self.reduce_dtype = average, reduce_dtype
         self._accumulations = dict(accumulations or {})
@@ -128,7 +131,8 @@ class GradBuffer:
             if param in tied:
                 groups.append(([param], True))
                 continue
-            if current and is_expert(param) != is_expert(current[0]):
+            if current and (is_expert(param) != is_expert(current[0]) or unit_of is not None
+                            and unit_of[param] != unit_of[current[0]]):
                 groups.append((current, False))
                 current = []
             current.append(param)
@@ -283,6 +287,12 @@ class GradBuffer:
             self._unpack(bucket)
             if bucket.tied and self.ctx.embedding_group is not None:
                 self._reduce_over_replicas(bucket, async_op=False)
+
+    @contextlib.contextmanager
+    def gathered(self, write_back: bool = False) -> Iterator[None]:
+        """Every parameter whole inside: always, here (ZeRO-3's gathers them:
+        sharded_params.py)."""
+        yield
 
     @property
     def reduced_grads(self) -> torch.Tensor:

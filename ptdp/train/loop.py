@@ -30,6 +30,7 @@ from ptdp.checkpoint.adapters import base_identity
 from ptdp.model.gpt import build_chunks
 from ptdp.parallel.data_parallel import GradBuffer
 from ptdp.parallel.sharded_grads import ShardedGradBuffer
+from ptdp.parallel.sharded_params import ShardedParamBuffer
 from ptdp.parallel.pipeline.executor import PipelineExecutor, average_loss
 from ptdp.schedules.build import build_schedule
 from ptdp.parallel.topology import ParallelContext, RankGrid
@@ -147,25 +148,7 @@ class Trainer:
         self.holds_loss = loss_rank == ctx.pp_rank
         # The trained parameters: all, or with --lora-rank the adapters only,
         # the frozen base kept in the training precision outside the buffers.
-        params = [param for param in self.model.parameters() if param.requires_grad]
-        with torch.no_grad():
-            for param in self.model.parameters():
-                if not param.requires_grad:
-                    param.data = param.data.to(self.dtype)
-        # The first and last stage's copies of a tied word embedding, whose
-        # gradients are summed over the embedding group; none where one rank
-        # holds both ends (under zbv rank 0's chunks share one parameter).
-        tied = ({chunk.embedding.word_embeddings.weight for chunk in self.chunks
-                 if hasattr(chunk, "embedding")}
-                if ctx.embedding_group is not None and model_cfg.tied_output and loss_rank != 0
-                else set())
-        buffer_type = ShardedGradBuffer if tr.sharding_strategy == "optim_grads" else GradBuffer
-        self.buffer = buffer_type(params, ctx, param_dtype=self.dtype, bucket_size=tr.ddp_bucket_size,
-                                 shard=tr.sharding_strategy != "no_shard", tied=tied,
-                                 accumulations=_tied_accumulations(self.chunks, model_cfg.tied_output),
-                                 average=not tr.calculate_per_token_loss,
-                                 reduce_dtype=torch.bfloat16 if tr.grad_reduce_in_bf16
-                                 else torch.float32, device=device)
+        self.buffer = self._gradient_buffer(loss_rank)
         self.optimizer = Optimizer(self.buffer, ctx, tr,
                                    decoupled=embedding_and_output_weights(self.chunks))
         # Under sequence parallelism each tensor rank sends its own s/t
@@ -190,6 +173,47 @@ class Trainer:
         self.train_batches = TrainingBatches(self.data.train, config, training_microbatches(
             self.consumed, self.start_iteration, self.train_iters, ctx.dp_rank,
             micro_batch_size=b, data_parallel_size=d))
+
+    def _gradient_buffer(self, loss_rank: int) -> GradBuffer:
+        """The trained parameters' flat buffers, sharded as the strategy says
+        (ZeRO-1: optimizer state; ZeRO-2: gradients too; ZeRO-3: parameters
+        too); with --lora-rank the adapters only, the frozen base kept in the
+        training precision outside them."""
+        config, ctx = self.config, self.ctx
+        model_cfg, tr = config.model, config.train
+        params = [param for param in self.model.parameters() if param.requires_grad]
+        with torch.no_grad():
+            for param in self.model.parameters():
+                if not param.requires_grad:
+                    param.data = param.data.to(self.dtype)
+        # The first and last stage's copies of a tied word embedding, whose
+        # gradients are summed over the embedding group; none where one rank
+        # holds both ends (under zbv rank 0's chunks share one parameter).
+        tied = ({chunk.embedding.word_embeddings.weight for chunk in self.chunks
+                 if hasattr(chunk, "embedding")}
+                if ctx.embedding_group is not None and model_cfg.tied_output and loss_rank != 0
+                else set())
+        options = dict(param_dtype=self.dtype, bucket_size=tr.ddp_bucket_size,
+                       shard=tr.sharding_strategy != "no_shard", tied=tied,
+                       accumulations=_tied_accumulations(self.chunks, model_cfg.tied_output),
+                       average=not tr.calculate_per_token_loss,
+                       reduce_dtype=torch.bfloat16 if tr.grad_reduce_in_bf16 else torch.float32,
+                       device=self.device)
+        if tr.sharding_strategy == "optim_grads":
+            return ShardedGradBuffer(params, ctx, **options)
+        if tr.sharding_strategy == "optim_grads_params":
+            units, ends, seen = [], set(), set()
+            for chunk in self.chunks:
+                for module, unit, end in chunk.sharding_units():
+                    unit = [p for p in unit if p.requires_grad and id(p) not in seen]
+                    seen.update(id(p) for p in unit)
+                    if end:
+                        ends.add(len(units))
+                    units.append((module, unit))
+            return ShardedParamBuffer(params, ctx, units=units, ends=ends,
+                                      reshard_after_forward=tr.fsdp_reshard_after_forward,
+                                      **options)
+        return GradBuffer(params, ctx, **options)
 
     def schedule_for(self, num_micro: int):
         """The pipeline schedule of an iteration of `num_micro` microbatches:

@@ -179,9 +179,12 @@ class Optimizer:
         self.decoupled_ranges = _merge(own_rate)
         self._decoupled_decay_ranges = _merge(own_rate_decay)
 
+        shards = getattr(buffer, "param_shards", None)  # ZeRO-3's parameter shards
         if buffer.shard:
             self.main = torch.cat([buffer.initial_fp32[slice(*buffer.owned_range(b))]
                                    for b in buffer.buckets])
+            if shards is not None and shards.dtype == torch.float32:
+                self.main = shards.copy_(self.main)  # fp32: the parameters' shard is the main copy
         elif buffer.param_data.dtype == torch.float32:
             self.main = buffer.param_data      # the model's own weights
         else:
