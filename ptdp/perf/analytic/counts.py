@@ -613,7 +613,8 @@ def communication_per_rank(workload: Workload, layout: Layout, *,
                microbatch: (d−1)/d·N·(4m + e). ZeRO-3 gathers no updated
                weights but each unit before its forward and its backward,
                every microbatch with reshard-after-forward (d−1)/d·N·(4m +
-               2m·e), once an iteration without (d−1)/d·N·(4m + e).
+               2m·e), once an iteration without (d−1)/d·N·(4m + e) (a
+               chunk's ends, gathered once, counted as the layers).
     embedding  p > 1: the tied word embedding's gradient summed over its two
                copies (first and last stage), fp32: V'·h/t·4. None with an
                untied output layer (each stage's matrix is its own), nor

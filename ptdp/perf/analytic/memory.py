@@ -186,7 +186,7 @@ from typing import Any
 from ptdp.config import ModelConfig, TrainConfig
 from ptdp.perf.analytic.counts import (FP32, chunk_stage, cut_placed_buckets, parameters_per_rank,
                                        placement_of_parameters, stash_peaks)
-from ptdp.perf.analytic.sharding import state_bytes
+from ptdp.perf.analytic.sharding import state_bytes, unit_buckets
 from ptdp.perf.analytic.lora import (adapted_targets, cut_adapter_buckets, first_adapted_layer,
                                      layer_delta_bytes)
 from ptdp.schedules.kinds import virtual_stage_of
@@ -408,10 +408,12 @@ def memory_per_rank(workload: Workload, layout: Layout, *, kernels: str = "cuda"
     for rank in range(p):
         if lora:   # the adapters in the buffer; the frozen base outside it, in the dtype
             buckets = cut_adapter_buckets(model_key, lora, placement, rank, bucket_size)
+        elif layout.shards_parameters:   # ZeRO-3: a bucket holds one unit's parameters
+            buckets = unit_buckets(model, layout, rank, bucket_size)
         else:
             buckets = cut_placed_buckets(model_key, placement, rank, bucket_size)
         state = state_bytes(model, layout, rank, buckets, e, workload.precision,
-                            frozen[rank] if lora else 0)
+                            frozen[rank] if lora else 0, bucket_size)
         chunk_bytes, deferred_bytes = [], []
         # Rotary tables: made once per layer, kept for every microbatch.
         layers = [layout.chunk_layers(model.num_layers, rank, chunk) for chunk in range(v)]

@@ -28,9 +28,9 @@ per iteration: `bucketed` is then one microbatch's reductions
 of each chunk, m times ZeRO-1's volume in all. The zeroing counts the shard
 and one allocation of every bucket. ZeRO-3 (Layout.shards_parameters) gathers no updated
 weights after the step; instead each unit is all-gathered before its
-forward and before its backward (`chunk_gathers`: a chunk's parameters
-gathered once, in `chunk_units` units; see simulate/predict.py for how
-they overlap the computation).
+forward and before its backward, but a chunk's ends, gathered once an
+iteration (`chunk_gathers`; see simulate/predict.py for how they overlap
+the computation).
 
 Sequence parallelism: each gradient bucket holding partial gradients
 (norms, row-parallel biases, the position table) all-reduces them over the
@@ -91,10 +91,9 @@ class AfterFlush:
     overlapped: bool               # buckets reduced during the backward (else after the flush)
     # ZeRO-2/3: `bucketed` is one microbatch's reductions, run under each backward.
     per_microbatch: bool = False
-    # ZeRO-3: seconds to all-gather each chunk's parameters once, [rank][chunk],
-    # and the units they are gathered in (ptdp.perf.analytic.sharding.unit_elements).
-    chunk_gathers: tuple[tuple[float, ...], ...] = ()
-    chunk_units: tuple[tuple[int, ...], ...] = ()
+    # ZeRO-3, [rank][chunk]: (seconds to all-gather its layers once, to gather
+    # its ends once, its layers) (ptdp.perf.analytic.sharding.rank_units).
+    chunk_gathers: tuple[tuple[tuple[float, float, int], ...], ...] = ()
 
     def optimizer_at_least(self, rank: int) -> float:
         """The least of rank `rank`'s optimizer step any schedule leaves exposed."""
@@ -186,27 +185,29 @@ def _price_after_flush(workload: Workload, layout: Layout, profile: HardwareProf
             gather = machine.data_parallel(params * ops.E, r, reduce_scatter_only=True)
         optimizer.append(work + comm + gather)
         hideable.append(gather * (1 - one_bucket) if profile.overlap_param_gather else 0.0)
-    gathers, units = _parameter_gathers(workload, layout, machine, ops) \
-        if layout.shards_parameters else ((), ())
+    gathers = _parameter_gathers(workload, layout, machine, ops) if layout.shards_parameters \
+        else ()
     return AfterFlush(partial_sums, optimizer, ends, embedding, bucketed, shares, last_bucket,
-                      hideable, profile.overlap_grad_reduce, layout.shards_gradients, gathers,
-                      units)
+                      hideable, profile.overlap_grad_reduce, layout.shards_gradients, gathers)
 
 
 def _parameter_gathers(workload: Workload, layout: Layout, machine: Machine, ops: OperatorModel
-                       ) -> tuple[tuple[tuple[float, ...], ...], tuple[tuple[int, ...], ...]]:
-    """ZeRO-3: seconds to all-gather each (rank, chunk)'s parameters once in
-    the model dtype over its replicas (a frozen base's too: LoRA's base is
-    sharded), and the units each chunk gathers them in."""
-    from ptdp.perf.analytic.sharding import unit_elements
+                       ) -> tuple[tuple[tuple[float, float, int], ...], ...]:
+    """ZeRO-3: per (rank, chunk), the seconds to all-gather its layers once
+    in the model dtype over its replicas, the seconds to gather its ends
+    (kept gathered through the iteration), and its layers (units)."""
+    from ptdp.perf.analytic.sharding import rank_units
 
-    gathers, units = [], []
-    for r in range(layout.p):
-        chunks = unit_elements(workload.model, layout, r)
-        gathers.append(tuple(machine.data_parallel(sum(chunk) * ops.E, r, reduce_scatter_only=True)
-                             for chunk in chunks))
-        units.append(tuple(len(chunk) for chunk in chunks))
-    return tuple(gathers), tuple(units)
+    def seconds(units, r: int) -> float:
+        return machine.data_parallel(sum(unit.elements(layout) for unit in units) * ops.E, r,
+                                     reduce_scatter_only=True)
+
+    bucket_size = TrainConfig().ddp_bucket_size
+    return tuple(tuple((seconds([u for u in chunk if not u.end], r),
+                        seconds([u for u in chunk if u.end], r),
+                        sum(not u.end for u in chunk))
+                       for chunk in rank_units(workload.model, layout, r, bucket_size))
+                 for r in range(layout.p))
 
 
 @functools.lru_cache(maxsize=65536)

@@ -259,27 +259,30 @@ def _exchange_price(layout: Layout, ops, machine: Machine, profile: HardwareProf
 
 def _exposed_gathers(layout: Layout, after, priced):
     """gathered(rank, action) -> the seconds a compute waits for ZeRO-3's
-    all-gathers of its chunk's units (0 for other strategies). Each unit is
-    gathered one ahead, under the previous unit's computation: the first
-    unit's gather is exposed, and each other's by what it outlasts its
-    predecessor's computation (units taken as equal: g = G/L, c = C/L,
-    exposed g + (L − 1)·max(0, g − c)). With reshard-after-forward every
-    forward and backward gathers; without, only a chunk's first forward of
-    the iteration (its parameters stay gathered until the step)."""
+    all-gathers (0 for other strategies). Each layer is gathered one ahead,
+    under the previous layer's computation: the first layer's gather is
+    exposed, and each other's by what it outlasts its predecessor's
+    computation (layers taken as equal: g = G/L, c = C/L, exposed
+    g + (L − 1)·max(0, g − c)). With reshard-after-forward every forward
+    and backward gathers the chunk's layers; without, only its first
+    forward of the iteration. A chunk's ends are gathered once an iteration,
+    before its first forward (exposed)."""
     if not layout.shards_parameters:
         return lambda rank, action: 0.0
     exposed: dict[tuple[int, int, str], float] = {}
     for (rank, chunk, op), (work, _) in priced.items():
-        units = after.chunk_units[rank][chunk]
-        if op == "W" or not units:   # W needs no weight
+        layers_seconds, _, layers = after.chunk_gathers[rank][chunk]
+        if op == "W" or not layers:   # W needs no weight
             continue
-        g, c = after.chunk_gathers[rank][chunk] / units, work / units
-        exposed[(rank, chunk, op)] = g + (units - 1) * max(0.0, g - c)
+        g, c = layers_seconds / layers, work / layers
+        exposed[(rank, chunk, op)] = g + (layers - 1) * max(0.0, g - c)
 
     def gathered(rank: int, action: Compute) -> float:
-        if not layout.reshard_after_forward and (action.op != "F" or action.microbatch != 0):
+        first = action.op == "F" and action.microbatch == 0
+        if not layout.reshard_after_forward and not first:
             return 0.0
-        return exposed.get((rank, action.chunk, action.op), 0.0)
+        ends = after.chunk_gathers[rank][action.chunk][1] if first else 0.0
+        return ends + exposed.get((rank, action.chunk, action.op), 0.0)
     return gathered
 
 
