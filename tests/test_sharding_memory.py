@@ -222,6 +222,7 @@ def test_zero3_keeps_a_shard_and_the_units_it_gathers():
 
 
 def test_the_planner_shards_gradients_when_the_optimizer_alone_does_not_fit(monkeypatch):
+    monkeypatch.setattr(perf_layout, "PARAMETER_SHARDING_TRAINS", False)
     workload = Workload(GPT_1B, 64, "bf16")
     profile = _profile(8)   # ZeRO-1 needs 10.1 GiB, ZeRO-2 6.2 of the 7.2 usable
     found = search(workload, 8, profile, **FIXED)
@@ -292,6 +293,7 @@ def test_the_memory_check_names_the_sharding_that_fits(monkeypatch):
     """fits.memory_problems on 8 GPUs, d = 8: the weakest strategy under
     which the model's estimate fits the GPU (ZeRO-1 needs 10.1 GiB, ZeRO-2
     6.2 GiB; no sharding 22.4 GiB), as `ptdp train`'s flags."""
+    monkeypatch.setattr(perf_layout, "PARAMETER_SHARDING_TRAINS", False)
     config = Config(model=dataclasses.replace(GPT_1B, recompute_granularity="full"),
                     parallel=ParallelConfig(data_parallel_size=8),
                     train=TrainConfig(micro_batch_size=1, global_batch_size=64, bf16=True))
@@ -316,7 +318,6 @@ def test_the_memory_check_names_the_sharding_that_fits(monkeypatch):
     assert ("--data-parallel-sharding-strategy optim_grads_params --fsdp-reshard-after-forward "
             "(shards parameters, gradients and optimizer state over the data-parallel ranks; by "
             "the memory model the run then fits)") in problem
-    monkeypatch.setattr(perf_layout, "PARAMETER_SHARDING_TRAINS", False)
     config.train = dataclasses.replace(config.train, use_megatron_fsdp=True,
                                        data_parallel_sharding_strategy="optim_grads")
     assert memory_problems(config, kind="cuda", local_processes=8, device_memory=7 << 30) == []
