@@ -202,6 +202,8 @@ def _parameter_gathers(workload: Workload, layout: Layout, machine: Machine, ops
         return machine.data_parallel(sum(unit.elements(layout) for unit in units) * ops.E, r,
                                      reduce_scatter_only=True)
 
+    if workload.lora:   # only the adapters are sharded (the frozen base stays whole): tiny
+        return tuple(tuple((0.0, 0.0, 0) for _ in range(layout.v)) for _ in range(layout.p))
     bucket_size = TrainConfig().ddp_bucket_size
     return tuple(tuple((seconds([u for u in chunk if not u.end], r),
                         seconds([u for u in chunk if u.end], r),
