@@ -55,13 +55,13 @@ def test_fixing_t_and_p_searches_every_other_dimension(capsys):
                            "--pipeline-model-parallel-size", "2")
     assert all((layout.t, layout.p) == (2, 2) for layout in searched)
     for key in ("b", "v", "recompute", "schedule", "sequence_parallel", "c",
-                "distributed_optimizer"):
+                "sharding"):
         assert len({repr(getattr(layout, key)) for layout in searched}) > 1, key
     assert len({json.dumps(layout["b"]) for layout in layouts}) > 1
     assert data["fixed"] == {"t": "t=2", "p": "p=2"}
     assert data["dimensions"] == (
         "dimensions: fixed t=2, p=2; searched c, d, b, v, schedule, split, recompute, "
-        "sequence-parallel, distributed-optimizer")
+        "sequence-parallel, sharding")
 
 
 # Each flag, what it fixes in every candidate, a dimension it leaves to the

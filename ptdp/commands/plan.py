@@ -14,7 +14,7 @@ from ptdp.config import Config, ConfigError, ModelConfig, validate
 from ptdp.output_paths import output_path_problems
 from ptdp.perf.analytic.counts import parameter_count
 from ptdp.config.lora import TARGET_NAMES, LoRAConfig, lora_problems
-from ptdp.perf.layout import Layout, LoRAWork, Workload
+from ptdp.perf.layout import SHARDING_STRATEGIES, Layout, LoRAWork, Workload
 from ptdp.perf.plan.candidates import MIN_CONTEXT_POSITIONS, candidate_layouts
 from ptdp.perf.plan.fixed_dimensions import (FixedDimensions, dimensions_line, fix_all_layout,
                                              fixed_dimensions, train_problems)
@@ -55,7 +55,7 @@ def _add_model_settings(group: argparse._ArgumentGroup) -> None:
 def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "plan", help="choose and predict a layout (t, c, p, d, b, v, schedule, split, "
-                     "recomputation, sequence parallelism, optimizer sharding, EP, ETP)",
+                     "recomputation, sequence parallelism, sharding strategy, EP, ETP)",
         description="Search the layouts of a GPT (or a Llama-style model: --normalization "
                     "RMSNorm --swiglu --position-embedding-type rope --group-query-attention "
                     "--untie-embeddings-and-output-weights --disable-bias-linear; or a mixture of "
@@ -265,7 +265,19 @@ def add_layout_flags(parser: argparse.ArgumentParser) -> None:
                         help="fixes sequence parallelism on (needs t > 1 dividing --seq-length); "
                              "off has no flag: it is searched, or fixed by --fix-all")
     layout.add_argument("--use-distributed-optimizer", action="store_true",
-                        help="fixes the sharded optimizer on (off: searched, or --fix-all)")
+                        help="fixes the sharding strategy at optim, the sharded optimizer "
+                             "(ZeRO-1; otherwise the strategy is searched, or none with --fix-all)")
+    layout.add_argument("--use-megatron-fsdp", action="store_true",
+                        help="as for `ptdp train`: fixes the sharding strategy at "
+                             "--data-parallel-sharding-strategy's")
+    layout.add_argument("--data-parallel-sharding-strategy", choices=SHARDING_STRATEGIES,
+                        help="with --use-megatron-fsdp: no_shard, optim (ZeRO-1), optim_grads "
+                             "(ZeRO-2) or optim_grads_params (ZeRO-3, the default, which `ptdp "
+                             "train` does not run yet)")
+    layout.add_argument("--fsdp-reshard-after-forward", action=argparse.BooleanOptionalAction,
+                        help="ZeRO-3: free each unit's gathered parameters after its forward "
+                             "(or, with --no-..., keep a stage's across its microbatches); "
+                             "searched unless given")
     layout.add_argument("--no-scatter-gather-tensors-in-pipeline", dest="scatter_gather",
                         action="store_false", help="as for `ptdp train`")
     layout.add_argument("--decoder-first-pipeline-num-layers", type=int, metavar="N",

@@ -19,16 +19,24 @@ Full recomputation is estimated as one layer per checkpointed group (what
 rebuild k layers' activations at once in the backward, so the estimate
 stays below the peak; `--recompute-method block` keeps more than the
 estimate. Nothing here imports torch: the caller gives the device's memory.
+
+The estimate is of the run's sharding strategy (TrainConfig.sharding_strategy;
+ptdp.perf.analytic.sharding), and where the model state dominates the
+advice names the weakest stronger strategy `ptdp train` runs under which the
+estimate fits, as its flags (--use-distributed-optimizer, or
+--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from ptdp.config import Config
-from ptdp.perf.layout import Layout, LoRAWork, Workload
+from ptdp.perf.layout import (SHARDING_STRATEGIES, Layout, LoRAWork, Workload,
+                              trained_strategies)
 
 
 def layout_of(config: Config) -> Layout:
@@ -37,7 +45,8 @@ def layout_of(config: Config) -> Layout:
     v = par.virtual_stages(model.num_layers)
     return Layout(t=par.tensor_model_parallel_size, p=par.pipeline_model_parallel_size,
                   d=par.dp, b=tr.micro_batch_size, v=v, recompute=model.recompute_granularity,
-                  distributed_optimizer=tr.sharding_strategy != "no_shard",
+                  sharding=tr.sharding_strategy,
+                  reshard_after_forward=tr.fsdp_reshard_after_forward,
                   scatter_gather=par.scatter_gather_tensors_in_pipeline,
                   schedule=par.pipeline_schedule, sequence_parallel=par.sequence_parallel,
                   split=par.layer_split, c=par.context_parallel_size, cp_comm=par.cp_comm_type)
@@ -146,23 +155,17 @@ def memory_problems(config: Config, *, kind: str, local_processes: int,
         if found is None or found.largest["total"] <= device_memory:
             return []
         largest = found.largest
+        fits = _fits_check(config, "cuda", lambda e: e.largest["total"] <= device_memory)
         return [f"the model does not fit one GPU: by ptdp's memory model its largest rank needs "
                 f"{gib(largest['total'])} ({_parts(largest)}), but a GPU here has "
-                f"{gib(device_memory)}; {_advice(config, largest, cpu=False)}"]
+                f"{gib(device_memory)}; {_advice(config, largest, cpu=False, fits=fits)}"]
     available = host_memory if host_memory is not None else host_memory_bytes()
     if not available:
         return []
     found = estimate(config, "cpu")
     if found is None:
         return []
-    par = config.parallel
-    if local_processes == par.world_size:   # every rank here: t·c·d copies of each pipeline rank
-        needed = (par.tensor_model_parallel_size * par.context_parallel_size * par.dp
-                  * sum(m["total"] for m in found.per_rank))
-        which = "its"
-    else:   # a share of a larger job: which stages are here is not known, count the smallest
-        needed = local_processes * found.smallest
-        which = "at least its"
+    needed, which = _host_bytes(config, found, local_processes)
     if needed <= available:
         return []
     largest = found.largest
@@ -171,9 +174,39 @@ def memory_problems(config: Config, *, kind: str, local_processes: int,
     else:
         need = (f"{which} {local_processes} local processes need {gib(needed)} in all, the "
                 f"largest rank {gib(largest['total'])} ({_parts(largest)})")
+    fits = _fits_check(config, "cpu",
+                       lambda e: _host_bytes(config, e, local_processes)[0] <= available)
     return [f"the model does not fit this machine's memory: by ptdp's memory model {need}, but "
             f"the machine has {gib(available)} (memory and swap); "
-            f"{_advice(config, largest, cpu=True)}"]
+            f"{_advice(config, largest, cpu=True, fits=fits)}"]
+
+
+def _host_bytes(config: Config, found: Estimate, local_processes: int) -> tuple[int, str]:
+    """What this machine's processes need in all by `found`, and how sure
+    that is ("its", or "at least its" for a share of a larger job)."""
+    par = config.parallel
+    if local_processes == par.world_size:   # every rank here: t·c·d copies of each pipeline rank
+        return (par.tensor_model_parallel_size * par.context_parallel_size * par.dp
+                * sum(m["total"] for m in found.per_rank)), "its"
+    # a share of a larger job: which stages are here is not known, count the smallest
+    return local_processes * found.smallest, "at least its"
+
+
+def _fits_check(config: Config, kernels: str, fits):
+    """strategy -> whether the run fits under that sharding strategy (the
+    estimate's test `fits`), None where it cannot be estimated."""
+    def check(strategy: str) -> bool | None:
+        found = estimate(_with_sharding(config, strategy), kernels)
+        return None if found is None else fits(found)
+    return check
+
+
+def _with_sharding(config: Config, strategy: str) -> Config:
+    """`config` under another sharding strategy (ptdp train's flags for it)."""
+    train = dataclasses.replace(config.train, use_distributed_optimizer=strategy == "optim",
+                                use_megatron_fsdp=strategy not in ("no_shard", "optim"),
+                                data_parallel_sharding_strategy=strategy)
+    return dataclasses.replace(config, train=train)
 
 
 def _parts(memory: dict[str, int]) -> str:
@@ -181,8 +214,37 @@ def _parts(memory: dict[str, int]) -> str:
                      for name in ("weights", "gradients", "optimizer", "activations"))
 
 
-def _advice(config: Config, largest: dict[str, int], *, cpu: bool) -> str:
-    """What to change, chosen by the part that dominates (state or activations)."""
+def _sharding_advice(config: Config, fits) -> tuple[str, bool] | None:
+    """The weakest sharding strategy stronger than the run's that `ptdp
+    train` runs and under which it fits, as its flags (and True); else the
+    strongest such, as one that shrinks the state (and False); None where
+    there is none (d·c = 1, or the run shards all it can)."""
+    if config.parallel.dp * config.parallel.context_parallel_size < 2:
+        return None
+    strategies = trained_strategies()
+    current = config.train.sharding_strategy
+    stronger = [name for name in strategies
+                if SHARDING_STRATEGIES.index(name) > SHARDING_STRATEGIES.index(current)]
+    for strategy in stronger:
+        if fits(strategy):
+            return (" ".join(Layout(sharding=strategy).sharding_flags())
+                    + f" (shards {_SHARDED_WORDS[strategy]} over the data-parallel ranks; "
+                    "by the memory model the run then fits)"), True
+    if stronger:
+        strategy = stronger[-1]
+        return (" ".join(Layout(sharding=strategy).sharding_flags())
+                + f" (shards {_SHARDED_WORDS[strategy]} over the data-parallel ranks)"), False
+    return None
+
+
+_SHARDED_WORDS = {"optim": "the optimizer state", "optim_grads": "gradients and optimizer state",
+                  "optim_grads_params": "parameters, gradients and optimizer state"}
+
+
+def _advice(config: Config, largest: dict[str, int], *, cpu: bool, fits=None) -> str:
+    """What to change, chosen by the part that dominates (state or
+    activations). `fits(strategy)`: whether the run fits under that sharding
+    strategy (the check names the weakest that does; None: not checked)."""
     model, tr = config.model, config.train
     state = largest["weights"] + largest["gradients"] + largest["optimizer"]
     shrink = ("use a smaller model (--num-layers, --hidden-size, --vocab-size"
@@ -191,14 +253,17 @@ def _advice(config: Config, largest: dict[str, int], *, cpu: bool) -> str:
              "(-p, -t), which split the model" if cpu else
              "or more pipeline or tensor-parallel ranks (-p, -t), which split the model")
     more = []
+    sharding, fitting = _sharding_advice(config, fits or (lambda strategy: False)) or (None, False)
+    if fitting:
+        more.append(sharding)   # what fits first: the least change
     if largest["activations"] > state:
         if model.recompute_granularity != "full":
             more.append("--recompute-granularity full (or selective)")
         more.append("a smaller --micro-batch-size")
         if not (tr.bf16 or tr.fp16):   # halves activations (the state grows: fp32 main weights)
             more.append("--bf16")
-    elif not tr.use_distributed_optimizer and config.parallel.dp > 1:
-        more.append("--use-distributed-optimizer")
+    elif sharding and sharding not in more:
+        more.append(sharding)
     if cpu and config.parallel.dp > 1:
         more.append("fewer data-parallel ranks (each holds a copy of the model)")
     return shrink + (", " + ", ".join(more) if more else "") + ", " + split

@@ -24,6 +24,24 @@ RECOMPUTE_KINDS = (None, "selective", "full")
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a")  # --cp-comm-type (ptdp.parallel.context_attention)
 SCHEDULES = FLAG_CHOICES   # Layout.schedule: a --pipeline-schedule value (ptdp.schedules.kinds)
 BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
+# What is sharded over the data-parallel (× context) replicas, Megatron-LM's
+# --data-parallel-sharding-strategy values: nothing, the optimizer state
+# (ZeRO-1, --use-distributed-optimizer), and the gradients (ZeRO-2,
+# ptdp.parallel.sharded_grads), and the parameters (ZeRO-3).
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+# `ptdp train`'s flags of the reshard policy under ZeRO-3 (on, off).
+RESHARD_FLAGS = ("--fsdp-reshard-after-forward", "--no-fsdp-reshard-after-forward")
+# Whether `ptdp train` runs ZeRO-3 (optim_grads_params). Until it does, the
+# planner does not propose it and the memory check does not advise it (the
+# memory model prices it all the same). Flip it when ZeRO-3 lands.
+PARAMETER_SHARDING_TRAINS = False
+
+
+def trained_strategies() -> tuple[str, ...]:
+    """The SHARDING_STRATEGIES `ptdp train` runs now (see PARAMETER_SHARDING_TRAINS)."""
+    if PARAMETER_SHARDING_TRAINS:
+        return SHARDING_STRATEGIES
+    return tuple(name for name in SHARDING_STRATEGIES if name != "optim_grads_params")
 
 
 @dataclass(frozen=True)
@@ -34,7 +52,16 @@ class Layout:
     b: int = 1                      # microbatch size
     v: int = 1                      # chunks per pipeline rank (v > 1: interleaved 1F1B or a V)
     recompute: str | None = None    # None, "selective" or "full" (uniform, 1 layer per group)
-    distributed_optimizer: bool = False
+    # A SHARDING_STRATEGIES value. (`distributed_optimizer`, a property, is
+    # True under any of them but no_shard; Layout(distributed_optimizer=...)
+    # and dataclasses.replace(layout, distributed_optimizer=...) still take
+    # it: True keeps a sharded strategy or makes no_shard optim, False is no_shard.)
+    sharding: str = "no_shard"
+    # ZeRO-3 (sharding optim_grads_params) only: each unit's gathered
+    # parameters are freed after its forward and gathered again for its
+    # backward, per microbatch (True); or a stage keeps its gathered
+    # parameters across its microbatches within an iteration (False).
+    reshard_after_forward: bool = True
     scatter_gather: bool = True
     # A --pipeline-schedule value (ptdp.schedules.kinds): one of one chunk
     # per rank when v == 1; interleaved 1F1B when v > 1, unless the kind has
@@ -60,6 +87,21 @@ class Layout:
     # gradients reduced (and the distributed optimizer sharded) over d·c.
     c: int = 1
     cp_comm: str = "p2p"
+
+    @property
+    def distributed_optimizer(self) -> bool:
+        """The optimizer state is sharded (ZeRO-1 and up)."""
+        return self.sharding != "no_shard"
+
+    @property
+    def shards_gradients(self) -> bool:
+        """Gradients reduce-scattered per microbatch into a shard (ZeRO-2 and up)."""
+        return self.sharding in ("optim_grads", "optim_grads_params")
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Parameters stored as shards, gathered per unit (ZeRO-3)."""
+        return self.sharding == "optim_grads_params"
 
     @property
     def devices(self) -> int:
@@ -148,6 +190,9 @@ class Layout:
                             f"length {model.seq_length}")
         if self.recompute not in RECOMPUTE_KINDS:
             problems.append(f"unknown recomputation {self.recompute!r}")
+        if self.sharding not in SHARDING_STRATEGIES:
+            problems.append(f"unknown sharding strategy {self.sharding!r}: use one of "
+                            f"{', '.join(SHARDING_STRATEGIES)}")
         if self.cp_comm not in CP_COMM_TYPES:
             problems.append(f"unknown --cp-comm-type {self.cp_comm!r}: use one of "
                             f"{', '.join(CP_COMM_TYPES)}")
@@ -230,8 +275,7 @@ class Layout:
             flags += ["--recompute-granularity", "selective"]
         if self.sequence_parallel:
             flags.append("--sequence-parallel")
-        if self.distributed_optimizer:
-            flags.append("--use-distributed-optimizer")
+        flags += self.sharding_flags()
         if not self.scatter_gather:
             flags.append("--no-scatter-gather-tensors-in-pipeline")
         if self.ep != 1:
@@ -239,6 +283,32 @@ class Layout:
         if self.etp is not None:
             flags += ["--expert-tensor-parallel-size", str(self.etp)]
         return flags + self.split.flags()
+
+    def sharding_flags(self) -> list[str]:
+        """`ptdp train`'s flags of the sharding strategy: ZeRO-1 as
+        --use-distributed-optimizer, ZeRO-2 and 3 as Megatron-FSDP's."""
+        if self.sharding == "no_shard":
+            return []
+        if self.sharding == "optim":
+            return ["--use-distributed-optimizer"]
+        flags = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", self.sharding]
+        if self.shards_parameters:
+            flags.append(RESHARD_FLAGS[0 if self.reshard_after_forward else 1])
+        return flags
+
+
+_generated_init = Layout.__init__
+
+
+def _layout_init(self, *args, distributed_optimizer: bool | None = None, **kwargs) -> None:
+    """Layout's own __init__, also taking the `distributed_optimizer` of
+    before the sharding strategies (see Layout.sharding)."""
+    _generated_init(self, *args, **kwargs)
+    if distributed_optimizer is not None and distributed_optimizer != self.distributed_optimizer:
+        object.__setattr__(self, "sharding", "optim" if distributed_optimizer else "no_shard")
+
+
+Layout.__init__ = _layout_init
 
 
 @lru_cache(maxsize=65536)

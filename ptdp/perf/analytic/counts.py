@@ -314,6 +314,7 @@ class Bucket(NamedTuple):
     size: int               # elements
     partial: int            # of which partial: summed over the tensor group first
     expert: bool = False    # routed experts' parameters: replicated over EDP ranks, not d
+    tied: bool = False      # a tied word embedding's bucket of its own (summed over the ends first)
 
 
 def _cut_buckets(model: ModelConfig, layout: Layout, rank: int,
@@ -338,7 +339,7 @@ def cut_params(params: list[Param], bucket_size: int) -> tuple[Bucket, ...]:
     cut, size, partial, expert = [], 0, 0, False
     for param in reversed(params):
         if param.tied:
-            cut.append(Bucket(param.numel, 0))
+            cut.append(Bucket(param.numel, 0, tied=True))
             continue
         if size and param.expert != expert:
             cut.append(Bucket(size, partial, expert))
@@ -608,6 +609,12 @@ def communication_per_rank(workload: Workload, layout: Layout, *,
                fp32: ring all-reduce 2·(d−1)/d·N·4; distributed optimizer:
                reduce-scatter (d−1)/d·N·4 plus the all-gather of updated
                weights in the model dtype (d−1)/d·N·e (N: buffer elements).
+               ZeRO-2 (Layout.shards_gradients) reduce-scatters every
+               microbatch: (d−1)/d·N·(4m + e). ZeRO-3 gathers no updated
+               weights but each unit before its forward and its backward,
+               every microbatch with reshard-after-forward (d−1)/d·N·(4m +
+               2m·e), once an iteration without (d−1)/d·N·(4m + e) (a
+               chunk's ends, gathered once, counted as the layers).
     embedding  p > 1: the tied word embedding's gradient summed over its two
                copies (first and last stage), fp32: V'·h/t·4. None with an
                untied output layer (each stage's matrix is its own), nor
@@ -653,12 +660,7 @@ def communication_per_rank(workload: Workload, layout: Layout, *,
                 gathered += m * transfers * (t - 1) / t * sbh * e
         partial = sum(partial_gradient_buckets(model, layout, rank, bucket_size))
         n = buffer_elements(model, layout, rank, bucket_size)
-        if d == 1:
-            data = 0.0
-        elif layout.distributed_optimizer:
-            data = (d - 1) / d * n * (FP32 + e)
-        else:
-            data = _ring(d, n) * FP32
+        data = _data_parallel_bytes(layout, n, e, m)
         embedding = 0.0
         if not _ends_share_a_rank(layout) and holds_word and model.tied_output:
             padded = -(-word // d) * d if layout.distributed_optimizer else word
@@ -669,6 +671,22 @@ def communication_per_rank(workload: Workload, layout: Layout, *,
         volume["total"] = sum(volume.values())
         results.append(volume)
     return results
+
+
+def _data_parallel_bytes(layout: Layout, n: int, e: int, m: int) -> float:
+    """`communication_per_rank`'s "data": the gradient reduction (and the
+    weights' gathers) of n buffer elements over the d replicas, per strategy."""
+    d = layout.d
+    if d == 1:
+        return 0.0
+    if layout.shards_parameters:   # per microbatch: its reduce-scatter and its gathers
+        gathers = 2 * m if layout.reshard_after_forward else 1
+        return (d - 1) / d * n * (m * FP32 + gathers * e)
+    if layout.shards_gradients:
+        return (d - 1) / d * n * (m * FP32 + e)
+    if layout.distributed_optimizer:
+        return (d - 1) / d * n * (FP32 + e)
+    return _ring(d, n) * FP32
 
 
 def communication_volume(workload: Workload, layout: Layout, *,

@@ -19,6 +19,10 @@ Memory (bytes on one device; GradBuffer and Optimizer in ptdp):
                 12·N                 plain, bf16/fp16: fp32 main + moments
                  8·N                 plain, fp32: the model's weights are main
     activations see `activation_bytes` and `memory_per_rank`.
+Under ZeRO-2 and ZeRO-3 (Layout.sharding optim_grads, optim_grads_params)
+the gradients are the 4·N/d shard plus a few buckets in flight, and ZeRO-3
+keeps N/d·e of the weights plus the units gathered at once: see
+ptdp.perf.analytic.sharding (the table of every strategy).
 The distributed optimizer pads every bucket to a multiple of d (less than
 d elements per bucket); it is counted exactly, from the same bucket cutting
 GradBuffer does.
@@ -180,9 +184,9 @@ from functools import lru_cache
 from typing import Any
 
 from ptdp.config import ModelConfig, TrainConfig
-from ptdp.perf.analytic.counts import (FP32, chunk_stage, cut_placed_buckets, owned_elements,
-                                       padded_elements, parameters_per_rank,
+from ptdp.perf.analytic.counts import (FP32, chunk_stage, cut_placed_buckets, parameters_per_rank,
                                        placement_of_parameters, stash_peaks)
+from ptdp.perf.analytic.sharding import state_bytes, unit_buckets
 from ptdp.perf.analytic.lora import (adapted_targets, cut_adapter_buckets, first_adapted_layer,
                                      layer_delta_bytes)
 from ptdp.schedules.kinds import virtual_stage_of
@@ -396,7 +400,6 @@ def memory_per_rank(workload: Workload, layout: Layout, *, kernels: str = "cuda"
     p, v = layout.p, layout.v
     m = layout.microbatches(workload.global_batch)
     acts = activation_bytes(workload, layout, kernels=kernels)
-    sharded = layout.distributed_optimizer
     results = []
     model_key, placement = ByValue(model), placement_of_parameters(layout)
     bucket_size = bucket_size or TrainConfig().ddp_bucket_size
@@ -405,17 +408,12 @@ def memory_per_rank(workload: Workload, layout: Layout, *, kernels: str = "cuda"
     for rank in range(p):
         if lora:   # the adapters in the buffer; the frozen base outside it, in the dtype
             buckets = cut_adapter_buckets(model_key, lora, placement, rank, bucket_size)
+        elif layout.shards_parameters:   # ZeRO-3: a bucket holds one unit's parameters
+            buckets = unit_buckets(model, layout, rank, bucket_size)
         else:
             buckets = cut_placed_buckets(model_key, placement, rank, bucket_size)
-        n, owned = padded_elements(buckets, layout), owned_elements(buckets, layout)
-        weights = n * e + (frozen[rank] * e if lora else 0)
-        gradients = n * FP32 + (owned * FP32 if sharded else 0)
-        if sharded:
-            optimizer = 3 * owned * FP32
-        elif workload.precision == "fp32":
-            optimizer = 2 * n * FP32
-        else:
-            optimizer = 3 * n * FP32
+        state = state_bytes(model, layout, rank, buckets, e, workload.precision,
+                            frozen[rank] if lora else 0, bucket_size)
         chunk_bytes, deferred_bytes = [], []
         # Rotary tables: made once per layer, kept for every microbatch.
         layers = [layout.chunk_layers(model.num_layers, rank, chunk) for chunk in range(v)]
@@ -435,8 +433,7 @@ def memory_per_rank(workload: Workload, layout: Layout, *, kernels: str = "cuda"
             deferred = tuple(deferred_bytes) if layout.zero_bubble else None
         activations = (stash_peaks(layout.schedule_kind, p, m, v, rank, tuple(chunk_bytes),
                                     deferred)[1] + tables)
-        memory = {"weights": weights, "gradients": gradients, "optimizer": optimizer,
-                  "activations": activations}
+        memory = {**state, "activations": activations}
         memory["total"] = sum(memory.values())
         results.append(memory)
     return results

@@ -23,7 +23,7 @@ from ptdp.config.base import divisors
 from ptdp.config.context import context_parallel_problems
 from ptdp.schedules.kinds import DEFAULT_SCHEDULE, KINDS, SEARCHED
 from ptdp.schedules.split import LayerSplit, split_problems
-from ptdp.perf.layout import Layout, Workload
+from ptdp.perf.layout import Layout, Workload, trained_strategies
 
 MAX_MICROBATCH = 32        # larger microbatches only add memory at these sizes
 MAX_CHUNKS = 8             # interleaving beyond this only adds transfers
@@ -39,7 +39,8 @@ def candidate_layouts(workload: Workload, devices: int, *, tensor_sizes=None,
                       pipeline_sizes=None, data_sizes=None, microbatch_sizes=None,
                       chunk_counts=None, layers_per_chunk: int | None = None,
                       recompute=(None, "selective", "full"),
-                      distributed_optimizer=(False, True),
+                      distributed_optimizer=None, sharding=None,
+                      reshard_after_forward=(True, False),
                       sequence_parallel=(False, True), schedules=SCHEDULES,
                       layer_splits: bool = True, splits=None, context_sizes=None,
                       cp_comm: str = "p2p", expert_sizes=None, expert_tensor_sizes=None,
@@ -49,7 +50,9 @@ def candidate_layouts(workload: Workload, devices: int, *, tensor_sizes=None,
     `tensor_sizes`, `pipeline_sizes`, `data_sizes`, `microbatch_sizes`,
     `chunk_counts` (v), `layers_per_chunk` (--num-layers-per-virtual-
     pipeline-stage: v = l/(p·k), a schedule that interleaves or one whose
-    fixed v it is), `recompute`, `distributed_optimizer`,
+    fixed v it is), `recompute`, `sharding` (strategies; default: those
+    `ptdp train` runs; `distributed_optimizer`, of before the strategies:
+    False is no_shard, True optim), `reshard_after_forward` (ZeRO-3's),
     `sequence_parallel` (only where t > 1 divides s), `schedules`
     (--pipeline-schedule values; each runs at the v of its record: one that
     interleaves at any v, the others at their own, each only where its
@@ -60,6 +63,9 @@ def candidate_layouts(workload: Workload, devices: int, *, tensor_sizes=None,
     uneven splits of `split_candidates`; `splits`: exactly these splits
     instead. The t·p·d ranks are devices/c."""
     model = workload.model
+    if sharding is None:
+        sharding = (trained_strategies() if distributed_optimizer is None else
+                    tuple("optim" if on else "no_shard" for on in distributed_optimizer))
     for c in (context_sizes_to_search(model, devices, cp_comm) if context_sizes is None
               else [c for c in context_sizes if c >= 1 and devices % c == 0]):
         yield from _candidates_of_context(
@@ -67,7 +73,8 @@ def candidate_layouts(workload: Workload, devices: int, *, tensor_sizes=None,
                 tensor_sizes=tensor_sizes, pipeline_sizes=pipeline_sizes, data_sizes=data_sizes,
                 microbatch_sizes=microbatch_sizes, chunk_counts=chunk_counts,
                 layers_per_chunk=layers_per_chunk, recompute=recompute,
-                distributed_optimizer=distributed_optimizer, sequence_parallel=sequence_parallel,
+                sharding=tuple(sharding), reshard_after_forward=tuple(reshard_after_forward),
+                sequence_parallel=sequence_parallel,
                 schedules=schedules, layer_splits=layer_splits, splits=splits,
                 expert_sizes=expert_sizes, expert_tensor_sizes=expert_tensor_sizes,
                 scatter_gather=scatter_gather))
@@ -106,16 +113,15 @@ def _candidates_of_context(workload: Workload, devices: int, c: int, cp_comm: st
                 sizes = [b for b in given["microbatch_sizes"] if b >= 1 and (batch // d) % b == 0]
             pipelines = _pipelines(model.num_layers, p, given["schedules"], given["chunk_counts"],
                                    given["layers_per_chunk"])
-            # With d·c = 1 there is nothing to shard: one of the two (the first given).
-            sharding = given["distributed_optimizer"]
-            sharding = sharding if d * c > 1 else sharding[:1]
+            # With d·c = 1 there is nothing to shard: one strategy (the first given).
+            sharding = _sharding_choices(given, d * c)
             experts = _expert_layouts(model, t, t * c * d, given["expert_sizes"],
                                       given["expert_tensor_sizes"])
-            for b, (schedule, v), kind, sharded, split, (ep, etp) in product(
+            for b, (schedule, v), kind, (strategy, reshard), split, (ep, etp) in product(
                     sizes, pipelines, given["recompute"], sharding, given["sequence_parallel"],
                     experts):
-                layout = Layout(t=t, p=p, d=d, b=b, v=v, recompute=kind,
-                                distributed_optimizer=sharded, sequence_parallel=split,
+                layout = Layout(t=t, p=p, d=d, b=b, v=v, recompute=kind, sharding=strategy,
+                                reshard_after_forward=reshard, sequence_parallel=split,
                                 schedule=schedule, c=c, cp_comm=cp_comm, ep=ep, etp=etp,
                                 scatter_gather=given["scatter_gather"])
                 if given["splits"] is not None:
@@ -130,6 +136,18 @@ def _candidates_of_context(workload: Workload, devices: int, c: int, cp_comm: st
                 # (--num-layers-per-virtual-pipeline-stage fixes every chunk's size: even only)
                 if given["layer_splits"] and given["layers_per_chunk"] is None:
                     yield from _uneven(layout, model, batch)
+
+
+def _sharding_choices(given: dict, replicas: int) -> list[tuple[str, bool]]:
+    """The (strategy, reshard_after_forward) pairs to try where the
+    parameters have `replicas` = d·c copies: each strategy given, ZeRO-3
+    with each reshard policy given (the others at the field's default, which
+    means nothing for them); one strategy
+    (the first given) where there is nothing to shard."""
+    strategies = given["sharding"] if replicas > 1 else given["sharding"][:1]
+    policies = given["reshard_after_forward"]
+    return [(strategy, reshard) for strategy in strategies
+            for reshard in (policies if strategy == "optim_grads_params" else (True,))]
 
 
 def _kept(values: list[int], allowed) -> list[int]:

@@ -17,13 +17,20 @@ What each flag fixes:
   --account-for-embedding/loss-in-pipeline-split   the layer split
   --recompute-granularity                 recomputation (full or selective)
   --sequence-parallel                     sequence parallelism, on
-  --use-distributed-optimizer             the optimizer's sharding, on
+  --use-distributed-optimizer             the sharding strategy: optim (ZeRO-1)
+  --use-megatron-fsdp --data-parallel-sharding-strategy S
+                                          the sharding strategy: S (Megatron-LM's
+                                          flags; S defaults to optim_grads_params)
+  --fsdp-reshard-after-forward / --no-... ZeRO-3's reshard policy
   --expert-model-parallel-size            EP  (MoE models)
   --expert-tensor-parallel-size           ETP (MoE models)
 
-`ptdp train` (like Megatron-LM) has no flag for "no recomputation", "no
-sequence parallelism" or "no distributed optimizer": those are its
-defaults, so they are fixed only by --fix-all (or searched).
+`ptdp train` (like Megatron-LM) has no flag for "no recomputation" or "no
+sequence parallelism": those are its defaults, so they are fixed only by
+--fix-all (or searched); no sharding is --use-megatron-fsdp
+--data-parallel-sharding-strategy no_shard, or --fix-all without a sharding
+flag. optim_grads_params (ZeRO-3) is refused, as `ptdp train` refuses it,
+until ptdp.perf.layout.PARAMETER_SHARDING_TRAINS says it trains.
 `--no-scatter-gather-tensors-in-pipeline`, `--recompute-method uniform` and
 `--recompute-num-layers 1` are taken so that a printed `ptdp train` command
 can be planned again as it is.
@@ -40,11 +47,11 @@ from ptdp.config.context import context_parallel_problems
 from ptdp.config.train import TrainConfig
 from ptdp.schedules.kinds import DEFAULT_SCHEDULE, KINDS, any_chunks_kind
 from ptdp.schedules.split import LayerSplit
-from ptdp.perf.layout import Layout
+from ptdp.perf.layout import Layout, trained_strategies
 
 # The dimensions, in the order the plan names them ("ep" and "etp" for MoE models only).
 DIMENSIONS = ("t", "c", "p", "d", "ep", "etp", "b", "v", "schedule", "split", "recompute",
-              "sequence-parallel", "distributed-optimizer")
+              "sequence-parallel", "sharding")
 
 
 @dataclass
@@ -119,12 +126,41 @@ def fixed_dimensions(args: Any, model: ModelConfig, devices: int) -> FixedDimens
     if a.sequence_parallel:
         given["sequence-parallel"] = "sequence-parallel"
         restrictions["sequence_parallel"] = (True,)
-    if a.use_distributed_optimizer:
-        given["distributed-optimizer"] = "distributed-optimizer"
-        restrictions["distributed_optimizer"] = (True,)
+    strategy = sharding_of(a)
+    if strategy is not None:
+        given["sharding"] = f"sharding {strategy}"
+        restrictions["sharding"] = (strategy,)
+    if a.fsdp_reshard_after_forward is not None:
+        given["reshard"] = ("reshard after forward" if a.fsdp_reshard_after_forward
+                            else "no reshard after forward")
+        restrictions["reshard_after_forward"] = (a.fsdp_reshard_after_forward,)
     if not a.scatter_gather:
         restrictions["scatter_gather"] = False
     return fixed
+
+
+def sharding_of(args: Any) -> str | None:
+    """The sharding strategy the flags give, as `ptdp train` reads them
+    (TrainConfig.sharding_strategy), or None where none is given;
+    ConfigError for a strategy `ptdp train` does not run yet or
+    --data-parallel-sharding-strategy without --use-megatron-fsdp."""
+    if args.use_megatron_fsdp:
+        strategy = args.data_parallel_sharding_strategy or "optim_grads_params"
+    elif args.data_parallel_sharding_strategy is not None:
+        raise ConfigError([f"--data-parallel-sharding-strategy "
+                           f"{args.data_parallel_sharding_strategy} is read only with "
+                           "--use-megatron-fsdp (as Megatron-LM and `ptdp train` read it): "
+                           "add --use-megatron-fsdp"])
+    else:
+        strategy = "optim" if args.use_distributed_optimizer else None
+    if strategy is not None and strategy not in trained_strategies():
+        raise ConfigError([f"--data-parallel-sharding-strategy {strategy} (ZeRO-3, sharded "
+                           "parameters; also --use-megatron-fsdp's default) is not built yet, so "
+                           "`ptdp train` would refuse it: give --data-parallel-sharding-strategy "
+                           "optim_grads (gradients and optimizer state sharded, ZeRO-2) or optim "
+                           "(--use-distributed-optimizer's ZeRO-1), or leave the sharding flags "
+                           "out to search the strategies"])
+    return strategy
 
 
 def _context_restrictions(args: Any, model: ModelConfig,
@@ -168,7 +204,8 @@ def fix_all_layout(args: Any, model: ModelConfig, devices: int) -> Layout:
     return Layout(t=t, p=p, d=args.data_parallel_size or devices // (t * c * p),
                   b=args.micro_batch_size or 1, v=v,
                   schedule=schedule, recompute=args.recompute_granularity,
-                  distributed_optimizer=args.use_distributed_optimizer,
+                  sharding=sharding_of(args) or "no_shard",
+                  reshard_after_forward=args.fsdp_reshard_after_forward in (None, True),
                   sequence_parallel=args.sequence_parallel, split=_split_of(args), c=c,
                   cp_comm=(args.cp_comm_type or "p2p") if c > 1 else "p2p",
                   ep=args.expert_model_parallel_size or 1, etp=args.expert_tensor_parallel_size,
@@ -196,7 +233,9 @@ def train_problems(model: ModelConfig, layout: Layout, global_batch: int, device
             scatter_gather_tensors_in_pipeline=layout.scatter_gather,
             expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp),
         train=TrainConfig(micro_batch_size=layout.b, global_batch_size=global_batch,
-                          use_distributed_optimizer=layout.distributed_optimizer,
+                          use_distributed_optimizer=layout.sharding == "optim",
+                          use_megatron_fsdp=layout.sharding not in ("no_shard", "optim"),
+                          data_parallel_sharding_strategy=layout.sharding,
                           bf16=precision == "bf16", fp16=precision == "fp16"))
     try:
         validate(config, world_size=devices)
@@ -237,5 +276,5 @@ def _value(layout: Layout, name: str) -> Any:
             "split": lambda: "even" if layout.split.even else " ".join(layout.split.flags()),
             "recompute": lambda: layout.recompute or "none",
             "sequence-parallel": lambda: "on" if layout.sequence_parallel else "off",
-            "distributed-optimizer": lambda: "on" if layout.distributed_optimizer else "off",
+            "sharding": lambda: layout.sharding,
             }[name]()

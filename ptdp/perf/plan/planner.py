@@ -1,6 +1,9 @@
 """`ptdp plan`: choose t, c, p, d, b, v, the pipeline schedule, the layer
-split, recomputation, sequence parallelism, the optimizer's sharding and, for
-a mixture of experts, EP and ETP, for a model on N devices, and predict what
+split, recomputation, sequence parallelism, the sharding strategy over the
+data-parallel ranks (no_shard, optim = ZeRO-1, optim_grads = ZeRO-2 and,
+once `ptdp train` runs it, optim_grads_params = ZeRO-3:
+ptdp.perf.layout.PARAMETER_SHARDING_TRAINS) and, for a mixture of experts,
+EP and ETP, for a model on N devices, and predict what
 the run will cost.
 
 The search enumerates every valid layout (candidates.py: the rules `ptdp
@@ -37,7 +40,7 @@ output layer of a large-vocabulary model can cost several layers);
 
 The explanation compares the winner with the best layout that differs from
 it in one respect (a different t, p, b, v, schedule, recomputation,
-sequence parallelism or optimizer), and names the time categories that
+sequence parallelism or sharding strategy), and names the time categories that
 make the difference.
 """
 
@@ -84,6 +87,9 @@ class Evaluation:
         layout = asdict(self.layout)
         if self.layout.c == 1:   # (as before context parallelism: no c, no comm type)
             del layout["c"], layout["cp_comm"]
+        layout["distributed_optimizer"] = self.layout.distributed_optimizer   # (as before sharding)
+        if not self.layout.shards_parameters:   # (ZeRO-3's alone)
+            del layout["reshard_after_forward"]
         return {"layout": layout,
                 "iteration_seconds": self.seconds,
                 "tflops_per_device": self.tflops,
@@ -203,7 +209,7 @@ ASPECTS = {  # what differs, and how to say it
     "b": "microbatch size",
     "v": "chunks per rank", "schedule": "schedule", "recompute": "recomputation",
     "sequence_parallel": "sequence parallelism",
-    "distributed_optimizer": "optimizer sharding", "split": "layer split",
+    "sharding": "sharding strategy", "split": "layer split",
     "ep": "expert-parallel size", "etp": "expert-tensor-parallel size",
 }
 # Sequence parallelism exists only with t > 1: a rival of another t may differ in it too.
@@ -302,8 +308,7 @@ def describe(layout: Layout, model: ModelConfig | None = None) -> str:
         text += f" recompute={layout.recompute}"
     if layout.sequence_parallel:
         text += " sequence-parallel"
-    if layout.distributed_optimizer:
-        text += " distributed-optimizer"
+    text += sharding_words(layout)
     if layout.ep > 1:
         text += f" ep={layout.ep}"
     if layout.etp is not None:
@@ -315,6 +320,25 @@ def describe(layout: Layout, model: ModelConfig | None = None) -> str:
     return text
 
 
+def sharding_words(layout: Layout) -> str:
+    """How `describe` names the sharding strategy (nothing for no_shard)."""
+    if layout.sharding == "no_shard":
+        return ""
+    if layout.sharding == "optim":
+        return " distributed-optimizer"
+    return f" sharding={layout.sharding}" + ("" if not layout.shards_parameters
+                                             or layout.reshard_after_forward else " no-reshard")
+
+
+def sharding_cell(layout: Layout) -> str:
+    """The table's sharding column: the strategy ("-": none; ZeRO-3 kept
+    gathered across microbatches: "+keep")."""
+    if layout.sharding == "no_shard":
+        return "-"
+    return layout.sharding + ("+keep" if layout.shards_parameters
+                              and not layout.reshard_after_forward else "")
+
+
 def table(results: list[Evaluation], rows: int) -> str:
     # A column for c only where a row has context parallelism; EP and ETP for an MoE.
     context = any(e.layout.c > 1 for e in results[:rows])
@@ -322,7 +346,7 @@ def table(results: list[Evaluation], rows: int) -> str:
     header = ("| rank | t | " + ("c | " if context else "") + "p | d | "
               + ("EP | ETP | " if experts else "") + "b | v | schedule | "
               "layers per stage | recompute | seq. par. | "
-              "dist. opt. | s/iter | TFLOP/s/device | bubble | memory GiB |")
+              "sharding | s/iter | TFLOP/s/device | bubble | memory GiB |")
     lines = [header, "|" + "---|" * (15 + context + 2 * experts)]
     for i, e in enumerate(results[:rows], 1):
         layout = e.layout
@@ -333,7 +357,7 @@ def table(results: list[Evaluation], rows: int) -> str:
         lines.append(f"| {i} | {layout.t} | {c}{layout.p} | {d}{layout.b} | {layout.v} | "
                      f"{layout.schedule_kind} | {layers} | "
                      f"{layout.recompute or '-'} | {'yes' if layout.sequence_parallel else '-'} | "
-                     f"{'yes' if layout.distributed_optimizer else '-'} | "
+                     f"{sharding_cell(layout)} | "
                      f"{e.seconds:.3f} | {e.tflops:.1f} | {e.prediction.bubble_fraction:.3f} | "
                      f"{e.memory['total'] / 2**30:.1f} |")
     return "\n".join(lines)

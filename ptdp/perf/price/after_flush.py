@@ -20,6 +20,18 @@ overlaps that gather with the next iteration's forward, as Megatron-LM's
 --overlap-param-gather does, exposes only what its first forwards do not
 cover, `hideable_gather` and simulate/predict.py).
 
+Sharded gradients (ZeRO-2 and 3, Layout.shards_gradients;
+ptdp.parallel.sharded_grads): every bucket is reduce-scattered once per
+microbatch, as it completes in that microbatch's backward, instead of once
+per iteration: `bucketed` is then one microbatch's reductions
+(`per_microbatch`), which simulate/predict.py releases under every backward
+of each chunk, m times ZeRO-1's volume in all. The zeroing counts the shard
+and one allocation of every bucket. ZeRO-3 (Layout.shards_parameters) gathers no updated
+weights after the step; instead each unit is all-gathered before its
+forward and before its backward, but a chunk's ends, gathered once an
+iteration (`chunk_gathers`; see simulate/predict.py for how they overlap
+the computation).
+
 Sequence parallelism: each gradient bucket holding partial gradients
 (norms, row-parallel biases, the position table) all-reduces them over the
 tensor group (fp32) before the data-parallel reduction. None of it depends
@@ -77,6 +89,11 @@ class AfterFlush:
     # the first bucket, which the first forward waits for.
     hideable_gather: list[float]
     overlapped: bool               # buckets reduced during the backward (else after the flush)
+    # ZeRO-2/3: `bucketed` is one microbatch's reductions, run under each backward.
+    per_microbatch: bool = False
+    # ZeRO-3, [rank][chunk]: (seconds to all-gather its layers once, to gather
+    # its ends once, its layers) (ptdp.perf.analytic.sharding.rank_units).
+    chunk_gathers: tuple[tuple[tuple[float, float, int], ...], ...] = ()
 
     def optimizer_at_least(self, rank: int) -> float:
         """The least of rank `rank`'s optimizer step any schedule leaves exposed."""
@@ -95,8 +112,9 @@ def after_flush(workload: Workload, layout: Layout, profile: HardwareProfile,
     # The microbatch size and the recomputation change none of it: a search
     # prices it once for all of them.
     key = (ops.model_key, workload.lora, workload.precision, ByIdentity(profile), ops.threads, layout.t,
-           layout.p, layout.d, layout.c, layout.v, layout.schedule, layout.distributed_optimizer,
-           layout.sequence_parallel, layout.split)
+           layout.p, layout.d, layout.c, layout.v, layout.schedule, layout.sharding,
+           layout.reshard_after_forward, layout.sequence_parallel, layout.split, layout.ep,
+           layout.etp)
     after = _AFTER_FLUSH.get(key)
     if after is None:
         if len(_AFTER_FLUSH) > 65536:
@@ -140,6 +158,7 @@ def _price_after_flush(workload: Workload, layout: Layout, profile: HardwareProf
     step_per_parameter = optimizer_bytes_per_parameter(profile.fused_optimizer, workload.precision)
     for r in range(p):
         params = sum(parameters[r])
+        # (ZeRO-2/3: one microbatch's reduce-scatters; see per_microbatch)
         seconds = machine.data_parallel(params * GRAD_BYTES, r,
                                         reduce_scatter_only=layout.distributed_optimizer)
         bucketed.append(seconds + partial_sums[r])
@@ -151,19 +170,46 @@ def _price_after_flush(workload: Workload, layout: Layout, profile: HardwareProf
         last_bucket.append(bucketed[-1] * one_bucket)
         # The distributed optimizer shards over the d·c ranks holding the same parameters.
         owned = params / (d * layout.c) if layout.distributed_optimizer else params
-        step_bytes = params * GRAD_BYTES + owned * step_per_parameter  # zero + step
+        # Zeroed: the gradient buffer; under ZeRO-2/3 the shard, and each
+        # bucket's storage as it is allocated (once per microbatch: the m − 1
+        # further fills, under the backward, are left out).
+        zeroed = params + (owned if layout.shards_gradients else 0)
+        step_bytes = zeroed * GRAD_BYTES + owned * step_per_parameter  # zero + step
         if ops.E != 4:
             step_bytes += owned * (4 + ops.E)                 # main weights -> model weights
         work = ops.memory(step_bytes, "optimizer") + profile.launch_overhead * 30
         work /= profile.share(layout.devices, threads) if contended else 1
         comm = 2 * machine.world_latency()                     # inf check, gradient norm
         gather = 0.0
-        if layout.distributed_optimizer:
+        if layout.distributed_optimizer and not layout.shards_parameters:
             gather = machine.data_parallel(params * ops.E, r, reduce_scatter_only=True)
         optimizer.append(work + comm + gather)
         hideable.append(gather * (1 - one_bucket) if profile.overlap_param_gather else 0.0)
+    gathers = _parameter_gathers(workload, layout, machine, ops) if layout.shards_parameters \
+        else ()
     return AfterFlush(partial_sums, optimizer, ends, embedding, bucketed, shares, last_bucket,
-                      hideable, profile.overlap_grad_reduce)
+                      hideable, profile.overlap_grad_reduce, layout.shards_gradients, gathers)
+
+
+def _parameter_gathers(workload: Workload, layout: Layout, machine: Machine, ops: OperatorModel
+                       ) -> tuple[tuple[tuple[float, float, int], ...], ...]:
+    """ZeRO-3: per (rank, chunk), the seconds to all-gather its layers once
+    in the model dtype over its replicas, the seconds to gather its ends
+    (kept gathered through the iteration), and its layers (units)."""
+    from ptdp.perf.analytic.sharding import rank_units
+
+    def seconds(units, r: int) -> float:
+        return machine.data_parallel(sum(unit.elements(layout) for unit in units) * ops.E, r,
+                                     reduce_scatter_only=True)
+
+    if workload.lora:   # only the adapters are sharded (the frozen base stays whole): tiny
+        return tuple(tuple((0.0, 0.0, 0) for _ in range(layout.v)) for _ in range(layout.p))
+    bucket_size = TrainConfig().ddp_bucket_size
+    return tuple(tuple((seconds([u for u in chunk if not u.end], r),
+                        seconds([u for u in chunk if u.end], r),
+                        sum(not u.end for u in chunk))
+                       for chunk in rank_units(workload.model, layout, r, bucket_size))
+                 for r in range(layout.p))
 
 
 @functools.lru_cache(maxsize=65536)

@@ -79,6 +79,9 @@ from ptdp.perf.simulate.timeline import Box, draw_timeline
 
 CATEGORIES = ("forward compute", "backward compute", "recompute", "tensor all-reduce",
               "pipeline transfer", "data-parallel reduction", "optimizer", "bubble/idle")
+# ZeRO-3 only (Layout.shards_parameters): what of the units' all-gathers the
+# computation does not hide.
+GATHER_CATEGORY = "parameter all-gather"
 
 # Schedules are immutable data; a planner prices many layouts sharing (kind, p, m, v).
 _schedule = functools.lru_cache(maxsize=32)(build_schedule)
@@ -153,17 +156,21 @@ def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Pr
     priced = {(r, c, op): (costs.of(op).total_work, costs.of(op).comm)
               for (r, c), costs in chunks.items() for op in ops_priced}
 
+    after = after_flush(workload, layout, profile, ops)
+    gathered = _exposed_gathers(layout, after, priced)
+
     def compute(rank: int, action: Compute) -> tuple[float, float]:
-        return priced[(rank, action.chunk, action.op)]
+        work, comm = priced[(rank, action.chunk, action.op)]
+        return work, comm + gathered(rank, action)
 
     exchange = _exchange_price(layout, ops, machine, profile)
     records = play(schedule, compute, exchange, speed if contended else None)
 
-    # The gradient reductions, overlapping each chunk's last backward; the
-    # tied embedding's sum; then the optimizer (all ranks together).
+    # The gradient reductions, overlapping each chunk's last backward (every
+    # backward under ZeRO-2/3); the tied embedding's sum; then the optimizer
+    # (all ranks together).
     pipeline_end = [max((rec.end for rec in row), default=0.0) for row in records]
     flush = max(pipeline_end)
-    after = after_flush(workload, layout, profile, ops)
     optimizer_seconds = [after.optimizer[r] - min(after.hideable_gather[r],
                                                   _first_forwards(records[r]))
                          for r in range(p)]
@@ -193,7 +200,9 @@ def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Pr
     for r, row in enumerate(records):
         embedding = after.embedding if embedding_start is not None and r in ends else 0.0
         boxes, categories = _rank_boxes(row, r, chunks, priced, exposed[r], pipeline_end[r],
-                                        embedding_start, embedding)
+                                        embedding_start, embedding, gathered)
+        if not layout.shards_parameters:
+            del categories[GATHER_CATEGORY]
         timelines.append(boxes)
         # The exposed part, split as the bucketed work is (the sequence-
         # parallel partial sums travel with their buckets).
@@ -248,12 +257,41 @@ def _exchange_price(layout: Layout, ops, machine: Machine, profile: HardwareProf
     return exchange
 
 
+def _exposed_gathers(layout: Layout, after, priced):
+    """gathered(rank, action) -> the seconds a compute waits for ZeRO-3's
+    all-gathers (0 for other strategies). Each layer is gathered one ahead,
+    under the previous layer's computation: the first layer's gather is
+    exposed, and each other's by what it outlasts its predecessor's
+    computation (layers taken as equal: g = G/L, c = C/L, exposed
+    g + (L − 1)·max(0, g − c)). With reshard-after-forward every forward
+    and backward gathers the chunk's layers; without, only its first
+    forward of the iteration. A chunk's ends are gathered once an iteration,
+    before its first forward (exposed)."""
+    if not layout.shards_parameters:
+        return lambda rank, action: 0.0
+    exposed: dict[tuple[int, int, str], float] = {}
+    for (rank, chunk, op), (work, _) in priced.items():
+        layers_seconds, _, layers = after.chunk_gathers[rank][chunk]
+        if op == "W" or not layers:   # W needs no weight
+            continue
+        g, c = layers_seconds / layers, work / layers
+        exposed[(rank, chunk, op)] = g + (layers - 1) * max(0.0, g - c)
+
+    def gathered(rank: int, action: Compute) -> float:
+        first = action.op == "F" and action.microbatch == 0
+        if not layout.reshard_after_forward and not first:
+            return 0.0
+        ends = after.chunk_gathers[rank][action.chunk][1] if first else 0.0
+        return ends + exposed.get((rank, action.chunk, action.op), 0.0)
+    return gathered
+
+
 def _rank_boxes(row, r: int, chunks, priced, exposed: float, pipeline_end, embedding_start,
-                embedding: float) -> tuple[list[Box], dict[str, float]]:
+                embedding: float, gathered) -> tuple[list[Box], dict[str, float]]:
     """One rank's timeline boxes and its seconds by category (before the
     reductions' and the optimizer's shares)."""
     boxes: list[Box] = []
-    categories = {name: 0.0 for name in CATEGORIES}
+    categories = {name: 0.0 for name in CATEGORIES + (GATHER_CATEGORY,)}
     for rec in row:
         action = rec.action
         if isinstance(action, Compute):
@@ -266,7 +304,9 @@ def _rank_boxes(row, r: int, chunks, priced, exposed: float, pipeline_end, embed
                 # (.get: "context exchange" appears only with c > 1)
                 categories[category] = (categories.get(category, 0.0)
                                         + stretched * seconds / total)
-            categories["tensor all-reduce"] += float(rec.end - rec.work_end)
+            gather = min(float(rec.end - rec.work_end), gathered(r, action))
+            categories[GATHER_CATEGORY] += gather
+            categories["tensor all-reduce"] += float(rec.end - rec.work_end) - gather
         else:
             if rec.ready > rec.start:
                 boxes.append(Box("wait", -1, -1, float(rec.start), float(rec.ready)))
@@ -297,21 +337,28 @@ def _buckets_done(row, after, rank: int, zero_bubble: bool):
     """When rank `rank`'s gradient buckets have all been reduced: each
     chunk's share of the bucketed work is released evenly over the chunk's
     last backward (its last W under the zero-bubble schedules, which compute
-    the weight gradients), the link works through it in that order, and a
-    chunk's last bucket can start only once its backward has ended."""
+    the weight gradients; every one of them under ZeRO-2/3, which reduce
+    each microbatch's gradients as they complete), the link works through
+    it in that order, and a chunk's last bucket can start only once its
+    backward has ended."""
     total = after.bucketed[rank]
     if total <= 0:
         return 0.0
-    if not after.overlapped:     # every bucket after the rank's last computation
-        return max((rec.end for rec in row), default=0.0) + total
     op = "W" if zero_bubble else "B"
     last: dict[int, object] = {}
+    backwards = []
     for rec in row:
         if isinstance(rec.action, Compute) and rec.action.op == op:
             last[rec.action.chunk] = rec
+            backwards.append(rec)
+    if not after.overlapped:     # every bucket after the rank's last computation
+        rounds = len(backwards) / max(1, len(last)) if after.per_microbatch else 1
+        return max((rec.end for rec in row), default=0.0) + total * rounds
+    released = (backwards if after.per_microbatch else
+                sorted(last.values(), key=lambda rec: rec.end))
     free = 0.0
-    for chunk, rec in sorted(last.items(), key=lambda item: item[1].end):
-        work = total * after.chunk_shares[rank][chunk]
+    for rec in sorted(released, key=lambda rec: rec.end):
+        work = total * after.chunk_shares[rank][rec.action.chunk]
         if work <= 0:
             continue
         free = max(max(free, rec.start) + work, rec.end + min(work, after.last_bucket[rank]))

@@ -1,0 +1,179 @@
+"""Per-rank bytes of the model state (weights, fp32 gradients, optimizer
+state) under each sharding strategy (Layout.sharding, Megatron-LM's
+--data-parallel-sharding-strategy values), from the same bucket cutting
+GradBuffer does (ptdp.perf.analytic.counts.cut_placed_buckets). N: the
+rank's buffer elements (its parameters, each bucket padded to a multiple
+of its replicas once anything is sharded), N/d: the elements it owns
+(1/replicas of each padded bucket: d·c for dense parameters, EDP for
+routed experts'), e: the model dtype's bytes.
+
+                 weights              fp32 gradients          optimizer
+  no_shard       N·e                  4·N                     12·N (8·N in fp32)
+  optim          N·e                  4·N + 4·N/d             12·N/d
+  optim_grads    N·e                  4·N/d + transient       12·N/d
+  optim_grads_params
+                 N/d·e + gathered     4·N/d + transient       12·N/d (8·N/d in fp32)
+
+ZeRO-2's transient gradients (ptdp.parallel.sharded_grads.ShardedGradBuffer,
+whose `peak_full_grad_bytes` measures them): no full buffer; a bucket's fp32
+storage lives from its first gradient of a microbatch until its
+reduce-scatter completes. At the moment the most are alive, IN_FLIGHT + 1
+reductions have been launched (the newest before the oldest is waited for)
+and one bucket is filling; a bucket that spans two chunks of an interleaved
+rank fills across two backwards, one more per chunk boundary: the
+IN_FLIGHT + 1 + v largest buckets, an upper bound (it assumes a backward
+that reaches at least that many buckets). Under the zero-bubble schedules
+a bucket with a gradient computed in B (norms, embeddings, the output
+layer) and one in W (the deferred linear weights) is allocated from B until
+W, so every bucket can be alive at once: all of them plus IN_FLIGHT + 1
+in flight. The tied word embedding's bucket (ends on different ranks) keeps
+its gradient for the whole iteration, as under ZeRO-1.
+
+ZeRO-3 (ptdp.parallel.sharded_params.ShardedParamBuffer): the model is cut
+into units, each transformer layer and a chunk's two ends (the embeddings;
+the final norm with the output layer or the tied embedding's copy), and a
+bucket holds one unit's parameters, so the buckets are cut unit by unit
+(`unit_buckets`). A rank keeps its 1/d shard of every bucket (N/d·e) and
+gathers a unit's buckets whole (padded) for its forward and again for its
+backward. The ends stay gathered through the iteration. With
+reshard-after-forward a layer is let go after its forward and after its
+backward's reduce-scatter, the next one gathered ahead: two layers whole at
+once (measured); under the zero-bubble schedules a layer stays gathered
+from its B until its W reduces its gradients, so every layer can be.
+Without reshard-after-forward every unit stays gathered from its first use
+to the iteration's end: N·e beside the shard. In fp32 the parameter shard is
+the optimizer's main copy (its moments only beside it). With adapters
+(LoRA) only the adapters are in the buffer: the frozen base stays whole
+outside it, and the adapters are counted gathered whole (they are tiny).
+
+Nothing here imports torch (IN_FLIGHT is ptdp.parallel.sharded_grads's;
+tests/test_sharding_memory.py checks that they agree).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import NamedTuple
+
+from ptdp.config import ModelConfig
+from ptdp.perf.analytic.counts import (FP32, Bucket, _chunk_parameters, _layer_parameter_list,
+                                       chunk_stage, cut_params, owned_elements, padded_elements,
+                                       placement_of_parameters)
+from ptdp.perf.layout import ByValue, Layout
+from ptdp.schedules.kinds import virtual_stage_of
+
+IN_FLIGHT = 2   # ptdp.parallel.sharded_grads.IN_FLIGHT: reductions pending at most
+
+
+def transient_gradient_elements(buckets: tuple[Bucket, ...], layout: Layout) -> int:
+    """Elements of full fp32 gradients alive at once under ZeRO-2/3 (the
+    bound of the module docstring), the tied embedding's bucket included
+    (padded as the buffer pads it)."""
+    tied = sum(padded_elements((bucket,), layout) for bucket in buckets if bucket.tied)
+    sizes = sorted((padded_elements((bucket,), layout) for bucket in buckets if not bucket.tied),
+                   reverse=True)
+    launched = sum(sizes[:IN_FLIGHT + 1])
+    if layout.zero_bubble:   # every bucket may hold a gradient from B until W
+        return tied + sum(sizes) + launched
+    return tied + sum(sizes[:IN_FLIGHT + 1 + layout.v])
+
+
+class Unit(NamedTuple):
+    """One of ZeRO-3's units on one tensor rank: its gradient buffer's
+    buckets (a bucket holds one unit's parameters) and whether it is one of
+    a chunk's ends (they stay gathered through the iteration)."""
+    buckets: tuple[Bucket, ...]
+    end: bool
+
+    def elements(self, layout: Layout) -> int:
+        """Its parameters whole, as gathered: its buckets padded."""
+        return padded_elements(self.buckets, layout)
+
+
+def rank_units(model: ModelConfig, layout: Layout, rank: int,
+               bucket_size: int) -> list[list[Unit]]:
+    """ZeRO-3's units of pipeline rank `rank`, per chunk in forward order
+    (ptdp.model.gpt.GPT.sharding_units): the embeddings (an end) on the
+    first stage, each transformer layer, the final norm with the output
+    layer or the tied word embedding's copy (an end) on the last; each cut
+    into buckets as GradBuffer cuts a unit's parameters."""
+    return [list(chunk) for chunk in _rank_units(ByValue(model), placement_of_parameters(layout),
+                                                 rank, bucket_size)]
+
+
+@lru_cache(maxsize=4096)
+def _rank_units(key: ByValue, layout: Layout, rank: int,
+                bucket_size: int) -> tuple[tuple[Unit, ...], ...]:
+    model = key.value
+    stages = layout.stage_layers(model.num_layers)
+    pattern = model.moe_layer_pattern if model.is_moe else [False] * model.num_layers
+    chunks = []
+    for chunk in range(layout.v):
+        params = _chunk_parameters(model, layout, rank, chunk)
+        first, last = chunk_stage(layout, rank, chunk)
+        stage = virtual_stage_of(layout.schedule_kind, layout.p, layout.v, rank, chunk)
+        start = sum(stages[:stage])
+        cut = 1 + (not model.rope) if first else 0   # the word embedding and positions
+        units = [Unit(cut_params(params[:cut], bucket_size), True)] if first else []
+        for moe in pattern[start:start + stages[stage]]:
+            count = len(_layer_parameter_list(model, layout.t, layout.splits_sequence, moe=moe,
+                                              ep=layout.ep, etp=layout.etp))
+            units.append(Unit(cut_params(params[cut:cut + count], bucket_size), False))
+            cut += count
+        if last:
+            units.append(Unit(cut_params(params[cut:], bucket_size), True))
+        chunks.append(tuple(units))
+    return tuple(chunks)
+
+
+def unit_buckets(model: ModelConfig, layout: Layout, rank: int,
+                 bucket_size: int) -> tuple[Bucket, ...]:
+    """Pipeline rank `rank`'s buckets under ZeRO-3: each unit's own."""
+    return tuple(bucket for chunk in rank_units(model, layout, rank, bucket_size)
+                 for unit in chunk for bucket in unit.buckets)
+
+
+def gathered_elements(model: ModelConfig, layout: Layout, rank: int, bucket_size: int) -> int:
+    """ZeRO-3: elements of whole (gathered) parameters alive at once on
+    pipeline rank `rank` (padded, as gathered): with reshard-after-forward
+    the chunks' ends and two layers (the one computing and the next, gathered
+    ahead), every layer under the zero-bubble schedules (a layer's weight
+    gradients come in W, and it stays gathered until they are reduced);
+    without, every unit."""
+    units = [unit for chunk in rank_units(model, layout, rank, bucket_size) for unit in chunk]
+    if not layout.reshard_after_forward:
+        return sum(unit.elements(layout) for unit in units)
+    ends = sum(unit.elements(layout) for unit in units if unit.end)
+    layers = sorted((unit.elements(layout) for unit in units if not unit.end), reverse=True)
+    return ends + sum(layers if layout.zero_bubble else layers[:2])
+
+
+def state_bytes(model: ModelConfig, layout: Layout, rank: int, buckets: tuple[Bucket, ...],
+                e: int, precision: str, frozen: int = 0,
+                bucket_size: int | None = None) -> dict[str, int]:
+    """Weights, fp32 gradients and optimizer state of one device of
+    pipeline rank `rank` under `layout.sharding` (the table of the module
+    docstring). `buckets`: its gradient buffer's (under ZeRO-3
+    `unit_buckets`'); `frozen`: a frozen base's elements outside the buffer
+    (adapters, ptdp.perf.analytic.lora), whole under every strategy;
+    `bucket_size`: --ddp-bucket-size (ZeRO-3's units)."""
+    n, owned = padded_elements(buckets, layout), owned_elements(buckets, layout)
+    if layout.shards_parameters:
+        # (with adapters: their units are tiny; counted whole, gathered at once)
+        gathered = n if frozen else gathered_elements(model, layout, rank, bucket_size)
+        weights = (owned + gathered + frozen) * e
+    else:
+        weights = (n + frozen) * e
+    if layout.shards_gradients:
+        gradients = (owned + transient_gradient_elements(buckets, layout)) * FP32
+    elif layout.distributed_optimizer:
+        gradients = (n + owned) * FP32
+    else:
+        gradients = n * FP32
+    if layout.shards_parameters and precision == "fp32":
+        optimizer = 2 * owned * FP32   # Adam moments: the fp32 parameter shard is the main copy
+    elif layout.distributed_optimizer:
+        optimizer = 3 * owned * FP32   # fp32 main weights and two Adam moments
+    else:
+        optimizer = (2 if precision == "fp32" else 3) * n * FP32
+    return {"weights": weights, "gradients": gradients, "optimizer": optimizer}
