@@ -31,10 +31,10 @@ BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 # `ptdp train`'s flags of the reshard policy under ZeRO-3 (on, off).
 RESHARD_FLAGS = ("--fsdp-reshard-after-forward", "--no-fsdp-reshard-after-forward")
-# Whether `ptdp train` runs ZeRO-3 (optim_grads_params). Until it does, the
-# planner does not propose it and the memory check does not advise it (the
-# memory model prices it all the same). Flip it when ZeRO-3 lands.
-PARAMETER_SHARDING_TRAINS = False
+# Whether the planner proposes ZeRO-3 (optim_grads_params) and the memory
+# check advises it: `ptdp train` runs it (ptdp.parallel.sharded_params); the
+# switch stays so that a plan can be priced as before it existed (tests).
+PARAMETER_SHARDING_TRAINS = True
 
 
 def trained_strategies() -> tuple[str, ...]:
