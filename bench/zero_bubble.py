@@ -330,14 +330,14 @@ def time_table(results: list[dict]) -> str:
             rate = ratio = "-"
         else:
             theirs = r["peer"]
-            rate = peers._fmt_rate(r["theirs_tokens_per_s"])
+            rate = peers.fmt_rate(r["theirs_tokens_per_s"])
             ratio = f"{r['ratio']:.2f}" if r["same_loss"] else "not counted"
         first = r["row"]["schedule"] == "1f1b" and r["row"]["v"] == 1
         gains = ("| (base) | | | |" if first else
                  f"| {_pct(r['gain'])} | {_pct(r['predicted_gain'])} | "
                  f"{100 * (r['gain'] - r['predicted_gain']):+.1f} points | "
                  f"{_pct(r['predicted_slowest_gain'])} |")
-        lines.append(f"| {r['layout']} | {theirs} | {peers._fmt_rate(r['ours_tokens_per_s'])} | {rate} "
+        lines.append(f"| {r['layout']} | {theirs} | {peers.fmt_rate(r['ours_tokens_per_s'])} | {rate} "
                      f"| {ratio} | {agree} {gains}")
     return "\n".join(lines)
 

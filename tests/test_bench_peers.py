@@ -81,7 +81,8 @@ def test_the_sharded_rows_measure_what_each_side_holds(pools, strategy, ours_per
     assert theirs["peak"] >= theirs["start"] + word_embedding
     if strategy == "optim_grads":  # FSDP2 keeps every layer gathered to its backward
         assert theirs["peak"] >= theirs["start"] + 4 * n
-        assert ours["peak_full_grad_bytes"] >= 4 * n  # one bucket: the whole model
+        # ours: a layer's gradients being filled and two being reduced, not the model's
+        assert 0 < ours["peak_full_grad_bytes"] < 4 * n
     else:
         assert ours["peak"] >= ours["start"] + word_embedding
 
