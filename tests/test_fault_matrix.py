@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from ptdp.checkpoint.store import load_logical_model, read_metadata, resolve
+from tests.in_process import train_refused
 from tests.test_train_cli import _spawned_children
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
@@ -74,19 +75,6 @@ def _record(case: str, seconds: float) -> None:
     print(f"\n[fault matrix] {case}: the job ended {seconds:.1f} s after the fault")
 
 
-def _refused(argv, capsys) -> tuple[int, str, str]:
-    """`ptdp train ARGV` through ptdp's entry point in this process, for a
-    job refused before launch (the test's `no_launch` fails it if a rank
-    would start): (exit status, stdout, stderr)."""
-    from ptdp.cli import main
-
-    capsys.readouterr()
-    try:
-        status = main(["train", *argv])
-    except SystemExit as leaving:  # a usage error, as `python -m ptdp` exits with it
-        status = leaving.code
-    out, err = capsys.readouterr()
-    return status, out, err
 
 
 def _gone(pids) -> bool:
@@ -383,7 +371,7 @@ def test_a_damaged_checkpoint_is_the_reported_cause(tmp_path):
 def test_a_save_path_under_a_regular_file_is_refused_before_launch(tmp_path, no_launch, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    status, out, err = _refused([*MODEL, "-d", "2", "--train-iters", "2", "--save",
+    status, out, err = train_refused([*MODEL, "-d", "2", "--train-iters", "2", "--save",
                                  str(blocker / "ckpt")], capsys)
     assert status == 2
     assert f"--save {blocker / 'ckpt'}: {blocker} is a file" in err
@@ -406,7 +394,7 @@ def test_too_little_space_is_warned_before_launch_and_one_process_reports_the_ca
 
 def test_a_read_only_save_directory_is_refused_before_launch(mount_tmpfs, no_launch, capsys):
     disk = mount_tmpfs("size=1m,ro")
-    status, out, err = _refused([*MODEL, "-d", "2", "--train-iters", "2", "--save",
+    status, out, err = train_refused([*MODEL, "-d", "2", "--train-iters", "2", "--save",
                                  str(disk / "ckpt")], capsys)
     assert status == 2, err
     assert f"--save {disk / 'ckpt'} cannot be created ({disk} is not writable)" in err
@@ -436,7 +424,7 @@ def test_a_planted_lock_file_is_refused_before_launch_and_never_followed(tmp_pat
     with pytest.raises(LockFileNotUsable) as refused:
         SaveLock(save)
     assert str(refused.value) == paragraph
-    status, out, err = _refused([*MODEL, "-d", "2", "--train-iters", "2", "--save", str(save)],
+    status, out, err = train_refused([*MODEL, "-d", "2", "--train-iters", "2", "--save", str(save)],
                                 capsys)
     assert status == 2, err
     assert err == f"ptdp: error: invalid configuration:\n  - {paragraph}\n"

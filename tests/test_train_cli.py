@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.in_process import train_refused
+
 COMMON = ["--mock-data", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
           "--seq-length", "32", "--vocab-size", "500", "--make-vocab-size-divisible-by", "16",
           "--hidden-dropout", "0", "--attention-dropout", "0", "--micro-batch-size", "2",
@@ -115,23 +117,10 @@ def test_config_file_with_flag_override(tmp_path, reference):
     _assert_same_run((records, re.findall(r"loss (\d+\.\d{4})", stdout), stdout), reference)
 
 
-def _refused(argv, capsys) -> tuple[int, str, str]:
-    """`ptdp train ARGV` through ptdp's entry point in this process, for a
-    job refused before launch (the test's `no_launch` fails it if a rank
-    would start): (exit status, stdout, stderr)."""
-    from ptdp.cli import main
-
-    capsys.readouterr()
-    try:
-        status = main(["train", *argv])
-    except SystemExit as leaving:  # a usage error, as `python -m ptdp` exits with it
-        status = leaving.code
-    out, err = capsys.readouterr()
-    return status, out, err
 
 
 def test_invalid_layout_is_refused_before_launch(no_launch, capsys):
-    status, out, err = _refused([*COMMON, "-t", "3"], capsys)
+    status, out, err = train_refused([*COMMON, "-t", "3"], capsys)
     assert status == 2
     assert "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3" in err
     assert "ptdp: 3 processes" not in out
@@ -207,5 +196,5 @@ def test_timeline_picture_of_the_last_iteration(tmp_path, reference):
 
 def test_timeline_path_is_checked_before_launch(tmp_path, no_launch, capsys):
     missing = tmp_path / "missing" / "t.png"
-    status, _, err = _refused([*COMMON, "-p", "2", "--timeline", str(missing)], capsys)
+    status, _, err = train_refused([*COMMON, "-p", "2", "--timeline", str(missing)], capsys)
     assert status == 2 and "--timeline" in err and "does not exist" in err
