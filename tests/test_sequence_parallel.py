@@ -244,10 +244,10 @@ def test_train_evaluate_save_and_generate_from_the_command_line(tmp_path, capsys
 
 
 def test_invalid_layouts_are_refused_before_launch(no_launch, capsys):
-    from tests.test_train_cli import _refused
+    from tests.in_process import train_refused
 
-    status, _, err = _refused([*COMMON, "-t", "2", "--sequence-parallel", "--seq-length", "33"],
-                              capsys)
+    status, _, err = train_refused([*COMMON, "-t", "2", "--sequence-parallel", "--seq-length", "33"],
+                                   capsys)
     assert status != 0, err
     assert "--seq-length 33 divisible by --tensor-model-parallel-size 2" in err
 
