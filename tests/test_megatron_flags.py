@@ -55,7 +55,7 @@ def test_each_table_flag_parses_and_is_explained_or_refused():
         if accepted.refused or accepted.refused_choices:
             assert refusals(found) and not notes(found), flags
             assert refusals(found)[0].startswith(" ".join(flags) + ": ")
-        elif accepted.alias_of:
+        elif accepted.is_alias:
             assert notes(found) == [f"ptdp: {' '.join(flags)}: {accepted.explanation}"]
         else:
             assert notes(found) == [f"ptdp: {' '.join(flags)} has no effect: {accepted.explanation}"]
@@ -375,6 +375,20 @@ def test_megatron_lms_newer_spellings_are_the_settings():
     assert config.train.use_checkpoint_opt_param_scheduler
     config = config_from_args(_args("--encoder-num-layers", "4"))
     assert config.model.num_layers == 4
+
+
+def test_torch_fsdp2_flags_are_ptdps_zero_3_and_a_disagreement_is_refused():
+    config = config_from_args(_args("--use-torch-fsdp2", "--torch-fsdp2-no-reshard-after-forward"))
+    assert config.train.sharding_strategy == "optim_grads_params"
+    assert not config.train.fsdp_reshard_after_forward
+    assert not refusals(given(_args("--use-torch-fsdp2", "--use-megatron-fsdp",
+                                    "--data-parallel-sharding-strategy", "optim_grads_params")))
+    for flags, setting in [(("--data-parallel-sharding-strategy", "optim_grads", "--use-torch-fsdp2"),
+                            "--data-parallel-sharding-strategy optim_grads"),
+                           (("--torch-fsdp2-no-reshard-after-forward",
+                             "--fsdp-reshard-after-forward"), "--fsdp-reshard-after-forward")]:
+        [refusal] = refusals(given(_args(*flags)))
+        assert f"conflicts with {setting}: it is Megatron-LM's other name for" in refusal, refusal
 
 
 # --------------------------------------------------------------------------- did you mean

@@ -23,7 +23,7 @@ The flags whose meaning ptdp implements (--decoupled-lr, --manual-gc,
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from ptdp.config.megatron_flag_classes import FAMILIES, YARN
@@ -39,7 +39,8 @@ class AcceptedFlag:
     the value as Megatron-LM does, and of them `refused_choices` are refused
     with `refusal`. `alias_of`: the setting ("section.field", an int) the
     flag is another name for; its note says so, and a different value of
-    that setting is refused."""
+    that setting is refused. `alias_settings`: for a switch, the settings
+    ((setting, value), ...) it stands for, likewise."""
     name: str
     values: int | str
     explanation: str
@@ -48,11 +49,16 @@ class AcceptedFlag:
     refused_choices: tuple[str, ...] = ()
     refusal: str = ""
     alias_of: str | None = None
+    alias_settings: tuple[tuple[str, Any], ...] = ()
     listed: bool = True  # in `ptdp train --help` (a family's flags are not: hundreds)
 
     @property
     def dest(self) -> str:
         return _DEST_PREFIX + self.name.lstrip("-").replace("-", "_")
+
+    @property
+    def is_alias(self) -> bool:
+        return bool(self.alias_of or self.alias_settings)
 
 
 _FP8 = ("FP8 training needs Transformer Engine's FP8 kernels, which ptdp does not use: train "
@@ -182,6 +188,19 @@ OWN_LINES: tuple[AcceptedFlag, ...] = (
     AcceptedFlag("--encoder-num-layers", 1,
                  "Megatron-LM's other name for --num-layers (its GPT copies one into the other); "
                  "the model's number of layers is this", alias_of="model.num_layers"),
+    AcceptedFlag("--use-torch-fsdp2", 0,
+                 "Megatron-LM's PyTorch FSDP2 wrapper shards parameters, gradients and optimizer "
+                 "state over the data-parallel ranks; ptdp does this with its own ZeRO-3, "
+                 "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params, which "
+                 "computes the same and composes with every layout",
+                 alias_settings=(("train.use_megatron_fsdp", True),
+                                 ("train.data_parallel_sharding_strategy", "optim_grads_params"))),
+    AcceptedFlag("--torch-fsdp2-no-reshard-after-forward", 0,
+                 "with --use-torch-fsdp2, keep each layer's gathered parameters after its forward "
+                 "for its backward; ptdp's --no-fsdp-reshard-after-forward keeps them to the "
+                 "iteration's end, one gather per layer and iteration, as PyTorch's pipeline "
+                 "schedules keep FSDP2's across microbatches",
+                 alias_settings=(("train.fsdp_reshard_after_forward", False),)),
     AcceptedFlag("--use-precision-aware-optimizer", 0,
                  "ptdp's Adam keeps fp32 main weights, gradients and moments, what that optimizer "
                  "keeps by default; lower precisions for them are refused"),
@@ -374,7 +393,7 @@ def add_accepted_flags(parser: argparse.ArgumentParser) -> None:
     for accepted in ACCEPTED:
         if accepted.name in taken:
             continue
-        kind = ("refused: " if accepted.refused else "" if accepted.alias_of else "no effect: ")
+        kind = ("refused: " if accepted.refused else "" if accepted.is_alias else "no effect: ")
         kwargs: dict[str, Any] = {"dest": accepted.dest, "default": argparse.SUPPRESS,
                                   "help": kind + accepted.explanation}
         if accepted.refused_choices:
@@ -383,7 +402,10 @@ def add_accepted_flags(parser: argparse.ArgumentParser) -> None:
         if not accepted.listed:
             kwargs["help"] = argparse.SUPPRESS
         if accepted.alias_of:
-            kwargs.update(action=_AliasAction, type=int, metavar="N", alias_of=accepted.alias_of)
+            kwargs.update(action=_AliasAction, type=int, metavar="N",
+                          settings=((accepted.alias_of, None),))
+        elif accepted.alias_settings:
+            kwargs.update(action=_AliasAction, nargs=0, settings=accepted.alias_settings)
         elif accepted.values == 0:
             kwargs["action"] = "store_true"
         else:
@@ -404,18 +426,20 @@ def add_accepted_flags(parser: argparse.ArgumentParser) -> None:
 
 
 class _AliasAction(argparse.Action):
-    """Stores the value under the flag's own name and, unless the setting it
-    is another name for was given already, as that setting too (`given`
-    finds a disagreement whichever came first)."""
+    """Stores the value (a switch: True) under the flag's own name and,
+    unless the settings it is another name for were given already, as those
+    settings too: (setting, value) pairs, a value of None meaning the flag's
+    own (`given` finds a disagreement whichever came first)."""
 
-    def __init__(self, *args: Any, alias_of: str, **kwargs: Any):
+    def __init__(self, *args: Any, settings: tuple[tuple[str, Any], ...], **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.alias_of = alias_of
+        self.settings = settings
 
     def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, values)
-        if not hasattr(namespace, self.alias_of):
-            setattr(namespace, self.alias_of, values)
+        setattr(namespace, self.dest, True if self.nargs == 0 else values)
+        for setting, value in self.settings:
+            if not hasattr(namespace, setting):
+                setattr(namespace, setting, values if value is None else value)
 
 
 def given(args: argparse.Namespace) -> list[tuple[AcceptedFlag, Any]]:
@@ -426,15 +450,30 @@ def given(args: argparse.Namespace) -> list[tuple[AcceptedFlag, Any]]:
         if not hasattr(args, accepted.dest):
             continue
         value = getattr(args, accepted.dest)
-        other = getattr(args, accepted.alias_of, value) if accepted.alias_of else value
-        if other != value:
-            from ptdp.config import flag_of
-
-            accepted = replace(accepted, refused=True, explanation=(
-                f"conflicts with {flag_of(*accepted.alias_of.split('.'))} {other}: it is Megatron-LM's "
-                f"other name for that flag; give one of the two (or the same value)"))
+        settings = ((accepted.alias_of, value),) if accepted.alias_of else accepted.alias_settings
+        for setting, wanted in settings:
+            other = getattr(args, setting, wanted)
+            if other != wanted:
+                meant = "that flag" if accepted.alias_of else _setting_shown(setting, wanted)
+                accepted = replace(accepted, refused=True, explanation=(
+                    f"conflicts with {_setting_shown(setting, other)}: it is Megatron-LM's other "
+                    f"name for {meant}; give one of the two (or the same value)"))
+                break
         found.append((accepted, value))
     return found
+
+
+def _setting_shown(setting: str, value: Any) -> str:
+    """A setting's value as its flag: --flag VALUE, or a switch's spelling."""
+    from ptdp.config import flag_of
+    from ptdp.config.sections import SECTION_TYPES
+
+    section, name = setting.split(".")
+    if not isinstance(value, bool):
+        return f"{flag_of(section, name)} {value}"
+    field = next(f for f in fields(SECTION_TYPES[section]) if f.name == name)
+    return field.metadata["flag"] if value else field.metadata.get(
+        "off_flag", f"{field.metadata['flag']} false")
 
 
 def _shown(accepted: AcceptedFlag, value: Any) -> str:
@@ -456,7 +495,7 @@ def refusals(flags: list[tuple[AcceptedFlag, Any]]) -> list[str]:
 
 def notes(flags: list[tuple[AcceptedFlag, Any]]) -> list[str]:
     """One line per accepted flag given, printed before the run starts."""
-    return [f"ptdp: {_shown(a, v)}" + (": " if a.alias_of else " has no effect: ") + a.explanation
+    return [f"ptdp: {_shown(a, v)}" + (": " if a.is_alias else " has no effect: ") + a.explanation
             for a, v in flags if not _refused(a, v)]
 
 

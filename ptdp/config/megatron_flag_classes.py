@@ -456,8 +456,7 @@ FSDP = Family(
         --ddp-reduce-scatter-with-fp32-accumulation --enable-full-sharding-in-hsdp
         --fsdp-db-use-persist-buf-on-alloc-fail --fsdp-double-buffer --fsdp-manual-registration
         --init-model-with-meta-device --megatron-fsdp-enable-fine-grained-param-gather
-        --megatron-fsdp-max-pool-double-buffer --torch-fsdp2-no-reshard-after-forward
-        --use-torch-fsdp2""",
+        --megatron-fsdp-max-pool-double-buffer""",
     values="""
         --megatron-fsdp-grad-comm-dtype
         --megatron-fsdp-main-grads-dtype --megatron-fsdp-main-params-dtype --megatron-fsdp-version

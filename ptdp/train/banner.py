@@ -60,6 +60,8 @@ def print_banner(trainer, is_logger: bool) -> None:
               + f"; data: {trainer.data.description}", flush=True)
         if config.lora.enabled:
             print(lora_line(config), flush=True)
+        if tr.sharding_strategy in SHARDED_WORDS and ctx.dp_size * ctx.cp_size > 1:
+            print(sharding_line(config, ctx.dp_size * ctx.cp_size), flush=True)
         if reports_attention_kernel(config):  # --use-flash-attn / --attention-backend given
             print(f"ptdp: attention: {attention_kernel(config, device, trainer.dtype)}", flush=True)
         if config.data.sft or config.data.reset_attention_mask:
@@ -73,6 +75,26 @@ def print_banner(trainer, is_logger: bool) -> None:
                   f"{model_cfg.seq_length // ctx.cp_size} positions per rank; attention "
                   f"{CP_COMM_WORDS[config.parallel.cp_comm_type]}, each block on {kernel} "
                   f"({KERNEL_OPS[kernel]})", flush=True)
+
+
+SHARDED_WORDS = {
+    "optim_grads": "ZeRO-2: gradients and optimizer state sharded",
+    "optim_grads_params": "ZeRO-3: parameters, gradients and optimizer state sharded"}
+
+
+def sharding_line(config: Config, replicas: int) -> str:
+    """What --use-megatron-fsdp shards, over how many ranks, and when a
+    ZeRO-3 layer is gathered."""
+    tr = config.train
+    experts = "; routed experts over their expert-data ranks" if config.model.is_moe else ""
+    line = (f"ptdp: {tr.data_parallel_sharding_strategy} ({SHARDED_WORDS[tr.sharding_strategy]} "
+            f"over the d·c = {replicas} data-parallel ranks{experts})")
+    if tr.sharding_strategy == "optim_grads_params":
+        line += ("; each layer gathered before its forward and again before its backward"
+                 if tr.fsdp_reshard_after_forward else
+                 "; each layer gathered once per iteration and kept to its end "
+                 "(--no-fsdp-reshard-after-forward)")
+    return line
 
 
 def lora_line(config: Config) -> str:
