@@ -1,7 +1,9 @@
 """Run a function on N local gloo processes and collect each rank's result.
 
 Process start-up (importing torch) dominates on a small machine, so a pool of
-N processes is started once and reused by every test that needs N ranks. A
+N processes is started once and reused by every test that needs N ranks; on
+Linux its processes fork from ptdp's own fork server (as a CPU job's ranks
+do), which imported torch and ptdp once, instead of each importing them. A
 test function must be importable (defined at module level); it receives its
 rank first, then the arguments given to `run`. If any rank raises or the call
 times out, the pool is torn down (its collectives may be out of step) and the
@@ -10,8 +12,8 @@ next `run` starts a fresh one.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
+import signal
 import time
 import traceback
 from multiprocessing.connection import wait
@@ -27,7 +29,24 @@ CALL_TIMEOUT_SECONDS = 900.0
 COLLECTIVE_TIMEOUT = timedelta(seconds=600)
 
 
-def _serve(rank: int, world_size: int, port: int, conn) -> None:
+def _context():
+    """Where the pools' processes come from: ptdp's fork server on Linux,
+    started as `ptdp train` starts it (ptdp.launch), with this module
+    imported too; elsewhere fresh interpreters (spawn)."""
+    from ptdp.launch import CPU_RANK_MODULES, _rank_context
+
+    return _rank_context((*CPU_RANK_MODULES, __name__))
+
+
+def _serve(rank: int, world_size: int, port: int, conn, environ: dict[str, str]) -> None:
+    # As a process of its own would start: this test session's environment
+    # (a fork server keeps the one it started with), no signal held back
+    # (the server holds a job's signals back), Ctrl-C a KeyboardInterrupt.
+    if os.environ != environ:
+        os.environ.clear()
+        os.environ.update(environ)
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
@@ -75,12 +94,12 @@ class ProcessPool:
         self.world_size = world_size
         self.store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
                                    wait_for_workers=False)
-        context = mp.get_context("spawn")
+        context = _context()
         self.conns, self.processes = [], []
         for rank in range(world_size):
             parent, child = context.Pipe()
-            process = context.Process(target=_serve, args=(rank, world_size, self.store.port, child),
-                                      daemon=True)
+            process = context.Process(target=_serve, args=(rank, world_size, self.store.port, child,
+                                                           dict(os.environ)), daemon=True)
             process.start()
             self.conns.append(parent)
             self.processes.append(process)

@@ -159,11 +159,37 @@ def test_the_greedy_reply_is_transformers_up_to_the_end_of_turn(chat_model, caps
     assert out == _printed_ids(expected, stops)
 
 
-def test_a_tensor_and_pipeline_layout_gives_the_same_reply(chat_model, capfd):
+def _generate_on_rank(rank: int, request) -> str:
+    from ptdp.generate import generate_text, request_grid
+    from ptdp.parallel.topology import ParallelContext
+
+    return generate_text(request, ParallelContext.build(request_grid(request)), torch.device("cpu"))
+
+
+def test_a_tensor_and_pipeline_layout_gives_the_same_reply(chat_model, capsys, monkeypatch, pools):
+    """`ptdp generate --chat -t 2 -p 2` builds its request (the rendered
+    prompt, the end-of-turn stops, the layout) and launches four ranks; here
+    the test's pool runs that request, as ptdp's worker would on each rank.
+    (A launched rank's own output cannot be read: once the pools' fork server
+    runs, ranks forked from it write to the descriptors it started with, not
+    to capfd's.)"""
     model, tokenizer, chat, _ = chat_model
     reply = _greedy(model, _prompt(tokenizer, chat_messages(MESSAGE)), [END_OF_TURN])[:-1]
-    out, _ = _generate(capfd, chat, "--chat", MESSAGE, "--output-ids", "-t", "2", "-p", "2",
-                       "--device", "cpu")  # (rank 0 prints, in its own process: capfd)
+    launched = []
+
+    def launch_on_the_pool(world, worker, request, **options):
+        from ptdp.generate import generate_worker
+
+        launched.append((world, worker is generate_worker, request.tensor_parallel,
+                         request.pipeline_parallel))
+        texts = pools(4).run(_generate_on_rank, request)
+        assert texts == [texts[0]] * world  # every rank extends the same context
+        print(texts[0])  # as rank 0 prints it
+
+    monkeypatch.setattr("ptdp.launch.launch_local", launch_on_the_pool)
+    out, _ = _generate(capsys, chat, "--chat", MESSAGE, "--output-ids", "-t", "2", "-p", "2",
+                       "--device", "cpu")
+    assert launched == [(4, True, 2, 2)]
     assert out == ",".join(map(str, reply)) + "\n"
 
 
