@@ -167,15 +167,19 @@ def test_merged_adapters_compute_base_plus_adapters_and_generate_alike(bases, tm
 
 
 def test_adapters_reshard_to_another_layout(bases, tmp_path):
-    """Adapters saved by one process resume under t = 2 with sequence
-    parallelism (column adapters' B split by the q/k/v and gate/up blocks,
-    row adapters' A by columns) as one process resumes them."""
+    """Adapters saved at d = 2 under ZeRO-3 (the frozen base loaded into
+    its shards) resume under t = 2 with sequence parallelism (column
+    adapters' B split by the q/k/v and gate/up blocks, row adapters' A by
+    columns) as the one-process run that never stopped continues."""
     base, _ = bases
     lora = ["--lora-rank", "4", "--lora-alpha", "8", "--pretrained-checkpoint", str(base),
             "--hidden-dropout", "0", "--attention-dropout", "0"]  # (no stream to match)
     straight = _train(tmp_path, "straight", *lora, "--train-iters", "4")
-    _train(tmp_path, "first", *lora, "--train-iters", "4", "--exit-interval", "2",
-           "--save", str(tmp_path / "ad"))
+    first = _train(tmp_path, "first", *lora, "--train-iters", "4", "--exit-interval", "2",
+                   "--save", str(tmp_path / "ad"), "--data-parallel-size", "2",
+                   "--use-megatron-fsdp")
+    assert [r["loss"] for r in first] == pytest.approx([r["loss"] for r in straight[:2]],
+                                                       rel=1e-5)
     resumed = _train(tmp_path, "t2", "--train-iters", "4", "--load", str(tmp_path / "ad"),
                      "--tensor-model-parallel-size", "2", "--sequence-parallel", *lora[6:])
     assert [r["iteration"] for r in resumed] == [3, 4]

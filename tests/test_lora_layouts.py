@@ -44,10 +44,11 @@ ADAPTERS = {
 class Case:
     layout: sft.Layout
     adapters: str = "all"
+    sharding: str | None = None  # --use-megatron-fsdp's --data-parallel-sharding-strategy
 
     @property
     def name(self) -> str:
-        return f"{self.layout.name}-{self.adapters}"
+        return f"{self.layout.name}-{self.adapters}" + (f"-{self.sharding}" if self.sharding else "")
 
     @property
     def reference(self) -> tuple[str, str]:
@@ -57,6 +58,9 @@ class Case:
 def _trainer(case: Case, ctx: ParallelContext) -> Trainer:
     config = sft._config(case.layout, sft.PACKS)
     config.lora = ADAPTERS[case.adapters]
+    if case.sharding:
+        config.train = dataclasses.replace(config.train, use_megatron_fsdp=True,
+                                           data_parallel_sharding_strategy=case.sharding)
     return Trainer(config, ctx, CPU, data=sft.TrainingData(train=sft._packed(), eod=sft.PAD))
 
 
@@ -65,11 +69,15 @@ def _logical(trainer: Trainer, ctx: ParallelContext) -> tuple[dict, dict]:
     optimizer steps it), gathered over the tensor shards."""
     weights, grads = {}, {}
     segments = {id(s.param): s for s in trainer.buffer.segments}
+    with trainer.buffer.gathered():  # (ZeRO-3: the parameters whole while read, copied)
+        for chunk in trainer.chunks:
+            for name, param in chunk.named_parameters():
+                spec, group = getattr(param, SHARD_ATTR, None), shard_group(param, ctx)
+                weights[name] = gather_logical(param.detach().float().clone(), spec, group)
     for chunk in trainer.chunks:
         for name, param in chunk.named_parameters():
             spec, group = getattr(param, SHARD_ATTR, None), shard_group(param, ctx)
-            weights[name] = gather_logical(param.detach().float().clone(), spec, group)
-            if id(param) in segments:
+            if id(param) in segments and trainer.buffer.grad_data is not None:  # (ZeRO-2/3: none)
                 segment = segments[id(param)]
                 grad = trainer.buffer.grad_data[segment.start:segment.end].view(param.shape)
                 grads[name] = gather_logical(grad.clone(), spec, group)
@@ -120,7 +128,10 @@ def _cases_vs_one_process(rank: int, cases: list[Case], references: dict) -> lis
         ctx = ParallelContext.build(RankGrid(tp=layout.t, dp=layout.d, pp=layout.p, cp=layout.c,
                                              ep=layout.ep))
         trainer = _trainer(case, ctx)
-        got, grads, weights = _run(trainer, ctx, gradients=not layout.distributed)
+        got, grads, weights = _run(trainer, ctx,
+                                   gradients=not layout.distributed and not case.sharding)
+        if case.sharding == ZERO_3:  # the frozen base sharded too: 1/d of it kept
+            _base_is_sharded(trainer, ctx, case.name)
         for name, grad in grads.items():  # (sharded optimizer: each rank holds a part)
             cp._close(grad, first[name], GRAD_TOL, f"{case.name}: {name} gradient")
         for record, want in zip(got, records):
@@ -142,6 +153,23 @@ def _cases_vs_one_process(rank: int, cases: list[Case], references: dict) -> lis
     return results
 
 
+def _base_is_sharded(trainer: Trainer, ctx: ParallelContext, name: str) -> None:
+    """ZeRO-3: between iterations no parameter is whole, and a rank keeps
+    its share of the frozen base: 1/(d·c) of the dense part, 1/edp of the
+    routed experts', but for each bucket's padding."""
+    from ptdp.parallel.sharding import is_expert
+
+    frozen = [p for chunk in trainer.chunks for p in chunk.parameters() if not p.requires_grad]
+    dense = sum(p.numel() for p in frozen if not is_expert(p))
+    experts = sum(p.numel() for p in frozen if is_expert(p))
+    kept = trainer.buffer.frozen_shards.numel()
+    share = dense / (ctx.dp_size * ctx.cp_size) + experts / ctx.edp_size
+    assert trainer.buffer.full_param_bytes == 0, name
+    assert share <= kept <= share + 2 * ctx.dp_size * len(trainer.buffer._unit_buckets), \
+        (name, kept, share)
+
+
+ZERO_3 = "optim_grads_params"
 Layout = sft.Layout
 CASES = [
     Case(Layout(t=2, d=2, sequence_parallel=True, recompute="selective")),
@@ -152,6 +180,9 @@ CASES = [
     Case(Layout(d=4, ep=2, model="moe")),
     Case(Layout(t=2, d=2, sequence_parallel=True, model="moe")),
     Case(Layout(t=2, d=2, ep=2, sequence_parallel=True, model="moe"), "shared"),
+    # ZeRO-3: the base sharded with the adapters; "some": a stage without adapters
+    Case(Layout(p=2, d=2), "some", sharding=ZERO_3),
+    Case(Layout(d=4, ep=2, model="moe"), sharding=ZERO_3),
 ]
 
 

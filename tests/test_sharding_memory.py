@@ -1,5 +1,5 @@
 """The memory model of the sharding strategies (issue 42, item 4:
-ptdp.perf.analytic.sharding) against a real Trainer's tensors at d = 2, its
+ptdp.perf.analytic.sharding) against a real Trainer's tensors at d = 4, its
 ordering across strategies, ZeRO-3's figures, and the planner and the
 memory check before launch choosing a strategy that fits.
 
@@ -18,6 +18,7 @@ import torch
 
 from ptdp.cli import main
 from ptdp.config import Config, ModelConfig, ParallelConfig, TrainConfig
+from ptdp.config.lora import LoRAConfig
 from ptdp.parallel import sharded_grads
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.perf.analytic import sharding as model_sharding
@@ -27,7 +28,7 @@ from ptdp.perf.analytic.counts import (buffer_elements, communication_per_rank,
 from ptdp.perf.analytic.memory import memory_per_rank
 from ptdp.perf import layout as perf_layout
 from ptdp.perf.fits import memory_problems
-from ptdp.perf.layout import ByValue, Layout, Workload
+from ptdp.perf.layout import ByValue, Layout, LoRAWork, Workload
 from ptdp.perf.plan.candidates import candidate_layouts
 from ptdp.perf.plan.planner import search, train_command
 from ptdp.perf.price.profiles import load_profile
@@ -37,7 +38,8 @@ from ptdp.train.loop import Trainer
 from tests import test_ptdp_step as step
 
 BUCKET = 1500         # elements: the model's ~40k parameters in ~30 buckets
-BATCH = 8             # m = 4 microbatches per replica at d = 2, b = 1
+BATCH = 8             # m = 2 microbatches per replica at d = 4, b = 1
+D = 4
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
@@ -127,25 +129,60 @@ def _measured(rank: int, d: int) -> list[dict]:
         trainer.step(0)
         results.append({"strategy": strategy, "reshard": reshard,
                         "in_flight": sharded_grads.IN_FLIGHT, **state_tensors(trainer, gathers)})
+    # LoRA under ZeRO-3: the adapters' shards, the frozen base's, and the
+    # most whole parameters (adapters and base) at once.
+    config = _config(d, STRATEGIES[-1])
+    config.lora = LORA
+    trainer = Trainer(config, ctx, torch.device("cpu"))
+    gathers = trace_gathers(trainer)
+    trainer.step(0)
+    buffer = trainer.buffer
+    results.append({"strategy": "lora", "shards": buffer.param_shards.nbytes,
+                    "frozen": buffer.frozen_shards.nbytes, "peak_full_params": gathers[0],
+                    "units": len(buffer._unit_buckets), "optimizer": trainer.optimizer.state_bytes,
+                    "grad_shard": buffer.grad_shard.nbytes})
     return results
 
 
 @pytest.fixture(scope="module")
 def measured(pools):
-    """One row per (rank, strategy) at d = 2 (ZeRO-3 also without
+    """One row per (rank, strategy) at d = 4 (ZeRO-3 also without
     reshard-after-forward, the last)."""
-    return [row for rows in pools(2).run(_measured, 2) for row in rows]
+    return [row for rows in pools(D).run(_measured, D) for row in rows]
 
 
 def test_the_model_counts_what_each_strategy_holds(measured):
     workload = Workload(step.MODEL, BATCH, "bf16")
-    for row in measured:
+    for row in (row for row in measured if row["strategy"] != "lora"):
         assert row["in_flight"] == model_sharding.IN_FLIGHT
-        layout = Layout(d=2, sharding=row["strategy"], reshard_after_forward=row["reshard"])
+        layout = Layout(d=D, sharding=row["strategy"], reshard_after_forward=row["reshard"])
         check_state_tensors(row, workload, layout, 0, BUCKET)
         if layout.shards_parameters:   # one stage: the ends and two layers gathered, or all
             assert row["peak_full_params"] == 2 * model_sharding.gathered_elements(
                 step.MODEL, layout, 0, BUCKET)
+
+
+LORA = LoRAConfig(lora_rank=4, lora_target_modules=["linear_qkv", "linear_fc2"])
+
+
+def test_the_model_counts_a_sharded_frozen_base_under_lora(measured):
+    """ZeRO-3 with adapters: the model's weights are the adapters' shard and
+    whole copy (tiny), the frozen base's 1/d (its buckets' padding aside:
+    the model cuts them as the trained parameters', the buffer one per unit
+    and kind) and its gathered units, which bound what was whole at once."""
+    workload = Workload(step.MODEL, BATCH, "bf16", LoRAWork.of(LORA))
+    layout = Layout(d=D, sharding=STRATEGIES[-1])
+    figures = memory_per_rank(workload, layout, kernels="cpu", bucket_size=BUCKET)[0]
+    base = sum(b.size for b in model_sharding.unit_buckets(step.MODEL, layout, 0, BUCKET))
+    gathered = model_sharding.gathered_elements(step.MODEL, layout, 0, BUCKET)
+    rows = [row for row in measured if row["strategy"] == "lora"]
+    assert len(rows) == D
+    for row in rows:
+        assert row["optimizer"] == figures["optimizer"]
+        assert base // D - D * row["units"] <= row["frozen"] // 2 <= base // D + D * row["units"]
+        adapters = row["shards"] // 2 * D
+        assert figures["weights"] == row["shards"] + 2 * (adapters + base // D + gathered)
+        assert 0 < row["peak_full_params"] <= 2 * (adapters + gathered)
 
 
 def test_each_strategy_holds_less_than_the_one_before(measured):
@@ -156,8 +193,8 @@ def test_each_strategy_holds_less_than_the_one_before(measured):
         return (row["weights"] + (row["peak_full_params"] or 0) + row["grad_data"]
                 + row["grad_shard"] + row["optimizer"] + (row["peak_full_grads"] or 0))
 
-    for rank in range(2):
-        rows = {row["strategy"]: row for row in measured[5 * rank:5 * rank + 3]}
+    for rank in range(D):
+        rows = {row["strategy"]: row for row in measured[6 * rank:6 * rank + 3]}
         assert state(rows["no_shard"]) > state(rows["optim"]) > state(rows["optim_grads"])
     workload = Workload(GPT_1B, 64, "bf16")
     totals = [memory_per_rank(workload, dataclasses.replace(_zero3(8), sharding=strategy))[0]

@@ -108,10 +108,11 @@ def base_directory(train, adapter_metadata: dict | None) -> Path | None:
     return Path(recorded) if recorded else None
 
 
-def load_base_weights(chunks, directory: Path, metadata: dict, model) -> None:
+def load_base_weights(chunks, directory: Path, metadata: dict, model, buffer) -> None:
     """The frozen parameters (the base: every parameter outside the gradient
     buffer) and the model's state buffers from a full checkpoint, each
-    logical tensor cut into this rank's shard, in the training precision."""
+    logical tensor cut into this rank's shard, in the training precision
+    (ZeRO-3: written whole, then sharded: `buffer.gathered`)."""
     from ptdp.checkpoint.state import named_parameters, named_state_buffers
 
     if is_adapter_checkpoint(metadata):
@@ -120,7 +121,7 @@ def load_base_weights(chunks, directory: Path, metadata: dict, model) -> None:
                               f"{LORA_BASE!r})")
     check_model_fits(metadata, model, directory)
     reader = Reader(directory, metadata)
-    with torch.no_grad():
+    with torch.no_grad(), buffer.gathered(write_back=True):
         for name, param in named_parameters(chunks):
             if param.requires_grad:
                 continue  # an adapter

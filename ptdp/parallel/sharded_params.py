@@ -23,6 +23,14 @@ are views into it; its storage exists only while the unit is gathered:
   per iteration, not per microbatch, and holds its whole parameters while
   it runs (the trade `--fsdp-reshard-after-forward` chooses).
 
+Under LoRA the frozen base is sharded too (it is most of the model): each
+unit's frozen parameters have a bucket of their own per kind (dense,
+routed experts), gathered and let go with the unit's adapters, with no
+gradient and no optimizer state; a rank keeps 1/d of it (`frozen_shards`).
+A unit whose parameters are all frozen is let go after its forward and
+kept from its backward to the iteration's end (no gradient of it marks
+its backward done).
+
 A chunk's ends stay gathered through the iteration in either case: the
 word embedding is used at both ends of the chunk (tied) and the ends are
 a small share of a large model's parameters.
@@ -36,14 +44,26 @@ counter, since the values are the ones saved.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from ptdp.parallel.collectives import all_gather_flat
-from ptdp.parallel.data_parallel import Bucket
+from ptdp.parallel.data_parallel import Bucket, Replicas
 from ptdp.parallel.sharded_grads import ShardedGradBuffer
+from ptdp.parallel.sharding import is_expert
+
+
+@dataclass
+class FrozenBucket:
+    """A unit's frozen parameters of one kind (LoRA's base): `full` holds
+    them whole (they are views into it; padded to a multiple of the
+    replicas), `shard` is this rank's part of it (a view of frozen_shards)."""
+    full: torch.Tensor
+    replicas: Replicas
+    shard: torch.Tensor
 
 
 class _GatherBeforeBackward(torch.autograd.Function):
@@ -60,22 +80,45 @@ class _GatherBeforeBackward(torch.autograd.Function):
         return grad, None
 
 
+class _AfterBackward(torch.autograd.Function):
+    """Identity on a unit's input; its backward comes once every node of
+    the unit's backward that feeds the input's gradient has run."""
+
+    @staticmethod
+    def forward(ctx, x, done):
+        ctx.done = done
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.done()
+        return grad, None
+
+
 class ShardedParamBuffer(ShardedGradBuffer):
     """ShardedGradBuffer whose parameters are sharded too (ZeRO-3).
-    `units`: (module, its parameters) in forward order, of which `ends`
-    (their indices) stay gathered through an iteration."""
+    `units`: (module, its trained parameters) in forward order, of which
+    `ends` (their indices) stay gathered through an iteration; `frozen`:
+    each unit's frozen parameters (LoRA's base), sharded without gradients."""
 
     def __init__(self, params: list[nn.Parameter], ctx, *, units: list[tuple[nn.Module, list]],
-                 ends: set[int], reshard_after_forward: bool = True, **options):
+                 ends: set[int], reshard_after_forward: bool = True,
+                 frozen: list[list[nn.Parameter]] | None = None, **options):
         unit_of = {param: i for i, (_, unit) in enumerate(units) for param in unit}
         super().__init__(params, ctx, unit_of=unit_of, **options)
         self.reshard_after_forward = reshard_after_forward
         self.ends = set(ends)
-        self._unit_buckets: list[list[Bucket]] = [[] for _ in units]
+        self._unit_buckets: list[list[Bucket | FrozenBucket]] = [[] for _ in units]
         self._unit_of_bucket: dict[int, int] = {}
         for bucket in self.buckets:
             self._unit_buckets[unit_of[bucket.params[0]]].append(bucket)
             self._unit_of_bucket[id(bucket)] = unit_of[bucket.params[0]]
+        # Per unit, this iteration: backwards begun, forwards whose input
+        # wants a gradient, and those gradients come (_backward_done).
+        self._backwards = [0] * len(units)
+        self._inputs_expected = [0] * len(units)
+        self._inputs_done = [0] * len(units)
+        self.frozen_shards = self._shard_frozen(frozen or [[] for _ in units], ctx)
         self._gathered: set[int] = set()
         self._pending: dict[int, list] = {}   # unit -> its gathers in flight
         # Each bucket's own full tensor (its parameters are views), and the shard.
@@ -93,17 +136,57 @@ class ShardedParamBuffer(ShardedGradBuffer):
             self._release_unit(i)
         self._install(units)
 
+    def _shard_frozen(self, frozen: list[list[nn.Parameter]], ctx) -> torch.Tensor:
+        """A FrozenBucket per unit and kind, its parameters made views of its
+        full tensor; returns this rank's parts of them all, one tensor."""
+        planned = []
+        for unit, unit_params in enumerate(frozen):
+            for expert in (False, True):
+                kind = [p for p in unit_params if is_expert(p) == expert]
+                if kind:
+                    replicas = Replicas.of(ctx, expert)
+                    numel = sum(p.numel() for p in kind)
+                    planned.append((unit, kind, replicas, -(-numel // replicas.size)))
+        shards = torch.zeros(sum(part for *_, part in planned), dtype=self.param_data.dtype,
+                             device=self.param_data.device)
+        start = 0
+        for unit, kind, replicas, part in planned:
+            full = torch.zeros(part * replicas.size, dtype=shards.dtype, device=shards.device)
+            offset = 0
+            for param in kind:
+                full[offset:offset + param.numel()].copy_(param.data.reshape(-1))
+                param.data = full[offset:offset + param.numel()].view_as(param)
+                offset += param.numel()
+            shard = shards[start:start + part]
+            shard.copy_(full[replicas.rank * part:(replicas.rank + 1) * part])
+            self._unit_buckets[unit].append(FrozenBucket(full, replicas, shard))
+            start += part
+        return shards
+
+    def _shard_of(self, bucket: Bucket | FrozenBucket) -> torch.Tensor:
+        """This rank's part of a bucket's parameters, where it is kept."""
+        if isinstance(bucket, FrozenBucket):
+            return bucket.shard
+        part = bucket.size // bucket.replicas.size
+        return self.param_shards[bucket.shard_start:bucket.shard_start + part]
+
     # Gathering and letting go --------------------------------------------------
 
     def _install(self, units: list[tuple[nn.Module, list]]) -> None:
         for i, (module, _) in enumerate(units):
-            module.register_forward_pre_hook(lambda _m, _a, i=i: self._before_forward(i))
+            module.register_forward_pre_hook(lambda _m, args, i=i: self._before_forward(i, args))
             module.register_forward_hook(lambda _m, _a, out, i=i: self._after_forward(i, out))
 
-    def _before_forward(self, unit: int) -> None:
+    def _before_forward(self, unit: int, args: tuple) -> tuple | None:
         self.gather(unit)
         if unit + 1 < len(self._unit_buckets):
             self._start_gather(unit + 1)  # the next unit's, during this one's compute
+        in_backward = torch._C._current_graph_task_id() != -1  # (a recomputation)
+        if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad and \
+                torch.is_grad_enabled() and not in_backward:
+            self._inputs_expected[unit] += 1
+            return (_AfterBackward.apply(args[0], lambda: self._input_grad_done(unit)), *args[1:])
+        return None
 
     def _after_forward(self, unit: int, output: Any) -> Any:
         in_backward = torch._C._current_graph_task_id() != -1  # (a recomputation)
@@ -115,9 +198,31 @@ class ShardedParamBuffer(ShardedGradBuffer):
         return output
 
     def _before_backward(self, unit: int) -> None:
+        self._backwards[unit] += 1
         self.gather(unit)
         if unit > 0:
             self._start_gather(unit - 1)
+
+    def _input_grad_done(self, unit: int) -> None:
+        self._inputs_done[unit] += 1
+        self._release_if_backward_done(unit)
+
+    def _release_if_backward_done(self, unit: int) -> None:
+        """With reshard-after-forward, a unit is let go once each backward
+        begun on it is over: its trained gradients reduced for as many
+        microbatches (under zero bubble: after the W's), and its input's
+        gradient come where it wants one. Either alone is not enough: under
+        LoRA the adapters' gradients can be complete while the frozen base's
+        input gradients still need its weights, and a weight gradient comes
+        after the input's in zero bubble's W."""
+        started = self._backwards[unit]
+        if not self.reshard_after_forward or unit in self.ends or not started or \
+                unit not in self._gathered:
+            return
+        trained = all(self._rounds[id(b)] >= started for b in self._unit_buckets[unit]
+                      if not isinstance(b, FrozenBucket))
+        if trained and self._inputs_done[unit] >= min(started, self._inputs_expected[unit]):
+            self._release_unit(unit)
 
     def _start_gather(self, unit: int) -> None:
         if unit in self._gathered or unit in self._pending:
@@ -126,8 +231,7 @@ class ShardedParamBuffer(ShardedGradBuffer):
         for bucket in self._unit_buckets[unit]:
             full = bucket.full
             full.untyped_storage().resize_(full.numel() * full.element_size())
-            part = bucket.size // bucket.replicas.size
-            mine = self.param_shards[bucket.shard_start:bucket.shard_start + part]
+            mine = self._shard_of(bucket)
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(full):
                 if bucket.replicas.group is None:
                     full.copy_(mine)
@@ -169,19 +273,27 @@ class ShardedParamBuffer(ShardedGradBuffer):
             if write_back:
                 for bucket in self.buckets:
                     start, end = self.owned_range(bucket)
-                    part = bucket.size // bucket.replicas.size
-                    self.param_shards[bucket.shard_start:bucket.shard_start + part].copy_(
-                        bucket.full[start - bucket.start:end - bucket.start])
+                    self._shard_of(bucket).copy_(bucket.full[start - bucket.start:
+                                                             end - bucket.start])
+                for bucket in self._frozen_buckets():
+                    part = bucket.shard.numel()
+                    rank = bucket.replicas.rank
+                    bucket.shard.copy_(bucket.full[rank * part:(rank + 1) * part])
             self.release_all()
+
+    def _frozen_buckets(self) -> Iterator[FrozenBucket]:
+        return (b for unit in self._unit_buckets for b in unit if isinstance(b, FrozenBucket))
 
     # One iteration ----------------------------------------------------------------
 
     def _launch_round(self, bucket: Bucket) -> None:
         super()._launch_round(bucket)
-        unit = self._unit_of_bucket[id(bucket)]
-        if self.reshard_after_forward and unit not in self.ends and all(
-                self._rounds[id(b)] >= self._rounds[id(bucket)] for b in self._unit_buckets[unit]):
-            self._release_unit(unit)  # its backward of this microbatch is done
+        self._release_if_backward_done(self._unit_of_bucket[id(bucket)])
+
+    def start_iteration(self, num_microbatches: int) -> None:
+        super().start_iteration(num_microbatches)
+        for counts in (self._backwards, self._inputs_expected, self._inputs_done):
+            counts[:] = [0] * len(counts)
 
     def finish(self) -> None:
         super().finish()
@@ -195,4 +307,4 @@ class ShardedParamBuffer(ShardedGradBuffer):
 
     @property
     def full_param_bytes(self) -> int:
-        return sum(b.full.untyped_storage().nbytes() for b in self.buckets)
+        return sum(b.full.untyped_storage().nbytes() for unit in self._unit_buckets for b in unit)

@@ -203,18 +203,19 @@ class Trainer:
             return GradBuffer(params, ctx, **options)
         # ZeRO-2 and ZeRO-3: buckets of one unit (a layer) each, so that the
         # full gradients held at once are a few layers', not the model's.
-        units, ends, seen = [], set(), set()
+        units, frozen, ends, seen = [], [], set(), set()
         for chunk in self.chunks:
             for module, unit, end in chunk.sharding_units():
-                unit = [p for p in unit if p.requires_grad and id(p) not in seen]
+                unit = [p for p in unit if id(p) not in seen]
                 seen.update(id(p) for p in unit)
                 if end:
                     ends.add(len(units))
-                units.append((module, unit))
+                units.append((module, [p for p in unit if p.requires_grad]))
+                frozen.append([p for p in unit if not p.requires_grad])  # LoRA's base
         if tr.sharding_strategy == "optim_grads":
             unit_of = {param: i for i, (_, unit) in enumerate(units) for param in unit}
             return ShardedGradBuffer(params, ctx, unit_of=unit_of, **options)
-        return ShardedParamBuffer(params, ctx, units=units, ends=ends,
+        return ShardedParamBuffer(params, ctx, units=units, ends=ends, frozen=frozen,
                                   reshard_after_forward=tr.fsdp_reshard_after_forward, **options)
 
     def schedule_for(self, num_micro: int):

@@ -108,7 +108,8 @@ def _load_lora_base(trainer, directory: Path, metadata: dict) -> None:
         flag = "--pretrained-checkpoint" if tr.pretrained_checkpoint else "the recorded base"
         check_same_base(directory, metadata, base_identity(base, base_metadata, tr.seed), flag)
     if base is not None:
-        load_base_weights(trainer.chunks, base, base_metadata, trainer.config.model)
+        load_base_weights(trainer.chunks, base, base_metadata, trainer.config.model,
+                          trainer.buffer)
     trainer.lora_base = base_identity(base, base_metadata, tr.seed)
 
 

@@ -43,8 +43,10 @@ from its B until its W reduces its gradients, so every layer can be.
 Without reshard-after-forward every unit stays gathered from its first use
 to the iteration's end: N·e beside the shard. In fp32 the parameter shard is
 the optimizer's main copy (its moments only beside it). With adapters
-(LoRA) only the adapters are in the buffer: the frozen base stays whole
-outside it, and the adapters are counted gathered whole (they are tiny).
+(LoRA) only the adapters are in the buffer, counted gathered whole (they
+are tiny); the frozen base is sharded and gathered unit by unit as the
+parameters are (its own buckets, no gradient, no optimizer state), and
+whole outside the buffer under the other strategies.
 
 Nothing here imports torch (IN_FLIGHT is ptdp.parallel.sharded_grads's;
 tests/test_sharding_memory.py checks that they agree).
@@ -158,10 +160,12 @@ def state_bytes(model: ModelConfig, layout: Layout, rank: int, buckets: tuple[Bu
     (adapters, ptdp.perf.analytic.lora), whole under every strategy;
     `bucket_size`: --ddp-bucket-size (ZeRO-3's units)."""
     n, owned = padded_elements(buckets, layout), owned_elements(buckets, layout)
-    if layout.shards_parameters:
-        # (with adapters: their units are tiny; counted whole, gathered at once)
-        gathered = n if frozen else gathered_elements(model, layout, rank, bucket_size)
-        weights = (owned + gathered + frozen) * e
+    if layout.shards_parameters and frozen:
+        # adapters whole (tiny); the base's shard of each unit, and its units gathered
+        base = owned_elements(unit_buckets(model, layout, rank, bucket_size), layout)
+        weights = (owned + n + base + gathered_elements(model, layout, rank, bucket_size)) * e
+    elif layout.shards_parameters:
+        weights = (owned + gathered_elements(model, layout, rank, bucket_size)) * e
     else:
         weights = (n + frozen) * e
     if layout.shards_gradients:
