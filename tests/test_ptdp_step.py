@@ -135,12 +135,14 @@ def test_distributed_optimizer_state_falls_as_one_over_d(pools, d):
         assert shard_bytes * d <= plain_bytes * 1.01  # padding to multiples of d only
 
 
-def _overflow(rank):
-    """fp16, d = 2: an inf in one rank's gradient skips the step on every rank,
-    halves the scale and changes no weight."""
+def _overflow(rank, **sharding):
+    """fp16, d = 2: an inf in one rank's gradient (where its optimizer reads
+    it: the full buffer, or under ZeRO-2/3 its shard) skips the step on every
+    rank, halves the scale and changes no weight. `sharding`: TrainConfig's
+    sharding settings (tests/test_sharded_data_parallel.py)."""
     ctx = ParallelContext.build(RankGrid(tp=1, dp=2, pp=1))
-    trainer = Trainer(_config(d=2, fp16=True, initial_loss_scale=1024.0, hysteresis=1), ctx,
-                      torch.device("cpu"))
+    trainer = Trainer(_config(d=2, fp16=True, initial_loss_scale=1024.0, hysteresis=1,
+                              **sharding), ctx, torch.device("cpu"))
     records = [trainer.step(0)[0]]
     before = trainer.buffer.param_data.clone()
     main_before = trainer.optimizer.main.clone()
@@ -149,7 +151,7 @@ def _overflow(rank):
     def finish_then_inject():
         finish()
         if rank == 1:
-            trainer.buffer.grad_data[7] = float("inf")
+            trainer.buffer.reduced_grads[7] = float("inf")
 
     trainer.buffer.finish = finish_then_inject
     records.append(trainer.step(1)[0])

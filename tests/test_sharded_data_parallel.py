@@ -1,12 +1,18 @@
 """Sharded data parallelism (issue 42): `--use-megatron-fsdp
---data-parallel-sharding-strategy optim_grads` (ZeRO-2) trains as one
-process does under every layout, over 5 AdamW steps with clipping (losses,
-gradient norms, the weights' norm, final weights), with its gradients
-reduce-scattered per microbatch as buckets complete and never held in full;
-fp16 skips a step with an inf on one replica everywhere.
+--data-parallel-sharding-strategy optim_grads` (ZeRO-2) and
+`optim_grads_params` (ZeRO-3) train as one process does under every layout
+(d = 2 and 4, t = 2 with SP, p = 2 under 1F1B, interleaving and zbv with
+both reshard policies, c = 2, EP = 2 over d = 2 and 4, recomputation), over 5
+AdamW steps with clipping (losses, gradient norms, the weights' norm, final
+weights), with their gradients reduce-scattered per microbatch as buckets
+complete and never held in full; ZeRO-3 keeps 1/(d·c) of the state. fp16
+skips a step with an inf on one replica everywhere; a resume under the
+same strategy is bitwise, and a ZeRO-3 checkpoint resumes under ZeRO-1 and
+in one process.
 
-One pool of four processes runs every layout in one call, against the
-one-process references the test computes once per model."""
+One pool of four processes runs the layouts in one call (and one of two
+those at d = 2), against the one-process references the test computes once
+per model."""
 
 from __future__ import annotations
 
@@ -121,7 +127,10 @@ ZERO_3 = "optim_grads_params"
 LAYOUTS = [
     Layout(d=4),
     Layout(t=2, d=2, sequence_parallel=True),
+    Layout(p=2, d=2),
+    Layout(p=2, d=2, k=1, recompute="full"),
     Layout(p=2, d=2, schedule="zbv"),
+    Layout(c=2, d=2),
     Layout(d=4, ep=2, model="moe"),
     Layout(d=4, strategy=ZERO_3),
     Layout(t=2, d=2, sequence_parallel=True, strategy=ZERO_3, recompute="full"),
@@ -133,10 +142,21 @@ LAYOUTS = [
 ]
 
 
-def test_zero_2_and_3_train_like_one_process_under_every_layout(pools):
-    references = {layout.model: _one_process(layout.model) for layout in LAYOUTS}
-    per_rank = pools(4).run(_layouts_vs_one_process, LAYOUTS, references)
-    for i, layout in enumerate(LAYOUTS):
+# At d = 2 (the pool of two): data parallelism alone, and EP = 2 over it.
+LAYOUTS_AT_2 = [
+    Layout(d=2),
+    Layout(d=2, strategy=ZERO_3),
+    Layout(d=2, ep=2, model="moe"),
+    Layout(d=2, ep=2, model="moe", strategy=ZERO_3),
+]
+
+
+@pytest.mark.parametrize("world", [4, 2])
+def test_zero_2_and_3_train_like_one_process_under_every_layout(pools, world):
+    layouts = LAYOUTS if world == 4 else LAYOUTS_AT_2
+    references = {layout.model: _one_process(layout.model) for layout in layouts}
+    per_rank = pools(world).run(_layouts_vs_one_process, layouts, references)
+    for i, layout in enumerate(layouts):
         names = set().union(*(results[i][1] for results in per_rank))
         assert names == set(references[layout.model][1]), layout.name
         assert max(results[i][2] for results in per_rank) < 1e-5, layout.name
@@ -157,34 +177,10 @@ def test_zero_2_and_3_train_like_one_process_under_every_layout(pools):
                 assert peak <= full / 2, (layout.name, peak, full)
 
 
-def _skipped_step(rank: int, strategy: str) -> list:
-    """fp16, d = 2: an inf in one replica's gradient shard skips the step on
-    every rank, halves the scale and changes no weight."""
-    ctx = ParallelContext.build(RankGrid(tp=1, dp=2, pp=1))
-    trainer = Trainer(_config(Layout(d=2, strategy=strategy), fp16=True,
-                              initial_loss_scale=1024.0, hysteresis=1), ctx, CPU)
-    records = [trainer.step(0)[0]]
-    before = trainer.buffer.param_data.clone()
-    finish = trainer.buffer.finish
-
-    def finish_then_inject():
-        finish()
-        if rank == 1:
-            trainer.buffer.grad_shard[7] = float("inf")
-
-    trainer.buffer.finish = finish_then_inject
-    records.append(trainer.step(1)[0])
-    trainer.buffer.finish = finish
-    assert torch.equal(trainer.buffer.param_data, before)
-    records.append(trainer.step(2)[0])
-    assert not torch.equal(trainer.buffer.param_data, before)
-    ctx.destroy()
-    return [(r["skipped"], r["loss_scale"]) for r in records]
-
-
 @pytest.mark.parametrize("strategy", ["optim_grads", ZERO_3])
 def test_fp16_overflow_on_one_replica_skips_the_step_everywhere(pools, strategy):
-    for result in pools(2).run(_skipped_step, strategy):
+    for result in pools(2).run(step._overflow, use_megatron_fsdp=True,
+                               data_parallel_sharding_strategy=strategy):
         assert result == [(False, 1024.0), (True, 1024.0), (False, 512.0)]
 
 
@@ -215,6 +211,40 @@ def test_a_zero_3_checkpoint_resumes_under_zero_1_and_in_one_process(tmp_path):
                losses("one", "--load", str(tmp_path / "ck"))]
     for run in resumed:
         assert run == pytest.approx(straight[2:], rel=1e-5)
+
+
+def _resume_under_the_same_strategy(rank: int, save: str, layouts: list[Layout]) -> list:
+    """Two steps, a save, two more; a new trainer loads the save and takes
+    the same two: (layout, whether its records and final state equal the
+    uninterrupted trainer's bitwise) for each layout."""
+    results = []
+    for layout in layouts:
+        ctx = ParallelContext.build(RankGrid(tp=layout.t, dp=layout.d, pp=layout.p))
+        directory = f"{save}/{layout.name}"
+        straight = Trainer(_config(layout), ctx, CPU)
+        for i in range(2):
+            straight.step(i)
+        straight.save(directory, 2)
+        resumed = Trainer(_config(layout), ctx, CPU, start=(2, straight.consumed_before(2)))
+        resumed.load(directory)
+        same = True
+        for i in range(2, 4):
+            want, got = straight.step(i)[0], resumed.step(i)[0]
+            same &= all(got[key] == want[key] for key in ("loss", "grad_norm", "params_norm"))
+        for a, b in ((straight.buffer, resumed.buffer), (straight.optimizer, resumed.optimizer)):
+            for name in ("param_shards", "param_data", "grad_shard", "main", "exp_avg",
+                         "exp_avg_sq"):
+                if hasattr(a, name):
+                    same &= torch.equal(getattr(a, name), getattr(b, name))
+        results.append((layout.name, same))
+        ctx.destroy()
+    return results
+
+
+def test_a_resume_under_the_same_strategy_is_exact(pools, tmp_path):
+    layouts = [Layout(d=4), Layout(p=2, d=2, strategy=ZERO_3)]
+    for results in pools(4).run(_resume_under_the_same_strategy, str(tmp_path), layouts):
+        assert results == [(layout.name, True) for layout in layouts]
 
 
 def _default_buckets(rank: int) -> tuple[int, int]:
