@@ -242,10 +242,6 @@ ACCEPTED: tuple[AcceptedFlag, ...] = (
     AcceptedFlag("--overlap-grad-reduce", 0,
                  "always on in ptdp: each gradient bucket's data-parallel reduction starts as "
                  "soon as its gradients are final, during the rest of the backward"),
-    AcceptedFlag("--overlap-param-gather", 0,
-                 "with --use-distributed-optimizer ptdp all-gathers the updated weights right "
-                 "after the optimizer step, not overlapped with the next forward; the weights "
-                 "are the same"),
     AcceptedFlag("--no-masked-softmax-fusion", 0,
                  "ptdp has no separate masked-softmax kernel: the causal mask and the softmax "
                  "are inside PyTorch's attention kernel"),

@@ -73,6 +73,15 @@ class TrainConfig:
     use_distributed_optimizer: bool = flag(
         False, "--use-distributed-optimizer",
         "shard fp32 main weights and Adam states over the data-parallel ranks (ZeRO stage 1)")
+    overlap_param_gather: bool = flag(
+        False, "--overlap-param-gather",
+        "optim (--use-distributed-optimizer, ZeRO-1) and optim_grads (ZeRO-2): start the "
+        "all-gather of the updated weights after the optimizer step without waiting, each "
+        "bucket's waited for just before the next forward's first module using it, so the "
+        "gathers overlap that forward (without it they finish right after the step; the weights "
+        "are the same); optim_grads_params (ZeRO-3) always gathers each layer one layer ahead, "
+        "so it changes nothing there; needs --use-distributed-optimizer or --use-megatron-fsdp, "
+        "as in Megatron-LM (no_shard gathers nothing)")
     use_megatron_fsdp: bool = flag(
         False, "--use-megatron-fsdp",
         "shard over the data-parallel ranks what --data-parallel-sharding-strategy says "
@@ -432,6 +441,13 @@ def optimizer_problems(tr: TrainConfig) -> list[str]:
                         f"the second moment is 0; the default is 1e-08)")
     if finite_or_none(tr.weight_decay) and tr.weight_decay < 0:
         problems.append(f"--weight-decay={tr.weight_decay} must be >= 0 (0 turns weight decay off)")
+    if tr.overlap_param_gather and not (tr.use_distributed_optimizer or tr.use_megatron_fsdp):
+        # Megatron-LM refuses it there too: without a sharded optimizer there is no gather.
+        problems.append("--overlap-param-gather overlaps the all-gather of the distributed "
+                        "optimizer's updated weights with the next forward, but this run's "
+                        "optimizer is not sharded and gathers nothing: add "
+                        "--use-distributed-optimizer (or --use-megatron-fsdp), or drop "
+                        "--overlap-param-gather")
     return problems
 
 

@@ -21,6 +21,15 @@ With the distributed optimizer each bucket is padded to a multiple of d and
 reduce-scattered: data-parallel rank r receives the summed r-th 1/d of every
 bucket (`grad_shard`), the part whose fp32 weights and Adam states it owns.
 
+After the distributed optimizer's step every replica all-gathers the
+updated weights (`gather_params`). With --overlap-param-gather
+(`overlap_param_gather`) the gathers are only started, in forward order,
+and each bucket's is waited for by a forward pre-hook of the first module
+whose parameters it holds, so the gathers run during the next forward
+(Megatron-LM's meaning); whatever reads the weights otherwise between the
+step and that forward (a checkpoint, through `gathered`) waits for all of
+them first (`finish_param_gather`).
+
 The tied word embedding of the first and last pipeline stage has a bucket of
 its own: its gradient is first summed over the embedding group, then reduced
 over the replicas, when the iteration's backward has finished.
@@ -200,6 +209,8 @@ class GradBuffer:
                            if shard else None)
         self._counts: dict[nn.Parameter, int] = {}
         self._expected: dict[nn.Parameter, int] = {}
+        # --overlap-param-gather: gathers in flight, id(bucket) -> (handle, the shard it sends).
+        self.overlaps_param_gather, self._gathering = False, {}
 
     # One iteration ----------------------------------------------------------------
 
@@ -290,8 +301,10 @@ class GradBuffer:
 
     @contextlib.contextmanager
     def gathered(self, write_back: bool = False) -> Iterator[None]:
-        """Every parameter whole inside: always, here (ZeRO-3's gathers them:
-        sharded_params.py)."""
+        """Every parameter whole and up to date inside: here once any
+        gather of the updated weights in flight has finished (ZeRO-3's
+        gathers them: sharded_params.py)."""
+        self.finish_param_gather()
         yield
 
     @property
@@ -308,12 +321,59 @@ class GradBuffer:
         return start, start + part
 
     def gather_params(self, updated_shard: torch.Tensor) -> None:
-        """Distributed optimizer: every replica gets every updated weight."""
-        for bucket in self.buckets:
-            part = self.param_data[bucket.start:bucket.end]
-            size = bucket.size // bucket.replicas.size
-            mine = updated_shard[bucket.shard_start:bucket.shard_start + size].to(part.dtype)
-            if bucket.replicas.group is None:
-                part.copy_(mine)
-            else:
-                all_gather_flat(part, mine, bucket.replicas.group)
+        """Distributed optimizer: every replica gets every updated weight,
+        at once, or with --overlap-param-gather by the next forward (each
+        bucket's gather started here, in forward order: the first layers'
+        buckets, the last in `buckets`, first, the same order on every rank)."""
+        self.finish_param_gather()
+        with torch.no_grad():
+            for bucket in reversed(self.buckets):
+                part = self.param_data[bucket.start:bucket.end]
+                size = bucket.size // bucket.replicas.size
+                mine = updated_shard[bucket.shard_start:bucket.shard_start + size].to(part.dtype)
+                if bucket.replicas.group is None:
+                    part.copy_(mine)
+                elif self.overlaps_param_gather:
+                    handle = all_gather_flat(part, mine, bucket.replicas.group, async_op=True)
+                    self._gathering[id(bucket)] = (handle, mine)
+                else:
+                    all_gather_flat(part, mine, bucket.replicas.group)
+
+    def overlap_param_gather(self, units: list[tuple[nn.Module, list[nn.Parameter]]]) -> None:
+        """--overlap-param-gather: from now on `gather_params` only starts
+        the gathers, and before each of `units`' modules runs its forward
+        (a forward pre-hook) the gathers of every bucket holding any of its
+        parameters are waited for. `units`: (module, the parameters its
+        forward uses first), covering every parameter a forward uses (those
+        outside this buffer, as LoRA's frozen base, are left out)."""
+        self.overlaps_param_gather = True
+        owner = weakref.ref(self)  # (not kept alive by its modules' hooks: see __init__)
+        waits = [list({id(self._bucket_of[p]): self._bucket_of[p]
+                       for p in params if p in self._bucket_of}.values()) for _, params in units]
+        # A bucket of parameters no unit names (none in ptdp's models) before the first forward.
+        named = {id(bucket) for buckets in waits for bucket in buckets}
+        if units:
+            waits[0] += [bucket for bucket in self.buckets if id(bucket) not in named]
+        for (module, _), buckets in zip(units, waits):
+            if not buckets:
+                continue
+
+            def before_forward(_module, _args, buckets=buckets) -> None:
+                buffer = owner()
+                if buffer is not None:
+                    buffer._wait_for_gathers(buckets)
+
+            module.register_forward_pre_hook(before_forward)
+
+    def _wait_for_gathers(self, buckets: list[Bucket]) -> None:
+        for bucket in buckets:
+            started = self._gathering.pop(id(bucket), None)
+            if started is not None and started[0] is not None:
+                started[0].wait()
+
+    def finish_param_gather(self) -> None:
+        """Wait for every gather of the updated weights still in flight
+        (--overlap-param-gather): before anything but the next forward reads
+        the weights, or the optimizer changes the shards they come from."""
+        if self._gathering:
+            self._wait_for_gathers(self.buckets)

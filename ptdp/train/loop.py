@@ -149,6 +149,11 @@ class Trainer:
         # The trained parameters: all, or with --lora-rank the adapters only,
         # the frozen base kept in the training precision outside the buffers.
         self.buffer = self._gradient_buffer(loss_rank)
+        if tr.overlap_param_gather and tr.sharding_strategy in ("optim", "optim_grads"):
+            # The updated weights' gathers wait in each unit's forward pre-hook
+            # (ZeRO-3 always gathers a unit ahead: nothing to change there).
+            self.buffer.overlap_param_gather([(module, unit) for chunk in self.chunks
+                                              for module, unit, _ in chunk.sharding_units()])
         self.optimizer = Optimizer(self.buffer, ctx, tr,
                                    decoupled=embedding_and_output_weights(self.chunks))
         # Under sequence parallelism each tensor rank sends its own s/t
@@ -505,6 +510,7 @@ def train(config: Config, ctx: ParallelContext, device: torch.device) -> list[di
         stopper.close()
         trainer.train_batches.close()  # --num-workers' processes end with the run
         log.close()
+    trainer.buffer.finish_param_gather()  # (--overlap-param-gather: the last step's)
     log.finish(history)
     return history
 

@@ -5,7 +5,9 @@ The optimizer steps fp32 *main* weights. Without sharding they cover the
 whole flat buffer (for an fp32 model they are the model's weights
 themselves); with `--use-distributed-optimizer` each data-parallel rank keeps
 main weights and Adam moments only for its 1/d of every bucket, steps them
-from the reduce-scattered gradients, and all-gathers the updated weights.
+from the reduce-scattered gradients, and all-gathers the updated weights
+(with --overlap-param-gather: starts to, the next forward waits for them;
+see GradBuffer.gather_params).
 AdamW is element-wise, so sharding changes no number: the same arithmetic
 runs on every element, only on another rank.
 
@@ -206,6 +208,9 @@ class Optimizer:
     def step(self, lr: float, decoupled_lr: float | None = None) -> StepResult:
         """One optimizer step at rate `lr`; the `decoupled` parameters step
         at `decoupled_lr` (None: at `lr` too)."""
+        # --overlap-param-gather: a gather no forward waited for (its bucket
+        # used by none) still reads the shard this step changes.
+        self.buffer.finish_param_gather()
         grads = self.buffer.reduced_grads
         scale = self.scaler.scale
         if scale != 1.0:
