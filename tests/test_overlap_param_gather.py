@@ -138,3 +138,25 @@ def test_the_flag_is_a_setting_refused_without_a_sharded_optimizer():
     assert not config_from_args(_args("--use-distributed-optimizer")).train.overlap_param_gather
     with pytest.raises(ConfigError, match="--overlap-param-gather .* add --use-distributed-optimizer"):
         validate(config_from_args(_args("--overlap-param-gather")))
+
+
+def test_plan_prices_the_overlap_and_keeps_the_flag(capsys):
+    """`ptdp plan --overlap-param-gather`: the gather of the updated weights
+    hides under the next forward (a shorter iteration than without), and the
+    command it prints for a ZeRO-1 layout carries the flag."""
+    import json
+
+    from ptdp.cli import main
+
+    plan = ["plan", "--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
+            "--seq-length", "1024", "--gpus", "8", "--global-batch-size", "64", "-t", "1", "-p",
+            "1", "--micro-batch-size", "1", "--recompute-granularity", "full",
+            "--use-distributed-optimizer"]
+    seconds = []
+    for flags in ([], ["--overlap-param-gather"]):
+        assert main([*plan, *flags, "--json"]) == 0
+        seconds.append(json.loads(capsys.readouterr().out)["results"][0]["iteration_seconds"])
+    assert seconds[1] < seconds[0]
+    assert main([*plan, "--overlap-param-gather", "--print-flags"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith(
+        "--use-distributed-optimizer --overlap-param-gather")

@@ -397,3 +397,39 @@ def test_zero2_and_zero3_pay_their_collectives():
     # ZeRO-3 gathers no updated weights after the step.
     assert predicted["zero3"].seconds_by_category["optimizer"] < \
         predicted["zero2"].seconds_by_category["optimizer"] / 4
+
+
+def test_under_pipelines_zero_3_keeps_its_parameters_unless_they_would_not_fit(monkeypatch):
+    """--fsdp-reshard-after-forward not given: on at p = 1; off at p = 2
+    (one gather per layer and iteration: bench/reshard.py), but on, with a
+    note, where by the memory model the kept parameters would not fit this
+    machine and letting them go would."""
+    from ptdp.commands import train_checks
+    from ptdp.perf import fits
+
+    assert TrainConfig().reshard_after_forward(1) and not TrainConfig().reshard_after_forward(2)
+    assert TrainConfig(fsdp_reshard_after_forward=True).reshard_after_forward(2)
+
+    def config(p: int) -> Config:
+        return Config(model=dataclasses.replace(GPT_1B, recompute_granularity="full"),
+                      parallel=ParallelConfig(pipeline_model_parallel_size=p, data_parallel_size=2,
+                                              device="cpu"),
+                      train=TrainConfig(micro_batch_size=1, global_batch_size=64, bf16=True,
+                                        use_megatron_fsdp=True))
+
+    needs = {}
+    for reshard in (True, False):
+        run = config(2)
+        run.train.fsdp_reshard_after_forward = reshard
+        needs[reshard] = fits._host_bytes(run, fits.estimate(run, "cpu"),
+                                          run.parallel.world_size)[0]
+    assert needs[False] > needs[True]
+    for memory, kept in ((needs[False] + 2**30, True), ((needs[False] + needs[True]) // 2, False)):
+        monkeypatch.setattr(fits, "host_memory_bytes", lambda memory=memory: memory)
+        run = config(2)
+        notes = train_checks.resolve_reshard_after_forward(run, None)
+        assert run.train.fsdp_reshard_after_forward is (not kept), memory
+        assert bool(notes) is (not kept) and all("--fsdp-reshard-after-forward" in n for n in notes)
+    one_stage = config(1)  # nothing to decide: on, left to the default
+    assert train_checks.resolve_reshard_after_forward(one_stage, None) == []
+    assert one_stage.train.fsdp_reshard_after_forward is None

@@ -177,6 +177,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
         profile = load_profile(args.gpu)
     except (OSError, ValueError) as error:
         raise ConfigError([f"--gpu {args.gpu}: {error}"]) from None
+    if args.overlap_param_gather:
+        profile = dataclasses.replace(profile, overlap_param_gather=True)
     lora = lora_from_args(args, model)
     workload = Workload(model, args.global_batch_size, args.precision, LoRAWork.of(lora))
     fixed = fixed_dimensions(args, model, args.gpus)
@@ -228,6 +230,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
     if args.print_flags:
         command = train_command(model, results[0].layout, args.global_batch_size, args.precision)
         command += "".join(" " + flag for flag in lora_flags(lora))
+        if args.overlap_param_gather and results[0].layout.sharding in ("optim", "optim_grads"):
+            command += " --overlap-param-gather"
         print(("" if args.json else "\n") + command, file=sys.stdout)
     if args.plot:
         plot(results, args.plot)
@@ -272,12 +276,15 @@ def add_layout_flags(parser: argparse.ArgumentParser) -> None:
                              "--data-parallel-sharding-strategy's")
     layout.add_argument("--data-parallel-sharding-strategy", choices=SHARDING_STRATEGIES,
                         help="with --use-megatron-fsdp: no_shard, optim (ZeRO-1), optim_grads "
-                             "(ZeRO-2) or optim_grads_params (ZeRO-3, the default, which `ptdp "
-                             "train` does not run yet)")
+                             "(ZeRO-2) or optim_grads_params (ZeRO-3, the default)")
     layout.add_argument("--fsdp-reshard-after-forward", action=argparse.BooleanOptionalAction,
                         help="ZeRO-3: free each unit's gathered parameters after its forward "
                              "(or, with --no-..., keep a stage's across its microbatches); "
                              "searched unless given")
+    layout.add_argument("--overlap-param-gather", action="store_true",
+                        help="as for `ptdp train`: ZeRO-1's and ZeRO-2's all-gather of the "
+                             "updated weights runs under the next forward (priced so; the "
+                             "printed command keeps the flag where the strategy gathers them)")
     layout.add_argument("--no-scatter-gather-tensors-in-pipeline", dest="scatter_gather",
                         action="store_false", help="as for `ptdp train`")
     layout.add_argument("--decoder-first-pipeline-num-layers", type=int, metavar="N",

@@ -133,7 +133,8 @@ def run_train(config: Config, explicit: Sequence[str] = (), accepted: Sequence =
     from ptdp.checkpoint.data_settings import resolve_data
     from ptdp.device import resolve_kind
     from ptdp.distributed import LOOPBACK, DistEnv, detect_env
-    from ptdp.commands.train_checks import launch_problems, warn_about_free_space
+    from ptdp.commands.train_checks import (launch_problems, resolve_reshard_after_forward,
+                                            warn_about_free_space)
     from ptdp.launch import CPU_RANK_MODULES, LocalJobFailed, launch_local
     from ptdp.perf.local_processes import local_process_problems
     from ptdp.checkpoint.store import nothing_to_train
@@ -153,6 +154,7 @@ def run_train(config: Config, explicit: Sequence[str] = (), accepted: Sequence =
         validate(config, world_size=env.world_size if env is not None else None)
     except ConfigError as error:  # reported together with the refused flags
         raise ConfigError(refused + error.problems) from None
+    adjusted += resolve_reshard_after_forward(config, env) if not refused else []
     # --sft tokenizes its files while checking them: only once all else holds.
     problems = (refused + ([] if config.data.sft else check_datasets(config))
                 + launch_problems(config, env)  # after validate: the layout's arithmetic holds

@@ -48,6 +48,26 @@ def _output_path_problems(config: Config) -> list[str]:
     return problems
 
 
+def resolve_reshard_after_forward(config: Config, env) -> list[str]:
+    """ZeRO-3 under pipeline parallelism, --fsdp-reshard-after-forward not
+    given: each stage keeps its gathered parameters through an iteration
+    (one gather per layer, not two per microbatch: bench/reshard.py), unless
+    by the memory model they would not fit and letting them go would; then
+    it lets them go, and the note returned says so."""
+    tr = config.train
+    if tr.sharding_strategy != "optim_grads_params" or tr.fsdp_reshard_after_forward is not None \
+            or config.parallel.pipeline_model_parallel_size == 1:
+        return []
+    tr.fsdp_reshard_after_forward = False
+    if not _memory_problems(config, env):
+        return []
+    tr.fsdp_reshard_after_forward = True
+    return ["ptdp: under pipeline parallelism ZeRO-3 keeps each stage's gathered parameters "
+            "through an iteration by default, but by ptdp's memory model they would not fit "
+            "here: each layer is let go after its forward and gathered again for its backward "
+            "(--fsdp-reshard-after-forward)"]
+
+
 def _memory_problems(config: Config, env) -> list[str]:
     """A model that cannot fit this machine's memory by the analytic model's
     estimate (ptdp.perf.fits), refused before its ranks allocate it."""

@@ -241,7 +241,10 @@ ACCEPTED: tuple[AcceptedFlag, ...] = (
                  "local or transformer_engine"),
     AcceptedFlag("--overlap-grad-reduce", 0,
                  "always on in ptdp: each gradient bucket's data-parallel reduction starts as "
-                 "soon as its gradients are final, during the rest of the backward"),
+                 "soon as its gradients are final, during the rest of the backward (an "
+                 "all-reduce, or a reduce-scatter with --use-distributed-optimizer; under "
+                 "--use-megatron-fsdp's optim_grads and optim_grads_params one per bucket and "
+                 "microbatch)"),
     AcceptedFlag("--no-masked-softmax-fusion", 0,
                  "ptdp has no separate masked-softmax kernel: the causal mask and the softmax "
                  "are inside PyTorch's attention kernel"),

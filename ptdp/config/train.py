@@ -93,12 +93,15 @@ class TrainConfig:
         "(and gradients, reduce-scattered per microbatch as buckets complete: ZeRO-2), "
         "optim_grads_params (and parameters: ZeRO-3)",
         choices=("no_shard", "optim", "optim_grads", "optim_grads_params"))
-    fsdp_reshard_after_forward: bool = flag(
-        True, "--fsdp-reshard-after-forward",
+    fsdp_reshard_after_forward: bool | None = flag(
+        None, "--fsdp-reshard-after-forward",
         "optim_grads_params: let a unit's (a layer's) gathered parameters go after its forward and "
         "gather them again for its backward, per microbatch (the least memory); off "
         "(--no-fsdp-reshard-after-forward): keep each gathered from its first use to the "
-        "iteration's end (one gather per unit and iteration, a stage's whole parameters held)",
+        "iteration's end (one gather per unit and iteration, a stage's whole parameters held). "
+        "Default: on without pipeline parallelism; off under it (a stage's 2m gathers per layer "
+        "and iteration become one), unless by the memory model the stage's whole parameters "
+        "would not fit",
         off_flag="--no-fsdp-reshard-after-forward")
     ddp_bucket_size: int = flag(
         40_000_000, "--ddp-bucket-size",
@@ -314,6 +317,14 @@ class TrainConfig:
         if self.use_megatron_fsdp:
             return self.data_parallel_sharding_strategy
         return "optim" if self.use_distributed_optimizer else "no_shard"
+
+    def reshard_after_forward(self, pipeline_size: int) -> bool:
+        """--fsdp-reshard-after-forward as given, else its default: on
+        without pipeline parallelism, off under it (ptdp train turns it on
+        before launch where keeping would not fit: train_checks)."""
+        if self.fsdp_reshard_after_forward is None:
+            return pipeline_size == 1
+        return self.fsdp_reshard_after_forward
 
     def batch_size(self, data_parallel_size: int) -> int:
         """B: --global-batch-size, after any ramp-up (ptdp.data.batches)."""

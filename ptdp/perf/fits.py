@@ -46,7 +46,7 @@ def layout_of(config: Config) -> Layout:
     return Layout(t=par.tensor_model_parallel_size, p=par.pipeline_model_parallel_size,
                   d=par.dp, b=tr.micro_batch_size, v=v, recompute=model.recompute_granularity,
                   sharding=tr.sharding_strategy,
-                  reshard_after_forward=tr.fsdp_reshard_after_forward,
+                  reshard_after_forward=tr.reshard_after_forward(par.pipeline_model_parallel_size),
                   scatter_gather=par.scatter_gather_tensors_in_pipeline,
                   schedule=par.pipeline_schedule, sequence_parallel=par.sequence_parallel,
                   split=par.layer_split, c=par.context_parallel_size, cp_comm=par.cp_comm_type)

@@ -91,7 +91,7 @@ def sharding_line(config: Config, replicas: int) -> str:
             f"over the d·c = {replicas} data-parallel ranks{experts})")
     if tr.sharding_strategy == "optim_grads_params":
         line += ("; each layer gathered before its forward and again before its backward"
-                 if tr.fsdp_reshard_after_forward else
+                 if tr.reshard_after_forward(config.parallel.pipeline_model_parallel_size) else
                  "; each layer gathered once per iteration and kept to its end "
                  "(--no-fsdp-reshard-after-forward)")
     return line

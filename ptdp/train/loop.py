@@ -221,7 +221,7 @@ class Trainer:
             unit_of = {param: i for i, (_, unit) in enumerate(units) for param in unit}
             return ShardedGradBuffer(params, ctx, unit_of=unit_of, **options)
         return ShardedParamBuffer(params, ctx, units=units, ends=ends, frozen=frozen,
-                                  reshard_after_forward=tr.fsdp_reshard_after_forward, **options)
+                                  reshard_after_forward=tr.reshard_after_forward(ctx.pp_size), **options)
 
     def schedule_for(self, num_micro: int):
         """The pipeline schedule of an iteration of `num_micro` microbatches:

@@ -205,7 +205,8 @@ def fix_all_layout(args: Any, model: ModelConfig, devices: int) -> Layout:
                   b=args.micro_batch_size or 1, v=v,
                   schedule=schedule, recompute=args.recompute_granularity,
                   sharding=sharding_of(args) or "no_shard",
-                  reshard_after_forward=args.fsdp_reshard_after_forward in (None, True),
+                  reshard_after_forward=(p == 1 if args.fsdp_reshard_after_forward is None
+                                         else args.fsdp_reshard_after_forward),  # (train's default)
                   sequence_parallel=args.sequence_parallel, split=_split_of(args), c=c,
                   cp_comm=(args.cp_comm_type or "p2p") if c > 1 else "p2p",
                   ep=args.expert_model_parallel_size or 1, etp=args.expert_tensor_parallel_size,

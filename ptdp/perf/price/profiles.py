@@ -146,7 +146,8 @@ class HardwareProfile:
     # backward (ptdp, Megatron-LM's --overlap-grad-reduce) or all after the
     # flush (Megatron-LM 2021's local DDP); the distributed optimizer's
     # all-gather of the updated weights under the next iteration's forward
-    # (--overlap-param-gather; ptdp gathers after the step); the
+    # (--overlap-param-gather, which ptdp runs too when given; `ptdp plan
+    # --overlap-param-gather` sets it); the
     # sequence-parallel tensor collectives pipelined with the GEMM each
     # feeds or follows (--tp-comm-overlap; ptdp runs them between GEMMs);
     # rotary embeddings in one fused kernel (Megatron-Core's default rope
