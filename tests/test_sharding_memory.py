@@ -162,6 +162,37 @@ def test_the_model_counts_what_each_strategy_holds(measured):
                 step.MODEL, layout, 0, BUCKET)
 
 
+def _measured_at_p2(rank: int) -> list[dict]:
+    """ZeRO-2 and ZeRO-3 (both reshard policies) at p = 2, d = 2: each
+    rank's tensors after an iteration, with its pipeline rank."""
+    ctx = ParallelContext.build(RankGrid(tp=1, dp=2, pp=2))
+    results = []
+    for strategy, reshard in (("optim_grads", True), (STRATEGIES[-1], True),
+                              (STRATEGIES[-1], False)):
+        config = step._config(p=2, d=2, bf16=True, ddp_bucket_size=BUCKET,
+                              global_batch_size=BATCH, use_megatron_fsdp=True,
+                              data_parallel_sharding_strategy=strategy,
+                              fsdp_reshard_after_forward=reshard)
+        trainer = Trainer(config, ctx, torch.device("cpu"))
+        gathers = trace_gathers(trainer)
+        trainer.step(0)
+        results.append({"strategy": strategy, "reshard": reshard, "stage": ctx.pp_rank,
+                        **state_tensors(trainer, gathers)})
+    return results
+
+
+def test_the_model_counts_each_pipeline_stage(pools):
+    """At p = 2 (1F1B, m = 4 per replica) the model's figures for each
+    stage's weights, gradients and optimizer state are the measured ones,
+    and bound what ZeRO-2/3 held in flight, under both reshard policies."""
+    workload = Workload(step.MODEL, BATCH, "bf16")
+    rows = [row for rows in pools(4).run(_measured_at_p2) for row in rows]
+    assert {row["stage"] for row in rows} == {0, 1}
+    for row in rows:
+        layout = Layout(p=2, d=2, sharding=row["strategy"], reshard_after_forward=row["reshard"])
+        check_state_tensors(row, workload, layout, row["stage"], BUCKET)
+
+
 LORA = LoRAConfig(lora_rank=4, lora_target_modules=["linear_qkv", "linear_fc2"])
 
 
