@@ -28,10 +28,18 @@ and end (os.getloadavg; the machine is shared), and beside the measured
 figures what ptdp's performance model predicts for both policies on this
 layout: ptdp.perf.analytic.memory.memory_per_rank (CPU kernels; the
 weights' bytes and the total per pipeline rank) and
-ptdp.perf.simulate.predict.simulate's iteration time (on `--profile`,
-a100 by default as `ptdp plan`'s; `local` after `ptdp calibrate`).
+ptdp.perf.simulate.predict.simulate's iteration time (on this machine's
+profile, calibrated first as `ptdp calibrate` does; `--profile` names
+another).
+
+On CPU the resident set also follows glibc's allocator: a policy that
+lets whole parameters go and takes them back many times an iteration can
+leave freed heap behind, so `--malloc-mmap-threshold 65536` (glibc's
+MALLOC_MMAP_THRESHOLD_ in the ranks, as bench/memory.py sets it) measures
+the resident set with freed tensors returned at once.
 
     .venv/bin/python bench/reshard.py [--write]   # the figures in RESULTS.md
+    .venv/bin/python bench/reshard.py --malloc-mmap-threshold 65536 --write
     .venv/bin/python bench/reshard.py --tiny      # a few seconds: checks the harness
 """
 
@@ -82,8 +90,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=int, default=8, help="m per iteration (micro batch 1)")
     p.add_argument("--iters", type=int, default=4, help="timed iterations per run (after one warm-up)")
     p.add_argument("--pairs", type=int, default=3, help="alternating reshard/keep pairs per row")
-    p.add_argument("--profile", default="a100",
-                   help="the hardware profile of the predicted time (a100, local, or a JSON path)")
+    p.add_argument("--profile", default=None,
+                   help="the hardware profile of the predicted time: calibrate (measure this "
+                        "machine first, under a minute; the default), a100, h100, h200, local "
+                        "(`ptdp calibrate`'s) or a JSON path; a100 under --tiny")
+    p.add_argument("--malloc-mmap-threshold", type=int, metavar="BYTES",
+                   help="glibc serves allocations above BYTES by mmap in the ranks "
+                        "(MALLOC_MMAP_THRESHOLD_), so that freed whole parameters leave the "
+                        "resident set at once; default glibc's own, adaptive")
     p.add_argument("--tiny", action="store_true",
                    help="a tiny GPT, 1 timed iteration, 1 pair: checks the harness in seconds")
     p.add_argument("--json", metavar="PATH", help="also write every figure as JSON")
@@ -95,7 +109,20 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if args.tiny:
         args.layers, args.hidden, args.heads, args.seq, args.vocab = 4, 32, 4, 32, 256
         args.microbatches, args.iters, args.pairs = 4, 1, 1
+    args.profile = args.profile or ("a100" if args.tiny else "calibrate")
+    args.hardware = hardware_profile(args.profile)
     return args
+
+
+def hardware_profile(name: str):
+    """The profile the predicted times are priced on."""
+    if name == "calibrate":
+        from ptdp.perf.calibrate.profile import calibrate
+
+        return calibrate(log=lambda line: print(f"calibrate: {line}", file=sys.stderr))
+    from ptdp.perf.price.profiles import load_profile
+
+    return load_profile(name)
 
 
 def train_flags(args, p: int, layout: list[str], policy: str) -> list[str]:
@@ -202,18 +229,17 @@ def loss_difference(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
 
 
-def predict(flags: list[str], profile_name: str) -> dict:
+def predict(flags: list[str], profile) -> dict:
     """The performance model's memory per pipeline rank and iteration time."""
     from ptdp.perf.analytic.memory import memory_per_rank
     from ptdp.perf.fits import layout_of, workload_of
-    from ptdp.perf.price.profiles import load_profile
     from ptdp.perf.simulate.predict import simulate
 
     config = config_of(flags)
     workload, layout = workload_of(config), layout_of(config)
     memory = memory_per_rank(workload, layout, kernels="cpu",
                              bucket_size=config.train.ddp_bucket_size)
-    seconds = simulate(workload, layout, load_profile(profile_name)).iteration_seconds
+    seconds = simulate(workload, layout, profile).iteration_seconds
     return {"memory": memory, "seconds": seconds}
 
 
@@ -242,7 +268,7 @@ def run_row(args, name: str, p: int, layout: list[str], runner=launched) -> dict
             "run_ms": [1e3 * statistics.median(run["seconds"]) for run in mine],
             **{key: [statistics.median(run[key][rank] for run in mine) for rank in range(WORLD)]
                for key in ("peak_memory", "vm_hwm", "full_param_bytes")},
-            "predicted": predict(train_flags(args, p, layout, policy), args.profile)}
+            "predicted": predict(train_flags(args, p, layout, policy), args.hardware)}
     row["ratio"] = row["policies"]["keep"]["ms"] / row["policies"]["reshard"]["ms"]
     row["pair_ratios"] = [k / r for k, r in zip(row["policies"]["keep"]["run_ms"],
                                                 row["policies"]["reshard"]["run_ms"])]
@@ -257,12 +283,21 @@ def _mib1(values) -> str:
     return "/".join(f"{v / MIB:.1f}" for v in values)
 
 
+def _quoted_options() -> list[str]:
+    """This command's options for the record, less --json's file (a machine path)."""
+    options = sys.argv[1:]
+    if "--json" in options:
+        at = options.index("--json")
+        options = options[:at] + options[at + 2:]
+    return [o for o in options if not o.startswith("--json=")]
+
+
 def table(args, results: list[dict]) -> str:
     lines = [f"### {datetime.date.today()}: GPT {args.layers} × {args.hidden}, "
              f"{args.heads} heads, s {args.seq}, vocab {args.vocab}, fp32, micro batch 1, "
              f"m = {args.microbatches} per pipeline per iteration, 4 processes × 1 thread",
              "",
-             f"Command: `{' '.join(['python bench/reshard.py'] + sys.argv[1:])}`; "
+             f"Command: `{' '.join(['python bench/reshard.py'] + _quoted_options())}`; "
              f"{cpu_name()}, {os.cpu_count()} cores shared by the 4 ranks and other users. "
              f"ZeRO-3 (`--use-megatron-fsdp --data-parallel-sharding-strategy "
              f"optim_grads_params`); reshard = `--fsdp-reshard-after-forward`, keep = "
@@ -275,8 +310,13 @@ def table(args, results: list[dict]) -> str:
              f"VmHWM (the rank's own address space; ru_maxrss carries the launcher's resident "
              f"set across fork + exec), the most whole-parameter bytes held at once "
              f"(full_param_bytes). Predicted: ptdp.perf memory_per_rank (CPU kernels) per "
-             f"pipeline rank, weights and total, and simulate's iteration time on the "
-             f"`{args.profile}` profile (not this CPU: only its ratio compares)."
+             f"pipeline rank, weights and total, and simulate's iteration time on "
+             + ("this machine's profile, calibrated in the run (`ptdp calibrate`'s measurements)."
+                if args.profile == "calibrate" else
+                f"the `{args.profile}` profile (not this CPU: only its ratio compares).")
+             + (f" glibc's mmap threshold {args.malloc_mmap_threshold} bytes in the ranks "
+                f"(MALLOC_MMAP_THRESHOLD_): freed whole parameters leave the resident set."
+                if args.malloc_mmap_threshold else " glibc's default (adaptive) mmap threshold.")
              + (" Tiny model: the figures check the harness, they are not results."
                 if args.tiny else ""), "",
              "| layout | load start→end | policy | ms / iteration | keep / reshard | losses "
@@ -308,7 +348,10 @@ def table(args, results: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = resolve(parser().parse_args(argv))
+    args = parser().parse_args(argv)
+    if args.malloc_mmap_threshold:   # before the ranks' fork server starts: glibc reads it then
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
+    args = resolve(args)
     started = time.time()
     results = []
     for name, p, layout in rows(max(1, args.layers // 4)):
