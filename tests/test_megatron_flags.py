@@ -82,7 +82,7 @@ def test_notes_come_before_launch_and_refusals_join_the_other_problems(no_launch
     for problem in ("--fp8-format hybrid: FP8 training needs Transformer Engine",
                     "--ckpt-format torch_dist: ptdp writes and reads its own checkpoint format",
                     "--kv-channels=0 must be a positive integer (each attention head's width)",
-                    "--rotary-percent 0.5: ptdp rotates the whole of each head"):
+                    "--rotary-percent 0.5 sets how much of each head is rotated, but the model has"):
         assert problem in err, problem
 
 
@@ -313,10 +313,8 @@ def test_each_refused_flag_is_refused_by_name_in_one_report(no_launch, capsys):
     (["--kv-lora-rank", "512"], "multi-latent attention"),
     (["--mtp-num-layers", "1"], "multi-token prediction"),
     (["--window-size", "128"], "sliding-window attention"),
-    (["--position-embedding-type", "yarn"], "YaRN rotary scaling"),
+    (["--rope-type", "yarn"], "multi-latent attention"),
     (["--softmax-type", "learnable"], "attention sinks"),
-    (["--mscale", "1.0"], "multi-latent attention"),
-    (["--rotary-scaling-factor", "40"], "multi-latent attention"),
     (["--tokenizer-type", "BertWordPieceCase"], "BERT's WordPiece"),
 ])
 def test_architectures_ptdp_lacks_say_what_they_are_and_what_to_use(flags, says, no_launch,

@@ -49,6 +49,11 @@ CHECKPOINT_ARCHITECTURE = (
     (("rope_scaling_factor",),
      lambda m: m.rope_scaling_factor if m.rope and m.use_rope_scaling else None),
     (("rotary_percent",), lambda m: m.rotary_percent if m.rope else None),
+    (("rotary_base_local",), lambda m: m.rotary_base_local if m.rope else None),
+    *(((name,), lambda m, name=name: getattr(m, name) if m.yarn else None)
+      for name in ("rotary_scaling_factor", "yarn_original_max_position_embeddings",
+                   "yarn_beta_fast", "yarn_beta_slow", "mscale", "mscale_all_dim",
+                   "yarn_correction_range_round_to_int")),
     # Mixtures of experts: which layers, the experts, and how tokens are routed.
     (("num_experts",), lambda m: m.num_experts),
     (("moe_layer_freq",),

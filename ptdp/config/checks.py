@@ -12,7 +12,8 @@ import math
 from typing import Any, Sequence
 
 from ptdp.plural import plural
-from ptdp.config.base import ConfigError, divisors, is_count, is_finite_number, nearest_multiple
+from ptdp.config.base import ConfigError, divisors, flag_in, is_count, is_finite_number, \
+    nearest_multiple
 from ptdp.config.context import context_parallel_problems
 from ptdp.config.data import data_loading_problems
 from ptdp.config.lora import lora_problems
@@ -111,6 +112,89 @@ def _choice_problems(config: Config) -> list[str]:
     return problems
 
 
+_YARN_SETTINGS = ("rotary_scaling_factor", "yarn_original_max_position_embeddings",
+                  "yarn_beta_fast", "yarn_beta_slow", "mscale", "mscale_all_dim",
+                  "yarn_correction_range_round_to_int")
+
+
+def _rotary_variant_problems(m: ModelConfig) -> list[str]:
+    """--rotary-percent, --rotary-base-local and YaRN's settings (each
+    float is finite here or reported by _float_problems)."""
+    problems = []
+    fine = is_finite_number
+    if fine(m.rotary_percent) and m.rotary_percent != 1.0:
+        if not m.rope:
+            problems.append(f"--rotary-percent {m.rotary_percent} sets how much of each head is "
+                            f"rotated, but the model has --position-embedding-type "
+                            f"{m.position_embedding_type}: add --position-embedding-type rope or "
+                            f"drop --rotary-percent")
+        elif not 0 < m.rotary_percent <= 1:
+            problems.append(f"--rotary-percent={m.rotary_percent} must be in (0, 1]: the fraction "
+                            f"of each head's width that is rotated (GPT-NeoX: 0.25)")
+        elif is_count(m.hidden_size, 1) and is_count(m.num_attention_heads, 1) and (
+                m.kv_channels is None or is_count(m.kv_channels, 1)):
+            width = int(m.head_dim * m.rotary_percent)
+            if width < 2 or width % 2:
+                problems.append(
+                    f"--rotary-percent {m.rotary_percent} of the head width {m.head_dim} rotates "
+                    f"int({m.rotary_percent}·{m.head_dim}) = {width} dimensions, which must be an "
+                    f"even number of at least 2 (rotary pairs): choose a fraction that gives one, "
+                    f"e.g. {max(2, width - width % 2) / m.head_dim:g}")
+    if m.rotary_base_local is not None and fine(m.rotary_base_local):
+        if not m.rope:
+            problems.append(f"--rotary-base-local {m.rotary_base_local:g} is the sliding-window "
+                            f"layers' rotary base, but the model has --position-embedding-type "
+                            f"{m.position_embedding_type}: add --position-embedding-type rope or "
+                            f"drop --rotary-base-local")
+        elif m.rotary_base_local <= 0:
+            problems.append(f"--rotary-base-local={m.rotary_base_local} must be > 0 (Gemma 3 uses "
+                            f"10000)")
+    if not m.yarn:
+        given = ["--no-yarn-correction-range-round-to-int" if value is False else
+                 f"{flag_in(ModelConfig, name)} {value}" for name in _YARN_SETTINGS
+                 if (value := getattr(m, name)) != getattr(ModelConfig, name)]
+        if given:
+            problems.append(f"{', '.join(given)}: YaRN's settings act only with "
+                            f"--position-embedding-type yarn, but the model has "
+                            f"{m.position_embedding_type}: add --position-embedding-type yarn or "
+                            f"drop them")
+        return problems
+    return problems + _yarn_problems(m)
+
+
+def _yarn_problems(m: ModelConfig) -> list[str]:
+    """YaRN's settings under --position-embedding-type yarn."""
+    problems = []
+    fine = is_finite_number
+    if m.use_rope_scaling:
+        problems.append("--use-rope-scaling (Llama 3.1's rescaling) and --position-embedding-type "
+                        "yarn both rescale the rotary frequencies: give one of them")
+    factor = m.rotary_scaling_factor
+    if fine(factor) and factor < 1:
+        problems.append(f"--rotary-scaling-factor={factor} must be at least 1 (how many times the "
+                        f"original context is stretched; gpt-oss uses 32)")
+    if not is_count(m.yarn_original_max_position_embeddings, 1):
+        problems.append(f"--yarn-original-max-position-embeddings="
+                        f"{m.yarn_original_max_position_embeddings!r} must be a positive integer "
+                        f"(the context the model was first trained at; gpt-oss: 4096)")
+    fast, slow = m.yarn_beta_fast, m.yarn_beta_slow
+    if fine(fast) and fine(slow) and not 0 < slow < fast:
+        problems.append(f"--yarn-beta-fast {fast} and --yarn-beta-slow {slow} must satisfy "
+                        f"0 < beta_slow < beta_fast: they are the turns over the original context "
+                        f"above which a pair keeps its frequency and below which it is slowed "
+                        f"(YaRN's paper and gpt-oss: 32 and 1)")
+    if fine(factor) and factor >= 1 and fine(m.mscale) and fine(m.mscale_all_dim):
+        numerator, denominator = (0.1 * scale * math.log(factor) + 1
+                                  for scale in (m.mscale, m.mscale_all_dim))
+        if numerator <= 0 or denominator <= 0:
+            problems.append(f"--mscale {m.mscale} and --mscale-all-dim {m.mscale_all_dim} with "
+                            f"--rotary-scaling-factor {factor} give the attention factor "
+                            f"{numerator:g} / {denominator:g}, which must be a positive ratio of "
+                            f"positive numbers (0.1·mscale·ln f + 1 each): use the defaults 1 and "
+                            f"0, or DeepSeek-V3's equal pair")
+    return problems
+
+
 def _megatron_shape_problems(config: Config) -> list[str]:
     """Megatron-LM's flags whose other values ptdp cannot honour, and the
     chunk count --num-virtual-stages-per-pipeline-rank."""
@@ -120,9 +204,7 @@ def _megatron_shape_problems(config: Config) -> list[str]:
         problems.append(f"--kv-channels={m.kv_channels!r} must be a positive integer (each "
                         f"attention head's width), or left out (--hidden-size / "
                         f"--num-attention-heads)")
-    if is_finite_number(m.rotary_percent) and m.rotary_percent != 1.0:  # (else: _float_problems)
-        problems.append(f"--rotary-percent {m.rotary_percent}: ptdp rotates the whole of each head "
-                        f"(partial rotary embeddings are not implemented): use 1.0 or leave it out")
+    problems.extend(_rotary_variant_problems(m))
     if m.activations_checkpoint_method is not None and (
             m.recompute_granularity != "full" or m.recompute_method != m.activations_checkpoint_method):
         problems.append(

@@ -14,7 +14,7 @@ checkpoint formats, its newer batch-size schedule, the mixture-of-experts
 extras: flex dispatch, upcycling, quantile balancing...): those are refused
 by name before launch with what they are and what to use instead, together
 with any other invalid setting; so are the values of Megatron-LM's choices
-that ptdp's settings lack (`REFUSED_VALUES`: --position-embedding-type yarn...).
+that ptdp's settings lack (`REFUSED_VALUES`: --position-embedding-type mrope...).
 
 The flags whose meaning ptdp implements (--decoupled-lr, --manual-gc,
 --attention-backend's report, ...) are ordinary settings in ptdp.config.
@@ -26,7 +26,7 @@ import argparse
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from ptdp.config.megatron_flag_classes import FAMILIES, YARN
+from ptdp.config.megatron_flag_classes import FAMILIES
 
 # Namespace attributes of these flags; no "." so they are not config settings.
 _DEST_PREFIX = "megatron_"
@@ -174,7 +174,10 @@ OWN_LINES: tuple[AcceptedFlag, ...] = (
                  refusal="attention sinks (an off-by-one or learnable softmax, gpt-oss's) are not yet "
                  "in ptdp: give --softmax-type vanilla or drop the flag"),
     AcceptedFlag("--rope-type", 1, "ptdp's rotary embedding is rope (--position-embedding-type rope)",
-                 choices=("rope", "yarn"), refused_choices=("yarn",), refusal=YARN.explanation),
+                 choices=("rope", "yarn"), refused_choices=("yarn",),
+                 refusal="Megatron-LM takes --rope-type yarn only with multi-latent attention, "
+                 "which ptdp does not have; YaRN with ordinary attention is "
+                 "--position-embedding-type yarn: give that and drop --rope-type"),
     AcceptedFlag("--dataloader-type", 1,
                  "ptdp's loader reads the dataset's (already shuffled) samples in order, once, as "
                  "Megatron-LM's single sampler does", choices=("single", "cyclic", "external"),
@@ -361,7 +364,6 @@ SPELLINGS = {"--override-opt-param-scheduler": "--override-opt_param-scheduler",
 _NOT_YET = "not yet in ptdp: give --position-embedding-type rope or learned_absolute"
 REFUSED_VALUES: dict[str, dict[str, str]] = {
     "--position-embedding-type": {
-        "yarn": YARN.explanation,
         "mrope": f"the multimodal rotary embedding (Qwen2-VL's) is {_NOT_YET}",
         "relative": f"T5's relative position buckets are {_NOT_YET}",
         "none": f"a model without position information (NoPE) is {_NOT_YET}"},

@@ -269,8 +269,7 @@ MULTI_LATENT_ATTENTION = Family(
     switches="""
         --cache-mla-latents --mla-down-proj-fusion --multi-latent-attention""",
     values="""
-        --kv-lora-rank --mscale --mscale-all-dim --q-lora-rank --qk-head-dim --qk-pos-emb-head-dim
-        --rotary-scaling-factor --v-head-dim""")
+        --kv-lora-rank --q-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim""")
 
 MULTI_TOKEN_PREDICTION = Family(
     "multi-token prediction (extra layers predicting later tokens, DeepSeek-V3's MTP)",
@@ -287,16 +286,6 @@ SLIDING_WINDOW = Family(
     refused=True,
     values="""
         --window-attn-skip-freq --window-size""")
-
-YARN = Family(
-    'YaRN rotary scaling (--position-embedding-type yarn)',
-    "use --position-embedding-type rope with --rotary-base (and --use-rope-scaling for Llama 3's "
-    "scaling)",
-    refused=True,
-    switches="""
-        --no-yarn-correction-range-round-to-int --yarn-correction-range-round-to-int""",
-    values="""
-        --yarn-beta-fast --yarn-beta-slow --yarn-original-max-position-embeddings""")
 
 ROPE_VARIANTS = Family(
     "a variant of the position embedding (interleaved, interpolated, multimodal or relative "
@@ -658,7 +647,6 @@ FAMILIES: tuple[Family, ...] = (
     MULTI_LATENT_ATTENTION,
     MULTI_TOKEN_PREDICTION,
     SLIDING_WINDOW,
-    YARN,
     ROPE_VARIANTS,
     ATTENTION_VARIANTS,
     HYBRID_MODELS,

@@ -68,10 +68,17 @@ class ModelConfig(MoEFields):
                         "multiple of 64)")
     position_embedding_type: str = flag(
         "learned_absolute", "--position-embedding-type",
-        "learned_absolute (a learned table added to the word embeddings) or rope (rotary "
-        "embeddings applied to each head's queries and keys)", choices=("learned_absolute", "rope"))
+        "learned_absolute (a learned table added to the word embeddings), rope (rotary "
+        "embeddings applied to each head's queries and keys) or yarn (rope with YaRN's "
+        "long-context frequencies and attention factor: --rotary-scaling-factor, --yarn-*, "
+        "--mscale)", choices=("learned_absolute", "rope", "yarn"))
     rotary_base: float = flag(10000.0, "--rotary-base",
                               "with rope: the base θ of the rotary frequencies")
+    rotary_base_local: float | None = flag(
+        None, "--rotary-base-local",
+        "with rope: the base θ of the sliding-window layers' rotary frequencies, unscaled (Gemma "
+        "3's rope_local_base_freq, 10000); default: those layers rotate as the others. Not a "
+        "Megatron-LM flag: Megatron-Bridge's Gemma 3 provider calls it rotary_base_local")
     group_query_attention: bool = flag(
         False, "--group-query-attention",
         "grouped-query attention: --num-query-groups key/value heads, each shared by "
@@ -107,6 +114,35 @@ class ModelConfig(MoEFields):
     rope_scaling_factor: float = flag(8.0, "--rope-scaling-factor",
                                       "with --use-rope-scaling: the factor (Llama 3.1: 8; "
                                       "Llama 3.2: 32)")
+    # YaRN (--position-embedding-type yarn): Megatron-LM's flags and defaults.
+    rotary_scaling_factor: float = flag(
+        1.0, "--rotary-scaling-factor",
+        "with yarn: how many times the original context is stretched (gpt-oss: 32); the "
+        "slowest rotary pairs turn this much slower")
+    yarn_original_max_position_embeddings: int = flag(
+        4096, "--yarn-original-max-position-embeddings",
+        "with yarn: the context the model was first trained at, over which each pair's turns "
+        "are counted")
+    yarn_beta_fast: float = flag(
+        32.0, "--yarn-beta-fast",
+        "with yarn: pairs turning more often than this over the original context keep their "
+        "frequency")
+    yarn_beta_slow: float = flag(
+        1.0, "--yarn-beta-slow",
+        "with yarn: pairs turning less often than this over the original context are slowed by "
+        "the whole factor; those between blend linearly")
+    mscale: float = flag(
+        1.0, "--mscale",
+        "with yarn: cos and sin are multiplied by the attention factor "
+        "(0.1·mscale·ln f + 1) / (0.1·mscale_all_dim·ln f + 1), f = --rotary-scaling-factor, "
+        "so each logit by its square")
+    mscale_all_dim: float = flag(0.0, "--mscale-all-dim",
+                                 "with yarn: the attention factor's denominator (see --mscale)")
+    yarn_correction_range_round_to_int: bool = flag(
+        True, "--yarn-correction-range-round-to-int",
+        "with yarn: round the blended pairs' range outwards to whole pairs (Hugging Face's "
+        "truncate; --no-yarn-correction-range-round-to-int keeps it fractional, as gpt-oss)",
+        off_flag="--no-yarn-correction-range-round-to-int")
     use_rotary_position_embeddings: bool = flag(
         False, "--use-rotary-position-embeddings",
         "older Megatron-LM's switch for --position-embedding-type rope")
@@ -116,8 +152,9 @@ class ModelConfig(MoEFields):
         "without one use rotary embeddings (--position-embedding-type rope)", negate=True)
     rotary_percent: float = flag(
         1.0, "--rotary-percent",
-        "with rope: the fraction of each head's width that is rotated (ptdp rotates all of it: "
-        "only 1.0)")
+        "with rope: the fraction p of each head's width d that is rotated: its first int(p·d) "
+        "dimensions, paired as halves of that width, turn and the rest pass unchanged "
+        "(Hugging Face's partial_rotary_factor)")
     attention_backend: str = flag(
         "auto", "--attention-backend",
         "Megatron-LM's choice of attention implementation; ptdp's is always PyTorch's "
@@ -135,7 +172,7 @@ class ModelConfig(MoEFields):
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the MoE settings' Megatron-LM readings
-        if self.use_rotary_position_embeddings:  # as Megatron-LM reads its older switch
+        if self.use_rotary_position_embeddings and not self.yarn:  # as Megatron-LM reads it
             self.position_embedding_type = "rope"
         # The alias sets what every consumer reads; with --recompute-granularity
         # full it is a contradiction that validate reports.
@@ -188,7 +225,12 @@ class ModelConfig(MoEFields):
 
     @property
     def rope(self) -> bool:
-        return self.position_embedding_type == "rope"
+        """Whether queries and keys are rotated (rope, or rope with YaRN)."""
+        return self.position_embedding_type in ("rope", "yarn")
+
+    @property
+    def yarn(self) -> bool:
+        return self.position_embedding_type == "yarn"
 
     @property
     def tied_output(self) -> bool:

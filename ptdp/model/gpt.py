@@ -47,7 +47,7 @@ from ptdp.model.adapters import attach_adapters
 from ptdp.model.fused import bias_dropout_add, bias_gelu, swiglu, zero_centred_norm
 from ptdp.model.moe import ExpertLinear, MoELayer
 from ptdp.model.recompute import checkpoint, recompute_active
-from ptdp.model.rotary import Rotary
+from ptdp.model.rotary import rotary_for
 from ptdp.parallel.context_attention import context_attention
 from ptdp.parallel.context_layout import rank_positions, split_sequence
 from ptdp.parallel.document_attention import Documents, document_causal_attention
@@ -184,10 +184,8 @@ class Attention(nn.Module):
         self.head_dim = d
         self.dropout = config.attention_dropout
         self.selective_recompute = config.recompute_granularity == "selective"
-        self.rotary = None
-        if config.rope:
-            scaling = config.rope_scaling_factor if config.use_rope_scaling else None
-            self.rotary = Rotary(d, config.rotary_base, scaling_factor=scaling)
+        # YaRN's attention factor is inside the rotation's cos/sin tables.
+        self.rotary = rotary_for(config)
         h, a, g = config.hidden_size, config.num_attention_heads, config.query_groups
         # Rows: the queries of all heads, then the keys and values of the groups.
         blocks = 3 if g == a else (a * d, g * d, g * d)
