@@ -280,3 +280,22 @@ def test_the_printed_command_is_one_to_fill_in(tmp_path, capsys):
     config = config_from_args(build_parser().parse_args(words[1:]))
     assert (config.train.load, config.train.use_checkpoint_args, config.data.mock_data) == (
         str(save), True, True)
+
+
+@pytest.mark.parametrize("settings, named", [
+    ({"position_embedding_type": "yarn"}, "--position-embedding-type yarn"),
+    ({"rotary_percent": 0.5}, "--rotary-percent 0.5"),
+    ({"rotary_base_local": 10000.0}, "--rotary-base-local")])
+def test_export_refuses_rotary_variants_no_family_writes(settings, named):
+    """YaRN, partial rotation and a local rotary base: an export as plain
+    rope would be another model; every rotary family names the setting
+    instead (GPT-2 has no rotary embeddings to begin with)."""
+    from ptdp.interop.hf_directory import family_for_export
+
+    import dataclasses
+
+    config = dataclasses.replace(_llama_model_config(), **settings)
+    with pytest.raises(ConversionError) as refused:
+        family_for_export(config)
+    rotary = [line for line in str(refused.value).splitlines()[1:] if "GPT-2" not in line]
+    assert rotary and all(named in line for line in rotary), str(refused.value)

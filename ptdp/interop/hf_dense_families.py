@@ -104,6 +104,15 @@ def llama_like_obstacles(config: ModelConfig, family: str = "Llama") -> list[str
     if not config.rope:
         obstacles.append(f"--position-embedding-type {config.position_embedding_type} ({family} "
                          f"has rotary embeddings)")
+    # Rotary variants no exported family writes yet: an export would be a
+    # different model, so they are named instead.
+    if config.yarn:
+        obstacles.append("--position-embedding-type yarn (ptdp does not export YaRN yet)")
+    if config.rope and config.rotary_percent != 1.0:
+        obstacles.append(f"--rotary-percent {config.rotary_percent:g} ({family} rotates the "
+                         f"whole head)")
+    if config.rotary_base_local is not None:
+        obstacles.append(f"--rotary-base-local ({family} has one rotary base)")
     return obstacles
 
 
