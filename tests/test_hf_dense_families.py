@@ -1,16 +1,17 @@
 """Hugging Face's Llama-like dense families, against transformers as the outside reference.
 
-For random-weight Qwen2, Qwen3, Mistral (no sliding window) and Llama 3.1
-(rope_type llama3) models of small shapes (grouped-query attention, tied and
-untied, heads wider than h/a for Qwen3, q/k/v biases for Qwen2; fp32, CPU):
+For random-weight Qwen2, Qwen3, Mistral and Llama 3.1 (rope_type llama3)
+models of small shapes (grouped-query attention, tied and untied, heads wider
+than h/a for Qwen3, q/k/v biases for Qwen2, sliding windows shorter than the
+sequence for Mistral and Qwen2; fp32, CPU):
 
 * HF -> ptdp: save_pretrained, `ptdp convert --from-hf`, and the one-process
   model built from the checkpoint gives transformers' logits within 1e-5;
 * ptdp -> HF: a random ptdp model with the family's flags, `ptdp convert
   --to-hf`, and transformers' `from_pretrained` (of the class export picked)
   gives ours;
-* what ptdp cannot compute (sliding windows, other rescalings, Qwen3's
-  attention biases) is refused with the key named.
+* what ptdp cannot compute (other rescalings, Qwen3's attention biases, a
+  Llama's window) is refused with the key named.
 
 The convert -> train hint is tested at the end: the command the import
 prints, run as printed, trains at t = 2.
@@ -74,6 +75,13 @@ SHAPES = [
     ("mistral-gqa-untied", "MistralConfig", dict(num_key_value_heads=2, intermediate_size=48,
                                                  sliding_window=None, tie_word_embeddings=False),
      20),
+    # Sliding windows shorter than the sequence: Mistral's on every layer,
+    # Qwen2's from max_window_layers on (layer 0 full, layer 1 windowed).
+    ("mistral-window", "MistralConfig", dict(num_key_value_heads=2, intermediate_size=48,
+                                             sliding_window=5, tie_word_embeddings=False), 20),
+    ("qwen2-window-from-layer-1", "Qwen2Config",
+     dict(num_key_value_heads=2, intermediate_size=37, tie_word_embeddings=True,
+          use_sliding_window=True, sliding_window=4, max_window_layers=1), 20),
     # Llama 3.1: with θ 500000 and 16-wide heads, 3 of 8 pairs turn slower than
     # once per 8192 positions and 1 lies in the blend; over 128 positions the
     # logits move by some 3e-3 without the rescaling.
@@ -120,7 +128,16 @@ def test_hf_to_ours_through_convert(tmp_path, name, class_name, fields, length):
     expected = _hf_logits(hf, tokens)
     assert_close(_our_logits(_ours(model, weights), tokens), expected, **TOL)
     # the feature each shape is for matters: without it the logits differ
-    if "llama3" in name:
+    if "window" in name:  # (W keys, the query's own included: ptdp's W - 1 before it)
+        assert model.window == (fields["sliding_window"] - 1, 0)
+        assert model.windowed_layers == ([True, True] if "mistral" in name else [False, True])
+        assert main(["convert", "--load", str(save), "--to-hf", str(tmp_path / "back")]) == 0
+        back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"),
+                                                                 local_files_only=True).eval()
+        assert type(back).__name__ == class_name.replace("Config", "ForCausalLM")
+        assert_close(_hf_logits(back, tokens), expected, **TOL)
+        model.window_size = model.window_attn_skip_freq = None
+    elif "llama3" in name:
         model.use_rope_scaling = False
     elif "qwen3" in name:
         weights = {k: v.clone() if "q_layernorm" not in k else v.flip(0) for k, v in weights.items()}
@@ -195,7 +212,7 @@ def test_ours_to_hf_through_convert(tmp_path, hf_class, changes):
 
 def test_export_refuses_what_no_family_has(tmp_path, capsys):
     config = _llama_model_config(qk_layernorm=True, add_qkv_bias=True, disable_bias_linear=True)
-    with pytest.raises(ConversionError, match=r"not a Llama, Qwen2 or Qwen3: .*--add-qkv-bias "
+    with pytest.raises(ConversionError, match=r"not a Llama, Qwen2, Qwen3 or Mistral: .*--add-qkv-bias "
                                               r"\(Qwen3 as ptdp writes it has no biases\)"):
         hf_config_from_model_config(config)
     save = tmp_path / "ckpt"
@@ -227,15 +244,16 @@ def test_name_pairs_cover_the_model_once():
 # ------------------------------------------------------------------ refusals
 
 @pytest.mark.parametrize("class_name, changes, message", [
-    ("Qwen2Config", dict(use_sliding_window=True, sliding_window=16),
-     r"use_sliding_window=True is not supported: ptdp computes no attention limited to a "
-     r"sliding window"),
-    ("Qwen3Config", dict(layer_types=["full_attention", "sliding_attention"]),
-     r"layer_types=\['full_attention', 'sliding_attention'\] is not supported"),
+    ("Qwen2Config", dict(use_sliding_window=True, sliding_window=0,
+                         layer_types=["sliding_attention"] * 2),
+     r"sliding_window=0 must be a positive integer"),
+    ("Qwen3Config", dict(layer_types=["full_attention", "chunked_attention"]),
+     r"layer_types=\['full_attention', 'chunked_attention'\] is not supported: each layer is "
+     r"'full_attention' or 'sliding_attention'"),
+    ("LlamaConfig", dict(sliding_window=16), r"sliding_window=16 is not supported: ptdp computes "
+                                             r"no attention limited to a sliding window"),
     ("Qwen3Config", dict(attention_bias=True), r"attention_bias=True is not supported: Qwen3's "
                                                r"o_proj then has a bias"),
-    ("MistralConfig", dict(sliding_window=4096), r"sliding_window=4096 is not supported: .* "
-                                                 r"\(a Mistral without one has sliding_window null\)"),
     ("Qwen2Config", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
      r"rope_parameters has rope_type 'yarn'"),
     ("LlamaConfig", dict(rope_parameters={**LLAMA3, "high_freq_factor": 2.0, "rope_theta": 1e4}),

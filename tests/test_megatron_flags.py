@@ -312,9 +312,8 @@ def test_each_refused_flag_is_refused_by_name_in_one_report(no_launch, capsys):
     (["--q-lora-rank", "1536"], "multi-latent attention"),
     (["--kv-lora-rank", "512"], "multi-latent attention"),
     (["--mtp-num-layers", "1"], "multi-token prediction"),
-    (["--window-size", "128"], "sliding-window attention"),
+    (["--window-size", "128"], "give two integers L,R"),
     (["--rope-type", "yarn"], "multi-latent attention"),
-    (["--softmax-type", "learnable"], "attention sinks"),
     (["--tokenizer-type", "BertWordPieceCase"], "BERT's WordPiece"),
 ])
 def test_architectures_ptdp_lacks_say_what_they_are_and_what_to_use(flags, says, no_launch,

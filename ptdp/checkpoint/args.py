@@ -54,6 +54,12 @@ CHECKPOINT_ARCHITECTURE = (
       for name in ("rotary_scaling_factor", "yarn_original_max_position_embeddings",
                    "yarn_beta_fast", "yarn_beta_slow", "mscale", "mscale_all_dim",
                    "yarn_correction_range_round_to_int")),
+    # Local attention: the window, which layers use it, the softmax's sinks.
+    (("window_size",), lambda m: f"{m.window[0]},{m.window[1]}" if m.window else None),
+    (("window_attn_skip_freq",),
+     lambda m: "[" + ",".join("1" if w else "0" for w in m.windowed_layers) + "]"
+     if m.window else None),
+    (("softmax_type",), lambda m: m.softmax_type),
     # Mixtures of experts: which layers, the experts, and how tokens are routed.
     (("num_experts",), lambda m: m.num_experts),
     (("moe_layer_freq",),

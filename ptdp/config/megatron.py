@@ -168,11 +168,6 @@ OWN_LINES: tuple[AcceptedFlag, ...] = (
                  refusal="ptdp's selective recomputation recomputes the attention core only: give "
                  "--recompute-modules core_attn, or --recompute-granularity full to recompute whole "
                  "layers"),
-    AcceptedFlag("--softmax-type", 1, "ptdp's attention softmax is the vanilla one",
-                 choices=("vanilla", "off-by-one", "learnable"),
-                 refused_choices=("off-by-one", "learnable"),
-                 refusal="attention sinks (an off-by-one or learnable softmax, gpt-oss's) are not yet "
-                 "in ptdp: give --softmax-type vanilla or drop the flag"),
     AcceptedFlag("--rope-type", 1, "ptdp's rotary embedding is rope (--position-embedding-type rope)",
                  choices=("rope", "yarn"), refused_choices=("yarn",),
                  refusal="Megatron-LM takes --rope-type yarn only with multi-latent attention, "

@@ -280,13 +280,6 @@ MULTI_TOKEN_PREDICTION = Family(
     values="""
         --mtp-hybrid-override-pattern --mtp-loss-scaling-factor --mtp-num-layers""")
 
-SLIDING_WINDOW = Family(
-    'sliding-window attention',
-    "drop it: ptdp's attention is causal over the whole --seq-length",
-    refused=True,
-    values="""
-        --window-attn-skip-freq --window-size""")
-
 ROPE_VARIANTS = Family(
     "a variant of the position embedding (interleaved, interpolated, multimodal or relative "
     "rotary, or layers without it)",
@@ -646,7 +639,6 @@ FAMILIES: tuple[Family, ...] = (
     RERUN,
     MULTI_LATENT_ATTENTION,
     MULTI_TOKEN_PREDICTION,
-    SLIDING_WINDOW,
     ROPE_VARIANTS,
     ATTENTION_VARIANTS,
     HYBRID_MODELS,

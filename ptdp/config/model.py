@@ -11,11 +11,12 @@ from dataclasses import dataclass
 
 from ptdp.config.base import divisors, finite_or_none, flag, flag_in, is_count, is_finite_number, \
     positive_integer_problems
+from ptdp.config.local_attention import LocalAttentionFields
 from ptdp.config.moe import MoEFields
 
 
 @dataclass
-class ModelConfig(MoEFields):
+class ModelConfig(MoEFields, LocalAttentionFields):
     num_layers: int = flag(4, "--num-layers", "transformer layers")
     hidden_size: int = flag(128, "--hidden-size", "hidden size h")
     num_attention_heads: int = flag(4, "--num-attention-heads", "attention heads a")
@@ -172,6 +173,7 @@ class ModelConfig(MoEFields):
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the MoE settings' Megatron-LM readings
+        LocalAttentionFields.__post_init__(self)
         if self.use_rotary_position_embeddings and not self.yarn:  # as Megatron-LM reads it
             self.position_embedding_type = "rope"
         # The alias sets what every consumer reads; with --recompute-granularity

@@ -165,18 +165,24 @@ def layer_pattern(freq: Any, num_layers: int) -> list[int]:
     return pattern
 
 
-def parse_layer_pattern(text: str) -> list[int]:
-    """Megatron-LM's --moe-layer-freq pattern, without eval: lists of 0/1
-    ints joined by +, repeated by *N, in parentheses. Grammar:
+def parse_layer_pattern(text: str, flag_name: str = "--moe-layer-freq",
+                        int_means: str = "every N-th layer is MoE",
+                        kinds: tuple[str, str] = ("dense", "MoE")) -> list[int]:
+    """Megatron-LM's --moe-layer-freq pattern (and --window-attn-skip-freq's),
+    without eval: lists of 0/1 ints joined by +, repeated by *N, in
+    parentheses. Grammar:
         expr := term ('+' term)*      term := atom ('*' INT)*
-        atom := '[' [INT (',' INT)*] ']' | '(' expr ')'"""
-    parser = _PatternParser(text)
+        atom := '[' [INT (',' INT)*] ']' | '(' expr ')'
+    `flag_name`, `int_means` (what the flag's int form means) and `kinds`
+    (what 0 and 1 mean) word the errors."""
+    parser = _PatternParser(text, flag_name, int_means, kinds)
     result = parser.expr()
     parser.skip_spaces()
     if parser.at < len(text):
         parser.fail(f"unexpected {text[parser.at]!r}")
     if not result:
-        raise ValueError(f"--moe-layer-freq {_shown_pattern(text)}: the pattern is empty: give one 0/1 per layer")
+        raise ValueError(f"{flag_name} {_shown_pattern(text)}: the pattern is empty: give one 0/1 "
+                         f"per layer")
     return result
 
 
@@ -188,14 +194,15 @@ def _shown_pattern(text: str, limit: int = 80) -> str:
 
 
 class _PatternParser:
-    def __init__(self, text: str):
+    def __init__(self, text: str, flag_name: str, int_means: str, kinds: tuple[str, str]):
         self.text, self.at, self.depth = text, 0, 0
+        self.flag_name, self.int_means, self.kinds = flag_name, int_means, kinds
 
     def fail(self, what: str) -> None:
         raise ValueError(
-            f"--moe-layer-freq {_shown_pattern(self.text)}: {what} at character {self.at + 1}: a pattern is lists "
-            f"of 0 and 1 joined by +, repeated by *N, in parentheses, such as \"([0]+[1]*23)\" or "
-            f"\"([1]*3+[0]*1)*3\"; or give an int N (every N-th layer is MoE)")
+            f"{self.flag_name} {_shown_pattern(self.text)}: {what} at character {self.at + 1}: a "
+            f"pattern is lists of 0 and 1 joined by +, repeated by *N, in parentheses, such as "
+            f"\"([0]+[1]*23)\" or \"([1]*3+[0]*1)*3\"; or give an int N ({self.int_means})")
 
     def skip_spaces(self) -> None:
         while self.at < len(self.text) and self.text[self.at].isspace():
@@ -263,7 +270,7 @@ class _PatternParser:
         value = self.integer()
         if value not in (0, 1):
             self.at = start
-            self.fail(f"{value} is not 0 (dense) or 1 (MoE)")
+            self.fail(f"{value} is not 0 ({self.kinds[0]}) or 1 ({self.kinds[1]})")
         return value
 
     def _bounded(self, length: int) -> None:

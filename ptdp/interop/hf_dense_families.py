@@ -65,8 +65,9 @@ MISTRAL = DenseFamily("Mistral", "MistralForCausalLM", "MistralModel", "mistral"
 QWEN2 = DenseFamily("Qwen2", "Qwen2ForCausalLM", "Qwen2Model", "qwen2", "qkv", False, "switch")
 QWEN3 = DenseFamily("Qwen3", "Qwen3ForCausalLM", "Qwen3Model", "qwen3", "qwen3", True, "switch")
 DENSE_FAMILIES = (LLAMA, MISTRAL, QWEN2, QWEN3)
-# The families export writes (a Mistral without a window is written as a Llama).
-EXPORTED_FAMILIES = (LLAMA, QWEN2, QWEN3)
+# The families export writes (a Mistral without a window is written as a Llama,
+# so Mistral comes last).
+EXPORTED_FAMILIES = (LLAMA, QWEN2, QWEN3, MISTRAL)
 
 
 def family_of_hf_config(hf: dict[str, Any]) -> DenseFamily:
@@ -93,10 +94,16 @@ def family_of_model_type(model_type: str | None) -> DenseFamily:
 
 # ------------------------------------------------------------------ ModelConfig -> family
 
-def llama_like_obstacles(config: ModelConfig, family: str = "Llama") -> list[str]:
+def llama_like_obstacles(config: ModelConfig, family: str = "Llama",
+                         windows: bool = False) -> list[str]:
     """The settings of `config` that no Llama-like decoder has (empty: it is
-    one, dense or MoE): the norm, the MLP's gate, the positions."""
+    one, dense or MoE): the norm, the MLP's gate, the positions, sinks;
+    sliding windows unless the family has them (`windows`)."""
     obstacles = []
+    if config.has_sinks:
+        obstacles.append(f"--softmax-type {config.softmax_type} ({family} has no attention sinks)")
+    if not windows and any(config.windowed_layers):
+        obstacles.append(f"--window-size ({family} attends to the whole sequence)")
     if config.normalization != "RMSNorm":
         obstacles.append(f"--normalization {config.normalization} ({family} has RMSNorm)")
     if not config.swiglu:
@@ -118,7 +125,12 @@ def llama_like_obstacles(config: ModelConfig, family: str = "Llama") -> list[str
 
 def dense_family_obstacles(config: ModelConfig, family: DenseFamily) -> list[str]:
     """What keeps `config` from being written as `family` (empty: it can be)."""
-    obstacles = llama_like_obstacles(config, family.name)
+    obstacles = llama_like_obstacles(config, family.name, windows=family.window != "absent")
+    windowed = config.windowed_layers
+    if family.window == "null" and not all(windowed):
+        obstacles.append(f"{'layers without' if any(windowed) else 'no'} --window-size ("
+                         f"{family.name} windows every layer; ptdp writes one without a window "
+                         f"as a Llama)")
     if config.is_moe:
         obstacles.append(f"MoE layers (--num-experts {config.num_experts}; {family.name} is dense)")
     if config.qk_layernorm and not family.qk_norm:
@@ -150,10 +162,13 @@ def family_of_model(config: ModelConfig) -> DenseFamily | None:
 
 # ------------------------------------------------------------------ config.json -> ModelConfig
 
-def common_model_fields(hf: dict[str, Any], problems: list[str]) -> dict[str, Any]:
+def common_model_fields(hf: dict[str, Any], problems: list[str],
+                        layer_types: bool = False) -> dict[str, Any]:
     """ModelConfig fields every Llama-like config.json gives (sizes, heads,
     head width, norm, rotary embeddings, tying); what ptdp cannot compute is
-    appended to `problems`, naming the key."""
+    appended to `problems`, naming the key. `layer_types`: the family reads
+    sliding layers from it (the caller's window_fields), else only full
+    layers are taken."""
     sizes = {}
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
                 "intermediate_size", "max_position_embeddings"):
@@ -182,11 +197,12 @@ def common_model_fields(hf: dict[str, Any], problems: list[str]) -> dict[str, An
     for key, plain, what in FOREIGN_KEYS:
         if hf.get(key, plain) not in (plain, None):
             problems.append(f"{key}={hf[key]!r} is not supported: ptdp computes no {what}")
-    layer_types = hf.get("layer_types")
-    if layer_types is not None and (not isinstance(layer_types, list)
-                                    or any(t != "full_attention" for t in layer_types)):
-        problems.append(f"layer_types={layer_types!r} is not supported: ptdp's layers all attend "
-                        f"to the whole sequence ('full_attention')")
+    types = hf.get("layer_types")
+    allowed = ("full_attention", "sliding_attention") if layer_types else ("full_attention",)
+    if types is not None and (not isinstance(types, list) or any(t not in allowed for t in types)):
+        problems.append(f"layer_types={types!r} is not supported: " + (
+            "each layer is 'full_attention' or 'sliding_attention'" if layer_types else
+            "ptdp's layers all attend to the whole sequence ('full_attention')"))
     theta, factor = rotary_settings(hf, problems)
     epsilon = hf.get("rms_norm_eps", 1e-6)
     if not isinstance(epsilon, (int, float)) or isinstance(epsilon, bool) or epsilon < 0:
@@ -211,9 +227,11 @@ def common_model_fields(hf: dict[str, Any], problems: list[str]) -> dict[str, An
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False))
 
 
-def dense_model_fields(hf: dict[str, Any], family: DenseFamily,
-                       problems: list[str]) -> dict[str, Any]:
-    """The family's own keys: its biases, q/k norms and sliding window."""
+def dense_model_fields(hf: dict[str, Any], family: DenseFamily, problems: list[str],
+                       windows: bool = True) -> dict[str, Any]:
+    """The family's own keys: its biases, q/k norms and sliding window
+    (`windows`: read; else refused, as for the MoE families whose
+    attention is this family's)."""
     fields: dict[str, Any] = dict(qk_layernorm=family.qk_norm, disable_bias_linear=True)
     attention_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
     if family.biases == "llama":
@@ -232,14 +250,46 @@ def dense_model_fields(hf: dict[str, Any], family: DenseFamily,
         for key, off in (("sliding_window", None), ("use_sliding_window", False)):
             if hf.get(key, off) not in (off, None):
                 problems.append(f"{key}={hf[key]!r} is not supported: ptdp computes no {_WINDOW}")
-    elif family.window == "null" and hf.get("sliding_window") is not None:
-        problems.append(f"sliding_window={hf['sliding_window']!r} is not supported: ptdp computes "
-                        f"no {_WINDOW} (a {family.name} without one has sliding_window null)")
-    elif family.window == "switch" and hf.get("use_sliding_window", False):
-        problems.append(f"use_sliding_window={hf['use_sliding_window']!r} is not supported: ptdp "
-                        f"computes no {_WINDOW} (sliding_window {hf.get('sliding_window')!r} "
-                        f"counts only with use_sliding_window true)")
+    elif not windows and family.window == "null" and hf.get("sliding_window") is not None:
+        problems.append(f"sliding_window={hf['sliding_window']!r} is not supported here: ptdp "
+                        f"reads no {_WINDOW} for this model")
+    elif not windows and family.window == "switch" and hf.get("use_sliding_window", False):
+        problems.append(f"use_sliding_window={hf['use_sliding_window']!r} is not supported here: "
+                        f"ptdp reads no {_WINDOW} for this model (sliding_window "
+                        f"{hf.get('sliding_window')!r} counts only with use_sliding_window true)")
+    elif windows:
+        fields.update(window_fields(hf, family, problems))
     return fields
+
+
+def window_fields(hf: dict[str, Any], family: DenseFamily, problems: list[str]) -> dict[str, Any]:
+    """--window-size and --window-attn-skip-freq from a family's window keys,
+    as transformers reads them: Mistral windows every layer by
+    `sliding_window` W (not null); Qwen2/Qwen3 only with `use_sliding_window`,
+    the layers `layer_types` names 'sliding_attention' (by default those
+    from `max_window_layers` on). W keys, the query's own included, is
+    ptdp's window (W - 1, 0)."""
+    width, layers = hf.get("sliding_window"), hf.get("num_hidden_layers")
+    if family.window == "null":
+        windowed = None if width is None else [True] * (layers or 0)
+    elif not hf.get("use_sliding_window", False) or width is None:
+        windowed = None
+    elif isinstance(hf.get("layer_types"), list):
+        windowed = [kind == "sliding_attention" for kind in hf["layer_types"]]
+    else:
+        first = hf.get("max_window_layers", 28)  # (transformers' default for Qwen2 and Qwen3)
+        windowed = [i >= first for i in range(layers or 0)]
+    if not windowed or not any(windowed):
+        return {}
+    if not positive_int(width):
+        problems.append(f"sliding_window={width!r} must be a positive integer (the keys each "
+                        f"query sees, its own included)")
+        return {}
+    if positive_int(layers) and len(windowed) != layers:
+        problems.append(f"layer_types has {len(windowed)} entries for {layers} layers")
+        return {}
+    return dict(window_size=f"{width - 1},0", window_attn_skip_freq=None if all(windowed) else
+                "[" + ",".join("1" if w else "0" for w in windowed) + "]")
 
 
 def rotary_settings(hf: dict[str, Any], problems: list[str]) -> tuple[float, float | None]:
@@ -362,8 +412,15 @@ def common_hf_fields(config: ModelConfig, hf_class: str, model_type: str, *,
 def _family_fields(config: ModelConfig, family: DenseFamily) -> dict[str, Any]:
     if family.biases == "llama":
         return {"attention_bias": config.bias, "mlp_bias": config.bias, "pretraining_tp": 1}
-    window = {"use_sliding_window": False, "sliding_window": None,
-              "max_window_layers": config.num_layers}
+    windowed = config.windowed_layers
+    width = config.window[0] + 1 if any(windowed) else None
+    if family.window == "null":  # Mistral: every layer windowed (dense_family_obstacles)
+        return {"sliding_window": width}
+    window = {"use_sliding_window": width is not None, "sliding_window": width,
+              "max_window_layers": next((i for i, w in enumerate(windowed) if w),
+                                        config.num_layers)}
+    if width is not None:  # which layers, whatever the pattern
+        window["layer_types"] = ["sliding_attention" if w else "full_attention" for w in windowed]
     return {**({"attention_bias": False} if family.biases == "qwen3" else {}), **window}
 
 

@@ -163,18 +163,19 @@ def dense_obstacles(config: ModelConfig) -> list[str]:
 
 
 def _require_llama_like(config: ModelConfig) -> None:
-    obstacles = llama_like_obstacles(config)
+    obstacles = llama_like_obstacles(config, windows=True)  # (the tensors have no window)
     if obstacles:
         raise ConversionError("this model is not a Llama: " + "; ".join(obstacles))
 
 
 def hf_config_from_model_config(config: ModelConfig, *, bos_token_id: int | None = None,
                                 eos_token_id: int | None = None) -> dict[str, Any]:
-    """config.json for `config`, as LlamaForCausalLM, Qwen2ForCausalLM or
-    Qwen3ForCausalLM, whichever its settings are (hf_dense_families.py)."""
+    """config.json for `config`, as LlamaForCausalLM, Qwen2ForCausalLM,
+    Qwen3ForCausalLM or (windowed) MistralForCausalLM, whichever its settings
+    are (hf_dense_families.py)."""
     family = family_of_model(config)
     if family is None:
-        raise ConversionError("this model is not a Llama, Qwen2 or Qwen3: "
+        raise ConversionError("this model is not a Llama, Qwen2, Qwen3 or Mistral: "
                               + "; ".join(dense_obstacles(config)))
     return dense_hf_config(config, family, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
 
@@ -194,7 +195,7 @@ def model_config_from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelCo
         problems.append(str(error))
         family = LLAMA
     fields = dense_model_fields(hf, family, problems)
-    fields.update(common_model_fields(hf, problems))
+    fields.update(common_model_fields(hf, problems, layer_types=family.window == "switch"))
     if problems:
         raise ConversionError(f"cannot convert this {family.name} config:\n"
                               + "\n".join(f"  - {p}" for p in problems))

@@ -168,7 +168,7 @@ def model_config_from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelCo
     Qwen3's, Qwen2's); `overrides` set other ModelConfig fields."""
     family = family_of_model_type(hf.get("model_type"))
     problems: list[str] = []
-    fields = dense_model_fields(hf, _ATTENTION_OF[family], problems)
+    fields = dense_model_fields(hf, _ATTENTION_OF[family], problems, windows=False)
     fields.update(common_model_fields(hf, problems))
 
     def integer(key: str) -> Any:

@@ -53,7 +53,9 @@ from ptdp.parallel.context_layout import rank_positions, split_sequence
 from ptdp.parallel.document_attention import Documents, document_causal_attention
 from ptdp.schedules.kinds import virtual_stage_of
 from ptdp.schedules.build import layers_of
-from ptdp.parallel.sharding import COPY_ATTR, initialize_parameters, set_init
+from ptdp.parallel.local_attention import local_attention
+from ptdp.parallel.sharding import (COPY_ATTR, SHARD_ATTR, TensorShard, initialize_parameters,
+                                    set_init)
 from ptdp.parallel.tensor import (
     ColumnParallelLinear,
     RNGStreams,
@@ -171,7 +173,7 @@ class Embedding(nn.Module):
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, ctx: ParallelContext, rng: RNGStreams,
-                 sequence_parallel: bool = False, cp_comm_type: str = "p2p"):
+                 sequence_parallel: bool = False, cp_comm_type: str = "p2p", layer_id: int = 0):
         super().__init__()
         self.rng = rng
         # Context parallelism: this rank holds two chunks of each sequence
@@ -185,7 +187,15 @@ class Attention(nn.Module):
         self.dropout = config.attention_dropout
         self.selective_recompute = config.recompute_granularity == "selective"
         # YaRN's attention factor is inside the rotation's cos/sin tables.
-        self.rotary = rotary_for(config)
+        # --window-size on the layers --window-attn-skip-freq leaves windowed;
+        # --softmax-type's sinks (ptdp.parallel.local_attention).
+        self.window = config.layer_window(layer_id)
+        self.rotary = rotary_for(config, local=self.window is not None)
+        self.softmax_type = config.softmax_type
+        if config.softmax_type == "learnable":  # a logit per head, split with the heads
+            self.sinks = nn.Parameter(torch.empty(self.local_heads))
+            set_init(self.sinks, "normal", config.init_method_std)
+            setattr(self.sinks, SHARD_ATTR, TensorShard(dim=0, parts=t, index=ctx.tp_rank))
         h, a, g = config.hidden_size, config.num_attention_heads, config.query_groups
         # Rows: the queries of all heads, then the keys and values of the groups.
         blocks = 3 if g == a else (a * d, g * d, g * d)
@@ -238,6 +248,13 @@ class Attention(nn.Module):
         of its own document (ptdp.parallel.document_attention).
         Under grouped-query attention k and v have fewer heads; query head j
         uses group j // (heads/groups)."""
+        if self.window is not None or self.softmax_type != "vanilla":
+            # (refused before launch under context parallelism, with packed
+            # documents and with attention dropout)
+            sinks = self.sinks if self.softmax_type == "learnable" else \
+                q.new_zeros(self.local_heads)  # off-by-one: a zero logit
+            return local_attention(q, k, v, window=self.window,
+                                   sinks=None if self.softmax_type == "vanilla" else sinks)
         if self.context[0] > 1:  # attention dropout is refused before launch
             if documents is None:
                 return context_attention(q, k, v, self.cp_group, self.cp_comm_type)
@@ -294,7 +311,7 @@ class TransformerLayer(nn.Module):
         self.hidden_dropout = config.hidden_dropout
         self.fused = config.bias_dropout_fusion
         self.input_layernorm = layer_norm(config, sequence_parallel)
-        self.attention = Attention(config, ctx, rng, sequence_parallel, cp_comm_type)
+        self.attention = Attention(config, ctx, rng, sequence_parallel, cp_comm_type, layer_id)
         self.post_attention_layernorm = layer_norm(config, sequence_parallel)
         if config.is_moe and config.moe_layer_pattern[layer_id]:
             self.mlp = MoELayer(config, ctx, rng, sequence_parallel)

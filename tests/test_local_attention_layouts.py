@@ -1,0 +1,159 @@
+"""Sliding windows and attention sinks in the model (issue 43): a GPT whose
+layers alternate windowed and full attention (--window-size,
+--window-attn-skip-freq) with learnable sinks (--softmax-type learnable;
+off-by-one in one layout) trains as one process does under t = 2 with
+sequence parallelism, p = 2 interleaved with full recomputation, and d = 2
+with the distributed optimizer: losses, gradient norms and final weights
+(sinks included) over three AdamW steps. One pool of four processes runs
+the layouts in one call.
+
+Also in one process: a window of the whole sequence is the full model
+exactly; the window and the sinks each change the logits (so the layouts
+compare something); and the settings' bad values are refused before
+launch, one paragraph each."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from ptdp.config import ConfigError, DataConfig, validate
+from ptdp.parallel.topology import ParallelContext, RankGrid
+from ptdp.train.loop import Trainer
+from tests import test_ptdp_step as step
+
+CPU = torch.device("cpu")
+STEPS = 3
+# s = 16; layers 1, 2 and 4 see the 3 keys before each query, layer 3 all of them.
+MODEL = dataclasses.replace(step.MODEL, window_size="3,0", window_attn_skip_freq=3,
+                            softmax_type="learnable")
+OFF_BY_ONE = dataclasses.replace(MODEL, softmax_type="off-by-one")
+MODELS = {"learnable": MODEL, "off-by-one": OFF_BY_ONE}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    t: int = 1
+    p: int = 1
+    d: int = 1
+    k: int | None = None
+    sequence_parallel: bool = False
+    recompute: str | None = None
+    distributed: bool = False
+    model: str = "learnable"
+
+    @property
+    def name(self) -> str:
+        return (f"t{self.t}p{self.p}d{self.d}{'k' + str(self.k) if self.k else ''}"
+                f"{'-sp' if self.sequence_parallel else ''}{'-' + self.recompute if self.recompute else ''}"
+                f"{'-distopt' if self.distributed else ''}-{self.model}")
+
+
+def _config(layout: Layout):
+    model = dataclasses.replace(MODELS[layout.model], recompute_granularity=layout.recompute)
+    return step._config(layout.t, layout.p, layout.d, layout.k, model, layout.sequence_parallel,
+                        use_distributed_optimizer=layout.distributed, train_iters=STEPS,
+                        global_batch_size=4)
+
+
+_serial: dict[str, tuple] = {}
+
+
+def _one_process(model: str):
+    if model not in _serial:
+        trainer = Trainer(_config(Layout(model=model)), ParallelContext.single(), CPU)
+        records = [trainer.step(i)[0] for i in range(STEPS)]
+        _serial[model] = records, step._logical_weights(trainer, ParallelContext.single())
+    return _serial[model]
+
+
+def _layouts_vs_one_process(rank: int, layouts: list[Layout], references: dict) -> list:
+    results = []
+    for layout in layouts:
+        records, weights = references[layout.model]
+        ctx = ParallelContext.build(RankGrid(tp=layout.t, dp=layout.d, pp=layout.p))
+        trainer = Trainer(_config(layout), ctx, CPU)
+        for i, want in enumerate(records):
+            got = trainer.step(i)[0]
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), layout.name
+            if trainer.holds_loss:
+                assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), layout.name
+        logical = step._logical_weights(trainer, ctx)
+        for name, weight in logical.items():
+            assert_close(weight, weights[name], **step.WEIGHT_TOL,
+                         msg=lambda m, n=name: f"{layout.name}: {n}: {m}")
+        results.append((layout.name, set(logical)))
+        ctx.destroy()
+    return results
+
+
+LAYOUTS = [
+    Layout(t=2, d=2, sequence_parallel=True),
+    Layout(p=2, d=2, k=1, recompute="full", distributed=True),
+    Layout(t=2, p=2, sequence_parallel=True, recompute="selective", model="off-by-one"),
+]
+
+
+def test_windows_and_sinks_train_like_one_process_under_every_layout(pools):
+    references = {layout.model: _one_process(layout.model) for layout in LAYOUTS}
+    sinks = {name for name in references["learnable"][1] if name.endswith("attention.sinks")}
+    assert len(sinks) == MODEL.num_layers  # a trained logit per head in every layer
+    assert not any(name.endswith("sinks") for name in references["off-by-one"][1])
+    per_rank = pools(4).run(_layouts_vs_one_process, LAYOUTS, references)
+    for i, layout in enumerate(LAYOUTS):
+        names = set().union(*(results[i][1] for results in per_rank))
+        assert names == set(references[layout.model][1]), layout.name
+
+
+def _logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    from tests.test_gpt import _build
+
+    logits = _build(model, ParallelContext.single())(tokens).detach()
+    return logits[..., :model.vocab_size]  # (the padding's logits are -inf)
+
+
+def test_a_window_of_the_whole_sequence_is_full_attention_and_each_setting_counts():
+    torch.manual_seed(0)
+    tokens = torch.randint(0, step.MODEL.vocab_size, (2, step.MODEL.seq_length))
+    full = _logits(step.MODEL, tokens)
+    whole = dataclasses.replace(step.MODEL, window_size=f"{step.MODEL.seq_length - 1},0")
+    assert_close(_logits(whole, tokens), full, rtol=0, atol=1e-6)
+    windowed = dataclasses.replace(step.MODEL, window_size="3,0")
+    assert (_logits(windowed, tokens) - full).abs().max() > 1e-3
+    off_by_one = dataclasses.replace(step.MODEL, softmax_type="off-by-one")
+    assert (_logits(off_by_one, tokens) - full).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("settings, says", [
+    ({"window_size": "128"}, "--window-size 128: give two integers L,R"),
+    ({"window_size": "128,4"}, "ptdp's models are causal"),
+    ({"window_size": "-2,0"}, "0 or more (-1: no bound)"),
+    ({"window_attn_skip_freq": 2}, "--window-attn-skip-freq 2 chooses which layers are windowed"),
+    ({"window_size": "3,0", "window_attn_skip_freq": "[1,0,1]"},
+     "gives 3 layers, but --num-layers is 4"),
+    ({"window_size": "3,0", "window_attn_skip_freq": "[1,2,1,0]"}, "2 is not 0 (full) or 1 "
+                                                                  "(windowed)"),
+    ({"window_size": "3,0", "attention_dropout": 0.1}, "--attention-dropout 0.1 with sliding "
+                                                       "windows"),
+])
+def test_bad_local_attention_settings_are_refused_in_one_paragraph(settings, says):
+    config = step._config(model=dataclasses.replace(step.MODEL, **settings))
+    with pytest.raises(ConfigError) as refused:
+        validate(config)
+    assert len(refused.value.problems) == 1 and says in refused.value.problems[0], \
+        refused.value.problems
+
+
+def test_windows_with_context_parallelism_or_packed_documents_are_refused_for_now():
+    config = step._config(model=MODEL)
+    config.parallel = dataclasses.replace(config.parallel, context_parallel_size=2)
+    with pytest.raises(ConfigError, match="context-parallel attention does not apply them yet"):
+        validate(config)
+    config = step._config(model=MODEL)
+    config.data = DataConfig(mock_data=True, reset_attention_mask=True)
+    with pytest.raises(ConfigError, match="with --reset-attention-mask: attention within each "
+                                          "packed document does not apply them yet"):
+        validate(config)
