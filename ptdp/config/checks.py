@@ -51,6 +51,7 @@ def validate(config: Config, world_size: int | None = None) -> None:
     problems.extend(timeout_problems(par))
     problems.extend(initialisation_problems(m))
     problems.extend(architecture_problems(m))
+    problems.extend(_gated_unit_problems(m))
     problems.extend(moe_problems(m))
     problems.extend(local_attention_problems(m))
     problems.extend(local_attention_layout_problems(config))
@@ -112,6 +113,36 @@ def _choice_problems(config: Config) -> list[str]:
         value = getattr(getattr(config, section), f.name)
         if choices and value not in choices and not (value is None and "None" in f.type):
             problems.append(f"{f.metadata['flag']}={value!r} is not one of {', '.join(map(str, choices))}")
+    return problems
+
+
+def _gated_unit_problems(m: ModelConfig) -> list[str]:
+    """--swiglu/--geglu/--quick-geglu, their offset and clamp, and
+    --softmax-scale (each float is finite here or reported by
+    _float_problems). Gemma's and gpt-oss's other pieces (--scale-embeddings,
+    --sandwich-norm, biases) combine with everything."""
+    problems = []
+    chosen = [f for f, on in (("--swiglu", m.swiglu), ("--geglu", m.geglu),
+                              ("--quick-geglu", m.quick_geglu)) if on]
+    if len(chosen) > 1:
+        problems.append(f"{' and '.join(chosen)} each choose the gated MLP's activation (silu, "
+                        f"tanh GeLU, quick GeLU): give one of them")
+    offset, clamp = m.glu_linear_offset, m.activation_func_clamp_value
+    given = ([f"--glu-linear-offset {offset:g}"] if is_finite_number(offset) and offset else []) \
+        + ([f"--activation-func-clamp-value {clamp:g}"] if is_finite_number(clamp) else [])
+    if given and not m.gated_linear_unit:
+        verb = "act" if len(given) > 1 else "acts"
+        problems.append(f"{' and '.join(given)} {verb} on a gated MLP's gate and up projection, but "
+                        f"the MLP is GeLU's: add --quick-geglu (gpt-oss), --swiglu or --geglu, or "
+                        f"drop them")
+    if is_finite_number(clamp) and clamp <= 0:
+        problems.append(f"--activation-func-clamp-value={clamp:g} must be > 0 (the gate is "
+                        f"clamped to at most C and the up projection to [-C, C]; gpt-oss uses 7)")
+    scale = m.softmax_scale
+    if is_finite_number(scale) and scale <= 0:
+        problems.append(f"--softmax-scale={scale:g} must be > 0 (it multiplies the attention "
+                        f"scores; leave it out for 1/√d, or give query_pre_attn_scalar^-0.5 for "
+                        f"Gemma 3, e.g. 0.0625 for 256)")
     return problems
 
 

@@ -350,12 +350,10 @@ MUP = Family(
 
 ACTIVATIONS = Family(
     'another MLP activation',
-    'use GELU (the default) or --swiglu',
+    'use GELU (the default), --swiglu, --geglu or --quick-geglu',
     refused=True,
     switches="""
-        --openai-gelu --quick-geglu --squared-relu""",
-    values="""
-        --activation-func-clamp-value --glu-linear-offset""")
+        --openai-gelu --squared-relu""")
 
 INITIALISATION = Family(
     'another weight initialisation',

@@ -67,6 +67,25 @@ class ModelConfig(MoEFields, LocalAttentionFields):
                         "gated MLP: silu(x·W_gate) ⊙ (x·W_up), then W_down; --ffn-hidden-size is "
                         "the gated width (default as Megatron-LM: 4·h·2/3 rounded down to a "
                         "multiple of 64)")
+    geglu: bool = flag(
+        False, "--geglu",
+        "gated MLP with GeLU (tanh approximation) as the gate's activation: gelu(x·W_gate) ⊙ "
+        "(x·W_up), then W_down (Gemma's GeGLU). Not a Megatron-LM flag: Megatron-Core sets "
+        "gated_linear_unit with an openai_gelu activation_func (Megatron-Bridge's Gemma "
+        "providers); --ffn-hidden-size defaults to 4·h")
+    quick_geglu: bool = flag(
+        False, "--quick-geglu",
+        "gated MLP with quick GeLU, g·sigmoid(1.702·g), as the gate g's activation (gpt-oss, "
+        "with --glu-linear-offset 1 and --activation-func-clamp-value 7); --ffn-hidden-size "
+        "defaults to 4·h")
+    glu_linear_offset: float = flag(
+        0.0, "--glu-linear-offset",
+        "with a gated MLP: added to the up projection before the product, act(gate) ⊙ (up + "
+        "offset) (gpt-oss: 1)")
+    activation_func_clamp_value: float | None = flag(
+        None, "--activation-func-clamp-value",
+        "with a gated MLP: the gate is clamped to at most C and the up projection to [-C, C] "
+        "before the activation (gpt-oss: 7)")
     position_embedding_type: str = flag(
         "learned_absolute", "--position-embedding-type",
         "learned_absolute (a learned table added to the word embeddings), rope (rotary "
@@ -95,6 +114,22 @@ class ModelConfig(MoEFields, LocalAttentionFields):
         False, "--apply-layernorm-1p",
         "zero-centred normalization scales: each norm stores w and scales by 1 + w (w starts at "
         "0), which keeps the scale's precision in bf16/fp16")
+    softmax_scale: float | None = flag(
+        None, "--softmax-scale",
+        "the attention scores' scale, softmax(scale · q kᵀ) (default 1/√d, d the head width; "
+        "Gemma 3: query_pre_attn_scalar^-0.5). Megatron-Core's TransformerConfig.softmax_scale, "
+        "which Megatron-LM's parser does not offer as a flag")
+    scale_embeddings: bool = flag(
+        False, "--scale-embeddings",
+        "word embeddings multiplied by √h, the factor rounded to the embedding's dtype (Gemma's "
+        "scaled embeddings). Not a Megatron-LM flag: Megatron-Bridge's Gemma embedding does it")
+    sandwich_norm: bool = flag(
+        False, "--sandwich-norm",
+        "a norm of --normalization's kind also on attention's output and on the MLP's output, "
+        "before each residual add (Gemma 2/3's post_attention_layernorm and "
+        "post_feedforward_layernorm; ptdp's modules attention_output_layernorm and "
+        "mlp_output_layernorm). Not a Megatron-LM flag: Megatron-Bridge's Gemma layer spec puts "
+        "a post_layernorm in linear_proj and linear_fc2")
     kv_channels: int | None = flag(
         None, "--kv-channels",
         "width d of each attention head (default --hidden-size / --num-attention-heads); the "
@@ -200,6 +235,21 @@ class ModelConfig(MoEFields, LocalAttentionFields):
             # as many parameters as GPT's two at 4·h, kept a multiple of 64.
             return int(4 * hidden_size * 2 / 3 / 64) * 64
         return 4 * hidden_size
+
+    @property
+    def gated_linear_unit(self) -> bool:
+        """Whether the MLP is gated (--swiglu, --geglu, --quick-geglu): its
+        first matrix holds the gate's and the up projection's rows."""
+        return self.swiglu or self.geglu or self.quick_geglu
+
+    @property
+    def gated_activation(self) -> str | None:
+        """The gate's activation: silu, gelu (tanh), quick_gelu; None: GeLU MLP."""
+        for name, on in (("silu", self.swiglu), ("gelu", self.geglu),
+                         ("quick_gelu", self.quick_geglu)):
+            if on:
+                return name
+        return None
 
     @property
     def epsilon(self) -> float:

@@ -1,5 +1,6 @@
 """Fused element-wise operators: bias + GeLU, bias + dropout + residual add,
-SwiGLU, and the zero-centred norm of --apply-layernorm-1p.
+SwiGLU and the other gated units (GeGLU, gpt-oss's clamped quick-GeGLU with
+the linear offset), and the zero-centred norm of --apply-layernorm-1p.
 
 Each has a plain path (separate PyTorch ops, one autograd node each) and a
 fused path. The fused bias + GeLU is one autograd node that saves only its
@@ -127,6 +128,70 @@ def swiglu(y: torch.Tensor) -> torch.Tensor:
     """The gated MLP's activation: y = [gate | up] along the last dimension
     (each tensor rank holds matching halves of both) -> silu(gate) ⊙ up."""
     return _SwiGLU.apply(y)
+
+
+def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """GeLU's sigmoid approximation (Megatron-Core's quick_gelu, gpt-oss's alpha)."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+_GATE_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu, "gelu": lambda x: F.gelu(x, approximate="tanh"), "quick_gelu": _quick_gelu}
+
+
+def _gated_unit(y: torch.Tensor, activation: str, offset: float,
+                clamp: float | None) -> torch.Tensor:
+    gate, up = y.chunk(2, dim=-1)
+    if clamp is not None:  # gpt-oss: the gate from above only, up on both sides
+        gate = gate.clamp(max=clamp)
+        up = up.clamp(min=-clamp, max=clamp)
+    if offset:
+        up = up + offset
+    return _GATE_ACTIVATIONS[activation](gate) * up
+
+
+class _GatedUnit(torch.autograd.Function):
+    """act(gate) ⊙ (up + offset) from [gate | up], optionally clamped, as one
+    node that saves only its input and recomputes the rest in backward
+    (autograd's graph would keep the clamped halves, the activation and the
+    offset up projection)."""
+
+    @staticmethod
+    def forward(ctx, y, activation, offset, clamp):
+        ctx.save_for_backward(y)
+        ctx.settings = (activation, offset, clamp)
+        return _gated_unit(y, activation, offset, clamp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        with torch.enable_grad():
+            leaf = y.detach().requires_grad_()
+            out = _gated_unit(leaf, *ctx.settings)
+        (grad_y,) = torch.autograd.grad(out, leaf, grad)
+        return grad_y, None, None, None
+
+
+def gated_unit(y: torch.Tensor, activation: str = "silu", offset: float = 0.0,
+               clamp: float | None = None) -> torch.Tensor:
+    """A gated MLP's activation from y = [gate | up] (each tensor rank holds
+    matching halves of both): act(gate) ⊙ (up + offset), act one of silu
+    (SwiGLU), gelu (tanh approximation: GeGLU) or quick_gelu; with `clamp`
+    C the gate is first clamped to at most C and up to [-C, C]
+    (Megatron-Core's activation_func_clamp_value and glu_linear_offset)."""
+    if activation == "silu" and not offset and clamp is None:
+        return swiglu(y)
+    return _GatedUnit.apply(y, activation, offset, clamp)
+
+
+def mlp_activation(config) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What a ModelConfig's MLP applies between its matrices (the first
+    one's bias already added): its gated unit, or GeLU (tanh)."""
+    if config.gated_activation is None:
+        return lambda y: F.gelu(y, approximate="tanh")
+    settings = (config.gated_activation, config.glu_linear_offset,
+                config.activation_func_clamp_value)
+    return lambda y: gated_unit(y, *settings)
 
 
 def _normalize(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,

@@ -44,7 +44,7 @@ from torch import nn
 from ptdp.config import ModelConfig
 from ptdp.config.lora import LoRAConfig
 from ptdp.model.adapters import attach_adapters
-from ptdp.model.fused import bias_dropout_add, bias_gelu, swiglu, zero_centred_norm
+from ptdp.model.fused import bias_dropout_add, bias_gelu, mlp_activation, zero_centred_norm
 from ptdp.model.moe import ExpertLinear, MoELayer
 from ptdp.model.recompute import checkpoint, recompute_active
 from ptdp.model.rotary import rotary_for
@@ -120,6 +120,8 @@ class Embedding(nn.Module):
         super().__init__()
         self.ctx, self.rng, self.sequence_parallel = ctx, rng, sequence_parallel
         self.word_embeddings = vocab_parallel_matrix(config, ctx)
+        # --scale-embeddings: Gemma's √h, rounded to the embedding's dtype where applied.
+        self.embedding_scale = config.hidden_size ** 0.5 if config.scale_embeddings else None
         if not config.rope:  # rotary positions act in attention instead
             self.position_embeddings = nn.Embedding(config.max_positions, config.hidden_size)
             set_init(self.position_embeddings.weight, "normal", config.init_method_std)
@@ -133,7 +135,7 @@ class Embedding(nn.Module):
         documents'), else their places in the sequence."""
         if self.sequence_parallel:
             return self._sequence_parallel_forward(tokens, positions)
-        x = self.word_embeddings(tokens)
+        x = self._scaled(self.word_embeddings(tokens))
         if hasattr(self, "position_embeddings"):
             x = x + (self.position_embeddings(self._positions(tokens.shape[1], tokens.device))
                      if positions is None else self.position_embeddings(positions))
@@ -147,7 +149,7 @@ class Embedding(nn.Module):
         s/t positions (half an all-reduce's traffic), then this rank's
         positions added and dropped from its own stream."""
         partial = self.word_embeddings.partial(tokens).transpose(0, 1).contiguous()
-        x = reduce_scatter_to_sequence_region(partial, self.ctx.tp_group)
+        x = self._scaled(reduce_scatter_to_sequence_region(partial, self.ctx.tp_group))
         if hasattr(self, "position_embeddings"):
             first, count = self.ctx.tp_rank * x.shape[0], x.shape[0]
             if positions is None:
@@ -158,6 +160,14 @@ class Embedding(nn.Module):
                 x = x + self.position_embeddings(own)
         with self.rng.fork("tensor"):
             return self.dropout(x)
+
+    def _scaled(self, words: torch.Tensor) -> torch.Tensor:
+        """The word embeddings times √h (--scale-embeddings), the factor in
+        their dtype first, as Gemma's Gemma3TextScaledWordEmbedding does."""
+        if self.embedding_scale is None:
+            return words
+        # The rounded factor is exact as a Python float: no tensor to copy to the device.
+        return words * torch.tensor(self.embedding_scale, dtype=words.dtype).item()
 
     def _positions(self, length: int, device: torch.device, first: int = 0,
                    count: int | None = None) -> torch.Tensor:
@@ -185,6 +195,10 @@ class Attention(nn.Module):
         self.local_groups = config.query_groups // t  # key/value heads on this rank
         self.head_dim = d
         self.dropout = config.attention_dropout
+        # --softmax-scale: the queries carry its ratio to the kernels' own 1/√d,
+        # so every attention path (context, documents, windows) applies it.
+        self.query_scale = (None if config.softmax_scale is None
+                            else config.softmax_scale * d ** 0.5)
         self.selective_recompute = config.recompute_granularity == "selective"
         # YaRN's attention factor is inside the rotation's cos/sin tables.
         # --window-size on the layers --window-attn-skip-freq leaves windowed;
@@ -231,6 +245,8 @@ class Attention(nn.Module):
         if self.rotary is not None:
             q = self.rotary(q, self.context, positions)
             k = self.rotary(k, self.context, positions)
+        if self.query_scale is not None and self.query_scale != 1.0:
+            q = q * self.query_scale
         if self.selective_recompute and recompute_active(self):
             # Selective recomputation: keep q, k, v; rebuild the s×s scores,
             # softmax and dropout mask in backward.
@@ -278,13 +294,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """GeLU MLP, or with --swiglu the gated one: the first matrix holds the
-    gate's and the up projection's rows ([2·ffn, h]), split as two blocks so
-    that each tensor rank's half of the gate meets the same half of up."""
+    """GeLU MLP, or a gated one (--swiglu, --geglu, --quick-geglu): the first
+    matrix holds the gate's and the up projection's rows ([2·ffn, h]), split
+    as two blocks so that each tensor rank's half of the gate meets the same
+    half of up."""
 
     def __init__(self, config: ModelConfig, ctx: ParallelContext, sequence_parallel: bool = False):
         super().__init__()
-        self.fused, self.gated = config.bias_gelu_fusion, config.swiglu
+        self.fused, self.gated = config.bias_gelu_fusion, config.gated_linear_unit
+        self.activation = mlp_activation(config)
         h, ffn = config.hidden_size, config.ffn_size
         # GeLU: the first bias is applied in bias_gelu, fused with the activation.
         self.dense_h_to_4h = ColumnParallelLinear(
@@ -298,7 +316,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor):
         if self.gated:
-            return self.dense_4h_to_h(swiglu(self.dense_h_to_4h(x)))
+            return self.dense_4h_to_h(self.activation(self.dense_h_to_4h(x)))
         y, bias = self.dense_h_to_4h(x)
         return self.dense_4h_to_h(bias_gelu(y, bias, self.fused))
 
@@ -317,13 +335,26 @@ class TransformerLayer(nn.Module):
             self.mlp = MoELayer(config, ctx, rng, sequence_parallel)
         else:
             self.mlp = MLP(config, ctx, sequence_parallel)
+        if config.sandwich_norm:
+            # Gemma's post-norms (its post_attention_layernorm and
+            # post_feedforward_layernorm): ptdp's post_attention_layernorm
+            # already names the norm before the MLP.
+            self.attention_output_layernorm = layer_norm(config, sequence_parallel)
+            self.mlp_output_layernorm = layer_norm(config, sequence_parallel)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
                 documents: Documents | None = None) -> torch.Tensor:
         out, bias = self.attention(self.input_layernorm(x), positions, documents)
-        x = self._residual(out, bias, x)
+        x = self._residual(*self._output_norm("attention_output_layernorm", out, bias), x)
         out, bias = self.mlp(self.post_attention_layernorm(x))
-        return self._residual(out, bias, x)
+        return self._residual(*self._output_norm("mlp_output_layernorm", out, bias), x)
+
+    def _output_norm(self, name: str, out: torch.Tensor, bias: torch.Tensor | None):
+        """(out, bias), or with --sandwich-norm (norm(out + bias), None)."""
+        norm = getattr(self, name, None)
+        if norm is None:
+            return out, bias
+        return norm(out if bias is None else out + bias), None
 
     def _residual(self, out, bias, x):
         """x + dropout(out + bias). Under sequence parallelism each tensor rank

@@ -81,8 +81,6 @@ def grouped_experts(experts: Sequence[torch.nn.Module], x: torch.Tensor, probs: 
     """Every expert's MLP (ptdp.model.moe.Expert) on its rows of x (sorted by
     expert, counts[e] rows each) in two grouped products: Σ-free, one output
     row per input row, scaled by its probability as Expert.forward does."""
-    from ptdp.model.fused import swiglu
-
     offsets = counts.cumsum(0).to(torch.int32)
     first = [expert.dense_h_to_4h for expert in experts]
     second = [expert.dense_4h_to_h for expert in experts]
@@ -93,7 +91,7 @@ def grouped_experts(experts: Sequence[torch.nn.Module], x: torch.Tensor, probs: 
     y = grouped_linear(x, offsets, [layer.weight for layer in first], store)
     if rows_expert is not None:
         y = y + torch.stack([layer.bias for layer in first])[rows_expert]
-    a = swiglu(y) if experts[0].gated else F.gelu(y, approximate="tanh")
+    a = experts[0].activation(y)
     a = (a * probs.unsqueeze(-1)).to(a.dtype)
     out = grouped_linear(a.contiguous(), offsets, [layer.weight for layer in second], store)
     if rows_expert is not None:

@@ -64,7 +64,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ptdp.config import ModelConfig
-from ptdp.model.fused import swiglu
+from ptdp.model.fused import mlp_activation
 from ptdp.model.grouped_experts import grouped_experts, grouped_gemm_used
 from ptdp.parallel.expert import Dispatched, LocalExperts, token_dispatcher
 from ptdp.parallel.sharding import EXPERT_ATTR, SHARD_ATTR, TensorShard, set_init
@@ -268,13 +268,13 @@ class ExpertLinear(nn.Module):
 
 
 class Expert(nn.Module):
-    """An MLP of width `ffn` (SwiGLU or GeLU, as the dense MLP), its output
-    scaled by each token's probability before the second matrix."""
+    """An MLP of width `ffn` (GeLU or a gated unit, as the dense MLP), its
+    output scaled by each token's probability before the second matrix."""
 
     def __init__(self, config: ModelConfig, split: Split, ffn: int):
         super().__init__()
-        h, gated = config.hidden_size, config.swiglu
-        self.gated = gated
+        h, gated = config.hidden_size, config.gated_linear_unit
+        self.gated, self.activation = gated, mlp_activation(config)
         self.dense_h_to_4h = ExpertLinear(2 * ffn if gated else ffn, h, split, 0, bias=config.bias,
                                           init_std=config.init_method_std, blocks=2 if gated else 1)
         self.dense_4h_to_h = ExpertLinear(h, ffn, split, 1, bias=config.bias,
@@ -282,8 +282,7 @@ class Expert(nn.Module):
                                                                    config.num_layers))
 
     def forward(self, x: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
-        y = self.dense_h_to_4h(x)
-        a = swiglu(y) if self.gated else F.gelu(y, approximate="tanh")
+        a = self.activation(self.dense_h_to_4h(x))
         if probs is not None:
             a = (a * probs.unsqueeze(-1)).to(a.dtype)
         out = self.dense_4h_to_h(a, bias=False)
@@ -322,7 +321,7 @@ class MoELayer(nn.Module):
         # one for these widths (else one product per expert: the same numbers).
         ffn = config.moe_ffn_size // ctx.etp_size
         self.grouped_gemm = config.moe_grouped_gemm
-        self._widths = (config.hidden_size, ffn, 2 * ffn if config.swiglu else ffn)
+        self._widths = (config.hidden_size, ffn, 2 * ffn if config.gated_linear_unit else ffn)
         shared = config.moe_shared_expert_intermediate_size
         self.shared_expert = (Expert(config, Split(ctx.tp_size, ctx.tp_rank, routed=False), shared)
                               if shared else None)

@@ -37,9 +37,12 @@ def logical_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
            if config.qk_layernorm else {}),
         **linear("attention.dense", h, heads * d),
         **norm("post_attention_layernorm"),
-        # with SwiGLU: the gate's rows, then the up projection's
-        **linear("mlp.dense_h_to_4h", 2 * f if config.swiglu else f, h),
+        # gated (SwiGLU, GeGLU, quick-GeGLU): the gate's rows, then the up projection's
+        **linear("mlp.dense_h_to_4h", 2 * f if config.gated_linear_unit else f, h),
         **linear("mlp.dense_4h_to_h", h, f),
+        # --sandwich-norm: the norms on attention's and the MLP's outputs
+        **(norm("attention_output_layernorm") | norm("mlp_output_layernorm")
+           if config.sandwich_norm else {}),
     }
     moe_layer = {name: shape for name, shape in per_layer.items() if not name.startswith("mlp.")}
     if config.is_moe:
@@ -60,7 +63,7 @@ def _moe_shapes(config: ModelConfig, linear) -> dict[str, tuple[int, ...]]:
     h, E = config.hidden_size, config.num_experts
 
     def mlp(name: str, width: int) -> dict[str, tuple[int, ...]]:
-        return {**linear(f"{name}.dense_h_to_4h", 2 * width if config.swiglu else width, h),
+        return {**linear(f"{name}.dense_h_to_4h", 2 * width if config.gated_linear_unit else width, h),
                 **linear(f"{name}.dense_4h_to_h", h, width)}
 
     shapes = {"mlp.router.weight": (E, h), **({"mlp.router.bias": (E,)} if config.bias else {})}
