@@ -303,11 +303,17 @@ def test_the_printed_command_is_one_to_fill_in(tmp_path, capsys):
 @pytest.mark.parametrize("settings, named", [
     ({"position_embedding_type": "yarn"}, "--position-embedding-type yarn"),
     ({"rotary_percent": 0.5}, "--rotary-percent 0.5"),
-    ({"rotary_base_local": 10000.0}, "--rotary-base-local")])
+    ({"rotary_base_local": 10000.0}, "--rotary-base-local"),
+    ({"sandwich_norm": True}, "--sandwich-norm"), ({"scale_embeddings": True}, "--scale-embeddings"),
+    ({"softmax_type": "learnable"}, "--softmax-type learnable"),
+    ({"softmax_scale": 0.0625}, "--softmax-scale 0.0625"),
+    ({"glu_linear_offset": 1.0}, "--glu-linear-offset 1"),
+    ({"activation_func_clamp_value": 7.0}, "--activation-func-clamp-value")])
 def test_export_refuses_rotary_variants_no_family_writes(settings, named):
-    """YaRN, partial rotation and a local rotary base: an export as plain
-    rope would be another model; every rotary family names the setting
-    instead (GPT-2 has no rotary embeddings to begin with)."""
+    """YaRN, partial rotation, a local rotary base and the Gemma 3 and
+    gpt-oss pieces no written family has: an export would be another model;
+    every rotary family names the setting instead (GPT-2 has no rotary
+    embeddings to begin with; its own check names the pieces below)."""
     from ptdp.interop.hf_directory import family_for_export
 
     import dataclasses
@@ -317,3 +323,19 @@ def test_export_refuses_rotary_variants_no_family_writes(settings, named):
         family_for_export(config)
     rotary = [line for line in str(refused.value).splitlines()[1:] if "GPT-2" not in line]
     assert rotary and all(named in line for line in rotary), str(refused.value)
+
+
+@pytest.mark.parametrize("settings, named", [
+    ({"geglu": True}, "--geglu"), ({"quick_geglu": True}, "--quick-geglu"),
+    ({"sandwich_norm": True}, "--sandwich-norm"), ({"softmax_type": "off-by-one"}, "--softmax-type"),
+    ({"window_size": "3,0"}, "--window-size")])
+def test_a_gpt2_shaped_model_with_a_newer_piece_is_not_written_as_gpt2(settings, named):
+    import dataclasses
+
+    from ptdp.config import ModelConfig
+    from ptdp.interop.hf_gpt2 import gpt2_obstacles
+
+    gpt2 = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64)
+    assert gpt2_obstacles(gpt2) == []
+    obstacles = gpt2_obstacles(dataclasses.replace(gpt2, **settings))
+    assert len(obstacles) == 1 and named in obstacles[0], obstacles

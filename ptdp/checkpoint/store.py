@@ -89,6 +89,8 @@ SHAPE_SETTINGS = (
     ("--max-position-embeddings", lambda m: None if m.rope else m.max_positions),  # rope: no table
     ("--normalization", lambda m: m.normalization),
     ("--swiglu", lambda m: m.swiglu),
+    ("--geglu or --quick-geglu", lambda m: m.gated_linear_unit and not m.swiglu),
+    ("--sandwich-norm", lambda m: m.sandwich_norm),
     ("--position-embedding-type", lambda m: m.position_embedding_type),
     ("--untie-embeddings-and-output-weights", lambda m: m.untie_embeddings_and_output_weights),
     ("--disable-bias-linear", lambda m: m.disable_bias_linear),

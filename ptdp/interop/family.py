@@ -103,3 +103,18 @@ class HFFamily(Protocol):
 
     def from_hf_state(self, state: dict[str, torch.Tensor],
                       config: ModelConfig) -> dict[str, torch.Tensor]: ...
+
+
+def unwritten_settings(config: "ModelConfig", family: str) -> list[str]:
+    """The settings of `config` that no family ptdp writes computes yet (the
+    Gemma 3 and gpt-oss pieces, sinks): written as `family` the model would
+    be another one, so export names them instead."""
+    named = [(config.geglu, "--geglu"), (config.quick_geglu, "--quick-geglu"),
+             (config.glu_linear_offset != 0.0,
+              f"--glu-linear-offset {config.glu_linear_offset:g}"),
+             (config.activation_func_clamp_value is not None, "--activation-func-clamp-value"),
+             (config.softmax_scale is not None, f"--softmax-scale {config.softmax_scale}"),
+             (config.scale_embeddings, "--scale-embeddings"),
+             (config.sandwich_norm, "--sandwich-norm"),
+             (config.has_sinks, f"--softmax-type {config.softmax_type}")]
+    return [f"{flag} ({family} as ptdp writes it has no such setting)" for on, flag in named if on]

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ptdp.config import ModelConfig
+from ptdp.interop.family import unwritten_settings
 from ptdp.interop.hf_files import ConversionError
 from ptdp.model.rotary import HIGH_FREQUENCY_FACTOR, LOW_FREQUENCY_FACTOR, ORIGINAL_CONTEXT
 
@@ -99,9 +100,7 @@ def llama_like_obstacles(config: ModelConfig, family: str = "Llama",
     """The settings of `config` that no Llama-like decoder has (empty: it is
     one, dense or MoE): the norm, the MLP's gate, the positions, sinks;
     sliding windows unless the family has them (`windows`)."""
-    obstacles = []
-    if config.has_sinks:
-        obstacles.append(f"--softmax-type {config.softmax_type} ({family} has no attention sinks)")
+    obstacles = unwritten_settings(config, family)
     if not windows and any(config.windowed_layers):
         obstacles.append(f"--window-size ({family} attends to the whole sequence)")
     if config.normalization != "RMSNorm":

@@ -36,6 +36,7 @@ from typing import Any, Mapping
 import torch
 
 from ptdp.config import ModelConfig
+from ptdp.interop.family import unwritten_settings
 from ptdp.interop.hf_files import (
     ConversionError,
     carriers_matching,
@@ -115,7 +116,9 @@ def gpt2_obstacles(config: ModelConfig) -> list[str]:
     if config.head_dim * config.num_attention_heads != config.hidden_size:
         obstacles.append(f"--kv-channels {config.kv_channels} (GPT-2's heads are hidden/heads = "
                          f"{config.hidden_size // config.num_attention_heads} wide)")
-    return obstacles
+    if any(config.windowed_layers):
+        obstacles.append("--window-size (GPT-2 attends to the whole sequence)")
+    return obstacles + unwritten_settings(config, "GPT-2")
 
 
 def _require_gpt2(config: ModelConfig) -> None:

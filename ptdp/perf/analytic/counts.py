@@ -114,7 +114,7 @@ def _layer_parameter_list(model: ModelConfig, t: int = 1, sequence_parallel: boo
     h, f, d = model.hidden_size, model.ffn_size, model.head_dim
     qkv = (model.num_attention_heads + 2 * model.query_groups) * d   # queries, keys, values
     context = model.num_attention_heads * d                          # the dense layer's input
-    up = (2 if model.swiglu else 1) * f                              # SwiGLU: gate and up
+    up = (2 if model.gated_linear_unit else 1) * f     # gated (SwiGLU, GeGLU): gate and up
     sp = sequence_parallel
 
     def norm() -> list[Param]:
@@ -145,7 +145,7 @@ def _moe_parameter_list(model: ModelConfig, t: int, ep: int, etp: int) -> list[P
     shared expert over t like the dense MLP; the router and the gate are
     replicated, their gradients partial over the tensor group when t > 1
     (every tensor rank routes all tokens)."""
-    h, E, up = model.hidden_size, model.num_experts, 2 if model.swiglu else 1
+    h, E, up = model.hidden_size, model.num_experts, 2 if model.gated_linear_unit else 1
     shared = model.moe_shared_expert_intermediate_size or 0
 
     def expert(width: int, parts: int, routed: bool) -> list[Param]:

@@ -103,7 +103,7 @@ def first_adapted_layer(model: ModelConfig, lora: LoRAWork) -> int:
 def _base_matrix(model: ModelConfig, target: str, width: int) -> tuple[int, int]:
     """[out, in] of a dense layer's matrix, or of an MLP of `width`."""
     h, d = model.hidden_size, model.head_dim
-    up = (2 if model.swiglu else 1) * width
+    up = (2 if model.gated_linear_unit else 1) * width
     return {"linear_qkv": ((model.num_attention_heads + 2 * model.query_groups) * d, h),
             "linear_proj": (h, model.num_attention_heads * d),
             "linear_fc1": (up, h), "linear_fc2": (h, width)}[target]

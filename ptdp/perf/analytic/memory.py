@@ -256,7 +256,8 @@ def _activation_bytes(key: ByValue, layout: Layout, kernels: str) -> dict[str, i
     qkv = (a + 2 * g) * d * sb // t * e
     if model.rope:
         qkv += (a + g) * d * sb // t * e
-    mlp_saved = 3 if model.swiglu else 2   # GeLU: its input, output; SwiGLU: [gate | up], output
+    # GeLU: its input, output; gated (SwiGLU, GeGLU): [gate | up], output
+    mlp_saved = 3 if model.gated_linear_unit else 2
 
     if layout.recompute == "full":
         layer = outside * e
@@ -295,7 +296,7 @@ def _activation_bytes(key: ByValue, layout: Layout, kernels: str) -> dict[str, i
     # whole [s, b, h], all-gathered under sequence parallelism; the first
     # MLP GEMM's, SwiGLU's gate and up). The output layer keeps its weight
     # gradient in B: nothing of it waits for W.
-    up = (2 if model.swiglu else 1) * f
+    up = (2 if model.gated_linear_unit else 1) * f
     weight_grad_layer = (2 * outside + a * d * sb // t + sb * f // t
                          + (a + 2 * g) * d * sb // t + 2 * sb * h + sb * up // t) * e
     return {"layer": layer, "embedding": embedding, "output": output, "rotary_tables": tables,

@@ -43,7 +43,7 @@ def mlp_columns(model: ModelConfig) -> list[int]:
     expert's (up + 1)·S. Megatron-LM's num_floating_point_operations counts
     the same routed and shared experts and the dense layers --moe-layer-freq
     leaves dense, but not the router: `router_columns` is the difference."""
-    up = 2 if model.swiglu else 1
+    up = 2 if model.gated_linear_unit else 1
     if not model.is_moe:
         return [(up + 1) * model.ffn_size] * model.num_layers
     moe = (model.num_experts + model.moe_router_topk * (up + 1) * model.moe_ffn_size
@@ -139,7 +139,7 @@ def moe_saved_bytes(model: ModelConfig, t: int, b: int, e: int, *, sequence_para
     s = model.seq_length // c
     T = b * s
     h, E, k = model.hidden_size, model.num_experts, model.moe_router_topk
-    up = 2 if model.swiglu else 1
+    up = 2 if model.gated_linear_unit else 1
     load = expert_load(model, t, T, sequence_parallel, ep, etp)
     shared_width = model.moe_shared_expert_intermediate_size or 0
     # The MLP's input as the router keeps it (fp32: the tokens themselves,
@@ -184,7 +184,8 @@ def moe_layer_activation_delta(model: ModelConfig, t: int, b: int, e: int, *,
         return 0
     T = b * model.seq_length // c
     rows = T // t if sequence_parallel and t > 1 else T
-    dense = rows * model.hidden_size * e + (3 if model.swiglu else 2) * T * model.ffn_size // t * e
+    dense = (rows * model.hidden_size * e
+             + (3 if model.gated_linear_unit else 2) * T * model.ffn_size // t * e)
     return moe_saved_bytes(model, t, b, e, sequence_parallel=sequence_parallel,
                            recompute=recompute, ep=ep, etp=etp, c=c) - dense
 

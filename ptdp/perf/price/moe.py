@@ -112,8 +112,8 @@ def dense_mlp(ops) -> MLPPieces:
     second GEMM too where the whole layer reruns)."""
     shapes = ops.layer_gemms()
     up, down = shapes["mlp_up"][:3], shapes["mlp_down"][:3]
-    act = (swiglu_bytes if ops.w.model.swiglu else gelu_bytes)(ops.b * ops.s * ops.f // ops.t,
-                                                               ops.E)
+    gated = ops.w.model.gated_linear_unit
+    act = (swiglu_bytes if gated else gelu_bytes)(ops.b * ops.s * ops.f // ops.t, ops.E)
     per_element = 2 * GRAD_BYTES + (GRAD_BYTES if ops.E == 4 else ops.E)
     accumulate = ops.memory((up[1] * up[2] + down[1] * down[2]) * per_element)
     input_grads = ops.gemm(up[0], up[2], up[1]) + ops.gemm(down[0], down[2], down[1])
@@ -185,7 +185,7 @@ def moe_mlp(ops, ep: int, etp: int | None, *, balanced: bool = False) -> MLPPiec
     etp = ops.t if etp is None else etp
     T, h, e, t = ops.b * ops.s, ops.h, ops.E, ops.t
     E, k = model.num_experts, model.moe_router_topk
-    up = 2 if model.swiglu else 1
+    up = 2 if model.gated_linear_unit else 1
     load = expert_load(model, t, T, ops.sp, ep, etp, balanced=balanced)
     per_element = 2 * GRAD_BYTES + (GRAD_BYTES if e == 4 else e)
     # The router, in fp32: the cast of the tokens, the product, top-k,
@@ -203,7 +203,7 @@ def moe_mlp(ops, ep: int, etp: int | None, *, balanced: bool = False) -> MLPPiec
     out_tokens = load.group * load.local_tokens
     permute = ops.memory(2 * P * h * e + P * h * e + 2 * out_tokens * h * e + P * W * (2 * e + FP32))
     permute_backward = ops.memory(2 * P * h * e + 2 * out_tokens * h * e + 3 * P * W * e)
-    act = (swiglu_bytes if model.swiglu else gelu_bytes)(P * W, e)
+    act = (swiglu_bytes if model.gated_linear_unit else gelu_bytes)(P * W, e)
     # The experts' GEMMs: one batched product per matrix, or one each.
     n, R = load.local_experts, load.rows
     first, second = (R, up * W, h), (R, h, W)
@@ -225,7 +225,7 @@ def moe_mlp(ops, ep: int, etp: int | None, *, balanced: bool = False) -> MLPPiec
         shared_fwd = ops.gemm(T, up * S, h) + ops.gemm(T, h, S)
         shared_in = ops.gemm(T, h, up * S) + ops.gemm(T, S, h)
         shared_w = ops.gemm(h, up * S, T) + ops.gemm(S, h, T)
-        sa = (swiglu_bytes if model.swiglu else gelu_bytes)(T * S, e)
+        sa = (swiglu_bytes if model.gated_linear_unit else gelu_bytes)(T * S, e)
         shared_act_f, shared_act_b = ops.memory(sa[0], "gelu"), ops.memory(sa[1], "gelu")
         shared_acc = ops.memory((up + 1) * S * h * per_element)
     launches = ops.launches(ROUTER_FORWARD_OPS + launches_fwd)

@@ -212,7 +212,7 @@ class OperatorModel:
         products run for all a query heads; SwiGLU's first matrix has the
         gate's and up's f/t columns each."""
         b, s, h, a, t, f, g, d = self.b, self.s, self.h, self.a, self.t, self.f, self.g, self.d
-        up = 2 * f if self.w.model.swiglu else f
+        up = 2 * f if self.w.model.gated_linear_unit else f
         heads, length = self.attention_shape()
         return {"qkv": (b * s, (a + 2 * g) * d // t, h, 1),
                 "scores": (length, length, d, heads),
@@ -298,7 +298,7 @@ class OperatorModel:
                                 hidden_dropout=self.hidden_dropout,
                                 attention_dropout=self.attention_dropout,
                                 heads_local=tokens * ((a + 2 * g) * d + a * d) // t,
-                                swiglu=model.swiglu,
+                                swiglu=model.gated_linear_unit,
                                 rotated=tokens * (a + g) * d // t if model.rope else 0,
                                 fused_rope=self.prof.fused_rope,
                                 outside=self.outside())
