@@ -147,13 +147,36 @@ def test_bad_local_attention_settings_are_refused_in_one_paragraph(settings, say
         refused.value.problems
 
 
-def test_windows_with_context_parallelism_or_packed_documents_are_refused_for_now():
+def test_windows_with_context_parallelism_are_refused_for_now():
     config = step._config(model=MODEL)
     config.parallel = dataclasses.replace(config.parallel, context_parallel_size=2)
     with pytest.raises(ConfigError, match="context-parallel attention does not apply them yet"):
         validate(config)
     config = step._config(model=MODEL)
     config.data = DataConfig(mock_data=True, reset_attention_mask=True)
-    with pytest.raises(ConfigError, match="with --reset-attention-mask: attention within each "
-                                          "packed document does not apply them yet"):
-        validate(config)
+    validate(config)  # packed documents: within each one
+
+
+def test_a_packed_sequence_computes_each_documents_windows_and_sinks_alone():
+    """Three documents packed in one sequence (positions restarting, attention
+    kept inside each) give, position by position, the logits of each document
+    run alone, windows and sinks included; both with the window shorter and
+    longer than a document."""
+    from ptdp.parallel.document_attention import Documents
+    from tests.test_gpt import _build
+
+    lengths = (5, 7, 4)
+    torch.manual_seed(1)
+    tokens = torch.randint(0, MODEL.vocab_size, (1, sum(lengths)))
+    ids = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths)).unsqueeze(0)
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    model = _build(MODEL, ParallelContext.single())
+    with torch.no_grad():  # sinks away from their zero-mean start, so they count
+        for layer in model.layers.values():
+            layer.attention.sinks.add_(torch.randn_like(layer.attention.sinks))
+        packed = model(tokens, documents=Documents(positions, ids))[..., :MODEL.vocab_size]
+        start = 0
+        for n in lengths:
+            alone = model(tokens[:, start:start + n])[..., :MODEL.vocab_size]
+            assert_close(packed[start:start + n], alone, rtol=0, atol=1e-5)
+            start += n

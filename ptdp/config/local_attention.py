@@ -140,8 +140,8 @@ def local_attention_problems(m: Any) -> list[str]:
 
 def local_attention_layout_problems(config: Any) -> list[str]:
     """What windows and sinks do not compose with yet (`config`: a Config):
-    context parallelism and packed documents (--sft, --reset-attention-mask)."""
-    m, par, data = config.model, config.parallel, config.data
+    context parallelism. (Packed documents apply them within each document.)"""
+    m, par = config.model, config.parallel
     try:
         local = m.local_attention
     except ValueError:  # (a window or pattern local_attention_problems reports)
@@ -156,9 +156,4 @@ def local_attention_layout_problems(config: Any) -> list[str]:
         problems.append(f"{what} with --context-parallel-size {par.context_parallel_size}: the "
                         f"context-parallel attention does not apply them yet: use "
                         f"--context-parallel-size 1")
-    if data.sft or data.reset_attention_mask:
-        flag_name = "--sft" if data.sft else "--reset-attention-mask"
-        problems.append(f"{what} with {flag_name}: attention within each packed document does "
-                        f"not apply them yet: drop {flag_name}, or train these models without "
-                        f"packing")
     return problems

@@ -269,8 +269,12 @@ class Attention(nn.Module):
             # documents and with attention dropout)
             sinks = self.sinks if self.softmax_type == "learnable" else \
                 q.new_zeros(self.local_heads)  # off-by-one: a zero logit
-            return local_attention(q, k, v, window=self.window,
-                                   sinks=None if self.softmax_type == "vanilla" else sinks)
+            sinks = None if self.softmax_type == "vanilla" else sinks
+            if documents is not None:  # within each packed document
+                return document_causal_attention(q, k, v, documents.document_ids,
+                                                 plans=documents.plans, window=self.window,
+                                                 sinks=sinks)
+            return local_attention(q, k, v, window=self.window, sinks=sinks)
         if self.context[0] > 1:  # attention dropout is refused before launch
             if documents is None:
                 return context_attention(q, k, v, self.cp_group, self.cp_comm_type)
