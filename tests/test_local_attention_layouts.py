@@ -180,3 +180,44 @@ def test_a_packed_sequence_computes_each_documents_windows_and_sinks_alone():
             alone = model(tokens[:, start:start + n])[..., :MODEL.vocab_size]
             assert_close(packed[start:start + n], alone, rtol=0, atol=1e-5)
             start += n
+
+
+@pytest.mark.parametrize("s, left, block", [(16, 3, 4), (1000, 127, 128), (1024, 128, 128),
+                                            (300, 0, 64), (64, 200, 16)])
+def test_the_performance_model_counts_what_the_window_keeps(s, left, block):
+    """pair_fraction is the dense window mask's share of the causal pairs;
+    block_fraction is local_attention's visited blocks' share of the causal
+    blocks (the model's BLOCK is the kernel's)."""
+    from ptdp.parallel import local_attention as kernel
+    from ptdp.perf.analytic import local_attention as priced
+
+    assert priced.BLOCK == kernel.DEFAULT_BLOCK
+    causal = s * (s + 1) / 2
+    kept = kernel.window_mask(s, (left, 0)).sum().item()
+    assert priced.pair_fraction(s, left) == pytest.approx(kept / causal)
+    blocks = -(-s // block)
+    visited = len(kernel.visited_blocks(s, block, (left, 0)))
+    assert priced.block_fraction(s, left, block) == pytest.approx(visited / (blocks * (blocks + 1) / 2))
+
+
+def test_flops_and_plans_of_a_windowed_model():
+    """Model FLOPs count a windowed layer's attention products at the
+    window's share (the rest of the layer as before); the planner prices a
+    windowed model at long sequences faster than the full one."""
+    from ptdp.config import ModelConfig
+    from ptdp.perf.analytic.flops import model_flops_per_iteration
+    from ptdp.perf.analytic.local_attention import pair_fraction
+    from ptdp.perf.layout import Layout, Workload
+    from ptdp.perf.plan.planner import evaluate_layout
+    from ptdp.perf.price.profiles import load_profile
+
+    full = ModelConfig(num_layers=6, hidden_size=512, num_attention_heads=8, seq_length=4096,
+                       vocab_size=32000, attention_dropout=0.0)
+    windowed = dataclasses.replace(full, window_size="255,0", window_attn_skip_freq=3)
+    B, s, a, d = 8, full.seq_length, full.num_attention_heads, full.head_dim
+    saved = 3 * 4 * B * s * s * a * d * (1 - pair_fraction(s, 255)) * 4   # 4 windowed layers
+    assert model_flops_per_iteration(full, B, recompute=None) - \
+        model_flops_per_iteration(windowed, B, recompute=None) == pytest.approx(saved)
+    layout, profile = Layout(d=8, b=1), load_profile("h100")
+    assert evaluate_layout(Workload(windowed, B, "bf16"), layout, profile).seconds < \
+        evaluate_layout(Workload(full, B, "bf16"), layout, profile).seconds

@@ -23,6 +23,7 @@ it trained every weight; we did not find a Bridge convention that differs.)"""
 from __future__ import annotations
 
 from ptdp.config import ModelConfig
+from ptdp.perf.analytic.local_attention import pair_fraction
 from ptdp.perf.analytic.moe import mlp_columns, router_columns
 
 
@@ -38,27 +39,37 @@ def model_flops_per_iteration(config: ModelConfig, global_batch: int, *, recompu
     B, s, h, l = global_batch, config.seq_length, config.hidden_size, config.num_layers
     V = config.vocab_size
     a, g, d = config.num_attention_heads, config.query_groups, config.head_dim
-    # 24·B·s·h² per layer for GPT-2's options (g = a, a·d = h, a [4h, h] MLP)
-    layer_attention = 4 * B * s * s * a * d
+    # 24·B·s·h² per layer for GPT-2's options (g = a, a·d = h, a [4h, h] MLP);
+    # a windowed layer's score and context products: the window's share
+    # (ptdp.perf.analytic.local_attention)
+    attention = [4 * B * s * s * a * d * share for share in attention_shares(config)]
     layers = [2 * B * s * h * ((a + 2 * g) * d + a * d + width) + layer_attention
-              for width in mlp_widths(config)]
+              for width, layer_attention in zip(mlp_widths(config), attention)]
     layer = sum(layers) / l   # (the mean layer: MoE and dense layers differ)
     output_layer = 2 * B * s * h * V
     total = 3 * sum(layers) + 3 * output_layer
     if lora is not None:   # frozen base: input gradients only; adapters trained
         adapters = adapter_flops_forward(config, lora, B)
-        total = 2 * (sum(layers) + output_layer) + l * layer_attention + 3 * adapters
+        total = 2 * (sum(layers) + output_layer) + sum(attention) + 3 * adapters
         layer += adapters / l
     if recompute is None:
         return float(total)
     if recompute == "selective":
-        return float(total + l * layer_attention)
+        return float(total + sum(attention))
     if recompute == "full":
         recomputed = l if recomputed_layers is None else recomputed_layers
         if not 0 <= recomputed <= l:
             raise ValueError(f"recomputed_layers = {recomputed} is not in 0..{l}")
         return float(total + recomputed * layer)
     raise ValueError(f"unknown recompute {recompute!r}: use None, 'full' or 'selective'")
+
+
+def attention_shares(config: ModelConfig) -> list[float]:
+    """Per layer, the share of the full layer's attention products it
+    computes: 1, or a windowed layer's `pair_fraction`."""
+    windowed = config.windowed_layers
+    share = pair_fraction(config.seq_length, config.window[0]) if any(windowed) else 1.0
+    return [share if w else 1.0 for w in windowed]
 
 
 def adapter_flops_forward(config: ModelConfig, lora, global_batch: int) -> float:

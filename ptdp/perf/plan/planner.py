@@ -443,7 +443,8 @@ MODEL_SETTINGS = ("max_position_embeddings", "make_vocab_size_divisible_by", "hi
                   "position_embedding_type", "rotary_base", "group_query_attention",
                   "num_query_groups", "untie_embeddings_and_output_weights", "disable_bias_linear",
                   "kv_channels", "qk_layernorm", "add_qkv_bias", "use_rope_scaling",
-                  "rope_scaling_factor") + MOE_SETTINGS
+                  "rope_scaling_factor", "window_size", "window_attn_skip_freq",
+                  "softmax_type") + MOE_SETTINGS
 
 
 def context_without_dropout(workload: Workload, devices: int, profile, fixed: FixedDimensions,

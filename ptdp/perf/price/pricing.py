@@ -104,6 +104,7 @@ from ptdp.perf.price import lora
 from ptdp.perf.price.machine import Machine
 from ptdp.perf.price.operator_bytes import (attention_core_bytes, copy_bytes, cross_entropy_bytes,
                                             layer_memory_ops, layer_norm_bytes, residual_bytes)
+from ptdp.perf.analytic.local_attention import block_fraction, mean_fraction
 from ptdp.perf.price.profiles import HardwareProfile
 
 FORWARD_OPS_PER_LAYER = 40        # operators one layer's forward launches (ptdp.model.gpt, eager)
@@ -171,6 +172,9 @@ class OperatorModel:
         # all-gathers and reduce-scatters.
         self.sp = layout.splits_sequence
         self.attention_dropout = model.attention_dropout > 0
+        # Sliding windows: the mean layer's share of the causal attention
+        # blocks the windowed kernel visits (ptdp.perf.analytic.local_attention).
+        self.window_share = mean_fraction(model, block_fraction)
         self.hidden_dropout = model.hidden_dropout > 0
         # Costs already priced (`stage_costs`): every layer of a shape costs the same.
         self.memo: dict[tuple, "ChunkCosts"] = {}
@@ -230,6 +234,8 @@ class OperatorModel:
         b·a/(t·c) whole sequences (the head split). `blocks`: that many of
         the c blocks (1: one ring step's)."""
         heads = self.b * (self.a // self.t)
+        if self.window_share < 1.0:  # sliding windows: the share of the blocks computed
+            heads = heads * self.window_share
         if self.c == 1:
             return heads, self.s
         if self.cp_comm == "a2a":
