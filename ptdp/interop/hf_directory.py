@@ -30,6 +30,7 @@ import torch
 from ptdp.config import ModelConfig
 from ptdp.interop.family import HFFamily
 from ptdp.interop.hf_files import ConversionError, read_hf_config, write_hf_directory
+from ptdp.interop.hf_gemma3 import GEMMA3
 from ptdp.interop.hf_gpt2 import GPT2
 from ptdp.interop.hf_llama import DENSE_HF_FAMILIES
 from ptdp.interop.hf_moe import MOE_HF_FAMILIES
@@ -38,7 +39,7 @@ from ptdp.interop.hf_weights import HFWeights
 # The families, in the order export tries them. Another family is one more
 # entry: HF_FAMILIES[family.name] = family.
 HF_FAMILIES: dict[str, HFFamily] = {
-    family.name: family for family in (GPT2, *DENSE_HF_FAMILIES, *MOE_HF_FAMILIES)}
+    family.name: family for family in (GPT2, *DENSE_HF_FAMILIES, *MOE_HF_FAMILIES, GEMMA3)}
 # The tensor a ForCausalLM class keeps outside its base model; a tied one
 # is a copy of the word embedding, left out of the files.
 OUTPUT = "lm_head.weight"
