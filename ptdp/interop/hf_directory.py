@@ -13,8 +13,9 @@ table of them, and picks one each way:
   settings: GPT-2 for the defaults; for RMSNorm + SwiGLU + rotary
   embeddings Llama, Qwen2 with --add-qkv-bias and no other biases, Qwen3
   with --qk-layernorm; for an MoE model Mixtral, Qwen3-MoE with
-  --qk-layernorm, Qwen2-MoE with a gated shared expert (a Mistral
-  directory imports, and exports as a Llama: the same architecture).
+  --qk-layernorm, Qwen2-MoE with a gated shared expert; Gemma 3 for its
+  pieces (hf_gemma3.py) (a Mistral directory imports, and exports as a
+  Llama: the same architecture).
 
 The bare models (GPT2Model, LlamaModel, ...) are read too: their keys lack
 the family's prefix.
