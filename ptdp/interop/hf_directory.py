@@ -13,8 +13,9 @@ table of them, and picks one each way:
   settings: GPT-2 for the defaults; for RMSNorm + SwiGLU + rotary
   embeddings Llama, Qwen2 with --add-qkv-bias and no other biases, Qwen3
   with --qk-layernorm; for an MoE model Mixtral, Qwen3-MoE with
-  --qk-layernorm, Qwen2-MoE with a gated shared expert (a Mistral
-  directory imports, and exports as a Llama: the same architecture).
+  --qk-layernorm, Qwen2-MoE with a gated shared expert; Gemma 3 for its
+  pieces (hf_gemma3.py) (a Mistral directory imports, and exports as a
+  Llama: the same architecture).
 
 The bare models (GPT2Model, LlamaModel, ...) are read too: their keys lack
 the family's prefix.
@@ -30,6 +31,7 @@ import torch
 from ptdp.config import ModelConfig
 from ptdp.interop.family import HFFamily
 from ptdp.interop.hf_files import ConversionError, read_hf_config, write_hf_directory
+from ptdp.interop.hf_gemma3 import GEMMA3
 from ptdp.interop.hf_gpt2 import GPT2
 from ptdp.interop.hf_llama import DENSE_HF_FAMILIES
 from ptdp.interop.hf_moe import MOE_HF_FAMILIES
@@ -38,7 +40,7 @@ from ptdp.interop.hf_weights import HFWeights
 # The families, in the order export tries them. Another family is one more
 # entry: HF_FAMILIES[family.name] = family.
 HF_FAMILIES: dict[str, HFFamily] = {
-    family.name: family for family in (GPT2, *DENSE_HF_FAMILIES, *MOE_HF_FAMILIES)}
+    family.name: family for family in (GPT2, *DENSE_HF_FAMILIES, *MOE_HF_FAMILIES, GEMMA3)}
 # The tensor a ForCausalLM class keeps outside its base model; a tied one
 # is a copy of the word embedding, left out of the files.
 OUTPUT = "lm_head.weight"
