@@ -106,9 +106,10 @@ class HFFamily(Protocol):
 
 
 def unwritten_settings(config: "ModelConfig", family: str) -> list[str]:
-    """The settings of `config` that no family ptdp writes computes yet (the
-    Gemma 3 and gpt-oss pieces, sinks): written as `family` the model would
-    be another one, so export names them instead."""
+    """The settings of `config` that the Llama-like and GPT-2 families do not
+    compute (the Gemma 3 and gpt-oss pieces, sinks): written as `family` the
+    model would be another one, so export names them instead. (Gemma 3's
+    own family writes its pieces: hf_gemma3.py.)"""
     named = [(config.geglu, "--geglu"), (config.quick_geglu, "--quick-geglu"),
              (config.glu_linear_offset != 0.0,
               f"--glu-linear-offset {config.glu_linear_offset:g}"),

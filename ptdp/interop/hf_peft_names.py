@@ -76,11 +76,16 @@ def base_name_table(config: ModelConfig,
         pairs = name_map(config)
     elif isinstance(family, MoEHFFamily):
         pairs = name_pairs(config, family.name)
-    else:
+    elif family.name == "GPT-2":
         raise ConversionError(
             f"PEFT adapters convert for the Llama-like and MoE families only, not {family.name}: "
             f"its attention and MLP are Conv1D layers ([in, out]), which PEFT adapts with "
             f"fan_in_fan_out; convert such a model's adapters merged into its weights instead")
+    else:
+        raise ConversionError(
+            f"PEFT adapters convert for the Llama-like and MoE families only, not yet for "
+            f"{family.name}: convert its adapters merged into its weights instead "
+            f"(ptdp convert --merge-lora, then --to-hf)")
     return dict(pairs)
 
 
