@@ -2,8 +2,9 @@
 layers alternate windowed and full attention (--window-size,
 --window-attn-skip-freq) with learnable sinks (--softmax-type learnable;
 off-by-one in one layout) trains as one process does under t = 2 with
-sequence parallelism, p = 2 interleaved with full recomputation, and d = 2
-with the distributed optimizer: losses, gradient norms and final weights
+sequence parallelism, p = 2 interleaved with full recomputation, d = 2
+with the distributed optimizer, and (an MoE, gpt-oss's shape) EP = 2 over
+d = 4: losses, gradient norms and final weights
 (sinks included) over three AdamW steps. One pool of four processes runs
 the layouts in one call.
 
@@ -23,6 +24,7 @@ from torch.testing import assert_close
 from ptdp.config import ConfigError, DataConfig, validate
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.train.loop import Trainer
+from tests import test_moe_parallel as moe
 from tests import test_ptdp_step as step
 
 CPU = torch.device("cpu")
@@ -31,7 +33,10 @@ STEPS = 3
 MODEL = dataclasses.replace(step.MODEL, window_size="3,0", window_attn_skip_freq=3,
                             softmax_type="learnable")
 OFF_BY_ONE = dataclasses.replace(MODEL, softmax_type="off-by-one")
-MODELS = {"learnable": MODEL, "off-by-one": OFF_BY_ONE}
+# gpt-oss's shape: an MoE whose attention has windows and sinks
+MOE = dataclasses.replace(moe.MOE, moe_aux_loss_coeff=0.0, moe_z_loss_coeff=0.0,
+                          window_size="3,0", window_attn_skip_freq=2, softmax_type="learnable")
+MODELS = {"learnable": MODEL, "off-by-one": OFF_BY_ONE, "moe": MOE}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,20 +48,23 @@ class Layout:
     sequence_parallel: bool = False
     recompute: str | None = None
     distributed: bool = False
+    ep: int = 1
     model: str = "learnable"
 
     @property
     def name(self) -> str:
         return (f"t{self.t}p{self.p}d{self.d}{'k' + str(self.k) if self.k else ''}"
                 f"{'-sp' if self.sequence_parallel else ''}{'-' + self.recompute if self.recompute else ''}"
-                f"{'-distopt' if self.distributed else ''}-{self.model}")
+                f"{'-distopt' if self.distributed else ''}-ep{self.ep}-{self.model}")
 
 
 def _config(layout: Layout):
     model = dataclasses.replace(MODELS[layout.model], recompute_granularity=layout.recompute)
-    return step._config(layout.t, layout.p, layout.d, layout.k, model, layout.sequence_parallel,
-                        use_distributed_optimizer=layout.distributed, train_iters=STEPS,
-                        global_batch_size=4)
+    config = step._config(layout.t, layout.p, layout.d, layout.k, model, layout.sequence_parallel,
+                          use_distributed_optimizer=layout.distributed, train_iters=STEPS,
+                          global_batch_size=4)
+    config.parallel = dataclasses.replace(config.parallel, expert_model_parallel_size=layout.ep)
+    return config
 
 
 _serial: dict[str, tuple] = {}
@@ -74,7 +82,7 @@ def _layouts_vs_one_process(rank: int, layouts: list[Layout], references: dict) 
     results = []
     for layout in layouts:
         records, weights = references[layout.model]
-        ctx = ParallelContext.build(RankGrid(tp=layout.t, dp=layout.d, pp=layout.p))
+        ctx = ParallelContext.build(RankGrid(tp=layout.t, dp=layout.d, pp=layout.p, ep=layout.ep))
         trainer = Trainer(_config(layout), ctx, CPU)
         for i, want in enumerate(records):
             got = trainer.step(i)[0]
@@ -94,6 +102,7 @@ LAYOUTS = [
     Layout(t=2, d=2, sequence_parallel=True),
     Layout(p=2, d=2, k=1, recompute="full", distributed=True),
     Layout(t=2, p=2, sequence_parallel=True, recompute="selective", model="off-by-one"),
+    Layout(d=4, ep=2, model="moe"),
 ]
 
 
