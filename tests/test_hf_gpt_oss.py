@@ -80,3 +80,98 @@ def test_hf_to_ours_and_back_through_convert(tmp_path):
     again = transformers.AutoModelForCausalLM.from_pretrained(str(back), local_files_only=True,
                                                               **EAGER).eval()
     assert_close(_hf_logits(again, tokens), theirs, **TOL)
+
+
+# ------------------------------------------------------------------ MXFP4
+
+def _random_mxfp4(shape, seed):
+    """Blocks [..., G, 16] of every FP4 code and scales [..., G] around 2^-3."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (*shape, 16), generator=generator, dtype=torch.int32)
+    scales = torch.randint(127 - 6, 127, shape, generator=generator, dtype=torch.int32)
+    return blocks.to(torch.uint8), scales.to(torch.uint8)
+
+
+def test_mxfp4_dequantization_is_transformers():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    blocks, scales = _random_mxfp4((3, 10, 2), seed=1)
+    ours = dequantize_mxfp4(blocks, scales)
+    assert ours.shape == (3, 64, 10)
+    assert_close(ours, convert_moe_packed_tensors(blocks, scales, dtype=torch.float32),
+                 rtol=0, atol=0)
+    # by hand: code 0x21 is 0.5 (low nibble) then 1.0, scale 128 doubles them; 0xF8 is -0, -6
+    by_hand = dequantize_mxfp4(torch.tensor([[[[0x21, 0xF8] + [0] * 14]]], dtype=torch.uint8),
+                               torch.tensor([[[128]]], dtype=torch.uint8))
+    assert by_hand[0, :4, 0].tolist() == [1.0, 2.0, 0.0, -12.0]
+
+
+def _mxfp4_directory(tmp_path, hf):
+    """`hf` saved with its experts' matrices replaced by random MXFP4 ones
+    (stored as blocks and scales, as published checkpoints are); the model
+    gets their dequantized values, computed by transformers."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    directory = tmp_path / "mxfp4"
+    hf.save_pretrained(str(directory))
+    tensors = load_file(str(directory / "model.safetensors"))
+    for i, layer in enumerate(hf.model.layers):
+        for j, name in enumerate(("gate_up_proj", "down_proj")):
+            param = getattr(layer.mlp.experts, name)
+            E, rows, columns = param.shape
+            blocks, scales = _random_mxfp4((E, columns, rows // 32), seed=10 * i + j)
+            with torch.no_grad():
+                param.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+            key = f"model.layers.{i}.mlp.experts.{name}"
+            del tensors[key]
+            tensors[key + "_blocks"], tensors[key + "_scales"] = blocks, scales
+    save_file(tensors, str(directory / "model.safetensors"))
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_a_published_mxfp4_directory_imports_dequantized(tmp_path):
+    hf = _hf_model(_hf_config(intermediate_size=32, num_hidden_layers=2,
+                              layer_types=["sliding_attention", "full_attention"]))
+    directory = _mxfp4_directory(tmp_path, hf)
+    config, weights = load_hf_directory(directory)
+    tokens = _tokens(seed=7, length=12)
+    assert_close(_our_logits(_ours(config, weights), tokens), _hf_logits(hf, tokens), **TOL)
+
+    # a format ptdp does not know is refused, naming it
+    hf_config = json.loads((directory / "config.json").read_text())
+    hf_config["quantization_config"] = {"quant_method": "fp8"}
+    (directory / "config.json").write_text(json.dumps(hf_config))
+    with pytest.raises(ConversionError, match="quant_method 'mxfp4'"):
+        load_hf_directory(directory)
+
+
+# ------------------------------------------------------------------ refusals
+
+@pytest.mark.parametrize("change, named", [
+    (dict(attention_bias=False), "attention_bias=False"),
+    (dict(swiglu_alpha=1.5), "swiglu_alpha=1.5"),
+    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}),
+     "rope_type 'llama3'"),
+    (dict(rope_parameters={**YARN, "attention_factor": 2.0}), "attention_factor=2.0"),
+    (dict(attention_dropout=0.1), "attention_dropout=0.1"),
+    (dict(layer_types=["sliding_attention", "full_attention"]), "layer_types="),
+    (dict(quantization_config={"quant_method": "gptq"}), "quantization_config="),
+])
+def test_what_ptdp_cannot_compute_is_refused_naming_the_key(change, named):
+    hf = _hf_config().to_dict()
+    hf.update(change)
+    with pytest.raises(ConversionError, match=named.replace("(", r"\(").replace("[", r"\[")):
+        model_config_from_hf_config(hf)
+
+
+def test_export_picks_gpt_oss_and_names_what_keeps_another_model_from_it():
+    model = model_config_from_hf_config(_hf_config().to_dict())
+    assert family_for_export(model).name == "gpt-oss"
+    model.softmax_type = "off-by-one"
+    with pytest.raises(ConversionError, match=r"not gpt-oss: .*--softmax-type off-by-one"):
+        family_for_export(model)
