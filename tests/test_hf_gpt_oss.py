@@ -175,3 +175,22 @@ def test_export_picks_gpt_oss_and_names_what_keeps_another_model_from_it():
     model.softmax_type = "off-by-one"
     with pytest.raises(ConversionError, match=r"not gpt-oss: .*--softmax-type off-by-one"):
         family_for_export(model)
+
+
+def test_yarn_mscales_and_attention_factor_round_trip():
+    """DeepSeek-style mscales: export writes the factor they give, which
+    transformers uses and import reads back to the same flags."""
+    from ptdp.interop.hf_gpt_oss import hf_config_from_model_config
+
+    model = model_config_from_hf_config(_hf_config().to_dict())
+    model.mscale, model.mscale_all_dim = 2.0, 0.5
+    written = hf_config_from_model_config(model)
+    again = model_config_from_hf_config(written)
+    assert (again.mscale, again.mscale_all_dim) == (2.0, 0.5)
+    rotary = transformers.GptOssConfig(**{k: v for k, v in written.items()
+                                          if k not in ("architectures", "model_type")})
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+    from ptdp.model.yarn import YarnScaling
+    ours = YarnScaling(32.0, 4096, mscale=2.0, mscale_all_dim=0.5).attention_factor
+    assert ours != pytest.approx(YarnScaling(32.0).attention_factor)
+    assert GptOssRotaryEmbedding(rotary).attention_scaling == pytest.approx(ours, rel=1e-12)

@@ -78,9 +78,9 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor,
     """An MXFP4 tensor as gpt-oss stores its experts: `blocks` [..., rows, G,
     16] uint8, two FP4 E2M1 codes a byte (the low nibble first), 32 values
     a group; `scales` [..., rows, G] uint8, each group's E8M0 exponent
-    (2^(s - 127)). Returns [..., rows·... as stored: [..., rows, G·32],
-    transposed on its last two axes (transformers' convert_moe_packed_tensors),
-    i.e. the x @ W layout of gate_up_proj / down_proj."""
+    (2^(s - 127)). Returns the values [..., rows, G·32] transposed on the
+    last two axes, [..., G·32, rows] (as transformers' convert_moe_packed_tensors):
+    the x @ W layout of gate_up_proj / down_proj."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ConversionError(f"MXFP4 blocks and scales must be uint8, not {blocks.dtype} and "
                               f"{scales.dtype}")
@@ -189,16 +189,7 @@ def _rope_fields(hf: dict[str, Any], problems: list[str]) -> dict[str, Any]:
     if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor >= 1:
         problems.append(f"rope_parameters.factor={factor!r} must be a number of at least 1")
         return {}
-    mscale, all_dim = settings.get("mscale"), settings.get("mscale_all_dim")
-    # transformers takes their ratio only when both are given (and non-zero),
-    # else 0.1·ln f + 1: ptdp's defaults 1 and 0
-    scales = (float(mscale), float(all_dim)) if mscale and all_dim else (1.0, 0.0)
-    expected = (_mscale(factor, scales[0]) / _mscale(factor, scales[1]))
-    given_factor = settings.get("attention_factor")
-    if given_factor is not None and not math.isclose(given_factor, expected, rel_tol=1e-12):
-        problems.append(f"rope_parameters.attention_factor={given_factor!r} is not supported: "
-                        f"ptdp computes YaRN's factor from factor, mscale and mscale_all_dim "
-                        f"({expected:g} here); drop it")
+    scales = _mscales(settings, factor, problems)
     truncate = settings.get("truncate", True)
     if not isinstance(truncate, bool):
         problems.append(f"rope_parameters.truncate={truncate!r} must be true or false")
@@ -207,6 +198,27 @@ def _rope_fields(hf: dict[str, Any], problems: list[str]) -> dict[str, Any]:
                 yarn_beta_fast=float(settings.get("beta_fast") or 32.0),
                 yarn_beta_slow=float(settings.get("beta_slow") or 1.0), mscale=scales[0],
                 mscale_all_dim=scales[1], yarn_correction_range_round_to_int=bool(truncate))
+
+
+def _mscales(settings: dict[str, Any], factor: float, problems: list[str]) -> tuple[float, float]:
+    """(--mscale, --mscale-all-dim) giving transformers' YaRN attention
+    factor: `attention_factor` when given, else the ratio of the two
+    mscales when both are non-zero, else 0.1·ln f + 1 (ptdp's defaults 1, 0)."""
+    mscale, all_dim = settings.get("mscale"), settings.get("mscale_all_dim")
+    numbers = all(isinstance(x, (int, float, type(None))) and not isinstance(x, bool)
+                  for x in (mscale, all_dim))
+    given = (float(mscale or 1.0), float(all_dim or 0.0)) if numbers else (1.0, 0.0)
+    wanted = settings.get("attention_factor")
+    if wanted is None:
+        return given if mscale and all_dim and numbers else (1.0, 0.0)
+    for scales in (given, (1.0, 0.0)):
+        if isinstance(wanted, (int, float)) and math.isclose(
+                wanted, _mscale(factor, scales[0]) / _mscale(factor, scales[1]), rel_tol=1e-9):
+            return scales
+    problems.append(f"rope_parameters.attention_factor={wanted!r} is not supported: ptdp "
+                    f"computes YaRN's factor from factor, mscale and mscale_all_dim, which "
+                    f"give another here; drop it or give the mscales")
+    return (1.0, 0.0)
 
 
 def _mscale(factor: float, scale: float) -> float:
@@ -288,12 +300,11 @@ def model_config_from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelCo
 
 def gpt_oss_obstacles(config: ModelConfig) -> list[str]:
     """What keeps `config` from being a GptOssForCausalLM (empty: it is one)."""
-    c, found = config, []
-    if not c.is_moe:
-        return ["no --num-experts (every gpt-oss layer is MoE)"]
+    c = config
+    found = [] if c.is_moe else ["no --num-experts (every gpt-oss layer is MoE)"]
     named = [
-        (not all(c.moe_layer_pattern), "dense layers in --moe-layer-freq (every gpt-oss layer "
-                                       "is MoE)"),
+        (c.is_moe and not all(c.moe_layer_pattern), "dense layers in --moe-layer-freq (every "
+                                                    "gpt-oss layer is MoE)"),
         (bool(c.moe_shared_expert_intermediate_size), "--moe-shared-expert-intermediate-size"),
         (not c.quick_geglu, "no --quick-geglu (gpt-oss's experts are quick-GeGLU)"),
         (c.glu_linear_offset != 1.0, f"--glu-linear-offset {c.glu_linear_offset:g} (gpt-oss: 1)"),
