@@ -194,3 +194,32 @@ def test_yarn_mscales_and_attention_factor_round_trip():
     ours = YarnScaling(32.0, 4096, mscale=2.0, mscale_all_dim=0.5).attention_factor
     assert ours != pytest.approx(YarnScaling(32.0).attention_factor)
     assert GptOssRotaryEmbedding(rotary).attention_scaling == pytest.approx(ours, rel=1e-12)
+
+
+def test_the_published_config_form_reads_as_the_documented_flags():
+    """gpt-oss-20b's config.json as published (transformers 4.55: rope_scaling
+    + rope_theta, MXFP4 quantization_config, keys transformers ignores),
+    shrunk to 4 layers: the flag set docs/generation-and-export.md gives."""
+    published = {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True,
+        "attention_dropout": 0.0, "eos_token_id": 200002, "experts_per_token": 4,
+        "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+        "initial_context_length": 4096, "initializer_range": 0.02, "intermediate_size": 2880,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "max_position_embeddings": 131072, "num_attention_heads": 64, "num_experts_per_tok": 4,
+        "num_hidden_layers": 4, "num_key_value_heads": 8, "num_local_experts": 32,
+        "output_router_logits": False, "pad_token_id": 199999,
+        "quantization_config": {"quant_method": "mxfp4"}, "rms_norm_eps": 1e-05,
+        "rope_scaling": {k: v for k, v in YARN.items() if k != "rope_theta"},
+        "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128,
+        "swiglu_limit": 7.0, "tie_word_embeddings": False, "vocab_size": 201088}
+    m = model_config_from_hf_config(published)
+    assert (m.window_size, m.windowed_layers) == ("127,0", [True, False, True, False])
+    assert (m.num_query_groups, m.kv_channels, m.num_experts, m.moe_router_topk,
+            m.moe_ffn_hidden_size) == (8, 64, 32, 4, 2880)
+    assert (m.rotary_base, m.rotary_scaling_factor, m.yarn_original_max_position_embeddings,
+            m.yarn_correction_range_round_to_int, m.mscale, m.mscale_all_dim) == \
+        (150000.0, 32.0, 4096, False, 1.0, 0.0)
+    assert (m.quick_geglu, m.glu_linear_offset, m.activation_func_clamp_value, m.bias,
+            m.softmax_type, m.moe_router_pre_softmax, m.tied_output) == \
+        (True, 1.0, 7.0, True, "learnable", False, False)

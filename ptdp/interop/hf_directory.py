@@ -14,7 +14,8 @@ table of them, and picks one each way:
   embeddings Llama, Qwen2 with --add-qkv-bias and no other biases, Qwen3
   with --qk-layernorm; for an MoE model Mixtral, Qwen3-MoE with
   --qk-layernorm, Qwen2-MoE with a gated shared expert (a Mistral
-  directory imports, and exports as a Llama: the same architecture).
+  directory imports, and exports as a Llama: the same architecture);
+  gpt-oss for quick-GeGLU experts with learnable sinks (hf_gpt_oss.py).
 
 The bare models (GPT2Model, LlamaModel, ...) are read too: their keys lack
 the family's prefix.
