@@ -12,10 +12,11 @@ table of them, and picks one each way:
 * export: the first exported family with no obstacles to the model's
   settings: GPT-2 for the defaults; for RMSNorm + SwiGLU + rotary
   embeddings Llama, Qwen2 with --add-qkv-bias and no other biases, Qwen3
-  with --qk-layernorm; for an MoE model Mixtral, Qwen3-MoE with
-  --qk-layernorm, Qwen2-MoE with a gated shared expert; Gemma 3 for its
-  pieces (hf_gemma3.py) (a Mistral directory imports, and exports as a
-  Llama: the same architecture).
+  with --qk-layernorm, Mistral with a window on every layer (without one
+  it is a Llama: the same architecture); for an MoE model Mixtral,
+  Qwen3-MoE with --qk-layernorm, Qwen2-MoE with a gated shared expert;
+  Gemma 3 for its pieces (hf_gemma3.py); gpt-oss for quick-GeGLU experts
+  with learnable sinks (hf_gpt_oss.py).
 
 The bare models (GPT2Model, LlamaModel, ...) are read too: their keys lack
 the family's prefix.
@@ -33,6 +34,7 @@ from ptdp.interop.family import HFFamily
 from ptdp.interop.hf_files import ConversionError, read_hf_config, write_hf_directory
 from ptdp.interop.hf_gemma3 import GEMMA3
 from ptdp.interop.hf_gpt2 import GPT2
+from ptdp.interop.hf_gpt_oss import GPT_OSS
 from ptdp.interop.hf_llama import DENSE_HF_FAMILIES
 from ptdp.interop.hf_moe import MOE_HF_FAMILIES
 from ptdp.interop.hf_weights import HFWeights
@@ -40,7 +42,7 @@ from ptdp.interop.hf_weights import HFWeights
 # The families, in the order export tries them. Another family is one more
 # entry: HF_FAMILIES[family.name] = family.
 HF_FAMILIES: dict[str, HFFamily] = {
-    family.name: family for family in (GPT2, *DENSE_HF_FAMILIES, *MOE_HF_FAMILIES, GEMMA3)}
+    family.name: family for family in (GPT2, *DENSE_HF_FAMILIES, *MOE_HF_FAMILIES, GEMMA3, GPT_OSS)}
 # The tensor a ForCausalLM class keeps outside its base model; a tied one
 # is a copy of the word embedding, left out of the files.
 OUTPUT = "lm_head.weight"
@@ -113,8 +115,12 @@ def load_hf_directory(directory: str | Path, **overrides: Any
     weights = HFWeights(directory, family.classes[0])
     try:
         family.check_hf_tensors(weights.shapes, config)
-        state = weights.load(key for key in weights.tensors
-                             if not family.ignored.match(key.removeprefix(family.prefix)))
+        # A family whose published files hold quantized tensors (gpt-oss's
+        # MXFP4 experts) reads them itself, dequantized.
+        load_state = getattr(family, "load_state", None)
+        state = load_state(weights) if load_state is not None else weights.load(
+            key for key in weights.tensors
+            if not family.ignored.match(key.removeprefix(family.prefix)))
         return config, family.from_hf_state(state, config)
     except ConversionError as e:
         raise ConversionError(f"{directory}: {e}") from None

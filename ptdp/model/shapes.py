@@ -36,6 +36,8 @@ def logical_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         **(norm("attention.q_layernorm", d) | norm("attention.k_layernorm", d)
            if config.qk_layernorm else {}),
         **linear("attention.dense", h, heads * d),
+        # --softmax-type learnable: a sink logit per head
+        **({"attention.sinks": (heads,)} if config.softmax_type == "learnable" else {}),
         **norm("post_attention_layernorm"),
         # gated (SwiGLU, GeGLU, quick-GeGLU): the gate's rows, then the up projection's
         **linear("mlp.dense_h_to_4h", 2 * f if config.gated_linear_unit else f, h),
