@@ -230,3 +230,22 @@ def test_flops_and_plans_of_a_windowed_model():
     layout, profile = Layout(d=8, b=1), load_profile("h100")
     assert evaluate_layout(Workload(windowed, B, "bf16"), layout, profile).seconds < \
         evaluate_layout(Workload(full, B, "bf16"), layout, profile).seconds
+
+
+def test_a_checkpoint_keeps_the_sinks_and_the_window(tmp_path):
+    """Saved and loaded, a model with learnable sinks and windows resumes
+    with the same sinks; the checkpoint records the window settings."""
+    from ptdp.checkpoint.store import read_metadata, resolve
+
+    config = _config(Layout())
+    trainer = Trainer(config, ParallelContext.single(), CPU)
+    trainer.step(0)
+    trainer.save(str(tmp_path), 1)
+    resumed = Trainer(_config(Layout()), ParallelContext.single(), CPU, start=(1, 4))
+    resumed.load(str(tmp_path))
+    for before, after in zip(trainer.model.modules(), resumed.model.modules()):
+        if hasattr(before, "sinks"):
+            assert torch.equal(before.sinks, after.sinks)
+    model = read_metadata(resolve(tmp_path))["config"]["model"]
+    assert (model["window_size"], model["window_attn_skip_freq"], model["softmax_type"]) == \
+        ("3,0", 3, "learnable")
