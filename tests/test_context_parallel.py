@@ -49,7 +49,17 @@ ROTARY = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, num_qu
 LEARNED = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=32,
                       vocab_size=96, make_vocab_size_divisible_by=8, hidden_dropout=0.0,
                       attention_dropout=0.0)
-MODELS = {"rotary": ROTARY, "learned": LEARNED}
+# gpt-oss-like (issue 43): layers 1, 2 and 4 windowed, 3 full, learnable
+# sinks in every layer. At c = 2 (chunks of 8) a window of 3 keys stays within
+# a chunk and its neighbour; one of 11 reaches two chunks back. At c = 4
+# (chunks of 4) the window of 3 leaves ring steps with nothing to compute,
+# and the steps before them keys that the mask must hide.
+WINDOW_3 = dataclasses.replace(ROTARY, window_size="3,0", window_attn_skip_freq=3,
+                               softmax_type="learnable")
+WINDOW_11 = dataclasses.replace(WINDOW_3, window_size="11,0")
+SINKS = dataclasses.replace(ROTARY, softmax_type="learnable")
+MODELS = {"rotary": ROTARY, "learned": LEARNED, "window3": WINDOW_3, "window11": WINDOW_11,
+          "sinks": SINKS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,6 +261,14 @@ LAYOUTS = [
     # and attention per document through the ring and the all-to-all.
     Layout(c=2, d=2, reset=True),
     Layout(c=4, comm="a2a", model="learned", reset=True),
+    # Sliding windows and sinks: skipped ring steps and key blocks, masks by
+    # absolute positions, the sinks applied once after the merge (under a2a
+    # each rank its heads').
+    Layout(c=2, d=2, model="window3", steps=2),
+    Layout(c=2, d=2, model="window11", comm="all_gather", steps=2),
+    Layout(c=2, d=2, model="window3", comm="a2a", steps=2),
+    Layout(c=4, model="window3", steps=2),
+    Layout(c=2, d=2, model="sinks", comm="a2a", reset=True, steps=2),   # sinks in documents
 ]
 
 
