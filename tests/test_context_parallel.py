@@ -12,6 +12,11 @@ the first and last quarter of every other sample, which at c = 2 is all of
 context rank 0's positions and at c = 4 all of ranks 0's and 1's; one
 sample is masked out entirely. A rank with no counted token must add 0,
 not NaN.
+
+Sliding windows and learnable sinks (issue 43) run among the layouts (every
+comm type at c = 2, p2p at c = 4 where whole ring steps are skipped); in one
+process, each comm type's window plan computes every (query, key) pair of the
+window once and nothing outside it.
 """
 
 from __future__ import annotations
@@ -49,7 +54,17 @@ ROTARY = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, num_qu
 LEARNED = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=32,
                       vocab_size=96, make_vocab_size_divisible_by=8, hidden_dropout=0.0,
                       attention_dropout=0.0)
-MODELS = {"rotary": ROTARY, "learned": LEARNED}
+# gpt-oss-like (issue 43): layers 1, 2 and 4 windowed, 3 full, learnable
+# sinks in every layer. At c = 2 (chunks of 8) a window of 3 keys stays within
+# a chunk and its neighbour; one of 11 reaches two chunks back. At c = 4
+# (chunks of 4) the window of 3 leaves ring steps with nothing to compute,
+# and the steps before them keys that the mask must hide.
+WINDOW_3 = dataclasses.replace(ROTARY, window_size="3,0", window_attn_skip_freq=3,
+                               softmax_type="learnable")
+WINDOW_11 = dataclasses.replace(WINDOW_3, window_size="11,0")
+SINKS = dataclasses.replace(ROTARY, softmax_type="learnable")
+MODELS = {"rotary": ROTARY, "learned": LEARNED, "window3": WINDOW_3, "window11": WINDOW_11,
+          "sinks": SINKS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,6 +266,14 @@ LAYOUTS = [
     # and attention per document through the ring and the all-to-all.
     Layout(c=2, d=2, reset=True),
     Layout(c=4, comm="a2a", model="learned", reset=True),
+    # Sliding windows and sinks: skipped ring steps and key blocks, masks by
+    # absolute positions, the sinks applied once after the merge (under a2a
+    # each rank its heads').
+    Layout(c=2, d=2, model="window3", steps=2),
+    Layout(c=2, d=2, model="window11", comm="all_gather", steps=2),
+    Layout(c=2, d=2, model="window3", comm="a2a", steps=2),
+    Layout(c=4, model="window3", steps=2),
+    Layout(c=2, d=2, model="sinks", comm="a2a", reset=True, steps=2),   # sinks in documents
 ]
 
 
@@ -264,6 +287,56 @@ def test_context_parallel_layouts_train_like_one_process(pools):
         assert names == every, layout.name      # every parameter compared on some rank
         worst = max(results[i][2] for results in per_rank)
         assert worst < 1e-5, layout.name
+
+
+def _seen(blocks, query_positions, key_positions, seq: int) -> torch.Tensor:
+    """[seq, seq] int: how many of `blocks` compute each (query, key) pair of
+    absolute positions (a block's own masks and causality applied)."""
+    seen = torch.zeros(seq, seq, dtype=torch.int64)
+    for _, q0, q1, k0, k1, causal, mask in blocks:
+        computed = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool)
+        computed = computed.tril() if causal else computed
+        computed = computed if mask is None else computed & mask[0, 0]
+        rows, cols = computed.nonzero(as_tuple=True)
+        seen.index_put_((query_positions[q0:q1][rows], key_positions[k0:k1][cols]),
+                        torch.ones_like(rows), accumulate=True)
+    return seen
+
+
+@pytest.mark.parametrize("block", [128, 3])
+def test_window_plans_compute_each_pair_in_the_window_once(monkeypatch, block):
+    """Every comm type's blocks, over all ranks (and ring steps), compute each
+    (query, key) pair inside the window exactly once and none outside it
+    (local_attention.window_mask), with query blocks of 3 positions too, so
+    that blocks straddle the window's edge; at c = 4 with a window of 3 some
+    ring steps compute nothing."""
+    from ptdp.parallel import context_attention as attention
+    from ptdp.parallel.context_layout import rank_positions
+    from ptdp.parallel.local_attention import window_mask
+    monkeypatch.setattr(attention, "WINDOW_BLOCK", block)
+    attention._window_plan.cache_clear()
+    seq, natural = 32, torch.arange(32)
+    for c, left in [(2, 0), (2, 3), (2, 11), (4, 3), (4, 5), (4, 20)]:
+        half = seq // c // 2
+        window = attention._Window(left, seq, CPU)
+        ring, gathered, empty_steps = 0, 0, 0
+        for rank in range(c):
+            queries = rank_positions(seq, c, rank)
+            for source in range(c):
+                blocks = attention._ring_blocks(rank, source, c, half, None, window)
+                empty_steps += not blocks
+                ring = ring + _seen(blocks, queries, rank_positions(seq, c, source), seq)
+            spans = attention._chunk_spans(rank, c, half)
+            gathered = gathered + _seen(attention._whole_sequence_blocks(spans, None, [], window),
+                                        queries, natural, seq)
+        chunks = [(start, start, half) for start in range(0, seq, half)]
+        a2a = _seen(attention._whole_sequence_blocks(chunks, None, [], window), natural, natural,
+                    seq)
+        want = window_mask(seq, (left, 0)).long()
+        for name, got in [("p2p", ring), ("all_gather", gathered), ("a2a", a2a)]:
+            assert torch.equal(got, want), (name, c, left, block)
+        assert (empty_steps > 0) == ((c, left) in [(2, 0), (4, 3), (4, 5)]), (c, left)
+    attention._window_plan.cache_clear()
 
 
 def _half_precision_vs_one_process(rank: int, precision: str) -> list[float]:

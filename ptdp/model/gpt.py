@@ -264,22 +264,25 @@ class Attention(nn.Module):
         of its own document (ptdp.parallel.document_attention).
         Under grouped-query attention k and v have fewer heads; query head j
         uses group j // (heads/groups)."""
-        if self.window is not None or self.softmax_type != "vanilla":
-            # (refused before launch under context parallelism, with packed
-            # documents and with attention dropout)
-            sinks = self.sinks if self.softmax_type == "learnable" else \
-                q.new_zeros(self.local_heads)  # off-by-one: a zero logit
-            sinks = None if self.softmax_type == "vanilla" else sinks
+        sinks = None                                    # --softmax-type vanilla
+        if self.softmax_type == "learnable":
+            sinks = self.sinks
+        elif self.softmax_type == "off-by-one":
+            sinks = q.new_zeros(self.local_heads)       # a fixed zero logit
+        if self.context[0] > 1:
+            # (attention dropout is refused before launch, and windows with
+            # packed documents)
+            return context_attention(q, k, v, self.cp_group, self.cp_comm_type,
+                                     window=self.window, sinks=sinks,
+                                     document_ids=None if documents is None
+                                     else documents.document_ids)
+        if self.window is not None or sinks is not None:
+            # (attention dropout is refused before launch)
             if documents is not None:  # within each packed document
                 return document_causal_attention(q, k, v, documents.document_ids,
                                                  plans=documents.plans, window=self.window,
                                                  sinks=sinks)
             return local_attention(q, k, v, window=self.window, sinks=sinks)
-        if self.context[0] > 1:  # attention dropout is refused before launch
-            if documents is None:
-                return context_attention(q, k, v, self.cp_group, self.cp_comm_type)
-            return context_attention(q, k, v, self.cp_group, self.cp_comm_type,
-                                     document_ids=documents.document_ids)
         dropout = self.dropout if self.training else 0.0
         if documents is not None:
             ids, plans = documents.document_ids, documents.plans

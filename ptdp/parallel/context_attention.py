@@ -39,6 +39,22 @@ LSE −inf and output 0 there. a2a, whose ranks hold whole sequences, plans
 the same way over the 2c chunks. The work per rank then follows the
 documents, no longer evenly balanced by the layout.
 
+Sliding windows (`window` (L, 0): query i sees keys i − L..i, as ptdp.
+parallel.local_attention) are planned from absolute positions too: each
+query chunk, cut in WINDOW_BLOCK positions, meets only the keys its rows'
+windows reach; keys every row sees run as one unmasked rectangle, the
+window's edge as a masked "plain" block (i − L <= j <= i), the own square
+causal. A ring step whose key chunks lie wholly outside every local query's
+window computes nothing; its block is still passed on, since the layout's
+last step always pairs neighbouring chunks (chunk 2c − 1 − r meets
+2c − 2 − r), so no rank's ring ends early. Sinks (`sinks` [heads]) are
+applied once, after the steps' (or the gathered blocks') merge: out ·
+sigmoid(lse − sink), with lse' = logaddexp(lse, sink) kept for the
+backward, and the sink's gradient −Σ exp(sink − lse') · rowsum(dO · O) over
+this rank's rows (the gradient reduction adds the other context ranks').
+Under a2a a rank holds heads/c of the heads, so it applies their part of
+the sinks. Windows with packed documents are not supported.
+
 The attention of each block runs on ptdp.parallel.block_attention's kernel
 (`block_kernel` names it). Attention dropout is refused: it would have to
 replay the same mask in the backward ring and under recomputation.
@@ -209,19 +225,26 @@ def _chunk_spans(rank: int, size: int, half: int) -> list[Span]:
     return [(0, rank * half, half), (half, (2 * size - 1 - rank) * half, half)]
 
 
-def _ring_blocks(rank: int, source: int, size: int, half: int,
-                 docs: _Documents | None) -> list[Block]:
-    """This rank's queries against context rank `source`'s key/value block."""
+def _ring_blocks(rank: int, source: int, size: int, half: int, docs: _Documents | None,
+                 window: _Window | None = None) -> list[Block] | tuple:
+    """This rank's queries against context rank `source`'s key/value block
+    (empty: the ring step computes nothing)."""
+    pairs = [(queries, keys) for queries in _chunk_spans(rank, size, half)
+             for keys in _chunk_spans(source, size, half)]
+    if window is not None:
+        return window.plan(pairs)
     if docs is None:
         return _whole_batch(_ring_pairs(rank, source, half))
-    return _document_blocks(docs, [(queries, keys) for queries in _chunk_spans(rank, size, half)
-                                   for keys in _chunk_spans(source, size, half)])
+    return _document_blocks(docs, pairs)
 
 
 def _whole_sequence_blocks(query_spans: list[Span], docs: _Documents | None,
-                           fallback: list[Pair]) -> list[Block]:
+                           fallback: list[Pair], window: _Window | None = None
+                           ) -> list[Block] | tuple:
     """Queries (spans of their rows) against the whole sequence in natural
     order: each span against its own positions and against all before it."""
+    if window is not None:
+        return window.plan([(queries, (0, 0, window.seq)) for queries in query_spans])
     if docs is None:
         return _whole_batch(fallback)
     pairs = []
@@ -231,6 +254,112 @@ def _whole_sequence_blocks(query_spans: list[Span], docs: _Documents | None,
         if start:
             pairs.append((queries, (0, 0, start)))
     return _document_blocks(docs, pairs)
+
+
+# ------------------------------------------------------------------ sliding windows
+
+# Query positions per block under a window: each query block visits only the
+# key positions its rows' windows reach (local_attention's DEFAULT_BLOCK).
+WINDOW_BLOCK = 128
+
+
+def _window_masks(a: int, b: int, x: int, y: int, left: int | None, masks: dict,
+                  device: torch.device) -> torch.Tensor:
+    """[1, 1, b − a, y − x] bool: query position i in [a, b) sees key j in
+    [x, y) iff i − L <= j <= i (absolute positions, so right for any chunk
+    pair); kept by shape, since equal offsets and sizes give equal masks."""
+    shape = (a - x, b - a, y - x)
+    if shape not in masks:
+        distance = (torch.arange(a, b, device=device).unsqueeze(-1)
+                    - torch.arange(x, y, device=device).unsqueeze(0))
+        seen = distance >= 0
+        if left is not None:
+            seen &= distance <= left
+        masks[shape] = seen.view(1, 1, b - a, y - x)
+    return masks[shape]
+
+
+def _window_query_block(a: int, b: int, queries: Span, keys: Span, left: int | None,
+                        masks: dict, device: torch.device) -> list[Block]:
+    """Query positions [a, b) of span `queries` against the keys of span
+    `keys` their windows reach: the keys every row sees (before a, within
+    the farthest row's window) as one unmasked rectangle; the rest masked,
+    or causal where it is the block's own square wholly inside the window."""
+    (row, q_start, _), (col, k_start, k_len) = queries, keys
+    lo = k_start if left is None else max(k_start, a - left)
+    hi = min(k_start + k_len, b)
+    if lo >= hi:
+        return []   # every key of this span lies outside (or after) the rows' windows
+    inner = (max(lo, b - 1 - left) if left is not None else lo, min(hi, a))
+    parts = [(lo, hi)] if inner[0] >= inner[1] else [(lo, inner[0]), (inner[1], hi)]
+
+    def block(x, y, causal, mask):
+        return (slice(None), row + a - q_start, row + b - q_start, col + x - k_start,
+                col + y - k_start, causal, mask)
+
+    blocks = [block(*inner, False, None)] if inner[0] < inner[1] else []
+    for x, y in parts:
+        if x >= y:
+            continue
+        if (x, y) == (a, b) and (left is None or b - 1 - a <= left):
+            blocks.append(block(x, y, True, None))
+        else:
+            blocks.append(block(x, y, False, _window_masks(a, b, x, y, left, masks, device)))
+    return blocks
+
+
+@functools.lru_cache(maxsize=256)
+def _window_plan(pairs: tuple, left: int | None, device: torch.device) -> tuple:
+    """The Blocks of (queries, keys) span pairs under the causal window of
+    left side `left`: each query span cut in WINDOW_BLOCK positions, each
+    block against the keys of the pair's span its rows see; key positions
+    outside every row's window are skipped (kept: the same for every layer
+    and step)."""
+    masks: dict = {}
+    blocks: list[Block] = []
+    for queries, keys in pairs:
+        start, length = queries[1], queries[2]
+        for a in range(start, start + length, WINDOW_BLOCK):
+            b = min(a + WINDOW_BLOCK, start + length)
+            blocks += _window_query_block(a, b, queries, keys, left, masks, device)
+    return tuple(blocks)
+
+
+class _Window:
+    """A causal window of left side `left` (finite, below the sequence) over
+    sequences of `seq` positions, planned on `device`."""
+
+    def __init__(self, left: int, seq: int, device: torch.device):
+        self.left, self.seq, self.device = left, seq, torch.device(device)
+
+    def plan(self, pairs: list[tuple[Span, Span]]) -> tuple:
+        return _window_plan(tuple(pairs), self.left, self.device)
+
+
+# ------------------------------------------------------------------ sinks
+
+def _apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None
+                 ) -> torch.Tensor:
+    """Adds each head's sink logit to the merged softmax's denominator: out
+    scaled in place by sigmoid(lse − sink); returns lse' = logaddexp(lse,
+    sink), with which the blocks' backward recomputes the sink's
+    probabilities (as ptdp.parallel.local_attention)."""
+    if sinks is None:
+        return lse
+    total = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, -1, 1))
+    out.mul_(torch.exp(lse - total).unsqueeze(-1))
+    return total
+
+
+def _sink_gradient(ctx, dout, out, lse, sinks) -> torch.Tensor | None:
+    """−Σ over batch and rows of exp(sink − lse') · rowsum(dO · O): this
+    rank's rows' part (the gradient reduction sums the context ranks')."""
+    if sinks is None or not ctx.needs_input_grad[3]:
+        return None
+    acc = lse.dtype
+    rows = (dout.to(acc) * out.to(acc)).sum(-1)
+    return (-(torch.exp(sinks.to(acc).view(1, -1, 1) - lse) * rows).sum(dim=(0, 2))
+            ).to(sinks.dtype)
 
 
 def _whole_batch(pairs: list[Pair]) -> list[Block]:
@@ -269,21 +398,23 @@ class _LocalAttention(torch.autograd.Function):
     """Attention of q over (k, v) made of the given blocks, no communication."""
 
     @staticmethod
-    def forward(ctx, q, k, v, blocks, scale, kernel):
+    def forward(ctx, q, k, v, sinks, blocks, scale, kernel):
         out, lse = _empty_result(q)
         _forward_blocks(q, k, v, blocks, scale, kernel, out, lse)
+        lse = _apply_sinks(out, lse, sinks)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.blocks, ctx.scale, ctx.kernel = blocks, scale, kernel
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         acc = accumulation_dtype(q.dtype)
         dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
         _backward_blocks(dout, q, k, v, out, lse, ctx.blocks, ctx.scale, ctx.kernel, dq, dk, dv)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
+                _sink_gradient(ctx, dout, out, lse, sinks), None, None, None)
 
 
 # ------------------------------------------------------------------ p2p: the ring
@@ -323,25 +454,28 @@ _KEY_VALUES, _GRADIENTS = 0, 1   # message tags: the two streams around the ring
 class _RingAttention(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, kernel, docs):
+    def forward(ctx, q, k, v, sinks, group, scale, kernel, docs, window):
         ring = _Ring(group)
         half = q.shape[2] // 2
         out, lse = _empty_result(q)
         kv = torch.stack([k, v])
         for step in range(ring.size):
             coming = ring.shift(kv, _KEY_VALUES) if step + 1 < ring.size else None
-            blocks = _ring_blocks(ring.rank, (ring.rank - step) % ring.size, ring.size, half, docs)
+            blocks = _ring_blocks(ring.rank, (ring.rank - step) % ring.size, ring.size, half, docs,
+                                  window)
             _forward_blocks(q, kv[0], kv[1], blocks, scale, kernel, out, lse)
             if coming is not None:
                 kv = coming.wait()
+        lse = _apply_sinks(out, lse, sinks)   # once, on the merge of every step
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.group, ctx.scale, ctx.kernel, ctx.docs = group, scale, kernel, docs
+        ctx.window = window
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         ring = _Ring(ctx.group)
         half = q.shape[2] // 2
         acc = accumulation_dtype(q.dtype)
@@ -352,7 +486,7 @@ class _RingAttention(torch.autograd.Function):
             coming = ring.shift(kv, _KEY_VALUES) if step + 1 < ring.size else None
             dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
             blocks = _ring_blocks(ring.rank, (ring.rank - step) % ring.size, ring.size, half,
-                                  ctx.docs)
+                                  ctx.docs, ctx.window)
             _backward_blocks(dout, q, kv[0], kv[1], out, lse, blocks, ctx.scale, ctx.kernel,
                             dq, dkv[0], dkv[1])
             if gradients_coming is not None:
@@ -363,12 +497,13 @@ class _RingAttention(torch.autograd.Function):
                 kv = coming.wait()
         # After the last step the sums for this rank's own block arrive.
         dkv = gradients_coming.wait() if gradients_coming is not None else dkv
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
+                _sink_gradient(ctx, dout, out, lse, sinks), None, None, None, None, None)
 
 
 # ------------------------------------------------------------------ all_gather
 
-def _all_gather_attention(q, k, v, group, scale, kernel, docs):
+def _all_gather_attention(q, k, v, sinks, group, scale, kernel, docs, window):
     size, rank = _group_size_rank(group)
     seq = q.shape[2] * size
     kv = torch.stack([k, v]).permute(3, 0, 1, 2, 4)             # [s/c, 2, b, groups, d]
@@ -376,8 +511,8 @@ def _all_gather_attention(q, k, v, group, scale, kernel, docs):
     whole = whole.index_select(0, natural_order(seq, size, q.device)).permute(1, 2, 3, 0, 4)
     half = q.shape[2] // 2
     blocks = _whole_sequence_blocks(_chunk_spans(rank, size, half), docs,
-                                    _gathered_pairs(rank, size, half))
-    return _LocalAttention.apply(q, whole[0], whole[1], blocks, scale, kernel)
+                                    _gathered_pairs(rank, size, half), window)
+    return _LocalAttention.apply(q, whole[0], whole[1], sinks, blocks, scale, kernel)
 
 
 # ------------------------------------------------------------------ a2a (Ulysses)
@@ -401,8 +536,8 @@ def _heads_to_sequence(x, group, size, layout):
     return all_to_all(y, parts, parts, group).movedim(0, -3)
 
 
-def _a2a_attention(q, k, v, group, scale, kernel, docs):
-    size, _ = _group_size_rank(group)
+def _a2a_attention(q, k, v, sinks, group, scale, kernel, docs, window):
+    size, rank = _group_size_rank(group)
     check_a2a_heads(q.shape[1], k.shape[1], size)
     seq = q.shape[2] * size
     order = natural_order(seq, size, q.device)
@@ -412,8 +547,11 @@ def _a2a_attention(q, k, v, group, scale, kernel, docs):
     # that a masked block (many small documents) is at most a chunk square.
     half = q.shape[2] // 2
     chunks = [(start, start, half) for start in range(0, seq, half)]
-    blocks = _whole_sequence_blocks(chunks, docs, [(0, seq, 0, seq, True)])
-    out = _LocalAttention.apply(whole_q, whole_kv[0], whole_kv[1], blocks, scale, kernel)
+    blocks = _whole_sequence_blocks(chunks, docs, [(0, seq, 0, seq, True)], window)
+    if sinks is not None:   # this rank's heads: the rank-th of the c parts
+        heads = whole_q.shape[1]
+        sinks = sinks[rank * heads:(rank + 1) * heads]
+    out = _LocalAttention.apply(whole_q, whole_kv[0], whole_kv[1], sinks, blocks, scale, kernel)
     return _heads_to_sequence(out, group, size, layout_order(seq, size, q.device))
 
 
@@ -450,10 +588,29 @@ def _check_documents(document_ids, q, size):
                          f"{document_ids.dtype} {shape}")
 
 
+def _window_and_sinks(window, sinks, q, size, docs) -> _Window | None:
+    """The checked window (None where it bounds nothing); ValueError for
+    sinks of the wrong shape, or a window with packed documents."""
+    from ptdp.parallel.local_attention import window_left   # (it imports this module)
+    left, seq = window_left(window), q.shape[2] * size
+    if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
+        raise ValueError(f"sinks are one logit per attention head of this rank, "
+                         f"[{q.shape[1]}]; got {tuple(sinks.shape)} (None for the vanilla "
+                         f"softmax)")
+    if left is None or left >= seq - 1:
+        return None   # every earlier key is in the window: plain causal attention
+    if docs is not None:
+        raise ValueError("a sliding window within packed documents is not supported under "
+                         "context parallelism: pass document_ids or window, not both")
+    return _Window(left, seq, q.device)
+
+
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any,
                       comm_type: str = "p2p", *, scale: float | None = None,
                       dropout_p: float = 0.0, kernel: str = "auto",
-                      document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                      document_ids: torch.Tensor | None = None,
+                      window: tuple[int, int] | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention over sequences split across the context group.
 
     q [b, heads, s/c, d], k and v [b, groups, s/c, d]: this rank's two chunks
@@ -464,17 +621,22 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     integer ids [b, s] (or [s] for every row) of the WHOLE sequence in
     natural order, the same on every context rank; a document is a run of
     equal consecutive ids, and a query sees only the earlier keys of its own
-    document. Returns [b, heads, s/c, d] in q's dtype, differentiable in q,
-    k and v."""
+    document. `window` (L, 0): query i sees keys i − L..i (as
+    ptdp.parallel.local_attention; not with document_ids); `sinks` [heads]:
+    a logit per head of q added to the softmax's denominator (under a2a each
+    rank applies its part of them). Returns [b, heads, s/c, d] in q's dtype,
+    differentiable in q, k, v and sinks."""
     _check_inputs(q, k, v, comm_type, dropout_p)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     kernel = resolve_kernel(kernel, q)
+    size = _group_size_rank(group)[0]
     docs = None
     if document_ids is not None:
-        _check_documents(document_ids, q, _group_size_rank(group)[0])
+        _check_documents(document_ids, q, size)
         docs = _Documents(document_ids, q.shape[0], q.device)
+    local = _window_and_sinks(window, sinks, q, size, docs)
     if comm_type == "p2p":
-        return _RingAttention.apply(q, k, v, group, scale, kernel, docs)
+        return _RingAttention.apply(q, k, v, sinks, group, scale, kernel, docs, local)
     if comm_type == "all_gather":
-        return _all_gather_attention(q, k, v, group, scale, kernel, docs)
-    return _a2a_attention(q, k, v, group, scale, kernel, docs)
+        return _all_gather_attention(q, k, v, sinks, group, scale, kernel, docs, local)
+    return _a2a_attention(q, k, v, sinks, group, scale, kernel, docs, local)

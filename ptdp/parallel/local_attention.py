@@ -1,6 +1,7 @@
 """Causal attention within a sliding window, with attention sinks: the
 attention core of gpt-oss (windowed layers, learnable sinks) and Gemma 3
-(windowed layers), on one process (no context parallelism yet).
+(windowed layers), on one process (under context parallelism: ptdp.
+parallel.context_attention's `window` and `sinks`).
 
 Shapes as the model's attention core uses them: q [b, heads, s, d]; k, v
 [b, groups, s, d] with heads a multiple of groups (GQA: head i reads group
