@@ -184,9 +184,11 @@ def _rotary_variant_problems(m: ModelConfig) -> list[str]:
             problems.append(f"--rotary-base-local={m.rotary_base_local} must be > 0 (Gemma 3 uses "
                             f"10000)")
     if not m.yarn:
+        # (a value that is no finite number is reported as such, once)
         given = ["--no-yarn-correction-range-round-to-int" if value is False else
                  f"{flag_in(ModelConfig, name)} {value}" for name in _YARN_SETTINGS
-                 if (value := getattr(m, name)) != getattr(ModelConfig, name)]
+                 if (value := getattr(m, name)) != getattr(ModelConfig, name)
+                 and (isinstance(value, bool) or fine(value))]
         if given:
             problems.append(f"{', '.join(given)}: YaRN's settings act only with "
                             f"--position-embedding-type yarn, but the model has "

@@ -71,6 +71,8 @@ class LocalAttentionFields:
     def windowed_layers(self) -> list[bool]:
         """For each layer (0-based), whether it attends through the window."""
         layers = self.num_layers  # type: ignore[attr-defined]  # ModelConfig's
+        if not is_count(layers, 0):  # (a bad --num-layers: reported by its own check)
+            return []
         if self.window is None or self.window[0] == -1:  # (-1: unbounded, no window)
             return [False] * layers
         freq = self.window_attn_skip_freq

@@ -53,7 +53,7 @@ from ptdp.parallel.context_layout import rank_positions, split_sequence
 from ptdp.parallel.document_attention import Documents, document_causal_attention
 from ptdp.schedules.kinds import virtual_stage_of
 from ptdp.schedules.build import layers_of
-from ptdp.parallel.local_attention import local_attention
+from ptdp.parallel.local_attention import document_local_attention, local_attention
 from ptdp.parallel.sharding import (COPY_ATTR, SHARD_ATTR, TensorShard, initialize_parameters,
                                     set_init)
 from ptdp.parallel.tensor import (
@@ -279,9 +279,9 @@ class Attention(nn.Module):
         if self.window is not None or sinks is not None:
             # (attention dropout is refused before launch)
             if documents is not None:  # within each packed document
-                return document_causal_attention(q, k, v, documents.document_ids,
-                                                 plans=documents.plans, window=self.window,
-                                                 sinks=sinks)
+                return document_local_attention(q, k, v, documents.document_ids,
+                                                window=self.window, sinks=sinks,
+                                                plans=documents.plans)
             return local_attention(q, k, v, window=self.window, sinks=sinks)
         dropout = self.dropout if self.training else 0.0
         if documents is not None:

@@ -588,10 +588,27 @@ def _check_documents(document_ids, q, size):
                          f"{document_ids.dtype} {shape}")
 
 
+def window_left(window: tuple[int, int] | None) -> int | None:
+    """L of a causal window (L, 0), None where the left side is unbounded
+    (window None or L = −1); ValueError for a window causal attention cannot
+    take."""
+    if window is None:
+        return None
+    if len(window) != 2 or not all(isinstance(n, int) for n in window):
+        raise ValueError(f"a window is two integers (L, R), as --window-size L,R; got {window!r}")
+    left, right = window
+    if right != 0:
+        raise ValueError(f"the attention is causal, so a window's right side R must be 0; got "
+                         f"window ({left}, {right}): use --window-size {left},0")
+    if left < -1:
+        raise ValueError(f"a window's left side L is the number of earlier keys a query sees "
+                         f"(0 or more), or -1 for all of them; got {left}")
+    return None if left == -1 else left
+
+
 def _window_and_sinks(window, sinks, q, size, docs) -> _Window | None:
     """The checked window (None where it bounds nothing); ValueError for
     sinks of the wrong shape, or a window with packed documents."""
-    from ptdp.parallel.local_attention import window_left   # (it imports this module)
     left, seq = window_left(window), q.shape[2] * size
     if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
         raise ValueError(f"sinks are one logit per attention head of this rank, "

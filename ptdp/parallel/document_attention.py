@@ -170,16 +170,14 @@ def _planned(plans: dict | None, key: tuple, build):
 
 
 def per_document_attention(q, k, v, document_ids, scale=None, dropout=0.0, plans=None,
-                           window=None, sinks=None):
+                           attend=None):
     """Each document through causal scaled_dot_product_attention; documents
     of the same length (in any row) run as one batch. Positions are gathered
     into that order with one permutation and scattered back with its inverse,
     so the backward costs O(s), whatever the number of documents. `plans`: a
-    dict that keeps the grouping for other calls on the same ids. With a
-    sliding `window` or `sinks` each group runs through
-    ptdp.parallel.local_attention instead (a window counts positions back
-    from the query, so it is the same within a document as in a sequence;
-    no dropout there)."""
+    dict that keeps the grouping for other calls on the same ids. `attend`
+    (q, k, v) -> out runs each group instead of causal SDPA (sliding windows
+    and sinks: ptdp.parallel.local_attention.document_local_attention)."""
     b, heads, s, d = q.shape
 
     def plan():
@@ -195,15 +193,11 @@ def per_document_attention(q, k, v, document_ids, scale=None, dropout=0.0, plans
         return [chunk.view(n, length, x.shape[1], d).transpose(1, 2)
                 for chunk, (length, n) in zip(chunks, groups)]
 
-    def attend(qg, kg, vg):
-        if window is None and sinks is None:
-            return F.scaled_dot_product_attention(qg, kg, vg, dropout_p=dropout, is_causal=True,
-                                                  scale=scale, **_gqa(q, k))
-        # (imported here: local_attention imports context_attention, which imports this module)
-        from ptdp.parallel.local_attention import local_attention
+    def causal(qg, kg, vg):
+        return F.scaled_dot_product_attention(qg, kg, vg, dropout_p=dropout, is_causal=True,
+                                              scale=scale, **_gqa(q, k))
 
-        return local_attention(qg, kg, vg, window=window, sinks=sinks, scale=scale)
-
+    attend = attend or causal
     outputs = [attend(qg, kg, vg).transpose(1, 2).reshape(-1, heads, d)
                for qg, kg, vg in zip(pieces(q), pieces(k), pieces(v))]
     restored = torch.cat(outputs)[inverse]
@@ -264,22 +258,15 @@ def document_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               document_ids: torch.Tensor | None = None,
                               cu_seqlens: torch.Tensor | None = None, *,
                               scale: float | None = None, dropout: float = 0.0,
-                              kernel: str = "auto", plans: dict | None = None,
-                              window: tuple[int, int] | None = None,
-                              sinks: torch.Tensor | None = None) -> torch.Tensor:
+                              kernel: str = "auto", plans: dict | None = None) -> torch.Tensor:
     """softmax(q kᵀ·scale) v with each query seeing only the earlier keys of
     its own document: [b, heads, s, d]. `scale` defaults to 1/√d; `dropout`
     is the attention dropout probability (the caller passes 0 in eval);
     `kernel` is "auto" or a name of DOCUMENT_KERNELS; `plans` (a
     Documents' own) keeps what the kernel derives from the ids for the
-    microbatch's other layers. `window`, `sinks`: a sliding window and
-    attention sinks within each document (ptdp.parallel.local_attention;
-    the per-document kernel runs them)."""
+    microbatch's other layers. (Sliding windows and sinks within each
+    document: ptdp.parallel.local_attention.document_local_attention.)"""
     ids = _documents(q, document_ids, cu_seqlens)
-    if window is not None or sinks is not None:
-        if dropout:
-            raise ValueError("sliding windows and sinks have no attention dropout")
-        return per_document_attention(q, k, v, ids, scale, 0.0, plans, window, sinks)
     if kernel == "auto":
         kernel = document_kernel(q.device, dropout)
     if kernel == PER_DOCUMENT:

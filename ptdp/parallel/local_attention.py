@@ -46,30 +46,14 @@ import torch
 from ptdp.parallel.block_attention import accumulation_dtype, resolve_kernel
 # The block loop of context parallelism's one-process attention, reused as it
 # is: a Block is (batch rows, q0, q1, k0, k1, causal, bool mask or None).
-from ptdp.parallel.context_attention import _backward_blocks, _empty_result, _forward_blocks
+from ptdp.parallel.context_attention import (_backward_blocks, _empty_result, _forward_blocks,
+                                             window_left)
+from ptdp.parallel.document_attention import per_document_attention
 
 # Positions per block: a query block and the key blocks it visits. 128 keeps
 # the masked edge blocks ("plain", fp32 matrix products) small on a CPU; the
 # unmasked interior runs as one rectangle whatever the block.
 DEFAULT_BLOCK = 128
-
-
-def window_left(window: tuple[int, int] | None) -> int | None:
-    """L of a causal window (L, 0), None where the left side is unbounded
-    (window None or L = −1); ValueError for a window causal attention cannot
-    take."""
-    if window is None:
-        return None
-    if len(window) != 2 or not all(isinstance(n, int) for n in window):
-        raise ValueError(f"a window is two integers (L, R), as --window-size L,R; got {window!r}")
-    left, right = window
-    if right != 0:
-        raise ValueError(f"the attention is causal, so a window's right side R must be 0; got "
-                         f"window ({left}, {right}): use --window-size {left},0")
-    if left < -1:
-        raise ValueError(f"a window's left side L is the number of earlier keys a query sees "
-                         f"(0 or more), or -1 for all of them; got {left}")
-    return None if left == -1 else left
 
 
 def window_mask(s: int, window: tuple[int, int] | None,
@@ -213,3 +197,19 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     kernel = resolve_kernel(kernel, q)
     blocks = _plan(q.shape[2], block, left, q.device)
     return _WindowAttention.apply(q, k, v, sinks, blocks, scale, kernel)
+
+
+def document_local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             document_ids: torch.Tensor, *, window: tuple[int, int] | None,
+                             sinks: torch.Tensor | None, scale: float | None = None,
+                             plans: dict | None = None) -> torch.Tensor:
+    """`local_attention` within each document of packed sequences
+    (`document_ids` [b, s] or [s], as ptdp.parallel.document_attention takes
+    them): documents of equal length run as one batch. A window counts
+    positions back from the query, so within a document it is what it is in
+    a sequence of that document alone."""
+    ids = document_ids if document_ids.dim() == 2 else document_ids.expand(q.shape[0], -1)
+    return per_document_attention(
+        q, k, v, ids, scale, 0.0, plans,
+        attend=lambda qg, kg, vg: local_attention(qg, kg, vg, window=window, sinks=sinks,
+                                                  scale=scale))
