@@ -119,3 +119,40 @@ def unwritten_settings(config: "ModelConfig", family: str) -> list[str]:
              (config.sandwich_norm, "--sandwich-norm"),
              (config.has_sinks, f"--softmax-type {config.softmax_type}")]
     return [f"{flag} ({family} as ptdp writes it has no such setting)" for on, flag in named if on]
+
+
+class ModuleFamily:
+    """An HFFamily whose operations are a family module's own functions of
+    the contract's names (`hf_config_from_model_config`,
+    `model_config_from_hf_config`, `to_hf_state`, `check_hf_tensors`,
+    `from_hf_state`, and `load_state` where the module reads its tensors
+    itself), so a new family module states only what is its own."""
+
+    def __init__(self, module: Any, *, name: str, classes: tuple[str, ...], model_type: str,
+                 obstacles, ignored: "re.Pattern[str]", prefix: str = "model.",
+                 exported: bool = True):
+        self.module, self.name, self.classes, self.model_type = module, name, classes, model_type
+        self.exported, self.prefix, self.ignored = exported, prefix, ignored
+        self._obstacles = obstacles
+        if hasattr(module, "load_state"):  # (hf_directory asks for it by getattr)
+            self.load_state = module.load_state
+
+    def obstacles(self, config: "ModelConfig") -> list[str]:
+        return self._obstacles(config)
+
+    def hf_config(self, config: "ModelConfig", *, bos_token_id: int | None = None,
+                  eos_token_id: int | None = None) -> dict[str, Any]:
+        return self.module.hf_config_from_model_config(config, bos_token_id=bos_token_id,
+                                                       eos_token_id=eos_token_id)
+
+    def model_config(self, hf_config: dict[str, Any], **overrides: Any) -> "ModelConfig":
+        return self.module.model_config_from_hf_config(hf_config, **overrides)
+
+    def to_hf_state(self, logical: dict, config: "ModelConfig") -> dict:
+        return self.module.to_hf_state(logical, config)
+
+    def check_hf_tensors(self, state: Mapping[str, Any], config: "ModelConfig") -> None:
+        self.module.check_hf_tensors(state, config)
+
+    def from_hf_state(self, state: dict, config: "ModelConfig") -> dict:
+        return self.module.from_hf_state(state, config)

@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from dataclasses import replace
 from typing import Any, Mapping
 
 import torch
 
 from ptdp.config import ModelConfig
+from ptdp.interop.family import ModuleFamily
 from ptdp.interop.hf_dense_families import (
     common_hf_fields,
     common_model_fields,
@@ -371,37 +373,7 @@ def from_hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
 
 # ------------------------------------------------------------------ the family
 
-class Gemma3HFFamily:
-    """Gemma 3's text model as ptdp.interop.family.HFFamily, for the
-    generic directory reader and writer (hf_directory.py)."""
-    name = NAME
-    classes = (ARCHITECTURE, BARE_CLASS)
-    model_type = MODEL_TYPE
-    exported = True
-    prefix = "model."
-    ignored = _IGNORED
-
-    def obstacles(self, config: ModelConfig) -> list[str]:
-        return gemma3_obstacles(config)
-
-    def hf_config(self, config: ModelConfig, *, bos_token_id: int | None = None,
-                  eos_token_id: int | None = None) -> dict[str, Any]:
-        return hf_config_from_model_config(config, bos_token_id=bos_token_id,
-                                           eos_token_id=eos_token_id)
-
-    def model_config(self, hf_config: dict[str, Any], **overrides: Any) -> ModelConfig:
-        return model_config_from_hf_config(hf_config, **overrides)
-
-    def to_hf_state(self, logical: dict[str, torch.Tensor],
-                    config: ModelConfig) -> dict[str, torch.Tensor]:
-        return to_hf_state(logical, config)
-
-    def check_hf_tensors(self, state: Mapping[str, Any], config: ModelConfig) -> None:
-        check_hf_tensors(state, config)
-
-    def from_hf_state(self, state: dict[str, torch.Tensor],
-                      config: ModelConfig) -> dict[str, torch.Tensor]:
-        return from_hf_state(state, config)
-
-
-GEMMA3 = Gemma3HFFamily()
+# Gemma 3's text model as ptdp.interop.family.HFFamily, for the generic
+# directory reader and writer (hf_directory.py).
+GEMMA3 = ModuleFamily(sys.modules[__name__], name=NAME, classes=(ARCHITECTURE, BARE_CLASS),
+                      model_type=MODEL_TYPE, obstacles=gemma3_obstacles, ignored=_IGNORED)

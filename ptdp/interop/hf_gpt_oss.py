@@ -38,12 +38,13 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+import sys
 from typing import Any, Mapping
 
 import torch
 
 from ptdp.config import ModelConfig
+from ptdp.interop.family import ModuleFamily
 from ptdp.config.moe import moe_problems
 from ptdp.interop.hf_dense_families import common_model_fields, positive_int
 from ptdp.interop.hf_files import (
@@ -547,43 +548,9 @@ def _dequantized(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 # ------------------------------------------------------------------ the family
 
-@dataclass(frozen=True)
-class GptOssHFFamily:
-    """gpt-oss as ptdp.interop.family.HFFamily, for the generic directory
-    reader and writer (hf_directory.py). `load_state` reads the tensors
-    itself: published checkpoints keep the experts in MXFP4 (uint8), which
-    the generic reader refuses."""
-    name = "gpt-oss"
-    classes = (HF_CLASS, "GptOssModel")
-    model_type = MODEL_TYPE
-    exported = True
-    prefix = "model."
-    ignored = _IGNORED
-
-    def obstacles(self, config: ModelConfig) -> list[str]:
-        return gpt_oss_obstacles(config)
-
-    def hf_config(self, config: ModelConfig, *, bos_token_id: int | None = None,
-                  eos_token_id: int | None = None) -> dict[str, Any]:
-        return hf_config_from_model_config(config, bos_token_id=bos_token_id,
-                                           eos_token_id=eos_token_id)
-
-    def model_config(self, hf_config: dict[str, Any], **overrides: Any) -> ModelConfig:
-        return model_config_from_hf_config(hf_config, **overrides)
-
-    def to_hf_state(self, logical: dict[str, torch.Tensor],
-                    config: ModelConfig) -> dict[str, torch.Tensor]:
-        return to_hf_state(logical, config)
-
-    def check_hf_tensors(self, state: Mapping[str, Any], config: ModelConfig) -> None:
-        check_hf_tensors(state, config)
-
-    def from_hf_state(self, state: dict[str, torch.Tensor],
-                      config: ModelConfig) -> dict[str, torch.Tensor]:
-        return from_hf_state(state, config)
-
-    def load_state(self, weights: Any) -> dict[str, torch.Tensor]:
-        return load_state(weights)
-
-
-GPT_OSS = GptOssHFFamily()
+# gpt-oss as ptdp.interop.family.HFFamily, for the generic directory reader
+# and writer (hf_directory.py); `load_state` reads the tensors itself:
+# published checkpoints keep the experts in MXFP4 (uint8), which the generic
+# reader refuses.
+GPT_OSS = ModuleFamily(sys.modules[__name__], name="gpt-oss", classes=(HF_CLASS, "GptOssModel"),
+                       model_type=MODEL_TYPE, obstacles=gpt_oss_obstacles, ignored=_IGNORED)
