@@ -60,6 +60,7 @@ from ptdp.interop.hf_llama import (
     _IGNORED,
     NamePair,
     attention_name_pairs,
+    logical_from_checked,
     mlp_name_pairs,
 )
 from ptdp.interop.logical import logical_shapes
@@ -357,18 +358,7 @@ def from_hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
     dict; with tied embeddings a stored `lm_head.weight` must equal the
     word embedding."""
     check_hf_tensors(state, config)
-    bare, lm_head = split_state(state, "model.", _IGNORED)
-    full = {f"model.{name}": tensor for name, tensor in bare.items()}
-    embedding = bare["embed_tokens.weight"]
-    if lm_head is not None:
-        full[OUTPUT] = lm_head
-    if config.tied_output and lm_head is not None and (
-            lm_head.shape != embedding.shape or not torch.equal(lm_head, embedding)):
-        raise ConversionError("lm_head.weight differs from the word embedding "
-                              "(embed_tokens.weight) although tie_word_embeddings is true; set "
-                              "tie_word_embeddings to false in config.json to keep both")
-    return {ours: torch.cat([full[name].detach() for name, _ in theirs]).contiguous()
-            for ours, theirs in name_pairs(config)}
+    return logical_from_checked(state, config, name_pairs(config), _IGNORED)  # (norms as stored)
 
 
 # ------------------------------------------------------------------ the family

@@ -281,7 +281,17 @@ def from_hf_state(state: dict[str, torch.Tensor], config: ModelConfig,
     checkpoints are ignored; with tied embeddings an `lm_head.weight` must
     equal the word embedding. `pairs`: the name table, default `name_map(config)`."""
     check_hf_tensors(state, config, pairs)
-    bare, lm_head = split_state(state, "model.", _IGNORED)
+    logical = logical_from_checked(state, config, pairs if pairs is not None else name_map(config))
+    return with_stored_norm_scales(logical, config)
+
+
+def logical_from_checked(state: dict[str, torch.Tensor], config: ModelConfig,
+                         pairs: list[NamePair], ignored=_IGNORED) -> dict[str, torch.Tensor]:
+    """The logical tensors `pairs` names, from a state dict whose tensors a
+    family's check_hf_tensors has passed (the Llama-like layout: `model.`
+    keys and `lm_head.weight`); with tied embeddings an `lm_head.weight`
+    must equal the word embedding. The norms' weights as stored."""
+    bare, lm_head = split_state(state, "model.", ignored)
     full = {f"model.{name}": tensor for name, tensor in bare.items()}
     embedding = bare["embed_tokens.weight"]
     if lm_head is not None:
@@ -291,9 +301,8 @@ def from_hf_state(state: dict[str, torch.Tensor], config: ModelConfig,
         raise ConversionError("lm_head.weight differs from the word embedding "
                               "(embed_tokens.weight) although tie_word_embeddings is true; set "
                               "tie_word_embeddings to false in config.json to keep both")
-    logical = {ours: torch.cat([full[name].detach() for name, _ in theirs]).contiguous()
-               for ours, theirs in (pairs if pairs is not None else name_map(config))}
-    return with_stored_norm_scales(logical, config)
+    return {ours: torch.cat([full[name].detach() for name, _ in theirs]).contiguous()
+            for ours, theirs in pairs}
 
 
 # ------------------------------------------------------------------ the families
