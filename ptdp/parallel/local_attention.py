@@ -43,11 +43,11 @@ import math
 
 import torch
 
-from ptdp.parallel.block_attention import accumulation_dtype, resolve_kernel
-# The block loop of context parallelism's one-process attention, reused as it
-# is: a Block is (batch rows, q0, q1, k0, k1, causal, bool mask or None).
-from ptdp.parallel.context_attention import (_backward_blocks, _empty_result, _forward_blocks,
-                                             window_left)
+from ptdp.parallel.block_attention import resolve_kernel
+# Context parallelism's one-process attention over given blocks (sinks
+# included), reused as it is: a Block is (batch rows, q0, q1, k0, k1, causal,
+# bool mask or None).
+from ptdp.parallel.context_attention import _LocalAttention, window_left
 from ptdp.parallel.document_attention import per_document_attention
 
 # Positions per block: a query block and the key blocks it visits. 128 keeps
@@ -135,35 +135,6 @@ def _plan(s: int, block: int, left: int | None, device: torch.device) -> tuple:
                  for b in _query_block_plan(qb, block, s, left, masks, device))
 
 
-class _WindowAttention(torch.autograd.Function):
-
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, blocks, scale, kernel):
-        out, lse = _empty_result(q)
-        _forward_blocks(q, k, v, blocks, scale, kernel, out, lse)
-        if sinks is not None:
-            total = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, -1, 1))
-            out.mul_(torch.exp(lse - total).unsqueeze(-1))    # sigmoid(lse − sink)
-            lse = total
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.blocks, ctx.scale, ctx.kernel = blocks, scale, kernel
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse, sinks = ctx.saved_tensors
-        acc = accumulation_dtype(q.dtype)
-        dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
-        _backward_blocks(dout, q, k, v, out, lse, ctx.blocks, ctx.scale, ctx.kernel, dq, dk, dv)
-        dsinks = None
-        if sinks is not None and ctx.needs_input_grad[3]:
-            rows = (dout.to(acc) * out.to(acc)).sum(-1)                       # D
-            sink_probs = torch.exp(sinks.to(acc).view(1, -1, 1) - lse)
-            dsinks = (-(sink_probs * rows).sum(dim=(0, 2))).to(sinks.dtype)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None
-
-
 def _check_inputs(q, k, v, sinks, block):
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"local attention takes q [b, heads, s, d] and k, v [b, groups, s, d]; "
@@ -196,7 +167,7 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     kernel = resolve_kernel(kernel, q)
     blocks = _plan(q.shape[2], block, left, q.device)
-    return _WindowAttention.apply(q, k, v, sinks, blocks, scale, kernel)
+    return _LocalAttention.apply(q, k, v, sinks, blocks, scale, kernel)
 
 
 def document_local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
