@@ -52,7 +52,6 @@ from ptdp.interop.hf_files import (
     check_sizes,
     check_state,
     layer_disagreement,
-    shape_of,
     size_disagreement,
     split_state,
 )
@@ -60,6 +59,7 @@ from ptdp.interop.hf_llama import (
     _IGNORED,
     NamePair,
     attention_name_pairs,
+    check_output_layer,
     logical_from_checked,
     mlp_name_pairs,
 )
@@ -344,13 +344,7 @@ def check_hf_tensors(state: Mapping[str, Any], config: ModelConfig) -> None:
     expected = {name.removeprefix("model."): (rows, *shapes[ours][1:])
                 for ours, theirs in name_pairs(config) for name, rows in theirs if name != OUTPUT}
     check_state(bare, expected, "Hugging Face state")
-    if not config.tied_output:
-        if lm_head is None:
-            raise ConversionError("lm_head.weight is missing and tie_word_embeddings is false: "
-                                  "the output layer's weights are not in this checkpoint")
-        if shape_of(lm_head) != shapes["output_layer.weight"]:
-            raise ConversionError(f"lm_head.weight: {shape_of(lm_head)}, expected "
-                                  f"{shapes['output_layer.weight']}")
+    check_output_layer(lm_head, config, shapes)
 
 
 def from_hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:

@@ -57,7 +57,7 @@ from ptdp.interop.hf_files import (
     size_disagreement,
     split_state,
 )
-from ptdp.interop.hf_llama import attention_name_pairs
+from ptdp.interop.hf_llama import attention_name_pairs, check_output_layer
 from ptdp.interop.logical import logical_shapes, with_plain_norm_scales, with_stored_norm_scales
 
 HF_CLASS, MODEL_TYPE = "GptOssForCausalLM", "gpt_oss"
@@ -486,13 +486,7 @@ def check_hf_tensors(state: Mapping[str, Any], config: ModelConfig) -> None:
                 for ours, theirs in _attention_pairs(config) for name, rows in theirs
                 if name != OUTPUT}
     check_state(bare, {**expected, **_fused_shapes(config)}, "Hugging Face state")
-    if not config.tied_output:
-        if lm_head is None:
-            raise ConversionError("lm_head.weight is missing and tie_word_embeddings is false: "
-                                  "the output layer's weights are not in this checkpoint")
-        if shape_of(lm_head) != shapes["output_layer.weight"]:
-            raise ConversionError(f"lm_head.weight: {shape_of(lm_head)}, expected "
-                                  f"{shapes['output_layer.weight']}")
+    check_output_layer(lm_head, config, shapes)
 
 
 def from_hf_state(state: Mapping[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:

@@ -264,6 +264,12 @@ def check_hf_tensors(state: Mapping[str, Any], config: ModelConfig,
                 for ours, theirs in (pairs if pairs is not None else name_map(config))
                 for name, rows in theirs if name != OUTPUT}
     check_state(bare, expected, "Hugging Face state")
+    check_output_layer(lm_head, config, shapes)
+
+
+def check_output_layer(lm_head, config: ModelConfig, shapes: dict) -> None:
+    """An untied model's `lm_head.weight` is there and has the output
+    layer's shape (`shapes`: logical_shapes(config))."""
     if not config.tied_output:
         if lm_head is None:
             raise ConversionError("lm_head.weight is missing and tie_word_embeddings is false: "
