@@ -66,32 +66,20 @@ class FrozenBucket:
     shard: torch.Tensor
 
 
-class _GatherBeforeBackward(torch.autograd.Function):
-    """Identity; its backward, the first of a unit's, gathers the unit."""
+class _CallInBackward(torch.autograd.Function):
+    """Identity whose backward calls `call` when the gradient reaches it: on
+    a unit's output, the first of its backward (gather the unit); on its
+    input, once every node of the unit's backward that feeds the input's
+    gradient has run."""
 
     @staticmethod
-    def forward(ctx, x, gather):
-        ctx.gather = gather
+    def forward(ctx, x, call):
+        ctx.call = call
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.gather()
-        return grad, None
-
-
-class _AfterBackward(torch.autograd.Function):
-    """Identity on a unit's input; its backward comes once every node of
-    the unit's backward that feeds the input's gradient has run."""
-
-    @staticmethod
-    def forward(ctx, x, done):
-        ctx.done = done
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.done()
+        ctx.call()
         return grad, None
 
 
@@ -185,13 +173,13 @@ class ShardedParamBuffer(ShardedGradBuffer):
         if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad and \
                 torch.is_grad_enabled() and not in_backward:
             self._inputs_expected[unit] += 1
-            return (_AfterBackward.apply(args[0], lambda: self._input_grad_done(unit)), *args[1:])
+            return (_CallInBackward.apply(args[0], lambda: self._input_grad_done(unit)), *args[1:])
         return None
 
     def _after_forward(self, unit: int, output: Any) -> Any:
         in_backward = torch._C._current_graph_task_id() != -1  # (a recomputation)
         if isinstance(output, torch.Tensor) and output.requires_grad and not in_backward:
-            output = _GatherBeforeBackward.apply(output, lambda: self._before_backward(unit))
+            output = _CallInBackward.apply(output, lambda: self._before_backward(unit))
         if unit not in self.ends and not in_backward and \
                 (self.reshard_after_forward or not torch.is_grad_enabled()):
             self._release_unit(unit)
