@@ -3,8 +3,8 @@ layers alternate windowed and full attention (--window-size,
 --window-attn-skip-freq) with learnable sinks (--softmax-type learnable;
 off-by-one in one layout) trains as one process does under t = 2 with
 sequence parallelism, p = 2 interleaved with full recomputation, d = 2
-with the distributed optimizer, and (an MoE, gpt-oss's shape) EP = 2 over
-d = 4: losses, gradient norms and final weights
+with the distributed optimizer, and (an MoE, gpt-oss's shape, with expert
+biases) EP = 2 × ETP = 2 over t = 2, d = 2 with sequence parallelism: losses, gradient norms and final weights
 (sinks included) over three AdamW steps. One pool of four processes runs
 the layouts in one call.
 
@@ -33,9 +33,15 @@ STEPS = 3
 MODEL = dataclasses.replace(step.MODEL, window_size="3,0", window_attn_skip_freq=3,
                             softmax_type="learnable")
 OFF_BY_ONE = dataclasses.replace(MODEL, softmax_type="off-by-one")
-# gpt-oss's shape: an MoE whose attention has windows and sinks
+# gpt-oss's shape: an MoE whose attention has windows and sinks, biases on
+# every linear layer (the experts' too) and the clamped quick GeGLU with the
+# linear offset; its experts split over two ranks (ETP = 2) whose partial
+# outputs are summed, so each adds its share of the second bias.
 MOE = dataclasses.replace(moe.MOE, moe_aux_loss_coeff=0.0, moe_z_loss_coeff=0.0,
-                          window_size="3,0", window_attn_skip_freq=2, softmax_type="learnable")
+                          window_size="3,0", window_attn_skip_freq=2, softmax_type="learnable",
+                          disable_bias_linear=False, moe_shared_expert_intermediate_size=None,
+                          moe_shared_expert_gate=False, swiglu=False, quick_geglu=True,
+                          glu_linear_offset=1.0, activation_func_clamp_value=1.5)
 MODELS = {"learnable": MODEL, "off-by-one": OFF_BY_ONE, "moe": MOE}
 
 
@@ -102,7 +108,7 @@ LAYOUTS = [
     Layout(t=2, d=2, sequence_parallel=True),
     Layout(p=2, d=2, k=1, recompute="full", distributed=True),
     Layout(t=2, p=2, sequence_parallel=True, recompute="selective", model="off-by-one"),
-    Layout(d=4, ep=2, model="moe"),
+    Layout(t=2, d=2, ep=2, sequence_parallel=True, model="moe"),
 ]
 
 

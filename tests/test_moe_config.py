@@ -395,10 +395,6 @@ def test_every_expert_layout_problem_is_reported_at_once():
         "stage are re-folded into ETP × EP × expert-data-parallel): use "
         "--expert-model-parallel-size in [1, 2] or --expert-tensor-parallel-size in [1] or "
         "--data-parallel-size 4",
-        "--num-experts 6 with linear biases (no --disable-bias-linear) needs "
-        "--expert-tensor-parallel-size 1 (an expert's fc2 bias would be added on each of the ETP "
-        "ranks whose outputs are summed), but it is 2 (by default --tensor-model-parallel-size): "
-        "add --disable-bias-linear or use --expert-tensor-parallel-size 1",
         "--expert-model-parallel-size 4 with --tensor-model-parallel-size 2 needs "
         "--sequence-parallel (as in Megatron-Core, each rank dispatches its own sequence-parallel "
         "shard of the tokens to the experts): add --sequence-parallel, or use "

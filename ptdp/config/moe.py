@@ -497,13 +497,6 @@ def expert_parallel_problems(m: Any, par: Any, world_size: int | None) -> list[s
         problems.append(f"--moe-shared-expert-intermediate-size {shared} is not divisible by "
                         f"--tensor-model-parallel-size {t} (the shared experts are split like the "
                         f"dense MLP): use a multiple of {t}, e.g. {max(t, round(shared / t) * t)}")
-    if m.bias and ETP > 1:
-        shown = f"{ETP}" + (" (by default --tensor-model-parallel-size)" if ETP_given is None else "")
-        problems.append(
-            f"--num-experts {E} with linear biases (no --disable-bias-linear) needs "
-            f"--expert-tensor-parallel-size 1 (an expert's fc2 bias would be added on each of the "
-            f"ETP ranks whose outputs are summed), but it is {shown}: add --disable-bias-linear "
-            f"or use --expert-tensor-parallel-size 1")
     if (EP, ETP) != (1, t) and t > 1 and not par.sequence_parallel:
         given = " and ".join(([f"--expert-model-parallel-size {EP}"] if EP > 1 else [])
                              + ([f"--expert-tensor-parallel-size {ETP}"] if ETP != t else []))

@@ -86,7 +86,7 @@ def grouped_experts(experts: Sequence[torch.nn.Module], x: torch.Tensor, probs: 
     second = [expert.dense_4h_to_h for expert in experts]
     store = first[0].weight_grads
     rows_expert = None
-    if first[0].bias is not None:  # (biases only unsplit, checked before launch)
+    if first[0].bias is not None:
         rows_expert = torch.repeat_interleave(torch.arange(len(experts), device=x.device), counts)
     y = grouped_linear(x, offsets, [layer.weight for layer in first], store)
     if rows_expert is not None:
@@ -95,6 +95,6 @@ def grouped_experts(experts: Sequence[torch.nn.Module], x: torch.Tensor, probs: 
     a = (a * probs.unsqueeze(-1)).to(a.dtype)
     out = grouped_linear(a.contiguous(), offsets, [layer.weight for layer in second], store)
     if rows_expert is not None:
-        out = out + torch.stack([layer.bias for layer in second])[rows_expert] \
+        out = out + torch.stack([expert.output_bias() for expert in experts])[rows_expert] \
             * probs.unsqueeze(-1).to(out.dtype)
     return out

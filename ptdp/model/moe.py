@@ -267,6 +267,18 @@ class ExpertLinear(nn.Module):
         return y if self.lora is None else y + self.lora.delta(x)
 
 
+class _OnePartOfASum(torch.autograd.Function):
+    """bias / parts in the forward, the whole gradient in the backward."""
+
+    @staticmethod
+    def forward(ctx, bias: torch.Tensor, parts: int) -> torch.Tensor:
+        return bias / parts
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
 class Expert(nn.Module):
     """An MLP of width `ffn` (GeLU or a gated unit, as the dense MLP), its
     output scaled by each token's probability before the second matrix."""
@@ -275,6 +287,7 @@ class Expert(nn.Module):
         super().__init__()
         h, gated = config.hidden_size, config.gated_linear_unit
         self.gated, self.activation = gated, mlp_activation(config)
+        self.parts = split.parts
         self.dense_h_to_4h = ExpertLinear(2 * ffn if gated else ffn, h, split, 0, bias=config.bias,
                                           init_std=config.init_method_std, blocks=2 if gated else 1)
         self.dense_4h_to_h = ExpertLinear(h, ffn, split, 1, bias=config.bias,
@@ -286,10 +299,22 @@ class Expert(nn.Module):
         if probs is not None:
             a = (a * probs.unsqueeze(-1)).to(a.dtype)
         out = self.dense_4h_to_h(a, bias=False)
-        if self.dense_4h_to_h.bias is not None:  # (biases only unsplit, checked before launch)
+        if self.dense_4h_to_h.bias is not None:
             scale = 1.0 if probs is None else probs.unsqueeze(-1).to(out.dtype)
-            out = out + self.dense_4h_to_h.bias * scale
+            out = out + self.output_bias() * scale
         return out
+
+    def output_bias(self) -> torch.Tensor:
+        """The second matrix's bias as this rank adds it to its partial output.
+
+        Split over `parts` ranks whose partial outputs the layer sums, each
+        adds bias/parts (exactly, where parts is a power of two), so the sum
+        holds the bias once. The gradient is left whole: every part's ranks
+        receive the same output gradient (the sum's backward copies it), so
+        each holds the bias's full gradient, as a replicated parameter must.
+        """
+        bias = self.dense_4h_to_h.bias
+        return bias if self.parts == 1 else _OnePartOfASum.apply(bias, self.parts)
 
 
 class MoELayer(nn.Module):
