@@ -14,9 +14,10 @@ sample is masked out entirely. A rank with no counted token must add 0,
 not NaN.
 
 Sliding windows and learnable sinks (issue 43) run among the layouts (every
-comm type at c = 2, p2p at c = 4 where whole ring steps are skipped); in one
-process, each comm type's window plan computes every (query, key) pair of the
-window once and nothing outside it.
+comm type at c = 2 and at c = 4, where whole ring steps are skipped; with
+t = 2; within packed documents under p2p and a2a); in one process, each comm
+type's window plan computes every (query, key) pair of the window once and
+nothing outside it, within each document where there are documents.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from ptdp.config import Config, DataConfig, ModelConfig, ParallelConfig
+from ptdp.config import Config, DataConfig, ModelConfig
 from ptdp.config.checks import validate
 from ptdp.parallel.sharding import SHARD_ATTR, gather_logical, shard_group
 from ptdp.parallel.topology import ParallelContext, RankGrid
@@ -62,9 +63,15 @@ LEARNED = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_l
 WINDOW_3 = dataclasses.replace(ROTARY, window_size="3,0", window_attn_skip_freq=3,
                                softmax_type="learnable")
 WINDOW_11 = dataclasses.replace(WINDOW_3, window_size="11,0")
+# Four key/value heads, for a2a at c = 4 (which splits them over the ranks).
+# (A window of 5 in documents gave one embedding element a second-step
+# gradient of 1.2e-8, 2e-7 of the largest: Adam's eps turns rounding there
+# into a weight difference just past WEIGHT_TOL, so the window is 6.)
+WINDOW_6_MHA = dataclasses.replace(WINDOW_3, window_size="6,0", num_query_groups=None,
+                                   group_query_attention=False)
 SINKS = dataclasses.replace(ROTARY, softmax_type="learnable")
 MODELS = {"rotary": ROTARY, "learned": LEARNED, "window3": WINDOW_3, "window11": WINDOW_11,
-          "sinks": SINKS}
+          "window6-mha": WINDOW_6_MHA, "sinks": SINKS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,6 +280,11 @@ LAYOUTS = [
     Layout(c=2, d=2, model="window11", comm="all_gather", steps=2),
     Layout(c=2, d=2, model="window3", comm="a2a", steps=2),
     Layout(c=4, model="window3", steps=2),
+    Layout(c=4, model="window3", comm="all_gather", steps=2),
+    Layout(c=4, model="window6-mha", comm="a2a", steps=2),
+    Layout(c=2, t=2, sequence_parallel=True, model="window3", steps=2),
+    Layout(c=2, d=2, model="window3", reset=True, steps=2),           # windows in documents
+    Layout(c=4, model="window6-mha", comm="a2a", reset=True, steps=2),
     Layout(c=2, d=2, model="sinks", comm="a2a", reset=True, steps=2),   # sinks in documents
 ]
 
@@ -289,27 +301,39 @@ def test_context_parallel_layouts_train_like_one_process(pools):
         assert worst < 1e-5, layout.name
 
 
-def _seen(blocks, query_positions, key_positions, seq: int) -> torch.Tensor:
+def _seen(blocks, query_positions, key_positions, seq: int, row: int = 0) -> torch.Tensor:
     """[seq, seq] int: how many of `blocks` compute each (query, key) pair of
-    absolute positions (a block's own masks and causality applied)."""
+    absolute positions in batch row `row` (a block's own masks and causality
+    applied)."""
     seen = torch.zeros(seq, seq, dtype=torch.int64)
-    for _, q0, q1, k0, k1, causal, mask in blocks:
+    for rows, q0, q1, k0, k1, causal, mask in blocks:
+        if row not in range(2)[rows]:
+            continue
         computed = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool)
         computed = computed.tril() if causal else computed
-        computed = computed if mask is None else computed & mask[0, 0]
+        computed = computed if mask is None else computed & mask[row % mask.shape[0], 0]
         rows, cols = computed.nonzero(as_tuple=True)
         seen.index_put_((query_positions[q0:q1][rows], key_positions[k0:k1][cols]),
                         torch.ones_like(rows), accumulate=True)
     return seen
 
 
+# Two batch rows of packed documents (32 positions): lengths 5, 9, 2, 16 and
+# 13, 1, 18, so documents start inside chunks and windows, one is a single
+# position and some cross a chunk or context rank's boundary.
+DOCUMENTS = torch.tensor([[0] * 5 + [1] * 9 + [2] * 2 + [3] * 16,
+                          [7] * 13 + [8] + [9] * 18])
+
+
+@pytest.mark.parametrize("documents", [False, True])
 @pytest.mark.parametrize("block", [128, 3])
-def test_window_plans_compute_each_pair_in_the_window_once(monkeypatch, block):
+def test_window_plans_compute_each_pair_in_the_window_once(monkeypatch, block, documents):
     """Every comm type's blocks, over all ranks (and ring steps), compute each
     (query, key) pair inside the window exactly once and none outside it
     (local_attention.window_mask), with query blocks of 3 positions too, so
     that blocks straddle the window's edge; at c = 4 with a window of 3 some
-    ring steps compute nothing."""
+    ring steps compute nothing. With packed documents, in each batch row,
+    exactly the pairs in the window and in one document."""
     from ptdp.parallel import context_attention as attention
     from ptdp.parallel.context_layout import rank_positions
     from ptdp.parallel.local_attention import window_mask
@@ -319,23 +343,29 @@ def test_window_plans_compute_each_pair_in_the_window_once(monkeypatch, block):
     for c, left in [(2, 0), (2, 3), (2, 11), (4, 3), (4, 5), (4, 20)]:
         half = seq // c // 2
         window = attention._Window(left, seq, CPU)
-        ring, gathered, empty_steps = 0, 0, 0
-        for rank in range(c):
-            queries = rank_positions(seq, c, rank)
-            for source in range(c):
-                blocks = attention._ring_blocks(rank, source, c, half, None, window)
-                empty_steps += not blocks
-                ring = ring + _seen(blocks, queries, rank_positions(seq, c, source), seq)
-            spans = attention._chunk_spans(rank, c, half)
-            gathered = gathered + _seen(attention._whole_sequence_blocks(spans, None, [], window),
-                                        queries, natural, seq)
-        chunks = [(start, start, half) for start in range(0, seq, half)]
-        a2a = _seen(attention._whole_sequence_blocks(chunks, None, [], window), natural, natural,
-                    seq)
-        want = window_mask(seq, (left, 0)).long()
-        for name, got in [("p2p", ring), ("all_gather", gathered), ("a2a", a2a)]:
-            assert torch.equal(got, want), (name, c, left, block)
-        assert (empty_steps > 0) == ((c, left) in [(2, 0), (4, 3), (4, 5)]), (c, left)
+        docs = attention._Documents(DOCUMENTS, 2, CPU) if documents else None
+        for row in range(2 if documents else 1):
+            ring, gathered, empty_steps = 0, 0, 0
+            for rank in range(c):
+                queries = rank_positions(seq, c, rank)
+                for source in range(c):
+                    blocks = attention._ring_blocks(rank, source, c, half, docs, window)
+                    empty_steps += not blocks
+                    ring = ring + _seen(blocks, queries, rank_positions(seq, c, source), seq, row)
+                spans = attention._chunk_spans(rank, c, half)
+                gathered = gathered + _seen(
+                    attention._whole_sequence_blocks(spans, docs, [], window), queries, natural,
+                    seq, row)
+            chunks = [(start, start, half) for start in range(0, seq, half)]
+            a2a = _seen(attention._whole_sequence_blocks(chunks, docs, [], window), natural,
+                        natural, seq, row)
+            want = window_mask(seq, (left, 0))
+            if documents:
+                want &= DOCUMENTS[row].unsqueeze(-1) == DOCUMENTS[row].unsqueeze(0)
+            for name, got in [("p2p", ring), ("all_gather", gathered), ("a2a", a2a)]:
+                assert torch.equal(got, want.long()), (name, c, left, block, row)
+            if not documents:
+                assert (empty_steps > 0) == ((c, left) in [(2, 0), (4, 3), (4, 5)]), (c, left)
     attention._window_plan.cache_clear()
 
 

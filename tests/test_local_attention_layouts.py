@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from ptdp.config import ConfigError, DataConfig, validate
+from ptdp.config import ConfigError, validate
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.train.loop import Trainer
 from tests import test_moe_parallel as moe
@@ -160,17 +160,6 @@ def test_bad_local_attention_settings_are_refused_in_one_paragraph(settings, say
         validate(config)
     assert len(refused.value.problems) == 1 and says in refused.value.problems[0], \
         refused.value.problems
-
-
-def test_windows_within_packed_documents_under_context_parallelism_are_refused_for_now():
-    config = step._config(model=MODEL)
-    config.data = DataConfig(mock_data=True, reset_attention_mask=True)
-    validate(config)  # packed documents: within each one
-    config.parallel = dataclasses.replace(config.parallel, context_parallel_size=2)
-    with pytest.raises(ConfigError, match="does not apply a window within packed documents"):
-        validate(config)
-    config.data = DataConfig(mock_data=True)
-    validate(config)  # context parallelism: tests/test_context_parallel.py
 
 
 def test_a_packed_sequence_computes_each_documents_windows_and_sinks_alone():

@@ -15,7 +15,7 @@ from ptdp.plural import plural
 from ptdp.config.base import ConfigError, divisors, flag_in, is_count, is_finite_number, \
     nearest_multiple
 from ptdp.config.context import context_parallel_problems
-from ptdp.config.local_attention import local_attention_layout_problems, local_attention_problems
+from ptdp.config.local_attention import local_attention_problems
 from ptdp.config.data import data_loading_problems
 from ptdp.config.lora import lora_problems
 from ptdp.schedules.kinds import (KINDS, SEARCHED, ScheduleKind, any_chunks_kind, lower_first,
@@ -54,7 +54,6 @@ def validate(config: Config, world_size: int | None = None) -> None:
     problems.extend(_gated_unit_problems(m))
     problems.extend(moe_problems(m))
     problems.extend(local_attention_problems(m))
-    problems.extend(local_attention_layout_problems(config))
     problems.extend(precision_and_lr_problems(tr))
     problems.extend(run_length_problems(tr))
     problems.extend(recompute_problems(m))

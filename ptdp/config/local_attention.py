@@ -138,25 +138,3 @@ def local_attention_problems(m: Any) -> list[str]:
                         f"attention sinks: ptdp's windowed attention has no dropout (gpt-oss and "
                         f"Gemma 3 train without it): give --attention-dropout 0")
     return problems
-
-
-def local_attention_layout_problems(config: Any) -> list[str]:
-    """What windows and sinks do not compose with yet (`config`: a Config):
-    sliding windows within packed documents (--sft, --reset-attention-mask)
-    under context parallelism. (Context parallelism applies windows and
-    sinks, packed documents too within each document, one process.)"""
-    m, par, data = config.model, config.parallel, config.data
-    try:
-        local = m.local_attention
-    except ValueError:  # (a window or pattern local_attention_problems reports)
-        return []
-    if not local or not any(m.windowed_layers):
-        return []
-    problems = []
-    if par.context_parallel_size > 1 and (data.sft or data.reset_attention_mask):
-        flag_name = "--sft" if data.sft else "--reset-attention-mask"
-        problems.append(f"sliding windows with {flag_name} and --context-parallel-size "
-                        f"{par.context_parallel_size}: the context-parallel attention does not "
-                        f"apply a window within packed documents yet: use "
-                        f"--context-parallel-size 1, or drop {flag_name}")
-    return problems

@@ -53,7 +53,10 @@ sigmoid(lse − sink), with lse' = logaddexp(lse, sink) kept for the
 backward, and the sink's gradient −Σ exp(sink − lse') · rowsum(dO · O) over
 this rank's rows (the gradient reduction adds the other context ranks').
 Under a2a a rank holds heads/c of the heads, so it applies their part of
-the sinks. Windows with packed documents are not supported.
+the sinks. With packed documents the window's blocks are cut down to each
+batch row's documents (_within_documents): a block none of whose pairs in
+the window shares a document is skipped, one all of whose do is kept as it
+is, and the rest run masked by window and document together.
 
 The attention of each block runs on ptdp.parallel.block_attention's kernel
 (`block_kernel` names it). Attention dropout is refused: it would have to
@@ -232,7 +235,7 @@ def _ring_blocks(rank: int, source: int, size: int, half: int, docs: _Documents 
     pairs = [(queries, keys) for queries in _chunk_spans(rank, size, half)
              for keys in _chunk_spans(source, size, half)]
     if window is not None:
-        return window.plan(pairs)
+        return window.plan(pairs, docs)
     if docs is None:
         return _whole_batch(_ring_pairs(rank, source, half))
     return _document_blocks(docs, pairs)
@@ -244,7 +247,7 @@ def _whole_sequence_blocks(query_spans: list[Span], docs: _Documents | None,
     """Queries (spans of their rows) against the whole sequence in natural
     order: each span against its own positions and against all before it."""
     if window is not None:
-        return window.plan([(queries, (0, 0, window.seq)) for queries in query_spans])
+        return window.plan([(queries, (0, 0, window.seq)) for queries in query_spans], docs)
     if docs is None:
         return _whole_batch(fallback)
     pairs = []
@@ -309,20 +312,47 @@ def _window_query_block(a: int, b: int, queries: Span, keys: Span, left: int | N
 
 
 @functools.lru_cache(maxsize=256)
-def _window_plan(pairs: tuple, left: int | None, device: torch.device) -> tuple:
+def _window_plan(pairs: tuple, left: int | None, device: torch.device) -> tuple[tuple, tuple]:
     """The Blocks of (queries, keys) span pairs under the causal window of
     left side `left`: each query span cut in WINDOW_BLOCK positions, each
     block against the keys of the pair's span its rows see; key positions
     outside every row's window are skipped (kept: the same for every layer
-    and step)."""
+    and step). With them, each block's absolute (query, key) position ranges
+    (a, b, x, y), for documents' masks."""
     masks: dict = {}
     blocks: list[Block] = []
+    spans: list[tuple[int, int, int, int]] = []
     for queries, keys in pairs:
-        start, length = queries[1], queries[2]
+        (row, start, length), (col, k_start, _) = queries, keys
         for a in range(start, start + length, WINDOW_BLOCK):
             b = min(a + WINDOW_BLOCK, start + length)
-            blocks += _window_query_block(a, b, queries, keys, left, masks, device)
-    return tuple(blocks)
+            for block in _window_query_block(a, b, queries, keys, left, masks, device):
+                _, r0, r1, c0, c1, _, _ = block
+                blocks.append(block)
+                spans.append((r0 - row + start, r1 - row + start, c0 - col + k_start,
+                              c1 - col + k_start))
+    return tuple(blocks), tuple(spans)
+
+
+def _within_documents(blocks: tuple, spans: tuple, left: int, docs: _Documents) -> list[Block]:
+    """The window's blocks cut down to each batch row's documents: a block
+    no pair of which shares a document is skipped, one whose every pair in
+    the window does is kept as it is, and the rest run masked by window and
+    document together."""
+    kept = []
+    for block, (a, b, x, y) in zip(blocks, spans):
+        distance = torch.arange(a, b).unsqueeze(-1) - torch.arange(x, y).unsqueeze(0)
+        seen = (distance >= 0) & (distance <= left)                        # [b − a, y − x]
+        ids = docs.cpu
+        both = (ids[:, a:b].unsqueeze(-1) == ids[:, x:y].unsqueeze(-2)) & seen
+        if not both.any():
+            continue
+        if bool((both == seen).all()):
+            kept.append(block)
+            continue
+        rows, r0, r1, c0, c1, _, _ = block
+        kept.append((rows, r0, r1, c0, c1, False, both.unsqueeze(1).to(docs.device)))
+    return kept
 
 
 class _Window:
@@ -332,8 +362,10 @@ class _Window:
     def __init__(self, left: int, seq: int, device: torch.device):
         self.left, self.seq, self.device = left, seq, torch.device(device)
 
-    def plan(self, pairs: list[tuple[Span, Span]]) -> tuple:
-        return _window_plan(tuple(pairs), self.left, self.device)
+    def plan(self, pairs: list[tuple[Span, Span]], docs: _Documents | None = None
+             ) -> tuple | list[Block]:
+        blocks, spans = _window_plan(tuple(pairs), self.left, self.device)
+        return blocks if docs is None else _within_documents(blocks, spans, self.left, docs)
 
 
 # ------------------------------------------------------------------ sinks
@@ -606,9 +638,9 @@ def window_left(window: tuple[int, int] | None) -> int | None:
     return None if left == -1 else left
 
 
-def _window_and_sinks(window, sinks, q, size, docs) -> _Window | None:
+def _window_and_sinks(window, sinks, q, size) -> _Window | None:
     """The checked window (None where it bounds nothing); ValueError for
-    sinks of the wrong shape, or a window with packed documents."""
+    sinks of the wrong shape."""
     left, seq = window_left(window), q.shape[2] * size
     if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
         raise ValueError(f"sinks are one logit per attention head of this rank, "
@@ -616,9 +648,6 @@ def _window_and_sinks(window, sinks, q, size, docs) -> _Window | None:
                          f"softmax)")
     if left is None or left >= seq - 1:
         return None   # every earlier key is in the window: plain causal attention
-    if docs is not None:
-        raise ValueError("a sliding window within packed documents is not supported under "
-                         "context parallelism: pass document_ids or window, not both")
     return _Window(left, seq, q.device)
 
 
@@ -639,7 +668,8 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     natural order, the same on every context rank; a document is a run of
     equal consecutive ids, and a query sees only the earlier keys of its own
     document. `window` (L, 0): query i sees keys i − L..i (as
-    ptdp.parallel.local_attention; not with document_ids); `sinks` [heads]:
+    ptdp.parallel.local_attention; within each document with document_ids);
+    `sinks` [heads]:
     a logit per head of q added to the softmax's denominator (under a2a each
     rank applies its part of them). Returns [b, heads, s/c, d] in q's dtype,
     differentiable in q, k, v and sinks."""
@@ -651,7 +681,7 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     if document_ids is not None:
         _check_documents(document_ids, q, size)
         docs = _Documents(document_ids, q.shape[0], q.device)
-    local = _window_and_sinks(window, sinks, q, size, docs)
+    local = _window_and_sinks(window, sinks, q, size)
     if comm_type == "p2p":
         return _RingAttention.apply(q, k, v, sinks, group, scale, kernel, docs, local)
     if comm_type == "all_gather":
