@@ -369,10 +369,10 @@ def test_window_plans_compute_each_pair_in_the_window_once(monkeypatch, block, d
     attention._window_plan.cache_clear()
 
 
-def _half_precision_vs_one_process(rank: int, precision: str) -> list[float]:
+def _half_precision_vs_one_process(rank: int, precision: str, model: str) -> list[float]:
     """c = 4 (p2p) against one process, both in `precision`: the relative
     differences of the two iterations' losses and gradient norms."""
-    layout = Layout(c=4, steps=2)
+    layout = Layout(c=4, steps=2, model=model)
     differences = []
     runs = []
     for c, ctx in ((1, ParallelContext.single()), (4, None)):
@@ -393,12 +393,13 @@ def _half_precision_vs_one_process(rank: int, precision: str) -> list[float]:
     return differences
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_half_precision_trains_like_one_process(pools, precision):
+@pytest.mark.parametrize("precision, model", [("bf16", "window3"), ("fp16", "rotary")])
+def test_half_precision_trains_like_one_process(pools, precision, model):
     """The blocks' softmax statistics and merges stay in fp32 (ptdp.parallel.
     block_attention): in bf16 and fp16 the losses and gradient norms stay
-    within those precisions' rounding of one process's."""
-    for differences in pools(4).run(_half_precision_vs_one_process, precision):
+    within those precisions' rounding of one process's. In bf16 the model
+    has sliding windows and learnable sinks (fp32 logits on bf16 blocks)."""
+    for differences in pools(4).run(_half_precision_vs_one_process, precision, model):
         assert max(differences) < (1e-3 if precision == "bf16" else 2e-4), differences
 
 

@@ -3,7 +3,8 @@ layers alternate windowed and full attention (--window-size,
 --window-attn-skip-freq) with learnable sinks (--softmax-type learnable;
 off-by-one in one layout) trains as one process does under t = 2 with
 sequence parallelism, p = 2 interleaved with full recomputation, d = 2
-with the distributed optimizer, and (an MoE, gpt-oss's shape, with expert
+with the distributed optimizer, t = 2, p = 2 under zbv (the deferred weight
+gradients), and (an MoE, gpt-oss's shape, with expert
 biases) EP = 2 × ETP = 2 over t = 2, d = 2 with sequence parallelism: losses, gradient norms and final weights
 (sinks included) over three AdamW steps. One pool of four processes runs
 the layouts in one call.
@@ -56,12 +57,13 @@ class Layout:
     distributed: bool = False
     ep: int = 1
     model: str = "learnable"
+    schedule: str = "1f1b"
 
     @property
     def name(self) -> str:
         return (f"t{self.t}p{self.p}d{self.d}{'k' + str(self.k) if self.k else ''}"
                 f"{'-sp' if self.sequence_parallel else ''}{'-' + self.recompute if self.recompute else ''}"
-                f"{'-distopt' if self.distributed else ''}-ep{self.ep}-{self.model}")
+                f"{'-distopt' if self.distributed else ''}-ep{self.ep}-{self.model}-{self.schedule}")
 
 
 def _config(layout: Layout):
@@ -69,7 +71,8 @@ def _config(layout: Layout):
     config = step._config(layout.t, layout.p, layout.d, layout.k, model, layout.sequence_parallel,
                           use_distributed_optimizer=layout.distributed, train_iters=STEPS,
                           global_batch_size=4)
-    config.parallel = dataclasses.replace(config.parallel, expert_model_parallel_size=layout.ep)
+    config.parallel = dataclasses.replace(config.parallel, expert_model_parallel_size=layout.ep,
+                                          pipeline_schedule=layout.schedule)
     return config
 
 
@@ -108,6 +111,7 @@ LAYOUTS = [
     Layout(t=2, d=2, sequence_parallel=True),
     Layout(p=2, d=2, k=1, recompute="full", distributed=True),
     Layout(t=2, p=2, sequence_parallel=True, recompute="selective", model="off-by-one"),
+    Layout(t=2, p=2, sequence_parallel=True, schedule="zbv"),
     Layout(t=2, d=2, ep=2, sequence_parallel=True, model="moe"),
 ]
 
