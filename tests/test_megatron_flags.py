@@ -138,6 +138,25 @@ def test_the_attention_kernel_is_the_one_pytorch_runs():
         torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
 
 
+def test_with_windows_or_sinks_the_report_names_the_block_kernel():
+    """A model with sinks (or windows) never runs SDPA: the report names the
+    block kernel that runs, one whose blocks return their log-sum-exp (the
+    sinks' rescale needs it), as block_attention picks it here."""
+    import torch
+    from ptdp.parallel.block_attention import KERNELS, block_kernel
+
+    for settings in ({"softmax_type": "learnable"}, {"window_size": "3,0"}):
+        config = Config(model=ModelConfig(hidden_size=32, num_attention_heads=4, seq_length=16,
+                                          attention_dropout=0.0, **settings),
+                        parallel=ParallelConfig())
+        line = attention_kernel(config, torch.device("cpu"), torch.float32)
+        kernel = block_kernel("cpu", torch.float32, 8)
+        assert kernel in KERNELS
+        assert line == (f"ptdp's block attention (sliding windows, sinks) runs {kernel} blocks, "
+                        f"each returning its rows' log-sum-exp, for float32 on cpu, 4 heads of "
+                        f"width 8 per rank, sequence 16, causal")
+
+
 # --------------------------------------------------------------------------- issue 27's flags
 
 ISSUE_27 = ["--use-legacy-models", "--data-impl", "mmap", "--overlap-p2p-communication",

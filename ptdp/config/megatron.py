@@ -495,9 +495,11 @@ def notes(flags: list[tuple[AcceptedFlag, Any]]) -> list[str]:
             for a, v in flags if not _refused(a, v)]
 
 
-_ATTENTION_NOTE = ("ptdp's attention is always PyTorch's scaled_dot_product_attention, which picks "
-                   "its kernel (flash attention where the device, precision and shapes allow it) "
-                   "per call; the first rank reports the one it picks for this run")
+_ATTENTION_NOTE = ("ptdp picks its attention kernels itself: PyTorch's scaled_dot_product_attention, "
+                   "which picks its kernel (flash attention where the device, precision and "
+                   "shapes allow it) per call, or for sliding windows and sinks block kernels "
+                   "that each return their log-sum-exp; the first rank reports the one it picks "
+                   "for this run")
 
 
 def config_notes(config) -> list[str]:

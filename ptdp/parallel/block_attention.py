@@ -275,6 +275,13 @@ def attention_kernel(config, device, dtype) -> str:
     m = config.model
     t = config.parallel.tensor_model_parallel_size
     heads, groups = m.num_attention_heads // t, max(1, m.query_groups // t)
+    if m.has_sinks or any(m.windowed_layers):
+        # Windows and sinks run on the block kernels, never on SDPA: each
+        # block's log-sum-exp is what merges blocks and applies the sinks.
+        return (f"ptdp's block attention (sliding windows, sinks) runs "
+                f"{block_kernel(device, dtype, m.head_dim)} blocks, each returning its rows' "
+                f"log-sum-exp, for {str(dtype).replace('torch.', '')} on {device.type}, {heads} "
+                f"heads of width {m.head_dim} per rank, sequence {m.seq_length}, causal")
     shape = (config.train.micro_batch_size, heads, m.seq_length, m.head_dim)
     q = torch.empty(shape, device=device, dtype=dtype)
     kv = torch.empty((shape[0], groups, shape[2], shape[3]), device=device, dtype=dtype)
