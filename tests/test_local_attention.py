@@ -215,3 +215,69 @@ def test_wrong_shapes_are_refused():
         local_attention(q, k[:, :, :4], v[:, :, :4], window=(2, 0), sinks=None)
     with pytest.raises(ValueError, match="positive number"):
         local_attention(q, k, v, window=(2, 0), sinks=None, block=0)
+
+
+# ------------------------------------------------------------------ a device's windowed kernel
+
+def _emulated_window_kernel(monkeypatch, off_by_one: bool = False):
+    """window_kernel's two calls of the device op replaced by "plain" blocks
+    under the window mask (CPUs have no such op): what is tested is the
+    sinks after the kernel, the autograd around it, the probe and the
+    routing. `off_by_one`: a kernel whose window is one key too wide."""
+    from ptdp.parallel import window_kernel
+    from ptdp.parallel.block_attention import block_backward, block_forward
+
+    def mask(q, left):
+        return window_mask(q.shape[2], (left + off_by_one, 0)).view(1, 1, q.shape[2], -1)
+
+    def forward(q, k, v, left, scale):
+        out, lse = block_forward(q, k, v, False, scale, "plain", mask(q, left))
+        return out.to(q.dtype), lse, ()
+
+    def backward(dout, q, k, v, out, lse, left, scale, state):
+        return block_backward(dout, q, k, v, out, lse, False, scale, "plain", mask(q, left))
+
+    monkeypatch.setattr(window_kernel, "_forward", forward)
+    monkeypatch.setattr(window_kernel, "_backward", backward)
+    return window_kernel
+
+
+def test_the_windowed_kernel_probe_accepts_a_right_kernel_and_refuses_a_wrong_one(monkeypatch):
+    window_kernel = _emulated_window_kernel(monkeypatch)
+    assert window_kernel._agrees(torch.device("cpu"), torch.float32, 16)
+    window_kernel = _emulated_window_kernel(monkeypatch, off_by_one=True)
+    assert not window_kernel._agrees(torch.device("cpu"), torch.float32, 16)
+    assert window_kernel.windowed_kernel("cpu", torch.bfloat16, 64) is None  # none on a CPU
+
+
+def test_local_attention_runs_the_windowed_kernel_where_the_device_has_one(monkeypatch):
+    """Routed to the device's kernel (emulated), the output and the gradients
+    of q, k, v and the sinks equal the dense reference's; a window covering
+    the sequence, or a kernel named explicitly, keeps the block plan."""
+    window_kernel = _emulated_window_kernel(monkeypatch)
+    calls = []
+    real = window_kernel.WindowKernelAttention.apply
+
+    def counted(*args):
+        calls.append(args[4])
+        return real(*args)
+
+    monkeypatch.setattr(window_kernel.WindowKernelAttention, "apply", counted)
+    monkeypatch.setattr("ptdp.parallel.local_attention.windowed_kernel",
+                        lambda *args: window_kernel.WINDOW_KERNEL)
+    torch.manual_seed(4)
+    q, k, v = (torch.randn(2, h, 40, 8, dtype=torch.float64, requires_grad=True)
+               for h in (4, 2, 2))
+    sinks = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    out = local_attention(q, k, v, window=(6, 0), sinks=sinks)
+    want = reference_attention(q, k, v, 6, sinks)
+    assert calls == [6]
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v, sinks), dout)
+    expected = torch.autograd.grad(want, (q, k, v, sinks), dout)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    local_attention(q, k, v, window=(39, 0), sinks=sinks)
+    local_attention(q, k, v, window=(6, 0), sinks=sinks, kernel="plain")
+    assert calls == [6]

@@ -22,7 +22,10 @@ that final output and lse' recomputes exactly the sink's probabilities, and
 its row term D = rowsum(dO · O) is the sink's too, so the blocks' backward
 needs no change; the sink's own gradient is −Σ_rows exp(sink − lse') · D.
 
-The work is cut into square blocks of `block` positions: each query block
+Where the device has a windowed kernel (ptdp.parallel.window_kernel: CUDA's
+flash attention with a window, in 16-bit precision) and `kernel` is "auto",
+a window shorter than the sequence runs on it in one call. Otherwise the
+work is cut into square blocks of `block` positions: each query block
 visits only the key blocks that intersect its rows' windows (the
 `visited_blocks`), skipping the rest, on ptdp.parallel.block_attention's
 kernels (`block_kernel` names the one "auto" runs), merged by their
@@ -49,6 +52,7 @@ from ptdp.parallel.block_attention import resolve_kernel
 # bool mask or None).
 from ptdp.parallel.context_attention import _LocalAttention, window_left
 from ptdp.parallel.document_attention import per_document_attention
+from ptdp.parallel.window_kernel import WindowKernelAttention, windowed_kernel
 
 # Positions per block: a query block and the key blocks it visits. 128 keeps
 # the masked edge blocks ("plain", fp32 matrix products) small on a CPU; the
@@ -160,11 +164,15 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     returned [b, heads, s, d] in q's dtype, differentiable in q, k, v and
     sinks. `scale` defaults to 1/√d (Gemma 3 passes
     query_pre_attn_scalar^−½). `block`: positions per block (see the module
-    docstring). `kernel`: "auto" or a name of block_attention.KERNELS. No
-    dropout."""
+    docstring). `kernel`: "auto" (the device's windowed kernel where it has
+    one, else the block plan on block_attention's choice) or a name of
+    block_attention.KERNELS for the block plan. No dropout."""
     _check_inputs(q, k, v, sinks, block)
     left = window_left(window)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if kernel == "auto" and left is not None and left < q.shape[2] - 1 and \
+            windowed_kernel(q.device, q.dtype, q.shape[-1]):
+        return WindowKernelAttention.apply(q, k, v, sinks, left, scale)
     kernel = resolve_kernel(kernel, q)
     blocks = _plan(q.shape[2], block, left, q.device)
     return _LocalAttention.apply(q, k, v, sinks, blocks, scale, kernel)
