@@ -144,3 +144,103 @@ def test_plan_searches_c_and_refuses_a2a_that_cannot_split(capsys):
                  "--context-parallel-size", "8", "--cp-comm-type", "a2a"]) == 2
     assert "--cp-comm-type a2a splits each tensor rank's 12 attention heads" in \
         capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ sliding windows under c > 1
+
+def _plan_work(blocks) -> float:
+    """Score entries context_attention's blocks compute: a causal square of
+    n at n²/2, any other rectangle (masked or not) whole."""
+    return sum((q1 - q0) ** 2 / 2 if causal else (q1 - q0) * (k1 - k0)
+               for _, q0, q1, k0, k1, causal, _ in blocks)
+
+
+@pytest.mark.parametrize("seq, c, left", [(1024, 4, 100), (1024, 4, 300), (1536, 3, 50),
+                                          (1024, 2, 700), (2048, 4, 0), (1024, 4, 1022),
+                                          (1024, 4, 5000)])
+def test_window_work_counts_what_the_context_plans_compute(seq, c, left):
+    """context_window_work's shares are the block areas of context_attention's
+    own plans (its _Window, or no window where it holds every key), per rank
+    and ring step (p2p), for the busiest rank's gathered attention
+    (all_gather) and for the whole sequence (a2a)."""
+    from ptdp.parallel import context_attention as ca
+    from ptdp.perf.analytic import context_window
+
+    assert context_window.WINDOW_BLOCK == ca.WINDOW_BLOCK
+    half, full_step = seq // (2 * c), (seq // c) ** 2 / 2
+    window = ca._Window(left, seq, "cpu") if left < seq - 1 else None
+    p2p = context_window.context_window_work(seq, c, left, "p2p")
+    for rank in range(c):
+        for step in range(c):
+            blocks = ca._ring_blocks(rank, (rank - step) % c, c, half, None, window)
+            assert p2p.steps[rank][step] == pytest.approx(_plan_work(blocks) / full_step)
+    assert p2p.busiest == pytest.approx(max(map(sum, p2p.steps)) / c)
+    gathered = max(_plan_work(ca._whole_sequence_blocks(
+        ca._chunk_spans(rank, c, half), None, ca._gathered_pairs(rank, c, half), window))
+        for rank in range(c))
+    assert context_window.context_window_work(seq, c, left, "all_gather").busiest == \
+        pytest.approx(gathered / (c * full_step))
+    chunks = [(start, start, half) for start in range(0, seq, half)]
+    whole = _plan_work(ca._whole_sequence_blocks(chunks, None, [(0, seq, 0, seq, True)], window))
+    assert context_window.context_window_work(seq, c, left, "a2a").busiest == \
+        pytest.approx(whole / (c * c * full_step))
+    if left >= seq - 1:   # no window: every step a full causal one
+        assert all(share == 1.0 for row in p2p.steps for share in row)
+    if left < half and c > 2:   # a short window: some ring steps compute nothing
+        assert any(share == 0.0 for row in p2p.steps for share in row[1:-1])
+
+
+def test_windowed_ring_exposes_the_transfers_its_empty_steps_cannot_hide():
+    from ptdp.perf.price.context_exchange import windowed_ring_exposed
+
+    # Full steps: the c − 1 excesses of the unwindowed ring.
+    assert windowed_ring_exposed(3.0, ((1.0,) * 4,) * 4, lambda share: 2.0 * share) == \
+        pytest.approx(3 * ring_step_exposed(3.0, 2.0))
+    # Rank 0: steps of 2, 0, 1 seconds take 2 + 1 + 1; rank 1: 2 + 1 + 0. Both
+    # compute 3 seconds, so the slowest ring adds 1.
+    assert windowed_ring_exposed(1.0, ((1.0, 0.0, 0.5), (1.0, 0.5, 0.0)),
+                                 lambda share: 2.0 * share) == pytest.approx(1.0)
+
+
+def _ring_time(transfer, blocks):
+    """One rank's ring, step by step: each step but the last lasts as long
+    as the longer of its block and the next block's transfer."""
+    return sum(max(transfer, block) for block in blocks[:-1]) + blocks[-1]
+
+
+def test_a_windowed_model_under_c4_computes_less_and_exposes_more_of_its_ring():
+    """With L = 127 at c = 4 (chunks of 2048), each rank computes its own
+    block and its neighbours' edges; the steps between hide nothing. The
+    plan is faster than full attention's, its context exchange larger, and
+    a layer's exchange is the slowest rank's ring beyond the busiest rank's
+    attention, priced from the model's own block times."""
+    from ptdp.perf.analytic.context_window import context_window_work
+
+    windowed_model = dataclasses.replace(LONG, window_size="127,0")
+    layout = Layout(c=4, d=2, b=1)
+    full, windowed = _ops(layout, H100), OperatorModel(
+        Workload(windowed_model, 8), layout, H100, Machine(layout, H100))
+    work = context_window_work(LONG.seq_length, 4, 127, "p2p")
+    assert windowed.window_share == work.busiest < 0.05
+    assert windowed.fused_attention_seconds()[0] < full.fused_attention_seconds()[0]
+    for backward in (False, True):
+        kv = kv_block_bytes(windowed)
+        transfer = windowed.machine.context_step(2 * kv if backward else kv)
+        blocks = [[windowed.attention_block_seconds(share)[backward] for share in row]
+                  for row in work.steps]
+        expected = max(_ring_time(transfer, row) for row in blocks) - max(map(sum, blocks))
+        exposed = context_exchange_seconds(windowed, backward)
+        assert exposed == pytest.approx(expected)
+        # Each rank has an empty step before its last: at least one whole transfer shows.
+        assert exposed >= transfer * (1 - 1e-9)
+        assert context_exchange_seconds(full, backward) == 0.0
+    e_full = evaluate_layout(Workload(LONG, 8), layout, H100)
+    e_windowed = evaluate_layout(Workload(windowed_model, 8), layout, H100)
+    assert e_windowed.seconds < e_full.seconds
+    assert (e_windowed.prediction.seconds_by_category["context exchange"]
+            > e_full.prediction.seconds_by_category["context exchange"])
+    # Every other layer windowed: the mean of the two layers' exchange.
+    mixed = OperatorModel(Workload(dataclasses.replace(windowed_model, window_attn_skip_freq=2),
+                                   8), layout, H100, Machine(layout, H100))
+    assert context_exchange_seconds(mixed, False) == pytest.approx(
+        (context_exchange_seconds(windowed, False) + context_exchange_seconds(full, False)) / 2)

@@ -104,6 +104,7 @@ from ptdp.perf.price import lora
 from ptdp.perf.price.machine import Machine
 from ptdp.perf.price.operator_bytes import (attention_core_bytes, copy_bytes, cross_entropy_bytes,
                                             layer_memory_ops, layer_norm_bytes, residual_bytes)
+from ptdp.perf.analytic.context_window import context_window_work
 from ptdp.perf.analytic.local_attention import block_fraction, mean_fraction
 from ptdp.perf.price.profiles import HardwareProfile
 
@@ -173,8 +174,11 @@ class OperatorModel:
         self.sp = layout.splits_sequence
         self.attention_dropout = model.attention_dropout > 0
         # Sliding windows: the mean layer's share of the causal attention
-        # blocks the windowed kernel visits (ptdp.perf.analytic.local_attention).
-        self.window_share = mean_fraction(model, block_fraction)
+        # blocks the windowed kernel visits (ptdp.perf.analytic.local_attention);
+        # under context parallelism the busiest context rank's share of its
+        # causal attention (ptdp.perf.analytic.context_window).
+        self.window_share = mean_fraction(model, block_fraction if self.c == 1 else (
+            lambda s, left: context_window_work(s, self.c, left, self.cp_comm).busiest))
         self.hidden_dropout = model.hidden_dropout > 0
         # Costs already priced (`stage_costs`): every layer of a shape costs the same.
         self.memo: dict[tuple, "ChunkCosts"] = {}
@@ -225,16 +229,18 @@ class OperatorModel:
                 "mlp_up": (b * s, up // t, h, 1),
                 "mlp_down": (b * s, h, f // t, 1)}
 
-    def attention_shape(self, blocks: int | None = None) -> tuple[int, int]:
+    def attention_shape(self, blocks: float | None = None) -> tuple[int, int]:
         """(sequences, length) the attention of a rank runs over: b·a/t of s
         positions; under context parallelism 1/c of the causal work, as
         ptdp.parallel.context_attention does it: p2p and all_gather as c
         blocks of s/c (each the work of a causal s/c block: the own block
         causal, the others half a block by the load-balanced chunks), a2a as
-        b·a/(t·c) whole sequences (the head split). `blocks`: that many of
-        the c blocks (1: one ring step's)."""
+        b·a/(t·c) whole sequences (the head split); a window's share of it
+        (`window_share`). `blocks`: that much of the c blocks' work instead,
+        in full causal ring steps (1: one unwindowed step's; below 1, a
+        windowed step's share, context_window.ContextWindowWork.steps)."""
         heads = self.b * (self.a // self.t)
-        if self.window_share < 1.0:  # sliding windows: the share of the blocks computed
+        if blocks is None and self.window_share < 1.0:  # sliding windows: the share computed
             heads = heads * self.window_share
         if self.c == 1:
             return heads, self.s
@@ -242,12 +248,12 @@ class OperatorModel:
             return heads // self.c, self.s * self.c
         return heads * (self.c if blocks is None else blocks), self.s
 
-    def score_elements(self, blocks: int | None = None) -> int:
+    def score_elements(self, blocks: float | None = None) -> int:
         """Elements of the scores a rank's attention computes (b·a/t·s² at c = 1)."""
         heads, length = self.attention_shape(blocks)
         return heads * length * length
 
-    def attention_core_ops(self, blocks: int | None = None) -> list[tuple[str, float, float]]:
+    def attention_core_ops(self, blocks: float | None = None) -> list[tuple[str, float, float]]:
         """The attention core's memory pass over the scores; none where the
         fused kernel keeps the scores on chip."""
         if self.prof.fused_attention:
@@ -255,7 +261,7 @@ class OperatorModel:
         S = self.score_elements(blocks)
         return [("attention_core", *attention_core_bytes(S, self.E, self.attention_dropout))]
 
-    def fused_attention_seconds(self, blocks: int | None = None) -> tuple[float, float]:
+    def fused_attention_seconds(self, blocks: float | None = None) -> tuple[float, float]:
         """(forward, backward) of the fused attention kernel over the b·a/t
         causal sequences of a rank (`attention_shape`); (0, 0) where the
         profile prices the attention core as GEMMs and a memory pass."""
@@ -267,15 +273,18 @@ class OperatorModel:
         factor = self.prof.thread_factor(self.threads)
         return forward / factor, backward / factor
 
-    def attention_block_seconds(self) -> tuple[float, float]:
+    def attention_block_seconds(self, share: float = 1.0) -> tuple[float, float]:
         """(forward, backward) of the attention of one ring step's block
-        (1/c of a rank's attention): what each key/value transfer of the p2p
-        ring hides behind."""
+        (1/c of a rank's causal attention; with a window, `share` of it):
+        what each key/value transfer of the p2p ring hides behind."""
+        if share <= 0.0:
+            return 0.0, 0.0   # a windowed step that computes nothing
+        share = 1 if share == 1.0 else share   # (whole heads price as before, to the bit)
         if self.prof.fused_attention:
-            return self.fused_attention_seconds(blocks=1)
-        heads, length = self.attention_shape(blocks=1)
+            return self.fused_attention_seconds(blocks=share)
+        heads, length = self.attention_shape(blocks=share)
         gemms = ((length, length, self.d, heads), (length, self.d, length, heads))
-        core = self.attention_core_ops(blocks=1)
+        core = self.attention_core_ops(blocks=share)
         return (sum(self.gemm(m, n, k, batch) for m, n, k, batch in gemms)
                 + self.memory_ops_seconds(core, False),
                 sum(self.gemm_backward(m, n, k, batch) for m, n, k, batch in gemms)
