@@ -23,6 +23,14 @@ of ptdp.parallel.context_attention emulated on that one device.
    torch.nn.functional.scaled_dot_product_attention over the whole sequence
    (fp32 reference on the same rounded inputs; RING_TOLERANCE).
 
+5. Sliding windows (issue 43): the window kernel ptdp.parallel.window_kernel
+   finds on the device (CUDA's flash attention with a window, per 16-bit
+   dtype), and local_attention with a window of WINDOW_LEFT keys and
+   learnable sinks, forward + backward at the timing sizes: the window
+   kernel (where there is one) against the block plan on block_kernel's
+   choice (output and gradients within BLOCK_TOLERANCE of the block plan's
+   largest value), and the time of each relative to full causal attention.
+
 bench/gpu.py runs this file as a child process (`run_isolated`): a CUDA
 kernel that faults leaves the CUDA context unusable, and must not take the
 training measurements with it. Alone:
@@ -49,6 +57,8 @@ from ptdp import device as devices
 from ptdp.parallel import context_attention as ring
 from ptdp.parallel.block_attention import block_backward, block_forward, block_kernel
 from ptdp.parallel.context_layout import join_sequence, split_sequence
+from ptdp.parallel.local_attention import local_attention
+from ptdp.parallel.window_kernel import windowed_kernel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CANDIDATES = {"cuda": ("cuda_flash", "cuda_efficient", "plain"), "cpu": ("cpu_flash", "plain")}
@@ -244,6 +254,93 @@ def time_kernels(device: torch.device, sizes: Sizes, cases: list[dict[str, Any]]
     return result
 
 
+# ------------------------------------------------------------------ 5. sliding windows
+
+WINDOW_LEFT = 127   # gpt-oss's window (its sliding_window 128)
+
+
+def _attention_seconds(run: Callable[[], torch.Tensor], dout: torch.Tensor,
+                       device: torch.device, repeats: int = 3) -> float:
+    seconds = []
+    for _ in range(repeats + 1):           # the first is a warm-up
+        devices.synchronize(device)
+        began = time.perf_counter()
+        run().backward(dout)
+        devices.synchronize(device)
+        seconds.append(time.perf_counter() - began)
+    return statistics.median(seconds[1:])
+
+
+def check_windows(device: torch.device, sizes: Sizes) -> list[dict[str, Any]]:
+    """Per dtype: the window kernel found, its errors against the block
+    plan, and the seconds of the window kernel, the block plan and full
+    causal attention (forward + backward, with sinks)."""
+    cases = []
+    dtype_names = ("bf16", "fp16") if device.type == "cuda" else (sizes.timing_dtype,)
+    for dtype_name in dtype_names:
+        dtype, head_dim = DTYPES[dtype_name], sizes.timing_head_dim
+        generator = torch.Generator().manual_seed(11)
+        q = _random(generator, device, dtype, 1, sizes.timing_heads, sizes.timing_seq, head_dim)
+        k, v = (_random(generator, device, dtype, 1, sizes.timing_heads // 4, sizes.timing_seq,
+                        head_dim) for _ in range(2))
+        dout = _random(generator, device, dtype, *q.shape)
+        sinks = _random(generator, device, torch.float32, sizes.timing_heads)
+        plan_kernel = block_kernel(device, dtype, head_dim)
+        case: dict[str, Any] = {"dtype": dtype_name, "seq": sizes.timing_seq,
+                                "left": WINDOW_LEFT, "head_dim": head_dim,
+                                "window_kernel": windowed_kernel(device, dtype, head_dim),
+                                "block_kernel": plan_kernel, "errors": {}, "seconds": {}}
+
+        def run(kernel: str, window) -> Callable[[], torch.Tensor]:
+            inputs = [x.detach().requires_grad_() for x in (q, k, v, sinks)]
+
+            def once() -> torch.Tensor:
+                for x in inputs:
+                    x.grad = None
+                return local_attention(*inputs[:3], window=window, sinks=inputs[3],
+                                       kernel=kernel)
+            once.inputs = inputs
+            return once
+
+        window = (WINDOW_LEFT, 0)
+        runs = {"block plan": run(plan_kernel, window), "full causal": run(plan_kernel, None)}
+        if case["window_kernel"]:
+            runs["window kernel"] = run("auto", window)
+        for name, once in runs.items():
+            case["seconds"][name] = _attention_seconds(once, dout, device)
+        if case["window_kernel"]:
+            got, want = runs["window kernel"], runs["block plan"]
+            outputs = (got(), want())
+            for output in outputs:
+                output.backward(dout)
+            for name, a, b in [("out", *outputs)] + [
+                    (n, x.grad, y.grad) for n, x, y in zip(("dq", "dk", "dv", "dsinks"),
+                                                           got.inputs, want.inputs)]:
+                error, scale = _error(a, b)
+                case["errors"][name] = error / max(scale, 1e-30)
+        case["passed"] = all(e <= BLOCK_TOLERANCE[dtype_name] for e in case["errors"].values())
+        cases.append(case)
+        devices.release_cached_memory(device)
+    return cases
+
+
+def window_lines(cases: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for c in cases:
+        full = c["seconds"].get("full causal")
+        times = ", ".join(f"{name} {t / full:.2f}" for name, t in c["seconds"].items()
+                          if full) if full else "not timed"
+        kernel = c["window_kernel"] or f"none (block plan on {c['block_kernel']})"
+        text = (f"sliding window {c['left']},0 with sinks, s {c['seq']}, d {c['head_dim']}, "
+                f"{c['dtype']}: window kernel {kernel}; forward + backward time relative to "
+                f"full causal: {times}")
+        if c["errors"]:
+            text += (f"; window kernel vs block plan {'ok' if c['passed'] else 'FAILED'}: "
+                     + ", ".join(f"{n} {e:.1e}" for n, e in c["errors"].items()))
+        lines.append(text)
+    return lines
+
+
 # ------------------------------------------------------------------ 4. the ring, emulated
 
 def emulate_ring(device: torch.device, sizes: Sizes, dtype_name: str,
@@ -347,6 +444,9 @@ def section(device: torch.device, tiny: bool, say: Callable[[str], None]) -> dic
         devices.release_cached_memory(device)
     for line in ring_lines(report["ring"]):
         say(line)
+    report["windows"] = part("windows", lambda: check_windows(device, sizes)) or []
+    for line in window_lines(report["windows"]):
+        say(line)
     report["passed"] = passed(report)
     return report
 
@@ -361,8 +461,9 @@ def passed(report: dict[str, Any]) -> bool:
                   if report["chosen"].get(f"{c['dtype']} d{c['head_dim']}", c["kernel"])
                   == c["kernel"])
     probes_ok = not any(kernel.startswith("error") for kernel in chosen)
+    windows_ok = all(c["passed"] for c in report.get("windows", []))
     return (not report["errors"] and bool(report["blocks"]) and bool(report["ring"])
-            and probes_ok and blocks_ok and ring_ok)
+            and probes_ok and blocks_ok and ring_ok and windows_ok)
 
 
 # ------------------------------------------------------------------ text
@@ -468,7 +569,8 @@ def markdown(report: dict[str, Any] | None) -> str:
                     f"time relative to {timing['chosen']}: {ratios}.")
     if report["errors"]:
         text[0] += " Parts that failed: " + "; ".join(report["errors"]) + "."
-    return "\n".join(text + [""] + rows) + "\n"
+    windows = [f"- {line}" for line in window_lines(report.get("windows", []))]
+    return "\n".join(text + [""] + rows + ([""] + windows if windows else [])) + "\n"
 
 
 # ------------------------------------------------------------------ as a child of bench/gpu.py
