@@ -39,6 +39,13 @@ def _hf_model(kind: str):
     if kind == "mixtral":
         return transformers.MixtralForCausalLM(transformers.MixtralConfig(
             **SMALL, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2))
+    if kind == "gemma3":  # windows shorter than the 12 tokens, two rotary bases
+        return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+            **SMALL, intermediate_size=40, head_dim=16, query_pre_attn_scalar=24,
+            sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+            tie_word_embeddings=False,
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}}))
     if kind == "qwen3_moe":
         return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             **SMALL, intermediate_size=48, moe_intermediate_size=16, head_dim=8, num_experts=4,
@@ -50,7 +57,7 @@ def _hf_model(kind: str):
         mlp_only_layers=[1], num_experts=4, num_experts_per_tok=2))
 
 
-@pytest.fixture(scope="module", params=["llama", "mixtral", "qwen3_moe", "qwen2_moe"])
+@pytest.fixture(scope="module", params=["llama", "mixtral", "qwen3_moe", "qwen2_moe", "gemma3"])
 def base(request, tmp_path_factory):
     """(ModelConfig, logical state, the --to-hf directory of the base model)."""
     root = tmp_path_factory.mktemp(request.param)

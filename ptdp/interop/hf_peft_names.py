@@ -69,21 +69,25 @@ class Piece:
 def base_name_table(config: ModelConfig,
                     family: HFFamily) -> dict[str, tuple[tuple[str, int], ...]]:
     """ptdp logical name -> ((Hugging Face tensor name, rows), ...) of the
-    family's base model (hf_llama's or hf_moe's table); refuses a family
+    family's base model (hf_llama's, hf_moe's or hf_gemma3's table); refuses a family
     whose layers PEFT adapts in another form (GPT-2's Conv1D)."""
     pairs: list[NamePair]
     if isinstance(family, DenseHFFamily):
         pairs = name_map(config)
     elif isinstance(family, MoEHFFamily):
         pairs = name_pairs(config, family.name)
+    elif family.name == "Gemma 3":   # Llama's attention and MLP names
+        from ptdp.interop.hf_gemma3 import name_pairs as gemma3_name_pairs
+        pairs = gemma3_name_pairs(config)
     elif family.name == "GPT-2":
         raise ConversionError(
-            f"PEFT adapters convert for the Llama-like and MoE families only, not {family.name}: "
+            f"PEFT adapters convert for the Llama-like, MoE and Gemma 3 families only, not "
+            f"{family.name}: "
             f"its attention and MLP are Conv1D layers ([in, out]), which PEFT adapts with "
             f"fan_in_fan_out; convert such a model's adapters merged into its weights instead")
     else:
         raise ConversionError(
-            f"PEFT adapters convert for the Llama-like and MoE families only, not yet for "
+            f"PEFT adapters convert for the Llama-like, MoE and Gemma 3 families only, not yet for "
             f"{family.name}: convert its adapters merged into its weights instead "
             f"(ptdp convert --merge-lora, then --to-hf)")
     return dict(pairs)
