@@ -156,6 +156,10 @@ def test_linear_interpolation_is_megatrons_and_transformers():
     assert rotary_for(local).interpolation_factor == 3.0
     assert rotary_for(_config(*flags).model, local=True).inverse_frequencies(CPU).equal(
         rotary.inverse_frequencies(CPU))
+    # --use-checkpoint-args takes and compares it (an imported Gemma 3 keeps it)
+    views = {fields[0]: view for fields, view in CHECKPOINT_ARCHITECTURE}
+    view = views["rotary_seq_len_interpolation_factor"]
+    assert (view(local), view(ModelConfig())) == (3.0, None)
 
 
 @pytest.mark.parametrize("context_size", [2, 4])
