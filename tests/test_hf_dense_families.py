@@ -1,8 +1,9 @@
 """Hugging Face's Llama-like dense families, against transformers as the outside reference.
 
-For random-weight Qwen2, Qwen3, Mistral and Llama 3.1 (rope_type llama3)
-models of small shapes (grouped-query attention, tied and untied, heads wider
-than h/a for Qwen3, q/k/v biases for Qwen2, sliding windows shorter than the
+For random-weight Qwen2, Qwen3, Mistral, Llama 3.1 (rope_type llama3) and
+linearly interpolated Llama and Qwen3 (rope_type linear) models of small
+shapes (grouped-query attention, tied and untied, heads wider than h/a for
+Qwen3, q/k/v biases for Qwen2, sliding windows shorter than the
 sequence for Mistral and Qwen2; fp32, CPU):
 
 * HF -> ptdp: save_pretrained, `ptdp convert --from-hf`, and the one-process
@@ -88,6 +89,14 @@ SHAPES = [
     ("llama3.1-gqa-untied", "LlamaConfig",
      dict(num_key_value_heads=2, head_dim=16, intermediate_size=48, tie_word_embeddings=False,
           max_position_embeddings=256, rope_parameters={**LLAMA3, "rope_theta": 500000.0}), 128),
+    # Linear interpolation (--rotary-seq-len-interpolation-factor): every
+    # frequency divided by the factor; exported again, the same logits.
+    ("llama-linear-gqa-untied", "LlamaConfig",
+     dict(num_key_value_heads=2, intermediate_size=48, tie_word_embeddings=False,
+          rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4}), 20),
+    ("qwen3-linear-tied", "Qwen3Config",
+     dict(num_key_value_heads=2, head_dim=16, intermediate_size=40, tie_word_embeddings=True,
+          rope_parameters={"rope_type": "linear", "factor": 2.5, "rope_theta": 1e6}), 20),
 ]
 
 
@@ -124,19 +133,25 @@ def test_hf_to_ours_through_convert(tmp_path, name, class_name, fields, length):
     assert (model.qk_layernorm, model.add_qkv_bias, model.bias) \
         == ("qwen3" in name, "qwen2" in name, False)
     assert model.use_rope_scaling == ("llama3" in name)
+    interpolation = fields["rope_parameters"]["factor"] if "linear" in name else None
+    assert model.rotary_seq_len_interpolation_factor == interpolation
     tokens = _tokens(length=length)
     expected = _hf_logits(hf, tokens)
     assert_close(_our_logits(_ours(model, weights), tokens), expected, **TOL)
-    # the feature each shape is for matters: without it the logits differ
-    if "window" in name:  # (W keys, the query's own included: ptdp's W - 1 before it)
-        assert model.window == (fields["sliding_window"] - 1, 0)
-        assert model.windowed_layers == ([True, True] if "mistral" in name else [False, True])
+    if "window" in name or "linear" in name:  # exported again: the same class and logits
         assert main(["convert", "--load", str(save), "--to-hf", str(tmp_path / "back")]) == 0
         back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"),
                                                                  local_files_only=True).eval()
         assert type(back).__name__ == class_name.replace("Config", "ForCausalLM")
+        assert back.config.rope_parameters == hf.config.rope_parameters
         assert_close(_hf_logits(back, tokens), expected, **TOL)
+    # the feature each shape is for matters: without it the logits differ
+    if "window" in name:  # (W keys, the query's own included: ptdp's W - 1 before it)
+        assert model.window == (fields["sliding_window"] - 1, 0)
+        assert model.windowed_layers == ([True, True] if "mistral" in name else [False, True])
         model.window_size = model.window_attn_skip_freq = None
+    elif "linear" in name:
+        model.rotary_seq_len_interpolation_factor = None
     elif "llama3" in name:
         model.use_rope_scaling = False
     elif "qwen3" in name:
@@ -156,7 +171,7 @@ def test_hf_to_ours_through_convert(tmp_path, name, class_name, fields, length):
 
 def test_transformers_4_form_of_llama3_rope(tmp_path):
     """Llama 3.1's published config.json: rope_scaling + top-level rope_theta."""
-    hf = _hf_model("LlamaConfig", dict(SHAPES[-1][2]))
+    hf = _hf_model("LlamaConfig", dict(next(f for n, _, f, _ in SHAPES if n.startswith("llama3"))))
     fields = hf.config.to_dict()
     del fields["rope_parameters"]
     fields.update(rope_theta=500000.0, rope_scaling=dict(LLAMA3))
@@ -185,12 +200,14 @@ EXPORTS = [
                               rotary_base=500000.0, kv_channels=16, group_query_attention=True,
                               num_query_groups=2, disable_bias_linear=True, ffn_hidden_size=48,
                               seq_length=128)),
+    ("LlamaForCausalLM", dict(rotary_seq_len_interpolation_factor=8.0, rotary_base=500.0,
+                              disable_bias_linear=True, ffn_hidden_size=48)),
 ]
 
 
 @pytest.mark.parametrize("hf_class, changes", EXPORTS,
                          ids=["qwen3-wide-untied", "qwen3-tied-1p", "qwen2-gqa-untied",
-                              "qwen2-narrow-tied", "llama3.2-rope"])
+                              "qwen2-narrow-tied", "llama3.2-rope", "llama-linear-rope"])
 def test_ours_to_hf_through_convert(tmp_path, hf_class, changes):
     config, logical, directory = _exported(tmp_path, _llama_model_config(**changes))
 
@@ -199,6 +216,10 @@ def test_ours_to_hf_through_convert(tmp_path, hf_class, changes):
     if config.use_rope_scaling:  # both forms, all four parameters
         assert written["rope_scaling"] == {**LLAMA3, "factor": 32.0}
         assert written["rope_parameters"] == {**LLAMA3, "factor": 32.0, "rope_theta": 500000.0}
+    if config.rotary_seq_len_interpolation_factor is not None:
+        assert written["rope_scaling"] == {"rope_type": "linear", "factor": 8.0}
+        assert written["rope_parameters"] == {"rope_type": "linear", "factor": 8.0,
+                                              "rope_theta": 500.0}
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(directory),
                                                            local_files_only=True).eval()
     assert type(hf).__name__ == hf_class

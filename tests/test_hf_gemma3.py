@@ -12,9 +12,14 @@ attention; a query_pre_attn_scalar other than the head width; fp32, CPU):
   Gemma3ForCausalLM with the same logits and tensors; a random ptdp model
   with Gemma's flags (tied, every third layer full, the default scale)
   exports and computes what ptdp computes;
-* what ptdp cannot compute (linear rope scaling, soft-capping, ...) is refused
-  with the key named, and a model missing one of Gemma's pieces is not
-  written as Gemma 3.
+* the published checkpoints' linear interpolation (rope_type 'linear',
+  factor 8, on the full layers only): imported, transformers' logits over
+  more tokens than the window; exported, transformers reads it back with the
+  same logits; without the factor the logits differ; transformers 4's
+  top-level rope_scaling reads as the same model;
+* what ptdp cannot compute (other rope scalings, 'linear' on the sliding
+  layers, soft-capping, ...) is refused with the key named, and a model
+  missing one of Gemma's pieces is not written as Gemma 3.
 """
 
 import dataclasses
@@ -31,6 +36,7 @@ from ptdp.interop.hf_files import ConversionError
 from ptdp.interop.hf_gemma3 import (
     from_hf_state,
     gemma3_obstacles,
+    hf_config_from_model_config,
     model_config_from_hf_config,
     to_hf_state,
 )
@@ -118,16 +124,56 @@ def test_a_ptdp_gemma_exports_as_gemma3(tmp_path):
                                                                            (5, 0), 20.0)
 
 
+# Gemma 3 4B's rotary settings (transformers 5's form): the full layers
+# interpolated 8 times, at θ 1e6; the sliding ones plain, at θ 1e4.
+LINEAR = {F: {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+          S: {"rope_type": "default", "rope_theta": 1e4}}
+
+
+def test_linear_interpolation_of_the_full_layers_both_ways():
+    hf = _hf_gemma(rope_parameters=LINEAR)
+    config = model_config_from_hf_config(hf.config.to_dict())
+    assert (config.rotary_seq_len_interpolation_factor, config.rotary_base,
+            config.rotary_base_local) == (8.0, 1e6, 1e4)
+    logical = from_hf_state(hf.state_dict(), config)
+    tokens = _tokens(length=20)  # five times the window
+    expected = _hf_logits(hf, tokens)
+    assert_close(_our_logits(_ours(config, logical), tokens), expected, **TOL)
+    plain = dataclasses.replace(config, rotary_seq_len_interpolation_factor=None)
+    assert (_our_logits(_ours(plain, logical), tokens) - expected).abs().max() > 1e-3
+
+    written = hf_config_from_model_config(config)
+    assert written["rope_parameters"] == LINEAR
+    assert written["rope_scaling"] == {"rope_type": "linear", "factor": 8.0}  # transformers 4's
+    again = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**written)).eval()
+    again.load_state_dict(to_hf_state(logical, config))
+    assert again.config.rope_parameters == LINEAR
+    assert_close(_hf_logits(again, tokens), expected, **TOL)
+    # transformers 4's form of the same settings reads as the same model
+    older = {k: v for k, v in HF_FIELDS.items() if k != "rope_parameters"}
+    older.update(rope_theta=1e6, rope_local_base_freq=1e4,
+                 rope_scaling={"rope_type": "linear", "factor": 8.0})  # (as published)
+    assert model_config_from_hf_config(older) == config
+    assert transformers.Gemma3TextConfig(**older).rope_parameters == LINEAR
+    # an interpolated model whose sliding layers have no base of their own
+    # interpolates them too, which Gemma 3 cannot say
+    assert any("--rotary-base-local" in obstacle for obstacle in gemma3_obstacles(
+        dataclasses.replace(config, rotary_base_local=None)))
+
+
 def _model_config():
     return model_config_from_hf_config(transformers.Gemma3TextConfig(**HF_FIELDS).to_dict())
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(rope_parameters={F: {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
-                           S: {"rope_type": "default", "rope_theta": 1e4}}),
-     r"rope_parameters\.full_attention has rope_type 'linear'"),
-    (dict(rope_scaling={"rope_type": "linear", "factor": 8.0}, rope_parameters=None),
-     r"rope_scaling has rope_type 'linear'"),
+    (dict(rope_parameters={F: LINEAR[F], S: {"rope_type": "linear", "factor": 8.0}}),
+     r"rope_parameters\.sliding_attention has rope_type 'linear'"),
+    (dict(rope_parameters={F: {**LINEAR[F], "factor": 0.0}, S: LINEAR[S]}),
+     r"rope_parameters\.full_attention\.factor=0\.0 must be a positive number"),
+    (dict(rope_parameters=LINEAR, rope_scaling={"rope_type": "linear", "factor": 4.0}),
+     r"rope_scaling factor 4\.0 and rope_parameters\.full_attention factor 8\.0 disagree"),
+    (dict(rope_scaling={"rope_type": "dynamic", "factor": 8.0}, rope_parameters=None),
+     r"rope_scaling has rope_type 'dynamic'"),
     (dict(final_logit_softcapping=30.0), r"final_logit_softcapping=30\.0 is not supported"),
     (dict(attn_logit_softcapping=50.0), r"attn_logit_softcapping=50\.0 is not supported"),
     (dict(use_bidirectional_attention=True), r"use_bidirectional_attention=True"),

@@ -221,6 +221,26 @@ def test_both_forms_of_the_rotary_settings(rope):
     assert model_config_from_hf_config({**hf, **rope}).rotary_base == 250.0
 
 
+@pytest.mark.parametrize("rope", [
+    dict(rope_theta=250.0, rope_scaling={"type": "linear", "factor": 2.0}),  # transformers 4
+    dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 250.0}),
+])
+def test_both_forms_of_linear_interpolation(rope):
+    """rope_type 'linear' is --rotary-seq-len-interpolation-factor, and the
+    model computes what transformers' LlamaForCausalLM of that file does."""
+    hf = hf_config_from_model_config(_llama_model_config())
+    for key in ("rope_theta", "rope_scaling", "rope_parameters"):
+        del hf[key]
+    hf.update(rope)
+    config = model_config_from_hf_config(hf)
+    assert (config.rotary_seq_len_interpolation_factor, config.rotary_base) == (2.0, 250.0)
+    theirs = _hf_model(transformers.LlamaConfig(**hf))
+    assert theirs.config.rope_parameters["rope_type"] == "linear"
+    tokens = _tokens()
+    assert_close(_our_logits(_ours(config, from_hf_state(theirs.state_dict(), config)), tokens),
+                 _hf_logits(theirs, tokens), **TOL)
+
+
 # ------------------------------------------------------------------ refusals
 
 @pytest.mark.parametrize("changes, message", [
@@ -233,7 +253,13 @@ def test_both_forms_of_the_rotary_settings(rope):
     (dict(rope_scaling={"rope_type": "llama3", "factor": 0.5, "low_freq_factor": 1.0,
                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
      r"rope_scaling.factor=0.5 must be a number of at least 1"),
-    (dict(rope_scaling={"type": "linear", "factor": 2.0}), r"rope_scaling has rope_type 'linear'"),
+    (dict(rope_scaling={"type": "dynamic", "factor": 2.0}),
+     r"rope_scaling has rope_type 'dynamic'"),
+    (dict(rope_scaling={"type": "linear", "factor": -2.0}),
+     r"rope_scaling.factor=-2.0 must be a positive number"),
+    (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0},
+          rope_scaling={"rope_type": "linear", "factor": 4.0}), r"rope_scaling=\('linear', 4\.0\) "
+     r"and rope_parameters=\('linear', 2\.0\) disagree"),
     (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
      r"rope_parameters has rope_type 'yarn'"),
     (dict(rope_parameters={"rope_type": "default", "rope_theta": 500.0}, rope_theta=600.0),

@@ -215,6 +215,15 @@ def test_encoder_seq_length_is_seq_length():
             "name for that flag; give one of the two (or the same value)"], order
 
 
+def test_rotary_seq_len_interpolation_factor_is_a_setting():
+    """Once refused with the rope variants, now ptdp's linear interpolation."""
+    args = _args("--position-embedding-type", "rope", "--rotary-seq-len-interpolation-factor", "8")
+    assert not refusals(given(args)) and not notes(given(args))
+    config = config_from_args(args)
+    validate(config)
+    assert config.model.rotary_seq_len_interpolation_factor == 8.0
+
+
 def test_log_params_norm_and_num_zeros_are_settings():
     config = config_from_args(_args("--log-params-norm", "--log-num-zeros-in-grad"))
     assert config.train.log_params_norm and config.train.log_num_zeros_in_grad

@@ -1,7 +1,9 @@
 """The rotary variants (ptdp/model/rotary.py, ptdp/model/yarn.py): YaRN
 (--position-embedding-type yarn with Megatron-LM's --rotary-scaling-factor,
---yarn-*, --mscale, --mscale-all-dim), partial rotation (--rotary-percent)
-and Gemma 3's second base for sliding-window layers (--rotary-base-local),
+--yarn-*, --mscale, --mscale-all-dim), partial rotation (--rotary-percent),
+linear interpolation (--rotary-seq-len-interpolation-factor, also against
+Megatron-Core's positions / F) and Gemma 3's second base for sliding-window
+layers (--rotary-base-local),
 against transformers' own rope initialisation and rotation; the rotation at
 given positions (context parallelism, packed documents) against the whole
 sequence's rows; a one-process GPT with them; their refused values."""
@@ -124,6 +126,42 @@ def test_gemma3_local_and_global_rotations_are_transformers():
     assert rotary_for(plain, local=True).yarn == rotary_for(plain).yarn
 
 
+def test_linear_interpolation_is_megatrons_and_transformers():
+    """--rotary-seq-len-interpolation-factor F: the angle at position p is
+    plain rope's at p / F (Megatron-Core's RotaryEmbedding multiplies the
+    positions by 1 / F), the frequencies transformers' rope_type 'linear';
+    with --rotary-base-local the sliding-window layers are not interpolated,
+    without it every layer is (one rotation, as Megatron-LM)."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    flags = ["--position-embedding-type", "rope", "--rotary-base", "500",
+             "--rotary-seq-len-interpolation-factor", "3"]
+    validate(_config(*flags))
+    rotary = rotary_for(_config(*flags).model)
+    positions = torch.arange(40, dtype=torch.float32)
+    angles = torch.outer(positions * (1 / 3), Rotary(8, 500.0).inverse_frequencies(CPU))
+    cos, sin = rotary.tables(40, CPU, torch.float32)
+    torch.testing.assert_close((cos, sin), (torch.cat([angles.cos()] * 2, -1),
+                                            torch.cat([angles.sin()] * 2, -1)),
+                               rtol=0, atol=1e-6)
+    linear = LlamaConfig(hidden_size=32, num_attention_heads=4, rope_parameters={
+        "rope_type": "linear", "factor": 3.0, "rope_theta": 500.0})
+    expected, _ = ROPE_INIT_FUNCTIONS["linear"](linear, "cpu")
+    torch.testing.assert_close(rotary.inverse_frequencies(CPU), expected, rtol=0, atol=0)
+    # the sliding-window layers: their own base unscaled, else the same rotation
+    local = _config(*flags, "--rotary-base-local", "1e4").model
+    assert rotary_for(local, local=True).inverse_frequencies(CPU).equal(
+        Rotary(8, 1e4).inverse_frequencies(CPU))
+    assert rotary_for(local).interpolation_factor == 3.0
+    assert rotary_for(_config(*flags).model, local=True).inverse_frequencies(CPU).equal(
+        rotary.inverse_frequencies(CPU))
+    # --use-checkpoint-args takes and compares it (an imported Gemma 3 keeps it)
+    views = {fields[0]: view for fields, view in CHECKPOINT_ARCHITECTURE}
+    view = views["rotary_seq_len_interpolation_factor"]
+    assert (view(local), view(ModelConfig())) == (3.0, None)
+
+
 @pytest.mark.parametrize("context_size", [2, 4])
 def test_rotation_at_given_positions_is_the_whole_sequences_rows(context_size):
     """Under context parallelism a rank rotates its own positions
@@ -186,6 +224,18 @@ def test_a_gpt_with_yarn_and_partial_rotation_runs_and_uses_them():
     (["--position-embedding-type", "rope", "--rotary-base-local", "0"],
      "--rotary-base-local=0.0 must be > 0"),
     (["--rotary-base-local", "10000"], "is the sliding-window layers' rotary base, but"),
+    (["--position-embedding-type", "rope", "--rotary-seq-len-interpolation-factor", "0"],
+     "--rotary-seq-len-interpolation-factor=0.0 must be > 0"),
+    (["--position-embedding-type", "rope", "--rotary-seq-len-interpolation-factor", "inf"],
+     "--rotary-seq-len-interpolation-factor=inf is not a finite number"),
+    (["--rotary-seq-len-interpolation-factor", "8"],
+     "divides the rotary embeddings' positions, but the model has --position-embedding-type "
+     "learned_absolute"),
+    (["--position-embedding-type", "yarn", "--rotary-seq-len-interpolation-factor", "8"],
+     "--rotary-seq-len-interpolation-factor 8 and --position-embedding-type yarn both rescale"),
+    (["--position-embedding-type", "rope", "--use-rope-scaling",
+      "--rotary-seq-len-interpolation-factor", "8"],
+     "and --use-rope-scaling (Llama 3.1's rescaling) both rescale"),
 ])
 def test_bad_rotary_settings_are_one_paragraph_each(flags, says):
     with pytest.raises(ConfigError) as raised:
@@ -202,7 +252,8 @@ def test_megatron_lms_yarn_defaults_and_flags():
     assert (default.rotary_scaling_factor, default.yarn_original_max_position_embeddings,
             default.yarn_beta_fast, default.yarn_beta_slow, default.mscale,
             default.mscale_all_dim, default.yarn_correction_range_round_to_int,
-            default.rotary_base_local) == (1.0, 4096, 32.0, 1.0, 1.0, 0.0, True, None)
+            default.rotary_base_local, default.rotary_seq_len_interpolation_factor) \
+        == (1.0, 4096, 32.0, 1.0, 1.0, 0.0, True, None, None)
     model = _config(*GPT_OSS_FLAGS, "--mscale", "0.5", "--mscale-all-dim", "0.25").model
     assert model.yarn and model.rope and not model.yarn_correction_range_round_to_int
     assert rotary_for(model).yarn == YarnScaling(32.0, 4096, 32.0, 1.0, 0.5, 0.25, False)

@@ -60,6 +60,8 @@ CHECKPOINT_ARCHITECTURE = (
      lambda m: m.rope_scaling_factor if m.rope and m.use_rope_scaling else None),
     (("rotary_percent",), lambda m: m.rotary_percent if m.rope else None),
     (("rotary_base_local",), lambda m: m.rotary_base_local if m.rope else None),
+    (("rotary_seq_len_interpolation_factor",),
+     lambda m: m.rotary_seq_len_interpolation_factor if m.rope else None),
     *(((name,), lambda m, name=name: getattr(m, name) if m.yarn else None)
       for name in ("rotary_scaling_factor", "yarn_original_max_position_embeddings",
                    "yarn_beta_fast", "yarn_beta_slow", "mscale", "mscale_all_dim",

@@ -151,8 +151,8 @@ _YARN_SETTINGS = ("rotary_scaling_factor", "yarn_original_max_position_embedding
 
 
 def _rotary_variant_problems(m: ModelConfig) -> list[str]:
-    """--rotary-percent, --rotary-base-local and YaRN's settings (each
-    float is finite here or reported by _float_problems)."""
+    """--rotary-percent, --rotary-base-local, the interpolation factor and
+    YaRN's settings (each float is finite here or reported by _float_problems)."""
     problems = []
     fine = is_finite_number
     if fine(m.rotary_percent) and m.rotary_percent != 1.0:
@@ -182,6 +182,7 @@ def _rotary_variant_problems(m: ModelConfig) -> list[str]:
         elif m.rotary_base_local <= 0:
             problems.append(f"--rotary-base-local={m.rotary_base_local} must be > 0 (Gemma 3 uses "
                             f"10000)")
+    problems.extend(_interpolation_problems(m))
     if not m.yarn:
         # (a value that is no finite number is reported as such, once)
         given = ["--no-yarn-correction-range-round-to-int" if value is False else
@@ -195,6 +196,29 @@ def _rotary_variant_problems(m: ModelConfig) -> list[str]:
                             f"drop them")
         return problems
     return problems + _yarn_problems(m)
+
+
+def _interpolation_problems(m: ModelConfig) -> list[str]:
+    """--rotary-seq-len-interpolation-factor: positive, on plain rope only."""
+    factor = m.rotary_seq_len_interpolation_factor
+    if factor is None or not is_finite_number(factor):  # (a non-finite one: _float_problems)
+        return []
+    given = f"--rotary-seq-len-interpolation-factor {factor:g}"
+    if not m.rope:
+        return [f"{given} divides the rotary embeddings' positions, but the model has "
+                f"--position-embedding-type {m.position_embedding_type}: add "
+                f"--position-embedding-type rope or drop --rotary-seq-len-interpolation-factor"]
+    if factor <= 0:
+        return [f"--rotary-seq-len-interpolation-factor={factor} must be > 0: positions are "
+                f"divided by it (Gemma 3 4B and up: 8 on the full-attention layers)"]
+    if m.yarn:
+        return [f"{given} and --position-embedding-type yarn both rescale the rotary "
+                f"frequencies, and ptdp does not combine them: give --position-embedding-type "
+                f"rope with the interpolation factor, or YaRN's --rotary-scaling-factor without it"]
+    if m.use_rope_scaling:
+        return [f"{given} and --use-rope-scaling (Llama 3.1's rescaling) both rescale the "
+                f"rotary frequencies, and ptdp does not combine them: drop one of them"]
+    return []
 
 
 def _yarn_problems(m: ModelConfig) -> list[str]:

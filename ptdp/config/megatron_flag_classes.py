@@ -281,16 +281,15 @@ MULTI_TOKEN_PREDICTION = Family(
         --mtp-hybrid-override-pattern --mtp-loss-scaling-factor --mtp-num-layers""")
 
 ROPE_VARIANTS = Family(
-    "a variant of the position embedding (interleaved, interpolated, multimodal or relative "
-    "rotary, or layers without it)",
+    "a variant of the position embedding (interleaved, multimodal or relative rotary, or "
+    "layers without it)",
     "use --position-embedding-type rope (halves rotated, Llama's layout) with --rotary-base, or "
     "learned_absolute",
     refused=True,
     switches="""
         --rotary-interleaved""",
     values="""
-        --no-rope-freq --relative-attention-max-distance --relative-attention-num-buckets
-        --rotary-seq-len-interpolation-factor""",
+        --no-rope-freq --relative-attention-max-distance --relative-attention-num-buckets""",
     lists="""
         --mrope-section""")
 

@@ -150,6 +150,11 @@ class ModelConfig(MoEFields, LocalAttentionFields):
     rope_scaling_factor: float = flag(8.0, "--rope-scaling-factor",
                                       "with --use-rope-scaling: the factor (Llama 3.1: 8; "
                                       "Llama 3.2: 32)")
+    rotary_seq_len_interpolation_factor: float | None = flag(
+        None, "--rotary-seq-len-interpolation-factor",
+        "with rope: linear position interpolation: positions are divided by F, i.e. every rotary "
+        "frequency (Hugging Face's rope_type 'linear' with factor F; Gemma 3 4B and up: 8 on "
+        "the full-attention layers); layers with --rotary-base-local are not scaled")
     # YaRN (--position-embedding-type yarn): Megatron-LM's flags and defaults.
     rotary_scaling_factor: float = flag(
         1.0, "--rotary-scaling-factor",

@@ -11,8 +11,10 @@ few settings, which map onto ptdp's flags:
     Qwen2    q, k, v only (--add-qkv-bias)        -                use_sliding_window false
     Qwen3    none (attention_bias false)          --qk-layernorm   use_sliding_window false
 
-Every family reads `head_dim` (--kv-channels when it is not h/a) and
-Llama 3.1's `rope_type: llama3` (--use-rope-scaling). Anything else that
+Every family reads `head_dim` (--kv-channels when it is not h/a), Llama
+3.1's `rope_type: llama3` (--use-rope-scaling) and linear position
+interpolation, `rope_type: linear` (--rotary-seq-len-interpolation-factor),
+and writes them back. Anything else that
 changes what the model computes is refused with the key named, never
 adjusted. Export writes Llama, Qwen2 or Qwen3, whichever the checkpoint's
 settings are (`family_of_model`); a Mistral without a sliding window is a
@@ -35,9 +37,11 @@ from ptdp.model.rotary import HIGH_FREQUENCY_FACTOR, LOW_FREQUENCY_FACTOR, ORIGI
 
 # Hugging Face's two names for x·sigmoid(x), the gate of SwiGLU.
 SILU_NAMES = ("silu", "swish")
-# Rotary settings ptdp computes: plain frequencies θ^(-2i/d), and Llama 3.1's rescaling.
+# Rotary settings ptdp computes: plain frequencies θ^(-2i/d), Llama 3.1's
+# rescaling, and linear interpolation (every frequency divided by `factor`).
 PLAIN_ROPE_TYPES = (None, "default")
 LLAMA3_ROPE_TYPE = "llama3"
+LINEAR_ROPE_TYPE = "linear"
 # Llama 3.1's fixed parameters (ptdp/model/rotary.py), as config.json names them.
 LLAMA3_FIXED = {"low_freq_factor": LOW_FREQUENCY_FACTOR, "high_freq_factor": HIGH_FREQUENCY_FACTOR,
                 "original_max_position_embeddings": ORIGINAL_CONTEXT}
@@ -202,7 +206,7 @@ def common_model_fields(hf: dict[str, Any], problems: list[str],
         problems.append(f"layer_types={types!r} is not supported: " + (
             "each layer is 'full_attention' or 'sliding_attention'" if layer_types else
             "ptdp's layers all attend to the whole sequence ('full_attention')"))
-    theta, factor = rotary_settings(hf, problems)
+    theta, scaling = rotary_settings(hf, problems)
     epsilon = hf.get("rms_norm_eps", 1e-6)
     if not isinstance(epsilon, (int, float)) or isinstance(epsilon, bool) or epsilon < 0:
         problems.append(f"rms_norm_eps={epsilon!r} must be a non-negative number")
@@ -220,8 +224,7 @@ def common_model_fields(hf: dict[str, Any], problems: list[str],
         attention_dropout=float(hf.get("attention_dropout") or 0.0),
         init_method_std=float(hf.get("initializer_range", 0.02)),
         normalization="RMSNorm", norm_epsilon=float(epsilon), swiglu=True,
-        position_embedding_type="rope", rotary_base=theta,
-        use_rope_scaling=factor is not None, **({"rope_scaling_factor": factor} if factor else {}),
+        position_embedding_type="rope", rotary_base=theta, **scaling,
         group_query_attention=gqa, num_query_groups=groups if gqa else None,
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False))
 
@@ -291,12 +294,14 @@ def window_fields(hf: dict[str, Any], family: DenseFamily, problems: list[str]) 
                 "[" + ",".join("1" if w else "0" for w in windowed) + "]")
 
 
-def rotary_settings(hf: dict[str, Any], problems: list[str]) -> tuple[float, float | None]:
-    """(θ, Llama 3.1's factor or None) from `rope_parameters` (transformers
-    5) or the older top-level `rope_theta` + `rope_scaling`, whichever the
-    file has; both must agree. Any other rescaling is refused."""
+def rotary_settings(hf: dict[str, Any],
+                    problems: list[str]) -> tuple[float, dict[str, Any]]:
+    """(θ, the ModelConfig fields of its rescaling: Llama 3.1's or linear
+    interpolation, or none) from `rope_parameters` (transformers 5) or the
+    older top-level `rope_theta` + `rope_scaling`, whichever the file has;
+    both must agree. Any other rescaling is refused."""
     thetas: dict[str, Any] = {}
-    factors: dict[str, Any] = {}
+    factors: dict[str, tuple[str, float | None] | None] = {}
     for key in ("rope_scaling", "rope_parameters"):
         settings = hf.get(key)
         if settings is None:
@@ -310,13 +315,16 @@ def rotary_settings(hf: dict[str, Any], problems: list[str]) -> tuple[float, flo
             continue
         kind = settings.get("rope_type", settings.get("type"))
         if kind == LLAMA3_ROPE_TYPE:
-            factors[key] = _llama3_factor(key, settings, hf, problems)
+            factors[key] = (kind, _llama3_factor(key, settings, hf, problems))
+        elif kind == LINEAR_ROPE_TYPE:
+            factors[key] = (kind, linear_factor(key, settings, problems))
         elif kind in PLAIN_ROPE_TYPES:
             factors[key] = None
         else:
             problems.append(f"{key} has rope_type {kind!r} ({settings}): ptdp computes plain "
-                            f"rotary embeddings (rope_type 'default') and Llama 3.1's rescaling "
-                            f"(rope_type 'llama3'), no other")
+                            f"rotary embeddings (rope_type 'default'), Llama 3.1's rescaling "
+                            f"(rope_type 'llama3') and linear interpolation (rope_type "
+                            f"'linear'), no other")
         factor = settings.get("partial_rotary_factor", 1.0)
         if factor != 1.0:
             problems.append(f"{key} has partial_rotary_factor={factor!r}: ptdp rotates whole heads")
@@ -334,8 +342,25 @@ def rotary_settings(hf: dict[str, Any], problems: list[str]) -> tuple[float, flo
             or not math.isfinite(theta):
         problems.append(f"rope_theta={theta!r} must be a positive number")
         theta = 10000.0
-    factor = next((f for f in factors.values() if f is not None), None)
-    return float(theta), factor
+    kind, factor = next((f for f in factors.values() if f is not None and f[1] is not None),
+                        (None, None))
+    if kind == LLAMA3_ROPE_TYPE:
+        return float(theta), {"use_rope_scaling": True, "rope_scaling_factor": factor}
+    if kind == LINEAR_ROPE_TYPE:
+        return float(theta), {"rotary_seq_len_interpolation_factor": factor}
+    return float(theta), {}
+
+
+def linear_factor(key: str, settings: dict[str, Any], problems: list[str]) -> float | None:
+    """rope_type 'linear''s `factor` F (positions divided by F), a positive
+    number, as --rotary-seq-len-interpolation-factor takes it."""
+    factor = settings.get("factor")
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) \
+            or not math.isfinite(factor) or factor <= 0:
+        problems.append(f"{key}.factor={factor!r} must be a positive number (rope_type 'linear' "
+                        f"divides the positions by it)")
+        return None
+    return float(factor)
 
 
 def _llama3_factor(key: str, settings: dict[str, Any], hf: dict[str, Any],
@@ -370,9 +395,17 @@ def rope_fields(config: ModelConfig) -> dict[str, Any]:
     if config.use_rope_scaling:
         scaling = {"rope_type": LLAMA3_ROPE_TYPE, "factor": float(config.rope_scaling_factor),
                    **{name: value for name, value in LLAMA3_FIXED.items()}}
+    elif config.rotary_seq_len_interpolation_factor is not None:
+        scaling = linear_rope_scaling(config)
     parameters = dict(scaling or {"rope_type": "default"}, rope_theta=config.rotary_base)
     return {"rope_theta": config.rotary_base, "rope_scaling": scaling,
             "rope_parameters": parameters}
+
+
+def linear_rope_scaling(config: ModelConfig) -> dict[str, Any]:
+    """rope_type 'linear' for --rotary-seq-len-interpolation-factor."""
+    return {"rope_type": LINEAR_ROPE_TYPE,
+            "factor": float(config.rotary_seq_len_interpolation_factor)}
 
 
 def common_hf_fields(config: ModelConfig, hf_class: str, model_type: str, *,

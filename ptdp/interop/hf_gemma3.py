@@ -14,6 +14,9 @@ Gemma 3 is ptdp's GPT with these settings, each a flag of its own:
     sliding_window W on 'sliding_attention'     --window-size W-1,0 --window-attn-skip-freq
       layers (layer_types)                        (N: every N-th layer full, or a 0/1 pattern)
     rope theta of full / sliding layers         --rotary-base / --rotary-base-local
+    rope_type 'linear', factor F, on the full   --rotary-seq-len-interpolation-factor F
+      layers (published checkpoints of 4B and     (only the global layers: those of
+      up: 8)                                      --rotary-base-local are not scaled)
 
 The tensors are Llama's names (hf_llama's name table) but for the norms:
 Gemma's pre_feedforward_layernorm is ptdp's post_attention_layernorm (the
@@ -22,10 +25,10 @@ attention_output_layernorm and post_feedforward_layernorm is
 mlp_output_layernorm. Both store a norm's weight as w and scale by 1 + w,
 so the norms are copied as they are (no with_plain_norm_scales).
 
-Refused, with the key named: rotary rescaling (rope_type other than
-'default': published multimodal Gemma 3 checkpoints use 'linear' on the
-full layers, which ptdp does not compute), logit soft-capping, biases,
-bidirectional attention, another activation.
+Refused, with the key named: other rotary rescalings (rope_type other than
+'default' and, on the full layers, 'linear'; 'linear' on the sliding
+layers), logit soft-capping, biases, bidirectional attention, another
+activation.
 """
 
 from __future__ import annotations
@@ -41,8 +44,11 @@ import torch
 from ptdp.config import ModelConfig
 from ptdp.interop.family import ModuleFamily
 from ptdp.interop.hf_dense_families import (
+    LINEAR_ROPE_TYPE,
     common_hf_fields,
     common_model_fields,
+    linear_factor,
+    linear_rope_scaling,
     llama_like_obstacles,
     positive_int,
 )
@@ -92,7 +98,8 @@ def gemma3_obstacles(config: ModelConfig) -> list[str]:
     # Llama-like refusals (other norms, positions, sinks, YaRN, ...) of the
     # model without Gemma's own pieces, which are checked here instead.
     plain = replace(config, geglu=False, swiglu=True, softmax_scale=None, scale_embeddings=False,
-                    sandwich_norm=False, rotary_base_local=None)
+                    sandwich_norm=False, rotary_base_local=None,
+                    rotary_seq_len_interpolation_factor=None)
     obstacles = llama_like_obstacles(plain, NAME, windows=True)
     needed = [(config.geglu and not config.swiglu, "--geglu (Gemma 3's MLP is GeGLU)"),
               (config.apply_layernorm_1p, "--apply-layernorm-1p (Gemma 3's norms scale by 1 + w)"),
@@ -103,7 +110,13 @@ def gemma3_obstacles(config: ModelConfig) -> list[str]:
               (config.qk_layernorm, "--qk-layernorm (Gemma 3 normalizes queries and keys)")]
     obstacles += [f"no {flag}" for present, flag in needed if not present]
     if config.use_rope_scaling:
-        obstacles.append("--use-rope-scaling (ptdp writes Gemma 3 with plain rotary embeddings)")
+        obstacles.append("--use-rope-scaling (ptdp writes Gemma 3 with plain rotary embeddings, "
+                         "or linear interpolation on the full layers)")
+    if config.rotary_seq_len_interpolation_factor is not None and any(config.windowed_layers) \
+            and config.rotary_base_local is None:
+        obstacles.append("--rotary-seq-len-interpolation-factor without --rotary-base-local (it "
+                         "then scales the sliding-window layers too, and Gemma 3 interpolates "
+                         "only its full layers: give --rotary-base-local)")
     if config.qkv_bias:
         obstacles.append(f"{'biases' if config.bias else '--add-qkv-bias'} (Gemma 3 as ptdp "
                          f"writes it has no biases)")
@@ -136,21 +149,26 @@ def _require_gemma3(config: ModelConfig) -> None:
 def hf_config_from_model_config(config: ModelConfig, *, bos_token_id: int | None = None,
                                 eos_token_id: int | None = None) -> dict[str, Any]:
     """Gemma3ForCausalLM's config.json for `config`, readable by transformers
-    4 (rope_theta, rope_local_base_freq) and 5 (rope_parameters per layer type)."""
+    4 (rope_theta, rope_local_base_freq, rope_scaling of the full layers) and
+    5 (rope_parameters per layer type)."""
     _require_gemma3(config)
     fields = common_hf_fields(config, ARCHITECTURE, MODEL_TYPE, bos_token_id=bos_token_id,
                               eos_token_id=eos_token_id)
     del fields["hidden_act"]  # Gemma 3's key is hidden_activation
     windowed = config.windowed_layers
     local = config.rotary_base if config.rotary_base_local is None else config.rotary_base_local
+    full = {"rope_type": "default"}
+    if config.rotary_seq_len_interpolation_factor is not None:
+        full = linear_rope_scaling(config)
     fields.update(
         hidden_activation=ACTIVATION, attention_bias=False,
         query_pre_attn_scalar=_pre_attention_scalar(config),
         # unused without windowed layers, but transformers wants a number
         sliding_window=config.window[0] + 1 if any(windowed) else config.max_positions,
         layer_types=[SLIDING if w else FULL for w in windowed],
-        rope_theta=config.rotary_base, rope_local_base_freq=local, rope_scaling=None,
-        rope_parameters={FULL: {"rope_type": "default", "rope_theta": config.rotary_base},
+        rope_theta=config.rotary_base, rope_local_base_freq=local,
+        rope_scaling=None if full["rope_type"] == "default" else dict(full),
+        rope_parameters={FULL: {**full, "rope_theta": config.rotary_base},
                          SLIDING: {"rope_type": "default", "rope_theta": local}},
         attn_logit_softcapping=None, final_logit_softcapping=None,
         use_bidirectional_attention=False)
@@ -184,7 +202,7 @@ def model_config_from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelCo
         if filled.get(key):
             problems.append(f"{key}={filled[key]!r} is not supported: ptdp's Gemma 3 has "
                             + ("no biases" if key == "attention_bias" else "causal attention"))
-    thetas = _rope_thetas(filled, problems)
+    thetas, interpolation = _rope_settings(filled, problems)
     for key in ("hidden_act", "rope_theta", "rope_scaling", "rope_parameters",
                 "rope_local_base_freq"):
         filled.pop(key, None)  # read above (hidden_act: Gemma 1's key, unused by Gemma 3)
@@ -199,7 +217,8 @@ def model_config_from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelCo
     fields.update(windows, swiglu=False, geglu=True, apply_layernorm_1p=True, sandwich_norm=True,
                   scale_embeddings=True, qk_layernorm=True, disable_bias_linear=True,
                   softmax_scale=float(scalar) ** -0.5, rotary_base=thetas[FULL],
-                  rotary_base_local=thetas[SLIDING])
+                  rotary_base_local=thetas[SLIDING],
+                  rotary_seq_len_interpolation_factor=interpolation)
     config = ModelConfig(**fields)
     # Gemma's norms store w and scale by 1 + w, as --apply-layernorm-1p: the
     # import's choice of it (for the other families' plain scales) is moot.
@@ -211,10 +230,14 @@ def model_config_from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelCo
     return config
 
 
-def _rope_thetas(hf: dict[str, Any], problems: list[str]) -> dict[str, float]:
-    """The rotary base of the full and the sliding layers: transformers 5's
-    `rope_parameters` per layer type, else transformers 4's rope_theta and
-    rope_local_base_freq. Any rescaling (rope_type other than 'default') is refused."""
+def _rope_settings(hf: dict[str, Any],
+                   problems: list[str]) -> tuple[dict[str, float], float | None]:
+    """The rotary base of the full and the sliding layers, and the full
+    layers' linear interpolation factor (None: none): transformers 5's
+    `rope_parameters` per layer type, else transformers 4's rope_theta,
+    rope_local_base_freq and `rope_scaling` (the full layers', as both
+    read it; given with rope_parameters, the two must agree). Any other
+    rescaling, and 'linear' on the sliding layers, is refused."""
     thetas = {FULL: hf.get("rope_theta", DEFAULT_THETA[FULL]),
               SLIDING: hf.get("rope_local_base_freq", DEFAULT_THETA[SLIDING])}
     scaling = hf.get("rope_scaling")
@@ -224,30 +247,44 @@ def _rope_thetas(hf: dict[str, Any], problems: list[str]) -> dict[str, float]:
         if not isinstance(parameters, dict) or not set(parameters) <= {FULL, SLIDING}:
             problems.append(f"rope_parameters={parameters!r} must hold settings per layer type "
                             f"({FULL!r}, {SLIDING!r}), as Gemma 3's config writes them")
-            return {FULL: 1.0, SLIDING: 1.0}
+            return {FULL: 1.0, SLIDING: 1.0}, None
         settings.update({f"rope_parameters.{kind}": value for kind, value in parameters.items()})
+    factors: dict[str, float | None] = {}  # the full layers' interpolation, per key
     for key, value in settings.items():
         if not isinstance(value, dict):
             problems.append(f"{key}={value!r} is not an object")
             continue
         kind = value.get("rope_type", value.get("type", "default"))
-        if kind != "default":
+        full = key != f"rope_parameters.{SLIDING}"
+        if kind == LINEAR_ROPE_TYPE and full:
+            factors[key] = linear_factor(key, value, problems)
+        elif kind == LINEAR_ROPE_TYPE:
+            problems.append(f"{key} has rope_type 'linear' ({value}): ptdp interpolates only "
+                            f"the full layers' positions (Gemma 3's sliding layers rotate "
+                            f"unscaled); make the sliding layers' rope_type 'default'")
+        elif kind != "default":
             problems.append(f"{key} has rope_type {kind!r} ({value}): ptdp computes Gemma 3 with "
-                            f"plain rotary embeddings (rope_type 'default') only; published "
-                            f"multimodal Gemma 3 checkpoints rescale positions ('linear'), which "
-                            f"ptdp does not compute")
+                            f"plain rotary embeddings (rope_type 'default'), and linear "
+                            f"interpolation ('linear') on the full layers, no other")
+        elif full:
+            factors[key] = None
         if value.get("partial_rotary_factor", 1.0) != 1.0:
             problems.append(f"{key} has partial_rotary_factor={value['partial_rotary_factor']!r}: "
                             f"ptdp's Gemma 3 rotates whole heads")
         if key.startswith("rope_parameters.") and "rope_theta" in value:
             thetas[key.removeprefix("rope_parameters.")] = value["rope_theta"]
+    if len(set(factors.values())) > 1:
+        problems.append(f"{' and '.join(f'{k} factor {v!r}' for k, v in factors.items())} "
+                        f"disagree on the full layers' linear interpolation (transformers "
+                        f"versions read different ones); make them equal")
     for kind, theta in thetas.items():
         if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not theta > 0 \
                 or not math.isfinite(theta):
             problems.append(f"the rope_theta of the {kind} layers, {theta!r}, must be a positive "
                             f"number")
             thetas[kind] = 1.0
-    return {kind: float(theta) for kind, theta in thetas.items()}
+    factor = next((f for f in factors.values() if f is not None), None)
+    return {kind: float(theta) for kind, theta in thetas.items()}, factor
 
 
 def _window_fields(hf: dict[str, Any], problems: list[str]) -> dict[str, Any]:

@@ -15,8 +15,11 @@ Variants: YaRN's frequencies and attention factor (ptdp.model.yarn), which
 multiplies the tables; partial rotation (--rotary-percent p, Hugging Face's
 partial_rotary_factor): only the first int(p·d) dimensions of each head turn,
 paired "rotate half" over that width as Megatron-Core and GPT-NeoX do, and
-the rest pass unchanged; and Gemma 3's second base for sliding-window layers
-(`rotary_for(config, local=True)`).
+the rest pass unchanged; linear position interpolation
+(--rotary-seq-len-interpolation-factor F, Hugging Face's rope_type 'linear'):
+every frequency divided by F, which turns position p as p / F, Megatron-Core's
+seq_len_interpolation_factor; and Gemma 3's second base for sliding-window
+layers (`rotary_for(config, local=True)`), which is never interpolated.
 """
 
 from __future__ import annotations
@@ -62,8 +65,9 @@ def llama3_frequencies(inverse_frequencies: torch.Tensor, factor: float) -> torc
 def rotary_for(config: "ModelConfig", local: bool = False) -> "Rotary | None":
     """The rotation of a layer of `config` (None without rotary embeddings).
     `local`: a sliding-window layer's; with --rotary-base-local it turns at
-    that base, unscaled (Gemma 3's local layers use default rope), else it is
-    the global layers' rotation."""
+    that base, unscaled and not interpolated (Gemma 3's local layers use
+    default rope), else it is the global layers' rotation (Megatron-LM's one
+    RotaryEmbedding, interpolated on every layer)."""
     if not config.rope:
         return None
     if local and config.rotary_base_local is not None:
@@ -76,12 +80,14 @@ def rotary_for(config: "ModelConfig", local: bool = False) -> "Rotary | None":
                            config.yarn_beta_fast, config.yarn_beta_slow, config.mscale,
                            config.mscale_all_dim, config.yarn_correction_range_round_to_int)
     return Rotary(config.head_dim, config.rotary_base, scaling_factor=scaling,
-                  rotary_percent=config.rotary_percent, yarn=yarn)
+                  rotary_percent=config.rotary_percent, yarn=yarn,
+                  interpolation_factor=config.rotary_seq_len_interpolation_factor)
 
 
 class Rotary:
     def __init__(self, head_dim: int, base: float, scaling_factor: float | None = None,
-                 rotary_percent: float = 1.0, yarn: YarnScaling | None = None):
+                 rotary_percent: float = 1.0, yarn: YarnScaling | None = None,
+                 interpolation_factor: float | None = None):
         # The rotated width: Megatron-Core's int(d·p), Hugging Face's int(d·partial_rotary_factor).
         width = int(head_dim * rotary_percent)
         if width % 2 or width < 2:
@@ -89,18 +95,23 @@ class Rotary:
                              f"({rotary_percent} of {head_dim})")
         self.head_dim, self.width, self.base = head_dim, width, base
         self.scaling_factor, self.yarn = scaling_factor, yarn
+        self.interpolation_factor = interpolation_factor
         self.attention_factor = 1.0 if yarn is None else yarn.attention_factor
         self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def inverse_frequencies(self, device: torch.device) -> torch.Tensor:
         """Pair i's turn per position, base^(-2i/w) over the rotated width w
-        (rescaled for Llama 3.1 or YaRN), fp32."""
+        (rescaled for Llama 3.1 or YaRN; divided by the interpolation factor
+        after that, as Hugging Face's 'linear'), fp32."""
         if self.yarn is not None:
-            return self.yarn.inverse_frequencies(self.width, self.base, device)
-        exponents = torch.arange(0, self.width, 2, dtype=torch.float32, device=device)
-        inverse_frequencies = 1.0 / (self.base ** (exponents / self.width))
-        if self.scaling_factor is not None:
-            inverse_frequencies = llama3_frequencies(inverse_frequencies, self.scaling_factor)
+            inverse_frequencies = self.yarn.inverse_frequencies(self.width, self.base, device)
+        else:
+            exponents = torch.arange(0, self.width, 2, dtype=torch.float32, device=device)
+            inverse_frequencies = 1.0 / (self.base ** (exponents / self.width))
+            if self.scaling_factor is not None:
+                inverse_frequencies = llama3_frequencies(inverse_frequencies, self.scaling_factor)
+        if self.interpolation_factor is not None:
+            inverse_frequencies = inverse_frequencies / self.interpolation_factor
         return inverse_frequencies
 
     def _cos_sin(self, angles: torch.Tensor, dtype: torch.dtype):
