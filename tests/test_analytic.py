@@ -77,8 +77,13 @@ def test_parameter_count_is_the_papers_plus_the_final_layernorm():
 @pytest.mark.parametrize("extra", [{}, {"ffn_hidden_size": 72, "max_position_embeddings": 40,
                                         "vocab_size": 1001},
                                    {"kv_channels": 12, "qk_layernorm": True, "add_qkv_bias": True,
-                                    "disable_bias_linear": True}],
-                         ids=["default", "odd-sizes", "wide-heads-qk-norms-qkv-bias"])
+                                    "disable_bias_linear": True},
+                                   # Gemma 3's sandwich norms and geglu, gpt-oss's learnable sinks
+                                   {"normalization": "RMSNorm", "sandwich_norm": True,
+                                    "geglu": True, "softmax_type": "learnable",
+                                    "window_size": "3,0", "attention_dropout": 0.0}],
+                         ids=["default", "odd-sizes", "wide-heads-qk-norms-qkv-bias",
+                              "sandwich-norms-geglu-sinks"])
 def test_parameter_count_matches_a_built_model(extra):
     model = ModelConfig(**{**dict(num_layers=3, hidden_size=32, num_attention_heads=4,
                                   seq_length=16, vocab_size=1000, make_vocab_size_divisible_by=64),

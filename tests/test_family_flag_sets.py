@@ -80,3 +80,45 @@ def test_each_documented_flag_set_is_the_imported_model(index):
     assert config.model.windowed_layers == imported.windowed_layers
     config.data = dataclasses.replace(config.data, mock_data=True)
     validate(config)   # a command that runs (on enough memory)
+
+
+def test_ptdp_plan_takes_each_flag_set(capsys):
+    """`ptdp plan` takes the flag sets as they are (the MoE loss coefficient
+    aside: plan takes only the MoE flags that shape its costs, and says so)."""
+    for command in commands("family-flags"):
+        words = shlex.split(command)[2:]
+        if "--moe-aux-loss-coeff" in words:
+            at = words.index("--moe-aux-loss-coeff")
+            del words[at:at + 2]
+        assert cli.main(["plan", *words, "--gpus", "8", "--global-batch-size", "16",
+                         "--seq-length", "4096", "--data-parallel-size", "8",
+                         "--micro-batch-size", "1", "--fix-all"]) == 0, capsys.readouterr().err
+    assert "TFLOP/s" in capsys.readouterr().out
+
+
+def test_sinks_and_sandwich_norms_are_priced():
+    """A layer's memory-bound passes gain a read and a write of the attention
+    output each way for the sinks' rescale, and two norms for --sandwich-norm."""
+    from ptdp.config import ModelConfig
+    from ptdp.perf.layout import Layout, Workload
+    from ptdp.perf.price.machine import Machine
+    from ptdp.perf.price.operator_bytes import layer_norm_bytes
+    from ptdp.perf.price.pricing import OperatorModel
+    from ptdp.perf.price.profiles import load_profile
+
+    base = ModelConfig(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=2048,
+                       vocab_size=32000, normalization="RMSNorm", attention_dropout=0.0)
+    layout, profile = Layout(t=2, b=1, d=1), load_profile("h100")
+
+    def ops(model):
+        return OperatorModel(Workload(model, 8, "bf16"), layout, profile,
+                             Machine(layout, profile)).layer_memory()
+
+    plain = ops(base)
+    sinks = ops(dataclasses.replace(base, softmax_type="learnable"))
+    output = 1 * 2048 * 16 * 64 // 2                     # b·s·a·d/t, bf16
+    assert [op for op in sinks if op not in plain] == [("elementwise", 2 * output * 2,
+                                                         2 * output * 2)]
+    sandwich = ops(dataclasses.replace(base, sandwich_norm=True))
+    assert sandwich[:len(plain)] == plain
+    assert sandwich[len(plain):] == [("layer_norm", *layer_norm_bytes(2048 * 1024, 2))] * 2

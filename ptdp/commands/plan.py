@@ -41,7 +41,11 @@ def _add_model_settings(group: argparse._ArgumentGroup) -> None:
         f = fields[name]
         meta = f.metadata
         if f.type == "bool":
-            group.add_argument(meta["flag"], dest=name, action="store_true", help=meta["help"])
+            group.add_argument(meta["flag"], dest=name, action="store_true", help=meta["help"],
+                               default=f.default)
+            if meta.get("off_flag"):   # a setting on by default: its off switch too
+                group.add_argument(meta["off_flag"], dest=name, action="store_false",
+                                   help=argparse.SUPPRESS)
             continue
         kind = _TYPES[f.type.split("|")[0].strip()]
         group.add_argument(meta["flag"], dest=name, type=kind, default=f.default,

@@ -130,11 +130,15 @@ def _layer_parameter_list(model: ModelConfig, t: int = 1, sequence_parallel: boo
     # each rank's gradient covering its own heads (partial when t > 1)
     qk_norms = ([Param(n, partial=t > 1) for n in 2 * _norm_parameters(model, d)]
                 if model.qk_layernorm else [])
-    attention = (norm() + linear(qkv * h // t, qkv // t, False, model.qkv_bias) + qk_norms
-                 + linear(h * context // t, h, True) + norm())
+    # learnable sinks: one logit per head, split with the heads
+    sinks = [Param(model.num_attention_heads // t)] if model.softmax_type == "learnable" else []
+    attention = (norm() + sinks + linear(qkv * h // t, qkv // t, False, model.qkv_bias)
+                 + qk_norms + linear(h * context // t, h, True) + norm())
+    # --sandwich-norm: the norms after attention and after the MLP (registered last)
+    sandwich = norm() + norm() if model.sandwich_norm else []
     if moe:
-        return attention + _moe_parameter_list(model, t, ep, t if etp is None else etp)
-    return attention + linear(up * h // t, up // t, False) + linear(h * f // t, h, True)
+        return attention + _moe_parameter_list(model, t, ep, t if etp is None else etp) + sandwich
+    return attention + linear(up * h // t, up // t, False) + linear(h * f // t, h, True) + sandwich
 
 
 def _moe_parameter_list(model: ModelConfig, t: int, ep: int, etp: int) -> list[Param]:

@@ -444,7 +444,17 @@ MODEL_SETTINGS = ("max_position_embeddings", "make_vocab_size_divisible_by", "hi
                   "num_query_groups", "untie_embeddings_and_output_weights", "disable_bias_linear",
                   "kv_channels", "qk_layernorm", "add_qkv_bias", "use_rope_scaling",
                   "rope_scaling_factor", "window_size", "window_attn_skip_freq",
-                  "softmax_type") + MOE_SETTINGS
+                  "softmax_type", "init_method_std",
+                  # gpt-oss's and Gemma 3's pieces: GeGLU widens the MLP as
+                  # SwiGLU does, the sandwich norms add two norms a layer and
+                  # sinks a rescale of the attention output; the rotary
+                  # variants and scales cost nothing more
+                  "geglu", "quick_geglu", "glu_linear_offset", "activation_func_clamp_value",
+                  "softmax_scale", "scale_embeddings", "sandwich_norm", "apply_layernorm_1p",
+                  "rotary_base_local", "rotary_percent", "rotary_seq_len_interpolation_factor",
+                  "rotary_scaling_factor", "yarn_original_max_position_embeddings",
+                  "yarn_beta_fast", "yarn_beta_slow", "mscale", "mscale_all_dim",
+                  "yarn_correction_range_round_to_int") + MOE_SETTINGS
 
 
 def context_without_dropout(workload: Workload, devices: int, profile, fixed: FixedDimensions,

@@ -83,7 +83,8 @@ def copy_bytes(elements: int, E: int) -> tuple[float, float]:
 def layer_memory_ops(n: int, n_local: int, ffn: int, scores: int, E: int, *,
                      hidden_dropout: bool, attention_dropout: bool, heads_local: int | None = None,
                      swiglu: bool = False, rotated: int = 0, fused_rope: bool = False,
-                     outside: int | None = None) -> list[tuple[str, float, float]]:
+                     outside: int | None = None, sandwich: bool = False,
+                     sinks: int = 0) -> list[tuple[str, float, float]]:
     """(class, forward bytes, backward bytes) of one transformer layer's
     memory-bound operators: n = b·s·h, n_local = n/t, ffn = b·s·f/t,
     scores = b·(a/t)·s². `outside`: the elements each rank's norms and
@@ -95,18 +96,26 @@ def layer_memory_ops(n: int, n_local: int, ffn: int, scores: int, E: int, *,
     b·s·(a + g)·d/t, the q and k elements rotary embeddings rotate
     (`fused_rope`: by one fused kernel). RMSNorm
     is priced as LayerNorm (one read and one write forward, as fused
-    kernels do; its statistics are 1/h of that)."""
+    kernels do; its statistics are 1/h of that). `sandwich` (Gemma 3's
+    --sandwich-norm) adds the norms after attention and after the MLP;
+    `sinks` = b·s·a·d/t, the attention output the sinks rescale (a read and
+    a write forward; backward the sink gradient's rowsum(dO · O) reads both)."""
     reshaped = 4 * n_local if heads_local is None else heads_local
     outside = n if outside is None else outside
     ops = [("layer_norm", *layer_norm_bytes(outside, E)),
            ("elementwise", *copy_bytes(reshaped, E))]           # q/k/v to heads, context back
     if rotated:
         ops.append(("elementwise", *rotary_bytes(rotated, E, fused_rope)))
-    return ops + [("attention_core", *attention_core_bytes(scores, E, attention_dropout)),
-                  ("layer_norm", *layer_norm_bytes(outside, E)),
-                  ("gelu", *(swiglu_bytes if swiglu else gelu_bytes)(ffn, E)),
-                  ("residual", *residual_bytes(outside, E, hidden_dropout)),
-                  ("residual", *residual_bytes(outside, E, hidden_dropout))]
+    if sinks:
+        ops.append(("elementwise", 2 * sinks * E, 2 * sinks * E))
+    ops += [("attention_core", *attention_core_bytes(scores, E, attention_dropout)),
+            ("layer_norm", *layer_norm_bytes(outside, E)),
+            ("gelu", *(swiglu_bytes if swiglu else gelu_bytes)(ffn, E)),
+            ("residual", *residual_bytes(outside, E, hidden_dropout)),
+            ("residual", *residual_bytes(outside, E, hidden_dropout))]
+    if sandwich:
+        ops += [("layer_norm", *layer_norm_bytes(outside, E))] * 2
+    return ops
 
 
 def cross_entropy_bytes(logits: int, E: int = 4) -> tuple[float, float]:

@@ -316,7 +316,8 @@ class OperatorModel:
                                 swiglu=model.gated_linear_unit,
                                 rotated=tokens * (a + g) * d // t if model.rope else 0,
                                 fused_rope=self.prof.fused_rope,
-                                outside=self.outside())
+                                outside=self.outside(), sandwich=model.sandwich_norm,
+                                sinks=tokens * a * d // t if model.has_sinks else 0)
 
     def memory_ops_seconds(self, ops: list[tuple[str, float, float]], backward: bool) -> float:
         direction = "backward" if backward else "forward"
