@@ -25,7 +25,8 @@ all MLPs. What maps onto ptdp's (Megatron-Core's) MoE settings:
 
 Anything else that changes what the model computes (sliding windows,
 Mixtral's router jitter, biases on the attention's output, rope scaling
-other than Llama 3.1's) is refused with the config key named.
+other than Llama 3.1's and linear interpolation) is refused with the config
+key named.
 """
 
 from __future__ import annotations
