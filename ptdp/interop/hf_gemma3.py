@@ -55,17 +55,14 @@ from ptdp.interop.hf_dense_families import (
 from ptdp.interop.hf_files import (
     ConversionError,
     carriers_matching,
-    check_sizes,
     check_state,
-    layer_disagreement,
     size_disagreement,
-    split_state,
 )
 from ptdp.interop.hf_llama import (
     _IGNORED,
     NamePair,
     attention_name_pairs,
-    check_output_layer,
+    check_llama_layout,
     logical_from_checked,
     mlp_name_pairs,
 )
@@ -354,34 +351,16 @@ def to_hf_state(logical: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
 
 def check_hf_tensors(state: Mapping[str, Any], config: ModelConfig) -> None:
     """Refuse a state (tensors, or the shapes the headers give) that does
-    not fit `config`: config.json's sizes first, then every name and shape.
-    Keys come with "model." or bare."""
+    not fit `config`: config.json's sizes first (the head width too, from
+    the q/k norms), then every name and shape. Keys come with "model." or bare."""
     _require_gemma3(config)
-    bare, lm_head = split_state(state, "model.", _IGNORED)
-    h, d = config.hidden_size, config.head_dim
-    heads, groups = config.num_attention_heads, config.query_groups
-    check_sizes([
-        layer_disagreement(bare, "layers.", "num_hidden_layers", config.num_layers),
-        size_disagreement(f"vocab_size={config.vocab_size}", config.vocab_size, "vocabulary",
-                          [("embed_tokens.weight", bare, 0)]),
-        size_disagreement(f"hidden_size={h}", h, "hidden size",
-                          [("embed_tokens.weight", bare, 1), ("norm.weight", bare, 0)]),
-        size_disagreement(f"intermediate_size={config.ffn_size}", config.ffn_size, "MLP width",
-                          carriers_matching(bare, r"layers\.\d+\.mlp\.gate_proj\.weight", 0)),
-        size_disagreement(f"head_dim={d}", d, "head width",
-                          carriers_matching(bare, r"layers\.\d+\.self_attn\.q_norm\.weight", 0)),
-        size_disagreement(f"num_key_value_heads={groups} (head_dim {d})", groups * d,
-                          "key/value width",
-                          carriers_matching(bare, r"layers\.\d+\.self_attn\.k_proj\.weight", 0)),
-        size_disagreement(f"num_attention_heads={heads} (head_dim {d})", heads * d,
-                          "query width",
-                          carriers_matching(bare, r"layers\.\d+\.self_attn\.q_proj\.weight", 0)),
-    ])
-    shapes = logical_shapes(config)
-    expected = {name.removeprefix("model."): (rows, *shapes[ours][1:])
-                for ours, theirs in name_pairs(config) for name, rows in theirs if name != OUTPUT}
-    check_state(bare, expected, "Hugging Face state")
-    check_output_layer(lm_head, config, shapes)
+    d = config.head_dim
+
+    def head_width(bare):
+        return size_disagreement(f"head_dim={d}", d, "head width", carriers_matching(
+            bare, r"layers\.\d+\.self_attn\.q_norm\.weight", 0))
+
+    check_llama_layout(state, config, name_pairs, _IGNORED, [head_width])
 
 
 def from_hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:

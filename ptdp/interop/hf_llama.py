@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
@@ -238,7 +238,19 @@ def check_hf_tensors(state: Mapping[str, Any], config: ModelConfig,
     then every name and shape. Keys may lack the "model." prefix (the bare
     model's); `pairs` is the name table, default `name_map(config)`."""
     _require_llama_like(config)
-    bare, lm_head = split_state(state, "model.", _IGNORED)
+    check_llama_layout(state, config, name_map if pairs is None else lambda _: pairs)
+
+
+def check_llama_layout(state: Mapping[str, Any], config: ModelConfig,
+                       name_table: Callable[[ModelConfig], list[NamePair]], ignored=_IGNORED,
+                       more_sizes: Iterable = ()) -> None:
+    """check_hf_tensors for any family stored in the Llama-like layout
+    (`model.` keys, self_attn.q/k/v_proj, mlp.gate/up/down_proj, an untied
+    `lm_head.weight`): the sizes' disagreements (and `more_sizes`, the
+    family's own) in one report, then every name of `name_table(config)`
+    and its shape. The table is made after the sizes agree: it has an entry
+    per layer config.json claims."""
+    bare, lm_head = split_state(state, "model.", ignored)
     h, d = config.hidden_size, config.head_dim
     heads, groups = config.num_attention_heads, config.query_groups
 
@@ -251,6 +263,7 @@ def check_hf_tensors(state: Mapping[str, Any], config: ModelConfig,
                            *carriers_matching(bare, r"layers\.\d+\.input_layernorm\.weight", 0)]),
         size_disagreement(f"intermediate_size={config.ffn_size}", config.ffn_size, "MLP width",
                           carriers_matching(bare, r"layers\.\d+\.mlp\.gate_proj\.weight", 0)),
+        *[disagreement(bare) for disagreement in more_sizes],
         size_disagreement(f"num_key_value_heads={groups} with num_attention_heads={heads} "
                           f"(head_dim {d}, so {groups}·{d} key/value rows)",
                           groups * d, "key/value width",
@@ -261,8 +274,7 @@ def check_hf_tensors(state: Mapping[str, Any], config: ModelConfig,
     ])
     shapes = logical_shapes(config)
     expected = {name.removeprefix("model."): (rows, *shapes[ours][1:])
-                for ours, theirs in (pairs if pairs is not None else name_map(config))
-                for name, rows in theirs if name != OUTPUT}
+                for ours, theirs in name_table(config) for name, rows in theirs if name != OUTPUT}
     check_state(bare, expected, "Hugging Face state")
     check_output_layer(lm_head, config, shapes)
 
