@@ -28,16 +28,22 @@ def logical_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"embedding.word_embeddings.weight": (config.vocab_size, h)}
     if not config.rope:
         shapes["embedding.position_embeddings.weight"] = (config.max_positions, h)
+    if config.multi_latent_attention:
+        attention = _mla_shapes(config, norm, linear)
+    else:
+        attention = {
+            # rows: the queries of every head, then the keys and the values of every group
+            **linear("attention.query_key_value", (heads + 2 * groups) * d, h, config.qkv_bias),
+            # --qk-layernorm: one norm over each head's d values, for queries and for keys
+            **(norm("attention.q_layernorm", d) | norm("attention.k_layernorm", d)
+               if config.qk_layernorm else {}),
+            **linear("attention.dense", h, heads * d),
+            # --softmax-type learnable: a sink logit per head
+            **({"attention.sinks": (heads,)} if config.softmax_type == "learnable" else {}),
+        }
     per_layer = {
         **norm("input_layernorm"),
-        # rows: the queries of every head, then the keys and the values of every group
-        **linear("attention.query_key_value", (heads + 2 * groups) * d, h, config.qkv_bias),
-        # --qk-layernorm: one norm over each head's d values, for queries and for keys
-        **(norm("attention.q_layernorm", d) | norm("attention.k_layernorm", d)
-           if config.qk_layernorm else {}),
-        **linear("attention.dense", h, heads * d),
-        # --softmax-type learnable: a sink logit per head
-        **({"attention.sinks": (heads,)} if config.softmax_type == "learnable" else {}),
+        **attention,
         **norm("post_attention_layernorm"),
         # gated (SwiGLU, GeGLU, quick-GeGLU): the gate's rows, then the up projection's
         **linear("mlp.dense_h_to_4h", 2 * f if config.gated_linear_unit else f, h),
@@ -57,6 +63,29 @@ def logical_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not config.tied_output:
         shapes["output_layer.weight"] = (config.vocab_size, h)
     return shapes
+
+
+def _mla_shapes(config: ModelConfig, norm, linear) -> dict[str, tuple[int, ...]]:
+    """Multi-latent attention (ptdp.model.mla, whose docstring maps the names
+    to Megatron-Core's and transformers'): the down projections and latent
+    norms are replicated over the tensor ranks; the up projections' rows
+    are per head ([q_n; q_r] and [k_n; v]) and split with the heads, the
+    output projection's columns likewise."""
+    h, heads, latent = config.hidden_size, config.num_attention_heads, config.kv_lora_rank
+    query_rows = heads * config.mla_query_head_dim
+    if config.q_lora_rank is None:
+        query = linear("attention.query", query_rows, h, False)
+    else:
+        query = {**linear("attention.query_down", config.q_lora_rank, h, False),
+                 **(norm("attention.query_latent_layernorm", config.q_lora_rank)
+                    if config.qk_layernorm else {}),
+                 **linear("attention.query_up", query_rows, config.q_lora_rank, False)}
+    return {**query,
+            **linear("attention.key_value_down", latent + config.qk_pos_emb_head_dim, h, False),
+            **(norm("attention.key_value_latent_layernorm", latent) if config.qk_layernorm else {}),
+            **linear("attention.key_value_up", heads * (config.qk_head_dim + config.v_head_dim),
+                     latent, False),
+            **linear("attention.dense", h, heads * config.v_head_dim)}
 
 
 def _moe_shapes(config: ModelConfig, linear) -> dict[str, tuple[int, ...]]:

