@@ -130,3 +130,121 @@ def test_the_module_computes_what_transformers_deepseek_v3_attention_does(case):
     assert bias is None
     assert_close(out.transpose(0, 1), want, rtol=0, atol=1e-5)
     assert want.abs().max() > 0.1  # (a real output, not a vanishing one)
+
+
+# ------------------------------------------------------------------ layouts
+
+from ptdp.config import DataConfig  # noqa: E402
+from ptdp.parallel.topology import RankGrid  # noqa: E402
+from ptdp.train.loop import Trainer  # noqa: E402
+
+STEPS = 3
+EOD = 79  # the mock data's commonest token in these steps: the packed documents' boundary
+MODELS = {
+    # DeepSeek-V3's kind: a query latent, the latents normed, plain rope
+    "latent": MLA,
+    # DeepSeek-V2-Lite's kind: the query straight from h, YaRN with both
+    # mscales (the softmax scale grows), LayerNorm (the norms have biases)
+    "direct": dataclasses.replace(MLA, q_lora_rank=None, normalization="LayerNorm",
+                                  position_embedding_type="yarn", rotary_scaling_factor=4.0,
+                                  yarn_original_max_position_embeddings=8, mscale=0.9,
+                                  mscale_all_dim=0.7),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    t: int = 1
+    p: int = 1
+    d: int = 1
+    c: int = 1
+    k: int | None = None
+    comm: str = "p2p"
+    sequence_parallel: bool = False
+    recompute: str | None = None
+    distributed: bool = False
+    documents: bool = False  # --reset-position-ids --reset-attention-mask
+    model: str = "latent"
+
+    @property
+    def name(self) -> str:
+        return (f"t{self.t}p{self.p}d{self.d}c{self.c}-{self.comm}{'-sp' * self.sequence_parallel}"
+                f"-{self.recompute}{'-distopt' * self.distributed}"
+                f"{'-documents' * self.documents}-{self.model}")
+
+    @property
+    def reference(self) -> tuple[str, bool]:
+        return self.model, self.documents
+
+
+def _config(layout: Layout):
+    model = dataclasses.replace(MODELS[layout.model], recompute_granularity=layout.recompute)
+    config = step._config(layout.t, layout.p, layout.d, layout.k, model, layout.sequence_parallel,
+                          use_distributed_optimizer=layout.distributed, train_iters=STEPS,
+                          global_batch_size=4)
+    config.parallel = dataclasses.replace(config.parallel, context_parallel_size=layout.c,
+                                          cp_comm_type=layout.comm)
+    config.data = DataConfig(mock_data=True, reset_position_ids=layout.documents,
+                             reset_attention_mask=layout.documents)
+    validate(config, world_size=layout.t * layout.p * layout.d * layout.c)
+    return config
+
+
+def _trainer(layout: Layout, ctx: ParallelContext) -> Trainer:
+    trainer = Trainer(_config(layout), ctx, CPU)
+    trainer.data.eod = EOD
+    return trainer
+
+
+_serial: dict[tuple, tuple] = {}
+
+
+def _one_process(layout: Layout):
+    if layout.reference not in _serial:
+        trainer = _trainer(Layout(model=layout.model, documents=layout.documents),
+                           ParallelContext.single())
+        records = [trainer.step(i)[0] for i in range(STEPS)]
+        _serial[layout.reference] = records, step._logical_weights(trainer,
+                                                                   ParallelContext.single())
+    return _serial[layout.reference]
+
+
+def _layouts_vs_one_process(rank: int, layouts: list[Layout], references: dict) -> list:
+    results = []
+    for layout in layouts:
+        records, weights = references[layout.reference]
+        ctx = ParallelContext.build(RankGrid(tp=layout.t, dp=layout.d, pp=layout.p, cp=layout.c))
+        trainer = _trainer(layout, ctx)
+        for i, want in enumerate(records):
+            got = trainer.step(i)[0]
+            assert not got["skipped"], layout.name
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), layout.name
+            if trainer.holds_loss:
+                assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), layout.name
+        logical = step._logical_weights(trainer, ctx)
+        for name, weight in logical.items():
+            assert_close(weight, weights[name], **step.WEIGHT_TOL,
+                         msg=lambda m, n=name: f"{layout.name}: {n}: {m}")
+        results.append((layout.name, set(logical)))
+        ctx.destroy()
+    return results
+
+
+LAYOUTS = [
+    Layout(t=2, d=2, sequence_parallel=True),
+    Layout(p=2, d=2, k=1, recompute="full", distributed=True),
+    Layout(t=2, p=2, sequence_parallel=True, recompute="selective", model="direct"),
+    Layout(t=2, c=2, sequence_parallel=True, model="direct"),
+    Layout(c=2, d=2, comm="all_gather"),
+    Layout(t=2, c=2, comm="a2a"),
+    Layout(c=2, d=2, documents=True, model="direct"),
+]
+
+
+def test_an_mla_gpt_trains_like_one_process_under_every_layout(pools):
+    references = {layout.reference: _one_process(layout) for layout in LAYOUTS}
+    assert len({records[-1]["loss"] for records, _ in references.values()}) == len(references)
+    per_rank = pools(4).run(_layouts_vs_one_process, LAYOUTS, references)
+    for i, layout in enumerate(LAYOUTS):
+        names = set().union(*(results[i][1] for results in per_rank))
+        assert names == set(references[layout.reference][1]), layout.name
