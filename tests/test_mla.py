@@ -7,11 +7,12 @@
   "rotate half" one (rope_interleave False, through the row permutation
   the module's docstring gives).
 - A small MLA GPT trains as one process does in one pooled call of four
-  ranks: t = 2 with sequence parallelism, p = 2 interleaved with full
-  recomputation, d = 2 with the distributed optimizer, t = 2 with selective
-  recomputation, and c = 2 under p2p, all_gather and a2a (losses and
-  gradient norms over three AdamW steps, rel 1e-5; final weights 1e-5).
-- A checkpoint saved under t = 2 loads into one process with the same
+  ranks: t = 2 with sequence parallelism and p = 2 with selective
+  recomputation, p = 2 interleaved with full recomputation and d = 2 with
+  the distributed optimizer, and c = 2 under a2a (with t = 2), all_gather
+  and p2p (with packed documents) (losses and gradient norms over three
+  AdamW steps, rel 1e-5; final weights 1e-5).
+- The checkpoint saved under t = 2, p = 2 loads into one process with the same
   logical weights; the parameter counts match built models; the settings'
   bad values are refused before launch, one paragraph each.
 """
@@ -25,15 +26,19 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from ptdp.config import ConfigError, ModelConfig, validate
+from ptdp.config import ConfigError, DataConfig, ModelConfig, validate
+from ptdp.model.gpt import GPT, TransformerLayer
 from ptdp.model.mla import MultiLatentAttention
-from ptdp.parallel.sharding import initialize_parameters
+from ptdp.parallel.sharding import PARTIAL_GRAD_ATTR
 from ptdp.parallel.tensor import RNGStreams
-from ptdp.parallel.topology import ParallelContext
+from ptdp.parallel.topology import ParallelContext, RankGrid
+from ptdp.perf.analytic import counts as analytic
+from ptdp.perf.layout import Layout as PerfLayout
+from ptdp.train.banner import count_parameters
+from ptdp.train.loop import Trainer
 from tests import test_ptdp_step as step
 
-transformers = pytest.importorskip("transformers")
-from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf  # noqa: E402
+hf = pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
 
 CPU = torch.device("cpu")
 # DeepSeek's shape in small: a = 4 heads of d_n 6 + d_r 4 (query/key) and d_v 5.
@@ -134,9 +139,6 @@ def test_the_module_computes_what_transformers_deepseek_v3_attention_does(case):
 
 # ------------------------------------------------------------------ layouts
 
-from ptdp.config import DataConfig  # noqa: E402
-from ptdp.parallel.topology import RankGrid  # noqa: E402
-from ptdp.train.loop import Trainer  # noqa: E402
 
 STEPS = 3
 EOD = 79  # the mock data's commonest token in these steps: the packed documents' boundary
@@ -209,7 +211,11 @@ def _one_process(layout: Layout):
     return _serial[layout.reference]
 
 
-def _layouts_vs_one_process(rank: int, layouts: list[Layout], references: dict) -> list:
+def _layouts_vs_one_process(rank: int, layouts: list[Layout], references: dict,
+                            checkpoint: str) -> list:
+    """Each layout against the one-process run: (name, the parameter names
+    this rank compared, its logical weights); the first layout saves its
+    trained state into `checkpoint`."""
     results = []
     for layout in layouts:
         records, weights = references[layout.reference]
@@ -225,26 +231,104 @@ def _layouts_vs_one_process(rank: int, layouts: list[Layout], references: dict) 
         for name, weight in logical.items():
             assert_close(weight, weights[name], **step.WEIGHT_TOL,
                          msg=lambda m, n=name: f"{layout.name}: {n}: {m}")
-        results.append((layout.name, set(logical)))
+        if layout is layouts[0]:
+            trainer.save(checkpoint, STEPS)
+        results.append((layout.name, set(logical), logical))
         ctx.destroy()
     return results
 
 
 LAYOUTS = [
-    Layout(t=2, d=2, sequence_parallel=True),
+    Layout(t=2, p=2, sequence_parallel=True, recompute="selective"),
     Layout(p=2, d=2, k=1, recompute="full", distributed=True),
-    Layout(t=2, p=2, sequence_parallel=True, recompute="selective", model="direct"),
-    Layout(t=2, c=2, sequence_parallel=True, model="direct"),
-    Layout(c=2, d=2, comm="all_gather"),
     Layout(t=2, c=2, comm="a2a"),
-    Layout(c=2, d=2, documents=True, model="direct"),
+    Layout(c=2, d=2, comm="all_gather"),
+    Layout(c=2, d=2, documents=True, model="direct"),  # p2p
 ]
 
 
-def test_an_mla_gpt_trains_like_one_process_under_every_layout(pools):
+def test_an_mla_gpt_trains_like_one_process_under_every_layout_and_reshards(pools, tmp_path):
+    """The layouts, then the checkpoint the first (t = 2 with sequence
+    parallelism, p = 2) saved, loaded by one process: the same logical
+    weights, bit for bit."""
     references = {layout.reference: _one_process(layout) for layout in LAYOUTS}
     assert len({records[-1]["loss"] for records, _ in references.values()}) == len(references)
-    per_rank = pools(4).run(_layouts_vs_one_process, LAYOUTS, references)
+    per_rank = pools(4).run(_layouts_vs_one_process, LAYOUTS, references, str(tmp_path))
     for i, layout in enumerate(LAYOUTS):
         names = set().union(*(results[i][1] for results in per_rank))
         assert names == set(references[layout.reference][1]), layout.name
+
+    resumed = _trainer(Layout(model=LAYOUTS[0].model), ParallelContext.single())
+    resumed.load(str(tmp_path))
+    saved = {name: weight for results in per_rank for name, weight in results[0][2].items()}
+    loaded = step._logical_weights(resumed, ParallelContext.single())
+    assert set(loaded) == set(saved)
+    for name, weight in loaded.items():
+        assert torch.equal(weight, saved[name]), name
+
+
+# ------------------------------------------------------------------ counts
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_parameter_counts_match_built_models(model):
+    """The whole model's logical count, and one layer's parameters on a
+    tensor rank of t = 2 with sequence parallelism, in module order, with
+    their sizes and which have partial gradients."""
+    config = MODELS[model]
+    gpt = GPT(config, ParallelContext.single(), RNGStreams(CPU))
+    assert count_parameters(gpt) == analytic.parameter_count(config)
+    assert sum(p.numel() for p in gpt.parameters()) == \
+        analytic.parameters_per_device(config, PerfLayout())
+    grid = RankGrid(tp=2, dp=1, pp=1)
+    groups = {"tensor": None, "data": None, "pipeline": None, "model_parallel": None}
+    ctx = ParallelContext(grid=grid, rank=grid.rank(1, 0, 0), groups=groups)
+    layer = TransformerLayer(config, ctx, RNGStreams(CPU), sequence_parallel=True)
+    # (row-parallel biases are marked partial only where a tensor group exists)
+    built = [(p.numel(), getattr(p, PARTIAL_GRAD_ATTR, False)
+              or name.endswith(("dense.bias", "dense_4h_to_h.bias")))
+             for name, p in layer.named_parameters()]
+    counted = [(p.numel, p.partial) for p in analytic._layer_parameter_list(config, 2, True)]
+    assert counted == built
+    assert sum(partial for _, partial in built) >= 4  # the down projections, latent norms, ...
+
+
+# ------------------------------------------------------------------ bad inputs
+
+@pytest.mark.parametrize("settings, says", [
+    ({"kv_lora_rank": 0}, "--kv-lora-rank=0 must be a positive integer"),
+    ({"q_lora_rank": -4}, "--q-lora-rank=-4 must be a positive integer"),
+    ({"qk_pos_emb_head_dim": 5}, "--qk-pos-emb-head-dim 5: the rotated part turns in pairs"),
+    ({"group_query_attention": True, "num_query_groups": 2},
+     "--multi-latent-attention with --group-query-attention"),
+    ({"kv_channels": 16}, "--kv-channels 16 with --multi-latent-attention"),
+    ({"softmax_scale": 0.1}, "--softmax-scale 0.1 with --multi-latent-attention"),
+    ({"add_qkv_bias": True}, "--add-qkv-bias with --multi-latent-attention"),
+    ({"window_size": "3,0"}, "--multi-latent-attention with sliding windows"),
+    ({"softmax_type": "learnable"}, "--multi-latent-attention with attention sinks"),
+    ({"position_embedding_type": "learned_absolute"},
+     "--multi-latent-attention with --position-embedding-type learned_absolute"),
+    ({"rotary_percent": 0.5}, "--rotary-percent 0.5 with --multi-latent-attention"),
+    ({"multi_latent_attention": False}, "--q-lora-rank 12, --kv-lora-rank 8, --qk-head-dim 6, "
+                                        "--qk-pos-emb-head-dim 4, --v-head-dim 5: these are "
+                                        "multi-latent attention's widths"),
+])
+def test_bad_mla_settings_are_refused_in_one_paragraph(settings, says):
+    config = step._config(model=dataclasses.replace(MLA, **settings))
+    with pytest.raises(ConfigError) as refused:
+        validate(config)
+    assert len(refused.value.problems) == 1 and says in refused.value.problems[0], \
+        refused.value.problems
+
+
+def test_mla_with_adapters_is_refused_and_heads_must_split_over_t():
+    config = step._config(model=MLA)
+    config.lora = dataclasses.replace(config.lora, lora_rank=4)
+    with pytest.raises(ConfigError) as refused:
+        validate(config)
+    assert refused.value.problems == [refused.value.problems[0]]
+    assert "--lora-rank 4 with --multi-latent-attention" in refused.value.problems[0]
+    with pytest.raises(ConfigError) as refused:
+        validate(step._config(t=3, model=MLA))
+    assert any("--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3" in p
+               for p in refused.value.problems)
