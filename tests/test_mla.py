@@ -7,8 +7,8 @@
   "rotate half" one (rope_interleave False, through the row permutation
   the module's docstring gives).
 - A small MLA GPT trains as one process does in one pooled call of four
-  ranks: t = 2 with sequence parallelism and p = 2 with selective
-  recomputation, p = 2 interleaved with full recomputation and d = 2 with
+  ranks: t = 2 with sequence parallelism and p = 2 under ZB-V (deferred
+  weight gradients) with selective recomputation, p = 2 interleaved with full recomputation and d = 2 with
   the distributed optimizer, and c = 2 under a2a (with t = 2), all_gather
   and p2p (with packed documents) (losses and gradient norms over three
   AdamW steps, rel 1e-5; final weights 1e-5).
@@ -167,12 +167,13 @@ class Layout:
     distributed: bool = False
     documents: bool = False  # --reset-position-ids --reset-attention-mask
     model: str = "latent"
+    schedule: str = "1f1b"
 
     @property
     def name(self) -> str:
         return (f"t{self.t}p{self.p}d{self.d}c{self.c}-{self.comm}{'-sp' * self.sequence_parallel}"
                 f"-{self.recompute}{'-distopt' * self.distributed}"
-                f"{'-documents' * self.documents}-{self.model}")
+                f"{'-documents' * self.documents}-{self.model}-{self.schedule}")
 
     @property
     def reference(self) -> tuple[str, bool]:
@@ -185,7 +186,8 @@ def _config(layout: Layout):
                           use_distributed_optimizer=layout.distributed, train_iters=STEPS,
                           global_batch_size=4)
     config.parallel = dataclasses.replace(config.parallel, context_parallel_size=layout.c,
-                                          cp_comm_type=layout.comm)
+                                          cp_comm_type=layout.comm,
+                                          pipeline_schedule=layout.schedule)
     config.data = DataConfig(mock_data=True, reset_position_ids=layout.documents,
                              reset_attention_mask=layout.documents)
     validate(config, world_size=layout.t * layout.p * layout.d * layout.c)
@@ -239,7 +241,7 @@ def _layouts_vs_one_process(rank: int, layouts: list[Layout], references: dict,
 
 
 LAYOUTS = [
-    Layout(t=2, p=2, sequence_parallel=True, recompute="selective"),
+    Layout(t=2, p=2, sequence_parallel=True, recompute="selective", schedule="zbv"),
     Layout(p=2, d=2, k=1, recompute="full", distributed=True),
     Layout(t=2, c=2, comm="a2a"),
     Layout(c=2, d=2, comm="all_gather"),
@@ -249,7 +251,7 @@ LAYOUTS = [
 
 def test_an_mla_gpt_trains_like_one_process_under_every_layout_and_reshards(pools, tmp_path):
     """The layouts, then the checkpoint the first (t = 2 with sequence
-    parallelism, p = 2) saved, loaded by one process: the same logical
+    parallelism, p = 2 under ZB-V) saved, loaded by one process: the same logical
     weights, bit for bit."""
     references = {layout.reference: _one_process(layout) for layout in LAYOUTS}
     assert len({records[-1]["loss"] for records, _ in references.values()}) == len(references)
