@@ -8,13 +8,14 @@
   the module's docstring gives).
 - A small MLA GPT trains as one process does in one pooled call of four
   ranks: t = 2 with sequence parallelism and p = 2 under ZB-V (deferred
-  weight gradients) with selective recomputation, p = 2 interleaved with full recomputation and d = 2 with
-  the distributed optimizer, and c = 2 under a2a (with t = 2), all_gather
-  and p2p (with packed documents) (losses and gradient norms over three
-  AdamW steps, rel 1e-5; final weights 1e-5).
-- The checkpoint saved under t = 2, p = 2 loads into one process with the same
-  logical weights; the parameter counts match built models; the settings'
-  bad values are refused before launch, one paragraph each.
+  weight gradients) with selective recomputation; p = 2 interleaved with
+  full recomputation and d = 2 with the distributed optimizer; c = 2 under
+  a2a (with t = 2), all_gather and p2p (with packed documents). Losses and
+  gradient norms over three AdamW steps agree to rel 1e-5, final weights to
+  1e-5.
+- The checkpoint saved under the first layout loads into one process with
+  the same logical weights; the parameter counts match built models; the
+  settings' bad values are refused before launch, one paragraph each.
 """
 
 from __future__ import annotations
@@ -334,3 +335,25 @@ def test_mla_with_adapters_is_refused_and_heads_must_split_over_t():
         validate(step._config(t=3, model=MLA))
     assert any("--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3" in p
                for p in refused.value.problems)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_a_packed_sequence_computes_each_document_alone(model):
+    """Three documents in one sequence (positions restarting, attention kept
+    inside each: the padded per-document path) give each document's logits
+    run alone (PyTorch's attention, values of their own width)."""
+    from ptdp.parallel.document_attention import Documents
+
+    config, lengths = MODELS[model], (5, 7, 4)
+    torch.manual_seed(1)
+    tokens = torch.randint(0, config.vocab_size, (1, sum(lengths)))
+    ids = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths)).unsqueeze(0)
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    gpt = GPT(config, ParallelContext.single(), RNGStreams(CPU)).initialize(5)
+    with torch.no_grad():
+        packed = gpt(tokens, documents=Documents(positions, ids))
+        start = 0
+        for n in lengths:
+            alone = gpt(tokens[:, start:start + n])
+            assert_close(packed[start:start + n], alone, rtol=0, atol=1e-5)
+            start += n

@@ -61,6 +61,7 @@ model.layers.i.self_attn.):
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -234,11 +235,10 @@ class MultiLatentAttention(nn.Module):
             def within_documents(q, k, v):
                 return document_causal_attention(q, k, v, documents.document_ids, scale=scale,
                                                  dropout=dropout, plans=documents.plans)
-            attend = lambda q, k, v: same_width_attention(within_documents, q, k, v)  # noqa: E731
-        else:
-            def attend(q, k, v):
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
-                                                      scale=scale)
+            attend = functools.partial(same_width_attention, within_documents)
+        else:  # (PyTorch's attention takes values of their own width)
+            attend = functools.partial(F.scaled_dot_product_attention, dropout_p=dropout,
+                                       is_causal=True, scale=scale)
         if dropout > 0.0:
             with self.rng.fork("tensor"):  # each tensor rank holds other heads: its own stream
                 return attend(q, k, v)
