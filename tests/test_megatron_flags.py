@@ -660,3 +660,23 @@ def test_disable_bf16_reduced_precision_matmul_is_megatron_lms_setting():
         assert not matmul.allow_bf16_reduced_precision_reduction
     finally:
         matmul.allow_bf16_reduced_precision_reduction = before
+
+
+def test_megatron_fsdp_flags_of_the_deepseek_v3_script():
+    """examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh's Megatron-FSDP
+    flags: the buffer and initialisation choices are accepted with a line
+    each; the bf16 gradient dtypes are refused, each saying what to give
+    (ptdp keeps fp32 main gradients; bf16 reductions are --grad-reduce-in-bf16)."""
+    buffers = ["--fsdp-double-buffer", "--init-model-with-meta-device", "--use-nccl-ub",
+               "--no-gradient-accumulation-fusion"]
+    found = given(_args(*buffers, "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+                        "optim_grads_params", "--megatron-fsdp-main-params-dtype", "fp32"))
+    assert refusals(found) == []
+    assert sorted(line.split(":")[1].split()[0] for line in notes(found)) == \
+        sorted([*buffers, "--megatron-fsdp-main-params-dtype"])
+    found = given(_args("--megatron-fsdp-grad-comm-dtype", "bf16",
+                        "--megatron-fsdp-main-grads-dtype", "bf16"))
+    assert [line.split(":")[0] for line in refusals(found)] == [
+        "--megatron-fsdp-grad-comm-dtype bf16", "--megatron-fsdp-main-grads-dtype bf16"]
+    assert "give that flag instead" in refusals(found)[0] and "--grad-reduce-in-bf16" in \
+        refusals(found)[0]

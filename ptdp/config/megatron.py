@@ -254,6 +254,18 @@ ACCEPTED: tuple[AcceptedFlag, ...] = (
     AcceptedFlag("--no-gradient-accumulation-fusion", 0,
                  "ptdp has no fused weight-gradient accumulation kernel to turn off: autograd's "
                  "gradients are added into the fp32 main gradients"),
+    # Megatron-FSDP's own dtype flags: what ptdp keeps (fp32; "auto" is the
+    # model's, fp32 in ptdp's buffers) accepted, lower precisions refused as
+    # --main-grads-dtype's are; bf16 reductions are --grad-reduce-in-bf16.
+    AcceptedFlag("--megatron-fsdp-grad-comm-dtype", 1,
+                 "ptdp reduces gradients in fp32 under every sharding strategy",
+                 choices=("fp32", "fp16", "bf16", "auto"), refused_choices=("fp16", "bf16"),
+                 refusal="ptdp reduces gradients in fp32, or in bf16 with --grad-reduce-in-bf16: "
+                         "give that flag instead (fp16 reductions are not in ptdp)", listed=False),
+    *(AcceptedFlag(name, 1, "fp32 is what ptdp keeps under every sharding strategy",
+                   choices=("fp32", "bf16", "fp16", "auto"), refused_choices=("bf16", "fp16"),
+                   refusal=_FP32_STATE, listed=False)
+      for name in ("--megatron-fsdp-main-grads-dtype", "--megatron-fsdp-main-params-dtype")),
     AcceptedFlag("--accumulate-allreduce-grads-in-fp32", 0,
                  "always so in ptdp: gradients are accumulated and reduced in fp32 (unless "
                  "--grad-reduce-in-bf16)"),

@@ -427,20 +427,25 @@ OFFLOADING = Family(
     lists="""
         --offload-modules""")
 
-FSDP = Family(
-    'Megatron-FSDP\'s and torch FSDP2\'s other settings (buffers, registration, dtypes, HSDP)',
-    'ptdp shards with --use-megatron-fsdp --data-parallel-sharding-strategy; leave these out',
-    refused=True,
+FSDP_BUFFERS = Family(
+    "Megatron-FSDP's buffer, registration, prefetch and initialisation choices",
+    "ptdp's sharding (--use-megatron-fsdp --data-parallel-sharding-strategy) keeps its own "
+    "buffers and computes the same",
     switches="""
-        --ddp-reduce-scatter-with-fp32-accumulation --enable-full-sharding-in-hsdp
         --fsdp-db-use-persist-buf-on-alloc-fail --fsdp-double-buffer --fsdp-manual-registration
         --init-model-with-meta-device --megatron-fsdp-enable-fine-grained-param-gather
         --megatron-fsdp-max-pool-double-buffer""",
     values="""
-        --megatron-fsdp-grad-comm-dtype
-        --megatron-fsdp-main-grads-dtype --megatron-fsdp-main-params-dtype --megatron-fsdp-version
-        --num-distributed-optimizer-instances --outer-dp-sharding-strategy
-        --suggested-communication-unit-size""",
+        --megatron-fsdp-version --suggested-communication-unit-size""")
+
+FSDP = Family(
+    "Megatron-FSDP's and torch FSDP2's other settings (HSDP, accumulation patterns)",
+    'ptdp shards with --use-megatron-fsdp --data-parallel-sharding-strategy; leave these out',
+    refused=True,
+    switches="""
+        --ddp-reduce-scatter-with-fp32-accumulation --enable-full-sharding-in-hsdp""",
+    values="""
+        --num-distributed-optimizer-instances --outer-dp-sharding-strategy""",
     lists="""
         --ddp-param-name-patterns-for-fp32-local-accumulation""")
 
@@ -648,6 +653,7 @@ FAMILIES: tuple[Family, ...] = (
     WEIGHT_DECAY_VARIANTS,
     OTHER_OPTIMIZERS,
     OFFLOADING,
+    FSDP_BUFFERS,
     FSDP,
     GTP,
     CONTEXT_VARIANTS,
