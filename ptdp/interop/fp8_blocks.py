@@ -112,9 +112,10 @@ def fp8_block(quantization: Any) -> tuple[int, int]:
                         f"integers (rows, columns of a block; null, one scale per tensor, is not "
                         f"a format ptdp reads)")
     if problems:
-        raise ConversionError("this block-scaled FP8 checkpoint is not one ptdp can dequantize:\n"
-                              + "\n".join(f"  - {p}" for p in problems) + f"\nCorrect config.json if it "
-                              f"misdescribes the files; otherwise {_ADVICE}")
+        raise ConversionError(
+            "this block-scaled FP8 checkpoint is not one ptdp can dequantize:\n"
+            + "\n".join(f"  - {p}" for p in problems)
+            + f"\nCorrect config.json if it misdescribes the files; otherwise {_ADVICE}")
     return int(block[0]), int(block[1])
 
 
@@ -154,10 +155,11 @@ def fp8_pairs(tensors: Mapping[str, Any], block: tuple[int, int]) -> dict[str, s
                             f"many dimensions")
         elif tuple(grid) != scale_grid(shape, block):
             mismatched = True
+            expected = list(scale_grid(shape, block))
             problems.append(f"{scale} is {list(grid)}: for {weight} {list(shape)} "
-                            f"weight_block_size {list(block)} gives {list(scale_grid(shape, block))}")
+                            f"weight_block_size {list(block)} gives {expected}")
     if problems:
-        advice = _fitting_block({tensors[w].shape: tensors[s].shape for w, s in pairs.items()})
+        advice = _fitting_block([(tensors[w].shape, tensors[s].shape) for w, s in pairs.items()])
         raise ConversionError(
             "the block-scaled FP8 tensors do not pair up as quantization_config says:\n"
             + "\n".join(f"  - {p}" for p in abbreviate(problems))
@@ -165,7 +167,7 @@ def fp8_pairs(tensors: Mapping[str, Any], block: tuple[int, int]) -> dict[str, s
     return pairs
 
 
-def _fitting_block(grids: dict[tuple[int, ...], tuple[int, ...]]) -> str:
+def _fitting_block(grids: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str:
     """Advice for scale grids that another block size gives: the block
     sizes every weight's grid fits (a grid of g blocks over n fits any block
     b with ceil(n / b) = g), and one of them: 128 where it fits, as
@@ -173,7 +175,7 @@ def _fitting_block(grids: dict[tuple[int, ...], tuple[int, ...]]) -> str:
     fitting = []
     for axis in (-2, -1):
         low, high = 1, math.inf
-        for shape, grid in grids.items():
+        for shape, grid in grids:
             if len(shape) < 2 or len(grid) != len(shape) or not 0 < grid[axis] <= shape[axis]:
                 return ""
             n, g = shape[axis], grid[axis]
