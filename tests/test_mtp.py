@@ -276,3 +276,36 @@ def test_the_log_line_names_each_depth_s_loss_as_megatron_lm_does():
               "tokens_per_s": 100.0}
     line = format_log_line(record, 10)
     assert "loss 4.5000 | mtp_1 loss 4.6100 | mtp_2 loss 4.7000 | lr" in line
+
+
+# --------------------------------------------------------------------------- shapes, FLOPs
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_the_logical_shapes_name_every_mtp_parameter(model):
+    from ptdp.model.shapes import logical_shapes, state_shapes
+
+    config = MODELS[model]
+    if model == "moe":
+        config = dataclasses.replace(config, moe_router_enable_expert_bias=True,
+                                     moe_router_score_function="sigmoid")
+    built = _build(config, ParallelContext.single())
+    vocab = config.padded_vocab_size(1)
+    got = {name: tuple(p.shape) if p.shape[0] != vocab else (config.vocab_size, *p.shape[1:])
+           for name, p in built.named_parameters()}
+    assert got == logical_shapes(config)
+    assert sum(name.startswith("mtp.layers.") for name in got) > 0
+    biases = {name: tuple(b.shape) for name, b in built.named_buffers() if "expert_bias" in name}
+    assert biases == state_shapes(config)
+
+
+def test_the_flop_count_adds_each_mtp_module_s_projection_layer_and_output_layer():
+    from ptdp.perf.analytic.flops import model_flops_per_iteration
+
+    B, s, h, V = 8, ROPE.seq_length, ROPE.hidden_size, ROPE.vocab_size
+    layer = 24 * B * s * h * h + 4 * B * s * s * h          # GPT-2's options: the paper's layer
+    module = 2 * B * s * 2 * h * h + layer                     # the projection and the layer
+    plain = dataclasses.replace(ROPE, mtp_num_layers=None)
+    for recompute, extra in ((None, 0), ("selective", 4 * B * s * s * h), ("full", module)):
+        added = (model_flops_per_iteration(ROPE, B, recompute=recompute)
+                 - model_flops_per_iteration(plain, B, recompute=recompute))
+        assert added == pytest.approx(2 * (3 * (module + 2 * B * s * h * V) + extra)), recompute

@@ -348,6 +348,17 @@ class Trainer:
             return to_microbatch(samples, settings, self.device)
         return microbatch
 
+    def _mtp_record(self) -> dict[str, float]:
+        """--mtp-num-layers: each depth's loss of the iteration as Megatron-LM
+        logs it ("mtp_k loss"): the microbatches' mean, averaged over the
+        data-parallel replicas (under context parallelism each rank's part
+        summed, as the main loss's). Empty off the loss's stage."""
+        losses = mtp_logged(self.chunks)
+        if not self.holds_loss:
+            return {}
+        return {name: average_loss(list(depth), None, self.ctx.grad_reduce_group, self.ctx.cp_size)
+                for name, depth in zip(self.mtp_names, zip(*(x.unbind() for x in losses)))}
+
     def step(self, iteration: int, record_timeline: bool = False) -> tuple[dict[str, Any], Any]:
         """Iteration `iteration` (0-based): forward and backward of every
         microbatch through the pipeline, gradient reduction, optimizer step."""
@@ -389,16 +400,9 @@ class Trainer:
         # (LoRA: the expert biases are the frozen base's, kept as loaded.)
         if self.config.model.moe_router_enable_expert_bias and not self.config.lora.enabled:
             update_expert_biases(self.moe_layers, self.config.model.moe_router_bias_update_rate, ctx)
-        mtp_record: dict[str, float] = {}
-        loss, mtp_losses = None, mtp_logged(self.chunks)
-        if self.holds_loss:
-            loss = average_loss(stats.losses, stats.loss_tokens if tr.calculate_per_token_loss
-                                else None, ctx.grad_reduce_group, ctx.cp_size)
-            # Each depth's as Megatron-LM logs it: the microbatches' mean,
-            # averaged over the data-parallel replicas.
-            for name, losses in zip(self.mtp_names, zip(*(x.unbind() for x in mtp_losses))):
-                mtp_record[name] = average_loss(list(losses), None, ctx.grad_reduce_group,
-                                                ctx.cp_size)
+        loss = None if not self.holds_loss else average_loss(
+            stats.losses, stats.loss_tokens if tr.calculate_per_token_loss else None,
+            ctx.grad_reduce_group, ctx.cp_size)
         devices.synchronize(self.device)
         reduce_done = time.perf_counter()
 
@@ -444,7 +448,7 @@ class Trainer:
             tokens = int(stats.batch_tokens.item())
             record["loss_tokens"] = tokens
             record["loss_token_fraction"] = tokens / (global_batch * self.config.model.seq_length)
-        record.update(mtp_record)
+        record.update(self._mtp_record())  # (every rank takes its MTP losses)
         if self.config.model.is_moe:
             record.update(balancing_metrics(self.moe_layers, self.config.model, ctx, self.device))
         if tr.rampup_batch_size is not None:
