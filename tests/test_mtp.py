@@ -16,7 +16,7 @@
   recomputation, d = 2 with the distributed optimizer, p = 2 under zbv
   (the MTP modules on rank 0 with the embedding), context parallelism,
   an MoE model, an untied output layer (the last stage's own copy of the
-  word embedding).
+  word embedding), ZeRO-3.
 - A packed batch's MTP losses equal its documents' run one by one.
 - Bad settings are refused before launch, one paragraph each; the log
   line names each depth's loss as Megatron-LM does.
@@ -24,6 +24,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -137,12 +138,14 @@ class Layout:
     ep: int = 1
     model: str = "rope"
     schedule: str = "1f1b"
+    sharding: str | None = None  # --use-megatron-fsdp's --data-parallel-sharding-strategy
 
     @property
     def name(self) -> str:
         return (f"t{self.t}p{self.p}d{self.d}c{self.c}{'k' + str(self.k) if self.k else ''}"
                 f"{'-sp' if self.sequence_parallel else ''}{'-' + self.recompute if self.recompute else ''}"
-                f"{'-distopt' if self.distributed else ''}-ep{self.ep}-{self.model}-{self.schedule}")
+                f"{'-distopt' if self.distributed else ''}-ep{self.ep}-{self.model}-{self.schedule}"
+                f"{'-' + self.sharding if self.sharding else ''}")
 
 
 def _config(layout: Layout):
@@ -153,6 +156,9 @@ def _config(layout: Layout):
     config.parallel = dataclasses.replace(config.parallel, expert_model_parallel_size=layout.ep,
                                           pipeline_schedule=layout.schedule,
                                           context_parallel_size=layout.c)
+    if layout.sharding:
+        config.train = dataclasses.replace(config.train, use_megatron_fsdp=True,
+                                           data_parallel_sharding_strategy=layout.sharding)
     return config
 
 
@@ -180,7 +186,9 @@ def _layouts_vs_one_process(rank: int, layouts: list[Layout], references: dict) 
             if trainer.holds_loss:
                 for key in ("loss", *trainer.mtp_names):
                     assert got[key] == pytest.approx(want[key], rel=1e-5), (layout.name, key)
-        logical = step._logical_weights(trainer, ctx)
+        gathered = trainer.buffer.gathered() if layout.sharding else contextlib.nullcontext()
+        with gathered:  # (ZeRO-3: the parameters whole while read, copied)
+            logical = {n: w.clone() for n, w in step._logical_weights(trainer, ctx).items()}
         for name, weight in logical.items():
             assert_close(weight, weights[name], **step.WEIGHT_TOL,
                          msg=lambda m, n=name: f"{layout.name}: {n}: {m}")
@@ -192,12 +200,12 @@ def _layouts_vs_one_process(rank: int, layouts: list[Layout], references: dict) 
 LAYOUTS = [
     Layout(t=2, d=2, sequence_parallel=True),
     Layout(p=2, d=2, k=1, recompute="full", distributed=True),
-    Layout(t=2, p=2, sequence_parallel=True, recompute="selective", model="llama"),
     Layout(t=2, p=2, sequence_parallel=True, schedule="zbv", model="llama"),
     Layout(p=2, c=2, schedule="zbv", recompute="full"),
     Layout(c=2, t=2, sequence_parallel=True),
     Layout(c=2, p=2, model="llama"),
     Layout(t=2, d=2, ep=2, sequence_parallel=True, model="moe"),
+    Layout(p=2, d=2, recompute="selective", model="llama", sharding="optim_grads_params"),
 ]
 
 
@@ -270,12 +278,23 @@ def test_bad_mtp_settings_are_refused_in_one_paragraph(settings, parallel, lora,
         refused.value.problems
 
 
-def test_the_log_line_names_each_depth_s_loss_as_megatron_lm_does():
+def test_the_log_line_and_tensorboard_name_each_depth_s_loss_as_megatron_lm_does(tmp_path):
     record = {"iteration": 3, "consumed_samples": 12, "loss": 4.5, "mtp_1 loss": 4.61,
-              "mtp_2 loss": 4.7, "lr": 1e-3, "grad_norm": 1.0, "iteration_ms": 5.0,
+              "mtp_2 loss": 4.75, "lr": 1e-3, "grad_norm": 1.0, "iteration_ms": 5.0,
               "tokens_per_s": 100.0}
     line = format_log_line(record, 10)
-    assert "loss 4.5000 | mtp_1 loss 4.6100 | mtp_2 loss 4.7000 | lr" in line
+    assert "loss 4.5000 | mtp_1 loss 4.6100 | mtp_2 loss 4.7500 | lr" in line
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from ptdp.train.report import TensorBoardLogger
+
+    with TensorBoardLogger(tmp_path / "tb") as logger:
+        logger.log(record)
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("mtp_2 loss")] == [(3, 4.75)]
+    assert [(e.step, round(e.value, 5)) for e in events.Scalars("mtp_1 loss")] == [(3, 4.61)]
 
 
 # --------------------------------------------------------------------------- shapes, FLOPs
