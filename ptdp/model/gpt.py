@@ -455,7 +455,9 @@ class GPT(nn.Module):
 
         Returns hidden [s, b, h] unless this is the last stage; there it
         returns the mean loss over unmasked tokens when `labels` [b, s] are
-        given, else this rank's logits [s, b, V'/t].
+        given, else this rank's logits [s, b, V'/t]. With --mtp-num-layers,
+        in training, the loss's backward also trains the MTP modules' loss
+        (ptdp.model.mtp), which its value leaves out.
         """
         positions, packed = None, documents
         if documents is not None:
