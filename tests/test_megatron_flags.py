@@ -339,7 +339,7 @@ def test_each_refused_flag_is_refused_by_name_in_one_report(no_launch, capsys):
     (["--multi-latent-attention"], "multi-latent attention"),
     (["--q-lora-rank", "1536"], "multi-latent attention"),
     (["--kv-lora-rank", "512"], "multi-latent attention"),
-    (["--mtp-num-layers", "1"], "multi-token prediction"),
+    (["--mtp-use-repeated-layer"], "multi-token prediction"),
     (["--window-size", "128"], "give two integers L,R"),
     (["--rope-type", "yarn"], "multi-latent attention"),
     (["--tokenizer-type", "BertWordPieceCase"], "BERT's WordPiece"),
@@ -495,7 +495,7 @@ def test_under_torchrun_the_command_line_s_problems_are_said_once(variables, pri
     it), and torchrun's summary carries the message instead of a traceback."""
     error_file = rank_environment(variables)
     with pytest.raises(SystemExit) as exit_:
-        main(["train", *TINY, "--mtp-num-layers", "1", "--hiden-size", "8"])
+        main(["train", *TINY, "--mtp-hsm", "--hiden-size", "8"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     if prints:
@@ -505,7 +505,7 @@ def test_under_torchrun_the_command_line_s_problems_are_said_once(variables, pri
     assert rank_environment.waits == ([] if prints else [QUIET_RANK_WAIT_SECONDS])
     record = json.loads(error_file.read_text())
     assert record["message"]["message"].startswith("ptdp train: error: 2 problems:")
-    assert "--mtp-num-layers 1: multi-token prediction" in record["message"]["message"]
+    assert "--mtp-hsm: a variant of multi-token prediction" in record["message"]["message"]
 
 
 # --------------------------------------------------------------------------- --lr-warmup-init

@@ -271,14 +271,18 @@ MULTI_LATENT_ATTENTION = Family(
     values="""
         --kv-lora-rank --q-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim""")
 
+# --mtp-num-layers and --mtp-loss-scaling-factor are ptdp settings (ptdp.config.mtp);
+# these variants of the modules change what they compute or where they run.
 MULTI_TOKEN_PREDICTION = Family(
-    "multi-token prediction (extra layers predicting later tokens, DeepSeek-V3's MTP)",
-    'drop the --mtp-* flags; the model predicts the next token',
+    "a variant of multi-token prediction (detached heads, hidden-state mixing, one module "
+    "repeated, MTP on a pipeline stage of its own, a hybrid model's MTP pattern)",
+    "use --mtp-num-layers D (D modules of their own, on the last pipeline stage) with "
+    "--mtp-loss-scaling-factor, or drop the flag",
     refused=True,
     switches="""
         --mtp-detach-heads --mtp-hsm --mtp-standalone --mtp-use-repeated-layer""",
     values="""
-        --mtp-hybrid-override-pattern --mtp-loss-scaling-factor --mtp-num-layers""")
+        --mtp-hybrid-override-pattern""")
 
 ROPE_VARIANTS = Family(
     "a variant of the position embedding (interleaved, multimodal or relative rotary, or "
