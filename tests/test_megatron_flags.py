@@ -339,7 +339,7 @@ def test_each_refused_flag_is_refused_by_name_in_one_report(no_launch, capsys):
     (["--multi-latent-attention"], "multi-latent attention"),
     (["--q-lora-rank", "1536"], "multi-latent attention"),
     (["--kv-lora-rank", "512"], "multi-latent attention"),
-    (["--mtp-num-layers", "1"], "multi-token prediction"),
+    (["--mtp-use-repeated-layer"], "multi-token prediction"),
     (["--window-size", "128"], "give two integers L,R"),
     (["--rope-type", "yarn"], "multi-latent attention"),
     (["--tokenizer-type", "BertWordPieceCase"], "BERT's WordPiece"),
@@ -495,7 +495,7 @@ def test_under_torchrun_the_command_line_s_problems_are_said_once(variables, pri
     it), and torchrun's summary carries the message instead of a traceback."""
     error_file = rank_environment(variables)
     with pytest.raises(SystemExit) as exit_:
-        main(["train", *TINY, "--mtp-num-layers", "1", "--hiden-size", "8"])
+        main(["train", *TINY, "--mtp-hsm", "--hiden-size", "8"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     if prints:
@@ -505,7 +505,7 @@ def test_under_torchrun_the_command_line_s_problems_are_said_once(variables, pri
     assert rank_environment.waits == ([] if prints else [QUIET_RANK_WAIT_SECONDS])
     record = json.loads(error_file.read_text())
     assert record["message"]["message"].startswith("ptdp train: error: 2 problems:")
-    assert "--mtp-num-layers 1: multi-token prediction" in record["message"]["message"]
+    assert "--mtp-hsm: a variant of multi-token prediction" in record["message"]["message"]
 
 
 # --------------------------------------------------------------------------- --lr-warmup-init
@@ -660,3 +660,23 @@ def test_disable_bf16_reduced_precision_matmul_is_megatron_lms_setting():
         assert not matmul.allow_bf16_reduced_precision_reduction
     finally:
         matmul.allow_bf16_reduced_precision_reduction = before
+
+
+def test_megatron_fsdp_flags_of_the_deepseek_v3_script():
+    """examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh's Megatron-FSDP
+    flags: the buffer and initialisation choices are accepted with a line
+    each; the bf16 gradient dtypes are refused, each saying what to give
+    (ptdp keeps fp32 main gradients; bf16 reductions are --grad-reduce-in-bf16)."""
+    buffers = ["--fsdp-double-buffer", "--init-model-with-meta-device", "--use-nccl-ub",
+               "--no-gradient-accumulation-fusion"]
+    found = given(_args(*buffers, "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+                        "optim_grads_params", "--megatron-fsdp-main-params-dtype", "fp32"))
+    assert refusals(found) == []
+    assert sorted(line.split(":")[1].split()[0] for line in notes(found)) == \
+        sorted([*buffers, "--megatron-fsdp-main-params-dtype"])
+    found = given(_args("--megatron-fsdp-grad-comm-dtype", "bf16",
+                        "--megatron-fsdp-main-grads-dtype", "bf16"))
+    assert [line.split(":")[0] for line in refusals(found)] == [
+        "--megatron-fsdp-grad-comm-dtype bf16", "--megatron-fsdp-main-grads-dtype bf16"]
+    assert "give that flag instead" in refusals(found)[0] and "--grad-reduce-in-bf16" in \
+        refusals(found)[0]

@@ -361,9 +361,6 @@ def test_moe_settings_without_experts_are_named():
     (["--moe-router-load-balancing-type", "z_loss"],
      "--moe-router-load-balancing-type 'z_loss' is not one of aux_loss, seq_aux_loss, "
      "global_aux_loss, none"),
-    (["--moe-token-dispatcher-type", "flex"],
-     "--moe-token-dispatcher-type flex needs external communication libraries (DeepEP, HybridEP, "
-     "NCCL-EP) ptdp does not use: use allgather or alltoall"),
 ])
 def test_refused_options(argv, message):
     assert problems(*MOE, *argv) == [message]
@@ -499,3 +496,31 @@ def test_parallel_defaults():
     par = ParallelConfig()
     assert (par.expert_model_parallel_size, par.expert_tensor_parallel_size) == (1, None)
     assert ParallelConfig(tensor_model_parallel_size=4).expert_tensor_size == 4
+
+
+def test_the_flex_dispatcher_runs_as_alltoall_with_a_note(capsys):
+    """Megatron-LM's DeepSeek-V3 script's --moe-token-dispatcher-type flex
+    --moe-flex-dispatcher-backend hybridep: accepted, each with a line that
+    names what ptdp runs instead; the model's MoE layers build the alltoall
+    dispatcher."""
+    from ptdp.config.megatron import config_notes
+    from ptdp.parallel.expert import AllToAllDispatcher, TokenDispatcher
+
+    assert problems(*MOE, "--moe-token-dispatcher-type", "flex") == []
+    args = build_parser().parse_args(["train", "--mock-data", *TINY, *MOE,
+                                      "--moe-token-dispatcher-type", "flex",
+                                      "--moe-flex-dispatcher-backend", "hybridep"])
+    found = given(args)
+    assert refusals(found) == []
+    assert notes(found) == [
+        "ptdp: --moe-flex-dispatcher-backend hybridep has no effect: a setting of the flex "
+        "dispatcher's communication kernels (DeepEP, HybridEP, NCCL-EP); ptdp runs "
+        "--moe-token-dispatcher-type flex as its alltoall dispatcher, which dispatches the same "
+        "tokens to the same experts"]
+    config = config_from_args(args)
+    assert config.model.dispatcher == "alltoall"
+    assert [line for line in config_notes(config) if "flex" in line] == [
+        "ptdp: --moe-token-dispatcher-type flex runs as ptdp's alltoall dispatcher: Megatron-LM's "
+        "flex dispatcher is an all-to-all on DeepEP, HybridEP or NCCL-EP kernels, which ptdp does "
+        "not use; the same tokens reach the same experts"]
+    assert TokenDispatcher.registry[config.model.dispatcher] is AllToAllDispatcher

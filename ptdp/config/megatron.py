@@ -73,6 +73,11 @@ def _moe(name: str, values: int, what: str, instead: str, **extra: Any) -> Accep
 _DROP = "drop it"
 _FLEX = ("part of the flex token dispatcher (DeepEP, HybridEP or NCCL-EP communication "
          "libraries)", "use --moe-token-dispatcher-type alltoall or allgather and drop it")
+# The flex dispatcher's kernel and resource choices: ptdp runs flex as its
+# alltoall dispatcher, so they change nothing it computes.
+_FLEX_KERNELS = ("a setting of the flex dispatcher's communication kernels (DeepEP, HybridEP, "
+                 "NCCL-EP); ptdp runs --moe-token-dispatcher-type flex as its alltoall "
+                 "dispatcher, which dispatches the same tokens to the same experts")
 _LOW_PRECISION = ("a Transformer Engine FP8/FP4 or grouped-tensor layout option",
                   "train with --bf16 and drop it")
 _OVERLAP = ("overlap of the expert-parallel all-to-all with computation across micro-batches",
@@ -113,17 +118,17 @@ MOE_FLAGS: tuple[AcceptedFlag, ...] = (
          "shared experts", _DROP),
     _moe("--use-grouped-gemm-for-dense-mlp", 0, "Transformer Engine's grouped GEMM for the dense "
          "MLP", _DROP),
-    _moe("--moe-enable-deepep", 0, *_FLEX),
-    _moe("--moe-flex-dispatcher-backend", 1, *_FLEX),
-    _moe("--moe-flex-dispatcher-num-sms", 1, *_FLEX),
-    _moe("--moe-deepep-num-sms", 1, *_FLEX),
-    _moe("--moe-hybridep-num-sms", 1, *_FLEX),
-    _moe("--moe-hybridep-num-blocks-permute", 1, *_FLEX),
-    _moe("--moe-hybridep-num-blocks-unpermute", 1, *_FLEX),
-    _moe("--moe-hybridep-num-sms-preprocessing", 1, *_FLEX),
-    _moe("--moe-hybridep-pad-uneven-dispatch-inputs", 0, *_FLEX),
-    _moe("--moe-permute-fusion-into-hybridep", 0, *_FLEX),
-    _moe("--moe-ncclep-zero-copy", 0, *_FLEX),
+    AcceptedFlag("--moe-enable-deepep", 0, _FLEX_KERNELS),
+    AcceptedFlag("--moe-flex-dispatcher-backend", 1, _FLEX_KERNELS),
+    AcceptedFlag("--moe-flex-dispatcher-num-sms", 1, _FLEX_KERNELS),
+    AcceptedFlag("--moe-deepep-num-sms", 1, _FLEX_KERNELS),
+    AcceptedFlag("--moe-hybridep-num-sms", 1, _FLEX_KERNELS),
+    AcceptedFlag("--moe-hybridep-num-blocks-permute", 1, _FLEX_KERNELS),
+    AcceptedFlag("--moe-hybridep-num-blocks-unpermute", 1, _FLEX_KERNELS),
+    AcceptedFlag("--moe-hybridep-num-sms-preprocessing", 1, _FLEX_KERNELS),
+    AcceptedFlag("--moe-hybridep-pad-uneven-dispatch-inputs", 0, _FLEX_KERNELS),
+    AcceptedFlag("--moe-permute-fusion-into-hybridep", 0, _FLEX_KERNELS),
+    AcceptedFlag("--moe-ncclep-zero-copy", 0, _FLEX_KERNELS),
     _moe("--moe-dispatch-fwd-dtype", 1, *_FLEX),
     _moe("--moe-combine-bwd-dtype", 1, *_FLEX),
     _moe("--moe-expert-rank-capacity-factor", 1, *_FLEX),
@@ -249,6 +254,18 @@ ACCEPTED: tuple[AcceptedFlag, ...] = (
     AcceptedFlag("--no-gradient-accumulation-fusion", 0,
                  "ptdp has no fused weight-gradient accumulation kernel to turn off: autograd's "
                  "gradients are added into the fp32 main gradients"),
+    # Megatron-FSDP's own dtype flags: what ptdp keeps (fp32; "auto" is the
+    # model's, fp32 in ptdp's buffers) accepted, lower precisions refused as
+    # --main-grads-dtype's are; bf16 reductions are --grad-reduce-in-bf16.
+    AcceptedFlag("--megatron-fsdp-grad-comm-dtype", 1,
+                 "ptdp reduces gradients in fp32 under every sharding strategy",
+                 choices=("fp32", "fp16", "bf16", "auto"), refused_choices=("fp16", "bf16"),
+                 refusal="ptdp reduces gradients in fp32, or in bf16 with --grad-reduce-in-bf16: "
+                         "give that flag instead (fp16 reductions are not in ptdp)", listed=False),
+    *(AcceptedFlag(name, 1, "fp32 is what ptdp keeps under every sharding strategy",
+                   choices=("fp32", "bf16", "fp16", "auto"), refused_choices=("bf16", "fp16"),
+                   refusal=_FP32_STATE, listed=False)
+      for name in ("--megatron-fsdp-main-grads-dtype", "--megatron-fsdp-main-params-dtype")),
     AcceptedFlag("--accumulate-allreduce-grads-in-fp32", 0,
                  "always so in ptdp: gradients are accumulated and reduced in fp32 (unless "
                  "--grad-reduce-in-bf16)"),
@@ -522,6 +539,10 @@ def config_notes(config) -> list[str]:
                   f"nothing is left out of one" for name, on in (
                       ("--no-load-optim", train.load_optim is False),
                       ("--no-load-rng", train.load_rng is False)) if on and not train.finetune]
+    if config.model.moe_token_dispatcher_type == "flex":
+        lines.append("ptdp: --moe-token-dispatcher-type flex runs as ptdp's alltoall dispatcher: "
+                     "Megatron-LM's flex dispatcher is an all-to-all on DeepEP, HybridEP or NCCL-EP "
+                     "kernels, which ptdp does not use; the same tokens reach the same experts")
     if config.model.use_flash_attn:
         lines.append(f"ptdp: --use-flash-attn has no effect: {_ATTENTION_NOTE}")
     if config.model.attention_backend != "auto":

@@ -279,14 +279,18 @@ MLA_LATENT_CACHE = Family(
     switches="""
         --cache-mla-latents""")
 
+# --mtp-num-layers and --mtp-loss-scaling-factor are ptdp settings (ptdp.config.mtp);
+# these variants of the modules change what they compute or where they run.
 MULTI_TOKEN_PREDICTION = Family(
-    "multi-token prediction (extra layers predicting later tokens, DeepSeek-V3's MTP)",
-    'drop the --mtp-* flags; the model predicts the next token',
+    "a variant of multi-token prediction (detached heads, hidden-state mixing, one module "
+    "repeated, MTP on a pipeline stage of its own, a hybrid model's MTP pattern)",
+    "use --mtp-num-layers D (D modules of their own, on the last pipeline stage) with "
+    "--mtp-loss-scaling-factor, or drop the flag",
     refused=True,
     switches="""
         --mtp-detach-heads --mtp-hsm --mtp-standalone --mtp-use-repeated-layer""",
     values="""
-        --mtp-hybrid-override-pattern --mtp-loss-scaling-factor --mtp-num-layers""")
+        --mtp-hybrid-override-pattern""")
 
 ROPE_VARIANTS = Family(
     "a variant of the position embedding (interleaved, multimodal or relative rotary, or "
@@ -435,20 +439,25 @@ OFFLOADING = Family(
     lists="""
         --offload-modules""")
 
-FSDP = Family(
-    'Megatron-FSDP\'s and torch FSDP2\'s other settings (buffers, registration, dtypes, HSDP)',
-    'ptdp shards with --use-megatron-fsdp --data-parallel-sharding-strategy; leave these out',
-    refused=True,
+FSDP_BUFFERS = Family(
+    "Megatron-FSDP's buffer, registration, prefetch and initialisation choices",
+    "ptdp's sharding (--use-megatron-fsdp --data-parallel-sharding-strategy) keeps its own "
+    "buffers and computes the same",
     switches="""
-        --ddp-reduce-scatter-with-fp32-accumulation --enable-full-sharding-in-hsdp
         --fsdp-db-use-persist-buf-on-alloc-fail --fsdp-double-buffer --fsdp-manual-registration
         --init-model-with-meta-device --megatron-fsdp-enable-fine-grained-param-gather
         --megatron-fsdp-max-pool-double-buffer""",
     values="""
-        --megatron-fsdp-grad-comm-dtype
-        --megatron-fsdp-main-grads-dtype --megatron-fsdp-main-params-dtype --megatron-fsdp-version
-        --num-distributed-optimizer-instances --outer-dp-sharding-strategy
-        --suggested-communication-unit-size""",
+        --megatron-fsdp-version --suggested-communication-unit-size""")
+
+FSDP = Family(
+    "Megatron-FSDP's and torch FSDP2's other settings (HSDP, accumulation patterns)",
+    'ptdp shards with --use-megatron-fsdp --data-parallel-sharding-strategy; leave these out',
+    refused=True,
+    switches="""
+        --ddp-reduce-scatter-with-fp32-accumulation --enable-full-sharding-in-hsdp""",
+    values="""
+        --num-distributed-optimizer-instances --outer-dp-sharding-strategy""",
     lists="""
         --ddp-param-name-patterns-for-fp32-local-accumulation""")
 
@@ -657,6 +666,7 @@ FAMILIES: tuple[Family, ...] = (
     WEIGHT_DECAY_VARIANTS,
     OTHER_OPTIMIZERS,
     OFFLOADING,
+    FSDP_BUFFERS,
     FSDP,
     GTP,
     CONTEXT_VARIANTS,

@@ -102,7 +102,8 @@ class MoEFields:
         "pad each expert's tokens to its capacity (needs --moe-expert-capacity-factor)")
     moe_token_dispatcher_type: str = flag(
         "allgather", "--moe-token-dispatcher-type",
-        "how tokens reach their experts: allgather or alltoall (flex is refused)",
+        "how tokens reach their experts: allgather or alltoall (flex, Megatron-LM's dispatcher on "
+        "DeepEP/HybridEP kernels, runs as alltoall: the same tokens reach the same experts)",
         choices=("allgather", "alltoall", "flex"))
     moe_grouped_gemm: bool = flag(
         False, "--moe-grouped-gemm", "all of a rank's local experts in one grouped GEMM")
@@ -124,6 +125,13 @@ class MoEFields:
             self.moe_layer_freq = int(freq)
         elif isinstance(freq, (list, tuple)) and all(is_count(x, 0) for x in freq):
             self.moe_layer_freq = "[" + ",".join(map(str, freq)) + "]"
+
+    @property
+    def dispatcher(self) -> str:
+        """The token dispatcher ptdp runs: flex (Megatron-LM's all-to-all on
+        DeepEP/HybridEP/NCCL-EP kernels, which ptdp does not use) is alltoall."""
+        return "alltoall" if self.moe_token_dispatcher_type == "flex" else \
+            self.moe_token_dispatcher_type
 
     @property
     def is_moe(self) -> bool:
@@ -360,9 +368,6 @@ def moe_problems(m: Any) -> list[str]:
     if m.moe_shared_expert_gate and m.moe_shared_expert_intermediate_size is None:
         problems.append("--moe-shared-expert-gate gates the shared experts, which "
                         "--moe-shared-expert-intermediate-size adds: give it or drop the gate")
-    if m.moe_token_dispatcher_type == "flex":
-        problems.append("--moe-token-dispatcher-type flex needs external communication libraries "
-                        "(DeepEP, HybridEP, NCCL-EP) ptdp does not use: use allgather or alltoall")
     if is_count(m.num_layers, 1):
         try:
             pattern = layer_pattern(m.moe_layer_freq, m.num_layers)

@@ -19,7 +19,9 @@ table of them, and picks one each way:
   with learnable sinks (hf_gpt_oss.py).
 
 The bare models (GPT2Model, LlamaModel, ...) are read too: their keys lack
-the family's prefix.
+the family's prefix. Weights stored as block-scaled FP8 (DeepSeek-V3's
+format, quantization_config quant_method "fp8") are dequantized on import
+for every family (fp8_blocks.py); the families see the plain tensors.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import torch
 
 from ptdp.config import ModelConfig
 from ptdp.interop.family import HFFamily
+from ptdp.interop.fp8_blocks import METHOD as FP8_METHOD
+from ptdp.interop.fp8_blocks import fp8_block, fp8_shapes, load_fp8_state
 from ptdp.interop.hf_files import ConversionError, read_hf_config, write_hf_directory
 from ptdp.interop.hf_gemma3 import GEMMA3
 from ptdp.interop.hf_gpt2 import GPT2
@@ -107,20 +111,55 @@ def load_hf_directory(directory: str | Path, **overrides: Any
     family (family_for_import): `config.json` plus `model.safetensors` or
     sharded safetensors with `model.safetensors.index.json`. config.json is
     checked against the tensors' names and shapes before any data is read;
-    the tensors the model uses must be floating point and finite.
+    the tensors the model uses must be floating point and finite, or
+    block-scaled FP8 (quantization_config quant_method "fp8", any family:
+    fp8_blocks.py), dequantized into config.json's dtype.
     `overrides` go to the family's model_config."""
     hf_config = read_hf_config(directory)
     family = family_for_import(hf_config, directory)
     config = family.model_config(hf_config, **overrides)
+    quantization = _fp8_quantization(hf_config, family, directory)
     weights = HFWeights(directory, family.classes[0])
     try:
-        family.check_hf_tensors(weights.shapes, config)
-        # A family whose published files hold quantized tensors (gpt-oss's
-        # MXFP4 experts) reads them itself, dequantized.
-        load_state = getattr(family, "load_state", None)
-        state = load_state(weights) if load_state is not None else weights.load(
-            key for key in weights.tensors
-            if not family.ignored.match(key.removeprefix(family.prefix)))
+        family.check_hf_tensors(weights.shapes if quantization is None
+                                else fp8_shapes(weights, quantization), config)
+        used = [key for key in weights.tensors
+                if not family.ignored.match(key.removeprefix(family.prefix))]
+        # A family whose published files hold another quantized format
+        # (gpt-oss's MXFP4 experts) reads them itself, dequantized.
+        own_loader = getattr(family, "load_state", None)
+        if quantization is not None:
+            state = load_fp8_state(weights, quantization, used, _stored_dtype(hf_config))
+        else:
+            state = own_loader(weights) if own_loader is not None else weights.load(used)
         return config, family.from_hf_state(state, config)
     except ConversionError as e:
         raise ConversionError(f"{directory}: {e}") from None
+
+
+def _fp8_quantization(hf_config: dict[str, Any], family: HFFamily,
+                      source: str | Path) -> dict[str, Any] | None:
+    """config.json's quantization_config where the weights are read as
+    block-scaled FP8 (fp8_blocks.py), which any family's may be; None where
+    there is none, or the family reads its own format (gpt-oss's MXFP4,
+    which its model_config checked). Any other format is refused here,
+    before the files are opened."""
+    quantization = hf_config.get("quantization_config")
+    if quantization is None:
+        return None
+    is_fp8 = isinstance(quantization, dict) and quantization.get("quant_method") == FP8_METHOD
+    if not is_fp8 and getattr(family, "load_state", None) is not None:
+        return None
+    try:
+        fp8_block(quantization)
+    except ConversionError as e:
+        raise ConversionError(f"{source}: {e}") from None
+    return quantization
+
+
+def _stored_dtype(hf_config: dict[str, Any]) -> torch.dtype:
+    """The dtype config.json says the model's weights are in (`dtype`, or
+    transformers 4's `torch_dtype`): what FP8 weights dequantize into, so
+    they match the tensors stored plain; bf16 where it names none."""
+    named = hf_config.get("dtype", hf_config.get("torch_dtype"))
+    return {"float32": torch.float32, "float16": torch.float16}.get(named, torch.bfloat16)

@@ -30,8 +30,11 @@ from ptdp.interop.hf_files import WEIGHTS_INDEX_NAME, WEIGHTS_NAME, ConversionEr
 
 # safetensors' names of the dtypes ptdp trains and computes in (what its
 # checkpoints may hold); float8 is a quantized format that needs the scales
-# stored beside it, and integer or bool weights are quantized or not weights.
+# stored beside it (fp8_blocks.py reads those pairs), and integer or bool
+# weights are quantized or not weights.
 FLOAT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+_FP8_NOTE = ("; block-scaled FP8 weights with their `_scale_inv` tensors are read when "
+             "config.json's quantization_config says quant_method 'fp8': fp8_blocks.py")
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,13 @@ class HFWeights:
                     f"{stored.file}: tensor {key!r} is {stored.dtype}, not floating point: ptdp "
                     f"imports weights stored as {', '.join(FLOAT_DTYPES.values())} (a quantized "
                     f"model must be dequantized first, e.g. saved again from transformers in "
-                    f"one of those dtypes)")
+                    f"one of those dtypes{_FP8_NOTE if stored.dtype.startswith('F8') else ''})")
+        return {key: _finite(value, key, self.tensors[key].file)
+                for key, value in self.read(keys).items()}
+
+    def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The tensors `keys` as stored, unchecked: for a reader that checks
+        them itself (quantized formats: fp8_blocks.py)."""
         from safetensors import SafetensorError, safe_open
 
         state: dict[str, torch.Tensor] = {}
@@ -87,7 +96,7 @@ class HFWeights:
             try:
                 with safe_open(str(path), framework="pt") as handle:
                     for key in names:
-                        state[key] = _finite(handle.get_tensor(key), key, path)
+                        state[key] = handle.get_tensor(key)
             except SafetensorError as error:
                 raise ConversionError(f"cannot read {path}: {error}") from None
         return state

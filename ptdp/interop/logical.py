@@ -18,8 +18,10 @@ from ptdp.model.shapes import logical_shapes  # the table, re-exported for the c
 
 
 def norm_weight_names(config: ModelConfig) -> list[str]:
-    """The logical names of every norm's scale (each layer's two, the final one)."""
-    return [name for name in logical_shapes(config) if name.endswith("layernorm.weight")]
+    """The logical names of every norm's scale (each layer's two, the final
+    one; an MTP module's enorm and hnorm too)."""
+    return [name for name in logical_shapes(config) if name.endswith("layernorm.weight")
+            or name.startswith("mtp.") and name.endswith(("enorm.weight", "hnorm.weight"))]
 
 
 def with_plain_norm_scales(logical: dict[str, torch.Tensor],

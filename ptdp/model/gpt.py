@@ -390,16 +390,26 @@ class GPT(nn.Module):
             self.embedding = Embedding(config, ctx, rng, sp)
         self.layers = nn.ModuleDict({str(i): TransformerLayer(config, ctx, rng, sp, i, cp_comm_type)
                                      for i in self.layer_ids})
+        # --mtp-num-layers: the MTP modules, after the final norm (ptdp.model.mtp).
+        self.mtp = None
         if post_process:
             self.final_layernorm = layer_norm(config, sp)
             if not config.tied_output:
                 self.output_layer = vocab_parallel_matrix(config, ctx)
-            elif not pre_process:
+            if not pre_process and config.mtp_depth:
+                # The MTP modules embed tokens on the last stage: its own copy of
+                # the word embedding (as a tied output layer's, below).
+                self.embedding = Embedding(config, ctx, rng, sp)
+                setattr(self.embedding.word_embeddings.weight, COPY_ATTR, True)
+            elif config.tied_output and not pre_process:
                 # A later pipeline stage keeps its own copy of the tied word
                 # embedding, under the same logical name, so it starts equal.
                 self.embedding = nn.Module()
                 self.embedding.word_embeddings = vocab_parallel_matrix(config, ctx)
                 setattr(self.embedding.word_embeddings.weight, COPY_ATTR, True)
+            if config.mtp_depth:
+                from ptdp.model.mtp import MultiTokenPrediction  # (it builds this module's layers)
+                self.mtp = MultiTokenPrediction(config, ctx, rng, sp, cp_comm_type)
 
     def initialize(self, seed: int) -> "GPT":
         initialize_parameters(self, seed)
@@ -449,9 +459,11 @@ class GPT(nn.Module):
 
         Returns hidden [s, b, h] unless this is the last stage; there it
         returns the mean loss over unmasked tokens when `labels` [b, s] are
-        given, else this rank's logits [s, b, V'/t].
+        given, else this rank's logits [s, b, V'/t]. With --mtp-num-layers,
+        in training, the loss's backward also trains the MTP modules' loss
+        (ptdp.model.mtp), which its value leaves out.
         """
-        positions = None
+        positions, packed = None, documents
         if documents is not None:
             positions = self._own_positions(documents.position_ids)
             if documents.document_ids is None:  # positions only: attention crosses documents
@@ -461,10 +473,14 @@ class GPT(nn.Module):
         x = self._run_layers(x, positions, documents)
         if not self.post_process:
             return x
-        logits = self.logits(self.final_layernorm(x))
+        hidden = self.final_layernorm(x)
+        logits = self.logits(hidden)
         if labels is None:
             return logits
-        return self.loss(logits, labels, loss_mask)
+        loss = self.loss(logits, labels, loss_mask)
+        if self.mtp is None or not recompute_active(self):  # (MTP trains; evaluation skips it)
+            return loss
+        return self.mtp.attach(loss, self.mtp(self, hidden, labels, loss_mask, packed, positions))
 
     def _run_layers(self, x: torch.Tensor, positions: torch.Tensor | None = None,
                     documents: Documents | None = None) -> torch.Tensor:
@@ -569,7 +585,9 @@ def build_chunks(config: ModelConfig, ctx: ParallelContext, device: torch.device
             attach_adapters(model, config, lora, ctx.tp_size, rng)
         model.initialize(seed)
         first = next((c for c in chunks if c.pre_process), None)
-        if model.post_process and config.tied_output and first is not None:
+        if model.post_process and config.mtp_depth and first is not None:
+            model.embedding = first.embedding  # (zbv: the MTP modules embed with the first chunk's)
+        elif model.post_process and config.tied_output and first is not None:
             model.embedding.word_embeddings = first.embedding.word_embeddings
         chunks.append(model.to(device))
     return chunks

@@ -333,7 +333,7 @@ class MoELayer(nn.Module):
             raise ValueError("expert parallelism (or ETP != t) at t > 1 needs sequence "
                              "parallelism: the tokens are dispatched from its shards")
         self.router = Router(config, tokens_are_replicated=ctx.tp_size > 1)
-        self.dispatcher = (token_dispatcher(config.moe_token_dispatcher_type, ctx,
+        self.dispatcher = (token_dispatcher(config.dispatcher, ctx,
                                             config.num_experts)
                            if self.dispatches else LocalExperts(ctx, config.num_experts))
         # This expert-parallel rank's E/EP experts, under their global numbers.

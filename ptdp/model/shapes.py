@@ -56,6 +56,17 @@ def logical_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes.update(norm("final_layernorm"))
     if not config.tied_output:
         shapes["output_layer.weight"] = (config.vocab_size, h)
+    # --mtp-num-layers: each MTP module's norms of the embedding and the
+    # hidden state, its 2h -> h projection (columns: the embedding's h, then
+    # the hidden state's), its transformer layer (the last layer's kind) and
+    # final norm (ptdp.model.mtp)
+    last = moe_layer if pattern[-1] else per_layer
+    for k in range(config.mtp_depth):
+        prefix = f"mtp.layers.{k}"
+        shapes.update({f"{prefix}.{name}": shape for name, shape in
+                       {**norm("enorm"), **norm("hnorm"), "eh_proj.weight": (h, 2 * h),
+                        **{f"transformer_layer.{n}": x for n, x in last.items()},
+                        **norm("final_layernorm")}.items()})
     return shapes
 
 
@@ -138,5 +149,9 @@ def state_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     expert biases of aux-loss-free balancing."""
     if not (config.is_moe and config.moe_router_enable_expert_bias):
         return {}
-    return {f"layers.{i}.mlp.router.expert_bias": (config.num_experts,)
-            for i, is_moe in enumerate(config.moe_layer_pattern) if is_moe}
+    biases = {f"layers.{i}.mlp.router.expert_bias": (config.num_experts,)
+              for i, is_moe in enumerate(config.moe_layer_pattern) if is_moe}
+    if config.moe_layer_pattern[-1]:  # the MTP modules' layers are the last layer's kind
+        biases.update({f"mtp.layers.{k}.transformer_layer.mlp.router.expert_bias":
+                       (config.num_experts,) for k in range(config.mtp_depth)})
+    return biases

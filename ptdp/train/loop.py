@@ -28,6 +28,7 @@ from ptdp.distributed import DistEnv, init_process_group
 from ptdp.errors import DivergenceError
 from ptdp.checkpoint.adapters import base_identity
 from ptdp.model.gpt import build_chunks
+from ptdp.model.mtp import mtp_logged, mtp_names
 from ptdp.parallel.data_parallel import GradBuffer
 from ptdp.parallel.sharded_grads import ShardedGradBuffer
 from ptdp.parallel.sharded_params import ShardedParamBuffer
@@ -76,13 +77,15 @@ def worker(env: DistEnv, config: Config) -> list[dict[str, Any]]:
         dist.destroy_process_group()
 
 
-def _tied_accumulations(chunks: list, tied_output: bool) -> dict:
-    """The word embedding, when this rank's lookup and tied output layer
-    accumulate its gradient in separate backward passes (zbv's two chunks
-    on rank 0): twice per microbatch (see GradBuffer)."""
+def _tied_accumulations(chunks: list, shared: bool) -> dict:
+    """The word embedding, when this rank's lookup and the last chunk's use
+    of it (a tied output layer, the MTP modules' lookups) accumulate its
+    gradient in separate backward passes (zbv's two chunks on rank 0):
+    twice per microbatch (see GradBuffer). `shared`: whether the last chunk
+    uses it."""
     first = [c for c in chunks if c.pre_process]
     last = [c for c in chunks if c.post_process]
-    if tied_output and first and last and first[0] is not last[0]:
+    if shared and first and last and first[0] is not last[0]:
         return {first[0].embedding.word_embeddings.weight: 2}
     return {}
 
@@ -143,6 +146,8 @@ class Trainer:
                                    lora=config.lora)
         self.model = torch.nn.ModuleList(self.chunks)
         self.moe_layers = moe_layers(self.chunks)
+        # --mtp-num-layers: the last stage's MTP losses, logged as Megatron-LM names them.
+        self.mtp_names = mtp_names(model_cfg.mtp_depth)
         # The rank of the last virtual stage, which computes the loss (rank 0 under zbv).
         loss_rank = self.schedule.location(self.schedule.num_stages - 1)[0]
         self.holds_loss = loss_rank == ctx.pp_rank
@@ -191,16 +196,18 @@ class Trainer:
             for param in self.model.parameters():
                 if not param.requires_grad:
                     param.data = param.data.to(self.dtype)
-        # The first and last stage's copies of a tied word embedding, whose
+        # The first and last stage's copies of a word embedding the last
+        # stage uses too (a tied output layer, the MTP modules' lookups), whose
         # gradients are summed over the embedding group; none where one rank
         # holds both ends (under zbv rank 0's chunks share one parameter).
+        shared = model_cfg.tied_output or bool(model_cfg.mtp_depth)
         tied = ({chunk.embedding.word_embeddings.weight for chunk in self.chunks
                  if hasattr(chunk, "embedding")}
-                if ctx.embedding_group is not None and model_cfg.tied_output and loss_rank != 0
+                if ctx.embedding_group is not None and shared and loss_rank != 0
                 else set())
         options = dict(param_dtype=self.dtype, bucket_size=tr.ddp_bucket_size,
                        shard=tr.sharding_strategy != "no_shard", tied=tied,
-                       accumulations=_tied_accumulations(self.chunks, model_cfg.tied_output),
+                       accumulations=_tied_accumulations(self.chunks, shared),
                        average=not tr.calculate_per_token_loss,
                        reduce_dtype=torch.bfloat16 if tr.grad_reduce_in_bf16 else torch.float32,
                        device=self.device)
@@ -341,6 +348,17 @@ class Trainer:
             return to_microbatch(samples, settings, self.device)
         return microbatch
 
+    def _mtp_record(self) -> dict[str, float]:
+        """--mtp-num-layers: each depth's loss of the iteration as Megatron-LM
+        logs it ("mtp_k loss"): the microbatches' mean, averaged over the
+        data-parallel replicas (under context parallelism each rank's part
+        summed, as the main loss's). Empty off the loss's stage."""
+        losses = mtp_logged(self.chunks)
+        if not self.holds_loss:
+            return {}
+        return {name: average_loss(list(depth), None, self.ctx.grad_reduce_group, self.ctx.cp_size)
+                for name, depth in zip(self.mtp_names, zip(*(x.unbind() for x in losses)))}
+
     def step(self, iteration: int, record_timeline: bool = False) -> tuple[dict[str, Any], Any]:
         """Iteration `iteration` (0-based): forward and backward of every
         microbatch through the pipeline, gradient reduction, optimizer step."""
@@ -382,10 +400,9 @@ class Trainer:
         # (LoRA: the expert biases are the frozen base's, kept as loaded.)
         if self.config.model.moe_router_enable_expert_bias and not self.config.lora.enabled:
             update_expert_biases(self.moe_layers, self.config.model.moe_router_bias_update_rate, ctx)
-        loss = None
-        if self.holds_loss:
-            loss = average_loss(stats.losses, stats.loss_tokens if tr.calculate_per_token_loss
-                                else None, ctx.grad_reduce_group, ctx.cp_size)
+        loss = None if not self.holds_loss else average_loss(
+            stats.losses, stats.loss_tokens if tr.calculate_per_token_loss else None,
+            ctx.grad_reduce_group, ctx.cp_size)
         devices.synchronize(self.device)
         reduce_done = time.perf_counter()
 
@@ -431,6 +448,7 @@ class Trainer:
             tokens = int(stats.batch_tokens.item())
             record["loss_tokens"] = tokens
             record["loss_token_fraction"] = tokens / (global_batch * self.config.model.seq_length)
+        record.update(self._mtp_record())  # (every rank takes its MTP losses)
         if self.config.model.is_moe:
             record.update(balancing_metrics(self.moe_layers, self.config.model, ctx, self.device))
         if tr.rampup_batch_size is not None:

@@ -72,6 +72,8 @@ def embedding_and_output_weights(chunks: Iterable[torch.nn.Module]) -> set[torch
             found.add(chunk.embedding.word_embeddings.weight)
         if getattr(chunk, "post_process", False):
             found.add(chunk.output_matrix.weight)
+            if getattr(chunk, "mtp", None) is not None:  # the MTP modules' copy of the embedding
+                found.add(chunk.embedding.word_embeddings.weight)
     return found
 
 

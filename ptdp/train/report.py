@@ -170,6 +170,7 @@ def format_log_line(record: dict[str, Any], train_iters: int) -> str:
             text += f" ({', '.join(details)})"
         parts.append(text)
     parts += [f"{key} {record[key]:.4f}" for key in BALANCING_KEYS if record.get(key) is not None]
+    parts += [f"{key} {record[key]:.4f}" for key in mtp_keys(record)]
     if record.get("moe_busiest_expert_share") is not None:
         parts.append(f"expert load {record['moe_idlest_expert_share']:.1%} to "
                      f"{record['moe_busiest_expert_share']:.1%}")
@@ -330,6 +331,13 @@ BALANCING_KEYS = ("load_balancing_loss", "seq_load_balancing_loss", "global_load
                   "z_loss")
 VALIDATION_KEYS = frozenset({"val_loss", "val_perplexity", "val_bits_per_char"})
 
+
+def mtp_keys(record: dict[str, Any]) -> list[str]:
+    """The record's MTP losses (--mtp-num-layers), under Megatron-LM's names
+    ("mtp_1 loss", ...), which are its log's and TensorBoard tags too."""
+    return [key for key in record if key.startswith("mtp_") and key.endswith(" loss")
+            and record[key] is not None]
+
 # --log-timers-to-tensorboard: the iteration's timers in seconds under
 # Megatron-LM's names (its timer name + "-time"), where it has the same timer.
 # Megatron-LM writes the slowest rank's time; ptdp the logging rank's (the
@@ -430,6 +438,8 @@ class TensorBoardLogger:
                 self.writer.add_scalar(tag, value, step)
         if training:
             self._log_megatron_training(record, step)
+            for key in mtp_keys(record):
+                self.writer.add_scalar(key, record[key], step)
         self._megatron_scalars(MEGATRON_VALIDATION_TAGS, record, step)
         ppl = _finite(record.get("val_perplexity"))
         if self.validation_ppl and ppl is not None:

@@ -18,7 +18,12 @@ gradients: a simplification of at most one stage's backward. So a LoRA
 run's MFU compares what it computes with the machine's peak, not the 6·N·D
 of full training. (Megatron-LM's num_floating_point_operations, which
 Megatron-Bridge reports, has no adapter term: it reports a LoRA run as if
-it trained every weight; we did not find a Bridge convention that differs.)"""
+it trained every weight; we did not find a Bridge convention that differs.)
+
+Multi-token prediction (--mtp-num-layers D) adds, per module, its 2h -> h
+projection, its transformer layer (the model's last layer's kind) and the
+output layer, 3× their forward (Megatron-LM's num_floating_point_operations
+counts the same products, and the modules' norms besides)."""
 
 from __future__ import annotations
 
@@ -47,7 +52,11 @@ def model_flops_per_iteration(config: ModelConfig, global_batch: int, *, recompu
               for width, layer_attention in zip(mlp_widths(config), attention)]
     layer = sum(layers) / l   # (the mean layer: MoE and dense layers differ)
     output_layer = 2 * B * s * h * V
-    total = 3 * sum(layers) + 3 * output_layer
+    # --mtp-num-layers D: each module's 2h -> h projection and transformer
+    # layer (built as the last layer), and the output layer once more
+    mtp_layer = 2 * B * s * 2 * h * h + layers[-1]
+    mtp = config.mtp_depth
+    total = 3 * sum(layers) + 3 * output_layer + 3 * mtp * (mtp_layer + output_layer)
     if lora is not None:   # frozen base: input gradients only; adapters trained
         adapters = adapter_flops_forward(config, lora, B)
         total = 2 * (sum(layers) + output_layer) + sum(attention) + 3 * adapters
@@ -55,12 +64,12 @@ def model_flops_per_iteration(config: ModelConfig, global_batch: int, *, recompu
     if recompute is None:
         return float(total)
     if recompute == "selective":
-        return float(total + sum(attention))
-    if recompute == "full":
+        return float(total + sum(attention) + mtp * attention[-1])
+    if recompute == "full":  # (the MTP modules are recomputed whatever the method)
         recomputed = l if recomputed_layers is None else recomputed_layers
         if not 0 <= recomputed <= l:
             raise ValueError(f"recomputed_layers = {recomputed} is not in 0..{l}")
-        return float(total + recomputed * layer)
+        return float(total + recomputed * layer + mtp * mtp_layer)
     raise ValueError(f"unknown recompute {recompute!r}: use None, 'full' or 'selective'")
 
 

@@ -143,7 +143,7 @@ def dispatch_seconds(ops, load: ExpertLoad, ep: int, etp: int) -> tuple[float, f
         return 0.0, 0.0, 0.0
     model, machine, e, h = ops.w.model, ops.machine, ops.E, ops.h
     E, k, local = model.num_experts, model.moe_router_topk, load.local_tokens
-    if model.moe_token_dispatcher_type == "alltoall":
+    if model.dispatcher == "alltoall":
         ep_ranks, etp_ranks = expert_group(ep, etp), list(range(etp))
         pairs = k * local
         out = (_all_to_all(machine, pairs * h * e, ep_ranks)
