@@ -18,6 +18,7 @@ from ptdp.config.context import context_parallel_problems
 from ptdp.config.local_attention import local_attention_problems
 from ptdp.config.data import data_loading_problems
 from ptdp.config.lora import lora_problems
+from ptdp.config.mla import mla_problems
 from ptdp.config.mtp import mtp_problems
 from ptdp.schedules.kinds import (KINDS, SEARCHED, ScheduleKind, any_chunks_kind, lower_first,
                                   or_list)
@@ -55,6 +56,7 @@ def validate(config: Config, world_size: int | None = None) -> None:
     problems.extend(_gated_unit_problems(m))
     problems.extend(moe_problems(m))
     problems.extend(local_attention_problems(m))
+    problems.extend(mla_problems(config))
     problems.extend(mtp_problems(m, par, config.lora))
     problems.extend(precision_and_lr_problems(tr))
     problems.extend(run_length_problems(tr))

@@ -262,14 +262,22 @@ RERUN = Family(
     values="""
         --rerun-mode""")
 
-MULTI_LATENT_ATTENTION = Family(
-    "multi-latent attention (DeepSeek's MLA: low-rank queries, keys and values, with YaRN scaling)",
-    'use grouped-query attention (--group-query-attention --num-query-groups N)',
+# Multi-latent attention itself (--multi-latent-attention, --q-lora-rank, ...)
+# is a ptdp setting (ptdp.config.mla); these two choose how Megatron-LM runs it.
+MLA_DOWN_PROJECTION_FUSION = Family(
+    "multi-latent attention's query and key/value down projections (and the layer's input norm) "
+    "fused into one product",
+    "ptdp's MLA computes the two down projections apart, the same model",
+    switches="""
+        --mla-down-proj-fusion""")
+
+MLA_LATENT_CACHE = Family(
+    "a cache of multi-latent attention's latents for Megatron-LM's inference engine (Flash MLA "
+    "decoding; it refuses it while training)",
+    "drop --cache-mla-latents: ptdp trains, and its generation recomputes keys and values",
     refused=True,
     switches="""
-        --cache-mla-latents --mla-down-proj-fusion --multi-latent-attention""",
-    values="""
-        --kv-lora-rank --q-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim""")
+        --cache-mla-latents""")
 
 # --mtp-num-layers and --mtp-loss-scaling-factor are ptdp settings (ptdp.config.mtp);
 # these variants of the modules change what they compute or where they run.
@@ -643,7 +651,8 @@ FAMILIES: tuple[Family, ...] = (
     FAULT_TOLERANCE,
     DATASET_BUILD,
     RERUN,
-    MULTI_LATENT_ATTENTION,
+    MLA_DOWN_PROJECTION_FUSION,
+    MLA_LATENT_CACHE,
     MULTI_TOKEN_PREDICTION,
     ROPE_VARIANTS,
     ATTENTION_VARIANTS,

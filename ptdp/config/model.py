@@ -12,12 +12,13 @@ from dataclasses import dataclass
 from ptdp.config.base import divisors, finite_or_none, flag, flag_in, is_count, is_finite_number, \
     positive_integer_problems
 from ptdp.config.local_attention import LocalAttentionFields
+from ptdp.config.mla import MLAFields
 from ptdp.config.moe import MoEFields
 from ptdp.config.mtp import MTPFields
 
 
 @dataclass
-class ModelConfig(MoEFields, LocalAttentionFields, MTPFields):
+class ModelConfig(MoEFields, LocalAttentionFields, MTPFields, MLAFields):
     num_layers: int = flag(4, "--num-layers", "transformer layers")
     hidden_size: int = flag(128, "--hidden-size", "hidden size h")
     num_attention_heads: int = flag(4, "--num-attention-heads", "attention heads a")

@@ -336,7 +336,11 @@ class TransformerLayer(nn.Module):
         self.hidden_dropout = config.hidden_dropout
         self.fused = config.bias_dropout_fusion
         self.input_layernorm = layer_norm(config, sequence_parallel)
-        self.attention = Attention(config, ctx, rng, sequence_parallel, cp_comm_type, layer_id)
+        attention = Attention
+        if config.multi_latent_attention:
+            from ptdp.model.mla import MultiLatentAttention  # (it builds its norms with layer_norm)
+            attention = MultiLatentAttention
+        self.attention = attention(config, ctx, rng, sequence_parallel, cp_comm_type, layer_id)
         self.post_attention_layernorm = layer_norm(config, sequence_parallel)
         if config.is_moe and config.moe_layer_pattern[layer_id]:
             self.mlp = MoELayer(config, ctx, rng, sequence_parallel)

@@ -68,7 +68,7 @@ from functools import lru_cache
 from typing import Iterator, NamedTuple
 
 from ptdp.config import ModelConfig, TrainConfig
-from ptdp.model.shapes import logical_shapes
+from ptdp.model.shapes import logical_shapes, mla_rank_sizes
 from ptdp.schedules.kinds import check_arguments, kind_named, location_of, virtual_stage_of
 from ptdp.perf.layout import ByValue, Layout, Workload
 from ptdp.perf.analytic.flops import model_flops_per_iteration
@@ -104,13 +104,12 @@ class Param(NamedTuple):
 
 def _layer_parameter_list(model: ModelConfig, t: int = 1, sequence_parallel: bool = False, *,
                           moe: bool = False, ep: int = 1, etp: int | None = None) -> list[Param]:
-    """One transformer layer's parameters on one tensor rank, in module order:
-    norm 1, QKV, dense, norm 2, h→f, f→h (each linear layer's weight, then
-    its bias). Column-parallel weights and biases (QKV, h→f) and row-parallel
-    weights are split over t; norms and row-parallel biases are whole, and
-    under sequence parallelism they see s/t positions per rank, so their
-    gradients are partial (summed over the tensor group once per iteration).
-    `moe`: the MLP is an MoE layer (`_moe_parameter_list`) under EP and ETP."""
+    """One transformer layer's parameters on one tensor rank, in module order: norm 1, QKV (or
+    MLA's: ptdp.model.shapes.mla_rank_sizes), dense, norm 2, h→f, f→h (each weight, then its bias).
+    Column-parallel weights and biases (QKV, h→f) and row-parallel weights are split over t;
+    norms and row-parallel biases are whole, and under sequence parallelism they see s/t
+    positions per rank, so their gradients are partial (summed over the tensor group once per
+    iteration). `moe`: the MLP is an MoE layer (`_moe_parameter_list`) under EP and ETP."""
     h, f, d = model.hidden_size, model.ffn_size, model.head_dim
     qkv = (model.num_attention_heads + 2 * model.query_groups) * d   # queries, keys, values
     context = model.num_attention_heads * d                          # the dense layer's input
@@ -126,14 +125,15 @@ def _layer_parameter_list(model: ModelConfig, t: int = 1, sequence_parallel: boo
         return [Param(weight)] + [Param(bias, partial=sp and replicated_bias)
                                   for bias in weight_and_bias[1:]]
 
-    # --qk-layernorm: two norms over d values, whole on every tensor rank,
-    # each rank's gradient covering its own heads (partial when t > 1)
+    # --qk-layernorm: two whole norms over d values, each rank's gradient its heads' (partial at t > 1)
     qk_norms = ([Param(n, partial=t > 1) for n in 2 * _norm_parameters(model, d)]
                 if model.qk_layernorm else [])
     # learnable sinks: one logit per head, split with the heads
     sinks = [Param(model.num_attention_heads // t)] if model.softmax_type == "learnable" else []
-    attention = (norm() + sinks + linear(qkv * h // t, qkv // t, False, model.qkv_bias)
-                 + qk_norms + linear(h * context // t, h, True) + norm())
+    attention = norm() + ([Param(n, partial=sp and not split) for n, split in mla_rank_sizes(model, t)]
+                          if model.multi_latent_attention else
+                          sinks + linear(qkv * h // t, qkv // t, False, model.qkv_bias)
+                          + qk_norms + linear(h * context // t, h, True)) + norm()
     # --sandwich-norm: the norms after attention and after the MLP (registered last)
     sandwich = norm() + norm() if model.sandwich_norm else []
     if moe:

@@ -1,0 +1,359 @@
+"""Multi-latent attention (issue 44; ptdp.model.mla, ptdp.config.mla).
+
+- Against transformers' DeepseekV3Attention given the same weights (one
+  process, fp32, 1e-5): with and without --q-lora-rank, rope and YaRN
+  (mscale and mscale_all_dim equal, as DeepSeek-V3, and apart), DeepSeek's
+  interleaved rotary layout (rope_interleave True, no permutation) and the
+  "rotate half" one (rope_interleave False, through the row permutation
+  the module's docstring gives).
+- A small MLA GPT trains as one process does in one pooled call of four
+  ranks: t = 2 with sequence parallelism and p = 2 under ZB-V (deferred
+  weight gradients) with selective recomputation; p = 2 interleaved with
+  full recomputation and d = 2 with the distributed optimizer; c = 2 under
+  a2a (with t = 2), all_gather and p2p (with packed documents). Losses and
+  gradient norms over three AdamW steps agree to rel 1e-5, final weights to
+  1e-5.
+- The checkpoint saved under the first layout loads into one process with
+  the same logical weights; the parameter counts match built models; the
+  settings' bad values are refused before launch, one paragraph each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from ptdp.config import ConfigError, DataConfig, ModelConfig, validate
+from ptdp.model.gpt import GPT, TransformerLayer
+from ptdp.model.mla import MultiLatentAttention
+from ptdp.parallel.sharding import PARTIAL_GRAD_ATTR
+from ptdp.parallel.tensor import RNGStreams
+from ptdp.parallel.topology import ParallelContext, RankGrid
+from ptdp.perf.analytic import counts as analytic
+from ptdp.perf.layout import Layout as PerfLayout
+from ptdp.train.banner import count_parameters
+from ptdp.train.loop import Trainer
+from tests import test_ptdp_step as step
+
+hf = pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
+
+CPU = torch.device("cpu")
+# DeepSeek's shape in small: a = 4 heads of d_n 6 + d_r 4 (query/key) and d_v 5.
+WIDTHS = dict(kv_lora_rank=8, qk_head_dim=6, qk_pos_emb_head_dim=4, v_head_dim=5)
+MLA = dataclasses.replace(step.MODEL, multi_latent_attention=True, q_lora_rank=12, **WIDTHS,
+                          qk_layernorm=True, normalization="RMSNorm",
+                          position_embedding_type="rope")
+
+
+# ------------------------------------------------------------------ transformers
+
+def _hf_config(q_lora_rank: int | None, rope: dict, interleave: bool):
+    return hf.DeepseekV3Config(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=q_lora_rank, kv_lora_rank=8,
+        qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, max_position_embeddings=64,
+        rms_norm_eps=1e-6, attention_bias=False, attention_dropout=0.0,
+        rope_parameters={"rope_theta": 10000.0, **rope}, rope_interleave=interleave,
+        attn_implementation="eager")
+
+
+def _ptdp_config(q_lora_rank: int | None, rope: dict) -> ModelConfig:
+    yarn = {} if rope["rope_type"] == "default" else dict(
+        position_embedding_type="yarn", rotary_scaling_factor=rope["factor"],
+        yarn_original_max_position_embeddings=rope["original_max_position_embeddings"],
+        mscale=rope["mscale"], mscale_all_dim=rope["mscale_all_dim"])
+    return dataclasses.replace(MLA, q_lora_rank=q_lora_rank, norm_epsilon=1e-6,
+                               disable_bias_linear=True, **yarn)
+
+
+def _rotate_half_rows(weight: torch.Tensor, heads: int, before: int, rotated: int) -> torch.Tensor:
+    """Each head's block of `before` rows then `rotated` rows, the rotated
+    ones from "rotate half" order to interleaved pairs: row 2i <- row i,
+    row 2i + 1 <- row i + d_r/2 (ptdp.model.mla's docstring)."""
+    order = torch.stack([torch.arange(rotated // 2), torch.arange(rotated // 2) + rotated // 2],
+                        dim=1).reshape(-1)
+    blocks = weight.view(heads, before + rotated, -1)
+    return torch.cat([blocks[:, :before], blocks[:, before:][:, order]], dim=1).reshape_as(weight)
+
+
+def _hf_weights_as_ptdp(attention, interleave: bool) -> dict[str, torch.Tensor]:
+    """transformers' DeepseekV3Attention's weights under ptdp's names."""
+    names = {"q_a_proj": "query_down", "q_a_layernorm": "query_latent_layernorm",
+             "q_b_proj": "query_up", "q_proj": "query", "kv_a_proj_with_mqa": "key_value_down",
+             "kv_a_layernorm": "key_value_latent_layernorm", "kv_b_proj": "key_value_up",
+             "o_proj": "dense"}
+    state = {}
+    for name, tensor in attention.state_dict().items():
+        module, kind = name.split(".")
+        state[f"{names[module]}.{kind}"] = tensor.clone()
+    if not interleave:
+        heads, rotated = attention.num_heads, attention.qk_rope_head_dim
+        query = "query" if "query.weight" in state else "query_up"
+        state[f"{query}.weight"] = _rotate_half_rows(state[f"{query}.weight"], heads,
+                                                     attention.qk_nope_head_dim, rotated)
+        state["key_value_down.weight"] = _rotate_half_rows(
+            state["key_value_down.weight"], 1, attention.kv_lora_rank, rotated)
+    return state
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+        "mscale": 1.0, "mscale_all_dim": 1.0}
+CASES = {
+    "q-lora-yarn-deepseek-v3": (12, YARN, True),
+    "direct-query-yarn-mscales-apart": (None, {**YARN, "mscale": 0.9, "mscale_all_dim": 0.7},
+                                        True),
+    "q-lora-rope-rotate-half": (12, {"rope_type": "default"}, False),
+    "direct-query-yarn-rotate-half": (None, YARN, False),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_module_computes_what_transformers_deepseek_v3_attention_does(case):
+    q_lora_rank, rope, interleave = CASES[case]
+    hf_config = _hf_config(q_lora_rank, rope, interleave)
+    torch.manual_seed(3)
+    theirs = hf.DeepseekV3Attention(hf_config, layer_idx=0).eval()
+    with torch.no_grad():  # the norms away from 1, so their mapping counts
+        for name, param in theirs.named_parameters():
+            param.normal_(1.0 if "layernorm" in name else 0.0, 0.3)
+    config = _ptdp_config(q_lora_rank, rope)
+    validate(step._config(model=config))
+    ours = MultiLatentAttention(config, ParallelContext.single(), RNGStreams(CPU)).eval()
+    ours.load_state_dict(_hf_weights_as_ptdp(theirs, interleave))
+
+    b, s = 2, 16
+    x = torch.randn(b, s, 32)
+    position_ids = torch.arange(s).expand(b, s)
+    cos_sin = hf.DeepseekV3RotaryEmbedding(hf_config)(x, position_ids)
+    causal = torch.full((s, s), -math.inf).triu(1).expand(b, 1, s, s)
+    with torch.no_grad():
+        want, _ = theirs(x, cos_sin, causal)
+        out, bias = ours(x.transpose(0, 1).contiguous())
+    assert bias is None
+    assert_close(out.transpose(0, 1), want, rtol=0, atol=1e-5)
+    assert want.abs().max() > 0.1  # (a real output, not a vanishing one)
+
+
+# ------------------------------------------------------------------ layouts
+
+
+STEPS = 3
+EOD = 79  # the mock data's commonest token in these steps: the packed documents' boundary
+MODELS = {
+    # DeepSeek-V3's kind: a query latent, the latents normed, plain rope
+    "latent": MLA,
+    # DeepSeek-V2-Lite's kind: the query straight from h, YaRN with both
+    # mscales (the softmax scale grows), LayerNorm (the norms have biases)
+    "direct": dataclasses.replace(MLA, q_lora_rank=None, normalization="LayerNorm",
+                                  position_embedding_type="yarn", rotary_scaling_factor=4.0,
+                                  yarn_original_max_position_embeddings=8, mscale=0.9,
+                                  mscale_all_dim=0.7),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    t: int = 1
+    p: int = 1
+    d: int = 1
+    c: int = 1
+    k: int | None = None
+    comm: str = "p2p"
+    sequence_parallel: bool = False
+    recompute: str | None = None
+    distributed: bool = False
+    documents: bool = False  # --reset-position-ids --reset-attention-mask
+    model: str = "latent"
+    schedule: str = "1f1b"
+
+    @property
+    def name(self) -> str:
+        return (f"t{self.t}p{self.p}d{self.d}c{self.c}-{self.comm}{'-sp' * self.sequence_parallel}"
+                f"-{self.recompute}{'-distopt' * self.distributed}"
+                f"{'-documents' * self.documents}-{self.model}-{self.schedule}")
+
+    @property
+    def reference(self) -> tuple[str, bool]:
+        return self.model, self.documents
+
+
+def _config(layout: Layout):
+    model = dataclasses.replace(MODELS[layout.model], recompute_granularity=layout.recompute)
+    config = step._config(layout.t, layout.p, layout.d, layout.k, model, layout.sequence_parallel,
+                          use_distributed_optimizer=layout.distributed, train_iters=STEPS,
+                          global_batch_size=4)
+    config.parallel = dataclasses.replace(config.parallel, context_parallel_size=layout.c,
+                                          cp_comm_type=layout.comm,
+                                          pipeline_schedule=layout.schedule)
+    config.data = DataConfig(mock_data=True, reset_position_ids=layout.documents,
+                             reset_attention_mask=layout.documents)
+    validate(config, world_size=layout.t * layout.p * layout.d * layout.c)
+    return config
+
+
+def _trainer(layout: Layout, ctx: ParallelContext) -> Trainer:
+    trainer = Trainer(_config(layout), ctx, CPU)
+    trainer.data.eod = EOD
+    return trainer
+
+
+_serial: dict[tuple, tuple] = {}
+
+
+def _one_process(layout: Layout):
+    if layout.reference not in _serial:
+        trainer = _trainer(Layout(model=layout.model, documents=layout.documents),
+                           ParallelContext.single())
+        records = [trainer.step(i)[0] for i in range(STEPS)]
+        _serial[layout.reference] = records, step._logical_weights(trainer,
+                                                                   ParallelContext.single())
+    return _serial[layout.reference]
+
+
+def _layouts_vs_one_process(rank: int, layouts: list[Layout], references: dict,
+                            checkpoint: str) -> list:
+    """Each layout against the one-process run: (name, the parameter names
+    this rank compared, its logical weights); the first layout saves its
+    trained state into `checkpoint`."""
+    results = []
+    for layout in layouts:
+        records, weights = references[layout.reference]
+        ctx = ParallelContext.build(RankGrid(tp=layout.t, dp=layout.d, pp=layout.p, cp=layout.c))
+        trainer = _trainer(layout, ctx)
+        for i, want in enumerate(records):
+            got = trainer.step(i)[0]
+            assert not got["skipped"], layout.name
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), layout.name
+            if trainer.holds_loss:
+                assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), layout.name
+        logical = step._logical_weights(trainer, ctx)
+        for name, weight in logical.items():
+            assert_close(weight, weights[name], **step.WEIGHT_TOL,
+                         msg=lambda m, n=name: f"{layout.name}: {n}: {m}")
+        if layout is layouts[0]:
+            trainer.save(checkpoint, STEPS)
+        results.append((layout.name, set(logical), logical))
+        ctx.destroy()
+    return results
+
+
+LAYOUTS = [
+    Layout(t=2, p=2, sequence_parallel=True, recompute="selective", schedule="zbv"),
+    Layout(p=2, d=2, k=1, recompute="full", distributed=True),
+    Layout(t=2, c=2, comm="a2a"),
+    Layout(c=2, d=2, comm="all_gather"),
+    Layout(c=2, d=2, documents=True, model="direct"),  # p2p
+]
+
+
+def test_an_mla_gpt_trains_like_one_process_under_every_layout_and_reshards(pools, tmp_path):
+    """The layouts, then the checkpoint the first (t = 2 with sequence
+    parallelism, p = 2 under ZB-V) saved, loaded by one process: the same logical
+    weights, bit for bit."""
+    references = {layout.reference: _one_process(layout) for layout in LAYOUTS}
+    assert len({records[-1]["loss"] for records, _ in references.values()}) == len(references)
+    per_rank = pools(4).run(_layouts_vs_one_process, LAYOUTS, references, str(tmp_path))
+    for i, layout in enumerate(LAYOUTS):
+        names = set().union(*(results[i][1] for results in per_rank))
+        assert names == set(references[layout.reference][1]), layout.name
+
+    resumed = _trainer(Layout(model=LAYOUTS[0].model), ParallelContext.single())
+    resumed.load(str(tmp_path))
+    saved = {name: weight for results in per_rank for name, weight in results[0][2].items()}
+    loaded = step._logical_weights(resumed, ParallelContext.single())
+    assert set(loaded) == set(saved)
+    for name, weight in loaded.items():
+        assert torch.equal(weight, saved[name]), name
+
+
+# ------------------------------------------------------------------ counts
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_parameter_counts_match_built_models(model):
+    """The whole model's logical count, and one layer's parameters on a
+    tensor rank of t = 2 with sequence parallelism, in module order, with
+    their sizes and which have partial gradients."""
+    config = MODELS[model]
+    gpt = GPT(config, ParallelContext.single(), RNGStreams(CPU))
+    assert count_parameters(gpt) == analytic.parameter_count(config)
+    assert sum(p.numel() for p in gpt.parameters()) == \
+        analytic.parameters_per_device(config, PerfLayout())
+    grid = RankGrid(tp=2, dp=1, pp=1)
+    groups = {"tensor": None, "data": None, "pipeline": None, "model_parallel": None}
+    ctx = ParallelContext(grid=grid, rank=grid.rank(1, 0, 0), groups=groups)
+    layer = TransformerLayer(config, ctx, RNGStreams(CPU), sequence_parallel=True)
+    # (row-parallel biases are marked partial only where a tensor group exists)
+    built = [(p.numel(), getattr(p, PARTIAL_GRAD_ATTR, False)
+              or name.endswith(("dense.bias", "dense_4h_to_h.bias")))
+             for name, p in layer.named_parameters()]
+    counted = [(p.numel, p.partial) for p in analytic._layer_parameter_list(config, 2, True)]
+    assert counted == built
+    assert sum(partial for _, partial in built) >= 4  # the down projections, latent norms, ...
+
+
+# ------------------------------------------------------------------ bad inputs
+
+@pytest.mark.parametrize("settings, says", [
+    ({"kv_lora_rank": 0}, "--kv-lora-rank=0 must be a positive integer"),
+    ({"q_lora_rank": -4}, "--q-lora-rank=-4 must be a positive integer"),
+    ({"qk_pos_emb_head_dim": 5}, "--qk-pos-emb-head-dim 5: the rotated part turns in pairs"),
+    ({"group_query_attention": True, "num_query_groups": 2},
+     "--multi-latent-attention with --group-query-attention"),
+    ({"kv_channels": 16}, "--kv-channels 16 with --multi-latent-attention"),
+    ({"softmax_scale": 0.1}, "--softmax-scale 0.1 with --multi-latent-attention"),
+    ({"add_qkv_bias": True}, "--add-qkv-bias with --multi-latent-attention"),
+    ({"window_size": "3,0"}, "--multi-latent-attention with sliding windows"),
+    ({"softmax_type": "learnable"}, "--multi-latent-attention with attention sinks"),
+    ({"position_embedding_type": "learned_absolute"},
+     "--multi-latent-attention with --position-embedding-type learned_absolute"),
+    ({"rotary_percent": 0.5}, "--rotary-percent 0.5 with --multi-latent-attention"),
+    ({"multi_latent_attention": False}, "--q-lora-rank 12, --kv-lora-rank 8, --qk-head-dim 6, "
+                                        "--qk-pos-emb-head-dim 4, --v-head-dim 5: these are "
+                                        "multi-latent attention's widths"),
+])
+def test_bad_mla_settings_are_refused_in_one_paragraph(settings, says):
+    config = step._config(model=dataclasses.replace(MLA, **settings))
+    with pytest.raises(ConfigError) as refused:
+        validate(config)
+    assert len(refused.value.problems) == 1 and says in refused.value.problems[0], \
+        refused.value.problems
+
+
+def test_mla_with_adapters_is_refused_and_heads_must_split_over_t():
+    config = step._config(model=MLA)
+    config.lora = dataclasses.replace(config.lora, lora_rank=4)
+    with pytest.raises(ConfigError) as refused:
+        validate(config)
+    assert refused.value.problems == [refused.value.problems[0]]
+    assert "--lora-rank 4 with --multi-latent-attention" in refused.value.problems[0]
+    with pytest.raises(ConfigError) as refused:
+        validate(step._config(t=3, model=MLA))
+    assert any("--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3" in p
+               for p in refused.value.problems)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_a_packed_sequence_computes_each_document_alone(model):
+    """Three documents in one sequence (positions restarting, attention kept
+    inside each: the padded per-document path) give each document's logits
+    run alone (PyTorch's attention, values of their own width)."""
+    from ptdp.parallel.document_attention import Documents
+
+    config, lengths = MODELS[model], (5, 7, 4)
+    torch.manual_seed(1)
+    tokens = torch.randint(0, config.vocab_size, (1, sum(lengths)))
+    ids = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths)).unsqueeze(0)
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    gpt = GPT(config, ParallelContext.single(), RNGStreams(CPU)).initialize(5)
+    with torch.no_grad():
+        packed = gpt(tokens, documents=Documents(positions, ids))
+        start = 0
+        for n in lengths:
+            alone = gpt(tokens[:, start:start + n])
+            assert_close(packed[start:start + n], alone, rtol=0, atol=1e-5)
+            start += n
