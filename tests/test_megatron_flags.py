@@ -336,12 +336,12 @@ def test_each_refused_flag_is_refused_by_name_in_one_report(no_launch, capsys):
 
 
 @pytest.mark.parametrize("flags, says", [
-    (["--multi-latent-attention"], "multi-latent attention"),
+    (["--cache-mla-latents"], "multi-latent attention"),
     (["--q-lora-rank", "1536"], "multi-latent attention"),
     (["--kv-lora-rank", "512"], "multi-latent attention"),
     (["--mtp-use-repeated-layer"], "multi-token prediction"),
     (["--window-size", "128"], "give two integers L,R"),
-    (["--rope-type", "yarn"], "multi-latent attention"),
+    (["--rope-type", "yarn"], "only with --multi-latent-attention"),
     (["--tokenizer-type", "BertWordPieceCase"], "BERT's WordPiece"),
 ])
 def test_architectures_ptdp_lacks_say_what_they_are_and_what_to_use(flags, says, no_launch,
@@ -456,7 +456,7 @@ def test_every_problem_of_a_command_line_is_in_one_report(no_launch, capsys):
     """Unknown flags, values that do not parse, a missing value, refused
     flags and invalid settings: one report, exit status 2, nothing started."""
     with pytest.raises(SystemExit) as exit_:
-        main(["train", *TINY, "--hiden-size", "8", "--lr", "fast", "--multi-latent-attention",
+        main(["train", *TINY, "--hiden-size", "8", "--lr", "fast", "--cache-mla-latents",
               "--kv-channels", "0", "--position-embedding-type", "relative", "-t", "3",
               "--pipeline-schedule"])
     assert exit_.value.code == 2
@@ -468,7 +468,7 @@ def test_every_problem_of_a_command_line_is_in_one_report(no_launch, capsys):
                 "--lr fast: not a number",
                 "--position-embedding-type relative: T5's relative position buckets are not yet in",
                 "--pipeline-schedule needs a value: choose from",
-                "--multi-latent-attention: multi-latent attention",
+                "--cache-mla-latents: a cache of multi-latent attention",
                 "--kv-channels=0 must be a positive integer",
                 "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3"]
     assert len(lines) == 1 + len(expected)

@@ -304,7 +304,9 @@ def test_parameter_counts_match_built_models(model):
     ({"qk_pos_emb_head_dim": 5}, "--qk-pos-emb-head-dim 5: the rotated part turns in pairs"),
     ({"group_query_attention": True, "num_query_groups": 2},
      "--multi-latent-attention with --group-query-attention"),
-    ({"kv_channels": 16}, "--kv-channels 16 with --multi-latent-attention"),
+    ({"rope_type": "rope", "rotary_scaling_factor": 4.0},
+     "--rotary-scaling-factor 4.0: YaRN's settings act only with YaRN, which --rope-type rope "
+     "turns off for multi-latent attention"),
     ({"softmax_scale": 0.1}, "--softmax-scale 0.1 with --multi-latent-attention"),
     ({"add_qkv_bias": True}, "--add-qkv-bias with --multi-latent-attention"),
     ({"window_size": "3,0"}, "--multi-latent-attention with sliding windows"),
@@ -357,3 +359,33 @@ def test_a_packed_sequence_computes_each_document_alone(model):
             alone = gpt(tokens[:, start:start + n])
             assert_close(packed[start:start + n], alone, rtol=0, atol=1e-5)
             start += n
+
+
+def test_the_rotation_is_rope_types_as_megatron_lm_reads_an_mla_model():
+    """Megatron-LM's DeepSeek-V3 script gives --position-embedding-type rope
+    with --rotary-scaling-factor 40 and no --rope-type: MLA's rotation is then
+    YaRN (MLATransformerConfig.rope_type), with the softmax scaled by mscale²;
+    --rope-type rope keeps plain rope; --rope-type yarn without MLA is refused,
+    and --kv-channels with MLA is a note (MLA's widths are its own)."""
+    from ptdp.cli import build_parser
+    from ptdp.commands.train import config_from_args
+    from ptdp.config.megatron import config_notes
+
+    script = ["--multi-latent-attention", "--q-lora-rank", "12", "--position-embedding-type",
+              "rope", "--rotary-scaling-factor", "40", "--mscale", "1.0", "--mscale-all-dim",
+              "1.0", "--kv-channels", "128", "--num-layers", "2", "--hidden-size", "32",
+              "--num-attention-heads", "4", "--mock-data"]
+    config = config_from_args(build_parser().parse_args(["train", *script]))
+    m = config.model
+    assert m.yarn and m.rotary_scaling_factor == 40.0
+    mscale = 0.1 * math.log(40.0) + 1.0
+    assert m.mla_softmax_scale == pytest.approx((128 + 64) ** -0.5 * mscale ** 2)
+    assert any(line.startswith("ptdp: --kv-channels 128 has no effect with "
+                               "--multi-latent-attention") for line in config_notes(config))
+    plain = dataclasses.replace(MLA, rope_type="rope", position_embedding_type="yarn")
+    assert plain.rope and not plain.yarn
+    with pytest.raises(ConfigError) as refused:
+        validate(step._config(model=dataclasses.replace(step.MODEL, rope_type="yarn")))
+    assert refused.value.problems == [
+        "--rope-type yarn: Megatron-LM takes it only with --multi-latent-attention; YaRN with "
+        "ordinary attention is --position-embedding-type yarn: give that and drop --rope-type"]

@@ -193,7 +193,11 @@ def _rotary_variant_problems(m: ModelConfig) -> list[str]:
                  f"{flag_in(ModelConfig, name)} {value}" for name in _YARN_SETTINGS
                  if (value := getattr(m, name)) != getattr(ModelConfig, name)
                  and (isinstance(value, bool) or fine(value))]
-        if given:
+        if given and m.multi_latent_attention and m.rope:   # its rotation is --rope-type's
+            problems.append(f"{', '.join(given)}: YaRN's settings act only with YaRN, which "
+                            f"--rope-type rope turns off for multi-latent attention: drop "
+                            f"--rope-type rope (MLA's default is yarn) or drop them")
+        elif given:
             problems.append(f"{', '.join(given)}: YaRN's settings act only with "
                             f"--position-embedding-type yarn, but the model has "
                             f"{m.position_embedding_type}: add --position-embedding-type yarn or "

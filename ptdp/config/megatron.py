@@ -173,11 +173,6 @@ OWN_LINES: tuple[AcceptedFlag, ...] = (
                  refusal="ptdp's selective recomputation recomputes the attention core only: give "
                  "--recompute-modules core_attn, or --recompute-granularity full to recompute whole "
                  "layers"),
-    AcceptedFlag("--rope-type", 1, "ptdp's rotary embedding is rope (--position-embedding-type rope)",
-                 choices=("rope", "yarn"), refused_choices=("yarn",),
-                 refusal="Megatron-LM takes --rope-type yarn only with multi-latent attention, "
-                 "which ptdp does not have; YaRN with ordinary attention is "
-                 "--position-embedding-type yarn: give that and drop --rope-type"),
     AcceptedFlag("--dataloader-type", 1,
                  "ptdp's loader reads the dataset's (already shuffled) samples in order, once, as "
                  "Megatron-LM's single sampler does", choices=("single", "cyclic", "external"),
@@ -539,6 +534,11 @@ def config_notes(config) -> list[str]:
                   f"nothing is left out of one" for name, on in (
                       ("--no-load-optim", train.load_optim is False),
                       ("--no-load-rng", train.load_rng is False)) if on and not train.finetune]
+    if config.model.multi_latent_attention and config.model.kv_channels is not None:
+        lines.append(f"ptdp: --kv-channels {config.model.kv_channels} has no effect with "
+                     f"--multi-latent-attention: MLA's head widths are --qk-head-dim + "
+                     f"--qk-pos-emb-head-dim (queries and keys) and --v-head-dim (values), as in "
+                     f"Megatron-LM")
     if config.model.moe_token_dispatcher_type == "flex":
         lines.append("ptdp: --moe-token-dispatcher-type flex runs as ptdp's alltoall dispatcher: "
                      "Megatron-LM's flex dispatcher is an all-to-all on DeepEP, HybridEP or NCCL-EP "

@@ -9,9 +9,12 @@ rotated part is one vector per position shared by every head. Values are
 v_head_dim wide. The queries come from a q_lora_rank latent (or straight
 from the hidden state without --q-lora-rank), keys and values from one
 kv_lora_rank latent. The softmax scale is (qk_head_dim +
-qk_pos_emb_head_dim)^-½, times mscale(f, --mscale-all-dim)² under YaRN
-(Megatron-Core's MultiLatentAttention.softmax_scale; transformers'
-yarn_apply_mscale). --qk-layernorm means what it means for MLA in
+qk_pos_emb_head_dim)^-½, times mscale(f, --mscale-all-dim)² for a YaRN
+factor f > 1 (Megatron-Core's MultiLatentAttention.softmax_scale;
+transformers' yarn_apply_mscale). The rotation is --rope-type's, yarn by
+default, as Megatron-LM reads an MLA model's flags (MLATransformerConfig):
+Megatron-LM's DeepSeek-V3 script gives --position-embedding-type rope with
+--rotary-scaling-factor 40 and gets YaRN. --qk-layernorm means what it means for MLA in
 Megatron-LM: a norm on each latent (the query's, when there is one, and
 the keys' and values'), which DeepSeek's models have; without it the
 latents go to the up projections unnormalized.
@@ -54,6 +57,21 @@ class MLAFields:
         "(the key's is one per position, shared by the heads); even")
     v_head_dim: int = flag(
         128, "--v-head-dim", "with --multi-latent-attention: each head's value width")
+    rope_type: str | None = flag(
+        None, "--rope-type",
+        "with --multi-latent-attention: its rotation, rope or yarn (Megatron-LM's default for "
+        "MLA: yarn, whatever --position-embedding-type says, with --rotary-scaling-factor, "
+        "--mscale and --mscale-all-dim); ordinary attention takes rope only, its rotation "
+        "being --position-embedding-type's", choices=("rope", "yarn"))
+
+    def _mla_rotation(self) -> None:
+        """Megatron-LM's reading: an MLA model rotates by --rope-type, yarn
+        unless given (MLATransformerConfig.rope_type), not by
+        --position-embedding-type, which ptdp's other consumers read, so
+        that is set to it."""
+        if self.multi_latent_attention and \
+                self.position_embedding_type in ("rope", "yarn"):  # type: ignore[attr-defined]
+            self.position_embedding_type = self.rope_type or "yarn"
 
     @property
     def mla_query_head_dim(self) -> int:
@@ -69,7 +87,9 @@ class MLAFields:
         rotation's cos/sin tables)."""
         scale = self.mla_query_head_dim ** -0.5
         factor = self.rotary_scaling_factor  # type: ignore[attr-defined]  # ModelConfig's
-        if self.yarn and factor > 1:  # type: ignore[attr-defined]
+        # (Megatron-Core scales by it whatever the rotation: with --rope-type
+        # rope too, where ptdp refuses a factor other than 1.)
+        if factor > 1:
             mscale = 0.1 * self.mscale_all_dim * math.log(factor) + 1.0  # type: ignore[attr-defined]
             scale *= mscale * mscale
         return scale
@@ -82,10 +102,13 @@ def mla_problems(config: Any) -> list[str]:
     if not m.multi_latent_attention:
         given = [f"{flag_in(type(m), name)} {getattr(m, name)}" for name in _WIDTHS
                  if getattr(m, name) != getattr(type(m), name)]
-        if given:
-            return [f"{', '.join(given)}: these are multi-latent attention's widths and act only "
-                    f"with --multi-latent-attention: add it or drop them"]
-        return []
+        problems = [f"{', '.join(given)}: these are multi-latent attention's widths and act only "
+                    f"with --multi-latent-attention: add it or drop them"] if given else []
+        if m.rope_type == "yarn":   # Megatron-LM asserts the same
+            problems.append("--rope-type yarn: Megatron-LM takes it only with "
+                            "--multi-latent-attention; YaRN with ordinary attention is "
+                            "--position-embedding-type yarn: give that and drop --rope-type")
+        return problems
     problems = positive_integer_problems(m, _WIDTHS, optional=("q_lora_rank",))
     rotated = m.qk_pos_emb_head_dim
     if is_count(rotated, 1) and rotated % 2:
@@ -102,14 +125,10 @@ def _other_attention_problems(m: Any) -> list[str]:
                         "values come per head from a shared latent (--kv-lora-rank), so there are "
                         "no key/value groups; Megatron-LM refuses the pair too: drop "
                         "--group-query-attention and --num-query-groups")
-    if m.kv_channels is not None:
-        problems.append(f"--kv-channels {m.kv_channels} with --multi-latent-attention: MLA's head "
-                        f"widths are --qk-head-dim + --qk-pos-emb-head-dim (queries and keys) and "
-                        f"--v-head-dim (values): drop --kv-channels")
     if m.softmax_scale is not None:
         problems.append(f"--softmax-scale {m.softmax_scale:g} with --multi-latent-attention: MLA's "
                         f"scale is (--qk-head-dim + --qk-pos-emb-head-dim)^-0.5, times YaRN's "
-                        f"mscale² under --position-embedding-type yarn, as Megatron-Core and "
+                        f"mscale² for a --rotary-scaling-factor above 1, as Megatron-Core and "
                         f"DeepSeek compute it: drop --softmax-scale")
     if m.add_qkv_bias:
         problems.append("--add-qkv-bias with --multi-latent-attention: MLA's down and up "
@@ -125,14 +144,15 @@ def _other_attention_problems(m: Any) -> list[str]:
 
 
 def _rotary_problems(m: Any) -> list[str]:
-    """MLA rotates its own part of each head, with rope or YaRN only."""
+    """MLA rotates its own part of each head, with rope or YaRN only (by
+    --rope-type, yarn by default)."""
     problems = []
     if not m.rope:
         problems.append(f"--multi-latent-attention with --position-embedding-type "
                         f"{m.position_embedding_type}: MLA rotates the --qk-pos-emb-head-dim part "
                         f"of each query and key, and ptdp does not add a learned position table "
-                        f"besides: give --position-embedding-type rope, or yarn with "
-                        f"--rotary-scaling-factor (DeepSeek-V3)")
+                        f"besides: give --position-embedding-type rope (the rotation is then "
+                        f"--rope-type's, yarn by default, as in Megatron-LM)")
         return problems
     others = [text for text, given in (
         (f"--rotary-percent {m.rotary_percent}", m.rotary_percent != 1.0),

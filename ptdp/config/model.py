@@ -218,6 +218,7 @@ class ModelConfig(MoEFields, LocalAttentionFields, MTPFields, MLAFields):
         LocalAttentionFields.__post_init__(self)
         if self.use_rotary_position_embeddings and not self.yarn:  # as Megatron-LM reads it
             self.position_embedding_type = "rope"
+        self._mla_rotation()
         # The alias sets what every consumer reads; with --recompute-granularity
         # full it is a contradiction that validate reports.
         if self.recompute_activations and self.recompute_granularity is None:
