@@ -389,3 +389,28 @@ def test_the_rotation_is_rope_types_as_megatron_lm_reads_an_mla_model():
     assert refused.value.problems == [
         "--rope-type yarn: Megatron-LM takes it only with --multi-latent-attention; YaRN with "
         "ordinary attention is --position-embedding-type yarn: give that and drop --rope-type"]
+
+
+@pytest.mark.parametrize("q_lora_rank", [12, None])
+def test_model_flops_count_the_built_attentions_products(q_lora_rank):
+    """The FLOP count's attention projections are, per token, the
+    multiply-adds of the built MLA module's matrices (every 2-D weight of
+    the attention: down and up projections, the output), and its core is
+    a·(qk + pos) for the scores and a·v for the context per pair."""
+    from ptdp.perf.analytic.flops import (attention_core_columns, attention_projection_macs,
+                                          model_flops_per_iteration)
+
+    config = dataclasses.replace(MLA, q_lora_rank=q_lora_rank)
+    layer = TransformerLayer(config, ParallelContext.single(), RNGStreams(CPU))
+    attention = next(m for m in layer.modules() if isinstance(m, MultiLatentAttention))
+    matrices = sum(p.numel() for p in attention.parameters() if p.dim() == 2)
+    assert attention_projection_macs(config) == matrices
+    a = config.num_attention_heads
+    assert attention_core_columns(config) == a * (WIDTHS["qk_head_dim"]
+                                                  + WIDTHS["qk_pos_emb_head_dim"]
+                                                  + WIDTHS["v_head_dim"])
+    B, s, h, l = 2, config.seq_length, config.hidden_size, config.num_layers
+    mlp = 2 * B * s * h * 2 * config.ffn_size
+    forward = l * (2 * B * s * matrices + 2 * B * s * s * attention_core_columns(config) + mlp) \
+        + 2 * B * s * h * config.vocab_size
+    assert model_flops_per_iteration(config, B, recompute=None) == pytest.approx(3 * forward)

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from ptdp.config import ConfigError, validate
+from ptdp.config import ConfigError, ModelConfig, validate
 from ptdp.parallel.document_attention import Documents
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.train.loop import Trainer
@@ -328,3 +328,27 @@ def test_the_flop_count_adds_each_mtp_module_s_projection_layer_and_output_layer
         added = (model_flops_per_iteration(ROPE, B, recompute=recompute)
                  - model_flops_per_iteration(plain, B, recompute=recompute))
         assert added == pytest.approx(2 * (3 * (module + 2 * B * s * h * V) + extra)), recompute
+
+
+@pytest.mark.parametrize("t, p, v", [(2, 1, 1), (2, 2, 1), (1, 2, 2)])
+@pytest.mark.parametrize("untied", [False, True])
+def test_parameter_counts_include_the_mtp_modules(t, p, v, untied):
+    """The planner's counts (ptdp.perf.analytic.mtp): the logical total and
+    each pipeline rank's elements equal the built models', the last stage
+    holding the modules (and, untied at p > 1, its copy of the embedding)."""
+    from ptdp.model.gpt import GPT
+    from ptdp.parallel.tensor import RNGStreams
+    from ptdp.perf.analytic import counts as analytic
+    from ptdp.perf.layout import Layout
+    from ptdp.train.banner import count_parameters
+    from tests.test_llama_perf import _held_by_each_rank
+
+    model = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
+                        vocab_size=100, make_vocab_size_divisible_by=4, mtp_num_layers=2,
+                        normalization="RMSNorm", position_embedding_type="rope",
+                        untie_embeddings_and_output_weights=untied)
+    gpt = GPT(model, ParallelContext.single(), RNGStreams(torch.device("cpu")))
+    assert count_parameters(gpt) == analytic.parameter_count(model)
+    per_rank = analytic.parameters_per_rank(model, Layout(t=t, p=p, v=v))
+    for (pp, _), held in _held_by_each_rank(model, t, p, v).items():
+        assert held == per_rank[pp], (pp, held, per_rank)

@@ -57,8 +57,7 @@ expert split over t; GradBuffer keeps the routed experts' parameters in
 buckets of their own, replicated over EDP = t·d/(ETP·EP) ranks instead of d.
 
 Memory per device and the activations a rank keeps: ptdp.perf.analytic.memory.
-
-Communication: see `communication_per_rank`.
+Communication: see `communication_per_rank`. MTP's modules: ptdp.perf.analytic.mtp.
 """
 
 from __future__ import annotations
@@ -72,6 +71,7 @@ from ptdp.model.shapes import logical_shapes, mla_rank_sizes
 from ptdp.schedules.kinds import check_arguments, kind_named, location_of, virtual_stage_of
 from ptdp.perf.layout import ByValue, Layout, Workload
 from ptdp.perf.analytic.flops import model_flops_per_iteration
+from ptdp.perf.analytic.mtp import mtp_parameter_list
 
 FP32 = 4
 
@@ -184,7 +184,7 @@ def parameter_count(model: ModelConfig) -> int:
     embedding, the position table, l layers, the final norm and the untied
     output layer (a tied output layer is the word embedding, counted once);
     vocabulary unpadded, positions = --max-position-embeddings or s."""
-    if model.is_moe:  # every expert counted (the active ones: `active_parameter_count`)
+    if model.is_moe or model.mtp_depth:  # every expert (or MTP module) counted
         return sum(math.prod(shape) for shape in logical_shapes(model).values())
     h = model.hidden_size
     output = 0 if model.tied_output else model.vocab_size * h
@@ -218,10 +218,9 @@ def _stage_parameters(model: ModelConfig, t: int, layers: int, first: bool, last
     """Every parameter of one virtual stage on one tensor rank, in the order
     the model lists them: embeddings (first stage), layers, final norm, then
     (last stage) the untied output layer or a later stage's copy of the tied
-    word embedding. `shared_word`: the word embedding is shared with another
-    stage (tied, p > 1), so GradBuffer keeps it in a bucket of its own.
-    Under sequence parallelism the position table (each rank looks up its
-    own positions), the norms and the row-parallel biases are partial.
+    word embedding, and the MTP modules (ptdp.perf.analytic.mtp). `shared_word`:
+    the word embedding is shared with another stage (a bucket of its own).
+    Under sequence parallelism the position table, norms and row-parallel biases are partial.
     `first_layer`: the stage's first layer's global number (which of its
     layers are MoE layers); `ep`, `etp`: the expert layout."""
     word = model.padded_vocab_size(t) * model.hidden_size // t
@@ -241,6 +240,7 @@ def _stage_parameters(model: ModelConfig, t: int, layers: int, first: bool, last
             params.append(Param(word))                    # output_layer, vocabulary-parallel
         elif not first:
             params.append(Param(word, tied=True))         # the tied copy
+        params += mtp_parameter_list(model, t, sp, first, word, ep=ep, etp=etp)
     return params
 
 

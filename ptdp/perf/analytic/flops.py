@@ -43,12 +43,14 @@ def model_flops_per_iteration(config: ModelConfig, global_batch: int, *, recompu
     see `recomputed_layer_count`). `lora`: a LoRAWork (see the module docstring)."""
     B, s, h, l = global_batch, config.seq_length, config.hidden_size, config.num_layers
     V = config.vocab_size
-    a, g, d = config.num_attention_heads, config.query_groups, config.head_dim
     # 24·B·s·h² per layer for GPT-2's options (g = a, a·d = h, a [4h, h] MLP);
     # a windowed layer's score and context products: the window's share
     # (ptdp.perf.analytic.local_attention)
-    attention = [4 * B * s * s * a * d * share for share in attention_shares(config)]
-    layers = [2 * B * s * h * ((a + 2 * g) * d + a * d + width) + layer_attention
+    attention = [2 * B * s * s * core * share
+                 for core, share in zip([attention_core_columns(config)] * l,
+                                        attention_shares(config))]
+    projections = attention_projection_macs(config)
+    layers = [2 * B * s * (projections + h * width) + layer_attention
               for width, layer_attention in zip(mlp_widths(config), attention)]
     layer = sum(layers) / l   # (the mean layer: MoE and dense layers differ)
     output_layer = 2 * B * s * h * V
@@ -71,6 +73,36 @@ def model_flops_per_iteration(config: ModelConfig, global_batch: int, *, recompu
             raise ValueError(f"recomputed_layers = {recomputed} is not in 0..{l}")
         return float(total + recomputed * layer + mtp * mtp_layer)
     raise ValueError(f"unknown recompute {recompute!r}: use None, 'full' or 'selective'")
+
+
+def attention_projection_macs(config: ModelConfig) -> int:
+    """Multiply-adds per token of a layer's attention projections: h·((a +
+    2g)·d + a·d) for ordinary attention (q/k/v in, the output back); with
+    multi-latent attention its down and up projections (the query latent,
+    or the direct query projection, the key/value latent with the shared
+    rotated key, the up projection to per-head keys and values) and the
+    output from a·v_head_dim, as Megatron-LM's num_floating_point_operations
+    counts them (less its norms' terms)."""
+    h, a = config.hidden_size, config.num_attention_heads
+    if not config.multi_latent_attention:
+        g, d = config.query_groups, config.head_dim
+        return h * ((a + 2 * g) * d + a * d)
+    query = a * config.mla_query_head_dim
+    q = h * query if config.q_lora_rank is None else config.q_lora_rank * (h + query)
+    kv = (config.kv_lora_rank * (h + a * (config.qk_head_dim + config.v_head_dim))
+          + h * config.qk_pos_emb_head_dim)
+    return q + kv + a * config.v_head_dim * h
+
+
+def attention_core_columns(config: ModelConfig) -> int:
+    """Per query and key position pair, the multiply-adds of the scores and
+    the context: 2·a·d for ordinary attention (the paper's 4·B·s²·a·d for
+    both, forward), a·(qk_head_dim + qk_pos_emb_head_dim + v_head_dim) with
+    multi-latent attention."""
+    a = config.num_attention_heads
+    if config.multi_latent_attention:
+        return a * (config.mla_query_head_dim + config.v_head_dim)
+    return 2 * a * config.head_dim
 
 
 def attention_shares(config: ModelConfig) -> list[float]:
