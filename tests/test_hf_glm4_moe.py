@@ -19,7 +19,8 @@ the embedding and output layer):
 * `ptdp convert --to-hf`: transformers loads the export with the same
   logits, and the MTP tensors are written back equal (the copies equal to
   the model's own);
-* a model trained in ptdp without an expert bias exports as GLM-4.5;
+* a model trained in ptdp without an expert bias, with two MTP modules,
+  exports as GLM-4.5 and imports back;
 * what ptdp cannot compute is refused, one key each, naming it.
 """
 
@@ -267,8 +268,9 @@ def test_glm4_moe_with_mtp_both_ways_through_convert(tmp_path, name):
 
 
 def test_a_ptdp_model_without_an_expert_bias_exports_as_glm(tmp_path):
-    """A sigmoid-routed model trained without --moe-router-enable-expert-bias:
-    GLM-4.5 with a zero e_score_correction_bias computes the same."""
+    """A sigmoid-routed model trained without --moe-router-enable-expert-bias
+    and two MTP modules: GLM-4.5 with a zero e_score_correction_bias
+    computes the same, and the import of the export gives the weights back."""
     config = ModelConfig(
         num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB, seq_length=32,
         hidden_dropout=0.0, attention_dropout=0.0, normalization="RMSNorm", swiglu=True,
@@ -276,7 +278,7 @@ def test_a_ptdp_model_without_an_expert_bias_exports_as_glm(tmp_path):
         add_qkv_bias=True, ffn_hidden_size=24, num_experts=4, moe_router_topk=2,
         moe_ffn_hidden_size=8, moe_shared_expert_intermediate_size=16, moe_layer_freq="[0,1]",
         moe_router_score_function="sigmoid", moe_router_topk_scaling_factor=1.5,
-        untie_embeddings_and_output_weights=True, mtp_num_layers=1)
+        untie_embeddings_and_output_weights=True, mtp_num_layers=2)
     model = build_chunks(config, ParallelContext.single(), torch.device("cpu"), seed=4)[0].eval()
     generator = torch.Generator().manual_seed(2)
     logical = {}
@@ -298,10 +300,13 @@ def test_a_ptdp_model_without_an_expert_bias_exports_as_glm(tmp_path):
     assert_close(_logits(hf, tokens), _logits(_ours(config, logical), tokens), **TOL)
     stored = load_file(str(directory / "model.safetensors"))
     assert not stored["model.layers.2.mlp.gate.e_score_correction_bias"].any()
-    assert torch.equal(stored["model.layers.2.eh_proj.weight"],
-                       logical["mtp.layers.0.eh_proj.weight"])
+    for k in range(2):  # the two MTP modules after the 2 layers
+        assert torch.equal(stored[f"model.layers.{2 + k}.eh_proj.weight"],
+                           logical[f"mtp.layers.{k}.eh_proj.weight"])
+        assert torch.equal(stored[f"model.layers.{2 + k}.shared_head.head.weight"],
+                           logical["output_layer.weight"])
     again, weights = load_hf_directory(directory)
-    assert again.moe_router_topk_scaling_factor == 1.5 and again.mtp_num_layers == 1
+    assert again.moe_router_topk_scaling_factor == 1.5 and again.mtp_num_layers == 2
     assert all(torch.equal(weights[name], tensor) for name, tensor in logical.items())
 
 
