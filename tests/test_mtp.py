@@ -352,3 +352,42 @@ def test_parameter_counts_include_the_mtp_modules(t, p, v, untied):
     per_rank = analytic.parameters_per_rank(model, Layout(t=t, p=p, v=v))
     for (pp, _), held in _held_by_each_rank(model, t, p, v).items():
         assert held == per_rank[pp], (pp, held, per_rank)
+
+
+@pytest.mark.parametrize("extra, flag", [
+    ({"mtp_num_layers": 1}, "--mtp-num-layers: checkpoint 1, requested 0"),
+    ({"multi_latent_attention": True, "q_lora_rank": 8, "kv_lora_rank": 8, "qk_head_dim": 8,
+      "qk_pos_emb_head_dim": 4, "v_head_dim": 8, "qk_layernorm": True, "mtp_num_layers": 1},
+     "--multi-latent-attention: checkpoint True, requested False"),
+])
+def test_checkpoints_keep_mtp_and_mla(tmp_path, extra, flag):
+    """A checkpoint with MTP modules (or MLA) loads only into a model that
+    has them, never silently dropping them; --use-checkpoint-args takes
+    MTP's depth and loss factor and MLA's widths and rotation from it."""
+    from ptdp.checkpoint.args import with_checkpoint_shape
+    from ptdp.checkpoint.store import (CheckpointError, check_model_fits, read_metadata,
+                                       resolve, save_logical_model)
+    from ptdp.config import Config, DataConfig, TrainConfig
+    from ptdp.model.gpt import GPT
+    from ptdp.parallel.tensor import RNGStreams
+
+    base = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+                       vocab_size=64, make_vocab_size_divisible_by=8,
+                       position_embedding_type="rope")
+    model = dataclasses.replace(base, mtp_loss_scaling_factor=0.3, **extra)
+    gpt = GPT(model, ParallelContext.single(), RNGStreams(torch.device("cpu"))).initialize(5)
+    logical = {name: p.detach().clone() for name, p in gpt.named_parameters()}
+    logical["embedding.word_embeddings.weight"] = logical["embedding.word_embeddings.weight"][:64]
+    save_logical_model(tmp_path / "ckpt", Config(model=model, data=DataConfig(mock_data=True)),
+                       logical)
+    directory = resolve(tmp_path / "ckpt")
+    check_model_fits(read_metadata(directory), model, directory)
+    with pytest.raises(CheckpointError, match=flag):
+        check_model_fits(read_metadata(directory), base, directory)
+    config = Config(model=base, data=DataConfig(mock_data=True),
+                    train=TrainConfig(load=str(tmp_path / "ckpt"), use_checkpoint_args=True))
+    taken = with_checkpoint_shape(config, explicit=["train.load", "train.use_checkpoint_args"])
+    assert taken.model.mtp_depth == 1 and taken.model.mtp_loss_scaling_factor == 0.3
+    for name, value in extra.items():
+        assert getattr(taken.model, name) == value, name
+    check_model_fits(read_metadata(directory), taken.model, directory)

@@ -30,7 +30,8 @@ CHECKPOINT_ARCHITECTURE = (
     (("num_attention_heads",), lambda m: m.num_attention_heads),
     (("group_query_attention",), lambda m: m.group_query_attention),
     (("num_query_groups",), lambda m: m.query_groups),
-    (("kv_channels",), lambda m: m.head_dim if m.kv_channels is None else m.kv_channels),
+    (("kv_channels",), lambda m: None if m.multi_latent_attention else
+     m.head_dim if m.kv_channels is None else m.kv_channels),
     (("ffn_hidden_size",), lambda m: m.ffn_size),
     (("vocab_size",), lambda m: m.vocab_size),
     (("position_embedding_type",), lambda m: m.position_embedding_type),
@@ -89,6 +90,14 @@ CHECKPOINT_ARCHITECTURE = (
     (("moe_shared_expert_intermediate_size",),
      lambda m: m.moe_shared_expert_intermediate_size if m.is_moe else None),
     (("moe_shared_expert_gate",), lambda m: m.moe_shared_expert_gate if m.is_moe else None),
+    # Multi-latent attention: its widths and rotation (--rope-type decides an
+    # MLA model's rotation, so it is taken with the rest).
+    (("multi_latent_attention",), lambda m: m.multi_latent_attention),
+    *(((name,), lambda m, name=name: getattr(m, name) if m.multi_latent_attention else None)
+      for name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                   "v_head_dim", "rope_type")),
+    # Multi-token prediction: its modules are stored tensors of the model.
+    (("mtp_num_layers",), lambda m: m.mtp_depth or None),
 )
 # Taken only where the user gave none; a value given is the run's own: they
 # neither shape the stored tensors nor change their meaning (a fine-tune may
@@ -103,7 +112,7 @@ CHECKPOINT_RUN_SETTINGS = ("seq_length", "make_vocab_size_divisible_by", "hidden
 CHECKPOINT_TRAINING_SETTINGS = (
     "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
     "moe_router_bias_update_rate", "moe_expert_capacity_factor", "moe_token_drop_policy",
-    "moe_pad_expert_input_to_capacity", "moe_router_dtype")
+    "moe_pad_expert_input_to_capacity", "moe_router_dtype", "mtp_loss_scaling_factor")
 
 
 def with_checkpoint_shape(config: Config, explicit) -> Config:

@@ -83,7 +83,7 @@ SHAPE_SETTINGS = (
     ("--hidden-size", lambda m: m.hidden_size),
     ("--num-attention-heads", lambda m: m.num_attention_heads),
     ("--num-query-groups", lambda m: m.query_groups),
-    ("--kv-channels", lambda m: m.head_dim),
+    ("--kv-channels", lambda m: None if m.multi_latent_attention else m.head_dim),
     ("--ffn-hidden-size", lambda m: m.ffn_size),
     ("--vocab-size", lambda m: m.vocab_size),
     ("--max-position-embeddings", lambda m: None if m.rope else m.max_positions),  # rope: no table
@@ -106,6 +106,15 @@ SHAPE_SETTINGS = (
     ("--moe-shared-expert-intermediate-size",
      lambda m: m.moe_shared_expert_intermediate_size if m.is_moe else None),
     ("--moe-shared-expert-gate", lambda m: m.is_moe and m.moe_shared_expert_gate),
+    # Multi-latent attention's projections and their widths.
+    ("--multi-latent-attention", lambda m: m.multi_latent_attention),
+    *((flag, lambda m, name=name: getattr(m, name) if m.multi_latent_attention else None)
+      for flag, name in (("--q-lora-rank", "q_lora_rank"), ("--kv-lora-rank", "kv_lora_rank"),
+                         ("--qk-head-dim", "qk_head_dim"),
+                         ("--qk-pos-emb-head-dim", "qk_pos_emb_head_dim"),
+                         ("--v-head-dim", "v_head_dim"))),
+    # Multi-token prediction's modules (a model without them would drop them).
+    ("--mtp-num-layers", lambda m: m.mtp_depth),
 )
 OPTIMIZER_KINDS = ("exp_avg", "exp_avg_sq", "main")
 # Metadata key of a fine-tune's checkpoints: the checkpoint whose weights it
