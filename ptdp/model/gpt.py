@@ -44,8 +44,11 @@ from torch import nn
 from ptdp.config import ModelConfig
 from ptdp.config.lora import LoRAConfig
 from ptdp.model.adapters import attach_adapters
-from ptdp.model.fused import bias_dropout_add, bias_gelu, mlp_activation, zero_centred_norm
+from ptdp.model.fused import bias_dropout_add, bias_gelu, mlp_activation
 from ptdp.model.moe import ExpertLinear, MoELayer
+from ptdp.model.mla import MultiLatentAttention
+from ptdp.model.mtp import MultiTokenPrediction
+from ptdp.model.norms import LayerNorm1p, RMSNorm1p, layer_norm  # noqa: F401 - re-exported
 from ptdp.model.recompute import checkpoint, recompute_active
 from ptdp.model.rotary import rotary_for
 from ptdp.parallel.context_attention import context_attention
@@ -70,41 +73,6 @@ from ptdp.parallel.tensor import (
 )
 from ptdp.parallel.weight_grad import DeferredWeightGrads
 from ptdp.parallel.topology import ParallelContext
-
-
-class LayerNorm1p(nn.LayerNorm):
-    """LayerNorm whose stored weight w is zero-centred: it scales by 1 + w
-    (--apply-layernorm-1p)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return zero_centred_norm(x, self.weight, self.bias, self.eps)
-
-
-class RMSNorm1p(nn.RMSNorm):
-    """RMSNorm whose stored weight w is zero-centred: it scales by 1 + w
-    (--apply-layernorm-1p)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return zero_centred_norm(x, self.weight, None, self.eps)
-
-
-def layer_norm(config: ModelConfig, sequence_parallel: bool = False, *,
-               size: int | None = None) -> nn.Module:
-    """LayerNorm or RMSNorm (--normalization) over `size` values (default h):
-    weight 1, LayerNorm's bias 0; with --apply-layernorm-1p the weight is
-    stored as scale - 1, so it starts at 0. `sequence_parallel`: each tensor
-    rank's gradient is partial (it sees other positions, or other heads)."""
-    one_plus, size = config.apply_layernorm_1p, size or config.hidden_size
-    if config.normalization == "RMSNorm":
-        norm = (RMSNorm1p if one_plus else nn.RMSNorm)(size, eps=config.epsilon)
-    else:
-        norm = (LayerNorm1p if one_plus else nn.LayerNorm)(size, eps=config.epsilon)
-        set_init(norm.bias, "zeros")
-    set_init(norm.weight, "zeros" if one_plus else "ones")
-    if sequence_parallel:
-        for param in norm.parameters():
-            mark_partial_grad(param)
-    return norm
 
 
 def vocab_parallel_matrix(config: ModelConfig, ctx: ParallelContext) -> VocabParallelEmbedding:
@@ -338,7 +306,6 @@ class TransformerLayer(nn.Module):
         self.input_layernorm = layer_norm(config, sequence_parallel)
         attention = Attention
         if config.multi_latent_attention:
-            from ptdp.model.mla import MultiLatentAttention  # (it builds its norms with layer_norm)
             attention = MultiLatentAttention
         self.attention = attention(config, ctx, rng, sequence_parallel, cp_comm_type, layer_id)
         self.post_attention_layernorm = layer_norm(config, sequence_parallel)
@@ -408,8 +375,10 @@ class GPT(nn.Module):
                 self.embedding.word_embeddings = vocab_parallel_matrix(config, ctx)
                 setattr(self.embedding.word_embeddings.weight, COPY_ATTR, True)
             if config.mtp_depth:
-                from ptdp.model.mtp import MultiTokenPrediction  # (it builds this module's layers)
-                self.mtp = MultiTokenPrediction(config, ctx, rng, sp, cp_comm_type)
+                self.mtp = MultiTokenPrediction(
+                    config, ctx, rng, sp, lambda: TransformerLayer(config, ctx, rng, sp,
+                                                                   config.num_layers - 1,
+                                                                   cp_comm_type))
 
     def initialize(self, seed: int) -> "GPT":
         initialize_parameters(self, seed)

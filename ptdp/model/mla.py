@@ -69,7 +69,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ptdp.config import ModelConfig
-from ptdp.model.gpt import layer_norm
+from ptdp.model.norms import layer_norm
 from ptdp.model.recompute import checkpoint, recompute_active
 from ptdp.model.rotary import Rotary
 from ptdp.model.yarn import YarnScaling

@@ -34,21 +34,19 @@ the last stage needs no input tokens.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ptdp.config import ModelConfig
+from ptdp.model.norms import layer_norm
 from ptdp.model.recompute import checkpoint, recompute_active
 from ptdp.parallel.document_attention import Documents
 from ptdp.parallel.tensor import (ColumnParallelLinear, RNGStreams, gather_from_tensor_region,
                                   _gather_sequence)
 from ptdp.parallel.topology import ParallelContext
-
-if TYPE_CHECKING:
-    from ptdp.model.gpt import GPT
 
 
 def shifted(x: torch.Tensor, k: int, fill: float | int = 0) -> torch.Tensor:
@@ -114,9 +112,8 @@ class MTPLayer(nn.Module):
     mtp.layers.{k-1}.{enorm,hnorm,eh_proj,transformer_layer,final_layernorm})."""
 
     def __init__(self, config: ModelConfig, ctx: ParallelContext, rng: RNGStreams,
-                 sequence_parallel: bool, cp_comm_type: str):
+                 sequence_parallel: bool, transformer_layer: nn.Module):
         super().__init__()
-        from ptdp.model.gpt import TransformerLayer, layer_norm  # gpt.py builds this module
         self.ctx, self.rng, self.sequence_parallel = ctx, rng, sequence_parallel
         self.full_recompute = config.recompute_granularity == "full"
         h = config.hidden_size
@@ -125,8 +122,7 @@ class MTPLayer(nn.Module):
         self.eh_proj = ColumnParallelLinear(2 * h, h, ctx, bias=False,
                                             init_std=config.init_method_std,
                                             sequence_parallel=sequence_parallel)
-        self.transformer_layer = TransformerLayer(config, ctx, rng, sequence_parallel,
-                                                  config.num_layers - 1, cp_comm_type)
+        self.transformer_layer = transformer_layer
         self.final_layernorm = layer_norm(config, sequence_parallel)
 
     def forward(self, hidden: torch.Tensor, embedded: torch.Tensor,
@@ -148,16 +144,18 @@ class MultiTokenPrediction(nn.Module):
     """The D modules of --mtp-num-layers, on the model's last stage."""
 
     def __init__(self, config: ModelConfig, ctx: ParallelContext, rng: RNGStreams,
-                 sequence_parallel: bool, cp_comm_type: str):
+                 sequence_parallel: bool, make_layer: Callable[[], nn.Module]):
+        """`make_layer()`: a new transformer layer of the model's last layer's
+        kind (gpt.py's TransformerLayer, which this module does not import)."""
         super().__init__()
-        self.layers = nn.ModuleList(MTPLayer(config, ctx, rng, sequence_parallel, cp_comm_type)
+        self.layers = nn.ModuleList(MTPLayer(config, ctx, rng, sequence_parallel, make_layer())
                                     for _ in range(config.mtp_depth))
         self.loss_weight = config.mtp_loss_scaling_factor / config.mtp_depth
         self.learned_positions = not config.rope
         # Each trained microbatch's D losses ([D], detached), until the trainer takes them.
         self.losses: list[torch.Tensor] = []
 
-    def forward(self, model: "GPT", hidden: torch.Tensor, labels: torch.Tensor,
+    def forward(self, model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
                 loss_mask: torch.Tensor | None, documents: Documents | None,
                 positions: torch.Tensor | None) -> torch.Tensor:
         """The weighted sum of the D losses for `model`'s microbatch
@@ -177,7 +175,7 @@ class MultiTokenPrediction(nn.Module):
         self.losses.append(torch.stack(losses).detach())
         return torch.stack(losses).sum() * self.loss_weight
 
-    def _embedding_positions(self, model: "GPT", labels: torch.Tensor,
+    def _embedding_positions(self, model: nn.Module, labels: torch.Tensor,
                              documents: Documents | None, k: int) -> torch.Tensor | None:
         """The learned-position ids of this rank's tokens k places ahead
         (None with rotary positions: the embedding adds none)."""

@@ -9,6 +9,7 @@ with the first stage's, as a tied embedding's copy is)."""
 from __future__ import annotations
 
 from ptdp.config import ModelConfig
+from ptdp.perf.analytic.layer_params import Param, _layer_parameter_list, _norm_parameters
 
 
 def mtp_parameter_list(model: ModelConfig, t: int, sequence_parallel: bool, first: bool,
@@ -16,8 +17,6 @@ def mtp_parameter_list(model: ModelConfig, t: int, sequence_parallel: bool, firs
     """The last stage's MTP parameters (ptdp.perf.analytic.counts.Param
     each); `first`: the stage is also the first (p = 1); `word`: this
     rank's share of the word embedding."""
-    from ptdp.perf.analytic.counts import Param, _layer_parameter_list, _norm_parameters
-
     depth = model.mtp_depth
     if not depth:
         return []
