@@ -26,7 +26,11 @@ t = 2, p = 2 and at t = 2 with EP = 2 (the session's pool of four processes
 in place of the launch). What ptdp cannot compute is refused, one key each.
 """
 
+import dataclasses
 import json
+import re
+import shlex
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,8 +39,12 @@ from safetensors.torch import load_file, save_file
 from torch.testing import assert_close
 
 from ptdp.checkpoint.store import load_logical_model
+from ptdp import cli
 from ptdp.cli import main
+from ptdp.commands.train import config_from_args
+from ptdp.config import validate
 from ptdp.interop.hf_deepseek_v3 import model_config_from_hf_config
+from ptdp.interop.hf_directory import family_for_import
 from ptdp.interop.hf_files import ConversionError
 from tests.test_generate_moe import EP_FLAGS, _generate_on_rank
 from tests.test_hf_glm4_moe import _load_per_expert, _logits, _ours, _rms
@@ -361,3 +369,68 @@ def test_reads_deepseek_defaults_and_the_published_rope_scaling():
                                                                [False] * 3 + [True], 2048)
     assert (config.yarn, config.rotary_scaling_factor, config.mscale, config.mscale_all_dim,
             config.rotary_base) == (True, 40.0, 1.0, 1.0, 1e4)
+
+
+def test_kimi_k2_model_type_reads_as_deepseek_v3():
+    """Kimi K2's config.json: DeepseekV3ForCausalLM with model_type kimi_k2."""
+    named = {"architectures": ["DeepseekV3ForCausalLM"]}
+    assert family_for_import({**named, "model_type": "kimi_k2"}, "kimi").name == "DeepSeek-V3"
+    assert family_for_import({**named, "model_type": "deepseek_v3"}, "v3").name == "DeepSeek-V3"
+    with pytest.raises(ConversionError, match="not an architecture ptdp converts"):
+        family_for_import({**named, "model_type": "kimi_linear"}, "other")
+
+
+def test_the_published_config_form_reads_as_the_documented_flags():
+    """DeepSeek-V3's config.json as published (transformers 4.33's form:
+    rope_scaling + rope_theta, FP8 quantization_config, DeepSeek's own keys):
+    the flag set docs/generation-and-export.md gives (with the sizes), as
+    `ptdp train` parses it, which ptdp's checks accept."""
+    m = model_config_from_hf_config(PUBLISHED)
+    assert (m.multi_latent_attention, m.qk_layernorm, m.q_lora_rank, m.kv_lora_rank,
+            m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim, m.norm_epsilon, m.bias) == \
+        (True, True, 1536, 512, 128, 64, 128, 1e-6, False)
+    assert (m.rope_type, m.rotary_base, m.rotary_scaling_factor,
+            m.yarn_original_max_position_embeddings, m.yarn_beta_fast, m.yarn_beta_slow,
+            m.mscale, m.mscale_all_dim) == ("yarn", 1e4, 40.0, 4096, 32.0, 1.0, 1.0, 1.0)
+    assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size,
+            m.moe_shared_expert_intermediate_size, m.moe_layer_pattern, m.ffn_hidden_size,
+            m.moe_router_num_groups, m.moe_router_group_topk,
+            m.moe_router_topk_scaling_factor, m.mtp_num_layers, m.tied_output) == \
+        (256, 8, 2048, 2048, [False] * 3 + [True] * 58, 18432, 8, 4, 2.5, 1, False)
+    text = (Path(__file__).parent.parent / "docs" / "generation-and-export.md").read_text()
+    documented = re.search(r"\*\*DeepSeek-V3\.\*\* An imported DeepSeek-V3 is, in "
+                           r"Megatron-LM's flags: `([^`]*)`", text).group(1)
+    sizes = ("--num-layers 61 --hidden-size 7168 --num-attention-heads 128 --ffn-hidden-size "
+             "18432 --vocab-size 129280 --max-position-embeddings 163840 --seq-length 163840 "
+             "--hidden-dropout 0 --attention-dropout 0")
+    words = ["train", *shlex.split(sizes), *shlex.split(documented)]
+    config = config_from_args(cli.build_parser().parse_args(words))
+    differences = {field.name: (getattr(config.model, field.name), getattr(m, field.name))
+                   for field in dataclasses.fields(m) if field.name != "moe_layer_freq"
+                   and getattr(config.model, field.name) != getattr(m, field.name)}
+    assert differences == {}  # (the MoE layers given in either form:)
+    assert config.model.moe_layer_pattern == m.moe_layer_pattern
+    config.data = dataclasses.replace(config.data, mock_data=True)
+    validate(config)
+
+
+PUBLISHED = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+    "attention_bias": False, "attention_dropout": 0.0, "aux_loss_alpha": 0.001,
+    "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3,
+    "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02,
+    "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 163840,
+    "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8,
+    "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+    "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61,
+    "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "quantization_config": {
+        "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+        "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-06, "rope_scaling": {
+        "beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
+    "seq_aux": True, "tie_word_embeddings": False, "topk_group": 4,
+    "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "use_cache": True,
+    "v_head_dim": 128, "vocab_size": 129280}

@@ -4,8 +4,9 @@ DeepSeek-V3 is multi-latent attention (ptdp.model.mla) in a Llama-like
 decoder (RMSNorm, SwiGLU), first dense layers then DeepSeek-style MoE
 layers (GLM-4.5's: hf_glm4_moe.py, whose MoE and MTP mapping this module
 shares), and multi-token prediction layers after the decoder. Moonlight's
-and Kimi K2's config.json name the same class and model_type (Kimi K2's
-files add an auto_map to DeepSeek's own code, which computes the same).
+config.json names the same class and model_type; Kimi K2's the same class
+with model_type kimi_k2 (and an auto_map to DeepSeek's own code, which
+computes the same), read alike.
 In ptdp's (Megatron-LM's) flags:
 
     config.json                                ptdp
@@ -89,6 +90,7 @@ from ptdp.interop.logical import logical_shapes
 
 NAME = "DeepSeek-V3"
 HF_CLASS, BARE_CLASS, MODEL_TYPE = "DeepseekV3ForCausalLM", "DeepseekV3Model", "deepseek_v3"
+KIMI_K2_MODEL_TYPE = "kimi_k2"
 OUTPUT = "lm_head.weight"
 _IGNORED = re.compile(r"^(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq$")
 # DeepseekV3Config's defaults where config.json omits a key.
@@ -284,7 +286,9 @@ def _mscale(factor: float, scale: float) -> float:
 def deepseek_v3_obstacles(config: ModelConfig) -> list[str]:
     """What keeps `config` from being a DeepseekV3ForCausalLM (empty: it is one)."""
     c = config
-    found = [o for o in llama_like_obstacles(c, NAME) if not o.startswith("--position-embedding")]
+    # (YaRN, MLA and MTP are DeepSeek-V3's own, whatever the Llama-like check says of them)
+    found = [o for o in llama_like_obstacles(c, NAME) if not o.startswith(
+        ("--position-embedding", "--multi-latent-attention", "--mtp-num-layers"))]
     if not c.multi_latent_attention:
         return found + ["no --multi-latent-attention (DeepSeek-V3's attention is MLA)"]
     named = [
@@ -461,3 +465,6 @@ def interleaved_rotary_rows(state: Mapping[str, torch.Tensor],
 DEEPSEEK_V3 = ModuleFamily(sys.modules[__name__], name=NAME, classes=(HF_CLASS, BARE_CLASS),
                            model_type=MODEL_TYPE, obstacles=deepseek_v3_obstacles,
                            ignored=_IGNORED)
+# Kimi K2's config.json names DeepseekV3ForCausalLM with its own model_type
+# (its auto_map points at DeepSeek's code, which computes the same).
+DEEPSEEK_V3.other_model_types = (KIMI_K2_MODEL_TYPE,)

@@ -69,7 +69,9 @@ def family_for_import(hf_config: dict[str, Any], source: str | Path) -> HFFamily
     if not classes and model_type is None:
         return GPT2  # the oldest GPT-2 config.json names neither
     for family in HF_FAMILIES.values():
-        if all(c in family.classes for c in classes) and model_type in (family.model_type, None):
+        # (a family may read other model_types of its class: `other_model_types`)
+        known = (family.model_type, *getattr(family, "other_model_types", ()), None)
+        if all(c in family.classes for c in classes) and model_type in known:
             return family
     supported = "; ".join(f"{' or '.join(family.classes)} (model_type {family.model_type!r})"
                           for family in HF_FAMILIES.values())

@@ -286,7 +286,9 @@ def mtp_depth(hf: dict[str, Any], problems: list[str]) -> int:
 def glm4_moe_obstacles(config: ModelConfig) -> list[str]:
     """What keeps `config` from being a Glm4MoeForCausalLM (empty: it is one)."""
     c = config
-    found = [o for o in llama_like_obstacles(c, NAME) if not o.startswith("--rotary-percent")]
+    # (partial rotation and MTP are GLM-4.5's own, whatever the Llama-like check says of them)
+    found = [o for o in llama_like_obstacles(c, NAME)
+             if not o.startswith(("--rotary-percent", "--mtp-num-layers"))]
     if c.use_rope_scaling or c.rotary_seq_len_interpolation_factor is not None:
         found.append("rotary rescaling (ptdp writes GLM-4.5's plain rotary embeddings only)")
     if c.multi_latent_attention:
