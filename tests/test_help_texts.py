@@ -16,7 +16,7 @@ def test_ptdp_help_names_every_family_convert_converts(wide):
 
     line = next(line for line in build_parser().format_help().splitlines()
                 if line.strip().startswith("convert "))
-    assert len(ARCHITECTURES) == 11  # GPT-2, four dense, three MoE, Gemma 3, gpt-oss, GLM-4.5
+    assert len(ARCHITECTURES) == 12  # GPT-2, 4 dense, 3 MoE, Gemma 3, gpt-oss, GLM-4.5, DeepSeek-V3
     for family in ARCHITECTURES:
         assert family in line, (family, line)
 

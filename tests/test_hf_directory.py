@@ -23,7 +23,8 @@ TINY = ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2, vocab_siz
 
 def test_every_registered_family_provides_the_contract():
     assert list(HF_FAMILIES) == ["GPT-2", "Llama", "Mistral", "Qwen2", "Qwen3", "Mixtral",
-                                 "Qwen3-MoE", "Qwen2-MoE", "Gemma 3", "gpt-oss", "GLM-4.5"]
+                                 "Qwen3-MoE", "Qwen2-MoE", "Gemma 3", "gpt-oss", "GLM-4.5",
+                                 "DeepSeek-V3"]
     for name, family in HF_FAMILIES.items():
         assert isinstance(family, HFFamily), name
         assert family.name == name

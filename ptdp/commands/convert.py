@@ -14,7 +14,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "convert", help="convert checkpoints to or from Hugging Face (GPT-2, Llama, Mistral, "
                         "Qwen2, Qwen3, Gemma 3; MoE: Mixtral, Qwen3-MoE, Qwen2-MoE, gpt-oss, "
-                        "GLM-4.5)",
+                        "GLM-4.5, DeepSeek-V3)",
         description="Export a checkpoint as a Hugging Face directory (--load CKPT --to-hf DIR): "
                     "GPT2LMHeadModel for a GPT-2 style model; for a Llama style one (RMSNorm, "
                     "SwiGLU, rotary embeddings) Qwen3ForCausalLM with --qk-layernorm, "
@@ -23,11 +23,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                     "gated shared expert, Qwen3MoeForCausalLM with --qk-layernorm, else "
                     "MixtralForCausalLM; GptOssForCausalLM for gpt-oss's (--quick-geglu with "
                     "sinks); Glm4MoeForCausalLM for sigmoid routing with a shared expert (GLM-4.5, "
-                    "its MTP layers included); Gemma3ForCausalLM for Gemma 3's pieces (--geglu "
-                    "--sandwich-norm --scale-embeddings ...); MistralForCausalLM with a window on "
-                    "every layer. Or import one (--from-hf DIR --save CKPT): those, gpt-oss's "
-                    "MXFP4 experts dequantized. The tokenizer travels with the model both ways "
-                    "(GPT-2's for a model trained with GPT2BPETokenizer).")
+                    "its MTP layers included), DeepseekV3ForCausalLM for that with "
+                    "--multi-latent-attention (DeepSeek-V3); Gemma3ForCausalLM for Gemma 3's "
+                    "pieces (--geglu --sandwich-norm --scale-embeddings ...); MistralForCausalLM "
+                    "with a window on every layer. Or import one (--from-hf DIR --save CKPT): "
+                    "those, gpt-oss's MXFP4 experts dequantized. The tokenizer travels with the "
+                    "model both ways (GPT-2's for a model trained with GPT2BPETokenizer).")
     parser.add_argument("--load", metavar="CKPT", help="ptdp checkpoint to export")
     parser.add_argument("--to-hf", metavar="DIR", help="new Hugging Face directory to write")
     parser.add_argument("--from-hf", metavar="DIR", help="Hugging Face directory to import "

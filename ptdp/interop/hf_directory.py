@@ -18,7 +18,8 @@ table of them, and picks one each way:
   Gemma 3 for its pieces (hf_gemma3.py); gpt-oss for quick-GeGLU experts
   with learnable sinks (hf_gpt_oss.py); GLM-4.5 for sigmoid routing with
   an expert bias and a shared expert, its MTP modules included
-  (hf_glm4_moe.py).
+  (hf_glm4_moe.py); DeepSeek-V3 for the same MoE with multi-latent
+  attention (hf_deepseek_v3.py).
 
 The bare models (GPT2Model, LlamaModel, ...) are read too: their keys lack
 the family's prefix. Weights stored as block-scaled FP8 (DeepSeek-V3's
@@ -38,6 +39,7 @@ from ptdp.interop.family import HFFamily
 from ptdp.interop.fp8_blocks import METHOD as FP8_METHOD
 from ptdp.interop.fp8_blocks import fp8_block, fp8_shapes, load_fp8_state
 from ptdp.interop.hf_files import ConversionError, read_hf_config, write_hf_directory
+from ptdp.interop.hf_deepseek_v3 import DEEPSEEK_V3
 from ptdp.interop.hf_gemma3 import GEMMA3
 from ptdp.interop.hf_glm4_moe import GLM4_MOE
 from ptdp.interop.hf_gpt2 import GPT2
@@ -50,7 +52,7 @@ from ptdp.interop.hf_weights import HFWeights
 # entry: HF_FAMILIES[family.name] = family.
 HF_FAMILIES: dict[str, HFFamily] = {
     family.name: family for family in (GPT2, *DENSE_HF_FAMILIES, *MOE_HF_FAMILIES, GEMMA3, GPT_OSS,
-                                       GLM4_MOE)}
+                                       GLM4_MOE, DEEPSEEK_V3)}
 # The tensor a ForCausalLM class keeps outside its base model; a tied one
 # is a copy of the word embedding, left out of the files.
 OUTPUT = "lm_head.weight"
@@ -67,7 +69,9 @@ def family_for_import(hf_config: dict[str, Any], source: str | Path) -> HFFamily
     if not classes and model_type is None:
         return GPT2  # the oldest GPT-2 config.json names neither
     for family in HF_FAMILIES.values():
-        if all(c in family.classes for c in classes) and model_type in (family.model_type, None):
+        # (a family may read other model_types of its class: `other_model_types`)
+        known = (family.model_type, *getattr(family, "other_model_types", ()), None)
+        if all(c in family.classes for c in classes) and model_type in known:
             return family
     supported = "; ".join(f"{' or '.join(family.classes)} (model_type {family.model_type!r})"
                           for family in HF_FAMILIES.values())

@@ -120,8 +120,8 @@ def model_config_from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelCo
         if width < 2 or width % 2:
             problems.append(f"partial_rotary_factor={factor!r} turns {width} of each head's "
                             f"{head_dim} values: rotary embeddings need an even number, 2 or more")
-    fields.update(_attention_fields(hf, problems), **_moe_fields(hf, problems))
-    depth = _mtp_depth(hf, problems)
+    fields.update(_attention_fields(hf, problems), **moe_fields(hf, problems))
+    depth = mtp_depth(hf, problems)
     if problems:
         raise ConversionError(f"cannot convert this {NAME} config:\n"
                               + "\n".join(f"  - {p}" for p in problems))
@@ -158,7 +158,7 @@ def _partial_rotary_factor(hf: dict[str, Any], problems: list[str]) -> float | N
     return float(factor)
 
 
-def _boolean(hf: dict[str, Any], key: str, default: bool, problems: list[str]) -> bool:
+def boolean_key(hf: dict[str, Any], key: str, default: bool, problems: list[str]) -> bool:
     value = hf.get(key, default)
     if not isinstance(value, bool):
         problems.append(f"{key}={value!r} must be true or false")
@@ -168,12 +168,12 @@ def _boolean(hf: dict[str, Any], key: str, default: bool, problems: list[str]) -
 
 def _attention_fields(hf: dict[str, Any], problems: list[str]) -> dict[str, Any]:
     """attention_bias (q/k/v only: GLM-4.5's o_proj has none) and use_qk_norm."""
-    return dict(add_qkv_bias=_boolean(hf, "attention_bias", False, problems),
+    return dict(add_qkv_bias=boolean_key(hf, "attention_bias", False, problems),
                 disable_bias_linear=True,
-                qk_layernorm=_boolean(hf, "use_qk_norm", False, problems))
+                qk_layernorm=boolean_key(hf, "use_qk_norm", False, problems))
 
 
-def _integer(hf: dict[str, Any], key: str, default: Any, problems: list[str],
+def integer_key(hf: dict[str, Any], key: str, default: Any, problems: list[str],
              least: int = 1) -> int | None:
     value = hf.get(key, default)
     if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
@@ -182,7 +182,7 @@ def _integer(hf: dict[str, Any], key: str, default: Any, problems: list[str],
     return value
 
 
-def _aliased(hf: dict[str, Any], keys: tuple[str, str], default: Any,
+def aliased_keys(hf: dict[str, Any], keys: tuple[str, str], default: Any,
              problems: list[str]) -> tuple[str, Any]:
     """(the key read, its value) of two names transformers reads as one
     setting (attribute_map); both given must agree."""
@@ -194,23 +194,34 @@ def _aliased(hf: dict[str, Any], keys: tuple[str, str], default: Any,
     return key, given.get(key, default)
 
 
-def _moe_fields(hf: dict[str, Any], problems: list[str]) -> dict[str, Any]:
-    """The experts, the router and which layers are MoE."""
-    experts_key, experts = _aliased(hf, ("n_routed_experts", "num_local_experts"), 128, problems)
-    experts = _integer({experts_key: experts}, experts_key, None, problems)
-    topk = _integer(hf, "num_experts_per_tok", 8, problems)
-    width = _integer(hf, "moe_intermediate_size", 1408, problems)
-    shared = _integer(hf, "n_shared_experts", 1, problems)
+# The MoE keys' defaults where config.json omits them (Glm4MoeConfig's).
+GLM_MOE_DEFAULTS = dict(n_routed_experts=128, num_experts_per_tok=8, moe_intermediate_size=1408,
+                        n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=1.0,
+                        n_group=1, topk_group=1)
+
+
+def moe_fields(hf: dict[str, Any], problems: list[str], name: str = NAME,
+               defaults: Mapping[str, Any] = GLM_MOE_DEFAULTS) -> dict[str, Any]:
+    """The experts, the router and which layers are MoE, of a DeepSeek-style
+    MoE config.json (GLM-4.5's and DeepSeek-V3's keys alike; `defaults`:
+    the family's class defaults, `name` for the messages)."""
+    experts_key, experts = aliased_keys(hf, ("n_routed_experts", "num_local_experts"),
+                                        defaults["n_routed_experts"], problems)
+    experts = integer_key({experts_key: experts}, experts_key, None, problems)
+    topk = integer_key(hf, "num_experts_per_tok", defaults["num_experts_per_tok"], problems)
+    width = integer_key(hf, "moe_intermediate_size", defaults["moe_intermediate_size"], problems)
+    shared = integer_key(hf, "n_shared_experts", defaults["n_shared_experts"], problems)
     layers = hf.get("num_hidden_layers") if positive_int(hf.get("num_hidden_layers")) else None
-    dense = _integer(hf, "first_k_dense_replace", 1, problems, least=0)
+    dense = integer_key(hf, "first_k_dense_replace", defaults["first_k_dense_replace"], problems,
+                        least=0)
     if dense is not None and layers is not None and dense >= layers:
         problems.append(f"first_k_dense_replace={dense} leaves no MoE layer of the {layers}: "
-                        f"ptdp reads GLM-4.5 with MoE layers")
+                        f"ptdp reads {name} with MoE layers")
     for key, wanted in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
         if hf.get(key, wanted) != wanted:  # DeepSeek-V3's keys, should a file carry them
-            problems.append(f"{key}={hf[key]!r} is not supported: GLM-4.5's router is "
+            problems.append(f"{key}={hf[key]!r} is not supported: {name}'s router is "
                             f"{key} {wanted!r}")
-    renormalise = _boolean(hf, "norm_topk_prob", True, problems)
+    renormalise = boolean_key(hf, "norm_topk_prob", True, problems)
     if topk is not None and topk > 1 and not renormalise:
         problems.append(f"norm_topk_prob=false with num_experts_per_tok={topk} is not supported: "
                         f"ptdp's sigmoid router (as Megatron-Core's) renormalises the top-k "
@@ -221,7 +232,7 @@ def _moe_fields(hf: dict[str, Any], problems: list[str]) -> dict[str, Any]:
                         "by its score; set norm_topk_prob to false")
     if experts and topk and topk > experts:
         problems.append(f"num_experts_per_tok {topk} exceeds the {experts} experts ({experts_key})")
-    scale = hf.get("routed_scaling_factor", 1.0)
+    scale = hf.get("routed_scaling_factor", defaults["routed_scaling_factor"])
     if not isinstance(scale, (int, float)) or isinstance(scale, bool) \
             or not math.isfinite(scale) or scale <= 0:
         problems.append(f"routed_scaling_factor={scale!r} must be a positive number")
@@ -231,20 +242,21 @@ def _moe_fields(hf: dict[str, Any], problems: list[str]) -> dict[str, Any]:
                   moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                   moe_router_topk_scaling_factor=None if scale == 1.0 else float(scale),
                   moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-                  **_group_fields(hf, experts, topk, problems))
+                  **group_fields(hf, experts, topk, problems, defaults))
     if layers is not None and dense is not None and dense < layers:
         fields["moe_layer_freq"] = 1 if dense == 0 else [0] * dense + [1] * (layers - dense)
     return fields
 
 
-def _group_fields(hf: dict[str, Any], experts: int | None, topk: int | None,
-                  problems: list[str]) -> dict[str, Any]:
+def group_fields(hf: dict[str, Any], experts: int | None, topk: int | None,
+                 problems: list[str], defaults: Mapping[str, Any] = GLM_MOE_DEFAULTS
+                 ) -> dict[str, Any]:
     """n_group and topk_group as group-limited routing. transformers scores a
     group by its best two (biased) scores, ptdp (as Megatron-Core) by its
     best top-k / topk_group: the same groups only where that is 2, or
     where every group is kept (G = 1 or T = G: then no groups are set)."""
-    groups = _integer(hf, "n_group", 1, problems)
-    chosen = _integer(hf, "topk_group", 1, problems)
+    groups = integer_key(hf, "n_group", defaults["n_group"], problems)
+    chosen = integer_key(hf, "topk_group", defaults["topk_group"], problems)
     if groups is None or chosen is None:
         return {}
     if chosen > groups:
@@ -263,10 +275,10 @@ def _group_fields(hf: dict[str, Any], experts: int | None, topk: int | None,
     return dict(moe_router_num_groups=groups, moe_router_group_topk=chosen)
 
 
-def _mtp_depth(hf: dict[str, Any], problems: list[str]) -> int:
+def mtp_depth(hf: dict[str, Any], problems: list[str]) -> int:
     """num_nextn_predict_layers (alias num_mtp_layers; transformers' default 1)."""
-    key, depth = _aliased(hf, ("num_nextn_predict_layers", "num_mtp_layers"), 1, problems)
-    return _integer({key: depth}, key, None, problems, least=0) or 0
+    key, depth = aliased_keys(hf, ("num_nextn_predict_layers", "num_mtp_layers"), 1, problems)
+    return integer_key({key: depth}, key, None, problems, least=0) or 0
 
 
 # ------------------------------------------------------------------ ModelConfig -> config.json
@@ -274,37 +286,68 @@ def _mtp_depth(hf: dict[str, Any], problems: list[str]) -> int:
 def glm4_moe_obstacles(config: ModelConfig) -> list[str]:
     """What keeps `config` from being a Glm4MoeForCausalLM (empty: it is one)."""
     c = config
-    found = [o for o in llama_like_obstacles(c, NAME) if not o.startswith("--rotary-percent")]
+    # (partial rotation and MTP are GLM-4.5's own, whatever the Llama-like check says of them)
+    found = [o for o in llama_like_obstacles(c, NAME)
+             if not o.startswith(("--rotary-percent", "--mtp-num-layers"))]
     if c.use_rope_scaling or c.rotary_seq_len_interpolation_factor is not None:
         found.append("rotary rescaling (ptdp writes GLM-4.5's plain rotary embeddings only)")
+    if c.multi_latent_attention:
+        found.append("--multi-latent-attention (GLM-4.5 has grouped-query attention; "
+                     "DeepSeek-V3 has MLA)")
+    if c.bias:
+        found.append("linear biases (add --disable-bias-linear: GLM-4.5's biases are on q, k "
+                     "and v only, --add-qkv-bias)")
+    return found + deepseek_moe_obstacles(c, NAME)
+
+
+def deepseek_moe_obstacles(config: ModelConfig, name: str) -> list[str]:
+    """What keeps `config`'s MLPs from being a DeepSeek-style MoE's (GLM-4.5's
+    and DeepSeek-V3's: first dense layers, then sigmoid-routed experts with
+    a shared expert); `name` for the messages."""
+    c = config
     if not c.is_moe:
-        return found + ["no --num-experts (GLM-4.5's layers after the first dense ones are MoE)"]
+        return [f"no --num-experts ({name}'s layers after the first dense ones are MoE)"]
     shared = c.moe_shared_expert_intermediate_size
     pattern = c.moe_layer_pattern
     first_moe = pattern.index(True)
     groups, chosen = c.moe_router_num_groups, c.moe_router_group_topk
     named = [
-        (c.bias, "linear biases (add --disable-bias-linear: GLM-4.5's biases are on q, k and v "
-                 "only, --add-qkv-bias)"),
         (c.moe_router_score_function != "sigmoid",
-         f"--moe-router-score-function {c.moe_router_score_function} (GLM-4.5's router takes "
+         f"--moe-router-score-function {c.moe_router_score_function} ({name}'s router takes "
          f"sigmoid scores)"),
-        (not shared, "no --moe-shared-expert-intermediate-size (GLM-4.5's MoE layers have a "
-                     "shared expert)"),
+        (not shared, f"no --moe-shared-expert-intermediate-size ({name}'s MoE layers have a "
+                     f"shared expert)"),
         (bool(shared) and shared % c.moe_ffn_size != 0,
          f"--moe-shared-expert-intermediate-size {shared} is not a multiple of the experts' "
-         f"width {c.moe_ffn_size} (GLM-4.5 has n_shared_experts experts of that width)"),
-        (c.moe_shared_expert_gate, "--moe-shared-expert-gate (GLM-4.5's shared expert has no "
-                                   "gate)"),
-        (not all(pattern[first_moe:]), "dense layers after an MoE layer in --moe-layer-freq "
-                                       "(GLM-4.5's dense layers are the first ones)"),
+         f"width {c.moe_ffn_size} ({name} has n_shared_experts experts of that width)"),
+        (c.moe_shared_expert_gate, f"--moe-shared-expert-gate ({name}'s shared expert has no "
+                                   f"gate)"),
+        (not all(pattern[first_moe:]), f"dense layers after an MoE layer in --moe-layer-freq "
+                                       f"({name}'s dense layers are the first ones)"),
         (groups is not None and chosen != groups and c.moe_router_topk != 2 * chosen,
          "group-limited routing with --moe-router-topk other than 2 × --moe-router-group-topk "
          "(transformers scores each group by its best 2 experts)"),
         (c.moe_expert_capacity_factor is not None,
-         "--moe-expert-capacity-factor (GLM-4.5's MoE layers drop no tokens)"),
+         f"--moe-expert-capacity-factor ({name}'s MoE layers drop no tokens)"),
     ]
-    return found + [what for on, what in named if on]
+    return [what for on, what in named if on]
+
+
+def moe_hf_fields(config: ModelConfig) -> dict[str, Any]:
+    """config.json's MoE and MTP keys (GLM-4.5's and DeepSeek-V3's alike) of
+    a model with no deepseek_moe_obstacles."""
+    c = config
+    grouped = c.moe_router_num_groups is not None
+    return dict(
+        n_routed_experts=c.num_experts, num_experts_per_tok=c.moe_router_topk,
+        moe_intermediate_size=c.moe_ffn_size,
+        n_shared_experts=c.moe_shared_expert_intermediate_size // c.moe_ffn_size,
+        routed_scaling_factor=float(c.moe_router_topk_scaling_factor or 1.0),
+        n_group=c.moe_router_num_groups if grouped else 1,
+        topk_group=c.moe_router_group_topk if grouped else 1,
+        first_k_dense_replace=c.moe_layer_pattern.index(True),
+        norm_topk_prob=c.moe_router_topk > 1, num_nextn_predict_layers=c.mtp_depth,
+        output_router_logits=False)
 
 
 def hf_config_from_model_config(config: ModelConfig, *, bos_token_id: int | None = None,
@@ -318,19 +361,9 @@ def hf_config_from_model_config(config: ModelConfig, *, bos_token_id: int | None
                           eos_token_id=eos_token_id)
     factor = float(c.rotary_percent)
     hf["rope_parameters"] = {**hf["rope_parameters"], "partial_rotary_factor": factor}
-    grouped = c.moe_router_num_groups is not None
     hf.update(
         partial_rotary_factor=factor,  # (where transformers 4 and other readers look)
-        attention_bias=c.qkv_bias, use_qk_norm=c.qk_layernorm,
-        n_routed_experts=c.num_experts, num_experts_per_tok=c.moe_router_topk,
-        moe_intermediate_size=c.moe_ffn_size,
-        n_shared_experts=c.moe_shared_expert_intermediate_size // c.moe_ffn_size,
-        routed_scaling_factor=float(c.moe_router_topk_scaling_factor or 1.0),
-        n_group=c.moe_router_num_groups if grouped else 1,
-        topk_group=c.moe_router_group_topk if grouped else 1,
-        first_k_dense_replace=c.moe_layer_pattern.index(True),
-        norm_topk_prob=c.moe_router_topk > 1, num_nextn_predict_layers=c.mtp_depth,
-        output_router_logits=False)
+        attention_bias=c.qkv_bias, use_qk_norm=c.qk_layernorm, **moe_hf_fields(c))
     return hf
 
 
@@ -340,7 +373,14 @@ def name_pairs(config: ModelConfig) -> list[NamePair]:
     """hf_llama's name table of the attention, norms, embeddings and dense
     MLPs, the MoE layers' (router, its selection bias, experts, shared
     experts), then the MTP modules' (hf_mtp_names.py)."""
-    pairs = attention_name_pairs(config) + mlp_name_pairs(config)
+    pairs = attention_name_pairs(config) + mlp_name_pairs(config) + moe_name_pairs(config)
+    return pairs + mtp_name_pairs(pairs, config.num_layers, config.mtp_depth, config.hidden_size)
+
+
+def moe_name_pairs(config: ModelConfig) -> list[NamePair]:
+    """The MoE layers' name table, as GLM-4.5's and DeepSeek-V3's files name
+    them: the router, its selection bias, each expert and the shared experts."""
+    pairs: list[NamePair] = []
     E, h = config.num_experts, config.hidden_size
     shared = config.moe_shared_expert_intermediate_size
 
@@ -359,14 +399,15 @@ def name_pairs(config: ModelConfig) -> list[NamePair]:
             mlp(f"{ours}experts.{e}", f"{theirs}experts.{e}", config.moe_ffn_size)
         if shared:
             mlp(ours + "shared_expert", theirs + "shared_experts", shared)
-    return pairs + mtp_name_pairs(pairs, config.num_layers, config.mtp_depth, h)
+    return pairs
 
 
-def _shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+def shapes_with_expert_bias(config: ModelConfig, pairs: list[NamePair]
+                            ) -> dict[str, tuple[int, ...]]:
     """logical_shapes with every MoE router's expert bias (saved model
-    state: ptdp.model.shapes.state_shapes), which GLM-4.5 always has."""
-    biases = {ours: (config.num_experts,) for ours, _ in name_pairs(config)
-              if ours.endswith(_EXPERT_BIAS)}
+    state: ptdp.model.shapes.state_shapes), which these families always
+    have (`pairs`: the family's name table)."""
+    biases = {ours: (config.num_experts,) for ours, _ in pairs if ours.endswith(_EXPERT_BIAS)}
     return {**logical_shapes(config), **biases}
 
 
@@ -379,14 +420,22 @@ def to_hf_state(logical: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
     obstacles = glm4_moe_obstacles(config)
     if obstacles:
         raise ConversionError(f"this model is not a {NAME}: " + "; ".join(obstacles))
-    shapes = _shapes(config)
+    return moe_mtp_hf_state(logical, config, name_pairs(config))
+
+
+def moe_mtp_hf_state(logical: dict[str, torch.Tensor], config: ModelConfig,
+                     pairs: list[NamePair]) -> dict[str, torch.Tensor]:
+    """The state dict `pairs` (a DeepSeek-style MoE family's name table)
+    names for a logical state, with the MTP modules' copies and zero expert
+    biases where the model has none (to_hf_state's)."""
+    shapes = shapes_with_expert_bias(config, pairs)
     if not config.moe_router_enable_expert_bias:
         logical = {**{name: torch.zeros(shape) for name, shape in shapes.items()
                       if name.endswith(_EXPERT_BIAS)}, **logical}
     check_state(logical, shapes, "ptdp logical state", padded_hint=config.vocab_size)
     logical = with_plain_norm_scales(logical, config)
     state = {}
-    for ours, theirs in name_pairs(config):
+    for ours, theirs in pairs:
         for (name, _), piece in zip(theirs, logical[ours].detach().split(
                 [rows for _, rows in theirs])):
             state[name] = piece.contiguous().clone()
@@ -398,7 +447,7 @@ def to_hf_state(logical: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
     return state
 
 
-def _mtp_disagreement(found: list[int], config: ModelConfig) -> str | None:
+def mtp_disagreement(found: list[int], config: ModelConfig) -> str | None:
     """config.json's MTP depth against the layers the files hold after the decoder's."""
     L, D = config.num_layers, config.mtp_depth
     if found == list(range(L, L + D)):
@@ -410,18 +459,15 @@ def _mtp_disagreement(found: list[int], config: ModelConfig) -> str | None:
             f"the decoder's (the MTP modules', layers.{L} on) the tensors hold {held}{hint}")
 
 
-def check_hf_tensors(state: Mapping[str, Any], config: ModelConfig) -> None:
-    """Refuse a state (tensors or the headers' shapes) that does not fit
-    `config`: config.json's sizes first (the decoder's layers, the MTP
-    modules', widths and counts), then every name and shape. The MTP
-    modules' copies of the embedding and output layer may be there or not."""
-    bare, lm_head = split_state(state, "model.", _IGNORED)
-    h, d, E = config.hidden_size, config.head_dim, config.num_experts
-    heads, groups = config.num_attention_heads, config.query_groups
+def moe_size_disagreements(bare: Mapping[str, Any], config: ModelConfig) -> list[str | None]:
+    """config.json's sizes against a DeepSeek-style MoE state's (the bare
+    model's keys): the decoder's layers, the MTP modules', the vocabulary,
+    hidden size, dense MLP and expert widths and the number of experts."""
+    h, E = config.hidden_size, config.num_experts
     main = without_mtp_layers(bare, config.num_layers)
-    check_sizes([
+    return [
         layer_disagreement(main, "layers.", "num_hidden_layers", config.num_layers),
-        _mtp_disagreement(mtp_layer_numbers(bare, config.num_layers), config),
+        mtp_disagreement(mtp_layer_numbers(bare, config.num_layers), config),
         size_disagreement(f"vocab_size={config.vocab_size}", config.vocab_size, "vocabulary",
                           [("embed_tokens.weight", bare, 0)]),
         size_disagreement(f"hidden_size={h}", h, "hidden size",
@@ -434,6 +480,18 @@ def check_hf_tensors(state: Mapping[str, Any], config: ModelConfig) -> None:
         size_disagreement(f"moe_intermediate_size={config.moe_ffn_size}", config.moe_ffn_size,
                           "expert width", carriers_matching(
                               main, r"layers\.\d+\.mlp\.experts\.\d+\.gate_proj\.weight", 0)),
+    ]
+
+
+def check_hf_tensors(state: Mapping[str, Any], config: ModelConfig) -> None:
+    """Refuse a state (tensors or the headers' shapes) that does not fit
+    `config`: config.json's sizes first (the decoder's layers, the MTP
+    modules', widths and counts), then every name and shape. The MTP
+    modules' copies of the embedding and output layer may be there or not."""
+    bare, lm_head = split_state(state, "model.", _IGNORED)
+    d, heads, groups = config.head_dim, config.num_attention_heads, config.query_groups
+    main = without_mtp_layers(bare, config.num_layers)
+    check_sizes(moe_size_disagreements(bare, config) + [
         size_disagreement(f"num_key_value_heads={groups} (head_dim {d})", groups * d,
                           "key/value width",
                           carriers_matching(main, r"layers\.\d+\.self_attn\.k_proj\.weight", 0)),
@@ -441,9 +499,18 @@ def check_hf_tensors(state: Mapping[str, Any], config: ModelConfig) -> None:
                           "query width",
                           carriers_matching(main, r"layers\.\d+\.self_attn\.q_proj\.weight", 0)),
     ])
-    shapes = _shapes(config)
+    check_names_and_shapes(bare, lm_head, config, name_pairs(config))
+
+
+def check_names_and_shapes(bare: Mapping[str, Any], lm_head: Any, config: ModelConfig,
+                           pairs: list[NamePair]) -> None:
+    """Every tensor `pairs` names is there with its shape and no other
+    (besides the MTP modules' copies of the embedding and output layer,
+    checked for shape); `bare`: the model's keys without `model.`."""
+    shapes = shapes_with_expert_bias(config, pairs)
+    h = config.hidden_size
     expected = {name.removeprefix("model."): (rows, *shapes[ours][1:])
-                for ours, theirs in name_pairs(config) for name, rows in theirs if name != OUTPUT}
+                for ours, theirs in pairs for name, rows in theirs if name != OUTPUT}
     copies = [name.removeprefix("model.") for name in mtp_copies(
         config.num_layers, config.mtp_depth, config.tied_output)]
     for name in copies:
@@ -462,7 +529,15 @@ def from_hf_state(state: Mapping[str, torch.Tensor],
     embedding and output layer, where present, must equal the model's own
     (ptdp's MTP modules share them). The expert biases come as fp32."""
     check_hf_tensors(state, config)
-    bare, lm_head = split_state(state, "model.", _IGNORED)
+    return moe_mtp_logical(state, config, name_pairs(config), _IGNORED)
+
+
+def moe_mtp_logical(state: Mapping[str, torch.Tensor], config: ModelConfig,
+                    pairs: list[NamePair], ignored: re.Pattern[str]) -> dict[str, torch.Tensor]:
+    """The logical state `pairs` names of a checked state (from_hf_state's):
+    the MTP modules' copies checked against the model's own and dropped,
+    the expert biases as fp32, the norms' weights as ptdp stores them."""
+    bare, lm_head = split_state(state, "model.", ignored)
     own = {EMBEDDING: ("embed_tokens.weight", bare["embed_tokens.weight"]),
            "output_layer.weight": (OUTPUT, lm_head)}
     for name, source in mtp_copies(config.num_layers, config.mtp_depth,
@@ -476,7 +551,7 @@ def from_hf_state(state: Mapping[str, torch.Tensor],
     full = {f"model.{name}": tensor for name, tensor in bare.items()}
     if lm_head is not None:
         full[OUTPUT] = lm_head
-    logical = logical_from_checked(full, config, name_pairs(config), _IGNORED)
+    logical = logical_from_checked(full, config, pairs, ignored)
     for name in logical:
         if name.endswith(_EXPERT_BIAS):  # model state the router keeps in fp32
             logical[name] = logical[name].float()
