@@ -343,9 +343,11 @@ def test_export_refuses_rotary_variants_no_family_writes(settings, named):
     config = dataclasses.replace(_llama_model_config(), **settings)
     with pytest.raises(ConversionError) as refused:
         family_for_export(config)
-    # (Gemma 3 and gpt-oss have several of these pieces: their lines name what else they lack)
+    # (Gemma 3 and gpt-oss have several of these pieces, GLM-4.5 partial rotation and
+    # DeepSeek-V3 YaRN: their lines name what else they lack)
     rotary = [line for line in str(refused.value).splitlines()[1:]
-              if not any(family in line for family in ("GPT-2", "Gemma 3", "gpt-oss"))]
+              if not any(family in line for family in ("GPT-2", "Gemma 3", "gpt-oss", "GLM-4.5",
+                                                         "DeepSeek-V3"))]
     assert rotary and all(named in line for line in rotary), str(refused.value)
 
 

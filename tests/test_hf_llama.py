@@ -318,7 +318,7 @@ def test_export_refuses_a_model_of_neither_architecture(tmp_path, capsys):
     assert main(["convert", "--load", str(save), "--to-hf", str(tmp_path / "hf")]) == 2
     error = capsys.readouterr().err
     assert "fits none of the Hugging Face classes ptdp writes (GPT-2, Llama, Mistral, Qwen2, " \
-        "Qwen3, Mixtral, Qwen3-MoE, Qwen2-MoE, Gemma 3, gpt-oss)" in error
+        "Qwen3, Mixtral, Qwen3-MoE, Qwen2-MoE, Gemma 3, gpt-oss, GLM-4.5, DeepSeek-V3)" in error
     assert "--normalization RMSNorm (GPT-2 has LayerNorm)" in error
     assert "--position-embedding-type learned_absolute (Llama has rotary embeddings)" in error
     assert not (tmp_path / "hf").exists()

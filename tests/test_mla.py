@@ -414,3 +414,23 @@ def test_model_flops_count_the_built_attentions_products(q_lora_rank):
     forward = l * (2 * B * s * matrices + 2 * B * s * s * attention_core_columns(config) + mlp) \
         + 2 * B * s * h * config.vocab_size
     assert model_flops_per_iteration(config, B, recompute=None) == pytest.approx(3 * forward)
+
+
+def test_an_mla_or_mtp_model_never_exports_as_a_family_without_them():
+    """A dense MLA model (Qwen3's other settings) or a Llama with MTP modules
+    is refused by every family that would drop those tensors, each naming
+    the setting: no export writes another model."""
+    from ptdp.interop.hf_directory import family_for_export
+    from ptdp.interop.hf_files import ConversionError
+
+    llama = dict(normalization="RMSNorm", swiglu=True, disable_bias_linear=True,
+                 untie_embeddings_and_output_weights=True, position_embedding_type="rope")
+    for config, named in [(dataclasses.replace(MLA, **llama), "--multi-latent-attention"),
+                          (dataclasses.replace(step.MODEL, **llama, mtp_num_layers=1),
+                           "--mtp-num-layers 1")]:
+        with pytest.raises(ConversionError) as refused:
+            family_for_export(config)
+        lines = str(refused.value).splitlines()[1:]
+        for family in ("Llama", "Qwen3", "Mistral", "Mixtral", "gpt-oss", "Gemma 3"):
+            line = next(line for line in lines if line.startswith(f"  - not {family}:"))
+            assert named in line, line

@@ -107,7 +107,7 @@ class HFFamily(Protocol):
 
 def unwritten_settings(config: "ModelConfig", family: str) -> list[str]:
     """The settings of `config` that the Llama-like and GPT-2 families do not
-    compute (the Gemma 3 and gpt-oss pieces, sinks): written as `family` the
+    compute (the Gemma 3 and gpt-oss pieces, sinks, MLA, MTP): written as `family` the
     model would be another one, so export names them instead. (Gemma 3's
     own family writes its pieces: hf_gemma3.py.)"""
     named = [(config.geglu, "--geglu"), (config.quick_geglu, "--quick-geglu"),
@@ -117,7 +117,10 @@ def unwritten_settings(config: "ModelConfig", family: str) -> list[str]:
              (config.softmax_scale is not None, f"--softmax-scale {config.softmax_scale}"),
              (config.scale_embeddings, "--scale-embeddings"),
              (config.sandwich_norm, "--sandwich-norm"),
-             (config.has_sinks, f"--softmax-type {config.softmax_type}")]
+             (config.has_sinks, f"--softmax-type {config.softmax_type}"),
+             # DeepSeek-V3's and GLM-4.5's own families write these
+             (config.multi_latent_attention, "--multi-latent-attention"),
+             (config.mtp_depth > 0, f"--mtp-num-layers {config.mtp_depth}")]
     return [f"{flag} ({family} as ptdp writes it has no such setting)" for on, flag in named if on]
 
 

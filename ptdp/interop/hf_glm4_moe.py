@@ -288,7 +288,8 @@ def glm4_moe_obstacles(config: ModelConfig) -> list[str]:
     c = config
     # (partial rotation and MTP are GLM-4.5's own, whatever the Llama-like check says of them)
     found = [o for o in llama_like_obstacles(c, NAME)
-             if not o.startswith(("--rotary-percent", "--mtp-num-layers"))]
+             if not o.startswith(("--rotary-percent", "--mtp-num-layers",
+                                  "--multi-latent-attention"))]
     if c.use_rope_scaling or c.rotary_seq_len_interpolation_factor is not None:
         found.append("rotary rescaling (ptdp writes GLM-4.5's plain rotary embeddings only)")
     if c.multi_latent_attention:

@@ -332,6 +332,9 @@ def gpt_oss_obstacles(config: ModelConfig) -> list[str]:
         (c.moe_router_enable_expert_bias, "--moe-router-enable-expert-bias"),
         (c.moe_expert_capacity_factor is not None, "--moe-expert-capacity-factor (gpt-oss "
                                                    "drops no tokens)"),
+        (c.multi_latent_attention, "--multi-latent-attention (gpt-oss has grouped-query "
+                                   "attention)"),
+        (c.mtp_depth > 0, f"--mtp-num-layers {c.mtp_depth} (gpt-oss has no MTP layers)"),
     ]
     found += [what for on, what in named if on]
     if any(c.windowed_layers) and c.window[1] != 0:
