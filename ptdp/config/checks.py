@@ -245,9 +245,10 @@ def _yarn_problems(m: ModelConfig) -> list[str]:
                         f"{m.yarn_original_max_position_embeddings!r} must be a positive integer "
                         f"(the context the model was first trained at; gpt-oss: 4096)")
     fast, slow = m.yarn_beta_fast, m.yarn_beta_slow
-    if fine(fast) and fine(slow) and not 0 < slow < fast:
+    # (equal betas are a step instead of a ramp, as Kimi K2 publishes them)
+    if fine(fast) and fine(slow) and not 0 < slow <= fast:
         problems.append(f"--yarn-beta-fast {fast} and --yarn-beta-slow {slow} must satisfy "
-                        f"0 < beta_slow < beta_fast: they are the turns over the original context "
+                        f"0 < beta_slow <= beta_fast: they are the turns over the original context "
                         f"above which a pair keeps its frequency and below which it is slowed "
                         f"(YaRN's paper and gpt-oss: 32 and 1)")
     if fine(factor) and factor >= 1 and fine(m.mscale) and fine(m.mscale_all_dim):
