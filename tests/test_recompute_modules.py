@@ -141,13 +141,17 @@ def _config(modules: list[str] | None, t: int = 1, ep: int = 1):
 
 
 def _pooled(rank: int, records: list) -> None:
-    ctx = ParallelContext.build(RankGrid(tp=2, dp=1, pp=1, ep=2, etp=1))
-    trainer = Trainer(_config(ALL + ["mla_up_proj", "moe"], t=2, ep=2), ctx, CPU)
-    for i, want in enumerate(records):
-        got = trainer.step(i)[0]
-        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), i
-        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), i
-    ctx.destroy()
+    """Every module but moe (the experts' activation and the shared experts
+    recomputed behind the dispatch), then with moe (the whole layer, its
+    dispatch run again in backward)."""
+    for modules in (ALL + ["mla_up_proj"], ALL + ["mla_up_proj", "moe"]):
+        ctx = ParallelContext.build(RankGrid(tp=2, dp=1, pp=1, ep=2, etp=1))
+        trainer = Trainer(_config(modules, t=2, ep=2), ctx, CPU)
+        for i, want in enumerate(records):
+            got = trainer.step(i)[0]
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), (modules, i)
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), (modules, i)
+        ctx.destroy()
 
 
 def test_every_module_at_t2_sequence_parallel_ep2_trains_like_one_process(pools):
