@@ -360,7 +360,7 @@ def test_architectures_ptdp_lacks_say_what_they_are_and_what_to_use(flags, says,
     (["--logging-level", "20"], "not through Python's logging"),
     (["--enable-experimental"], "no features behind this switch"),
     (["--auto-detect-ckpt-format"], "its own format"),
-    (["--recompute-modules", "core_attn"], "Megatron-LM's core_attn"),
+    (["--recompute-modules", "core_attn"], None),  # a setting (its default)
     (["--lr-warmup-init", "0.0001"], None),  # a setting: nothing to say
 ])
 def test_harmless_megatron_lm_switches_are_accepted_with_a_note(flags, note):
@@ -383,13 +383,18 @@ def test_no_load_optim_and_rng_without_load_are_a_note():
         f"out of one" for name in ("--no-load-optim", "--no-load-rng")]
 
 
-def test_recompute_modules_other_than_the_attention_core_are_refused():
-    found = given(_args("--recompute-granularity", "selective", "--recompute-modules", "core_attn",
-                        "mlp"))
-    assert refusals(found) == [
-        "--recompute-modules core_attn mlp: ptdp's selective recomputation recomputes the "
-        "attention core only: give --recompute-modules core_attn, or --recompute-granularity full "
-        "to recompute whole layers"]
+def test_recompute_modules_is_a_setting():
+    """DeepSeek-V3's script's modules are read as the setting, with nothing
+    to note; a module of a model ptdp lacks is refused by validate."""
+    args = _args("--recompute-granularity", "selective", "--recompute-modules", "mlp", "moe",
+                 "mla_up_proj", "layernorm")
+    assert not given(args)
+    assert config_from_args(args).model.recompute_modules == ["mlp", "moe", "mla_up_proj",
+                                                              "layernorm"]
+    config = config_from_args(_args("--recompute-granularity", "selective",
+                                    "--recompute-modules", "core_attn", "mhc"))
+    with pytest.raises(ConfigError, match="--recompute-modules mhc: Megatron-LM's recomputation"):
+        validate(config)
 
 
 def test_megatron_lms_newer_spellings_are_the_settings():

@@ -20,6 +20,7 @@ from ptdp.config.data import data_loading_problems
 from ptdp.config.lora import lora_problems
 from ptdp.config.mla import mla_problems
 from ptdp.config.mtp import mtp_problems
+from ptdp.config.recompute import recompute_module_problems
 from ptdp.schedules.kinds import (KINDS, SEARCHED, ScheduleKind, any_chunks_kind, lower_first,
                                   or_list)
 from ptdp.schedules.split import split_problems
@@ -60,7 +61,7 @@ def validate(config: Config, world_size: int | None = None) -> None:
     problems.extend(mtp_problems(m, par, config.lora))
     problems.extend(precision_and_lr_problems(tr))
     problems.extend(run_length_problems(tr))
-    problems.extend(recompute_problems(m))
+    problems.extend(recompute_problems(m) + recompute_module_problems(m))
     problems.extend(optimizer_problems(tr))
     problems.extend(stopping_problems(tr))
     problems.extend(_megatron_shape_problems(config))

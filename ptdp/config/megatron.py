@@ -160,19 +160,10 @@ MOE_FLAGS: tuple[AcceptedFlag, ...] = (
 _FP32_STATE = ("ptdp keeps the main weights, the main gradients and Adam's moments in fp32: give fp32 "
                "or drop the flag")
 _DTYPES = ("fp32", "fp16", "bf16", "fp8")
-_RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe",
-                      "shared_experts", "gdn_norm_out", "gdp_in_proj", "gdp_qkv", "mhc")
 
 # Megatron-LM's flags with a line of their own: their meaning in ptdp is
 # narrower than a family's, or some of their values are refused.
 OWN_LINES: tuple[AcceptedFlag, ...] = (
-    AcceptedFlag("--recompute-modules", "+",
-                 "with --recompute-granularity selective ptdp recomputes the attention core, "
-                 "Megatron-LM's core_attn (its default)", choices=_RECOMPUTE_MODULES,
-                 refused_choices=_RECOMPUTE_MODULES[1:],
-                 refusal="ptdp's selective recomputation recomputes the attention core only: give "
-                 "--recompute-modules core_attn, or --recompute-granularity full to recompute whole "
-                 "layers"),
     AcceptedFlag("--dataloader-type", 1,
                  "ptdp's loader reads the dataset's (already shuffled) samples in order, once, as "
                  "Megatron-LM's single sampler does", choices=("single", "cyclic", "external"),

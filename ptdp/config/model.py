@@ -15,10 +15,11 @@ from ptdp.config.local_attention import LocalAttentionFields
 from ptdp.config.mla import MLAFields
 from ptdp.config.moe import MoEFields
 from ptdp.config.mtp import MTPFields
+from ptdp.config.recompute import RecomputeModuleFields
 
 
 @dataclass
-class ModelConfig(MoEFields, LocalAttentionFields, MTPFields, MLAFields):
+class ModelConfig(MoEFields, LocalAttentionFields, MTPFields, MLAFields, RecomputeModuleFields):
     num_layers: int = flag(4, "--num-layers", "transformer layers")
     hidden_size: int = flag(128, "--hidden-size", "hidden size h")
     num_attention_heads: int = flag(4, "--num-attention-heads", "attention heads a")
@@ -44,7 +45,8 @@ class ModelConfig(MoEFields, LocalAttentionFields, MTPFields, MLAFields):
     recompute_granularity: str | None = flag(
         None, "--recompute-granularity",
         "activation recomputation: full (store only layer inputs, recompute the layers in "
-        "backward) or selective (recompute only the attention core)",
+        "backward) or selective (recompute only the --recompute-modules parts of each layer: by "
+        "default the attention core)",
         choices=("full", "selective"))
     recompute_method: str = flag(
         "uniform", "--recompute-method",

@@ -30,7 +30,11 @@ same logical names under every layout), `pre_process` adds the embeddings
 Activation recomputation (ModelConfig.recompute_*) is wired here with
 ptdp.model.recompute.checkpoint: `GPT._run_layers` checkpoints groups of
 layers (full, uniform), or the first layers of the chunk one by one (full,
-block); `Attention._core` checkpoints the attention core (selective).
+block); selective recomputes the --recompute-modules parts: `Attention._core`
+the attention core (core_attn), `TransformerLayer._normed` the norms
+(layernorm), `TransformerLayer._mlp` the dense MLP (mlp) or the MoE layer
+(moe); ptdp.model.moe the experts' activation (moe_act) and the shared
+experts, ptdp.model.mla the up projections (mla_up_proj).
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from ptdp.model.moe import ExpertLinear, MoELayer
 from ptdp.model.mla import MultiLatentAttention
 from ptdp.model.mtp import MultiTokenPrediction
 from ptdp.model.norms import LayerNorm1p, RMSNorm1p, layer_norm  # noqa: F401 - re-exported
-from ptdp.model.recompute import checkpoint, recompute_active
+from ptdp.model.recompute import checkpoint, recompute_active, recompute_discarding
 from ptdp.model.rotary import rotary_for
 from ptdp.parallel.context_attention import context_attention
 from ptdp.parallel.context_layout import rank_positions, split_sequence
@@ -167,7 +171,7 @@ class Attention(nn.Module):
         # so every attention path (context, documents, windows) applies it.
         self.query_scale = (None if config.softmax_scale is None
                             else config.softmax_scale * d ** 0.5)
-        self.selective_recompute = config.recompute_granularity == "selective"
+        self.selective_recompute = config.recomputes("core_attn")
         # YaRN's attention factor is inside the rotation's cos/sin tables.
         # --window-size on the layers --window-attn-skip-freq leaves windowed;
         # --softmax-type's sinks (ptdp.parallel.local_attention).
@@ -311,8 +315,11 @@ class TransformerLayer(nn.Module):
         self.post_attention_layernorm = layer_norm(config, sequence_parallel)
         if config.is_moe and config.moe_layer_pattern[layer_id]:
             self.mlp = MoELayer(config, ctx, rng, sequence_parallel)
+            self.recompute_mlp = config.recomputes("moe")
         else:
             self.mlp = MLP(config, ctx, sequence_parallel)
+            self.recompute_mlp = config.recomputes("mlp")
+        self.recompute_norms = config.recomputes("layernorm")
         if config.sandwich_norm:
             # Gemma's post-norms (its post_attention_layernorm and
             # post_feedforward_layernorm): ptdp's post_attention_layernorm
@@ -322,10 +329,26 @@ class TransformerLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
                 documents: Documents | None = None) -> torch.Tensor:
-        out, bias = self.attention(self.input_layernorm(x), positions, documents)
+        out, bias = self._normed("input_layernorm", x,
+                                 lambda normed: self.attention(normed, positions, documents))
         x = self._residual(*self._output_norm("attention_output_layernorm", out, bias), x)
-        out, bias = self.mlp(self.post_attention_layernorm(x))
+        out, bias = self._normed("post_attention_layernorm", x, self._mlp)
         return self._residual(*self._output_norm("mlp_output_layernorm", out, bias), x)
+
+    def _normed(self, name: str, x: torch.Tensor, consumer):
+        """consumer(norm(x)); with --recompute-modules layernorm the norm's
+        output is not kept for the consumer's backward but recomputed."""
+        norm = getattr(self, name)
+        if self.recompute_norms and recompute_active(self):
+            return recompute_discarding(norm, self.rng, consumer, x)
+        return consumer(norm(x))
+
+    def _mlp(self, x: torch.Tensor):
+        """The MLP (or MoE layer); checkpointed with --recompute-modules mlp
+        (a dense MLP) or moe (an MoE layer)."""
+        if self.recompute_mlp and recompute_active(self):
+            return checkpoint(self.mlp, self.rng, x)
+        return self.mlp(x)
 
     def _output_norm(self, name: str, out: torch.Tensor, bias: torch.Tensor | None):
         """(out, bias), or with --sandwich-norm (norm(out + bias), None)."""

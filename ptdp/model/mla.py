@@ -70,7 +70,7 @@ from torch import nn
 
 from ptdp.config import ModelConfig
 from ptdp.model.norms import layer_norm
-from ptdp.model.recompute import checkpoint, recompute_active
+from ptdp.model.recompute import checkpoint, recompute_active, recompute_discarding
 from ptdp.model.rotary import Rotary
 from ptdp.model.yarn import YarnScaling
 from ptdp.parallel.context_attention import context_attention
@@ -149,7 +149,8 @@ class MultiLatentAttention(nn.Module):
         query_dim = config.mla_query_head_dim
         self.softmax_scale = config.mla_softmax_scale
         self.dropout = config.attention_dropout
-        self.selective_recompute = config.recompute_granularity == "selective"
+        self.selective_recompute = config.recomputes("core_attn")
+        self.recompute_up = config.recomputes("mla_up_proj")
         self.rotary = mla_rotary(config)
         # The latent norms: whole on every tensor rank; under sequence
         # parallelism each sees s/t positions, so its gradient is partial.
@@ -177,12 +178,30 @@ class MultiLatentAttention(nn.Module):
                 documents: Documents | None = None):
         """x [s, b, h] ([s/t, b, h] under sequence parallelism); `positions`
         and `documents` as ptdp.model.gpt.Attention's."""
-        q = self._queries(x)                                  # [s, b, heads·(d_n + d_r)]
+        query_in = x if hasattr(self, "query") else self.query_down(x)
+        latent, shared_rotated = self.key_value_down(x).split(
+            [self.latent_dim, self.rotated_dim], dim=-1)
+
+        def up(query_in, latent, shared_rotated):
+            return self._up_projections(query_in, latent, shared_rotated, positions)
+
+        def attend(qkv):
+            return self._attend(*qkv, documents)
+        if self.recompute_up and recompute_active(self):
+            # Megatron-Core's output-discarding checkpoint of the up projections.
+            return recompute_discarding(up, self.rng, attend, query_in, latent, shared_rotated)
+        return attend(up(query_in, latent, shared_rotated))
+
+    def _up_projections(self, query_in: torch.Tensor, latent: torch.Tensor,
+                        shared_rotated: torch.Tensor, positions: torch.Tensor | None):
+        """q, k, v [b, heads, s, ·] from the down projections' outputs (the
+        hidden state itself for the queries without --q-lora-rank): the
+        latent norms, up projections and rotation."""
+        q = (self.query(query_in) if hasattr(self, "query")
+             else self.query_up(self._norm("query_latent_layernorm", query_in)))
         s, b = q.shape[:2]
         heads = self.local_heads
         q = q.view(s, b, heads, -1).permute(1, 2, 0, 3)      # [b, heads, s, d_n + d_r]
-        latent, shared_rotated = self.key_value_down(x).split(
-            [self.latent_dim, self.rotated_dim], dim=-1)
         kv = self.key_value_up(self._norm("key_value_latent_layernorm", latent))
         kv = kv.view(s, b, heads, -1).permute(1, 2, 0, 3)    # [b, heads, s, d_n + d_v]
         k_nope, v = kv.split([self.nope_dim, self.value_dim], dim=-1)
@@ -192,6 +211,12 @@ class MultiLatentAttention(nn.Module):
         k_rotated = self.rotary(deinterleaved(k_rotated), self.context, positions)
         q = torch.cat([q_nope, q_rotated], dim=-1)
         k = torch.cat([k_nope, k_rotated.expand(-1, heads, -1, -1)], dim=-1)
+        return q, k, v
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                documents: Documents | None):
+        """The attention core and the output projection: (output, bias)."""
+        b, heads, s = q.shape[:3]
         if self.selective_recompute and recompute_active(self):
             # Keep q, k, v; rebuild the s×s scores, softmax and dropout in backward.
             out = checkpoint(self._core, self.rng, q, k, v, documents)
@@ -199,11 +224,6 @@ class MultiLatentAttention(nn.Module):
             out = self._core(q, k, v, documents)
         out = out.permute(2, 0, 1, 3).reshape(s, b, heads * self.value_dim)
         return self.dense(out)
-
-    def _queries(self, x: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, "query"):  # no --q-lora-rank: straight from the hidden state
-            return self.query(x)
-        return self.query_up(self._norm("query_latent_layernorm", self.query_down(x)))
 
     def _norm(self, name: str, latent: torch.Tensor) -> torch.Tensor:
         norm = getattr(self, name, None)  # (only with --qk-layernorm)

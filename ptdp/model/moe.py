@@ -66,6 +66,7 @@ from torch import nn
 from ptdp.config import ModelConfig
 from ptdp.model.fused import mlp_activation
 from ptdp.model.grouped_experts import grouped_experts, grouped_gemm_used
+from ptdp.model.recompute import checkpoint, recompute_active, recompute_discarding
 from ptdp.parallel.expert import Dispatched, LocalExperts, token_dispatcher
 from ptdp.parallel.sharding import EXPERT_ATTR, SHARD_ATTR, TensorShard, set_init
 from ptdp.parallel.tensor import (
@@ -294,15 +295,26 @@ class Expert(nn.Module):
                                           init_std=scaled_init_std(config.init_method_std,
                                                                    config.num_layers))
 
+    # The MoE layer sets its streams here for --recompute-modules moe_act.
+    recompute_act_rng: RNGStreams | None = None
+
     def forward(self, x: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
-        a = self.activation(self.dense_h_to_4h(x))
-        if probs is not None:
-            a = (a * probs.unsqueeze(-1)).to(a.dtype)
-        out = self.dense_4h_to_h(a, bias=False)
+        h = self.dense_h_to_4h(x)
+        if self.recompute_act_rng is not None and recompute_active(self):
+            # The activation's output (what the second matrix keeps) is not
+            # kept: Megatron-Core's output-discarding recomputation.
+            out = recompute_discarding(self._scaled_activation, self.recompute_act_rng,
+                                       lambda a: self.dense_4h_to_h(a, bias=False), h, probs)
+        else:
+            out = self.dense_4h_to_h(self._scaled_activation(h, probs), bias=False)
         if self.dense_4h_to_h.bias is not None:
             scale = 1.0 if probs is None else probs.unsqueeze(-1).to(out.dtype)
             out = out + self.output_bias() * scale
         return out
+
+    def _scaled_activation(self, h: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
+        a = self.activation(h)
+        return a if probs is None else (a * probs.unsqueeze(-1)).to(a.dtype)
 
     def output_bias(self) -> torch.Tensor:
         """The second matrix's bias as this rank adds it to its partial output.
@@ -347,6 +359,13 @@ class MoELayer(nn.Module):
         ffn = config.moe_ffn_size // ctx.etp_size
         self.grouped_gemm = config.moe_grouped_gemm
         self._widths = (config.hidden_size, ffn, 2 * ffn if config.gated_linear_unit else ffn)
+        # --recompute-modules: moe_act and shared_experts, unless moe
+        # recomputes the whole layer (ptdp.model.gpt) anyway.
+        whole = config.recomputes("moe")
+        if config.recomputes("moe_act") and not whole:
+            for expert in self.experts.values():
+                expert.recompute_act_rng = rng
+        self.recompute_shared = config.recomputes("shared_experts") and not whole
         shared = config.moe_shared_expert_intermediate_size
         self.shared_expert = (Expert(config, Split(ctx.tp_size, ctx.tp_rank, routed=False), shared)
                               if shared else None)
@@ -437,6 +456,11 @@ class MoELayer(nn.Module):
         """The shared experts' output (partial over the tensor group), gated."""
         if self.shared_expert is None:
             return None
+        if self.recompute_shared and recompute_active(self):
+            return checkpoint(self._gated_shared, self.rng, flat)
+        return self._gated_shared(flat)
+
+    def _gated_shared(self, flat: torch.Tensor) -> torch.Tensor:
         shared = self.shared_expert(flat, None)
         if self.shared_expert_gate is not None:
             shared = shared * torch.sigmoid(F.linear(flat, self.shared_expert_gate))

@@ -21,8 +21,14 @@ Which regions are checkpointed (ptdp.model.gpt):
       checkpoint per group (the last group may be shorter);
   full + block:   the first `recompute_num_layers` layers of each model chunk,
       each checkpointed on its own; the other layers run normally;
-  selective:      only the attention core (softmax(QKᵀ)·V with its dropout),
-      whose activations grow with s² but cost few FLOPs to recompute.
+  selective:      the --recompute-modules parts of each layer (Megatron-LM's
+      names; ptdp.config.recompute): by default only the attention core
+      (softmax(QKᵀ)·V with its dropout), whose activations grow with s² but
+      cost few FLOPs to recompute. core_attn, mlp, moe and shared_experts
+      are `checkpoint`ed; layernorm, moe_act and mla_up_proj use
+      `recompute_discarding` (Megatron-Core's output-discarding checkpoint):
+      their outputs, which the next operation keeps for its backward, are
+      freed after it and refilled just before its backward.
 """
 
 from __future__ import annotations
@@ -72,6 +78,55 @@ def checkpoint(function: Callable[..., Any], rng: RNGStreams, *args: Any) -> Any
 
     return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
                                              preserve_rng_state=True, context_fn=contexts)
+
+
+def recompute_discarding(function: Callable[..., Any], rng: RNGStreams,
+                         consumer: Callable[[Any], Any], *args: Any) -> Any:
+    """consumer(function(*args)) without keeping function's outputs: the
+    consumer saves them for its backward, so once it has run their storage
+    is freed, and right before the consumer's backward (a hook on its first
+    output that requires a gradient) `function` runs again, without
+    gradients, into that storage. `function`'s own backward recomputes it
+    through `checkpoint`. For functions that draw no random numbers (norms,
+    activations, projections): the refill replays the named streams only.
+
+    Inside a recomputation (rng.replaying) nothing is discarded: the
+    recomputed graph is never run backward, so no hook would refill it."""
+    outputs = checkpoint(function, rng, *args)
+    result = consumer(outputs)
+    if rng.replaying:
+        return result
+    produced = [t for t in (outputs if isinstance(outputs, tuple) else (outputs,))
+                if isinstance(t, torch.Tensor)]
+    inputs = {t.untyped_storage().data_ptr() for t in args if isinstance(t, torch.Tensor)}
+    # Distinct storages, none an input's (a view of an input must stay):
+    # {data_ptr: (index of the first output on it, its storage, its bytes)}.
+    storages: dict[int, tuple[int, Any, int]] = {}
+    for index, tensor in enumerate(produced):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in inputs:
+            storages.setdefault(storage.data_ptr(), (index, storage, storage.nbytes()))
+    hook_on = next((t for t in (result if isinstance(result, tuple) else (result,))
+                    if isinstance(t, torch.Tensor) and t.requires_grad), None)
+    if hook_on is None or not storages:
+        return result
+    saved = {name: state.clone() for name, state in rng.states.items()}
+
+    def refill(grad: torch.Tensor) -> None:
+        with torch.no_grad(), _ReplayedStreams(rng, saved):
+            again = function(*args)
+        again = [t for t in (again if isinstance(again, tuple) else (again,))
+                 if isinstance(t, torch.Tensor)]
+        for index, storage, nbytes in storages.values():
+            # The storage's own copy: the saved tensors' version counters
+            # stay as they were.
+            storage.resize_(nbytes)
+            storage.copy_(again[index].untyped_storage())
+
+    for _, storage, _ in storages.values():
+        storage.resize_(0)
+    hook_on.register_hook(refill)
+    return result
 
 
 def recompute_active(module: torch.nn.Module) -> bool:

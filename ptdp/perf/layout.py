@@ -407,4 +407,6 @@ def _snapshot(value):
         names = _FIELD_NAMES[kind] = tuple(f.name for f in fields(kind))
     values = [getattr(value, name) for name in names]
     return (kind, *(item if type(item) in _SCALARS
-                    else _snapshot(item) if is_dataclass(item) else item for item in values))
+                    else _snapshot(item) if is_dataclass(item)
+                    else tuple(item) if type(item) is list  # (--recompute-modules)
+                    else item for item in values))
