@@ -54,7 +54,7 @@ from typing import Any, Mapping
 import torch
 
 from ptdp.config import ModelConfig
-from ptdp.config.moe import moe_problems
+from ptdp.interop.hf_moe_config import with_overrides
 from ptdp.interop.family import ModuleFamily
 from ptdp.interop.hf_dense_families import (
     common_hf_fields,
@@ -127,14 +127,7 @@ def model_config_from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelCo
                               + "\n".join(f"  - {p}" for p in problems))
     config = ModelConfig(**fields, rotary_percent=float(factor),
                          mtp_num_layers=depth if depth else None)
-    for key, value in overrides.items():
-        if not hasattr(config, key):
-            raise ConversionError(f"unknown ModelConfig field {key!r}")
-        setattr(config, key, value)
-    left = moe_problems(config)
-    if left:  # a Megatron-LM check the keys above do not name
-        raise ConversionError(f"cannot convert this {NAME} config: " + "; ".join(left))
-    return config
+    return with_overrides(config, overrides, NAME)
 
 
 def _partial_rotary_factor(hf: dict[str, Any], problems: list[str]) -> float | None:

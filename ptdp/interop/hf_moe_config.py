@@ -224,14 +224,7 @@ def model_config_from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelCo
         **fields, num_experts=experts, moe_ffn_hidden_size=width, moe_router_topk=topk,
         moe_router_pre_softmax=not renormalise, moe_layer_freq=1 if all(pattern) else pattern,
         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=float(coefficient))
-    for key, value in overrides.items():
-        if not hasattr(config, key):
-            raise ConversionError(f"unknown ModelConfig field {key!r}")
-        setattr(config, key, value)
-    left = moe_problems(config)
-    if left:  # a Megatron-LM check the keys above do not name
-        raise ConversionError(f"cannot convert this {family} config: " + "; ".join(left))
-    return config
+    return with_overrides(config, overrides, family)
 
 
 def _experts_key(hf: dict[str, Any], family: str, problems: list[str]) -> str:
@@ -273,3 +266,16 @@ def _sparse_pattern(hf: dict[str, Any], layers: int | None, problems: list[str])
         problems.append(f"decoder_sparse_step={step} and mlp_only_layers={only!r} leave no MoE "
                         f"layer: convert the model as a dense one")
     return pattern
+
+
+def with_overrides(config: ModelConfig, overrides: dict[str, Any], family: str) -> ModelConfig:
+    """An MoE family's config with the caller's `overrides` set, refused
+    where a Megatron-LM check the config.json keys do not name fails."""
+    for key, value in overrides.items():
+        if not hasattr(config, key):
+            raise ConversionError(f"unknown ModelConfig field {key!r}")
+        setattr(config, key, value)
+    left = moe_problems(config)
+    if left:
+        raise ConversionError(f"cannot convert this {family} config: " + "; ".join(left))
+    return config
