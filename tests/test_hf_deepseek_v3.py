@@ -24,6 +24,14 @@ transformers with equal logits and the MTP tensors present and unchanged;
 greedy `ptdp generate` gives transformers' 20 tokens on one process, at
 t = 2, p = 2 and at t = 2 with EP = 2 (the session's pool of four processes
 in place of the launch). What ptdp cannot compute is refused, one key each.
+
+Models of Moonlight's form (rms_norm_eps 1e-5, small latents, saved by
+save_pretrained without the MTP layer config.json counts): the import gives
+transformers' logits (its latent norms take 1e-6: --mla-latent-norm-epsilon),
+latent norms at 1e-5 do not; the absent MTP layers are left out with a
+note, a partial MTP layer is refused by name; export writes rms_norm_eps
+1e-5 and num_nextn_predict_layers 0 and transformers reads it back.
+Moonlight's and Kimi K2's config.json forms read and pass ptdp's checks.
 """
 
 import dataclasses
@@ -42,10 +50,11 @@ from ptdp.checkpoint.store import load_logical_model
 from ptdp import cli
 from ptdp.cli import main
 from ptdp.commands.train import config_from_args
-from ptdp.config import validate
-from ptdp.interop.hf_deepseek_v3 import model_config_from_hf_config
-from ptdp.interop.hf_directory import family_for_import
+from ptdp.config import Config, ConfigError, DataConfig, validate
+from ptdp.interop.hf_deepseek_v3 import deepseek_v3_obstacles, model_config_from_hf_config
+from ptdp.interop.hf_directory import family_for_import, load_hf_directory
 from ptdp.interop.hf_files import ConversionError
+from ptdp.model.mla import mla_rotary
 from tests.test_generate_moe import EP_FLAGS, _generate_on_rank
 from tests.test_hf_glm4_moe import _load_per_expert, _logits, _ours, _rms
 from tests.test_hf_llama import TOL, VOCAB, _tokens
@@ -302,6 +311,113 @@ def test_greedy_tokens_equal_transformers_under_layouts(imported, pools, capsys,
     assert launched == [4, 2]
 
 
+# ------------------------------------------------------------------ rms_norm_eps, no MTP tensors
+
+# Random models of Moonlight's form (rms_norm_eps 1e-5, plain rotation at θ
+# 5e4, one dense layer, ungrouped routing, two shared experts, untied), saved
+# by save_pretrained, whose latents have a mean square near 1e-6, where the
+# latent norms' 1e-6 and rms_norm_eps' 1e-5 differ plainly:
+# * "moonlight": no query latent (q_proj), config.json counting one MTP
+#   layer that save_pretrained dropped (a fine-tune saved by transformers);
+# * "query-latent": a query latent too (Kimi K2's form), no MTP.
+SMALL_LATENTS = {
+    "moonlight": dict(
+        q_lora_rank=None, kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=6,
+        num_nextn_predict_layers=1),
+    "query-latent": dict(
+        q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=8,
+        num_nextn_predict_layers=0),
+}
+_MOONLIGHT_FORM = dict(
+    rms_norm_eps=1e-5, rope_interleave=True, rope_parameters={"rope_type": "default",
+                                                              "rope_theta": 5e4},
+    n_routed_experts=6, num_experts_per_tok=3, n_group=1, topk_group=1, n_shared_experts=2,
+    moe_intermediate_size=8, routed_scaling_factor=2.446, first_k_dense_replace=1,
+    tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("name", list(SMALL_LATENTS))
+def test_rms_norm_eps_and_absent_mtp_layers_import_as_transformers_computes(tmp_path, capsys,
+                                                                          name):
+    """transformers' latent norms take 1e-6 whatever rms_norm_eps says: the
+    import (--norm-epsilon 1e-5, --mla-latent-norm-epsilon 1e-6) gives its
+    logits, latent norms at 1e-5 do not; MTP layers config.json counts but
+    the files lack are left out with a note; export writes rms_norm_eps
+    1e-5 and num_nextn_predict_layers 0, and transformers reads it back."""
+    changes = {**_MOONLIGHT_FORM, **SMALL_LATENTS[name]}
+    hf = _hf_model(_hf_config(**changes), seed=4)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            attention = layer.self_attn
+            attention.kv_a_proj_with_mqa.weight[:changes["kv_lora_rank"]].mul_(1e-3)
+            if changes["q_lora_rank"]:
+                attention.q_a_proj.weight.mul_(1e-3)
+    directory, checkpoint = tmp_path / "hf", tmp_path / "ckpt"
+    hf.save_pretrained(str(directory))
+    written = load_file(str(directory / "model.safetensors"))
+    assert not any(key.startswith(f"model.layers.{LAYERS}.") for key in written)
+    capsys.readouterr()
+    assert main(["convert", "--from-hf", str(directory), "--save", str(checkpoint)]) == 0
+    said = capsys.readouterr().out
+    depth = changes["num_nextn_predict_layers"]
+    assert ("note: this DeepSeek-V3 directory's config.json says num_nextn_predict_layers=1, but "
+            "its files hold no multi-token prediction layers (model.layers.4.*" in said) == \
+        bool(depth)
+    config, weights, _ = load_logical_model(checkpoint)
+    model = config.model
+    assert (model.norm_epsilon, model.mla_latent_norm_epsilon, model.mtp_depth) == (1e-5, 1e-6, 0)
+    assert not any(key.startswith("mtp.") for key in weights)
+
+    tokens = _tokens()
+    expected = _logits(hf, tokens)
+    assert_close(_logits(_ours(model, weights), tokens), expected, **TOL)
+    at_norm_epsilon = dataclasses.replace(model, mla_latent_norm_epsilon=None)
+    assert (_logits(_ours(at_norm_epsilon, weights), tokens) - expected).abs().max() > 1e-2
+
+    export = tmp_path / "back"
+    assert main(["convert", "--load", str(checkpoint), "--to-hf", str(export)]) == 0
+    hf_config = json.loads((export / "config.json").read_text())
+    assert (hf_config["rms_norm_eps"], hf_config["num_nextn_predict_layers"],
+            hf_config["q_lora_rank"]) == (1e-5, 0, changes["q_lora_rank"])
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(export), local_files_only=True,
+                                                             **EAGER).eval()
+    assert_close(_logits(back, tokens), expected, **TOL)
+    assert set(load_file(str(export / "model.safetensors"))) == set(written)
+    if depth:  # some of the MTP layer's tensors: refused, naming those missing
+        h = hf.config.hidden_size
+        save_file({**written, f"model.layers.{LAYERS}.eh_proj.weight": torch.zeros(h, 2 * h)},
+                  str(directory / "model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(ConversionError, match=rf"missing: layers\.{LAYERS}\.enorm\.weight, "
+                                                  rf"layers\.{LAYERS}\.hnorm\.weight"):
+            load_hf_directory(directory)
+
+
+def test_the_latent_norms_epsilon_is_checked_and_export_names_it():
+    """--mla-latent-norm-epsilon: only with MLA's latent norms, above 0; a
+    model whose latent norms take another epsilon than 1e-6 (--norm-epsilon
+    1e-5 without it) is no DeepSeek-V3 for transformers."""
+    imported = model_config_from_hf_config({**_BASE, "rms_norm_eps": 1e-5})
+    assert (imported.norm_epsilon, imported.mla_latent_norm_epsilon) == (1e-5, 1e-6)
+    assert deepseek_v3_obstacles(imported) == []
+    published = model_config_from_hf_config(_BASE)  # (1e-6 both: no setting of its own)
+    assert (published.norm_epsilon, published.mla_latent_norm_epsilon) == (1e-6, None)
+    for changes, says in [
+            (dict(mla_latent_norm_epsilon=0.0), "--mla-latent-norm-epsilon 0.0: the latent norms' "
+                                                "epsilon must be a number above 0"),
+            (dict(qk_layernorm=False), "--mla-latent-norm-epsilon 1e-06 without --qk-layernorm"),
+            (dict(multi_latent_attention=False, q_lora_rank=None, kv_lora_rank=32,
+                  qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128, rope_type=None),
+             "--mla-latent-norm-epsilon 1e-06: it is the epsilon of multi-latent attention's "
+             "latent norms and acts only with --multi-latent-attention --qk-layernorm")]:
+        with pytest.raises(ConfigError) as refused:
+            validate(Config(model=dataclasses.replace(imported, **changes),
+                            data=DataConfig(mock_data=True)))
+        assert [says in problem for problem in refused.value.problems] == [True]
+    following = dataclasses.replace(imported, mla_latent_norm_epsilon=None)
+    assert "MLA latent norms of epsilon 1e-05 (--norm-epsilon's: no --mla-latent-norm-epsilon" in \
+        "; ".join(deepseek_v3_obstacles(following))
+
+
 # ------------------------------------------------------------------ refusals
 
 _BASE = dict(model_type="deepseek_v3", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
@@ -315,7 +431,6 @@ _YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings":
 @pytest.mark.parametrize("changes, message", [
     (dict(attention_bias=True), r"attention_bias=true is not supported"),
     (dict(num_key_value_heads=2), r"num_key_value_heads=2 with num_attention_heads=4"),
-    (dict(rms_norm_eps=1e-5), r"rms_norm_eps=1e-05 is not supported"),
     (dict(qk_rope_head_dim=5), r"qk_rope_head_dim=5 must be even"),
     (dict(kv_lora_rank=0), r"kv_lora_rank=0 must be an integer of at least 1"),
     (dict(rope_interleave="no"), r"rope_interleave='no' must be true or false"),
@@ -414,6 +529,80 @@ def test_the_published_config_form_reads_as_the_documented_flags():
     validate(config)
 
 
+def test_moonlights_and_kimi_k2s_config_forms_read():
+    """Moonlight's config.json (deepseek_v3: no query latent, rms_norm_eps
+    1e-5, one dense layer, ungrouped routing, two shared experts, θ 5e4, no
+    MTP) and Kimi K2's form (kimi_k2: YaRN with beta_fast = beta_slow = 1,
+    384 experts, FP8): every key reads, ptdp's checks accept the result, and
+    Kimi K2's step-shaped YaRN frequencies are transformers' (its own
+    _compute_yarn_parameters)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    moon = model_config_from_hf_config(MOONLIGHT)
+    assert (moon.q_lora_rank, moon.kv_lora_rank, moon.norm_epsilon, moon.mla_latent_norm_epsilon,
+            moon.rope_type, moon.rotary_base, moon.num_experts, moon.moe_router_topk,
+            moon.moe_router_num_groups, moon.moe_shared_expert_intermediate_size,
+            moon.moe_router_topk_scaling_factor, moon.moe_layer_pattern, moon.mtp_depth,
+            moon.tied_output, moon.max_position_embeddings) == (
+        None, 512, 1e-5, 1e-6, "rope", 5e4, 64, 6, None, 2 * 1408, 2.446,
+        [False] + [True] * 26, 0, False, 8192)
+    kimi = model_config_from_hf_config(KIMI_K2)
+    assert (kimi.q_lora_rank, kimi.norm_epsilon, kimi.mla_latent_norm_epsilon, kimi.rope_type,
+            kimi.rotary_scaling_factor, kimi.yarn_beta_fast, kimi.yarn_beta_slow, kimi.mscale,
+            kimi.mscale_all_dim, kimi.num_experts, kimi.moe_router_topk,
+            kimi.moe_router_num_groups, kimi.moe_router_topk_scaling_factor, kimi.mtp_depth) == (
+        1536, 1e-6, None, "yarn", 32.0, 1.0, 1.0, 1.0, 1.0, 384, 8, None, 2.827, 0)
+    for model in (moon, kimi):
+        validate(Config(model=model, data=DataConfig(mock_data=True)))
+    theirs = transformers.DeepseekV3Config(**{
+        key: value for key, value in KIMI_K2.items()
+        if key not in ("architectures", "auto_map", "model_type", "quantization_config")})
+    frequencies, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](theirs, "cpu")
+    rotary = mla_rotary(kimi)
+    assert_close(rotary.yarn.inverse_frequencies(64, 5e4, torch.device("cpu")), frequencies,
+                 rtol=0, atol=0)
+    assert rotary.yarn.attention_factor == attention_factor == 1.0
+
+
+# Moonlight-16B-A3B's config.json; Kimi-K2-Instruct's keys (the sizes and
+# settings as published; its auto_map and transformers_version left out).
+MOONLIGHT = {
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False,
+    "attention_dropout": 0.0, "auto_map": {
+        "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+        "AutoModel": "modeling_deepseek.DeepseekV3Model",
+        "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"},
+    "aux_loss_alpha": 0.001, "bos_token_id": 163584, "eos_token_id": 163585, "ep_size": 1,
+    "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 2048,
+    "initializer_range": 0.02, "intermediate_size": 11264, "kv_lora_rank": 512,
+    "max_position_embeddings": 8192, "model_type": "deepseek_v3", "moe_intermediate_size": 1408,
+    "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 64, "n_shared_experts": 2,
+    "norm_topk_prob": True, "num_attention_heads": 16, "num_experts_per_tok": 6,
+    "num_hidden_layers": 27, "num_key_value_heads": 16, "num_nextn_predict_layers": 0,
+    "pretraining_tp": 1, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 50000.0,
+    "routed_scaling_factor": 2.446, "scoring_func": "sigmoid", "seq_aux": True,
+    "tie_word_embeddings": False, "topk_group": 1, "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16", "transformers_version": "4.48.2", "use_cache": True,
+    "v_head_dim": 128, "vocab_size": 163840}
+KIMI_K2 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False,
+    "attention_dropout": 0.0, "aux_loss_alpha": 0.001, "bos_token_id": 163584,
+    "eos_token_id": 163585, "first_k_dense_replace": 1, "hidden_act": "silu",
+    "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432,
+    "kv_lora_rank": 512, "max_position_embeddings": 131072, "model_type": "kimi_k2",
+    "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 384,
+    "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 64,
+    "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 64,
+    "num_nextn_predict_layers": 0, "pretraining_tp": 1, "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "quantization_config": {
+        "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+        "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-06, "rope_scaling": {
+        "beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 50000.0, "routed_scaling_factor": 2.827, "scoring_func": "sigmoid",
+    "seq_aux": True, "tie_word_embeddings": False, "topk_group": 1, "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16", "use_cache": True, "v_head_dim": 128, "vocab_size": 163840}
 PUBLISHED = {
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
     "attention_bias": False, "attention_dropout": 0.0, "aux_loss_alpha": 0.001,

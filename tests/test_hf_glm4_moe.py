@@ -21,6 +21,10 @@ the embedding and output layer):
   the model's own);
 * a model trained in ptdp without an expert bias, with two MTP modules,
   exports as GLM-4.5 and imports back;
+* a directory save_pretrained wrote (no MTP layers, num_nextn_predict_layers
+  still 1) imports without MTP, with a note, and exports with 0; files
+  with some of the MTP layers or tensors are refused, naming what is
+  missing;
 * what ptdp cannot compute is refused, one key each, naming it.
 """
 
@@ -349,18 +353,60 @@ def test_refuses_what_ptdp_cannot_compute(changes, message):
         model_config_from_hf_config({**_BASE, **changes})
 
 
+def test_a_directory_saved_by_transformers_imports_without_its_mtp_layers(tmp_path, capsys):
+    """save_pretrained drops the MTP layers and keeps num_nextn_predict_layers
+    1: the import is the model without MTP, said in a note, with
+    transformers' logits; export writes num_nextn_predict_layers 0 and the
+    tensors the directory had, which transformers reads back."""
+    hf = _hf_model(_hf_config(**CASES["qk-norm-bias-grouped-untied"]))
+    directory, checkpoint = tmp_path / "hf", tmp_path / "ckpt"
+    hf.save_pretrained(str(directory))
+    written = load_file(str(directory / "model.safetensors"))
+    assert json.loads((directory / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    assert not any(key.startswith(f"model.layers.{LAYERS}.") for key in written)
+    capsys.readouterr()
+    assert main(["convert", "--from-hf", str(directory), "--save", str(checkpoint)]) == 0
+    said = capsys.readouterr().out
+    assert ("note: this GLM-4.5 directory's config.json says num_nextn_predict_layers=1, but its "
+            "files hold no multi-token prediction layers (model.layers.3.*; transformers' "
+            "save_pretrained drops them): imported without MTP (--mtp-num-layers 0)") in said
+    config, weights, _ = load_logical_model(checkpoint)
+    assert config.model.mtp_depth == 0 and not any(key.startswith("mtp.") for key in weights)
+    tokens = _tokens()
+    assert_close(_logits(_ours(config.model, weights), tokens), _logits(hf, tokens), **TOL)
+
+    export = tmp_path / "back"
+    assert main(["convert", "--load", str(checkpoint), "--to-hf", str(export)]) == 0
+    assert json.loads((export / "config.json").read_text())["num_nextn_predict_layers"] == 0
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(export), local_files_only=True,
+                                                             **EAGER).eval()
+    assert_close(_logits(back, tokens), _logits(hf, tokens), **TOL)
+    assert set(load_file(str(export / "model.safetensors"))) == set(written)
+
+
 def test_refuses_mtp_tensors_that_disagree(tmp_path):
+    """Files with some of the MTP layers or tensors config.json counts are
+    refused, naming what is missing; so is a copy of the embedding that is
+    not the model's."""
     hf = _hf_model(_hf_config(**CASES["plain-quarter-rotary-tied-two-dense"]))
-    hf.save_pretrained(str(tmp_path / "plain"))  # transformers drops the MTP layers
-    with pytest.raises(ConversionError, match=r"num_nextn_predict_layers=1 with num_hidden_"
-                                              r"layers=3, but .* the tensors hold none \("
-                                              r"transformers' save_pretrained drops them"):
-        load_hf_directory(tmp_path / "plain")
     directory = tmp_path / "hf"
     _save_with_mtp(hf, directory)
-    path = directory / "model.safetensors"
+    path, config_path = directory / "model.safetensors", directory / "config.json"
     tensors = load_file(str(path))
-    tensors[f"model.layers.{LAYERS}.embed_tokens.weight"] += 1.0
+    hf_config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**hf_config, "num_nextn_predict_layers": 2}))
+    with pytest.raises(ConversionError, match=r"num_nextn_predict_layers=2 with num_hidden_"
+                                              r"layers=3, but .* the tensors hold 1 \("
+                                              r"layers.3 to layers.3\): give the files every "
+                                              r"MTP layer config.json counts, or none of them"):
+        load_hf_directory(directory)
+    config_path.write_text(json.dumps(hf_config))
+    mtp = f"model.layers.{LAYERS}."
+    save_file({k: v for k, v in tensors.items() if k != mtp + "hnorm.weight"}, str(path),
+              metadata={"format": "pt"})
+    with pytest.raises(ConversionError, match=r"missing: layers.3.hnorm.weight$"):
+        load_hf_directory(directory)
+    tensors[mtp + "embed_tokens.weight"] += 1.0
     save_file(tensors, str(path), metadata={"format": "pt"})
     with pytest.raises(ConversionError, match=r"model.layers.3.embed_tokens.weight differs from "
                                               r"the model's embed_tokens.weight"):

@@ -17,7 +17,11 @@ Megatron-LM's DeepSeek-V3 script gives --position-embedding-type rope with
 --rotary-scaling-factor 40 and gets YaRN. --qk-layernorm means what it means for MLA in
 Megatron-LM: a norm on each latent (the query's, when there is one, and
 the keys' and values'), which DeepSeek's models have; without it the
-latents go to the up projections unnormalized.
+latents go to the up projections unnormalized. Their epsilon is
+--norm-epsilon's in Megatron-LM (which has no setting of its own for it);
+transformers' DeepSeek-V3 (as DeepSeek's own code) uses 1e-6 there whatever
+rms_norm_eps says, so ptdp has --mla-latent-norm-epsilon, its own setting,
+which an import of such a config.json sets (Moonlight: rms_norm_eps 1e-5).
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ptdp.config.base import flag, flag_in, is_count, positive_integer_problems
+from ptdp.config.base import (flag, flag_in, is_count, is_finite_number,
+                              positive_integer_problems)
 
 # The widths, in the order their problems are reported.
 _WIDTHS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
@@ -63,6 +68,12 @@ class MLAFields:
         "MLA: yarn, whatever --position-embedding-type says, with --rotary-scaling-factor, "
         "--mscale and --mscale-all-dim); ordinary attention takes rope only, its rotation "
         "being --position-embedding-type's", choices=("rope", "yarn"))
+    mla_latent_norm_epsilon: float | None = flag(
+        None, "--mla-latent-norm-epsilon",
+        "with --multi-latent-attention --qk-layernorm: the latent norms' epsilon (ptdp's own "
+        "setting; default: --norm-epsilon, as Megatron-LM's latent norms take it). transformers' "
+        "DeepSeek-V3 and DeepSeek's code use 1e-6 whatever rms_norm_eps says, which ptdp "
+        "convert --from-hf sets where rms_norm_eps differs (Moonlight)")
 
     def _mla_rotation(self) -> None:
         """Megatron-LM's reading: an MLA model rotates by --rope-type, yarn
@@ -72,6 +83,13 @@ class MLAFields:
         if self.multi_latent_attention and \
                 self.position_embedding_type in ("rope", "yarn"):  # type: ignore[attr-defined]
             self.position_embedding_type = self.rope_type or "yarn"
+
+    @property
+    def latent_norm_epsilon(self) -> float:
+        """The MLA latent norms' epsilon: --mla-latent-norm-epsilon, else --norm-epsilon."""
+        if self.mla_latent_norm_epsilon is None:
+            return self.epsilon  # type: ignore[attr-defined]  # ModelConfig's
+        return self.mla_latent_norm_epsilon
 
     @property
     def mla_query_head_dim(self) -> int:
@@ -104,6 +122,10 @@ def mla_problems(config: Any) -> list[str]:
                  if getattr(m, name) != getattr(type(m), name)]
         problems = [f"{', '.join(given)}: these are multi-latent attention's widths and act only "
                     f"with --multi-latent-attention: add it or drop them"] if given else []
+        if m.mla_latent_norm_epsilon is not None:
+            problems.append(f"--mla-latent-norm-epsilon {m.mla_latent_norm_epsilon}: it is the "
+                            f"epsilon of multi-latent attention's latent norms and acts only with "
+                            f"--multi-latent-attention --qk-layernorm: add them or drop it")
         if m.rope_type == "yarn":   # Megatron-LM asserts the same
             problems.append("--rope-type yarn: Megatron-LM takes it only with "
                             "--multi-latent-attention; YaRN with ordinary attention is "
@@ -114,7 +136,23 @@ def mla_problems(config: Any) -> list[str]:
     if is_count(rotated, 1) and rotated % 2:
         problems.append(f"--qk-pos-emb-head-dim {rotated}: the rotated part turns in pairs, so it "
                         f"must be even: use {rotated + 1} or {max(2, rotated - 1)}")
-    return problems + _other_attention_problems(m) + _rotary_problems(m) + _lora_problems(config)
+    return (problems + _latent_norm_problems(m) + _other_attention_problems(m)
+            + _rotary_problems(m) + _lora_problems(config))
+
+
+def _latent_norm_problems(m: Any) -> list[str]:
+    """--mla-latent-norm-epsilon: a positive number, where there are latent norms."""
+    epsilon = m.mla_latent_norm_epsilon
+    if epsilon is None:
+        return []
+    if not m.qk_layernorm:
+        return [f"--mla-latent-norm-epsilon {epsilon} without --qk-layernorm: the latents have "
+                f"no norms (Megatron-LM's --qk-layernorm puts them there for MLA): add "
+                f"--qk-layernorm or drop --mla-latent-norm-epsilon"]
+    if not is_finite_number(epsilon) or epsilon <= 0:
+        return [f"--mla-latent-norm-epsilon {epsilon}: the latent norms' epsilon must be a "
+                f"number above 0 (it keeps them finite on a zero latent; DeepSeek's: 1e-6)"]
+    return []
 
 
 def _other_attention_problems(m: Any) -> list[str]:

@@ -38,9 +38,10 @@ true puts biases on q_a_proj, kv_a_proj_with_mqa and o_proj: refused, as
 ptdp's MLA has none on its down projections). The training-only keys
 (aux_loss_alpha, seq_aux, ep_size) change nothing computed and are left;
 moe_layer_freq other than 1 (every layer after the dense ones MoE) is
-refused. So is rms_norm_eps other than 1e-6: transformers (as DeepSeek's own
-code) normalizes the latents with eps 1e-6 whatever the key says, ptdp all
-its norms with the one --norm-epsilon.
+refused. rms_norm_eps is --norm-epsilon; transformers (as DeepSeek's own
+code) normalizes the MLA latents with eps 1e-6 whatever it says, so where
+it is another (Moonlight's 1e-5) the import sets --mla-latent-norm-epsilon
+1e-6, and export refuses latent norms of another epsilon.
 
 The tensors: the Llama layout's embedding, norms, dense MLPs and lm_head;
 per layer the MLA projections (ptdp.model.mla's docstring maps each name);
@@ -83,6 +84,7 @@ from ptdp.interop.hf_glm4_moe import (
     moe_name_pairs,
     moe_size_disagreements,
     mtp_depth,
+    without_absent_mtp,
 )
 from ptdp.interop.hf_llama import NamePair, mlp_name_pairs
 from ptdp.interop.hf_mtp_names import EMBEDDING, mtp_name_pairs
@@ -154,12 +156,11 @@ def _attention_fields(hf: dict[str, Any], problems: list[str]) -> dict[str, Any]
         problems.append("attention_bias=true is not supported: it puts biases on q_a_proj, "
                         "kv_a_proj_with_mqa and o_proj, and ptdp's MLA (as Megatron-Core's) "
                         "has none on its down projections")
-    epsilon = hf.get("rms_norm_eps", LATENT_NORM_EPS)
-    if epsilon != LATENT_NORM_EPS:
-        problems.append(f"rms_norm_eps={epsilon!r} is not supported: transformers (as DeepSeek's "
-                        f"code) normalizes the MLA latents with eps {LATENT_NORM_EPS:g} whatever "
-                        f"rms_norm_eps says, ptdp every norm with one epsilon; only "
-                        f"rms_norm_eps {LATENT_NORM_EPS:g} computes the same")
+    # transformers' latent norms take 1e-6 whatever rms_norm_eps (ptdp's
+    # --norm-epsilon, read with the common keys) says: their own setting
+    # where the two differ, none where they agree (DeepSeek-V3's files).
+    latent_epsilon = None if hf.get("rms_norm_eps", LATENT_NORM_EPS) == LATENT_NORM_EPS \
+        else LATENT_NORM_EPS
     interleaved = boolean_key(hf, "rope_interleave", True, problems)
     if not interleaved and hf.get("quantization_config") is not None:
         problems.append("rope_interleave=false with quantization_config is not supported: ptdp "
@@ -169,6 +170,7 @@ def _attention_fields(hf: dict[str, Any], problems: list[str]) -> dict[str, Any]
         problems.append(f"moe_layer_freq={freq!r} is not supported: transformers' DeepseekV3 "
                         f"makes every layer after first_k_dense_replace an MoE layer (1)")
     return dict(multi_latent_attention=True, qk_layernorm=True, disable_bias_linear=True,
+                mla_latent_norm_epsilon=latent_epsilon,
                 q_lora_rank=widths["q_lora_rank"], kv_lora_rank=widths["kv_lora_rank"],
                 qk_head_dim=widths["qk_nope_head_dim"], qk_pos_emb_head_dim=rotated,
                 v_head_dim=widths["v_head_dim"])
@@ -284,14 +286,17 @@ def deepseek_v3_obstacles(config: ModelConfig) -> list[str]:
         ("--position-embedding", "--multi-latent-attention", "--mtp-num-layers"))]
     if not c.multi_latent_attention:
         return found + ["no --multi-latent-attention (DeepSeek-V3's attention is MLA)"]
+    latent_setting = ("--mla-latent-norm-epsilon" if c.mla_latent_norm_epsilon is not None
+                      else "--norm-epsilon's: no --mla-latent-norm-epsilon")
     named = [
         (not c.qk_layernorm, "no --qk-layernorm (DeepSeek-V3 normalizes its MLA latents)"),
         (c.bias, "linear biases (add --disable-bias-linear: DeepSeek-V3's MLA and MLPs have "
                  "none)"),
-        (c.epsilon != LATENT_NORM_EPS,
-         f"--norm-epsilon {c.epsilon:g} (transformers' DeepSeek-V3 normalizes the latents with "
-         f"{LATENT_NORM_EPS:g} whatever rms_norm_eps says: only {LATENT_NORM_EPS:g} computes "
-         f"the same)"),
+        (c.qk_layernorm and c.latent_norm_epsilon != LATENT_NORM_EPS,
+         f"MLA latent norms of epsilon {c.latent_norm_epsilon:g} ({latent_setting}; "
+         f"transformers' DeepSeek-V3 normalizes the latents with {LATENT_NORM_EPS:g} whatever "
+         f"rms_norm_eps says: only a model trained with --mla-latent-norm-epsilon "
+         f"{LATENT_NORM_EPS:g}, or --norm-epsilon {LATENT_NORM_EPS:g}, computes the same)"),
         (c.use_rope_scaling or c.rotary_seq_len_interpolation_factor is not None,
          "Llama 3.1's or linear rotary rescaling (DeepSeek-V3 takes plain rotary embeddings or "
          "YaRN)"),
@@ -383,8 +388,12 @@ def to_hf_state(logical: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
 def check_hf_tensors(state: Mapping[str, Any], config: ModelConfig) -> None:
     """Refuse a state (tensors or the headers' shapes) that does not fit
     `config`: config.json's sizes first (layers, MTP modules, widths,
-    counts, MLA's widths), then every name and shape."""
+    counts, MLA's widths), then every name and shape; a directory without
+    any of the MTP layers config.json counts (transformers' save_pretrained
+    drops them) makes `config` the model without MTP, with a note
+    (hf_glm4_moe.without_absent_mtp)."""
     bare, lm_head = split_state(state, "model.", _IGNORED)
+    without_absent_mtp(bare, config, NAME)
     heads, nope = config.num_attention_heads, config.qk_head_dim
     rotated = config.qk_pos_emb_head_dim
     query = "q_proj" if config.q_lora_rank is None else "q_b_proj"

@@ -40,8 +40,12 @@ down_proj` (what save_pretrained writes) and `mlp.shared_experts.*`, and
 the MTP modules' (hf_mtp_names.py: read on import, written back on export
 with copies of the word embedding and output layer as published files hold).
 Anything else that changes what the model computes is refused, naming the
-key; so is a directory whose config.json counts MTP layers its files lack
-(transformers' save_pretrained drops them).
+key. A directory transformers' save_pretrained wrote holds no MTP layers
+(transformers drops them) while its config.json still counts them: it is
+imported without MTP, with a note (`without_absent_mtp`), and export then
+writes num_nextn_predict_layers 0, what the files hold. Files with some of
+the MTP layers or tensors config.json counts are refused, naming what is
+missing.
 """
 
 from __future__ import annotations
@@ -441,16 +445,40 @@ def moe_mtp_hf_state(logical: dict[str, torch.Tensor], config: ModelConfig,
     return state
 
 
+def without_absent_mtp(bare: Mapping[str, Any], config: ModelConfig, name: str) -> None:
+    """Where config.json counts MTP modules (num_nextn_predict_layers D > 0)
+    and the files (`bare`: the model's keys without `model.`) hold no layer
+    after the decoder's, as transformers' save_pretrained writes them (it
+    builds no MTP layers and drops their tensors): `config` becomes the
+    model the files hold, without MTP, which the import saves, said in a
+    note. (The reader passes the ModelConfig it built from config.json to
+    the checks and returns that one: this is where the files are known.)
+    Some of the D layers, or a layer short of some tensors, is left to the
+    checks, which refuse it naming what is missing."""
+    L, D = config.num_layers, config.mtp_depth
+    if not D or mtp_layer_numbers(bare, L):
+        return
+    config.mtp_num_layers = None
+    modules = " to ".join(dict.fromkeys((f"model.layers.{L}.*", f"model.layers.{L + D - 1}.*")))
+    print(f"note: this {name} directory's config.json says num_nextn_predict_layers={D}, but its "
+          f"files hold no multi-token prediction layers ({modules}; transformers' "
+          f"save_pretrained drops them): imported without MTP (--mtp-num-layers 0), so training "
+          f"goes on without the MTP loss and an export writes num_nextn_predict_layers 0. To "
+          f"keep MTP, add the original checkpoint's {modules} tensors to these files (their "
+          f"embed_tokens and shared_head.head may be left out: copies of the model's own) and "
+          f"import again", flush=True)
+
+
 def mtp_disagreement(found: list[int], config: ModelConfig) -> str | None:
-    """config.json's MTP depth against the layers the files hold after the decoder's."""
+    """config.json's MTP depth against the layers the files hold after the
+    decoder's (none at all, for D > 0, is without_absent_mtp's)."""
     L, D = config.num_layers, config.mtp_depth
     if found == list(range(L, L + D)):
         return None
     held = (f"{len(found)} (layers.{found[0]} to layers.{found[-1]})" if found else "none")
-    hint = (" (transformers' save_pretrained drops them: set num_nextn_predict_layers to 0 to "
-            "import the model without its MTP modules)" if D and not found else "")
     return (f"num_nextn_predict_layers={D} with num_hidden_layers={L}, but of the layers after "
-            f"the decoder's (the MTP modules', layers.{L} on) the tensors hold {held}{hint}")
+            f"the decoder's (the MTP modules', layers.{L} on) the tensors hold {held}: give "
+            f"the files every MTP layer config.json counts, or none of them")
 
 
 def moe_size_disagreements(bare: Mapping[str, Any], config: ModelConfig) -> list[str | None]:
@@ -481,8 +509,11 @@ def check_hf_tensors(state: Mapping[str, Any], config: ModelConfig) -> None:
     """Refuse a state (tensors or the headers' shapes) that does not fit
     `config`: config.json's sizes first (the decoder's layers, the MTP
     modules', widths and counts), then every name and shape. The MTP
-    modules' copies of the embedding and output layer may be there or not."""
+    modules' copies of the embedding and output layer may be there or not;
+    all of the modules may be absent (without_absent_mtp: then `config`
+    is made the model without them)."""
     bare, lm_head = split_state(state, "model.", _IGNORED)
+    without_absent_mtp(bare, config, NAME)
     d, heads, groups = config.head_dim, config.num_attention_heads, config.query_groups
     main = without_mtp_layers(bare, config.num_layers)
     check_sizes(moe_size_disagreements(bare, config) + [

@@ -1,11 +1,12 @@
 """The multi-token prediction (MTP) layers' names in published DeepSeek-V3 /
 GLM-4.5 checkpoints <-> ptdp's MTP parameters (ptdp.model.mtp).
 
-transformers builds no MTP layers (it drops their tensors on load), but the
-published files keep them after the last decoder layer: with L decoder
-layers and D MTP modules, module k = 0 .. D-1 is `model.layers.{L + k}.`,
-a whole decoder layer of the family (self_attn.*, mlp.*, input_layernorm,
-post_attention_layernorm) plus
+transformers builds no MTP layers (it drops their tensors on load, so a
+directory its save_pretrained wrote has none: hf_glm4_moe.without_absent_mtp
+imports that without MTP), but the published files keep them after the last
+decoder layer: with L decoder layers and D MTP modules, module k = 0 .. D-1
+is `model.layers.{L + k}.`, a whole decoder layer of the family
+(self_attn.*, mlp.*, input_layernorm, post_attention_layernorm) plus
 
     published (model.layers.{L+k}.)   ptdp (mtp.layers.{k}.)
     enorm.weight                      enorm.weight        the next token's embedding's norm

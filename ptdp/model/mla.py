@@ -15,7 +15,9 @@ With a = heads, r_q = --q-lora-rank, r_kv = --kv-lora-rank, d_n =
 
 scale = (d_n + d_r)^-½, times YaRN's mscale² (ModelConfig.mla_softmax_scale);
 the norms exist with --qk-layernorm (Megatron-LM's meaning for MLA; without
-it the latents pass unnormalized). The rotation is Megatron-Core's for MLA
+it the latents pass unnormalized), their epsilon --mla-latent-norm-epsilon
+(default --norm-epsilon, as Megatron-Core; transformers' DeepSeek-V3 takes
+1e-6). The rotation is Megatron-Core's for MLA
 (apply_rotary_pos_emb with mla_rotary_interleaved): the d_r values are read
 as interleaved pairs (x0, x1), (x2, x3), ... and turned by rope or YaRN
 (ptdp.model.rotary), which is transformers' DeepseekV3 with rope_interleave
@@ -110,6 +112,14 @@ def mla_rotary(config: ModelConfig) -> Rotary:
     return Rotary(config.qk_pos_emb_head_dim, config.rotary_base, yarn=yarn)
 
 
+def latent_norm(config: ModelConfig, sequence_parallel: bool, size: int) -> nn.Module:
+    """A latent's norm (--normalization's, over `size` values) with the latent
+    norms' epsilon, ModelConfig.latent_norm_epsilon."""
+    norm = layer_norm(config, sequence_parallel, size=size)
+    norm.eps = config.latent_norm_epsilon  # (LayerNorm's and RMSNorm's forward read it)
+    return norm
+
+
 def deinterleaved(x: torch.Tensor) -> torch.Tensor:
     """[..., d] read as pairs (x0, x1), (x2, x3), ... -> [x0, x2, ..., x1, x3, ...],
     the "rotate half" layout in which ptdp.model.rotary turns pair i as
@@ -157,7 +167,7 @@ class MultiLatentAttention(nn.Module):
         if config.q_lora_rank is not None:
             self.query_down = ReplicatedLinear(h, config.q_lora_rank, std, sp)
             if config.qk_layernorm:
-                self.query_latent_layernorm = layer_norm(config, sp, size=config.q_lora_rank)
+                self.query_latent_layernorm = latent_norm(config, sp, config.q_lora_rank)
             self.query_up = ColumnParallelLinear(config.q_lora_rank, a * query_dim, ctx,
                                                  bias=False, init_std=std, sequence_parallel=sp)
         else:
@@ -165,7 +175,7 @@ class MultiLatentAttention(nn.Module):
                                               sequence_parallel=sp)
         self.key_value_down = ReplicatedLinear(h, self.latent_dim + self.rotated_dim, std, sp)
         if config.qk_layernorm:
-            self.key_value_latent_layernorm = layer_norm(config, sp, size=self.latent_dim)
+            self.key_value_latent_layernorm = latent_norm(config, sp, self.latent_dim)
         self.key_value_up = ColumnParallelLinear(
             self.latent_dim, a * (self.nope_dim + self.value_dim), ctx, bias=False, init_std=std,
             sequence_parallel=sp)
