@@ -367,6 +367,15 @@ def test_rms_norm_eps_and_absent_mtp_layers_import_as_transformers_computes(tmp_
     model = config.model
     assert (model.norm_epsilon, model.mla_latent_norm_epsilon, model.mtp_depth) == (1e-5, 1e-6, 0)
     assert not any(key.startswith("mtp.") for key in weights)
+    # --use-checkpoint-args carries the latent norms' epsilon into a fine-tune.
+    from ptdp.checkpoint.args import with_checkpoint_shape
+    from ptdp.config import TrainConfig
+
+    fine_tune = with_checkpoint_shape(
+        Config(data=DataConfig(mock_data=True),
+               train=TrainConfig(load=str(checkpoint), use_checkpoint_args=True)),
+        explicit=["train.load", "train.use_checkpoint_args"])
+    assert (fine_tune.model.norm_epsilon, fine_tune.model.mla_latent_norm_epsilon) == (1e-5, 1e-6)
 
     tokens = _tokens()
     expected = _logits(hf, tokens)

@@ -95,7 +95,7 @@ CHECKPOINT_ARCHITECTURE = (
     (("multi_latent_attention",), lambda m: m.multi_latent_attention),
     *(((name,), lambda m, name=name: getattr(m, name) if m.multi_latent_attention else None)
       for name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
-                   "v_head_dim", "rope_type")),
+                   "v_head_dim", "rope_type", "mla_latent_norm_epsilon")),
     # Multi-token prediction: its modules are stored tensors of the model.
     (("mtp_num_layers",), lambda m: m.mtp_depth or None),
 )
