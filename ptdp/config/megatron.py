@@ -302,7 +302,7 @@ ACCEPTED: tuple[AcceptedFlag, ...] = (
                  "ptdp has one cross-entropy implementation (vocabulary-parallel, fp32); there "
                  "is no fused variant to choose"),
     AcceptedFlag("--DDP-impl", 1,
-                 "ptdp has one data-parallel implementation: bucketed fp32 gradient reductions "
+                 "ptdp has one data-parallel implementation: bucketed gradient reductions "
                  "overlapped with the backward, like Megatron-LM's local DDP",
                  choices=("local", "torch")),
     AcceptedFlag("--no-create-attention-mask-in-dataloader", 0,

@@ -108,7 +108,7 @@ class TrainConfig:
         "elements per gradient bucket; a bucket's data-parallel reduction starts as soon as its "
         "gradients are final, overlapping the rest of the backward")
     bf16: bool = flag(False, "--bf16", "bf16 weights and activations, fp32 main weights and "
-                      "gradient accumulation")
+                      "gradient accumulation (bf16 with --main-grads-dtype bf16)")
     fp16: bool = flag(False, "--fp16", "fp16 weights and activations with dynamic loss scaling, "
                       "fp32 main weights and gradient accumulation")
     loss_scale: float | None = flag(None, "--loss-scale", "fp16: a fixed loss scale instead of "
