@@ -670,8 +670,10 @@ def test_disable_bf16_reduced_precision_matmul_is_megatron_lms_setting():
 def test_megatron_fsdp_flags_of_the_deepseek_v3_script():
     """examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh's Megatron-FSDP
     flags: the buffer and initialisation choices are accepted with a line
-    each; the bf16 gradient dtypes are refused, each saying what to give
-    (ptdp keeps fp32 main gradients; bf16 reductions are --grad-reduce-in-bf16)."""
+    each; its bf16 gradient dtypes are ptdp's settings, as Megatron-FSDP
+    means them: --megatron-fsdp-grad-comm-dtype bf16 is --grad-reduce-in-bf16
+    (bf16 reductions), --megatron-fsdp-main-grads-dtype bf16 is
+    --main-grads-dtype bf16 (bf16 gradient buffers, reduced in bf16)."""
     buffers = ["--fsdp-double-buffer", "--init-model-with-meta-device", "--use-nccl-ub",
                "--no-gradient-accumulation-fusion"]
     found = given(_args(*buffers, "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
@@ -679,9 +681,55 @@ def test_megatron_fsdp_flags_of_the_deepseek_v3_script():
     assert refusals(found) == []
     assert sorted(line.split(":")[1].split()[0] for line in notes(found)) == \
         sorted([*buffers, "--megatron-fsdp-main-params-dtype"])
-    found = given(_args("--megatron-fsdp-grad-comm-dtype", "bf16",
-                        "--megatron-fsdp-main-grads-dtype", "bf16"))
-    assert [line.split(":")[0] for line in refusals(found)] == [
+    script = _args("--bf16", "--use-megatron-fsdp", "--megatron-fsdp-grad-comm-dtype", "bf16",
+                   "--megatron-fsdp-main-grads-dtype", "bf16")
+    assert refusals(given(script)) == []
+    assert [line.split(":")[1].strip() for line in notes(given(script))] == [
         "--megatron-fsdp-grad-comm-dtype bf16", "--megatron-fsdp-main-grads-dtype bf16"]
-    assert "give that flag instead" in refusals(found)[0] and "--grad-reduce-in-bf16" in \
-        refusals(found)[0]
+    config = config_from_args(script)
+    validate(config)
+    assert config.train.grad_reduce_in_bf16 and config.train.main_grads_dtype == "bf16"
+    # Each alone, and auto / fp32: ptdp's defaults.
+    config = config_from_args(_args("--bf16", "--megatron-fsdp-grad-comm-dtype", "bf16"))
+    assert config.train.grad_reduce_in_bf16 and config.train.main_grads_dtype == "fp32"
+    config = config_from_args(_args("--bf16", "--megatron-fsdp-main-grads-dtype", "bf16"))
+    assert not config.train.grad_reduce_in_bf16 and config.train.main_grads_dtype == "bf16"
+    for value in ("fp32", "auto"):
+        args = _args("--megatron-fsdp-grad-comm-dtype", value,
+                     "--megatron-fsdp-main-grads-dtype", value)
+        config = config_from_args(args)
+        assert not refusals(given(args)) and len(notes(given(args))) == 2
+        assert not config.train.grad_reduce_in_bf16 and config.train.main_grads_dtype == "fp32"
+
+
+@pytest.mark.parametrize("flags, refusal", [
+    ((("--megatron-fsdp-grad-comm-dtype", "fp16"),),
+     "--megatron-fsdp-grad-comm-dtype fp16: fp16 reductions are not in ptdp"),
+    ((("--megatron-fsdp-main-grads-dtype", "fp16"),),
+     "--megatron-fsdp-main-grads-dtype fp16: ptdp's main gradients are fp32 or bf16"),
+    # bf16 main gradients are reduced in bf16 (Megatron-FSDP's auto), not fp32.
+    ((("--megatron-fsdp-main-grads-dtype", "bf16"), ("--megatron-fsdp-grad-comm-dtype", "fp32")),
+     "--megatron-fsdp-grad-comm-dtype fp32: conflicts with --main-grads-dtype bf16: ptdp takes "
+     "it as --main-grads-dtype fp32 (ptdp reduces bf16 main gradients in bf16"),
+    ((("--megatron-fsdp-grad-comm-dtype", "fp32"), ("--grad-reduce-in-bf16",)),
+     "--megatron-fsdp-grad-comm-dtype fp32: conflicts with --grad-reduce-in-bf16"),
+    ((("--main-grads-dtype", "bf16"), ("--megatron-fsdp-main-grads-dtype", "fp32")),
+     "--megatron-fsdp-main-grads-dtype fp32: conflicts with --main-grads-dtype bf16: it is "
+     "Megatron-LM's other name for --main-grads-dtype fp32"),
+    # Megatron-LM asserts fp32 main gradients with it.
+    ((("--main-grads-dtype", "bf16"), ("--accumulate-allreduce-grads-in-fp32",)),
+     "--accumulate-allreduce-grads-in-fp32: conflicts with --main-grads-dtype bf16"),
+])
+def test_gradient_dtypes_ptdp_cannot_honour_are_refused(flags, refusal):
+    """In either order of the flags."""
+    for order in (flags, flags[::-1]):
+        [found] = refusals(given(_args("--bf16", *(word for flag in order for word in flag))))
+        assert found.startswith(refusal), (order, found)
+
+
+def test_main_grads_dtype_is_a_setting():
+    """Megatron-LM's precision-aware optimizer flag, with or without
+    --use-precision-aware-optimizer (ptdp's Adam reads bf16 as fp32)."""
+    assert "--main-grads-dtype" not in {accepted.name for accepted in ACCEPTED}
+    args = _args("--bf16", "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16")
+    assert config_from_args(args).train.main_grads_dtype == "bf16" and not refusals(given(args))

@@ -40,7 +40,11 @@ class AcceptedFlag:
     with `refusal`. `alias_of`: the setting ("section.field", an int) the
     flag is another name for; its note says so, and a different value of
     that setting is refused. `alias_settings`: for a switch, the settings
-    ((setting, value), ...) it stands for, likewise."""
+    ((setting, value), ...) it stands for, likewise. `alias_values`: for a
+    flag with a value, the settings each value stands for ((value,
+    ((setting, value), ...)), ...; a value not listed: none), likewise.
+    `needs`: (value, setting, what it must be) that a value sets nothing
+    for but contradicts otherwise (refused, with `conflict_reason`)."""
     name: str
     values: int | str
     explanation: str
@@ -50,6 +54,9 @@ class AcceptedFlag:
     refusal: str = ""
     alias_of: str | None = None
     alias_settings: tuple[tuple[str, Any], ...] = ()
+    alias_values: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
+    needs: tuple[tuple[Any, str, Any], ...] = ()
+    conflict_reason: str = ""
     listed: bool = True  # in `ptdp train --help` (a family's flags are not: hundreds)
 
     @property
@@ -58,7 +65,15 @@ class AcceptedFlag:
 
     @property
     def is_alias(self) -> bool:
-        return bool(self.alias_of or self.alias_settings)
+        return bool(self.alias_of or self.alias_settings or self.alias_values)
+
+    def settings_for(self, value: Any) -> tuple[tuple[str, Any], ...]:
+        """The settings the flag given `value` stands for."""
+        if self.alias_of:
+            return ((self.alias_of, value),)
+        if self.alias_values:
+            return dict(self.alias_values).get(value, ())
+        return self.alias_settings
 
 
 _FP8 = ("FP8 training needs Transformer Engine's FP8 kernels, which ptdp does not use: train "
@@ -157,8 +172,7 @@ MOE_FLAGS: tuple[AcceptedFlag, ...] = (
          "inference", _DROP),
 )
 
-_FP32_STATE = ("ptdp keeps the main weights, the main gradients and Adam's moments in fp32: give fp32 "
-               "or drop the flag")
+_FP32_STATE = ("ptdp keeps the main weights and Adam's moments in fp32: give fp32 or drop the flag")
 _DTYPES = ("fp32", "fp16", "bf16", "fp8")
 
 # Megatron-LM's flags with a line of their own: their meaning in ptdp is
@@ -191,12 +205,13 @@ OWN_LINES: tuple[AcceptedFlag, ...] = (
                  "schedules keep FSDP2's across microbatches",
                  alias_settings=(("train.fsdp_reshard_after_forward", False),)),
     AcceptedFlag("--use-precision-aware-optimizer", 0,
-                 "ptdp's Adam keeps fp32 main weights, gradients and moments, what that optimizer "
-                 "keeps by default; lower precisions for them are refused"),
+                 "ptdp's Adam keeps fp32 main weights and moments, what that optimizer keeps by "
+                 "default, and reads bf16 main gradients (--main-grads-dtype bf16, a setting of "
+                 "ptdp's with or without this flag) as fp32; lower precisions for the weights "
+                 "and moments are refused"),
     *(AcceptedFlag(name, 1, "fp32 is what ptdp keeps", choices=choices,
                    refused_choices=choices[1:], refusal=_FP32_STATE)
-      for name, choices in (("--main-grads-dtype", ("fp32", "bf16")),
-                            ("--main-params-dtype", ("fp32", "fp16")),
+      for name, choices in (("--main-params-dtype", ("fp32", "fp16")),
                             ("--exp-avg-dtype", _DTYPES), ("--exp-avg-sq-dtype", _DTYPES))),
     AcceptedFlag("--enable-experimental", 0,
                  "ptdp keeps no features behind this switch: each has its own flag"),
@@ -239,22 +254,43 @@ ACCEPTED: tuple[AcceptedFlag, ...] = (
                  "are inside PyTorch's attention kernel"),
     AcceptedFlag("--no-gradient-accumulation-fusion", 0,
                  "ptdp has no fused weight-gradient accumulation kernel to turn off: autograd's "
-                 "gradients are added into the fp32 main gradients"),
-    # Megatron-FSDP's own dtype flags: what ptdp keeps (fp32; "auto" is the
-    # model's, fp32 in ptdp's buffers) accepted, lower precisions refused as
-    # --main-grads-dtype's are; bf16 reductions are --grad-reduce-in-bf16.
+                 "gradients are added into the main gradients"),
+    # Megatron-FSDP's own dtype flags. Megatron-FSDP reduces in grad_comm_dtype
+    # (auto: the main gradients' dtype) and accumulates in main_grads_dtype:
+    # bf16 reductions of fp32 main gradients are ptdp's --grad-reduce-in-bf16,
+    # bf16 main gradients its --main-grads-dtype bf16 (reduced in bf16, as
+    # auto does; fp32 reductions of them are not in ptdp). Their fp16 is not.
     AcceptedFlag("--megatron-fsdp-grad-comm-dtype", 1,
-                 "ptdp reduces gradients in fp32 under every sharding strategy",
-                 choices=("fp32", "fp16", "bf16", "auto"), refused_choices=("fp16", "bf16"),
-                 refusal="ptdp reduces gradients in fp32, or in bf16 with --grad-reduce-in-bf16: "
-                         "give that flag instead (fp16 reductions are not in ptdp)", listed=False),
-    *(AcceptedFlag(name, 1, "fp32 is what ptdp keeps under every sharding strategy",
-                   choices=("fp32", "bf16", "fp16", "auto"), refused_choices=("bf16", "fp16"),
-                   refusal=_FP32_STATE, listed=False)
-      for name in ("--megatron-fsdp-main-grads-dtype", "--megatron-fsdp-main-params-dtype")),
+                 "Megatron-FSDP's gradient reduction dtype: bf16 is ptdp's --grad-reduce-in-bf16 "
+                 "(bf16 reductions of the main gradients), fp32 its fp32 reductions of fp32 main "
+                 "gradients, auto the main gradients' dtype (ptdp's default); under every data "
+                 "layout",
+                 choices=("fp32", "fp16", "bf16", "auto"), refused_choices=("fp16",),
+                 refusal="fp16 reductions are not in ptdp: give bf16 (--grad-reduce-in-bf16), "
+                         "fp32 or auto",
+                 alias_values=(("bf16", (("train.grad_reduce_in_bf16", True),)),
+                               ("fp32", (("train.grad_reduce_in_bf16", False),))),
+                 needs=(("fp32", "train.main_grads_dtype", "fp32"),),
+                 conflict_reason="ptdp reduces bf16 main gradients in bf16, fp32 ones in fp32 "
+                                 "unless --grad-reduce-in-bf16", listed=False),
+    AcceptedFlag("--megatron-fsdp-main-grads-dtype", 1,
+                 "Megatron-FSDP's main gradient dtype, ptdp's --main-grads-dtype (the buffers "
+                 "gradients accumulate in, under every data layout); auto keeps ptdp's (fp32 by "
+                 "default)",
+                 choices=("fp32", "bf16", "fp16", "auto"), refused_choices=("fp16",),
+                 refusal="ptdp's main gradients are fp32 or bf16: give fp32, bf16 (with --bf16) or "
+                         "auto",
+                 alias_values=(("fp32", (("train.main_grads_dtype", "fp32"),)),
+                               ("bf16", (("train.main_grads_dtype", "bf16"),))), listed=False),
+    AcceptedFlag("--megatron-fsdp-main-params-dtype", 1,
+                 "fp32 is what ptdp keeps under every sharding strategy",
+                 choices=("fp32", "bf16", "fp16", "auto"), refused_choices=("bf16", "fp16"),
+                 refusal=_FP32_STATE, listed=False),
     AcceptedFlag("--accumulate-allreduce-grads-in-fp32", 0,
-                 "always so in ptdp: gradients are accumulated and reduced in fp32 (unless "
-                 "--grad-reduce-in-bf16)"),
+                 "ptdp's default: gradients accumulated in fp32 main gradients (--main-grads-dtype "
+                 "fp32) and reduced in fp32 (unless --grad-reduce-in-bf16)",
+                 needs=((True, "train.main_grads_dtype", "fp32"),),
+                 conflict_reason="Megatron-LM refuses bf16 main gradients with it too"),
     AcceptedFlag("--attention-softmax-in-fp32", 0,
                  "PyTorch's attention kernels compute the softmax in fp32 for bf16 and fp16 "
                  "inputs already"),
@@ -266,7 +302,7 @@ ACCEPTED: tuple[AcceptedFlag, ...] = (
                  "ptdp has one cross-entropy implementation (vocabulary-parallel, fp32); there "
                  "is no fused variant to choose"),
     AcceptedFlag("--DDP-impl", 1,
-                 "ptdp has one data-parallel implementation: bucketed fp32 gradient reductions "
+                 "ptdp has one data-parallel implementation: bucketed gradient reductions "
                  "overlapped with the backward, like Megatron-LM's local DDP",
                  choices=("local", "torch")),
     AcceptedFlag("--no-create-attention-mask-in-dataloader", 0,
@@ -403,6 +439,10 @@ def add_accepted_flags(parser: argparse.ArgumentParser) -> None:
         if accepted.alias_of:
             kwargs.update(action=_AliasAction, type=int, metavar="N",
                           settings=((accepted.alias_of, None),))
+        elif accepted.alias_values:
+            kwargs.update(action=_AliasAction, settings=dict(accepted.alias_values),
+                          choices=accepted.choices,
+                          metavar="{" + ",".join(accepted.choices) + "}")
         elif accepted.alias_settings:
             kwargs.update(action=_AliasAction, nargs=0, settings=accepted.alias_settings)
         elif accepted.values == 0:
@@ -428,15 +468,18 @@ class _AliasAction(argparse.Action):
     """Stores the value (a switch: True) under the flag's own name and,
     unless the settings it is another name for were given already, as those
     settings too: (setting, value) pairs, a value of None meaning the flag's
-    own (`given` finds a disagreement whichever came first)."""
+    own, or {flag value: such pairs} (`given` finds a disagreement whichever
+    came first)."""
 
-    def __init__(self, *args: Any, settings: tuple[tuple[str, Any], ...], **kwargs: Any):
+    def __init__(self, *args: Any, settings: tuple[tuple[str, Any], ...] | dict, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.settings = settings
 
     def __call__(self, parser, namespace, values, option_string=None):
         setattr(namespace, self.dest, True if self.nargs == 0 else values)
-        for setting, value in self.settings:
+        settings = (self.settings.get(values, ()) if isinstance(self.settings, dict)
+                    else self.settings)
+        for setting, value in settings:
             if not hasattr(namespace, setting):
                 setattr(namespace, setting, values if value is None else value)
 
@@ -449,17 +492,27 @@ def given(args: argparse.Namespace) -> list[tuple[AcceptedFlag, Any]]:
         if not hasattr(args, accepted.dest):
             continue
         value = getattr(args, accepted.dest)
-        settings = ((accepted.alias_of, value),) if accepted.alias_of else accepted.alias_settings
-        for setting, wanted in settings:
+        for setting, wanted in accepted.settings_for(value) + tuple(
+                (setting, wanted) for needed_by, setting, wanted in accepted.needs
+                if needed_by == value):
             other = getattr(args, setting, wanted)
             if other != wanted:
-                meant = "that flag" if accepted.alias_of else _setting_shown(setting, wanted)
-                accepted = replace(accepted, refused=True, explanation=(
-                    f"conflicts with {_setting_shown(setting, other)}: it is Megatron-LM's other "
-                    f"name for {meant}; give one of the two (or the same value)"))
+                accepted = replace(accepted, refused=True,
+                                   explanation=_conflict(accepted, setting, wanted, other))
                 break
         found.append((accepted, value))
     return found
+
+
+def _conflict(accepted: AcceptedFlag, setting: str, wanted: Any, other: Any) -> str:
+    """Why a flag given with a setting it contradicts is refused."""
+    shown = _setting_shown(setting, other)
+    if accepted.conflict_reason:
+        return (f"conflicts with {shown}: ptdp takes it as {_setting_shown(setting, wanted)} "
+                f"({accepted.conflict_reason}); give one of the two (or agreeing values)")
+    meant = "that flag" if accepted.alias_of else _setting_shown(setting, wanted)
+    return (f"conflicts with {shown}: it is Megatron-LM's other name for {meant}; give one of the "
+            f"two (or the same value)")
 
 
 def _setting_shown(setting: str, value: Any) -> str:

@@ -108,7 +108,7 @@ class TrainConfig:
         "elements per gradient bucket; a bucket's data-parallel reduction starts as soon as its "
         "gradients are final, overlapping the rest of the backward")
     bf16: bool = flag(False, "--bf16", "bf16 weights and activations, fp32 main weights and "
-                      "gradient accumulation")
+                      "gradient accumulation (bf16 with --main-grads-dtype bf16)")
     fp16: bool = flag(False, "--fp16", "fp16 weights and activations with dynamic loss scaling, "
                       "fp32 main weights and gradient accumulation")
     loss_scale: float | None = flag(None, "--loss-scale", "fp16: a fixed loss scale instead of "
@@ -137,6 +137,12 @@ class TrainConfig:
         False, "--grad-reduce-in-bf16",
         "with --bf16: reduce gradients over the data-parallel ranks in bf16 (half the bytes, "
         "less precise; accumulation stays fp32)")
+    main_grads_dtype: str = flag(
+        "fp32", "--main-grads-dtype",
+        "with --bf16: the main gradients' dtype, the buffers microbatch gradients are added into "
+        "and reduced in (bf16: half the bytes, accumulated and reduced in bf16 as in Megatron-LM; "
+        "the optimizer reads them as fp32, its weights and moments stay fp32)",
+        choices=("fp32", "bf16"))
     seed: int = flag(1234, "--seed", "seed of initialisation, data order and dropout")
     log_interval: int = flag(1, "--log-interval", "print a line every N iterations")
     log_params_norm: bool = flag(
@@ -547,7 +553,8 @@ def holds_checkpoint(save: str, load: str) -> bool:
 
 
 def loss_and_rate_problems(tr: TrainConfig) -> list[str]:
-    """--calculate-per-token-loss, --decoupled-lr/--decoupled-min-lr, --grad-reduce-in-bf16.
+    """--calculate-per-token-loss, --decoupled-lr/--decoupled-min-lr, --grad-reduce-in-bf16,
+    --main-grads-dtype.
     (A value that is not a finite number is _float_problems'.) Megatron-LM
     ignores --decoupled-min-lr without --decoupled-lr and --grad-reduce-in-bf16
     without --bf16; ptdp refuses them rather than drop a setting silently."""
@@ -570,6 +577,11 @@ def loss_and_rate_problems(tr: TrainConfig) -> list[str]:
         problems.append("--grad-reduce-in-bf16 reduces the gradients of a --bf16 run in bf16; "
                         "this run is " + ("--fp16" if tr.fp16 else "fp32") + ": add --bf16 or "
                         "leave --grad-reduce-in-bf16 out")
+    if tr.main_grads_dtype == "bf16" and not tr.bf16:
+        problems.append("--main-grads-dtype bf16 keeps the main gradients of a --bf16 run in bf16 "
+                        "(as Megatron-LM, whose bf16 main gradients are the bf16 model's); this run "
+                        "is " + ("--fp16" if tr.fp16 else "fp32") + ": add --bf16 or give "
+                        "--main-grads-dtype fp32")
     return problems
 
 

@@ -1,8 +1,9 @@
 """Data parallelism: contiguous gradient buckets reduced while backward runs.
 
 All parameters of a rank live in one flat buffer (`param_data`, the model's
-dtype) and their gradients in another (`grad_data`, fp32, so microbatch
-gradients accumulate in fp32 whatever the model's precision). The buffers
+dtype) and their gradients in another (`grad_data`, fp32 unless
+--main-grads-dtype bf16, so microbatch gradients accumulate in fp32 whatever
+the model's precision). The buffers
 are cut into buckets of about `bucket_size` elements, in reverse parameter
 order (roughly the order backward finishes them). A parameter's gradient is
 final once it has been accumulated for every microbatch of the iteration
@@ -16,6 +17,13 @@ whose loss is already divided by the tokens of the whole global batch
 With --grad-reduce-in-bf16 the reduction over the replicas sends bf16 copies
 of the fp32 gradients (half the bytes) and the reduced values are written
 back into the fp32 buffer; accumulation over microbatches stays fp32.
+
+With --main-grads-dtype bf16 the gradient buffers themselves are bf16
+(`grad_dtype`; the distributed optimizer's shard too): a bf16 model's
+gradients are added into them in bf16 (autograd accumulates straight into
+the buffer, as for fp32 models) and reduced in bf16, as Megatron-LM's
+buffers are when it does not accumulate in fp32. The optimizer reads them
+as fp32 (ptdp.train.optimizer).
 
 With the distributed optimizer each bucket is padded to a multiple of d and
 reduce-scattered: data-parallel rank r receives the summed r-th 1/d of every
@@ -94,7 +102,8 @@ class Bucket:
     handles: list[Any] = field(default_factory=list)
     # --grad-reduce-in-bf16: (reduced bf16 copy, its fp32 destination), copied when the handles are.
     unpack: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    # Its fp32 gradients: a view of grad_data (None while a ZeRO-2 bucket holds none: sharded_grads.py).
+    # Its main gradients (grad_dtype): a view of grad_data (None while a ZeRO-2
+    # bucket holds none: sharded_grads.py).
     grads: torch.Tensor | None = None
 
     @property
@@ -114,20 +123,21 @@ class GradBuffer:
     def __init__(self, params: list[nn.Parameter], ctx: ParallelContext, *, param_dtype: torch.dtype,
                  bucket_size: int, shard: bool, tied: set[nn.Parameter] = frozenset(),
                  accumulations: dict[nn.Parameter, int] | None = None, average: bool = True,
-                 reduce_dtype: torch.dtype = torch.float32, device: torch.device | None = None,
-                 unit_of: dict[nn.Parameter, int] | None = None):
+                 reduce_dtype: torch.dtype = torch.float32, grad_dtype: torch.dtype = torch.float32,
+                 device: torch.device | None = None, unit_of: dict[nn.Parameter, int] | None = None):
         """`accumulations`: for a parameter that autograd accumulates into
         more than once per microbatch (separate backward passes, e.g. zbv's
         shared word embedding: the lookup's gradient in one chunk's backward,
         the output layer's in another's), how many times; 1 otherwise.
         `average`: divide the reduced gradients by d (else sum them).
-        `reduce_dtype`: what the data-parallel reduction sends (fp32 or bf16).
+        `reduce_dtype`: what the data-parallel reduction sends (fp32 or bf16);
+        `grad_dtype`: the main gradients' (fp32, or bf16: --main-grads-dtype).
         `device`: where the buffers live (default: the parameters'; needed
         where a rank has no trainable parameter, as a LoRA stage without
         adapters). `unit_of`: a bucket holds parameters of one unit only
         (ZeRO-3 gathers a unit's buckets together: sharded_params.py)."""
         self.ctx, self.shard = ctx, shard
-        self.average, self.reduce_dtype = average, reduce_dtype
+        self.average, self.reduce_dtype, self.grad_dtype = average, reduce_dtype, grad_dtype
         self._accumulations = dict(accumulations or {})
         device = device if device is not None else params[0].device
         ordered = list(reversed(params))  # backward finishes the last layers first
@@ -167,15 +177,14 @@ class GradBuffer:
                             shard_start=shard_offset if shard else start)
             shard_offset += bucket.size // replicas.size if shard else bucket.size
             self.buckets.append(bucket)
-        self.numel = offset
-        self.shard_numel = shard_offset
+        self.numel, self.shard_numel = offset, shard_offset
 
         # Move the parameters into the flat buffer (their fp32 values are kept
         # for the optimizer's main weights) and give each its main_grad view.
         self.initial_fp32 = torch.zeros(self.numel, dtype=torch.float32, device=device)
         self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=device)
-        self.grad_data = torch.zeros(self.numel, dtype=torch.float32, device=device)
-        self.alias_grads = param_dtype == torch.float32
+        self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
+        self.alias_grads = param_dtype == grad_dtype
         self._bucket_of: dict[nn.Parameter, Bucket] = {}
         # The hook reaches the buffer through a weak reference: a parameter's
         # hooks are held where Python's garbage collector does not look, so a
@@ -202,10 +211,10 @@ class GradBuffer:
             param.data = view
             param.main_grad = self.grad_data[segment.start:segment.end].view_as(param)
             if self.alias_grads:
-                # fp32: autograd accumulates straight into the buffer.
+                # The model's dtype: autograd accumulates straight into the buffer.
                 param.grad = param.main_grad
             param.register_post_accumulate_grad_hook(on_grad)
-        self.grad_shard = (torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
+        self.grad_shard = (torch.zeros(self.shard_numel, dtype=grad_dtype, device=device)
                            if shard else None)
         self._counts: dict[nn.Parameter, int] = {}
         self._expected: dict[nn.Parameter, int] = {}
@@ -279,7 +288,7 @@ class GradBuffer:
 
     @staticmethod
     def _unpack(bucket: Bucket) -> None:
-        """Copy reduced low-precision gradients back into the fp32 buffers."""
+        """Copy reduced low-precision gradients back into the main gradients."""
         for reduced, destination in bucket.unpack:
             destination.copy_(reduced)
         bucket.unpack = []

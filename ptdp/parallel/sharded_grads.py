@@ -26,6 +26,10 @@ one waits in the next round's storage: each gradient is reduced exactly once.
 The tied word embedding's bucket (summed over the embedding group first,
 then over the replicas, once the backward has finished) keeps its gradient
 for the whole iteration, as under ZeRO-1: it is one matrix.
+
+With --main-grads-dtype bf16 the buckets and the shard are bf16 (the
+gradients reduced in bf16 and added into the shard in bf16, as
+Megatron-FSDP's main_grads_dtype bf16 does).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from ptdp.parallel.data_parallel import Bucket, GradBuffer
 from ptdp.parallel.tensor import sum_partial_grads
 
 # Reductions launched and not yet added into the shard, at most: each holds
-# its bucket's fp32 gradients (and their bf16 copy) until it completes.
+# its bucket's main gradients (and their bf16 copy, if those are fp32) until it completes.
 IN_FLIGHT = 2
 
 
@@ -102,7 +106,7 @@ class ShardedGradBuffer(GradBuffer):
             self._launch_round(bucket)
 
     def _allocate(self, bucket: Bucket) -> None:
-        bucket.grads = torch.zeros(bucket.size, dtype=torch.float32, device=self.grad_shard.device)
+        bucket.grads = torch.zeros(bucket.size, dtype=self.grad_dtype, device=self.grad_shard.device)
         for param in bucket.params:
             param.main_grad = self._view(bucket, param)
         self.peak_full_grad_bytes = max(self.peak_full_grad_bytes, self.full_grad_bytes)
@@ -135,7 +139,7 @@ class ShardedGradBuffer(GradBuffer):
     def _complete(self, bucket: Bucket, handle, received: torch.Tensor, sent: torch.Tensor) -> None:
         if handle is not None:
             handle.wait()
-        self._shard_view(bucket).add_(received.to(torch.float32))
+        self._shard_view(bucket).add_(received.to(self.grad_dtype))
 
     def finish(self) -> None:
         """Reduce what every bucket still holds (a parameter given fewer

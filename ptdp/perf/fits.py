@@ -56,7 +56,8 @@ def workload_of(config: Config) -> Workload:
     tr = config.train
     precision = "bf16" if tr.bf16 else "fp16" if tr.fp16 else "fp32"
     return Workload(config.model, tr.batch_size(config.parallel.dp), precision,
-                    LoRAWork.of(getattr(config, "lora", None)))
+                    LoRAWork.of(getattr(config, "lora", None)),
+                    main_grads_bytes=2 if tr.main_grads_dtype == "bf16" else 4)
 
 
 @dataclass(frozen=True)

@@ -349,6 +349,7 @@ class Workload:
     global_batch: int
     precision: str = "bf16"         # "bf16", "fp16" or "fp32": weights and activations
     lora: LoRAWork | None = None    # low-rank adapters on a frozen base (None: every weight trained)
+    main_grads_bytes: int = 4       # a main gradient's bytes: 4 (fp32), 2 (--main-grads-dtype bf16)
 
     @property
     def bytes_per_element(self) -> int:

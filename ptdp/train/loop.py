@@ -205,11 +205,15 @@ class Trainer:
                  if hasattr(chunk, "embedding")}
                 if ctx.embedding_group is not None and shared and loss_rank != 0
                 else set())
+        bf16_grads = tr.main_grads_dtype == "bf16"
         options = dict(param_dtype=self.dtype, bucket_size=tr.ddp_bucket_size,
                        shard=tr.sharding_strategy != "no_shard", tied=tied,
                        accumulations=_tied_accumulations(self.chunks, shared),
                        average=not tr.calculate_per_token_loss,
-                       reduce_dtype=torch.bfloat16 if tr.grad_reduce_in_bf16 else torch.float32,
+                       # bf16 main gradients are reduced in bf16 too (Megatron-LM's meaning)
+                       reduce_dtype=torch.bfloat16 if tr.grad_reduce_in_bf16 or bf16_grads
+                       else torch.float32,
+                       grad_dtype=torch.bfloat16 if bf16_grads else torch.float32,
                        device=self.device)
         if tr.sharding_strategy not in ("optim_grads", "optim_grads_params"):
             return GradBuffer(params, ctx, **options)

@@ -11,6 +11,11 @@ see GradBuffer.gather_params).
 AdamW is element-wise, so sharding changes no number: the same arithmetic
 runs on every element, only on another rank.
 
+bf16 main gradients (--main-grads-dtype bf16) are read as fp32: clipping
+scales them and Adam steps with them in fp32 copies of PIECE elements at a
+time, so no fp32 copy of the whole buffer is held; the main weights and the
+moments stay fp32 (Megatron-LM's precision-aware optimizer reads them so).
+
 Per-parameter rules become index ranges of the flat buffer: weight decay on
 matrices only (not biases or norms), and the global gradient norm counting a
 parameter replicated over the tensor group once (tensor rank 0) and the
@@ -232,16 +237,19 @@ class Optimizer:
             return StepResult(grad_norm=float("nan"), skipped=True, loss_scale=scale,
                               params_norm=self._params_norm())
         grad_norm = math.sqrt(norm_sq_value)
+        clipping = 1.0  # applied as bf16 main gradients are read (`_fp32_pieces`)
         if self.config.clip_grad > 0:
             coefficient = self.config.clip_grad / (grad_norm + 1e-6)
-            if coefficient < 1.0:
+            if coefficient < 1.0 and grads.dtype == torch.float32:
                 grads.mul_(coefficient)
+            elif coefficient < 1.0:
+                clipping = coefficient
         num_zeros = None
         if getattr(self.config, "log_num_zeros_in_grad", False):  # as Megatron-LM: after clipping
             num_zeros = round(self._counted_once(
                 lambda part: part.numel() - torch.count_nonzero(part), grads))
 
-        self._adamw(grads, lr, decoupled_lr)
+        self._adamw(grads, lr, decoupled_lr, clipping)
         if self.buffer.shard:
             self.buffer.gather_params(self.main)
         elif self.main is not self.buffer.param_data:
@@ -285,9 +293,11 @@ class Optimizer:
                 (decoupled_lr, self.decoupled_ranges, self._decoupled_decay_ranges)]
 
     @torch.no_grad()
-    def _adamw(self, grads: torch.Tensor, lr: float, decoupled_lr: float | None = None) -> None:
+    def _adamw(self, grads: torch.Tensor, lr: float, decoupled_lr: float | None = None,
+               clipping: float = 1.0) -> None:
         """torch.optim.AdamW's arithmetic, element-wise on flat tensors (per
-        range where parameters step with rates of their own)."""
+        range where parameters step with rates of their own). `clipping`:
+        the factor bf16 main gradients are scaled by as they are read."""
         c = self.config
         self.steps += 1
         for rate, ranges, decayed in self._rate_groups(lr, decoupled_lr):
@@ -295,8 +305,22 @@ class Optimizer:
                 for start, end in decayed:
                     self.main[start:end].mul_(1.0 - rate * c.weight_decay)
             for start, end in ranges:
-                _adam(self.main[start:end], grads[start:end], self.exp_avg[start:end],
-                      self.exp_avg_sq[start:end], self.steps, rate, c)
+                for lo, hi, piece in _fp32_pieces(grads, start, end, clipping):
+                    _adam(self.main[lo:hi], piece, self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi],
+                          self.steps, rate, c)
+
+
+def _fp32_pieces(grads: torch.Tensor, start: int, end: int, clipping: float):
+    """(lo, hi, the fp32 gradients of [lo, hi)) covering [start, end): fp32
+    main gradients as they are (clipped already), in one piece; bf16 ones
+    copied to fp32 PIECE elements at a time and scaled by `clipping`."""
+    if grads.dtype == torch.float32:
+        yield start, end, grads[start:end]
+        return
+    for lo in range(start, end, PIECE):
+        hi = min(end, lo + PIECE)
+        piece = grads[lo:hi].float()
+        yield lo, hi, (piece.mul_(clipping) if clipping != 1.0 else piece)
 
 
 def _complement(ranges: list[tuple[int, int]], size: int) -> list[tuple[int, int]]:

@@ -414,7 +414,7 @@ def memory_per_rank(workload: Workload, layout: Layout, *, kernels: str = "cuda"
         else:
             buckets = cut_placed_buckets(model_key, placement, rank, bucket_size)
         state = state_bytes(model, layout, rank, buckets, e, workload.precision,
-                            frozen[rank] if lora else 0, bucket_size)
+                            frozen[rank] if lora else 0, bucket_size, workload.main_grads_bytes)
         chunk_bytes, deferred_bytes = [], []
         # Rotary tables: made once per layer, kept for every microbatch.
         layers = [layout.chunk_layers(model.num_layers, rank, chunk) for chunk in range(v)]

@@ -152,13 +152,14 @@ def gathered_elements(model: ModelConfig, layout: Layout, rank: int, bucket_size
 
 def state_bytes(model: ModelConfig, layout: Layout, rank: int, buckets: tuple[Bucket, ...],
                 e: int, precision: str, frozen: int = 0,
-                bucket_size: int | None = None) -> dict[str, int]:
+                bucket_size: int | None = None, grad_bytes: int = FP32) -> dict[str, int]:
     """Weights, fp32 gradients and optimizer state of one device of
     pipeline rank `rank` under `layout.sharding` (the table of the module
     docstring). `buckets`: its gradient buffer's (under ZeRO-3
     `unit_buckets`'); `frozen`: a frozen base's elements outside the buffer
     (adapters, ptdp.perf.analytic.lora), whole under every strategy;
-    `bucket_size`: --ddp-bucket-size (ZeRO-3's units)."""
+    `bucket_size`: --ddp-bucket-size (ZeRO-3's units); `grad_bytes`: a main
+    gradient's (2 with --main-grads-dtype bf16: every gradient buffer bf16)."""
     n, owned = padded_elements(buckets, layout), owned_elements(buckets, layout)
     if layout.shards_parameters and frozen:
         # adapters whole (tiny); the base's shard of each unit, and its units gathered
@@ -169,11 +170,11 @@ def state_bytes(model: ModelConfig, layout: Layout, rank: int, buckets: tuple[Bu
     else:
         weights = (n + frozen) * e
     if layout.shards_gradients:
-        gradients = (owned + transient_gradient_elements(buckets, layout)) * FP32
+        gradients = (owned + transient_gradient_elements(buckets, layout)) * grad_bytes
     elif layout.distributed_optimizer:
-        gradients = (n + owned) * FP32
+        gradients = (n + owned) * grad_bytes
     else:
-        gradients = n * FP32
+        gradients = n * grad_bytes
     if layout.shards_parameters and precision == "fp32":
         optimizer = 2 * owned * FP32   # Adam moments: the fp32 parameter shard is the main copy
     elif layout.distributed_optimizer:
