@@ -1,11 +1,13 @@
 """Megatron-LM's own example scripts run under ptdp with one change: the
-command. tests/fixtures/megatron-scripts holds three of them with their sizes
+command. tests/fixtures/megatron-scripts holds six of them with their sizes
 shrunk (each file's header lists what was shrunk; nothing else changed):
-GPT-3 175B (the version with --rampup-batch-size), Llama-3 8B (FP8), and the
-paper's sc21 interleaved-schedule runs. Each is run by bash as written, with
-`torchrun`/`python` shims on PATH that turn `pretrain_gpt.py` into
-`-m ptdp train`, what a user edits. docs/megatron-flags.md lists every flag
-they use and what ptdp does with it."""
+GPT-3 175B (the version with --rampup-batch-size), Llama-3 8B (FP8), the
+paper's sc21 interleaved-schedule runs, Mixtral 8x7B, the Qwen3-30B-A3B model
+and DeepSeek-V3 with Megatron-FSDP (a SLURM batch script). Each is run by bash
+as written, with `torchrun`/`python` shims on PATH that turn `pretrain_gpt.py`
+into `-m ptdp train`, what a user edits, and `sbatch`/`srun` shims that run a
+batch job on this machine. docs/megatron-flags.md lists every flag they use
+and what ptdp does with it."""
 
 import dataclasses
 import json
@@ -40,6 +42,37 @@ if not os.environ.get("PTDP_SCRIPT_DRY_RUN"):  # a dry run records the command o
 """
 
 
+# SLURM's two commands, for the DeepSeek-V3 script: `sbatch` runs the batch
+# script it reads at once and waits for it (SLURM queues it), with the job's
+# variables from its #SBATCH lines; `srun` starts the job's tasks on this
+# machine, each with the variables SLURM gives a task, and waits for all.
+_SBATCH = """#!{python}
+import os, re, subprocess, sys, tempfile
+script = sys.stdin.read()
+def option(name):
+    found = re.search(rf"^#SBATCH --{{name}}=(\\S+)", script, re.M)
+    return int(found.group(1)) if found else 1
+nodes, per_node = option("nodes"), option("ntasks-per-node")
+env = {{**os.environ, "SLURM_JOB_ID": "1", "SLURM_NNODES": str(nodes),
+       "SLURM_NTASKS": str(nodes * per_node), "SLURM_NTASKS_PER_NODE": str(per_node)}}
+with tempfile.NamedTemporaryFile("w", suffix=".sh", delete=False) as batch:
+    batch.write(script)
+sys.exit(subprocess.run(["bash", batch.name], env=env).returncode)
+"""
+_SRUN = """#!{python}
+import os, subprocess, sys
+args = sys.argv[1:]
+while args and args[0].startswith("-"):  # srun's own options; the command follows
+    args = args[1:]
+tasks = int(os.environ.get("SLURM_NTASKS", "1"))
+ranks = [subprocess.Popen(args, env={{**os.environ, "SLURM_PROCID": str(rank),
+                                     "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0",
+                                     "SLURM_LAUNCH_NODE_IPADDR": "127.0.0.1"}})
+         for rank in range(tasks)]
+sys.exit(max(rank.wait() for rank in ranks))
+"""
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -48,9 +81,13 @@ def _free_port() -> int:
 
 def _shims(folder: Path) -> Path:
     folder.mkdir()
-    for name, real in (("torchrun", TORCHRUN), ("python", sys.executable)):
+    scripts = {name: _SHIM.format(python=sys.executable, real=real)
+               for name, real in (("torchrun", TORCHRUN), ("python", sys.executable))}
+    scripts.update(sbatch=_SBATCH.format(python=sys.executable),
+                   srun=_SRUN.format(python=sys.executable))
+    for name, text in scripts.items():
         shim = folder / name
-        shim.write_text(_SHIM.format(python=sys.executable, real=real))
+        shim.write_text(text)
         shim.chmod(shim.stat().st_mode | stat.S_IEXEC)
     return folder
 
@@ -192,7 +229,7 @@ def test_sc21_interleaved_script_trains(tmp_path):
 
 
 def test_the_docs_table_covers_every_flag_the_scripts_use():
-    """docs/megatron-flags.md has a row for each flag of the three scripts,
+    """docs/megatron-flags.md has a row for each flag of the scripts,
     and every flag it names is one `ptdp train` takes."""
     table = (ROOT / "docs" / "megatron-flags.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("| `--")]
@@ -202,6 +239,9 @@ def test_the_docs_table_covers_every_flag_the_scripts_use():
         text = "\n".join(line for line in script.read_text().splitlines() if not line.startswith("#"))
         used |= set(re.findall(r"(?<![\w-])(--[A-Za-z][\w-]*)", text))
     used -= {"--nproc_per_node", "--nnodes", "--node_rank", "--master_addr", "--master_port"}  # torchrun's
+    used -= {"--mpi", "--container-image", "--container-mounts", "--container-workdir"}  # srun's
+    used -= {"--sample", "--cpuctxsw", "--trace", "--capture-range", "--capture-range-end",
+             "--cuda-graph-trace", "--cuda-memory-usage"}  # the profiler's (nsys)
     assert used - documented == set()
     parser = build_parser()
     train = parser._subparsers._group_actions[0].choices["train"]
@@ -365,6 +405,88 @@ def test_qwen3_30b_a3b_model_trains_from_a_converted_checkpoint_and_equals_one_p
                           model="qwen3"),
                moe.Layout(p=2, d=2, ep=2, model="qwen3")]
     per_rank = pools(4).run(moe._layouts_vs_one_process, layouts, {"qwen3": model})
+    for i, layout in enumerate(layouts):
+        compared = set().union(*(results[i][1] for results in per_rank))
+        assert compared == set(moe.logical_shapes(model)), layout.name
+
+
+def _hf_tokenizer_data(folder: Path) -> tuple[Path, Path]:
+    """(tokenizer directory, data prefix): a byte-level BPE tokenizer.json of
+    300 tokens trained on the demo corpus's lines, and 5,000 of them
+    preprocessed with it as HuggingFaceTokenizer (the script's 99,1,0 split
+    leaves about 50 documents for validation)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from ptdp.data.corpus import read_works
+    from ptdp.data.preprocess import TokenizerSpec, preprocess
+
+    directory = folder / "tokenizer"
+    directory.mkdir(parents=True)
+    lines = [line.strip() for _, text in read_works() for line in text.splitlines()
+             if len(line.strip()) > 20][:5000]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(lines, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<｜end▁of▁sentence｜>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tokenizer.save(str(directory / "tokenizer.json"))
+    corpus = folder / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
+    preprocess([corpus], folder / "deepseek",
+               TokenizerSpec("HuggingFaceTokenizer", tokenizer_model=str(directory)),
+               append_eod=True, progress=False)
+    return directory, folder / "deepseek_text_document"
+
+
+def test_deepseek_v3_megatron_fsdp_script_trains_and_its_model_equals_one_process(
+        tmp_path, pools):
+    """Megatron-LM's DeepSeek-V3 Megatron-FSDP script as written, submitted
+    with sbatch and started by srun (MLA, MTP, group-limited sigmoid routing
+    with expert bias and forced balancing, the dense first layer, shared
+    experts, flex dispatch, --recompute-modules mlp moe mla_up_proj
+    layernorm, ZeRO-3 with bf16 gradients, per-token loss, bf16, a
+    HuggingFaceTokenizer directory): it trains its 4 iterations on 4 SLURM
+    tasks, evaluates and saves. Then its model, read from the flags the
+    script gave, trains 3 steps under the script's layout (d = 4, EP = 2,
+    ZeRO-3) and under t = 2 with sequence parallelism, c = 2 and EP = 2 as
+    one process does (fp32)."""
+    from tests import test_moe_parallel as moe
+
+    tokenizer, data = _hf_tokenizer_data(tmp_path / "data")
+    output_path = tmp_path / "output"
+    result, argv = _run_script("deepseek_v3_mfsdp.sh", [], tmp_path, MEGATRON_PATH=str(tmp_path),
+                            OUTPUT_PATH=str(output_path), DATA_PATH=str(data),
+                            TOKENIZER=str(tokenizer))
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "ptdp: 4 processes (t=1, p=1, d=4), experts over EP=2 × ETP=1" in output, output
+    assert "optim_grads_params (ZeRO-3" in output
+    for note in ("--moe-token-dispatcher-type flex runs as ptdp's alltoall dispatcher",
+                 "--ckpt-format fsdp_dtensor has no effect", "--wandb-project"):
+        assert note in output, note
+    assert "ptdp: error" not in output and "refused" not in output
+    losses = _losses(output)
+    assert len(losses) == 4 and all(0 < x < 20 for x in losses), output
+    assert len(re.findall(r"mtp_1 loss \d", output)) == 4
+    assert len(re.findall(r"val loss \d", output)) == 2
+    checkpoints = output_path / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == "iter_0000004"
+    assert any((output_path / "tensorboard").rglob("events.out.tfevents.*"))
+    assert (output_path / "slurm_logs" / "1.log").read_text().count("iteration     4/4") == 1
+
+    flags = _train_flags(argv)
+    model = dataclasses.replace(_script_model(flags), vocab_size=300)
+    assert (model.multi_latent_attention, model.mtp_num_layers, model.num_experts,
+            model.moe_router_force_load_balancing, model.moe_layer_pattern) == \
+        (True, 1, 8, True, [0, 1, 1])
+    assert model.recompute_modules == ["mlp", "moe", "mla_up_proj", "layernorm"]
+    common = dict(ep=2, dispatcher=model.moe_token_dispatcher_type, per_token_loss=True,
+                  model="deepseek")
+    layouts = [moe.Layout(d=4, distributed=True, grouped_gemm=True,
+                          strategy="optim_grads_params", **common),
+               moe.Layout(t=2, c=2, etp=1, sequence_parallel=True, **common)]
+    per_rank = pools(4).run(moe._layouts_vs_one_process, layouts, {"deepseek": model})
     for i, layout in enumerate(layouts):
         compared = set().union(*(results[i][1] for results in per_rank))
         assert compared == set(moe.logical_shapes(model)), layout.name

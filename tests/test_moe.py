@@ -179,6 +179,35 @@ def test_sigmoid_scores_group_limited_routing_and_scaling():
         assert_close(routing.probs[t, experts], 2.5 * chosen / chosen.sum())
 
 
+def test_forced_balancing_routes_by_draws_of_layer_and_position_with_the_real_gradient():
+    """--moe-router-force-load-balancing: the routes are the top-k of
+    standard normal draws, one per (layer, position, expert), whatever the
+    router's weights or the tokens; the same draws for every sequence of the
+    batch; the gradient still reaches the router's weights (through the
+    logits, unchanged); over many positions the experts' loads are even."""
+    from ptdp.model.router_noise import balanced_logits
+
+    s, b = 512, 2
+    config = _config(num_experts=8, moe_router_topk=2, moe_router_score_function="sigmoid",
+                     moe_router_force_load_balancing=True)
+    layer = _layer(config)
+    layer.layer_id = 3
+    x = torch.randn(s, b, H, generator=torch.Generator().manual_seed(1))
+    flat, routing = layer._route(x)
+    draws = balanced_logits(torch.arange(s), 3, 8)
+    want = torch.zeros(s, 8, dtype=torch.bool).scatter(1, draws.topk(2, dim=1).indices, True)
+    assert torch.equal(routing.routed, want.repeat_interleave(b, dim=0))
+    assert not torch.equal(balanced_logits(torch.arange(s), 4, 8), draws)  # per layer
+    assert abs(draws.mean().item()) < 0.05 and abs(draws.std().item() - 1) < 0.05
+    loads = routing.routed.sum(dim=0).float()
+    assert loads.max() / loads.min() < 1.3, loads  # a skewed router would load a few experts
+    (routing.probs * torch.randn(s * b, 8, generator=torch.Generator().manual_seed(2))).sum() \
+        .backward()
+    assert layer.router.weight.grad.abs().sum() > 0
+    unforced = _layer(dataclasses.replace(config, moe_router_force_load_balancing=False))
+    assert not torch.equal(unforced._route(x)[1].routed, routing.routed)
+
+
 def test_moe_layers_follow_the_layer_pattern_and_the_logical_shapes():
     config = _config(num_layers=4, moe_layer_freq="([0]+[1]*3)",
                      moe_shared_expert_intermediate_size=20, moe_shared_expert_gate=True)

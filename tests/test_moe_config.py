@@ -57,6 +57,7 @@ def test_a_dense_configuration_is_unchanged():
         "moe_router_topk": 2, "moe_router_score_function": "softmax",
         "moe_router_pre_softmax": False, "moe_router_topk_scaling_factor": None,
         "moe_router_num_groups": None, "moe_router_group_topk": None, "moe_router_dtype": "fp32",
+        "moe_router_force_load_balancing": False,
         "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.0,
         "moe_z_loss_coeff": None, "moe_router_enable_expert_bias": False,
         "moe_router_bias_update_rate": 1e-3, "moe_shared_expert_intermediate_size": None,
@@ -469,7 +470,7 @@ def test_each_moe_extra_is_refused_or_explained_and_takes_its_value():
                  "--moe-upcycling-granularity", "--moe-router-padding-for-fp8",
                  "--moe-router-padding-for-quantization", "--moe-apply-probs-on-input",
                  "--moe-shared-expert-overlap", "--moe-per-layer-logging", "--moe-layer-recompute",
-                 "--moe-router-force-load-balancing", "--moe-router-quantile-balancing-ema",
+                 "--moe-router-quantile-balancing-ema",
                  "--overlap-moe-expert-parallel-comm", "--moe-enable-routing-replay",
                  "--moe-latent-size", "--delay-wgrad-compute", "--moe-router-topk-limited-devices"):
         assert name in names, name

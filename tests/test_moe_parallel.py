@@ -15,6 +15,7 @@ below says why its eps is 1e-6).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -86,6 +87,7 @@ class Layout:
     per_token_loss: bool = False
     model: str = "moe"                   # a key of MODELS
     steps: int = STEPS
+    strategy: str | None = None          # --use-megatron-fsdp's sharding strategy
 
     @property
     def name(self) -> str:
@@ -95,13 +97,15 @@ class Layout:
         parts += [f"{self.recompute}-recompute"] * bool(self.recompute)
         parts += ["distopt"] * self.distributed + [self.dispatcher]
         parts += ["grouped"] * self.grouped_gemm + ["per-token"] * self.per_token_loss
-        parts += [self.model] * (self.model != "moe")
+        parts += [self.model] * (self.model != "moe") + [self.strategy] * bool(self.strategy)
         return "-".join(parts)
 
 
 def _config(layout: Layout | None = None) -> Config:
     layout = layout or Layout()
-    model = dataclasses.replace(MODELS[layout.model], recompute_granularity=layout.recompute,
+    model = MODELS[layout.model]  # a script's model may recompute on its own
+    model = dataclasses.replace(model, recompute_granularity=layout.recompute
+                                or model.recompute_granularity,
                                 moe_token_dispatcher_type=layout.dispatcher,
                                 moe_grouped_gemm=layout.grouped_gemm)
     config = step._config(layout.t, layout.p, layout.d, layout.k, model, layout.sequence_parallel,
@@ -111,6 +115,9 @@ def _config(layout: Layout | None = None) -> Config:
         config.parallel, pipeline_schedule="1f1b" if layout.schedule == "interleaved" else layout.schedule,
         expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp,
         context_parallel_size=layout.c)
+    if layout.strategy:
+        config.train = dataclasses.replace(config.train, use_megatron_fsdp=True,
+                                           data_parallel_sharding_strategy=layout.strategy)
     config.data = DataConfig(mock_data=True, eod_mask_loss=True)
     validate(config, world_size=layout.t * layout.c * layout.p * layout.d)
     return config
@@ -208,7 +215,10 @@ def _layouts_vs_one_process(rank: int, layouts: list[Layout], models: dict | Non
         if trainer.holds_loss:
             assert evaluated == pytest.approx(validation, rel=1e-5), layout.name
         worst, worst_name, compared = 0.0, None, set()
-        for name, weight in _logical_weights(trainer, ctx).items():
+        # ZeRO-3 holds shards: the parameters whole while read, copied.
+        with trainer.buffer.gathered() if layout.strategy else contextlib.nullcontext():
+            logical = {n: w.clone() for n, w in _logical_weights(trainer, ctx).items()}
+        for name, weight in logical.items():
             assert_close(weight, serial_weights[name], **step.WEIGHT_TOL,
                          msg=lambda m, name=name: f"{layout.name}: {name}: {m}")
             difference = (weight - serial_weights[name]).abs().max().item()

@@ -105,6 +105,29 @@ def test_bad_settings(kwargs, message):
         build_tokenizer(**kwargs)
 
 
+def test_a_models_directory_is_its_tokenizer_json_as_in_megatron_lm(tmp_path):
+    """HuggingFaceTokenizer's --tokenizer-model may be a model's directory
+    (Megatron-LM passes it to AutoTokenizer): the tokenizer.json inside it.
+    DeepSeek-V3's end of sentence is an end of document. A directory without
+    the file, or a hub name (nothing is downloaded), is refused saying so."""
+    from tokenizers import Tokenizer, models
+
+    from ptdp.config import DataConfig
+
+    eos = "<\uff5cend\u2581of\u2581sentence\uff5c>"
+    Tokenizer(models.WordLevel({"a": 0, eos: 1}, unk_token="a")).save(
+        str(tmp_path / "tokenizer.json"))
+    tokenizer = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=tmp_path)
+    assert (tokenizer.vocab_size, tokenizer.eod) == (2, 1)
+    data = DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path))
+    assert data.tokenizer_model == str(tmp_path / "tokenizer.json")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TokenizerError, match="the directory has no tokenizer.json"):
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model=tmp_path / "empty")
+    with pytest.raises(TokenizerError, match="ptdp downloads nothing"):
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model="deepseek-ai/DeepSeek-V3")
+
+
 def test_bad_files(tmp_path):
     bogus = tmp_path / "tokenizer.json"
     bogus.write_text("{not json")

@@ -5,6 +5,7 @@ how batches are read (background workers, memory-mapped files)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from ptdp.config.base import flag, is_count
 
@@ -33,7 +34,8 @@ class DataConfig:
                                   "default: GPT-2's own ranks, shipped)", metavar="PATH")
     merge_file: str | None = flag(None, "--merge-file", "GPT-2 style merges.txt", metavar="PATH")
     tokenizer_model: str | None = flag(
-        None, "--tokenizer-model", "tokenizer.json for HuggingFaceTokenizer; the SentencePiece "
+        None, "--tokenizer-model", "tokenizer.json (or a model's directory holding it) for "
+        "HuggingFaceTokenizer; the SentencePiece "
         "tokenizer.model for Llama2Tokenizer and SentencePieceTokenizer; the tiktoken JSON "
         "vocabulary for TikTokenizer", metavar="PATH")
     tiktoken_pattern: str | None = flag(
@@ -89,6 +91,14 @@ class DataConfig:
         False, "--sft-skip-bad-rows",
         "with --sft: skip and count rows that are not a conversation the template renders, "
         "instead of stopping at the first with its file and row")
+
+    def __post_init__(self) -> None:
+        # Megatron-LM's HuggingFaceTokenizer takes a model's directory: the
+        # tokenizer.json inside it is the file every reader here opens.
+        model = self.tokenizer_model
+        if self.tokenizer_type == "HuggingFaceTokenizer" and isinstance(model, str) and model \
+                and (Path(model) / "tokenizer.json").is_file():
+            self.tokenizer_model = str(Path(model) / "tokenizer.json")
 
     @property
     def uses_demo_corpus(self) -> bool:

@@ -115,7 +115,6 @@ MOE_FLAGS: tuple[AcceptedFlag, ...] = (
                  "per layer"),
     _moe("--moe-input-jitter-eps", 1, "Switch-style multiplicative noise on the router's input",
          _DROP),
-    _moe("--moe-router-force-load-balancing", 0, "benchmark-only random router logits", _DROP),
     _moe("--moe-router-force-biased", 1, "benchmark-only biased random router logits", _DROP),
     _moe("--moe-router-quantile-balancing-ema", 1, "quantile-balancing routing",
          "use --moe-router-load-balancing-type aux_loss or --moe-router-enable-expert-bias"),
@@ -378,9 +377,17 @@ ACCEPTED: tuple[AcceptedFlag, ...] = (
     AcceptedFlag("--fp8-amax-history-len", 1, _FP8, refused=True),
     AcceptedFlag("--fp8-amax-compute-algo", 1, _FP8, refused=True),
     AcceptedFlag("--fp8-param-gather", 0, _FP8, refused=True),
+    # fsdp_dtensor is what Megatron-FSDP's sharded runs save (its DeepSeek-V3
+    # script gives it): ptdp's own format is that too, loadable under any
+    # layout and sharding strategy. The others are refused as before.
     AcceptedFlag("--ckpt-format", 1,
-                 "ptdp writes and reads its own checkpoint format (safetensors + JSON, loadable "
-                 "under any layout), not Megatron-LM's: drop --ckpt-format", refused=True),
+                 "ptdp writes its own checkpoint format (safetensors + JSON), which loads under any "
+                 "layout and sharding strategy as fsdp_dtensor does; Megatron-LM cannot read it "
+                 "(`ptdp convert --to-hf` exports the model)",
+                 choices=("torch", "torch_dist", "torch_dcp", "fsdp_dtensor"),
+                 refused_choices=("torch", "torch_dist", "torch_dcp"),
+                 refusal="ptdp writes and reads its own checkpoint format (safetensors + JSON, "
+                         "loadable under any layout), not Megatron-LM's: drop --ckpt-format"),
     AcceptedFlag("--step-batch-size-schedule", 1,
                  "Megatron-LM's newest batch-size schedule is not implemented: use "
                  "--rampup-batch-size START INCREMENT SAMPLES with --train-samples", refused=True),

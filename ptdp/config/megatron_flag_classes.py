@@ -192,7 +192,8 @@ OTHER_MODELS = Family(
 CHECKPOINT_INTERNALS = Family(
     'how Megatron-LM writes, reads or checks its own checkpoint formats',
     "ptdp writes its own format (safetensors + JSON), every tensor checksummed and checked when "
-    "read, loadable under any layout; a missing --load checkpoint is an error",
+    "read, loadable under any layout; a --load with nothing to load is an error, unless it is "
+    "also --save (a first run, which starts at iteration 0)",
     switches="""
         --async-ckpt-use-cpu-shm --auto-detect-ckpt-format --ckpt-assume-constant-structure
         --ckpt-convert-update-legacy-dist-opt-format --ckpt-drop-redundant-extra-state

@@ -63,6 +63,11 @@ class MoEFields:
     moe_router_group_topk: int | None = flag(
         None, "--moe-router-group-topk",
         "group-limited routing: each token's experts come from its best groups, this many")
+    moe_router_force_load_balancing: bool = flag(
+        False, "--moe-router-force-load-balancing",
+        "benchmarks: the router's logits replaced by standard normal draws, one per layer, "
+        "position and expert, the same under every layout (the gradient reaches the real "
+        "logits); the experts' loads come out even")
     moe_router_dtype: str = flag(
         "fp32", "--moe-router-dtype",
         "precision of the router's logits, scores and probabilities (NOTE: ptdp's default is fp32; "

@@ -42,7 +42,7 @@ from ptdp.data.indexed import (IndexedDatasetWriter, best_fitting_dtype, data_fi
                                index_file_path)
 from ptdp.data import tokenizer_record
 from ptdp.data.tiktoken_tokenizer import TiktokenSettings
-from ptdp.data.tokenizer import TEXT_TOKENIZER_TYPES, build_tokenizer
+from ptdp.data.tokenizer import TEXT_TOKENIZER_TYPES, build_tokenizer, hf_tokenizer_file
 from ptdp.output_paths import output_path_problems
 from ptdp.status import Periodic
 
@@ -67,6 +67,10 @@ class TokenizerSpec:
     merge_file: str | None = None
     tokenizer_model: str | None = None
     tiktoken: TiktokenSettings | None = None  # TikTokenizer's settings
+
+    def __post_init__(self) -> None:
+        if self.tokenizer_type == "HuggingFaceTokenizer":  # a model's directory: its tokenizer.json
+            object.__setattr__(self, "tokenizer_model", hf_tokenizer_file(self.tokenizer_model))
 
     def build(self):
         return build_tokenizer(self.tokenizer_type, vocab_file=self.vocab_file,

@@ -63,7 +63,9 @@ DEMO_TOKENIZER_VOCAB = 2048
 # each with an optional leading space; runs of whitespace.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 # End-of-document tokens to look for in a user's vocabulary, in this order.
-EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "[EOS]", "<eod>")
+# The last: DeepSeek-V3's (and Moonlight's) end of sentence.
+EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "[EOS]", "<eod>",
+                  "<｜end▁of▁sentence｜>")
 
 
 class Tokenizer(Protocol):
@@ -266,6 +268,8 @@ def build_tokenizer(tokenizer_type: str = "GPT2BPETokenizer", *, vocab_file: str
             raise TokenizerError("--tokenizer-type NullTokenizer needs --vocab-size N: the data's "
                                  "token ids are 0..N-1 and N is the end-of-document id")
         return NullTokenizer(vocab_size)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        tokenizer_model = hf_tokenizer_file(tokenizer_model)
     if tokenizer_type != "TikTokenizer":
         tiktoken = None
     elif tiktoken is None:
@@ -294,6 +298,15 @@ def _build(tokenizer_type, vocab_file, merge_file, tokenizer_model, tiktoken=Non
     return ByteTokenizer()
 
 
+def hf_tokenizer_file(path):
+    """HuggingFaceTokenizer's --tokenizer-model: a tokenizer.json, or (as
+    Megatron-LM takes it) a model's directory, which means the tokenizer.json
+    inside it."""
+    if path and Path(path).is_dir() and (Path(path) / "tokenizer.json").is_file():
+        return str(Path(path) / "tokenizer.json")
+    return path
+
+
 def check_tokenizer_settings(tokenizer_type: str, vocab_file, merge_file, tokenizer_model) -> list[str]:
     """Problems with a tokenizer's flags, each saying what to change."""
     problems = []
@@ -319,8 +332,15 @@ def check_tokenizer_settings(tokenizer_type: str, vocab_file, merge_file, tokeni
         problems.append(f"--tokenizer-type {tokenizer_type} takes no tokenizer files")
     for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file),
                        ("--tokenizer-model", tokenizer_model)):
-        if path and not Path(path).is_file():
-            problems.append(f"{flag} {path}: no such file")
+        if path and Path(path).is_dir() and tokenizer_type == "HuggingFaceTokenizer":
+            problems.append(f"{flag} {path}: the directory has no tokenizer.json; give the "
+                            f"directory of a Hugging Face model that has one, or the file")
+        elif path and not Path(path).is_file():
+            hub = tokenizer_type == "HuggingFaceTokenizer" and flag == "--tokenizer-model" \
+                and str(path).count("/") == 1 and not Path(path).parent.exists()
+            problems.append(f"{flag} {path}: no such file" + (
+                " (ptdp downloads nothing: give the local directory of the model, holding its "
+                "tokenizer.json, or that file)" if hub else ""))
     return problems
 
 

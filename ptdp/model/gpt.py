@@ -314,7 +314,7 @@ class TransformerLayer(nn.Module):
         self.attention = attention(config, ctx, rng, sequence_parallel, cp_comm_type, layer_id)
         self.post_attention_layernorm = layer_norm(config, sequence_parallel)
         if config.is_moe and config.moe_layer_pattern[layer_id]:
-            self.mlp = MoELayer(config, ctx, rng, sequence_parallel)
+            self.mlp = MoELayer(config, ctx, rng, sequence_parallel, layer_id)
             self.recompute_mlp = config.recomputes("moe")
         else:
             self.mlp = MLP(config, ctx, sequence_parallel)

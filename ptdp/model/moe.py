@@ -67,6 +67,8 @@ from ptdp.config import ModelConfig
 from ptdp.model.fused import mlp_activation
 from ptdp.model.grouped_experts import grouped_experts, grouped_gemm_used
 from ptdp.model.recompute import checkpoint, recompute_active, recompute_discarding
+from ptdp.model.router_noise import force_balanced
+from ptdp.parallel.context_layout import rank_positions
 from ptdp.parallel.expert import Dispatched, LocalExperts, token_dispatcher
 from ptdp.parallel.sharding import EXPERT_ATTR, SHARD_ATTR, TensorShard, set_init
 from ptdp.parallel.tensor import (
@@ -334,9 +336,10 @@ class MoELayer(nn.Module):
     under sequence parallelism), like ptdp.model.gpt.MLP."""
 
     def __init__(self, config: ModelConfig, ctx: ParallelContext, rng: RNGStreams,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, layer_id: int = 0):
         super().__init__()
         self.config, self.ctx, self.rng = config, ctx, rng
+        self.layer_id = layer_id  # keys --moe-router-force-load-balancing's draws
         self.sequence_parallel = sequence_parallel and ctx.tp_group is not None
         # Tokens travel to experts on other ranks unless the experts are
         # split exactly like the dense MLP (EP = 1, ETP = t): see `forward`.
@@ -411,6 +414,8 @@ class MoELayer(nn.Module):
         s, b, h = tokens.shape
         flat = tokens.reshape(s * b, h)
         logits = self.router.logits(flat)
+        if self.config.moe_router_force_load_balancing:
+            logits = force_balanced(logits, self._positions(s, b, flat.device), self.layer_id)
         logits = self._balance(logits, s, b)
         routing = self.router.route(logits)
         if self._counts_tokens():
@@ -423,6 +428,14 @@ class MoELayer(nn.Module):
             self.metrics.setdefault("assigned", []).append(
                 torch.tensor(float(s * b * self.config.moe_router_topk)))
         return flat, routing
+
+    def _positions(self, s: int, b: int, device: torch.device) -> torch.Tensor:
+        """Each row's position in its sequence: rows are [s, b] flattened,
+        and a context rank holds positions `rank_positions` of the whole."""
+        cp = self.ctx.cp_size
+        places = (rank_positions(s * cp, cp, self.ctx.cp_rank, device) if cp > 1
+                  else torch.arange(s, device=device))
+        return places.repeat_interleave(b)
 
     def _own_tokens(self, x: torch.Tensor, flat: torch.Tensor,
                     routing: Routing) -> tuple[torch.Tensor, Routing]:
