@@ -238,8 +238,8 @@ def test_plan_shows_its_assumptions_and_progress(capsys):
 
 
 def test_moe_flags_describe_an_moe_and_other_moe_flags_are_refused_with_the_reason(capsys):
-    """The MoE flags that shape the costs are train's and describe the model
-    plan prices (here its parameters); the others are refused, saying why."""
+    """The MoE flags of the model are train's and describe the model plan
+    prices (here its parameters); the others are refused, saying why."""
     argv = ["plan", "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
             "--gpus", "4", "--global-batch-size", "8", "--seq-length", "256",
             "--disable-bias-linear", "--fix-all", "--json"]
@@ -253,14 +253,21 @@ def test_moe_flags_describe_an_moe_and_other_moe_flags_are_refused_with_the_reas
     assert json.loads(capsys.readouterr().out)["parameters"] == parameter_count(planned)
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["parameters"] < parameter_count(planned)
+    # The routing and balancing settings are taken (DeepSeek-V3's flags paste)...
+    assert main(argv + moe + ["--moe-aux-loss-coeff", "0.01", "--moe-router-score-function",
+                              "sigmoid", "--moe-router-enable-expert-bias"]) == 0
+    capsys.readouterr()
+    # ...a kernel flag of `ptdp train`'s is not: no cost of the plan's changes with it.
     with pytest.raises(SystemExit) as stopped:
-        main(argv + moe + ["--moe-aux-loss-coeff", "0.01"])
+        main(argv + moe + ["--moe-permute-fusion"])
     assert stopped.value.code == 2
-    assert capsys.readouterr().err.strip() == (
-        "ptdp plan: error: --moe-aux-loss-coeff: ptdp plan takes the MoE flags that shape its "
-        "costs (--num-experts, --moe-ffn-hidden-size, --moe-router-topk, "
+    error = capsys.readouterr().err.strip()
+    assert error.startswith(
+        "ptdp plan: error: --moe-permute-fusion: ptdp plan takes the MoE flags that describe the "
+        "model (--num-experts, --moe-ffn-hidden-size, --moe-router-topk, "
         "--moe-shared-expert-intermediate-size, --moe-layer-freq, --moe-expert-capacity-factor, "
-        "--moe-token-dispatcher-type); this one does not change them: drop it")
+        "--moe-token-dispatcher-type, --moe-router-load-balancing-type, --moe-aux-loss-coeff, ")
+    assert error.endswith("); this one does not change its costs: drop it")
 
 
 def test_the_hopper_profiles_say_how_far_to_trust_them_for_ptdps_own_runs(capsys):
