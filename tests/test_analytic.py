@@ -438,7 +438,8 @@ MLA = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_lengt
 MLA_CASES = {  # the model's settings, the recompute_modules tried under selective
     "mla": ({}, [["core_attn"], ["mla_up_proj"], ["mla_up_proj", "core_attn", "layernorm"],
                  ["mlp", "layernorm"]]),
-    # without the query latent and the latent norms; attention dropout (the math kernel's three s×s)
+    # without the query latent and the latent norms; attention dropout
+    # (the math kernel's three s×s tensors)
     "mla-direct-query": (dict(q_lora_rank=None, qk_layernorm=False, attention_dropout=0.1),
                          [["mla_up_proj"], ["core_attn", "mlp"]]),
     # keys and values of one width: PyTorch's CPU flash kernel; LayerNorm
@@ -511,3 +512,69 @@ def test_mtp_keeps_a_layer_and_an_output_layer_more_per_module():
                                                 2, torch.float32) for depth in (None, 1, 2))
     assert one - plain > layer + logits
     assert two - plain == 2 * (one - plain)
+
+
+def test_mla_products_priced_are_the_model_flops():
+    """The products the operator model prices for an MLA layer (down and
+    up projections, scores over d_qk, context over d_v, output projection,
+    the MLP) are, at t = 1, the model FLOP count's forward of one layer
+    (whose attention terms tests/test_mla.py holds against the built
+    module), with and without the query latent; at t = 2 the split ones
+    halve and the replicated down projections stay whole."""
+    from ptdp.perf.price.machine import Machine
+    from ptdp.perf.price.pricing import OperatorModel
+    from ptdp.perf.price.profiles import load_profile
+
+    profile = load_profile("h100")
+    for q_lora_rank in (12, None):
+        model = dataclasses.replace(MLA, num_layers=1, q_lora_rank=q_lora_rank, vocab_size=104)
+        b, s = 2, model.seq_length
+        output_layer = 2 * b * s * model.hidden_size * model.vocab_size
+        per_layer = (model_flops_per_iteration(model, b, recompute=None) - 3 * output_layer) / 3
+
+        def gemms(t):
+            layout = Layout(t=t, b=b)
+            return OperatorModel(Workload(model, b), layout, profile,
+                                 Machine(layout, profile)).layer_gemms()
+
+        one = gemms(1)
+        assert sum(2 * m * n * k * batch for m, n, k, batch in one.values()) == per_layer
+        two = gemms(2)
+        for name, (m, n, k, batch) in two.items():
+            replicated = name in ("q_down", "kv_down")
+            assert 2 * m * n * k * batch == (1 if replicated else 0.5) * (
+                2 * one[name][0] * one[name][1] * one[name][2] * one[name][3]), name
+
+
+def test_recompute_modules_and_mtp_are_priced():
+    """Selective recomputation prices what its modules run again (each
+    module more, none beyond the layer's forward); MTP adds to the last
+    stage at least a layer's and the output layer's forward per module."""
+    from ptdp.perf.price.machine import Machine
+    from ptdp.perf.price.pricing import OperatorModel
+    from ptdp.perf.price.profiles import load_profile
+    from ptdp.perf.price.stage_costs import stage_costs
+
+    profile = load_profile("h100")
+    big = dataclasses.replace(MLA, hidden_size=1024, num_attention_heads=8, seq_length=1024,
+                              ffn_hidden_size=4096, kv_lora_rank=128, q_lora_rank=256,
+                              qk_head_dim=64, qk_pos_emb_head_dim=32, v_head_dim=64)
+    layout = Layout(t=1, b=1)
+
+    def ops(model):
+        return OperatorModel(Workload(model, 8), layout, profile, Machine(layout, profile))
+
+    def recompute(modules):
+        model = dataclasses.replace(big, recompute_modules=modules)
+        return ops(model).layer_recompute("selective").total_work
+
+    core, up, every = (recompute(["core_attn"]), recompute(["core_attn", "mla_up_proj"]),
+                       recompute(["core_attn", "mla_up_proj", "layernorm", "mlp"]))
+    assert 0 < core < up < every < ops(big).layer_forward().total_work
+    assert recompute(["mlp"]) > recompute(["layernorm"]) > 0
+    plain = stage_costs(ops(big), None, False, True, True, 2)
+    model = dataclasses.replace(big, mtp_num_layers=2)
+    with_mtp = stage_costs(ops(model), None, False, True, True, 2)
+    added = with_mtp.forward.total_work - plain.forward.total_work
+    priced = ops(big)
+    assert added > 2 * (priced.layer_forward().total_work + priced.head_forward().total_work)

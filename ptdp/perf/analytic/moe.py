@@ -117,12 +117,14 @@ def moe_saved_bytes(model: ModelConfig, t: int, b: int, e: int, *, sequence_para
         itself; 16-bit: its fp32 copy, and the input T·h·e as well when a
         shared expert keeps it);
       router: the fp32 logits T·E·4 (the gather of the chosen ones keeps
-        them; pre-softmax and sigmoid scores: see the code), the fp32 copy of the router weight E·h·4 (16-bit only), the top-k indices T·k·8 and their softmax
-        T·k·4; balancing: the softmax over all experts T·E·4 and the
-        counts E·4; z-loss: the log-sum-exp T·4 (the logits are kept
-        already); under a capacity below T, the kept mask T·E (the
-        per-expert top-cap's indices are saved by a node that is freed at
-        once, its values unused, so they are not held);
+        them; pre-softmax and sigmoid scores: see the code), the fp32 copy
+        of the router weight E·h·4 (16-bit only), the top-k indices T·k·8
+        and their softmax T·k·4; balancing: the softmax over all experts
+        T·E·4 and the counts E·4 (per sequence, b·E·4, for seq_aux_loss);
+        z-loss: the log-sum-exp T·4 (the logits are kept already); under
+        a capacity below T, the kept mask T·E (the per-expert top-cap's
+        indices are saved by a node that is freed at once, its values
+        unused, so they are not held);
       pairs (P rows on this rank): the expert and token indices P·8 each,
         their probabilities P·4, the permuted tokens P·h·e and the experts'
         outputs P·h·e (the sum onto the tokens keeps them);
@@ -150,7 +152,8 @@ def moe_saved_bytes(model: ModelConfig, t: int, b: int, e: int, *, sequence_para
     # freed under --recompute-modules layernorm.
     freed_input = "layernorm" in modules and not (sequence_parallel and t > 1)
     if "moe" in modules:   # the checkpoint keeps the layer's input
-        return 0 if "layernorm" in modules else (T // t if sequence_parallel and t > 1 else T) * h * e
+        rows = T // t if sequence_parallel and t > 1 else T
+        return 0 if "layernorm" in modules else rows * h * e
     up = 2 if model.gated_linear_unit else 1
     load = expert_load(model, t, T, sequence_parallel, ep, etp)
     shared_width = model.moe_shared_expert_intermediate_size or 0
@@ -163,18 +166,22 @@ def moe_saved_bytes(model: ModelConfig, t: int, b: int, e: int, *, sequence_para
     # (measured) --moe-router-pre-softmax keeps the softmax over all E
     # experts instead of over the k chosen; sigmoid scores (DeepSeek-V3)
     # keep the sigmoid's output T·E·4 besides, and with k > 1 two fp32
-    # values per token for the renormalisation. Group-limited routing keeps
-    # nothing more (its choice carries no gradient).
+    # values per token for the renormalisation. Both gather the chosen from
+    # the scores, so the logits stay only where the z-loss keeps them.
+    # Group-limited routing keeps nothing more (its choice carries no gradient).
+    logits_freed = 0 if model.moe_z_loss_coeff else T * E * FP32
     if model.moe_router_score_function == "sigmoid":
-        router += T * E * FP32 + (2 * T * FP32 if k > 1 else 0)
+        router += T * E * FP32 + (2 * T * FP32 if k > 1 else 0) - logits_freed
     elif model.moe_router_pre_softmax:
-        router += T * E * FP32 - T * k * FP32
+        router += T * E * FP32 - T * k * FP32 - logits_freed
     if e != FP32:
         router += E * h * FP32
     balancing = model.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss",
                                                          "global_aux_loss")
     if balancing and model.moe_aux_loss_coeff > 0:
-        router += T * E * FP32 + E * FP32
+        # (the counts per sequence under seq_aux_loss)
+        router += T * E * FP32 + E * FP32 * (b if model.moe_router_load_balancing_type
+                                             == "seq_aux_loss" else 1)
     if model.moe_z_loss_coeff:
         router += T * FP32
     factor = model.moe_expert_capacity_factor

@@ -47,7 +47,9 @@ def mtp_activation_bytes(model: ModelConfig, acts: dict[str, int], *, t: int, b:
     embedding's dropout mask, the embedding's norm and the hidden state's
     (whose input, the previous final norm's output, is kept already unless
     a CPU RMSNorm makes an fp32 copy of a 16-bit input), the 2h-wide
-    concatenation eh_proj keeps (R rows), a transformer layer of the last
+    concatenation eh_proj keeps (R rows), a transformer layer (under
+    sequence parallelism its first norm may keep the whole gathered
+    projection its input is a slice of) of the last
     layer's kind (`moe_delta`: its MoE part, if it is an MoE layer; its own
     rotary tables are made once, `mtp_rotary_tables`), its final norm and the output layer over the
     vocabulary again, and the module's loss mask (fp32) and count. Full
@@ -72,8 +74,15 @@ def mtp_activation_bytes(model: ModelConfig, acts: dict[str, int], *, t: int, b:
         return depth * (ids + rows * h * mask + rows * h * e + output + loss_mask)
     fp32_copy = cpu and model.normalization == "RMSNorm" and e != FP32
     hidden_norm = norm - (0 if fp32_copy else rows * h * e)
+    # Under sequence parallelism the layer's input is this rank's s/t slice
+    # of the gathered projection, a view: where the first norm keeps its
+    # input itself (not an fp32 copy), the whole gathered [s, b, h] stays.
+    # (--recompute-modules layernorm: the norm's checkpoint keeps its input itself)
+    keeps_input = not fp32_copy or (recompute == "selective"
+                                    and "layernorm" in model.recompute_modules)
+    gathered = (t - 1) * rows * h * e if sequence_parallel and t > 1 and keeps_input else 0
     module = (ids + rows * h * mask + norm + hidden_norm + rows * 2 * h * e + acts["layer"]
-              + moe_delta + acts["output"] + loss_mask)
+              + moe_delta + acts["output"] + loss_mask + gathered)
     return depth * module
 
 
