@@ -141,6 +141,23 @@ and dropout on. Two kernel sets:
   the MoE layers of each chunk. Zero-bubble schedules' deferred figure is
   the dense layer's for MoE layers too.
 
+  Multi-latent attention (--multi-latent-attention): the attention's terms
+  are ptdp.perf.analytic.mla's (the latents, q and k, the up projection's
+  output, the kernel's), the output projection's input a·d_v·s·b/t·e and
+  the rotary tables 2·s·d_r·e. Multi-token prediction (--mtp-num-layers
+  D): the last stage keeps per microbatch what
+  ptdp.perf.analytic.mtp.mtp_activation_bytes lists (a layer, two norms, the
+  2h-wide concatenation and the output layer again per module), and its D
+  layers' rotary tables once.
+
+  --recompute-modules (selective recomputation by module): layernorm keeps
+  each norm's input only (its output, which the next product keeps, is
+  freed and recomputed); mlp a dense MLP's input only; core_attn (the
+  default) q, k, v instead of the core's tensors; mla_up_proj, moe, moe_act
+  and shared_experts as ptdp.perf.analytic.mla and .moe say. Measured when
+  the forward returns (ptdp.perf.analytic.saved.HeldTensorBytes): the
+  output-discarding ones free storages after saving them.
+
   A rank holds these for every (microbatch, chunk) it has run forward and
   not yet backward. `memory_per_rank` walks the rank's compute order of the
   schedule (the generators' order) and takes the peak of the sum, so the
