@@ -191,15 +191,18 @@ DEEPSEEK_ROUTING = dataclasses.replace(
     moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
     moe_router_num_groups=4, moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5,
     moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
-ROUTINGS = {"deepseek": DEEPSEEK_ROUTING,
-            "pre-softmax": dataclasses.replace(MOE, num_layers=1, moe_layer_freq=1,
-                                               moe_router_pre_softmax=True, moe_router_topk=3),
+# Each routing with the --recompute-modules lists tried (None: none).
+ROUTINGS = {"deepseek": (DEEPSEEK_ROUTING, [
+                None, ["moe"], ["moe_act"], ["shared_experts"], ["layernorm", "moe"],
+                ["core_attn", "layernorm", "moe_act", "shared_experts"]]),
+            "pre-softmax": (dataclasses.replace(MOE, num_layers=1, moe_layer_freq=1,
+                                                moe_router_pre_softmax=True, moe_router_topk=3),
+                            [None]),
             # DeepSeek-V3's script: grouped GEMMs, sequence-wise balancing, no z-loss
-            "grouped-gemm": dataclasses.replace(DEEPSEEK_ROUTING, moe_grouped_gemm=True,
-                                                moe_z_loss_coeff=None,
-                                                moe_router_load_balancing_type="seq_aux_loss")}
-MODULE_LISTS = [None, ["moe"], ["moe_act"], ["shared_experts"], ["layernorm"],
-                ["layernorm", "moe"], ["core_attn", "layernorm", "moe_act", "shared_experts"]]
+            "grouped-gemm": (dataclasses.replace(DEEPSEEK_ROUTING, moe_grouped_gemm=True,
+                                                 moe_z_loss_coeff=None,
+                                                 moe_router_load_balancing_type="seq_aux_loss"),
+                             [None, ["layernorm", "shared_experts"]])}
 
 
 def _held_by_one_layer(model: ModelConfig, dtype: torch.dtype, b: int = 2) -> int:
@@ -224,15 +227,12 @@ def _held_by_one_layer(model: ModelConfig, dtype: torch.dtype, b: int = 2) -> in
 def test_moe_layer_activations_under_recompute_modules_equal_the_saved_tensors(routing):
     """One MoE layer (sigmoid, group-limited or pre-softmax routing, grouped
     GEMMs) keeps what the dense layer's figure plus the MoE delta say, with
-    each --recompute-modules list (moe_act aside under grouped GEMMs, which
-    refuse it), fp32 and bf16."""
+    each --recompute-modules list, fp32 and bf16."""
     from ptdp.perf.analytic.memory import layer_activation_bytes
     from ptdp.perf.analytic.moe import moe_layer_activation_delta
 
-    base = ROUTINGS[routing]
-    for modules in MODULE_LISTS:
-        if base.moe_grouped_gemm and modules and "moe_act" in modules:
-            continue
+    base, module_lists = ROUTINGS[routing]
+    for modules in module_lists:
         recompute = "selective" if modules else None
         model = dataclasses.replace(base, recompute_granularity=recompute,
                                     recompute_modules=modules or ["core_attn"])
