@@ -26,7 +26,7 @@ from ptdp.parallel.tensor import RNGStreams
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.perf.layout import Layout, Workload
 from ptdp.perf.analytic.memory import activation_bytes, layer_activation_bytes
-from ptdp.perf.analytic.saved import HeldTensorBytes, SavedTensorBytes
+from ptdp.perf.analytic.saved import HeldTensorBytes
 
 SEED = 7
 B = 2
@@ -95,7 +95,7 @@ def _one_layer(config, ctx, sp, comm, dtype):
 
 
 class _SplitAtTheCore(HeldTensorBytes):
-    """SavedTensorBytes that also sums the storages first saved inside the
+    """HeldTensorBytes that also sums the storages first saved inside the
     attention core (Attention._core: one rank's kernel, or context_attention
     with its exchange), and with `debug` lists every new storage's shape,
     dtype, bytes and producer, to find what a disagreeing case saves."""
