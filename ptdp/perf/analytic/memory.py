@@ -208,7 +208,7 @@ from ptdp.perf.analytic.lora import (adapted_targets, cut_adapter_buckets, first
                                      layer_delta_bytes)
 from ptdp.schedules.kinds import virtual_stage_of
 from ptdp.perf.layout import BYTES_PER_ELEMENT, ByValue, Layout, Workload
-from ptdp.perf.analytic.mla import mla_saved_bytes
+from ptdp.perf.analytic.mla import mla_saved_bytes, mla_weight_grad_bytes
 from ptdp.perf.analytic.mtp import mtp_activation_bytes, mtp_rotary_tables
 from ptdp.perf.analytic.moe import chunk_moe_layers, moe_layer_activation_delta
 
@@ -329,6 +329,10 @@ def _activation_bytes(key: ByValue, layout: Layout, kernels: str) -> dict[str, i
     up = (2 if model.gated_linear_unit else 1) * f
     weight_grad_layer = (2 * outside + a * d * sb // t + sb * f // t
                          + (a + 2 * g) * d * sb // t + 2 * sb * h + sb * up // t) * e
+    if model.multi_latent_attention:
+        # (the MLP's: the second norm's output, its activation, both output gradients)
+        weight_grad_layer = mla_weight_grad_bytes(model, t, sb, rows, e) + (
+            outside + sb * f // t + sb * h + sb * up // t) * e
     return {"layer": layer, "embedding": embedding, "output": output, "rotary_tables": tables,
             "weight_grad_layer": weight_grad_layer}
 

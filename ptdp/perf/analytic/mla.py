@@ -111,3 +111,21 @@ def mla_saved_bytes(model: ModelConfig, t: int, b: int, seq: int, rows: int, e: 
     # (the kernel's output is [b, heads, s, d_v]: the output projection's
     # input is a reshaped copy of it)
     return latents + up + lse + tokens * a * d_v * e
+
+
+def mla_weight_grad_bytes(model: ModelConfig, t: int, tokens: int, rows: int, e: int) -> int:
+    """What MLA's deferred weight gradients hold from B until W under a
+    zero-bubble schedule (ptdp.parallel.weight_grad; derived, as the
+    ordinary layer's figure): each tensor-parallel projection's input (the
+    query latent's or, without --q-lora-rank, the first norm's output, and
+    the key/value latent, R rows each; the output projection's T·a/t·d_v)
+    and output gradient (q's T·a/t·d_qk, the key/value up projection's
+    T·a/t·(d_n + d_v), the output projection's whole T·h). The down
+    projections are replicated, not deferred: their weight gradients are
+    computed in B."""
+    a = model.num_attention_heads // t
+    query_in = model.hidden_size if model.q_lora_rank is None else model.q_lora_rank
+    inputs = rows * (query_in + model.kv_lora_rank) + tokens * a * model.v_head_dim
+    gradients = (tokens * a * (model.mla_query_head_dim + model.qk_head_dim + model.v_head_dim)
+                 + tokens * model.hidden_size)
+    return (inputs + gradients) * e
