@@ -423,3 +423,158 @@ def test_cuda_estimate_drops_the_s_squared_terms():
     with pytest.raises(ValueError, match="kernels"):
         activation_bytes(Workload(model, 8), Layout(), kernels="tpu")
     assert math.isclose(analytic.bubble_fraction(Layout(p=8, v=1), 64), 7 / 64)
+
+
+# ------------------------------------------------------------------ MLA, MTP, --recompute-modules
+
+# DeepSeek-V3's pieces in small: MLA (a = 4 heads of d_n 6 + d_r 4, d_v 5,
+# latents 12 and 8, normed), SwiGLU, RMSNorm, hidden dropout on.
+MLA = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+                  vocab_size=100, make_vocab_size_divisible_by=8, hidden_dropout=0.1,
+                  attention_dropout=0.0, normalization="RMSNorm", position_embedding_type="rope",
+                  swiglu=True, ffn_hidden_size=24, multi_latent_attention=True, q_lora_rank=12,
+                  kv_lora_rank=8, qk_head_dim=6, qk_pos_emb_head_dim=4, v_head_dim=5,
+                  qk_layernorm=True)
+MLA_CASES = {  # the model's settings, the recompute_modules tried under selective
+    "mla": ({}, [["core_attn"], ["mla_up_proj"], ["mla_up_proj", "core_attn", "layernorm"],
+                 ["mlp", "layernorm"]]),
+    # without the query latent and the latent norms; attention dropout
+    # (the math kernel's three s×s tensors)
+    "mla-direct-query": (dict(q_lora_rank=None, qk_layernorm=False, attention_dropout=0.1),
+                         [["mla_up_proj"], ["core_attn", "mlp"]]),
+    # keys and values of one width: PyTorch's CPU flash kernel; LayerNorm
+    "mla-one-width": (dict(v_head_dim=10, normalization="LayerNorm"), [["mla_up_proj"]]),
+}
+
+
+def _held_bytes_of_one_model(model: ModelConfig, b: int, dtype: torch.dtype) -> int:
+    """Bytes of the storages a whole model's forward (embedding, layers,
+    output layer, MTP modules) leaves saved for its backward when it
+    returns (ptdp.perf.analytic.saved.HeldTensorBytes: the output-discarding
+    recomputations free some after saving them)."""
+    from ptdp.model.gpt import build_chunks
+    from ptdp.perf.analytic.saved import HeldTensorBytes
+
+    chunk = build_chunks(model, ParallelContext.single(), torch.device("cpu"), 5)[0]
+    chunk = chunk.to(dtype).train()
+    sample = torch.randint(0, model.vocab_size, (b, model.seq_length + 1),
+                           generator=torch.Generator().manual_seed(1))
+    with HeldTensorBytes(chunk.parameters()) as saved:
+        loss = chunk(sample[:, :-1], sample[:, 1:])
+    loss.backward()
+    return saved.held_bytes
+
+
+def _model_activations(model: ModelConfig, b: int, precision: str, recompute) -> int:
+    """The analytic model's activations of one process holding the whole
+    model, one microbatch in flight (memory_per_rank), less the rotary
+    tables of the layers whose autograd does not save them (each layer's
+    Rotary caches them: memory_per_rank counts them whatever the
+    recomputation, the saved tensors only where autograd keeps them)."""
+    from ptdp.perf.analytic.memory import tables_saved
+
+    workload = Workload(model, b, precision)
+    layout = Layout(b=b, recompute=recompute)
+    activations = memory_per_rank(workload, layout, kernels="cpu")[0]["activations"]
+    if tables_saved(model, recompute):
+        return activations
+    tables = activation_bytes(workload, layout, kernels="cpu")["rotary_tables"]
+    return activations - (model.num_layers + model.mtp_depth) * tables
+
+
+@pytest.mark.parametrize("case", MLA_CASES)
+def test_mla_and_mtp_activations_equal_the_saved_tensors(case):
+    """A model with MLA and D = 1 and 2 MTP modules (each a third
+    transformer layer, its norms, projection and a second pass through the
+    output layer on the last stage): what its forward leaves saved equals
+    memory_per_rank's activations exactly, fp32 and bf16, without, full and
+    selective recomputation (each --recompute-modules list of the case)."""
+    settings, module_lists = MLA_CASES[case]
+    base = dataclasses.replace(MLA, **settings)
+    runs = [(None, ["core_attn"]), ("full", ["core_attn"])] + [
+        ("selective", modules) for modules in module_lists]
+    for depth in (None, 1, 2):
+        for recompute, modules in runs:
+            model = dataclasses.replace(base, mtp_num_layers=depth, recompute_granularity=recompute,
+                                        recompute_modules=modules)
+            for precision, dtype in PRECISIONS.items():
+                measured = _held_bytes_of_one_model(model, 2, dtype)
+                assert _model_activations(model, 2, precision, recompute) == measured, \
+                    (case, depth, recompute, modules, precision)
+
+
+def test_mtp_keeps_a_layer_and_an_output_layer_more_per_module():
+    """Measured alone: each MTP module keeps at least a transformer layer's
+    and the output layer's logits (4·s·b·V' bytes) more, D = 2 twice D = 1."""
+    layer = activation_bytes(Workload(MLA, 2, "fp32"), Layout(b=2), kernels="cpu")["layer"]
+    logits = 4 * MLA.seq_length * 2 * MLA.padded_vocab_size(1)
+    plain, one, two = (_held_bytes_of_one_model(dataclasses.replace(MLA, mtp_num_layers=depth),
+                                                2, torch.float32) for depth in (None, 1, 2))
+    assert one - plain > layer + logits
+    assert two - plain == 2 * (one - plain)
+
+
+def test_mla_products_priced_are_the_model_flops():
+    """The products the operator model prices for an MLA layer (down and
+    up projections, scores over d_qk, context over d_v, output projection,
+    the MLP) are, at t = 1, the model FLOP count's forward of one layer
+    (whose attention terms tests/test_mla.py holds against the built
+    module), with and without the query latent; at t = 2 the split ones
+    halve and the replicated down projections stay whole."""
+    from ptdp.perf.price.machine import Machine
+    from ptdp.perf.price.pricing import OperatorModel
+    from ptdp.perf.price.profiles import load_profile
+
+    profile = load_profile("h100")
+    for q_lora_rank in (12, None):
+        model = dataclasses.replace(MLA, num_layers=1, q_lora_rank=q_lora_rank, vocab_size=104)
+        b, s = 2, model.seq_length
+        output_layer = 2 * b * s * model.hidden_size * model.vocab_size
+        per_layer = (model_flops_per_iteration(model, b, recompute=None) - 3 * output_layer) / 3
+
+        def gemms(t):
+            layout = Layout(t=t, b=b)
+            return OperatorModel(Workload(model, b), layout, profile,
+                                 Machine(layout, profile)).layer_gemms()
+
+        one = gemms(1)
+        assert sum(2 * m * n * k * batch for m, n, k, batch in one.values()) == per_layer
+        two = gemms(2)
+        for name, (m, n, k, batch) in two.items():
+            replicated = name in ("q_down", "kv_down")
+            assert 2 * m * n * k * batch == (1 if replicated else 0.5) * (
+                2 * one[name][0] * one[name][1] * one[name][2] * one[name][3]), name
+
+
+def test_recompute_modules_and_mtp_are_priced():
+    """Selective recomputation prices what its modules run again (each
+    module more, none beyond the layer's forward); MTP adds to the last
+    stage at least a layer's and the output layer's forward per module."""
+    from ptdp.perf.price.machine import Machine
+    from ptdp.perf.price.pricing import OperatorModel
+    from ptdp.perf.price.profiles import load_profile
+    from ptdp.perf.price.stage_costs import stage_costs
+
+    profile = load_profile("h100")
+    big = dataclasses.replace(MLA, hidden_size=1024, num_attention_heads=8, seq_length=1024,
+                              ffn_hidden_size=4096, kv_lora_rank=128, q_lora_rank=256,
+                              qk_head_dim=64, qk_pos_emb_head_dim=32, v_head_dim=64)
+    layout = Layout(t=1, b=1)
+
+    def ops(model):
+        return OperatorModel(Workload(model, 8), layout, profile, Machine(layout, profile))
+
+    def recompute(modules):
+        model = dataclasses.replace(big, recompute_modules=modules)
+        return ops(model).layer_recompute("selective").total_work
+
+    core, up, every = (recompute(["core_attn"]), recompute(["core_attn", "mla_up_proj"]),
+                       recompute(["core_attn", "mla_up_proj", "layernorm", "mlp"]))
+    assert 0 < core < up < every < ops(big).layer_forward().total_work
+    assert recompute(["mlp"]) > recompute(["layernorm"]) > 0
+    plain = stage_costs(ops(big), None, False, True, True, 2)
+    model = dataclasses.replace(big, mtp_num_layers=2)
+    with_mtp = stage_costs(ops(model), None, False, True, True, 2)
+    added = with_mtp.forward.total_work - plain.forward.total_work
+    priced = ops(big)
+    assert added > 2 * (priced.layer_forward().total_work + priced.head_forward().total_work)

@@ -26,7 +26,7 @@ from ptdp.parallel.tensor import RNGStreams
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.perf.layout import Layout, Workload
 from ptdp.perf.analytic.memory import activation_bytes, layer_activation_bytes
-from ptdp.perf.analytic.saved import SavedTensorBytes
+from ptdp.perf.analytic.saved import HeldTensorBytes
 
 SEED = 7
 B = 2
@@ -42,6 +42,16 @@ LLAMA = dataclasses.replace(GPT2, normalization="RMSNorm", swiglu=True,
                             num_query_groups=4, untie_embeddings_and_output_weights=True,
                             disable_bias_linear=True)
 MODELS = {"gpt": GPT2, "llama": LLAMA}
+# Multi-latent attention (DeepSeek-V3's in small: latents 12 and 8, normed,
+# heads of 6 + 4 and 5), measured at t = 2 with sequence parallelism (c = 1;
+# one process: tests/test_analytic.py); "mla-up" recomputes its up
+# projections and norms (--recompute-modules, selective only). The whole
+# model has an MTP module.
+MLA = dataclasses.replace(LLAMA, group_query_attention=False, num_query_groups=None,
+                          multi_latent_attention=True, q_lora_rank=12, kv_lora_rank=8,
+                          qk_head_dim=6, qk_pos_emb_head_dim=4, v_head_dim=5, qk_layernorm=True)
+MLA_MODELS = {"mla": MLA, "mla-up": dataclasses.replace(
+    MLA, recompute_modules=["mla_up_proj", "layernorm", "core_attn"])}
 # (t, d, c) of each grid over the pool's 4 ranks.
 GRIDS = [(1, 4, 1), (1, 2, 2), (1, 1, 4), (2, 2, 1), (2, 1, 2)]
 
@@ -49,20 +59,28 @@ GRIDS = [(1, 4, 1), (1, 2, 2), (1, 1, 4), (2, 2, 1), (2, 1, 2)]
 def _grid_cases(t: int, c: int):
     """(model, recompute, precision, sequence parallel, comm) of a grid."""
     comms = COMMS if c > 1 else ("p2p",)
-    return [(name, recompute, precision, t > 1, comm)
-            for name in MODELS for recompute in (None, "selective", "full")
-            for precision in DTYPES
-            for comm in (comms if recompute != "full" else ("p2p",))]   # full: the input only
+    cases = [(name, recompute, precision, t > 1, comm)
+             for name in MODELS for recompute in (None, "selective", "full")
+             for precision in DTYPES
+             for comm in (comms if recompute != "full" else ("p2p",))]   # full: the input only
+    if c == 1 and t > 1:   # (one process: tests/test_analytic.py)
+        cases += [(name, recompute, precision, t > 1, "p2p") for name in MLA_MODELS
+                  for recompute in ((None, "selective", "full") if name == "mla" else
+                                    ("selective",)) for precision in DTYPES]
+    return cases
 
 
 LAYER_CASES = [((t, d, c), case) for t, d, c in GRIDS for case in _grid_cases(t, c)]
 MODEL_CASES = [((t, d, c), (name, precision, t > 1, comm))
                for t, d, c in GRIDS for name in MODELS for precision in DTYPES
                for comm in (COMMS if c > 1 else ("p2p",))]
+MLA_MODEL_CASES = [((2, 2, 1), (name, recompute, precision, True)) for precision in DTYPES
+                   for name, recompute in (("mla", None), ("mla-up", "selective"))]
 
 
 def _config(name: str, recompute: str | None = None, layers: int = 1) -> ModelConfig:
-    return dataclasses.replace(MODELS[name], recompute_granularity=recompute, num_layers=layers)
+    return dataclasses.replace({**MODELS, **MLA_MODELS}[name], recompute_granularity=recompute,
+                               num_layers=layers)
 
 
 def _one_layer(config, ctx, sp, comm, dtype):
@@ -76,8 +94,8 @@ def _one_layer(config, ctx, sp, comm, dtype):
     return layer, hidden.to(dtype).requires_grad_()
 
 
-class _SplitAtTheCore(SavedTensorBytes):
-    """SavedTensorBytes that also sums the storages first saved inside the
+class _SplitAtTheCore(HeldTensorBytes):
+    """HeldTensorBytes that also sums the storages first saved inside the
     attention core (Attention._core: one rank's kernel, or context_attention
     with its exchange), and with `debug` lists every new storage's shape,
     dtype, bytes and producer, to find what a disagreeing case saves."""
@@ -137,7 +155,10 @@ def _measure(rank: int, layer_cases: list, model_cases: list, debug: bool = Fals
         with _SplitAtTheCore(layer.parameters(), debug) as saved:
             out = layer(hidden)
         out.float().sum().backward()
-        results["layer"].append(saved.bytes)
+        # (MLA's output-discarding recomputation frees storages it saved:
+        # what is held when the forward returns)
+        results["layer"].append(saved.held_bytes if config.multi_latent_attention
+                                else saved.bytes)
         results["core"].append(saved.core_bytes)
         results["log"].append(saved.log)
     for grid, config, precision, sp, comm in model_cases:
@@ -146,10 +167,11 @@ def _measure(rank: int, layer_cases: list, model_cases: list, debug: bool = Fals
                              cp_comm_type=comm)[0].to(DTYPES[precision]).train()
         sample = torch.randint(0, config.vocab_size, (B, config.seq_length + 1),
                                generator=torch.Generator().manual_seed(1))
-        with SavedTensorBytes(model.parameters()) as saved:
+        with HeldTensorBytes(model.parameters()) as saved:
             loss = model(sample[:, :-1], sample[:, 1:])
         loss.backward()
-        results["model"].append(saved.bytes)
+        results["model"].append(saved.held_bytes if config.multi_latent_attention
+                                else saved.bytes)
     return results
 
 
@@ -176,6 +198,27 @@ def _predicted_model(grid, name, precision, sp, comm) -> int:
             + figures["embedding"] + figures["output"])
 
 
+def _mla_model(name: str, recompute: str | None) -> ModelConfig:
+    return dataclasses.replace(_config(name, recompute, layers=2), mtp_num_layers=1)
+
+
+def _predicted_mla_model(grid, name, recompute, precision, sp) -> int:
+    """memory_per_rank's activations of one stage holding the whole MLA
+    model and its MTP module (one microbatch), less the rotary tables the
+    layers cache but do not save under full recomputation or mla_up_proj."""
+    from ptdp.perf.analytic.memory import memory_per_rank, tables_saved
+
+    t, _, c = grid
+    config = _mla_model(name, recompute)
+    workload, layout = Workload(config, B, precision), _layout(grid, recompute, sp, "p2p")
+    activations = max(memory["activations"]
+                      for memory in memory_per_rank(workload, layout, kernels="cpu"))
+    if tables_saved(config, recompute):
+        return activations
+    tables = activation_bytes(workload, layout, kernels="cpu")["rotary_tables"]
+    return activations - (config.num_layers + config.mtp_depth) * tables
+
+
 @pytest.fixture(scope="module")
 def measured(pools):
     """Every rank's measurements, in one call of the 4-process pool."""
@@ -183,6 +226,8 @@ def measured(pools):
                    for grid, (name, recompute, precision, sp, comm) in LAYER_CASES]
     model_cases = [(grid, _config(name, layers=2), precision, sp, comm)
                    for grid, (name, precision, sp, comm) in MODEL_CASES]
+    model_cases += [(grid, _mla_model(name, recompute), precision, sp, "p2p")
+                    for grid, (name, recompute, precision, sp) in MLA_MODEL_CASES]
     return pools(4).run(_measure, layer_cases, model_cases)
 
 
@@ -200,6 +245,15 @@ def test_model_activation_bytes_equal_the_saved_tensors(measured):
             (grid, case)
 
 
+def test_mla_and_mtp_model_activation_bytes_equal_the_saved_tensors(measured):
+    """A two-layer MLA model with one MTP module at t = 2 with sequence
+    parallelism: what each rank holds when the forward returns is
+    memory_per_rank's figure (its most loaded rank)."""
+    for i, (grid, case) in enumerate(MLA_MODEL_CASES, start=len(MODEL_CASES)):
+        assert max(rank["model"][i] for rank in measured) == _predicted_mla_model(grid, *case), \
+            (grid, case)
+
+
 def test_replicated_part_falls_by_c(measured):
     """Measured only: what a layer saves at c is 1/c of what it saves at
     c = 1 (same t, sequence parallelism as there), but for its attention
@@ -212,7 +266,7 @@ def test_replicated_part_falls_by_c(measured):
     layer = {key: (rank["layer"][i], rank["core"][i]) for i, key in enumerate(LAYER_CASES)}
     checked = 0
     for (t, d, c), case in LAYER_CASES:
-        if c == 1:
+        if c == 1:   # (the MLA cases are all at c = 1)
             continue
         name, recompute, precision, sp, comm = case
         whole, whole_core = layer[((t, 4 // t, 1), (name, recompute, precision, sp, "p2p"))]

@@ -180,3 +180,65 @@ def test_dense_models_are_unchanged_by_the_expert_fields(layout):
     # No routed experts: no expert bucket, whatever EP and ETP say.
     assert memory_per_rank(work, layout, bucket_size=BUCKET) == memory_per_rank(
         work, dataclasses.replace(layout, ep=2, etp=1), bucket_size=BUCKET)
+
+
+# ------------------------------------------------------------------ recompute modules, routing
+
+# DeepSeek-V3's routing in small: sigmoid scores with expert biases,
+# group-limited, scaled; balancing and z losses; hidden dropout on.
+DEEPSEEK_ROUTING = dataclasses.replace(
+    MOE, num_layers=1, moe_layer_freq=1, hidden_dropout=0.1, normalization="RMSNorm",
+    moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+    moe_router_num_groups=4, moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5,
+    moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
+# Each routing with the --recompute-modules lists tried (None: none).
+ROUTINGS = {"deepseek": (DEEPSEEK_ROUTING, [
+                None, ["moe"], ["moe_act"], ["shared_experts"], ["layernorm", "moe"],
+                ["core_attn", "layernorm", "moe_act", "shared_experts"]]),
+            "pre-softmax": (dataclasses.replace(MOE, num_layers=1, moe_layer_freq=1,
+                                                moe_router_pre_softmax=True, moe_router_topk=3),
+                            [None]),
+            # DeepSeek-V3's script: grouped GEMMs, sequence-wise balancing, no z-loss
+            "grouped-gemm": (dataclasses.replace(DEEPSEEK_ROUTING, moe_grouped_gemm=True,
+                                                 moe_z_loss_coeff=None,
+                                                 moe_router_load_balancing_type="seq_aux_loss"),
+                             [None, ["layernorm", "shared_experts"]])}
+
+
+def _held_by_one_layer(model: ModelConfig, dtype: torch.dtype, b: int = 2) -> int:
+    """What one MoE transformer layer leaves saved when its forward returns
+    (ptdp.perf.analytic.saved.HeldTensorBytes), on one process."""
+    from ptdp.model.gpt import GPT
+    from ptdp.parallel.tensor import RNGStreams
+    from ptdp.perf.analytic.saved import HeldTensorBytes
+
+    rng = RNGStreams(torch.device("cpu"))
+    rng.seed(3, ParallelContext.single())
+    layer = GPT(model, ParallelContext.single(), rng, pre_process=False, post_process=False)
+    layer = layer.initialize(3).to(dtype).train()
+    hidden = torch.randn(model.seq_length, b, model.hidden_size, dtype=dtype, requires_grad=True)
+    with HeldTensorBytes(layer.parameters()) as saved:
+        out = layer(hidden)
+    out.float().sum().backward()
+    return saved.held_bytes
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_moe_layer_activations_under_recompute_modules_equal_the_saved_tensors(routing):
+    """One MoE layer (sigmoid, group-limited or pre-softmax routing, grouped
+    GEMMs) keeps what the dense layer's figure plus the MoE delta say, with
+    each --recompute-modules list, fp32 and bf16."""
+    from ptdp.perf.analytic.memory import layer_activation_bytes
+    from ptdp.perf.analytic.moe import moe_layer_activation_delta
+
+    base, module_lists = ROUTINGS[routing]
+    for modules in module_lists:
+        recompute = "selective" if modules else None
+        model = dataclasses.replace(base, recompute_granularity=recompute,
+                                    recompute_modules=modules or ["core_attn"])
+        for dtype in (torch.float32, torch.bfloat16):
+            e = dtype.itemsize
+            predicted = (layer_activation_bytes(model, 2, dtype=dtype, kernels="cpu")
+                         + moe_layer_activation_delta(model, 1, 2, e, sequence_parallel=False,
+                                                      recompute=recompute))
+            assert _held_by_one_layer(model, dtype) == predicted, (routing, modules, dtype)

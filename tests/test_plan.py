@@ -238,8 +238,8 @@ def test_plan_shows_its_assumptions_and_progress(capsys):
 
 
 def test_moe_flags_describe_an_moe_and_other_moe_flags_are_refused_with_the_reason(capsys):
-    """The MoE flags that shape the costs are train's and describe the model
-    plan prices (here its parameters); the others are refused, saying why."""
+    """The MoE flags of the model are train's and describe the model plan
+    prices (here its parameters); the others are refused, saying why."""
     argv = ["plan", "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
             "--gpus", "4", "--global-batch-size", "8", "--seq-length", "256",
             "--disable-bias-linear", "--fix-all", "--json"]
@@ -253,14 +253,21 @@ def test_moe_flags_describe_an_moe_and_other_moe_flags_are_refused_with_the_reas
     assert json.loads(capsys.readouterr().out)["parameters"] == parameter_count(planned)
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["parameters"] < parameter_count(planned)
+    # The routing and balancing settings are taken (DeepSeek-V3's flags paste)...
+    assert main(argv + moe + ["--moe-aux-loss-coeff", "0.01", "--moe-router-score-function",
+                              "sigmoid", "--moe-router-enable-expert-bias"]) == 0
+    capsys.readouterr()
+    # ...a kernel flag of `ptdp train`'s is not: no cost of the plan's changes with it.
     with pytest.raises(SystemExit) as stopped:
-        main(argv + moe + ["--moe-aux-loss-coeff", "0.01"])
+        main(argv + moe + ["--moe-permute-fusion"])
     assert stopped.value.code == 2
-    assert capsys.readouterr().err.strip() == (
-        "ptdp plan: error: --moe-aux-loss-coeff: ptdp plan takes the MoE flags that shape its "
-        "costs (--num-experts, --moe-ffn-hidden-size, --moe-router-topk, "
+    error = capsys.readouterr().err.strip()
+    assert error.startswith(
+        "ptdp plan: error: --moe-permute-fusion: ptdp plan takes the MoE flags that describe the "
+        "model (--num-experts, --moe-ffn-hidden-size, --moe-router-topk, "
         "--moe-shared-expert-intermediate-size, --moe-layer-freq, --moe-expert-capacity-factor, "
-        "--moe-token-dispatcher-type); this one does not change them: drop it")
+        "--moe-token-dispatcher-type, --moe-router-load-balancing-type, --moe-aux-loss-coeff, ")
+    assert error.endswith("); this one does not change its costs: drop it")
 
 
 def test_the_hopper_profiles_say_how_far_to_trust_them_for_ptdps_own_runs(capsys):
@@ -299,3 +306,85 @@ def test_attention_dropout_that_keeps_context_parallelism_out_is_said(capsys):
     assert best["layout"]["c"] > 1
     assert f"takes {best['iteration_seconds']:.3f} s per iteration" in note
     assert best["iteration_seconds"] * 1.05 <= with_dropout["results"][0]["iteration_seconds"]
+
+
+# Megatron-LM's examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh: its model
+# flags as the script gives them (MLA, MoE routing, MTP, the recomputed
+# modules, the precision), less three of ptdp train's that describe kernels
+# or a benchmark rather than the model (--moe-flex-dispatcher-backend,
+# --moe-permute-fusion, --moe-router-force-load-balancing).
+DEEPSEEK_V3 = (
+    "--recompute-granularity selective --recompute-modules mlp moe mla_up_proj layernorm "
+    "--seq-length 4096 --num-layers 61 --hidden-size 7168 --ffn-hidden-size 18432 "
+    "--num-attention-heads 128 --kv-channels 128 --max-position-embeddings 4096 "
+    "--position-embedding-type rope --rotary-base 10000 --make-vocab-size-divisible-by 3232 "
+    "--normalization RMSNorm --norm-epsilon 1e-6 --swiglu --untie-embeddings-and-output-weights "
+    "--multi-latent-attention --attention-dropout 0.0 --hidden-dropout 0.0 --qk-layernorm "
+    "--num-experts 256 --moe-layer-freq [0]*3+[1]*58 --moe-ffn-hidden-size 2048 "
+    "--moe-shared-expert-intermediate-size 2048 --moe-router-load-balancing-type seq_aux_loss "
+    "--moe-router-topk 8 --moe-token-dispatcher-type flex --moe-router-pre-softmax "
+    "--moe-grouped-gemm --moe-aux-loss-coeff 1e-4 --moe-router-group-topk 4 "
+    "--moe-router-num-groups 8 --moe-router-topk-scaling-factor 2.5 "
+    "--moe-router-score-function sigmoid --moe-router-enable-expert-bias "
+    "--moe-router-bias-update-rate 1e-3 --moe-router-dtype fp32 --q-lora-rank 1536 "
+    "--kv-lora-rank 512 --qk-head-dim 128 --qk-pos-emb-head-dim 64 --v-head-dim 128 "
+    "--rotary-scaling-factor 40 --mscale 1.0 --mscale-all-dim 1.0 --mtp-num-layers 1 "
+    "--mtp-loss-scaling-factor 0.1 --init-method-std 0.02 --disable-bias-linear --bf16").split()
+DEEPSEEK_LAYOUT = ["--vocab-size", "129280", "--gpus", "256", "--global-batch-size", "2048",
+                   "--micro-batch-size", "4", "-t", "1", "--expert-model-parallel-size", "8",
+                   "--expert-tensor-parallel-size", "1", "--data-parallel-size", "256",
+                   "--gpu", "h100", "--fix-all"]
+
+
+def test_plan_prices_megatron_lms_deepseek_v3_model_flags(capsys):
+    """The DeepSeek-V3 script's model flags paste into `ptdp plan` as they
+    are, describe the model (MLA widths, YaRN, MTP, routing, the recomputed
+    modules: DeepSeek-V3's 671 B parameters and its MTP module's own) and
+    are priced: the MTP module costs a layer and an output layer more, and
+    --print-flags gives a `ptdp train` command of the same model."""
+    import shlex
+
+    from ptdp.commands.train import config_from_settings, settings_from_args
+
+    assert main(["plan", *DEEPSEEK_V3, *DEEPSEEK_LAYOUT, "--json", "--print-flags"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    plan, command = json.loads("\n".join(out[:-1])), shlex.split(out[-1])
+    planned = model_from_args(build_parser().parse_args(["plan", *DEEPSEEK_V3,
+                                                         *DEEPSEEK_LAYOUT]))
+    assert (planned.multi_latent_attention, planned.q_lora_rank, planned.kv_lora_rank,
+            planned.mtp_depth, planned.yarn) == (True, 1536, 512, 1, True)
+    assert planned.recompute_modules == ["mlp", "moe", "mla_up_proj", "layernorm"]
+    without_mtp = dataclasses.replace(planned, mtp_num_layers=None)
+    assert 671e9 < parameter_count(without_mtp) < 672e9          # DeepSeek-V3's published 671 B
+    # DeepSeek-V3's MTP module: 14 B, of which 11.5 B its own (the embedding
+    # and the output layer are the model's, counted once)
+    assert 11.5e9 < plan["parameters"] - parameter_count(without_mtp) < 11.7e9
+    (result,) = plan["results"]
+    assert result["layout"]["recompute"] == "selective" and result["iteration_seconds"] > 0
+    assert result["memory_breakdown_bytes"]["activations"] > 0
+    # MTP's layer and output layer: more time and activations than without it
+    assert main(["plan", *DEEPSEEK_V3, *DEEPSEEK_LAYOUT, "--json", "--mtp-num-layers", "0"]) == 0
+    (plain,) = json.loads(capsys.readouterr().out)["results"]
+    assert plain["iteration_seconds"] < result["iteration_seconds"]
+    assert plain["memory_breakdown_bytes"]["activations"] < \
+        result["memory_breakdown_bytes"]["activations"]
+    # The printed command trains the model the plan priced, with the modules.
+    assert command[:2] == ["ptdp", "train"]
+    config = config_from_settings(settings_from_args(build_parser().parse_args(command[1:])))
+    for field in dataclasses.fields(ModelConfig):
+        if field.name != "recompute_granularity":
+            assert getattr(config.model, field.name) == getattr(planned, field.name), field.name
+    assert config.model.recompute_granularity == "selective"
+
+
+def test_recompute_modules_need_selective_recomputation_as_in_ptdp_train(capsys):
+    """--recompute-modules without --recompute-granularity selective is
+    refused with `ptdp train`'s message; mla_up_proj without MLA too."""
+    shape = ["plan", "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
+             "--gpus", "4", "--global-batch-size", "8", "--seq-length", "256"]
+    for extra, message in (
+            (["--recompute-modules", "mlp"], "add --recompute-granularity selective"),
+            (["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"],
+             "add --multi-latent-attention or drop mla_up_proj")):
+        assert main(shape + extra) == 2
+        assert message in capsys.readouterr().err

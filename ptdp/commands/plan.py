@@ -11,6 +11,7 @@ import json
 import sys
 
 from ptdp.config import Config, ConfigError, ModelConfig, validate
+from ptdp.config.files import field_type
 from ptdp.output_paths import output_path_problems
 from ptdp.perf.analytic.counts import parameter_count
 from ptdp.config.lora import TARGET_NAMES, LoRAConfig, lora_problems
@@ -47,6 +48,11 @@ def _add_model_settings(group: argparse._ArgumentGroup) -> None:
                 group.add_argument(meta["off_flag"], dest=name, action="store_false",
                                    help=argparse.SUPPRESS)
             continue
+        if field_type(f.type) is list:   # --recompute-modules, the load-balancing type
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            group.add_argument(meta["flag"], dest=name, nargs="+", default=default,
+                               metavar=meta.get("metavar", "VALUE"), help=meta["help"])
+            continue
         kind = _TYPES[f.type.split("|")[0].strip()]
         group.add_argument(meta["flag"], dest=name, type=kind, default=f.default,
                            choices=meta.get("choices"),
@@ -66,9 +72,9 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
                     "experts: --num-experts ...) on N devices, each layout flag fixing its "
                     "dimension (--fix-all: evaluate exactly the given layout), and predict "
                     "iteration time, TFLOP/s per device and memory.")
-    parser.not_taken = {"--moe-": "ptdp plan takes the MoE flags that shape its costs ("
+    parser.not_taken = {"--moe-": "ptdp plan takes the MoE flags that describe the model ("
                         + ", ".join(_flag(name) for name in MOE_SETTINGS)
-                        + "); this one does not change them: drop it"}
+                        + "); this one does not change its costs: drop it"}
     model = parser.add_argument_group("model")
     for flag, default, words in (
             ("--num-layers", None, None), ("--hidden-size", None, None),
@@ -171,8 +177,10 @@ def run_plan_command(args: argparse.Namespace) -> int:
                 if value is not None and value < 1]
     if args.plot is not None:  # checked now, not after the search
         problems += output_path_problems("--plot", args.plot, suffix=PLOT_FORMATS)
-    try:   # the model's own rules, as `ptdp train` checks them (with t = p = d = 1)
-        validate(Config(model=model))
+    try:   # the model's own rules, as `ptdp train` checks them (with t = p = d = 1);
+        # --recompute-modules asks for --recompute-granularity selective, as there
+        validate(Config(model=dataclasses.replace(
+            model, recompute_granularity=args.recompute_granularity)))
     except ConfigError as error:
         problems += error.problems
     if problems:

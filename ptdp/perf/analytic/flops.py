@@ -66,13 +66,53 @@ def model_flops_per_iteration(config: ModelConfig, global_batch: int, *, recompu
     if recompute is None:
         return float(total)
     if recompute == "selective":
-        return float(total + sum(attention) + mtp * attention[-1])
+        return float(total + selective_recompute_flops(config, B, attention))
     if recompute == "full":  # (the MTP modules are recomputed whatever the method)
         recomputed = l if recomputed_layers is None else recomputed_layers
         if not 0 <= recomputed <= l:
             raise ValueError(f"recomputed_layers = {recomputed} is not in 0..{l}")
         return float(total + recomputed * layer + mtp * mtp_layer)
     raise ValueError(f"unknown recompute {recompute!r}: use None, 'full' or 'selective'")
+
+
+def selective_recompute_flops(config: ModelConfig, global_batch: int,
+                              attention: list[float]) -> float:
+    """What selective recomputation's --recompute-modules run again, over
+    the layers and the MTP modules' layers (the last layer's kind): core_attn
+    the attention's score and context products (`attention`, per layer),
+    mlp a dense MLP's products, moe an MoE layer's (router and active
+    experts), shared_experts its shared expert's (unless moe), mla_up_proj
+    MLA's up projections (or the direct query projection); layernorm and
+    moe_act recompute element-wise work only."""
+    modules = config.recompute_modules
+    tokens = 2 * global_batch * config.seq_length   # 2 FLOPs per multiply-add, per token
+    h, up = config.hidden_size, 2 if config.gated_linear_unit else 1
+    pattern = config.moe_layer_pattern if config.is_moe else [False] * config.num_layers
+    columns = mlp_widths(config)
+    per_layer = []
+    for moe, width, core in zip(pattern, columns, attention):
+        flops = core if "core_attn" in modules else 0.0
+        if moe and "moe" in modules:
+            flops += tokens * h * width
+        elif moe and "shared_experts" in modules:
+            flops += tokens * h * (up + 1) * (config.moe_shared_expert_intermediate_size or 0)
+        elif not moe and "mlp" in modules:
+            flops += tokens * h * width
+        if "mla_up_proj" in modules and config.multi_latent_attention:
+            flops += tokens * mla_up_projection_macs(config)
+        per_layer.append(flops)
+    return sum(per_layer) + config.mtp_depth * per_layer[-1]
+
+
+def mla_up_projection_macs(config: ModelConfig) -> int:
+    """Multiply-adds per token of MLA's up projections (what --recompute-modules
+    mla_up_proj runs again): the query latent's to a heads of d_qk (or the
+    direct query projection from h) and the key/value latent's to a heads
+    of d_n + d_v."""
+    a = config.num_attention_heads
+    query = a * config.mla_query_head_dim
+    q = (config.hidden_size if config.q_lora_rank is None else config.q_lora_rank) * query
+    return q + config.kv_lora_rank * a * (config.qk_head_dim + config.v_head_dim)
 
 
 def attention_projection_macs(config: ModelConfig) -> int:

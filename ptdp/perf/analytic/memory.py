@@ -141,6 +141,23 @@ and dropout on. Two kernel sets:
   the MoE layers of each chunk. Zero-bubble schedules' deferred figure is
   the dense layer's for MoE layers too.
 
+  Multi-latent attention (--multi-latent-attention): the attention's terms
+  are ptdp.perf.analytic.mla's (the latents, q and k, the up projection's
+  output, the kernel's), the output projection's input a·d_v·s·b/t·e and
+  the rotary tables 2·s·d_r·e. Multi-token prediction (--mtp-num-layers
+  D): the last stage keeps per microbatch what
+  ptdp.perf.analytic.mtp.mtp_activation_bytes lists (a layer, two norms, the
+  2h-wide concatenation and the output layer again per module), and its D
+  layers' rotary tables once.
+
+  --recompute-modules (selective recomputation by module): layernorm keeps
+  each norm's input only (its output, which the next product keeps, is
+  freed and recomputed); mlp a dense MLP's input only; core_attn (the
+  default) q, k, v instead of the core's tensors; mla_up_proj, moe, moe_act
+  and shared_experts as ptdp.perf.analytic.mla and .moe say. Measured when
+  the forward returns (ptdp.perf.analytic.saved.HeldTensorBytes): the
+  output-discarding ones free storages after saving them.
+
   A rank holds these for every (microbatch, chunk) it has run forward and
   not yet backward. `memory_per_rank` walks the rank's compute order of the
   schedule (the generators' order) and takes the peak of the sum, so the
@@ -191,6 +208,8 @@ from ptdp.perf.analytic.lora import (adapted_targets, cut_adapter_buckets, first
                                      layer_delta_bytes)
 from ptdp.schedules.kinds import virtual_stage_of
 from ptdp.perf.layout import BYTES_PER_ELEMENT, ByValue, Layout, Workload
+from ptdp.perf.analytic.mla import mla_saved_bytes, mla_weight_grad_bytes
+from ptdp.perf.analytic.mtp import mtp_activation_bytes, mtp_rotary_tables
 from ptdp.perf.analytic.moe import chunk_moe_layers, moe_layer_activation_delta
 
 KERNELS = ("cuda", "cpu")
@@ -259,12 +278,21 @@ def _activation_bytes(key: ByValue, layout: Layout, kernels: str) -> dict[str, i
     # GeLU: its input, output; gated (SwiGLU, GeGLU): [gate | up], output
     mlp_saved = 3 if model.gated_linear_unit else 2
 
+    # --recompute-modules (selective): layernorm keeps each norm's input
+    # only, its output (what the next product keeps) freed; mlp keeps the
+    # dense MLP's input only; core_attn keeps q, k, v instead of the core's.
+    modules = recomputed_modules(model, layout.recompute)
+    norm_kept = outside * e if "layernorm" in modules else outside * e + norm
+    mlp_kept = 0 if "mlp" in modules else mlp_saved * s * b * f // t * e
+    context = a * (model.v_head_dim if model.multi_latent_attention else d) * sb // t * e
     if layout.recompute == "full":
         layer = outside * e
+    elif model.multi_latent_attention:
+        layer = (2 * norm_kept + 2 * outside * mask + context + mlp_kept
+                 + mla_saved_bytes(model, t, b, s, rows, e, cpu=cpu, modules=modules))
     else:
-        layer = (2 * outside * e + 2 * norm + 2 * outside * mask
-                 + a * d * sb // t * e + mlp_saved * s * b * f // t * e)
-        if layout.recompute == "selective":
+        layer = 2 * norm_kept + 2 * outside * mask + context + mlp_kept
+        if "core_attn" in modules:
             layer += qkv
         elif cpu and model.attention_dropout > 0:
             # The math kernel's fp32 q·scale, kᵀ and v (k and v repeated to
@@ -287,7 +315,9 @@ def _activation_bytes(key: ByValue, layout: Layout, kernels: str) -> dict[str, i
     padded = model.padded_vocab_size(t)
     output = (norm + outside * e + FP32 * sb * padded // t + INT64 * sb + sb
               + (padded // t if padded > model.vocab_size else 0))
-    tables = 2 * s * d * e if model.rope else 0
+    # (MLA rotates its d_r-wide part only)
+    rotated = model.qk_pos_emb_head_dim if model.multi_latent_attention else d
+    tables = 2 * s * rotated * e if model.rope else 0
     # Zero-bubble schedules: what a microbatch keeps from its B until its W
     # (ptdp.parallel.weight_grad): each deferred linear layer's input (the
     # first norm's output, or its s/t slice under sequence parallelism; the
@@ -299,8 +329,18 @@ def _activation_bytes(key: ByValue, layout: Layout, kernels: str) -> dict[str, i
     up = (2 if model.gated_linear_unit else 1) * f
     weight_grad_layer = (2 * outside + a * d * sb // t + sb * f // t
                          + (a + 2 * g) * d * sb // t + 2 * sb * h + sb * up // t) * e
+    if model.multi_latent_attention:
+        # (the MLP's: the second norm's output, its activation, both output gradients)
+        weight_grad_layer = mla_weight_grad_bytes(model, t, sb, rows, e) + (
+            outside + sb * f // t + sb * h + sb * up // t) * e
     return {"layer": layer, "embedding": embedding, "output": output, "rotary_tables": tables,
             "weight_grad_layer": weight_grad_layer}
+
+
+def recomputed_modules(model: ModelConfig, recompute: str | None) -> frozenset:
+    """The --recompute-modules that act: the model's under selective
+    recomputation (core_attn alone by default), none otherwise."""
+    return frozenset(model.recompute_modules) if recompute == "selective" else frozenset()
 
 
 def _context_attention_saved(model: ModelConfig, layout: Layout, sb: int, e: int,
@@ -376,9 +416,10 @@ def layer_activation_bytes(model: ModelConfig, b: int, t: int = 1, *,
     recompute_granularity. `dtype`: "fp32", "bf16", "fp16" or a
     torch.dtype; `kernels`: "cpu" (eager PyTorch, exact on torch 2.13) or
     "cuda" (derived). With rotary embeddings it includes the layer's cos
-    and sin tables (2·s·d·e) unless the layer is fully recomputed (the
-    checkpoint keeps only its input); `memory_per_rank` counts those once
-    per layer, not per microbatch. Raises ValueError for a t the model
+    and sin tables (2·s·d·e; MLA's 2·s·d_r·e) where the layer's autograd
+    saves them (`tables_saved`); `memory_per_rank` counts those once per
+    layer, not per microbatch, whatever the recomputation (each layer's
+    Rotary caches them). Raises ValueError for a t the model
     cannot take, or sequence parallelism with t = 1 or t not dividing s."""
     if recompute == AS_CONFIGURED:
         recompute = model.recompute_granularity
@@ -388,7 +429,16 @@ def layer_activation_bytes(model: ModelConfig, b: int, t: int = 1, *,
     if problems:
         raise ValueError("; ".join(problems))
     figures = activation_bytes(Workload(model, b, _precision(dtype)), layout, kernels=kernels)
-    return figures["layer"] + (figures["rotary_tables"] if recompute != "full" else 0)
+    return figures["layer"] + (figures["rotary_tables"] if tables_saved(model, recompute) else 0)
+
+
+def tables_saved(model: ModelConfig, recompute: str | None) -> bool:
+    """Whether a layer's autograd saves its rotary cos and sin tables (each
+    layer's Rotary caches them, so `memory_per_rank` counts them either
+    way): not where they are used only inside a checkpoint, under full
+    recomputation or MLA's --recompute-modules mla_up_proj."""
+    return recompute != "full" and not (model.multi_latent_attention and "mla_up_proj" in
+                                        recomputed_modules(model, recompute))
 
 
 def memory_per_rank(workload: Workload, layout: Layout, *, kernels: str = "cuda",
@@ -428,7 +478,10 @@ def memory_per_rank(workload: Workload, layout: Layout, *, kernels: str = "cuda"
             chunk_bytes.append(per_chunk * acts["layer"] + moe_activation_bytes(
                                workload, layout, rank, chunk)
                                + (acts["embedding"] if first else 0)
-                               + (acts["output"] if last else 0))
+                               + (acts["output"] + _mtp_bytes(workload, layout, acts, kernels)
+                                  if last else 0))
+            if last:
+                tables += mtp_rotary_tables(model, acts)
             deferred_bytes.append(per_chunk * acts["weight_grad_layer"])
         if not lora:
             deferred = tuple(deferred_bytes) if layout.zero_bubble else None
@@ -484,6 +537,23 @@ def _lora_chunk_bytes(workload: Workload, layout: Layout, acts: dict[str, int], 
                                                      else rows * model.hidden_size * e)
         chunk_bytes.append(total)
     return chunk_bytes, tables
+
+
+def _mtp_bytes(workload: Workload, layout: Layout, acts: dict[str, int], kernels: str) -> int:
+    """What the MTP modules keep per microbatch on the last stage
+    (ptdp.perf.analytic.mtp; 0 without --mtp-num-layers)."""
+    model = workload.model
+    if not model.mtp_depth:
+        return 0
+    moe = bool(model.moe_layer_pattern[-1]) if model.is_moe else False
+    delta = moe_layer_activation_delta(
+        model, layout.t, layout.b, workload.bytes_per_element,
+        sequence_parallel=layout.splits_sequence, recompute=layout.recompute, ep=layout.ep,
+        etp=layout.etp, c=layout.c) if moe else 0
+    return mtp_activation_bytes(model, acts, t=layout.t, b=layout.b, c=layout.c,
+                                sequence_parallel=layout.splits_sequence,
+                                recompute=layout.recompute, e=workload.bytes_per_element,
+                                cpu=kernels == "cpu", moe_delta=delta)
 
 
 def moe_activation_bytes(workload: Workload, layout: Layout, rank: int, chunk: int) -> int:

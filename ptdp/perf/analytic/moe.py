@@ -117,12 +117,14 @@ def moe_saved_bytes(model: ModelConfig, t: int, b: int, e: int, *, sequence_para
         itself; 16-bit: its fp32 copy, and the input T·h·e as well when a
         shared expert keeps it);
       router: the fp32 logits T·E·4 (the gather of the chosen ones keeps
-        them), the fp32 copy of the router weight E·h·4 (16-bit only), the top-k indices T·k·8 and their softmax
-        T·k·4; balancing: the softmax over all experts T·E·4 and the
-        counts E·4; z-loss: the log-sum-exp T·4 (the logits are kept
-        already); under a capacity below T, the kept mask T·E (the
-        per-expert top-cap's indices are saved by a node that is freed at
-        once, its values unused, so they are not held);
+        them; pre-softmax and sigmoid scores: see the code), the fp32 copy
+        of the router weight E·h·4 (16-bit only), the top-k indices T·k·8
+        and their softmax T·k·4; balancing: the softmax over all experts
+        T·E·4 and the counts E·4 (per sequence, b·E·4, for seq_aux_loss);
+        z-loss: the log-sum-exp T·4 (the logits are kept already); under
+        a capacity below T, the kept mask T·E (the per-expert top-cap's
+        indices are saved by a node that is freed at once, its values
+        unused, so they are not held);
       pairs (P rows on this rank): the expert and token indices P·8 each,
         their probabilities P·4, the permuted tokens P·h·e and the experts'
         outputs P·h·e (the sum onto the tokens keeps them);
@@ -133,26 +135,53 @@ def moe_saved_bytes(model: ModelConfig, t: int, b: int, e: int, *, sequence_para
       shared expert: its first product's output up·S/t and activation
         S/t per token (S split over t); with the gate, the gate's sigmoid
         (one value per token) and the shared output it scales (h per token).
-    Full recomputation keeps none of it; selective keeps all of it."""
+    Full recomputation keeps none of it; selective keeps all of it but what
+    its --recompute-modules recompute: moe keeps the layer's input alone
+    (the second norm's output); moe_act frees the activation and its
+    scaled output (the first product's output stays, the checkpoint's
+    input); shared_experts keeps only the shared expert's input (the
+    tokens, kept anyway); layernorm frees the second norm's output where
+    it is what the router or the checkpoint keeps (not a gathered copy)."""
     if recompute == "full":
         return 0
+    modules = frozenset(model.recompute_modules) if recompute == "selective" else frozenset()
     s = model.seq_length // c
     T = b * s
     h, E, k = model.hidden_size, model.num_experts, model.moe_router_topk
+    # The second norm's output is the layer's input itself (no gather):
+    # freed under --recompute-modules layernorm.
+    freed_input = "layernorm" in modules and not (sequence_parallel and t > 1)
+    if "moe" in modules:   # the checkpoint keeps the layer's input
+        rows = T // t if sequence_parallel and t > 1 else T
+        return 0 if "layernorm" in modules else rows * h * e
     up = 2 if model.gated_linear_unit else 1
     load = expert_load(model, t, T, sequence_parallel, ep, etp)
     shared_width = model.moe_shared_expert_intermediate_size or 0
     # The MLP's input as the router keeps it (fp32: the tokens themselves,
     # gathered under sequence parallelism; 16-bit: an fp32 copy, and the
     # tokens only where the shared expert keeps them).
-    router = T * h * FP32 + (T * h * e if e != FP32 and shared_width else 0)
+    router = (0 if e == FP32 and freed_input else T * h * FP32) + (
+        T * h * e if e != FP32 and shared_width and not freed_input else 0)
     router += T * k * (INT64 + FP32) + T * E * FP32
+    # (measured) --moe-router-pre-softmax keeps the softmax over all E
+    # experts instead of over the k chosen; sigmoid scores (DeepSeek-V3)
+    # keep the sigmoid's output T·E·4 besides, and with k > 1 two fp32
+    # values per token for the renormalisation. Both gather the chosen from
+    # the scores, so the logits stay only where the z-loss keeps them.
+    # Group-limited routing keeps nothing more (its choice carries no gradient).
+    logits_freed = 0 if model.moe_z_loss_coeff else T * E * FP32
+    if model.moe_router_score_function == "sigmoid":
+        router += T * E * FP32 + (2 * T * FP32 if k > 1 else 0) - logits_freed
+    elif model.moe_router_pre_softmax:
+        router += T * E * FP32 - T * k * FP32 - logits_freed
     if e != FP32:
         router += E * h * FP32
     balancing = model.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss",
                                                          "global_aux_loss")
     if balancing and model.moe_aux_loss_coeff > 0:
-        router += T * E * FP32 + E * FP32
+        # (the counts per sequence under seq_aux_loss)
+        router += T * E * FP32 + E * FP32 * (b if model.moe_router_load_balancing_type
+                                             == "seq_aux_loss" else 1)
     if model.moe_z_loss_coeff:
         router += T * FP32
     factor = model.moe_expert_capacity_factor
@@ -162,13 +191,15 @@ def moe_saved_bytes(model: ModelConfig, t: int, b: int, e: int, *, sequence_para
             router += T * E
     P, W = load.pairs, load.width
     pairs = P * (2 * INT64 + FP32) + 2 * P * h * e
-    experts = P * (up + 2) * W * e
+    experts = P * (up + (0 if "moe_act" in modules else 2)) * W * e
     if model.moe_grouped_gemm:
         experts += load.local_experts * ((up + 1) * W * h * e + FP32)
     S = (model.moe_shared_expert_intermediate_size or 0) // t
     shared = T * (up + 1) * S * e if S else 0
     if S and model.moe_shared_expert_gate:
         shared += T * e + T * h * e
+    if "shared_experts" in modules:
+        shared = 0
     return router + pairs + experts + shared
 
 
@@ -182,10 +213,14 @@ def moe_layer_activation_delta(model: ModelConfig, t: int, b: int, e: int, *,
     layer input only)."""
     if recompute == "full":
         return 0
+    modules = frozenset(model.recompute_modules) if recompute == "selective" else frozenset()
     T = b * model.seq_length // c
     rows = T // t if sequence_parallel and t > 1 else T
-    dense = (rows * model.hidden_size * e
-             + (3 if model.gated_linear_unit else 2) * T * model.ffn_size // t * e)
+    # (as the dense figure counts them: the second norm's output unless
+    # --recompute-modules layernorm, the activations unless mlp)
+    dense = ((0 if "layernorm" in modules else rows * model.hidden_size * e)
+             + (0 if "mlp" in modules else
+                (3 if model.gated_linear_unit else 2) * T * model.ffn_size // t * e))
     return moe_saved_bytes(model, t, b, e, sequence_parallel=sequence_parallel,
                            recompute=recompute, ep=ep, etp=etp, c=c) - dense
 

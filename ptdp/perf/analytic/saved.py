@@ -47,3 +47,35 @@ class SavedTensorBytes:
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+class HeldTensorBytes(SavedTensorBytes):
+    """SavedTensorBytes counted when the forward has returned (on leaving
+    the context) instead of when each tensor is saved: the storages still
+    alive then, at their size then — what the backward will find. The
+    output-discarding recomputation (ptdp.model.recompute.recompute_discarding:
+    --recompute-modules layernorm, moe_act, mla_up_proj) frees storages
+    after they were saved, and a node dropped during the forward (a
+    branch whose result no gradient needs) frees what it saved; storages are
+    followed by weak references, so none is kept alive by the counting."""
+
+    def __init__(self, parameters: Iterable[torch.Tensor] = ()):
+        super().__init__(parameters)
+        self._weak: list[int] = []
+        self.held_bytes = 0
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._weak.append(tensor.untyped_storage()._weak_ref())
+        return super()._pack(tensor)
+
+    def __exit__(self, *exc_info) -> None:
+        super().__exit__(*exc_info)
+        at_end: dict[int, int] = {}
+        for ref in self._weak:
+            if not torch.UntypedStorage._expired(ref):
+                storage = torch.UntypedStorage._new_with_weak_ptr(ref)
+                at_end[storage.data_ptr()] = storage.nbytes()
+            torch.UntypedStorage._free_weak_ref(ref)
+        self._weak = []
+        self.held_bytes = sum(nbytes for ptr, nbytes in at_end.items()
+                              if ptr and ptr not in self._excluded)

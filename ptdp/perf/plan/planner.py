@@ -402,6 +402,11 @@ def train_command(model: ModelConfig, layout: Layout, global_batch: int, precisi
         if value == getattr(defaults, name):
             continue
         flag = fields[name].metadata["flag"]
+        if name == "recompute_modules" and layout.recompute != "selective":
+            continue   # (`ptdp train` takes them with selective recomputation only)
+        if isinstance(value, list):
+            flags += [flag, *map(str, value)]
+            continue
         flags += [flag] if isinstance(value, bool) else [flag, f"{value:g}" if isinstance(
             value, float) else str(value)]
     flags += PRECISION_FLAGS[precision] + layout.train_flags(model, global_batch)
@@ -427,10 +432,21 @@ def caveat(profile) -> str | None:
     return None
 
 
-# A mixture of experts' settings that shape its costs (ptdp.config.moe; ptdp train's flags).
+# A mixture of experts' model settings (ptdp.config.moe; ptdp train's flags): those
+# that shape its costs, and the routing ones that change none, so that a
+# run's model flags paste as they are.
 MOE_SETTINGS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk",
                 "moe_shared_expert_intermediate_size", "moe_layer_freq",
-                "moe_expert_capacity_factor", "moe_token_dispatcher_type")
+                "moe_expert_capacity_factor", "moe_token_dispatcher_type",
+                # what the router and the experts keep for backward
+                # (ptdp.perf.analytic.moe.moe_saved_bytes)
+                "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+                "moe_shared_expert_gate", "moe_grouped_gemm",
+                # DeepSeek-V3's routing: the same work whichever experts win
+                "moe_router_score_function", "moe_router_pre_softmax",
+                "moe_router_topk_scaling_factor", "moe_router_num_groups",
+                "moe_router_group_topk", "moe_router_dtype", "moe_router_enable_expert_bias",
+                "moe_router_bias_update_rate")
 
 
 # The ModelConfig settings `plan` takes besides the shape, with `ptdp train`'s
@@ -454,7 +470,14 @@ MODEL_SETTINGS = ("max_position_embeddings", "make_vocab_size_divisible_by", "hi
                   "rotary_base_local", "rotary_percent", "rotary_seq_len_interpolation_factor",
                   "rotary_scaling_factor", "yarn_original_max_position_embeddings",
                   "yarn_beta_fast", "yarn_beta_slow", "mscale", "mscale_all_dim",
-                  "yarn_correction_range_round_to_int") + MOE_SETTINGS
+                  "yarn_correction_range_round_to_int",
+                  # DeepSeek-V3's: multi-latent attention's widths and rotation,
+                  # multi-token prediction's depth and loss weight, and what
+                  # selective recomputation recomputes (with
+                  # --recompute-granularity selective, as `ptdp train` asks)
+                  "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+                  "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "mtp_num_layers",
+                  "mtp_loss_scaling_factor", "recompute_modules") + MOE_SETTINGS
 
 
 def context_without_dropout(workload: Workload, devices: int, profile, fixed: FixedDimensions,

@@ -287,6 +287,10 @@ def moe_layer_costs(ops, dense_forward, dense_backward, dense_weight, recompute:
     if recompute == "full":
         backward.add("recompute", moe.recompute - dense.recompute)
         backward.add(EXPERT_DISPATCH, moe.dispatch_recompute)
+    elif recompute == "selective":
+        backward.add("recompute", _selective_moe_recompute(ops, dense, moe, load))
+        if "moe" in ops.w.model.recompute_modules:
+            backward.add(EXPERT_DISPATCH, moe.dispatch_forward)
     weight = None
     if zero_bubble:
         weight = _copy(dense_weight)
@@ -294,6 +298,30 @@ def moe_layer_costs(ops, dense_forward, dense_backward, dense_weight, recompute:
         if ops.sp:
             weight.comm -= _tensor_gathers(ops, 1)   # the MLP input is kept whole
     return forward, backward, weight
+
+
+def _selective_moe_recompute(ops, dense: "MLPPieces", moe: "MLPPieces", load: ExpertLoad
+                             ) -> float:
+    """What --recompute-modules recomputes of an MoE layer's MLP beyond the
+    dense layer's figure (which counts mlp's dense MLP: not an MoE
+    layer's): moe its whole forward (the dispatch besides), else moe_act
+    the routed experts' activation over their rows and shared_experts the
+    shared expert's two products (its gate's too)."""
+    model = ops.w.model
+    modules = model.recompute_modules
+    seconds = -dense.forward if "mlp" in modules else 0.0
+    if "moe" in modules:
+        return seconds + moe.forward
+    if "moe_act" in modules:
+        act = (swiglu_bytes if model.gated_linear_unit else gelu_bytes)(load.pairs * load.width,
+                                                                        ops.E)
+        seconds += ops.memory(act[0], "gelu", "forward")
+    shared = (model.moe_shared_expert_intermediate_size or 0) // ops.t
+    if "shared_experts" in modules and shared:
+        up = 2 if model.gated_linear_unit else 1
+        tokens = ops.b * ops.s
+        seconds += ops.gemm(tokens, up * shared, ops.h) + ops.gemm(tokens, ops.h, shared)
+    return seconds
 
 
 def _copy(cost):

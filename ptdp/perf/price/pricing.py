@@ -116,7 +116,7 @@ WEIGHT_GRAD_OPS_PER_LAYER = 12
 HEAD_BACKWARD_OPS = 24
 # The GEMMs of a layer with weights (layer_gemms' names); scores and context
 # multiply two activations, so both halves of their backward are input gradients.
-LINEAR_GEMMS = ("qkv", "proj", "mlp_up", "mlp_down")
+LINEAR_GEMMS = ("qkv", "proj", "mlp_up", "mlp_down", "q", "q_down", "q_up", "kv_down")
 ROTARY_FORWARD_OPS = 12           # rotating q and k: chunk, neg, cat, two muls, add, each
 GRAD_BYTES = 4                    # ptdp keeps and reduces gradients in fp32
 
@@ -164,6 +164,13 @@ class OperatorModel:
                                   model.seq_length // layout.c)
         self.f, self.l = model.ffn_size, model.num_layers
         self.g, self.d = model.query_groups, model.head_dim     # key/value heads, head size
+        if model.multi_latent_attention:
+            # MLA's core: scores over d_qk = qk_head_dim + qk_pos_emb_head_dim,
+            # the context over v_head_dim; the attention kernel and the
+            # key/value exchange are priced at their mean width (the same
+            # FLOPs), the products in `layer_gemms` at their own.
+            self.g = self.a
+            self.d = (model.mla_query_head_dim + model.v_head_dim) // 2
         self.V = model.padded_vocab_size(layout.t)
         self.E = workload.bytes_per_element
         self.prec = workload.precision
@@ -222,12 +229,39 @@ class OperatorModel:
         b, s, h, a, t, f, g, d = self.b, self.s, self.h, self.a, self.t, self.f, self.g, self.d
         up = 2 * f if self.w.model.gated_linear_unit else f
         heads, length = self.attention_shape()
+        if self.w.model.multi_latent_attention:
+            return {**self.mla_gemms(), "mlp_up": (b * s, up // t, h, 1),
+                    "mlp_down": (b * s, h, f // t, 1)}
         return {"qkv": (b * s, (a + 2 * g) * d // t, h, 1),
                 "scores": (length, length, d, heads),
                 "context": (length, d, length, heads),
                 "proj": (b * s, h, a * d // t, 1),
                 "mlp_up": (b * s, up // t, h, 1),
                 "mlp_down": (b * s, h, f // t, 1)}
+
+    def mla_gemms(self) -> dict[str, tuple[int, int, int, int]]:
+        """Multi-latent attention's products (ptdp.model.mla): the
+        replicated down projections over the positions a rank holds
+        (b·s/t under sequence parallelism), the query latent's up
+        projection (or the direct query projection) to a/t heads of d_qk,
+        the key/value latent's to a/t heads of d_n + d_v, the scores over
+        d_qk, the context over d_v and the output projection from a/t
+        heads of d_v. "qkv" names the key/value up projection, the one
+        the sequence-parallel gather is paired with."""
+        model = self.w.model
+        b, s, h, a, t = self.b, self.s, self.h, self.a, self.t
+        rows = b * s // t if self.sp else b * s
+        d_qk, d_v, r_kv = model.mla_query_head_dim, model.v_head_dim, model.kv_lora_rank
+        heads, length = self.attention_shape()
+        shapes = {"kv_down": (rows, r_kv + model.qk_pos_emb_head_dim, h, 1),
+                  "qkv": (b * s, a * (model.qk_head_dim + d_v) // t, r_kv, 1)}
+        if model.q_lora_rank is None:
+            shapes["q"] = (b * s, a * d_qk // t, h, 1)
+        else:
+            shapes["q_down"] = (rows, model.q_lora_rank, h, 1)
+            shapes["q_up"] = (b * s, a * d_qk // t, model.q_lora_rank, 1)
+        return {**shapes, "scores": (length, length, d_qk, heads),
+                "context": (length, d_v, length, heads), "proj": (b * s, h, a * d_v // t, 1)}
 
     def attention_shape(self, blocks: float | None = None) -> tuple[int, int]:
         """(sequences, length) the attention of a rank runs over: b·a/t of s
@@ -308,13 +342,27 @@ class OperatorModel:
         n, E, t = self.b * self.s * self.h, self.E, self.t
         tokens, a, g, d = self.b * self.s, self.a, self.g, self.d
         model = self.w.model
-        return layer_memory_ops(n, n // t, self.b * self.s * self.f // t,
+        heads_local = tokens * ((a + 2 * g) * d + a * d) // t
+        rotated = tokens * (a + g) * d // t if model.rope else 0
+        latent_norms = []
+        if model.multi_latent_attention:
+            # q, the key/value up projection's output, the concatenated k
+            # and the output; the rotated part of a/t query heads and the
+            # shared key; with --qk-layernorm the latents' norms
+            heads_local = tokens * a * (2 * model.mla_query_head_dim + model.qk_head_dim
+                                        + 2 * model.v_head_dim) // t
+            rotated = tokens * (a // t + 1) * model.qk_pos_emb_head_dim
+            if model.qk_layernorm:
+                rows = tokens // t if self.sp else tokens
+                latent_norms = [("layer_norm", *layer_norm_bytes(
+                    rows * (model.kv_lora_rank + (model.q_lora_rank or 0)), E))]
+        return latent_norms + layer_memory_ops(n, n // t, self.b * self.s * self.f // t,
                                 self.score_elements(), E,
                                 hidden_dropout=self.hidden_dropout,
                                 attention_dropout=self.attention_dropout,
-                                heads_local=tokens * ((a + 2 * g) * d + a * d) // t,
+                                heads_local=heads_local,
                                 swiglu=model.gated_linear_unit,
-                                rotated=tokens * (a + g) * d // t if model.rope else 0,
+                                rotated=rotated,
                                 fused_rope=self.prof.fused_rope,
                                 outside=self.outside(), sandwich=model.sandwich_norm,
                                 sinks=tokens * a * d // t if model.has_sinks else 0)
@@ -477,15 +525,22 @@ class OperatorModel:
     def layer_recompute(self, kind: str | None) -> Cost:
         if kind is None:
             return Cost()
-        if kind == "selective":
+        if kind == "selective":   # --recompute-modules (price/recompute_modules.py)
+            from ptdp.perf.price.recompute_modules import selective_recompute_seconds
+
+            others = Cost().add("recompute", selective_recompute_seconds(self))
+            if "core_attn" not in self.w.model.recompute_modules:
+                return others
             if self.prof.fused_attention:     # the fused kernel's forward again
-                return self._with_context_exchange(Cost().add(
+                others += self._with_context_exchange(Cost().add(
                     "recompute", self.fused_attention_seconds()[0] + self.launches(8)), False)
+                return others
             shapes = self.layer_gemms()
             seconds = (self.gemm(*shapes["scores"][:3], shapes["scores"][3])
                        + self.gemm(*shapes["context"][:3], shapes["context"][3])
                        + self.memory_ops_seconds(self.attention_core_ops(), False) + self.launches(8))
-            return self._with_context_exchange(Cost().add("recompute", seconds), False)
+            others += self._with_context_exchange(Cost().add("recompute", seconds), False)
+            return others
         if kind == "full":
             forward = self.layer_forward("recompute")
             if self.recomputes_whole_layer:

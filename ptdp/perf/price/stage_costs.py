@@ -106,10 +106,45 @@ def stage_costs(ops: OperatorModel, recompute: str | None, zero_bubble: bool, fi
     if last:
         forward += ops.head_forward()
         backward += ops.head_backward()  # also under zero-bubble: see the module docstring
+        if ops.w.model.mtp_depth:
+            mtp = _mtp_costs(ops, layer, recompute, experts)
+            forward, backward = _plus(forward, mtp.forward), _plus(backward, mtp.backward)
+            if zero_bubble:
+                weight = _plus(weight, mtp.weight)
     if first:
         backward += ops.embedding_backward()
     costs = ops.memo[key] = ChunkCosts(forward, backward, 0, weight)
     return costs
+
+
+def _mtp_costs(ops: OperatorModel, layer: ChunkCosts, recompute: str | None,
+               experts: tuple[int, int | None]) -> ChunkCosts:
+    """What the D MTP modules (--mtp-num-layers) add to the last stage, per
+    microbatch: each module's embedding lookup of the tokens ahead, its
+    2h -> h projection (column-parallel: [b·s, 2h]×[2h, h/t]; the model
+    FLOPs' term), a transformer layer of the last layer's kind (dense or
+    MoE, priced as the model's; recomputed as they are, and under full
+    recomputation the projection too) and the output layer with its loss
+    again (its logits over the vocabulary). The norms are the layer's
+    norms' price (three more per module, priced as one layer's two)."""
+    model = ops.w.model
+    module = layer
+    if model.is_moe and model.moe_layer_pattern[-1]:
+        forward, backward, weight = moe_layer_costs(ops, layer.forward, layer.backward,
+                                                    layer.weight, recompute, *experts)
+        module = ChunkCosts(forward, backward, 0, weight)
+    m, n, k = ops.b * ops.s, ops.h // ops.t, 2 * ops.h
+    projection = ops.gemm(m, n, k)
+    forward = _plus(_plus(module.forward, ops.head_forward()), ops.embedding_forward())
+    forward.add("forward compute", projection)
+    backward = _plus(_plus(module.backward, ops.head_backward()), ops.embedding_backward())
+    backward.add("backward compute", ops.gemm_backward(m, n, k))
+    if recompute == "full":
+        backward.add("recompute", projection)
+    weight = module.weight
+    depth = model.mtp_depth
+    return ChunkCosts(forward.scaled(depth), backward.scaled(depth), 0,
+                      None if weight is None else weight.scaled(depth))
 
 
 def _plus(a: Cost, b: Cost) -> Cost:
