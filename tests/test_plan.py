@@ -310,9 +310,9 @@ def test_attention_dropout_that_keeps_context_parallelism_out_is_said(capsys):
 
 # Megatron-LM's examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh: its model
 # flags as the script gives them (MLA, MoE routing, MTP, the recomputed
-# modules, the precision), less three of ptdp train's that describe kernels
-# or a benchmark rather than the model (--moe-flex-dispatcher-backend,
-# --moe-permute-fusion, --moe-router-force-load-balancing).
+# modules, the benchmark's forced balancing, the precision), less two of
+# ptdp train's that describe kernels rather than the model
+# (--moe-flex-dispatcher-backend, --moe-permute-fusion).
 DEEPSEEK_V3 = (
     "--recompute-granularity selective --recompute-modules mlp moe mla_up_proj layernorm "
     "--seq-length 4096 --num-layers 61 --hidden-size 7168 --ffn-hidden-size 18432 "
@@ -326,7 +326,8 @@ DEEPSEEK_V3 = (
     "--moe-grouped-gemm --moe-aux-loss-coeff 1e-4 --moe-router-group-topk 4 "
     "--moe-router-num-groups 8 --moe-router-topk-scaling-factor 2.5 "
     "--moe-router-score-function sigmoid --moe-router-enable-expert-bias "
-    "--moe-router-bias-update-rate 1e-3 --moe-router-dtype fp32 --q-lora-rank 1536 "
+    "--moe-router-bias-update-rate 1e-3 --moe-router-dtype fp32 "
+    "--moe-router-force-load-balancing --q-lora-rank 1536 "
     "--kv-lora-rank 512 --qk-head-dim 128 --qk-pos-emb-head-dim 64 --v-head-dim 128 "
     "--rotary-scaling-factor 40 --mscale 1.0 --mscale-all-dim 1.0 --mtp-num-layers 1 "
     "--mtp-loss-scaling-factor 0.1 --init-method-std 0.02 --disable-bias-linear --bf16").split()

@@ -446,7 +446,7 @@ MOE_SETTINGS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk",
                 "moe_router_score_function", "moe_router_pre_softmax",
                 "moe_router_topk_scaling_factor", "moe_router_num_groups",
                 "moe_router_group_topk", "moe_router_dtype", "moe_router_enable_expert_bias",
-                "moe_router_bias_update_rate")
+                "moe_router_bias_update_rate", "moe_router_force_load_balancing")
 
 
 # The ModelConfig settings `plan` takes besides the shape, with `ptdp train`'s
