@@ -5,7 +5,8 @@ Each module, and all of them together, gives BITWISE the same losses,
 gradients, random streams and MoE statistics (tokens per expert, balancing
 losses: counted once, not again by the recomputation) as no recomputation,
 over two steps with dropout on, on one process, for a dense GPT, an MoE GPT
-(shared experts, aux and z losses, expert biases) and an MoE GPT with MLA;
+(shared experts, aux and z losses, expert biases) and an MoE GPT with MLA
+(with a query latent and without);
 and holds fewer activation bytes after the forward. One pooled layout
 (t = 2 with sequence parallelism, EP = 2, MLA, every module) trains like one
 process. Bad values are refused, each in one paragraph.
@@ -49,6 +50,10 @@ CASES = {  # model, the module lists tried
     "dense": (DENSE, [["core_attn"], ["layernorm"], ["mlp"], ["core_attn", "layernorm", "mlp"]]),
     "moe": (MOE, [["moe"], ["moe_act"], ["shared_experts"], ["layernorm", "moe"], ALL]),
     "mla": (MLA, [["mla_up_proj"], ["mla_up_proj", "layernorm", "moe"], ALL + ["mla_up_proj"]]),
+    # No query latent: the queries' up projection reads the discarded norm
+    # output itself, refilled first (the nested discards' order).
+    "mla-direct-query": (dataclasses.replace(MLA, q_lora_rank=None),
+                         [["layernorm", "mla_up_proj"]]),
 }
 
 

@@ -125,7 +125,19 @@ def recompute_discarding(function: Callable[..., Any], rng: RNGStreams,
 
     for _, storage, _ in storages.values():
         storage.resize_(0)
-    hook_on.register_hook(refill)
+    # Nested discards may hang on one tensor (--recompute-modules layernorm
+    # around mla_up_proj, whose input is the discarded norm output): the
+    # outer one, registered last, must refill first, so one hook runs the
+    # refills newest first.
+    refills = getattr(hook_on, "_ptdp_refills", None)
+    if refills is None:
+        refills = hook_on._ptdp_refills = []
+
+        def refill_all(grad: torch.Tensor) -> None:
+            for each in refills:
+                each(grad)
+        hook_on.register_hook(refill_all)
+    refills.insert(0, refill)
     return result
 
 
