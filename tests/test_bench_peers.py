@@ -23,14 +23,29 @@ from ptdp.perf.price.profiles import HardwareProfile  # noqa: E402
 # The 3-D row (pipelining + DTensor + FSDP2, 8 processes a side) is left to
 # the benchmark itself, which checks every row's losses before it times it:
 # here it would cost half a minute of the suite.
-@pytest.mark.parametrize("row", [
+ROWS = [
     peers.Row("pipeline", p=2, v=2),                      # ScheduleInterleaved1F1B
     peers.Row("pipeline", p=2, schedule="gpipe"),          # ScheduleGPipe
     peers.Row("tensor", t=2),                              # DTensor + loss_parallel
     peers.Row("pipeline", p=2, split=LayerSplit(first=3)),  # Schedule1F1B, stages of 3 and 5 layers
-], ids=lambda row: row.describe().replace(" ", "-"))
-def test_both_sides_compute_the_same_losses(row):
-    result = peers.run_row(row, peers.TINY_MODEL, iters=2, warmup=1)
+]
+# The benchmark's own launch (run_row: fresh processes a row) for one row;
+# the others on the test pool's ranks (the same run_sides, without the
+# processes' start-up).
+LAUNCHED = ROWS[1]
+
+
+def _row_on_the_pool(rank, row):
+    return peers.run_sides(row, peers.TINY_MODEL, iters=2, warmup=1)
+
+
+@pytest.mark.parametrize("row", ROWS, ids=lambda row: row.describe().replace(" ", "-"))
+def test_both_sides_compute_the_same_losses(pools, row):
+    if row is LAUNCHED:
+        result = peers.run_row(row, peers.TINY_MODEL, iters=2, warmup=1)
+    else:
+        ranks = pools(row.world).run(_row_on_the_pool, row)[0]
+        result = peers.summarise(row, peers.TINY_MODEL, ranks, load=((0.0,) * 3,) * 2)
     ours, theirs = result["ours_losses"], result["theirs_losses"]
     assert len(ours) == len(theirs) == 3
     assert result["same_loss"], (ours, theirs)

@@ -261,7 +261,7 @@ LAYOUTS = [
     Layout(c=4, comm="all_gather", model="learned"),
     Layout(c=4, comm="a2a", model="learned"),
     Layout(c=2, d=2, comm="a2a", per_token_loss=True),
-    Layout(c=2, d=2, distributed=True, steps=5),
+    Layout(c=2, d=2, distributed=True),
     Layout(c=2, t=2, sequence_parallel=True, recompute="selective"),
     Layout(c=2, t=2, sequence_parallel=True, comm="a2a", model="learned", masked=False),
     Layout(c=2, p=2),

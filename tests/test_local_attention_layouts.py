@@ -17,19 +17,20 @@ launch, one paragraph each."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
 from torch.testing import assert_close
 
 from ptdp.config import ConfigError, validate
-from ptdp.parallel.topology import ParallelContext, RankGrid
+from ptdp.parallel.topology import ParallelContext
 from ptdp.train.loop import Trainer
+from tests import layouts_runner as runner
 from tests import test_moe_parallel as moe
 from tests import test_ptdp_step as step
 
 CPU = torch.device("cpu")
-STEPS = 3
 # s = 16; layers 1, 2 and 4 see the 3 keys before each query, layer 3 all of them.
 MODEL = dataclasses.replace(step.MODEL, window_size="3,0", window_attn_skip_freq=3,
                             softmax_type="learnable")
@@ -46,66 +47,8 @@ MOE = dataclasses.replace(moe.MOE, moe_aux_loss_coeff=0.0, moe_z_loss_coeff=0.0,
 MODELS = {"learnable": MODEL, "off-by-one": OFF_BY_ONE, "moe": MOE}
 
 
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    t: int = 1
-    p: int = 1
-    d: int = 1
-    k: int | None = None
-    sequence_parallel: bool = False
-    recompute: str | None = None
-    distributed: bool = False
-    ep: int = 1
-    model: str = "learnable"
-    schedule: str = "1f1b"
-
-    @property
-    def name(self) -> str:
-        return (f"t{self.t}p{self.p}d{self.d}{'k' + str(self.k) if self.k else ''}"
-                f"{'-sp' if self.sequence_parallel else ''}{'-' + self.recompute if self.recompute else ''}"
-                f"{'-distopt' if self.distributed else ''}-ep{self.ep}-{self.model}-{self.schedule}")
-
-
-def _config(layout: Layout):
-    model = dataclasses.replace(MODELS[layout.model], recompute_granularity=layout.recompute)
-    config = step._config(layout.t, layout.p, layout.d, layout.k, model, layout.sequence_parallel,
-                          use_distributed_optimizer=layout.distributed, train_iters=STEPS,
-                          global_batch_size=4)
-    config.parallel = dataclasses.replace(config.parallel, expert_model_parallel_size=layout.ep,
-                                          pipeline_schedule=layout.schedule)
-    return config
-
-
-_serial: dict[str, tuple] = {}
-
-
-def _one_process(model: str):
-    if model not in _serial:
-        trainer = Trainer(_config(Layout(model=model)), ParallelContext.single(), CPU)
-        records = [trainer.step(i)[0] for i in range(STEPS)]
-        _serial[model] = records, step._logical_weights(trainer, ParallelContext.single())
-    return _serial[model]
-
-
-def _layouts_vs_one_process(rank: int, layouts: list[Layout], references: dict) -> list:
-    results = []
-    for layout in layouts:
-        records, weights = references[layout.model]
-        ctx = ParallelContext.build(RankGrid(tp=layout.t, dp=layout.d, pp=layout.p, ep=layout.ep))
-        trainer = Trainer(_config(layout), ctx, CPU)
-        for i, want in enumerate(records):
-            got = trainer.step(i)[0]
-            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), layout.name
-            if trainer.holds_loss:
-                assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), layout.name
-        logical = step._logical_weights(trainer, ctx)
-        for name, weight in logical.items():
-            assert_close(weight, weights[name], **step.WEIGHT_TOL,
-                         msg=lambda m, n=name: f"{layout.name}: {n}: {m}")
-        results.append((layout.name, set(logical)))
-        ctx.destroy()
-    return results
-
+# The settings of each layout: tests.layouts_runner.Layout, this file's model by default.
+Layout = functools.partial(runner.Layout, model="learnable")
 
 LAYOUTS = [
     Layout(t=2, d=2, sequence_parallel=True),
@@ -117,14 +60,11 @@ LAYOUTS = [
 
 
 def test_windows_and_sinks_train_like_one_process_under_every_layout(pools):
-    references = {layout.model: _one_process(layout.model) for layout in LAYOUTS}
-    sinks = {name for name in references["learnable"][1] if name.endswith("attention.sinks")}
+    references = runner.one_process_runs(MODELS, LAYOUTS)
+    sinks = {name for name in references["learnable", False][1] if name.endswith("attention.sinks")}
     assert len(sinks) == MODEL.num_layers  # a trained logit per head in every layer
-    assert not any(name.endswith("sinks") for name in references["off-by-one"][1])
-    per_rank = pools(4).run(_layouts_vs_one_process, LAYOUTS, references)
-    for i, layout in enumerate(LAYOUTS):
-        names = set().union(*(results[i][1] for results in per_rank))
-        assert names == set(references[layout.model][1]), layout.name
+    assert not any(name.endswith("sinks") for name in references["off-by-one", False][1])
+    runner.train_under_layouts(pools, MODELS, LAYOUTS, references)
 
 
 def _logits(model, tokens: torch.Tensor) -> torch.Tensor:
@@ -237,11 +177,12 @@ def test_a_checkpoint_keeps_the_sinks_and_the_window(tmp_path):
     with the same sinks; the checkpoint records the window settings."""
     from ptdp.checkpoint.store import read_metadata, resolve
 
-    config = _config(Layout())
+    config = runner.layout_config(MODELS, Layout())
     trainer = Trainer(config, ParallelContext.single(), CPU)
     trainer.step(0)
     trainer.save(str(tmp_path), 1)
-    resumed = Trainer(_config(Layout()), ParallelContext.single(), CPU, start=(1, 4))
+    resumed = Trainer(runner.layout_config(MODELS, Layout()), ParallelContext.single(), CPU,
+                      start=(1, 4))
     resumed.load(str(tmp_path))
     for before, after in zip(trainer.model.modules(), resumed.model.modules()):
         if hasattr(before, "sinks"):

@@ -10,9 +10,12 @@
   ranks: t = 2 with sequence parallelism and p = 2 under ZB-V (deferred
   weight gradients) with selective recomputation; p = 2 interleaved with
   full recomputation and d = 2 with the distributed optimizer; c = 2 under
-  a2a (with t = 2), all_gather and p2p (with packed documents). Losses and
-  gradient norms over three AdamW steps agree to rel 1e-5, final weights to
-  1e-5.
+  a2a (with t = 2), all_gather and p2p (with packed documents); with MTP
+  (D = 2) under t = 2 with sequence parallelism and p = 2; DeepSeek-V3's
+  MoE layers (sigmoid group-limited routing with expert biases, a shared
+  expert) and one MTP depth at EP = 2 with t = 2 and d = 2. Losses (main
+  and MTP) and gradient norms over three AdamW steps agree to rel 1e-5,
+  final weights and expert biases to 1e-5 (tests.layouts_runner).
 - The checkpoint saved under the first layout loads into one process with
   the same logical weights; the parameter counts match built models; the
   settings' bad values are refused before launch, one paragraph each.
@@ -21,13 +24,14 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import pytest
 import torch
 from torch.testing import assert_close
 
-from ptdp.config import ConfigError, DataConfig, ModelConfig, validate
+from ptdp.config import ConfigError, ModelConfig, validate
 from ptdp.model.gpt import GPT, TransformerLayer
 from ptdp.model.mla import MultiLatentAttention
 from ptdp.parallel.sharding import PARTIAL_GRAD_ATTR
@@ -36,7 +40,7 @@ from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.perf.analytic import counts as analytic
 from ptdp.perf.layout import Layout as PerfLayout
 from ptdp.train.banner import count_parameters
-from ptdp.train.loop import Trainer
+from tests import layouts_runner as runner
 from tests import test_ptdp_step as step
 
 hf = pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
@@ -141,8 +145,6 @@ def test_the_module_computes_what_transformers_deepseek_v3_attention_does(case):
 # ------------------------------------------------------------------ layouts
 
 
-STEPS = 3
-EOD = 79  # the mock data's commonest token in these steps: the packed documents' boundary
 MODELS = {
     # DeepSeek-V3's kind: a query latent, the latents normed, plain rope
     "latent": MLA,
@@ -152,94 +154,25 @@ MODELS = {
                                   position_embedding_type="yarn", rotary_scaling_factor=4.0,
                                   yarn_original_max_position_embeddings=8, mscale=0.9,
                                   mscale_all_dim=0.7),
+    # DeepSeek-V3's multi-token prediction: two depths, each module's layer
+    # an MLA layer
+    "latent-mtp": dataclasses.replace(MLA, mtp_num_layers=2, mtp_loss_scaling_factor=0.3),
+    # DeepSeek-V3's MoE layers after a dense first one: E = 8 routed SwiGLU
+    # experts, each token's top 2 from its best 2 of 4 groups by sigmoid
+    # scores plus expert biases (moved 1e-2 a step, so that they count within
+    # the steps), their weights scaled by 2.5; an ungated shared expert; and
+    # one MTP depth, as DeepSeek-V3 has
+    "deepseek-moe": dataclasses.replace(
+        MLA, swiglu=True, ffn_hidden_size=64, disable_bias_linear=True, num_experts=8,
+        moe_ffn_hidden_size=32, moe_router_topk=2, moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1e-2,
+        moe_router_topk_scaling_factor=2.5, moe_router_num_groups=4, moe_router_group_topk=2,
+        moe_shared_expert_intermediate_size=32, moe_layer_freq="([0]+[1]*3)", mtp_num_layers=1),
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    t: int = 1
-    p: int = 1
-    d: int = 1
-    c: int = 1
-    k: int | None = None
-    comm: str = "p2p"
-    sequence_parallel: bool = False
-    recompute: str | None = None
-    distributed: bool = False
-    documents: bool = False  # --reset-position-ids --reset-attention-mask
-    model: str = "latent"
-    schedule: str = "1f1b"
-
-    @property
-    def name(self) -> str:
-        return (f"t{self.t}p{self.p}d{self.d}c{self.c}-{self.comm}{'-sp' * self.sequence_parallel}"
-                f"-{self.recompute}{'-distopt' * self.distributed}"
-                f"{'-documents' * self.documents}-{self.model}-{self.schedule}")
-
-    @property
-    def reference(self) -> tuple[str, bool]:
-        return self.model, self.documents
-
-
-def _config(layout: Layout):
-    model = dataclasses.replace(MODELS[layout.model], recompute_granularity=layout.recompute)
-    config = step._config(layout.t, layout.p, layout.d, layout.k, model, layout.sequence_parallel,
-                          use_distributed_optimizer=layout.distributed, train_iters=STEPS,
-                          global_batch_size=4)
-    config.parallel = dataclasses.replace(config.parallel, context_parallel_size=layout.c,
-                                          cp_comm_type=layout.comm,
-                                          pipeline_schedule=layout.schedule)
-    config.data = DataConfig(mock_data=True, reset_position_ids=layout.documents,
-                             reset_attention_mask=layout.documents)
-    validate(config, world_size=layout.t * layout.p * layout.d * layout.c)
-    return config
-
-
-def _trainer(layout: Layout, ctx: ParallelContext) -> Trainer:
-    trainer = Trainer(_config(layout), ctx, CPU)
-    trainer.data.eod = EOD
-    return trainer
-
-
-_serial: dict[tuple, tuple] = {}
-
-
-def _one_process(layout: Layout):
-    if layout.reference not in _serial:
-        trainer = _trainer(Layout(model=layout.model, documents=layout.documents),
-                           ParallelContext.single())
-        records = [trainer.step(i)[0] for i in range(STEPS)]
-        _serial[layout.reference] = records, step._logical_weights(trainer,
-                                                                   ParallelContext.single())
-    return _serial[layout.reference]
-
-
-def _layouts_vs_one_process(rank: int, layouts: list[Layout], references: dict,
-                            checkpoint: str) -> list:
-    """Each layout against the one-process run: (name, the parameter names
-    this rank compared, its logical weights); the first layout saves its
-    trained state into `checkpoint`."""
-    results = []
-    for layout in layouts:
-        records, weights = references[layout.reference]
-        ctx = ParallelContext.build(RankGrid(tp=layout.t, dp=layout.d, pp=layout.p, cp=layout.c))
-        trainer = _trainer(layout, ctx)
-        for i, want in enumerate(records):
-            got = trainer.step(i)[0]
-            assert not got["skipped"], layout.name
-            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), layout.name
-            if trainer.holds_loss:
-                assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), layout.name
-        logical = step._logical_weights(trainer, ctx)
-        for name, weight in logical.items():
-            assert_close(weight, weights[name], **step.WEIGHT_TOL,
-                         msg=lambda m, n=name: f"{layout.name}: {n}: {m}")
-        if layout is layouts[0]:
-            trainer.save(checkpoint, STEPS)
-        results.append((layout.name, set(logical), logical))
-        ctx.destroy()
-    return results
-
+# The settings of each layout: tests.layouts_runner.Layout, this file's model by default.
+Layout = functools.partial(runner.Layout, model="latent")
 
 LAYOUTS = [
     Layout(t=2, p=2, sequence_parallel=True, recompute="selective", schedule="zbv"),
@@ -247,6 +180,8 @@ LAYOUTS = [
     Layout(t=2, c=2, comm="a2a"),
     Layout(c=2, d=2, comm="all_gather"),
     Layout(c=2, d=2, documents=True, model="direct"),  # p2p
+    Layout(t=2, p=2, sequence_parallel=True, model="latent-mtp"),  # MTP on the last stage
+    Layout(t=2, d=2, ep=2, sequence_parallel=True, model="deepseek-moe"),  # ETP = t = 2
 ]
 
 
@@ -254,17 +189,18 @@ def test_an_mla_gpt_trains_like_one_process_under_every_layout_and_reshards(pool
     """The layouts, then the checkpoint the first (t = 2 with sequence
     parallelism, p = 2 under ZB-V) saved, loaded by one process: the same logical
     weights, bit for bit."""
-    references = {layout.reference: _one_process(layout) for layout in LAYOUTS}
+    references = runner.one_process_runs(MODELS, LAYOUTS)
     assert len({records[-1]["loss"] for records, _ in references.values()}) == len(references)
-    per_rank = pools(4).run(_layouts_vs_one_process, LAYOUTS, references, str(tmp_path))
-    for i, layout in enumerate(LAYOUTS):
-        names = set().union(*(results[i][1] for results in per_rank))
-        assert names == set(references[layout.reference][1]), layout.name
+    assert all("mtp_2 loss" in record for record in references["latent-mtp", False][0])
+    biases = [bias for name, bias in references["deepseek-moe", False][1].items()
+              if name.endswith("expert_bias")]
+    assert len(biases) == 4 and all(bias.abs().max() > 0 for bias in biases)  # 3 layers, MTP's: moved
+    per_rank = runner.train_under_layouts(pools, MODELS, LAYOUTS, references, str(tmp_path))
 
-    resumed = _trainer(Layout(model=LAYOUTS[0].model), ParallelContext.single())
+    resumed = runner.trainer(MODELS, Layout(model=LAYOUTS[0].model), ParallelContext.single())
     resumed.load(str(tmp_path))
-    saved = {name: weight for results in per_rank for name, weight in results[0][2].items()}
-    loaded = step._logical_weights(resumed, ParallelContext.single())
+    saved = {name: weight for results in per_rank for name, weight in results[0].saved.items()}
+    loaded = runner.logical_state(resumed, ParallelContext.single())
     assert set(loaded) == set(saved)
     for name, weight in loaded.items():
         assert torch.equal(weight, saved[name]), name

@@ -34,6 +34,9 @@ from tests import test_ptdp_step as step
 
 CPU = torch.device("cpu")
 STEPS = 3
+# Microbatches of 1: at d = 2 two per replica (accumulated), at d = 4 one;
+# at p = 2 enough for every schedule.
+GLOBAL_BATCH = 4
 # With eight experts some attention weights get gradients that cancel to
 # about 1e-8, where Adam's default eps (1e-8) turns the layouts' rounding
 # differences into 1e-5 of motion (observed 2e-5 to 8e-5 for layouts with and
@@ -50,10 +53,12 @@ MOE = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_lengt
                   moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01,
                   moe_layer_freq="([0]+[1]*3)")
 # Aux-loss-free balancing: sigmoid scores, expert biases moved 1e-2 a step
-# (large, so that they change which experts are picked within 5 steps).
+# (large, so that they change which experts are picked within the STEPS
+# steps: the test holds it against biases that barely move, BIASED_STILL).
 BIASED = dataclasses.replace(MOE, moe_router_score_function="sigmoid",
                              moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1e-2,
                              moe_aux_loss_coeff=0.0)
+BIASED_STILL = dataclasses.replace(BIASED, moe_router_bias_update_rate=1e-9)
 # A capacity factor: every layout routes each microbatch as one process does
 # (ptdp.model.moe), so the same assignments are dropped.
 CAPACITY = dataclasses.replace(MOE, moe_expert_capacity_factor=1.0)
@@ -65,8 +70,8 @@ GLOBAL = dataclasses.replace(MOE, moe_router_load_balancing_type="global_aux_los
 # The balancing loss per sequence: under context parallelism each sequence's
 # counts come from every context rank.
 SEQUENCE = dataclasses.replace(MOE, moe_router_load_balancing_type="seq_aux_loss")
-MODELS = {"moe": MOE, "biased": BIASED, "capacity": CAPACITY, "global": GLOBAL,
-          "sequence": SEQUENCE}
+MODELS = {"moe": MOE, "biased": BIASED, "biased-still": BIASED_STILL, "capacity": CAPACITY,
+          "global": GLOBAL, "sequence": SEQUENCE}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +93,7 @@ class Layout:
     model: str = "moe"                   # a key of MODELS
     steps: int = STEPS
     strategy: str | None = None          # --use-megatron-fsdp's sharding strategy
+    global_batch: int = GLOBAL_BATCH
 
     @property
     def name(self) -> str:
@@ -98,6 +104,7 @@ class Layout:
         parts += ["distopt"] * self.distributed + [self.dispatcher]
         parts += ["grouped"] * self.grouped_gemm + ["per-token"] * self.per_token_loss
         parts += [self.model] * (self.model != "moe") + [self.strategy] * bool(self.strategy)
+        parts += [f"gb{self.global_batch}"] * (self.global_batch != GLOBAL_BATCH)
         return "-".join(parts)
 
 
@@ -110,7 +117,8 @@ def _config(layout: Layout | None = None) -> Config:
                                 moe_grouped_gemm=layout.grouped_gemm)
     config = step._config(layout.t, layout.p, layout.d, layout.k, model, layout.sequence_parallel,
                           use_distributed_optimizer=layout.distributed, adam_eps=ADAM_EPS,
-                          calculate_per_token_loss=layout.per_token_loss)
+                          calculate_per_token_loss=layout.per_token_loss,
+                          global_batch_size=layout.global_batch)
     config.parallel = dataclasses.replace(
         config.parallel, pipeline_schedule="1f1b" if layout.schedule == "interleaved" else layout.schedule,
         expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp,
@@ -123,7 +131,7 @@ def _config(layout: Layout | None = None) -> Config:
     return config
 
 
-def _most_frequent_token(model: ModelConfig = MOE, samples: int = 24) -> int:
+def _most_frequent_token(model: ModelConfig = MOE, samples: int = 2 * GLOBAL_BATCH) -> int:
     data = MockGPTDataset(model.vocab_size, model.seq_length, step.TRAIN.seed)
     tokens = torch.cat([data[i][:-1] for i in range(samples)])
     return int(torch.bincount(tokens).argmax())
@@ -155,15 +163,17 @@ def _expert_biases(trainer: Trainer) -> dict[str, torch.Tensor]:
             for name, buffer in chunk.named_buffers() if name.endswith("expert_bias")}
 
 
-_serial: dict[tuple[str, int, bool], tuple] = {}
+_serial: dict[tuple[str, int, bool, int], tuple] = {}
 
 
-def _one_process(model: str = "moe", steps: int = STEPS, per_token_loss: bool = False):
+def _one_process(model: str = "moe", steps: int = STEPS, per_token_loss: bool = False,
+                 global_batch: int = GLOBAL_BATCH):
     """The reference run, once per process and settings: the records of
     `steps` + 1 iterations, and the weights and expert biases after `steps`."""
-    key = model, steps, per_token_loss
+    key = model, steps, per_token_loss, global_batch
     if key not in _serial:
-        trainer = _trainer(_config(Layout(model=model, per_token_loss=per_token_loss)),
+        trainer = _trainer(_config(Layout(model=model, per_token_loss=per_token_loss,
+                                          global_batch=global_batch)),
                            ParallelContext.single())
         first, stats = trainer.step(0)
         masked = sum(stats.loss_tokens).item()
@@ -188,7 +198,7 @@ def _layouts_vs_one_process(rank: int, layouts: list[Layout], models: dict | Non
     _serial.update(references or {})
     results = []
     for layout in layouts:
-        key = layout.model, layout.steps, layout.per_token_loss
+        key = layout.model, layout.steps, layout.per_token_loss, layout.global_batch
         if key not in _serial:  # not given: rank 0 computes it for all (alike on every rank)
             _serial[key] = step.computed_once(lambda: _one_process(*key))
         expected, serial_weights, serial_biases, validation = _serial[key]
@@ -250,18 +260,17 @@ LAYOUTS = [
     Layout(p=2, d=2, ep=2, per_token_loss=True),
     Layout(p=2, d=2, ep=2, schedule="interleaved", k=1, dispatcher="alltoall"),
     Layout(p=2, d=2, ep=2, schedule="zbv", distributed=True, dispatcher="alltoall",
-           grouped_gemm=True),
-    # the expert biases after 5 steps (EP within the tensor group, ETP 1)
-    Layout(t=2, d=2, ep=2, etp=1, sequence_parallel=True, model="biased", steps=5,
-           recompute="full"),
+           grouped_gemm=True, global_batch=8),                  # zbv: 2p microbatches
+    # the expert biases after the steps (EP within the tensor group, ETP 1)
+    Layout(t=2, d=2, ep=2, etp=1, sequence_parallel=True, model="biased", recompute="full"),
     Layout(p=2, d=2, ep=2, schedule="zb-h1", recompute="selective", grouped_gemm=True,
-           model="biased", steps=5),
+           model="biased"),
     Layout(t=2, p=2, ep=2, etp=1, sequence_parallel=True, model="global", recompute="full",
            dispatcher="alltoall"),
     # Context parallelism: experts folded over the context ranks
     Layout(c=2, d=2, ep=2, dispatcher="alltoall", distributed=True),
     Layout(c=2, d=2, ep=4, model="sequence", per_token_loss=True),
-    Layout(t=2, c=2, ep=2, etp=1, sequence_parallel=True, model="biased", steps=5,
+    Layout(t=2, c=2, ep=2, etp=1, sequence_parallel=True, model="biased",
            dispatcher="alltoall", recompute="selective"),
     Layout(c=2, p=2, ep=2, model="global", schedule="zb-h1", grouped_gemm=True),
 ]
@@ -269,7 +278,11 @@ LAYOUTS = [
 
 def test_expert_parallel_layouts_train_like_one_process(pools):
     for layout in LAYOUTS:  # the references once, here, rather than on each of the four ranks
-        _one_process(layout.model, layout.steps, layout.per_token_loss)
+        _one_process(layout.model, layout.steps, layout.per_token_loss, layout.global_batch)
+    # The biases move far enough within the steps to change which experts are picked.
+    moving, still = ([r["moe_busiest_expert_share"] for r in _one_process(model)[0][:STEPS]]
+                     for model in ("biased", "biased-still"))
+    assert moving != still, (moving, still)
     per_rank = pools(4).run(_layouts_vs_one_process, LAYOUTS, None, dict(_serial))
     for i, layout in enumerate(LAYOUTS):
         every_name = set(logical_shapes(MODELS[layout.model]))
@@ -286,7 +299,7 @@ def _resume_under_other_expert_layouts(rank: int, directory: str) -> list[float]
     with t = 2 and sequence parallelism, then (rank 0) at one process: each
     resumed run's iterations 3 and 4 against the uninterrupted one-process
     run's. Returns the differences of the losses."""
-    key = "moe", STEPS, False
+    key = "moe", STEPS, False, GLOBAL_BATCH
     if key not in _serial:
         _serial[key] = step.computed_once(lambda: _one_process(*key))
     expected = _serial[key][0]

@@ -24,8 +24,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -34,15 +34,15 @@ from torch.testing import assert_close
 
 from ptdp.config import ConfigError, ModelConfig, validate
 from ptdp.parallel.document_attention import Documents
-from ptdp.parallel.topology import ParallelContext, RankGrid
+from ptdp.parallel.topology import ParallelContext
 from ptdp.train.loop import Trainer
 from ptdp.train.report import format_log_line
+from tests import layouts_runner as runner
 from tests import test_moe_parallel as moe
 from tests import test_ptdp_step as step
 from tests.test_gpt import _build
 
 CPU = torch.device("cpu")
-STEPS = 3
 ROPE = dataclasses.replace(step.MODEL, position_embedding_type="rope", mtp_num_layers=2,
                            mtp_loss_scaling_factor=0.3)
 LLAMA = dataclasses.replace(ROPE, normalization="RMSNorm", swiglu=True, ffn_hidden_size=48,
@@ -125,77 +125,8 @@ def test_zero_mtp_layers_is_the_model_without_mtp_exactly():
 
 # --------------------------------------------------------------------------- layouts
 
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    t: int = 1
-    p: int = 1
-    d: int = 1
-    c: int = 1
-    k: int | None = None
-    sequence_parallel: bool = False
-    recompute: str | None = None
-    distributed: bool = False
-    ep: int = 1
-    model: str = "rope"
-    schedule: str = "1f1b"
-    sharding: str | None = None  # --use-megatron-fsdp's --data-parallel-sharding-strategy
-
-    @property
-    def name(self) -> str:
-        return (f"t{self.t}p{self.p}d{self.d}c{self.c}{'k' + str(self.k) if self.k else ''}"
-                f"{'-sp' if self.sequence_parallel else ''}{'-' + self.recompute if self.recompute else ''}"
-                f"{'-distopt' if self.distributed else ''}-ep{self.ep}-{self.model}-{self.schedule}"
-                f"{'-' + self.sharding if self.sharding else ''}")
-
-
-def _config(layout: Layout):
-    model = dataclasses.replace(MODELS[layout.model], recompute_granularity=layout.recompute)
-    config = step._config(layout.t, layout.p, layout.d, layout.k, model, layout.sequence_parallel,
-                          use_distributed_optimizer=layout.distributed, train_iters=STEPS,
-                          global_batch_size=4)
-    config.parallel = dataclasses.replace(config.parallel, expert_model_parallel_size=layout.ep,
-                                          pipeline_schedule=layout.schedule,
-                                          context_parallel_size=layout.c)
-    if layout.sharding:
-        config.train = dataclasses.replace(config.train, use_megatron_fsdp=True,
-                                           data_parallel_sharding_strategy=layout.sharding)
-    return config
-
-
-_serial: dict[str, tuple] = {}
-
-
-def _one_process(model: str):
-    if model not in _serial:
-        trainer = Trainer(_config(Layout(model=model)), ParallelContext.single(), CPU)
-        records = [trainer.step(i)[0] for i in range(STEPS)]
-        _serial[model] = records, step._logical_weights(trainer, ParallelContext.single())
-    return _serial[model]
-
-
-def _layouts_vs_one_process(rank: int, layouts: list[Layout], references: dict) -> list:
-    results = []
-    for layout in layouts:
-        records, weights = references[layout.model]
-        ctx = ParallelContext.build(RankGrid(tp=layout.t, dp=layout.d, pp=layout.p, cp=layout.c,
-                                             ep=layout.ep))
-        trainer = Trainer(_config(layout), ctx, CPU)
-        for i, want in enumerate(records):
-            got = trainer.step(i)[0]
-            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), layout.name
-            if trainer.holds_loss:
-                for key in ("loss", *trainer.mtp_names):
-                    assert got[key] == pytest.approx(want[key], rel=1e-5), (layout.name, key)
-        gathered = trainer.buffer.gathered() if layout.sharding else contextlib.nullcontext()
-        with gathered:  # (ZeRO-3: the parameters whole while read, copied)
-            logical = {n: w.clone() for n, w in step._logical_weights(trainer, ctx).items()}
-        for name, weight in logical.items():
-            assert_close(weight, weights[name], **step.WEIGHT_TOL,
-                         msg=lambda m, n=name: f"{layout.name}: {n}: {m}")
-        results.append((layout.name, set(logical), trainer.holds_loss))
-        ctx.destroy()
-    return results
-
+# The settings of each layout: tests.layouts_runner.Layout, this file's model by default.
+Layout = functools.partial(runner.Layout, model="rope")
 
 LAYOUTS = [
     Layout(t=2, d=2, sequence_parallel=True),
@@ -210,18 +141,16 @@ LAYOUTS = [
 
 
 def test_mtp_trains_like_one_process_under_every_layout(pools):
-    references = {layout.model: _one_process(layout.model) for layout in LAYOUTS}
-    for model, (records, weights) in references.items():
+    references = runner.one_process_runs(MODELS, LAYOUTS)
+    for (model, _), (records, weights) in references.items():
         depth = MODELS[model].mtp_num_layers
         assert all(f"mtp_{k} loss" in r for r in records for k in range(1, depth + 1)), model
         assert sum(name.endswith("eh_proj.weight") for name in weights) == depth
-    per_rank = pools(4).run(_layouts_vs_one_process, LAYOUTS, references)
+    per_rank = runner.train_under_layouts(pools, MODELS, LAYOUTS, references)
     for i, layout in enumerate(LAYOUTS):
-        names = set().union(*(results[i][1] for results in per_rank))
-        assert names == set(references[layout.model][1]), layout.name
         mtp_ranks = [r for r, results in enumerate(per_rank)
-                     if any(n.startswith("mtp.") for n in results[i][1])]
-        assert all(per_rank[r][i][2] for r in mtp_ranks), layout.name  # on the loss's stage
+                     if any(n.startswith("mtp.") for n in results[i].names)]
+        assert mtp_ranks and all(per_rank[r][i].holds_loss for r in mtp_ranks), layout.name
 
 
 # --------------------------------------------------------------------------- packed documents

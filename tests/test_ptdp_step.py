@@ -63,15 +63,23 @@ def computed_once(compute):
     return result[0]
 
 
+# Each model's one-process run, once per process: the pool's rank 0 lives on
+# from test to test (and file to file) that compares the same model with it.
+_serial_runs: dict[tuple[str, bool], tuple] = {}
+
+
 def _serial_run(model, distributed):
     """The one-process run _ptdp_vs_serial compares with: its records, its
     weights after 5 steps and the initial weights."""
-    serial = Trainer(_config(model=model, use_distributed_optimizer=distributed),
-                     ParallelContext.single(), torch.device("cpu"))
-    serial_records = [serial.step(i)[0] for i in range(5)]
-    initial = Trainer(_config(model=model), ParallelContext.single(), torch.device("cpu"))
-    return (serial_records, _logical_weights(serial, ParallelContext.single()),
-            _logical_weights(initial, ParallelContext.single()))
+    key = repr(model), distributed
+    if key not in _serial_runs:
+        serial = Trainer(_config(model=model, use_distributed_optimizer=distributed),
+                         ParallelContext.single(), torch.device("cpu"))
+        serial_records = [serial.step(i)[0] for i in range(5)]
+        initial = Trainer(_config(model=model), ParallelContext.single(), torch.device("cpu"))
+        _serial_runs[key] = (serial_records, _logical_weights(serial, ParallelContext.single()),
+                             _logical_weights(initial, ParallelContext.single()))
+    return _serial_runs[key]
 
 
 def _ptdp_vs_serial(rank, k, distributed, model=MODEL, weight_tol=WEIGHT_TOL,

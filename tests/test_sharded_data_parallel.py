@@ -2,10 +2,11 @@
 --data-parallel-sharding-strategy optim_grads` (ZeRO-2) and
 `optim_grads_params` (ZeRO-3) train as one process does under every layout
 (d = 2 and 4, t = 2 with SP, p = 2 under 1F1B, interleaving and zbv with
-both reshard policies, c = 2, EP = 2 over d = 2 and 4, recomputation), over 5
-AdamW steps with clipping (losses, gradient norms, the weights' norm, final
-weights), with their gradients reduce-scattered per microbatch as buckets
-complete and never held in full; ZeRO-3 keeps 1/(d·c) of the state. fp16
+both reshard policies, c = 2, EP = 2 over d = 2 and 4, recomputation), over 3
+AdamW steps with clipping in each (losses, gradient norms, the weights' norm,
+final weights: the sharded Adam state read back twice), with their
+gradients reduce-scattered per microbatch as buckets complete and never
+held in full; ZeRO-3 keeps 1/(d·c) of the state. fp16
 skips a step with an inf on one replica everywhere; a resume under the
 same strategy is bitwise, and a ZeRO-3 checkpoint resumes under ZeRO-1 and
 in one process. With --main-grads-dtype bf16 (every gradient buffer bf16,
@@ -33,7 +34,7 @@ from tests import test_moe_parallel as moe
 from tests import test_ptdp_step as step
 
 CPU = torch.device("cpu")
-STEPS = 5
+STEPS = 3
 MOE = dataclasses.replace(moe.MOE, moe_aux_loss_coeff=0.0, moe_z_loss_coeff=0.0)
 MODELS = {"gpt": step.MODEL, "moe": MOE}
 
@@ -88,7 +89,7 @@ def _one_process(model: str, main_grads: str = "fp32"):
         trainer = Trainer(_config(Layout(d=1, model=model, main_grads=main_grads), sharded=False),
                           ParallelContext.single(), CPU)
         records = [trainer.step(i)[0] for i in range(STEPS)]
-        assert any(r["grad_norm"] > step.TRAIN.clip_grad for r in records)  # clipping acts
+        assert all(r["grad_norm"] > step.TRAIN.clip_grad for r in records)  # clipping acts
         _serial[model, main_grads] = records, step._logical_weights(trainer,
                                                                     ParallelContext.single())
     return _serial[model, main_grads]
