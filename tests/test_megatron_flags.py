@@ -427,9 +427,9 @@ def test_torch_fsdp2_flags_are_ptdps_zero_3_and_a_disagreement_is_refused():
                                   "--no-rope-fusion", "--kv-lora-rank"])
 def test_a_megatron_lm_flag_is_never_guessed_as_another(flag, capsys):
     """Not steered to --save, --num-layers, --rope-scaling-factor or
-    --moe-router-fusion; `ptdp plan`, which does not take some of them, says
-    so without a guess (it takes YaRN's --mscale and --rotary-scaling-factor)."""
-    if flag not in ("--mscale", "--rotary-scaling-factor"):
+    --moe-router-fusion; `ptdp plan`, which does not take --no-rope-fusion,
+    says so without a guess (it takes YaRN's, MLA's and MTP's flags)."""
+    if flag == "--no-rope-fusion":
         with pytest.raises(SystemExit):
             main(["plan", flag, "1"])
         assert capsys.readouterr().err == (f"ptdp plan: error: unrecognized flag {flag} "

@@ -40,9 +40,9 @@ from ptdp.parallel.tensor import RNGStreams
 from ptdp.parallel.topology import ParallelContext, RankGrid
 from ptdp.perf.analytic import counts as analytic
 from ptdp.perf.price.machine import Machine
-from ptdp.perf.analytic.memory import (_norm_saved_bytes, activation_bytes,
-                                       korthikanti_activation_bytes_per_layer,
+from ptdp.perf.analytic.memory import (activation_bytes, korthikanti_activation_bytes_per_layer,
                                        layer_activation_bytes, memory_per_device)
+from ptdp.perf.analytic.norm_bytes import norm_saved_bytes
 from ptdp.perf.simulate.predict import simulate
 from ptdp.perf.price.pricing import OperatorModel
 from ptdp.perf.layout import Layout, Workload
@@ -212,7 +212,7 @@ def test_replicated_part_falls_by_t(measured):
         config = _layer_config(name, recompute)
         e = 4 if precision == "fp32" else 2
         rows, h = config.seq_length * B, config.hidden_size
-        norm = _norm_saved_bytes(config, rows, e, cpu=True)
+        norm = norm_saved_bytes(config, rows, e, cpu=True)
         replicated = rows * h * e if recompute == "full" else 2 * rows * h * e + 2 * norm + \
             2 * rows * h * e     # norm outputs, norms' saved tensors, the two dropout masks
         dropped = saved[(name, recompute, precision, False)] - saved[(name, recompute, precision,

@@ -122,7 +122,7 @@ def mla_problems(config: Any) -> list[str]:
                  if getattr(m, name) != getattr(type(m), name)]
         problems = [f"{', '.join(given)}: these are multi-latent attention's widths and act only "
                     f"with --multi-latent-attention: add it or drop them"] if given else []
-        if m.mla_latent_norm_epsilon is not None:
+        if is_finite_number(m.mla_latent_norm_epsilon):  # (a non-finite one: refused once, as such)
             problems.append(f"--mla-latent-norm-epsilon {m.mla_latent_norm_epsilon}: it is the "
                             f"epsilon of multi-latent attention's latent norms and acts only with "
                             f"--multi-latent-attention --qk-layernorm: add them or drop it")
@@ -143,13 +143,13 @@ def mla_problems(config: Any) -> list[str]:
 def _latent_norm_problems(m: Any) -> list[str]:
     """--mla-latent-norm-epsilon: a positive number, where there are latent norms."""
     epsilon = m.mla_latent_norm_epsilon
-    if epsilon is None:
+    if not is_finite_number(epsilon):  # unset, or non-finite: refused once, as such
         return []
     if not m.qk_layernorm:
         return [f"--mla-latent-norm-epsilon {epsilon} without --qk-layernorm: the latents have "
                 f"no norms (Megatron-LM's --qk-layernorm puts them there for MLA): add "
                 f"--qk-layernorm or drop --mla-latent-norm-epsilon"]
-    if not is_finite_number(epsilon) or epsilon <= 0:
+    if epsilon <= 0:
         return [f"--mla-latent-norm-epsilon {epsilon}: the latent norms' epsilon must be a "
                 f"number above 0 (it keeps them finite on a zero latent; DeepSeek's: 1e-6)"]
     return []

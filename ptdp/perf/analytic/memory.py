@@ -210,27 +210,11 @@ from ptdp.schedules.kinds import virtual_stage_of
 from ptdp.perf.layout import BYTES_PER_ELEMENT, ByValue, Layout, Workload
 from ptdp.perf.analytic.mla import mla_saved_bytes, mla_weight_grad_bytes
 from ptdp.perf.analytic.mtp import mtp_activation_bytes, mtp_rotary_tables
+from ptdp.perf.analytic.norm_bytes import norm_saved_bytes
 from ptdp.perf.analytic.moe import chunk_moe_layers, moe_layer_activation_delta
 
 KERNELS = ("cuda", "cpu")
 INT64 = 8
-
-
-def _norm_saved_bytes(model: ModelConfig, tokens: int, e: int, cpu: bool,
-                      frozen: bool = False) -> int:
-    """Bytes a normalization layer saves for backward over `tokens` = s·b
-    positions, besides its output (which the next layer saves as its
-    input). LayerNorm: its input and the mean and rstd per position
-    (statistics in the activation dtype on the CPU, fp32 on GPUs). RMSNorm on
-    the CPU (torch.rms_norm decomposed into element-wise ops, which compute in
-    fp32): the fp32 input, the fp32 normalized input and rstd; on GPUs (the
-    fused kernel): the input and rstd in fp32."""
-    h = model.hidden_size
-    if model.normalization == "LayerNorm":
-        return tokens * h * e + 2 * tokens * (e if cpu else FP32)
-    if cpu:   # a frozen weight's product keeps no normalized input (LoRA's base)
-        return (1 if frozen else 2) * tokens * h * FP32 + tokens * FP32
-    return tokens * h * e + tokens * FP32
 
 
 def activation_bytes(workload: Workload, layout: Layout, *,
@@ -267,7 +251,7 @@ def _activation_bytes(key: ByValue, layout: Layout, kernels: str) -> dict[str, i
     outside = rows * h
     cpu = kernels == "cpu"
     mask = (e if cpu else 1) if model.hidden_dropout > 0 else 0   # bytes per masked element
-    norm = _norm_saved_bytes(model, rows, e, cpu)
+    norm = norm_saved_bytes(model, rows, e, cpu)
     # What the attention core keeps of q, k and v: the QKV output (q, k and
     # v are views of it; grouped queries shrink k and v to g heads) and,
     # with rotary embeddings, the rotated q and k (new tensors; v stays a
@@ -514,8 +498,8 @@ def _lora_chunk_bytes(workload: Workload, layout: Layout, acts: dict[str, int], 
     stages = layout.stage_layers(model.num_layers)
     full = layout.recompute == "full"   # every checkpoint keeps its layer's input
     # RMSNorm on the CPU: a frozen weight keeps no fp32 normalized input.
-    norm = _norm_saved_bytes(model, rows, e, cpu)
-    norm_change = _norm_saved_bytes(model, rows, e, cpu, frozen=True) - norm
+    norm = norm_saved_bytes(model, rows, e, cpu)
+    norm_change = norm_saved_bytes(model, rows, e, cpu, frozen=True) - norm
     norms = 2 + (2 if model.qk_layernorm else 0)
     chunk_bytes, tables = [], 0
     for chunk in range(layout.v):

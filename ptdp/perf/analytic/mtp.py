@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ptdp.config import ModelConfig
 from ptdp.perf.analytic.layer_params import Param, _layer_parameter_list, _norm_parameters
+from ptdp.perf.analytic.norm_bytes import norm_saved_bytes
 
 FP32, INT64 = 4, 8
 
@@ -55,8 +56,6 @@ def mtp_activation_bytes(model: ModelConfig, acts: dict[str, int], *, t: int, b:
     vocabulary again, and the module's loss mask (fp32) and count. Full
     recomputation checkpoints each module whole (its inputs: the
     embedding's output), leaving the output layer's tensors."""
-    from ptdp.perf.analytic.memory import _norm_saved_bytes
-
     depth = model.mtp_depth
     if not depth:
         return 0
@@ -68,7 +67,7 @@ def mtp_activation_bytes(model: ModelConfig, acts: dict[str, int], *, t: int, b:
     if not model.rope:   # the learned positions' ids of the tokens ahead, [b, s] (R of them)
         ids += INT64 * rows
     loss_mask = FP32 * sb + FP32
-    norm = _norm_saved_bytes(model, rows, e, cpu)
+    norm = norm_saved_bytes(model, rows, e, cpu)
     if recompute == "full":
         output = acts["output"] - norm   # the final norm runs inside the checkpoint
         return depth * (ids + rows * h * mask + rows * h * e + output + loss_mask)
