@@ -1,0 +1,344 @@
+"""ptdp against Megatron-Core, side by side in the same processes (CPU, gloo).
+
+Megatron-Core is the `megatron-core` package, not a ptdp dependency: `--install`
+puts it into bench/.megatron-core without its dependencies (so this
+environment's torch stays); bench/megatron_shims.py lists the shims it needs
+on a CPU (no CUDA, triton, Transformer Engine or apex), and every row's
+output counts them.
+
+Each row starts one local gloo job (world = the layout's process count).
+Every process builds both sides from the same logical weights (ptdp's
+one-process initialisation, copied into Megatron-Core's modules by name,
+bench/megatron_side.py):
+
+- ptdp: its Trainer's model, pipeline executor and gradient buffer;
+- Megatron-Core: GPTModel with the local layer spec (SequentialMLP experts
+  for MoE), its DistributedDataParallel and its own forward-backward
+  schedule (get_forward_backward_func, finalize_model_grads at its end).
+
+One iteration is the forward and backward of one global batch with the
+gradients reduced, no optimizer step, on the same batches on both sides.
+Iterations alternate between the sides (ABBA order, a barrier around each),
+so machine noise hits both alike; the ratio is Megatron-Core's median
+iteration time over ptdp's (> 1: ptdp faster). The first iteration's losses
+are shown side by side; with the same weights they agree within 1e-3.
+
+    python bench/megatron_peers.py --install     # install megatron-core if missing, run every row
+    python bench/megatron_peers.py dense         # the dense rows only (or: moe)
+    python bench/megatron_peers.py --write       # append the table to bench/RESULTS.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+import megatron_shims  # noqa: E402
+from megatron_side import Layout  # noqa: E402
+from results import cpu_name, publish  # noqa: E402
+
+from ptdp.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
+
+HEADING = "## Megatron-Core as a peer: ptdp against Megatron-Core's GPT and MoE (CPU)"
+LOSS_ATOL = 1e-3
+MODEL = ModelConfig(num_layers=8, hidden_size=256, num_attention_heads=8, seq_length=128,
+                    vocab_size=8192, hidden_dropout=0.0, attention_dropout=0.0)
+# 8 experts, top-2, the load-balancing loss; Megatron-Core's MoE layers
+# take no linear biases, so neither side has any in the MoE model.
+MOE_MODEL = replace(MODEL, num_experts=8, moe_router_topk=2, moe_aux_loss_coeff=1e-2,
+                    disable_bias_linear=True)
+# For checking the harness in seconds (tests): its figures are not results.
+TINY = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=512)
+MICRO_BATCH, GLOBAL_BATCH, SEED = 2, 16, 1234
+
+
+@dataclass(frozen=True)
+class Row:
+    family: str                 # dense | moe
+    layout: Layout = Layout()
+
+    def describe(self) -> str:
+        lay = self.layout
+        parts = [f"{k}={getattr(lay, k)}" for k in ("t", "p", "d") if getattr(lay, k) > 1]
+        if lay.sequence_parallel:
+            parts.append("SP")
+        if lay.ep > 1:
+            parts.append(f"EP={lay.ep}" + (f" (ETP={lay.etp})" if lay.etp else ""))
+        if lay.p > 1:
+            parts.append(f"interleaved v={lay.v}" if lay.v > 1 else "1F1B")
+        if self.family == "moe" and lay.ep > 1:
+            parts.append(lay.dispatcher)
+        return " ".join(parts) or "one process"
+
+
+ROWS = {
+    "dense": [Row("dense", Layout(t=2)), Row("dense", Layout(p=2)), Row("dense", Layout(p=2, v=2))],
+    "moe": [Row("moe"),
+            Row("moe", Layout(d=2, ep=2, dispatcher="alltoall")),
+            Row("moe", Layout(d=2, ep=2, dispatcher="allgather")),
+            # EP over the tensor ranks: each expert whole on its rank (ETP = 1)
+            Row("moe", Layout(t=2, sequence_parallel=True, ep=2, etp=1, dispatcher="alltoall")),
+            Row("moe", Layout(p=2, d=2, ep=2, dispatcher="alltoall"))],
+}
+
+
+def model_of(row: Row, tiny: bool = False) -> ModelConfig:
+    model = MOE_MODEL if row.family == "moe" else MODEL
+    if row.family == "moe":
+        model = replace(model, moe_token_dispatcher_type=row.layout.dispatcher)
+    return replace(model, **TINY) if tiny else model
+
+
+def ptdp_config(row: Row, model: ModelConfig) -> Config:
+    lay = row.layout
+    return Config(
+        model=model,
+        parallel=ParallelConfig(
+            tensor_model_parallel_size=lay.t, pipeline_model_parallel_size=lay.p,
+            data_parallel_size=lay.d, pipeline_schedule="1f1b", device="cpu",
+            num_layers_per_virtual_pipeline_stage=(model.num_layers // (lay.p * lay.v)
+                                                   if lay.v > 1 else None),
+            sequence_parallel=lay.sequence_parallel, expert_model_parallel_size=lay.ep,
+            expert_tensor_parallel_size=lay.etp),
+        train=TrainConfig(micro_batch_size=MICRO_BATCH, global_batch_size=GLOBAL_BATCH, lr=1e-4,
+                          lr_decay_style="constant", clip_grad=0.0, seed=SEED),
+        data=DataConfig(mock_data=True))
+
+
+# ------------------------------------------------------------------------------------------
+# One row: a local gloo job
+
+
+def _logical_weights(model: ModelConfig, seed: int) -> dict:
+    from ptdp.model.gpt import build_chunks
+    from ptdp.parallel.topology import ParallelContext
+
+    [full] = build_chunks(model, ParallelContext.single(), torch.device("cpu"), seed)
+    return {name: tensor.detach() for name, tensor in full.state_dict().items()
+            if not name.endswith("expert_bias")}
+
+
+def run_sides(row: Row, model: ModelConfig, iters: int, warmup: int) -> dict:
+    """This rank's part of a row, in a process group of the layout's ranks
+    already started: every timed iteration's seconds and every loss, per side."""
+    import megatron_side
+    from ptdp.parallel.topology import ParallelContext, RankGrid
+    from ptdp.train.loop import Trainer
+
+    lay = row.layout
+    ctx = ParallelContext.build(RankGrid(tp=lay.t, dp=lay.d, pp=lay.p, ep=lay.ep, etp=lay.etp))
+    trainer = Trainer(ptdp_config(row, model), ctx, torch.device("cpu"))
+    megatron_side.initialize_megatron(lay, SEED)
+    megatron_shims.install_cpu_device()  # modules the model's construction imported
+    microbatches = GLOBAL_BATCH // (MICRO_BATCH * lay.d)
+    theirs = megatron_side.MegatronSide(model, lay, _logical_weights(model, SEED), MICRO_BATCH,
+                                        microbatches)
+    megatron_shims.install_cpu_device()  # and those its modules imported as they were built
+    reads = ctx.is_first_stage or trainer.holds_loss
+
+    def batches(iteration: int) -> list[tuple]:
+        if not reads:
+            return []
+        fn = trainer.microbatch_fn(iteration)
+        out = []
+        for i in range(microbatches):
+            parts = fn(i)
+            out.append((parts[0], parts[1], parts[2] if len(parts) > 2 else None))
+        return out
+
+    times: dict[str, list[float]] = {"ptdp": [], "megatron": []}
+    losses: dict[str, list[float | None]] = {"ptdp": [], "megatron": []}
+    for iteration in range(warmup + iters):
+        data = batches(iteration)
+        for side in (("ptdp", "megatron") if iteration % 2 == 0 else ("megatron", "ptdp")):  # ABBA
+            dist.barrier()
+            start = time.perf_counter()
+            loss = (megatron_side.ptdp_forward_backward(trainer, iteration) if side == "ptdp"
+                    else theirs.step(data))
+            dist.barrier()
+            if iteration >= warmup:
+                times[side].append(time.perf_counter() - start)
+            losses[side].append(loss)
+    if lay.d > 1:  # Megatron-Core's loss is its data-parallel replica's: average them
+        for i, value in enumerate(losses["megatron"]):
+            if value is not None:
+                mean = torch.tensor([value], dtype=torch.float64)
+                dist.all_reduce(mean, group=ctx.dp_group)
+                losses["megatron"][i] = mean.item() / lay.d
+    megatron_side.destroy_megatron()
+    gathered = [None] * lay.world
+    dist.all_gather_object(gathered, {"times": times, "losses": losses, "last": trainer.holds_loss,
+                                      "shims": megatron_shims.shims()})
+    return gathered
+
+
+def _worker(rank: int, row: Row, model: ModelConfig, port: int, iters: int, warmup: int,
+            threads: int, out: str) -> None:
+    torch.set_num_threads(threads)
+    # Megatron-Core's advice for GPUs and its fallbacks' notices (apex, CUDA
+    # connections, deprecated collectives): not about this run's results.
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    if row.layout.sequence_parallel:
+        megatron_shims.install_apex_layer_norm()
+    megatron_shims.install_import_shims()
+    megatron_shims.install_cpu_device()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=row.layout.world)
+    try:
+        megatron_shims.install_rng_tracker()
+        megatron_shims.install_missing_names()
+        megatron_shims.install_host_splits()
+        gathered = run_sides(row, model, iters, warmup)
+        if rank == 0:
+            Path(out).write_text(json.dumps(gathered))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_row(row: Row, model: ModelConfig, iters: int, warmup: int) -> dict:
+    threads = max(1, (os.cpu_count() or 1) // row.layout.world)
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        mp.start_processes(_worker, args=(row, model, _free_port(), iters, warmup, threads, out),
+                           nprocs=row.layout.world, join=True, start_method="spawn")
+        ranks = json.loads(Path(out).read_text())
+    return summarise(row, model, ranks, (load_before, os.getloadavg()[0]))
+
+
+def summarise(row: Row, model: ModelConfig, ranks: list[dict], load: tuple) -> dict:
+    """A row's figures from every rank's run_sides; `load`: the 1-minute
+    load average before and after it."""
+    times = ranks[0]["times"]
+    last = next(r for r in ranks if r["last"])
+    ptdp_s, megatron_s = statistics.median(times["ptdp"]), statistics.median(times["megatron"])
+    first = (last["losses"]["ptdp"][0], last["losses"]["megatron"][0])
+    return {"family": row.family, "layout": row.describe(), "row": asdict(row.layout),
+            "ptdp_s": ptdp_s, "megatron_s": megatron_s, "ratio": megatron_s / ptdp_s,
+            "ratios": [m / p for p, m in zip(times["ptdp"], times["megatron"])],
+            "first_losses": first, "losses_agree": abs(first[0] - first[1]) <= LOSS_ATOL,
+            "ln_vocab": math.log(model.vocab_size), "load": load,
+            "shims": [tuple(shim) for shim in ranks[0]["shims"]]}
+
+
+# ------------------------------------------------------------------------------------------
+# Report
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| model | layout | ptdp s | Megatron-Core s | Megatron-Core / ptdp (range of pairs) | "
+             "first-iteration loss ptdp / Megatron-Core | agree (1e-3) | load before→after |",
+             "|---|---|---:|---:|---:|---|---|---|"]
+    for r in results:
+        low, high = min(r["ratios"]), max(r["ratios"])
+        lines.append(f"| {r['family']} | {r['layout']} | {r['ptdp_s']:.3f} | {r['megatron_s']:.3f} | "
+                     f"{r['ratio']:.2f} ({low:.2f}–{high:.2f}) | {r['first_losses'][0]:.5f} / "
+                     f"{r['first_losses'][1]:.5f} | {'yes' if r['losses_agree'] else '**NO**'} | "
+                     f"{r['load'][0]:.1f}→{r['load'][1]:.1f} |")
+    return "\n".join(lines)
+
+
+def shim_list(results: list[dict]) -> str:
+    """Every shim any row needed, with the rows that needed it."""
+    rows_of: dict[str, tuple[str, list[str]]] = {}
+    for r in results:
+        for what, why in r["shims"]:
+            rows_of.setdefault(what, (why, []))[1].append(f"{r['family']} {r['layout']}")
+    lines = [f"- {what} ({'every row' if len(rows) == len(results) else 'only ' + ', '.join(rows)}): "
+             f"{why}" for what, (why, rows) in rows_of.items()]
+    return f"Shims Megatron-Core needed on this CPU ({len(lines)}):\n\n" + "\n".join(lines)
+
+
+def report(results: list[dict], header: str, seconds: float) -> str:
+    load = [value for r in results for value in r["load"]]
+    note = (f"Measured under load: the 1-minute load average was {min(load):.1f}–{max(load):.1f} "
+            f"on {os.cpu_count()} cores; rerun on a quiet machine before reading the ratios "
+            f"closely." if load and max(load) > (os.cpu_count() or 1) else "")
+    return "\n\n".join(part for part in [header, table(results), note, shim_list(results),
+                                         f"Run time {seconds:.0f} s."] if part) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("families", nargs="*", metavar="MODEL", help="dense, moe (default: both)")
+    parser.add_argument("--iters", type=int, default=4, help="timed iterations per side and row")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed iterations first")
+    parser.add_argument("--tiny", action="store_true", help="a small model, for checking the harness")
+    parser.add_argument("--install", action="store_true",
+                        help=f"install megatron-core {megatron_shims.VERSION} into "
+                             f"bench/.megatron-core if it is missing")
+    parser.add_argument("--json", metavar="PATH", help="also write every figure as JSON")
+    parser.add_argument("--write", action="store_true", help="append the table to bench/RESULTS.md")
+    args = parser.parse_args(argv)
+    unknown = [name for name in args.families if name not in ROWS]
+    if unknown:
+        parser.error(f"unknown model(s) {', '.join(unknown)}: choose from {', '.join(ROWS)}")
+    megatron_shims.ensure_installed(args.install)
+    families = args.families or list(ROWS)
+    started = time.time()
+    results = []
+    for family in families:
+        for row in ROWS[family]:
+            result = run_row(row, model_of(row, args.tiny), args.iters, args.warmup)
+            results.append(result)
+            print(f"{family}: {result['layout']}: ptdp {result['ptdp_s']:.3f} s, Megatron-Core "
+                  f"{result['megatron_s']:.3f} s, ratio {result['ratio']:.2f}, first losses "
+                  f"{result['first_losses'][0]:.5f} / {result['first_losses'][1]:.5f}, "
+                  f"load {result['load'][1]:.1f}", file=sys.stderr)
+    from importlib.metadata import version
+    megatron_version = version("megatron-core")
+    command = "python bench/megatron_peers.py" + "".join(f" {f}" for f in args.families) \
+        + (" --tiny" if args.tiny else "") + f" --iters {args.iters} --warmup {args.warmup}"
+    m = MODEL if not args.tiny else replace(MODEL, **TINY)
+    header = (f"### {datetime.date.today().isoformat()}: l={m.num_layers}, h={m.hidden_size}, "
+              f"a={m.num_attention_heads}, s={m.seq_length}, V={m.vocab_size}, fp32, micro batch "
+              f"{MICRO_BATCH}, global batch {GLOBAL_BATCH}; MoE: {MOE_MODEL.num_experts} experts, "
+              f"top-{MOE_MODEL.moe_router_topk}, aux loss {MOE_MODEL.moe_aux_loss_coeff}, no linear "
+              f"biases\n\n"
+              f"Command: `{command}`  \n"
+              f"megatron-core {megatron_version} (local layer spec, SequentialMLP experts, its "
+              f"DistributedDataParallel and get_forward_backward_func), torch {torch.__version__}, "
+              f"gloo, {cpu_name()}, {os.cpu_count()} cores shared by the processes. Forward + "
+              f"backward of one global batch with the gradients reduced, no optimizer; median of "
+              f"{args.iters} iterations per side, alternating (ABBA); ratio = Megatron-Core's time / "
+              f"ptdp's (> 1: ptdp faster). Both sides start from ptdp's initialisation (copied into "
+              f"Megatron-Core by name); ln V = {math.log(m.vocab_size):.3f}.\n")
+    publish(HEADING, report(results, header, time.time() - started), write=args.write)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    disagree = [r["layout"] for r in results if not r["losses_agree"]]
+    if disagree:
+        print(f"first-iteration losses differ by more than {LOSS_ATOL} in: {disagree}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
