@@ -46,14 +46,23 @@ from ptdp.model.rotary import Rotary, rotate
 # The model classes that call the pieces: each has a class attribute
 # `layer_kernels` (None: eager), which compile_layers sets on their instances.
 KERNELS_ATTR = "layer_kernels"
+# Graphs each piece may hold (see compile_layers).
+RECOMPILE_LIMIT = 64
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float | None) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def _layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                eps: float) -> torch.Tensor:
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
 def _norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
           eps: float | None) -> torch.Tensor:
     """LayerNorm over the last dimension, or RMSNorm where there is no bias."""
-    if bias is None:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+    return _rms_norm(x, weight, eps) if bias is None else _layer_norm(x, weight, bias, eps)
 
 
 def _residual(out: torch.Tensor, bias: torch.Tensor | None,
@@ -155,10 +164,10 @@ def _compiler_errors() -> tuple[type[BaseException], ...]:
     errors (it wraps the backend's), and inductor's own about the C++
     compiler. Nothing else is caught: other exceptions in a call (checkpoint's
     early stop of a recomputation, say) are the computation's."""
-    from torch._dynamo.exc import TorchDynamoException
+    from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
     from torch._inductor.exc import CppCompileError, InvalidCxxCompiler
 
-    return TorchDynamoException, CppCompileError, InvalidCxxCompiler
+    return TorchDynamoException, FailOnRecompileLimitHit, CppCompileError, InvalidCxxCompiler
 
 
 def compiles_norm(norm: nn.Module) -> bool:
@@ -172,15 +181,18 @@ class LayerKernels:
 
     def __init__(self, compilation: Compilation):
         self.compilation = compilation
-        self._norm, self._residual, self._residual_norm, self._rotate, self._gated, self._gelu = (
-            _Piece(fn, compilation) for fn in (_norm, _residual, _residual_norm,
+        (self._rms_norm, self._layer_norm, self._residual, self._residual_norm, self._rotate,
+         self._gated, self._gelu) = (
+            _Piece(fn, compilation) for fn in (_rms_norm, _layer_norm, _residual, _residual_norm,
                                                _rotate_queries_and_keys, _gated_unit, _bias_gelu))
 
     def norm(self, norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
         """`norm` as a function of its input, compiled where it is plain."""
         if not compiles_norm(norm):
             return norm
-        return lambda x: self._norm(x, norm.weight, getattr(norm, "bias", None), norm.eps)
+        if isinstance(norm, nn.RMSNorm):
+            return lambda x: self._rms_norm(x, norm.weight, norm.eps)
+        return lambda x: self._layer_norm(x, norm.weight, norm.bias, norm.eps)
 
     def residual(self, out: torch.Tensor, bias: torch.Tensor | None,
                  residual: torch.Tensor) -> torch.Tensor:
@@ -213,6 +225,14 @@ def compile_layers(chunks: Iterable[nn.Module], device: torch.device,
     (one set for the process); where the platform cannot compile, say so once
     and leave them eager."""
     kernels = LayerKernels(Compilation(toolchain_problem(device), rank))
+    # Each piece is one function for every layer, so its variants (dtype,
+    # training or evaluation, recomputation, a second model in the same
+    # process) all count against dynamo's per-function limit of 8 graphs;
+    # past it a fullgraph function fails (and the layers would go eager).
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                               RECOMPILE_LIMIT)
     if kernels.compilation.problem is None:
         for chunk in chunks:
             for module in chunk.modules():
