@@ -117,8 +117,9 @@ def toolchain_problem(device: torch.device) -> str | None:
 
 
 class Compilation:
-    """Whether this process's pieces still compile; the first problem is said
-    once and turns every piece eager."""
+    """Whether this process's pieces still compile; the first problem turns
+    every piece eager and is said once, by rank 0: every rank runs the same
+    pieces on the same kind of machine, so they fall back alike."""
 
     def __init__(self, problem: str | None = None, rank: int = 0):
         self.problem, self.rank = None, rank
@@ -129,9 +130,9 @@ class Compilation:
         if self.problem is not None:
             return
         self.problem = why
-        where = f" (rank {self.rank})" if self.rank else ""
-        print(f"ptdp: note: --compile: the layers run eager{where}, as without --compile (same "
-              f"results, eager speed): {why}", file=sys.stderr, flush=True)
+        if self.rank == 0:
+            print(f"ptdp: note: --compile: the layers run eager, as without --compile (same "
+                  f"results, eager speed): {why}", file=sys.stderr, flush=True)
 
 
 class _Piece:
