@@ -164,6 +164,62 @@ def row_lines(name: str, result: dict) -> list[str]:
     return lines
 
 
+def piece_cases(args: argparse.Namespace) -> dict:
+    """Each compiled piece at the model's shapes: (eager function, the
+    piece, its inputs' shapes, the piece's arguments from the inputs)."""
+    import torch.nn.functional as F
+
+    from ptdp.model import compiled
+    from ptdp.model.fused import swiglu
+    from ptdp.model.rotary import Rotary, rotate
+
+    model = llama(args)
+    s, b, h, d = args.seq, args.micro_batch, args.hidden, model.head_dim
+    heads, groups = args.heads, model.query_groups
+    cos, sin = Rotary(d, 10000.0).tables(s, torch.device("cpu"), torch.float32)
+    weight = torch.ones(h, requires_grad=True)
+
+    def residual_norm(out, residual):
+        x = residual + out
+        return x, F.rms_norm(x, (h,), weight, 1e-5)
+
+    return {
+        "RMSNorm": (lambda x: F.rms_norm(x, (h,), weight, 1e-5), compiled._rms_norm,
+                    [(s, b, h)], lambda x: (x, weight, 1e-5)),
+        "residual add + RMSNorm": (residual_norm, compiled._residual_norm, [(s, b, h)] * 2,
+                                   lambda out, residual: (out, None, residual, weight, None, 1e-5)),
+        "rotary q and k": (lambda q, k: (rotate(q, cos, sin, d), rotate(k, cos, sin, d)),
+                           compiled._rotate_queries_and_keys, [(b, heads, s, d), (b, groups, s, d)],
+                           lambda q, k: (q, k, cos, sin, d, None)),
+        "SwiGLU": (swiglu, compiled._gated_unit, [(s, b, 2 * model.ffn_size)],
+                   lambda y: (y, "silu", 0.0, None)),
+    }
+
+
+def time_pieces(args: argparse.Namespace, repeats: int = 40) -> list[str]:
+    """Forward + backward of each piece, eager and compiled, alternating (one
+    thread); the inputs are made before each timing."""
+    torch.set_num_threads(args.threads)
+    lines = []
+    for name, (eager, piece, shapes, piece_args) in piece_cases(args).items():
+        compiled_piece = torch.compile(piece, fullgraph=True)
+        sides = {"eager": lambda *xs: eager(*xs),
+                 "compiled": lambda *xs: compiled_piece(*piece_args(*xs))}
+        times: dict[str, list[float]] = {side: [] for side in sides}
+        for i in range(repeats + 3):
+            for side in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
+                inputs = [torch.randn(*shape, requires_grad=True) for shape in shapes]
+                start = time.perf_counter()
+                out = sides[side](*inputs)
+                sum(o.sum() for o in (out if isinstance(out, tuple) else (out,))).backward()
+                if i >= 3:
+                    times[side].append(time.perf_counter() - start)
+        eager_ms, compiled_ms = (statistics.median(times[side]) * 1e3 for side in sides)
+        lines.append(f"| {name} | {eager_ms:.3f} | {compiled_ms:.3f} | "
+                     f"{eager_ms / compiled_ms:.2f} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=8)
@@ -180,14 +236,21 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="the one-process row's threads (default 1, as each rank of t = 2 "
                              "on two cores; more threads thrash on a loaded machine)")
+    parser.add_argument("--pieces", action="store_true",
+                        help="also time each compiled piece alone against its eager form")
     parser.add_argument("--write", action="store_true", help="append to bench/RESULTS.md")
     args = parser.parse_args()
 
+    load_before = os.getloadavg()
+    pieces = time_pieces(args) if args.pieces else []
+    pieces_load = (load_before, os.getloadavg())
     rows = []
     for t in args.tensor:
         name = "one process" if t == 1 else f"t = {t}, sequence parallel"
         rows += row_lines(name, run_row(t, args))
-    a, command = args.heads, "python bench/compile.py" + (" --write" if args.write else "")
+    a = args.heads
+    command = ("python bench/compile.py" + (" --pieces" if args.pieces else "")
+               + (" --write" if args.write else ""))
     block = "\n".join([
         f"### {datetime.date.today()}: Llama-style l={args.layers}, h={args.hidden}, a={a}, "
         f"s={args.seq}, V={args.vocab}, b={args.micro_batch}, B={args.batch}, fp32, "
@@ -203,7 +266,16 @@ def main() -> None:
         "|---|---|---|---|---|---|",
         *rows,
         "",
-    ])
+    ] + ([
+        f"Each piece alone at these shapes (one microbatch's, one layer), forward + backward, "
+        f"median of 40 alternating calls (load {pieces_load[0][0]:.2f} before, "
+        f"{pieces_load[1][0]:.2f} after):",
+        "",
+        "| piece | eager (ms) | compiled (ms) | eager / compiled |",
+        "|---|---|---|---|",
+        *pieces,
+        "",
+    ] if pieces else []))
     publish(HEADING, block, write=args.write)
 
 
