@@ -74,7 +74,7 @@ def test_compiled_layers_train_like_eager_in_one_process(capsys):
     assert "--compile" not in capsys.readouterr().err
 
 
-def test_compiled_layers_under_tensor_sequence_and_pipeline_parallelism(pools):
+def test_compiled_layers_train_like_eager_under_parallel_layouts(pools):
     runner.train_under_layouts(pools, MODELS, LAYOUTS, _eager_references())
 
 
