@@ -51,6 +51,7 @@ class Layout:
     schedule: str = "1f1b"
     sharding: str | None = None          # --use-megatron-fsdp's --data-parallel-sharding-strategy
     documents: bool = False              # --reset-position-ids --reset-attention-mask
+    compile: bool = False                # --compile (against the eager one-process run)
 
     @property
     def name(self) -> str:
@@ -70,7 +71,7 @@ def layout_config(models: dict[str, ModelConfig], layout: Layout) -> Config:
     model = dataclasses.replace(models[layout.model], recompute_granularity=layout.recompute)
     config = step._config(layout.t, layout.p, layout.d, layout.k, model, layout.sequence_parallel,
                           use_distributed_optimizer=layout.distributed, train_iters=STEPS,
-                          global_batch_size=GLOBAL_BATCH)
+                          global_batch_size=GLOBAL_BATCH, compile=layout.compile)
     config.parallel = dataclasses.replace(config.parallel, context_parallel_size=layout.c,
                                           cp_comm_type=layout.comm,
                                           expert_model_parallel_size=layout.ep,

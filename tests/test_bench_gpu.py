@@ -142,6 +142,7 @@ def test_gpu_plan_on_an_h200_sized_card(gpu):
     plans = [gpu.fit_micro_batch(run, h200) for run in gpu.GPU_SUITE.runs]
     assert [(run.name, run.recompute, run.micro_batch, problem is None) for run, _, problem in plans] == [
         ("GPT 1.3B", None, 8, True), ("Llama-style 1.3B", None, 8, True),
+        ("Llama-style 1.3B, --compile", None, 8, True),
         ("GPT 2.7B", None, 24, False),
         ("GPT 2.7B", "selective", 24, False), ("GPT 2.7B", "full", 24, True),
         ("GPT 1.3B", "full", 8, True),
@@ -152,7 +153,7 @@ def test_gpu_plan_on_an_h200_sized_card(gpu):
     moe, dense = gpu.MOE_8X[True], gpu.LLAMA_1_3B
     assert active_parameter_count(moe) == pytest.approx(parameter_count(dense), rel=0.01)
     assert 2.8 < parameter_count(moe) / parameter_count(dense) < 3.0
-    run, _, problem = gpu.fit_micro_batch(gpu.GPU_SUITE.runs[4], 80 * 2 ** 30)
+    run, _, problem = gpu.fit_micro_batch(gpu.GPU_SUITE.runs[5], 80 * 2 ** 30)
     assert problem is None and run.micro_batch == 12 and run.global_batch == 48
 
 

@@ -172,6 +172,15 @@ class TrainConfig:
         "tags (iteration-time, forward-backward-time, forward-compute-time, backward-compute-time, "
         "all-grads-sync-time, optimizer-time, and ptdp's pipeline-transfer-time); ptdp's time/*_ms "
         "are always written")
+    compile: bool = flag(
+        False, "--compile",
+        "compile each transformer layer's element-wise work between its collectives with "
+        "torch.compile (norms, residual adds, the rotation of q and k, the MLP's activation; the "
+        "tensor- and sequence-parallel communication stays ptdp's): the same results within "
+        "rounding, faster where the compiled kernels beat the eager ones (measured in "
+        "docs/performance.md); the first iterations pay the compilation. Where the platform "
+        "cannot compile (no C++ compiler on a CPU, no Triton on a GPU) the layers run eager, "
+        "with a note")
     disable_bf16_reduced_precision_matmul: bool = flag(
         False, "--disable-bf16-reduced-precision-matmul",
         "on CUDA, bf16 matrix products accumulate without reduced-precision reductions "

@@ -35,6 +35,10 @@ the attention core (core_attn), `TransformerLayer._normed` the norms
 (layernorm), `TransformerLayer._mlp` the dense MLP (mlp) or the MoE layer
 (moe); ptdp.model.moe the experts' activation (moe_act) and the shared
 experts, ptdp.model.mla the up projections (mla_up_proj).
+
+With --compile (build_chunks' `compile`) the layers, their attention and MLP
+call ptdp.model.compiled's pieces (`layer_kernels`) for their element-wise
+work between the collectives; None (the default) is the eager path below.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from torch import nn
 from ptdp.config import ModelConfig
 from ptdp.config.lora import LoRAConfig
 from ptdp.model.adapters import attach_adapters
+from ptdp.model.compiled import LayerKernels, compile_layers, compiles_norm
 from ptdp.model.fused import bias_dropout_add, bias_gelu, mlp_activation
 from ptdp.model.moe import ExpertLinear, MoELayer
 from ptdp.model.mla import MultiLatentAttention
@@ -154,6 +159,8 @@ class Embedding(nn.Module):
 
 
 class Attention(nn.Module):
+    layer_kernels: LayerKernels | None = None  # --compile's pieces (ptdp.model.compiled)
+
     def __init__(self, config: ModelConfig, ctx: ParallelContext, rng: RNGStreams,
                  sequence_parallel: bool = False, cp_comm_type: str = "p2p", layer_id: int = 0):
         super().__init__()
@@ -214,11 +221,15 @@ class Attention(nn.Module):
         v = v.view(s, b, groups, d).permute(1, 2, 0, 3)
         if hasattr(self, "q_layernorm"):  # --qk-layernorm: before the rotation, as Qwen3
             q, k = self.q_layernorm(q), self.k_layernorm(k)
-        if self.rotary is not None:
-            q = self.rotary(q, self.context, positions)
-            k = self.rotary(k, self.context, positions)
-        if self.query_scale is not None and self.query_scale != 1.0:
-            q = q * self.query_scale
+        if self.rotary is not None and self.layer_kernels is not None:
+            q, k = self.layer_kernels.rotate(self.rotary, q, k, self.context, positions,
+                                             self.query_scale)
+        else:
+            if self.rotary is not None:
+                q = self.rotary(q, self.context, positions)
+                k = self.rotary(k, self.context, positions)
+            if self.query_scale is not None and self.query_scale != 1.0:
+                q = q * self.query_scale
         if self.selective_recompute and recompute_active(self):
             # Selective recomputation: keep q, k, v; rebuild the s×s scores,
             # softmax and dropout mask in backward.
@@ -278,10 +289,14 @@ class MLP(nn.Module):
     as two blocks so that each tensor rank's half of the gate meets the same
     half of up."""
 
+    layer_kernels: LayerKernels | None = None  # --compile's pieces (ptdp.model.compiled)
+
     def __init__(self, config: ModelConfig, ctx: ParallelContext, sequence_parallel: bool = False):
         super().__init__()
         self.fused, self.gated = config.bias_gelu_fusion, config.gated_linear_unit
         self.activation = mlp_activation(config)
+        self.gate_settings = (config.gated_activation, config.glu_linear_offset,
+                              config.activation_func_clamp_value)
         h, ffn = config.hidden_size, config.ffn_size
         # GeLU: the first bias is applied in bias_gelu, fused with the activation.
         self.dense_h_to_4h = ColumnParallelLinear(
@@ -294,13 +309,19 @@ class MLP(nn.Module):
                                                sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor):
+        kernels = self.layer_kernels
         if self.gated:
-            return self.dense_4h_to_h(self.activation(self.dense_h_to_4h(x)))
+            y = self.dense_h_to_4h(x)
+            return self.dense_4h_to_h(self.activation(y) if kernels is None
+                                      else kernels.gated_unit(y, *self.gate_settings))
         y, bias = self.dense_h_to_4h(x)
-        return self.dense_4h_to_h(bias_gelu(y, bias, self.fused))
+        return self.dense_4h_to_h(bias_gelu(y, bias, self.fused) if kernels is None
+                                  else kernels.bias_gelu(y, bias))
 
 
 class TransformerLayer(nn.Module):
+    layer_kernels: LayerKernels | None = None  # --compile's pieces (ptdp.model.compiled)
+
     def __init__(self, config: ModelConfig, ctx: ParallelContext, rng: RNGStreams,
                  sequence_parallel: bool = False, layer_id: int = 0, cp_comm_type: str = "p2p"):
         super().__init__()
@@ -331,17 +352,36 @@ class TransformerLayer(nn.Module):
                 documents: Documents | None = None) -> torch.Tensor:
         out, bias = self._normed("input_layernorm", x,
                                  lambda normed: self.attention(normed, positions, documents))
-        x = self._residual(*self._output_norm("attention_output_layernorm", out, bias), x)
-        out, bias = self._normed("post_attention_layernorm", x, self._mlp)
+        out, bias = self._output_norm("attention_output_layernorm", out, bias)
+        if self._fuses_residual_and_norm():  # --compile: the add and the norm in one pass
+            x, normed = self.layer_kernels.residual_norm(out, bias, x,
+                                                         self.post_attention_layernorm)
+            out, bias = self._mlp(normed)
+        else:
+            x = self._residual(out, bias, x)
+            out, bias = self._normed("post_attention_layernorm", x, self._mlp)
         return self._residual(*self._output_norm("mlp_output_layernorm", out, bias), x)
 
     def _normed(self, name: str, x: torch.Tensor, consumer):
         """consumer(norm(x)); with --recompute-modules layernorm the norm's
         output is not kept for the consumer's backward but recomputed."""
         norm = getattr(self, name)
+        if self.layer_kernels is not None:
+            norm = self.layer_kernels.norm(norm)
         if self.recompute_norms and recompute_active(self):
             return recompute_discarding(norm, self.rng, consumer, x)
         return consumer(norm(x))
+
+    def _drops(self) -> bool:
+        return self.training and self.hidden_dropout > 0.0
+
+    def _fuses_residual_and_norm(self) -> bool:
+        """--compile fuses the attention's residual add with the norm after it,
+        unless dropout draws there or the norm's output is recomputed (the
+        add and the norm each run on their own then)."""
+        return (self.layer_kernels is not None and not self._drops()
+                and not (self.recompute_norms and recompute_active(self))
+                and compiles_norm(self.post_attention_layernorm))
 
     def _mlp(self, x: torch.Tensor):
         """The MLP (or MoE layer); checkpointed with --recompute-modules mlp
@@ -360,7 +400,9 @@ class TransformerLayer(nn.Module):
     def _residual(self, out, bias, x):
         """x + dropout(out + bias). Under sequence parallelism each tensor rank
         holds other positions: its own dropout stream."""
-        if self.sequence_parallel and self.training and self.hidden_dropout > 0.0:
+        if self.layer_kernels is not None and not self._drops():
+            return self.layer_kernels.residual(out, bias, x)
+        if self.sequence_parallel and self._drops():
             with self.rng.fork("tensor"):
                 return bias_dropout_add(out, bias, x, self.hidden_dropout, True, self.fused)
         return bias_dropout_add(out, bias, x, self.hidden_dropout, self.training, self.fused)
@@ -551,7 +593,7 @@ def _run_group(layers: Sequence[nn.Module], x: torch.Tensor, positions: torch.Te
 def build_chunks(config: ModelConfig, ctx: ParallelContext, device: torch.device, seed: int,
                  num_chunks: int = 1, *, sequence_parallel: bool = False,
                  kind: str | None = None, split=None, cp_comm_type: str = "p2p",
-                 lora: LoRAConfig | None = None) -> list[GPT]:
+                 lora: LoRAConfig | None = None, compile: bool = False) -> list[GPT]:
     """This rank's model chunks, initialised from `seed`, with its dropout
     streams seeded. Chunk c of pipeline rank r is virtual stage c·p + r and
     holds layers c·(l/v) + r·(l/(p·v)) onwards (the paper's interleaving),
@@ -562,7 +604,8 @@ def build_chunks(config: ModelConfig, ctx: ParallelContext, device: torch.device
     None: the looped placement. `split`: a LayerSplit
     (ptdp.schedules.split) for stages of unequal layer counts. `lora`: with
     --lora-rank, every parameter frozen but the adapters it puts on
-    (ptdp.model.adapters)."""
+    (ptdp.model.adapters). `compile`: --compile's compiled pieces in every
+    layer (ptdp.model.compiled; eager, with a note, where they cannot be)."""
     rng = RNGStreams(device)
     rng.seed(seed, ctx)
     p, last = ctx.pp_size, ctx.pp_size * num_chunks - 1
@@ -582,4 +625,6 @@ def build_chunks(config: ModelConfig, ctx: ParallelContext, device: torch.device
         elif model.post_process and config.tied_output and first is not None:
             model.embedding.word_embeddings = first.embedding.word_embeddings
         chunks.append(model.to(device))
+    if compile:
+        compile_layers(chunks, device, ctx.rank)
     return chunks

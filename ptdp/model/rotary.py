@@ -146,15 +146,28 @@ class Rotary:
         angles = positions.to(torch.float32).unsqueeze(-1) * inverse_frequencies
         return self._cos_sin(angles.unsqueeze(1), dtype)
 
+    def tables_for(self, x: torch.Tensor, context: tuple[int, int] = (1, 0),
+                   positions: torch.Tensor | None = None):
+        """cos and sin for x [b, heads, s, d]: `tables`, or `position_tables`
+        for the given `positions` [b, s]."""
+        return (self.tables(x.shape[-2], x.device, x.dtype, context) if positions is None
+                else self.position_tables(positions, x.dtype))
+
     def __call__(self, x: torch.Tensor, context: tuple[int, int] = (1, 0),
                  positions: torch.Tensor | None = None) -> torch.Tensor:
         """x [b, heads, s, d], rotated by position (`context`: see `tables`;
         `positions` [b, s]: these positions instead); only its first w
         dimensions under partial rotation."""
-        cos, sin = (self.tables(x.shape[-2], x.device, x.dtype, context) if positions is None
-                    else self.position_tables(positions, x.dtype))
-        rotated, passed = (x, None) if self.width == self.head_dim else x.split(
-            [self.width, self.head_dim - self.width], dim=-1)
-        first, second = rotated.chunk(2, dim=-1)
-        rotated = rotated * cos + torch.cat([-second, first], dim=-1) * sin
-        return rotated if passed is None else torch.cat([rotated, passed], dim=-1)
+        cos, sin = self.tables_for(x, context, positions)
+        return rotate(x, cos, sin, self.width)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, width: int) -> torch.Tensor:
+    """x [..., d] turned by the tables' angles, its first `width` dimensions
+    ("rotate half" pairs); the rest pass unchanged. Pure computation (--compile
+    compiles it: ptdp.model.compiled)."""
+    rotated, passed = (x, None) if width == x.shape[-1] else x.split(
+        [width, x.shape[-1] - width], dim=-1)
+    first, second = rotated.chunk(2, dim=-1)
+    rotated = rotated * cos + torch.cat([-second, first], dim=-1) * sin
+    return rotated if passed is None else torch.cat([rotated, passed], dim=-1)

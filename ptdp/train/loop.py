@@ -143,7 +143,7 @@ class Trainer:
         self.chunks = build_chunks(model_cfg, ctx, device, tr.seed, self.num_chunks,
                                    sequence_parallel=sequence_parallel, kind=par.schedule_kind,
                                    split=par.layer_split, cp_comm_type=par.cp_comm_type,
-                                   lora=config.lora)
+                                   lora=config.lora, compile=tr.compile)
         self.model = torch.nn.ModuleList(self.chunks)
         self.moe_layers = moe_layers(self.chunks)
         # --mtp-num-layers: the last stage's MTP losses, logged as Megatron-LM names them.
