@@ -58,7 +58,7 @@ from ptdp.perf.plan.candidates import (  # noqa: F401  (candidate_layouts & co. 
     MAX_CHUNKS, MAX_MICROBATCH, MIN_CONTEXT_POSITIONS, SCHEDULES, candidate_layouts,
     context_sizes_to_search, split_candidates)
 from ptdp.perf.plan.fixed_dimensions import FixedDimensions
-from ptdp.perf.layout import Layout, Workload
+from ptdp.perf.layout import ByValue, Layout, Workload
 
 MEMORY_HEADROOM = 0.9      # leave 10 % of device memory to the allocator and workspaces
 EXACT_ROWS = 30            # search's first rows are exact (see search); plot draws as many
@@ -144,10 +144,11 @@ def search(workload: Workload, devices: int, profile, *, top: int | None = None,
     if candidates is None:
         candidates = list(candidate_layouts(workload, devices, **restrictions))
     bounds = {}
+    workload_key = ByValue(workload)   # (the workload's fields read once, not per layout)
     for i, layout in enumerate(candidates):
         if i % 500 == 0:
             report("bounding", i, len(candidates))
-        bounds[layout] = compute_lower_bound(workload, layout, profile)
+        bounds[layout] = compute_lower_bound(workload, layout, profile, workload_key)
     if exhaustive:
         results = [e for e in (_evaluate_if_fits(workload, layout, profile)
                                for layout in candidates) if e is not None]
