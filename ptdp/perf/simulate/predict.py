@@ -194,8 +194,7 @@ def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Pr
     # The gradient reductions, overlapping each chunk's last backward (every
     # backward under ZeRO-2/3); the tied embedding's sum; then the optimizer
     # (all ranks together).
-    pipeline_end = played.pipeline_end
-    flush = max(pipeline_end)
+    pipeline_end, flush = played.pipeline_end, max(played.pipeline_end)
     optimizer_seconds = [after.optimizer[r] - min(after.hideable_gather[r],
                                                   played.first_forwards[r])
                          for r in range(p)]
@@ -213,8 +212,7 @@ def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Pr
     sync = max(reduced)
     iteration = sync + max(optimizer_seconds)
 
-    # The busiest rank (most compute).
-    busy = played.busy
+    busy = played.busy   # the busiest rank: most compute
     critical = max(range(p), key=lambda r: busy[r])
     bubble = (flush - busy[critical]) / busy[critical] if busy[critical] else 0.0
 
