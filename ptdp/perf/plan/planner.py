@@ -119,7 +119,7 @@ def _kernels(profile) -> str:
 
 def search(workload: Workload, devices: int, profile, *, top: int | None = None,
            exhaustive: bool = False, progress=None, candidates: list[Layout] | None = None,
-           **restrictions) -> list[Evaluation]:
+           best_only: bool = False, **restrictions) -> list[Evaluation]:
     """Layouts that fit, best predicted throughput first, among `candidates`
     (default: candidate_layouts with `restrictions`).
 
@@ -137,7 +137,7 @@ def search(workload: Workload, devices: int, profile, *, top: int | None = None,
     winner in it alone is found the same way among its few candidates and
     added to the results. `progress(stage, done, total)`, if given, hears
     how far it is ("bounding", "pricing", then "done" with the layouts
-    priced)."""
+    priced). `best_only`: the fastest layout alone (exact too), no rivals."""
     from ptdp.perf.simulate.bounds import compute_lower_bound
 
     report = progress or (lambda stage, done, total: None)
@@ -156,7 +156,10 @@ def search(workload: Workload, devices: int, profile, *, top: int | None = None,
         return results[:top] if top else results
 
     priced: dict[Layout, Evaluation | None] = {}
-    results = _best_by_bound(candidates, bounds, EXACT_ROWS, workload, profile, priced)
+    results = _best_by_bound(candidates, bounds, 1 if best_only else EXACT_ROWS, workload,
+                             profile, priced)
+    if best_only:
+        return results
     if results:
         winner = results[0].layout
         for field in ASPECTS:
@@ -498,7 +501,7 @@ def context_without_dropout(workload: Workload, devices: int, profile, fixed: Fi
     if not sizes:
         return None
     free_workload = dataclasses.replace(workload, model=free)
-    found = search(free_workload, devices, profile, top=1,
+    found = search(free_workload, devices, profile, best_only=True,
                    **{**fixed.restrictions, "context_sizes": sizes})
     same = evaluate_layout(free_workload, best.layout, profile)
     if not found or found[0].seconds * (1 + NOTABLE_GAIN) > min(same.seconds, best.seconds):
