@@ -5,7 +5,10 @@ same generator the executor runs (`build_schedule`), gives every action a
 cost in seconds from an operator model of ptdp's GPT, and plays the action
 lists against each other in an event simulation that respects every send /
 receive dependency (an Exchange completes only once the peers have posted
-its other ends, as in `ptdp.schedules.simulate`). The gradient
+its other ends, as in `ptdp.schedules.simulate`; without processor
+sharing, on GPU profiles, the same times come from `_play_unshared`, the
+schedule's dataflow in flat lists, shared by layouts with the same prices
+and tested equal to the player's records). The gradient
 reductions run bucket by bucket under each chunk's last backward (all
 after it where the profile says the run reduced after the backward), the
 tied embedding's sum after both ends have finished, then the optimizer
