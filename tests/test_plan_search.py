@@ -233,3 +233,49 @@ def test_an_moe_plan_searches_ep_and_fixing_ep_keeps_it(capsys):
     results = json.loads(out[:out.rindex("}") + 1])["results"]
     assert {r["layout"]["ep"] for r in results} == {4}
     assert "--expert-model-parallel-size 4" in out.splitlines()[-1]
+
+
+def _played_by_the_player(key, compute, exchange):
+    """predict's shortcut replaced by the one player (ptdp.schedules.player)."""
+    from ptdp.perf.simulate import predict
+    from ptdp.schedules.player import play
+
+    schedule = predict._schedule(*key)
+    return predict._played_from_records(play(schedule, compute, exchange),
+                                        schedule.splits_backward)
+
+
+def test_the_unshared_play_is_the_players_and_the_shared_plays_price_as_pricing_each(monkeypatch):
+    """Without processor sharing (GPU profiles) predict plays a schedule as a
+    dataflow in flat lists and shares a play among the layouts with the same
+    prices (the sharding strategies); its records, every prediction and the
+    search's first rows are those of the one player pricing every layout
+    alone (an 18B-wide model on 8 A100s, one server: every link inside it, each kind of
+    schedule, uneven splits, ZeRO-3's first-forward gathers, each reshard policy)."""
+    from ptdp.perf.plan.planner import EXACT_ROWS, search
+    from ptdp.perf.simulate import predict
+
+    model = ModelConfig(num_layers=8, hidden_size=6144, num_attention_heads=48,
+                        seq_length=2048, vocab_size=51200)
+    workload, a100 = Workload(model, 16), load_profile("a100")
+    predict._PLAYS.clear()
+    shared = {e.layout: e.prediction for e in search(workload, 8, a100, exhaustive=True)}
+    assert len(predict._PLAYS) < len(shared)   # some layouts shared a play
+    pruned = search(workload, 8, a100)
+    monkeypatch.setattr(predict, "_play_unshared", _played_by_the_player)
+    everything = search(workload, 8, a100, exhaustive=True)
+    layouts = [e.layout for e in everything]
+    assert {"1f1b", "interleaved", "zb-h1", "zbv"} <= {layout.schedule_kind for layout in layouts}
+    assert any(not layout.split.even for layout in layouts)
+    assert {(layout.sharding, layout.reshard_after_forward) for layout in layouts} >= {
+        ("optim_grads_params", True), ("optim_grads_params", False), ("no_shard", True)}
+    assert [(e.layout, e.seconds) for e in pruned[:EXACT_ROWS]] == \
+        [(e.layout, e.seconds) for e in everything[:EXACT_ROWS]]
+    assert set(shared) == set(layouts)
+    for e in everything:
+        mine = shared[e.layout]
+        assert (mine.iteration_seconds, mine.bubble_fraction, mine.critical_rank,
+                mine.categories_by_rank, mine.timelines) == (
+            e.prediction.iteration_seconds, e.prediction.bubble_fraction,
+            e.prediction.critical_rank, e.prediction.categories_by_rank,
+            e.prediction.timelines), e.layout

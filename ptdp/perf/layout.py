@@ -126,13 +126,12 @@ class Layout:
     def schedule_kind(self) -> str:
         """The kind build_schedule takes: one with a fixed v > 1 as it is;
         the interleaved kind for any other schedule with v > 1."""
-        return running_kind(self.schedule, self.v)
+        return _running_kind(self.schedule, self.v)
 
     @property
     def zero_bubble(self) -> bool:
         """The backward is split into B (input gradient) and W (weight gradients)."""
-        record = KINDS.get(self.schedule_kind)
-        return record is not None and record.splits_backward
+        return _splits_backward(self.schedule, self.v)
 
     @property
     def splits_sequence(self) -> bool:
@@ -309,6 +308,16 @@ def _layout_init(self, *args, distributed_optimizer: bool | None = None, **kwarg
 
 
 Layout.__init__ = _layout_init
+
+
+# (a search asks a layout's kind a few times per candidate: cached by (schedule, v))
+_running_kind = lru_cache(maxsize=256)(running_kind)
+
+
+@lru_cache(maxsize=256)
+def _splits_backward(schedule: str, v: int) -> bool:
+    record = KINDS.get(_running_kind(schedule, v))
+    return record is not None and record.splits_backward
 
 
 @lru_cache(maxsize=65536)

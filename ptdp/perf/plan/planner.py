@@ -58,7 +58,7 @@ from ptdp.perf.plan.candidates import (  # noqa: F401  (candidate_layouts & co. 
     MAX_CHUNKS, MAX_MICROBATCH, MIN_CONTEXT_POSITIONS, SCHEDULES, candidate_layouts,
     context_sizes_to_search, split_candidates)
 from ptdp.perf.plan.fixed_dimensions import FixedDimensions
-from ptdp.perf.layout import Layout, Workload
+from ptdp.perf.layout import ByValue, Layout, Workload
 
 MEMORY_HEADROOM = 0.9      # leave 10 % of device memory to the allocator and workspaces
 EXACT_ROWS = 30            # search's first rows are exact (see search); plot draws as many
@@ -119,7 +119,7 @@ def _kernels(profile) -> str:
 
 def search(workload: Workload, devices: int, profile, *, top: int | None = None,
            exhaustive: bool = False, progress=None, candidates: list[Layout] | None = None,
-           **restrictions) -> list[Evaluation]:
+           best_only: bool = False, **restrictions) -> list[Evaluation]:
     """Layouts that fit, best predicted throughput first, among `candidates`
     (default: candidate_layouts with `restrictions`).
 
@@ -137,17 +137,18 @@ def search(workload: Workload, devices: int, profile, *, top: int | None = None,
     winner in it alone is found the same way among its few candidates and
     added to the results. `progress(stage, done, total)`, if given, hears
     how far it is ("bounding", "pricing", then "done" with the layouts
-    priced)."""
+    priced). `best_only`: the fastest layout alone (exact too), no rivals."""
     from ptdp.perf.simulate.bounds import compute_lower_bound
 
     report = progress or (lambda stage, done, total: None)
     if candidates is None:
         candidates = list(candidate_layouts(workload, devices, **restrictions))
     bounds = {}
+    workload_key = ByValue(workload)   # (the workload's fields read once, not per layout)
     for i, layout in enumerate(candidates):
         if i % 500 == 0:
             report("bounding", i, len(candidates))
-        bounds[layout] = compute_lower_bound(workload, layout, profile)
+        bounds[layout] = compute_lower_bound(workload, layout, profile, workload_key)
     if exhaustive:
         results = [e for e in (_evaluate_if_fits(workload, layout, profile)
                                for layout in candidates) if e is not None]
@@ -155,7 +156,10 @@ def search(workload: Workload, devices: int, profile, *, top: int | None = None,
         return results[:top] if top else results
 
     priced: dict[Layout, Evaluation | None] = {}
-    results = _best_by_bound(candidates, bounds, EXACT_ROWS, workload, profile, priced)
+    results = _best_by_bound(candidates, bounds, 1 if best_only else EXACT_ROWS, workload,
+                             profile, priced)
+    if best_only:
+        return results
     if results:
         winner = results[0].layout
         for field in ASPECTS:
@@ -497,7 +501,7 @@ def context_without_dropout(workload: Workload, devices: int, profile, fixed: Fi
     if not sizes:
         return None
     free_workload = dataclasses.replace(workload, model=free)
-    found = search(free_workload, devices, profile, top=1,
+    found = search(free_workload, devices, profile, best_only=True,
                    **{**fixed.restrictions, "context_sizes": sizes})
     same = evaluate_layout(free_workload, best.layout, profile)
     if not found or found[0].seconds * (1 + NOTABLE_GAIN) > min(same.seconds, best.seconds):

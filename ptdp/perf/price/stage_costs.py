@@ -171,11 +171,14 @@ def _operator_model(workload: ByValue, t: int, b: int, sequence_parallel: bool,
                          threads)
 
 
-def operator_model(workload: Workload, layout: Layout, profile: HardwareProfile) -> OperatorModel:
+def operator_model(workload: Workload, layout: Layout, profile: HardwareProfile,
+                   workload_key: ByValue | None = None) -> OperatorModel:
     """The OperatorModel of `layout` (what one microbatch costs on one
     tensor rank depends only on t, b, sequence parallelism, c and its comm
     type, and the threads each process gets), shared by every layout of a
-    search that has them."""
-    return _operator_model(ByValue(workload), layout.t, layout.b, layout.splits_sequence,
+    search that has them. `workload_key`: ByValue(workload), made once by
+    a caller that asks for many layouts of one workload."""
+    key = ByValue(workload) if workload_key is None else workload_key
+    return _operator_model(key, layout.t, layout.b, layout.splits_sequence,
                            ByIdentity(profile), profile.threads_per_process(layout.devices),
                            layout.c, layout.cp_comm)

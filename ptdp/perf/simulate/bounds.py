@@ -8,14 +8,15 @@ import functools
 
 from ptdp.schedules.kinds import virtual_stage_of
 from ptdp.perf.price.after_flush import after_flush
-from ptdp.perf.layout import Layout, Workload
+from ptdp.perf.layout import ByValue, Layout, Workload
 from ptdp.perf.analytic.moe import stage_moe_layers
 from ptdp.perf.price.pricing import OperatorModel
 from ptdp.perf.price.profiles import HardwareProfile
 from ptdp.perf.price.stage_costs import operator_model, stage_costs
 
 
-def compute_lower_bound(workload: Workload, layout: Layout, profile: HardwareProfile) -> float:
+def compute_lower_bound(workload: Workload, layout: Layout, profile: HardwareProfile,
+                        workload_key: ByValue | None = None) -> float:
     """Seconds no iteration of this layout can beat, without building its
     schedule (`simulate` never predicts less; tested):
 
@@ -34,26 +35,37 @@ def compute_lower_bound(workload: Workload, layout: Layout, profile: HardwarePro
     what `simulate` adds after the flush. Transfers,
     waits and contention (CPU profiles) only add to this. With uniform
     costs and free transfers it is 1F1B's makespan itself. The planner
-    sorts layouts by it and prices only those that can reach its top rows."""
+    sorts layouts by it and prices only those that can reach its top rows
+    (`workload_key`: ByValue(workload), made once for a search's layouts)."""
     p, v = layout.p, layout.v
     m = layout.microbatches(workload.global_batch)
     kind = layout.schedule_kind
-    ops = operator_model(workload, layout, profile)
+    ops = operator_model(workload, layout, profile, workload_key)
     layers = layout.stage_layers(ops.l)
-    stage_of = _stage_table(kind, p, v)
-    totals = [_stage_seconds(ops, layout.recompute, layout.zero_bubble, stage == 0,
-                             stage == p * v - 1, layers[stage],
-                             stage_moe_layers(ops.w.model, layers, stage), (layout.ep, layout.etp))
-              for stage in range(p * v)]
+    zero_bubble = layout.zero_bubble
+    # The stages' seconds and each rank's sum of them: the same for every
+    # sharding strategy, microbatch count and d (a search's many layouts share them).
+    key = ("bound totals", layout.recompute, zero_bubble, kind, p, v, tuple(layers), layout.ep,
+           layout.etp)
+    if key not in ops.memo:
+        stage_of = _stage_table(kind, p, v)
+        totals = [_stage_seconds(ops, layout.recompute, zero_bubble, stage == 0,
+                                 stage == p * v - 1, layers[stage],
+                                 stage_moe_layers(ops.w.model, layers, stage),
+                                 (layout.ep, layout.etp))
+                  for stage in range(p * v)]
+        ops.memo[key] = (totals, [sum(sum(totals[stage]) for stage in stage_of[r])
+                                  for r in range(p)])
+    totals, per_rank = ops.memo[key]
     after = after_flush(workload, layout, profile, ops)
     bound = 0.0
     head = tail = 0.0   # over the stages before rank r's first stage (stage r)
     for r in range(p):
-        compute = m * sum(sum(totals[stage]) for stage in stage_of[r])
+        compute = m * per_rank[r]
         # The flush comes after the tail; r's own reductions after its last backward.
         bound = max(bound, head + compute + max(tail, after.exposed_at_least(r)))
         head += totals[r][0]
-        if not layout.zero_bubble:
+        if not zero_bubble:
             tail += totals[r][1]
     return bound + max(after.optimizer_at_least(r) for r in range(p))
 

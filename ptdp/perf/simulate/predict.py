@@ -5,7 +5,10 @@ same generator the executor runs (`build_schedule`), gives every action a
 cost in seconds from an operator model of ptdp's GPT, and plays the action
 lists against each other in an event simulation that respects every send /
 receive dependency (an Exchange completes only once the peers have posted
-its other ends, as in `ptdp.schedules.simulate`). The gradient
+its other ends, as in `ptdp.schedules.simulate`; without processor
+sharing, on GPU profiles, the same times come from `_play_unshared`, the
+schedule's dataflow in flat lists, shared by layouts with the same prices
+and tested equal to the player's records). The gradient
 reductions run bucket by bucket under each chunk's last backward (all
 after it where the profile says the run reduced after the backward), the
 tied embedding's sum after both ends have finished, then the optimizer
@@ -61,18 +64,20 @@ rank and sums to `iteration_seconds`.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
+from typing import Any, Callable
 
-from ptdp.schedules.actions import Compute, Exchange
+from ptdp.schedules.actions import Compute, Exchange, ScheduleError
 from ptdp.schedules.build import build_schedule
 from ptdp.schedules.simulate import compute_costs
 from ptdp.perf.price.after_flush import after_flush
 from ptdp.perf.analytic.flops import model_flops_per_iteration
 from ptdp.perf.layout import Layout, Workload
 from ptdp.perf.price.machine import Machine
-from ptdp.schedules.player import play
+from ptdp.schedules.player import Record, other_ends, play
 from ptdp.perf.price.profiles import HardwareProfile
 from ptdp.perf.price.stage_costs import layout_chunk_costs, operator_model
 from ptdp.perf.simulate.timeline import Box, draw_timeline
@@ -95,13 +100,32 @@ class Prediction:
     iteration_seconds: float
     tflops_per_device: float
     bubble_fraction: float
-    seconds_by_category: dict[str, float]     # on the busiest pipeline rank; sums to the iteration
-    categories_by_rank: list[dict[str, float]]   # the same for every pipeline rank
-    timelines: list[list[Box]]                # per pipeline rank (tensor 0, data 0), seconds
     pipeline_seconds: float                   # start of the iteration to the flush
     microbatches: int
     critical_rank: int                        # the busiest pipeline rank
     flops_per_iteration: float
+    # () -> (categories_by_rank, timelines): walked from the played actions
+    # only when asked for (a search ranks by the iteration alone).
+    details: Callable[[], tuple[list[dict[str, float]], list[list[Box]]]] = field(repr=False)
+
+    @functools.cached_property
+    def _details(self) -> tuple[list[dict[str, float]], list[list[Box]]]:
+        return self.details()
+
+    @property
+    def categories_by_rank(self) -> list[dict[str, float]]:
+        """`seconds_by_category` of every pipeline rank."""
+        return self._details[0]
+
+    @property
+    def seconds_by_category(self) -> dict[str, float]:
+        """On the busiest pipeline rank; sums to the iteration."""
+        return self._details[0][self.critical_rank]
+
+    @property
+    def timelines(self) -> list[list[Box]]:
+        """Per pipeline rank (tensor 0, data 0), seconds."""
+        return self._details[1]
 
     def rank_categories(self, rank: int) -> dict[str, float]:
         """`seconds_by_category` of pipeline rank `rank` (sums to the iteration)."""
@@ -144,7 +168,6 @@ def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Pr
     costs = (tuple(((r, c, op), chunks[(r, c)].of(op).total_work + chunks[(r, c)].of(op).comm)
                    for r in range(p) for c in range(v) for op in "FBW")
              if layout.zero_bubble else None)
-    schedule = _schedule(layout.schedule_kind, p, m, v, costs)
 
     # Contention (CPU profiles): t·d processes per computing pipeline rank.
     contended = profile.kind == "cpu" and profile.cores > 0
@@ -164,18 +187,22 @@ def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Pr
         return work, comm + gathered(rank, action)
 
     exchange = _exchange_price(layout, ops, machine, profile)
-    records = play(schedule, compute, exchange, speed if contended else None)
+    if contended:
+        schedule = _schedule(layout.schedule_kind, p, m, v, costs)
+        played = _played_from_records(play(schedule, compute, exchange, speed),
+                                      layout.zero_bubble)
+    else:   # no processor sharing: the dataflow of the actions alone decides their times
+        played = _play_unshared((layout.schedule_kind, p, m, v, costs), compute, exchange)
 
     # The gradient reductions, overlapping each chunk's last backward (every
     # backward under ZeRO-2/3); the tied embedding's sum; then the optimizer
     # (all ranks together).
-    pipeline_end = [max((rec.end for rec in row), default=0.0) for row in records]
-    flush = max(pipeline_end)
+    pipeline_end, flush = played.pipeline_end, max(played.pipeline_end)
     optimizer_seconds = [after.optimizer[r] - min(after.hideable_gather[r],
-                                                  _first_forwards(records[r]))
+                                                  played.first_forwards[r])
                          for r in range(p)]
-    buckets_done = [_buckets_done(row, after, r, layout.zero_bubble) for r, row in
-                    enumerate(records)]
+    buckets_done = [_buckets_done(played.backwards[r], pipeline_end[r], after, r)
+                    for r in range(p)]
     # What of each rank's reduction follows its last computation.
     exposed = [max(0.0, float(buckets_done[r] - pipeline_end[r])) for r in range(p)]
     reduced = [max(pipeline_end[r], buckets_done[r]) for r in range(p)]
@@ -188,31 +215,31 @@ def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Pr
     sync = max(reduced)
     iteration = sync + max(optimizer_seconds)
 
-    # The busiest rank (most compute) and the timeline boxes.
-    busy = []
-    for row in records:
-        busy.append(sum(rec.end - rec.start for rec in row if isinstance(rec.action, Compute)))
+    busy = played.busy   # the busiest rank: most compute
     critical = max(range(p), key=lambda r: busy[r])
     bubble = (flush - busy[critical]) / busy[critical] if busy[critical] else 0.0
 
-    timelines: list[list[Box]] = []
-    by_rank: list[dict[str, float]] = []
-    for r, row in enumerate(records):
-        embedding = after.embedding if embedding_start is not None and r in ends else 0.0
-        boxes, categories = _rank_boxes(row, r, chunks, priced, exposed[r], pipeline_end[r],
-                                        embedding_start, embedding, gathered)
-        if not layout.shards_parameters:
-            del categories[GATHER_CATEGORY]
-        timelines.append(boxes)
-        # The exposed part, split as the bucketed work is (the sequence-
-        # parallel partial sums travel with their buckets).
-        partial = (after.partial_sums[r] / after.bucketed[r] * exposed[r]
-                   if after.bucketed[r] else 0.0)
-        categories["data-parallel reduction"] = exposed[r] - partial + embedding
-        categories["tensor all-reduce"] += partial
-        categories["optimizer"] = optimizer_seconds[r]
-        categories["bubble/idle"] += float(iteration) - sum(categories.values())
-        by_rank.append(categories)
+    def details() -> tuple[list[dict[str, float]], list[list[Box]]]:
+        """Each rank's seconds by category and its timeline boxes."""
+        timelines: list[list[Box]] = []
+        by_rank: list[dict[str, float]] = []
+        for r, row in enumerate(played.records()):
+            embedding = after.embedding if embedding_start is not None and r in ends else 0.0
+            boxes, categories = _rank_boxes(row, r, chunks, priced, exposed[r], pipeline_end[r],
+                                            embedding_start, embedding, gathered)
+            if not layout.shards_parameters:
+                del categories[GATHER_CATEGORY]
+            timelines.append(boxes)
+            # The exposed part, split as the bucketed work is (the sequence-
+            # parallel partial sums travel with their buckets).
+            partial = (after.partial_sums[r] / after.bucketed[r] * exposed[r]
+                       if after.bucketed[r] else 0.0)
+            categories["data-parallel reduction"] = exposed[r] - partial + embedding
+            categories["tensor all-reduce"] += partial
+            categories["optimizer"] = optimizer_seconds[r]
+            categories["bubble/idle"] += float(iteration) - sum(categories.values())
+            by_rank.append(categories)
+        return by_rank, timelines
 
     flops = model_flops_per_iteration(
         workload.model, workload.global_batch, recompute=layout.recompute,
@@ -222,10 +249,8 @@ def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Pr
     return Prediction(
         workload=workload, layout=layout, profile=profile, iteration_seconds=iteration,
         tflops_per_device=flops / (layout.devices * iteration) / 1e12,
-        bubble_fraction=float(bubble), seconds_by_category=by_rank[critical],
-        categories_by_rank=by_rank, timelines=timelines,
-        pipeline_seconds=float(flush), microbatches=m, critical_rank=critical,
-        flops_per_iteration=flops)
+        bubble_fraction=float(bubble), pipeline_seconds=float(flush), microbatches=m,
+        critical_rank=critical, flops_per_iteration=flops, details=details)
 
 
 def _exchange_price(layout: Layout, ops, machine: Machine, profile: HardwareProfile):
@@ -322,47 +347,222 @@ def _rank_boxes(row, r: int, chunks, priced, exposed: float, pipeline_end, embed
     return boxes, categories
 
 
+@dataclass
+class _Played:
+    """What a priced iteration needs of a played schedule, per pipeline
+    rank: when its last action ends, its compute time, its first forward
+    of each chunk (_first_forwards), the (chunk, start, end) of each of its
+    backwards (its Ws under the zero-bubble kinds: what releases gradient
+    buckets), and its records (built on demand)."""
+    pipeline_end: list
+    busy: list
+    first_forwards: list[float]
+    backwards: list[list[tuple]]
+    records: Callable[[], list[list[Record]]]
+
+
+def _played_from_records(records: list[list[Record]], zero_bubble: bool) -> _Played:
+    op = "W" if zero_bubble else "B"
+    return _Played(
+        [max((rec.end for rec in row), default=0.0) for row in records],
+        [sum(rec.end - rec.start for rec in row if isinstance(rec.action, Compute))
+         for row in records],
+        [_first_forwards([(rec.action, rec.start, rec.end) for rec in row]) for row in records],
+        [[(rec.action.chunk, rec.start, rec.end) for rec in row
+          if isinstance(rec.action, Compute) and rec.action.op == op] for row in records],
+        lambda: records)
+
+
 def _first_forwards(row) -> float:
-    """Seconds of a rank's first forward of each of its chunks: what a
-    weight all-gather overlapped with the next iteration's forward can hide
-    under, each chunk's buckets arriving before its first forward needs them."""
+    """Seconds of a rank's first forward of each of its chunks (row: its
+    (action, start, end) in order): what a weight all-gather overlapped
+    with the next iteration's forward can hide under, each chunk's buckets
+    arriving before its first forward needs them."""
     first: dict[int, float] = {}
-    for rec in row:
-        if isinstance(rec.action, Compute) and rec.action.op == "F":
-            first.setdefault(rec.action.chunk, float(rec.end - rec.start))
+    for action, start, end in row:
+        if isinstance(action, Compute) and action.op == "F":
+            first.setdefault(action.chunk, float(end - start))
     return sum(first.values())
 
 
-def _buckets_done(row, after, rank: int, zero_bubble: bool):
+def _buckets_done(backwards: list[tuple], row_end, after, rank: int):
     """When rank `rank`'s gradient buckets have all been reduced: each
     chunk's share of the bucketed work is released evenly over the chunk's
-    last backward (its last W under the zero-bubble schedules, which compute
-    the weight gradients; every one of them under ZeRO-2/3, which reduce
-    each microbatch's gradients as they complete), the link works through
-    it in that order, and a chunk's last bucket can start only once its
-    backward has ended."""
+    last backward (`backwards`: (chunk, start, end) of its Bs, or its Ws
+    under the zero-bubble schedules, which compute the weight gradients;
+    every one of them under ZeRO-2/3, which reduce each microbatch's
+    gradients as they complete), the link works through it in that order,
+    and a chunk's last bucket can start only once its backward has ended
+    (`row_end`: when the rank's last action ends)."""
     total = after.bucketed[rank]
     if total <= 0:
         return 0.0
-    op = "W" if zero_bubble else "B"
-    last: dict[int, object] = {}
-    backwards = []
-    for rec in row:
-        if isinstance(rec.action, Compute) and rec.action.op == op:
-            last[rec.action.chunk] = rec
-            backwards.append(rec)
+    last: dict[int, tuple] = {}
+    for backward in backwards:
+        last[backward[0]] = backward
     if not after.overlapped:     # every bucket after the rank's last computation
         rounds = len(backwards) / max(1, len(last)) if after.per_microbatch else 1
-        return max((rec.end for rec in row), default=0.0) + total * rounds
+        return row_end + total * rounds
     released = (backwards if after.per_microbatch else
-                sorted(last.values(), key=lambda rec: rec.end))
+                sorted(last.values(), key=lambda backward: backward[2]))
     free = 0.0
-    for rec in sorted(released, key=lambda rec: rec.end):
-        work = total * after.chunk_shares[rank][rec.action.chunk]
+    for chunk, start, end in sorted(released, key=lambda backward: backward[2]):
+        work = total * after.chunk_shares[rank][chunk]
         if work <= 0:
             continue
-        free = max(max(free, rec.start) + work, rec.end + min(work, after.last_bucket[rank]))
+        free = max(max(free, start) + work, end + min(work, after.last_bucket[rank]))
     return free
+
+
+@dataclass
+class _Codes:
+    """A schedule's actions as slots of their prices, for `_play_unshared`:
+    per rank, each action's slot (>= 0: a compute's (chunk, op, whether it
+    is the first forward), priced alike; < 0: -1 - an exchange's slot, by
+    its transfers' ops and peers, as _exchange_price caches them), one
+    action of each slot, the other ends each exchange waits for
+    (player.other_ends), and where the computes and each op's computes are."""
+    schedule: Any
+    slots: list[list[int]]
+    compute_slots: list[list[Compute]]
+    exchange_slots: list[list[Exchange]]
+    ends: list[list]
+    computes: list[list[int]]
+    of_op: list[dict[str, list[int]]]
+
+
+@functools.lru_cache(maxsize=32)
+def _codes(key: tuple) -> _Codes:
+    schedule = _schedule(*key)
+    slots, compute_slots, exchange_slots, computes, of_op = [], [], [], [], []
+    for actions in schedule.ranks:
+        seen: dict[tuple, int] = {}
+        row, kept_computes, kept_exchanges, positions = [], [], [], []
+        by_op: dict[str, list[int]] = {"F": [], "B": [], "W": []}
+        for i, action in enumerate(actions):
+            if isinstance(action, Compute):
+                slot = (action.chunk, action.op, action.op == "F" and action.microbatch == 0)
+                if slot not in seen:
+                    seen[slot] = len(kept_computes)
+                    kept_computes.append(action)
+                row.append(seen[slot])
+                positions.append(i)
+                by_op[action.op].append(i)
+            else:
+                slot = tuple((transfer.op, transfer.peer) for transfer in action.transfers)
+                if slot not in seen:
+                    seen[slot] = -1 - len(kept_exchanges)
+                    kept_exchanges.append(action)
+                row.append(seen[slot])
+        slots.append(row)
+        compute_slots.append(kept_computes)
+        exchange_slots.append(kept_exchanges)
+        computes.append(positions)
+        of_op.append(by_op)
+    return _Codes(schedule, slots, compute_slots, exchange_slots, other_ends(schedule), computes,
+                  of_op)
+
+
+def _play_unshared(key: tuple, compute, exchange) -> _Played:
+    """`play` without processor sharing (GPU profiles), from the same
+    prices: then an action's times follow from its predecessor on its rank
+    and, for an exchange, its other ends' posting alone, whatever order
+    the ranks are moved in, so each rank runs as far as its exchanges let
+    it, its start and end times kept in flat lists; the records are the
+    ones `play` makes (tested), built only when asked for. Plays are shared
+    by the layouts whose prices they have in common (the sharding
+    strategies that change only what follows the flush)."""
+    codes = _codes(key)
+    compute_prices = tuple(tuple(compute(r, action) for action in row)
+                           for r, row in enumerate(codes.compute_slots))
+    exchange_prices = tuple(tuple(exchange(r, action) for action in row)
+                            for r, row in enumerate(codes.exchange_slots))
+    memo = (key, compute_prices, exchange_prices)
+    played = _PLAYS.get(memo)
+    if played is None:
+        if len(_PLAYS) >= 64:
+            _PLAYS.clear()
+        played = _PLAYS[memo] = _played_flat(codes, compute_prices, exchange_prices)
+    return played
+
+
+_PLAYS: dict[tuple, _Played] = {}
+
+
+def _played_flat(codes: _Codes, compute_prices: tuple, exchange_prices: tuple) -> _Played:
+    schedule, slots, ends_of = codes.schedule, codes.slots, codes.ends
+    p = schedule.p
+    starts: list[list] = [[] for _ in range(p)]
+    finishes: list[list] = [[] for _ in range(p)]
+    posted = [[None] * len(actions) for actions in schedule.ranks]
+    clock: list = [0] * p
+    queued, pending = [True] * p, deque(range(p))
+    while pending:
+        r = pending.popleft()
+        queued[r] = False
+        row, ends_r, mine, begun, done = slots[r], ends_of[r], posted[r], starts[r], finishes[r]
+        works, waits = compute_prices[r], exchange_prices[r]
+        now, i, n = clock[r], len(done), len(row)
+        while i < n:
+            slot = row[i]
+            if slot >= 0:
+                work, collective = works[slot]
+                begun.append(now)
+                now = now + work + collective
+                done.append(now)
+                i += 1
+                continue
+            if mine[i] is None:   # posted: wake its peers
+                mine[i] = now
+                for transfer in schedule.ranks[r][i].transfers:
+                    if not queued[transfer.peer]:
+                        queued[transfer.peer] = True
+                        pending.append(transfer.peer)
+            ready = now
+            for peer, j in ends_r[i]:
+                when = posted[peer][j]
+                if when is None:
+                    break
+                if when > ready:
+                    ready = when
+            else:
+                begun.append(now)
+                now = ready + waits[-1 - slot]
+                done.append(now)
+                i += 1
+                continue
+            break
+        clock[r] = now
+    stuck = [r for r in range(p) if len(finishes[r]) < len(slots[r])]
+    if stuck:
+        raise ScheduleError(f"{schedule.kind} p={p} m={schedule.m} v={schedule.v} deadlocks at "
+                            f"ranks {stuck}")
+
+    def records() -> list[list[Record]]:
+        rows = []
+        for r, actions in enumerate(schedule.ranks):
+            row = []
+            for i, action in enumerate(actions):
+                record = Record(action, starts[r][i], finishes[r][i])
+                slot = slots[r][i]
+                if slot >= 0:
+                    record.work_end = starts[r][i] + compute_prices[r][slot][0]
+                else:
+                    record.ready = max([starts[r][i]] + [posted[peer][j]
+                                                         for peer, j in ends_of[r][i]])
+                row.append(record)
+            rows.append(row)
+        return rows
+
+    zero_bubble = schedule.splits_backward
+    return _Played(
+        [max(finishes[r], default=0.0) for r in range(p)],
+        [sum(finishes[r][i] - starts[r][i] for i in codes.computes[r]) for r in range(p)],
+        [_first_forwards([(schedule.ranks[r][i], starts[r][i], finishes[r][i])
+                          for i in codes.of_op[r]["F"]]) for r in range(p)],
+        [[(schedule.ranks[r][i].chunk, starts[r][i], finishes[r][i])
+          for i in codes.of_op[r]["W" if zero_bubble else "B"]] for r in range(p)],
+        records)
 
 
 def simulate_uniform(kind: str, p: int, m: int, v: int = 1, *, forward: Fraction | int = 1,
