@@ -166,17 +166,23 @@ def run_sides(row: Row, model: ModelConfig, iters: int, warmup: int) -> dict:
         return out
 
     times: dict[str, list[float]] = {"ptdp": [], "megatron": []}
+    # This process's CPU seconds (all its threads) per iteration: the work
+    # done, which other jobs on a shared machine barely change (waiting in a
+    # collective costs none), beside the wall time they do change.
+    cpu: dict[str, list[float]] = {"ptdp": [], "megatron": []}
     losses: dict[str, list[float | None]] = {"ptdp": [], "megatron": []}
     for iteration in range(warmup + iters):
         data = batches(iteration)
         for side in (("ptdp", "megatron") if iteration % 2 == 0 else ("megatron", "ptdp")):  # ABBA
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             loss = (megatron_side.ptdp_forward_backward(trainer, iteration) if side == "ptdp"
                     else theirs.step(data))
+            cpu_end = time.process_time()
             dist.barrier()
             if iteration >= warmup:
                 times[side].append(time.perf_counter() - start)
+                cpu[side].append(cpu_end - cpu_start)
             losses[side].append(loss)
     if lay.d > 1:  # Megatron-Core's loss is its data-parallel replica's: average them
         for i, value in enumerate(losses["megatron"]):
@@ -186,7 +192,8 @@ def run_sides(row: Row, model: ModelConfig, iters: int, warmup: int) -> dict:
                 losses["megatron"][i] = mean.item() / lay.d
     megatron_side.destroy_megatron()
     gathered = [None] * lay.world
-    dist.all_gather_object(gathered, {"times": times, "losses": losses, "last": trainer.holds_loss,
+    dist.all_gather_object(gathered, {"times": times, "cpu": cpu, "losses": losses,
+                                      "last": trainer.holds_loss,
                                       "shims": megatron_shims.shims()})
     return gathered
 
@@ -229,18 +236,25 @@ def run_row(row: Row, model: ModelConfig, iters: int, warmup: int) -> dict:
         mp.start_processes(_worker, args=(row, model, _free_port(), iters, warmup, threads, out),
                            nprocs=row.layout.world, join=True, start_method="spawn")
         ranks = json.loads(Path(out).read_text())
-    return summarise(row, model, ranks, (load_before, os.getloadavg()[0]))
+    return summarise(row, model, ranks, (load_before, os.getloadavg()[0]), threads)
 
 
-def summarise(row: Row, model: ModelConfig, ranks: list[dict], load: tuple) -> dict:
+def summarise(row: Row, model: ModelConfig, ranks: list[dict], load: tuple, threads: int) -> dict:
     """A row's figures from every rank's run_sides; `load`: the 1-minute
-    load average before and after it."""
+    load average before and after it; `threads`: each process's intra-op
+    threads (with more than one, the CPU time also counts their spinning
+    between parallel regions, so it is not shown)."""
     times = ranks[0]["times"]
     last = next(r for r in ranks if r["last"])
     ptdp_s, megatron_s = statistics.median(times["ptdp"]), statistics.median(times["megatron"])
+    # CPU seconds of every rank together, per iteration, then the median
+    cpu = {side: statistics.median(map(sum, zip(*(rank["cpu"][side] for rank in ranks))))
+           for side in ("ptdp", "megatron")}
     first = (last["losses"]["ptdp"][0], last["losses"]["megatron"][0])
     return {"family": row.family, "layout": row.describe(), "row": asdict(row.layout),
             "ptdp_s": ptdp_s, "megatron_s": megatron_s, "ratio": megatron_s / ptdp_s,
+            "ptdp_cpu_s": cpu["ptdp"], "megatron_cpu_s": cpu["megatron"],
+            "cpu_ratio": cpu["megatron"] / cpu["ptdp"], "threads": threads,
             "ratios": [m / p for p, m in zip(times["ptdp"], times["megatron"])],
             "first_losses": first, "losses_agree": abs(first[0] - first[1]) <= LOSS_ATOL,
             "ln_vocab": math.log(model.vocab_size), "load": load,
@@ -251,14 +265,23 @@ def summarise(row: Row, model: ModelConfig, ranks: list[dict], load: tuple) -> d
 # Report
 
 
+def cpu_cell(result: dict) -> str:
+    if result["threads"] > 1:
+        return f"— ({result['threads']} threads)"
+    return (f"{result['ptdp_cpu_s']:.3f} / {result['megatron_cpu_s']:.3f} "
+            f"({result['cpu_ratio']:.2f})")
+
+
 def table(results: list[dict]) -> str:
     lines = ["| model | layout | ptdp s | Megatron-Core s | Megatron-Core / ptdp (range of pairs) | "
+             "CPU s ptdp / Megatron-Core (ratio) | "
              "first-iteration loss ptdp / Megatron-Core | agree (1e-3) | load before→after |",
-             "|---|---|---:|---:|---:|---|---|---|"]
+             "|---|---|---:|---:|---:|---:|---|---|---|"]
     for r in results:
         low, high = min(r["ratios"]), max(r["ratios"])
         lines.append(f"| {r['family']} | {r['layout']} | {r['ptdp_s']:.3f} | {r['megatron_s']:.3f} | "
-                     f"{r['ratio']:.2f} ({low:.2f}–{high:.2f}) | {r['first_losses'][0]:.5f} / "
+                     f"{r['ratio']:.2f} ({low:.2f}–{high:.2f}) | {cpu_cell(r)} | "
+                     f"{r['first_losses'][0]:.5f} / "
                      f"{r['first_losses'][1]:.5f} | {'yes' if r['losses_agree'] else '**NO**'} | "
                      f"{r['load'][0]:.1f}→{r['load'][1]:.1f} |")
     return "\n".join(lines)
@@ -308,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
             result = run_row(row, model_of(row, args.tiny), args.iters, args.warmup)
             results.append(result)
             print(f"{family}: {result['layout']}: ptdp {result['ptdp_s']:.3f} s, Megatron-Core "
-                  f"{result['megatron_s']:.3f} s, ratio {result['ratio']:.2f}, first losses "
+                  f"{result['megatron_s']:.3f} s, ratio {result['ratio']:.2f} (CPU time "
+                  f"{result['cpu_ratio']:.2f}), first losses "
                   f"{result['first_losses'][0]:.5f} / {result['first_losses'][1]:.5f}, "
                   f"load {result['load'][1]:.1f}", file=sys.stderr)
     from importlib.metadata import version
@@ -327,7 +351,9 @@ def main(argv: list[str] | None = None) -> int:
               f"gloo, {cpu_name()}, {os.cpu_count()} cores shared by the processes. Forward + "
               f"backward of one global batch with the gradients reduced, no optimizer; median of "
               f"{args.iters} iterations per side, alternating (ABBA); ratio = Megatron-Core's time / "
-              f"ptdp's (> 1: ptdp faster). Both sides start from ptdp's initialisation (copied into "
+              f"ptdp's (> 1: ptdp faster). CPU s: the CPU time of all ranks together per "
+              f"iteration (median), the work done, which other jobs on the machine barely "
+              f"change (shown where each process runs one thread). Both sides start from ptdp's initialisation (copied into "
               f"Megatron-Core by name); ln V = {math.log(m.vocab_size):.3f}.\n")
     publish(HEADING, report(results, header, time.time() - started), write=args.write)
     if args.json:

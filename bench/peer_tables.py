@@ -9,15 +9,18 @@ def fmt_rate(x: float) -> str:
 
 def peer_table(results: list[dict], peak: float) -> str:
     lines = ["| section | layout | PyTorch side | ours tokens/s | PyTorch tokens/s | ours / PyTorch "
-             "| losses agree (max rel. diff) | ours utilisation | PyTorch utilisation |",
-             "|---|---|---|---:|---:|---:|---|---:|---:|"]
+             "| CPU time PyTorch / ours | losses agree (max rel. diff) | ours utilisation "
+             "| PyTorch utilisation | load before / after |",
+             "|---|---|---|---:|---:|---:|---:|---|---:|---:|---|"]
     for r in results:
         agree = ("yes" if r["same_loss"] else "**NO**") + f" ({r['loss_max_rel_diff']:.1e})"
         ratio = f"{r['ratio']:.2f}" if r["same_loss"] else "not counted"
+        cpu = f"{r['cpu_ratio']:.2f}" if "cpu_ratio" in r else "—"
+        load = " / ".join(f"{values[0]:.1f}" for values in r["load"])
         lines.append(f"| {r['row']['section']} | {r['layout']} | {r['peer']} | "
                      f"{fmt_rate(r['ours_tokens_per_s'])} | {fmt_rate(r['theirs_tokens_per_s'])} | "
-                     f"{ratio} | {agree} | {r['ours_gflops'] / peak:.1%} | "
-                     f"{r['theirs_gflops'] / peak:.1%} |")
+                     f"{ratio} | {cpu} | {agree} | {r['ours_gflops'] / peak:.1%} | "
+                     f"{r['theirs_gflops'] / peak:.1%} | {load} |")
     return "\n".join(lines)
 
 

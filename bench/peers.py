@@ -434,19 +434,22 @@ def run_sides(row: Row, model: ModelConfig, iters: int, warmup: int) -> list[dic
         theirs = TorchSide(row, model, _logical_weights(model, config.train.seed), ctx,
                            ours.microbatch_fn)
     times: dict[str, list[float]] = {"ours": [], "theirs": []}
+    cpu: dict[str, list[float]] = {"ours": [], "theirs": []}  # this process's CPU seconds
     losses: dict[str, list[float | None]] = {"ours": [], "theirs": []}
 
     def timed(side: str, iteration: int) -> None:
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         if side == "ours":
             loss = ours.step(iteration)[0]["loss"]
         else:
             loss = theirs.step(iteration)
+        cpu_end = time.process_time()
         dist.barrier()
         elapsed = time.perf_counter() - start
         if iteration >= warmup:
             times[side].append(elapsed)
+            cpu[side].append(cpu_end - cpu_start)
         losses[side].append(loss)
 
     sides = ["ours", "theirs"] if theirs is not None else ["ours"]
@@ -462,7 +465,7 @@ def run_sides(row: Row, model: ModelConfig, iters: int, warmup: int) -> list[dic
                 dist.all_reduce(mean, group=ctx.dp_group)
                 losses["theirs"][i] = mean.item() / row.d
     gathered = [None] * row.world
-    dist.all_gather_object(gathered, {"times": times, "losses": losses,
+    dist.all_gather_object(gathered, {"times": times, "cpu": cpu, "losses": losses,
                                       "last": ctx.is_last_stage, "memory": memory})
     return gathered
 
@@ -508,6 +511,12 @@ def summarise(row: Row, model: ModelConfig, ranks: list[dict], load: tuple) -> d
         result["theirs_tokens_per_s"] = tokens / result["theirs_s"]
         result["theirs_gflops"] = flops / result["theirs_s"] / 1e9
         result["ratio"] = result["theirs_s"] / result["ours_s"]
+        if all("cpu" in r for r in ranks):
+            # every rank's CPU seconds together per iteration (median): the
+            # work done, which other jobs on the machine barely change
+            ours_cpu, theirs_cpu = (statistics.median(map(sum, zip(*(r["cpu"][side] for r in ranks))))
+                                    for side in ("ours", "theirs"))
+            result["cpu_ratio"] = theirs_cpu / ours_cpu
         result["theirs_losses"] = last["losses"]["theirs"]
         result["loss_max_rel_diff"] = loss_difference(result["ours_losses"], result["theirs_losses"])
         result["same_loss"] = result["loss_max_rel_diff"] <= LOSS_RTOL
@@ -642,6 +651,8 @@ def main(argv: list[str] | None = None) -> int:
               f"torch {torch.__version__}, gloo, {cpu_name()}, {os.cpu_count()} cores shared by "
               f"the processes; matmul peak {peak:.1f} GFLOP/s (fp32). Median of {args.iters} "
               f"iterations per side, alternating; ratio = PyTorch's time / ours (> 1: ours faster); "
+              f"CPU time: the same ratio of every rank's CPU seconds together, the work done, "
+              f"which other jobs on the machine barely change; "
               f"utilisation = model FLOP/s of the job / the machine's matmul peak.\n")
     blocks = [header]
     failed = [r for r in peer_results + sharded_results if not r["same_loss"]]
