@@ -73,11 +73,11 @@ from ptdp.parallel.tensor import (
     RNGStreams,
     RowParallelLinear,
     VocabParallelEmbedding,
-    copy_to_tensor_region,
     mark_partial_grad,
     reduce_scatter_to_sequence_region,
     scaled_init_std,
     sequence_parallel_linear,
+    tensor_parallel_linear,
     vocab_parallel_cross_entropy,
 )
 from ptdp.parallel.weight_grad import DeferredWeightGrads
@@ -551,7 +551,7 @@ class GPT(nn.Module):
         if self.sequence_parallel:  # gather the positions into the vocabulary-parallel product
             logits = sequence_parallel_linear(hidden, output.weight, None, self.ctx.tp_group)
         else:
-            logits = F.linear(copy_to_tensor_region(hidden, self.ctx.tp_group), output.weight)
+            logits = tensor_parallel_linear(hidden, output.weight, None, self.ctx.tp_group)
         return output.mask_padding(logits)
 
     def _own_positions(self, x: torch.Tensor) -> torch.Tensor:

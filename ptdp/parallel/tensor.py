@@ -195,6 +195,46 @@ class _SequenceParallelLinear(torch.autograd.Function):
         return grad_input, grad_weight.to(weight.dtype), grad_bias, None, None, None
 
 
+class _TensorParallelLinear(torch.autograd.Function):
+    """y = x Wᵀ + b for a column-parallel W whose input x is replicated over
+    the tensor ranks: f (copy_to_tensor_region) and the product in one.
+
+    Backward all-reduces the input gradient while the weight gradient's
+    product runs, as Megatron-LM does, where f then F.linear would run the
+    two products first and the all-reduce after them."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_input = grad.matmul(weight)
+        reducing = dist.all_reduce(grad_input, group=ctx.group, async_op=True)
+        grad_weight = grad_bias = None
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            grad_2d = grad.reshape(-1, grad.shape[-1])
+            if ctx.needs_input_grad[1]:
+                grad_weight = grad_2d.t().matmul(x.reshape(-1, x.shape[-1])).to(weight.dtype)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                grad_bias = grad_2d.sum(dim=0)
+        reducing.wait()
+        return grad_input, grad_weight, grad_bias, None
+
+
+def tensor_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           group: Any) -> torch.Tensor:
+    """F.linear(copy_to_tensor_region(x, group), weight, bias), with the
+    input gradient's all-reduce under the weight gradient's product."""
+    if group is None:
+        return F.linear(x, weight, bias)
+    return _TensorParallelLinear.apply(x, weight, bias, group)
+
+
 def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                              group: Any, store: DeferredWeightGrads | None = None) -> torch.Tensor:
     """[s/t, b, h] -> [s, b, out/t]: the sequence gathered into a column-parallel
@@ -321,9 +361,13 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor):
         if self.sequence_parallel:  # x: this rank's s/t positions
             return self._sequence_parallel_forward(x)
-        x = copy_to_tensor_region(x, self.group)
         deferred = self.skip_bias_add and defers_bias(x.device)
-        y = deferrable_linear(x, self.weight, None if deferred else self.bias, self.weight_grads)
+        bias = None if deferred else self.bias
+        if self.weight_grads is None and self.lora is None:
+            y = tensor_parallel_linear(x, self.weight, bias, self.group)
+        else:  # (the adapter's input gradient is summed by f too)
+            x = copy_to_tensor_region(x, self.group)
+            y = deferrable_linear(x, self.weight, bias, self.weight_grads)
         if self.lora is not None:
             y = y + self.lora.column_delta(x)
         if self.skip_bias_add:
