@@ -26,6 +26,12 @@ are shown side by side; with the same weights they agree within 1e-3.
     python bench/megatron_peers.py --install     # install megatron-core if missing, run every row
     python bench/megatron_peers.py dense         # the dense rows only (or: moe)
     python bench/megatron_peers.py --write       # append the table to bench/RESULTS.md
+    python bench/megatron_peers.py --device cuda # on GPUs: NCCL, one GPU per process, the rows
+                                                 # that fit the GPUs, plus dense in one process
+
+On GPUs Megatron-Core runs natively (no device, RNG or host-copy shims), with
+the same local layer spec as on the CPU: its Transformer Engine spec names
+its weights differently, and ptdp uses no Transformer Engine either.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ from results import cpu_name, publish  # noqa: E402
 from ptdp.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 
 HEADING = "## Megatron-Core as a peer: ptdp against Megatron-Core's GPT and MoE (CPU)"
+GPU_HEADING = "## Megatron-Core as a peer on a GPU: ptdp against Megatron-Core's GPT and MoE"
 LOSS_ATOL = 1e-3
 MODEL = ModelConfig(num_layers=8, hidden_size=256, num_attention_heads=8, seq_length=128,
                     vocab_size=8192, hidden_dropout=0.0, attention_dropout=0.0)
@@ -101,6 +108,24 @@ ROWS = {
 }
 
 
+def rows_for(families: list[str], device: str) -> tuple[dict[str, list[Row]], list[str]]:
+    """The rows to run per family, and why any are left out: on GPUs those
+    with more processes than GPUs (one GPU each); there the dense model gets
+    a one-process row too."""
+    if device == "cpu":
+        return {family: ROWS[family] for family in families}, []
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        raise SystemExit("--device cuda: this machine has no CUDA GPU; run without --device")
+    rows, skipped = {}, []
+    for family in families:
+        candidates = ([Row("dense")] if family == "dense" else []) + ROWS[family]
+        rows[family] = [row for row in candidates if row.layout.world <= gpus]
+        skipped += [f"{family} {row.describe()} (needs {row.layout.world} GPUs, this machine has "
+                    f"{gpus})" for row in candidates if row.layout.world > gpus]
+    return rows, skipped
+
+
 def model_of(row: Row, tiny: bool = False) -> ModelConfig:
     model = MOE_MODEL if row.family == "moe" else MODEL
     if row.family == "moe":
@@ -108,13 +133,13 @@ def model_of(row: Row, tiny: bool = False) -> ModelConfig:
     return replace(model, **TINY) if tiny else model
 
 
-def ptdp_config(row: Row, model: ModelConfig) -> Config:
+def ptdp_config(row: Row, model: ModelConfig, device: str = "cpu") -> Config:
     lay = row.layout
     return Config(
         model=model,
         parallel=ParallelConfig(
             tensor_model_parallel_size=lay.t, pipeline_model_parallel_size=lay.p,
-            data_parallel_size=lay.d, pipeline_schedule="1f1b", device="cpu",
+            data_parallel_size=lay.d, pipeline_schedule="1f1b", device=device,
             num_layers_per_virtual_pipeline_stage=(model.num_layers // (lay.p * lay.v)
                                                    if lay.v > 1 else None),
             sequence_parallel=lay.sequence_parallel, expert_model_parallel_size=lay.ep,
@@ -137,7 +162,7 @@ def _logical_weights(model: ModelConfig, seed: int) -> dict:
             if not name.endswith("expert_bias")}
 
 
-def run_sides(row: Row, model: ModelConfig, iters: int, warmup: int) -> dict:
+def run_sides(row: Row, model: ModelConfig, iters: int, warmup: int, device: str = "cpu") -> dict:
     """This rank's part of a row, in a process group of the layout's ranks
     already started: every timed iteration's seconds and every loss, per side."""
     import megatron_side
@@ -146,13 +171,18 @@ def run_sides(row: Row, model: ModelConfig, iters: int, warmup: int) -> dict:
 
     lay = row.layout
     ctx = ParallelContext.build(RankGrid(tp=lay.t, dp=lay.d, pp=lay.p, ep=lay.ep, etp=lay.etp))
-    trainer = Trainer(ptdp_config(row, model), ctx, torch.device("cpu"))
-    megatron_side.initialize_megatron(lay, SEED)
-    megatron_shims.install_cpu_device()  # modules the model's construction imported
+    cuda = device == "cuda"
+    trainer = Trainer(ptdp_config(row, model, device), ctx, torch.device(device))
+    megatron_side.initialize_megatron(lay, SEED, cuda=cuda)
+    if not cuda:
+        megatron_shims.install_cpu_device()  # modules the model's construction imported
     microbatches = GLOBAL_BATCH // (MICRO_BATCH * lay.d)
     theirs = megatron_side.MegatronSide(model, lay, _logical_weights(model, SEED), MICRO_BATCH,
-                                        microbatches)
-    megatron_shims.install_cpu_device()  # and those its modules imported as they were built
+                                        microbatches, torch.device(device))
+    if not cuda:
+        megatron_shims.install_cpu_device()  # and those its modules imported as they were built
+    # (a GPU's queued work is done before a time is read)
+    synchronize = torch.cuda.synchronize if cuda else (lambda: None)
     reads = ctx.is_first_stage or trainer.holds_loss
 
     def batches(iteration: int) -> list[tuple]:
@@ -178,6 +208,7 @@ def run_sides(row: Row, model: ModelConfig, iters: int, warmup: int) -> dict:
             start, cpu_start = time.perf_counter(), time.process_time()
             loss = (megatron_side.ptdp_forward_backward(trainer, iteration) if side == "ptdp"
                     else theirs.step(data))
+            synchronize()
             cpu_end = time.process_time()
             dist.barrier()
             if iteration >= warmup:
@@ -199,7 +230,7 @@ def run_sides(row: Row, model: ModelConfig, iters: int, warmup: int) -> dict:
 
 
 def _worker(rank: int, row: Row, model: ModelConfig, port: int, iters: int, warmup: int,
-            threads: int, out: str) -> None:
+            threads: int, out: str, device: str) -> None:
     torch.set_num_threads(threads)
     # Megatron-Core's advice for GPUs and its fallbacks' notices (apex, CUDA
     # connections, deprecated collectives): not about this run's results.
@@ -208,14 +239,19 @@ def _worker(rank: int, row: Row, model: ModelConfig, port: int, iters: int, warm
     if row.layout.sequence_parallel:
         megatron_shims.install_apex_layer_norm()
     megatron_shims.install_import_shims()
-    megatron_shims.install_cpu_device()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=row.layout.world)
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    else:
+        megatron_shims.install_cpu_device()
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=row.layout.world)
     try:
-        megatron_shims.install_rng_tracker()
+        if not cuda:  # (a GPU has Megatron-Core's own RNG tracker and device-to-host copies)
+            megatron_shims.install_rng_tracker()
+            megatron_shims.install_host_splits()
         megatron_shims.install_missing_names()
-        megatron_shims.install_host_splits()
-        gathered = run_sides(row, model, iters, warmup)
+        gathered = run_sides(row, model, iters, warmup, device)
         if rank == 0:
             Path(out).write_text(json.dumps(gathered))
     finally:
@@ -228,15 +264,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_row(row: Row, model: ModelConfig, iters: int, warmup: int) -> dict:
+def run_row(row: Row, model: ModelConfig, iters: int, warmup: int, device: str = "cpu") -> dict:
     threads = max(1, (os.cpu_count() or 1) // row.layout.world)
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        mp.start_processes(_worker, args=(row, model, _free_port(), iters, warmup, threads, out),
+        mp.start_processes(_worker, args=(row, model, _free_port(), iters, warmup, threads, out,
+                                          device),
                            nprocs=row.layout.world, join=True, start_method="spawn")
         ranks = json.loads(Path(out).read_text())
-    return summarise(row, model, ranks, (load_before, os.getloadavg()[0]), threads)
+    # On a GPU the host's CPU time is not the work done: not shown
+    return summarise(row, model, ranks, (load_before, os.getloadavg()[0]),
+                     threads if device == "cpu" else 0)
 
 
 def summarise(row: Row, model: ModelConfig, ranks: list[dict], load: tuple, threads: int) -> dict:
@@ -266,6 +305,8 @@ def summarise(row: Row, model: ModelConfig, ranks: list[dict], load: tuple, thre
 
 
 def cpu_cell(result: dict) -> str:
+    if result["threads"] == 0:
+        return "— (GPU)"
     if result["threads"] > 1:
         return f"— ({result['threads']} threads)"
     return (f"{result['ptdp_cpu_s']:.3f} / {result['megatron_cpu_s']:.3f} "
@@ -318,17 +359,21 @@ def main(argv: list[str] | None = None) -> int:
                              f"bench/.megatron-core if it is missing")
     parser.add_argument("--json", metavar="PATH", help="also write every figure as JSON")
     parser.add_argument("--write", action="store_true", help="append the table to bench/RESULTS.md")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: NCCL, one GPU per process; rows needing more GPUs than the "
+                             "machine has are skipped, and a one-process dense row is added")
     args = parser.parse_args(argv)
     unknown = [name for name in args.families if name not in ROWS]
     if unknown:
         parser.error(f"unknown model(s) {', '.join(unknown)}: choose from {', '.join(ROWS)}")
     megatron_shims.ensure_installed(args.install)
     families = args.families or list(ROWS)
+    rows, skipped = rows_for(families, args.device)
     started = time.time()
     results = []
     for family in families:
-        for row in ROWS[family]:
-            result = run_row(row, model_of(row, args.tiny), args.iters, args.warmup)
+        for row in rows[family]:
+            result = run_row(row, model_of(row, args.tiny), args.iters, args.warmup, args.device)
             results.append(result)
             print(f"{family}: {result['layout']}: ptdp {result['ptdp_s']:.3f} s, Megatron-Core "
                   f"{result['megatron_s']:.3f} s, ratio {result['ratio']:.2f} (CPU time "
@@ -338,7 +383,11 @@ def main(argv: list[str] | None = None) -> int:
     from importlib.metadata import version
     megatron_version = version("megatron-core")
     command = "python bench/megatron_peers.py" + "".join(f" {f}" for f in args.families) \
-        + (" --tiny" if args.tiny else "") + f" --iters {args.iters} --warmup {args.warmup}"
+        + (" --tiny" if args.tiny else "") + f" --iters {args.iters} --warmup {args.warmup}" \
+        + (" --device cuda" if args.device == "cuda" else "")
+    where = (f"nccl, {torch.cuda.get_device_name()} ({torch.cuda.device_count()} GPU(s)), fp32 "
+             f"with PyTorch's default matmul precision" if args.device == "cuda"
+             else f"gloo, {cpu_name()}, {os.cpu_count()} cores shared by the processes")
     m = MODEL if not args.tiny else replace(MODEL, **TINY)
     header = (f"### {datetime.date.today().isoformat()}: l={m.num_layers}, h={m.hidden_size}, "
               f"a={m.num_attention_heads}, s={m.seq_length}, V={m.vocab_size}, fp32, micro batch "
@@ -348,14 +397,17 @@ def main(argv: list[str] | None = None) -> int:
               f"Command: `{command}`  \n"
               f"megatron-core {megatron_version} (local layer spec, SequentialMLP experts, its "
               f"DistributedDataParallel and get_forward_backward_func), torch {torch.__version__}, "
-              f"gloo, {cpu_name()}, {os.cpu_count()} cores shared by the processes. Forward + "
+              f"{where}. Forward + "
               f"backward of one global batch with the gradients reduced, no optimizer; median of "
               f"{args.iters} iterations per side, alternating (ABBA); ratio = Megatron-Core's time / "
               f"ptdp's (> 1: ptdp faster). CPU s: the CPU time of all ranks together per "
               f"iteration (median), the work done, which other jobs on the machine barely "
               f"change (shown where each process runs one thread). Both sides start from ptdp's initialisation (copied into "
               f"Megatron-Core by name); ln V = {math.log(m.vocab_size):.3f}.\n")
-    publish(HEADING, report(results, header, time.time() - started), write=args.write)
+    if skipped:
+        header += "\nSkipped: " + "; ".join(skipped) + ".\n"
+    publish(HEADING if args.device == "cpu" else GPU_HEADING,
+            report(results, header, time.time() - started), write=args.write)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     disagree = [r["layout"] for r in results if not r["losses_agree"]]

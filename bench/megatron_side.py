@@ -17,6 +17,8 @@ importable (megatron_peers.py does).
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import re
 
@@ -165,7 +167,7 @@ class MegatronSide:
     """One rank's share of Megatron-Core's GPT for a layout, with ptdp's weights."""
 
     def __init__(self, model: ModelConfig, layout: Layout, logical: dict[str, torch.Tensor],
-                 micro_batch: int, num_microbatches: int):
+                 micro_batch: int, num_microbatches: int, device: torch.device = torch.device("cpu")):
         from megatron.core import parallel_state
         from megatron.core.distributed import (DistributedDataParallel,
                                                DistributedDataParallelConfig, finalize_model_grads)
@@ -174,14 +176,16 @@ class MegatronSide:
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron_shims import tensor_cuda_is_identity
 
-        self.model_config, self.layout = model, layout
+        self.model_config, self.layout, self.device = model, layout, device
+        # On a CPU Megatron-Core's Tensor.cuda() calls are shimmed away; on a GPU they run.
+        building = tensor_cuda_is_identity if device.type == "cpu" else contextlib.nullcontext
         self.micro_batch, self.num_microbatches = micro_batch, num_microbatches
         self.config = transformer_config(model, layout)
         spec = get_gpt_layer_local_spec(num_experts=model.num_experts, moe_grouped_gemm=False)
         vp = layout.v if layout.v > 1 else None
         self.chunks = []
         for stage in range(layout.v):
-            with tensor_cuda_is_identity():
+            with building():
                 chunk = GPTModel(self.config, spec, vocab_size=model.vocab_size,
                                  max_sequence_length=model.seq_length,
                                  pre_process=parallel_state.is_pipeline_first_stage(
@@ -198,7 +202,7 @@ class MegatronSide:
             with torch.no_grad():
                 for name, tensor in megatron_state(logical, model, chunk, **ranks).items():
                     chunk.get_parameter(name).copy_(tensor)
-            self.chunks.append(chunk)
+            self.chunks.append(chunk.to(device))  # (built on the CPU: use_cpu_initialization)
         self.has_first = parallel_state.is_pipeline_first_stage()
         self.has_last = parallel_state.is_pipeline_last_stage()
         ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -218,7 +222,7 @@ class MegatronSide:
         for module in self.modules:
             module.zero_grad_buffer()
         seq = self.model_config.seq_length
-        positions = torch.arange(seq).expand(self.micro_batch, seq)
+        positions = torch.arange(seq, device=self.device).expand(self.micro_batch, seq)
 
         def forward_step(data_iterator, module):
             tokens, labels, mask = next(data_iterator) if batches else (None, None, None)
@@ -242,9 +246,10 @@ class MegatronSide:
         return sum(out["loss"].item() for out in outputs) / len(outputs)
 
 
-def initialize_megatron(layout: Layout, seed: int) -> None:
+def initialize_megatron(layout: Layout, seed: int, cuda: bool = False) -> None:
     """Megatron-Core's parallel_state for `layout` (default process group
-    already started), with its CPU shims' RNG tracker."""
+    already started), with its CPU shims' RNG tracker, or on a GPU its own
+    CUDA RNG tracker seeded."""
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(
@@ -252,6 +257,9 @@ def initialize_megatron(layout: Layout, seed: int) -> None:
         virtual_pipeline_model_parallel_size=layout.v if layout.v > 1 else None,
         expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp or layout.t)
     torch.manual_seed(seed)
+    if cuda:
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+        model_parallel_cuda_manual_seed(seed)
 
 
 def destroy_megatron() -> None:
