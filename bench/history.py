@@ -166,7 +166,11 @@ def report(args, layout: dict, commits: dict, steps: dict, load: list, seconds: 
              f"{args.iters} {' '.join(commits)}`  \n"
              f"{cpu_name()}, {os.cpu_count()} cores, one thread per rank; load {min(load):.1f}–"
              f"{max(load):.1f}; run time {seconds:.0f} s. Medians over {args.rounds} rounds of "
-             f"{args.iters} steps; CPU s is every rank's CPU time together.\n",
+             f"{args.iters} steps; CPU s is every rank's CPU time together."
+             + (" Measured under load (the 1-minute load average exceeded the "
+                f"{os.cpu_count()} cores): the wall times are to be rerun on a quiet machine; "
+                "the CPU times are the work done, which load barely changes."
+                if max(load) > (os.cpu_count() or 1) else "") + "\n",
              "| revision | commit | date | wall s | CPU s (all ranks) | forward-backward s |",
              "|---|---|---|---:|---:|---:|"]
     for rev, commit in commits.items():
