@@ -85,9 +85,10 @@ def test_gradient_norm_in_pieces_equals_the_whole(monkeypatch):
 
 def test_the_gradient_norm_is_exact_over_a_long_range(monkeypatch):
     """The norm of one range of 600 thousand gradients equals its float64
-    value to 1e-9: a float32 BLAS dot over the range was 2e-5 off, more
-    than a tensor-parallel layout (whose ranks hold shorter ranges) then
-    disagreed with one process by."""
+    value to 1e-7 (the float32 rows' sums, added in float64, are about 1e-8
+    off): a float32 BLAS dot over the range was 2e-5 off, more than a
+    tensor-parallel layout (whose ranks hold shorter ranges) then disagreed
+    with one process by."""
     model = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=16,
                         vocab_size=4096, untie_embeddings_and_output_weights=True,
                         hidden_dropout=0.0, attention_dropout=0.0)
@@ -106,7 +107,20 @@ def test_the_gradient_norm_is_exact_over_a_long_range(monkeypatch):
 
     monkeypatch.setattr(optimizer_module.Optimizer, "step", recording_step)
     assert max(b - a for a, b in trainer.optimizer.norm_ranges) > 500_000
-    assert trainer.step(0)[0]["grad_norm"] == pytest.approx(exact[0], rel=1e-9)
+    assert trainer.step(0)[0]["grad_norm"] == pytest.approx(exact[0], rel=1e-7)
+
+
+@pytest.mark.parametrize("size", [0, 5, optimizer_module.SQUARES_PER_ROW,
+                                  3 * optimizer_module.SQUARES_PER_ROW + 7, 1_000_003])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sum_of_squares_equals_the_float64_sum(size, dtype):
+    """Rows of float32 sums added in float64: within 1e-7 of the exact sum
+    (about 1e-8 off), whole rows, a remainder, or both."""
+    values = (torch.randn(size, generator=torch.Generator().manual_seed(size)) * 3).to(dtype)
+    exact = values.double().square().sum().item()
+    got = optimizer_module.sum_of_squares(values)
+    assert got.dtype == torch.float64
+    assert got.item() == pytest.approx(exact, rel=1e-7, abs=0.0)
 
 
 @pytest.mark.parametrize("bf16", [False, True])
