@@ -449,7 +449,7 @@ def _codes(key: tuple) -> _Codes:
                 positions.append(i)
                 by_op[action.op].append(i)
             else:
-                slot = tuple((transfer.op, transfer.peer) for transfer in action.transfers)
+                slot = tuple([(transfer.op, transfer.peer) for transfer in action.transfers])
                 if slot not in seen:
                     seen[slot] = -1 - len(kept_exchanges)
                     kept_exchanges.append(action)
