@@ -123,7 +123,13 @@ def zbv_order(p: int, m: int, rank: int) -> list[Compute]:
 
 def zero_bubble_order(kind: str, p: int, m: int, rank: int) -> list[Compute]:
     """Rank `rank`'s computes under zb-h1 or zbv, in schedule order."""
-    return (zbv_order if kind == ZBV else zb_h1_order)(p, m, rank)
+    return list(_order(kind, p, m, rank))
+
+
+@functools.lru_cache(maxsize=4096)
+def _order(kind: str, p: int, m: int, rank: int) -> tuple[Compute, ...]:
+    # (a planner asks for the same orders for its schedules and its memory model)
+    return tuple((zbv_order if kind == ZBV else zb_h1_order)(p, m, rank))
 
 
 # Seconds (or units) of one compute on a rank: cost(rank, compute).

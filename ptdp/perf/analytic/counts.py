@@ -305,7 +305,9 @@ def padded_elements(buckets: tuple[Bucket, ...], layout: Layout) -> int:
     (d, or EDP for routed experts) under the distributed optimizer."""
     if not layout.distributed_optimizer:
         return sum(bucket.size for bucket in buckets)
-    return sum(-(-bucket.size // n) * n for bucket in buckets for n in [_replicas(bucket, layout)])
+    dense = layout.gradient_replicas   # (_replicas, read once: a search pads many buckets)
+    return sum([-(-bucket.size // n) * n for bucket in buckets
+                for n in [layout.edp if bucket.expert else dense]])
 
 
 def owned_elements(buckets: tuple[Bucket, ...], layout: Layout) -> int:

@@ -398,9 +398,7 @@ def _buckets_done(backwards: list[tuple], row_end, after, rank: int):
     total = after.bucketed[rank]
     if total <= 0:
         return 0.0
-    last: dict[int, tuple] = {}
-    for backward in backwards:
-        last[backward[0]] = backward
+    last: dict[int, tuple] = {backward[0]: backward for backward in backwards}   # by chunk
     if not after.overlapped:     # every bucket after the rank's last computation
         rounds = len(backwards) / max(1, len(last)) if after.per_microbatch else 1
         return row_end + total * rounds
