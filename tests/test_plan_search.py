@@ -279,3 +279,28 @@ def test_the_unshared_play_is_the_players_and_the_shared_plays_price_as_pricing_
             e.prediction.iteration_seconds, e.prediction.bubble_fraction,
             e.prediction.critical_rank, e.prediction.categories_by_rank,
             e.prediction.timelines), e.layout
+
+
+@pytest.mark.parametrize("t,c,d,p", [(1, 1, 8, 2), (2, 1, 16, 3), (8, 1, 6, 4), (4, 2, 3, 2),
+                                     (1, 4, 5, 1), (8, 2, 12, 2)])
+def test_data_parallel_rings_from_cached_server_groups_equal_the_direct_ones(t, c, d, p):
+    """Machine.data_parallel reads its replicas' servers from a cache by
+    (t, c, d, pp, devices per server): the same seconds as grouping the
+    replicas Machine.rank places, server by server, for every stage."""
+    from ptdp.perf.price.machine import Machine
+
+    profile = load_profile("a100")
+    machine = Machine(Layout(t=t, c=c, d=d, p=p), profile)
+    for pp in range(p):
+        group = [machine.rank(0, dp, pp, cp) for dp in range(d) for cp in range(c)]
+        servers = {}
+        for r in group:
+            servers.setdefault(machine.server(r), []).append(r)
+        if len(servers) == 1:
+            direct = machine.allreduce(1e8, group)
+        else:
+            local = max(servers.values(), key=len)
+            direct = (2 * machine.gather(1e8, local)
+                      + machine.allreduce(1e8 / len(local), [m[0] for m in servers.values()]))
+        assert machine.data_parallel(1e8, pp) == direct
+        assert machine.data_parallel(1e8, pp, reduce_scatter_only=True) == direct / 2
