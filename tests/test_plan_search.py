@@ -304,3 +304,33 @@ def test_data_parallel_rings_from_cached_server_groups_equal_the_direct_ones(t, 
                       + machine.allreduce(1e8 / len(local), [m[0] for m in servers.values()]))
         assert machine.data_parallel(1e8, pp) == direct
         assert machine.data_parallel(1e8, pp, reduce_scatter_only=True) == direct / 2
+
+
+def test_memory_shares_states_only_among_layouts_that_differ_in_b_or_recomputation():
+    """memory_per_rank keeps each layout's weights, gradients and optimizer
+    state for the layouts that differ from it only in b or recomputation:
+    every rank's figures equal state_bytes computed for that layout alone,
+    across sharding strategies (ZeRO-3's units included), d, and both."""
+    from ptdp.config import TrainConfig
+    from ptdp.perf.analytic import memory
+    from ptdp.perf.analytic.counts import cut_placed_buckets, placement_of_parameters
+    from ptdp.perf.analytic.sharding import state_bytes, unit_buckets
+    from ptdp.perf.layout import ByValue
+
+    model = ModelConfig(num_layers=8, hidden_size=1024, num_attention_heads=16,
+                        seq_length=1024, vocab_size=32000)
+    workload, size = Workload(model, 64), TrainConfig().ddp_bucket_size
+    memory._STATES.clear()
+    for sharding in ("no_shard", "optim", "optim_grads", "optim_grads_params"):
+        for d in (2, 4):
+            for b, recompute in ((1, None), (2, "full"), (4, "selective")):
+                layout = Layout(t=2, p=2, d=d, b=b, recompute=recompute, sharding=sharding)
+                for rank, figures in enumerate(memory.memory_per_rank(workload, layout)):
+                    buckets = (unit_buckets(model, layout, rank, size) if layout.shards_parameters
+                               else cut_placed_buckets(ByValue(model),
+                                                       placement_of_parameters(layout), rank,
+                                                       size))
+                    alone = state_bytes(model, layout, rank, buckets, workload.bytes_per_element,
+                                        workload.precision, 0, size, workload.main_grads_bytes)
+                    assert {k: figures[k] for k in alone} == alone, (layout, rank)
+    assert len(memory._STATES) == 8   # one per (sharding, d)
