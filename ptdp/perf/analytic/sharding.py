@@ -103,7 +103,7 @@ def rank_units(model: ModelConfig, layout: Layout, rank: int,
                                                  rank, bucket_size)]
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=65536)   # (a search asks for thousands: every rank of every placement)
 def _rank_units(key: ByValue, layout: Layout, rank: int,
                 bucket_size: int) -> tuple[tuple[Unit, ...], ...]:
     model = key.value

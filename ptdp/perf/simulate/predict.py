@@ -559,15 +559,19 @@ def _played_flat(codes: _Codes, compute_prices: tuple, exchange_prices: tuple) -
     def records() -> list[list[Record]]:
         rows = []
         for r, actions in enumerate(schedule.ranks):
-            row = []
+            row, begun, done, slots_r, ends_r = [], starts[r], finishes[r], slots[r], ends_of[r]
+            works = compute_prices[r]
             for i, action in enumerate(actions):
-                record = Record(action, starts[r][i], finishes[r][i])
-                slot = slots[r][i]
+                record = Record(action, begun[i], done[i])
+                slot = slots_r[i]
                 if slot >= 0:
-                    record.work_end = starts[r][i] + compute_prices[r][slot][0]
-                else:
-                    record.ready = max([starts[r][i]] + [posted[peer][j]
-                                                         for peer, j in ends_of[r][i]])
+                    record.work_end = begun[i] + works[slot][0]
+                else:   # the latest of its posting and its other ends'
+                    ready = begun[i]
+                    for peer, j in ends_r[i]:
+                        if posted[peer][j] > ready:
+                            ready = posted[peer][j]
+                    record.ready = ready
                 row.append(record)
             rows.append(row)
         return rows
