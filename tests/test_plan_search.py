@@ -279,3 +279,58 @@ def test_the_unshared_play_is_the_players_and_the_shared_plays_price_as_pricing_
             e.prediction.iteration_seconds, e.prediction.bubble_fraction,
             e.prediction.critical_rank, e.prediction.categories_by_rank,
             e.prediction.timelines), e.layout
+
+
+@pytest.mark.parametrize("t,c,d,p", [(1, 1, 8, 2), (2, 1, 16, 3), (8, 1, 6, 4), (4, 2, 3, 2),
+                                     (1, 4, 5, 1), (8, 2, 12, 2)])
+def test_data_parallel_rings_from_cached_server_groups_equal_the_direct_ones(t, c, d, p):
+    """Machine.data_parallel reads its replicas' servers from a cache by
+    (t, c, d, pp, devices per server): the same seconds as grouping the
+    replicas Machine.rank places, server by server, for every stage."""
+    from ptdp.perf.price.machine import Machine
+
+    profile = load_profile("a100")
+    machine = Machine(Layout(t=t, c=c, d=d, p=p), profile)
+    for pp in range(p):
+        group = [machine.rank(0, dp, pp, cp) for dp in range(d) for cp in range(c)]
+        servers = {}
+        for r in group:
+            servers.setdefault(machine.server(r), []).append(r)
+        if len(servers) == 1:
+            direct = machine.allreduce(1e8, group)
+        else:
+            local = max(servers.values(), key=len)
+            direct = (2 * machine.gather(1e8, local)
+                      + machine.allreduce(1e8 / len(local), [m[0] for m in servers.values()]))
+        assert machine.data_parallel(1e8, pp) == direct
+        assert machine.data_parallel(1e8, pp, reduce_scatter_only=True) == direct / 2
+
+
+def test_memory_shares_states_only_among_layouts_that_differ_in_b_or_recomputation():
+    """memory_per_rank keeps each layout's weights, gradients and optimizer
+    state for the layouts that differ from it only in b or recomputation:
+    every rank's figures equal state_bytes computed for that layout alone,
+    across sharding strategies (ZeRO-3's units included), d, and both."""
+    from ptdp.config import TrainConfig
+    from ptdp.perf.analytic import memory
+    from ptdp.perf.analytic.counts import cut_placed_buckets, placement_of_parameters
+    from ptdp.perf.analytic.sharding import state_bytes, unit_buckets
+    from ptdp.perf.layout import ByValue
+
+    model = ModelConfig(num_layers=8, hidden_size=1024, num_attention_heads=16,
+                        seq_length=1024, vocab_size=32000)
+    workload, size = Workload(model, 64), TrainConfig().ddp_bucket_size
+    memory._STATES.clear()
+    for sharding in ("no_shard", "optim", "optim_grads", "optim_grads_params"):
+        for d in (2, 4):
+            for b, recompute in ((1, None), (2, "full"), (4, "selective")):
+                layout = Layout(t=2, p=2, d=d, b=b, recompute=recompute, sharding=sharding)
+                for rank, figures in enumerate(memory.memory_per_rank(workload, layout)):
+                    buckets = (unit_buckets(model, layout, rank, size) if layout.shards_parameters
+                               else cut_placed_buckets(ByValue(model),
+                                                       placement_of_parameters(layout), rank,
+                                                       size))
+                    alone = state_bytes(model, layout, rank, buckets, workload.bytes_per_element,
+                                        workload.precision, 0, size, workload.main_grads_bytes)
+                    assert {k: figures[k] for k in alone} == alone, (layout, rank)
+    assert len(memory._STATES) == 8   # one per (sharding, d)

@@ -207,3 +207,73 @@ def test_exchanges_placed_for_unequal_costs_wait_for_nothing(kind, p, m, backwar
     assert placed.makespan == max(end for row in plan for _, _, end in row)
     unit_placed = simulate(build_schedule(kind, p, m, v), 1, backward, 0, weight)
     assert placed.makespan <= unit_placed.makespan
+
+
+# The plan's times from its cached flat dataflow --------------------------------------
+
+import random  # noqa: E402
+
+from ptdp.schedules.actions import Compute, Transfer, transfers_of  # noqa: E402
+from ptdp.schedules.kinds import KINDS  # noqa: E402
+from ptdp.schedules.zero_bubble import zero_bubble_order  # noqa: E402
+
+
+def _plan_round_robin(kind, p, m, cost):
+    """plan_timed's definition, walked the plain way: move every rank as far
+    as its inputs' end times are known, round after round."""
+    v = 2 if kind == "zbv" else 1
+    placement, last = KINDS[kind].placement, 2 * p - 1 if kind == "zbv" else p - 1
+    orders = [zero_bubble_order(kind, p, m, r) for r in range(p)]
+    end, plan, free = {}, [[] for _ in range(p)], [0] * p
+    while any(len(plan[r]) < len(orders[r]) for r in range(p)):
+        for r in range(p):
+            while len(plan[r]) < len(orders[r]):
+                c = orders[r][len(plan[r])]
+                stage = placement.stage(p, v, r, c.chunk)
+                needs = {"F": [("F", c.microbatch, stage - 1)] if stage > 0 else [],
+                         "B": [("F", c.microbatch, stage)]
+                         + ([("B", c.microbatch, stage + 1)] if stage < last else []),
+                         "W": [("B", c.microbatch, stage)]}[c.op]
+                if any(n not in end for n in needs):
+                    break
+                start = max([free[r]] + [end[n] for n in needs])
+                end[(c.op, c.microbatch, stage)] = free[r] = start + cost(r, c)
+                plan[r].append((c, start, free[r]))
+    return plan
+
+
+@pytest.mark.parametrize("kind,p,m", [("zb-h1", 4, 9), ("zbv", 4, 11), ("zbv", 6, 24),
+                                      ("zb-h1", 8, 20)])
+def test_cached_dataflow_times_and_exchanges_equal_the_plain_walk(kind, p, m):
+    """Random float costs (ties between ranks' inputs included): the cached
+    flat dataflow gives the round-robin walk's times, and every send sits
+    right after its producer and its receive in the exchange before the
+    receiver's first compute starting at or after the producer's end."""
+    rng = random.Random(p * m)
+    table = {(r, c, op): rng.choice([0.5, 1.0, 1.25, rng.random()])
+             for r in range(p) for c in range(2) for op in "FBW"}
+    cost = costs_from_table(table)
+    plan = plan_timed(kind, p, m, cost=cost)
+    assert plan == _plan_round_robin(kind, p, m, cost)
+    v = 2 if kind == "zbv" else 1
+    schedule = build_schedule(kind, p, m, v, tuple(table.items()) if v == 2 else
+                              tuple((key, d) for key, d in table.items() if key[1] == 0))
+    assert [a for row in schedule.ranks for a in row if isinstance(a, Compute)] == \
+        [c for row in plan for c, _, _ in row]
+    for r, actions in enumerate(schedule.ranks):
+        k = -1   # index of the last compute so far
+        for action in actions:
+            if isinstance(action, Compute):
+                k += 1
+                continue
+            for t in action.transfers:
+                if t.op == "send":
+                    _, send = transfers_of(plan[r][k][0], r, p, v, KINDS[kind].placement)
+                    assert send == t
+                else:
+                    producer = next(row for row in plan[t.peer]
+                                    if transfers_of(row[0], t.peer, p, v, KINDS[kind].placement)[1]
+                                    == Transfer("send", t.kind, t.microbatch, t.boundary, r))
+                    starts = [start for _, start, _ in plan[r]]
+                    assert all(s < producer[2] for s in starts[:k + 1])
+                    assert k + 1 == len(starts) or starts[k + 1] >= producer[2]

@@ -73,16 +73,18 @@ def with_exchanges(steps: list[list[Compute]], rank: int, p: int, v: int) -> tup
     actions: list[Action] = []
     pending_sends: list[Transfer] = []
     for step in steps:
-        receives = []
+        receives, sends = [], []
         for compute in step:
             recv, send = transfers_of(compute, rank, p, v)
             if recv is not None:
                 receives.append(recv)
+            if send is not None:
+                sends.append(send)
         batch = tuple(pending_sends + receives)
         if batch:
             actions.append(Exchange(batch))
         actions.extend(step)
-        pending_sends = [send for c in step for send in [transfers_of(c, rank, p, v)[1]] if send]
+        pending_sends = sends
     if pending_sends:
         actions.append(Exchange(tuple(pending_sends)))
     return tuple(actions)

@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ptdp.schedules.actions import Compute, Exchange, Schedule, ScheduleError, transfer_positions
+from ptdp.schedules.actions import Compute, Exchange, Schedule, ScheduleError
 
 # (rank, compute) -> (processor work, collective seconds) of a Compute.
 ComputePrice = Callable[[int, Compute], tuple[Any, Any]]
@@ -48,7 +48,16 @@ def other_ends(schedule: Schedule) -> list[list[list[tuple[int, int]] | None]]:
     action index); None for a Compute. Under a schedule that splits the
     backward a send waits for nobody. ScheduleError for a transfer with no
     other end."""
-    position = transfer_positions(schedule)
+    # Where each transfer sits, (rank, action index) by (op, kind, microbatch,
+    # boundary): transfer_positions' table, keyed flat (it is built for
+    # every schedule a planner prices).
+    position: dict[tuple, tuple[int, int]] = {}
+    for rank, actions in enumerate(schedule.ranks):
+        for index, action in enumerate(actions):
+            if isinstance(action, Exchange):
+                for t in action.transfers:
+                    position[(t.op, t.kind, t.microbatch, t.boundary)] = (rank, index)
+    waits_for_sends = not schedule.zero_bubble
     ends_of: list[list[list[tuple[int, int]] | None]] = []
     for rank, actions in enumerate(schedule.ranks):
         row: list[list[tuple[int, int]] | None] = []
@@ -56,10 +65,12 @@ def other_ends(schedule: Schedule) -> list[list[list[tuple[int, int]] | None]]:
             if isinstance(action, Exchange):
                 ends = []
                 for t in action.transfers:
-                    end = position.get(("recv" if t.op == "send" else "send", t.tag))
+                    receives = t.op == "recv"
+                    end = position.get(("send" if receives else "recv", t.kind, t.microbatch,
+                                        t.boundary))
                     if end is None:
                         raise ScheduleError(f"rank {rank}: {t} has no other end in the schedule")
-                    if t.op == "recv" or not schedule.zero_bubble:
+                    if receives or waits_for_sends:
                         ends.append(end)
                 row.append(ends)
             else:

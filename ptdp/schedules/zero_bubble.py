@@ -42,7 +42,9 @@ the same order on both sides of every pair of ranks.
 
 from __future__ import annotations
 
+import functools
 from bisect import bisect_left
+from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from ptdp.schedules.actions import (
@@ -121,7 +123,13 @@ def zbv_order(p: int, m: int, rank: int) -> list[Compute]:
 
 def zero_bubble_order(kind: str, p: int, m: int, rank: int) -> list[Compute]:
     """Rank `rank`'s computes under zb-h1 or zbv, in schedule order."""
-    return (zbv_order if kind == ZBV else zb_h1_order)(p, m, rank)
+    return list(_order(kind, p, m, rank))
+
+
+@functools.lru_cache(maxsize=4096)
+def _order(kind: str, p: int, m: int, rank: int) -> tuple[Compute, ...]:
+    # (a planner asks for the same orders for its schedules and its memory model)
+    return tuple((zbv_order if kind == ZBV else zb_h1_order)(p, m, rank))
 
 
 # Seconds (or units) of one compute on a rank: cost(rank, compute).
@@ -142,58 +150,135 @@ def plan_timed(kind: str, p: int, m: int, orders: list[list[Compute]] | None = N
     """Per rank, (compute, start, end) in order: every compute as early as
     its rank and its inputs allow, taking cost(rank, compute). `orders`:
     each rank's computes (default: the kind's training orders)."""
+    flow = _dataflow(kind, p, m) if orders is None else _dataflow_of(kind, p, m, orders)
+    computes, ranks, needs = flow.computes, flow.ranks, flow.needs
+    starts, ends = [0.0] * len(computes), [0.0] * len(computes)
+    free = [0] * p
+    # flow.sequence: every compute after its inputs, so one pass times them all
+    # (the times are the dataflow's own, whatever order it is walked in).
+    for flat in flow.sequence:
+        rank = ranks[flat]
+        start = free[rank]
+        for need in needs[flat]:
+            if ends[need] > start:
+                start = ends[need]
+        starts[flat] = start
+        ends[flat] = free[rank] = start + cost(rank, computes[flat])
+    return [[(computes[flat], starts[flat], ends[flat]) for flat in range(first, last)]
+            for first, last in zip(flow.offsets, flow.offsets[1:])]
+
+
+@dataclass(frozen=True)
+class _Dataflow:
+    """The computes of a zero-bubble iteration as a flat dataflow: every
+    rank's computes one after the other (rank r's from offsets[r]), each
+    one's rank, the computes it waits for besides its rank's previous one
+    (needs) and an order in which every compute follows its inputs
+    (sequence). It depends on the orders alone, not on the costs."""
+    computes: list[Compute]
+    ranks: list[int]
+    offsets: list[int]
+    needs: list[tuple[int, ...]]
+    sequence: list[int]
+
+
+@functools.lru_cache(maxsize=8)
+def _dataflow(kind: str, p: int, m: int) -> _Dataflow:
+    return _dataflow_of(kind, p, m, [zero_bubble_order(kind, p, m, rank) for rank in range(p)])
+
+
+def _dataflow_of(kind: str, p: int, m: int, orders: list[list[Compute]]) -> _Dataflow:
     v, placement = chunks_of(kind), _placement(kind)
     last = p * v - 1
-    if orders is None:
-        orders = [zero_bubble_order(kind, p, m, rank) for rank in range(p)]
-    end: dict[tuple[str, int, int], float] = {}   # (op, microbatch, stage) -> end time
-    plan: list[list[tuple[Compute, float, float]]] = [[] for _ in range(p)]
-    free = [0] * p
-    while any(len(plan[r]) < len(orders[r]) for r in range(p)):
+    offsets = [0]
+    for order in orders:
+        offsets.append(offsets[-1] + len(order))
+    computes = [compute for order in orders for compute in order]
+    ranks = [rank for rank, order in enumerate(orders) for _ in order]
+    position: dict[tuple[str, int, int], int] = {}   # (op, microbatch, stage) -> flat index
+    needs: list[tuple[int, ...]] = [()] * len(computes)
+    sequence: list[int] = []
+    done = [0] * p
+    while any(done[r] < len(orders[r]) for r in range(p)):
         moved = False
         for rank in range(p):
-            while len(plan[rank]) < len(orders[rank]):
-                compute = orders[rank][len(plan[rank])]
+            while done[rank] < len(orders[rank]):
+                flat = offsets[rank] + done[rank]
+                compute = computes[flat]
                 i, stage = compute.microbatch, placement.stage(p, v, rank, compute.chunk)
-                needs = {"F": [("F", i, stage - 1)] if stage > 0 else [],
-                         "B": [("F", i, stage)] + ([("B", i, stage + 1)] if stage < last else []),
-                         "W": [("B", i, stage)]}[compute.op]
-                if any(n not in end for n in needs):
+                wanted = {"F": [("F", i, stage - 1)] if stage > 0 else [],
+                          "B": [("F", i, stage)] + ([("B", i, stage + 1)] if stage < last else []),
+                          "W": [("B", i, stage)]}[compute.op]
+                if any(n not in position for n in wanted):
                     break
-                start = max([free[rank]] + [end[n] for n in needs])
-                end[(compute.op, i, stage)] = free[rank] = start + cost(rank, compute)
-                plan[rank].append((compute, start, free[rank]))
+                needs[flat] = tuple(position[n] for n in wanted)
+                position[(compute.op, i, stage)] = flat
+                sequence.append(flat)
+                done[rank] += 1
                 moved = True
         if not moved:
             raise ScheduleError(f"{kind} p={p} m={m}: the orders deadlock")
-    return plan
+    return _Dataflow(computes, ranks, offsets, needs, sequence)
+
+
+@functools.lru_cache(maxsize=8)
+def _sends(kind: str, p: int, m: int) -> list[list[tuple[Transfer, Transfer] | None]]:
+    orders = [zero_bubble_order(kind, p, m, rank) for rank in range(p)]
+    return _sends_of(kind, p, orders)
+
+
+def _sends_of(kind: str, p: int, orders) -> list[list[tuple[Transfer, Transfer] | None]]:
+    """Per rank, per compute: (the send it produces, its receiver's end), or None."""
+    v = chunks_of(kind)
+    rows = []
+    for rank, order in enumerate(orders):
+        row = []
+        for compute in order:
+            _, send = transfers_of(compute, rank, p, v, _placement(kind))
+            row.append(None if send is None else
+                       (send, Transfer("recv", send.kind, send.microbatch, send.boundary, rank)))
+        rows.append(row)
+    return rows
+
+
+def _transfer_order(entry: tuple[float, Transfer]):
+    time, transfer = entry
+    return (time, transfer.kind, transfer.microbatch, transfer.boundary, transfer.op)
 
 
 def _with_timed_exchanges(kind: str, p: int, v: int,
-                          plan: list[list[tuple[Compute, float, float]]]
+                          plan: list[list[tuple[Compute, float, float]]],
+                          sends: list[list[tuple[Transfer, Transfer] | None]] | None = None
                           ) -> tuple[tuple[Action, ...], ...]:
-    # slots[rank][k]: transfers of the exchange before compute k (k = len: after the last).
-    slots: list[list[list[tuple[float, Transfer]]]] = [[[] for _ in range(len(row) + 1)]
-                                                      for row in plan]
+    """`sends`: _sends_of for the plan's orders (computed here when not given)."""
+    if sends is None:
+        sends = _sends_of(kind, p, [[compute for compute, _, _ in row] for row in plan])
+    # slots[rank][k]: transfers of the exchange before compute k (k = len: after
+    # the last), only where there is one.
+    slots: list[dict[int, list[tuple[float, Transfer]]]] = [{} for _ in plan]
     starts = [[start for _, start, _ in row] for row in plan]
     for rank, row in enumerate(plan):
-        for k, (compute, _, produced) in enumerate(row):
-            _, send = transfers_of(compute, rank, p, v, _placement(kind))
-            if send is None:
+        mine = slots[rank]
+        for k, pair in enumerate(sends[rank]):
+            if pair is None:
                 continue
-            slots[rank][k + 1].append((produced, send))
+            send, recv = pair
+            produced = row[k][2]
+            mine.setdefault(k + 1, []).append((produced, send))
             # The receiver's exchange before its first compute starting at or after `produced`.
             slot = bisect_left(starts[send.peer], produced)
-            recv = Transfer("recv", send.kind, send.microbatch, send.boundary, rank)
-            slots[send.peer][slot].append((produced, recv))
+            slots[send.peer].setdefault(slot, []).append((produced, recv))
     ranks = []
     for rank, row in enumerate(plan):
-        actions: list[Action] = []
+        mine, actions = slots[rank], []
         for k in range(len(row) + 1):
-            if slots[rank][k]:
-                ordered = sorted(slots[rank][k], key=lambda e: (e[0], e[1].kind, e[1].microbatch,
-                                                                e[1].boundary, e[1].op))
-                actions.append(Exchange(tuple(t for _, t in ordered)))
+            slot = mine.get(k)
+            if slot is not None:
+                if len(slot) == 1:
+                    actions.append(Exchange((slot[0][1],)))
+                else:
+                    slot.sort(key=_transfer_order)
+                    actions.append(Exchange(tuple([t for _, t in slot])))
             if k < len(row):
                 actions.append(row[k][0])
         ranks.append(tuple(actions))
@@ -215,5 +300,5 @@ def build_zero_bubble(kind: str, p: int, m: int, cost: ComputeCost = unit_cost) 
     computes that take cost(rank, compute)."""
     v = chunks_of(kind)
     plan = plan_timed(kind, p, m, cost=cost)
-    return Schedule(kind, p, m, v, _with_timed_exchanges(kind, p, v, plan),
+    return Schedule(kind, p, m, v, _with_timed_exchanges(kind, p, v, plan, _sends(kind, p, m)),
                     placement=_placement(kind), splits_backward=True)

@@ -294,18 +294,21 @@ def buffer_elements(model: ModelConfig, layout: Layout, rank: int,
     return padded_elements(_cut_buckets(model, layout, rank, bucket_size), layout)
 
 
-def _replicas(bucket: Bucket, layout: Layout) -> int:
-    """The ranks holding a bucket's values, over which it is reduced and
-    sharded: d·c (data × context ranks), or EDP for routed experts'."""
-    return layout.edp if bucket.expert else layout.gradient_replicas
-
-
 def padded_elements(buckets: tuple[Bucket, ...], layout: Layout) -> int:
     """Elements of these buckets, each padded to a multiple of its replicas
     (d, or EDP for routed experts) under the distributed optimizer."""
+    return sum(padded_sizes(buckets, layout))
+
+
+def padded_sizes(buckets: tuple[Bucket, ...], layout: Layout) -> list[int]:
+    """Each bucket's elements, padded as padded_elements pads them."""
     if not layout.distributed_optimizer:
-        return sum(bucket.size for bucket in buckets)
-    return sum(-(-bucket.size // n) * n for bucket in buckets for n in [_replicas(bucket, layout)])
+        return [bucket.size for bucket in buckets]
+    # A bucket's replicas: d·c (data × context ranks), or EDP for routed
+    # experts' (read once: a search pads many buckets).
+    dense = layout.gradient_replicas
+    return [-(-bucket.size // n) * n for bucket in buckets
+            for n in [layout.edp if bucket.expert else dense]]
 
 
 def owned_elements(buckets: tuple[Bucket, ...], layout: Layout) -> int:
@@ -314,7 +317,8 @@ def owned_elements(buckets: tuple[Bucket, ...], layout: Layout) -> int:
     each padded bucket (1/d; 1/EDP of routed experts' buckets)."""
     if not layout.distributed_optimizer:
         return sum(bucket.size for bucket in buckets)
-    return sum(-(-bucket.size // _replicas(bucket, layout)) for bucket in buckets)
+    dense = layout.gradient_replicas
+    return sum([-(-bucket.size // (layout.edp if bucket.expert else dense)) for bucket in buckets])
 
 
 # ------------------------------------------------------------------------------------------

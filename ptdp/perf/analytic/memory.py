@@ -197,6 +197,7 @@ and dropout on. Two kernel sets:
 
 from __future__ import annotations
 
+import dataclasses
 from functools import lru_cache
 from typing import Any
 
@@ -440,15 +441,30 @@ def memory_per_rank(workload: Workload, layout: Layout, *, kernels: str = "cuda"
     bucket_size = bucket_size or TrainConfig().ddp_bucket_size
     lora = workload.lora
     frozen = parameters_per_rank(model, layout) if lora else None
+    # The states read neither b nor the recomputation: a search's layouts
+    # that differ only there share them.
+    states_key = (None if lora else
+                  (model_key, dataclasses.replace(layout, b=1, recompute=None), e,
+                   workload.precision, bucket_size, workload.main_grads_bytes))
+    states = _STATES.get(states_key) if states_key else None
+    if states is None:
+        states = []
+        for rank in range(p):
+            if lora:   # the adapters in the buffer; the frozen base outside it, in the dtype
+                buckets = cut_adapter_buckets(model_key, lora, placement, rank, bucket_size)
+            elif layout.shards_parameters:   # ZeRO-3: a bucket holds one unit's parameters
+                buckets = unit_buckets(model, layout, rank, bucket_size)
+            else:
+                buckets = cut_placed_buckets(model_key, placement, rank, bucket_size)
+            states.append(state_bytes(model, layout, rank, buckets, e, workload.precision,
+                                      frozen[rank] if lora else 0, bucket_size,
+                                      workload.main_grads_bytes))
+        if states_key:
+            if len(_STATES) > 4096:
+                _STATES.clear()
+            _STATES[states_key] = states
     for rank in range(p):
-        if lora:   # the adapters in the buffer; the frozen base outside it, in the dtype
-            buckets = cut_adapter_buckets(model_key, lora, placement, rank, bucket_size)
-        elif layout.shards_parameters:   # ZeRO-3: a bucket holds one unit's parameters
-            buckets = unit_buckets(model, layout, rank, bucket_size)
-        else:
-            buckets = cut_placed_buckets(model_key, placement, rank, bucket_size)
-        state = state_bytes(model, layout, rank, buckets, e, workload.precision,
-                            frozen[rank] if lora else 0, bucket_size, workload.main_grads_bytes)
+        state = states[rank]
         chunk_bytes, deferred_bytes = [], []
         # Rotary tables: made once per layer, kept for every microbatch.
         layers = [layout.chunk_layers(model.num_layers, rank, chunk) for chunk in range(v)]
@@ -475,6 +491,9 @@ def memory_per_rank(workload: Workload, layout: Layout, *, kernels: str = "cuda"
         memory["total"] = sum(memory.values())
         results.append(memory)
     return results
+
+
+_STATES: dict[tuple, list[dict[str, int]]] = {}   # memory_per_rank's states, per rank
 
 
 def _lora_chunk_bytes(workload: Workload, layout: Layout, acts: dict[str, int], kernels: str,

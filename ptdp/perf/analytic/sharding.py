@@ -60,7 +60,7 @@ from typing import NamedTuple
 from ptdp.config import ModelConfig
 from ptdp.perf.analytic.counts import (FP32, Bucket, _chunk_parameters, _layer_parameter_list,
                                        chunk_stage, cut_params, owned_elements, padded_elements,
-                                       placement_of_parameters)
+                                       padded_sizes, placement_of_parameters)
 from ptdp.perf.layout import ByValue, Layout
 from ptdp.schedules.kinds import virtual_stage_of
 
@@ -71,9 +71,9 @@ def transient_gradient_elements(buckets: tuple[Bucket, ...], layout: Layout) -> 
     """Elements of full fp32 gradients alive at once under ZeRO-2/3 (the
     bound of the module docstring), the tied embedding's bucket included
     (padded as the buffer pads it)."""
-    tied = sum(padded_elements((bucket,), layout) for bucket in buckets if bucket.tied)
-    sizes = sorted((padded_elements((bucket,), layout) for bucket in buckets if not bucket.tied),
-                   reverse=True)
+    padded = padded_sizes(buckets, layout)
+    tied = sum([n for n, bucket in zip(padded, buckets) if bucket.tied])
+    sizes = sorted([n for n, bucket in zip(padded, buckets) if not bucket.tied], reverse=True)
     launched = sum(sizes[:IN_FLIGHT + 1])
     if layout.zero_bubble:   # every bucket may hold a gradient from B until W
         return tied + sum(sizes) + launched
@@ -103,7 +103,7 @@ def rank_units(model: ModelConfig, layout: Layout, rank: int,
                                                  rank, bucket_size)]
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=65536)   # (a search asks for thousands: every rank of every placement)
 def _rank_units(key: ByValue, layout: Layout, rank: int,
                 bucket_size: int) -> tuple[tuple[Unit, ...], ...]:
     model = key.value

@@ -13,6 +13,7 @@ that; inside a server, where the profile has measured times T(bytes) of a
 
 from __future__ import annotations
 
+import functools
 import math
 
 from ptdp.perf.layout import Layout
@@ -138,18 +139,13 @@ class Machine:
         context ranks hold the same parameters): inside each server first,
         then between servers on 1/g of the bytes, then inside again.
         `reduce_scatter_only`: half of it (distributed optimizer)."""
-        group = [self.rank(0, dp, pp, cp) for dp in range(self.layout.d)
-                 for cp in range(self.layout.c)]
-        servers: dict[int, list[int]] = {}
-        for r in group:
-            servers.setdefault(self.server(r), []).append(r)
-        if len(servers) == 1:
-            total = self.allreduce(nbytes, group)
+        lay = self.layout
+        group, local, leaders = _replica_servers(lay.t, lay.c, lay.d, pp, self.per_server)
+        if local is None:
+            total = self.allreduce(nbytes, list(group))
         else:
-            local = max(servers.values(), key=len)
-            leaders = [members[0] for members in servers.values()]
-            total = (2 * self.gather(nbytes, local)
-                     + self.allreduce(nbytes / len(local), leaders))
+            total = (2 * self.gather(nbytes, list(local))
+                     + self.allreduce(nbytes / len(local), list(leaders)))
         return total / 2 if reduce_scatter_only else total
 
     def world_latency(self) -> float:
@@ -159,3 +155,19 @@ class Machine:
         if n <= 1:
             return 0.0
         return math.ceil(math.log2(n)) * self.allreduce(4, [0, n - 1])
+
+
+@functools.lru_cache(maxsize=4096)
+def _replica_servers(t: int, c: int, d: int, pp: int, per_server: int
+                     ) -> tuple[tuple[int, ...], tuple[int, ...] | None, tuple[int, ...] | None]:
+    """The d·c replicas of (tp 0, pp) (Machine.rank), and, when they span
+    servers, the most of them on one server and each server's first: the
+    same for every layout of these sizes (a search asks for them often)."""
+    group = [t * (cp + c * (dp + d * pp)) for dp in range(d) for cp in range(c)]
+    servers: dict[int, list[int]] = {}
+    for r in group:
+        servers.setdefault(r // per_server, []).append(r)
+    if len(servers) == 1:
+        return tuple(group), None, None
+    local = max(servers.values(), key=len)
+    return tuple(group), tuple(local), tuple(members[0] for members in servers.values())

@@ -64,6 +64,7 @@ rank and sums to `iteration_seconds`.
 from __future__ import annotations
 
 import functools
+import operator
 from collections import deque
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -397,9 +398,7 @@ def _buckets_done(backwards: list[tuple], row_end, after, rank: int):
     total = after.bucketed[rank]
     if total <= 0:
         return 0.0
-    last: dict[int, tuple] = {}
-    for backward in backwards:
-        last[backward[0]] = backward
+    last: dict[int, tuple] = {backward[0]: backward for backward in backwards}   # by chunk
     if not after.overlapped:     # every bucket after the rank's last computation
         rounds = len(backwards) / max(1, len(last)) if after.per_microbatch else 1
         return row_end + total * rounds
@@ -429,6 +428,12 @@ class _Codes:
     ends: list[list]
     computes: list[list[int]]
     of_op: list[dict[str, list[int]]]
+    # Per rank: where its first forward of each chunk is (in the order they
+    # come), the chunk of each backward that releases buckets (its Ws under
+    # the zero-bubble kinds, its Bs otherwise) and each exchange's peers.
+    first_forwards: list[list[int]] = field(default_factory=list)
+    released_chunks: list[list[int]] = field(default_factory=list)
+    peers: list[list[tuple[int, ...] | None]] = field(default_factory=list)
 
 
 @functools.lru_cache(maxsize=32)
@@ -449,7 +454,7 @@ def _codes(key: tuple) -> _Codes:
                 positions.append(i)
                 by_op[action.op].append(i)
             else:
-                slot = tuple((transfer.op, transfer.peer) for transfer in action.transfers)
+                slot = tuple([(transfer.op, transfer.peer) for transfer in action.transfers])
                 if slot not in seen:
                     seen[slot] = -1 - len(kept_exchanges)
                     kept_exchanges.append(action)
@@ -459,8 +464,20 @@ def _codes(key: tuple) -> _Codes:
         exchange_slots.append(kept_exchanges)
         computes.append(positions)
         of_op.append(by_op)
+    released = "W" if schedule.splits_backward else "B"
+    first_forwards = []
+    for actions, by_op in zip(schedule.ranks, of_op):
+        first: dict[int, int] = {}
+        for i in by_op["F"]:
+            first.setdefault(actions[i].chunk, i)
+        first_forwards.append(list(first.values()))
     return _Codes(schedule, slots, compute_slots, exchange_slots, other_ends(schedule), computes,
-                  of_op)
+                  of_op, first_forwards,
+                  [[actions[i].chunk for i in by_op[released]]
+                   for actions, by_op in zip(schedule.ranks, of_op)],
+                  [[None if isinstance(action, Compute) else
+                    tuple([transfer.peer for transfer in action.transfers]) for action in actions]
+                   for actions in schedule.ranks])
 
 
 def _play_unshared(key: tuple, compute, exchange) -> _Played:
@@ -490,7 +507,7 @@ _PLAYS: dict[tuple, _Played] = {}
 
 
 def _played_flat(codes: _Codes, compute_prices: tuple, exchange_prices: tuple) -> _Played:
-    schedule, slots, ends_of = codes.schedule, codes.slots, codes.ends
+    schedule, slots, ends_of, peers = codes.schedule, codes.slots, codes.ends, codes.peers
     p = schedule.p
     starts: list[list] = [[] for _ in range(p)]
     finishes: list[list] = [[] for _ in range(p)]
@@ -501,6 +518,7 @@ def _played_flat(codes: _Codes, compute_prices: tuple, exchange_prices: tuple) -
         r = pending.popleft()
         queued[r] = False
         row, ends_r, mine, begun, done = slots[r], ends_of[r], posted[r], starts[r], finishes[r]
+        peers_r = peers[r]
         works, waits = compute_prices[r], exchange_prices[r]
         now, i, n = clock[r], len(done), len(row)
         while i < n:
@@ -514,10 +532,10 @@ def _played_flat(codes: _Codes, compute_prices: tuple, exchange_prices: tuple) -
                 continue
             if mine[i] is None:   # posted: wake its peers
                 mine[i] = now
-                for transfer in schedule.ranks[r][i].transfers:
-                    if not queued[transfer.peer]:
-                        queued[transfer.peer] = True
-                        pending.append(transfer.peer)
+                for peer in peers_r[i]:
+                    if not queued[peer]:
+                        queued[peer] = True
+                        pending.append(peer)
             ready = now
             for peer, j in ends_r[i]:
                 when = posted[peer][j]
@@ -541,28 +559,42 @@ def _played_flat(codes: _Codes, compute_prices: tuple, exchange_prices: tuple) -
     def records() -> list[list[Record]]:
         rows = []
         for r, actions in enumerate(schedule.ranks):
-            row = []
+            row, begun, done, slots_r, ends_r = [], starts[r], finishes[r], slots[r], ends_of[r]
+            works = compute_prices[r]
             for i, action in enumerate(actions):
-                record = Record(action, starts[r][i], finishes[r][i])
-                slot = slots[r][i]
+                record = Record(action, begun[i], done[i])
+                slot = slots_r[i]
                 if slot >= 0:
-                    record.work_end = starts[r][i] + compute_prices[r][slot][0]
-                else:
-                    record.ready = max([starts[r][i]] + [posted[peer][j]
-                                                         for peer, j in ends_of[r][i]])
+                    record.work_end = begun[i] + works[slot][0]
+                else:   # the latest of its posting and its other ends'
+                    ready = begun[i]
+                    for peer, j in ends_r[i]:
+                        if posted[peer][j] > ready:
+                            ready = posted[peer][j]
+                    record.ready = ready
                 row.append(record)
             rows.append(row)
         return rows
 
     zero_bubble = schedule.splits_backward
+    released = [of_op["W" if zero_bubble else "B"] for of_op in codes.of_op]
     return _Played(
         [max(finishes[r], default=0.0) for r in range(p)],
-        [sum(finishes[r][i] - starts[r][i] for i in codes.computes[r]) for r in range(p)],
-        [_first_forwards([(schedule.ranks[r][i], starts[r][i], finishes[r][i])
-                          for i in codes.of_op[r]["F"]]) for r in range(p)],
-        [[(schedule.ranks[r][i].chunk, starts[r][i], finishes[r][i])
-          for i in codes.of_op[r]["W" if zero_bubble else "B"]] for r in range(p)],
+        [sum(map(operator.sub, _pick(finishes[r], codes.computes[r]),
+                 _pick(starts[r], codes.computes[r]))) for r in range(p)],
+        # (_first_forwards of the rank's forwards: only each chunk's first counts)
+        [sum([float(finishes[r][i] - starts[r][i]) for i in codes.first_forwards[r]])
+         for r in range(p)],
+        [list(zip(codes.released_chunks[r], _pick(starts[r], released[r]),
+                  _pick(finishes[r], released[r]))) for r in range(p)],
         records)
+
+
+def _pick(values: list, positions: list[int]) -> list:
+    """values at positions, in order."""
+    if len(positions) < 2:
+        return [values[i] for i in positions]
+    return operator.itemgetter(*positions)(values)
 
 
 def simulate_uniform(kind: str, p: int, m: int, v: int = 1, *, forward: Fraction | int = 1,
