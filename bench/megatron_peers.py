@@ -341,9 +341,20 @@ def shim_list(results: list[dict]) -> str:
 
 def report(results: list[dict], header: str, seconds: float) -> str:
     load = [value for r in results for value in r["load"]]
-    note = (f"Measured under load: the 1-minute load average was {min(load):.1f}–{max(load):.1f} "
-            f"on {os.cpu_count()} cores; rerun on a quiet machine before reading the ratios "
-            f"closely." if load and max(load) > (os.cpu_count() or 1) else "")
+    cores = os.cpu_count() or 1
+    # The load average also counts this run's own processes (a row runs one
+    # per rank, up to 4, on the cores) and lags a minute: only the reading
+    # before the first row tells whether other work was running.
+    if not load:
+        note = ""
+    elif load[0] > cores:
+        note = (f"Measured under load: the 1-minute load average was {load[0]:.1f} on {cores} "
+                f"cores before the first row ({min(load):.1f}–{max(load):.1f} in all); rerun on "
+                f"a quiet machine before reading the ratios closely.")
+    else:
+        note = (f"The 1-minute load average was {load[0]:.1f} on {cores} cores before the first "
+                f"row; the later readings ({min(load):.1f}–{max(load):.1f}) include this run's own "
+                f"processes, one per rank.")
     return "\n\n".join(part for part in [header, table(results), note, shim_list(results),
                                          f"Run time {seconds:.0f} s."] if part) + "\n"
 
