@@ -35,7 +35,12 @@ from ptdp.parallel.topology import ParallelContext
 from ptdp.parallel.weight_grad import DeferredWeightGrads, deferrable_linear, accumulate_weight_grads
 
 
-def _all_reduce(x: torch.Tensor, group: Any, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, group: Any, op: Any = dist.ReduceOp.SUM,
+                async_op: bool = False):
+    """x summed (or `op`) over `group`, in place. With `async_op`, (x, the
+    collective's work): wait() before reading x."""
+    if async_op:
+        return x, dist.all_reduce(x, op=op, group=group, async_op=True)
     if group is not None:
         dist.all_reduce(x, op=op, group=group)
     return x
@@ -213,8 +218,7 @@ class _TensorParallelLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         grad = grad.contiguous()
-        grad_input = grad.matmul(weight)
-        reducing = dist.all_reduce(grad_input, group=ctx.group, async_op=True)
+        grad_input, reducing = _all_reduce(grad.matmul(weight), ctx.group, async_op=True)
         grad_weight = grad_bias = None
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             grad_2d = grad.reshape(-1, grad.shape[-1])
