@@ -143,7 +143,13 @@ def main(argv: list[str] | None = None) -> int:
             for round_ in range(args.rounds):
                 order = list(commits) if round_ % 2 == 0 else list(commits)[::-1]
                 for rev in order:
-                    steps[rev] += time_revision(f"{tmp}/{commits[rev]}", layout, args.iters)
+                    try:
+                        steps[rev] += time_revision(f"{tmp}/{commits[rev]}", layout, args.iters)
+                    except subprocess.CalledProcessError:
+                        raise SystemExit(
+                            f"{rev} ({commits[rev]}) did not run (its error is above): a revision "
+                            f"from before the Trainer's present constructor cannot be timed here; "
+                            f"leave it out or give a later one") from None
                 load.append(os.getloadavg()[0])
                 print(f"round {round_ + 1} of {args.rounds}, load {load[-1]:.1f}", file=sys.stderr)
         finally:
