@@ -447,3 +447,24 @@ def test_breakdowns_from_the_per_kind_table_equal_looking_up_every_compute(monke
     monkeypatch.setattr(predict, "_rank_boxes", _rank_boxes_by_lookups)
     again = [predict.simulate(workload, layout, a100) for layout in layouts]
     assert mine == [(p.categories_by_rank, p.timelines) for p in again]
+
+
+def test_spans_servers_from_the_lowest_and_highest_rank_equals_counting_servers():
+    """Machine.spans_servers reads the lowest and the highest rank's server
+    alone: the same answer as counting the servers of every rank, for any
+    group (unsorted, repeated, empty) and server size."""
+    import random
+
+    from ptdp.perf.price.machine import Machine
+
+    rng = random.Random(45)
+    answers = set()
+    for per_server in (1, 2, 4, 8):
+        machine = Machine(Layout(), load_profile("a100"))
+        machine.per_server = per_server
+        for _ in range(200):
+            ranks = [rng.randrange(64) for _ in range(rng.randint(0, 6))]
+            counted = len({r // per_server for r in ranks}) > 1
+            assert machine.spans_servers(ranks) == counted, (ranks, per_server)
+            answers.add(counted)
+    assert answers == {True, False}
