@@ -334,3 +334,137 @@ def test_memory_shares_states_only_among_layouts_that_differ_in_b_or_recomputati
                                         workload.precision, 0, size, workload.main_grads_bytes)
                     assert {k: figures[k] for k in alone} == alone, (layout, rank)
     assert len(memory._STATES) == 8   # one per (sharding, d)
+
+
+def _buckets_done_by_the_loop(backwards, row_end, after, rank):
+    """predict._buckets_done as it read every field per backward (round 2):
+    the reference for its per-chunk precomputation."""
+    total = after.bucketed[rank]
+    if total <= 0:
+        return 0.0
+    last = {backward[0]: backward for backward in backwards}
+    if not after.overlapped:
+        rounds = len(backwards) / max(1, len(last)) if after.per_microbatch else 1
+        return row_end + total * rounds
+    released = (backwards if after.per_microbatch else
+                sorted(last.values(), key=lambda backward: backward[2]))
+    free = 0.0
+    for chunk, start, end in sorted(released, key=lambda backward: backward[2]):
+        work = total * after.chunk_shares[rank][chunk]
+        if work <= 0:
+            continue
+        free = max(max(free, start) + work, end + min(work, after.last_bucket[rank]))
+    return free
+
+
+def test_buckets_done_equals_the_per_backward_loop_bit_for_bit():
+    """_buckets_done reads each chunk's work and last bucket once: the same
+    floats as reading them for every backward, in every mode (overlapped or
+    not, per microbatch or per chunk's last backward, a chunk without
+    parameters, ties in the ends, a rank with nothing bucketed)."""
+    import random
+    from types import SimpleNamespace
+
+    from ptdp.perf.simulate.predict import _buckets_done
+
+    rng = random.Random(45)
+    checked = 0
+    for _ in range(300):
+        v, m = rng.choice([1, 2, 3]), rng.randint(1, 24)
+        clock, backwards = rng.random(), []
+        for i in range(m * v):
+            start = clock + rng.choice([0.0, rng.random()])
+            clock = start + rng.choice([0.0, rng.random() * 0.1])
+            backwards.append((rng.randrange(v), start, clock))
+        shares = tuple(rng.choice([0.0, rng.random()]) for _ in range(v))
+        after = SimpleNamespace(bucketed=[rng.choice([0.0, rng.random() * 0.5])],
+                                chunk_shares=[shares], last_bucket=[rng.random() * 0.05],
+                                overlapped=rng.random() < 0.8, per_microbatch=rng.random() < 0.5)
+        mine = _buckets_done(backwards, clock, after, 0)
+        reference = _buckets_done_by_the_loop(backwards, clock, after, 0)
+        assert mine == reference and type(mine) is type(reference), (backwards, after)
+        checked += mine > clock
+    assert checked > 50   # most cases release buckets past the rank's last backward
+
+
+def _rank_boxes_by_lookups(row, r, chunks, priced, exposed, pipeline_end, embedding_start,
+                           embedding, gathered):
+    """predict._rank_boxes as it looked every compute's prices up (round 2):
+    the reference for its per-kind table."""
+    from ptdp.perf.simulate.predict import CATEGORIES, GATHER_CATEGORY, Box, Compute
+
+    boxes, categories = [], {name: 0.0 for name in CATEGORIES + (GATHER_CATEGORY,)}
+    for rec in row:
+        action = rec.action
+        if isinstance(action, Compute):
+            boxes.append(Box(action.op, action.microbatch, action.chunk,
+                             float(rec.start), float(rec.end)))
+            cost = chunks[(r, action.chunk)].of(action.op)
+            stretched = float(rec.work_end - rec.start)
+            total = priced[(r, action.chunk, action.op)][0] or 1.0
+            for category, seconds in cost.work.items():
+                categories[category] = (categories.get(category, 0.0)
+                                        + stretched * seconds / total)
+            gather = min(float(rec.end - rec.work_end), gathered(r, action))
+            categories[GATHER_CATEGORY] += gather
+            categories["tensor all-reduce"] += float(rec.end - rec.work_end) - gather
+        else:
+            if rec.ready > rec.start:
+                boxes.append(Box("wait", -1, -1, float(rec.start), float(rec.ready)))
+            if rec.end > rec.ready:
+                boxes.append(Box("comm", -1, -1, float(rec.ready), float(rec.end)))
+            categories["bubble/idle"] += float(rec.ready - rec.start)
+            categories["pipeline transfer"] += float(rec.end - rec.ready)
+    if exposed > 0:
+        boxes.append(Box("comm", -1, -1, float(pipeline_end), float(pipeline_end) + exposed))
+    if embedding:
+        boxes.append(Box("comm", -1, -1, float(embedding_start),
+                         float(embedding_start) + embedding))
+    return boxes, categories
+
+
+def test_breakdowns_from_the_per_kind_table_equal_looking_up_every_compute(monkeypatch):
+    """The breakdowns and timelines of printed rows read each (chunk, op,
+    first forward)'s prices once: the same floats as looking them up for
+    every compute (each kind of schedule, context parallelism's exchange
+    category, ZeRO-3's gathers)."""
+    from ptdp.perf.simulate import predict
+
+    model = ModelConfig(num_layers=8, hidden_size=1024, num_attention_heads=16,
+                        seq_length=4096, vocab_size=51200, attention_dropout=0.0)
+    workload, a100 = Workload(model, 16), load_profile("a100")
+    kinds = {}   # one layout of each schedule, with and without c > 1 and ZeRO-3
+    for layout in candidate_layouts(workload, 8):
+        if layout.p > 1:
+            kinds.setdefault((layout.schedule_kind, layout.c > 1, layout.shards_parameters,
+                              layout.reshard_after_forward), layout)
+    layouts = list(kinds.values())
+    assert {"1f1b", "interleaved", "zb-h1", "zbv"} <= {layout.schedule_kind for layout in layouts}
+    assert any(layout.c > 1 for layout in layouts) and any(layout.shards_parameters
+                                                           for layout in layouts)
+    mine = [(p.categories_by_rank, p.timelines)
+            for p in [predict.simulate(workload, layout, a100) for layout in layouts]]
+    monkeypatch.setattr(predict, "_rank_boxes", _rank_boxes_by_lookups)
+    again = [predict.simulate(workload, layout, a100) for layout in layouts]
+    assert mine == [(p.categories_by_rank, p.timelines) for p in again]
+
+
+def test_spans_servers_from_the_lowest_and_highest_rank_equals_counting_servers():
+    """Machine.spans_servers reads the lowest and the highest rank's server
+    alone: the same answer as counting the servers of every rank, for any
+    group (unsorted, repeated, empty) and server size."""
+    import random
+
+    from ptdp.perf.price.machine import Machine
+
+    rng = random.Random(45)
+    answers = set()
+    for per_server in (1, 2, 4, 8):
+        machine = Machine(Layout(), load_profile("a100"))
+        machine.per_server = per_server
+        for _ in range(200):
+            ranks = [rng.randrange(64) for _ in range(rng.randint(0, 6))]
+            counted = len({r // per_server for r in ranks}) > 1
+            assert machine.spans_servers(ranks) == counted, (ranks, per_server)
+            answers.add(counted)
+    assert answers == {True, False}

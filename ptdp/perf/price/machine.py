@@ -55,7 +55,9 @@ class Machine:
         return prof.intra_bandwidth, prof.intra_latency
 
     def spans_servers(self, ranks: list[int]) -> bool:
-        return len({self.server(r) for r in ranks}) > 1
+        # A rank's server grows with the rank: the lowest and the highest
+        # rank decide (a search asks this of d·c-rank groups many times).
+        return bool(ranks) and self.server(min(ranks)) != self.server(max(ranks))
 
     def allreduce(self, nbytes: float, ranks: list[int]) -> float:
         """Ring all-reduce over `ranks`: 2(n−1) steps of bytes/n each. Inside

@@ -318,21 +318,30 @@ def _rank_boxes(row, r: int, chunks, priced, exposed: float, pipeline_end, embed
     reductions' and the optimizer's shares)."""
     boxes: list[Box] = []
     categories = {name: 0.0 for name in CATEGORIES + (GATHER_CATEGORY,)}
+    # Per (chunk, op, whether it is the first forward): its work's categories,
+    # its priced work and the seconds it waits for gathers, looked up once
+    # (a rank's computes number 3·m·v, its kinds a few).
+    per_kind: dict[tuple, tuple] = {}
     for rec in row:
         action = rec.action
         if isinstance(action, Compute):
-            boxes.append(Box(action.op, action.microbatch, action.chunk,
-                             float(rec.start), float(rec.end)))
-            cost = chunks[(r, action.chunk)].of(action.op)
+            op, chunk = action.op, action.chunk
+            boxes.append(Box(op, action.microbatch, chunk, float(rec.start), float(rec.end)))
+            kind = (chunk, op, op == "F" and action.microbatch == 0)
+            known = per_kind.get(kind)
+            if known is None:
+                known = per_kind[kind] = (tuple(chunks[(r, chunk)].of(op).work.items()),
+                                          priced[(r, chunk, op)][0] or 1.0, gathered(r, action))
+            shares, total, waits = known
             stretched = float(rec.work_end - rec.start)
-            total = priced[(r, action.chunk, action.op)][0] or 1.0
-            for category, seconds in cost.work.items():
+            for category, seconds in shares:
                 # (.get: "context exchange" appears only with c > 1)
                 categories[category] = (categories.get(category, 0.0)
                                         + stretched * seconds / total)
-            gather = min(float(rec.end - rec.work_end), gathered(r, action))
+            collectives = float(rec.end - rec.work_end)
+            gather = min(collectives, waits)
             categories[GATHER_CATEGORY] += gather
-            categories["tensor all-reduce"] += float(rec.end - rec.work_end) - gather
+            categories["tensor all-reduce"] += collectives - gather
         else:
             if rec.ready > rec.start:
                 boxes.append(Box("wait", -1, -1, float(rec.start), float(rec.ready)))
@@ -398,19 +407,26 @@ def _buckets_done(backwards: list[tuple], row_end, after, rank: int):
     total = after.bucketed[rank]
     if total <= 0:
         return 0.0
-    last: dict[int, tuple] = {backward[0]: backward for backward in backwards}   # by chunk
+    # by chunk (the ranks' backwards number m·v: read at C speed)
+    last: dict[int, tuple] = dict(zip(map(_FIRST, backwards), backwards))
     if not after.overlapped:     # every bucket after the rank's last computation
         rounds = len(backwards) / max(1, len(last)) if after.per_microbatch else 1
         return row_end + total * rounds
-    released = (backwards if after.per_microbatch else
-                sorted(last.values(), key=lambda backward: backward[2]))
+    released = backwards if after.per_microbatch else sorted(last.values(), key=_THIRD)
+    # Each chunk's bucketed work and its last bucket's, as the loop used them.
+    shares, last_bucket = after.chunk_shares[rank], after.last_bucket[rank]
+    works = {chunk: total * shares[chunk] for chunk in last}
+    tails = {chunk: min(work, last_bucket) for chunk, work in works.items()}
     free = 0.0
-    for chunk, start, end in sorted(released, key=lambda backward: backward[2]):
-        work = total * after.chunk_shares[rank][chunk]
+    for chunk, start, end in sorted(released, key=_THIRD):
+        work = works[chunk]
         if work <= 0:
             continue
-        free = max(max(free, start) + work, end + min(work, after.last_bucket[rank]))
+        free = max(max(free, start) + work, end + tails[chunk])
     return free
+
+
+_FIRST, _THIRD = operator.itemgetter(0), operator.itemgetter(2)
 
 
 @dataclass
