@@ -26,7 +26,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -36,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from local_job import free_port  # noqa: E402
 from results import cpu_name, publish  # bench/results.py: the script folder is on sys.path
 
 from ptdp.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
@@ -121,12 +121,6 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_row(t: int, args: argparse.Namespace) -> dict:
     load_before = os.getloadavg()
     if t == 1:
@@ -135,7 +129,7 @@ def run_row(t: int, args: argparse.Namespace) -> dict:
     else:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "result.json")
-            mp.start_processes(_worker, args=(t, _free_port(), args, out), nprocs=t, join=True,
+            mp.start_processes(_worker, args=(t, free_port(), args, out), nprocs=t, join=True,
                                start_method="spawn")
             result = json.loads(Path(out).read_text())
     result["load"] = (load_before, os.getloadavg())

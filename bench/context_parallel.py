@@ -41,7 +41,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import statistics
 import sys
 import tempfile
@@ -53,6 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from local_job import free_port  # noqa: E402
 from results import cpu_name, publish  # bench/results.py: the script folder is on sys.path
 
 from ptdp.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
@@ -231,18 +231,12 @@ def _worker(rank: int, world: int, port: int, threads: int, jobs: list, out: str
             dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_jobs(world: int, threads: int, jobs: list) -> list:
     """Run each (function name, args) of `jobs` in turn on `world` fresh
     processes (one gloo group); rank 0's results."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        mp.start_processes(_worker, args=(world, _free_port(), threads, jobs, out), nprocs=world,
+        mp.start_processes(_worker, args=(world, free_port(), threads, jobs, out), nprocs=world,
                            join=True, start_method="spawn")
         return json.loads(Path(out).read_text())
 

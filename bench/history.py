@@ -26,7 +26,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -101,9 +100,9 @@ def _job(argv: list[str]) -> None:
 def time_revision(checkout: str, layout: dict, iters: int) -> list[dict]:
     """Per timed step: rank 0's wall and forward-backward seconds, every
     rank's CPU seconds summed."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from local_job import free_port
+
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "steps.json")
         # A fresh interpreter whose ptdp is the checkout's, not this one's.

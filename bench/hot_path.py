@@ -47,6 +47,7 @@ import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import peers  # noqa: E402
+from local_job import free_port  # noqa: E402
 from results import cpu_name, publish  # noqa: E402
 
 from ptdp.model import fused  # noqa: E402
@@ -217,7 +218,7 @@ def send_change(p: int, v: int, iters: int) -> tuple[float, float]:
     row = peers.Row("pipeline", p=p, v=v)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times")
-        mp.start_processes(_send_worker, args=(p, peers._free_port(), row, iters, out), nprocs=p,
+        mp.start_processes(_send_worker, args=(p, free_port(), row, iters, out), nprocs=p,
                            join=True, start_method="spawn")
         before, after = map(float, Path(out).read_text().split())
     return before, after

@@ -41,7 +41,6 @@ import datetime
 import json
 import math
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -60,6 +59,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 import megatron_shims  # noqa: E402
 from megatron_side import Layout  # noqa: E402
+from local_job import free_port  # noqa: E402
 from results import cpu_name, publish  # noqa: E402
 
 from ptdp.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
@@ -258,18 +258,12 @@ def _worker(rank: int, row: Row, model: ModelConfig, port: int, iters: int, warm
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_row(row: Row, model: ModelConfig, iters: int, warmup: int, device: str = "cpu") -> dict:
     threads = max(1, (os.cpu_count() or 1) // row.layout.world)
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        mp.start_processes(_worker, args=(row, model, _free_port(), iters, warmup, threads, out,
+        mp.start_processes(_worker, args=(row, model, free_port(), iters, warmup, threads, out,
                                           device),
                            nprocs=row.layout.world, join=True, start_method="spawn")
         ranks = json.loads(Path(out).read_text())

@@ -47,7 +47,6 @@ import contextlib
 import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -63,6 +62,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from local_job import free_port  # noqa: E402
 from results import cpu_name, publish  # noqa: E402
 from peer_tables import SHARDED_NOTE, fmt_rate, peer_table, scaling_table, sharded_table  # noqa: E402
 from torch_reference import TorchGPT, cross_entropy, load_logical  # noqa: E402
@@ -470,19 +470,13 @@ def run_sides(row: Row, model: ModelConfig, iters: int, warmup: int) -> list[dic
     return gathered
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_row(row: Row, model: ModelConfig, iters: int, warmup: int) -> dict:
     cores = os.cpu_count() or 1
     threads = max(1, cores // row.world)
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        mp.start_processes(_worker, args=(row.world, _free_port(), row, model, iters, warmup,
+        mp.start_processes(_worker, args=(row.world, free_port(), row, model, iters, warmup,
                                           threads, out),
                            nprocs=row.world, join=True, start_method="spawn")
         ranks = json.loads(Path(out).read_text())

@@ -28,7 +28,6 @@ import dataclasses
 import datetime
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -38,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from local_job import free_port  # noqa: E402
 from results import cpu_name, publish  # bench/results.py: the script folder is on sys.path
 
 from ptdp.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
@@ -111,12 +111,6 @@ def _time_worker(rank: int, port: int, model: ModelConfig, args: argparse.Namesp
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(worker, nprocs: int, *args) -> dict:
     """Run worker(rank, *args, out) on `nprocs` processes; rank 0's JSON at `out`."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -133,7 +127,7 @@ def memory_table(model: ModelConfig, b: int) -> str:
         config = dataclasses.replace(model, **recompute)
         one = layer_saved_bytes(config, ctx, b, False)
         for t in (2, 4):
-            measured = _spawn(_memory_worker, t, t, _free_port(), config, b)
+            measured = _spawn(_memory_worker, t, t, free_port(), config, b)
             # off = R + P and on = R/t + P, with P the tensor-parallel regions'
             # part: the replicated part R, from this t's two measurements.
             saved = measured[f"{name}/False"] - measured[f"{name}/True"]
@@ -179,7 +173,7 @@ def main() -> None:
                         seq_length=args.seq, vocab_size=args.vocab, hidden_dropout=0.1,
                         attention_dropout=0.1)
     memory = memory_table(dataclasses.replace(model, num_layers=1), args.micro_batch)
-    timing = _spawn(_time_worker, 2, _free_port(), model, args)
+    timing = _spawn(_time_worker, 2, free_port(), model, args)
     off, on = (statistics.median(timing["times"][key]) for key in ("False", "True"))
     tokens = args.batch * args.seq
     block = "\n".join([

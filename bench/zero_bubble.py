@@ -80,6 +80,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import peers  # noqa: E402  bench/peers.py (puts the repository root on sys.path)
 from memory import _reset_peak, _status_bytes  # noqa: E402  bench/memory.py
+from local_job import free_port  # noqa: E402
 from results import cpu_name, publish  # noqa: E402
 
 from ptdp.config import ModelConfig  # noqa: E402
@@ -174,7 +175,7 @@ def _launch(worker, world: int, args: tuple, env: dict | None = None) -> list[di
     try:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "result.json")
-            mp.start_processes(worker, args=(world, peers._free_port(), *args, threads, out),
+            mp.start_processes(worker, args=(world, free_port(), *args, threads, out),
                                nprocs=world, join=True, start_method="spawn")
             return json.loads(Path(out).read_text())
     finally:
