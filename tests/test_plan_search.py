@@ -468,3 +468,51 @@ def test_spans_servers_from_the_lowest_and_highest_rank_equals_counting_servers(
             assert machine.spans_servers(ranks) == counted, (ranks, per_server)
             answers.add(counted)
     assert answers == {True, False}
+
+
+def test_a_best_only_search_with_a_cutoff_finds_what_pricing_every_layout_finds(monkeypatch):
+    """The note on context parallelism wants the fastest c > 1 layout only
+    where it beats a cutoff: its search stops at the first bound the cutoff
+    rejects, and finds the exhaustive search's best when that passes the
+    cutoff, nothing when it does not, pricing nothing past the cutoff."""
+    from ptdp.perf.plan import planner
+    from ptdp.perf.simulate.bounds import compute_lower_bound
+
+    args = build_parser().parse_args(PLAN)
+    model = model_from_args(args)
+    workload, a100 = Workload(model, 32), load_profile("a100")
+    layouts = [layout for layout in _candidates() if layout.c > 1 and layout.p == 1
+               and layout.sharding == "optim"]
+    everything = planner.search(workload, 16, a100, exhaustive=True, candidates=layouts)
+    best = everything[0].seconds
+    priced = []
+    evaluate = planner._evaluate_if_fits
+    monkeypatch.setattr(planner, "_evaluate_if_fits",
+                        lambda w, layout, p: priced.append(layout) or evaluate(w, layout, p))
+    for cutoff in (best * 1.02, best, best * 0.98):
+        priced.clear()
+        found = planner.search(workload, 16, a100, best_only=True, candidates=layouts,
+                               beyond=lambda seconds: seconds >= cutoff)
+        # (the caller drops what the cutoff rejects: the note does)
+        assert [(e.layout, e.seconds) for e in found if e.seconds < cutoff] == \
+            [(e.layout, e.seconds) for e in everything[:1] if e.seconds < cutoff]
+        assert found == [] or found[0].layout == everything[0].layout
+        assert all(compute_lower_bound(workload, layout, a100) < cutoff for layout in priced)
+        if cutoff < best:   # (what passes a cutoff below the best is left unpriced)
+            assert len(priced) < len(layouts)
+
+
+def test_memory_fits_is_memory_per_device_under_the_limit_and_none_over_it():
+    """The search checks memory rank by rank and stops at the first rank
+    over the limit: what it keeps is memory_per_device's, and it rejects
+    exactly the layouts whose largest rank is over the limit."""
+    from ptdp.perf.analytic.memory import memory_fits, memory_per_device
+
+    args = build_parser().parse_args(PLAN)
+    workload = Workload(model_from_args(args), 32)
+    layouts = [layout for layout in _candidates() if layout.p > 1][::7]
+    whole = [memory_per_device(workload, layout) for layout in layouts]
+    limit = sorted(memory["total"] for memory in whole)[len(whole) // 2]
+    kept = [memory_fits(workload, layout, limit) for layout in layouts]
+    assert kept == [memory if memory["total"] <= limit else None for memory in whole]
+    assert 0 < kept.count(None) < len(kept)

@@ -168,25 +168,15 @@ class Layout:
     def valid_for(self, model: ModelConfig, global_batch: int) -> list[str]:
         """Why this layout cannot run `model` (empty when it can): the same
         divisibility rules `ptdp train` enforces."""
-        problems = []
-        ffn = model.ffn_size
-        if model.num_attention_heads % self.t or ffn % self.t:
-            problems.append(f"t={self.t} does not divide the heads ({model.num_attention_heads}) "
-                            f"and the MLP ({ffn})")
-        elif model.query_groups % self.t:
-            problems.append(f"t={self.t} does not divide the key/value groups "
-                            f"({model.query_groups})")
+        problems = tensor_size_problems(model, self.t)
         m = self.microbatches(global_batch)
         problems += self._schedule_problems(model)
         if global_batch % (self.b * self.d):
             problems.append(f"b·d={self.b * self.d} does not divide the global batch {global_batch}")
         else:
             problems += self._microbatch_problems(m)
-        if self.sequence_parallel and self.t == 1:
-            problems.append("sequence parallelism needs t > 1")
-        elif self.sequence_parallel and model.seq_length % self.t:
-            problems.append(f"sequence parallelism needs t={self.t} to divide the sequence "
-                            f"length {model.seq_length}")
+        if self.sequence_parallel:
+            problems += sequence_parallel_problems(model, self.t)
         if self.recompute not in RECOMPUTE_KINDS:
             problems.append(f"unknown recomputation {self.recompute!r}")
         if self.sharding not in SHARDING_STRATEGIES:
@@ -294,6 +284,27 @@ class Layout:
         if self.shards_parameters:
             flags.append(RESHARD_FLAGS[0 if self.reshard_after_forward else 1])
         return flags
+
+
+def tensor_size_problems(model: ModelConfig, t: int) -> list[str]:
+    """Why t tensor-parallel ranks cannot split `model` (Layout.valid_for's
+    rule of t alone: the planner drops such a t before building its layouts)."""
+    ffn = model.ffn_size
+    if model.num_attention_heads % t or ffn % t:
+        return [f"t={t} does not divide the heads ({model.num_attention_heads}) and the MLP ({ffn})"]
+    if model.query_groups % t:
+        return [f"t={t} does not divide the key/value groups ({model.query_groups})"]
+    return []
+
+
+def sequence_parallel_problems(model: ModelConfig, t: int) -> list[str]:
+    """Why sequence parallelism cannot run at t (Layout.valid_for's rule of t alone)."""
+    if t == 1:
+        return ["sequence parallelism needs t > 1"]
+    if model.seq_length % t:
+        return [f"sequence parallelism needs t={t} to divide the sequence length "
+                f"{model.seq_length}"]
+    return []
 
 
 _generated_init = Layout.__init__

@@ -199,7 +199,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import lru_cache
-from typing import Any
+from typing import Any, Iterator
 
 from ptdp.config import ModelConfig, TrainConfig
 from ptdp.perf.analytic.counts import (FP32, chunk_stage, cut_placed_buckets, parameters_per_rank,
@@ -432,11 +432,30 @@ def memory_per_rank(workload: Workload, layout: Layout, *, kernels: str = "cuda"
     optimizer, activations (peak over the iteration) and total. `kernels`:
     "cuda" for GPUs, "cpu" for eager CPU runs (see the module docstring);
     `bucket_size`: --ddp-bucket-size (default TrainConfig's)."""
+    return list(_ranks_memory(workload, layout, kernels, bucket_size))
+
+
+def memory_fits(workload: Workload, layout: Layout, limit: float, *, kernels: str = "cuda",
+                bucket_size: int | None = None) -> dict[str, int] | None:
+    """`memory_per_device` where every rank's total is at most `limit`
+    bytes, else None: the ranks are priced in order and the first over the
+    limit ends it (a search rejects most layouts it checks at rank 0,
+    which holds the most activations under 1F1B)."""
+    ranks = []
+    for memory in _ranks_memory(workload, layout, kernels, bucket_size):
+        if memory["total"] > limit:
+            return None
+        ranks.append(memory)
+    return max(ranks, key=lambda memory: memory["total"])
+
+
+def _ranks_memory(workload: Workload, layout: Layout, kernels: str,
+                  bucket_size: int | None) -> Iterator[dict[str, int]]:
+    """`memory_per_rank`, rank by rank."""
     model, e = workload.model, workload.bytes_per_element
     p, v = layout.p, layout.v
     m = layout.microbatches(workload.global_batch)
     acts = activation_bytes(workload, layout, kernels=kernels)
-    results = []
     model_key, placement = ByValue(model), placement_of_parameters(layout)
     bucket_size = bucket_size or TrainConfig().ddp_bucket_size
     lora = workload.lora
@@ -489,8 +508,7 @@ def memory_per_rank(workload: Workload, layout: Layout, *, kernels: str = "cuda"
                                     deferred)[1] + tables)
         memory = {**state, "activations": activations}
         memory["total"] = sum(memory.values())
-        results.append(memory)
-    return results
+        yield memory
 
 
 _STATES: dict[tuple, list[dict[str, int]]] = {}   # memory_per_rank's states, per rank

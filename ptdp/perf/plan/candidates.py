@@ -23,7 +23,8 @@ from ptdp.config.base import divisors
 from ptdp.config.context import context_parallel_problems
 from ptdp.schedules.kinds import DEFAULT_SCHEDULE, KINDS, SEARCHED
 from ptdp.schedules.split import LayerSplit, split_problems
-from ptdp.perf.layout import Layout, Workload, trained_strategies
+from ptdp.perf.layout import (Layout, Workload, sequence_parallel_problems, tensor_size_problems,
+                              trained_strategies)
 
 MAX_MICROBATCH = 32        # larger microbatches only add memory at these sizes
 MAX_CHUNKS = 8             # interleaving beyond this only adds transfers
@@ -103,6 +104,11 @@ def _candidates_of_context(workload: Workload, devices: int, c: int, cp_comm: st
     model, batch = workload.model, workload.global_batch
     ranks = devices // c
     for t in _kept(divisors(ranks), given["tensor_sizes"]):
+        # (the rules of t alone, checked once: every layout of such a t is refused)
+        if tensor_size_problems(model, t):
+            continue
+        split_choices = [on for on in given["sequence_parallel"]
+                         if not on or not sequence_parallel_problems(model, t)]
         for p in _kept(divisors(ranks // t), given["pipeline_sizes"]):
             d = ranks // (t * p)
             if batch % d or (given["data_sizes"] is not None and d not in given["data_sizes"]):
@@ -118,8 +124,7 @@ def _candidates_of_context(workload: Workload, devices: int, c: int, cp_comm: st
             experts = _expert_layouts(model, t, t * c * d, given["expert_sizes"],
                                       given["expert_tensor_sizes"])
             for b, (schedule, v), kind, (strategy, reshard), split, (ep, etp) in product(
-                    sizes, pipelines, given["recompute"], sharding, given["sequence_parallel"],
-                    experts):
+                    sizes, pipelines, given["recompute"], sharding, split_choices, experts):
                 layout = Layout(t=t, p=p, d=d, b=b, v=v, recompute=kind, sharding=strategy,
                                 reshard_after_forward=reshard, sequence_parallel=split,
                                 schedule=schedule, c=c, cp_comm=cp_comm, ep=ep, etp=etp,

@@ -119,7 +119,7 @@ def _kernels(profile) -> str:
 
 def search(workload: Workload, devices: int, profile, *, top: int | None = None,
            exhaustive: bool = False, progress=None, candidates: list[Layout] | None = None,
-           best_only: bool = False, **restrictions) -> list[Evaluation]:
+           best_only: bool = False, beyond=None, **restrictions) -> list[Evaluation]:
     """Layouts that fit, best predicted throughput first, among `candidates`
     (default: candidate_layouts with `restrictions`).
 
@@ -137,7 +137,10 @@ def search(workload: Workload, devices: int, profile, *, top: int | None = None,
     winner in it alone is found the same way among its few candidates and
     added to the results. `progress(stage, done, total)`, if given, hears
     how far it is ("bounding", "pricing", then "done" with the layouts
-    priced). `best_only`: the fastest layout alone (exact too), no rivals."""
+    priced). `best_only`: the fastest layout alone (exact too), no rivals;
+    with `beyond(seconds)` also, only if it is faster than what `beyond`
+    rejects: no layout whose bound `beyond` rejects is priced (an iteration
+    never beats its bound), and the result is empty when none is left."""
     from ptdp.perf.simulate.bounds import compute_lower_bound
 
     report = progress or (lambda stage, done, total: None)
@@ -157,7 +160,7 @@ def search(workload: Workload, devices: int, profile, *, top: int | None = None,
 
     priced: dict[Layout, Evaluation | None] = {}
     results = _best_by_bound(candidates, bounds, 1 if best_only else EXACT_ROWS, workload,
-                             profile, priced)
+                             profile, priced, beyond if best_only else None)
     if best_only:
         return results
     if results:
@@ -178,25 +181,29 @@ def search(workload: Workload, devices: int, profile, *, top: int | None = None,
 def _evaluate_if_fits(workload: Workload, layout: Layout, profile) -> Evaluation | None:
     """The layout's Evaluation, or None (without pricing it) if its memory
     does not fit the device."""
-    from ptdp.perf.analytic.memory import memory_per_device
+    from ptdp.perf.analytic.memory import memory_fits
     from ptdp.perf.simulate.predict import simulate
 
-    memory = memory_per_device(workload, layout, kernels=_kernels(profile))
-    if memory["total"] > MEMORY_HEADROOM * profile.memory_bytes:
+    memory = memory_fits(workload, layout, MEMORY_HEADROOM * profile.memory_bytes,
+                         kernels=_kernels(profile))
+    if memory is None:
         return None
     return Evaluation(layout, memory, simulate(workload, layout, profile), True)
 
 
 def _best_by_bound(layouts: list[Layout], bounds: dict[Layout, float], rows: int,
-                   workload: Workload, profile, priced: dict[Layout, Evaluation | None]
-                   ) -> list[Evaluation]:
+                   workload: Workload, profile, priced: dict[Layout, Evaluation | None],
+                   beyond=None) -> list[Evaluation]:
     """The `rows` fastest of `layouts` that fit, exactly: price them
-    cheapest bound first until a bound reaches the rows-th best time
-    (`priced` keeps every evaluation, None for what does not fit)."""
+    cheapest bound first until a bound reaches the rows-th best time, or
+    `beyond(bound)` says no layout from there on is wanted (`priced` keeps
+    every evaluation, None for what does not fit)."""
     times: list[float] = []
     found: list[Evaluation] = []
     for layout in sorted(layouts, key=lambda layout: bounds[layout]):
         if len(times) >= rows and bounds[layout] >= times[rows - 1]:
+            break
+        if beyond is not None and beyond(bounds[layout]):
             break
         if layout not in priced:
             priced[layout] = _evaluate_if_fits(workload, layout, profile)
@@ -501,10 +508,17 @@ def context_without_dropout(workload: Workload, devices: int, profile, fixed: Fi
     if not sizes:
         return None
     free_workload = dataclasses.replace(workload, model=free)
-    found = search(free_workload, devices, profile, best_only=True,
-                   **{**fixed.restrictions, "context_sizes": sizes})
     same = evaluate_layout(free_workload, best.layout, profile)
-    if not found or found[0].seconds * (1 + NOTABLE_GAIN) > min(same.seconds, best.seconds):
+    slowest = min(same.seconds, best.seconds)
+
+    def too_slow(seconds: float) -> bool:   # (what the note leaves out)
+        return seconds * (1 + NOTABLE_GAIN) > slowest
+
+    # Only a layout that would be named is wanted: a bound too slow for the
+    # note ends the search (the note is the one pricing every such layout gives).
+    found = search(free_workload, devices, profile, best_only=True, beyond=too_slow,
+                   **{**fixed.restrictions, "context_sizes": sizes})
+    if not found or too_slow(found[0].seconds):
         return None
     rival = found[0]
     default = " (the default, as in Megatron-LM)" if model.attention_dropout == 0.1 else ""

@@ -41,8 +41,10 @@ all of them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
+from typing import Callable
 
 from ptdp.config.train import TrainConfig
 from ptdp.schedules.kinds import virtual_stage_of
@@ -91,9 +93,14 @@ class AfterFlush:
     overlapped: bool               # buckets reduced during the backward (else after the flush)
     # ZeRO-2/3: `bucketed` is one microbatch's reductions, run under each backward.
     per_microbatch: bool = False
-    # ZeRO-3, [rank][chunk]: (seconds to all-gather its layers once, to gather
-    # its ends once, its layers) (ptdp.perf.analytic.sharding.rank_units).
-    chunk_gathers: tuple[tuple[tuple[float, float, int], ...], ...] = ()
+    # ZeRO-3: () -> chunk_gathers, priced when first read (a search's bounds never read them).
+    gathers: Callable[[], tuple] = tuple
+
+    @functools.cached_property
+    def chunk_gathers(self) -> tuple[tuple[tuple[float, float, int], ...], ...]:
+        """ZeRO-3, [rank][chunk]: (seconds to all-gather its layers once, to
+        gather its ends once, its layers) (ptdp.perf.analytic.sharding.rank_units)."""
+        return self.gathers()
 
     def optimizer_at_least(self, rank: int) -> float:
         """The least of rank `rank`'s optimizer step any schedule leaves exposed."""
@@ -185,8 +192,10 @@ def _price_after_flush(workload: Workload, layout: Layout, profile: HardwareProf
             gather = machine.data_parallel(params * ops.E, r, reduce_scatter_only=True)
         optimizer.append(work + comm + gather)
         hideable.append(gather * (1 - one_bucket) if profile.overlap_param_gather else 0.0)
-    gathers = _parameter_gathers(workload, layout, machine, ops) if layout.shards_parameters \
-        else ()
+    # (kept with a copy of the model: the cached result outlives the caller's object)
+    gathers = (functools.partial(_parameter_gathers, dataclasses.replace(
+        workload, model=ops.model_key.copy()), layout, machine, ops)
+        if layout.shards_parameters else tuple)
     return AfterFlush(partial_sums, optimizer, ends, embedding, bucketed, shares, last_bucket,
                       hideable, profile.overlap_grad_reduce, layout.shards_gradients, gathers)
 
