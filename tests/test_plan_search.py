@@ -516,3 +516,27 @@ def test_memory_fits_is_memory_per_device_under_the_limit_and_none_over_it():
     kept = [memory_fits(workload, layout, limit) for layout in layouts]
     assert kept == [memory if memory["total"] <= limit else None for memory in whole]
     assert 0 < kept.count(None) < len(kept)
+
+
+@pytest.mark.parametrize("kind,p,m,v", [("1f1b", 4, 8, 1), ("interleaved", 4, 8, 2),
+                                        ("zb-h1", 4, 8, 1), ("zbv", 3, 6, 2), ("1f1b", 1, 3, 1)])
+def test_the_level_by_level_play_is_the_loops_bit_for_bit(kind, p, m, v):
+    """A schedule played again is played level by level in numpy
+    (ptdp.perf.simulate.levels): every start and end equals the loop's,
+    bit for bit, under prices that differ by rank, chunk, op and exchange."""
+    import random
+
+    from ptdp.perf.simulate import predict
+
+    rng = random.Random(f"{kind}{p}{m}{v}")
+    codes = predict._codes((kind, p, m, v, None))
+    for _ in range(3):
+        computes = tuple(tuple((rng.uniform(0.1, 3.0), rng.choice([0.0, rng.uniform(0, 0.5)]))
+                               for _ in row) for row in codes.compute_slots)
+        exchanges = tuple(tuple(rng.uniform(0.0, 0.7) for _ in row)
+                          for row in codes.exchange_slots)
+        starts, ends, posted = predict._flat_times(codes, computes, exchanges)
+        level_starts, level_ends, _ = predict._level_times(codes, computes, exchanges)
+        assert level_ends == ends and level_starts == starts
+        assert all(level_starts[r][i] == when for r, row in enumerate(posted)
+                   for i, when in enumerate(row) if when is not None)

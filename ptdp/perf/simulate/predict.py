@@ -81,6 +81,7 @@ from ptdp.perf.price.machine import Machine
 from ptdp.schedules.player import Record, other_ends, play
 from ptdp.perf.price.profiles import HardwareProfile
 from ptdp.perf.price.stage_costs import layout_chunk_costs, operator_model
+from ptdp.perf.simulate.levels import levels_of, play_levels
 from ptdp.perf.simulate.timeline import Box, draw_timeline
 
 CATEGORIES = ("forward compute", "backward compute", "recompute", "tensor all-reduce",
@@ -450,6 +451,9 @@ class _Codes:
     first_forwards: list[list[int]] = field(default_factory=list)
     released_chunks: list[list[int]] = field(default_factory=list)
     peers: list[list[tuple[int, ...] | None]] = field(default_factory=list)
+    # Plays so far, and from the second on the dataflow's levels (levels.py)
+    plays: int = 0
+    levels: Any = None
 
 
 @functools.lru_cache(maxsize=32)
@@ -515,14 +519,39 @@ def _play_unshared(key: tuple, compute, exchange) -> _Played:
     if played is None:
         if len(_PLAYS) >= 64:
             _PLAYS.clear()
-        played = _PLAYS[memo] = _played_flat(codes, compute_prices, exchange_prices)
+        codes.plays += 1
+        if codes.plays == 1:   # (a schedule played once: the loop, no levels to find)
+            times = _flat_times(codes, compute_prices, exchange_prices)
+        else:
+            times = _level_times(codes, compute_prices, exchange_prices)
+        played = _PLAYS[memo] = _played_of(codes, compute_prices, *times)
     return played
 
 
 _PLAYS: dict[tuple, _Played] = {}
 
 
-def _played_flat(codes: _Codes, compute_prices: tuple, exchange_prices: tuple) -> _Played:
+def _level_times(codes: _Codes, compute_prices: tuple, exchange_prices: tuple):
+    """_flat_times' (starts, ends, postings) from the dataflow's levels
+    (levels.py), found on the first call by a play at unit prices."""
+    if codes.levels is None:
+        units = tuple(((1, 0),) * len(row) for row in codes.compute_slots)
+        waits = tuple((1,) * len(row) for row in codes.exchange_slots)
+        level = _flat_times(codes, units, waits)[1]
+        codes.levels = levels_of(codes.slots, codes.ends, level,
+                                 [len(row) for row in codes.compute_slots],
+                                 [len(row) for row in codes.exchange_slots])
+    work, after = [], []
+    for computes, exchanges in zip(compute_prices, exchange_prices):
+        work += [price[0] for price in computes] + list(exchanges)
+        after += [price[1] for price in computes] + [0.0] * len(exchanges)
+    starts, ends = play_levels(codes.levels, work, after)
+    return starts, ends, starts   # (an exchange is posted when it starts)
+
+
+def _flat_times(codes: _Codes, compute_prices: tuple, exchange_prices: tuple):
+    """Per rank, each action's start and end, and each exchange's posting
+    (None for a compute): each rank run as far as its exchanges let it."""
     schedule, slots, ends_of, peers = codes.schedule, codes.slots, codes.ends, codes.peers
     p = schedule.p
     starts: list[list] = [[] for _ in range(p)]
@@ -571,6 +600,13 @@ def _played_flat(codes: _Codes, compute_prices: tuple, exchange_prices: tuple) -
     if stuck:
         raise ScheduleError(f"{schedule.kind} p={p} m={schedule.m} v={schedule.v} deadlocks at "
                             f"ranks {stuck}")
+    return starts, finishes, posted
+
+
+def _played_of(codes: _Codes, compute_prices: tuple, starts: list[list], finishes: list[list],
+               posted: list[list]) -> _Played:
+    """The _Played of a play's times (`_flat_times`')."""
+    schedule, slots, ends_of, p = codes.schedule, codes.slots, codes.ends, codes.schedule.p
 
     def records() -> list[list[Record]]:
         rows = []

@@ -1,0 +1,117 @@
+"""A schedule's dataflow played level by level in numpy: the planner's
+plays without processor sharing (GPU profiles), for schedules it plays
+more than once.
+
+Without sharing, an action ends at
+
+    (latest of its predecessor's end and, for an exchange, the other
+     ends' postings  +  its work or wait)  +  its collectives (0 for an exchange)
+
+and a posting is the end of the poster's previous action (ptdp.perf.
+simulate.predict, `_flat_times`). Every action of one level (its longest
+chain of predecessors) depends on earlier levels only, so a level is one
+vectorised step: gather, maximum, two additions, in the order the loop
+takes them, so that every time is bit for bit the loop's (IEEE
+arithmetic is the same in numpy; tested). A schedule has a few thousand
+levels against hundreds of thousands of actions (p = 64, m = 512). The
+levels come from one play of the loop with unit prices (which also finds
+a deadlock) and are kept with the schedule's codes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Levels:
+    """The actions of a schedule sorted by level (position k holds the flat
+    action order[k], flat = rank offset + index in its rank), where each
+    level starts (`bounds`, and the end), each position's predecessors as
+    positions (`waits`: its own rank's previous action, then the other
+    ends' previous actions, padded with NEVER; START for a rank's first
+    action), where each position's price is in a play's price table
+    (`prices`), and each flat action's predecessor position (`before`)."""
+    order: np.ndarray
+    bounds: list[int]
+    waits: np.ndarray
+    prices: np.ndarray
+    before: np.ndarray
+    offsets: list[int]
+
+    @property
+    def start(self) -> int:     # a time 0: before a rank's first action
+        return len(self.order)
+
+    @property
+    def never(self) -> int:     # padding: -inf, below every time
+        return len(self.order) + 1
+
+
+def levels_of(slots: list[list[int]], ends: list[list], level: list[list[int]],
+              compute_counts: list[int], exchange_counts: list[int]) -> Levels:
+    """`slots`, `ends`: predict._Codes' (each action's price slot; each
+    exchange's other ends as (rank, index)); `level`: each action's level
+    (its end in a play at unit prices, from 1); `compute_counts`,
+    `exchange_counts`: each rank's compute and exchange slots (a play's
+    table holds rank 0's computes, then its exchanges, then rank 1's ...)."""
+    counts = [len(row) for row in slots]
+    offsets = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+    n = int(offsets[-1])
+    flat_level = np.fromiter((x for row in level for x in row), dtype=np.int64, count=n)
+    flat_slot = np.fromiter((x for row in slots for x in row), dtype=np.int64, count=n)
+    order = np.argsort(flat_level, kind="stable")
+    position = np.empty(n, dtype=np.int64)
+    position[order] = np.arange(n)
+    start, never = n, n + 1
+    rank_of = np.repeat(np.arange(len(slots)), counts)
+    first = offsets[:-1][rank_of] == np.arange(n)
+    before = np.where(first, start, np.concatenate(([start], position[:-1])))
+    width = 1 + max((len(e) for row in ends for e in row if e), default=0)
+    waits = np.full((n, width), never, dtype=np.int64)
+    waits[position, 0] = before
+    # the other ends' previous actions, exchange by exchange
+    rows, columns, targets = [], [], []
+    for r, ends_r in enumerate(ends):
+        base = int(offsets[r])
+        for i, others in enumerate(ends_r):
+            for column, (peer, j) in enumerate(others or (), 1):
+                rows.append(base + i)
+                columns.append(column)
+                targets.append(offsets[peer] + j - 1 if j else -1)
+    if rows:
+        targets = np.asarray(targets, dtype=np.int64)
+        waits[position[np.asarray(rows, dtype=np.int64)], columns] = np.where(
+            targets < 0, start, position[np.maximum(targets, 0)])
+    table_base = np.concatenate(([0], np.cumsum(np.add(compute_counts, exchange_counts))))
+    computes = np.asarray(compute_counts, dtype=np.int64)[rank_of]
+    prices = (table_base[:-1][rank_of] + np.where(flat_slot >= 0, flat_slot,
+                                                  computes - 1 - flat_slot))[order]
+    sorted_levels = flat_level[order]
+    bounds = np.flatnonzero(np.diff(sorted_levels)) + 1
+    return Levels(order, [0, *bounds.tolist(), n], waits, prices, before, offsets.tolist())
+
+
+def play_levels(levels: Levels, table_work: list[float], table_after: list[float]
+                ) -> tuple[list[list[float]], list[list[float]]]:
+    """(starts, ends) per rank of every action, priced by the table:
+    position k takes table_work[prices[k]] then table_after[prices[k]]
+    (a compute's work and collectives, an exchange's wait and 0.0). An
+    action starts when its predecessor ends (an exchange: when it is
+    posted), as in predict's loop."""
+    n = len(levels.order)
+    work = np.asarray(table_work, dtype=np.float64)[levels.prices]
+    after = np.asarray(table_after, dtype=np.float64)[levels.prices]
+    times = np.empty(n + 2)
+    times[levels.start], times[levels.never] = 0.0, -np.inf
+    waits, bounds = levels.waits, levels.bounds
+    for a, b in zip(bounds, bounds[1:]):
+        times[a:b] = (times[waits[a:b]].max(axis=1) + work[a:b]) + after[a:b]
+    ends = np.empty(n)
+    ends[levels.order] = times[:n]
+    starts = times[levels.before]
+    offsets = levels.offsets
+    return ([starts[a:b].tolist() for a, b in zip(offsets, offsets[1:])],
+            [ends[a:b].tolist() for a, b in zip(offsets, offsets[1:])])
