@@ -540,3 +540,30 @@ def test_the_level_by_level_play_is_the_loops_bit_for_bit(kind, p, m, v):
         assert level_ends == ends and level_starts == starts
         assert all(level_starts[r][i] == when for r, row in enumerate(posted)
                    for i, when in enumerate(row) if when is not None)
+
+
+@pytest.mark.parametrize("kind,p,m", [("zb-h1", 4, 8), ("zbv", 3, 6)])
+def test_zero_bubble_costs_that_place_alike_share_one_schedule_and_only_they(kind, p, m):
+    """build_zero_bubble gives the schedule of earlier costs again when its
+    exchanges land in the same places: the shared schedule's actions are
+    those a fresh placement makes for the new costs, and costs that place
+    differently get their own schedule."""
+    import random
+
+    from ptdp.schedules import zero_bubble as zb
+
+    rng = random.Random(kind)
+    v = zb.chunks_of(kind)
+    tables = [{(r, c, op): rng.uniform(0.5, 2.0) for r in range(p) for c in range(v)
+               for op in "FBW"} for _ in range(3)]
+    built = []
+    for table in tables:
+        for scale in (1.0, 2.0, 0.25):   # (times scaled by a power of two place alike)
+            cost = zb.costs_from_table({key: seconds * scale for key, seconds in table.items()})
+            schedule = zb.build_zero_bubble(kind, p, m, cost)
+            fresh = zb._with_timed_exchanges(kind, p, v, zb.plan_timed(kind, p, m, cost=cost))
+            assert schedule.ranks == fresh
+            built.append(schedule)
+    assert [len({id(s) for s in built[i:i + 3]}) for i in (0, 3, 6)] == [1, 1, 1]
+    distinct = {id(schedule): schedule.ranks for schedule in built}
+    assert len({ranks for ranks in distinct.values()}) == len(distinct)

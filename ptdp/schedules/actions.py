@@ -198,6 +198,22 @@ def peak_stored(computes: list[Compute], release_op: str) -> int:
     return peak
 
 
+def chunk_neighbours(rank: int, p: int, v: int, placement: Placement = LOOPED
+                     ) -> list[tuple[int, int | None, int | None]]:
+    """Per chunk of rank `rank`: (its virtual stage, the rank of the stage
+    after it, of the stage before it), None where there is none or it is
+    on this rank: what transfers_of reads, for callers that place many
+    computes."""
+    last = p * v - 1
+    sides = []
+    for chunk in range(v):
+        stage = placement.stage(p, v, rank, chunk)
+        after = placement.location(p, v, stage + 1)[0] if stage < last else rank
+        before = placement.location(p, v, stage - 1)[0] if stage > 0 else rank
+        sides.append((stage, None if after == rank else after, None if before == rank else before))
+    return sides
+
+
 def transfers_of(compute: Compute, rank: int, p: int, v: int,
                  placement: Placement = LOOPED) -> tuple[Transfer | None, Transfer | None]:
     """(the receive this compute needs, the send it produces), either may be

@@ -18,7 +18,7 @@ Their records (kinds.py) name these generators.
 from __future__ import annotations
 
 from ptdp.schedules.actions import (FORWARD_ONLY, Action, Compute, Exchange, Schedule, Transfer,
-                                    transfers_of)
+                                    chunk_neighbours)
 
 INTERLEAVED = "interleaved"
 
@@ -72,14 +72,22 @@ def with_exchanges(steps: list[list[Compute]], rank: int, p: int, v: int) -> tup
     """
     actions: list[Action] = []
     pending_sends: list[Transfer] = []
+    sides = chunk_neighbours(rank, p, v)   # (transfers_of's, read once per chunk)
     for step in steps:
         receives, sends = [], []
         for compute in step:
-            recv, send = transfers_of(compute, rank, p, v)
-            if recv is not None:
-                receives.append(recv)
-            if send is not None:
-                sends.append(send)
+            stage, after, before = sides[compute.chunk]
+            mb = compute.microbatch
+            if compute.op == "F":
+                if before is not None:
+                    receives.append(Transfer("recv", "activation", mb, stage - 1, before))
+                if after is not None:
+                    sends.append(Transfer("send", "activation", mb, stage, after))
+            else:
+                if after is not None:
+                    receives.append(Transfer("recv", "grad", mb, stage, after))
+                if before is not None:
+                    sends.append(Transfer("send", "grad", mb, stage - 1, before))
         batch = tuple(pending_sends + receives)
         if batch:
             actions.append(Exchange(batch))

@@ -47,6 +47,8 @@ from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
+import numpy as np
+
 from ptdp.schedules.actions import (
     FORWARD_ONLY,
     LOOPED,
@@ -58,7 +60,7 @@ from ptdp.schedules.actions import (
     Schedule,
     ScheduleError,
     Transfer,
-    transfers_of,
+    chunk_neighbours,
 )
 
 ZB_H1, ZBV = "zb-h1", "zbv"
@@ -151,6 +153,11 @@ def plan_timed(kind: str, p: int, m: int, orders: list[list[Compute]] | None = N
     its rank and its inputs allow, taking cost(rank, compute). `orders`:
     each rank's computes (default: the kind's training orders)."""
     flow = _dataflow(kind, p, m) if orders is None else _dataflow_of(kind, p, m, orders)
+    return _plan_rows(flow, *_timed(flow, p, cost))
+
+
+def _timed(flow: "_Dataflow", p: int, cost: ComputeCost) -> tuple[list, list]:
+    """(starts, ends) of the flow's computes, flat."""
     computes, ranks, needs = flow.computes, flow.ranks, flow.needs
     starts, ends = [0.0] * len(computes), [0.0] * len(computes)
     free = [0] * p
@@ -164,6 +171,12 @@ def plan_timed(kind: str, p: int, m: int, orders: list[list[Compute]] | None = N
                 start = ends[need]
         starts[flat] = start
         ends[flat] = free[rank] = start + cost(rank, computes[flat])
+    return starts, ends
+
+
+def _plan_rows(flow: "_Dataflow", starts: list, ends: list
+               ) -> list[list[tuple[Compute, float, float]]]:
+    computes = flow.computes
     return [[(computes[flat], starts[flat], ends[flat]) for flat in range(first, last)]
             for first, last in zip(flow.offsets, flow.offsets[1:])]
 
@@ -199,22 +212,33 @@ def _dataflow_of(kind: str, p: int, m: int, orders: list[list[Compute]]) -> _Dat
     needs: list[tuple[int, ...]] = [()] * len(computes)
     sequence: list[int] = []
     done = [0] * p
+    stages = [[placement.stage(p, v, rank, chunk) for chunk in range(v)] for rank in range(p)]
     while any(done[r] < len(orders[r]) for r in range(p)):
         moved = False
         for rank in range(p):
-            while done[rank] < len(orders[rank]):
-                flat = offsets[rank] + done[rank]
+            k, n, first, stage_of = done[rank], len(orders[rank]), offsets[rank], stages[rank]
+            while k < n:
+                flat = first + k
                 compute = computes[flat]
-                i, stage = compute.microbatch, placement.stage(p, v, rank, compute.chunk)
-                wanted = {"F": [("F", i, stage - 1)] if stage > 0 else [],
-                          "B": [("F", i, stage)] + ([("B", i, stage + 1)] if stage < last else []),
-                          "W": [("B", i, stage)]}[compute.op]
-                if any(n not in position for n in wanted):
+                op, i, stage = compute.op, compute.microbatch, stage_of[compute.chunk]
+                # what it waits for: the forward before it; its own forward and the
+                # backward after it; its backward
+                try:
+                    if op == "F":
+                        wanted = (position[("F", i, stage - 1)],) if stage > 0 else ()
+                    elif op == "B":
+                        wanted = ((position[("F", i, stage)], position[("B", i, stage + 1)])
+                                  if stage < last else (position[("F", i, stage)],))
+                    else:
+                        wanted = (position[("B", i, stage)],)
+                except KeyError:   # not computed yet: the rank waits
                     break
-                needs[flat] = tuple(position[n] for n in wanted)
-                position[(compute.op, i, stage)] = flat
+                needs[flat] = wanted
+                position[(op, i, stage)] = flat
                 sequence.append(flat)
-                done[rank] += 1
+                k += 1
+            if k > done[rank]:
+                done[rank] = k
                 moved = True
         if not moved:
             raise ScheduleError(f"{kind} p={p} m={m}: the orders deadlock")
@@ -228,15 +252,24 @@ def _sends(kind: str, p: int, m: int) -> list[list[tuple[Transfer, Transfer] | N
 
 
 def _sends_of(kind: str, p: int, orders) -> list[list[tuple[Transfer, Transfer] | None]]:
-    """Per rank, per compute: (the send it produces, its receiver's end), or None."""
-    v = chunks_of(kind)
+    """Per rank, per compute: (the send it produces, its receiver's end), or
+    None (transfers_of's send, read per (rank, chunk) once)."""
+    v, placement = chunks_of(kind), _placement(kind)
     rows = []
     for rank, order in enumerate(orders):
+        sides = chunk_neighbours(rank, p, v, placement)
         row = []
         for compute in order:
-            _, send = transfers_of(compute, rank, p, v, _placement(kind))
-            row.append(None if send is None else
-                       (send, Transfer("recv", send.kind, send.microbatch, send.boundary, rank)))
+            op = compute.op
+            stage, after, before = sides[compute.chunk]
+            if op == "F" and after is not None:
+                row.append((Transfer("send", "activation", compute.microbatch, stage, after),
+                            Transfer("recv", "activation", compute.microbatch, stage, rank)))
+            elif op == "B" and before is not None:
+                row.append((Transfer("send", "grad", compute.microbatch, stage - 1, before),
+                            Transfer("recv", "grad", compute.microbatch, stage - 1, rank)))
+            else:
+                row.append(None)
         rows.append(row)
     return rows
 
@@ -297,8 +330,69 @@ def build_zbv_forward_only(p: int, m: int) -> Schedule:
 def build_zero_bubble(kind: str, p: int, m: int, cost: ComputeCost = unit_cost) -> Schedule:
     """Every rank's actions for one iteration of zb-h1 or zbv (arguments
     already checked by kinds.check_arguments), the exchanges placed for
-    computes that take cost(rank, compute)."""
+    computes that take cost(rank, compute). Costs that place every
+    exchange where earlier ones did give that schedule again, the same
+    object (a planner builds one per layout's costs; most place alike)."""
     v = chunks_of(kind)
-    plan = plan_timed(kind, p, m, cost=cost)
-    return Schedule(kind, p, m, v, _with_timed_exchanges(kind, p, v, plan, _sends(kind, p, m)),
-                    placement=_placement(kind), splits_backward=True)
+    flow = _dataflow(kind, p, m)
+    starts, ends = _timed(flow, p, cost)
+    key = (kind, p, m, _placement_signature(kind, p, m, starts, ends))
+    schedule = _PLACED.get(key)
+    if schedule is None:
+        plan = _plan_rows(flow, starts, ends)
+        schedule = Schedule(kind, p, m, v, _with_timed_exchanges(kind, p, v, plan,
+                                                                 _sends(kind, p, m)),
+                            placement=_placement(kind), splits_backward=True)
+        if len(_PLACED) >= 16:
+            _PLACED.clear()
+        _PLACED[key] = schedule
+    return schedule
+
+
+_PLACED: dict[tuple, Schedule] = {}
+
+
+def _placement_signature(kind: str, p: int, m: int, starts: list, ends: list) -> bytes:
+    """Where _with_timed_exchanges puts every transfer for these times (the
+    flat `_timed` of the kind's orders), as bytes: per rank, (slot,
+    transfer) in the order its exchanges hold them, each exchange sorted
+    by (time, kind, microbatch, boundary, op) as there. Equal bytes, equal
+    actions."""
+    table, by_receiver, receiver_bounds = _send_table(kind, p, m)
+    flow = _dataflow(kind, p, m)
+    starts, ends = np.asarray(starts, dtype=np.float64), np.asarray(ends, dtype=np.float64)
+    produced = ends[table[:, 1]]
+    # The receiver's exchange before its first compute starting at or after `produced`.
+    received = np.empty(len(table), dtype=np.int64)
+    for r in range(p):
+        sends = by_receiver[receiver_bounds[r]:receiver_bounds[r + 1]]
+        received[sends] = np.searchsorted(starts[flow.offsets[r]:flow.offsets[r + 1]],
+                                          produced[sends], side="left")
+    # sender entries (op send = 1) in slot k + 1, receiver entries (op recv = 0)
+    rank = np.concatenate((table[:, 0], table[:, 3]))
+    slot = np.concatenate((table[:, 2] + 1, received))
+    time = np.concatenate((produced, produced))
+    kind_, microbatch, boundary = (np.tile(table[:, column], 2) for column in (4, 5, 6))
+    op = np.repeat([1, 0], len(table))
+    order = np.lexsort((op, boundary, microbatch, kind_, time, slot, rank))
+    return np.stack((rank, slot, kind_, microbatch, boundary, op))[:, order].tobytes()
+
+
+@functools.lru_cache(maxsize=8)
+def _send_table(kind: str, p: int, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every send of the kind's orders as a row (sender, its compute's flat
+    index, its index on the sender, receiver, kind (activation 0, grad 1),
+    microbatch, boundary); the rows by receiver, and where each
+    receiver's start."""
+    flow, rows = _dataflow(kind, p, m), []
+    for rank, row in enumerate(_sends(kind, p, m)):
+        first = flow.offsets[rank]
+        for k, pair in enumerate(row):
+            if pair is not None:
+                send = pair[0]
+                rows.append((rank, first + k, k, send.peer, send.kind == "grad",
+                             send.microbatch, send.boundary))
+    table = np.array(rows, dtype=np.int64).reshape(-1, 7)
+    by_receiver = np.argsort(table[:, 3], kind="stable")
+    bounds = np.searchsorted(table[by_receiver, 3], np.arange(p + 1), side="left")
+    return table, by_receiver, bounds

@@ -458,7 +458,21 @@ class _Codes:
 
 @functools.lru_cache(maxsize=32)
 def _codes(key: tuple) -> _Codes:
+    # Zero-bubble costs that place the exchanges alike give one schedule
+    # object (build_zero_bubble): one set of codes, and of levels, for all of them.
     schedule = _schedule(*key)
+    known = _CODES.get(id(schedule))
+    if known is None or known.schedule is not schedule:
+        if len(_CODES) >= 32:
+            _CODES.clear()
+        known = _CODES[id(schedule)] = _codes_of(schedule)
+    return known
+
+
+_CODES: dict[int, _Codes] = {}
+
+
+def _codes_of(schedule) -> _Codes:
     slots, compute_slots, exchange_slots, computes, of_op = [], [], [], [], []
     for actions in schedule.ranks:
         seen: dict[tuple, int] = {}
