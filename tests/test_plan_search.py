@@ -567,3 +567,19 @@ def test_zero_bubble_costs_that_place_alike_share_one_schedule_and_only_they(kin
     assert [len({id(s) for s in built[i:i + 3]}) for i in (0, 3, 6)] == [1, 1, 1]
     distinct = {id(schedule): schedule.ranks for schedule in built}
     assert len({ranks for ranks in distinct.values()}) == len(distinct)
+
+
+def test_the_busiest_ranks_categories_alone_are_those_of_every_ranks_walk():
+    """A plan's rows need the busiest rank's categories only: walked alone
+    (Prediction.rank_details), they are what walking every rank gives."""
+    from ptdp.perf.simulate.predict import simulate
+
+    args = build_parser().parse_args(PLAN)
+    workload, a100 = Workload(model_from_args(args), 32), load_profile("a100")
+    layouts = [layout for layout in _candidates() if layout.p > 1][::40]
+    assert {layout.schedule_kind for layout in layouts} >= {"1f1b", "interleaved"}
+    for layout in layouts:
+        alone = simulate(workload, layout, a100).seconds_by_category
+        every = simulate(workload, layout, a100)
+        assert alone == every.categories_by_rank[every.critical_rank] == \
+            every.seconds_by_category, layout

@@ -107,12 +107,21 @@ class Prediction:
     critical_rank: int                        # the busiest pipeline rank
     flops_per_iteration: float
     # () -> (categories_by_rank, timelines): walked from the played actions
-    # only when asked for (a search ranks by the iteration alone).
+    # only when asked for (a search ranks by the iteration alone);
+    # rank_details(r): rank r's alone (a plan's rows need the busiest rank's categories only).
     details: Callable[[], tuple[list[dict[str, float]], list[list[Box]]]] = field(repr=False)
+    rank_details: Callable[[int], tuple[dict[str, float], list[Box]]] | None = field(
+        default=None, repr=False)
 
     @functools.cached_property
     def _details(self) -> tuple[list[dict[str, float]], list[list[Box]]]:
         return self.details()
+
+    @functools.cached_property
+    def _critical_categories(self) -> dict[str, float]:
+        if "_details" in self.__dict__ or self.rank_details is None:
+            return self._details[0][self.critical_rank]
+        return self.rank_details(self.critical_rank)[0]
 
     @property
     def categories_by_rank(self) -> list[dict[str, float]]:
@@ -122,7 +131,7 @@ class Prediction:
     @property
     def seconds_by_category(self) -> dict[str, float]:
         """On the busiest pipeline rank; sums to the iteration."""
-        return self._details[0][self.critical_rank]
+        return self._critical_categories
 
     @property
     def timelines(self) -> list[list[Box]]:
@@ -221,27 +230,27 @@ def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Pr
     critical = max(range(p), key=lambda r: busy[r])
     bubble = (flush - busy[critical]) / busy[critical] if busy[critical] else 0.0
 
+    def rank_details(r: int) -> tuple[dict[str, float], list[Box]]:
+        """Rank r's seconds by category and its timeline boxes."""
+        embedding = after.embedding if embedding_start is not None and r in ends else 0.0
+        boxes, categories = _rank_boxes(played.row(r), r, chunks, priced, exposed[r],
+                                        pipeline_end[r], embedding_start, embedding, gathered)
+        if not layout.shards_parameters:
+            del categories[GATHER_CATEGORY]
+        # The exposed part, split as the bucketed work is (the sequence-
+        # parallel partial sums travel with their buckets).
+        partial = (after.partial_sums[r] / after.bucketed[r] * exposed[r]
+                   if after.bucketed[r] else 0.0)
+        categories["data-parallel reduction"] = exposed[r] - partial + embedding
+        categories["tensor all-reduce"] += partial
+        categories["optimizer"] = optimizer_seconds[r]
+        categories["bubble/idle"] += float(iteration) - sum(categories.values())
+        return categories, boxes
+
     def details() -> tuple[list[dict[str, float]], list[list[Box]]]:
         """Each rank's seconds by category and its timeline boxes."""
-        timelines: list[list[Box]] = []
-        by_rank: list[dict[str, float]] = []
-        for r, row in enumerate(played.records()):
-            embedding = after.embedding if embedding_start is not None and r in ends else 0.0
-            boxes, categories = _rank_boxes(row, r, chunks, priced, exposed[r], pipeline_end[r],
-                                            embedding_start, embedding, gathered)
-            if not layout.shards_parameters:
-                del categories[GATHER_CATEGORY]
-            timelines.append(boxes)
-            # The exposed part, split as the bucketed work is (the sequence-
-            # parallel partial sums travel with their buckets).
-            partial = (after.partial_sums[r] / after.bucketed[r] * exposed[r]
-                       if after.bucketed[r] else 0.0)
-            categories["data-parallel reduction"] = exposed[r] - partial + embedding
-            categories["tensor all-reduce"] += partial
-            categories["optimizer"] = optimizer_seconds[r]
-            categories["bubble/idle"] += float(iteration) - sum(categories.values())
-            by_rank.append(categories)
-        return by_rank, timelines
+        ranks = [rank_details(r) for r in range(p)]
+        return [categories for categories, _ in ranks], [boxes for _, boxes in ranks]
 
     flops = model_flops_per_iteration(
         workload.model, workload.global_batch, recompute=layout.recompute,
@@ -252,7 +261,8 @@ def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Pr
         workload=workload, layout=layout, profile=profile, iteration_seconds=iteration,
         tflops_per_device=flops / (layout.devices * iteration) / 1e12,
         bubble_fraction=float(bubble), pipeline_seconds=float(flush), microbatches=m,
-        critical_rank=critical, flops_per_iteration=flops, details=details)
+        critical_rank=critical, flops_per_iteration=flops, details=details,
+        rank_details=rank_details)
 
 
 def _exchange_price(layout: Layout, ops, machine: Machine, profile: HardwareProfile):
@@ -370,6 +380,11 @@ class _Played:
     first_forwards: list[float]
     backwards: list[list[tuple]]
     records: Callable[[], list[list[Record]]]
+    row: Callable[[int], list[Record]] | None = None   # one rank's records
+
+    def __post_init__(self):
+        if self.row is None:
+            self.row = lambda r: self.records()[r]
 
 
 def _played_from_records(records: list[list[Record]], zero_bubble: bool) -> _Played:
@@ -622,25 +637,25 @@ def _played_of(codes: _Codes, compute_prices: tuple, starts: list[list], finishe
     """The _Played of a play's times (`_flat_times`')."""
     schedule, slots, ends_of, p = codes.schedule, codes.slots, codes.ends, codes.schedule.p
 
+    def row_of(r: int) -> list[Record]:
+        row, begun, done, slots_r, ends_r = [], starts[r], finishes[r], slots[r], ends_of[r]
+        works = compute_prices[r]
+        for i, action in enumerate(schedule.ranks[r]):
+            record = Record(action, begun[i], done[i])
+            slot = slots_r[i]
+            if slot >= 0:
+                record.work_end = begun[i] + works[slot][0]
+            else:   # the latest of its posting and its other ends'
+                ready = begun[i]
+                for peer, j in ends_r[i]:
+                    if posted[peer][j] > ready:
+                        ready = posted[peer][j]
+                record.ready = ready
+            row.append(record)
+        return row
+
     def records() -> list[list[Record]]:
-        rows = []
-        for r, actions in enumerate(schedule.ranks):
-            row, begun, done, slots_r, ends_r = [], starts[r], finishes[r], slots[r], ends_of[r]
-            works = compute_prices[r]
-            for i, action in enumerate(actions):
-                record = Record(action, begun[i], done[i])
-                slot = slots_r[i]
-                if slot >= 0:
-                    record.work_end = begun[i] + works[slot][0]
-                else:   # the latest of its posting and its other ends'
-                    ready = begun[i]
-                    for peer, j in ends_r[i]:
-                        if posted[peer][j] > ready:
-                            ready = posted[peer][j]
-                    record.ready = ready
-                row.append(record)
-            rows.append(row)
-        return rows
+        return [row_of(r) for r in range(p)]
 
     zero_bubble = schedule.splits_backward
     released = [of_op["W" if zero_bubble else "B"] for of_op in codes.of_op]
@@ -653,7 +668,7 @@ def _played_of(codes: _Codes, compute_prices: tuple, starts: list[list], finishe
          for r in range(p)],
         [list(zip(codes.released_chunks[r], _pick(starts[r], released[r]),
                   _pick(finishes[r], released[r]))) for r in range(p)],
-        records)
+        records, row_of)
 
 
 def _pick(values: list, positions: list[int]) -> list:
