@@ -583,3 +583,39 @@ def test_the_busiest_ranks_categories_alone_are_those_of_every_ranks_walk():
         every = simulate(workload, layout, a100)
         assert alone == every.categories_by_rank[every.critical_rank] == \
             every.seconds_by_category, layout
+
+
+@pytest.mark.parametrize("kind,p,m,v", [("1f1b", 4, 8, 1), ("1f1b", 4, 3, 1), ("gpipe", 3, 5, 1),
+                                        ("interleaved", 4, 8, 2), ("interleaved", 2, 6, 3),
+                                        ("zb-h1", 4, 8, 1), ("zbv", 3, 8, 2)])
+def test_stash_peaks_from_the_op_chunks_equal_walking_every_compute(kind, p, m, v):
+    """The memory model's peaks, from each rank's (op, chunk) made without
+    its computes and only the states that can be peaks, equal the plain
+    walk of the kind's own order over every state, for any weights."""
+    import random
+
+    from ptdp.perf.analytic.counts import _held_states, stash_peaks
+    from ptdp.schedules.kinds import kind_named
+
+    rng = random.Random(kind)
+    record = kind_named(kind)
+    for rank in range(p):
+        order = record.order(p, m, v, rank)
+        assert record.op_chunks(p, m, v, rank) == [(c.op, c.chunk) for c in order]
+        weights = tuple(rng.randint(1, 9) for _ in range(v))
+        deferred = tuple(rng.randint(0, 9) for _ in range(v)) if record.splits_backward else None
+        held, states = [0] * (2 * v), []
+        for c in order:   # every state, after every compute
+            if c.op == "F":
+                held[c.chunk] += 1
+            elif c.op == "B":
+                held[c.chunk] -= 1
+                held[v + c.chunk] += record.splits_backward
+            else:
+                held[v + c.chunk] -= 1
+            states.append(list(held))
+        both = (*weights, *(weights if deferred is None else deferred))
+        want = (max(map(sum, states)), max(sum(n * w for n, w in zip(s, both)) for s in states))
+        _held_states.cache_clear()
+        stash_peaks.cache_clear()
+        assert stash_peaks(kind, p, m, v, rank, weights, deferred) == want

@@ -114,6 +114,17 @@ def looped_order(kind: str, p: int, m: int, v: int, rank: int) -> list[Compute]:
     return [compute for step in looped_steps(kind, p, m, v, rank) for compute in step]
 
 
+def looped_op_chunks(kind: str, p: int, m: int, v: int, rank: int) -> list[tuple[str, int]]:
+    """[(c.op, c.chunk) for c in looped_order(...)], made without the computes."""
+    forwards = [("F", chunk) for _, chunk in forward_order(kind, p, m, v)]
+    backwards = [("B", chunk) for _, chunk in backward_order(kind, p, m, v)]
+    warmup = warmup_forwards(kind, p, m, v, rank)
+    steady = len(forwards) - warmup
+    paired = [None] * (2 * steady)
+    paired[0::2], paired[1::2] = forwards[warmup:], backwards[:steady]
+    return forwards[:warmup] + paired + backwards[steady:]
+
+
 def build_looped(kind: str, p: int, m: int, v: int) -> Schedule:
     """Every rank's actions for one iteration of gpipe, 1f1b or interleaved
     (arguments already checked by kinds.check_arguments)."""

@@ -75,27 +75,37 @@ def chunks_of(kind: str) -> int:
 
 
 def zb_h1_order(p: int, m: int, rank: int) -> list[Compute]:
-    order = [Compute("F", i, 0) for i in range(min(p - rank, m))]
+    return [Compute(*step) for step in _zb_h1_steps(p, m, rank)]
+
+
+def _zb_h1_steps(p: int, m: int, rank: int) -> list[tuple[str, int, int]]:
+    """zb_h1_order as (op, microbatch, chunk)."""
+    order = [("F", i, 0) for i in range(min(p - rank, m))]
     forwards = len(order)
     weights = 0
     for i in range(m):
-        order.append(Compute("B", i, 0))
+        order.append(("B", i, 0))
         if i >= rank:
-            order.append(Compute("W", weights, 0))
+            order.append(("W", weights, 0))
             weights += 1
         if forwards < m:
-            order.append(Compute("F", forwards, 0))
+            order.append(("F", forwards, 0))
             forwards += 1
-    order += [Compute("W", i, 0) for i in range(weights, m)]
+    order += [("W", i, 0) for i in range(weights, m)]
     return order
 
 
 def zbv_order(p: int, m: int, rank: int) -> list[Compute]:
-    order: list[Compute] = []
+    return [Compute(*step) for step in _zbv_steps(p, m, rank)]
+
+
+def _zbv_steps(p: int, m: int, rank: int) -> list[tuple[str, int, int]]:
+    """zbv_order as (op, microbatch, chunk)."""
+    order: list[tuple[str, int, int]] = []
     count = {(op, c): 0 for op in "FBW" for c in (0, 1)}  # computes issued so far
 
     def add(op: str, chunk: int) -> None:
-        order.append(Compute(op, count[(op, chunk)], chunk))
+        order.append((op, count[(op, chunk)], chunk))
         count[(op, chunk)] += 1
 
     for _ in range(2 * (p - rank) - 1):
@@ -128,10 +138,19 @@ def zero_bubble_order(kind: str, p: int, m: int, rank: int) -> list[Compute]:
     return list(_order(kind, p, m, rank))
 
 
+def zero_bubble_op_chunks(kind: str, p: int, m: int, rank: int) -> list[tuple[str, int]]:
+    """[(c.op, c.chunk) for c in zero_bubble_order(...)], made without the computes."""
+    return [(op, chunk) for op, _, chunk in _steps(kind, p, m, rank)]
+
+
+def _steps(kind: str, p: int, m: int, rank: int) -> list[tuple[str, int, int]]:
+    return (_zbv_steps if kind == ZBV else _zb_h1_steps)(p, m, rank)
+
+
 @functools.lru_cache(maxsize=4096)
 def _order(kind: str, p: int, m: int, rank: int) -> tuple[Compute, ...]:
-    # (a planner asks for the same orders for its schedules and its memory model)
-    return tuple((zbv_order if kind == ZBV else zb_h1_order)(p, m, rank))
+    # (a planner asks for the same orders for its schedules)
+    return tuple(Compute(*step) for step in _steps(kind, p, m, rank))
 
 
 # Seconds (or units) of one compute on a rank: cost(rank, compute).

@@ -348,7 +348,10 @@ def _compute_order(kind: str, p: int, m: int, v: int, rank: int) -> Iterator[tup
     """(op, chunk) of rank `rank`'s computes in schedule order, from the
     kind's generator (its record's `order`: build_schedule's computes
     without its exchanges, which are slow to build for large m)."""
-    return ((c.op, c.chunk) for c in kind_named(kind).order(p, m, v, rank))
+    record = kind_named(kind)
+    if record.op_chunks is not None:
+        return iter(record.op_chunks(p, m, v, rank))
+    return ((c.op, c.chunk) for c in record.order(p, m, v, rank))
 
 
 @lru_cache(maxsize=65536)
@@ -380,17 +383,25 @@ def _held_states(kind: str, p: int, m: int, v: int, rank: int) -> tuple[tuple[in
     order = _compute_order(kind, p, m, v, rank)
     held = [0] * (2 * v)
     states = set()
+    # A forward only adds: the state before it is no peak. A W only takes
+    # away, and so does B where nothing is deferred: the state after them is
+    # below the one before, so only what follows a forward (or a deferring
+    # B) can be a peak.
+    rising = True
     for op, chunk in order:
-        # A forward only adds: the state before it is no peak.
         if op == "F":
             held[chunk] += 1
+            rising = True
             continue
-        states.add(tuple(held))
+        if rising:
+            states.add(tuple(held))
         if op == "B":
             held[chunk] -= 1
             held[v + chunk] += zero_bubble
+            rising = zero_bubble
         else:
             held[v + chunk] -= 1
+            rising = False
     states.add(tuple(held))
     # Keep the maximal states (most held first, so a dominated one meets its better).
     kept: list[tuple[int, ...]] = []
