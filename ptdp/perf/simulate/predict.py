@@ -549,7 +549,9 @@ def _play_unshared(key: tuple, compute, exchange) -> _Played:
         if len(_PLAYS) >= 64:
             _PLAYS.clear()
         codes.plays += 1
-        if codes.plays == 1:   # (a schedule played once: the loop, no levels to find)
+        # (a schedule played once: the loop, no levels to find; a small one:
+        # the loop, faster than numpy's calls on a few actions a level)
+        if codes.plays == 1 or sum(map(len, codes.slots)) < LEVELS_FROM:
             times = _flat_times(codes, compute_prices, exchange_prices)
         else:
             times = _level_times(codes, compute_prices, exchange_prices)
@@ -558,6 +560,7 @@ def _play_unshared(key: tuple, compute, exchange) -> _Played:
 
 
 _PLAYS: dict[tuple, _Played] = {}
+LEVELS_FROM = 20_000   # actions in a schedule for its plays to go level by level
 
 
 def _level_times(codes: _Codes, compute_prices: tuple, exchange_prices: tuple):
