@@ -347,12 +347,33 @@ def test_a_full_disk_is_the_reported_cause_and_the_previous_checkpoint_loads(sma
     assert _newest_loads(save) == 1
 
 
-def test_a_damaged_checkpoint_is_the_reported_cause(tmp_path):
+def _trained_and_saved(rank: int, argv: list[str], save: str, iterations: int) -> None:
+    """A pool rank's part of `ptdp train ARGV --save SAVE`: the run's
+    iterations, then the save at its end (Trainer.save, as the loop calls it)."""
+    from ptdp.cli import build_parser
+    from ptdp.commands.train import config_from_args
+    from ptdp.config import validate
+    from ptdp.parallel.topology import ParallelContext, RankGrid
+    from ptdp.train.loop import Trainer
+
+    config = config_from_args(build_parser().parse_args(["train", *argv]))
+    par = config.parallel
+    validate(config, world_size=par.world_size)
+    ctx = ParallelContext.build(RankGrid(tp=par.tensor_model_parallel_size, dp=par.dp,
+                                         pp=par.pipeline_model_parallel_size))
+    trainer = Trainer(config, ctx, torch.device("cpu"))
+    for iteration in range(iterations):
+        assert not trainer.step(iteration)[0]["skipped"]
+    trainer.save(save, iterations)
+
+
+def test_a_damaged_checkpoint_is_the_reported_cause(tmp_path, pools):
     save = tmp_path / "ckpt"
-    made = subprocess.run([sys.executable, "-m", "ptdp", "train", *MODEL, "-p", "2",
-                           "--train-iters", "2", "--save", str(save)], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=300)
-    assert made.returncode == 0, made.stderr
+    # The checkpoint of a 2-iteration run at p = 2, written by the session's
+    # pool of two ranks rather than by a job of its own: only its load is
+    # the job under test.
+    pools(2).run(_trained_and_saved, [*MODEL, "-p", "2", "--train-iters", "2"], str(save), 2)
+    assert read_metadata(resolve(save))["iteration"] == 2
     damaged = resolve(save) / "part-pp1-tp0.safetensors"
     data = bytearray(damaged.read_bytes())
     data[-1] ^= 0xFF
