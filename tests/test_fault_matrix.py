@@ -106,6 +106,52 @@ def _wait_until(condition, process, seconds=120.0) -> None:
         time.sleep(0.02)
 
 
+# ------------------------------------------------------------------ uninterrupted twins, in the pool
+
+def _job_config(argv: list[str]):
+    """The configuration `ptdp train ARGV` hands its ranks: ptdp's entry point
+    in this process, every check and resolution of a launch, stopped where
+    it would start the ranks."""
+    import ptdp.launch
+    from ptdp.cli import main
+
+    launched = []
+
+    def launch_local(world_size, entry, payload, **kwargs):
+        launched.append(payload)
+
+    with pytest.MonkeyPatch.context() as patch:
+        for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID",
+                    "SLURM_NTASKS"):
+            patch.delenv(var, raising=False)
+        patch.setattr(ptdp.launch, "launch_local", launch_local)
+        assert main(["train", *argv]) == 0
+    (config,) = launched
+    return config
+
+
+def _train_as_a_rank(rank: int, config) -> None:
+    """A pool rank's part of the job: the training loop (ptdp.train.loop.train,
+    what each rank of a launched job runs) on the grid the job's ranks build."""
+    from ptdp.parallel.topology import ParallelContext, RankGrid
+    from ptdp.train.loop import train
+
+    par = config.parallel
+    t, c, p = (par.tensor_model_parallel_size, par.context_parallel_size,
+               par.pipeline_model_parallel_size)
+    ctx = ParallelContext.build(RankGrid(tp=t, cp=c, dp=par.world_size // (t * c * p), pp=p,
+                                         ep=par.expert_model_parallel_size,
+                                         etp=par.expert_tensor_size))
+    train(config, ctx, torch.device("cpu"))
+
+
+def _uninterrupted_run(pools, argv: list[str]) -> None:
+    """`ptdp train ARGV` run to its end by the session's pool (no job of its
+    own to start): the twin a stopped and resumed job must equal bitwise."""
+    config = _job_config(argv)
+    pools(config.parallel.world_size).run(_train_as_a_rank, config)
+
+
 # ------------------------------------------------------------------ ranks killed
 
 
@@ -158,15 +204,12 @@ def test_a_stopped_rank_is_named_when_the_others_time_out(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def uninterrupted(tmp_path_factory, pools):
     folder = tmp_path_factory.mktemp("uninterrupted")
     # A checkpoint after every iteration: whichever iteration a signal stops
     # at, its checkpoint has an uninterrupted twin to equal.
-    result = subprocess.run([sys.executable, "-m", "ptdp", "train", *RESUMABLE, "--save",
-                             str(folder / "ckpt"), "--save-interval", "1",
-                             "--metrics-file", str(folder / "m.jsonl")],
-                            cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr
+    _uninterrupted_run(pools, [*RESUMABLE, "--save", str(folder / "ckpt"), "--save-interval", "1",
+                               "--metrics-file", str(folder / "m.jsonl")])
     return _losses(folder / "m.jsonl"), folder / "ckpt"
 
 
@@ -246,17 +289,16 @@ GROUP_LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", sorted(GROUP_LAYOUTS))
-def test_sigterm_to_the_whole_process_group_exits_0_and_resumes_bitwise(tmp_path, layout):
+def test_sigterm_to_the_whole_process_group_exits_0_and_resumes_bitwise(tmp_path, layout, pools):
     """What `timeout`, `kill -TERM -PGID` and a container's stop send: every
     process of the job, the fork server included, gets SIGTERM. The job
     saves, exits 0 and names the checkpoint (a server that died of it used
     to turn every rank's exit into "failed (exit code 255)"), and the
-    resumed run ends where the uninterrupted one does, bitwise."""
+    resumed run ends where the uninterrupted one (the same training loop on
+    the same configuration, run by the session's pool) does, bitwise."""
     argv = [*RESUMABLE[:-2], *GROUP_LAYOUTS[layout], "--train-iters", "8"]
-    whole = subprocess.run([sys.executable, "-m", "ptdp", "train", *argv, "--metrics-file",
-                            str(tmp_path / "whole.jsonl"), "--save", str(tmp_path / "whole")],
-                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
-    assert whole.returncode == 0, whole.stderr
+    _uninterrupted_run(pools, [*argv, "--metrics-file", str(tmp_path / "whole.jsonl"), "--save",
+                               str(tmp_path / "whole")])
     save, first, second = tmp_path / "ckpt", tmp_path / "first.jsonl", tmp_path / "second.jsonl"
     process = _start([*argv, "--save", str(save), "--metrics-file", str(first)])
     at = random.Random().randint(2, 5)
