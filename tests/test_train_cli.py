@@ -98,23 +98,23 @@ def test_parallel_layouts_print_the_same_losses(tmp_path, reference, layout):
     _assert_job_peak_memory(run)
 
 
-def test_torchrun_launch_takes_the_same_path(tmp_path, reference):
+def test_torchrun_launch_and_a_config_file_with_flag_override_take_the_same_path(tmp_path,
+                                                                                  reference):
+    """One job for two things (each is the same t = 2 run of two ranks):
+    torchrun's launch takes the path of ptdp's own launcher, and a config
+    file's settings are used, a flag overriding the file's: its t = 2 (each
+    of torchrun's ranks reads the file), and the --lr of COMMON over its lr."""
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     if torchrun is None:
         pytest.skip("torchrun is not installed next to this Python")
-    run = _ptdp(["-t", "2"], tmp_path, "torchrun",
-                launcher=[torchrun, "--standalone", "--nproc-per-node", "2", "-m", "ptdp"])
-    _assert_same_run(run, reference)
-
-
-def test_config_file_with_flag_override(tmp_path, reference):
     config = tmp_path / "run.yaml"
     config.write_text("parallel:\n  tensor-model-parallel-size: 2\ntrain:\n  lr: 0.5\n")
-    # The file's lr is overridden by the --lr in COMMON; its t = 2 is used.
-    records, _, stdout = _ptdp(["--config", str(config)], tmp_path, "file")
+    run = _ptdp(["--config", str(config)], tmp_path, "torchrun",
+                launcher=[torchrun, "--standalone", "--nproc-per-node", "2", "-m", "ptdp"])
+    records, _, stdout = run
     assert "t=2" in stdout
     assert records[0]["lr"] == pytest.approx(3e-3 * 3 / 4)  # linear decay over 4 iterations
-    _assert_same_run((records, re.findall(r"loss (\d+\.\d{4})", stdout), stdout), reference)
+    _assert_same_run(run, reference)
 
 
 
