@@ -147,41 +147,6 @@ def _spawned_children(parent_pid: int) -> list[int]:
     return sorted(ranks)
 
 
-@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
-def test_killing_a_rank_ends_the_job_with_its_name(tmp_path):
-    """A rank that dies mid-run: the others are stopped and `ptdp train` exits 1
-    naming the dead rank, instead of waiting in a collective for ever."""
-    import signal
-    import time
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    args = list(COMMON)
-    args[args.index("--train-iters") + 1] = "100000"  # run until killed
-    process = subprocess.Popen([sys.executable, "-m", "ptdp", "train", *args, "-t", "2",
-                                "--distributed-timeout-minutes", "10"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        assert "ptdp: starting 2 processes" in process.stdout.readline()
-        assert "ptdp: 2 processes" in process.stdout.readline()
-        assert "iteration" in process.stdout.readline()  # training is under way
-        ranks = _spawned_children(process.pid)
-        assert len(ranks) == 2, ranks
-        os.kill(ranks[1], signal.SIGKILL)
-        killed_at = time.monotonic()
-        _, stderr = process.communicate(timeout=600)
-        # The launcher stops the job within seconds; a survivor left waiting in
-        # a collective would take the 10-minute (600 s) timeout. 240 s tells
-        # the two apart even on a loaded 2-core machine.
-        assert time.monotonic() - killed_at < 240
-    finally:
-        process.kill()
-    assert process.returncode == 1
-    assert re.search(r"ptdp: error: rank [01] failed", stderr), stderr
-    assert "killed by SIGKILL" in stderr or "exit code 1" in stderr
-    for pid in ranks:  # no rank is left behind
-        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
-
-
 def test_timeline_picture_of_the_last_iteration(tmp_path, reference):
     picture = tmp_path / "timeline.png"
     run = _ptdp(["-p", "2", "--num-layers-per-virtual-pipeline-stage", "1", "--timeline",
