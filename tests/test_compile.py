@@ -2,18 +2,21 @@
 torch.compile between its collectives (ptdp.model.compiled) trains as the
 eager model does: a Llama-style model (RMSNorm, SwiGLU, rotary embeddings,
 grouped-query attention), compiled, in one process and under t = 2 with
-sequence parallelism × p = 2 (one call of the session's pool of four),
-against the eager one-process run: losses, gradient norms and final weights
-over three AdamW steps within the dense tests' tolerances
-(tests.layouts_runner). Where the platform cannot compile (no C++ compiler,
-simulated) or a piece fails to compile, the layers run eager with one note.
+sequence parallelism (one call of the session's pool of two), against the
+eager one-process run: losses, gradient norms and final weights over three
+AdamW steps within the dense tests' tolerances (tests.layouts_runner), and
+every piece compiled, in this process and on each rank. Where the platform
+cannot compile (no C++ compiler, simulated) or a piece fails to compile,
+the layers run eager with one note.
 
 Slow (compilation): the tiny model's pieces compile once per process, in
-this one and in each of the pool's four. Measured on the 2-core machine
-with two layouts in the pool: about 35 s for the file with inductor's
-on-disk cache warm (6 s one process, 29 s the pooled layouts), about 78 s
-with it cold (25 s and 51 s); the suite keeps one pooled layout. Checked
-outside the suite (compiled against eager, within the same tolerances):
+this one and in each of the pool's ranks (which run on the machine's two
+cores at once: a pool of four took about twice as long). Measured on the
+2-core machine with two layouts in a pool of four: about 35 s for the file
+with inductor's on-disk cache warm (6 s one process, 29 s the pooled
+layouts), about 78 s with it cold (25 s and 51 s); the suite keeps one
+pooled layout, on two ranks. Checked outside the suite (compiled against
+eager, within the same tolerances): t = 2 with sequence parallelism × p = 2,
 c = 2 × d = 2 with full recomputation and the distributed optimizer,
 packing, MoE, MLA, LoRA, GPT-2 with dropout, fp16 and bf16."""
 
@@ -37,7 +40,7 @@ LLAMA = dataclasses.replace(step.MODEL, normalization="RMSNorm", swiglu=True,
                             disable_bias_linear=True)
 MODELS = {"llama": LLAMA}
 Layout = functools.partial(runner.Layout, model="llama")
-LAYOUTS = [Layout(t=2, p=2, sequence_parallel=True, compile=True)]
+LAYOUTS = [Layout(t=2, sequence_parallel=True, compile=True)]
 
 
 @functools.cache
@@ -76,8 +79,38 @@ def test_compiled_layers_train_like_eager_in_one_process(capsys):
     assert "--compile" not in capsys.readouterr().err
 
 
+def _compiled_vs_eager(rank: int, layouts: list, references: dict):
+    """runner.layouts_vs_one_process on this rank, and what its pieces did:
+    per trainer built, the compilation's problem and whether each piece the
+    Llama layers call was compiled."""
+    import ptdp.model.gpt as gpt
+
+    made, original = [], gpt.compile_layers
+
+    def remembered(*args, **kwargs):
+        made.append(original(*args, **kwargs))
+        return made[-1]
+
+    gpt.compile_layers = remembered
+    try:
+        compared = runner.layouts_vs_one_process(rank, MODELS, layouts, references)
+    finally:
+        gpt.compile_layers = original
+    return compared, [(k.compilation.problem, [piece.compiled is not None for piece in (
+        k._rms_norm, k._residual, k._residual_norm, k._rotate, k._gated)]) for k in made]
+
+
 def test_compiled_layers_train_like_eager_under_parallel_layouts(pools):
-    runner.train_under_layouts(pools, MODELS, LAYOUTS, _eager_references())
+    """t = 2 with sequence parallelism (the session's pool of two ranks):
+    as the one-process eager run (tests.layouts_runner's checks, every
+    parameter compared on some rank), each rank's pieces compiled."""
+    references = _eager_references()
+    per_rank = pools(2).run(_compiled_vs_eager, LAYOUTS, references)
+    for i, layout in enumerate(LAYOUTS):
+        names = set().union(*(compared[i].names for compared, _ in per_rank))
+        assert names == set(references[layout.reference][1]), layout.name
+    for _, pieces in per_rank:
+        assert pieces == [(None, [True] * 5)] * len(LAYOUTS), pieces
 
 
 def test_without_a_cpp_compiler_the_layers_run_eager_with_one_note(capsys):

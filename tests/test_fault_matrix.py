@@ -106,6 +106,52 @@ def _wait_until(condition, process, seconds=120.0) -> None:
         time.sleep(0.02)
 
 
+# ------------------------------------------------------------------ uninterrupted twins, in the pool
+
+def _job_config(argv: list[str]):
+    """The configuration `ptdp train ARGV` hands its ranks: ptdp's entry point
+    in this process, every check and resolution of a launch, stopped where
+    it would start the ranks."""
+    import ptdp.launch
+    from ptdp.cli import main
+
+    launched = []
+
+    def launch_local(world_size, entry, payload, **kwargs):
+        launched.append(payload)
+
+    with pytest.MonkeyPatch.context() as patch:
+        for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID",
+                    "SLURM_NTASKS"):
+            patch.delenv(var, raising=False)
+        patch.setattr(ptdp.launch, "launch_local", launch_local)
+        assert main(["train", *argv]) == 0
+    (config,) = launched
+    return config
+
+
+def _train_as_a_rank(rank: int, config) -> None:
+    """A pool rank's part of the job: the training loop (ptdp.train.loop.train,
+    what each rank of a launched job runs) on the grid the job's ranks build."""
+    from ptdp.parallel.topology import ParallelContext, RankGrid
+    from ptdp.train.loop import train
+
+    par = config.parallel
+    t, c, p = (par.tensor_model_parallel_size, par.context_parallel_size,
+               par.pipeline_model_parallel_size)
+    ctx = ParallelContext.build(RankGrid(tp=t, cp=c, dp=par.world_size // (t * c * p), pp=p,
+                                         ep=par.expert_model_parallel_size,
+                                         etp=par.expert_tensor_size))
+    train(config, ctx, torch.device("cpu"))
+
+
+def _uninterrupted_run(pools, argv: list[str]) -> None:
+    """`ptdp train ARGV` run to its end by the session's pool (no job of its
+    own to start): the twin a stopped and resumed job must equal bitwise."""
+    config = _job_config(argv)
+    pools(config.parallel.world_size).run(_train_as_a_rank, config)
+
+
 # ------------------------------------------------------------------ ranks killed
 
 
@@ -158,15 +204,12 @@ def test_a_stopped_rank_is_named_when_the_others_time_out(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def uninterrupted(tmp_path_factory, pools):
     folder = tmp_path_factory.mktemp("uninterrupted")
     # A checkpoint after every iteration: whichever iteration a signal stops
     # at, its checkpoint has an uninterrupted twin to equal.
-    result = subprocess.run([sys.executable, "-m", "ptdp", "train", *RESUMABLE, "--save",
-                             str(folder / "ckpt"), "--save-interval", "1",
-                             "--metrics-file", str(folder / "m.jsonl")],
-                            cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr
+    _uninterrupted_run(pools, [*RESUMABLE, "--save", str(folder / "ckpt"), "--save-interval", "1",
+                               "--metrics-file", str(folder / "m.jsonl")])
     return _losses(folder / "m.jsonl"), folder / "ckpt"
 
 
@@ -246,17 +289,16 @@ GROUP_LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", sorted(GROUP_LAYOUTS))
-def test_sigterm_to_the_whole_process_group_exits_0_and_resumes_bitwise(tmp_path, layout):
+def test_sigterm_to_the_whole_process_group_exits_0_and_resumes_bitwise(tmp_path, layout, pools):
     """What `timeout`, `kill -TERM -PGID` and a container's stop send: every
     process of the job, the fork server included, gets SIGTERM. The job
     saves, exits 0 and names the checkpoint (a server that died of it used
     to turn every rank's exit into "failed (exit code 255)"), and the
-    resumed run ends where the uninterrupted one does, bitwise."""
+    resumed run ends where the uninterrupted one (the same training loop on
+    the same configuration, run by the session's pool) does, bitwise."""
     argv = [*RESUMABLE[:-2], *GROUP_LAYOUTS[layout], "--train-iters", "8"]
-    whole = subprocess.run([sys.executable, "-m", "ptdp", "train", *argv, "--metrics-file",
-                            str(tmp_path / "whole.jsonl"), "--save", str(tmp_path / "whole")],
-                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
-    assert whole.returncode == 0, whole.stderr
+    _uninterrupted_run(pools, [*argv, "--metrics-file", str(tmp_path / "whole.jsonl"), "--save",
+                               str(tmp_path / "whole")])
     save, first, second = tmp_path / "ckpt", tmp_path / "first.jsonl", tmp_path / "second.jsonl"
     process = _start([*argv, "--save", str(save), "--metrics-file", str(first)])
     at = random.Random().randint(2, 5)
@@ -347,12 +389,33 @@ def test_a_full_disk_is_the_reported_cause_and_the_previous_checkpoint_loads(sma
     assert _newest_loads(save) == 1
 
 
-def test_a_damaged_checkpoint_is_the_reported_cause(tmp_path):
+def _trained_and_saved(rank: int, argv: list[str], save: str, iterations: int) -> None:
+    """A pool rank's part of `ptdp train ARGV --save SAVE`: the run's
+    iterations, then the save at its end (Trainer.save, as the loop calls it)."""
+    from ptdp.cli import build_parser
+    from ptdp.commands.train import config_from_args
+    from ptdp.config import validate
+    from ptdp.parallel.topology import ParallelContext, RankGrid
+    from ptdp.train.loop import Trainer
+
+    config = config_from_args(build_parser().parse_args(["train", *argv]))
+    par = config.parallel
+    validate(config, world_size=par.world_size)
+    ctx = ParallelContext.build(RankGrid(tp=par.tensor_model_parallel_size, dp=par.dp,
+                                         pp=par.pipeline_model_parallel_size))
+    trainer = Trainer(config, ctx, torch.device("cpu"))
+    for iteration in range(iterations):
+        assert not trainer.step(iteration)[0]["skipped"]
+    trainer.save(save, iterations)
+
+
+def test_a_damaged_checkpoint_is_the_reported_cause(tmp_path, pools):
     save = tmp_path / "ckpt"
-    made = subprocess.run([sys.executable, "-m", "ptdp", "train", *MODEL, "-p", "2",
-                           "--train-iters", "2", "--save", str(save)], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=300)
-    assert made.returncode == 0, made.stderr
+    # The checkpoint of a 2-iteration run at p = 2, written by the session's
+    # pool of two ranks rather than by a job of its own: only its load is
+    # the job under test.
+    pools(2).run(_trained_and_saved, [*MODEL, "-p", "2", "--train-iters", "2"], str(save), 2)
+    assert read_metadata(resolve(save))["iteration"] == 2
     damaged = resolve(save) / "part-pp1-tp0.safetensors"
     data = bytearray(damaged.read_bytes())
     data[-1] ^= 0xFF

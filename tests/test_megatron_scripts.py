@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from ptdp.cli import build_parser
+from tests.in_process import train_refused
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "fixtures" / "megatron-scripts"
@@ -178,17 +179,26 @@ def test_llama3_8b_script_is_refused_for_fp8_and_torch_dist_only(tmp_path):
     assert "train with --bf16" in problems[0] and "drop --ckpt-format" in problems[-1]
 
 
-def test_llama3_8b_script_trains_without_the_refused_flags(tmp_path):
-    """The script's own switch DTYPE=bf16 drops its FP8 flags; with
-    --ckpt-format torch_dist taken out (the one line a user must delete), the
-    rest runs: GQA, SwiGLU, RMSNorm, RoPE, sample-based schedule with decoupled
-    rates, per-token loss, the distributed optimizer, mock data with
-    NullTokenizer, --sequence-parallel at t = 1 (turned off, as Megatron-LM
-    does), the accepted-and-explained flags."""
+def test_llama3_8b_script_trains_without_the_refused_flags(tmp_path, capsys, no_launch):
+    """The script's own switch DTYPE=bf16 drops its FP8 flags, which leaves
+    --ckpt-format torch_dist the one refused (checked here before any
+    process starts, as test_llama3_8b_script_is_refused_for_fp8_and_torch_dist_only
+    checks the refusal under the script's own torchrun); with that line taken
+    out (the one line a user must delete), the rest runs: GQA, SwiGLU,
+    RMSNorm, RoPE, sample-based schedule with decoupled rates, per-token
+    loss, the distributed optimizer, mock data with NullTokenizer,
+    --sequence-parallel at t = 1 (turned off, as Megatron-LM does), the
+    accepted-and-explained flags."""
     result, argv = _run_script("llama3_8b.sh", [str(tmp_path / "ckpt"), str(tmp_path / "tb")],
-                               tmp_path, DTYPE="bf16")
-    assert "  - --ckpt-format torch_dist" in result.stderr and "--fp8" not in result.stderr
+                               tmp_path, DTYPE="bf16", PTDP_SCRIPT_DRY_RUN="1")
+    assert result.returncode == 0, result.stderr
     flags = _train_flags(argv)
+    assert not [flag for flag in flags if flag.startswith("--fp8")], flags
+    # -d 2 is what the script's torchrun (two processes, t = p = 1) makes of it.
+    status, _, error = train_refused([*flags, "--data-parallel-size", "2"], capsys)
+    assert status == 2, error
+    problems = [line for line in error.splitlines() if line.startswith("  - ")]
+    assert len(problems) == 1 and problems[0].startswith("  - --ckpt-format torch_dist"), error
     at = flags.index("--ckpt-format")
     assert flags[at:at + 2] == ["--ckpt-format", "torch_dist"]
     flags = flags[:at] + flags[at + 2:]
