@@ -8,6 +8,18 @@ import pytest
 from tests.multiproc import Pools
 
 
+def pytest_configure(config):
+    """In a worker of a suite split across processes, each worker's torch
+    gets its share of the cores: two workers with a thread per core each
+    would oversubscribe them, and waiting threads spin."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        import torch
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def private_cache():
     """Derived data (the tokenized demo corpus) goes to a directory of this
