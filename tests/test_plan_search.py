@@ -526,7 +526,7 @@ def test_the_level_by_level_play_is_the_loops_bit_for_bit(kind, p, m, v):
     bit for bit, under prices that differ by rank, chunk, op and exchange."""
     import random
 
-    from ptdp.perf.simulate import predict
+    from ptdp.perf.simulate import codes as play_codes, predict
 
     rng = random.Random(f"{kind}{p}{m}{v}")
     codes = predict._codes((kind, p, m, v, None))
@@ -535,8 +535,8 @@ def test_the_level_by_level_play_is_the_loops_bit_for_bit(kind, p, m, v):
                                for _ in row) for row in codes.compute_slots)
         exchanges = tuple(tuple(rng.uniform(0.0, 0.7) for _ in row)
                           for row in codes.exchange_slots)
-        starts, ends, posted = predict._flat_times(codes, computes, exchanges)
-        level_starts, level_ends, _ = predict._level_times(codes, computes, exchanges)
+        starts, ends, posted = play_codes.flat_times(codes, computes, exchanges)
+        level_starts, level_ends, _ = play_codes.level_times(codes, computes, exchanges)
         assert level_ends == ends and level_starts == starts
         assert all(level_starts[r][i] == when for r, row in enumerate(posted)
                    for i, when in enumerate(row) if when is not None)

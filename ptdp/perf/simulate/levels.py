@@ -8,7 +8,7 @@ Without sharing, an action ends at
      ends' postings  +  its work or wait)  +  its collectives (0 for an exchange)
 
 and a posting is the end of the poster's previous action (ptdp.perf.
-simulate.predict, `_flat_times`). Every action of one level (its longest
+simulate.codes, `flat_times`). Every action of one level (its longest
 chain of predecessors) depends on earlier levels only, so a level is one
 vectorised step: gather, maximum, two additions, in the order the loop
 takes them, so that every time is bit for bit the loop's (IEEE
@@ -52,7 +52,7 @@ class Levels:
 
 def levels_of(slots: list[list[int]], ends: list[list], level: list[list[int]],
               compute_counts: list[int], exchange_counts: list[int]) -> Levels:
-    """`slots`, `ends`: predict._Codes' (each action's price slot; each
+    """`slots`, `ends`: codes.Codes' (each action's price slot; each
     exchange's other ends as (rank, index)); `level`: each action's level
     (its end in a play at unit prices, from 1); `compute_counts`,
     `exchange_counts`: each rank's compute and exchange slots (a play's

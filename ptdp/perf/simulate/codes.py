@@ -1,0 +1,160 @@
+"""Play codes: a schedule's actions as slots of their prices, and their
+plays from those prices (ptdp.perf.simulate.predict's `_play_unshared`).
+
+Per rank, each action is one slot: a compute's (chunk, op, whether it is
+the first forward), priced alike; an exchange's transfers' ops and peers.
+A play at given prices runs each rank as far as its exchanges let it (the
+loop, `flat_times`), or, for a schedule played again, level by level in
+numpy (`level_times`, ptdp.perf.simulate.levels), bit for bit the loop's
+times.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from ptdp.perf.simulate.levels import levels_of, play_levels
+from ptdp.schedules.actions import Compute, Exchange, ScheduleError
+from ptdp.schedules.player import other_ends
+
+
+@dataclass
+class Codes:
+    """A schedule's actions as slots of their prices (predict's
+    `_play_unshared`): per rank, each action's slot (>= 0: a compute's (chunk, op, whether it
+    is the first forward), priced alike; < 0: -1 - an exchange's slot, by
+    its transfers' ops and peers, as predict's _exchange_price caches them), one
+    action of each slot, the other ends each exchange waits for
+    (player.other_ends), and where the computes and each op's computes are."""
+    schedule: Any
+    slots: list[list[int]]
+    compute_slots: list[list[Compute]]
+    exchange_slots: list[list[Exchange]]
+    ends: list[list]
+    computes: list[list[int]]
+    of_op: list[dict[str, list[int]]]
+    # Per rank: where its first forward of each chunk is (in the order they
+    # come), the chunk of each backward that releases buckets (its Ws under
+    # the zero-bubble kinds, its Bs otherwise) and each exchange's peers.
+    first_forwards: list[list[int]] = field(default_factory=list)
+    released_chunks: list[list[int]] = field(default_factory=list)
+    peers: list[list[tuple[int, ...] | None]] = field(default_factory=list)
+    # Plays so far, and from the second on the dataflow's levels (levels.py)
+    plays: int = 0
+    levels: Any = None
+
+
+def codes_of(schedule) -> Codes:
+    slots, compute_slots, exchange_slots, computes, of_op = [], [], [], [], []
+    for actions in schedule.ranks:
+        seen: dict[tuple, int] = {}
+        row, kept_computes, kept_exchanges, positions = [], [], [], []
+        by_op: dict[str, list[int]] = {"F": [], "B": [], "W": []}
+        for i, action in enumerate(actions):
+            if isinstance(action, Compute):
+                slot = (action.chunk, action.op, action.op == "F" and action.microbatch == 0)
+                if slot not in seen:
+                    seen[slot] = len(kept_computes)
+                    kept_computes.append(action)
+                row.append(seen[slot])
+                positions.append(i)
+                by_op[action.op].append(i)
+            else:
+                slot = tuple([(transfer.op, transfer.peer) for transfer in action.transfers])
+                if slot not in seen:
+                    seen[slot] = -1 - len(kept_exchanges)
+                    kept_exchanges.append(action)
+                row.append(seen[slot])
+        slots.append(row)
+        compute_slots.append(kept_computes)
+        exchange_slots.append(kept_exchanges)
+        computes.append(positions)
+        of_op.append(by_op)
+    released = "W" if schedule.splits_backward else "B"
+    first_forwards = []
+    for actions, by_op in zip(schedule.ranks, of_op):
+        first: dict[int, int] = {}
+        for i in by_op["F"]:
+            first.setdefault(actions[i].chunk, i)
+        first_forwards.append(list(first.values()))
+    return Codes(schedule, slots, compute_slots, exchange_slots, other_ends(schedule), computes,
+                  of_op, first_forwards,
+                  [[actions[i].chunk for i in by_op[released]]
+                   for actions, by_op in zip(schedule.ranks, of_op)],
+                  [[None if isinstance(action, Compute) else
+                    tuple([transfer.peer for transfer in action.transfers]) for action in actions]
+                   for actions in schedule.ranks])
+
+
+def level_times(codes: Codes, compute_prices: tuple, exchange_prices: tuple):
+    """flat_times' (starts, ends, postings) from the dataflow's levels
+    (levels.py), found on the first call by a play at unit prices."""
+    if codes.levels is None:
+        units = tuple(((1, 0),) * len(row) for row in codes.compute_slots)
+        waits = tuple((1,) * len(row) for row in codes.exchange_slots)
+        level = flat_times(codes, units, waits)[1]
+        codes.levels = levels_of(codes.slots, codes.ends, level,
+                                 [len(row) for row in codes.compute_slots],
+                                 [len(row) for row in codes.exchange_slots])
+    work, after = [], []
+    for computes, exchanges in zip(compute_prices, exchange_prices):
+        work += [price[0] for price in computes] + list(exchanges)
+        after += [price[1] for price in computes] + [0.0] * len(exchanges)
+    starts, ends = play_levels(codes.levels, work, after)
+    return starts, ends, starts   # (an exchange is posted when it starts)
+
+
+def flat_times(codes: Codes, compute_prices: tuple, exchange_prices: tuple):
+    """Per rank, each action's start and end, and each exchange's posting
+    (None for a compute): each rank run as far as its exchanges let it."""
+    schedule, slots, ends_of, peers = codes.schedule, codes.slots, codes.ends, codes.peers
+    p = schedule.p
+    starts: list[list] = [[] for _ in range(p)]
+    finishes: list[list] = [[] for _ in range(p)]
+    posted = [[None] * len(actions) for actions in schedule.ranks]
+    clock: list = [0] * p
+    queued, pending = [True] * p, deque(range(p))
+    while pending:
+        r = pending.popleft()
+        queued[r] = False
+        row, ends_r, mine, begun, done = slots[r], ends_of[r], posted[r], starts[r], finishes[r]
+        peers_r = peers[r]
+        works, waits = compute_prices[r], exchange_prices[r]
+        now, i, n = clock[r], len(done), len(row)
+        while i < n:
+            slot = row[i]
+            if slot >= 0:
+                work, collective = works[slot]
+                begun.append(now)
+                now = now + work + collective
+                done.append(now)
+                i += 1
+                continue
+            if mine[i] is None:   # posted: wake its peers
+                mine[i] = now
+                for peer in peers_r[i]:
+                    if not queued[peer]:
+                        queued[peer] = True
+                        pending.append(peer)
+            ready = now
+            for peer, j in ends_r[i]:
+                when = posted[peer][j]
+                if when is None:
+                    break
+                if when > ready:
+                    ready = when
+            else:
+                begun.append(now)
+                now = ready + waits[-1 - slot]
+                done.append(now)
+                i += 1
+                continue
+            break
+        clock[r] = now
+    stuck = [r for r in range(p) if len(finishes[r]) < len(slots[r])]
+    if stuck:
+        raise ScheduleError(f"{schedule.kind} p={p} m={schedule.m} v={schedule.v} deadlocks at "
+                            f"ranks {stuck}")
+    return starts, finishes, posted
