@@ -21,7 +21,6 @@ from ptdp.parallel.tensor import (
     VocabParallelEmbedding,
     copy_to_tensor_region,
     gather_from_tensor_region,
-    linear_cross_entropy,
     reduce_from_tensor_region,
     scatter_to_tensor_region,
     vocab_parallel_cross_entropy,
@@ -213,49 +212,6 @@ def test_cross_entropy_one_rank_matches_torch():
     ref = F.cross_entropy(logits.detach().reshape(-1, 11), target.reshape(-1), reduction="none")
     assert_close(ours.reshape(-1), ref, **TOL)
 
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("padding", [False, True])
-def test_fused_output_product_and_cross_entropy_equal_the_two_apart(dtype, padding):
-    """linear_cross_entropy: the same loss and gradients as F.linear then
-    the cross entropy (fp32: bit for bit; ptdp's and torch's), with the
-    padded vocabulary's logits at -inf, and no weight gradient made for a
-    frozen weight."""
-    torch.manual_seed(0)
-    vocab, padded = (11, 16) if padding else (16, 16)
-    hidden = torch.randn(5, 3, 8, dtype=dtype)
-    weight = torch.randn(padded, 8, dtype=dtype)
-    target = torch.randint(0, vocab, (5, 3))
-    scale = torch.rand(5, 3)
-
-    def apart(h, w):
-        logits = F.linear(h, w)
-        logits = logits.masked_fill(torch.arange(padded) >= vocab, float("-inf"))
-        return vocab_parallel_cross_entropy(logits, target, 0, None)
-
-    results = []
-    for losses_of in (apart, lambda h, w: linear_cross_entropy(h, w, target, vocab)):
-        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        losses = losses_of(h, w)
-        (losses * scale).sum().backward()
-        results.append((losses, h.grad, w.grad))
-    (ref_loss, ref_h, ref_w), (loss, grad_h, grad_w) = results
-    exact = dict(rtol=0, atol=0) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
-    assert_close(loss, ref_loss, **exact)
-    assert_close(grad_h, ref_h, **exact)
-    assert_close(grad_w, ref_w, **exact)
-    assert torch.isfinite(grad_w).all() and (grad_w[vocab:] == 0).all()
-
-    logits = F.linear(hidden.float(), weight.float())[..., :vocab]
-    torch_loss = F.cross_entropy(logits.reshape(-1, vocab), target.reshape(-1), reduction="none")
-    assert_close(loss.float().reshape(-1), torch_loss, **(TOL if dtype == torch.float32 else
-                                                          dict(rtol=5e-2, atol=5e-2)))
-
-    frozen = weight.clone()
-    h = hidden.clone().requires_grad_()
-    linear_cross_entropy(h, frozen, target, vocab).sum().backward()
-    assert frozen.grad is None and h.grad is not None
 
 # --- sharding helpers -----------------------------------------------------------
 

@@ -77,7 +77,6 @@ from ptdp.parallel.tensor import (
     reduce_scatter_to_sequence_region,
     scaled_init_std,
     sequence_parallel_linear,
-    linear_cross_entropy,
     tensor_parallel_linear,
     vocab_parallel_cross_entropy,
 )
@@ -509,9 +508,10 @@ class GPT(nn.Module):
         if not self.post_process:
             return x
         hidden = self.final_layernorm(x)
+        logits = self.logits(hidden)
         if labels is None:
-            return self.logits(hidden)
-        loss = self.output_loss(hidden, labels, loss_mask)
+            return logits
+        loss = self.loss(logits, labels, loss_mask)
         if self.mtp is None or not recompute_active(self):  # (MTP trains; evaluation skips it)
             return loss
         return self.mtp.attach(loss, self.mtp(self, hidden, labels, loss_mask, packed, positions))
@@ -560,18 +560,6 @@ class GPT(nn.Module):
             return x
         return split_sequence(x, self.ctx.cp_size, self.ctx.cp_rank)
 
-    def output_loss(self, hidden: torch.Tensor, labels: torch.Tensor,
-                    loss_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """self.loss(self.logits(hidden), labels, loss_mask); on one tensor
-        rank the output product and the cross entropy are one function
-        (ptdp.parallel.tensor.linear_cross_entropy, the same numbers)."""
-        if self.ctx.tp_group is not None:
-            return self.loss(self.logits(hidden), labels, loss_mask)
-        output = self.output_matrix
-        return self._mean_loss(
-            lambda target: linear_cross_entropy(hidden, output.weight, target, output.vocab_size),
-            labels, loss_mask)
-
     def loss(self, logits: torch.Tensor, labels: torch.Tensor,
              loss_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The mean loss over the microbatch's unmasked tokens. Under context
@@ -579,21 +567,13 @@ class GPT(nn.Module):
         the whole sequence's count (labels and mask come whole), so the
         context ranks' parts add up to the one-process loss and a rank whose
         tokens are all masked gives 0."""
-        vocab_start = self.output_matrix.vocab_start
-        return self._mean_loss(
-            lambda target: vocab_parallel_cross_entropy(logits, target, vocab_start,
-                                                        self.ctx.tp_group),
-            labels, loss_mask)
-
-    def _mean_loss(self, token_losses, labels: torch.Tensor,
-                   loss_mask: torch.Tensor | None) -> torch.Tensor:
-        """`loss`'s mean of token_losses(this rank's labels [s, b]) [s, b]."""
         if self.ctx.cp_size > 1:
             count = (labels.numel() if loss_mask is None else
                      loss_mask.sum(dtype=torch.float32).clamp(min=1.0))
             labels = self._own_positions(labels)
             loss_mask = None if loss_mask is None else self._own_positions(loss_mask)
-        losses = token_losses(labels.transpose(0, 1))
+        losses = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1),
+                                              self.output_matrix.vocab_start, self.ctx.tp_group)
         if self.ctx.cp_size > 1:
             mask = 1.0 if loss_mask is None else loss_mask.transpose(0, 1).to(losses.dtype)
             return (losses * mask).sum() / count

@@ -171,7 +171,7 @@ class MultiTokenPrediction(nn.Module):
             embedded = model.embedding(model._own_positions(tokens),
                                        self._embedding_positions(model, labels, documents, k))
             hidden = layer(hidden, embedded, positions, attention_documents)
-            losses.append(model.output_loss(hidden, labels_k, mask))
+            losses.append(model.loss(model.logits(hidden), labels_k, mask))
         self.losses.append(torch.stack(losses).detach())
         return torch.stack(losses).sum() * self.loss_weight
 

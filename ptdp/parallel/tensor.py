@@ -1,7 +1,6 @@
 """Tensor (intra-layer) parallelism: the paper's f and g operators, column-,
-row- and vocabulary-parallel layers, the vocabulary-parallel cross entropy (and
-the output product fused with it on one tensor rank) and the per-rank random
-streams for dropout.
+row- and vocabulary-parallel layers, the vocabulary-parallel cross entropy and
+the per-rank random streams for dropout.
 
 Sequence parallelism (Korthikanti et al., 2022) splits the activations
 between the tensor-parallel regions (norms, dropout, residual adds) along the
@@ -527,49 +526,6 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
     """Per-token loss [...] from this rank's logits [..., V'/t] whose first
     column is vocabulary entry `vocab_start`."""
     return _VocabParallelCrossEntropy.apply(logits, target, vocab_start, group)
-
-
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                         first_pad: int | None = None) -> torch.Tensor:
-    """Per-token loss [...] of the logits hidden [..., h] · weightᵀ ([V', h],
-    the whole vocabulary: one tensor rank) against target [...]: the loss of
-    vocab_parallel_cross_entropy(F.linear(hidden, weight), target, 0, None),
-    the logits from `first_pad` on set to -inf, in one function. The
-    softmax is made in place in the product's own buffer, and the backward
-    makes the product's gradients from it directly: no second [..., V']
-    tensor, no autograd between the two (a few per cent of a last pipeline
-    stage's time on a CPU). The same operations, so the same numbers."""
-    return _LinearCrossEntropy.apply(hidden, weight, target, first_pad)
-
-
-class _LinearCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, target, first_pad):
-        logits = F.linear(hidden, weight)
-        if first_pad is not None and first_pad < logits.shape[-1]:
-            logits[..., first_pad:] = float("-inf")
-        work = logits.float()   # the product itself when it is fp32
-        logits_max = work.max(dim=-1).values
-        work.sub_(logits_max.unsqueeze(-1))
-        target_logit = work.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-        sum_exp = work.exp_().sum(dim=-1)
-        loss = torch.log(sum_exp) - target_logit
-        softmax = work.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, hidden, weight, target)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        softmax, hidden, weight, target = ctx.saved_tensors
-        grad = softmax  # d loss / d logits = softmax - one_hot(target), in place
-        grad.scatter_add_(-1, target.unsqueeze(-1),
-                          torch.full_like(grad_loss, -1.0, dtype=grad.dtype).unsqueeze(-1))
-        grad = grad.mul_(grad_loss.unsqueeze(-1)).to(hidden.dtype)
-        grad_hidden = grad.matmul(weight) if ctx.needs_input_grad[0] else None
-        grad_weight = None
-        if ctx.needs_input_grad[1]:
-            grad_weight = grad.reshape(-1, grad.shape[-1]).t().mm(hidden.reshape(-1, hidden.shape[-1]))
-        return grad_hidden, grad_weight, None, None
 
 
 class RNGStreams:
