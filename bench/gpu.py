@@ -650,7 +650,7 @@ def markdown_block(report: dict[str, Any]) -> str:
         memory = (f"Peak memory: n/a on a CPU (the process's peak RSS was "
                   f"{report['process_peak_rss_bytes'] / 2**20:.0f} MiB).")
     lines = [f"### {report['date']} — {report['device_name']}", "",
-             f"`{report['command']}` — torch {report['torch']}, {report['device_name']}{capacity}, "
+             f"Command: `{report['command']}` — torch {report['torch']}, {report['device_name']}{capacity}, "
              f"bf16, AdamW, t = p = d = 1, mock data, {report['elapsed_s']:.0f} s in all.",
              "",
              f"Checks: {checks}. Measured bf16 matmul peak ({report['matmul_size']}³): "

@@ -136,7 +136,7 @@ def _mib(count: float) -> str:
 
 def table(args, runs: list[dict]) -> str:
     lines = [f"### {datetime.date.today()}", "",
-             f"`{' '.join([Path(sys.argv[0]).as_posix()] + sys.argv[1:])}` — GPT {args.layers} × "
+             f"Command: `{' '.join(['python', Path(sys.argv[0]).as_posix()] + sys.argv[1:])}` — GPT {args.layers} × "
              f"{args.hidden}, s {args.seq}, vocab {args.vocab}, bf16, b {args.micro_batch} per "
              f"rank, LoRA rank {args.rank} on all four targets; d = 2 with the distributed "
              f"optimizer; {cpu_name()}, {os.cpu_count()} cores (shared), 1 thread a process", "",

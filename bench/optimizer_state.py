@@ -59,7 +59,7 @@ def main() -> None:
             rows.append((d, distributed, max(r["state_bytes"] for r in ranks), ranks[0]["params"]))
     plain_d1 = rows[0][2]
     lines = [f"### {datetime.date.today()}", "",
-             f"`{' '.join([Path(sys.argv[0]).as_posix()] + sys.argv[1:])}` — GPT 6 × 512, vocab 50257 "
+             f"Command: `{' '.join(['python', Path(sys.argv[0]).as_posix()] + sys.argv[1:])}` — GPT 6 × 512, vocab 50257 "
              f"({rows[0][3] / 1e6:.1f} M parameters), bf16 model, fp32 main weights + Adam moments",
              "", "| d | optimizer | state bytes per rank | vs plain d = 1 |", "|---|---|---|---|"]
     for d, distributed, state, _ in rows:
