@@ -9,8 +9,9 @@ from tests.multiproc import Pools
 
 
 def pytest_configure(config):
-    """In a worker of a suite split across processes, each worker's torch
-    gets its share of the cores: two workers with a thread per core each
+    """In a worker of a suite split across processes, each worker's torch,
+    and the processes its tests start without their own OMP_NUM_THREADS,
+    get its share of the cores: two workers with a thread per core each
     would oversubscribe them, and waiting threads spin."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
