@@ -542,6 +542,42 @@ def test_the_level_by_level_play_is_the_loops_bit_for_bit(kind, p, m, v):
                    for i, when in enumerate(row) if when is not None)
 
 
+CODES_FIELDS = ("p", "label", "splits_backward", "slots", "compute_slots", "exchange_slots",
+                "ends", "computes", "of_op", "first_forwards", "released_chunks", "peers")
+
+
+@pytest.mark.parametrize("kind,p,m,v", [
+    ("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 1, 3, 1), ("1f1b", 4, 3, 1),
+    ("1f1b", 3, 7, 1), ("interleaved", 4, 8, 2), ("interleaved", 2, 4, 3),
+    ("interleaved", 4, 4, 2), ("interleaved", 3, 9, 3), ("zb-h1", 4, 8, 1),
+    ("zb-h1", 1, 3, 1), ("zbv", 3, 6, 2), ("zbv", 4, 9, 2)])
+def test_codes_from_tables_are_the_built_schedules_codes(kind, p, m, v):
+    """The planner's codes, made from arrays without the schedule's actions
+    (schedule_tables.planned_codes), equal codes_of of the schedule
+    build_schedule builds, field by field, and each rank's actions made on
+    demand are the schedule's; zero-bubble kinds under unit costs and under
+    costs that differ by rank, chunk and op (which move their exchanges)."""
+    import random
+
+    from ptdp.perf.simulate.codes import codes_of
+    from ptdp.perf.simulate.schedule_tables import planned_codes
+    from ptdp.schedules.build import build_schedule
+
+    rng = random.Random(f"{kind}{p}{m}{v}")
+    costs = [None]
+    if kind.startswith("zb"):
+        costs.append(tuple(((r, c, op), rng.uniform(0.5, 2.0)) for r in range(p)
+                           for c in range(v) for op in "FBW"))
+    for cost in costs:
+        schedule = build_schedule(kind, p, m, v, cost)
+        built, planned = codes_of(schedule), planned_codes(kind, p, m, v, cost)
+        for name in CODES_FIELDS:
+            assert getattr(planned, name) == getattr(built, name), name
+        assert [tuple(planned.actions(r)) for r in range(p)] == list(schedule.ranks)
+        assert any(planned.ends[r][i] for r in range(p) for i in range(len(planned.slots[r]))
+                   ) == (p > 1)
+
+
 @pytest.mark.parametrize("kind,p,m", [("zb-h1", 4, 8), ("zbv", 3, 6)])
 def test_zero_bubble_costs_that_place_alike_share_one_schedule_and_only_they(kind, p, m):
     """build_zero_bubble gives the schedule of earlier costs again when its

@@ -372,11 +372,19 @@ _PLACED: dict[tuple, Schedule] = {}
 
 
 def _placement_signature(kind: str, p: int, m: int, starts: list, ends: list) -> bytes:
+    """Where _with_timed_exchanges puts every transfer for these times, as
+    bytes: `placed_transfers`' rows without their peers (which the rest
+    implies). Equal bytes, equal actions."""
+    return placed_transfers(kind, p, m, starts, ends)[:6].tobytes()
+
+
+def placed_transfers(kind: str, p: int, m: int, starts: list, ends: list) -> np.ndarray:
     """Where _with_timed_exchanges puts every transfer for these times (the
-    flat `_timed` of the kind's orders), as bytes: per rank, (slot,
-    transfer) in the order its exchanges hold them, each exchange sorted
-    by (time, kind, microbatch, boundary, op) as there. Equal bytes, equal
-    actions."""
+    flat `_timed` of the kind's orders): columns of rows (rank, slot (the
+    exchange before the rank's compute `slot`; its number of computes:
+    after the last), kind (activation 0, grad 1), microbatch, boundary, op
+    (recv 0, send 1), peer), in the order the ranks' exchanges hold them,
+    each exchange sorted by (time, kind, microbatch, boundary, op) as there."""
     table, by_receiver, receiver_bounds = _send_table(kind, p, m)
     flow = _dataflow(kind, p, m)
     starts, ends = np.asarray(starts, dtype=np.float64), np.asarray(ends, dtype=np.float64)
@@ -393,8 +401,18 @@ def _placement_signature(kind: str, p: int, m: int, starts: list, ends: list) ->
     time = np.concatenate((produced, produced))
     kind_, microbatch, boundary = (np.tile(table[:, column], 2) for column in (4, 5, 6))
     op = np.repeat([1, 0], len(table))
+    peer = np.concatenate((table[:, 3], table[:, 0]))
     order = np.lexsort((op, boundary, microbatch, kind_, time, slot, rank))
-    return np.stack((rank, slot, kind_, microbatch, boundary, op))[:, order].tobytes()
+    return np.stack((rank, slot, kind_, microbatch, boundary, op, peer))[:, order]
+
+
+def placed_transfers_for(kind: str, p: int, m: int, cost: ComputeCost = unit_cost
+                         ) -> np.ndarray:
+    """`placed_transfers` for computes that take cost(rank, compute): where
+    build_zero_bubble's schedule for `cost` has its transfers, without
+    building it."""
+    starts, ends = _timed(_dataflow(kind, p, m), p, cost)
+    return placed_transfers(kind, p, m, starts, ends)
 
 
 @functools.lru_cache(maxsize=8)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ptdp.perf.simulate.levels import levels_of, play_levels
 from ptdp.schedules.actions import Compute, Exchange, ScheduleError
@@ -27,8 +27,14 @@ class Codes:
     is the first forward), priced alike; < 0: -1 - an exchange's slot, by
     its transfers' ops and peers, as predict's _exchange_price caches them), one
     action of each slot, the other ends each exchange waits for
-    (player.other_ends), and where the computes and each op's computes are."""
-    schedule: Any
+    (player.other_ends), and where the computes and each op's computes are.
+    `actions(rank)`: that rank's actions (made on demand where the codes
+    come from tables, ptdp.perf.simulate.schedule_tables); `label`: the
+    schedule in words, for a deadlock's error."""
+    p: int
+    label: str
+    splits_backward: bool
+    actions: Callable[[int], tuple]
     slots: list[list[int]]
     compute_slots: list[list[Compute]]
     exchange_slots: list[list[Exchange]]
@@ -79,7 +85,9 @@ def codes_of(schedule) -> Codes:
         for i in by_op["F"]:
             first.setdefault(actions[i].chunk, i)
         first_forwards.append(list(first.values()))
-    return Codes(schedule, slots, compute_slots, exchange_slots, other_ends(schedule), computes,
+    label = f"{schedule.kind} p={schedule.p} m={schedule.m} v={schedule.v}"
+    return Codes(schedule.p, label, schedule.splits_backward, schedule.ranks.__getitem__,
+                 slots, compute_slots, exchange_slots, other_ends(schedule), computes,
                   of_op, first_forwards,
                   [[actions[i].chunk for i in by_op[released]]
                    for actions, by_op in zip(schedule.ranks, of_op)],
@@ -109,11 +117,10 @@ def level_times(codes: Codes, compute_prices: tuple, exchange_prices: tuple):
 def flat_times(codes: Codes, compute_prices: tuple, exchange_prices: tuple):
     """Per rank, each action's start and end, and each exchange's posting
     (None for a compute): each rank run as far as its exchanges let it."""
-    schedule, slots, ends_of, peers = codes.schedule, codes.slots, codes.ends, codes.peers
-    p = schedule.p
+    slots, ends_of, peers, p = codes.slots, codes.ends, codes.peers, codes.p
     starts: list[list] = [[] for _ in range(p)]
     finishes: list[list] = [[] for _ in range(p)]
-    posted = [[None] * len(actions) for actions in schedule.ranks]
+    posted = [[None] * len(row) for row in slots]
     clock: list = [0] * p
     queued, pending = [True] * p, deque(range(p))
     while pending:
@@ -155,6 +162,5 @@ def flat_times(codes: Codes, compute_prices: tuple, exchange_prices: tuple):
         clock[r] = now
     stuck = [r for r in range(p) if len(finishes[r]) < len(slots[r])]
     if stuck:
-        raise ScheduleError(f"{schedule.kind} p={p} m={schedule.m} v={schedule.v} deadlocks at "
-                            f"ranks {stuck}")
+        raise ScheduleError(f"{codes.label} deadlocks at ranks {stuck}")
     return starts, finishes, posted

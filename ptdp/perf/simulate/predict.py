@@ -80,7 +80,8 @@ from ptdp.perf.price.machine import Machine
 from ptdp.schedules.player import Record, play
 from ptdp.perf.price.profiles import HardwareProfile
 from ptdp.perf.price.stage_costs import layout_chunk_costs, operator_model
-from ptdp.perf.simulate.codes import Codes, codes_of, flat_times, level_times
+from ptdp.perf.simulate.codes import Codes, flat_times, level_times
+from ptdp.perf.simulate.schedule_tables import planned_codes
 from ptdp.perf.simulate.timeline import Box, draw_timeline
 
 CATEGORIES = ("forward compute", "backward compute", "recompute", "tensor all-reduce",
@@ -446,18 +447,10 @@ _FIRST, _THIRD = operator.itemgetter(0), operator.itemgetter(2)
 
 @functools.lru_cache(maxsize=32)
 def _codes(key: tuple) -> Codes:
-    # Zero-bubble costs that place the exchanges alike give one schedule
-    # object (build_zero_bubble): one set of codes, and of levels, for all of them.
-    schedule = _schedule(*key)
-    known = _CODES.get(id(schedule))
-    if known is None or known.schedule is not schedule:
-        if len(_CODES) >= 32:
-            _CODES.clear()
-        known = _CODES[id(schedule)] = codes_of(schedule)
-    return known
-
-
-_CODES: dict[int, Codes] = {}
+    # From arrays, without the schedule's actions (schedule_tables); zero-
+    # bubble costs that place the exchanges alike give one set of codes,
+    # and of levels, for all of them.
+    return planned_codes(*key)
 
 
 def _play_unshared(key: tuple, compute, exchange) -> _Played:
@@ -497,12 +490,12 @@ LEVELS_FROM = 20_000   # actions in a schedule for its plays to go level by leve
 def _played_of(codes: Codes, compute_prices: tuple, starts: list[list], finishes: list[list],
                posted: list[list]) -> _Played:
     """The _Played of a play's times (`flat_times`')."""
-    schedule, slots, ends_of, p = codes.schedule, codes.slots, codes.ends, codes.schedule.p
+    slots, ends_of, p = codes.slots, codes.ends, codes.p
 
     def row_of(r: int) -> list[Record]:
         row, begun, done, slots_r, ends_r = [], starts[r], finishes[r], slots[r], ends_of[r]
         works = compute_prices[r]
-        for i, action in enumerate(schedule.ranks[r]):
+        for i, action in enumerate(codes.actions(r)):
             record = Record(action, begun[i], done[i])
             slot = slots_r[i]
             if slot >= 0:
@@ -519,7 +512,7 @@ def _played_of(codes: Codes, compute_prices: tuple, starts: list[list], finishes
     def records() -> list[list[Record]]:
         return [row_of(r) for r in range(p)]
 
-    zero_bubble = schedule.splits_backward
+    zero_bubble = codes.splits_backward
     released = [of_op["W" if zero_bubble else "B"] for of_op in codes.of_op]
     return _Played(
         [max(finishes[r], default=0.0) for r in range(p)],
