@@ -527,6 +527,7 @@ def test_the_level_by_level_play_is_the_loops_bit_for_bit(kind, p, m, v):
     import random
 
     from ptdp.perf.simulate import codes as play_codes, predict
+    from ptdp.schedules.build import build_schedule
 
     rng = random.Random(f"{kind}{p}{m}{v}")
     codes = predict._codes((kind, p, m, v, None))
@@ -540,6 +541,12 @@ def test_the_level_by_level_play_is_the_loops_bit_for_bit(kind, p, m, v):
         assert level_ends == ends and level_starts == starts
         assert all(level_starts[r][i] == when for r, row in enumerate(posted)
                    for i, when in enumerate(row) if when is not None)
+    # A large schedule's first play keeps its levels: the ends of a play at unit prices.
+    fresh = play_codes.codes_of(build_schedule(kind, p, m, v))
+    play_codes.flat_times(fresh, computes, exchanges, keep_levels=True)
+    units = tuple(((1, 0),) * len(row) for row in codes.compute_slots)
+    waits = tuple((1,) * len(row) for row in codes.exchange_slots)
+    assert fresh.unit_levels == play_codes.flat_times(codes, units, waits)[1]
 
 
 CODES_FIELDS = ("p", "label", "splits_backward", "slots", "compute_slots", "exchange_slots",
@@ -560,6 +567,7 @@ def test_codes_from_tables_are_the_built_schedules_codes(kind, p, m, v):
     import random
 
     from ptdp.perf.simulate.codes import codes_of
+    from ptdp.perf.simulate.levels import ends_table
     from ptdp.perf.simulate.schedule_tables import planned_codes
     from ptdp.schedules.build import build_schedule
 
@@ -574,6 +582,10 @@ def test_codes_from_tables_are_the_built_schedules_codes(kind, p, m, v):
         for name in CODES_FIELDS:
             assert getattr(planned, name) == getattr(built, name), name
         assert [tuple(planned.actions(r)) for r in range(p)] == list(schedule.ranks)
+        # and the flat arrays the levels are found from, as made from the lists
+        assert planned.flat_slot.tolist() == [slot for row in built.slots for slot in row]
+        for planned_column, built_column in zip(planned.flat_ends, ends_table(built.ends)):
+            assert planned_column.tolist() == built_column.tolist()
         assert any(planned.ends[r][i] for r in range(p) for i in range(len(planned.slots[r]))
                    ) == (p > 1)
 

@@ -416,20 +416,41 @@ def placed_transfers_for(kind: str, p: int, m: int, cost: ComputeCost = unit_cos
 
 
 @functools.lru_cache(maxsize=8)
+def order_arrays(kind: str, p: int, m: int) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]:
+    """Each rank's computes in schedule order as (op (F 0, B 1, W 2),
+    microbatch, chunk) arrays."""
+    arrays = []
+    for rank in range(p):
+        computes = _order(kind, p, m, rank)   # (the dataflow's, made once)
+        op = np.fromiter(("FBW".index(c.op) for c in computes), np.int64, len(computes))
+        microbatch = np.fromiter((c.microbatch for c in computes), np.int64, len(computes))
+        chunk = np.fromiter((c.chunk for c in computes), np.int64, len(computes))
+        arrays.append((op, microbatch, chunk))
+    return tuple(arrays)
+
+
+@functools.lru_cache(maxsize=8)
 def _send_table(kind: str, p: int, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every send of the kind's orders as a row (sender, its compute's flat
     index, its index on the sender, receiver, kind (activation 0, grad 1),
-    microbatch, boundary); the rows by receiver, and where each
-    receiver's start."""
-    flow, rows = _dataflow(kind, p, m), []
-    for rank, row in enumerate(_sends(kind, p, m)):
-        first = flow.offsets[rank]
-        for k, pair in enumerate(row):
-            if pair is not None:
-                send = pair[0]
-                rows.append((rank, first + k, k, send.peer, send.kind == "grad",
-                             send.microbatch, send.boundary))
-    table = np.array(rows, dtype=np.int64).reshape(-1, 7)
+    microbatch, boundary), _sends' in order; the rows by receiver, and
+    where each receiver's start."""
+    flow, v, placement = _dataflow(kind, p, m), chunks_of(kind), _placement(kind)
+    tables = []
+    for rank, (op, microbatch, chunk) in enumerate(order_arrays(kind, p, m)):
+        # per chunk: its stage, the rank after it and before it (-1: none or this rank)
+        sides = np.array([(stage, -1 if after is None else after, -1 if before is None else before)
+                          for stage, after, before in chunk_neighbours(rank, p, v, placement)],
+                         dtype=np.int64).reshape(-1, 3)
+        stage, after, before = sides[chunk].T
+        forward = op == 0
+        # a forward sends its activation on, a backward its input gradient back
+        receiver = np.where(forward, after, np.where(op == 1, before, -1))
+        k = np.flatnonzero(receiver >= 0)
+        tables.append(np.stack((np.full(len(k), rank), flow.offsets[rank] + k, k, receiver[k],
+                                1 - forward[k], microbatch[k],
+                                np.where(forward, stage, stage - 1)[k]), axis=1))
+    table = np.concatenate(tables).astype(np.int64).reshape(-1, 7)
     by_receiver = np.argsort(table[:, 3], kind="stable")
     bounds = np.searchsorted(table[by_receiver, 3], np.arange(p + 1), side="left")
     return table, by_receiver, bounds

@@ -11,11 +11,14 @@ times.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ptdp.perf.simulate.levels import levels_of, play_levels
+import numpy as np
+
+from ptdp.perf.simulate.levels import ends_table, levels_of, play_levels
 from ptdp.schedules.actions import Compute, Exchange, ScheduleError
 from ptdp.schedules.player import other_ends
 
@@ -50,6 +53,11 @@ class Codes:
     # Plays so far, and from the second on the dataflow's levels (levels.py)
     plays: int = 0
     levels: Any = None
+    unit_levels: list | None = None   # the first play's unit-price ends, until `levels`
+    # `slots` flat, rank after rank, and `ends` as levels.ends_table's
+    # arrays (made from the lists when not given)
+    flat_slot: Any = None
+    flat_ends: Any = None
 
 
 def codes_of(schedule) -> Codes:
@@ -98,14 +106,23 @@ def codes_of(schedule) -> Codes:
 
 def level_times(codes: Codes, compute_prices: tuple, exchange_prices: tuple):
     """flat_times' (starts, ends, postings) from the dataflow's levels
-    (levels.py), found on the first call by a play at unit prices."""
+    (levels.py): those its first play kept (`unit_levels`), or else found
+    by a play at unit prices."""
     if codes.levels is None:
-        units = tuple(((1, 0),) * len(row) for row in codes.compute_slots)
-        waits = tuple((1,) * len(row) for row in codes.exchange_slots)
-        level = flat_times(codes, units, waits)[1]
-        codes.levels = levels_of(codes.slots, codes.ends, level,
+        level = codes.unit_levels
+        if level is None:
+            units = tuple(((1, 0),) * len(row) for row in codes.compute_slots)
+            waits = tuple((1,) * len(row) for row in codes.exchange_slots)
+            level = flat_times(codes, units, waits)[1]
+        if codes.flat_slot is None:
+            codes.flat_slot = np.fromiter(itertools.chain.from_iterable(codes.slots), np.int64,
+                                          sum(map(len, codes.slots)))
+            codes.flat_ends = ends_table(codes.ends)
+        codes.levels = levels_of(codes.flat_slot, [len(row) for row in codes.slots],
+                                 codes.flat_ends, level,
                                  [len(row) for row in codes.compute_slots],
                                  [len(row) for row in codes.exchange_slots])
+        codes.unit_levels = None
     work, after = [], []
     for computes, exchanges in zip(compute_prices, exchange_prices):
         work += [price[0] for price in computes] + list(exchanges)
@@ -114,22 +131,29 @@ def level_times(codes: Codes, compute_prices: tuple, exchange_prices: tuple):
     return starts, ends, starts   # (an exchange is posted when it starts)
 
 
-def flat_times(codes: Codes, compute_prices: tuple, exchange_prices: tuple):
+def flat_times(codes: Codes, compute_prices: tuple, exchange_prices: tuple, *,
+               keep_levels: bool = False):
     """Per rank, each action's start and end, and each exchange's posting
-    (None for a compute): each rank run as far as its exchanges let it."""
+    (None for a compute): each rank run as far as its exchanges let it.
+    `keep_levels`: also play at unit prices alongside (each action's end
+    there is its level) and keep those in codes.unit_levels, for
+    level_times."""
     slots, ends_of, peers, p = codes.slots, codes.ends, codes.peers, codes.p
     starts: list[list] = [[] for _ in range(p)]
     finishes: list[list] = [[] for _ in range(p)]
     posted = [[None] * len(row) for row in slots]
     clock: list = [0] * p
+    # the unit-price play: each rank's level clock, each exchange's posting
+    levels: list[list] = [[] for _ in range(p)]
+    level_clock, level_posted = [0] * p, [[0] * len(row) for row in slots]
     queued, pending = [True] * p, deque(range(p))
     while pending:
         r = pending.popleft()
         queued[r] = False
         row, ends_r, mine, begun, done = slots[r], ends_of[r], posted[r], starts[r], finishes[r]
-        peers_r = peers[r]
+        peers_r, level_r, mine_level = peers[r], levels[r], level_posted[r]
         works, waits = compute_prices[r], exchange_prices[r]
-        now, i, n = clock[r], len(done), len(row)
+        now, i, n, level = clock[r], len(done), len(row), level_clock[r]
         while i < n:
             slot = row[i]
             if slot >= 0:
@@ -137,29 +161,39 @@ def flat_times(codes: Codes, compute_prices: tuple, exchange_prices: tuple):
                 begun.append(now)
                 now = now + work + collective
                 done.append(now)
+                if keep_levels:
+                    level += 1
+                    level_r.append(level)
                 i += 1
                 continue
             if mine[i] is None:   # posted: wake its peers
-                mine[i] = now
+                mine[i], mine_level[i] = now, level
                 for peer in peers_r[i]:
                     if not queued[peer]:
                         queued[peer] = True
                         pending.append(peer)
-            ready = now
+            ready, ready_level = now, level
             for peer, j in ends_r[i]:
                 when = posted[peer][j]
                 if when is None:
                     break
                 if when > ready:
                     ready = when
+                if level_posted[peer][j] > ready_level:
+                    ready_level = level_posted[peer][j]
             else:
                 begun.append(now)
                 now = ready + waits[-1 - slot]
                 done.append(now)
+                if keep_levels:
+                    level = ready_level + 1
+                    level_r.append(level)
                 i += 1
                 continue
             break
-        clock[r] = now
+        clock[r], level_clock[r] = now, level
+    if keep_levels:
+        codes.unit_levels = levels
     stuck = [r for r in range(p) if len(finishes[r]) < len(slots[r])]
     if stuck:
         raise ScheduleError(f"{codes.label} deadlocks at ranks {stuck}")

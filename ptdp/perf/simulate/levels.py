@@ -20,6 +20,7 @@ a deadlock) and are kept with the schedule's codes.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,41 +51,32 @@ class Levels:
         return len(self.order) + 1
 
 
-def levels_of(slots: list[list[int]], ends: list[list], level: list[list[int]],
+def levels_of(flat_slot: np.ndarray, counts: list[int], ends: tuple, level: list[list[int]],
               compute_counts: list[int], exchange_counts: list[int]) -> Levels:
-    """`slots`, `ends`: codes.Codes' (each action's price slot; each
-    exchange's other ends as (rank, index)); `level`: each action's level
-    (its end in a play at unit prices, from 1); `compute_counts`,
+    """`flat_slot`: each action's price slot (codes.Codes' `slots`, rank
+    after rank), `counts` each rank's actions; `ends`: each exchange's other
+    ends as flat arrays (`ends_table`); `level`: each action's level (its
+    end in a play at unit prices, from 1); `compute_counts`,
     `exchange_counts`: each rank's compute and exchange slots (a play's
     table holds rank 0's computes, then its exchanges, then rank 1's ...)."""
-    counts = [len(row) for row in slots]
     offsets = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
     n = int(offsets[-1])
-    flat_level = np.fromiter((x for row in level for x in row), dtype=np.int64, count=n)
-    flat_slot = np.fromiter((x for row in slots for x in row), dtype=np.int64, count=n)
+    flat_level = np.fromiter(itertools.chain.from_iterable(level), dtype=np.int64, count=n)
     order = np.argsort(flat_level, kind="stable")
     position = np.empty(n, dtype=np.int64)
     position[order] = np.arange(n)
     start, never = n, n + 1
-    rank_of = np.repeat(np.arange(len(slots)), counts)
+    rank_of = np.repeat(np.arange(len(counts)), counts)
     first = offsets[:-1][rank_of] == np.arange(n)
     before = np.where(first, start, np.concatenate(([start], position[:-1])))
-    width = 1 + max((len(e) for row in ends for e in row if e), default=0)
+    rows, columns, targets = ends
+    width = 1 + (int(columns.max()) if len(columns) else 0)
     waits = np.full((n, width), never, dtype=np.int64)
     waits[position, 0] = before
-    # the other ends' previous actions, exchange by exchange
-    rows, columns, targets = [], [], []
-    for r, ends_r in enumerate(ends):
-        base = int(offsets[r])
-        for i, others in enumerate(ends_r):
-            for column, (peer, j) in enumerate(others or (), 1):
-                rows.append(base + i)
-                columns.append(column)
-                targets.append(offsets[peer] + j - 1 if j else -1)
-    if rows:
-        targets = np.asarray(targets, dtype=np.int64)
-        waits[position[np.asarray(rows, dtype=np.int64)], columns] = np.where(
-            targets < 0, start, position[np.maximum(targets, 0)])
+    # the other ends' previous actions (START before a rank's first action)
+    if len(rows):
+        waits[position[rows], columns] = np.where(targets < 0, start,
+                                                  position[np.maximum(targets, 0)])
     table_base = np.concatenate(([0], np.cumsum(np.add(compute_counts, exchange_counts))))
     computes = np.asarray(compute_counts, dtype=np.int64)[rank_of]
     prices = (table_base[:-1][rank_of] + np.where(flat_slot >= 0, flat_slot,
@@ -92,6 +84,25 @@ def levels_of(slots: list[list[int]], ends: list[list], level: list[list[int]],
     sorted_levels = flat_level[order]
     bounds = np.flatnonzero(np.diff(sorted_levels)) + 1
     return Levels(order, [0, *bounds.tolist(), n], waits, prices, before, offsets.tolist())
+
+
+def ends_table(ends: list[list]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """codes.Codes' `ends` as flat arrays: for each other end (rank q,
+    index j) of each exchange, in order, the exchange's flat index, its
+    column (1, 2, ... in the exchange), and the flat index of the action
+    before (q, j) (-1 where j is q's first action)."""
+    offsets = [0]
+    for row in ends:
+        offsets.append(offsets[-1] + len(row))
+    rows, columns, targets = [], [], []
+    for r, ends_r in enumerate(ends):
+        base = offsets[r]
+        for i, others in enumerate(ends_r):
+            for column, (peer, j) in enumerate(others or (), 1):
+                rows.append(base + i)
+                columns.append(column)
+                targets.append(offsets[peer] + j - 1 if j else -1)
+    return tuple(np.asarray(values, dtype=np.int64) for values in (rows, columns, targets))
 
 
 def play_levels(levels: Levels, table_work: list[float], table_after: list[float]

@@ -473,10 +473,13 @@ def _play_unshared(key: tuple, compute, exchange) -> _Played:
         if len(_PLAYS) >= 64:
             _PLAYS.clear()
         codes.plays += 1
-        # (a schedule played once: the loop, no levels to find; a small one:
-        # the loop, faster than numpy's calls on a few actions a level)
-        if codes.plays == 1 or sum(map(len, codes.slots)) < LEVELS_FROM:
-            times = flat_times(codes, compute_prices, exchange_prices)
+        # (a schedule's first play: the loop, which keeps a large one's
+        # levels for its later plays; a small one's: the loop, faster than
+        # numpy's calls on a few actions a level)
+        large = sum(map(len, codes.slots)) >= LEVELS_FROM
+        if codes.plays == 1 or not large:
+            times = flat_times(codes, compute_prices, exchange_prices,
+                               keep_levels=large and codes.plays == 1)
         else:
             times = level_times(codes, compute_prices, exchange_prices)
         played = _PLAYS[memo] = _played_of(codes, compute_prices, *times)

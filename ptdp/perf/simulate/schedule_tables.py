@@ -18,8 +18,6 @@ Tested equal to codes_of of the built schedule, field by field.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 from ptdp.perf.simulate.codes import Codes
@@ -27,7 +25,7 @@ from ptdp.schedules.actions import Compute, Exchange, ScheduleError, Transfer
 from ptdp.schedules.kinds import check_arguments, kind_named
 from ptdp.schedules.one_f_one_b import (INTERLEAVED, forward_order, looped_steps,
                                         warmup_forwards, with_exchanges)
-from ptdp.schedules.zero_bubble import (_order, _steps, chunks_of, costs_from_table,
+from ptdp.schedules.zero_bubble import (_order, chunks_of, costs_from_table, order_arrays,
                                         placed_transfers_for, unit_cost)
 
 OPS = "FBW"
@@ -112,18 +110,6 @@ def _looped_codes(kind: str, p: int, m: int, v: int) -> Codes:
     return _codes_from(f"{kind} p={p} m={m} v={v}", p, False, computes, rows, actions)
 
 
-@functools.lru_cache(maxsize=8)
-def _zero_bubble_computes(kind: str, p: int, m: int) -> tuple:
-    """Each rank's zero-bubble computes as (op, microbatch, chunk) arrays."""
-    computes = []
-    for rank in range(p):
-        steps = _steps(kind, p, m, rank)
-        op = np.fromiter((OPS.index(step[0]) for step in steps), np.int64, len(steps))
-        rest = np.asarray([step[1:] for step in steps], dtype=np.int64).reshape(-1, 2)
-        computes.append((op, rest[:, 0], rest[:, 1]))
-    return tuple(computes)
-
-
 def _zero_bubble_codes(kind: str, p: int, m: int, rows: np.ndarray) -> Codes:
     """zb-h1 and zbv: their orders (zero_bubble._steps) and the transfers
     placed for a layout's costs."""
@@ -149,7 +135,7 @@ def _zero_bubble_codes(kind: str, p: int, m: int, rows: np.ndarray) -> Codes:
                 out.append(order[k])
         return tuple(out)
 
-    return _codes_from(f"{kind} p={p} m={m} v={v}", p, True, list(_zero_bubble_computes(kind, p, m)),
+    return _codes_from(f"{kind} p={p} m={m} v={v}", p, True, list(order_arrays(kind, p, m)),
                        table, actions)
 
 
@@ -157,75 +143,114 @@ def _codes_from(label: str, p: int, splits_backward: bool, computes: list, rows:
                 actions) -> Codes:
     """The Codes of each rank's computes ((op, microbatch, chunk) arrays)
     and the transfer table `rows` (columns RANK ... PEER, sorted by rank,
-    then in the order of each rank's exchanges, an exchange's rows together)."""
+    then in the order of each rank's exchanges, an exchange's rows together),
+    with the flat arrays level_times reads (`flat_slot`, `flat_ends`)."""
     starts = np.searchsorted(rows[RANK], np.arange(p + 1))
     # Each row's exchange: where a (rank, slot) begins; each exchange's and
     # each compute's index among its rank's actions.
     opens = np.ones(rows.shape[1], dtype=bool)
     opens[1:] = (rows[RANK, 1:] != rows[RANK, :-1]) | (rows[SLOT, 1:] != rows[SLOT, :-1])
-    row_action = np.empty(rows.shape[1], dtype=np.int64)
-    ranks = []
-    for rank, (op, microbatch, chunk) in enumerate(computes):
-        a, b = starts[rank], starts[rank + 1]
-        firsts = np.flatnonzero(opens[a:b])
-        exchange_slots = rows[SLOT, a:b][firsts]
-        exchange_action = exchange_slots + np.arange(len(firsts))
-        row_action[a:b] = exchange_action[np.cumsum(opens[a:b]) - 1]
-        compute_action = np.arange(len(op)) + np.searchsorted(exchange_slots, np.arange(len(op)),
-                                                              side="right")
-        ranks.append((firsts, exchange_action, compute_action))
+    firsts = np.flatnonzero(opens)                  # each exchange's first row
+    exchange_of_row = np.cumsum(opens) - 1
+    exchange_action = np.empty(len(firsts), dtype=np.int64)
+    exchange_bounds = np.searchsorted(firsts, starts)   # each rank's exchanges
+    compute_actions, lengths = [], []
+    for rank, (op, _, _) in enumerate(computes):
+        e0, e1 = exchange_bounds[rank], exchange_bounds[rank + 1]
+        slots = rows[SLOT, firsts[e0:e1]]
+        exchange_action[e0:e1] = slots + np.arange(e1 - e0)
+        compute_actions.append(np.arange(len(op)) + np.searchsorted(slots, np.arange(len(op)),
+                                                                    side="right"))
+        lengths.append(len(op) + e1 - e0)
+    offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+    row_action = exchange_action[exchange_of_row]
+    exchange_codes = _exchange_codes(rows, firsts, exchange_bounds, p)
+    # The other ends each exchange waits for (its receives' senders; under
+    # the kinds that do not split the backward its sends' receivers too).
     partner = _other_ends(rows)
-    waited = (rows[OP] == 0) | (not splits_backward)
-    other = list(zip(rows[RANK][partner].tolist(), row_action[partner].tolist()))
-    waited, peers_of_rows = waited.tolist(), rows[PEER].tolist()
-    ops_of_rows = rows[OP].tolist()
+    waited = np.flatnonzero((rows[OP] == 0) | (not splits_backward))
+    other_rank, other_action = rows[RANK, partner[waited]], row_action[partner[waited]]
+    taken = np.concatenate(([0], np.cumsum(np.bincount(exchange_of_row[waited],
+                                                       minlength=len(firsts)))))
+    column = np.arange(len(waited)) - taken[exchange_of_row[waited]] + 1
+    flat_ends = (offsets[rows[RANK, waited]] + row_action[waited], column,
+                 np.where(other_action > 0, offsets[other_rank] + other_action - 1, -1))
+    other = list(zip(other_rank.tolist(), other_action.tolist()))
+    taken, peers_of_rows = taken.tolist(), rows[PEER].tolist()
+    row_bounds = firsts.tolist() + [rows.shape[1]]
     codes = Codes(p, label, splits_backward, actions, [], [], [], [], [], [])
+    flat_slot = np.empty(int(offsets[-1]), dtype=np.int64)
     for rank, (op, microbatch, chunk) in enumerate(computes):
-        firsts, exchange_action, compute_action = ranks[rank]
-        a, b = starts[rank], starts[rank + 1]
-        length = len(op) + len(firsts)
-        slots: list = [0] * length
-        ends: list = [None] * length
-        peers: list = [None] * length
+        compute_action = compute_actions[rank]
+        e0, e1 = exchange_bounds[rank], exchange_bounds[rank + 1]
+        positions = exchange_action[e0:e1].tolist()
+        slots = flat_slot[offsets[rank]:offsets[rank + 1]]
         # computes: slots by (chunk, op, whether it is the first forward), first seen first
         first_forward = (op == 0) & (microbatch == 0)
-        kind_key = (chunk * 3 + op) * 2 + first_forward
-        _, seen_at, inverse = np.unique(kind_key, return_index=True, return_inverse=True)
-        by_appearance = np.argsort(np.argsort(seen_at))
-        compute_positions = compute_action.tolist()
-        for position, slot in zip(compute_positions, by_appearance[inverse.ravel()].tolist()):
-            slots[position] = slot
-        kept_computes = [Compute(OPS[op[i]], int(microbatch[i]), int(chunk[i]))
-                         for i in np.sort(seen_at).tolist()]
-        # exchanges: slots by their transfers' (op, peer), first seen first
-        seen: dict[tuple, int] = {}
-        kept_exchanges: list[Exchange] = []
-        bounds = (a + firsts).tolist() + [b]
-        for e, position in enumerate(exchange_action.tolist()):
-            lo, hi = bounds[e], bounds[e + 1]
-            key = tuple(zip(ops_of_rows[lo:hi], peers_of_rows[lo:hi]))
-            code = seen.get(key)
-            if code is None:
-                code = seen[key] = -1 - len(kept_exchanges)
-                kept_exchanges.append(Exchange(tuple(
-                    Transfer(TRANSFER_OPS[rows[OP, i]], TRANSFER_KINDS[rows[KIND, i]],
-                             int(rows[MICROBATCH, i]), int(rows[BOUNDARY, i]),
-                             int(rows[PEER, i])) for i in range(lo, hi))))
-            slots[position] = code
-            ends[position] = [other[i] for i in range(lo, hi) if waited[i]]
-            peers[position] = tuple(peers_of_rows[lo:hi])
-        codes.slots.append(slots)
+        _, seen_at, inverse = np.unique((chunk * 3 + op) * 2 + first_forward,
+                                        return_index=True, return_inverse=True)
+        slots[compute_action] = np.argsort(np.argsort(seen_at))[inverse.ravel()]
+        slots[exchange_action[e0:e1]] = exchange_codes[e0:e1]
+        codes.compute_slots.append([Compute(OPS[op[i]], int(microbatch[i]), int(chunk[i]))
+                                    for i in np.sort(seen_at).tolist()])
+        kept = np.flatnonzero(np.concatenate(([True], exchange_codes[e0 + 1:e1] <
+                                              np.minimum.accumulate(exchange_codes[e0:e1 - 1])))
+                              ) if e1 > e0 else []
+        codes.exchange_slots.append([_exchange(rows, row_bounds[e0 + e], row_bounds[e0 + e + 1])
+                                     for e in kept])
+        ends: list = [None] * lengths[rank]
+        peers: list = [None] * lengths[rank]
+        for e, position in zip(range(e0, e1), positions):
+            ends[position] = other[taken[e]:taken[e + 1]]
+            peers[position] = tuple(peers_of_rows[row_bounds[e]:row_bounds[e + 1]])
+        codes.slots.append(slots.tolist())
         codes.ends.append(ends)
         codes.peers.append(peers)
-        codes.compute_slots.append(kept_computes)
-        codes.exchange_slots.append(kept_exchanges)
-        codes.computes.append(compute_positions)
+        codes.computes.append(compute_action.tolist())
         codes.of_op.append({name: compute_action[op == k].tolist() for k, name in enumerate(OPS)})
         forwards = np.flatnonzero(op == 0)
         _, first_of_chunk = np.unique(chunk[forwards], return_index=True)
         codes.first_forwards.append(compute_action[forwards[np.sort(first_of_chunk)]].tolist())
         codes.released_chunks.append(chunk[op == (2 if splits_backward else 1)].tolist())
+    codes.flat_slot, codes.flat_ends = flat_slot, flat_ends
     return codes
+
+
+def _exchange_codes(rows: np.ndarray, firsts: np.ndarray, exchange_bounds: np.ndarray,
+                    p: int) -> np.ndarray:
+    """Each exchange's slot code: -1 - k for the k-th distinct sequence of
+    its transfers' (op, peer) among its rank's exchanges, first seen first."""
+    count = len(firsts)
+    if not count:
+        return np.zeros(0, dtype=np.int64)
+    sizes = np.diff(np.append(firsts, rows.shape[1]))
+    keys = np.zeros((count, 1 + int(sizes.max())), dtype=np.int64)
+    keys[:, 0] = rows[RANK, firsts]
+    exchange_of_row = np.repeat(np.arange(count), sizes)
+    keys[exchange_of_row, 1 + np.arange(rows.shape[1]) - firsts[exchange_of_row]] = (
+        1 + rows[OP] * p + rows[PEER])
+    base = 2 * p + 1   # (a transfer's code is 1 ... 2p, 0 pads)
+    if (p + 1) * float(base) ** (keys.shape[1] - 1) < 2.0 ** 62:   # one integer per key
+        packed = keys[:, 0]
+        for column in range(1, keys.shape[1]):
+            packed = packed * base + keys[:, column]
+        _, seen_at, inverse = np.unique(packed, return_index=True, return_inverse=True)
+    else:
+        _, seen_at, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+    # the distinct keys in order of appearance; a rank's first is its code -1
+    appearance = np.sort(seen_at)
+    ordinal = np.arange(len(appearance)) - np.searchsorted(
+        appearance, exchange_bounds[np.searchsorted(exchange_bounds, appearance, side="right") - 1])
+    code_of_key = np.empty(len(seen_at), dtype=np.int64)
+    code_of_key[np.argsort(seen_at)] = -1 - ordinal
+    return code_of_key[inverse.ravel()]
+
+
+def _exchange(rows: np.ndarray, lo: int, hi: int) -> Exchange:
+    """The Exchange of table rows lo..hi."""
+    return Exchange(tuple(Transfer(TRANSFER_OPS[rows[OP, i]], TRANSFER_KINDS[rows[KIND, i]],
+                                   int(rows[MICROBATCH, i]), int(rows[BOUNDARY, i]),
+                                   int(rows[PEER, i])) for i in range(lo, hi)))
 
 
 def _other_ends(rows: np.ndarray) -> np.ndarray:
