@@ -365,7 +365,7 @@ def test_buckets_done_equals_the_per_backward_loop_bit_for_bit():
     import random
     from types import SimpleNamespace
 
-    from ptdp.perf.simulate.predict import _buckets_done
+    from ptdp.perf.simulate.predict import _buckets_done, _Played
 
     rng = random.Random(45)
     checked = 0
@@ -380,11 +380,43 @@ def test_buckets_done_equals_the_per_backward_loop_bit_for_bit():
         after = SimpleNamespace(bucketed=[rng.choice([0.0, rng.random() * 0.5])],
                                 chunk_shares=[shares], last_bucket=[rng.random() * 0.05],
                                 overlapped=rng.random() < 0.8, per_microbatch=rng.random() < 0.5)
-        mine = _buckets_done(backwards, clock, after, 0)
+        played = _Played([clock], [0.0], [0.0], [backwards], lambda: [])
+        mine = _buckets_done(played, 0, clock, after)
         reference = _buckets_done_by_the_loop(backwards, clock, after, 0)
         assert mine == reference and type(mine) is type(reference), (backwards, after)
         checked += mine > clock
     assert checked > 50   # most cases release buckets past the rank's last backward
+
+
+@pytest.mark.parametrize("switches", [0, 2, 16])
+def test_the_links_free_time_is_the_loops_bit_for_bit(switches):
+    """predict._link_free (the per-microbatch buckets' link, vectorised by
+    its idle and busy stretches) gives the loop's float exactly, whether
+    the link idles between backwards, stays busy, or switches often
+    (and past `switches` changes, where the loop finishes the work)."""
+    import random
+
+    import numpy as np
+
+    from ptdp.perf.simulate.predict import _link_free
+
+    rng = random.Random(switches)
+    for case in range(200):
+        n = rng.randint(1, 60)
+        busy = rng.random()   # how often the link is still busy when a backward ends
+        clock, starts, ends, works, tails = rng.random(), [], [], [], []
+        for _ in range(n):
+            start = clock + rng.choice([0.0, rng.random() * 0.1])
+            clock = start + rng.random() * 0.1
+            work = rng.random() * (0.3 if rng.random() < busy else 0.01)
+            starts.append(start), ends.append(clock), works.append(work)
+            tails.append(min(work, rng.random() * 0.05))
+        free = 0.0
+        for start, end, work, tail in zip(starts, ends, works, tails):
+            free = max(max(free, start) + work, end + tail)
+        mine = _link_free(*(np.asarray(values) for values in (starts, ends, works, tails)),
+                          switches=switches)
+        assert mine == free and type(mine) is float, case
 
 
 def _rank_boxes_by_lookups(row, r, chunks, priced, exposed, pipeline_end, embedding_start,
@@ -537,9 +569,11 @@ def test_the_level_by_level_play_is_the_loops_bit_for_bit(kind, p, m, v):
         exchanges = tuple(tuple(rng.uniform(0.0, 0.7) for _ in row)
                           for row in codes.exchange_slots)
         starts, ends, posted = play_codes.flat_times(codes, computes, exchanges)
-        level_starts, level_ends, _ = play_codes.level_times(codes, computes, exchanges)
-        assert level_ends == ends and level_starts == starts
-        assert all(level_starts[r][i] == when for r, row in enumerate(posted)
+        level_starts, level_ends = play_codes.level_times(codes, computes, exchanges)
+        assert level_ends.tolist() == [end for row in ends for end in row]
+        assert level_starts.tolist() == [start for row in starts for start in row]
+        # (an exchange is posted when it starts)
+        assert all(starts[r][i] == when for r, row in enumerate(posted)
                    for i, when in enumerate(row) if when is not None)
     # A large schedule's first play keeps its levels: the ends of a play at unit prices.
     fresh = play_codes.codes_of(build_schedule(kind, p, m, v))

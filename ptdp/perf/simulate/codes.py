@@ -58,6 +58,7 @@ class Codes:
     # arrays (made from the lists when not given)
     flat_slot: Any = None
     flat_ends: Any = None
+    flat: dict | None = None   # flat_index's
 
 
 def codes_of(schedule) -> Codes:
@@ -105,9 +106,10 @@ def codes_of(schedule) -> Codes:
 
 
 def level_times(codes: Codes, compute_prices: tuple, exchange_prices: tuple):
-    """flat_times' (starts, ends, postings) from the dataflow's levels
-    (levels.py): those its first play kept (`unit_levels`), or else found
-    by a play at unit prices."""
+    """flat_times' starts and ends, flat (rank after rank; an exchange is
+    posted when it starts), from the dataflow's levels (levels.py): those
+    its first play kept (`unit_levels`), or else found by a play at unit
+    prices."""
     if codes.levels is None:
         level = codes.unit_levels
         if level is None:
@@ -127,8 +129,29 @@ def level_times(codes: Codes, compute_prices: tuple, exchange_prices: tuple):
     for computes, exchanges in zip(compute_prices, exchange_prices):
         work += [price[0] for price in computes] + list(exchanges)
         after += [price[1] for price in computes] + [0.0] * len(exchanges)
-    starts, ends = play_levels(codes.levels, work, after)
-    return starts, ends, starts   # (an exchange is posted when it starts)
+    return play_levels(codes.levels, work, after)
+
+
+def flat_index(codes: Codes) -> dict[str, Any]:
+    """Where each rank's actions start in a flat play (`offsets`), and per
+    rank the flat positions of its computes, of its backwards that release
+    buckets (its Ws under the zero-bubble kinds, its Bs otherwise) and of
+    its first forward of each chunk (made once per codes)."""
+    if codes.flat is None:
+        offsets = [0]
+        for row in codes.slots:
+            offsets.append(offsets[-1] + len(row))
+        released = "W" if codes.splits_backward else "B"
+
+        def flat(positions: list[list[int]]) -> list[np.ndarray]:
+            return [np.asarray(row, dtype=np.int64) + base for row, base in zip(positions, offsets)]
+
+        codes.flat = {"offsets": offsets, "computes": flat(codes.computes),
+                      "released": flat([of_op[released] for of_op in codes.of_op]),
+                      "first_forwards": flat(codes.first_forwards),
+                      "released_chunks": [np.asarray(row, dtype=np.int64)
+                                          for row in codes.released_chunks]}
+    return codes.flat
 
 
 def flat_times(codes: Codes, compute_prices: tuple, exchange_prices: tuple, *,

@@ -106,12 +106,12 @@ def ends_table(ends: list[list]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def play_levels(levels: Levels, table_work: list[float], table_after: list[float]
-                ) -> tuple[list[list[float]], list[list[float]]]:
-    """(starts, ends) per rank of every action, priced by the table:
-    position k takes table_work[prices[k]] then table_after[prices[k]]
-    (a compute's work and collectives, an exchange's wait and 0.0). An
-    action starts when its predecessor ends (an exchange: when it is
-    posted), as in predict's loop."""
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, ends) of every action, flat (rank after rank), priced by
+    the table: position k takes table_work[prices[k]] then
+    table_after[prices[k]] (a compute's work and collectives, an
+    exchange's wait and 0.0). An action starts when its predecessor ends
+    (an exchange: when it is posted), as in predict's loop."""
     n = len(levels.order)
     work = np.asarray(table_work, dtype=np.float64)[levels.prices]
     after = np.asarray(table_after, dtype=np.float64)[levels.prices]
@@ -122,7 +122,4 @@ def play_levels(levels: Levels, table_work: list[float], table_after: list[float
         times[a:b] = (times[waits[a:b]].max(axis=1) + work[a:b]) + after[a:b]
     ends = np.empty(n)
     ends[levels.order] = times[:n]
-    starts = times[levels.before]
-    offsets = levels.offsets
-    return ([starts[a:b].tolist() for a, b in zip(offsets, offsets[1:])],
-            [ends[a:b].tolist() for a, b in zip(offsets, offsets[1:])])
+    return times[levels.before], ends

@@ -64,11 +64,14 @@ rank and sums to `iteration_seconds`.
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 from typing import Callable
+
+import numpy as np
 
 from ptdp.schedules.actions import Compute, Exchange
 from ptdp.schedules.build import build_schedule
@@ -80,7 +83,7 @@ from ptdp.perf.price.machine import Machine
 from ptdp.schedules.player import Record, play
 from ptdp.perf.price.profiles import HardwareProfile
 from ptdp.perf.price.stage_costs import layout_chunk_costs, operator_model
-from ptdp.perf.simulate.codes import Codes, flat_times, level_times
+from ptdp.perf.simulate.codes import Codes, flat_index, flat_times, level_times
 from ptdp.perf.simulate.schedule_tables import planned_codes
 from ptdp.perf.simulate.timeline import Box, draw_timeline
 
@@ -212,8 +215,7 @@ def simulate(workload: Workload, layout: Layout, profile: HardwareProfile) -> Pr
     optimizer_seconds = [after.optimizer[r] - min(after.hideable_gather[r],
                                                   played.first_forwards[r])
                          for r in range(p)]
-    buckets_done = [_buckets_done(played.backwards[r], pipeline_end[r], after, r)
-                    for r in range(p)]
+    buckets_done = [_buckets_done(played, r, pipeline_end[r], after) for r in range(p)]
     # What of each rank's reduction follows its last computation.
     exposed = [max(0.0, float(buckets_done[r] - pipeline_end[r])) for r in range(p)]
     reduced = [max(pipeline_end[r], buckets_done[r]) for r in range(p)]
@@ -381,10 +383,36 @@ class _Played:
     backwards: list[list[tuple]]
     records: Callable[[], list[list[Record]]]
     row: Callable[[int], list[Record]] | None = None   # one rank's records
+    # per rank, backwards as (chunks, starts, ends) arrays (made from
+    # `backwards` when not given)
+    backward_arrays: list | None = None
+    # per rank, found once for the layouts sharing this play: its backwards
+    # by their end, and each chunk's last
+    _by_end: dict = field(default_factory=dict)
+    _last: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.row is None:
             self.row = lambda r: self.records()[r]
+
+    def backwards_by_end(self, r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Rank r's backwards as (chunks, starts, ends) arrays, by their end
+        (ties in their order)."""
+        if r not in self._by_end:
+            if self.backward_arrays is None:
+                rows = np.asarray(self.backwards[r], dtype=np.float64).reshape(-1, 3)
+                chunks, starts, ends = rows[:, 0].astype(np.int64), rows[:, 1], rows[:, 2]
+            else:
+                chunks, starts, ends = self.backward_arrays[r]
+            order = np.argsort(ends, kind="stable")
+            self._by_end[r] = (chunks[order], starts[order], ends[order])
+        return self._by_end[r]
+
+    def last_backwards(self, r: int) -> dict[int, tuple]:
+        """Rank r's last backward of each chunk, by chunk."""
+        if r not in self._last:
+            self._last[r] = dict(zip(map(_FIRST, self.backwards[r]), self.backwards[r]))
+        return self._last[r]
 
 
 def _played_from_records(records: list[list[Record]], zero_bubble: bool) -> _Played:
@@ -411,34 +439,73 @@ def _first_forwards(row) -> float:
     return sum(first.values())
 
 
-def _buckets_done(backwards: list[tuple], row_end, after, rank: int):
+def _buckets_done(played: _Played, rank: int, row_end, after):
     """When rank `rank`'s gradient buckets have all been reduced: each
     chunk's share of the bucketed work is released evenly over the chunk's
-    last backward (`backwards`: (chunk, start, end) of its Bs, or its Ws
-    under the zero-bubble schedules, which compute the weight gradients;
-    every one of them under ZeRO-2/3, which reduce each microbatch's
-    gradients as they complete), the link works through it in that order,
-    and a chunk's last bucket can start only once its backward has ended
-    (`row_end`: when the rank's last action ends)."""
+    last backward (played.backwards[rank]: (chunk, start, end) of its Bs,
+    or its Ws under the zero-bubble schedules, which compute the weight
+    gradients; every one of them under ZeRO-2/3, which reduce each
+    microbatch's gradients as they complete), the link works through it
+    in that order, and a chunk's last bucket can start only once its
+    backward has ended (`row_end`: when the rank's last action ends)."""
     total = after.bucketed[rank]
     if total <= 0:
         return 0.0
-    # by chunk (the ranks' backwards number m·v: read at C speed)
-    last: dict[int, tuple] = dict(zip(map(_FIRST, backwards), backwards))
+    last = played.last_backwards(rank)   # by chunk (read once per play)
     if not after.overlapped:     # every bucket after the rank's last computation
-        rounds = len(backwards) / max(1, len(last)) if after.per_microbatch else 1
+        rounds = len(played.backwards[rank]) / max(1, len(last)) if after.per_microbatch else 1
         return row_end + total * rounds
-    released = backwards if after.per_microbatch else sorted(last.values(), key=_THIRD)
     # Each chunk's bucketed work and its last bucket's, as the loop used them.
     shares, last_bucket = after.chunk_shares[rank], after.last_bucket[rank]
     works = {chunk: total * shares[chunk] for chunk in last}
     tails = {chunk: min(work, last_bucket) for chunk, work in works.items()}
+    if after.per_microbatch:   # every backward releases its buckets
+        chunks, starts, ends = played.backwards_by_end(rank)
+        work_of = np.zeros(max(works) + 1)
+        tail_of = np.zeros(max(works) + 1)
+        for chunk, work in works.items():
+            work_of[chunk], tail_of[chunk] = work, tails[chunk]
+        kept = work_of[chunks] > 0
+        return _link_free(starts[kept], ends[kept], work_of[chunks][kept],
+                          tail_of[chunks][kept])
     free = 0.0
-    for chunk, start, end in sorted(released, key=_THIRD):
+    for chunk, start, end in sorted(last.values(), key=_THIRD):
         work = works[chunk]
         if work <= 0:
             continue
         free = max(max(free, start) + work, end + tails[chunk])
+    return free
+
+
+def _link_free(starts: np.ndarray, ends: np.ndarray, works: np.ndarray, tails: np.ndarray,
+               switches: int = 16) -> float:
+    """The link's free time after x = max(max(x, start) + work, end + tail)
+    over the arrays in order, from x = 0.0, bit for bit that loop. Rounding
+    is monotonic, so max(x, s) + w = max(x + w, s + w): x_k = max(x_{k-1}
+    + w_k, c_k) with c_k = max(s_k + w_k, e_k + t_k). Where the link idles
+    between backwards each x_k is c_k (checked at once: c_{k-1} + w_k <=
+    c_k); where it is busy x runs on as a sum (np.cumsum adds in order,
+    as the loop does) until some c_k passes it. After `switches` changes
+    between the two the loop does the rest."""
+    n = len(starts)
+    if not n:
+        return 0.0
+    c = np.maximum(starts + works, ends + tails)
+    k = 0   # x_k = c_k here (so at the first backward: times are >= 0)
+    for _ in range(switches):
+        carried = np.flatnonzero(c[k:-1] + works[k + 1:] > c[k + 1:])
+        if not len(carried):
+            return float(c[-1])
+        j = k + 1 + int(carried[0])       # x_j = c_{j-1} + w_j: the link is busy
+        chain = np.cumsum(np.concatenate(([c[j - 1]], works[j:])))[1:]
+        passed = np.flatnonzero(c[j:] > chain)
+        if not len(passed):
+            return float(chain[-1])
+        k = j + int(passed[0])            # x_k = c_k again
+    free = float(c[k])
+    for start, end, work, tail in zip(starts[k + 1:].tolist(), ends[k + 1:].tolist(),
+                                      works[k + 1:].tolist(), tails[k + 1:].tolist()):
+        free = max(max(free, start) + work, end + tail)
     return free
 
 
@@ -478,11 +545,14 @@ def _play_unshared(key: tuple, compute, exchange) -> _Played:
         # numpy's calls on a few actions a level)
         large = sum(map(len, codes.slots)) >= LEVELS_FROM
         if codes.plays == 1 or not large:
-            times = flat_times(codes, compute_prices, exchange_prices,
-                               keep_levels=large and codes.plays == 1)
+            starts, ends, _ = flat_times(codes, compute_prices, exchange_prices,
+                                         keep_levels=large and codes.plays == 1)
+            count = sum(map(len, starts))
+            starts = np.fromiter(itertools.chain.from_iterable(starts), np.float64, count)
+            ends = np.fromiter(itertools.chain.from_iterable(ends), np.float64, count)
         else:
-            times = level_times(codes, compute_prices, exchange_prices)
-        played = _PLAYS[memo] = _played_of(codes, compute_prices, *times)
+            starts, ends = level_times(codes, compute_prices, exchange_prices)
+        played = _PLAYS[memo] = _played_of(codes, compute_prices, starts, ends)
     return played
 
 
@@ -490,14 +560,18 @@ _PLAYS: dict[tuple, _Played] = {}
 LEVELS_FROM = 20_000   # actions in a schedule for its plays to go level by level
 
 
-def _played_of(codes: Codes, compute_prices: tuple, starts: list[list], finishes: list[list],
-               posted: list[list]) -> _Played:
-    """The _Played of a play's times (`flat_times`')."""
+def _played_of(codes: Codes, compute_prices: tuple, starts: np.ndarray, ends: np.ndarray
+               ) -> _Played:
+    """The _Played of a play's times, flat (rank after rank; an exchange
+    is posted when it starts). Sums run in the actions' order, as over
+    the records."""
     slots, ends_of, p = codes.slots, codes.ends, codes.p
+    flat = flat_index(codes)
+    offsets = flat["offsets"]
 
     def row_of(r: int) -> list[Record]:
-        row, begun, done, slots_r, ends_r = [], starts[r], finishes[r], slots[r], ends_of[r]
-        works = compute_prices[r]
+        row, slots_r, ends_r, works = [], slots[r], ends_of[r], compute_prices[r]
+        begun, done = starts[offsets[r]:offsets[r + 1]].tolist(), ends[offsets[r]:offsets[r + 1]].tolist()
         for i, action in enumerate(codes.actions(r)):
             record = Record(action, begun[i], done[i])
             slot = slots_r[i]
@@ -506,8 +580,9 @@ def _played_of(codes: Codes, compute_prices: tuple, starts: list[list], finishes
             else:   # the latest of its posting and its other ends'
                 ready = begun[i]
                 for peer, j in ends_r[i]:
-                    if posted[peer][j] > ready:
-                        ready = posted[peer][j]
+                    posted = float(starts[offsets[peer] + j])
+                    if posted > ready:
+                        ready = posted
                 record.ready = ready
             row.append(record)
         return row
@@ -515,25 +590,20 @@ def _played_of(codes: Codes, compute_prices: tuple, starts: list[list], finishes
     def records() -> list[list[Record]]:
         return [row_of(r) for r in range(p)]
 
-    zero_bubble = codes.splits_backward
-    released = [of_op["W" if zero_bubble else "B"] for of_op in codes.of_op]
+    busy = []
+    for computes in flat["computes"]:   # (cumsum: the sum in order, as Python's)
+        spans = ends[computes] - starts[computes]
+        busy.append(float(np.cumsum(spans)[-1]) if len(spans) else 0)
     return _Played(
-        [max(finishes[r], default=0.0) for r in range(p)],
-        [sum(map(operator.sub, _pick(finishes[r], codes.computes[r]),
-                 _pick(starts[r], codes.computes[r]))) for r in range(p)],
+        [float(ends[a:b].max()) if b > a else 0.0 for a, b in zip(offsets, offsets[1:])],
+        busy,
         # (_first_forwards of the rank's forwards: only each chunk's first counts)
-        [sum([float(finishes[r][i] - starts[r][i]) for i in codes.first_forwards[r]])
-         for r in range(p)],
-        [list(zip(codes.released_chunks[r], _pick(starts[r], released[r]),
-                  _pick(finishes[r], released[r]))) for r in range(p)],
-        records, row_of)
-
-
-def _pick(values: list, positions: list[int]) -> list:
-    """values at positions, in order."""
-    if len(positions) < 2:
-        return [values[i] for i in positions]
-    return operator.itemgetter(*positions)(values)
+        [sum((ends[firsts] - starts[firsts]).tolist()) for firsts in flat["first_forwards"]],
+        [list(zip(chunks, starts[released].tolist(), ends[released].tolist()))
+         for chunks, released in zip(codes.released_chunks, flat["released"])],
+        records, row_of,
+        [(chunks, starts[released], ends[released])
+         for chunks, released in zip(flat["released_chunks"], flat["released"])])
 
 
 def simulate_uniform(kind: str, p: int, m: int, v: int = 1, *, forward: Fraction | int = 1,
