@@ -534,6 +534,38 @@ def test_a_best_only_search_with_a_cutoff_finds_what_pricing_every_layout_finds(
             assert len(priced) < len(layouts)
 
 
+@pytest.mark.parametrize("restrictions", [
+    {}, {"layer_splits": False}, {"layers_per_chunk": 1}, {"chunk_counts": (2, 3)},
+    {"schedules": ("zbv", "zb-h1"), "microbatch_sizes": (1, 3)}, "splits"])
+def test_the_candidates_skip_only_what_every_layout_of_theirs_refuses(restrictions, monkeypatch):
+    """The enumeration drops a (b, schedule, v) before making its layouts
+    where its microbatch count or (with no other split tried) its even
+    split breaks the schedule's rules (candidates._may_run): the layouts
+    are those of checking every one, in the same order."""
+    from ptdp.perf.layout import Layout
+    from ptdp.perf.plan import candidates as module
+
+    model = ModelConfig(num_layers=12, hidden_size=64, num_attention_heads=4, seq_length=32,
+                        vocab_size=128)
+    workload = Workload(model, 24)
+    if restrictions == "splits":
+        restrictions = {"splits": module.split_candidates(Layout(p=4, v=1, schedule="1f1b"),
+                                                          model.num_layers)[:3]}
+    may_run, dropped = module._may_run, []
+
+    def counted(*args):
+        runs = may_run(*args)
+        dropped.append(not runs)
+        return runs
+
+    monkeypatch.setattr(module, "_may_run", counted)
+    skipping = list(module.candidate_layouts(workload, 16, **restrictions))
+    assert any(dropped)   # (the case has pairs to skip)
+    monkeypatch.setattr(module, "_may_run", lambda *args: True)
+    every = list(module.candidate_layouts(workload, 16, **restrictions))
+    assert skipping == every and len(every) > 10
+
+
 def test_memory_fits_is_memory_per_device_under_the_limit_and_none_over_it():
     """The search checks memory rank by rank and stops at the first rank
     over the limit: what it keeps is memory_per_device's, and it rejects

@@ -123,8 +123,12 @@ def _candidates_of_context(workload: Workload, devices: int, c: int, cp_comm: st
             sharding = _sharding_choices(given, d * c)
             experts = _expert_layouts(model, t, t * c * d, given["expert_sizes"],
                                       given["expert_tensor_sizes"])
-            for b, (schedule, v), kind, (strategy, reshard), split, (ep, etp) in product(
-                    sizes, pipelines, given["recompute"], sharding, split_choices, experts):
+            # (b, schedule, v) that no layout of theirs runs, found once, not per layout
+            # (the layouts kept are the same, in the same order)
+            runnable = [(b, pipeline) for b in sizes for pipeline in pipelines
+                        if _may_run(model, batch, given, t, p, d, b, *pipeline, c, cp_comm)]
+            for (b, (schedule, v)), kind, (strategy, reshard), split, (ep, etp) in product(
+                    runnable, given["recompute"], sharding, split_choices, experts):
                 layout = Layout(t=t, p=p, d=d, b=b, v=v, recompute=kind, sharding=strategy,
                                 reshard_after_forward=reshard, sequence_parallel=split,
                                 schedule=schedule, c=c, cp_comm=cp_comm, ep=ep, etp=etp,
@@ -141,6 +145,21 @@ def _candidates_of_context(workload: Workload, devices: int, c: int, cp_comm: st
                 # (--num-layers-per-virtual-pipeline-stage fixes every chunk's size: even only)
                 if given["layer_splits"] and given["layers_per_chunk"] is None:
                     yield from _uneven(layout, model, batch)
+
+
+def _may_run(model: ModelConfig, batch: int, given: dict, t: int, p: int, d: int, b: int,
+             schedule: str, v: int, c: int, cp_comm: str) -> bool:
+    """False where every layout of this (b, schedule, v) is refused: m =
+    B/(b·d) breaks the schedule's microbatch rules (whatever the layer
+    split), or the even split breaks its layer rules and no other split is
+    tried (given none, and none of `_uneven_splits` exists for it)."""
+    probe = Layout(t=t, p=p, d=d, b=b, v=v, schedule=schedule, c=c, cp_comm=cp_comm)
+    if probe._microbatch_problems(probe.microbatches(batch)):
+        return False
+    if given["splits"] is not None or not probe._schedule_problems(model):
+        return True
+    return bool(given["layer_splits"] and given["layers_per_chunk"] is None
+                and _uneven_splits(model.num_layers, p, v, schedule))
 
 
 def _sharding_choices(given: dict, replicas: int) -> list[tuple[str, bool]]:
