@@ -472,10 +472,10 @@ def _ranks_memory(workload: Workload, layout: Layout, kernels: str,
             if lora:   # the adapters in the buffer; the frozen base outside it, in the dtype
                 buckets = cut_adapter_buckets(model_key, lora, placement, rank, bucket_size)
             elif layout.shards_parameters:   # ZeRO-3: a bucket holds one unit's parameters
-                buckets = unit_buckets(model, layout, rank, bucket_size)
+                buckets = unit_buckets(model_key, layout, rank, bucket_size)
             else:
                 buckets = cut_placed_buckets(model_key, placement, rank, bucket_size)
-            states.append(state_bytes(model, layout, rank, buckets, e, workload.precision,
+            states.append(state_bytes(model_key, layout, rank, buckets, e, workload.precision,
                                       frozen[rank] if lora else 0, bucket_size,
                                       workload.main_grads_bytes))
         if states_key:

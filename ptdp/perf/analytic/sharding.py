@@ -98,8 +98,11 @@ def rank_units(model: ModelConfig, layout: Layout, rank: int,
     (ptdp.model.gpt.GPT.sharding_units): the embeddings (an end) on the
     first stage, each transformer layer, the final norm with the output
     layer or the tied word embedding's copy (an end) on the last; each cut
-    into buckets as GradBuffer cuts a unit's parameters."""
-    return [list(chunk) for chunk in _rank_units(ByValue(model), placement_of_parameters(layout),
+    into buckets as GradBuffer cuts a unit's parameters. `model` may be its
+    ByValue key already (a search's memory model holds one: no second
+    snapshot of the model per rank)."""
+    key = model if isinstance(model, ByValue) else ByValue(model)
+    return [list(chunk) for chunk in _rank_units(key, placement_of_parameters(layout),
                                                  rank, bucket_size)]
 
 
@@ -128,14 +131,14 @@ def _rank_units(key: ByValue, layout: Layout, rank: int,
     return tuple(chunks)
 
 
-def unit_buckets(model: ModelConfig, layout: Layout, rank: int,
+def unit_buckets(model: ModelConfig | ByValue, layout: Layout, rank: int,
                  bucket_size: int) -> tuple[Bucket, ...]:
     """Pipeline rank `rank`'s buckets under ZeRO-3: each unit's own."""
     return tuple(bucket for chunk in rank_units(model, layout, rank, bucket_size)
                  for unit in chunk for bucket in unit.buckets)
 
 
-def gathered_elements(model: ModelConfig, layout: Layout, rank: int, bucket_size: int) -> int:
+def gathered_elements(model: ModelConfig | ByValue, layout: Layout, rank: int, bucket_size: int) -> int:
     """ZeRO-3: elements of whole (gathered) parameters alive at once on
     pipeline rank `rank` (padded, as gathered): with reshard-after-forward
     the chunks' ends and two layers (the one computing and the next, gathered
@@ -150,7 +153,8 @@ def gathered_elements(model: ModelConfig, layout: Layout, rank: int, bucket_size
     return ends + sum(layers if layout.zero_bubble else layers[:2])
 
 
-def state_bytes(model: ModelConfig, layout: Layout, rank: int, buckets: tuple[Bucket, ...],
+def state_bytes(model: ModelConfig | ByValue, layout: Layout, rank: int,
+                buckets: tuple[Bucket, ...],
                 e: int, precision: str, frozen: int = 0,
                 bucket_size: int | None = None, grad_bytes: int = FP32) -> dict[str, int]:
     """Weights, fp32 gradients and optimizer state of one device of
@@ -159,7 +163,8 @@ def state_bytes(model: ModelConfig, layout: Layout, rank: int, buckets: tuple[Bu
     `unit_buckets`'); `frozen`: a frozen base's elements outside the buffer
     (adapters, ptdp.perf.analytic.lora), whole under every strategy;
     `bucket_size`: --ddp-bucket-size (ZeRO-3's units); `grad_bytes`: a main
-    gradient's (2 with --main-grads-dtype bf16: every gradient buffer bf16)."""
+    gradient's (2 with --main-grads-dtype bf16: every gradient buffer bf16);
+    `model` read through `rank_units` only (its ByValue key will do)."""
     n, owned = padded_elements(buckets, layout), owned_elements(buckets, layout)
     if layout.shards_parameters and frozen:
         # adapters whole (tiny); the base's shard of each unit, and its units gathered

@@ -223,4 +223,7 @@ def _parameter_gathers(workload: Workload, layout: Layout, machine: Machine, ops
 
 @functools.lru_cache(maxsize=65536)
 def _partial_gradient_buckets(model: ByValue, layout: Layout, rank: int) -> tuple[int, ...]:
-    return tuple(analytic.partial_gradient_buckets(model.value, layout, rank))
+    # (analytic.partial_gradient_buckets, from the key the search holds: no
+    # second snapshot of the model)
+    return tuple(bucket.partial for bucket in analytic.cut_placed_buckets(
+        model, layout, rank, TrainConfig().ddp_bucket_size) if bucket.partial)
