@@ -163,6 +163,7 @@ def _price_after_flush(workload: Workload, layout: Layout, profile: HardwareProf
     partial_sums = [sum(tensor_allreduce(n * GRAD_BYTES) for n in partial[r]) for r in range(p)]
     optimizer, bucketed, shares, last_bucket, hideable = [], [], [], [], []
     step_per_parameter = optimizer_bytes_per_parameter(profile.fused_optimizer, workload.precision)
+    world_latency = machine.world_latency()   # (the same for every rank)
     for r in range(p):
         params = sum(parameters[r])
         # (ZeRO-2/3: one microbatch's reduce-scatters; see per_microbatch)
@@ -186,7 +187,7 @@ def _price_after_flush(workload: Workload, layout: Layout, profile: HardwareProf
             step_bytes += owned * (4 + ops.E)                 # main weights -> model weights
         work = ops.memory(step_bytes, "optimizer") + profile.launch_overhead * 30
         work /= profile.share(layout.devices, threads) if contended else 1
-        comm = 2 * machine.world_latency()                     # inf check, gradient norm
+        comm = 2 * world_latency                               # inf check, gradient norm
         gather = 0.0
         if layout.distributed_optimizer and not layout.shards_parameters:
             gather = machine.data_parallel(params * ops.E, r, reduce_scatter_only=True)
