@@ -146,7 +146,9 @@ def test_the_lower_bound_holds_and_the_pruned_search_equals_pricing_everything(
     """No layout's simulated time is below its bound (the search's pruning
     rests on it), over every candidate: each schedule, split, recomputation,
     sequence parallelism and optimizer. And the search's first EXACT_ROWS
-    rows are exactly those of pricing every layout."""
+    rows are exactly those of pricing every layout. The bound without the
+    reductions (what a best-only search with a cutoff reads first) is never
+    above the whole bound."""
     everything = search(workload, devices, profile, exhaustive=True)
     assert len(everything) > 2 * EXACT_ROWS
     kinds = {e.layout.schedule_kind for e in everything}
@@ -155,6 +157,8 @@ def test_the_lower_bound_holds_and_the_pruned_search_equals_pricing_everything(
     for e in everything:
         bound = compute_lower_bound(workload, e.layout, profile)
         assert bound <= e.seconds * (1 + 1e-9), (e.layout, bound, e.seconds)
+        # (without its reductions and optimizer: never above the whole bound)
+        assert compute_lower_bound(workload, e.layout, profile, reductions=False) <= bound
     pruned = search(workload, devices, profile)
     assert len(pruned) < len(everything) * priced
     assert [(e.layout, e.seconds) for e in pruned[:EXACT_ROWS]] == \

@@ -139,15 +139,22 @@ def search(workload: Workload, devices: int, profile, *, top: int | None = None,
     how far it is ("bounding", "pricing", then "done" with the layouts
     priced). `best_only`: the fastest layout alone (exact too), no rivals;
     with `beyond(seconds)` also, only if it is faster than what `beyond`
-    rejects: no layout whose bound `beyond` rejects is priced (an iteration
-    never beats its bound), and the result is empty when none is left."""
+    rejects (`beyond` must reject every time above one it rejects): no
+    layout whose bound `beyond` rejects is priced (an iteration never beats
+    its bound), and the result is empty when none is left; a layout whose
+    bound without its reductions `beyond` rejects is not even bounded whole."""
     from ptdp.perf.simulate.bounds import compute_lower_bound
 
     report = progress or (lambda stage, done, total: None)
     if candidates is None:
         candidates = list(candidate_layouts(workload, devices, **restrictions))
-    bounds = {}
     workload_key = ByValue(workload)   # (the workload's fields read once, not per layout)
+    if best_only and beyond is not None:
+        # What `beyond` rejects without its reductions it rejects with them
+        # (they only add): such layouts are left out before those are priced.
+        candidates = [layout for layout in candidates if not beyond(compute_lower_bound(
+            workload, layout, profile, workload_key, reductions=False))]
+    bounds = {}
     for i, layout in enumerate(candidates):
         if i % 500 == 0:
             report("bounding", i, len(candidates))

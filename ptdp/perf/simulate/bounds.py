@@ -16,7 +16,7 @@ from ptdp.perf.price.stage_costs import operator_model, stage_costs
 
 
 def compute_lower_bound(workload: Workload, layout: Layout, profile: HardwareProfile,
-                        workload_key: ByValue | None = None) -> float:
+                        workload_key: ByValue | None = None, *, reductions: bool = True) -> float:
     """Seconds no iteration of this layout can beat, without building its
     schedule (`simulate` never predicts less; tested):
 
@@ -36,7 +36,10 @@ def compute_lower_bound(workload: Workload, layout: Layout, profile: HardwarePro
     waits and contention (CPU profiles) only add to this. With uniform
     costs and free transfers it is 1F1B's makespan itself. The planner
     sorts layouts by it and prices only those that can reach its top rows
-    (`workload_key`: ByValue(workload), made once for a search's layouts)."""
+    (`workload_key`: ByValue(workload), made once for a search's layouts).
+    `reductions=False`: without the reductions and the optimizer (nothing
+    after the flush is priced), a bound no larger than the whole one: what
+    rules a layout out before its reductions are priced."""
     p, v = layout.p, layout.v
     m = layout.microbatches(workload.global_batch)
     kind = layout.schedule_kind
@@ -57,9 +60,16 @@ def compute_lower_bound(workload: Workload, layout: Layout, profile: HardwarePro
         ops.memo[key] = (totals, [sum(sum(totals[stage]) for stage in stage_of[r])
                                   for r in range(p)])
     totals, per_rank = ops.memo[key]
-    after = after_flush(workload, layout, profile, ops)
     bound = 0.0
     head = tail = 0.0   # over the stages before rank r's first stage (stage r)
+    if not reductions:
+        for r in range(p):
+            bound = max(bound, head + m * per_rank[r] + tail)
+            head += totals[r][0]
+            if not zero_bubble:
+                tail += totals[r][1]
+        return bound
+    after = after_flush(workload, layout, profile, ops)
     for r in range(p):
         compute = m * per_rank[r]
         # The flush comes after the tail; r's own reductions after its last backward.
