@@ -502,6 +502,35 @@ def test_spans_servers_from_the_lowest_and_highest_rank_equals_counting_servers(
     assert answers == {True, False}
 
 
+def test_the_lazy_bounds_hand_layouts_out_as_sorting_the_whole_bounds_does():
+    """planner._Bounds gives every layout its bound without reductions and
+    prices a layout's reductions only when its turn may have come: the
+    order is that of sorting every whole bound (ties in the given order),
+    for the candidates and for a subset of them (the rivals' searches),
+    and a search that stops early prices few whole bounds."""
+    import itertools
+
+    from ptdp.perf.layout import ByValue
+    from ptdp.perf.plan import planner
+    from ptdp.perf.simulate.bounds import compute_lower_bound
+
+    args = build_parser().parse_args(PLAN)
+    workload, a100 = Workload(model_from_args(args), 32), load_profile("a100")
+    layouts = _candidates()
+    whole = {layout: compute_lower_bound(workload, layout, a100) for layout in layouts}
+    assert len(set(whole.values())) < len(layouts)   # (ties to break)
+    bounds = planner._Bounds(workload, a100, ByValue(workload))
+    for layout in layouts:
+        bounds.add(layout)
+        assert bounds.partial[layout] <= whole[layout]
+    first = list(itertools.islice(bounds.in_order(layouts), 20))
+    assert first == sorted(layouts, key=whole.__getitem__)[:20]
+    assert len(bounds.whole) < len(layouts) / 2     # the rest were never priced whole
+    subset = layouts[::3]
+    assert list(bounds.in_order(subset)) == sorted(subset, key=whole.__getitem__)
+    assert all(bounds.whole[layout] == whole[layout] for layout in subset)
+
+
 def test_a_best_only_search_with_a_cutoff_finds_what_pricing_every_layout_finds(monkeypatch):
     """The note on context parallelism wants the fastest c > 1 layout only
     where it beats a cutoff: its search stops at the first bound the cutoff

@@ -47,6 +47,7 @@ make the difference.
 from __future__ import annotations
 
 import bisect
+import heapq
 import dataclasses
 import shlex
 from dataclasses import asdict, dataclass
@@ -126,8 +127,9 @@ def search(workload: Workload, devices: int, profile, *, top: int | None = None,
     Every candidate gets a lower bound on its iteration time
     (bounds.compute_lower_bound: its busiest rank's compute plus the pipeline
     fill and drain that rank cannot skip, its gradient reductions and the
-    optimizer; no schedule is built). The layouts are priced cheapest bound
-    first, and the search stops at the first whose bound is no better than
+    optimizer; no schedule is built; the reductions and the optimizer are
+    priced only for the layouts the search reaches, `_Bounds`). The layouts
+    are priced cheapest bound first, and the search stops at the first whose bound is no better than
     the EXACT_ROWS-th best time priced so far: no layout after it can reach
     those rows, so the first EXACT_ROWS results are what pricing every
     layout gives (`exhaustive=True` prices every layout; the tests compare
@@ -143,28 +145,24 @@ def search(workload: Workload, devices: int, profile, *, top: int | None = None,
     layout whose bound `beyond` rejects is priced (an iteration never beats
     its bound), and the result is empty when none is left; a layout whose
     bound without its reductions `beyond` rejects is not even bounded whole."""
-    from ptdp.perf.simulate.bounds import compute_lower_bound
-
     report = progress or (lambda stage, done, total: None)
     if candidates is None:
         candidates = list(candidate_layouts(workload, devices, **restrictions))
-    workload_key = ByValue(workload)   # (the workload's fields read once, not per layout)
-    if best_only and beyond is not None:
-        # What `beyond` rejects without its reductions it rejects with them
-        # (they only add): such layouts are left out before those are priced.
-        candidates = [layout for layout in candidates if not beyond(compute_lower_bound(
-            workload, layout, profile, workload_key, reductions=False))]
-    bounds = {}
-    for i, layout in enumerate(candidates):
-        if i % 500 == 0:
-            report("bounding", i, len(candidates))
-        bounds[layout] = compute_lower_bound(workload, layout, profile, workload_key)
     if exhaustive:
         results = [e for e in (_evaluate_if_fits(workload, layout, profile)
                                for layout in candidates) if e is not None]
         results.sort(key=lambda e: (e.seconds, e.memory["total"]))
         return results[:top] if top else results
 
+    bounds = _Bounds(workload, profile, ByValue(workload))   # (the workload read once)
+    for i, layout in enumerate(candidates):
+        if i % 500 == 0:
+            report("bounding", i, len(candidates))
+        bounds.add(layout)
+    if best_only and beyond is not None:
+        # What `beyond` rejects without the reductions it rejects with them
+        # (they only add): such layouts are left out at once.
+        candidates = [layout for layout in candidates if not beyond(bounds.partial[layout])]
     priced: dict[Layout, Evaluation | None] = {}
     results = _best_by_bound(candidates, bounds, 1 if best_only else EXACT_ROWS, workload,
                              profile, priced, beyond if best_only else None)
@@ -198,7 +196,52 @@ def _evaluate_if_fits(workload: Workload, layout: Layout, profile) -> Evaluation
     return Evaluation(layout, memory, simulate(workload, layout, profile), True)
 
 
-def _best_by_bound(layouts: list[Layout], bounds: dict[Layout, float], rows: int,
+class _Bounds:
+    """Each candidate's lower bound (bounds.compute_lower_bound), its
+    reductions priced only when a search reaches it: every candidate gets
+    the bound without them at once (`add`), never above the whole one, and
+    `in_order` hands layouts out by their whole bound, as sorting every
+    whole bound would (ties in the given order), pricing a layout's whole
+    bound only when its partial one comes up. Most of a search's layouts
+    are never reached, and their reductions are never priced."""
+
+    def __init__(self, workload: Workload, profile, workload_key: ByValue):
+        self.workload, self.profile, self.key = workload, profile, workload_key
+        self.partial: dict[Layout, float] = {}
+        self.whole: dict[Layout, float] = {}
+
+    def add(self, layout: Layout) -> None:
+        from ptdp.perf.simulate.bounds import compute_lower_bound
+        self.partial[layout] = compute_lower_bound(self.workload, layout, self.profile, self.key,
+                                                   reductions=False)
+
+    def __getitem__(self, layout: Layout) -> float:
+        """The whole bound."""
+        if layout not in self.whole:
+            from ptdp.perf.simulate.bounds import compute_lower_bound
+            self.whole[layout] = compute_lower_bound(self.workload, layout, self.profile,
+                                                     self.key)
+        return self.whole[layout]
+
+    def in_order(self, layouts: list[Layout]):
+        """`layouts` by whole bound, ties in their order. (A layout comes out
+        once no other can come before it: each remaining one's key, its
+        partial or its whole bound, is at least the whole bound given.)"""
+        heap = []
+        for position, layout in enumerate(layouts):
+            whole = self.whole.get(layout)
+            heap.append((self.partial[layout] if whole is None else whole, position,
+                         whole is not None))
+        heapq.heapify(heap)
+        while heap:
+            _, position, whole = heapq.heappop(heap)
+            if whole:
+                yield layouts[position]
+            else:
+                heapq.heappush(heap, (self[layouts[position]], position, True))
+
+
+def _best_by_bound(layouts: list[Layout], bounds: _Bounds, rows: int,
                    workload: Workload, profile, priced: dict[Layout, Evaluation | None],
                    beyond=None) -> list[Evaluation]:
     """The `rows` fastest of `layouts` that fit, exactly: price them
@@ -207,7 +250,7 @@ def _best_by_bound(layouts: list[Layout], bounds: dict[Layout, float], rows: int
     every evaluation, None for what does not fit)."""
     times: list[float] = []
     found: list[Evaluation] = []
-    for layout in sorted(layouts, key=lambda layout: bounds[layout]):
+    for layout in bounds.in_order(layouts):
         if len(times) >= rows and bounds[layout] >= times[rows - 1]:
             break
         if beyond is not None and beyond(bounds[layout]):
