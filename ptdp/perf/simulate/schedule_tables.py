@@ -111,32 +111,27 @@ def _looped_codes(kind: str, p: int, m: int, v: int) -> Codes:
 
 
 def _zero_bubble_codes(kind: str, p: int, m: int, rows: np.ndarray) -> Codes:
-    """zb-h1 and zbv: their orders (zero_bubble._steps) and the transfers
-    placed for a layout's costs."""
-    # placed_transfers' columns are (rank, slot, kind, microbatch, boundary, op, peer)
-    table = rows[[0, 1, 2, 3, 4, 5, 6]]
-    starts = np.searchsorted(table[RANK], np.arange(p + 1))
-    v = chunks_of(kind)
+    """zb-h1 and zbv: their orders (zero_bubble.order_arrays) and the
+    transfers placed for a layout's costs (`rows`: placed_transfers')."""
+    starts = np.searchsorted(rows[RANK], np.arange(p + 1))
 
     def actions(rank: int) -> tuple:
-        own = table[:, starts[rank]:starts[rank + 1]]
-        exchanges: dict[int, list[Transfer]] = {}
-        for slot, *rest in zip(own[SLOT].tolist(), own[KIND].tolist(), own[MICROBATCH].tolist(),
-                               own[BOUNDARY].tolist(), own[OP].tolist(), own[PEER].tolist()):
-            kind_, microbatch, boundary, op, peer = rest
-            exchanges.setdefault(slot, []).append(Transfer(
-                TRANSFER_OPS[op], TRANSFER_KINDS[kind_], microbatch, boundary, peer))
+        a, b = starts[rank], starts[rank + 1]
+        # (each exchange's first row: where the slot changes; slots are >= 0)
+        opens = (a + np.flatnonzero(np.diff(rows[SLOT, a:b], prepend=-1))).tolist()
+        exchanges = {int(rows[SLOT, lo]): _exchange(rows, lo, hi)
+                     for lo, hi in zip(opens, opens[1:] + [b])}
         out: list = []
         order = _order(kind, p, m, rank)
         for k in range(len(order) + 1):
             if k in exchanges:
-                out.append(Exchange(tuple(exchanges[k])))
+                out.append(exchanges[k])
             if k < len(order):
                 out.append(order[k])
         return tuple(out)
 
-    return _codes_from(f"{kind} p={p} m={m} v={v}", p, True, list(order_arrays(kind, p, m)),
-                       table, actions)
+    return _codes_from(f"{kind} p={p} m={m} v={chunks_of(kind)}", p, True,
+                       list(order_arrays(kind, p, m)), rows, actions)
 
 
 def _codes_from(label: str, p: int, splits_backward: bool, computes: list, rows: np.ndarray,
