@@ -620,6 +620,7 @@ def test_the_level_by_level_play_is_the_loops_bit_for_bit(kind, p, m, v):
     import random
 
     from ptdp.perf.simulate import codes as play_codes, predict
+    from ptdp.perf.simulate.levels import ends_table, unit_levels
     from ptdp.schedules.build import build_schedule
 
     rng = random.Random(f"{kind}{p}{m}{v}")
@@ -636,12 +637,40 @@ def test_the_level_by_level_play_is_the_loops_bit_for_bit(kind, p, m, v):
         # (an exchange is posted when it starts)
         assert all(starts[r][i] == when for r, row in enumerate(posted)
                    for i, when in enumerate(row) if when is not None)
-    # A large schedule's first play keeps its levels: the ends of a play at unit prices.
+    # The levels found wave by wave are the ends of the loop's play at unit prices.
     fresh = play_codes.codes_of(build_schedule(kind, p, m, v))
-    play_codes.flat_times(fresh, computes, exchanges, keep_levels=True)
     units = tuple(((1, 0),) * len(row) for row in codes.compute_slots)
     waits = tuple((1,) * len(row) for row in codes.exchange_slots)
-    assert fresh.unit_levels == play_codes.flat_times(codes, units, waits)[1]
+    level = unit_levels([len(row) for row in fresh.slots], ends_table(fresh.ends))
+    assert level.tolist() == [end for row in play_codes.flat_times(codes, units, waits)[1]
+                              for end in row]
+
+
+def test_levels_find_a_deadlock_at_the_loops_ranks():
+    """A schedule whose exchanges wait on each other in a cycle gets no
+    level for what follows them, and level_times names the ranks the loop
+    names."""
+    import dataclasses
+
+    from ptdp.perf.simulate import codes as play_codes
+    from ptdp.schedules.actions import Compute, ScheduleError
+    from ptdp.schedules.build import build_schedule
+
+    schedule = build_schedule("1f1b", 3, 6, 1)
+    # rank 1 takes its first exchange last: ranks 0 to 2 wait on each other
+    row = list(schedule.ranks[1])
+    first = next(i for i, action in enumerate(row) if not isinstance(action, Compute))
+    row.append(row.pop(first))
+    schedule = dataclasses.replace(schedule, ranks=(schedule.ranks[0], tuple(row),
+                                                    *schedule.ranks[2:]))
+    with pytest.raises(ScheduleError) as loop:
+        codes = play_codes.codes_of(schedule)
+        prices = (tuple(tuple((1.0, 0.0) for _ in r) for r in codes.compute_slots),
+                  tuple(tuple(0.5 for _ in r) for r in codes.exchange_slots))
+        play_codes.flat_times(codes, *prices)
+    with pytest.raises(ScheduleError) as levels:
+        play_codes.level_times(play_codes.codes_of(schedule), *prices)
+    assert str(levels.value) == str(loop.value) and "deadlocks at ranks" in str(loop.value)
 
 
 CODES_FIELDS = ("p", "label", "splits_backward", "slots", "compute_slots", "exchange_slots",

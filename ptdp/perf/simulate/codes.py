@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ptdp.perf.simulate.levels import ends_table, levels_of, play_levels
+from ptdp.perf.simulate.levels import ends_table, levels_of, play_levels, unit_levels
 from ptdp.schedules.actions import Compute, Exchange, ScheduleError
 from ptdp.schedules.player import other_ends
 
@@ -50,10 +50,9 @@ class Codes:
     first_forwards: list[list[int]] = field(default_factory=list)
     released_chunks: list[list[int]] = field(default_factory=list)
     peers: list[list[tuple[int, ...] | None]] = field(default_factory=list)
-    # Plays so far, and from the second on the dataflow's levels (levels.py)
+    # Plays so far, and the dataflow's levels (levels.py) once found
     plays: int = 0
     levels: Any = None
-    unit_levels: list | None = None   # the first play's unit-price ends, until `levels`
     # `slots` flat, rank after rank, and `ends` as levels.ends_table's
     # arrays (made from the lists when not given)
     flat_slot: Any = None
@@ -107,24 +106,22 @@ def codes_of(schedule) -> Codes:
 
 def level_times(codes: Codes, compute_prices: tuple, exchange_prices: tuple):
     """flat_times' starts and ends, flat (rank after rank; an exchange is
-    posted when it starts), from the dataflow's levels (levels.py): those
-    its first play kept (`unit_levels`), or else found by a play at unit
-    prices."""
+    posted when it starts), from the dataflow's levels (levels.py), found
+    on the first call and kept with the codes."""
     if codes.levels is None:
-        level = codes.unit_levels
-        if level is None:
-            units = tuple(((1, 0),) * len(row) for row in codes.compute_slots)
-            waits = tuple((1,) * len(row) for row in codes.exchange_slots)
-            level = flat_times(codes, units, waits)[1]
         if codes.flat_slot is None:
             codes.flat_slot = np.fromiter(itertools.chain.from_iterable(codes.slots), np.int64,
                                           sum(map(len, codes.slots)))
             codes.flat_ends = ends_table(codes.ends)
-        codes.levels = levels_of(codes.flat_slot, [len(row) for row in codes.slots],
-                                 codes.flat_ends, level,
+        counts = [len(row) for row in codes.slots]
+        level = unit_levels(counts, codes.flat_ends)
+        if not level.all():
+            rank_of = np.repeat(np.arange(codes.p), counts)
+            stuck = np.unique(rank_of[level == 0]).tolist()
+            raise ScheduleError(f"{codes.label} deadlocks at ranks {stuck}")
+        codes.levels = levels_of(codes.flat_slot, counts, codes.flat_ends, level,
                                  [len(row) for row in codes.compute_slots],
                                  [len(row) for row in codes.exchange_slots])
-        codes.unit_levels = None
     work, after = [], []
     for computes, exchanges in zip(compute_prices, exchange_prices):
         work += [price[0] for price in computes] + list(exchanges)
@@ -154,29 +151,22 @@ def flat_index(codes: Codes) -> dict[str, Any]:
     return codes.flat
 
 
-def flat_times(codes: Codes, compute_prices: tuple, exchange_prices: tuple, *,
-               keep_levels: bool = False):
+def flat_times(codes: Codes, compute_prices: tuple, exchange_prices: tuple):
     """Per rank, each action's start and end, and each exchange's posting
-    (None for a compute): each rank run as far as its exchanges let it.
-    `keep_levels`: also play at unit prices alongside (each action's end
-    there is its level) and keep those in codes.unit_levels, for
-    level_times."""
+    (None for a compute): each rank run as far as its exchanges let it."""
     slots, ends_of, peers, p = codes.slots, codes.ends, codes.peers, codes.p
     starts: list[list] = [[] for _ in range(p)]
     finishes: list[list] = [[] for _ in range(p)]
     posted = [[None] * len(row) for row in slots]
     clock: list = [0] * p
-    # the unit-price play: each rank's level clock, each exchange's posting
-    levels: list[list] = [[] for _ in range(p)]
-    level_clock, level_posted = [0] * p, [[0] * len(row) for row in slots]
     queued, pending = [True] * p, deque(range(p))
     while pending:
         r = pending.popleft()
         queued[r] = False
         row, ends_r, mine, begun, done = slots[r], ends_of[r], posted[r], starts[r], finishes[r]
-        peers_r, level_r, mine_level = peers[r], levels[r], level_posted[r]
+        peers_r = peers[r]
         works, waits = compute_prices[r], exchange_prices[r]
-        now, i, n, level = clock[r], len(done), len(row), level_clock[r]
+        now, i, n = clock[r], len(done), len(row)
         while i < n:
             slot = row[i]
             if slot >= 0:
@@ -184,39 +174,29 @@ def flat_times(codes: Codes, compute_prices: tuple, exchange_prices: tuple, *,
                 begun.append(now)
                 now = now + work + collective
                 done.append(now)
-                if keep_levels:
-                    level += 1
-                    level_r.append(level)
                 i += 1
                 continue
             if mine[i] is None:   # posted: wake its peers
-                mine[i], mine_level[i] = now, level
+                mine[i] = now
                 for peer in peers_r[i]:
                     if not queued[peer]:
                         queued[peer] = True
                         pending.append(peer)
-            ready, ready_level = now, level
+            ready = now
             for peer, j in ends_r[i]:
                 when = posted[peer][j]
                 if when is None:
                     break
                 if when > ready:
                     ready = when
-                if level_posted[peer][j] > ready_level:
-                    ready_level = level_posted[peer][j]
             else:
                 begun.append(now)
                 now = ready + waits[-1 - slot]
                 done.append(now)
-                if keep_levels:
-                    level = ready_level + 1
-                    level_r.append(level)
                 i += 1
                 continue
             break
-        clock[r], level_clock[r] = now, level
-    if keep_levels:
-        codes.unit_levels = levels
+        clock[r] = now
     stuck = [r for r in range(p) if len(finishes[r]) < len(slots[r])]
     if stuck:
         raise ScheduleError(f"{codes.label} deadlocks at ranks {stuck}")

@@ -14,13 +14,13 @@ vectorised step: gather, maximum, two additions, in the order the loop
 takes them, so that every time is bit for bit the loop's (IEEE
 arithmetic is the same in numpy; tested). A schedule has a few thousand
 levels against hundreds of thousands of actions (p = 64, m = 512). The
-levels come from one play of the loop with unit prices (which also finds
-a deadlock) and are kept with the schedule's codes.
+levels themselves are found wave by wave (`unit_levels`: the actions
+whose predecessors all have a level take the next one, which also finds
+a deadlock: what never gets a level), and kept with the schedule's codes.
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,17 +51,75 @@ class Levels:
         return len(self.order) + 1
 
 
-def levels_of(flat_slot: np.ndarray, counts: list[int], ends: tuple, level: list[list[int]],
+def unit_levels(counts: list[int], ends: tuple) -> np.ndarray:
+    """Each action's level, flat (rank after rank): 1 + the most of its
+    predecessors' (its own rank's previous action and, for an exchange,
+    the action before each other end), 1 where it has none, which is its
+    end in a play where every action takes 1; 0 for an action that never
+    gets one (a deadlock). `ends`: ends_table's arrays. Found wave by wave
+    (a wave: the actions whose predecessors all have a level), a few
+    numpy calls per level instead of a Python step per action."""
+    offsets = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+    n = int(offsets[-1])
+    rows, columns, targets = ends
+    width = 1 + (int(columns.max()) if len(columns) else 0)
+    done = n   # a column that always has a level: no predecessor there
+    first = np.zeros(n, dtype=bool)
+    first[offsets[:-1][np.asarray(counts) > 0]] = True
+    # predecessors (column 0: the own rank's; then the other ends')
+    before = np.full((n, width), done, dtype=np.int64)
+    before[:, 0] = np.where(first, done, np.arange(n) - 1)
+    external = targets >= 0
+    before[rows[external], columns[external]] = targets[external]
+    # successors, the same way round (the next action on the rank; the
+    # exchanges that wait on it), padded with n
+    taken = [np.where(np.append(first[1:], True), n, np.arange(n) + 1)]
+    sources, sinks = targets[external], rows[external]
+    by_source = np.argsort(sources, kind="stable")
+    sources, sinks = sources[by_source], sinks[by_source]
+    rank_in_source = np.arange(len(sources)) - np.searchsorted(sources, sources)
+    for k in range(int(rank_in_source.max()) + 1 if len(sources) else 0):
+        column = np.full(n, n, dtype=np.int64)
+        chosen = rank_in_source == k
+        column[sources[chosen]] = sinks[chosen]
+        taken.append(column)
+    after = np.stack(taken, axis=1)
+    after = np.concatenate((after, np.full((1, after.shape[1]), n, dtype=np.int64)))
+    level = np.zeros(n + 1, dtype=np.int64)
+    level[n] = 1   # (the padding column counts as levelled)
+    wave = np.flatnonzero((before == done).all(axis=1))
+    # (per column, 1-d: a few microseconds a call where 2-d reductions and
+    # np.unique take tens, for the few hundred actions of a wave)
+    # (the padding n follows as an action that waits on n + 1, never levelled)
+    before_columns = [np.append(before[:, k], n + 1) for k in range(width)]
+    level = np.append(level, 0)
+    latest = np.zeros(n + 1, dtype=np.int64)   # where an action last came in `following`
+    number = 0
+    while len(wave):
+        number += 1
+        level[wave] = number
+        following = after[wave].ravel()
+        # once each (an action follows every predecessor of its in the wave)
+        places = np.arange(len(following))
+        latest[following] = places
+        following = following[latest[following] == places]
+        ready = level[before_columns[0][following]] > 0
+        for column in before_columns[1:]:
+            ready &= level[column[following]] > 0
+        wave = following[ready]
+    return level[:n]
+
+
+def levels_of(flat_slot: np.ndarray, counts: list[int], ends: tuple, flat_level: np.ndarray,
               compute_counts: list[int], exchange_counts: list[int]) -> Levels:
     """`flat_slot`: each action's price slot (codes.Codes' `slots`, rank
     after rank), `counts` each rank's actions; `ends`: each exchange's other
-    ends as flat arrays (`ends_table`); `level`: each action's level (its
-    end in a play at unit prices, from 1); `compute_counts`,
+    ends as flat arrays (`ends_table`); `flat_level`: each action's level
+    (`unit_levels`, rank after rank); `compute_counts`,
     `exchange_counts`: each rank's compute and exchange slots (a play's
     table holds rank 0's computes, then its exchanges, then rank 1's ...)."""
     offsets = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
     n = int(offsets[-1])
-    flat_level = np.fromiter(itertools.chain.from_iterable(level), dtype=np.int64, count=n)
     order = np.argsort(flat_level, kind="stable")
     position = np.empty(n, dtype=np.int64)
     position[order] = np.arange(n)

@@ -277,6 +277,11 @@ def _exchange_price(layout: Layout, ops, machine: Machine, profile: HardwareProf
     # all-gather it) or sequence parallelism (its own s/t positions, kept).
     split = layout.sends_slices and activation % t == 0
     gather = split and layout.gathers_received
+    # (one function, with its caches, for the layouts that price exchanges alike)
+    shape = (activation, t, layout.c, layout.d, split, gather, layout.zero_bubble)
+    known = _EXCHANGES.get(shape)
+    if known is not None and known[0] is profile:
+        return known[1]
     exchange_costs: dict[tuple, float] = {}
 
     def exchange(rank: int, action: Exchange) -> float:
@@ -293,7 +298,14 @@ def _exchange_price(layout: Layout, ops, machine: Machine, profile: HardwareProf
             exchange_costs[key] = slowest + gathers + profile.launch_overhead * len(action.transfers)
         return exchange_costs[key]
 
+    exchange.of_codes = {}   # a schedule's exchange prices (_play_unshared), by its key
+    if len(_EXCHANGES) >= 256:
+        _EXCHANGES.clear()
+    _EXCHANGES[shape] = (profile, exchange)
     return exchange
+
+
+_EXCHANGES: dict[tuple, tuple] = {}   # _exchange_price's functions, by what prices alike
 
 
 def _exposed_gathers(layout: Layout, after, priced):
@@ -532,21 +544,21 @@ def _play_unshared(key: tuple, compute, exchange) -> _Played:
     codes = _codes(key)
     compute_prices = tuple(tuple(compute(r, action) for action in row)
                            for r, row in enumerate(codes.compute_slots))
-    exchange_prices = tuple(tuple(exchange(r, action) for action in row)
-                            for r, row in enumerate(codes.exchange_slots))
+    known = getattr(exchange, "of_codes", {})
+    exchange_prices = known.get(key)
+    if exchange_prices is None:
+        exchange_prices = known[key] = tuple(tuple(exchange(r, action) for action in row)
+                                             for r, row in enumerate(codes.exchange_slots))
     memo = (key, compute_prices, exchange_prices)
     played = _PLAYS.get(memo)
     if played is None:
         if len(_PLAYS) >= 64:
             _PLAYS.clear()
         codes.plays += 1
-        # (a schedule's first play: the loop, which keeps a large one's
-        # levels for its later plays; a small one's: the loop, faster than
-        # numpy's calls on a few actions a level)
-        large = sum(map(len, codes.slots)) >= LEVELS_FROM
-        if codes.plays == 1 or not large:
-            starts, ends, _ = flat_times(codes, compute_prices, exchange_prices,
-                                         keep_levels=large and codes.plays == 1)
+        # (a small schedule: the loop, faster than numpy's calls on a few
+        # actions a level)
+        if sum(map(len, codes.slots)) < LEVELS_FROM:
+            starts, ends, _ = flat_times(codes, compute_prices, exchange_prices)
             count = sum(map(len, starts))
             starts = np.fromiter(itertools.chain.from_iterable(starts), np.float64, count)
             ends = np.fromiter(itertools.chain.from_iterable(ends), np.float64, count)
