@@ -102,19 +102,30 @@ def stage_costs(ops: OperatorModel, recompute: str | None, zero_bubble: bool, fi
         weight = (_plus(layer.weight.scaled(layers - moe_layers), moe[2].scaled(moe_layers))
                   if zero_bubble else None)
     if first:
-        forward = _plus(ops.embedding_forward(), forward)
+        forward = _plus(_piece(ops, "embedding_forward"), forward)
     if last:
-        forward += ops.head_forward()
-        backward += ops.head_backward()  # also under zero-bubble: see the module docstring
+        forward += _piece(ops, "head_forward")
+        backward += _piece(ops, "head_backward")  # also under zero-bubble: see the module docstring
         if ops.w.model.mtp_depth:
             mtp = _mtp_costs(ops, layer, recompute, experts)
             forward, backward = _plus(forward, mtp.forward), _plus(backward, mtp.backward)
             if zero_bubble:
                 weight = _plus(weight, mtp.weight)
     if first:
-        backward += ops.embedding_backward()
+        backward += _piece(ops, "embedding_backward")
     costs = ops.memo[key] = ChunkCosts(forward, backward, 0, weight)
     return costs
+
+
+def _piece(ops: OperatorModel, name: str) -> Cost:
+    """ops.NAME() (the embedding's or the output layer's F or B), priced
+    once per OperatorModel: a search prices thousands of stages with the
+    same first and last pieces. (Read only: every use adds it to a Cost of
+    its own.)"""
+    key = ("piece", name)
+    if key not in ops.memo:
+        ops.memo[key] = getattr(ops, name)()
+    return ops.memo[key]
 
 
 def _mtp_costs(ops: OperatorModel, layer: ChunkCosts, recompute: str | None,

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
+
 from ptdp.schedules.kinds import virtual_stage_of
 from ptdp.perf.price.after_flush import after_flush
 from ptdp.perf.layout import ByValue, Layout, Workload
@@ -44,31 +46,40 @@ def compute_lower_bound(workload: Workload, layout: Layout, profile: HardwarePro
     m = layout.microbatches(workload.global_batch)
     kind = layout.schedule_kind
     ops = operator_model(workload, layout, profile, workload_key)
-    layers = layout.stage_layers(ops.l)
     zero_bubble = layout.zero_bubble
     # The stages' seconds and each rank's sum of them: the same for every
-    # sharding strategy, microbatch count and d (a search's many layouts share them).
-    key = ("bound totals", layout.recompute, zero_bubble, kind, p, v, tuple(layers), layout.ep,
+    # sharding strategy, microbatch count and d (a search's many layouts
+    # share them). (The split, with p, v and the kind, decides the layers.)
+    key = ("bound totals", layout.recompute, zero_bubble, kind, p, v, layout.split, layout.ep,
            layout.etp)
     if key not in ops.memo:
+        layers = layout.stage_layers(ops.l)
         stage_of = _stage_table(kind, p, v)
-        totals = [_stage_seconds(ops, layout.recompute, zero_bubble, stage == 0,
-                                 stage == p * v - 1, layers[stage],
-                                 stage_moe_layers(ops.w.model, layers, stage),
-                                 (layout.ep, layout.etp))
-                  for stage in range(p * v)]
-        ops.memo[key] = (totals, [sum(sum(totals[stage]) for stage in stage_of[r])
-                                  for r in range(p)])
-    totals, per_rank = ops.memo[key]
-    bound = 0.0
-    head = tail = 0.0   # over the stages before rank r's first stage (stage r)
-    if not reductions:
+        alike: dict[tuple, tuple[float, ...]] = {}   # (most stages are priced alike)
+        totals = []
+        for stage in range(p * v):
+            shape = (stage == 0, stage == p * v - 1, layers[stage],
+                     stage_moe_layers(ops.w.model, layers, stage))
+            if shape not in alike:
+                alike[shape] = _stage_seconds(ops, layout.recompute, zero_bubble, *shape,
+                                              (layout.ep, layout.etp))
+            totals.append(alike[shape])
+        per_rank = [sum(sum(totals[stage]) for stage in stage_of[r]) for r in range(p)]
+        heads, tails = [], []   # over the stages before rank r's first stage (stage r)
+        head = tail = 0.0
         for r in range(p):
-            bound = max(bound, head + m * per_rank[r] + tail)
+            heads.append(head)
+            tails.append(tail)
             head += totals[r][0]
             if not zero_bubble:
                 tail += totals[r][1]
-        return bound
+        ops.memo[key] = (totals, per_rank, np.array(heads), np.array(per_rank),
+                         np.array(tails))
+    totals, per_rank, heads, computes, tails = ops.memo[key]
+    if not reductions:   # (the largest of head + m · compute + tail, as the loop below adds)
+        return max(0.0, float(((heads + m * computes) + tails).max()))
+    bound = 0.0
+    head = tail = 0.0
     after = after_flush(workload, layout, profile, ops)
     for r in range(p):
         compute = m * per_rank[r]
