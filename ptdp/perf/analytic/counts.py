@@ -173,12 +173,27 @@ def _chunk_parameters(model: ModelConfig, layout: Layout, rank: int, chunk: int)
     """The parameters of (rank, chunk) on one tensor rank (`_stage_parameters`
     of its virtual stage). Under ZB-V rank 0's last-stage chunk uses the
     first chunk's word embedding as its tied output layer: no copy."""
+    return _signed_parameters(model, layout, _chunk_signature(model, layout, rank, chunk))
+
+
+def _chunk_signature(model: ModelConfig, layout: Layout, rank: int, chunk: int) -> tuple:
+    """What, with the layout's t, sequence parallelism, EP and ETP, decides
+    the parameters of (rank, chunk): whether its stage is the first or the
+    last, whether the word embedding is shared between ranks, its layers,
+    and where they start (for an MoE model's layer pattern; 0 otherwise, as
+    the layers of a dense model are all alike)."""
     first, last = chunk_stage(layout, rank, chunk)
     shared = model.tied_output and not _ends_share_a_rank(layout)
     stage = virtual_stage_of(layout.schedule_kind, layout.p, layout.v, rank, chunk)
     stage_layers = layout.stage_layers(model.num_layers)
-    params = _stage_parameters(model, layout.t, stage_layers[stage], first, last, shared,
-                               layout.splits_sequence, first_layer=sum(stage_layers[:stage]),
+    return (first, last, shared, stage_layers[stage],
+            sum(stage_layers[:stage]) if model.is_moe else 0)
+
+
+def _signed_parameters(model: ModelConfig, layout: Layout, signature: tuple) -> list[Param]:
+    first, last, shared, layers, first_layer = signature
+    params = _stage_parameters(model, layout.t, layers, first, last, shared,
+                               layout.splits_sequence, first_layer=first_layer,
                                ep=layout.ep, etp=layout.etp)
     if last and not first and model.tied_output and not shared:
         params = params[:-1]    # the tied copy: the same parameter as the embedding's
@@ -244,7 +259,37 @@ def cut_placed_buckets(key: ByValue, layout: Layout, rank: int,
     (routed expert or not), each tied word embedding a bucket of its own.
     Partial elements: the gradients a bucket sums over the tensor group
     first (sequence parallelism)."""
-    return cut_params(_rank_parameters(key.value, layout, rank), bucket_size)
+    model = key.value
+    signature = tuple(_chunk_signature(model, layout, rank, chunk) for chunk in range(layout.v))
+    # (ranks whose chunks are alike cut alike: a search's many middle ranks cut once)
+    return _signed_cut(key, _parameter_layout(layout), signature, bucket_size)
+
+
+def placed_chunk_parameter_count(key: ByValue, layout: Layout, rank: int, chunk: int) -> int:
+    """Elements of `_chunk_parameters` (key: ByValue(model)), counted once
+    for all the chunks alike."""
+    return _signed_count(key, _parameter_layout(layout),
+                         _chunk_signature(key.value, layout, rank, chunk))
+
+
+def _parameter_layout(layout: Layout) -> Layout:
+    """What of `layout`, besides a chunk's signature, decides its parameters."""
+    return Layout(t=layout.t, sequence_parallel=layout.sequence_parallel, ep=layout.ep,
+                  etp=layout.etp)
+
+
+@lru_cache(maxsize=65536)
+def _signed_count(key: ByValue, layout: Layout, signature: tuple) -> int:
+    return sum(param.numel for param in _signed_parameters(key.value, layout, signature))
+
+
+@lru_cache(maxsize=65536)
+def _signed_cut(key: ByValue, layout: Layout, signature: tuple, bucket_size: int
+                ) -> tuple[Bucket, ...]:
+    params: list[Param] = []
+    for chunk in signature:
+        params += _signed_parameters(key.value, layout, chunk)
+    return cut_params(params, bucket_size)
 
 
 def cut_params(params: list[Param], bucket_size: int) -> tuple[Bucket, ...]:

@@ -168,9 +168,9 @@ def _plus(a: Cost, b: Cost) -> Cost:
 @functools.lru_cache(maxsize=16384)
 def parameter_counts(model: ByValue, placement: Layout) -> tuple[tuple[int, ...], ...]:
     """Parameters of each (rank, chunk) on one tensor rank, [rank][chunk]."""
-    return tuple(tuple(sum(param.numel for param in analytic._chunk_parameters(
-        model.value, placement, rank, chunk)) for chunk in range(placement.v))
-        for rank in range(placement.p))
+    return tuple(tuple(analytic.placed_chunk_parameter_count(model, placement, rank, chunk)
+                       for chunk in range(placement.v))
+                 for rank in range(placement.p))
 
 
 @functools.lru_cache(maxsize=1024)
