@@ -791,3 +791,27 @@ def test_stash_peaks_from_the_op_chunks_equal_walking_every_compute(kind, p, m, 
         _held_states.cache_clear()
         stash_peaks.cache_clear()
         assert stash_peaks(kind, p, m, v, rank, weights, deferred) == want
+
+
+@pytest.mark.parametrize("kind,p,m,v", [("1f1b", 8, 16, 1), ("interleaved", 4, 8, 3),
+                                        ("zbv", 4, 8, 2), ("zb-h1", 4, 8, 1), ("gpipe", 3, 5, 1)])
+def test_last_backwards_from_the_arrays_are_the_rows(kind, p, m, v):
+    """A play's last backward of each chunk, read from its arrays, is what
+    the (chunk, start, end) rows give, in the order the chunks first come."""
+    import random
+
+    from ptdp.perf.simulate import predict
+    from ptdp.perf.simulate.codes import level_times
+
+    codes = predict._codes((kind, p, m, v, None))
+    rng = random.Random(f"{kind}{p}")
+    computes = tuple(tuple((rng.uniform(0.1, 2.0), 0.0) for _ in row)
+                     for row in codes.compute_slots)
+    exchanges = tuple(tuple(rng.uniform(0.0, 0.3) for _ in row) for row in codes.exchange_slots)
+    played = predict._played_of(codes, computes, *level_times(codes, computes, exchanges))
+    for r in range(p):
+        rows = played.backwards[r]
+        assert len(rows) == m * v   # a backward (W) of each microbatch on each chunk
+        want = dict(zip([row[0] for row in rows], rows))
+        got = played.last_backwards(r)
+        assert got == want and list(got) == list(want) and len(want) == v

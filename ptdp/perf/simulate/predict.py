@@ -421,10 +421,38 @@ class _Played:
         return self._by_end[r]
 
     def last_backwards(self, r: int) -> dict[int, tuple]:
-        """Rank r's last backward of each chunk, by chunk."""
+        """Rank r's last backward of each chunk, by chunk (in the order the
+        chunks first come)."""
         if r not in self._last:
-            self._last[r] = dict(zip(map(_FIRST, self.backwards[r]), self.backwards[r]))
+            if self.backward_arrays is None:
+                self._last[r] = dict(zip(map(_FIRST, self.backwards[r]), self.backwards[r]))
+            else:
+                chunks, starts, ends = self.backward_arrays[r]
+                values, first = np.unique(chunks, return_index=True)
+                last = len(chunks) - 1 - np.unique(chunks[::-1], return_index=True)[1]
+                self._last[r] = {int(values[k]): (int(values[k]), float(starts[last[k]]),
+                                                  float(ends[last[k]]))
+                                 for k in np.argsort(first).tolist()}
         return self._last[r]
+
+
+class _RowsOnDemand:
+    """A list of rows, each made the first time it is read (a play's
+    backwards as tuples: most searches read only their arrays)."""
+
+    def __init__(self, makers: list[Callable[[], list]]):
+        self._makers, self._rows = makers, [None] * len(makers)
+
+    def __len__(self) -> int:
+        return len(self._makers)
+
+    def __getitem__(self, r: int) -> list:
+        if self._rows[r] is None:
+            self._rows[r] = self._makers[r]()
+        return self._rows[r]
+
+    def __iter__(self):
+        return (self[r] for r in range(len(self)))
 
 
 def _played_from_records(records: list[list[Record]], zero_bubble: bool) -> _Played:
@@ -465,7 +493,8 @@ def _buckets_done(played: _Played, rank: int, row_end, after):
         return 0.0
     last = played.last_backwards(rank)   # by chunk (read once per play)
     if not after.overlapped:     # every bucket after the rank's last computation
-        rounds = len(played.backwards[rank]) / max(1, len(last)) if after.per_microbatch else 1
+        rounds = (len(played.backward_arrays[rank][0]) if played.backward_arrays is not None
+                  else len(played.backwards[rank])) / max(1, len(last)) if after.per_microbatch else 1
         return row_end + total * rounds
     # Each chunk's bucketed work and its last bucket's, as the loop used them.
     shares, last_bucket = after.chunk_shares[rank], after.last_bucket[rank]
@@ -611,8 +640,9 @@ def _played_of(codes: Codes, compute_prices: tuple, starts: np.ndarray, ends: np
         busy,
         # (_first_forwards of the rank's forwards: only each chunk's first counts)
         [sum((ends[firsts] - starts[firsts]).tolist()) for firsts in flat["first_forwards"]],
-        [list(zip(chunks, starts[released].tolist(), ends[released].tolist()))
-         for chunks, released in zip(codes.released_chunks, flat["released"])],
+        _RowsOnDemand([lambda chunks=chunks, released=released: list(zip(
+            chunks, starts[released].tolist(), ends[released].tolist()))
+            for chunks, released in zip(codes.released_chunks, flat["released"])]),
         records, row_of,
         [(chunks, starts[released], ends[released])
          for chunks, released in zip(flat["released_chunks"], flat["released"])])
