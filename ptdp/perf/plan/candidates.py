@@ -136,7 +136,7 @@ def _candidates_of_context(workload: Workload, devices: int, c: int, cp_comm: st
                 if given["splits"] is not None:
                     if given["layers_per_chunk"] is not None:   # train refuses both
                         return
-                    yield from (uneven for uneven in (dataclasses.replace(layout, split=cut)
+                    yield from (uneven for uneven in (_with_split(layout, cut)
                                                       for cut in given["splits"])
                                 if not uneven.valid_for(model, batch))
                     continue
@@ -229,8 +229,18 @@ def _uneven(layout: Layout, model: ModelConfig, batch: int) -> Iterable[Layout]:
     that cuts as the even one does, or as an earlier one, is left out)."""
     splits = _uneven_splits(model.num_layers, layout.p, layout.v, layout.schedule)
     # Once the split's own rules hold, every other rule is the same for all splits.
-    if splits and not dataclasses.replace(layout, split=splits[0]).valid_for(model, batch):
-        yield from (dataclasses.replace(layout, split=split) for split in splits)
+    if splits and not _with_split(layout, splits[0]).valid_for(model, batch):
+        yield from (_with_split(layout, split) for split in splits)
+
+
+def _with_split(layout: Layout, split: LayerSplit) -> Layout:
+    """dataclasses.replace(layout, split=split) without running __init__
+    again (the split is a field nothing else is derived from; a search
+    makes tens of thousands of these)."""
+    copied = object.__new__(Layout)
+    copied.__dict__.update(layout.__dict__)
+    object.__setattr__(copied, "split", split)
+    return copied
 
 
 @functools.lru_cache(maxsize=4096)
