@@ -104,3 +104,17 @@ def test_a_kind_without_op_codes_is_read_from_its_order():
                 _held_states_by_walking("zbv", 3, 7, 2, rank)
     finally:
         unregister(record.name)
+
+
+@pytest.mark.parametrize("kind", ["zb-h1", "zbv"])
+def test_zero_bubble_op_codes_equal_the_steps_below_the_fewest_microbatches(kind):
+    """Below the kind's fewest microbatches (which it refuses) the arrays
+    are read from the generator's steps: still equal."""
+    from ptdp.schedules.zero_bubble import _steps, zero_bubble_op_codes
+
+    for p in range(1, 6):
+        for m in range(1, kind_named(kind).fewest_microbatches(p)):
+            for rank in range(p):
+                ops, chunks = zero_bubble_op_codes(kind, p, m, rank)
+                assert list(zip(ops.tolist(), chunks.tolist())) == [
+                    ("FBW".index(op), chunk) for op, _, chunk in _steps(kind, p, m, rank)]
