@@ -468,22 +468,15 @@ def _ranks_memory(workload: Workload, layout: Layout, kernels: str,
     states = _STATES.get(states_key) if states_key else None
     if states is None:
         states = []
-        for rank in range(p):
-            if lora:   # the adapters in the buffer; the frozen base outside it, in the dtype
-                buckets = cut_adapter_buckets(model_key, lora, placement, rank, bucket_size)
-            elif layout.shards_parameters:   # ZeRO-3: a bucket holds one unit's parameters
-                buckets = unit_buckets(model_key, layout, rank, bucket_size)
-            else:
-                buckets = cut_placed_buckets(model_key, placement, rank, bucket_size)
-            states.append(state_bytes(model_key, layout, rank, buckets, e, workload.precision,
-                                      frozen[rank] if lora else 0, bucket_size,
-                                      workload.main_grads_bytes))
         if states_key:
             if len(_STATES) > 4096:
                 _STATES.clear()
             _STATES[states_key] = states
     kind, stage_layers = layout.schedule_kind, layout.stage_layers(model.num_layers)
     for rank in range(p):
+        if rank == len(states):   # (made when first asked: a search rejects most layouts at rank 0)
+            states.append(_rank_states(workload, layout, model_key, placement, rank, bucket_size,
+                                       frozen[rank] if lora else 0))
         state = states[rank]
         chunk_bytes, deferred_bytes = [], []
         # Each chunk's virtual stage, found once: its layers (chunk_layers),
@@ -516,6 +509,21 @@ def _ranks_memory(workload: Workload, layout: Layout, kernels: str,
 
 
 _STATES: dict[tuple, list[dict[str, int]]] = {}   # memory_per_rank's states, per rank
+
+
+def _rank_states(workload: Workload, layout: Layout, model_key: ByValue, placement: Layout,
+                 rank: int, bucket_size: int, frozen: int) -> dict[str, int]:
+    """`state_bytes` of pipeline rank `rank`, its buckets cut as the layout's
+    buffer cuts them."""
+    lora = workload.lora
+    if lora:   # the adapters in the buffer; the frozen base outside it, in the dtype
+        buckets = cut_adapter_buckets(model_key, lora, placement, rank, bucket_size)
+    elif layout.shards_parameters:   # ZeRO-3: a bucket holds one unit's parameters
+        buckets = unit_buckets(model_key, layout, rank, bucket_size)
+    else:
+        buckets = cut_placed_buckets(model_key, placement, rank, bucket_size)
+    return state_bytes(model_key, layout, rank, buckets, workload.bytes_per_element,
+                       workload.precision, frozen, bucket_size, workload.main_grads_bytes)
 
 
 def _lora_chunk_bytes(workload: Workload, layout: Layout, acts: dict[str, int], kernels: str,
