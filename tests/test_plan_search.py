@@ -773,7 +773,9 @@ def test_stash_peaks_from_the_op_chunks_equal_walking_every_compute(kind, p, m, 
     record = kind_named(kind)
     for rank in range(p):
         order = record.order(p, m, v, rank)
-        assert record.op_chunks(p, m, v, rank) == [(c.op, c.chunk) for c in order]
+        ops, chunks = record.op_codes(p, m, v, rank)
+        assert list(zip(ops.tolist(), chunks.tolist())) == [("FBW".index(c.op), c.chunk)
+                                                            for c in order]
         weights = tuple(rng.randint(1, 9) for _ in range(v))
         deferred = tuple(rng.randint(0, 9) for _ in range(v)) if record.splits_backward else None
         held, states = [0] * (2 * v), []

@@ -20,12 +20,14 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable, Iterator
 
+import numpy as np
+
 from ptdp.schedules.actions import (FORWARD_ONLY, LOOPED, V_SHAPE, Compute, Placement, Schedule,
                                     ScheduleError)
 from ptdp.schedules.one_f_one_b import (INTERLEAVED, build_looped, build_looped_forward_only,
-                                        looped_op_chunks, looped_order)
+                                        looped_op_codes, looped_order)
 from ptdp.schedules.zero_bubble import (ZB_H1, ZBV, build_zbv_forward_only, build_zero_bubble,
-                                        costs_from_table, unit_cost, zero_bubble_op_chunks,
+                                        costs_from_table, unit_cost, zero_bubble_op_codes,
                                         zero_bubble_order)
 
 # ((rank, chunk, op), duration) pairs: build_schedule's `costs` (a tuple, so cacheable).
@@ -60,9 +62,10 @@ class ScheduleKind:
     bubble_formula: str = "(p-1)/m"
     # (p, m, v) -> evaluation's schedule under this kind's placement (arguments unchecked).
     forward_only: Callable[[int, int, int], Schedule] = looped_forward_only
-    # (p, m, v, rank) -> `order`'s (op, chunk) alone, made without its computes
-    # (a planner's memory model walks thousands of ranks); None: read from `order`.
-    op_chunks: Callable[[int, int, int, int], list[tuple[str, int]]] | None = None
+    # (p, m, v, rank) -> `order`'s ops (F 0, B 1, W 2) and chunks alone, as
+    # arrays made without its computes (a planner's memory model reads
+    # thousands of ranks); None: read from `order`.
+    op_codes: Callable[[int, int, int, int], tuple[np.ndarray, np.ndarray]] | None = None
     flag: bool = True               # a --pipeline-schedule value
     with_chunks: str | None = None  # the kind this flag value runs as with v > 1 chunks
     searched: bool = True           # `ptdp plan` tries it when --pipeline-schedule is free
@@ -159,7 +162,7 @@ def _looped(name: str, **fields) -> ScheduleKind:
     return ScheduleKind(
         name, generate=lambda p, m, v, costs: build_looped(name, p, m, v),
         order=lambda p, m, v, rank: looped_order(name, p, m, v, rank),
-        op_chunks=lambda p, m, v, rank: looped_op_chunks(name, p, m, v, rank), **fields)
+        op_codes=lambda p, m, v, rank: looped_op_codes(name, p, m, v, rank), **fields)
 
 
 def _zero_bubble(name: str, **fields) -> ScheduleKind:
@@ -167,7 +170,7 @@ def _zero_bubble(name: str, **fields) -> ScheduleKind:
         name, generate=lambda p, m, v, costs: build_zero_bubble(name, p, m,
                                                                 _zero_bubble_costs(costs)),
         order=lambda p, m, v, rank: zero_bubble_order(name, p, m, rank), splits_backward=True,
-        op_chunks=lambda p, m, v, rank: zero_bubble_op_chunks(name, p, m, rank),
+        op_codes=lambda p, m, v, rank: zero_bubble_op_codes(name, p, m, rank),
         **fields)
 
 

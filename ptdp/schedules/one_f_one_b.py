@@ -17,6 +17,8 @@ Their records (kinds.py) name these generators.
 
 from __future__ import annotations
 
+import numpy as np
+
 from ptdp.schedules.actions import (FORWARD_ONLY, Action, Compute, Exchange, Schedule, Transfer,
                                     chunk_neighbours)
 
@@ -114,15 +116,25 @@ def looped_order(kind: str, p: int, m: int, v: int, rank: int) -> list[Compute]:
     return [compute for step in looped_steps(kind, p, m, v, rank) for compute in step]
 
 
-def looped_op_chunks(kind: str, p: int, m: int, v: int, rank: int) -> list[tuple[str, int]]:
-    """[(c.op, c.chunk) for c in looped_order(...)], made without the computes."""
-    forwards = [("F", chunk) for _, chunk in forward_order(kind, p, m, v)]
-    backwards = [("B", chunk) for _, chunk in backward_order(kind, p, m, v)]
+def looped_op_codes(kind: str, p: int, m: int, v: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """looped_order's ops (F 0, B 1) and chunks as arrays, made without the
+    computes (a planner's memory model reads thousands of ranks)."""
+    if kind == INTERLEAVED:   # forward_order's groups of p microbatches, chunk by chunk
+        forwards = np.tile(np.repeat(np.arange(v), p), -(-m // p))
+    else:
+        forwards = np.zeros(m, np.int64)
+    backwards = v - 1 - forwards
     warmup = warmup_forwards(kind, p, m, v, rank)
     steady = len(forwards) - warmup
-    paired = [None] * (2 * steady)
-    paired[0::2], paired[1::2] = forwards[warmup:], backwards[:steady]
-    return forwards[:warmup] + paired + backwards[steady:]
+    ops = np.ones(2 * len(forwards), np.int8)
+    ops[:warmup] = 0
+    ops[warmup:warmup + 2 * steady:2] = 0
+    chunks = np.empty(2 * len(forwards), np.int64)
+    chunks[:warmup] = forwards[:warmup]
+    chunks[warmup:warmup + 2 * steady:2] = forwards[warmup:]
+    chunks[warmup + 1:warmup + 2 * steady:2] = backwards[:steady]
+    chunks[warmup + 2 * steady:] = backwards[steady:]
+    return ops, chunks
 
 
 def build_looped(kind: str, p: int, m: int, v: int) -> Schedule:

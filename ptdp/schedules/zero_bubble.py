@@ -138,9 +138,40 @@ def zero_bubble_order(kind: str, p: int, m: int, rank: int) -> list[Compute]:
     return list(_order(kind, p, m, rank))
 
 
-def zero_bubble_op_chunks(kind: str, p: int, m: int, rank: int) -> list[tuple[str, int]]:
-    """[(c.op, c.chunk) for c in zero_bubble_order(...)], made without the computes."""
-    return [(op, chunk) for op, _, chunk in _steps(kind, p, m, rank)]
+def zero_bubble_op_codes(kind: str, p: int, m: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """zero_bubble_order's ops (F 0, B 1, W 2) and chunks as arrays, made
+    without the computes (a planner's memory model reads thousands of ranks)."""
+    r = rank
+    if kind == ZBV and m >= 2 * p:
+        # _zbv_steps' loop, its counts known: the steady rounds with a chunk-0
+        # forward run until chunk 0 has all m, those without it until chunk 1
+        # catches up; r W's of each chunk are left.
+        return _runs([("F0", 2 * (p - r) - 1), ("F1 F0", r), ("F1 B1 W1", p - r),
+                      ("F0 B0 W0 F1 B1 W1", m - 2 * p + r + 1), ("B0 W0 F1 B1 W1", p - r - 1),
+                      ("B0 B1", r), ("B0 W0", p - r), ("W1", r), ("W0", r)])
+    if kind != ZBV and m >= p:
+        # _zb_h1_steps: after the warm-up, microbatch i's B, its W once i
+        # reaches r, the next F while forwards remain; then r W's.
+        return _runs([("F0", p - r), ("B0 F0", r), ("B0 W0 F0", m - p), ("B0 W0", p - r),
+                      ("W0", r)])
+    # (below the kinds' fewest microbatches: read from the steps)
+    steps = _steps(kind, p, m, rank)
+    return (np.array(["FBW".index(op) for op, _, _ in steps], np.int8),
+            np.array([chunk for _, _, chunk in steps], np.int64))
+
+
+def _runs(runs: list[tuple[str, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(op, chunk) arrays of `runs`: each a pattern of computes ("F0 B1":
+    op and chunk) repeated that many times, one run after another."""
+    patterns = [run.split() for run, _ in runs]
+    steps = [step for pattern in patterns for step in pattern]
+    lengths = np.array([len(pattern) for pattern in patterns])
+    sizes = lengths * np.array([times for _, times in runs])
+    run = np.repeat(np.arange(len(runs)), sizes)   # each compute's run
+    position = np.arange(sizes.sum()) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    step = (np.cumsum(lengths) - lengths)[run] + position % lengths[run]
+    return (np.array(["FBW".index(op) for op, _ in steps], np.int8)[step],
+            np.array([int(chunk) for _, chunk in steps], np.int64)[step])
 
 
 def _steps(kind: str, p: int, m: int, rank: int) -> list[tuple[str, int, int]]:

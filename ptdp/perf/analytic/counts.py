@@ -64,7 +64,10 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import Iterator, NamedTuple
+from operator import mul
+from typing import NamedTuple
+
+import numpy as np
 
 from ptdp.config import ModelConfig, TrainConfig
 from ptdp.model.shapes import logical_shapes
@@ -389,14 +392,17 @@ def bubble_fraction(layout: Layout, m: int) -> float:
     return (layout.p - 1) / (m * layout.v)
 
 
-def _compute_order(kind: str, p: int, m: int, v: int, rank: int) -> Iterator[tuple[str, int]]:
-    """(op, chunk) of rank `rank`'s computes in schedule order, from the
-    kind's generator (its record's `order`: build_schedule's computes
-    without its exchanges, which are slow to build for large m)."""
+def _compute_codes(kind: str, p: int, m: int, v: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """(op (F 0, B 1, W 2), chunk) arrays of rank `rank`'s computes in
+    schedule order, from the kind's generator (its record's `op_codes`, or
+    its `order`: build_schedule's computes without its exchanges, which are
+    slow to build for large m)."""
     record = kind_named(kind)
-    if record.op_chunks is not None:
-        return iter(record.op_chunks(p, m, v, rank))
-    return ((c.op, c.chunk) for c in record.order(p, m, v, rank))
+    if record.op_codes is not None:
+        return record.op_codes(p, m, v, rank)
+    computes = record.order(p, m, v, rank)
+    return (np.array(["FBW".index(c.op) for c in computes], np.int8),
+            np.array([c.chunk for c in computes], np.int64))
 
 
 @lru_cache(maxsize=65536)
@@ -409,11 +415,9 @@ def stash_peaks(kind: str, p: int, m: int, v: int, rank: int, chunk_weights: tup
     from B until W."""
     deferred = chunk_weights if deferred_weights is None else deferred_weights
     weights = (*chunk_weights, *deferred)
-    peak_count = peak_weight = 0
-    for state in _held_states(kind, p, m, v, rank):
-        peak_count = max(peak_count, sum(state))
-        peak_weight = max(peak_weight, sum(n * w for n, w in zip(state, weights)))
-    return peak_count, peak_weight
+    states = _held_states(kind, p, m, v, rank)
+    return (max(0, *map(sum, states)),
+            max(0, *(sum(map(mul, state, weights)) for state in states)))
 
 
 @lru_cache(maxsize=16384)
@@ -421,39 +425,59 @@ def _held_states(kind: str, p: int, m: int, v: int, rank: int) -> tuple[tuple[in
     """What rank `rank` holds as its computes run, as (activations of each
     chunk from F until B, ... from B until W (zero-bubble kinds only)):
     the states no other state holds as much of in every entry, so that the
-    peak of any weighted sum is one of theirs. Walked once per schedule;
+    peak of any weighted sum is one of theirs. Found once per schedule;
     `stash_peaks` prices it for any weights."""
     check_arguments(kind, p, m, v)
     zero_bubble = kind_named(kind).splits_backward
-    order = _compute_order(kind, p, m, v, rank)
-    held = [0] * (2 * v)
-    states = set()
+    ops, chunks = _compute_codes(kind, p, m, v, rank)
+    n = len(ops)
+    # Row k + 1: what compute k changes (row 0: nothing), so that the running
+    # sum's row k is the state before compute k and its last row the final one.
+    changes = np.zeros((n + 1, 2 * v), np.int64)
+    after = np.arange(1, n + 1)
+    forward, backward, weight = ops == 0, ops == 1, ops == 2
+    changes[after[forward], chunks[forward]] = 1
+    changes[after[backward], chunks[backward]] = -1
+    changes[after[backward], v + chunks[backward]] = zero_bubble
+    changes[after[weight], v + chunks[weight]] = -1
+    held = np.cumsum(changes, axis=0)
     # A forward only adds: the state before it is no peak. A W only takes
     # away, and so does B where nothing is deferred: the state after them is
-    # below the one before, so only what follows a forward (or a deferring
-    # B) can be a peak.
-    rising = True
-    for op, chunk in order:
-        if op == "F":
-            held[chunk] += 1
-            rising = True
-            continue
-        if rising:
-            states.add(tuple(held))
-        if op == "B":
-            held[chunk] -= 1
-            held[v + chunk] += zero_bubble
-            rising = zero_bubble
-        else:
-            held[v + chunk] -= 1
-            rising = False
-    states.add(tuple(held))
-    # Keep the maximal states (most held first, so a dominated one meets its better).
-    kept: list[tuple[int, ...]] = []
-    for state in sorted(states, key=sum, reverse=True):
-        if not any(all(a >= b for a, b in zip(other, state)) for other in kept):
-            kept.append(state)
-    return tuple(kept)
+    # below the one before, so only the state before a B or W that follows a
+    # forward (or a deferring B, or starts the order) can be a peak, and the last.
+    rising = np.ones(n, bool)
+    rising[1:] = forward[:-1] | (backward[:-1] & zero_bubble)
+    peaks = np.append(np.flatnonzero(rising & ~forward), n)
+    return tuple(map(tuple, _maximal_rows(_distinct_rows(held[peaks])).tolist()))
+
+
+def _distinct_rows(rows: np.ndarray) -> np.ndarray:
+    """`rows` without repeats, each row read as one integer (its entries as
+    digits, each column in its own range) where that fits in 62 bits:
+    np.unique of whole rows is slow."""
+    lowest = rows.min(axis=0)
+    ranges = [int(n) for n in rows.max(axis=0) - lowest + 1]
+    if math.prod(ranges) >= 2**62:
+        return np.unique(rows, axis=0)
+    place_values = np.cumprod([1] + ranges[:-1], dtype=np.int64)
+    keys = (rows - lowest) @ place_values
+    return rows[np.unique(keys, return_index=True)[1]]
+
+
+def _maximal_rows(states: np.ndarray) -> np.ndarray:
+    """The rows of `states` (distinct) that no other row matches or exceeds
+    in every entry. Compared a block of rows at a time, so that the
+    comparison table stays small however many states a schedule has."""
+    block = 512
+    kept = np.ones(len(states), bool)
+    for start in range(0, len(states), block):
+        rows = states[start:start + block]
+        covered = np.ones((len(rows), len(states)), bool)   # [i, j]: row j >= rows[i] so far
+        for column in range(states.shape[1]):
+            covered &= states[None, :, column] >= rows[:, None, column]
+        covered[np.arange(len(rows)), np.arange(start, start + len(rows))] = False   # itself
+        kept[start:start + len(rows)] = ~covered.any(axis=1)
+    return states[kept]
 
 
 def peak_in_flight_per_rank(layout: Layout, m: int) -> list[int]:

@@ -202,7 +202,7 @@ from functools import lru_cache
 from typing import Any, Iterator
 
 from ptdp.config import ModelConfig, TrainConfig
-from ptdp.perf.analytic.counts import (FP32, chunk_stage, cut_placed_buckets, parameters_per_rank,
+from ptdp.perf.analytic.counts import (FP32, cut_placed_buckets, parameters_per_rank,
                                        placement_of_parameters, stash_peaks)
 from ptdp.perf.analytic.sharding import state_bytes, unit_buckets
 from ptdp.perf.analytic.lora import (adapted_targets, cut_adapter_buckets, first_adapted_layer,
@@ -468,32 +468,29 @@ def _ranks_memory(workload: Workload, layout: Layout, kernels: str,
     states = _STATES.get(states_key) if states_key else None
     if states is None:
         states = []
-        for rank in range(p):
-            if lora:   # the adapters in the buffer; the frozen base outside it, in the dtype
-                buckets = cut_adapter_buckets(model_key, lora, placement, rank, bucket_size)
-            elif layout.shards_parameters:   # ZeRO-3: a bucket holds one unit's parameters
-                buckets = unit_buckets(model_key, layout, rank, bucket_size)
-            else:
-                buckets = cut_placed_buckets(model_key, placement, rank, bucket_size)
-            states.append(state_bytes(model_key, layout, rank, buckets, e, workload.precision,
-                                      frozen[rank] if lora else 0, bucket_size,
-                                      workload.main_grads_bytes))
         if states_key:
             if len(_STATES) > 4096:
                 _STATES.clear()
             _STATES[states_key] = states
+    kind, stage_layers = layout.schedule_kind, layout.stage_layers(model.num_layers)
     for rank in range(p):
+        if rank == len(states):   # (made when first asked: a search rejects most layouts at rank 0)
+            states.append(_rank_states(workload, layout, model_key, placement, rank, bucket_size,
+                                       frozen[rank] if lora else 0))
         state = states[rank]
         chunk_bytes, deferred_bytes = [], []
+        # Each chunk's virtual stage, found once: its layers (chunk_layers),
+        # and whether it is the first or the last (chunk_stage).
+        stages = [virtual_stage_of(kind, p, v, rank, chunk) for chunk in range(v)]
         # Rotary tables: made once per layer, kept for every microbatch.
-        layers = [layout.chunk_layers(model.num_layers, rank, chunk) for chunk in range(v)]
+        layers = [stage_layers[stage] for stage in stages]
         tables = sum(layers) * acts["rotary_tables"]
         if lora:
             chunk_bytes, tables = _lora_chunk_bytes(workload, layout, acts, kernels, rank)
             deferred = (0,) * v if layout.zero_bubble else None   # no weight gradient deferred
             layers = []
         for chunk, per_chunk in enumerate(layers):
-            first, last = chunk_stage(layout, rank, chunk)
+            first, last = stages[chunk] == 0, stages[chunk] == p * v - 1
             chunk_bytes.append(per_chunk * acts["layer"] + moe_activation_bytes(
                                workload, layout, rank, chunk)
                                + (acts["embedding"] if first else 0)
@@ -504,7 +501,7 @@ def _ranks_memory(workload: Workload, layout: Layout, kernels: str,
             deferred_bytes.append(per_chunk * acts["weight_grad_layer"])
         if not lora:
             deferred = tuple(deferred_bytes) if layout.zero_bubble else None
-        activations = (stash_peaks(layout.schedule_kind, p, m, v, rank, tuple(chunk_bytes),
+        activations = (stash_peaks(kind, p, m, v, rank, tuple(chunk_bytes),
                                     deferred)[1] + tables)
         memory = {**state, "activations": activations}
         memory["total"] = sum(memory.values())
@@ -512,6 +509,21 @@ def _ranks_memory(workload: Workload, layout: Layout, kernels: str,
 
 
 _STATES: dict[tuple, list[dict[str, int]]] = {}   # memory_per_rank's states, per rank
+
+
+def _rank_states(workload: Workload, layout: Layout, model_key: ByValue, placement: Layout,
+                 rank: int, bucket_size: int, frozen: int) -> dict[str, int]:
+    """`state_bytes` of pipeline rank `rank`, its buckets cut as the layout's
+    buffer cuts them."""
+    lora = workload.lora
+    if lora:   # the adapters in the buffer; the frozen base outside it, in the dtype
+        buckets = cut_adapter_buckets(model_key, lora, placement, rank, bucket_size)
+    elif layout.shards_parameters:   # ZeRO-3: a bucket holds one unit's parameters
+        buckets = unit_buckets(model_key, layout, rank, bucket_size)
+    else:
+        buckets = cut_placed_buckets(model_key, placement, rank, bucket_size)
+    return state_bytes(model_key, layout, rank, buckets, workload.bytes_per_element,
+                       workload.precision, frozen, bucket_size, workload.main_grads_bytes)
 
 
 def _lora_chunk_bytes(workload: Workload, layout: Layout, acts: dict[str, int], kernels: str,
