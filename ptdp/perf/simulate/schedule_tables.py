@@ -185,10 +185,11 @@ def _codes_from(label: str, p: int, splits_backward: bool, computes: list, rows:
     codes = Codes(p, label, splits_backward, actions, [], [], [], [], [], [])
     codes.flat_slot = flat_slot
     codes.flat_ends, ends_of_exchange, place = _ends(rows, places, splits_backward, partner)
-    # each action's place in the lists of ends (-1: a compute's None)
-    where = np.full(int(offsets[-1]), -1, dtype=np.int64)
-    where[exchange_at] = place
-    ends = list(map(ends_of_exchange.__getitem__, where.tolist()))
+    # each action's list of ends (a compute's None), placed as objects in numpy
+    ends_at = np.full(int(offsets[-1]), None, dtype=object)
+    ends_at[exchange_at] = np.fromiter(ends_of_exchange, dtype=object,
+                                       count=len(ends_of_exchange))[place]
+    ends = ends_at.tolist()
     kept_bounds = np.searchsorted(places.exchange_rank[kept], np.arange(p + 1)).tolist()
     row_bounds = np.append(places.firsts, rows.shape[1])
     kept_rows = np.stack((row_bounds[kept], row_bounds[kept + 1]), axis=1).tolist()
@@ -286,8 +287,8 @@ def _ends(rows: np.ndarray, places: _Places, splits_backward: bool,
           partner: np.ndarray | None) -> tuple[tuple, list, np.ndarray]:
     """The other ends each exchange waits for (its receives' senders; under
     the kinds that do not split the backward its sends' receivers too): as
-    levels.ends_table's arrays, and as lists of (rank, action) (None last,
-    a compute's) with each exchange's place among them."""
+    levels.ends_table's arrays, and as lists of (rank, action) with each
+    exchange's place among them."""
     if partner is None:
         partner = _other_ends(rows)
     offsets, exchange_of_row = places.offsets, places.exchange_of_row
@@ -314,7 +315,6 @@ def _ends(rows: np.ndarray, places: _Places, splits_backward: bool,
         waits = (taken[group][:, None] + np.arange(size)).ravel()
         pairs = zip(other_rank[waits].tolist(), other_action[waits].tolist())
         ends_of_exchange += map(list, zip(*[pairs] * size))
-    ends_of_exchange.append(None)
     return flat_ends, ends_of_exchange, place
 
 
