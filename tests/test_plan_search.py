@@ -681,7 +681,8 @@ CODES_FIELDS = ("p", "label", "splits_backward", "slots", "compute_slots", "exch
     ("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 1, 3, 1), ("1f1b", 4, 3, 1),
     ("1f1b", 3, 7, 1), ("interleaved", 4, 8, 2), ("interleaved", 2, 4, 3),
     ("interleaved", 4, 4, 2), ("interleaved", 3, 9, 3), ("zb-h1", 4, 8, 1),
-    ("zb-h1", 1, 3, 1), ("zbv", 3, 6, 2), ("zbv", 4, 9, 2)])
+    ("zb-h1", 1, 3, 1), ("zbv", 3, 6, 2), ("zbv", 4, 9, 2), ("gpipe", 3, 5, 1),
+    ("1f1b", 8, 20, 1), ("interleaved", 8, 16, 2), ("zb-h1", 8, 21, 1), ("zbv", 8, 24, 2)])
 def test_codes_from_tables_are_the_built_schedules_codes(kind, p, m, v):
     """The planner's codes, made from arrays without the schedule's actions
     (schedule_tables.planned_codes), equal codes_of of the schedule

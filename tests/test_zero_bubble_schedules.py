@@ -277,3 +277,71 @@ def test_cached_dataflow_times_and_exchanges_equal_the_plain_walk(kind, p, m):
                     starts = [start for _, start, _ in plan[r]]
                     assert all(s < producer[2] for s in starts[:k + 1])
                     assert k + 1 == len(starts) or starts[k + 1] >= producer[2]
+
+
+# The planner's array forms of the orders, the times and the placement ------------------
+
+import numpy as np  # noqa: E402
+
+from ptdp.schedules import zero_bubble as zb  # noqa: E402
+
+
+@pytest.mark.parametrize("kind", ["zb-h1", "zbv"])
+def test_order_arrays_are_the_orders(kind):
+    """order_arrays, made phase by phase in numpy, are the step loops'
+    orders for every rank, at m below, at and above the kind's minimum."""
+    for p in range(1, 7):
+        for m in range(1, 4 * p + 3):
+            for rank, (op, microbatch, chunk) in enumerate(zb.order_arrays(kind, p, m)):
+                assert list(zip(["FBW"[k] for k in op.tolist()], microbatch.tolist(),
+                                chunk.tolist())) == zb._steps(kind, p, m, rank), (p, m, rank)
+
+
+@pytest.mark.parametrize("kind,p,m", [("zb-h1", 4, 9), ("zbv", 4, 11), ("zbv", 8, 24),
+                                      ("zb-h1", 8, 20), ("zb-h1", 1, 3), ("zbv", 2, 4)])
+def test_level_times_and_placement_are_the_loops_bit_for_bit(kind, p, m):
+    """The times found level by level in numpy are _timed's loop's, bit for
+    bit (random floats, ties, zero costs), and so is the placement made
+    from them; costs numpy might add otherwise (float32, negative) take
+    the loop. Each row's other end is the same transfer's other op."""
+    rng = random.Random(f"{kind}{p}{m}")
+    v = zb.chunks_of(kind)
+    tables = [None] + [{(r, c, op): pick() for r in range(p) for c in range(v) for op in "FBW"}
+                       for pick in (lambda: rng.uniform(0.5, 2.0),
+                                    lambda: rng.choice([0.0, 0.5, 1.0, 1.25, rng.random()]),
+                                    lambda: rng.choice([1, 2, 3]),
+                                    lambda: np.float32(rng.uniform(0.5, 2.0)),
+                                    lambda: rng.choice([1.0, -0.5]))]
+    for table in tables:
+        cost = zb.costs_from_table(table) if table else zb.unit_cost
+        starts, ends = zb._timed(zb._dataflow(kind, p, m), p, cost)
+        durations = zb._durations(kind, p, m, table)
+        assert (durations is None) == (table is not None and any(
+            type(d) is not float and type(d) is not int or d < 0 for d in table.values()))
+        if durations is not None:
+            level_starts, level_ends = zb._timed_levels(zb._levels(kind, p, m), durations)
+            assert level_starts.tolist() == starts and level_ends.tolist() == ends
+        rows, partner = zb.placed_transfers_for(kind, p, m, table)
+        assert np.array_equal(rows, zb.placed_transfers(kind, p, m, starts, ends))
+        assert np.array_equal(partner[partner], np.arange(rows.shape[1]))
+        assert np.array_equal(rows[2:5, partner], rows[2:5])
+        assert np.array_equal(rows[5, partner], 1 - rows[5])
+
+
+def test_orders_that_deadlock_are_refused_by_the_levels():
+    """_levels refuses orders whose computes wait for each other."""
+    orders = zb.order_arrays("zb-h1", 3, 6)
+    broken = list(orders)
+    op, microbatch, chunk = broken[1]
+    broken[1] = (op[::-1].copy(), microbatch[::-1].copy(), chunk)   # W before its B
+    zb._levels.cache_clear()
+    zb._offsets.cache_clear()
+    original = zb.order_arrays
+    try:
+        zb.order_arrays = lambda kind, p, m: tuple(broken)
+        with pytest.raises(zb.ScheduleError, match="deadlock"):
+            zb._levels("zb-h1", 3, 6)
+    finally:
+        zb.order_arrays = original
+        zb._levels.cache_clear()
+        zb._offsets.cache_clear()

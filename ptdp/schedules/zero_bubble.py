@@ -38,6 +38,11 @@ waiting differs, which is why the trainer re-places the exchanges for the
 costs it measures (ptdp.train.loop) and the planner for the costs it
 predicts (ptdp.perf.simulate.predict). Transfers in one exchange are sorted by (T, tag),
 the same order on both sides of every pair of ranks.
+
+The planner places them without building the actions (placed_transfers_for):
+the orders as numpy arrays (order_arrays), timed level by level of their
+dataflow (_levels, _timed_levels) and the transfers placed by sorting one
+table; bit for bit what the loops above give (tested).
 """
 
 from __future__ import annotations
@@ -409,64 +414,101 @@ def _placement_signature(kind: str, p: int, m: int, starts: list, ends: list) ->
     return placed_transfers(kind, p, m, starts, ends)[:6].tobytes()
 
 
-def placed_transfers(kind: str, p: int, m: int, starts: list, ends: list) -> np.ndarray:
+def placed_transfers(kind: str, p: int, m: int, starts, ends) -> np.ndarray:
     """Where _with_timed_exchanges puts every transfer for these times (the
     flat `_timed` of the kind's orders): columns of rows (rank, slot (the
     exchange before the rank's compute `slot`; its number of computes:
     after the last), kind (activation 0, grad 1), microbatch, boundary, op
     (recv 0, send 1), peer), in the order the ranks' exchanges hold them,
     each exchange sorted by (time, kind, microbatch, boundary, op) as there."""
-    table, by_receiver, receiver_bounds = _send_table(kind, p, m)
-    flow = _dataflow(kind, p, m)
-    starts, ends = np.asarray(starts, dtype=np.float64), np.asarray(ends, dtype=np.float64)
-    produced = ends[table[:, 1]]
+    return _placed(kind, p, m, np.asarray(starts, dtype=np.float64),
+                   np.asarray(ends, dtype=np.float64))[0]
+
+
+def placed_transfers_for(kind: str, p: int, m: int,
+                         table: Mapping[tuple[int, int, str], float] | None = None
+                         ) -> tuple[np.ndarray, np.ndarray]:
+    """`placed_transfers` for computes that take table[(rank, chunk, op)]
+    (None: one step each): where build_zero_bubble's schedule for those
+    costs has its transfers, without building it; and each row's other
+    end (the row of the same transfer's other op)."""
+    durations = _durations(kind, p, m, table)
+    if durations is None:   # costs the arrays may not add as Python does: its loop
+        flat = _timed(_dataflow(kind, p, m), p, costs_from_table(table))
+        starts, ends = (np.asarray(times, dtype=np.float64) for times in flat)
+    else:
+        starts, ends = _timed_levels(_levels(kind, p, m), durations)
+    return _placed(kind, p, m, starts, ends)
+
+
+def _durations(kind: str, p: int, m: int, table: Mapping | None) -> np.ndarray | None:
+    """table[(rank, chunk, op)] at index (rank * v + chunk) * 3 + op (F 0, B
+    1, W 2); None where float64 sums might not be the loop's (durations
+    not Python floats or small ints, or negative: _levels drops the waits
+    a rank's own order already implies, which needs ends that never fall)."""
+    v = chunks_of(kind)
+    if table is None:
+        return np.ones(p * v * 3)
+    values = [table[(rank, chunk, op)] for rank in range(p) for chunk in range(v) for op in "FBW"]
+    exact = all(type(value) is float or type(value) is int for value in values)
+    if not exact or not all(value >= 0 for value in values):
+        return None
+    if any(type(value) is int for value in values) and max(values) * 6 * p * m >= 2 ** 53:
+        return None
+    return np.array(values, dtype=np.float64)
+
+
+def _placed(kind: str, p: int, m: int, starts: np.ndarray, ends: np.ndarray
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """placed_transfers' rows for flat start and end arrays, and each row's
+    other end."""
+    sends = _send_table(kind, p, m)
+    offsets, count = _offsets(kind, p, m), len(sends.compute)
+    produced = ends[sends.compute]
     # The receiver's exchange before its first compute starting at or after `produced`.
-    received = np.empty(len(table), dtype=np.int64)
+    received = np.empty(count, dtype=np.int64)
     for r in range(p):
-        sends = by_receiver[receiver_bounds[r]:receiver_bounds[r + 1]]
-        received[sends] = np.searchsorted(starts[flow.offsets[r]:flow.offsets[r + 1]],
-                                          produced[sends], side="left")
+        mine = sends.by_receiver[sends.receiver_bounds[r]:sends.receiver_bounds[r + 1]]
+        received[mine] = np.searchsorted(starts[offsets[r]:offsets[r + 1]], produced[mine],
+                                         side="left")
     # sender entries (op send = 1) in slot k + 1, receiver entries (op recv = 0)
-    rank = np.concatenate((table[:, 0], table[:, 3]))
-    slot = np.concatenate((table[:, 2] + 1, received))
-    time = np.concatenate((produced, produced))
-    kind_, microbatch, boundary = (np.tile(table[:, column], 2) for column in (4, 5, 6))
-    op = np.repeat([1, 0], len(table))
-    peer = np.concatenate((table[:, 3], table[:, 0]))
-    order = np.lexsort((op, boundary, microbatch, kind_, time, slot, rank))
-    return np.stack((rank, slot, kind_, microbatch, boundary, op, peer))[:, order]
+    slot = np.concatenate((sends.rows[1, :count], received))
+    rank = sends.rows[0]
+    # sorted by (rank, slot, time, tag): one integer per row, the time as
+    # its rank among the times (tags, and so the keys, are distinct)
+    times, time_rank = np.unique(produced, return_inverse=True)
+    slots = int(np.diff(offsets).max()) + 2   # (a slot is 0 ... a rank's number of computes)
+    if p * slots * max(len(times), 1) * max(2 * count, 1) < 2 ** 62:
+        time_rank = np.tile(time_rank.ravel(), 2)
+        order = np.argsort(((rank * slots + slot) * len(times) + time_rank) * (2 * count)
+                           + sends.tag)
+    else:
+        order = np.lexsort((sends.tag, np.tile(produced, 2), slot, rank))
+    rows = np.take(sends.rows, order, axis=1)   # (several times rows[:, order]'s speed)
+    rows[1] = slot[order]
+    position = np.empty(2 * count, dtype=np.int64)
+    position[order] = np.arange(2 * count)
+    return rows, position[(order + count) % (2 * count)] if count else position
 
 
-def placed_transfers_for(kind: str, p: int, m: int, cost: ComputeCost = unit_cost
-                         ) -> np.ndarray:
-    """`placed_transfers` for computes that take cost(rank, compute): where
-    build_zero_bubble's schedule for `cost` has its transfers, without
-    building it."""
-    starts, ends = _timed(_dataflow(kind, p, m), p, cost)
-    return placed_transfers(kind, p, m, starts, ends)
+@dataclass(frozen=True)
+class _Sends:
+    """Every send of the kind's orders (_sends' in order): its compute's
+    flat index, and the sends by receiver (where receiver r's start at
+    receiver_bounds[r]); `rows`: placed_transfers' columns for the senders'
+    entries, then the receivers' (slot: the sender's k + 1, the receiver's
+    left to fill); `tag`: each entry's rank by (kind, microbatch, boundary,
+    op)."""
+    compute: np.ndarray
+    by_receiver: np.ndarray
+    receiver_bounds: np.ndarray
+    rows: np.ndarray
+    tag: np.ndarray
 
 
 @functools.lru_cache(maxsize=8)
-def order_arrays(kind: str, p: int, m: int) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]:
-    """Each rank's computes in schedule order as (op (F 0, B 1, W 2),
-    microbatch, chunk) arrays."""
-    arrays = []
-    for rank in range(p):
-        computes = _order(kind, p, m, rank)   # (the dataflow's, made once)
-        op = np.fromiter(("FBW".index(c.op) for c in computes), np.int64, len(computes))
-        microbatch = np.fromiter((c.microbatch for c in computes), np.int64, len(computes))
-        chunk = np.fromiter((c.chunk for c in computes), np.int64, len(computes))
-        arrays.append((op, microbatch, chunk))
-    return tuple(arrays)
-
-
-@functools.lru_cache(maxsize=8)
-def _send_table(kind: str, p: int, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Every send of the kind's orders as a row (sender, its compute's flat
-    index, its index on the sender, receiver, kind (activation 0, grad 1),
-    microbatch, boundary), _sends' in order; the rows by receiver, and
-    where each receiver's start."""
-    flow, v, placement = _dataflow(kind, p, m), chunks_of(kind), _placement(kind)
+def _send_table(kind: str, p: int, m: int) -> _Sends:
+    v, placement, offsets = chunks_of(kind), _placement(kind), _offsets(kind, p, m)
     tables = []
     for rank, (op, microbatch, chunk) in enumerate(order_arrays(kind, p, m)):
         # per chunk: its stage, the rank after it and before it (-1: none or this rank)
@@ -478,10 +520,177 @@ def _send_table(kind: str, p: int, m: int) -> tuple[np.ndarray, np.ndarray, np.n
         # a forward sends its activation on, a backward its input gradient back
         receiver = np.where(forward, after, np.where(op == 1, before, -1))
         k = np.flatnonzero(receiver >= 0)
-        tables.append(np.stack((np.full(len(k), rank), flow.offsets[rank] + k, k, receiver[k],
+        tables.append(np.stack((np.full(len(k), rank), offsets[rank] + k, k, receiver[k],
                                 1 - forward[k], microbatch[k],
-                                np.where(forward, stage, stage - 1)[k]), axis=1))
-    table = np.concatenate(tables).astype(np.int64).reshape(-1, 7)
-    by_receiver = np.argsort(table[:, 3], kind="stable")
-    bounds = np.searchsorted(table[by_receiver, 3], np.arange(p + 1), side="left")
-    return table, by_receiver, bounds
+                                np.where(forward, stage, stage - 1)[k])))
+    # (sender, flat index, index on the sender, receiver, kind, microbatch, boundary)
+    table = np.concatenate(tables, axis=1).astype(np.int64).reshape(7, -1)
+    sender, compute, index, receiver, kind_, microbatch, boundary = table
+    by_receiver = np.argsort(receiver, kind="stable")
+    bounds = np.searchsorted(receiver[by_receiver], np.arange(p + 1), side="left")
+    tags = np.empty(len(compute), dtype=np.int64)
+    tags[np.lexsort((boundary, microbatch, kind_))] = np.arange(len(compute))
+    op = np.repeat([1, 0], len(compute))
+    rows = np.stack((np.concatenate((sender, receiver)),
+                     np.concatenate((index + 1, np.zeros_like(index))),
+                     np.tile(kind_, 2), np.tile(microbatch, 2), np.tile(boundary, 2), op,
+                     np.concatenate((receiver, sender))))
+    return _Sends(compute, by_receiver, bounds, rows, 2 * np.tile(tags, 2) + op)
+
+
+@functools.lru_cache(maxsize=8)
+def order_arrays(kind: str, p: int, m: int
+                 ) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]:
+    """Each rank's computes in schedule order as (op (F 0, B 1, W 2),
+    microbatch, chunk) arrays: _zb_h1_steps' and _zbv_steps' orders, made
+    phase by phase (tested equal), without a Compute or tuple per step."""
+    arrays = []
+    for rank in range(p):
+        steps = (_zbv_codes if kind == ZBV else _zb_h1_codes)(p, m, rank)
+        # each step's microbatch: how many steps of its (op, chunk) come before it
+        by_step = np.argsort(steps, kind="stable")
+        sorted_steps = steps[by_step]
+        microbatch = np.empty(len(steps), dtype=np.int64)
+        microbatch[by_step] = np.arange(len(steps)) - np.searchsorted(sorted_steps, sorted_steps)
+        arrays.append((steps // 2, microbatch, steps % 2))
+    return tuple(arrays)
+
+
+# A step in the arrays below: op * 2 + chunk.
+_F0, _F1, _B0, _B1, _W0, _W1 = range(6)
+
+
+def _zb_h1_codes(p: int, m: int, rank: int) -> np.ndarray:
+    """_zb_h1_steps' (op, chunk) steps: the warm-up's forwards; per
+    microbatch i its B, a W from i = rank on, an F while forwards remain;
+    the W's left."""
+    warmup, i = min(p - rank, m), np.arange(m)
+    kept = np.stack((np.ones(m, dtype=bool), i >= rank, i < m - warmup), axis=1)
+    rounds = np.tile(np.array([_B0, _W0, _F0], dtype=np.int64), (m, 1))[kept]
+    return np.concatenate((np.full(warmup, _F0), rounds, np.full(min(rank, m), _W0)))
+
+
+def _zbv_codes(p: int, m: int, rank: int) -> np.ndarray:
+    """_zbv_steps' (op, chunk) steps, phase by phase, its loop's rounds
+    counted: those with a chunk-0 forward (while one remains), then those
+    while chunk 1's forwards lag."""
+    forwards_0, forwards_1 = 2 * (p - rank) - 1 + rank, p   # after the warm-up
+    with_forward = max(0, m - forwards_0)
+    lagging = max(0, forwards_0 - forwards_1)   # (a round adds one forward of each chunk)
+    steps = np.concatenate([np.tile(np.array(phase, dtype=np.int64), count) for phase, count in (
+        ([_F0], 2 * (p - rank) - 1), ([_F1, _F0], rank), ([_F1, _B1, _W1], p - rank),
+        ([_F0, _B0, _W0, _F1, _B1, _W1], with_forward), ([_B0, _W0, _F1, _B1, _W1], lagging),
+        ([_B0, _B1], rank), ([_B0, _W0], p - rank))])
+    count = np.bincount(steps, minlength=6)
+    return np.concatenate((steps, np.full(count[_B1] - count[_W1], _W1),
+                           np.full(count[_B0] - count[_W0], _W0)))
+
+
+@functools.lru_cache(maxsize=8)
+def _offsets(kind: str, p: int, m: int) -> np.ndarray:
+    """Where each rank's computes start in the flat order (rank after rank)."""
+    lengths = [len(op) for op, _, _ in order_arrays(kind, p, m)]
+    return np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class _Levels:
+    """The kind's orders as levels, for timing them in numpy: a compute's
+    level is one more than the highest of the computes it waits for (its
+    rank's previous one, and the one on another rank it needs), so a
+    level's computes can be timed together once the levels before it are.
+    `order`: the flat indices level after level, level k at
+    order[bounds[k]:bounds[k + 1]]; `previous` and `waited`: per place in
+    `order`, the places of those two computes (len(order): none);
+    `duration_of`: each flat compute's (rank * v + chunk) * 3 + op."""
+    order: np.ndarray
+    bounds: list[int]
+    previous: np.ndarray
+    waited: np.ndarray
+    duration_of: np.ndarray
+
+
+@functools.lru_cache(maxsize=8)
+def _levels(kind: str, p: int, m: int) -> _Levels:
+    """The dataflow of _dataflow_of for the kind's orders, as levels. The
+    needs on the compute's own rank (B its F, W its B, and across the V's
+    turn) come before it in its order, so they end by its previous
+    compute's end: only the need on another rank is kept."""
+    v, placement, offsets = chunks_of(kind), _placement(kind), _offsets(kind, p, m)
+    op, microbatch, chunk = (np.concatenate(column) for column in zip(*order_arrays(kind, p, m)))
+    count, last = len(op), p * v - 1
+    rank = np.repeat(np.arange(p), np.diff(offsets))
+    stages = np.array([[placement.stage(p, v, r, c) for c in range(v)] for r in range(p)])
+    stage = stages[rank, chunk]
+    position = np.full((3, p * v, m), -1, dtype=np.int64)   # (op, stage, microbatch) -> flat index
+    position[op, stage, microbatch] = np.arange(count)
+    deadlock = ScheduleError(f"{kind} p={p} m={m}: the orders deadlock")
+    # F waits for the forward before it, B for its F and the backward after it, W for its B
+    other = op != 2
+    other[other] = np.where(op[other] == 0, stage[other] > 0, stage[other] < last)
+    needed = np.full(count, count)
+    needed[other] = position[op[other], np.where(op[other] == 0, -1, 1) + stage[other],
+                             microbatch[other]]
+    backward = op > 0
+    own = np.full(count, -1)
+    own[backward] = position[op[backward] - 1, stage[backward], microbatch[backward]]
+    flat = np.arange(count)
+    if np.any(needed < 0) or np.any(backward & ((own < 0) | (own >= flat))):
+        raise deadlock
+    same_rank = other.copy()
+    same_rank[other] = rank[needed[other]] == rank[other]
+    if np.any(needed[same_rank] >= flat[same_rank]):
+        raise deadlock
+    needed[same_rank] = count
+    order, bounds = _level_order(offsets, needed, deadlock)
+    place = np.empty(count + 1, dtype=np.int64)
+    place[order], place[count] = np.arange(count), count
+    previous = np.where(flat == offsets[rank], count, flat - 1)
+    return _Levels(order, bounds, place[previous[order]], place[needed[order]],
+                   (rank * v + chunk) * 3 + op)
+
+
+def _level_order(offsets: np.ndarray, needed: np.ndarray, deadlock: ScheduleError
+                 ) -> tuple[np.ndarray, list[int]]:
+    """The flat computes level after level, and where each level starts:
+    each round takes every rank's next compute whose need (`needed`; its
+    length: none) an earlier round took."""
+    count = len(needed)
+    # (index count: no need, taken before every round; a finished rank's
+    # next compute is count + 1, whose need count + 2 is never taken)
+    level = np.full(count + 3, count, dtype=np.int64)
+    level[count] = -1
+    needed = np.concatenate((needed, [count, count + 2]))
+    after = np.arange(1, count + 3)
+    after[offsets[1:] - 1] = count + 1
+    after[count + 1] = count + 1
+    following = np.where(offsets[:-1] < offsets[1:], offsets[:-1], count + 1)
+    taken, left = [], count
+    while left:
+        ready = level[needed[following]] < len(taken)
+        moved = following[ready]
+        if not len(moved):
+            raise deadlock
+        level[moved] = len(taken)
+        taken.append(moved)
+        left -= len(moved)
+        following = np.where(ready, after[following], following)
+    bounds = np.concatenate(([0], np.cumsum([len(level_) for level_ in taken]))).tolist()
+    return (np.concatenate(taken) if taken else np.zeros(0, dtype=np.int64)), bounds
+
+
+def _timed_levels(levels: _Levels, durations: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`_timed`'s starts and ends as flat float64 arrays, level by level:
+    each the max of the two ends it waits for (0.0: none) plus its
+    duration, the operations the loop does, so bit for bit its times."""
+    count = len(levels.order)
+    work = durations[levels.duration_of[levels.order]]
+    starts, ends = np.empty(count), np.zeros(count + 1)
+    previous, waited = levels.previous, levels.waited
+    for lo, hi in zip(levels.bounds, levels.bounds[1:]):
+        start = np.maximum(ends[previous[lo:hi]], ends[waited[lo:hi]])
+        starts[lo:hi] = start
+        np.add(start, work[lo:hi], out=ends[lo:hi])
+    flat_starts, flat_ends = np.empty(count), np.empty(count)
+    flat_starts[levels.order], flat_ends[levels.order] = starts, ends[:count]
+    return flat_starts, flat_ends
