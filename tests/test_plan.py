@@ -102,6 +102,27 @@ def test_plan_command_json_and_flags(capsys, tmp_path):
     assert "\nt=2 p=2 d=2 b=2: " in out and "s per iteration" in out
 
 
+def test_plan_as_a_program_prints_and_writes_everything_before_it_exits(tmp_path):
+    """Run as a program, `ptdp plan` ends the process without freeing its
+    caches (cli._exit_without_freeing): what it printed and drew is whole,
+    and its exit status is the command's, as in-process."""
+    import subprocess
+    import sys
+
+    picture = tmp_path / "plan.png"
+    argv = ["plan", "--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16",
+            "--seq-length", "1024", "--vocab-size", "51200", "--gpus", "8", "--gpu", "a100",
+            "--global-batch-size", "32", "--json", "--top", "3", "--plot", str(picture)]
+    done = subprocess.run([sys.executable, "-m", "ptdp.cli", *argv], capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+    assert len(json.loads(done.stdout)["results"]) == 3
+    assert picture.read_bytes()[:4] == b"\x89PNG"
+    refused = subprocess.run([sys.executable, "-m", "ptdp.cli", *argv[:-5], "-t", "3"],
+                             capture_output=True, text=True)
+    assert refused.returncode == 2 and "not a multiple of t·p = 3" in refused.stderr
+
+
 @pytest.mark.parametrize("extra, message", [
     (["-t", "3"], "not a multiple of t·p = 3"),
     (["--gpu", "nonesuch"], "--gpu nonesuch"),
