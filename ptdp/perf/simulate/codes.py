@@ -60,6 +60,31 @@ class Codes:
     flat: dict | None = None   # flat_index's
 
 
+class RowsOnDemand:
+    """A list of rows, each made the first time it is read: a play's
+    backwards as tuples, a large schedule's ends and peers (most searches
+    read only their arrays)."""
+
+    def __init__(self, makers: list[Callable[[], list]]):
+        self._makers, self._rows = makers, [None] * len(makers)
+
+    def __len__(self) -> int:
+        return len(self._makers)
+
+    def __getitem__(self, r: int) -> list:
+        if self._rows[r] is None:
+            self._rows[r] = self._makers[r]()
+        return self._rows[r]
+
+    def __iter__(self):
+        return (self[r] for r in range(len(self)))
+
+    def __eq__(self, other) -> bool:   # (as the list of its rows)
+        return list(self) == list(other)
+
+    __hash__ = None
+
+
 def codes_of(schedule) -> Codes:
     slots, compute_slots, exchange_slots, computes, of_op = [], [], [], [], []
     for actions in schedule.ranks:

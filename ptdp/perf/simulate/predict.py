@@ -83,7 +83,7 @@ from ptdp.perf.price.machine import Machine
 from ptdp.schedules.player import Record, play
 from ptdp.perf.price.profiles import HardwareProfile
 from ptdp.perf.price.stage_costs import layout_chunk_costs, operator_model
-from ptdp.perf.simulate.codes import Codes, flat_index, flat_times, level_times
+from ptdp.perf.simulate.codes import Codes, RowsOnDemand, flat_index, flat_times, level_times
 from ptdp.perf.simulate.schedule_tables import planned_codes
 from ptdp.perf.simulate.timeline import Box, draw_timeline
 
@@ -436,25 +436,6 @@ class _Played:
         return self._last[r]
 
 
-class _RowsOnDemand:
-    """A list of rows, each made the first time it is read (a play's
-    backwards as tuples: most searches read only their arrays)."""
-
-    def __init__(self, makers: list[Callable[[], list]]):
-        self._makers, self._rows = makers, [None] * len(makers)
-
-    def __len__(self) -> int:
-        return len(self._makers)
-
-    def __getitem__(self, r: int) -> list:
-        if self._rows[r] is None:
-            self._rows[r] = self._makers[r]()
-        return self._rows[r]
-
-    def __iter__(self):
-        return (self[r] for r in range(len(self)))
-
-
 def _played_from_records(records: list[list[Record]], zero_bubble: bool) -> _Played:
     op = "W" if zero_bubble else "B"
     return _Played(
@@ -640,7 +621,7 @@ def _played_of(codes: Codes, compute_prices: tuple, starts: np.ndarray, ends: np
         busy,
         # (_first_forwards of the rank's forwards: only each chunk's first counts)
         [sum((ends[firsts] - starts[firsts]).tolist()) for firsts in flat["first_forwards"]],
-        _RowsOnDemand([lambda chunks=chunks, released=released: list(zip(
+        RowsOnDemand([lambda chunks=chunks, released=released: list(zip(
             chunks, starts[released].tolist(), ends[released].tolist()))
             for chunks, released in zip(codes.released_chunks, flat["released"])]),
         records, row_of,

@@ -19,11 +19,12 @@ Tested equal to codes_of of the built schedule, field by field.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 
 import numpy as np
 
-from ptdp.perf.simulate.codes import Codes
+from ptdp.perf.simulate.codes import Codes, RowsOnDemand
 from ptdp.schedules.actions import Compute, Exchange, ScheduleError, Transfer
 from ptdp.schedules.kinds import check_arguments, kind_named
 from ptdp.schedules.one_f_one_b import (INTERLEAVED, forward_order, looped_steps,
@@ -184,12 +185,7 @@ def _codes_from(label: str, p: int, splits_backward: bool, computes: list, rows:
     flat_slot[compute_at], flat_slot[exchange_at] = compute_slot, exchange_codes
     codes = Codes(p, label, splits_backward, actions, [], [], [], [], [], [])
     codes.flat_slot = flat_slot
-    codes.flat_ends, ends_of_exchange, place = _ends(rows, places, splits_backward, partner)
-    # each action's list of ends (a compute's None), placed as objects in numpy
-    ends_at = np.full(int(offsets[-1]), None, dtype=object)
-    ends_at[exchange_at] = np.fromiter(ends_of_exchange, dtype=object,
-                                       count=len(ends_of_exchange))[place]
-    ends = ends_at.tolist()
+    codes.flat_ends, waited_ends = _ends(rows, places, splits_backward, partner)
     kept_bounds = np.searchsorted(places.exchange_rank[kept], np.arange(p + 1)).tolist()
     row_bounds = np.append(places.firsts, rows.shape[1])
     kept_rows = np.stack((row_bounds[kept], row_bounds[kept + 1]), axis=1).tolist()
@@ -217,14 +213,7 @@ def _codes_from(label: str, p: int, splits_backward: bool, computes: list, rows:
     for rank in range(p):
         a, b = offsets[rank], offsets[rank + 1]
         codes.slots.append(slots[a:b])
-        codes.ends.append(ends[a:b])
-        # each action's peers, by its slot: None for a compute's (0 ...), the
-        # k-th exchange code's peers at -1 - k
         kept_here = kept_rows[kept_bounds[rank]:kept_bounds[rank + 1]]
-        peers_of_slot = [None] * (seen_bounds[rank + 1] - seen_bounds[rank]) + [
-            tuple(peer_list) for peer_list in
-            (rows[PEER, lo:hi].tolist() for lo, hi in reversed(kept_here))]
-        codes.peers.append(list(map(peers_of_slot.__getitem__, codes.slots[-1])))
         codes.computes.append(actions_of[compute_bounds[rank]:compute_bounds[rank + 1]])
         codes.of_op.append({name: of_op[op_bounds[3 * rank + k]:op_bounds[3 * rank + k + 1]]
                             for k, name in enumerate(OPS)})
@@ -232,6 +221,31 @@ def _codes_from(label: str, p: int, splits_backward: bool, computes: list, rows:
         codes.exchange_slots.append([_exchange(rows, lo, hi) for lo, hi in kept_here])
         codes.first_forwards.append(firsts[first_bounds[rank]:first_bounds[rank + 1]])
         codes.released_chunks.append(released[released_bounds[rank]:released_bounds[rank + 1]])
+    # Each action's other ends and peers (a compute's None), per rank when
+    # first read: a large schedule's plays read the flat arrays only.
+    exchange_bounds = places.exchange_bounds.tolist()
+
+    def ends_of(rank: int) -> list:
+        row: list = [None] * (offsets[rank + 1] - offsets[rank])
+        first, last = exchange_bounds[rank], exchange_bounds[rank + 1]
+        taken, other_rank, other_action = waited_ends
+        cuts = (taken[first:last + 1] - taken[first]).tolist()
+        lo, hi = int(taken[first]), int(taken[last])
+        pairs = list(zip(other_rank[lo:hi].tolist(), other_action[lo:hi].tolist()))
+        for k, action in enumerate(places.exchange_action[first:last].tolist()):
+            row[action] = pairs[cuts[k]:cuts[k + 1]]
+        return row
+
+    def peers_of(rank: int) -> list:
+        # by its slot: None for a compute's (0 ...), the k-th exchange
+        # code's peers at -1 - k
+        kept_here = kept_rows[kept_bounds[rank]:kept_bounds[rank + 1]]
+        of_slot = [None] * (seen_bounds[rank + 1] - seen_bounds[rank]) + [
+            tuple(rows[PEER, lo:hi].tolist()) for lo, hi in reversed(kept_here)]
+        return list(map(of_slot.__getitem__, codes.slots[rank]))
+
+    codes.ends = RowsOnDemand([functools.partial(ends_of, rank) for rank in range(p)])
+    codes.peers = RowsOnDemand([functools.partial(peers_of, rank) for rank in range(p)])
     return codes
 
 
@@ -284,11 +298,12 @@ def _first_seen(key: np.ndarray, rank: np.ndarray, p: int) -> tuple[np.ndarray, 
 
 
 def _ends(rows: np.ndarray, places: _Places, splits_backward: bool,
-          partner: np.ndarray | None) -> tuple[tuple, list, np.ndarray]:
+          partner: np.ndarray | None) -> tuple[tuple, tuple]:
     """The other ends each exchange waits for (its receives' senders; under
     the kinds that do not split the backward its sends' receivers too): as
-    levels.ends_table's arrays, and as lists of (rank, action) with each
-    exchange's place among them."""
+    levels.ends_table's arrays, and as (where each exchange's ends start,
+    in exchange order, then their ranks and actions), from which a rank's
+    lists of (rank, action) are made."""
     if partner is None:
         partner = _other_ends(rows)
     offsets, exchange_of_row = places.offsets, places.exchange_of_row
@@ -300,22 +315,7 @@ def _ends(rows: np.ndarray, places: _Places, splits_backward: bool,
     column = np.arange(len(waited)) - taken[exchange_of_row[waited]] + 1
     flat_ends = (offsets[rows[RANK, waited]] + row_action[waited], column,
                  np.where(other_action > 0, offsets[other_rank] + other_action - 1, -1))
-    # The lists: those of the exchanges that wait for `size` ends made
-    # together in C (map and zip, not a Python loop: a large schedule has
-    # ~10^5 exchanges), grouping the (rank, action) pairs `size` by `size`.
-    sizes = np.diff(taken)
-    ends_of_exchange: list = []
-    place = np.empty(len(sizes), dtype=np.int64)
-    for size in np.unique(sizes).tolist():
-        group = np.flatnonzero(sizes == size)
-        place[group] = len(ends_of_exchange) + np.arange(len(group))
-        if size == 0:
-            ends_of_exchange += [[] for _ in range(len(group))]
-            continue
-        waits = (taken[group][:, None] + np.arange(size)).ravel()
-        pairs = zip(other_rank[waits].tolist(), other_action[waits].tolist())
-        ends_of_exchange += map(list, zip(*[pairs] * size))
-    return flat_ends, ends_of_exchange, place
+    return flat_ends, (taken, other_rank, other_action)
 
 
 def _exchange_codes(rows: np.ndarray, firsts: np.ndarray, exchange_bounds: np.ndarray,
