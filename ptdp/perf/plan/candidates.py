@@ -23,8 +23,8 @@ from ptdp.config.base import divisors
 from ptdp.config.context import context_parallel_problems
 from ptdp.schedules.kinds import DEFAULT_SCHEDULE, KINDS, SEARCHED
 from ptdp.schedules.split import LayerSplit, split_problems
-from ptdp.perf.layout import (Layout, Workload, sequence_parallel_problems, tensor_size_problems,
-                              trained_strategies)
+from ptdp.perf.layout import (RECOMPUTE_KINDS, SHARDING_STRATEGIES, Layout, Workload,
+                              sequence_parallel_problems, tensor_size_problems, trained_strategies)
 
 MAX_MICROBATCH = 32        # larger microbatches only add memory at these sizes
 MAX_CHUNKS = 8             # interleaving beyond this only adds transfers
@@ -127,6 +127,11 @@ def _candidates_of_context(workload: Workload, devices: int, c: int, cp_comm: st
             # (the layouts kept are the same, in the same order)
             runnable = [(b, pipeline) for b in sizes for pipeline in pipelines
                         if _may_run(model, batch, given, t, p, d, b, *pipeline, c, cp_comm)]
+            # valid_for reads a layout's recomputation and sharding strategy
+            # only to check their names: its other rules are checked once per
+            # (b, schedule, v, sequence parallelism, EP, ETP), on a probe with
+            # the default names (the same layouts kept, in the same order).
+            checked: dict[tuple, tuple[bool, tuple[LayerSplit, ...]]] = {}
             for (b, (schedule, v)), kind, (strategy, reshard), split, (ep, etp) in product(
                     runnable, given["recompute"], sharding, split_choices, experts):
                 layout = Layout(t=t, p=p, d=d, b=b, v=v, recompute=kind, sharding=strategy,
@@ -140,11 +145,22 @@ def _candidates_of_context(workload: Workload, devices: int, c: int, cp_comm: st
                                                       for cut in given["splits"])
                                 if not uneven.valid_for(model, batch))
                     continue
-                if not layout.valid_for(model, batch):
+                shape = (b, schedule, v, split, ep, etp)
+                if shape not in checked:
+                    probe = Layout(t=t, p=p, d=d, b=b, v=v, sequence_parallel=split,
+                                   schedule=schedule, c=c, cp_comm=cp_comm, ep=ep, etp=etp,
+                                   scatter_gather=given["scatter_gather"])
+                    # (--num-layers-per-virtual-pipeline-stage fixes every chunk's size: even only)
+                    checked[shape] = (not probe.valid_for(model, batch),
+                                      _valid_uneven_splits(probe, model, batch)
+                                      if given["layer_splits"] and given["layers_per_chunk"] is None
+                                      else ())
+                if kind not in RECOMPUTE_KINDS or strategy not in SHARDING_STRATEGIES:
+                    continue
+                even, uneven = checked[shape]
+                if even:
                     yield layout
-                # (--num-layers-per-virtual-pipeline-stage fixes every chunk's size: even only)
-                if given["layer_splits"] and given["layers_per_chunk"] is None:
-                    yield from _uneven(layout, model, batch)
+                yield from (_with_split(layout, cut) for cut in uneven)
 
 
 def _may_run(model: ModelConfig, batch: int, given: dict, t: int, p: int, d: int, b: int,
@@ -224,13 +240,16 @@ def _expert_layouts(model: ModelConfig, t: int, ranks: int, expert_sizes,
             if ep >= 1 and (etp is None or etp >= 1) and ranks % (ep * (t if etp is None else etp)) == 0]
 
 
-def _uneven(layout: Layout, model: ModelConfig, batch: int) -> Iterable[Layout]:
-    """The valid uneven variants of `layout`, one per distinct cut (a split
-    that cuts as the even one does, or as an earlier one, is left out)."""
+def _valid_uneven_splits(layout: Layout, model: ModelConfig, batch: int
+                         ) -> tuple[LayerSplit, ...]:
+    """The splits of `layout`'s valid uneven variants, one per distinct cut
+    (a split that cuts as the even one does, or as an earlier one, is left
+    out)."""
     splits = _uneven_splits(model.num_layers, layout.p, layout.v, layout.schedule)
     # Once the split's own rules hold, every other rule is the same for all splits.
     if splits and not _with_split(layout, splits[0]).valid_for(model, batch):
-        yield from (_with_split(layout, split) for split in splits)
+        return splits
+    return ()
 
 
 def _with_split(layout: Layout, split: LayerSplit) -> Layout:
