@@ -10,7 +10,7 @@ import pytest
 from ptdp.cli import build_parser, main
 from ptdp.config import ModelConfig
 from ptdp.perf.analytic.counts import parameter_count
-from ptdp.perf.simulate.bounds import compute_lower_bound
+from ptdp.perf.simulate.bounds import compute_lower_bound, partial_bound_shape
 from ptdp.perf.layout import Layout, Workload
 from ptdp.commands.plan import model_from_args
 from ptdp.perf.plan.planner import EXACT_ROWS, candidate_layouts, evaluate_layout, search
@@ -180,6 +180,13 @@ def test_the_lower_bound_holds_and_the_pruned_search_equals_pricing_everything(
         assert bound <= e.seconds * (1 + 1e-9), (e.layout, bound, e.seconds)
         # (without its reductions and optimizer: never above the whole bound)
         assert compute_lower_bound(workload, e.layout, profile, reductions=False) <= bound
+    # The search bounds a shape's layouts once (partial_bound_shape): each shape's bound alike.
+    by_shape: dict[tuple, set] = {}
+    for e in everything:
+        by_shape.setdefault(partial_bound_shape(e.layout), set()).add(
+            compute_lower_bound(workload, e.layout, profile, reductions=False))
+    assert all(len(bounds) == 1 for bounds in by_shape.values())
+    assert len(by_shape) < len(everything)
     pruned = search(workload, devices, profile)
     assert len(pruned) < len(everything) * priced
     assert [(e.layout, e.seconds) for e in pruned[:EXACT_ROWS]] == \

@@ -209,11 +209,18 @@ class _Bounds:
         self.workload, self.profile, self.key = workload, profile, workload_key
         self.partial: dict[Layout, float] = {}
         self.whole: dict[Layout, float] = {}
+        self._by_shape: dict[tuple, float] = {}   # partial bounds by what they read
 
     def add(self, layout: Layout) -> None:
-        from ptdp.perf.simulate.bounds import compute_lower_bound
-        self.partial[layout] = compute_lower_bound(self.workload, layout, self.profile, self.key,
-                                                   reductions=False)
+        from ptdp.perf.simulate.bounds import compute_lower_bound, partial_bound_shape
+
+        # (layouts that differ only in what follows the flush share it)
+        shape = partial_bound_shape(layout)
+        bound = self._by_shape.get(shape)
+        if bound is None:
+            bound = self._by_shape[shape] = compute_lower_bound(
+                self.workload, layout, self.profile, self.key, reductions=False)
+        self.partial[layout] = bound
 
     def __getitem__(self, layout: Layout) -> float:
         """The whole bound."""

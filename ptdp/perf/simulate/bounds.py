@@ -91,6 +91,16 @@ def compute_lower_bound(workload: Workload, layout: Layout, profile: HardwarePro
     return bound + max(after.optimizer_at_least(r) for r in range(p))
 
 
+def partial_bound_shape(layout: Layout) -> tuple:
+    """What of a layout `compute_lower_bound(..., reductions=False)` reads
+    (with the workload and the profile): every field but the sharding
+    strategy, its reshard policy and scatter/gather, which change only what
+    follows the flush and the transfers (tested on a search's layouts)."""
+    return (layout.t, layout.p, layout.d, layout.b, layout.v, layout.recompute,
+            layout.schedule, layout.sequence_parallel, layout.split, layout.ep, layout.etp,
+            layout.c, layout.cp_comm)
+
+
 @functools.lru_cache(maxsize=4096)
 def _stage_table(kind: str, p: int, v: int) -> tuple[tuple[int, ...], ...]:
     """The virtual stage of each (rank, chunk), [rank][chunk]."""
