@@ -89,7 +89,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return convert.run(args)
         if args.command == "plan":
             code = run_plan_command(args)
-            if argv is None:   # the program itself, not a caller's process
+            # the program itself, not a caller's process, nor under a
+            # profiler or a tracer (coverage), which write at exit
+            if argv is None and sys.getprofile() is None and sys.gettrace() is None:
                 _exit_without_freeing(code)
             return code
         if args.command == "calibrate":

@@ -549,7 +549,8 @@ def test_a_best_only_search_with_a_cutoff_finds_what_pricing_every_layout_finds(
     priced = []
     evaluate = planner._evaluate_if_fits
     monkeypatch.setattr(planner, "_evaluate_if_fits",
-                        lambda w, layout, p: priced.append(layout) or evaluate(w, layout, p))
+                        lambda w, layout, p, *keys: priced.append(layout)
+                        or evaluate(w, layout, p, *keys))
     for cutoff in (best * 1.02, best, best * 0.98):
         priced.clear()
         found = planner.search(workload, 16, a100, best_only=True, candidates=layouts,

@@ -218,19 +218,20 @@ KERNELS = ("cuda", "cpu")
 INT64 = 8
 
 
-def activation_bytes(workload: Workload, layout: Layout, *,
-                     kernels: str = "cuda") -> dict[str, int]:
+def activation_bytes(workload: Workload, layout: Layout, *, kernels: str = "cuda",
+                     workload_key: ByValue | None = None) -> dict[str, int]:
     """Bytes saved for backward per microbatch on one device: "layer" (one
     transformer layer, with the layout's recomputation), "embedding" (the
     first stage's extra) and "output" (the last stage's extra); and
     "rotary_tables", the cos and sin tables one layer keeps with rotary
     embeddings (2·s·d·e, once per layer, shared by every microbatch). See
-    the module docstring for each term."""
+    the module docstring for each term. `workload_key`: ByValue(workload),
+    made once by a caller that asks for many layouts."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels={kernels!r}: use one of {', '.join(KERNELS)}")
     # What is saved depends on t, b, the recomputation, sequence parallelism
     # and context parallelism (c and its comm type) only.
-    return dict(_activation_bytes(ByValue(workload),
+    return dict(_activation_bytes(ByValue(workload) if workload_key is None else workload_key,
                                   Layout(t=layout.t, b=layout.b, recompute=layout.recompute,
                                          sequence_parallel=layout.splits_sequence, c=layout.c,
                                          cp_comm=layout.cp_comm), kernels))
@@ -436,13 +437,15 @@ def memory_per_rank(workload: Workload, layout: Layout, *, kernels: str = "cuda"
 
 
 def memory_fits(workload: Workload, layout: Layout, limit: float, *, kernels: str = "cuda",
-                bucket_size: int | None = None) -> dict[str, int] | None:
+                bucket_size: int | None = None, keys: tuple[ByValue, ByValue] | None = None
+                ) -> dict[str, int] | None:
     """`memory_per_device` where every rank's total is at most `limit`
     bytes, else None: the ranks are priced in order and the first over the
     limit ends it (a search rejects most layouts it checks at rank 0,
-    which holds the most activations under 1F1B)."""
+    which holds the most activations under 1F1B). `keys`: (ByValue(workload),
+    ByValue(workload.model)), made once by a search that checks many layouts."""
     ranks = []
-    for memory in _ranks_memory(workload, layout, kernels, bucket_size):
+    for memory in _ranks_memory(workload, layout, kernels, bucket_size, keys):
         if memory["total"] > limit:
             return None
         ranks.append(memory)
@@ -450,13 +453,15 @@ def memory_fits(workload: Workload, layout: Layout, limit: float, *, kernels: st
 
 
 def _ranks_memory(workload: Workload, layout: Layout, kernels: str,
-                  bucket_size: int | None) -> Iterator[dict[str, int]]:
+                  bucket_size: int | None, keys: tuple[ByValue, ByValue] | None = None
+                  ) -> Iterator[dict[str, int]]:
     """`memory_per_rank`, rank by rank."""
     model, e = workload.model, workload.bytes_per_element
     p, v = layout.p, layout.v
     m = layout.microbatches(workload.global_batch)
-    acts = activation_bytes(workload, layout, kernels=kernels)
-    model_key, placement = ByValue(model), placement_of_parameters(layout)
+    workload_key, model_key = keys if keys is not None else (ByValue(workload), ByValue(model))
+    acts = activation_bytes(workload, layout, kernels=kernels, workload_key=workload_key)
+    placement = placement_of_parameters(layout)
     bucket_size = bucket_size or TrainConfig().ddp_bucket_size
     lora = workload.lora
     frozen = parameters_per_rank(model, layout) if lora else None

@@ -39,6 +39,7 @@ can be planned again as it is.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -258,7 +259,7 @@ def dimensions_line(fixed: FixedDimensions, candidates: list[Layout], model: Mod
     for name in names:
         if name in fixed.given:
             continue
-        values = {_value(layout, name) for layout in candidates}
+        values = _values(candidates, name)
         if len(values) > 1:
             searched.append(name)
         elif values:
@@ -270,12 +271,13 @@ def dimensions_line(fixed: FixedDimensions, candidates: list[Layout], model: Mod
             + (f"; one value here: {', '.join(single)}" if single else ""))
 
 
-def _value(layout: Layout, name: str) -> Any:
-    if name in ("t", "c", "p", "d", "b", "v", "ep", "schedule"):
-        return getattr(layout, name)
-    return {"etp": lambda: layout.expert_tensor,
-            "split": lambda: "even" if layout.split.even else " ".join(layout.split.flags()),
-            "recompute": lambda: layout.recompute or "none",
-            "sequence-parallel": lambda: "on" if layout.sequence_parallel else "off",
-            "sharding": lambda: layout.sharding,
-            }[name]()
+def _values(layouts: list[Layout], name: str) -> set[Any]:
+    """The values of dimension `name` among `layouts`, as the summary
+    names them (each layout's attribute read once, in C: a search has tens
+    of thousands)."""
+    attribute = {"etp": "expert_tensor", "sequence-parallel": "sequence_parallel"}.get(name, name)
+    raw = set(map(operator.attrgetter(attribute), layouts))
+    said = {"split": lambda split: "even" if split.even else " ".join(split.flags()),
+            "recompute": lambda kind: kind or "none",
+            "sequence-parallel": lambda on: "on" if on else "off"}.get(name)
+    return raw if said is None else set(map(said, raw))

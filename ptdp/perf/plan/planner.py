@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import operator
 import dataclasses
 import shlex
 from dataclasses import asdict, dataclass
@@ -170,12 +171,15 @@ def search(workload: Workload, devices: int, profile, *, top: int | None = None,
         return results
     if results:
         winner = results[0].layout
-        for field in ASPECTS:
+        fields = list(ASPECTS)
+        # (each candidate's aspects read once: tens of thousands of candidates)
+        aspects = [operator.attrgetter(*fields)(layout) for layout in candidates]
+        best = operator.attrgetter(*fields)(winner)
+        for k, field in enumerate(fields):
             free = {field, "d"} | COUPLED.get(field, set())
-            rivals = [layout for layout in candidates
-                      if getattr(layout, field) != getattr(winner, field)
-                      and all(getattr(layout, f) == getattr(winner, f)
-                              for f in ASPECTS if f not in free)]
+            same = [i for i, f in enumerate(fields) if f not in free]
+            rivals = [layout for layout, values in zip(candidates, aspects)
+                      if values[k] != best[k] and all(values[i] == best[i] for i in same)]
             _best_by_bound(rivals, bounds, 1, workload, profile, priced)
         results = [e for e in priced.values() if e is not None]
     report("done", len(priced), len(candidates))
@@ -183,14 +187,15 @@ def search(workload: Workload, devices: int, profile, *, top: int | None = None,
     return results[:top] if top else results
 
 
-def _evaluate_if_fits(workload: Workload, layout: Layout, profile) -> Evaluation | None:
+def _evaluate_if_fits(workload: Workload, layout: Layout, profile,
+                      keys: tuple[ByValue, ByValue] | None = None) -> Evaluation | None:
     """The layout's Evaluation, or None (without pricing it) if its memory
-    does not fit the device."""
+    does not fit the device. `keys`: memory_fits'."""
     from ptdp.perf.analytic.memory import memory_fits
     from ptdp.perf.simulate.predict import simulate
 
     memory = memory_fits(workload, layout, MEMORY_HEADROOM * profile.memory_bytes,
-                         kernels=_kernels(profile))
+                         kernels=_kernels(profile), keys=keys)
     if memory is None:
         return None
     return Evaluation(layout, memory, simulate(workload, layout, profile), True)
@@ -210,6 +215,7 @@ class _Bounds:
         self.partial: dict[Layout, float] = {}
         self.whole: dict[Layout, float] = {}
         self._by_shape: dict[tuple, float] = {}   # partial bounds by what they read
+        self.keys = (workload_key, ByValue(workload.model))   # (memory_fits')
 
     def add(self, layout: Layout) -> None:
         from ptdp.perf.simulate.bounds import compute_lower_bound, partial_bound_shape
@@ -263,7 +269,7 @@ def _best_by_bound(layouts: list[Layout], bounds: _Bounds, rows: int,
         if beyond is not None and beyond(bounds[layout]):
             break
         if layout not in priced:
-            priced[layout] = _evaluate_if_fits(workload, layout, profile)
+            priced[layout] = _evaluate_if_fits(workload, layout, profile, bounds.keys)
         evaluation = priced[layout]
         if evaluation is not None:
             found.append(evaluation)
