@@ -4,9 +4,9 @@ plays from those prices (ptdp.perf.simulate.predict's `_play_unshared`).
 Per rank, each action is one slot: a compute's (chunk, op, whether it is
 the first forward), priced alike; an exchange's transfers' ops and peers.
 A play at given prices runs each rank as far as its exchanges let it (the
-loop, `flat_times`), or, for a schedule played again, level by level in
-numpy (`level_times`, ptdp.perf.simulate.levels), bit for bit the loop's
-times.
+loop, `flat_times`: a small schedule), or, for a large schedule, level by
+level in numpy (`level_times`, ptdp.perf.simulate.levels), bit for bit the
+loop's times.
 """
 
 from __future__ import annotations
