@@ -58,11 +58,11 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from ptdp.config import ModelConfig
-from ptdp.perf.analytic.counts import (FP32, Bucket, _chunk_parameters, _layer_parameter_list,
-                                       chunk_stage, cut_params, owned_elements, padded_elements,
-                                       padded_sizes, placement_of_parameters)
+from ptdp.perf.analytic.counts import (FP32, Bucket, _chunk_signature, _layer_parameter_list,
+                                       _parameter_layout, _signed_parameters, cut_params,
+                                       owned_elements, padded_elements, padded_sizes,
+                                       placement_of_parameters)
 from ptdp.perf.layout import ByValue, Layout
-from ptdp.schedules.kinds import virtual_stage_of
 
 IN_FLIGHT = 2   # ptdp.parallel.sharded_grads.IN_FLIGHT: reductions pending at most
 
@@ -110,25 +110,31 @@ def rank_units(model: ModelConfig, layout: Layout, rank: int,
 def _rank_units(key: ByValue, layout: Layout, rank: int,
                 bucket_size: int) -> tuple[tuple[Unit, ...], ...]:
     model = key.value
-    stages = layout.stage_layers(model.num_layers)
+    # (chunks alike, as the many middle ranks of a search are, are cut once)
+    return tuple(_signed_units(key, _parameter_layout(layout),
+                               _chunk_signature(model, layout, rank, chunk), bucket_size)
+                 for chunk in range(layout.v))
+
+
+@lru_cache(maxsize=65536)
+def _signed_units(key: ByValue, layout: Layout, signature: tuple,
+                  bucket_size: int) -> tuple[Unit, ...]:
+    """The units of a chunk of this signature (counts._chunk_signature)
+    under `layout`'s t, sequence parallelism, EP and ETP."""
+    model = key.value
+    first, last, _, layers, start = signature
+    params = _signed_parameters(model, layout, signature)
     pattern = model.moe_layer_pattern if model.is_moe else [False] * model.num_layers
-    chunks = []
-    for chunk in range(layout.v):
-        params = _chunk_parameters(model, layout, rank, chunk)
-        first, last = chunk_stage(layout, rank, chunk)
-        stage = virtual_stage_of(layout.schedule_kind, layout.p, layout.v, rank, chunk)
-        start = sum(stages[:stage])
-        cut = 1 + (not model.rope) if first else 0   # the word embedding and positions
-        units = [Unit(cut_params(params[:cut], bucket_size), True)] if first else []
-        for moe in pattern[start:start + stages[stage]]:
-            count = len(_layer_parameter_list(model, layout.t, layout.splits_sequence, moe=moe,
-                                              ep=layout.ep, etp=layout.etp))
-            units.append(Unit(cut_params(params[cut:cut + count], bucket_size), False))
-            cut += count
-        if last:
-            units.append(Unit(cut_params(params[cut:], bucket_size), True))
-        chunks.append(tuple(units))
-    return tuple(chunks)
+    cut = 1 + (not model.rope) if first else 0   # the word embedding and positions
+    units = [Unit(cut_params(params[:cut], bucket_size), True)] if first else []
+    for moe in pattern[start:start + layers]:
+        count = len(_layer_parameter_list(model, layout.t, layout.splits_sequence, moe=moe,
+                                          ep=layout.ep, etp=layout.etp))
+        units.append(Unit(cut_params(params[cut:cut + count], bucket_size), False))
+        cut += count
+    if last:
+        units.append(Unit(cut_params(params[cut:], bucket_size), True))
+    return tuple(units)
 
 
 def unit_buckets(model: ModelConfig | ByValue, layout: Layout, rank: int,
